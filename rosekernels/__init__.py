@@ -1,0 +1,1 @@
+"""rosekernels: CuTeDSL kernels for LLM inference on Hopper (sm_90a)."""

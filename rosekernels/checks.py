@@ -1,0 +1,63 @@
+"""Argument checks shared by every op: each failure is a clear error raised before anything is written."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import cutlass
+import torch
+
+# torch dtype -> CuTeDSL element type, for the dtypes the kernels accept.
+CUTE_DTYPE = {
+    torch.bfloat16: cutlass.BFloat16,
+    torch.float16: cutlass.Float16,
+    torch.float32: cutlass.Float32,
+    torch.int32: cutlass.Int32,
+    torch.int64: cutlass.Int64,
+}
+
+DTYPE_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+              torch.int32: "i32", torch.int64: "i64"}
+
+
+def vector_width(dtype: torch.dtype) -> int:
+    """Elements per 128-bit access."""
+    return 16 // torch.empty((), dtype=dtype).element_size()
+
+
+def check_cuda(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cuda":
+        raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
+
+
+def check_dtype(name: str, t: torch.Tensor, allowed: Iterable[torch.dtype]) -> None:
+    allowed = tuple(allowed)
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        raise TypeError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected one of {names}")
+
+
+def check_shape(name: str, t: torch.Tensor, shape: tuple[int | None, ...]) -> None:
+    """`shape` entries of None match any size."""
+    if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name} has shape {list(t.shape)}; expected {want}")
+
+
+def check_unit_last_stride(name: str, t: torch.Tensor) -> None:
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a unit stride in its last dimension, got strides {t.stride()}")
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {n: t.device for n, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"tensors are on different devices: {devices}")
+
+
+def check_aligned(name: str, t: torch.Tensor, nbytes: int = 16) -> None:
+    """Vectorized kernels read 16-byte chunks: the base address and row strides must allow it."""
+    elem = t.element_size()
+    if t.data_ptr() % nbytes or any(s * elem % nbytes for s in t.stride()[:-1] if s):
+        raise ValueError(f"{name} must be {nbytes}-byte aligned (base pointer and row strides)")
