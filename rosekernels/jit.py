@@ -205,8 +205,9 @@ def _source_digest(build: Callable[..., Any]) -> str:
 
 
 def _disk_paths(variant: Variant, digest: str) -> tuple[Path, Path]:
-    stem = cache_dir() / "jit" / TOOLCHAIN / f"{variant.key()}-{digest}"
-    return stem.with_suffix(".o"), stem.with_suffix(".json")
+    folder = cache_dir() / "jit" / TOOLCHAIN
+    name = f"{variant.key()}-{digest}"  # keys hold dots (eps=1e-06, 0.0): never use with_suffix
+    return folder / f"{name}.o", folder / f"{name}.json"
 
 
 def _read_disk(variant: Variant, digest: str) -> tuple[bytes, bytes] | None:

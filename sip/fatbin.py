@@ -65,7 +65,10 @@ def elf_size(data: bytes, offset: int = 0) -> int:
         raise FatbinError(f"no ELF64 image at offset {offset}")
     shoff, = struct.unpack_from("<Q", data, offset + 0x28)
     shentsize, shnum = struct.unpack_from("<HH", data, offset + 0x3A)
-    end = shoff + shentsize * shnum
+    phoff, = struct.unpack_from("<Q", data, offset + 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", data, offset + 0x36)
+    # ptxas puts the program headers after the section header table.
+    end = max(shoff + shentsize * shnum, phoff + phentsize * phnum)
     # Section contents may lie after the section header table.
     for i in range(shnum):
         sh = offset + shoff + i * shentsize

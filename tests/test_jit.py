@@ -39,9 +39,20 @@ def test_compile_captures_an_sm90_cubin_and_writes_the_disk_cache(cache):
     assert k.cubin in k.object_bytes  # the exported object embeds it verbatim
     arch = int.from_bytes(k.cubin[0x30:0x34], "little") & 0xFF  # e_flags low byte: SM version
     assert arch == 90
+    phoff = int.from_bytes(k.cubin[0x20:0x28], "little")
+    phentsize, phnum = (int.from_bytes(k.cubin[o:o + 2], "little") for o in (0x36, 0x38))
+    assert phnum and phoff + phentsize * phnum <= len(k.cubin)  # the whole image, program headers too
     objs = list(cache.rglob("*.o"))
     assert len(objs) == 1 and objs[0].read_bytes() == k.object_bytes
     assert jit.compile_variant(VARIANT, demo.build) is k  # memory cache
+
+
+def test_variants_differing_after_a_dot_get_their_own_cache_files(cache):
+    a = jit.Variant.of("axpb_test", "decode", eps=1e-06, weight="bf16")
+    b = jit.Variant.of("axpb_test", "decode", eps=1e-06, weight="fp32")
+    jit.compile_variant(a, demo.build)
+    jit.compile_variant(b, demo.build)
+    assert len(list(cache.rglob("*.o"))) == 2
 
 
 def test_a_second_process_loads_from_disk_without_compiling(cache):
