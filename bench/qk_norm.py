@@ -1,0 +1,467 @@
+"""Benchmark rosekernels qk_norm against its peers on Qwen3 shapes; writes JSON + markdown.
+
+    python bench/qk_norm.py [--out bench/results] [--quick] [--no-sweep]
+
+Measured in one run on the same inputs (bf16 q/k, bf16 weights, eps 1e-6):
+  * copy ceiling: a device-to-device copy of as many bytes as q+k (read + write), per shape, and
+    of 1 GiB;
+  * ours: rosekernels.qk_norm (one launch for q and k), also on strided views of a fused qkv buffer;
+  * peers: torch eager (F.rms_norm on q then k), torch.compile of the same (dynamic shapes),
+    liger-kernel RMSNorm, quack rmsnorm, and rosekernels.rmsnorm, each applied per head
+    (reshape to [T*h, d]; two launches, q then k);
+  * prefill (T >= 1024): CUDA-event time per call, median of repeats, inputs rotated through
+    more than the 50 MB L2;
+  * decode (T <= 128): device time per call inside a CUDA graph (many calls captured, replayed;
+    inputs L2-resident as in a real decode step), next to an empty CuTeDSL kernel measured the
+    same way, and eager host time per call (wall clock of a long loop);
+  * --sweep (default on): every prefill block shape (warps per block x rows per thread) and the
+    decode variant at every T; prints the PREFILL_TABLE row to paste into rosekernels/modes.py.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rosekernels import jit, modes  # noqa: E402
+from rosekernels.kernels import qk_norm as qkn  # noqa: E402
+from rosekernels.kernels import rmsnorm as rms  # noqa: E402
+
+import cutlass  # noqa: E402  (after rosekernels, which pins CUTE_DSL_ARCH=sm_90a)
+import cutlass.cute as cute  # noqa: E402
+
+MODELS = {"Qwen3-8B": (32, 8), "Qwen3-30B-A3B": (32, 4)}
+HEAD_DIM = 128
+DTYPE = torch.bfloat16
+EPS = 1e-6
+DECODE_T = (1, 8, 32, 128)
+PREFILL_T = (1024, 4096, 8192, 16384, 32768)
+L2_BYTES = 50 << 20
+GRAPH_CALLS = 100
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement helpers (bench/rmsnorm.py uses them too).
+
+def sync():
+    torch.cuda.synchronize()
+
+
+def event_time_us(step, calls_per_rep: int, reps: int = 15, warmup: int = 3) -> float:
+    """Median over `reps` of (CUDA-event time of `calls_per_rep` calls of step(i)) / calls."""
+    for i in range(warmup):
+        step(i)
+    sync()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    n = 0
+    for _ in range(reps):
+        start.record()
+        for _ in range(calls_per_rep):
+            step(n)
+            n += 1
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls_per_rep)
+    return statistics.median(times)
+
+
+def auto_event_time_us(step, reps: int = 15) -> float:
+    """event_time_us with enough calls per repetition to last >= 2 ms."""
+    probe = event_time_us(step, 3, reps=3, warmup=2)
+    return event_time_us(step, max(3, min(2000, math.ceil(2000 / max(probe, 1e-3)))), reps=reps)
+
+
+def graph_time_us(call, calls: int = GRAPH_CALLS, reps: int = 15) -> float:
+    """Device time per call: `calls` calls captured in one CUDA graph, replayed, median."""
+    for _ in range(3):
+        call()  # compile / autotune outside the capture
+    sync()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        call()  # warm the side stream, as torch's graph docs advise
+        stream.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                call()
+    sync()
+    for _ in range(3):
+        graph.replay()
+    sync()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return statistics.median(times)
+
+
+def host_time_us(call, calls: int = 3000, reps: int = 5) -> float:
+    """Eager wall-clock time per call of a long loop: the host cost when kernels are tiny."""
+    for _ in range(20):
+        call()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e6 / calls)
+    return statistics.median(times)
+
+
+def copy_time_us(nbytes: int) -> float:
+    """One device-to-device copy of nbytes, buffers rotated past L2."""
+    n = max(1, nbytes // 4)
+    sets = max(2, math.ceil(3 * L2_BYTES / (2 * nbytes)))
+    bufs = [(torch.empty(n, device="cuda", dtype=torch.float32).normal_(),
+             torch.empty(n, device="cuda", dtype=torch.float32)) for _ in range(sets)]
+    t = auto_event_time_us(lambda i: bufs[i % sets][1].copy_(bufs[i % sets][0]))
+    return t
+
+
+def empty_cutedsl_kernel():
+    """A CuTeDSL kernel that does nothing (1 block of 32 threads), called like our kernels."""
+
+    @cute.kernel
+    def empty_kernel(x: cute.Tensor):
+        pass
+
+    @cute.jit
+    def empty(x: cute.Tensor, stream):
+        empty_kernel(x).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
+
+    fake = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(),), assumed_align=16)
+    return cute.compile(empty, fake, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+                        options="--enable-tvm-ffi")
+
+
+def try_peer(name, factory, log):
+    """factory() -> callable, or None with the reason logged ("unavailable")."""
+    try:
+        return factory()
+    except Exception as e:  # noqa: BLE001  (a missing or broken peer is recorded, not fatal)
+        log.append(f"{name}: unavailable ({type(e).__name__}: {e})")
+        return None
+
+
+def measure(name, fn, errors):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"{name}: {type(e).__name__}: {e}")
+        traceback.print_exc()
+        return None
+
+
+def environment() -> dict:
+    props = torch.cuda.get_device_properties(0)
+    info = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+            "python": platform.python_version(), "toolchain": jit.TOOLCHAIN}
+    for mod in ("quack", "liger_kernel", "triton"):
+        try:
+            m = __import__(mod)
+            info[mod] = getattr(m, "__version__", "present")
+        except Exception:  # noqa: BLE001
+            info[mod] = "unavailable"
+    return info
+
+
+def fmt(x, digits=1):
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def ratio(peer, ours):
+    return None if peer is None or ours is None else peer / ours
+
+
+# ---------------------------------------------------------------------------------------------
+# Peers: each returns a function(q, k, wq, wk) doing the whole Q+K normalization.
+
+def peer_factories(d):
+    def torch_eager():
+        return lambda q, k, wq, wk: (F.rms_norm(q, (d,), wq, EPS), F.rms_norm(k, (d,), wk, EPS))
+
+    def torch_compiled():
+        f = torch.compile(lambda q, k, wq, wk: (F.rms_norm(q, (d,), wq, EPS), F.rms_norm(k, (d,), wk, EPS)),
+                          dynamic=True)
+        return f
+
+    def liger():
+        from liger_kernel.ops.rms_norm import rms_norm_forward
+
+        return lambda q, k, wq, wk: (rms_norm_forward(q.view(-1, d), wq, EPS, 0.0, "llama", None)[0],
+                                     rms_norm_forward(k.view(-1, d), wk, EPS, 0.0, "llama", None)[0])
+
+    def quack():
+        from quack.rmsnorm import rmsnorm_fwd
+
+        return lambda q, k, wq, wk: (rmsnorm_fwd(q.view(-1, d), wq, eps=EPS)[0],
+                                     rmsnorm_fwd(k.view(-1, d), wk, eps=EPS)[0])
+
+    def rk_rmsnorm():
+        return lambda q, k, wq, wk: (rms.rmsnorm(q.view(-1, d), wq, EPS), rms.rmsnorm(k.view(-1, d), wk, EPS))
+
+    return {"torch_eager": torch_eager, "torch_compile": torch_compiled, "liger": liger,
+            "quack": quack, "rk_rmsnorm": rk_rmsnorm}
+
+
+PEERS = ("quack", "liger", "torch_eager", "torch_compile", "rk_rmsnorm")
+
+
+def make_sets(tokens, hq, hk, d, count, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    sets = []
+    for _ in range(count):
+        q = torch.randn(tokens, hq, d, device="cuda", generator=g).to(DTYPE)
+        k = torch.randn(tokens, hk, d, device="cuda", generator=g).to(DTYPE)
+        sets.append((q, k, torch.empty_like(q), torch.empty_like(k)))
+    wq = (torch.randn(d, device="cuda", generator=g) * 0.1 + 1).to(DTYPE)
+    wk = (torch.randn(d, device="cuda", generator=g) * 0.1 + 1).to(DTYPE)
+    return sets, wq, wk
+
+
+def qkv_sets(tokens, hq, hk, d, count):
+    out = []
+    for _ in range(count):
+        qkv = torch.randn(tokens, (hq + 2 * hk) * d, device="cuda").to(DTYPE)
+        out.append((qkv[:, :hq * d].view(tokens, hq, d), qkv[:, hq * d:(hq + hk) * d].view(tokens, hk, d),
+                    torch.empty(tokens, hq, d, device="cuda", dtype=DTYPE),
+                    torch.empty(tokens, hk, d, device="cuda", dtype=DTYPE)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+
+def bench_model(model, hq, hk, tokens_list, peers, empty_fn, sweep, log):
+    d = HEAD_DIM
+    rows, sweep_rows = [], []
+    for tokens in tokens_list:
+        nbytes = tokens * (hq + hk) * d * DTYPE.itemsize  # q + k, read once and written once
+        decode = tokens <= 128
+        count = 1 if decode else max(2, math.ceil(3 * L2_BYTES / (2 * nbytes)))
+        sets, wq, wk = make_sets(tokens, hq, hk, d, count)
+        errors = []
+        r = {"model": model, "tokens": tokens, "bytes": 2 * nbytes, "errors": errors,
+             "variant": qkn.config_for(tokens, hq, hk, d, DTYPE, DTYPE, EPS).variant().key()}
+
+        def ours(i):
+            q, k, oq, ok = sets[i % count]
+            qkn.qk_norm(q, k, wq, wk, EPS, out_q=oq, out_k=ok)
+
+        def peer_step(fn):
+            return lambda i: fn(*sets[i % count][:2], wq, wk)
+
+        # correctness guard: a benchmark of wrong results is worthless
+        q, k, oq, ok = sets[0]
+        ours(0)
+        ref_q, ref_k = qkn.reference(q, k, wq, wk, EPS)
+        for got, ref in ((oq, ref_q), (ok, ref_k)):
+            err = ((got.double() - ref).abs() / (1 + ref.abs())).max().item()
+            if not err <= qkn.tolerance(DTYPE):
+                errors.append(f"ours: wrong result, error {err:.3g}")
+        del ref_q, ref_k
+
+        if decode:
+            raw = qkn.compile(qkn.config_for(tokens, hq, hk, d, DTYPE, DTYPE, EPS).variant()).fn
+            dummy = torch.empty(16, device="cuda", dtype=torch.float32)
+            r["ours_graph_us"] = measure("ours graph", lambda: graph_time_us(lambda: ours(0)), errors)
+            r["empty_graph_us"] = measure("empty graph", lambda: graph_time_us(lambda: empty_fn(dummy)), errors)
+            for name in PEERS:
+                if peers.get(name) is not None:
+                    fn = peers[name]
+                    r[f"{name}_graph_us"] = measure(f"{name} graph", lambda: graph_time_us(lambda: fn(q, k, wq, wk)), errors)
+            r["host_us"] = {
+                "qk_norm(out given)": measure("host", lambda: host_time_us(lambda: ours(0)), errors),
+                "qk_norm(allocating)": measure("host", lambda: host_time_us(lambda: qkn.qk_norm(q, k, wq, wk, EPS)), errors),
+                "CompiledKernel.fn": measure("host", lambda: host_time_us(lambda: raw(q, k, wq, wk, oq, ok)), errors),
+                "torch.ops.rosekernels.qk_norm": measure("host", lambda: host_time_us(
+                    lambda: torch.ops.rosekernels.qk_norm(q, k, wq, wk, oq, ok, EPS, 0.0)), errors),
+                "empty CuTeDSL kernel": measure("host", lambda: host_time_us(lambda: empty_fn(dummy)), errors),
+            }
+            for name in ("quack", "torch_eager"):
+                if peers.get(name) is not None:
+                    fn = peers[name]
+                    r["host_us"][name] = measure(f"{name} host", lambda: host_time_us(lambda: fn(q, k, wq, wk)), errors)
+        else:
+            r["ours_us"] = measure("ours", lambda: auto_event_time_us(ours), errors)
+            r["copy_us"] = measure("copy", lambda: copy_time_us(nbytes), errors)
+            views = qkv_sets(tokens, hq, hk, d, count)
+            r["ours_qkv_views_us"] = measure("ours qkv views", lambda: auto_event_time_us(
+                lambda i: qkn.qk_norm(*views[i % count][:2], wq, wk, EPS, out_q=views[i % count][2],
+                                      out_k=views[i % count][3])), errors)
+            del views
+            for name in PEERS:
+                if peers.get(name) is not None:
+                    r[f"{name}_us"] = measure(name, lambda: auto_event_time_us(peer_step(peers[name])), errors)
+
+        if sweep:
+            base = qkn.config_for(tokens, hq, hk, d, DTYPE, DTYPE, EPS)
+            cands = [dataclasses.replace(base, mode="decode", warps=1, rows_per_thread=1).variant()]
+            # cache hints only matter for streaming sizes
+            cands += qkn.sweep_variants(base.variant(), cache_hints=("none",) if decode else modes.CACHE_HINTS)
+            s = {"model": model, "tokens": tokens,
+                 "warps_needed": modes.warps_needed(tokens * (hq + hk), base.threads_per_head),
+                 "times": {}, "modes": {}}
+            for v in cands:
+                fn = qkn.compile(v).fn
+                cfg = qkn.QKNormConfig.from_variant(v)
+                label = "decode" if cfg.mode == "decode" else f"{cfg.warps}w x{cfg.rows_per_thread} {cfg.cache_hint}"
+                s["modes"][label] = (cfg.warps, cfg.rows_per_thread, cfg.cache_hint)
+                step = (lambda i, fn=fn: fn(*sets[i % count][:2], wq, wk, *sets[i % count][2:]))
+                if decode:
+                    s["times"][label] = measure(label, lambda: graph_time_us(lambda: step(0)), errors)
+                else:
+                    s["times"][label] = measure(label, lambda: auto_event_time_us(step), errors)
+            sweep_rows.append(s)
+        rows.append(r)
+        print(json.dumps(r, default=str), flush=True)
+        sets.clear()  # free the inputs before the next size
+        torch.cuda.empty_cache()
+    return rows, sweep_rows
+
+
+def recommend_table(sweep_rows):
+    """PREFILL_TABLE rows for qk_norm from the sweep: best prefill shape at each measured size."""
+    best = {}
+    for s in sweep_rows:
+        pre = {k: v for k, v in s["times"].items() if k != "decode" and v is not None}
+        if pre and s["warps_needed"] > modes.sm_count():
+            best[s["warps_needed"]] = tuple(s["modes"][min(pre, key=pre.get)])
+    table = []
+    for wn in sorted(best):
+        if table and table[-1][1:] == best[wn]:
+            table[-1] = (wn, *best[wn])
+        else:
+            table.append((wn, *best[wn]))
+    if table:
+        table[-1] = (1 << 62, *table[-1][1:])
+    return table
+
+
+def markdown(env, rows, sweep_rows, table, log):
+    out = [f"# qk_norm benchmark ({env['gpu']}, {env['sms']} SMs)", "",
+           f"torch {env['torch']}, quack {env['quack']}, liger {env['liger_kernel']}, {env['toolchain']}. "
+           f"bf16 q/k/weights, d={HEAD_DIM}. Copy of 1 GiB: {fmt(env.get('copy_1gib_gbs'), 0)} GB/s.", ""]
+    for model in MODELS:
+        pre = [r for r in rows if r["model"] == model and "ours_us" in r]
+        if pre:
+            out += [f"## {model} prefill (CUDA events, inputs rotated past L2)", "",
+                    "| T | ours us | GB/s | % copy | qkv views us | " + " | ".join(f"{p} us | x" for p in PEERS) + " |",
+                    "|---" * (5 + 2 * len(PEERS)) + "|"]
+            for r in pre:
+                gbs = r["bytes"] / r["ours_us"] / 1e3 if r.get("ours_us") else None
+                pct = 100 * r["copy_us"] / r["ours_us"] if r.get("copy_us") and r.get("ours_us") else None
+                cells = [str(r["tokens"]), fmt(r.get("ours_us")), fmt(gbs, 0), fmt(pct), fmt(r.get("ours_qkv_views_us"))]
+                for p in PEERS:
+                    cells += [fmt(r.get(f"{p}_us")), fmt(ratio(r.get(f"{p}_us"), r.get("ours_us")), 2)]
+                out.append("| " + " | ".join(cells) + " |")
+            out.append("")
+        dec = [r for r in rows if r["model"] == model and "ours_graph_us" in r]
+        if dec:
+            out += [f"## {model} decode (device time per call inside a CUDA graph of {GRAPH_CALLS} calls)", "",
+                    "| T | ours us | empty kernel us | ours/empty | " + " | ".join(f"{p} us | x" for p in PEERS) + " |",
+                    "|---" * (4 + 2 * len(PEERS)) + "|"]
+            for r in dec:
+                cells = [str(r["tokens"]), fmt(r.get("ours_graph_us"), 2), fmt(r.get("empty_graph_us"), 2),
+                         fmt(ratio(r.get("ours_graph_us"), r.get("empty_graph_us")), 2)]
+                for p in PEERS:
+                    cells += [fmt(r.get(f"{p}_graph_us"), 2), fmt(ratio(r.get(f"{p}_graph_us"), r.get("ours_graph_us")), 2)]
+                out.append("| " + " | ".join(cells) + " |")
+            out += ["", f"### {model} eager host time per call (us, wall clock of a 3000-call loop)", ""]
+            keys = list(dec[0].get("host_us", {}))
+            out += ["| T | " + " | ".join(keys) + " |", "|---" * (1 + len(keys)) + "|"]
+            for r in dec:
+                out.append(f"| {r['tokens']} | " + " | ".join(fmt(r.get("host_us", {}).get(k), 2) for k in keys) + " |")
+            out.append("")
+    if sweep_rows:
+        labels = list(dict.fromkeys(k for s in sweep_rows for k in s["times"]))
+        out += ["## Block-shape sweep (us; decode sizes in a CUDA graph, prefill with events)", "",
+                "| model | T | warps needed | " + " | ".join(labels) + " | best |", "|---" * (4 + len(labels)) + "|"]
+        for s in sweep_rows:
+            t = {k: v for k, v in s["times"].items() if v is not None}
+            best = min(t, key=t.get) if t else "-"
+            out.append(f"| {s['model']} | {s['tokens']} | {s['warps_needed']} | "
+                       + " | ".join(fmt(s["times"].get(k), 2) for k in labels) + f" | {best} |")
+        out += ["", "Recommended `PREFILL_TABLE['qk_norm']` (warps needed up to, warps per block, rows per thread, "
+                "cache hint):",
+                "", f"    {tuple(table)!r}", ""]
+    out += ["## Targets", ""] + targets(rows) + [""]
+    errs = [f"- T={r['tokens']} {r['model']}: {e}" for r in rows for e in r["errors"]]
+    if errs or log:
+        out += ["## Errors / unavailable peers", ""] + errs + [f"- {line}" for line in log] + [""]
+    return "\n".join(out)
+
+
+def targets(rows):
+    lines = []
+    for r in rows:
+        tag = f"{r['model']} T={r['tokens']}"
+        if r["tokens"] >= 8192 and r.get("ours_us"):
+            pct = 100 * r["copy_us"] / r["ours_us"] if r.get("copy_us") else None
+            vq = ratio(r.get("quack_us"), r["ours_us"])
+            ve = ratio(r.get("torch_eager_us"), r["ours_us"])
+            lines.append(f"- {tag}: {fmt(pct)}% of copy (>= 93), {fmt(vq, 3)}x quack (>= 1.03), "
+                         f"{fmt(ve, 2)}x torch eager (>= 4)")
+        if r.get("ours_graph_us"):
+            ve = ratio(r["ours_graph_us"], r.get("empty_graph_us"))
+            vq = ratio(r.get("quack_graph_us"), r["ours_graph_us"])
+            host = r.get("host_us", {}).get("qk_norm(out given)")
+            lines.append(f"- {tag}: graph {fmt(ve, 2)}x empty kernel (<= 1.3), {fmt(vq, 2)}x quack (>= 1.5), "
+                         f"host {fmt(host, 2)} us/call (<= 5)")
+    return lines
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--quick", action="store_true", help="Qwen3-8B only, T in (1, 128, 8192, 32768)")
+    ap.add_argument("--no-sweep", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    env = environment()
+    log = []
+    env["copy_1gib_gbs"] = 2 * (1 << 30) / copy_time_us(1 << 30) / 1e3
+    empty_fn = empty_cutedsl_kernel()
+    models = {"Qwen3-8B": MODELS["Qwen3-8B"]} if args.quick else MODELS
+    tokens_list = (1, 128, 8192, 32768) if args.quick else DECODE_T + PREFILL_T
+    rows, sweep_rows = [], []
+    t0 = time.time()
+    factories = peer_factories(HEAD_DIM)  # one set for both models: torch.compile compiles once (dynamic)
+    peers = {name: try_peer(name, factories[name], log) for name in PEERS}
+    for model, (hq, hk) in models.items():
+        r, s = bench_model(model, hq, hk, tokens_list, peers, empty_fn, not args.no_sweep, log)
+        rows += r
+        sweep_rows += s
+    table = recommend_table(sweep_rows)
+    env["wall_s"] = round(time.time() - t0, 1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"env": env, "rows": rows, "sweep": sweep_rows, "recommended_prefill_table": table,
+              "current_prefill_table": modes.PREFILL_TABLE["qk_norm"], "log": log}
+    (out / "qk_norm.json").write_text(json.dumps(result, indent=1, default=str))
+    md = markdown(env, rows, sweep_rows, table, log)
+    (out / "qk_norm.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

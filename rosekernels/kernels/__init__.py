@@ -1,0 +1,1 @@
+"""CuTeDSL kernels, one per module (config, host launcher, device body, torch op)."""

@@ -1,0 +1,71 @@
+"""Launch-mode selection shared by the memory-bound ops (decode vs prefill, warps per block).
+
+The rule (Perplexity's ROSE kernels): from the vector width (128-bit accesses) each op knows how
+many warps its work needs. Fewer warps than SMs -> the decode variant: one small block per work
+unit group, so every warp gets its own SM and the latency is one memory round trip. Otherwise the
+prefill variant: bigger blocks (8/16/32 warps) with enough loads in flight to saturate HBM; the
+block size, and how many rows each thread handles, come from a table the benchmark measured.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+DEFAULT_SM_COUNT = 132  # H200 / H100 SXM; used when no GPU is visible (CPU compile tests)
+
+
+CACHE_HINTS = ("none", "evict_first", "last_use")  # streaming-data load/store cache hints
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    name: str  # "decode" or "prefill"
+    warps: int  # warps per block
+    rows_per_thread: int = 1  # rows (heads) each thread group handles: loads in flight per thread
+    cache_hint: str = "none"  # one of CACHE_HINTS, for the streamed (read-once, write-once) data
+
+
+# Prefill table: per op, rows (warps needed up to, warps per block, rows per thread, cache hint);
+# the first row whose limit covers the work wins. Produced by the sweeps of `python bench/qk_norm.py`
+# and `python bench/rmsnorm.py` on an H200; run: NONE YET -- initial guesses, to be replaced by
+# the benchmarks' recommendation.
+PREFILL_TABLE: dict[str, tuple[tuple[int, int, int, str], ...]] = {
+    "qk_norm": ((1 << 62, 8, 2, "none"),),
+    "rmsnorm": ((1 << 62, 8, 1, "none"),),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int | None = None) -> int:
+    """Streaming multiprocessors of the (current) CUDA device; DEFAULT_SM_COUNT without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return DEFAULT_SM_COUNT
+    index = torch.cuda.current_device() if device_index is None else device_index
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def warps_needed(units: int, threads_per_unit: int) -> int:
+    """Warps that cover `units` work units of `threads_per_unit` threads each (one vector per thread)."""
+    return -(-units * threads_per_unit // 32)
+
+
+def select(op: str, warps: int, sms: int | None = None) -> Mode:
+    """Decode when the work fits in fewer warps than there are SMs, else the tabled prefill mode."""
+    if warps <= (sm_count() if sms is None else sms):
+        return Mode("decode", 1, 1)
+    for limit, block_warps, rows, hint in PREFILL_TABLE[op]:
+        if warps <= limit:
+            return Mode("prefill", block_warps, rows, hint)
+    raise AssertionError(f"PREFILL_TABLE[{op!r}] has no catch-all row")
+
+
+def prefill_modes(op: str) -> list[Mode]:
+    """Every prefill mode the table can select for `op` (the specializations to precompile)."""
+    return sorted({Mode("prefill", *row[1:]) for row in PREFILL_TABLE[op]},
+                  key=lambda m: (m.warps, m.rows_per_thread, m.cache_hint))
+
+
+def all_modes(op: str) -> list[Mode]:
+    return [Mode("decode", 1, 1)] + prefill_modes(op)
