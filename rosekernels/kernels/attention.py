@@ -1,0 +1,742 @@
+"""Fused attention forward for Hopper (FlashAttention-3 style), in CuTeDSL.
+
+    out = softmax(q @ k^T * scale [+ causal mask]) @ v        per (batch, query head)
+
+q [B, S_q, Hq, d], k/v [B, S_kv, Hkv, d] (Hq a multiple of Hkv: GQA/MQA), bf16 or fp16, d in {64, 128}.
+Causal masking is aligned bottom-right (query i sees keys j <= i + S_kv - S_q); a query row that sees
+no key gets out = 0 and lse = -inf. The LSE output is [B, Hq, S_q] fp32, natural log. No varlen, no
+split-KV (decode-shaped calls run the same kernel: one CTA per 128/192 query rows and head).
+
+One CTA computes a tile of `tile_m` query rows of one head:
+
+- warp 0 (the producer; its warpgroup drops to a few registers with setmaxnreg) loads the Q tile once
+  and K/V tiles of `tile_n` keys into a `num_stages`-deep ring of shared-memory buffers with TMA,
+  each stage guarded by a full/empty mbarrier pair. TMA zero-fills rows past S, so ragged edges
+  need no special loads.
+- `tile_m / 64` consumer warpgroups each own 64 query rows: S = Q K^T with WGMMA from shared memory,
+  online softmax in registers (row max/sum over the 4 threads of a quad with shuffles, exp2 with
+  the scale folded into one FFMA), then O += P V with WGMMA taking P straight from registers.
+- KV tiles are visited from the last to the first, so the only tiles that need masking (the ragged
+  last tile and, when causal, the diagonal ones) come first; tiles entirely above the causal
+  diagonal are never loaded.
+- `overlap=True` (the fast path): each warpgroup issues S_next = Q K_next^T and O += P V together
+  and does the softmax of S_next while the P V product runs; a named-barrier token passed around
+  the consumer warpgroups orders their GEMM issue so one warpgroup's softmax hides behind another's
+  GEMMs (ping-pong). `overlap=False` is the plain in-order pipeline (kept as the reference path).
+- Epilogue: O / rowsum -> bf16/fp16 -> shared memory (stmatrix) -> one TMA store, which clips rows
+  past S_q; the LSE is stored straight from registers.
+
+`SPECIALIZATIONS` lists every config the dispatcher can select; `compiled(cfg)` and
+`example_inputs(cfg)` serve `sip-tune --kernel attention`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from rosekernels import jit  # first: it pins CUTE_DSL_ARCH=sm_90a before cutlass loads
+from rosekernels import checks
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+from cutlass.tensor_utils import LayoutEnum
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+_TORCH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_SMEM_BYTES = 227 * 1024  # sm_90 opt-in shared memory per block
+
+# Named barriers (0 is __syncthreads): the epilogue barrier, then one GEMM-issue token per consumer WG.
+_BAR_EPILOGUE = 1
+_BAR_SCHED = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """One compiled specialization. Everything here is a compile-time constant."""
+
+    head_dim: int  # 64 or 128
+    dtype: str  # "bf16" or "fp16"
+    causal: bool
+    tile_m: int = 128  # query rows per CTA: 64 per consumer warpgroup (128 -> 2 WGs, 192 -> 3 WGs)
+    tile_n: int = 128  # keys per K/V tile (the N of the S GEMM, the K of the P V GEMM)
+    num_stages: int = 2  # K/V buffers in flight
+    overlap: bool = True  # intra-WG softmax/GEMM overlap + inter-WG ping-pong
+
+    def __post_init__(self) -> None:
+        if self.head_dim not in (64, 128):
+            raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.tile_m not in (128, 192):
+            raise ValueError(f"tile_m must be 128 or 192, got {self.tile_m}")
+        if self.tile_n % 16 or not 64 <= self.tile_n <= 256:
+            raise ValueError(f"tile_n must be a multiple of 16 in [64, 256], got {self.tile_n}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+        if self.smem_bytes() > _SMEM_BYTES:
+            raise ValueError(f"{self} needs {self.smem_bytes()} bytes of shared memory (> {_SMEM_BYTES})")
+
+    @property
+    def num_mma_warpgroups(self) -> int:
+        return self.tile_m // 64
+
+    def smem_bytes(self) -> int:
+        elem = 2
+        q = self.tile_m * self.head_dim * elem  # also holds O in the epilogue
+        kv = 2 * self.num_stages * self.tile_n * self.head_dim * elem
+        return q + kv + 1024 * 3 + 8 * 2 * (1 + 2 * self.num_stages)
+
+    def variant(self) -> jit.Variant:
+        return jit.Variant.of("attention", "prefill", **dataclasses.asdict(self))
+
+
+def default_config(head_dim: int, dtype: str, causal: bool) -> AttentionConfig:
+    """The tile shape the op uses: FA3's choices for Hopper (d=64 takes 3 consumer WGs, 192 rows)."""
+    if head_dim == 64:
+        return AttentionConfig(64, dtype, causal, tile_m=192, tile_n=128, num_stages=3)
+    return AttentionConfig(128, dtype, causal, tile_m=128, tile_n=128, num_stages=2)
+
+
+SPECIALIZATIONS: tuple[AttentionConfig, ...] = tuple(
+    default_config(d, dt, c) for d in (64, 128) for dt in ("bf16", "fp16") for c in (False, True)
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Device code.
+
+
+def _rows_view(t: cute.Tensor) -> cute.Tensor:
+    """View a WGMMA accumulator ((2, 2, N/8), MMA_M, MMA_N) as (rows, cols) of this thread.
+
+    Value mode 1 of the accumulator steps 8 rows, modes 0 and 2 step columns, so a thread holds
+    2 * MMA_M rows and each of its rows is shared with the 3 other threads of its quad."""
+    cm = cute.make_layout(t.layout.shape)  # compact indices, composed with the real layout below
+    shape = ((cm.shape[0][1], cm.shape[1]), (cm.shape[0][0], cm.shape[0][2], cm.shape[2]))
+    stride = ((cm.stride[0][1], cm.stride[1]), (cm.stride[0][0], cm.stride[0][2], cm.stride[2]))
+    return cute.make_tensor(t.iterator, cute.composition(t.layout, cute.make_layout(shape, stride=stride)))
+
+
+@cute.jit
+def _quad_max(x: Float32) -> Float32:
+    x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=2))
+    return cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=1))
+
+
+@cute.jit
+def _quad_sum(x: Float32) -> Float32:
+    x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
+    return x + cute.arch.shuffle_sync_bfly(x, offset=1)
+
+
+@dsl_user_op
+def _cvt_pair(lo: Float32, hi: Float32, to: cutlass.Constexpr, *, loc=None, ip=None) -> Int32:
+    """Two fp32 -> one packed bf16x2/f16x2 register (cvt.rn puts its first source in the high half)."""
+    kind = "bf16x2" if to is cutlass.BFloat16 else "f16x2"
+    return Int32(llvm.inline_asm(
+        T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+        f"cvt.rn.{kind}.f32 $0, $1, $2;", "=r,f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@cute.jit
+def _convert(src: cute.Tensor, dst: cute.Tensor):
+    """fp32 registers -> 16-bit registers, same element order, one cvt per pair.
+
+    (TensorSSA.to() converts element by element for most tile shapes, doubling the work.)"""
+    dst32 = cute.recast_tensor(dst, Int32)
+    for i in cutlass.range_constexpr(cute.size(dst32)):
+        dst32[i] = _cvt_pair(src[2 * i], src[2 * i + 1], dst.element_type)
+
+
+@cute.jit
+def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+          zero_init: cutlass.Constexpr[bool]):
+    """Issue acc (+)= A @ B as one WGMMA commit group over all k blocks (no wait)."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom: its ACCUMULATE field is mutated below
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
+        cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+
+
+class _FlashAttentionSm90:
+    def __init__(self, cfg: AttentionConfig):
+        self.cfg = cfg
+        self.dtype = _DTYPES[cfg.dtype]
+        self.d = cfg.head_dim
+        self.tile_m, self.tile_n, self.stages = cfg.tile_m, cfg.tile_n, cfg.num_stages
+        self.causal = cfg.causal
+        self.overlap = cfg.overlap
+        self.num_mma_wg = cfg.num_mma_warpgroups
+        self.num_mma_threads = 128 * self.num_mma_wg
+        self.num_threads = self.num_mma_threads + 128
+        # 64K registers per SM: the producer WG gives almost all of its share to the consumers.
+        self.mma_regs, self.load_regs = {2: (240, 24), 3: (160, 32)}[self.num_mma_wg]
+
+    def _smem_layout(self, rows: int, stages: int | None):
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.d), self.dtype)
+        shape = (rows, self.d) if stages is None else (rows, self.d, stages)
+        return cute.tile_to_shape(atom, shape, order=(0, 1) if stages is None else (0, 1, 2))
+
+    @cute.jit
+    def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, lse: cute.Tensor,
+                 scale_log2: Float32, stream):
+        # [B, S, H, d] -> (S, d, H, B): the tile modes first, as TMA and local_tile want them.
+        mQ, mK, mV, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+                          for t in (q, k, v, o)]
+        mLSE = cute.make_tensor(lse.iterator, cute.select(lse.layout, mode=[2, 1, 0]))  # (S_q, Hq, B)
+
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, self.tile_n))
+        # P (registers) @ V: V is stored [keys, d], i.e. MN-major as the B operand (N = d, K = keys).
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, self.d),
+            a_source=warpgroup.OperandSource.RMEM)
+
+        sQ_layout = self._smem_layout(self.tile_m, None)
+        sK_layout = self._smem_layout(self.tile_n, self.stages)
+        sV_layout = self._smem_layout(self.tile_n, self.stages)
+
+        tma_load, tma_store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
+        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(tma_load, mQ, sQ_layout, (self.tile_m, self.d))
+        kv_tile_layout = cute.select(sK_layout, mode=[0, 1])
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(tma_load, mK, kv_tile_layout, (self.tile_n, self.d))
+        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(tma_load, mV, kv_tile_layout, (self.tile_n, self.d))
+        tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(tma_store, mO, sQ_layout, (self.tile_m, self.d))
+        self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
+        self.kv_bytes = cute.size_in_bytes(self.dtype, kv_tile_layout)
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        num_m_blocks = (mQ.shape[0] + self.tile_m - 1) // self.tile_m
+        self.kernel(
+            tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o, mLSE,
+            scale_log2, sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv,
+        ).launch(
+            grid=[num_m_blocks, mQ.shape[2], mQ.shape[3]],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_q: cute.CopyAtom, mQ: cute.Tensor,
+        tma_atom_k: cute.CopyAtom, mK: cute.Tensor,
+        tma_atom_v: cute.CopyAtom, mV: cute.Tensor,
+        tma_atom_o: cute.CopyAtom, mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        scale_log2: Float32,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        bidx, head, batch = cute.arch.block_idx()
+        grid_m, _, _ = cute.arch.grid_dim()
+
+        if warp_idx == 0:
+            for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # PipelineTmaAsync releases from one lane per consumer warp.
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
+            consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True)
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.stages, producer_group=producer,
+            consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True)
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.stages, producer_group=producer,
+            consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True)
+        pipeline.pipeline_init_arrive()
+        pipeline.pipeline_init_wait()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        # Causal: the longest rows first (the grid is launched in x order), so the tail is short.
+        m_block = grid_m - 1 - bidx if cutlass.const_expr(self.causal) else bidx
+        n_block_max = (seqlen_k + self.tile_n - 1) // self.tile_n
+        if cutlass.const_expr(self.causal):
+            # Keys past the diagonal of the tile's last valid row are never needed.
+            last_row = cutlass.min((m_block + 1) * self.tile_m, seqlen_q)
+            limit = cutlass.max(last_row + seqlen_k - seqlen_q, 0)
+            n_block_max = cutlass.min(n_block_max, (limit + self.tile_n - 1) // self.tile_n)
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.load_regs)
+            if warp_idx == 0:
+                if n_block_max > 0:
+                    self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
+                              pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_block_max)
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            self.mma(tidx - 128, mO, mLSE, sQ, sK, sV, tma_atom_o, pipe_q, pipe_k, pipe_v,
+                     tiled_mma_qk, tiled_mma_pv, scale_log2, m_block, head, batch,
+                     seqlen_q, seqlen_k, n_block_max)
+
+    @cute.jit
+    def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
+             pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_block_max):
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.d), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
+        one = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, one, cute.group_modes(sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, one, cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, one, cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_q.producer_acquire(q_state)
+        cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        n_last = n_block_max - 1
+        pipe_k.producer_acquire(state)
+        cute.copy(tma_atom_k, tKgK[None, n_last], tKsK[None, state.index],
+                  tma_bar_ptr=pipe_k.producer_get_barrier(state))
+        if cutlass.const_expr(not self.overlap):
+            # Consumption order: K_j, V_j, K_{j-1}, V_{j-1}, ...
+            pipe_v.producer_acquire(state)
+            cute.copy(tma_atom_v, tVgV[None, n_last], tVsV[None, state.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(state))
+            state.advance()
+            for i in cutlass.range(n_last, unroll=1):
+                n = n_last - 1 - i
+                pipe_k.producer_acquire(state)
+                cute.copy(tma_atom_k, tKgK[None, n], tKsK[None, state.index],
+                          tma_bar_ptr=pipe_k.producer_get_barrier(state))
+                pipe_v.producer_acquire(state)
+                cute.copy(tma_atom_v, tVgV[None, n], tVsV[None, state.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(state))
+                state.advance()
+        else:
+            # Consumption order: K_j, then (K_{j-1}, V_j), (K_{j-2}, V_{j-1}), ..., V_0.
+            for i in cutlass.range(n_last, unroll=1):
+                n = n_last - 1 - i
+                prev = state.clone()
+                state.advance()
+                pipe_k.producer_acquire(state)
+                cute.copy(tma_atom_k, tKgK[None, n], tKsK[None, state.index],
+                          tma_bar_ptr=pipe_k.producer_get_barrier(state))
+                pipe_v.producer_acquire(prev)
+                cute.copy(tma_atom_v, tVgV[None, n + 1], tVsV[None, prev.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(prev))
+            pipe_v.producer_acquire(state)
+            cute.copy(tma_atom_v, tVgV[None, 0], tVsV[None, state.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(state))
+
+    @cute.jit
+    def mma(self, tidx, mO, mLSE, sQ, sK, sV, tma_atom_o, pipe_q, pipe_k, pipe_v,
+            tiled_mma_qk, tiled_mma_pv, scale_log2, m_block, head, batch, seqlen_q, seqlen_k, n_block_max):
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wg_mma_qk = tiled_mma_qk.get_slice(wg * 128)
+        wg_mma_pv = tiled_mma_pv.get_slice(wg * 128)
+        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
+
+        # V^T view (d, keys, stage) of the same buffer: the B operand of P @ V.
+        sVt = cute.composition(
+            sV, cute.make_ordered_layout((self.d, self.tile_n, self.stages), order=(1, 0, 2)))
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+        tOrV = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
+        acc_S = cute.make_rmem_tensor(wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.tile_m, self.d)), Float32)
+        tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
+        # The accumulator of S and the A fragment of P @ V hold the same (row, col) at the same
+        # position for 16-bit types (both compact), so P is S converted element by element.
+        assert cute.size(tOrP) == cute.size(acc_S)
+
+        # (row, col) of each accumulator element within the tile; the masks compare against them.
+        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        tScS = _rows_view(thr_mma_qk.partition_C(cS))
+        # Thread 0's coordinates are compile-time constants; a thread's are these plus tScS[0, 0].
+        t0ScS = _rows_view(tiled_mma_qk.get_slice(0).partition_C(cS))
+        rows = cute.size(tScS, mode=[0])
+        row_max = cute.make_rmem_tensor(rows, Float32)
+        row_sum = cute.make_rmem_tensor(rows, Float32)
+        row_scale = cute.make_rmem_tensor(rows, Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        acc_O.fill(0.0)
+
+        # Keys of KV tile n a row r may see: [0, seqlen_k) and, causal, [0, r + seqlen_k - seqlen_q].
+        causal_offset = seqlen_k - seqlen_q
+        # Tiles n >= n_block_mask hold a key past the diagonal of the tile's first row.
+        n_block_mask = cutlass.max(m_block * self.tile_m + causal_offset + 1, 0) // self.tile_n
+
+        if cutlass.const_expr(self.overlap):
+            if wg == 0:  # the first consumer WG holds the GEMM-issue token initially
+                cute.arch.barrier_arrive(barrier_id=_BAR_SCHED, number_of_threads=256)
+
+        if n_block_max > 0:
+            pipe_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            n_last = n_block_max - 1
+            # The last tile: ragged (seqlen) and, causal, diagonal masking.
+            pipe_k.consumer_wait(state)
+            _gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
+            warpgroup.wait_group(0)
+            pipe_k.consumer_release(state)
+            self.apply_mask(acc_S, tScS, t0ScS, n_last, m_block, seqlen_k, causal_offset, causal=self.causal)
+            self.online_softmax(acc_S, row_max, row_sum, row_scale, scale_log2, first=True)
+            _convert(acc_S, tOrP)
+            if cutlass.const_expr(not self.overlap):
+                pipe_v.consumer_wait(state)
+                _gemm(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state.index], zero_init=False)
+                warpgroup.wait_group(0)
+                pipe_v.consumer_release(state)
+                state.advance()
+
+            args = (acc_S, acc_O, tOrP, tSrQ, tSrK, tOrV, tScS, t0ScS, row_max, row_sum,
+                    row_scale, tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, scale_log2, m_block, seqlen_k,
+                    causal_offset, wg)
+            n_masked_end = n_last
+            if cutlass.const_expr(self.causal):
+                # The rest of the diagonal tiles.
+                n_masked_end = cutlass.max(cutlass.min(n_block_mask, n_last), 0)
+                for i in cutlass.range(n_last - n_masked_end, unroll=1):
+                    state = self.step(state, n_last - 1 - i, *args, masked=True)
+            for i in cutlass.range(n_masked_end, unroll=1):
+                state = self.step(state, n_masked_end - 1 - i, *args, masked=False)
+
+            if cutlass.const_expr(self.overlap):
+                pipe_v.consumer_wait(state)
+                _gemm(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state.index], zero_init=False)
+                warpgroup.wait_group(0)
+                pipe_v.consumer_release(state)
+
+        self.epilogue(acc_O, row_max, row_sum, scale_log2, mO, mLSE, sQ, tma_atom_o, tiled_mma_pv,
+                      thr_mma_pv, tidx, m_block, head, batch, seqlen_q)
+
+    @cute.jit
+    def step(self, state, n_block, acc_S, acc_O, tOrP, tSrQ, tSrK, tOrV, tScS, t0ScS,
+             row_max, row_sum, row_scale, tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, scale_log2,
+             m_block, seqlen_k, causal_offset, wg, masked: cutlass.Constexpr[bool]):
+        """One KV tile n_block; returns the advanced pipeline state.
+
+        In order: S = Q K_n^T, softmax, O = O * scale + P_n V_n.
+        Overlapped: S = Q K_n^T and O += P_{n+1} V_{n+1} are issued together and the softmax of S
+        runs while P V is in flight; P_n V_n is issued by the next step (or after the loop)."""
+        state_v = state.clone()  # in-order: the same tile; overlapped: the tile whose P is in registers
+        if cutlass.const_expr(self.overlap):
+            state.advance()
+        pipe_k.consumer_wait(state)
+        if cutlass.const_expr(self.overlap):
+            cute.arch.barrier(barrier_id=_BAR_SCHED + wg, number_of_threads=256)  # take the issue token
+        _gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
+        if cutlass.const_expr(self.overlap):
+            pipe_v.consumer_wait(state_v)
+            _gemm(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state_v.index], zero_init=False)
+            nxt = wg + 1 if wg + 1 < self.num_mma_wg else 0
+            cute.arch.barrier_arrive(barrier_id=_BAR_SCHED + nxt, number_of_threads=256)  # pass it on
+            warpgroup.wait_group(1)  # S is ready; P V may still run
+        else:
+            warpgroup.wait_group(0)
+        pipe_k.consumer_release(state)
+        if cutlass.const_expr(masked):
+            self.apply_mask(acc_S, tScS, t0ScS, n_block, m_block, seqlen_k, causal_offset, causal=True)
+        self.online_softmax(acc_S, row_max, row_sum, row_scale, scale_log2, first=False)
+        if cutlass.const_expr(self.overlap):
+            warpgroup.wait_group(0)
+            pipe_v.consumer_release(state_v)
+        _convert(acc_S, tOrP)
+        self.rescale(acc_O, row_scale)
+        if cutlass.const_expr(not self.overlap):
+            pipe_v.consumer_wait(state)
+            _gemm(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state.index], zero_init=False)
+            warpgroup.wait_group(0)
+            pipe_v.consumer_release(state)
+            state.advance()
+        return state
+
+    @cute.jit
+    def apply_mask(self, acc_S, tScS, t0ScS, n_block, m_block, seqlen_k, causal_offset,
+                   causal: cutlass.Constexpr[bool]):
+        """Set S to -inf where the key is past seqlen_k or (causal) past the row's diagonal."""
+        S = _rows_view(acc_S)
+        # Limits on this thread's columns, shifted so they compare with thread 0's constant ones.
+        col_limit = seqlen_k - n_block * self.tile_n - tScS[0, 0][1]
+        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+            limit = col_limit
+            if cutlass.const_expr(causal):
+                row = m_block * self.tile_m + tScS[r, 0][0]
+                limit = cutlass.min(limit, row + causal_offset + 1 - n_block * self.tile_n - tScS[0, 0][1])
+            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                # A select, not an `if`: a branch per element would carry the whole tile through it.
+                S[r, c] = -Float32.inf if t0ScS[r, c][1] >= limit else S[r, c]
+
+    @cute.jit
+    def online_softmax(self, acc_S, row_max, row_sum, row_scale, scale_log2,
+                       first: cutlass.Constexpr[bool]):
+        """S -> P = exp2(S * scale_log2 - max * scale_log2) in place; row_scale = exp2 of the max shift.
+
+        row_sum stays a per-thread partial sum (the quad reduces it once, in the epilogue)."""
+        S = _rows_view(acc_S)
+        cols = cute.size(S, mode=[1])
+        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+            # Four independent max chains, then the quad.
+            m = [S[r, 0], S[r, 1], S[r, 2], S[r, 3]]
+            for c in cutlass.range_constexpr(4, cols):
+                m[c % 4] = cute.arch.fmax(m[c % 4], S[r, c])
+            mx = cute.arch.fmax(cute.arch.fmax(m[0], m[1]), cute.arch.fmax(m[2], m[3]))
+            if cutlass.const_expr(not first):
+                mx = cute.arch.fmax(mx, row_max[r])
+            mx = _quad_max(mx)
+            prev = row_max[r]
+            row_max[r] = mx
+            # A row with no visible key yet keeps max -inf; exponentiate against 0 so P = 0, not NaN.
+            mx_safe = 0.0 if mx == -Float32.inf else mx
+            mx_scaled = mx_safe * scale_log2
+            s = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+            for c in cutlass.range_constexpr(cols):
+                p = cute.math.exp2(S[r, c] * scale_log2 - mx_scaled, fastmath=True)
+                S[r, c] = p
+                s[c % 4] = s[c % 4] + p
+            total = (s[0] + s[1]) + (s[2] + s[3])
+            if cutlass.const_expr(first):
+                row_sum[r] = total
+            else:
+                scale = cute.math.exp2((prev - mx_safe) * scale_log2, fastmath=True)
+                row_scale[r] = scale
+                row_sum[r] = row_sum[r] * scale + total
+
+    @cute.jit
+    def rescale(self, acc_O, row_scale):
+        O = _rows_view(acc_O)
+        for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                O[r, c] = O[r, c] * row_scale[r]
+
+    @cute.jit
+    def epilogue(self, acc_O, row_max, row_sum, scale_log2, mO, mLSE, sQ, tma_atom_o, tiled_mma_pv,
+                 thr_mma_pv, tidx, m_block, head, batch, seqlen_q):
+        O = _rows_view(acc_O)
+        tOcO = _rows_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.d))))
+        lse = cute.make_rmem_tensor(cute.size(O, mode=[0]), Float32)
+        for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
+            total = _quad_sum(row_sum[r])
+            # total == 0: the row saw no key (causal, S_q > S_kv); O is 0 there, lse -inf.
+            empty = total == 0.0
+            inv = cute.arch.rcp_approx(1.0 if empty else total)
+            lse[r] = -Float32.inf if empty else (
+                row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
+            for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                O[r, c] = O[r, c] * inv
+
+        # LSE: the thread holding column 0 of a row writes it.
+        if tOcO[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
+                row = m_block * self.tile_m + tOcO[r, 0][0]
+                if row < seqlen_q:
+                    mLSE[row, head, batch] = lse[r]
+
+        # O -> shared memory (over this CTA's Q tile, which the QK GEMMs are done with: each
+        # warpgroup only writes the rows it read) -> one TMA store; TMA clips rows past S_q.
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        _convert(acc_O, rO)
+        sO = sQ
+        smem_copy = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                        self.dtype)
+        thr_copy = cute.make_tiled_copy_C(smem_copy, tiled_mma_pv).get_slice(tidx)
+        cute.copy(smem_copy, thr_copy.retile(rO), thr_copy.partition_D(sO))
+        cute.arch.fence_view_async_shared()  # make the stores visible to the TMA (async proxy)
+        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
+        if tidx < 32:
+            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.d), (m_block, 0))
+            tOsO, tOgO = cpasync.tma_partition(tma_atom_o, 0, cute.make_layout(1),
+                                               cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
+            cute.copy(tma_atom_o, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side.
+
+
+def _build(cfg: AttentionConfig):
+    dtype = _DTYPES[cfg.dtype]
+    d = cfg.head_dim
+    b, s_q, s_k, h_q, h_k = (cute.sym_int() for _ in range(5))
+
+    def qkv(s, h):
+        # [B, S, H, d], any 16-byte-aligned strides with a unit last stride (TMA needs that much).
+        strides = tuple(cute.sym_int(divisibility=8) for _ in range(3))
+        return make_fake_tensor(dtype, (b, s, h, d), stride=(*strides, 1), assumed_align=16)
+
+    lse = make_fake_compact_tensor(Float32, (b, h_q, s_q), stride_order=(2, 1, 0), assumed_align=16)
+    args = (qkv(s_q, h_q), qkv(s_k, h_k), qkv(s_k, h_k), qkv(s_q, h_q), lse, Float32(1.0),
+            make_fake_stream(use_tvm_ffi_env_stream=True))
+    return _FlashAttentionSm90(cfg), args
+
+
+def compiled(cfg: AttentionConfig) -> jit.CompiledKernel:
+    """The loaded kernel of one specialization: fn(q, k, v, out, lse, scale_log2)."""
+    return jit.compile_variant(cfg.variant(), lambda: _build(cfg))
+
+
+def compile(variant: jit.Variant) -> jit.CompiledKernel:  # noqa: A001 - the name rosekernels.warmup looks up
+    """`compiled` for a Variant (e.g. one listed by `[c.variant() for c in SPECIALIZATIONS]`)."""
+    return compiled(AttentionConfig(**dict(variant.params)))
+
+
+def _compile_in_worker(cfg: AttentionConfig) -> str:
+    return compiled(cfg).cubin_sha256
+
+
+def precompile(configs=SPECIALIZATIONS, processes: int | None = None) -> list[jit.CompiledKernel]:
+    """Compile `configs` in parallel processes (into the disk cache), then load them here."""
+    import concurrent.futures
+    import multiprocessing
+    import os
+
+    configs = list(configs)
+    loaded = {k.variant for k in jit.loaded_variants()}
+    todo = [c for c in configs if c.variant() not in loaded]
+    processes = processes or min(len(todo), os.cpu_count() or 1)
+    if processes > 1:
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx) as pool:
+            list(pool.map(_compile_in_worker, todo))
+    return [compiled(c) for c in configs]
+
+
+def example_inputs(cfg: AttentionConfig, batch: int = 2, seqlen: int = 2048, heads_q: int = 16,
+                   heads_kv: int = 16, device: str = "cuda", seed: int = 0) -> tuple:
+    """Fresh random arguments for `compiled(cfg).fn(*args)` (sip-tune's input generator)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    dt = {v: k for k, v in _TORCH_DTYPES.items()}[cfg.dtype]
+    d = cfg.head_dim
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=device, dtype=torch.float32).to(dt)
+
+    q, k, v = randn(batch, seqlen, heads_q, d), randn(batch, seqlen, heads_kv, d), randn(batch, seqlen, heads_kv, d)
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads_q, seqlen, device=device, dtype=torch.float32)
+    return q, k, v, out, lse, (1.0 / math.sqrt(d)) * LOG2_E
+
+
+def _check(q, k, v, out, softmax_scale) -> float:
+    """Validate everything before any launch (shapes first, then devices and memory layout);
+    return the softmax scale."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if t is None and name == "out":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [batch, seqlen, heads, head_dim], got shape {list(t.shape)}")
+    checks.check_dtype("q", q, _TORCH_DTYPES)
+    for name, t in (("k", k), ("v", v), ("out", out)):
+        if t is not None:
+            checks.check_dtype(name, t, (q.dtype,))
+    B, _, Hq, d = q.shape
+    if d not in (64, 128):
+        raise ValueError(f"head_dim must be 64 or 128, got {d}")
+    checks.check_shape("k", k, (B, None, None, d))
+    checks.check_shape("v", v, tuple(k.shape))
+    if out is not None:
+        checks.check_shape("out", out, tuple(q.shape))
+    if B > 65535 or Hq > 65535:
+        raise ValueError(f"batch ({B}) and heads ({Hq}) must each be at most 65535 (grid limits)")
+    Hkv = k.shape[2]
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"the number of query heads ({Hq}) must be a multiple of the KV heads ({Hkv})")
+    if k.shape[1] == 0 and q.numel():
+        raise ValueError("k and v must hold at least one key")
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if t is None:
+            continue
+        checks.check_cuda(name, t)
+        if t.numel() == 0:
+            continue
+        checks.check_unit_last_stride(name, t)
+        checks.check_aligned(name, _tma_view(t), 16)
+        if any(s == 0 for n, s in zip(t.shape, t.stride()) if n > 1):
+            raise ValueError(f"{name} has a zero stride (an expanded view); pass a materialized tensor")
+        if sum((n - 1) * s for n, s in zip(t.shape, t.stride())) >= 2**31:
+            raise ValueError(f"{name} spans 2^31 elements or more; the kernel indexes with 32 bits")
+    checks.check_same_device(q=q, k=k, v=v, out=out)
+    return scale
+
+
+def _tma_view(t: torch.Tensor) -> torch.Tensor:
+    """The same view, with the strides of size-1 dims made those of a contiguous tensor: they never
+    address memory, but the TMA descriptor wants every stride a multiple of 16 bytes."""
+    if all(n > 1 or s % 8 == 0 for n, s in zip(t.shape[:-1], t.stride()[:-1])):
+        return t
+    regular = torch.empty(t.shape, device="meta").stride()
+    return t.as_strided(t.shape, tuple(s if n > 1 else r for n, s, r in zip(t.shape, t.stride(), regular)))
+
+
+@torch.library.custom_op("rosekernels::attention_fwd", mutates_args=("out", "lse"))
+def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   causal: bool, softmax_scale: float) -> None:
+    cfg = default_config(q.shape[-1], _TORCH_DTYPES[q.dtype], causal)
+    with torch.cuda.device(q.device):
+        compiled(cfg).fn(q, k, v, out, lse, softmax_scale * LOG2_E)
+
+
+@_attention_fwd.register_fake
+def _(q, k, v, out, lse, causal, softmax_scale) -> None:
+    return None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+              softmax_scale: float | None = None, out: torch.Tensor | None = None,
+              return_lse: bool = False):
+    """softmax(q k^T * softmax_scale [causal, bottom-right]) v; see the module docstring.
+
+    Returns out [B, S_q, Hq, d], or (out, lse [B, Hq, S_q] fp32) with return_lse."""
+    scale = _check(q, k, v, out, softmax_scale)
+    if out is None:
+        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
+    if q.numel():
+        torch.ops.rosekernels.attention_fwd(*(_tma_view(t) for t in (q, k, v, out)), lse, bool(causal), scale)
+    return (out, lse) if return_lse else out

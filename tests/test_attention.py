@@ -1,0 +1,273 @@
+"""Fused attention forward: every specialization compiles to an sm_90a WGMMA/TMA kernel (CPU), argument
+validation (CPU), and numerics against a float64 reference on fresh random inputs (GPU)."""
+import importlib.util
+import math
+import os
+import re
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rosekernels.kernels import attention as A
+
+# The in-order pipeline (no softmax/GEMM overlap, no ping-pong) is kept as the reference schedule.
+IN_ORDER = (
+    A.AttentionConfig(128, "bf16", False, overlap=False),
+    A.AttentionConfig(128, "bf16", True, overlap=False),
+    A.AttentionConfig(64, "fp16", True, tile_m=192, num_stages=3, overlap=False),
+)
+ALL_CONFIGS = A.SPECIALIZATIONS + IN_ORDER
+CPU_CONFIGS = A.SPECIALIZATIONS + IN_ORDER[1:2]  # what CI compiles
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """Every config compiled (in parallel processes when the disk cache is cold)."""
+    return dict(zip(ALL_CONFIGS, A.precompile(ALL_CONFIGS)))
+
+
+@pytest.fixture(scope="module")
+def cpu_kernels():
+    return dict(zip(CPU_CONFIGS, A.precompile(CPU_CONFIGS)))
+
+
+def _nvdisasm() -> Path:
+    spec = importlib.util.find_spec("nvidia")
+    for root in spec.submodule_search_locations or []:
+        path = Path(root) / "cu13" / "bin" / "nvdisasm"
+        if path.exists():
+            return path
+    pytest.skip("nvdisasm (nvidia-cuda-nvdisasm) is not installed")
+
+
+def _full_elf(kernel) -> bytes:
+    """The cubin with its program headers, which sit after the section headers in the object file
+    (`CompiledKernel.cubin` ends at the section data, and nvdisasm rejects it without them)."""
+    start = kernel.object_bytes.find(kernel.cubin)
+    phoff, = struct.unpack_from("<Q", kernel.cubin, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", kernel.cubin, 0x36)
+    return kernel.object_bytes[start:start + max(len(kernel.cubin), phoff + phentsize * phnum)]
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU
+
+
+def test_every_specialization_compiles_to_a_warp_specialized_wgmma_kernel(cpu_kernels, tmp_path):
+    nvdisasm = _nvdisasm()
+    for cfg, k in cpu_kernels.items():
+        assert int.from_bytes(k.cubin[0x30:0x34], "little") & 0xFF == 90, cfg  # e_flags: sm_90
+        path = tmp_path / "k.cubin"
+        path.write_bytes(_full_elf(k))
+        sass = subprocess.run([nvdisasm, "-c", str(path)], capture_output=True, text=True, check=True).stdout
+        ops = set(re.findall(r"\b(HGMMA|UTMALDG|UTMASTG|USETMAXREG|STSM|LDL|STL)\b", sass))
+        assert {"HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "STSM"} <= ops, (cfg, ops)
+        assert not {"LDL", "STL"} & ops, f"{cfg} spills registers to local memory"
+        gemm_n = {int(n) for n in re.findall(r"HGMMA\.64x(\d+)x16", sass)}
+        assert gemm_n == {cfg.tile_n, cfg.head_dim}, (cfg, gemm_n)  # S = Q K^T and O += P V
+
+
+def test_specializations_are_distinct_and_cover_the_dispatch():
+    keys = [c.variant().key() for c in ALL_CONFIGS]
+    assert len(set(keys)) == len(keys)
+    for d in (64, 128):
+        for dt in ("bf16", "fp16"):
+            for causal in (False, True):
+                assert A.default_config(d, dt, causal) in A.SPECIALIZATIONS
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(head_dim=96), "head_dim"),
+    (dict(dtype="fp32"), "dtype"),
+    (dict(tile_m=64), "tile_m"),
+    (dict(tile_n=100), "tile_n"),
+    (dict(num_stages=0), "num_stages"),
+    (dict(num_stages=6), "shared memory"),
+])
+def test_config_validation(kwargs, match):
+    base = dict(head_dim=128, dtype="bf16", causal=False)
+    with pytest.raises(ValueError, match=match):
+        A.AttentionConfig(**{**base, **kwargs})
+
+
+def _cpu(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape).to(dtype)
+
+
+@pytest.mark.parametrize("make, exc, match", [
+    (lambda: (_cpu(2, 16, 4, 64)[0], _cpu(2, 16, 4, 64), _cpu(2, 16, 4, 64), {}), ValueError, "4-D"),
+    (lambda: (_cpu(2, 16, 4, 64, dtype=torch.float32),) * 3 + ({},), TypeError, "dtype"),
+    (lambda: (_cpu(2, 16, 4, 64), _cpu(2, 16, 4, 64, dtype=torch.float16), _cpu(2, 16, 4, 64), {}),
+     TypeError, "dtype"),
+    (lambda: (_cpu(2, 16, 4, 96), _cpu(2, 16, 4, 96), _cpu(2, 16, 4, 96), {}), ValueError, "head_dim"),
+    (lambda: (_cpu(2, 16, 6, 64), _cpu(2, 16, 4, 64), _cpu(2, 16, 4, 64), {}), ValueError, "multiple"),
+    (lambda: (_cpu(2, 16, 4, 64), _cpu(3, 16, 4, 64), _cpu(3, 16, 4, 64), {}), ValueError, "shape"),
+    (lambda: (_cpu(2, 16, 4, 64), _cpu(2, 16, 4, 64), _cpu(2, 15, 4, 64), {}), ValueError, "shape"),
+    (lambda: (_cpu(2, 16, 4, 64), _cpu(2, 0, 4, 64), _cpu(2, 0, 4, 64), {}), ValueError, "at least one key"),
+    (lambda: (_cpu(2, 16, 4, 64),) * 3 + (dict(softmax_scale=-1.0),), ValueError, "softmax_scale"),
+    (lambda: (_cpu(2, 16, 4, 64),) * 3 + (dict(softmax_scale=float("nan")),), ValueError, "softmax_scale"),
+    (lambda: (_cpu(2, 16, 4, 64),) * 3 + (dict(out=_cpu(2, 16, 4, 32)),), ValueError, "shape"),
+    (lambda: (_cpu(2, 16, 4, 64),) * 3 + ({},), ValueError, "CUDA"),
+])
+def test_invalid_arguments_raise_before_anything_is_written(make, exc, match):
+    q, k, v, kwargs = make()
+    out = kwargs.setdefault("out", torch.full(q.shape if q.dim() == 4 else (1, 1, 1, 64), 7.0).to(q.dtype))
+    before = out.clone()
+    with pytest.raises(exc, match=match):
+        A.attention(q, k, v, **kwargs)
+    assert torch.equal(out, before)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# (S_q, S_kv): single tokens, sizes off the tile grid on both sides, decode-shaped, S_q < S_kv, S_q > S_kv.
+SEQLENS = [(1, 1), (17, 17), (127, 127), (129, 129), (1000, 1000), (1, 1000), (129, 1000), (1000, 129),
+           (255, 17)]
+HEADS = [(4, 4), (8, 2), (8, 1)]  # GQA ratios 1, 4, 8
+
+
+def _reference(q, k, v, causal, scale, lowp=False):
+    """(out, lse) in float64; lowp: the kernel's rounding (P and out in the input dtype, fp32 math).
+
+    Causal is bottom-right aligned; a row that sees no key gets out = 0, lse = -inf."""
+    ratio = q.shape[2] // k.shape[2]
+    acc = torch.float32 if lowp else torch.float64
+    qh, kh, vh = (t.transpose(1, 2).to(acc) for t in (q, k, v))  # [B, H, S, d]
+    kh, vh = kh.repeat_interleave(ratio, dim=1), vh.repeat_interleave(ratio, dim=1)
+    s = qh @ kh.transpose(-1, -2) * scale
+    s_q, s_k = q.shape[1], k.shape[1]
+    if causal:
+        i = torch.arange(s_q, device=q.device)[:, None]
+        j = torch.arange(s_k, device=q.device)[None, :]
+        s = s.masked_fill(j > i + s_k - s_q, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    if lowp:
+        p = p.to(q.dtype).to(acc)
+    out = (p @ vh).transpose(1, 2)
+    if lowp:
+        out = out.to(q.dtype)
+    return out.double(), lse.double()
+
+
+def _check(out, lse, q, k, v, causal, scale, what):
+    """out within 2x the error of a same-precision reference (+1e-3), every element written, lse to 1e-3."""
+    ref, ref_lse = _reference(q, k, v, causal, scale)
+    lowp, _ = _reference(q, k, v, causal, scale, lowp=True)
+    assert not out.isnan().any(), f"{what}: {out.isnan().sum().item()} output elements unwritten (NaN)"
+    err = (out.double() - ref).abs().max().item()
+    err_lowp = (lowp - ref).abs().max().item()
+    assert err <= 2 * err_lowp + 1e-3, f"{what}: max |out - ref| = {err:.3g}, same-precision reference {err_lowp:.3g}"
+    if lse is not None:
+        assert not lse.isnan().any(), f"{what}: {lse.isnan().sum().item()} lse elements unwritten (NaN)"
+        empty = ref_lse == float("-inf")
+        assert torch.equal(lse == float("-inf"), empty), f"{what}: -inf lse rows differ from the reference"
+        lse_err = (lse.double() - ref_lse)[~empty].abs().max().item() if (~empty).any() else 0.0
+        assert lse_err <= 1e-3, f"{what}: max |lse - ref| = {lse_err:.3g}"
+
+
+def _inputs(b, s_q, s_k, hq, hkv, d, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(b, s, h, d, generator=g, device="cuda").to(dtype)
+            for s, h in ((s_q, hq), (s_k, hkv), (s_k, hkv))]
+
+
+def _sync(what, timeout_s=60.0):
+    """Synchronize, but end the process with a message if the kernel hangs (a pipeline deadlock
+    would otherwise hold the GPU until the job's time runs out)."""
+    done = torch.cuda.Event()
+    done.record()
+    start = time.time()
+    while not done.query():
+        if time.time() - start > timeout_s:
+            print(f"\nKERNEL HANG: {what} did not finish in {timeout_s:.0f} s", file=sys.stderr, flush=True)
+            os._exit(3)
+        time.sleep(0.001)
+
+
+def _run_poisoned(kernel, cfg, q, k, v, scale):
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device="cuda")
+    kernel.fn(q, k, v, out, lse, scale * A.LOG2_E)
+    _sync(f"{cfg} on q{list(q.shape)} k{list(k.shape)}")
+    return out, lse
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=lambda c: c.variant().key().split("sm_90a-")[1])
+def test_matches_float64_reference(kernels, cfg):
+    for i, (s_q, s_k) in enumerate(SEQLENS):
+        hq, hkv = HEADS[i % len(HEADS)]
+        q, k, v = _inputs(2, s_q, s_k, hq, hkv, cfg.head_dim, TORCH_DTYPE[cfg.dtype], seed=i)
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+        out, lse = _run_poisoned(kernels[cfg], cfg, q, k, v, scale)
+        _check(out, lse, q, k, v, cfg.causal, scale, f"S_q={s_q} S_kv={s_k} Hq={hq} Hkv={hkv}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_public_op_long_sequence_custom_scale_and_lse(kernels, causal, d):
+    q, k, v = _inputs(1, 2048 + 77, 2048 + 77, 4, 2, d, torch.bfloat16, seed=d + causal)
+    out = torch.full_like(q, float("nan"))
+    res, lse = A.attention(q, k, v, causal=causal, softmax_scale=0.3, out=out, return_lse=True)
+    _sync("public op")
+    assert res is out
+    _check(out, lse, q, k, v, causal, 0.3, f"d={d} causal={causal}")
+
+
+@pytest.mark.gpu
+def test_strided_views_in_and_out(kernels):
+    b, s, h, d = 2, 300, 4, 128
+    qkv = torch.randn(b, s, 3, h, d, device="cuda").to(torch.float16)
+    q, k, v = qkv.unbind(2)  # strides (s*3*h*d, 3*h*d, d, 1)
+    big = torch.full((b, s, h, 2 * d), float("nan"), device="cuda", dtype=torch.float16)
+    out = big[..., d:]
+    A.attention(q, k, v, causal=True, out=out)
+    _sync("strided")
+    _check(out, None, q, k, v, True, 1 / math.sqrt(d), "strided")
+    assert big[..., :d].isnan().all(), "wrote outside out"
+    # A size-1 batch with an odd batch stride: the stride never addresses memory.
+    q1 = torch.randn(3, 64, h, d, device="cuda", dtype=torch.float16)[1:2]
+    q1 = q1.as_strided(q1.shape, (7, *q1.stride()[1:]), q1.storage_offset())
+    k1, v1 = k[:1, :64].contiguous(), v[:1, :64].contiguous()
+    out1 = A.attention(q1, k1, v1)
+    _sync("size-1 batch")
+    _check(out1, None, q1, k1, v1, False, 1 / math.sqrt(d), "size-1 batch")
+
+
+@pytest.mark.gpu
+def test_fully_masked_rows_and_empty_query(kernels):
+    q, k, v = _inputs(1, 300, 40, 2, 2, 64, torch.bfloat16, seed=7)
+    out, lse = A.attention(q, k, v, causal=True, return_lse=True)
+    _sync("fully masked rows")
+    assert (out[:, :260] == 0).all() and (lse[:, :, :260] == float("-inf")).all()
+    _check(out, lse, q, k, v, True, 1 / 8, "S_q > S_kv causal")
+    empty = A.attention(q[:, :0], k, v, causal=True)
+    assert empty.shape == (1, 0, 2, 64)
+
+
+@pytest.mark.gpu
+def test_captures_in_a_cuda_graph_on_the_current_stream(kernels):
+    q, k, v = _inputs(2, 513, 513, 8, 2, 128, torch.bfloat16, seed=3)
+    out = torch.empty_like(q)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        A.attention(q, k, v, causal=True, out=out)  # warm up outside the capture
+        _sync("graph warm-up")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            A.attention(q, k, v, causal=True, out=out)
+    for t in (q, k, v):
+        t.copy_(torch.randn_like(t))
+    out.fill_(float("nan"))
+    g.replay()
+    _sync("graph replay")
+    _check(out, None, q, k, v, True, 1 / math.sqrt(128), "graph replay")
