@@ -1,0 +1,296 @@
+"""Benchmark gemm_leakyrelu against cuBLAS (+ a separate LeakyReLU), cuBLAS alone, torch.compile and,
+when installed, quack's GEMM (+ReLU epilogue) - all in one run, on one GPU.
+
+    python bench/gemm_leakyrelu.py --out bench/results            # the standard table
+    python bench/gemm_leakyrelu.py --out DIR --sweep              # + every tile config / split count
+    python bench/gemm_leakyrelu.py --out DIR --shapes 1x14336x4096,8192x8192x8192
+
+Prefill shapes: CUDA events around back-to-back launches, inputs rotated through sets larger than
+the L2, median of repetitions. Decode shapes (M <= 128): the same inside a CUDA graph of many
+launches (time / launches), plus the eager host cost per call, and the achieved weight bandwidth as
+a percentage of the device copy bandwidth measured in the same run.
+Writes gemm_leakyrelu.json and gemm_leakyrelu.md into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from rosekernels.kernels import gemm_leakyrelu as glr  # noqa: E402
+
+L2_BYTES = 50 << 20
+MLP = [(m, n, k) for m in (1, 16, 128, 1024, 8192) for n, k in ((14336, 4096), (4096, 14336))]
+SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192)] + MLP
+
+
+def _time_events(fn, sets, reps, iters):
+    """Median ms per call over `reps` timed loops of `iters` calls, rotating input sets."""
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(iters):
+            fn(*sets[i % len(sets)])
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    return statistics.median(times)
+
+
+def _time_graph(fn, sets, reps, launches):
+    """Median ms per call of `launches` calls captured in one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for s in sets:  # warm up on the capture stream (allocator, split-K workspace)
+            fn(*s)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for i in range(launches):
+            fn(*sets[i % len(sets)])
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / launches)
+    return statistics.median(times)
+
+
+def _host_us(fn, sets, calls=200):
+    """Host time per eager call (enqueue only; the GPU queue never fills at this depth)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(calls):
+        fn(*sets[i % len(sets)])
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def copy_bandwidth_gbs() -> float:
+    """Device-to-device copy bandwidth, read + write bytes, GB/s."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _time_events(lambda: dst.copy_(src), [()], reps=5, iters=10)
+    return 2 * src.numel() / ms / 1e6
+
+
+def _quack():
+    try:
+        from quack.gemm_interface import gemm, gemm_act
+        return gemm, gemm_act
+    except Exception as e:  # noqa: BLE001 - any import failure: the peer is unavailable
+        print(f"quack unavailable: {type(e).__name__}: {e}")
+        return None
+
+
+def _make_sets(m, n, k, dtype, bias):
+    per_set = (m * k + n * k + m * n) * torch.finfo(dtype).bits // 8
+    count = max(1, min(8, math.ceil(3 * L2_BYTES / per_set)))
+    sets = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for _ in range(count):
+        a = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+        w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).to(dtype)
+        b = torch.randn(n, device="cuda", generator=g).to(dtype) if bias else None
+        out = torch.empty(m, n, device="cuda", dtype=dtype)
+        sets.append((a, w, b, out))
+    return sets
+
+
+def bench_shape(m, n, k, dtype, slope, bias, copy_gbs, quack, compile_peer, sweep):
+    sets = _make_sets(m, n, k, dtype, bias)
+    decode = m <= glr.DECODE_MAX_M
+    flops = 2 * m * n * k
+    weight_bytes = n * k * torch.finfo(dtype).bits // 8
+
+    def ours(a, w, b, out):
+        glr.gemm_leakyrelu(a, w, slope, bias=b, out=out)
+
+    def cublas_act(a, w, b, out):
+        F.leaky_relu(F.linear(a, w, b), slope, inplace=True)
+
+    def cublas(a, w, b, out):
+        torch.mm(a, w.t(), out=out) if b is None else torch.addmm(b, a, w.t(), out=out)
+
+    methods = {"rosekernels": ours, "cublas+leaky_relu": cublas_act, "cublas": cublas}
+    if compile_peer:
+        compiled = torch.compile(lambda a, w, b: F.leaky_relu(F.linear(a, w, b), slope), dynamic=False)
+        methods["torch.compile"] = lambda a, w, b, out: compiled(a, w, b)
+    if quack is not None:
+        q_gemm, q_gemm_act = quack
+        methods["quack"] = lambda a, w, b, out: q_gemm(a, w.t(), out=out, bias=b, tuned=False)
+        methods["quack+relu (fused)"] = lambda a, w, b, out: q_gemm_act(
+            a, w.t(), bias=b, activation="relu", postact_out=out, store_preact=False, tuned=False)
+
+    # Correctness against cuBLAS + leaky_relu (fp32 accumulation both).
+    a, w, b, out = sets[0]
+    ours(a, w, b, out)
+    ref = F.leaky_relu(F.linear(a.float(), w.float(), None if b is None else b.float()), slope)
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+
+    rows = []
+    for name, fn in methods.items():
+        try:
+            fn(*sets[0])  # compile / autotune / warm up
+            torch.cuda.synchronize()
+            timing = "graph" if decode else "events"
+            if decode:
+                try:
+                    ms = _time_graph(fn, sets, reps=5, launches=max(20, 200 // len(sets) * len(sets)))
+                except Exception as e:  # noqa: BLE001 - not capturable: time it eagerly instead
+                    print(f"  {name}: CUDA graph failed ({type(e).__name__}), timing eagerly")
+                    torch.cuda.synchronize()
+                    ms, timing = _time_events(fn, sets, reps=5, iters=200), "events (graph failed)"
+                host = _host_us(fn, sets)
+            else:
+                iters = max(5, min(50, int(200 / max(flops / 700e12 * 1e3, 1e-3))))
+                ms = _time_events(fn, sets, reps=5, iters=iters)
+                host = None
+        except Exception as e:  # noqa: BLE001 - record the failure, keep benchmarking the rest
+            print(f"  {name}: failed: {type(e).__name__}: {str(e)[:300]}")
+            rows.append(dict(method=name, error=f"{type(e).__name__}: {e}"[:500]))
+            continue
+        row = dict(method=name, ms=ms, tflops=flops / ms / 1e9, host_us=host, timing=timing)
+        if decode:
+            row["weight_gbs"] = weight_bytes / ms / 1e6
+            row["pct_copy_ceiling"] = 100 * row["weight_gbs"] / copy_gbs
+        rows.append(row)
+    by = {r["method"]: r for r in rows if "ms" in r}
+    for r in rows:
+        if "ms" in r:
+            for peer in ("cublas+leaky_relu", "cublas"):
+                if peer in by:
+                    r[f"speedup_vs_{peer}"] = by[peer]["ms"] / r["ms"]
+
+    m_, n_, k_ = m, n, k
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg, splits = glr.select_config(m_, n_, k_, glr.checks.DTYPE_NAME[dtype], "k",
+                                    glr.checks.DTYPE_NAME[dtype] if bias else "none", slope, sm)
+    result = dict(m=m, n=n, k=k, decode=decode, rel_err_vs_fp32=rel, config=cfg.variant().key(),
+                  splits=splits, methods=rows)
+    if sweep:
+        result["sweep"] = _sweep(m, n, k, dtype, slope, bias, sets, decode, flops, sm)
+    return result
+
+
+def _sweep(m, n, k, dtype, slope, bias, sets, decode, flops, sm):
+    """Every tile config (prefill) or split count (decode), forced past the heuristic."""
+    name = glr.checks.DTYPE_NAME[dtype]
+    base = dict(dtype=name, bias=name if bias else "none", slope=float(slope))
+    trials = []
+    if decode:
+        cfg, _ = glr.select_config(m, n, k, name, "k", base["bias"], slope, sm)
+        k_tiles = math.ceil(k / glr.TILE_K)
+        trials = [(cfg, s, glr.RASTER_GROUP) for s in (1, 2, 3, 4, 6, 8, 16) if s <= k_tiles]
+    else:
+        for tile_m, tile_n, pingpong, _ in glr.PREFILL_TILES:
+            for group in (4, 8, 16):
+                cfg = glr.GemmConfig(**base, tile_m=tile_m, tile_n=tile_n, pingpong=pingpong)
+                trials.append((cfg, 1, group))
+    out = []
+    for cfg, splits, group in trials:
+        def fn(a, w, b, o, cfg=cfg, splits=splits, group=group):
+            glr._launch(a, w, b, o, cfg, splits, group)
+        try:
+            fn(*sets[0])
+            torch.cuda.synchronize()
+            ms = (_time_graph(fn, sets, 5, max(20, 200 // len(sets) * len(sets))) if decode
+                  else _time_events(fn, sets, 5, max(5, min(50, int(200 / (flops / 700e12 * 1e3))))))
+            out.append(dict(config=cfg.variant().key(), splits=splits, raster_group=group, ms=ms,
+                            tflops=flops / ms / 1e9))
+        except Exception as e:  # noqa: BLE001
+            out.append(dict(config=cfg.variant().key(), splits=splits, raster_group=group,
+                            error=f"{type(e).__name__}: {e}"[:300]))
+        print(f"    sweep {out[-1]}")
+    return out
+
+
+def _markdown(results, copy_gbs, device):
+    lines = [f"# gemm_leakyrelu on {device}", "",
+             f"Device copy bandwidth (read+write): {copy_gbs:.0f} GB/s. TFLOP/s = 2MNK / time; "
+             "speedups are time(peer) / time(method). Decode rows: CUDA-graph time per launch, "
+             "weight bandwidth as % of the copy bandwidth, eager host us per call.", "",
+             "| M | N | K | method | us | TFLOP/s | vs cuBLAS+act | vs cuBLAS | weights % copy | host us |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        for row in r["methods"]:
+            if "ms" not in row:
+                lines.append(f"| {r['m']} | {r['n']} | {r['k']} | {row['method']} | failed | | | | | |")
+                continue
+            pct = f"{row['pct_copy_ceiling']:.1f}" if "pct_copy_ceiling" in row else ""
+            host = f"{row['host_us']:.1f}" if row.get("host_us") else ""
+            lines.append(
+                f"| {r['m']} | {r['n']} | {r['k']} | {row['method']} | {row['ms'] * 1e3:.1f} | "
+                f"{row['tflops']:.1f} | {row.get('speedup_vs_cublas+leaky_relu', 0):.3f} | "
+                f"{row.get('speedup_vs_cublas', 0):.3f} | {pct} | {host} |")
+    lines += ["", "Chosen specializations and accuracy (relative error vs fp32 cuBLAS):", ""]
+    for r in results:
+        lines.append(f"- {r['m']}x{r['n']}x{r['k']}: `{r['config']}` splits={r['splits']} "
+                     f"rel_err={r['rel_err_vs_fp32']:.2e}")
+    if any("sweep" in r for r in results):
+        lines += ["", "## Sweep", "", "| M | N | K | config | splits | raster | us | TFLOP/s |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in results:
+            for s in r.get("sweep", []):
+                us = f"{s['ms'] * 1e3:.1f}" if "ms" in s else "failed"
+                tf = f"{s['tflops']:.1f}" if "ms" in s else ""
+                lines.append(f"| {r['m']} | {r['n']} | {r['k']} | `{s['config']}` | {s['splits']} | "
+                             f"{s['raster_group']} | {us} | {tf} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--slope", type=float, default=0.01)
+    p.add_argument("--bias", action="store_true", help="add a bias [N] (all methods)")
+    p.add_argument("--shapes", help="comma-separated MxNxK list (default: the standard set)")
+    p.add_argument("--sweep", action="store_true", help="also time every tile config / split count")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    args = p.parse_args()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    shapes = SHAPES if not args.shapes else [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    device = torch.cuda.get_device_name()
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"{device}: copy bandwidth {copy_gbs:.0f} GB/s")
+    quack = _quack()
+    results = []
+    t0 = time.time()
+    for m, n, k in shapes:
+        print(f"{m}x{n}x{k} ...", flush=True)
+        r = bench_shape(m, n, k, dtype, args.slope, args.bias, copy_gbs, quack, not args.no_compile, args.sweep)
+        for row in r["methods"]:
+            if "ms" in row:
+                print(f"  {row['method']:>22}: {row['ms'] * 1e3:9.1f} us {row['tflops']:7.1f} TFLOP/s"
+                      + (f"  {row['pct_copy_ceiling']:.1f}% copy" if "pct_copy_ceiling" in row else ""))
+        print(f"  rel err {r['rel_err_vs_fp32']:.2e}  config {r['config']} splits={r['splits']}", flush=True)
+        results.append(r)
+    os.makedirs(args.out, exist_ok=True)
+    meta = dict(device=device, copy_gbs=copy_gbs, dtype=args.dtype, slope=args.slope, bias=args.bias,
+                torch=torch.__version__, seconds=time.time() - t0)
+    with open(os.path.join(args.out, "gemm_leakyrelu.json"), "w") as f:
+        json.dump(dict(meta=meta, results=results), f, indent=1)
+    with open(os.path.join(args.out, "gemm_leakyrelu.md"), "w") as f:
+        f.write(_markdown(results, copy_gbs, device))
+    print(f"wrote {args.out}/gemm_leakyrelu.json and .md in {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,869 @@
+"""GEMM + LeakyReLU for Hopper (sm_90a): out = leaky_relu(a @ b^T + bias, negative_slope).
+
+One persistent, warp-specialized kernel serves every specialization:
+
+- a producer warp streams A/B k-tiles with TMA into a `stages`-deep shared-memory ring guarded by
+  mbarriers (PipelineTmaAsync); with a 2-CTA cluster the shared operand is multicast to both CTAs;
+- consumer warpgroups run WGMMA (bf16/fp16 in, fp32 accumulate). "Cooperative" tiles split one
+  tile across 2 warpgroups (64 rows each); "pingpong" tiles give each warpgroup a whole tile and
+  alternate mainloops (an ordering barrier), so one warpgroup's epilogue hides under the other's MMAs;
+- the epilogue adds the bias (staged once per tile in shared memory), applies LeakyReLU with the
+  slope constant-folded, converts to the input dtype and stores through shared memory with TMA
+  (which clips ragged M/N edges; ragged K is zero-filled by the TMA loads);
+- a static persistent scheduler walks the output tiles in bands of `raster_group` cluster rows
+  (L2 reuse of both operands); decode shapes (M <= 128) may split K: each split stores its fp32
+  partial tile, and the last split to finish (a per-tile counter that it resets) sums the partials
+  in split order (deterministic) and runs the epilogue.
+
+Public entry point: `gemm_leakyrelu(a, b, negative_slope=0.01, bias=None, out=None, b_layout="nk")`.
+`specializations()`, `compile_config()` and `TuningCase` expose every compiled variant to SIP.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+from rosekernels import jit  # first: it pins CUTE_DSL_ARCH=sm_90a before cutlass is imported
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+import torch
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+from cutlass.tensor_utils import LayoutEnum
+
+from rosekernels import checks
+
+OP = "gemm_leakyrelu"
+SMEM_CAPACITY = 232448  # sm_90: 227 KiB of shared memory per block
+TILE_K = 64  # 128 bytes of bf16/fp16: one SW128 swizzle atom along K
+DECODE_MAX_M = 128  # token counts up to this use the decode variants (one M tile, split-K)
+
+_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# Named barrier ids (0 is __syncthreads): epilogue groups use 1..2, pingpong MMA order 3..4.
+_EPI_BARRIER = 1
+_MMA_ORDER_BARRIER = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Every compile-time choice of one specialization."""
+
+    dtype: str = "bf16"  # a, b and out: "bf16" | "fp16"
+    b_major: str = "k"  # memory order of b seen as [N, K]: "k" (row-major [N, K]) | "n" ([K, N])
+    bias: str = "none"  # "none" | the bias dtype: "bf16" | "fp16" | "fp32"
+    slope: float = 0.01  # LeakyReLU negative slope, constant-folded
+    tile_m: int = 128
+    tile_n: int = 256
+    cluster_m: int = 2  # CTAs along M sharing (multicasting) each B tile
+    cluster_n: int = 1  # CTAs along N sharing each A tile
+    pingpong: bool = False  # one tile per warpgroup, alternating mainloops
+    split_k: bool = False  # decode: K may be split across CTAs at runtime
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("bf16", "fp16"):
+            raise ValueError(f"dtype must be bf16 or fp16, got {self.dtype!r}")
+        if self.b_major not in ("k", "n"):
+            raise ValueError(f"b_major must be 'k' or 'n', got {self.b_major!r}")
+        if self.bias not in ("none", "bf16", "fp16", "fp32"):
+            raise ValueError(f"bias must be none/bf16/fp16/fp32, got {self.bias!r}")
+        if self.bias not in ("none", self.dtype, "fp32"):
+            raise ValueError(f"a {self.dtype} GEMM takes a {self.dtype} or fp32 bias, not {self.bias}")
+        if self.pingpong and (self.tile_m != 128 or self.tile_n > 192):
+            raise ValueError("pingpong tiles are 128 x (<= 192): one warpgroup holds the accumulator")
+        if not self.pingpong and self.tile_m not in (64, 128):
+            raise ValueError("cooperative tiles are 64 or 128 rows (one 64-row warpgroup each)")
+        if self.tile_n % 32 or not 32 <= self.tile_n <= 256:
+            raise ValueError("tile_n must be a multiple of 32 in [32, 256]")
+        if self.cluster_m * self.cluster_n > 2 or min(self.cluster_m, self.cluster_n) < 1:
+            raise ValueError("clusters are 1x1, 2x1 or 1x2")
+        if self.split_k and self.cluster_m * self.cluster_n != 1:
+            raise ValueError("split-K variants do not use clusters")
+
+    @property
+    def mode(self) -> str:
+        return "decode" if self.split_k else "prefill"
+
+    def variant(self) -> jit.Variant:
+        params = dataclasses.asdict(self)
+        return jit.Variant.of(OP, self.mode, **params)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel.
+
+
+class _GemmLeakyReluSm90:
+    """Host launcher (`__call__`, a `@cute.jit`) and device body (`kernel`) of one GemmConfig."""
+
+    def __init__(self, cfg: GemmConfig):
+        self.cfg = cfg
+        self.ab_dtype = _DTYPES[cfg.dtype]
+        self.acc_dtype = Float32
+        self.tile_shape = (cfg.tile_m, cfg.tile_n, TILE_K)
+        self.cluster_shape = (cfg.cluster_m, cfg.cluster_n, 1)
+        # Cooperative: tile_m/64 warpgroups share a tile. Pingpong: 2 warpgroups, a tile each.
+        self.wg_per_tile = 1 if cfg.pingpong else cfg.tile_m // 64
+        self.num_mma_wg = 2 if cfg.pingpong else self.wg_per_tile
+        self.epi_threads = 128 * self.wg_per_tile  # threads sharing one tile's epilogue
+        self.threads = 128 * (self.num_mma_wg + 1)  # + the producer warpgroup (last)
+        self.load_warp = 4 * self.num_mma_wg
+        self.atom_layout = (self.wg_per_tile, 1, 1)
+        acc_regs = cfg.tile_m * cfg.tile_n // self.epi_threads
+        # Registers: the producer warpgroup gives its share to the MMA warpgroups.
+        self.regs_load, self.regs_mma = (24, 240) if acc_regs >= 192 else (40, 232)
+        # Epilogue subtile: 32 columns; rows = the rows one pass of the tile's warpgroups covers.
+        self.epi_tile = (64 * self.wg_per_tile, 32)
+        self.tile_slots = self.num_mma_wg // self.wg_per_tile  # tiles in flight per CTA
+        self.mcast_a = cfg.cluster_n  # CTAs of a cluster row load the same A tile
+        self.mcast_b = cfg.cluster_m
+        self.ab_stage, self.epi_stage = self._stages()
+
+    def _stages(self) -> tuple[int, int]:
+        """Fill shared memory with A/B stages after 2 epilogue buffers per tile slot; leftover
+        goes to more epilogue buffers (up to 4)."""
+        elem = self.ab_dtype.width // 8
+        ab_bytes = (self.cfg.tile_m + self.cfg.tile_n) * TILE_K * elem
+        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * elem * self.tile_slots
+        fixed = 2048 + 4 * self.cfg.tile_n * self.tile_slots  # mbarriers, flags, alignment, bias
+        ab_stage = (SMEM_CAPACITY - fixed - 2 * epi_bytes) // ab_bytes
+        left = SMEM_CAPACITY - fixed - ab_stage * ab_bytes
+        epi_stage = min(4, left // epi_bytes)
+        return ab_stage, epi_stage
+
+    # -----------------------------------------------------------------------------------------
+    # Host side.
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,  # [M, K], K contiguous
+        mB: cute.Tensor,  # [N, K], K or N contiguous
+        mD: cute.Tensor,  # [M, N], N contiguous
+        mBias: Optional[cute.Tensor],  # [N] or None
+        mPartials: Optional[cute.Tensor],  # split-K: fp32 partial tiles
+        mCounters: Optional[cute.Tensor],  # split-K: int32 per output tile, zero between launches
+        num_splits: Int32,
+        raster_group: Int32,
+        max_clusters: Int32,
+        stream,
+    ):
+        a_layout = LayoutEnum.ROW_MAJOR
+        b_layout = LayoutEnum.ROW_MAJOR if const_expr(self.cfg.b_major == "k") else LayoutEnum.COL_MAJOR
+        d_layout = LayoutEnum.ROW_MAJOR
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype,
+            self.ab_dtype,
+            a_layout.sm90_mma_major_mode(),
+            b_layout.sm90_mma_major_mode(),
+            self.acc_dtype,
+            self.atom_layout,
+            tiler_mn=(64, self.cfg.tile_n),
+        )
+        a_smem = sm90_utils.make_smem_layout_a(a_layout, self.tile_shape, self.ab_dtype, self.ab_stage)
+        b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile_shape, self.ab_dtype, self.ab_stage)
+        d_smem = sm90_utils.make_smem_layout_epi(
+            self.ab_dtype, d_layout, self.epi_tile, self.epi_stage * self.tile_slots
+        )
+        a_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.mcast_a > 1) else cpasync.CopyBulkTensorTileG2SOp()
+        b_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.mcast_b > 1) else cpasync.CopyBulkTensorTileG2SOp()
+        a_smem_one = cute.slice_(a_smem, (None, None, 0))
+        b_smem_one = cute.slice_(b_smem, (None, None, 0))
+        tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
+            a_op, mA, a_smem_one, (self.cfg.tile_m, TILE_K), num_multicast=self.mcast_a
+        )
+        tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
+            b_op, mB, b_smem_one, (self.cfg.tile_n, TILE_K), num_multicast=self.mcast_b
+        )
+        tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mD, cute.slice_(d_smem, (None, None, 0)), self.epi_tile
+        )
+        tx_bytes = cute.size_in_bytes(self.ab_dtype, a_smem_one) + cute.size_in_bytes(self.ab_dtype, b_smem_one)
+
+        @cute.struct
+        class SharedStorage:
+            ab_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.ab_stage]
+            last_split: cute.struct.MemRange[Int32, 4]
+            bias: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_slots * self.cfg.tile_n], 16]
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], 1024]
+            sD: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(d_smem)], 1024]
+
+        self.shared_storage = SharedStorage
+        if const_expr(SharedStorage.size_in_bytes() > SMEM_CAPACITY):
+            raise ValueError(f"{self.cfg}: {SharedStorage.size_in_bytes()} bytes of shared memory")
+
+        # Persistent grid: one cluster per (cluster-sized) output tile, at most max_clusters.
+        m, n = mA.shape[0], mB.shape[0]
+        clusters_m = cute.ceil_div(cute.ceil_div(m, self.cfg.tile_m), self.cfg.cluster_m)
+        clusters_n = cute.ceil_div(cute.ceil_div(n, self.cfg.tile_n), self.cfg.cluster_n)
+        units = clusters_m * clusters_n * num_splits
+        grid_clusters = cutlass.min(units, max_clusters)
+        self.kernel(
+            tiled_mma, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d,
+            mBias, mPartials, mCounters, num_splits, raster_group, clusters_m, clusters_n,
+            a_smem, b_smem, d_smem, tx_bytes,
+        ).launch(
+            grid=(self.cfg.cluster_m, self.cfg.cluster_n, grid_clusters),
+            block=(self.threads, 1, 1),
+            cluster=self.cluster_shape,
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    # -----------------------------------------------------------------------------------------
+    # Device side.
+
+    @cute.jit
+    def _work_unit(self, unit: Int32, num_splits: Int32, raster_group: Int32, clusters_m: Int32,
+                   clusters_n: Int32, k_tiles: Int32, cluster_coord):
+        """(tile_m index, tile_n index, split, first k-tile, k-tile count) of work unit `unit`.
+        Cluster tiles are walked in bands of `raster_group` cluster rows, column by column."""
+        split = unit % num_splits
+        tile = unit // num_splits
+        band_size = raster_group * clusters_n
+        band = tile // band_size
+        first_row = band * raster_group
+        rows = cutlass.min(raster_group, clusters_m - first_row)
+        in_band = tile - band * band_size
+        cm = first_row + in_band % rows
+        cn = in_band // rows
+        k_begin = split * k_tiles // num_splits
+        k_end = (split + 1) * k_tiles // num_splits
+        return (cm * self.cfg.cluster_m + cluster_coord[0], cn * self.cfg.cluster_n + cluster_coord[1],
+                split, k_begin, k_end - k_begin)
+
+    @cute.jit
+    def _leaky(self, x: Float32) -> Float32:
+        slope = self.cfg.slope
+        if const_expr(0.0 <= slope <= 1.0):
+            return cute.arch.fmax(x, x * slope)  # two instructions; NaN stays NaN
+        return cutlass.select_(x > 0.0, x, x * slope)
+
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma: cute.TiledMma,
+        tma_atom_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_atom_d: cute.CopyAtom,
+        mD: cute.Tensor,
+        mBias: Optional[cute.Tensor],
+        mPartials: Optional[cute.Tensor],
+        mCounters: Optional[cute.Tensor],
+        num_splits: Int32,
+        raster_group: Int32,
+        clusters_m: Int32,
+        clusters_n: Int32,
+        a_smem: cute.ComposedLayout,
+        b_smem: cute.ComposedLayout,
+        d_smem: cute.ComposedLayout,
+        tx_bytes: cutlass.Constexpr,
+    ):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        if warp_idx == self.load_warp:
+            cpasync.prefetch_descriptor(tma_atom_a)
+            cpasync.prefetch_descriptor(tma_atom_b)
+            cpasync.prefetch_descriptor(tma_atom_d)
+
+        cta_layout = cute.make_layout(self.cluster_shape)
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord = cta_layout.get_flat_coord(cta_rank)
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        # Each consumer warp releases a stage to every CTA that multicast into it.
+        consumer_warps = 4 * self.wg_per_tile
+        ab_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ab_barriers.data_ptr(),
+            num_stages=self.ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, consumer_warps * (self.mcast_a + self.mcast_b - 1)
+            ),
+            tx_count=tx_bytes,
+            cta_layout_vmnk=cute.make_layout((1, *self.cluster_shape)),
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=self.cluster_shape[:2], is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        sD = storage.sD.get_tensor(d_smem.outer, swizzle=d_smem.inner)
+        sBias = storage.bias.get_tensor(cute.make_layout((cfg.tile_n, self.tile_slots)))
+        sLast = storage.last_split.get_tensor(cute.make_layout(4))
+
+        # (bM, bK, RestM, RestK) / (bN, bK, RestN, RestK) / (bM, bN, RestM, RestN)
+        gA = cute.local_tile(mA, (cfg.tile_m, TILE_K), (None, None))
+        gB = cute.local_tile(mB, (cfg.tile_n, TILE_K), (None, None))
+        gD = cute.local_tile(mD, (cfg.tile_m, cfg.tile_n), (None, None))
+        tAsA, tAgA = cpasync.tma_partition(
+            tma_atom_a, cluster_coord[1], cute.make_layout(self.mcast_a),
+            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2),
+        )
+        tBsB, tBgB = cpasync.tma_partition(
+            tma_atom_b, cluster_coord[0], cute.make_layout(self.mcast_b),
+            cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2),
+        )
+        a_mcast_mask = 0
+        b_mcast_mask = 0
+        if const_expr(self.mcast_a > 1):
+            a_mcast_mask = cute.make_layout_image_mask(cta_layout, cluster_coord, mode=1)
+        if const_expr(self.mcast_b > 1):
+            b_mcast_mask = cute.make_layout_image_mask(cta_layout, cluster_coord, mode=0)
+
+        k_tiles = cute.ceil_div(mA.shape[1], TILE_K)
+        units = clusters_m * clusters_n * num_splits
+        first_unit = cute.arch.block_idx()[2]
+        unit_stride = cute.arch.grid_dim()[2]
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_shape[:2])
+
+        # ---------------------------------------------------------------- producer warp
+        if warp_idx >= self.load_warp:
+            cute.arch.setmaxregister_decrease(self.regs_load)
+            if warp_idx == self.load_warp:
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+                unit = first_unit
+                while unit < units:
+                    tile_m, tile_n, _, k_begin, k_count = self._work_unit(
+                        unit, num_splits, raster_group, clusters_m, clusters_n, k_tiles, cluster_coord
+                    )
+                    tAgA_m = tAgA[(None, tile_m, None)]
+                    tBgB_n = tBgB[(None, tile_n, None)]
+                    for k in cutlass.range(k_count, unroll=1):
+                        ab_pipeline.producer_acquire(state)
+                        barrier = ab_pipeline.producer_get_barrier(state)
+                        cute.copy(tma_atom_a, tAgA_m[(None, k_begin + k)], tAsA[(None, state.index)],
+                                  tma_bar_ptr=barrier, mcast_mask=a_mcast_mask)
+                        cute.copy(tma_atom_b, tBgB_n[(None, k_begin + k)], tBsB[(None, state.index)],
+                                  tma_bar_ptr=barrier, mcast_mask=b_mcast_mask)
+                        ab_pipeline.producer_commit(state)
+                        state.advance()
+                    unit += unit_stride
+                ab_pipeline.producer_tail(state)
+
+        # ---------------------------------------------------------------- MMA warpgroups
+        if warp_idx < self.load_warp:
+            cute.arch.setmaxregister_increase(self.regs_mma)
+            slot = wg_idx if const_expr(cfg.pingpong) else 0  # which concurrent tile (pingpong)
+            t = tidx - slot * self.epi_threads  # thread index within the tile's warpgroups
+            epi_warp = slot * 4  # its first warp issues the TMA stores
+            thr_mma = tiled_mma.get_slice(t)
+            tCsA = thr_mma.partition_A(sA)
+            tCsB = thr_mma.partition_B(sB)
+            tCrA = tiled_mma.make_fragment_A(tCsA)
+            tCrB = tiled_mma.make_fragment_B(tCsB)
+            tCgD = thr_mma.partition_C(gD[(None, None, 0, 0)])
+            acc = cute.make_rmem_tensor(tCgD.shape, self.acc_dtype)
+            # Tile coordinates of each accumulator element: the bias column.
+            tCcD = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
+            num_k_blocks = cute.size(tCrA, mode=[2])
+
+            # Epilogue: registers -> shared memory (stmatrix) -> global (TMA store).
+            copy_atom_c = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.ab_dtype)
+            tiled_copy_r2s = cute.make_tiled_copy_S(
+                sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.ab_dtype, self.acc_dtype),
+                cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma),
+            )
+            thr_copy_r2s = tiled_copy_r2s.get_slice(t)
+            tRS_sD = thr_copy_r2s.partition_D(sD)  # (R2S, R2S_M, R2S_N, buffer)
+            tRS_rAcc = tiled_copy_r2s.retile(acc)
+            rD_shape = cute.shape(thr_copy_r2s.partition_S(sD))
+            tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
+            tRS_rD_out = cute.make_rmem_tensor(rD_shape[:3], self.ab_dtype)
+            subtile_size = cute.size(tRS_rD)
+            store_pipeline = pipeline.PipelineTmaStore.create(
+                num_stages=self.epi_stage,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads),
+            )
+            subtiles = cute.zipped_divide(cute.make_layout((cfg.tile_m, cfg.tile_n)), self.epi_tile).shape[1]
+            subtile_order = cute.make_layout(subtiles, stride=(subtiles[1], 1))  # N fastest
+            num_subtiles = cute.size(subtiles)
+            bias_per_thread = cute.ceil_div(cfg.tile_n, self.epi_threads)
+            bias_regs = cute.make_rmem_tensor((bias_per_thread,), Float32)
+            partial_span = self.epi_threads * cute.size(acc)  # floats per partial tile
+
+            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+            unit = first_unit
+            if const_expr(cfg.pingpong):
+                # Warpgroup 1 starts at the CTA's second tile, whose stages follow the first's.
+                unit += wg_idx * unit_stride
+                if wg_idx == 1:
+                    read_state.advance(k_tiles)
+                else:
+                    cute.arch.barrier_arrive(barrier_id=_MMA_ORDER_BARRIER, number_of_threads=256)
+            epi_count = Int32(0)  # subtiles stored so far: selects the epilogue buffer
+
+            while unit < units:
+                tile_m, tile_n, split, k_begin, k_count = self._work_unit(
+                    unit, num_splits, raster_group, clusters_m, clusters_n, k_tiles, cluster_coord
+                )
+                if const_expr(cfg.bias != "none"):
+                    # Fetched now, used after the mainloop: its latency hides under the MMAs.
+                    for j in cutlass.range_constexpr(bias_per_thread):
+                        col = t + j * self.epi_threads
+                        n_idx = tile_n * cfg.tile_n + col
+                        bias_regs[j] = Float32(0.0)
+                        if col < cfg.tile_n and n_idx < mD.shape[1]:
+                            bias_regs[j] = mBias[n_idx].to(Float32)
+
+                # ------------------------------------------------ mainloop
+                if const_expr(cfg.pingpong):
+                    cute.arch.barrier(barrier_id=_MMA_ORDER_BARRIER + wg_idx, number_of_threads=256)
+                release_state = read_state.clone()
+                acc.fill(0.0)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.fence()
+                for k in cutlass.range(k_count, unroll=1):
+                    ab_pipeline.consumer_wait(read_state)
+                    for kb in cutlass.range_constexpr(num_k_blocks):
+                        coord = (None, None, kb, read_state.index)
+                        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                    warpgroup.commit_group()
+                    read_state.advance()
+                    if k > 0:
+                        # Keep one WGMMA batch in flight; the one before it has read its stage.
+                        warpgroup.wait_group(1)
+                        ab_pipeline.consumer_release(release_state)
+                        release_state.advance()
+                if const_expr(cfg.pingpong):
+                    cute.arch.barrier_arrive(barrier_id=_MMA_ORDER_BARRIER + 1 - wg_idx, number_of_threads=256)
+                warpgroup.wait_group(0)
+                if k_count > 0:
+                    ab_pipeline.consumer_release(release_state)
+                if const_expr(cfg.pingpong):
+                    read_state.advance(k_tiles)  # skip the other warpgroup's tile
+
+                # ------------------------------------------------ split-K: last split reduces
+                run_epilogue = True
+                if const_expr(cfg.split_k):
+                    if num_splits > 1:
+                        tile_idx = tile_m * clusters_n + tile_n
+                        run_epilogue = self._reduce_splits(
+                            acc, mPartials, mCounters, sLast, tile_idx, split, num_splits,
+                            partial_span, t, slot,
+                        )
+
+                # ------------------------------------------------ epilogue
+                if run_epilogue:
+                    if const_expr(cfg.bias != "none"):
+                        for j in cutlass.range_constexpr(bias_per_thread):
+                            col = t + j * self.epi_threads
+                            if col < cfg.tile_n:
+                                sBias[col, slot] = bias_regs[j]
+                        self._epi_sync(slot)
+                    for i in cutlass.range(cute.size(acc), unroll_full=True):
+                        x = acc[i]
+                        if const_expr(cfg.bias != "none"):
+                            x = x + sBias[tCcD[i][1], slot]
+                        acc[i] = self._leaky(x)
+
+                    gD_tile = gD[(None, None, tile_m, tile_n)]
+                    bSG_sD, bSG_gD = cpasync.tma_partition(
+                        tma_atom_d, 0, cute.make_layout(1),
+                        cute.group_modes(sD, 0, 2), cute.zipped_divide(gD_tile, self.epi_tile),
+                    )
+                    for s in cutlass.range_constexpr(num_subtiles):
+                        for v in cutlass.range_constexpr(subtile_size):
+                            tRS_rD[v] = tRS_rAcc[s * subtile_size + v]
+                        tRS_rD_out.store(tRS_rD.load().to(self.ab_dtype))
+                        buf = slot * self.epi_stage + epi_count % self.epi_stage
+                        cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+                        # Make the smem writes visible to the TMA (async proxy), then store.
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        self._epi_sync(slot)
+                        if warp_idx == epi_warp:
+                            cute.copy(tma_atom_d, bSG_sD[(None, buf)],
+                                      bSG_gD[(None, subtile_order.get_hier_coord(s))])
+                            store_pipeline.producer_commit()
+                            store_pipeline.producer_acquire()  # the next buffer's store has read it
+                        self._epi_sync(slot)
+                        epi_count += 1
+
+                unit += unit_stride * self.tile_slots
+            if warp_idx == epi_warp:
+                store_pipeline.producer_tail()
+
+    @cute.jit
+    def _epi_sync(self, slot: Int32):
+        cute.arch.barrier(barrier_id=_EPI_BARRIER + slot, number_of_threads=self.epi_threads)
+
+    @cute.jit
+    def _reduce_splits(self, acc: cute.Tensor, mPartials: cute.Tensor, mCounters: cute.Tensor,
+                       sLast: cute.Tensor, tile_idx: Int32, split: Int32, num_splits: Int32,
+                       partial_span: cutlass.Constexpr, t: Int32, slot: Int32):
+        """Store this split's fp32 partial tile; the last split of the tile to arrive sums all
+        partials in split order (run-to-run deterministic), resets the counter and returns True."""
+        num = cute.size(acc)
+        base = tile_idx * num_splits * partial_span + t
+        mine = base + split * partial_span
+        for i in cutlass.range(num, unroll_full=True):
+            mPartials[mine + i * self.epi_threads] = acc[i]
+        self._epi_sync(slot)
+        if t == 0:
+            cute.arch.fence_acq_rel_gpu()  # the tile's partial stores before the count
+            arrived = cute.arch.atomic_add(
+                mCounters.iterator + tile_idx, Int32(1), sem="acq_rel", scope="gpu"
+            )
+            sLast[slot] = Int32(arrived == num_splits - 1)
+        self._epi_sync(slot)
+        is_last = sLast[slot] != 0
+        if is_last:
+            cute.arch.fence_acq_rel_gpu()
+            acc.fill(0.0)
+            for s in cutlass.range(num_splits, unroll=1):
+                src = base + s * partial_span
+                for i in cutlass.range(num, unroll_full=True):
+                    # .cg: read L2, where the other CTAs' partials are, never a stale L1 line.
+                    acc[i] = acc[i] + cute.arch.load(
+                        mPartials.iterator + (src + i * self.epi_threads), Float32, cop="cg"
+                    )
+            if t == 0:
+                mCounters[tile_idx] = Int32(0)
+        return is_last
+
+
+# ---------------------------------------------------------------------------------------------
+# Compilation.
+
+
+def _build(cfg: GemmConfig):
+    """(launcher, fake compile arguments): one compile serves every M, N, K and stride."""
+    elem = _DTYPES[cfg.dtype]
+    m, n, k = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    a = make_fake_tensor(elem, (m, k), (cute.sym_int64(divisibility=8), 1), assumed_align=16)
+    if cfg.b_major == "k":
+        b = make_fake_tensor(elem, (n, k), (cute.sym_int64(divisibility=8), 1), assumed_align=16)
+    else:
+        b = make_fake_tensor(elem, (n, k), (1, cute.sym_int64(divisibility=8)), assumed_align=16)
+    d = make_fake_tensor(elem, (m, n), (cute.sym_int64(divisibility=8), 1), assumed_align=16)
+    bias = None
+    if cfg.bias != "none":
+        bias = make_fake_tensor(_DTYPES[cfg.bias], (n,), (1,), assumed_align=_DTYPES[cfg.bias].width // 8)
+    partials = counters = None
+    if cfg.split_k:
+        partials = make_fake_tensor(Float32, (cute.sym_int(),), (1,), assumed_align=16)
+        counters = make_fake_tensor(Int32, (cute.sym_int(),), (1,), assumed_align=4)
+    args = (a, b, d, bias, partials, counters, Int32(1), Int32(8), Int32(132),
+            make_fake_stream(use_tvm_ffi_env_stream=True))
+    return _GemmLeakyReluSm90(cfg), args
+
+
+@functools.lru_cache(maxsize=None)
+def compile_config(cfg: GemmConfig) -> jit.CompiledKernel:
+    """The loaded kernel of `cfg` (compiled once per process, cached on disk)."""
+    return jit.compile_variant(cfg.variant(), lambda: _build(cfg))
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing a specialization.
+
+# Prefill tile candidates and their relative MMA efficiency per output element (the wave model
+# below trades it against wave quantization).
+PREFILL_TILES = (
+    # (tile_m, tile_n, pingpong, efficiency)
+    (128, 256, False, 1.00),
+    (128, 192, True, 1.00),
+    (128, 128, True, 0.95),
+)
+RASTER_GROUP = 8  # cluster rows per band of the tile walk: both operands' bands stay in L2
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _max_active_clusters(device_index: int, cluster_size: int) -> int:
+    """Clusters of `cluster_size` CTAs (one per SM) that can be resident at once."""
+    sms = _num_sms(device_index)
+    if cluster_size == 1:
+        return sms
+    try:  # GPCs with an odd number of free SMs fit fewer 2-CTA clusters than sms // 2
+        with torch.cuda.device(device_index):
+            torch.cuda.init()
+            return int(cutlass.utils.HardwareInfo(device_index).get_max_active_clusters(cluster_size))
+    except Exception:  # noqa: BLE001 - an occupancy query failure only costs the estimate
+        return sms // cluster_size
+
+
+@functools.lru_cache(maxsize=4096)
+def select_config(m: int, n: int, k: int, dtype: str, b_major: str, bias: str, slope: float,
+                  num_sms: int) -> tuple[GemmConfig, int]:
+    """(specialization, K splits) for an [m, k] x [n, k] problem on a GPU with `num_sms` SMs."""
+    base = dict(dtype=dtype, b_major=b_major, bias=bias, slope=float(slope))
+    k_tiles = max(1, math.ceil(k / TILE_K))
+    if m <= DECODE_MAX_M:
+        # Weight-bandwidth bound: one M tile; split K when the N tiles cannot fill the GPU.
+        cfg = GemmConfig(**base, tile_m=64 if m <= 64 else 128, tile_n=128, cluster_m=1,
+                         split_k=True)
+        tiles = math.ceil(n / cfg.tile_n)
+        splits = max(1, min(num_sms // tiles, k_tiles // 4, 16)) if tiles < num_sms else 1
+        return cfg, splits
+    best = None
+    for tile_m, tile_n, pingpong, efficiency in PREFILL_TILES:
+        clusters = math.ceil(math.ceil(m / tile_m) / 2) * math.ceil(n / tile_n)
+        waves = math.ceil(clusters / (num_sms // 2))
+        cost = waves * tile_m * tile_n / efficiency
+        if best is None or cost < best[0]:
+            best = (cost, tile_m, tile_n, pingpong)
+    _, tile_m, tile_n, pingpong = best
+    return GemmConfig(**base, tile_m=tile_m, tile_n=tile_n, pingpong=pingpong), 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Launching.
+
+_workspaces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_workspace(device: torch.device, tiles: int, floats: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(counters, partials) of split-K launches on the current stream: int32 counters, one per
+    output tile, zeroed once and returned to zero by the kernel; fp32 partial tiles. Launches on
+    one stream never overlap, so both are reused; they only grow."""
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    counters, partials = _workspaces.get(key, (None, None))
+    if counters is None or counters.numel() < tiles:
+        counters = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+    if partials is None or partials.numel() < floats:
+        partials = torch.empty(max(floats, 4), dtype=torch.float32, device=device)
+    _workspaces[key] = counters, partials
+    return counters, partials
+
+
+def _row_stride_ok(t: torch.Tensor) -> torch.Tensor:
+    """`t` with a 16-byte multiple row stride: a size-1 leading dim may carry any stride."""
+    if t.shape[0] == 1 and t.stride(0) % 8:
+        return t.as_strided(t.shape, (8 * math.ceil(t.shape[1] / 8), t.stride(1)))
+    return t
+
+
+def _launch(a: torch.Tensor, b_nk: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
+            cfg: GemmConfig, splits: int, raster_group: int = RASTER_GROUP) -> None:
+    """Run `cfg` on validated arguments (b_nk: b seen as [N, K])."""
+    kernel = compile_config(cfg)
+    m, k = a.shape
+    n = b_nk.shape[0]
+    device = a.device
+    partials = counters = None
+    if cfg.split_k:
+        tiles = math.ceil(n / cfg.tile_n) * math.ceil(m / cfg.tile_m)
+        floats = tiles * splits * cfg.tile_m * cfg.tile_n if splits > 1 else 0
+        counters, partials = _split_workspace(device, tiles, floats)
+    clusters = _max_active_clusters(device.index, cfg.cluster_m * cfg.cluster_n)
+    args = (_row_stride_ok(a), b_nk, _row_stride_ok(out), bias, partials, counters, splits,
+            raster_group, clusters)
+    if device.index == torch.cuda.current_device():
+        kernel.fn(*args)
+    else:
+        with torch.cuda.device(device):  # the launch goes to the current device's stream
+            kernel.fn(*args)
+
+
+def _check_shapes(a, b_nk, bias, out) -> None:
+    """Dtypes and shapes (also checked on fake tensors, when torch.compile traces the op)."""
+    checks.check_dtype("a", a, (torch.bfloat16, torch.float16))
+    if b_nk.dtype != a.dtype:
+        raise TypeError(f"b has dtype {b_nk.dtype}, a has {a.dtype}: they must match")
+    if a.dim() != 2 or b_nk.dim() != 2:
+        raise ValueError(f"a and b must be 2-D, got shapes {list(a.shape)} and {list(b_nk.shape)}")
+    m, k = a.shape
+    n = b_nk.shape[0]
+    if b_nk.shape[1] != k:
+        raise ValueError(f"a is [M, K] = {list(a.shape)} but b gives K = {b_nk.shape[1]}")
+    if n % 8 or k % 8:
+        raise ValueError(f"N and K must be multiples of 8 (16-byte rows for TMA), got N={n}, K={k}")
+    if bias is not None:
+        checks.check_dtype("bias", bias, (a.dtype, torch.float32))
+        checks.check_shape("bias", bias, (n,))
+        if n > 1 and bias.stride(0) != 1:
+            raise ValueError("bias must be contiguous")
+    checks.check_dtype("out", out, (a.dtype,))
+    checks.check_shape("out", out, (m, n))
+
+
+def _check_memory(a, b_nk, bias, out) -> None:
+    """Strides, alignment, aliasing and the device (last, so that every other error shows on CPU
+    tensors too)."""
+    for name, t in (("a", a), ("out", out)):
+        if t.numel():
+            checks.check_unit_last_stride(name, t)
+            if t.shape[0] > 1:
+                checks.check_aligned(name, t)
+            elif t.data_ptr() % 16:
+                raise ValueError(f"{name} must be 16-byte aligned")
+    if b_nk.numel():
+        if b_nk.stride(1) != 1 and b_nk.stride(0) != 1:
+            raise ValueError(f"b must be contiguous along N or K, got strides {b_nk.stride()}")
+        checks.check_aligned("b", b_nk if b_nk.stride(1) == 1 else b_nk.t())
+    for name, t in (("a", a), ("b", b_nk), ("bias", bias)):
+        if t is not None and _overlap(out, t):
+            raise ValueError(f"out must not overlap {name}")
+    checks.check_same_device(a=a, b=b_nk, bias=bias, out=out)
+    checks.check_cuda("a", a)
+
+
+def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether the byte ranges spanned by x and y intersect."""
+    if x.numel() == 0 or y.numel() == 0:
+        return False
+
+    def span(t):
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (x0, x1), (y0, y1) = span(x), span(y)
+    return x0 < y1 and y0 < x1
+
+
+def _b_as_nk(b: torch.Tensor, b_layout: str) -> torch.Tensor:
+    if b_layout not in ("nk", "kn"):
+        raise ValueError(f"b_layout must be 'nk' (b is [N, K]) or 'kn' (b is [K, N]), got {b_layout!r}")
+    if not isinstance(b, torch.Tensor) or b.dim() != 2:
+        raise ValueError("b must be a 2-D tensor")
+    return b if b_layout == "nk" else b.t()
+
+
+def _gemm_leakyrelu_impl(a: torch.Tensor, b_nk: torch.Tensor, bias: Optional[torch.Tensor],
+                         out: torch.Tensor, negative_slope: float) -> None:
+    _check_shapes(a, b_nk, bias, out)
+    _check_memory(a, b_nk, bias, out)
+    m, k = a.shape
+    n = b_nk.shape[0]
+    if m == 0 or n == 0:
+        return
+    if k == 0:  # no K tiles for TMA to describe: the product is zero
+        out.copy_(torch.nn.functional.leaky_relu(
+            (bias.float() if bias is not None else out.new_zeros(n, dtype=torch.float32)).expand(m, n),
+            negative_slope))
+        return
+    names = checks.DTYPE_NAME
+    cfg, splits = select_config(
+        m, n, k, names[a.dtype], "k" if b_nk.stride(1) == 1 else "n",
+        names[bias.dtype] if bias is not None else "none", negative_slope, _num_sms(a.device.index),
+    )
+    _launch(a, b_nk, bias, out, cfg, splits)
+
+
+@torch.library.custom_op("rosekernels::gemm_leakyrelu", mutates_args=("out",))
+def _gemm_leakyrelu_op(a: torch.Tensor, b_nk: torch.Tensor, bias: Optional[torch.Tensor],
+                       out: torch.Tensor, negative_slope: float) -> None:
+    _gemm_leakyrelu_impl(a, b_nk, bias, out, negative_slope)
+
+
+@_gemm_leakyrelu_op.register_fake
+def _(a, b_nk, bias, out, negative_slope) -> None:
+    _check_shapes(a, b_nk, bias, out)
+
+
+def gemm_leakyrelu(a: torch.Tensor, b: torch.Tensor, negative_slope: float = 0.01,
+                   bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                   b_layout: str = "nk") -> torch.Tensor:
+    """leaky_relu(a @ b^T + bias) for b_layout="nk" (b: [N, K], the weight layout of nn.Linear),
+    leaky_relu(a @ b + bias) for b_layout="kn" (b: [K, N]).
+
+    a: [M, K] bf16/fp16, unit stride along K; b: same dtype, contiguous along K or along N (a
+    transposed view works: b_layout only says which dim is N); bias: [N] in a's dtype or fp32;
+    out: [M, N] in a's dtype (allocated when None). Any M; N and K multiples of 8; rows 16-byte
+    aligned. fp32 accumulation; the slope is compiled into the kernel (one variant per value).
+    Registered as torch.ops.rosekernels.gemm_leakyrelu (mutating `out`) for torch.compile and fake
+    tensors; eager calls skip the dispatcher (tens of microseconds), no autograd either way.
+    """
+    b_nk = _b_as_nk(b, b_layout)
+    if out is None:
+        if not isinstance(a, torch.Tensor) or a.dim() != 2:
+            raise ValueError("a must be a 2-D tensor")
+        out = torch.empty((a.shape[0], b_nk.shape[0]), dtype=a.dtype, device=a.device)
+    plain = (torch.Tensor, torch.nn.Parameter)
+    if (torch.compiler.is_compiling() or out.device.type == "meta"
+            or any(type(t) not in plain for t in (a, b_nk, bias, out) if t is not None)):
+        _gemm_leakyrelu_op(a, b_nk, bias, out, float(negative_slope))  # traced: the registered op
+    else:
+        _gemm_leakyrelu_impl(a, b_nk, bias, out, float(negative_slope))  # eager: skip the dispatcher
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Specializations, for CI and for SIP (`sip-tune --kernel gemm_leakyrelu`).
+
+
+def specializations(slope: float = 0.01) -> list[GemmConfig]:
+    """Every kernel variant `gemm_leakyrelu` can launch for one slope value (bias dtype "fp32"
+    and the input dtype both count; b contiguous along K or N)."""
+    tiles = [dict(tile_m=tm, tile_n=tn, pingpong=pp) for tm, tn, pp, _ in PREFILL_TILES]
+    tiles += [dict(tile_m=tm, tile_n=128, cluster_m=1, split_k=True) for tm in (64, 128)]
+    return [GemmConfig(dtype=dt, b_major=bm, bias=bias, slope=slope, **t)
+            for dt in ("bf16", "fp16") for bm in ("k", "n")
+            for bias in ("none", dt, "fp32") for t in tiles]
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningCase:
+    """One specialization with a representative problem: what SIP needs to time and check it."""
+
+    config: GemmConfig
+    m: int
+    n: int
+    k: int
+
+    @classmethod
+    def for_config(cls, cfg: GemmConfig) -> "TuningCase":
+        if cfg.split_k:
+            return cls(cfg, 16 if cfg.tile_m == 64 else 128, 14336, 4096)
+        return cls(cfg, 8192, 14336, 4096)
+
+    def kernel(self) -> jit.CompiledKernel:
+        return compile_config(self.config)
+
+    def make_args(self, device: str = "cuda", seed: int = 0) -> tuple:
+        """Positional arguments of `kernel().fn(*args)` on fresh random inputs; the output
+        (args[2]) is NaN-filled so a skipped element shows."""
+        cfg = self.config
+        g = torch.Generator(device=device).manual_seed(seed)
+        dt = _TORCH_DTYPES[cfg.dtype]
+        a = torch.randn(self.m, self.k, generator=g, device=device).to(dt)
+        b = torch.randn(self.n, self.k, generator=g, device=device).div_(self.k ** 0.5).to(dt)
+        if cfg.b_major == "n":
+            b = b.t().contiguous().t()
+        bias = None
+        if cfg.bias != "none":
+            bias = torch.randn(self.n, generator=g, device=device).to(_TORCH_DTYPES[cfg.bias])
+        out = torch.full((self.m, self.n), float("nan"), dtype=dt, device=device)
+        splits = 1
+        partials = counters = None
+        if cfg.split_k:
+            sms = _num_sms(torch.device(device).index or 0)
+            _, splits = select_config(self.m, self.n, self.k, cfg.dtype, cfg.b_major, cfg.bias,
+                                      cfg.slope, sms)
+            tiles = math.ceil(self.n / cfg.tile_n) * math.ceil(self.m / cfg.tile_m)
+            counters = torch.zeros(tiles, dtype=torch.int32, device=device)
+            partials = torch.empty(max(4, tiles * splits * cfg.tile_m * cfg.tile_n),
+                                   dtype=torch.float32, device=device)
+        clusters = _max_active_clusters(torch.device(device).index or 0, cfg.cluster_m * cfg.cluster_n)
+        return (a, b, out, bias, partials, counters, splits, RASTER_GROUP, clusters)
+
+    def reference(self, args: tuple) -> torch.Tensor:
+        """fp32 result the output args[2] must match (to bf16/fp16 rounding)."""
+        a, b, _, bias = args[:4]
+        ref = a.float() @ b.float().t()
+        if bias is not None:
+            ref += bias.float()
+        return torch.nn.functional.leaky_relu(ref, self.config.slope)
+
+
+def tuning_cases() -> list[TuningCase]:
+    return [TuningCase.for_config(cfg) for cfg in specializations()]
