@@ -1,0 +1,153 @@
+"""SIP benchmark: for every kernel sip-tune can tune, search, validate, then time untuned vs tuned.
+
+    python bench/sip_tuning.py --out bench/results [--kernels qk_norm,rmsnorm] [--modes decode]
+                               [--budget-minutes 1.0] [--runs 2] [--samples 10000]
+
+Per kernel and mode:
+- the energy check: the original with every stall count raised to 11 must time slower (proves the
+  measurement resolves a schedule difference), and the original against itself (the noise floor);
+- the search (`sip.tuning.tune`, min_speedup 1.0: the best validated schedule is kept even at 1.00x,
+  so the table always shows what the search found), search time, candidates, samples tested;
+- the final word: original and tuned cubin re-timed in a FRESH worker, interleaved, `--repeats`
+  independent runs of `--reps` replay pairs each (CUDA graphs of many launches cycling over input
+  sets larger than L2); the median of the per-run medians.
+Results: sip_tuning.json and sip_tuning.md under --out. Tuned cubins go to a cache under --out
+(pass --cache to tune into the real one).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sip import tuning  # noqa: E402
+from sip.runner import Runner  # noqa: E402
+
+
+def energy_check(factory, original: bytes) -> dict:
+    with Runner(factory) as runner:
+        info = runner.start()
+        same = runner.evaluate(original, seed=1)
+        slow = runner.evaluate(tuning.with_extra_stalls(original), seed=2)
+    return {"noise_rel": same.rel, "stalled_rel": slow.rel, "stalled_status": slow.status,
+            "candidate_cost_s": same.wall_s, "worker": info}
+
+
+def confirm(factory, original: bytes, tuned: bytes, repeats: int, reps: int) -> dict:
+    """Independent interleaved runs in a fresh worker: per-launch medians of original and tuned."""
+    base, cand, rel = [], [], []
+    with Runner(factory) as runner:
+        runner.start()
+        for _ in range(repeats):
+            t = runner.compare([tuned], reps)
+            base.append(t["median_us"][0])
+            cand.append(t["median_us"][1])
+            rel.append(t["rel"][1])
+    return {"original_us": statistics.median(base), "tuned_us": statistics.median(cand),
+            "speedup": 1 / statistics.median(rel), "runs_speedup": [1 / r for r in rel]}
+
+
+def bench_one(kernel: str, mode: str, args: argparse.Namespace, cache_dir: str) -> dict:
+    row: dict = {"kernel": kernel, "mode": mode}
+    factory = tuning.workload_factory(kernel, mode)
+    workload = factory()
+    original = workload.kernel.cubin
+    row["variant"] = workload.kernel.variant.key()
+    row.update(energy_check(factory, original))
+    config = tuning.TuneConfig(budget_seconds=args.budget_minutes * 60, runs=args.runs, samples=args.samples,
+                               seed=args.seed, min_speedup=1.0)
+    report = tuning.tune(factory, config, kernel=kernel, cache_root=cache_dir)
+    print(report.text(), flush=True)
+    row["report"] = report.to_dict()
+    row.update(search_s=report.search_seconds, total_s=report.total_seconds, iterations=report.iterations,
+               evaluated=report.evaluated, incorrect=report.incorrect, crashed=report.crashed,
+               samples_passed=report.samples_passed, outcome=report.outcome,
+               cost_per_candidate_s=report.cost_s.get("total", math.nan))
+    if report.cached:
+        tuned = (Path(report.cached) / "tuned.cubin").read_bytes()
+        row.update(confirm(factory, original, tuned, args.repeats, args.reps))
+    else:
+        row.update(original_us=report.baseline_us, tuned_us=report.baseline_us, speedup=1.0)
+    return row
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"# SIP tuning ({meta['gpu']}, {meta['date']})", "",
+             f"Search budget {meta['budget_minutes']} min per kernel and mode, {meta['runs']} runs, "
+             f"winner validated on {meta['samples']} fresh samples; final timing: {meta['repeats']} interleaved "
+             f"runs x {meta['reps']} graph-replay pairs in a fresh worker (median).", "",
+             "| kernel | mode | original us | tuned us | speedup | search s | iterations | cubins run | "
+             "incorrect | crashed | s/candidate | samples passed | stalls check | noise |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['kernel']} | {r['mode']} | error: {r['error']} |" + " |" * 11)
+            continue
+        lines.append(
+            f"| {r['kernel']} | {r['mode']} | {r['original_us']:.3f} | {r['tuned_us']:.3f} | {r['speedup']:.3f}x | "
+            f"{r['search_s']:.0f} | {r['iterations']} | {r['evaluated']} | {r['incorrect']} | {r['crashed']} | "
+            f"{r['cost_per_candidate_s']:.3f} | {r['samples_passed']} | {r['stalled_rel']:.3f}x slower | "
+            f"{abs(r['noise_rel'] - 1) * 100:.2f} % |")
+    lines += ["", "Outcomes:"] + [f"- {r['kernel']} {r['mode']}: {r.get('outcome', r.get('error'))}" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--kernels", default="", help="comma-separated (default: every tunable kernel)")
+    p.add_argument("--modes", default="decode,prefill")
+    p.add_argument("--budget-minutes", type=float, default=1.0, help="search time per kernel and mode")
+    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--samples", type=int, default=10_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--reps", type=int, default=60)
+    p.add_argument("--cache", help="tuned-cubin cache (default: <out>/sip-cache)")
+    args = p.parse_args()
+    problem = tuning.gpu_problem()
+    if problem:
+        print(f"sip_tuning bench: needs a CUDA sm_90 GPU: {problem}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cache_dir = args.cache or str(out / "sip-cache")
+    kernels = [k for k in args.kernels.split(",") if k] or sorted(tuning.KERNELS)
+    rows = []
+    for kernel in kernels:
+        ok, why = tuning.availability(kernel)
+        if not ok:
+            print(f"skip {kernel}: {why}", flush=True)
+            continue
+        for mode in [m for m in args.modes.split(",") if m]:
+            if kernel == "attention" and mode == "decode":
+                continue  # one kernel for every sequence length
+            print(f"=== {kernel} {mode}", flush=True)
+            t0 = time.monotonic()
+            try:
+                rows.append(bench_one(kernel, mode, args, cache_dir))
+            except Exception as e:  # noqa: BLE001 - one kernel's failure must not hide the others
+                traceback.print_exc()
+                rows.append({"kernel": kernel, "mode": mode, "error": f"{type(e).__name__}: {e}"[:300]})
+            print(f"=== {kernel} {mode}: {time.monotonic() - t0:.0f} s", flush=True)
+    import torch
+
+    meta = {"gpu": torch.cuda.get_device_name(0), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "budget_minutes": args.budget_minutes, "runs": args.runs, "samples": args.samples,
+            "repeats": args.repeats, "reps": args.reps}
+    (out / "sip_tuning.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    (out / "sip_tuning.md").write_text(markdown(rows, meta))
+    print(markdown(rows, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

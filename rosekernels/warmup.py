@@ -1,0 +1,118 @@
+"""Engine start-up: compile every specialization a model needs and load the SIP-tuned cubins.
+
+    report = rosekernels.warmup(specs)      # then: no JIT on any call of these specializations
+    print(report)
+
+A spec is one specialization, given as any of
+- a `rosekernels.jit.Variant` (e.g. from `qk_norm.all_variants()` or `cfg.variant()`): compiled with
+  `rosekernels.kernels.<variant.op>.compile(variant)`;
+- a kernel config object with a `.variant()` method (QKNormConfig, GemmConfig, AttentionConfig, ...):
+  compiled with its module's `compile_config(cfg)` or `compiled(cfg)`, else `compile(cfg.variant())`;
+- a zero-argument callable returning a `jit.CompiledKernel` (any other CuTeDSL kernel).
+
+Tuned cubins come from the SIP cache (`sip.cache`; `cache_dir` or $SIP_CACHE_DIR, else
+<rosekernels cache>/sip). Each entry stores the original cubin it was tuned from, so it is installed
+(`jit.install_tuned_cubin`) BEFORE compiling and swapped in when the kernel loads; the swap is keyed
+by the original's SHA-256, so a tuned cubin never replaces a different original (a kernel whose source
+or toolchain changed simply loads untuned, and the report says the entry is stale).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import time
+import warnings
+from typing import Any, Callable, Iterable
+
+from rosekernels import jit
+
+
+@dataclasses.dataclass
+class WarmupReport:
+    tuned: list[str]  # variant keys loaded with a tuned cubin
+    untuned: list[str]  # loaded as compiled
+    stale: list[str]  # had a cache entry, but for another original cubin (re-tune them)
+    seconds: float
+    kernels: list[jit.CompiledKernel]
+
+    def __str__(self) -> str:
+        lines = [f"rosekernels.warmup: {len(self.kernels)} specializations in {self.seconds:.2f} s: "
+                 f"{len(self.tuned)} tuned, {len(self.untuned)} untuned"]
+        lines += [f"  tuned    {k}" for k in self.tuned]
+        lines += [f"  untuned  {k}" + ("  (cache entry is stale: re-tune)" if k in self.stale else "")
+                  for k in self.untuned]
+        return "\n".join(lines)
+
+
+def _module(op: str) -> Any:
+    try:
+        return importlib.import_module(f"rosekernels.kernels.{op}")
+    except ModuleNotFoundError as e:
+        raise ValueError(f"no kernel module rosekernels.kernels.{op} for op {op!r}") from e
+
+
+def _resolve(spec: Any) -> tuple[jit.Variant | None, Callable[[], jit.CompiledKernel]]:
+    """(the variant if known before compiling, how to compile it)."""
+    if isinstance(spec, jit.Variant):
+        mod = _module(spec.op)
+        if not hasattr(mod, "compile"):
+            raise ValueError(f"rosekernels.kernels.{spec.op} has no compile(variant); pass its config object")
+        return spec, lambda: mod.compile(spec)
+    variant_of = getattr(spec, "variant", None)
+    if callable(variant_of):
+        variant = variant_of()
+        mod = _module(variant.op)
+        for name in ("compile_config", "compiled", "compile"):
+            if hasattr(mod, name):
+                compile_it = getattr(mod, name)
+                arg = variant if name == "compile" else spec
+                return variant, lambda: compile_it(arg)
+        raise ValueError(f"rosekernels.kernels.{variant.op} has no compile_config(cfg) or compile(variant)")
+    if callable(spec):
+        return None, spec
+    raise TypeError(f"a warmup spec is a Variant, a kernel config with .variant(), or a callable; got {spec!r}")
+
+
+def warmup(specs: Iterable[Any], cache_dir: str | None = None) -> WarmupReport:
+    """Compile (or load from the disk cache) every spec, with the SIP-tuned cubins found in the cache."""
+    from sip import cache
+
+    t0 = time.perf_counter()
+    resolved = [_resolve(s) for s in specs]
+    entries: dict[str, list[cache.Entry]] = {}
+
+    def install_for(variant: jit.Variant) -> None:
+        if variant.key() not in entries:
+            found = cache.entries_for_variant(cache_dir, variant)
+            entries[variant.key()] = found
+            for e in sorted(found, key=lambda e: e.speedup):  # the best entry for an original wins
+                jit.install_tuned_cubin(e.original, e.tuned)
+
+    for variant, _ in resolved:
+        if variant is not None:
+            install_for(variant)
+    kernels = [build() for _, build in resolved]
+    # Specs known only once compiled, and variants loaded untuned before this call: reload them.
+    reload = False
+    for k in kernels:
+        if k.variant.key() not in entries:
+            install_for(k.variant)
+        if not k.tuned and any(e.original == k.cubin for e in entries[k.variant.key()]):
+            reload = True
+    if reload:
+        jit.forget_loaded()
+        kernels = [build() for _, build in resolved]
+    report = WarmupReport([], [], [], 0.0, kernels)
+    for k in kernels:
+        key = k.variant.key()
+        if k.tuned:
+            report.tuned.append(key)
+            continue
+        report.untuned.append(key)
+        if entries.get(key):
+            report.stale.append(key)
+            warnings.warn(f"rosekernels.warmup: the SIP cache has entries for {key}, but for another original "
+                          "cubin (the kernel or toolchain changed): loading it untuned; re-run sip-tune",
+                          stacklevel=2)
+    report.seconds = time.perf_counter() - t0
+    return report

@@ -1,0 +1,369 @@
+"""The dependency model of one kernel: which adjacent instructions may trade places.
+
+SIP only ever swaps two adjacent instructions of one basic block, so legality is a property of
+the pair: `DependencyModel.conflict(a, b)` says why `a` and `b` must keep their relative order,
+or None. Because it only looks at the two instructions (never at their positions), a sequence of
+accepted swaps can never invert any dependent pair of the original order. A pair conflicts on
+
+* registers: RAW / WAR / WAW on R, UR, P, UP (vectors, pairs and fragments already expanded);
+* scoreboards: one sets a scoreboard the other waits on, or both set the same one; and one waits
+  on a scoreboard that guards a register the other touches (the guard of SB s is every register
+  some instruction of the kernel protects with s, plus the results of every variable-latency
+  instruction that is not self-covered, see below), because a wait can cover consumers that do
+  not wait themselves, even consumers of a producer in another block;
+* in-order completion: ptxas lets a variable-latency instruction with no scoreboard of its own
+  (LDS, POPC, ...) be covered by the scoreboard of a LATER variable-latency instruction, whose
+  wait then also guarantees the earlier result. So two variable-latency instructions never swap
+  unless every one of them that writes registers is "self-covered" (its own write scoreboard is
+  waited on before any use of its results, inside its block), and an instruction that reads
+  registers without a read scoreboard never swaps with one that sets a read scoreboard;
+* memory, per state space (global, shared, local; generic aliases all three; constant is
+  read-only): a store or atomic never passes another access of an aliasing space, loads pass
+  loads, and strong (volatile) accesses are ordered against every access of their space.
+
+Instructions that never move (pinned): block terminators and all control flow; synchronisation
+(barriers, memory fences, DEPBAR / LDGDEPBAR, mbarrier SYNCS, TMA and bulk copies, WARPGROUP /
+HGMMA, WARPSYNC, ELECT, NANOSLEEP, anything nvdisasm flags as an inter-warp barrier); clock
+reads; instructions the cubin refers to by offset (see sip.cubin); instructions predicated off
+(`@!PT`: ptxas placeholders); and every instruction whose operands the register model does not
+cover. A pinned instruction conflicts with everything, so nothing crosses it. Warp-collective
+register operations (SHFL, VOTE, MATCH, REDUX) are NOT fences: inside one basic block the
+participating threads and the values they exchange are fixed by the register dependencies
+alone, which the model keeps (the cubin pins the ones it lists in COOP_GROUP_INSTR_OFFSETS).
+
+Fixed-latency distances: a producer with no scoreboard has no hardware interlock, so moving its
+consumer closer would read a stale value. `incoming` / `outgoing` hold, for the original order,
+every (producer, consumer) register pair (RAW, WAR, WAW) and scoreboard (setter, waiter) pair,
+with the stall-cycle distance the original schedule kept between them, capped at a horizon
+longer than the latency it can cover: LATENCY_HORIZON per producer class, SCOREBOARD_SETUP for
+scoreboard-protected pairs. Producers and consumers outside the block (and instructions with an
+unknown register model) are stood in for by the block start / end with the kernel's largest
+horizon. sip.mutate keeps every pair at least that far apart.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from sip.sass import NO_SCOREBOARD, Instruction, Kernel, format_regs
+
+# Cycles after issue within which a fixed-latency result may still be in flight. Measured
+# latencies on Hopper are ~4-6 cycles for ALU/FMA work, ~8 for FP64 and ~30 for mma.sync; each
+# horizon leaves a wide margin. Pairs further apart than this cannot interact.
+LATENCY_HORIZON_DEFAULT = 24
+LATENCY_HORIZON = {"DADD": 32, "DMUL": 32, "DFMA": 32, "DMNMX": 32, "DSETP": 32,
+                   "HMMA": 128, "IMMA": 128, "BMMA": 128, "DMMA": 128}
+UNKNOWN_HORIZON = 128  # an instruction with an unknown register model may write anything
+# A scoreboard is set a cycle after its setter issues; keep setter and waiter this far apart.
+SCOREBOARD_SETUP = 2
+
+START = -1  # producer id standing for "before this block"
+
+FENCES = frozenset({
+    "BAR", "MEMBAR", "FENCE", "ERRBAR", "CGAERRBAR", "CCTL", "CCTLL", "CCTLT", "DEPBAR",
+    "LDGDEPBAR", "ARRIVES", "SYNCS", "UTMALDG", "UTMASTG", "UTMAPF", "UTMACCTL", "UTMACMDFLUSH",
+    "UTMAREDG", "UBLKCP", "UBLKRED", "UBLKPF", "WARPGROUP", "HGMMA", "IGMMA", "QGMMA", "BGMMA",
+    "WARPSYNC", "NANOSLEEP", "ELECT", "USETMAXREG", "ACQBULK", "PMTRIG", "UCGABAR_ARV",
+    "UCGABAR_WAIT", "B2R", "R2B", "LEPC", "GETLMEMBASE", "SETLMEMBASE",
+})
+# Instructions whose completion the hardware tracks with scoreboards (anything that sets one in
+# the original code counts too).
+VARIABLE_LATENCY = frozenset({
+    "LDG", "LDS", "LDL", "LD", "LDC", "LDSM", "ATOMG", "ATOMS", "ATOM", "REDG", "RED", "STG",
+    "STS", "STL", "ST", "STSM", "LDGSTS", "MUFU", "S2R", "S2UR", "SHFL", "POPC", "FLO", "BREV",
+    "F2F", "F2I", "I2F", "I2I", "FRND", "DMMA", "REDUX", "MATCH", "FCHK", "R2UR",
+})
+_CLOCK = re.compile(r"SR_(CLOCK|GLOBALTIMER)")
+_FENCE_MODIFIERS = frozenset({"ACQUIRE", "RELEASE", "ACQ_REL", "ACQREL", "MMIO"})
+_ORDERED_MODIFIERS = frozenset({"STRONG", "VOLATILE"})
+
+# opcode -> (spaces read, spaces written); atomics and reductions do both.
+_ACCESS = {
+    "LDG": ({"global"}, set()), "STG": (set(), {"global"}),
+    "ATOMG": ({"global"}, {"global"}), "REDG": ({"global"}, {"global"}),
+    "LD": ({"generic"}, set()), "ST": (set(), {"generic"}),
+    "ATOM": ({"generic"}, {"generic"}), "RED": ({"generic"}, {"generic"}),
+    "LDS": ({"shared"}, set()), "LDSM": ({"shared"}, set()), "STS": (set(), {"shared"}),
+    "STSM": (set(), {"shared"}), "ATOMS": ({"shared"}, {"shared"}),
+    "LDL": ({"local"}, set()), "STL": (set(), {"local"}),
+    "LDGSTS": ({"global"}, {"shared"}),
+}
+_ALIASES = {"global": {"global", "generic"}, "shared": {"shared", "generic"},
+            "local": {"local", "generic"}, "generic": {"global", "shared", "local", "generic"}}
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the dependency model needs to know about one instruction."""
+    reads: frozenset[int]
+    writes: frozenset[int]
+    write_sb: int
+    read_sb: int
+    waits: int
+    sets: int
+    loads: frozenset[str]
+    stores: frozenset[str]
+    ordered: bool  # strong access: ordered against every access of an aliasing space
+    pin: str | None  # why it never moves
+    anchor: bool  # register effects unknown: latency pairs end and restart here
+    horizon: int  # LATENCY_HORIZON of its class
+    stall: int  # original stall count
+    variable: bool  # variable latency: completion tracked by scoreboards
+
+
+_NAMES_REGISTER = re.compile(r"(?<![\w.$])U?(R\d|P\d|PR\b)")
+
+
+def facts_of(ins: Instruction, cubin_pin: str | None) -> Facts:
+    base = ins.base
+    mods = set(ins.modifiers)
+    ctl = ins.control
+    loads, stores = _ACCESS.get(base, (set(), set()))
+    pin = None
+    if ins.control_flow:
+        pin = f"control flow ({base}) never moves"
+    elif base in FENCES or ins.inter_warp or (loads | stores and mods & _FENCE_MODIFIERS):
+        pin = f"synchronisation ({ins.opcode}): nothing moves across it"
+    elif base in ("S2R", "CS2R", "S2UR") and any(_CLOCK.search(op) for op in ins.operands):
+        pin = f"reads a clock ({ins.opcode})"
+    elif cubin_pin:
+        pin = cubin_pin
+    elif base == "NOP":
+        pin = "NOP keeps its slot"
+    elif ins.predicate in ("@!PT", "@!UPT"):
+        pin = "never executes: ptxas placed it for its side effect on timing"
+    elif ins.unknown:
+        pin = f"unknown operand semantics: {ins.unknown}"
+    anchor = bool(ins.unknown) and any(_NAMES_REGISTER.search(op) for op in ins.operands)
+    waits = ctl.wait
+    if base == "DEPBAR":  # DEPBAR.LE SBn, k waits on SBn through its operand
+        for op in ins.operands:
+            m = re.fullmatch(r"SB(\d)", op)
+            waits |= 1 << int(m.group(1)) if m else 0
+    if anchor:
+        horizon = UNKNOWN_HORIZON
+    elif ins.writes or ins.reads:
+        horizon = LATENCY_HORIZON.get(base, LATENCY_HORIZON_DEFAULT)
+    else:
+        horizon = 0
+    return Facts(ins.reads, ins.writes, ctl.write_sb, ctl.read_sb, waits, ctl.sets,
+                 frozenset(loads), frozenset(stores),
+                 bool(mods & _ORDERED_MODIFIERS) and bool(loads | stores),
+                 pin, anchor, horizon, ctl.stall, base in VARIABLE_LATENCY or bool(ctl.sets))
+
+
+class DependencyModel:
+    """Dependencies of one kernel, computed once from its original instruction order."""
+
+    def __init__(self, kernel: Kernel):
+        self.kernel = kernel
+        pins = kernel.code.pins
+        self.facts = tuple(facts_of(i, pins.get(i.offset)) for i in kernel.instructions)
+        self.blocks = tuple(tuple(r) for r in kernel.blocks)
+        self.self_covered = self._self_covered()
+        self.guard = self._guards()
+        self.anchor_horizon = max((f.horizon for f in self.facts), default=0)
+        self._conflicts: dict[tuple[int, int], str | None] = {}
+        self.incoming, self.outgoing = self._latency_pairs()
+
+    @property
+    def instructions(self) -> tuple[Instruction, ...]:
+        return self.kernel.instructions
+
+    def end(self, block: int) -> int:
+        """Consumer id of the end of `block` (successors' first instructions stand behind it)."""
+        return len(self.facts) + block
+
+    # ------------------------------------------------------------ pairwise legality
+
+    def conflict(self, a: int, b: int) -> str | None:
+        """Why instructions a and b must keep their relative order; None if they may swap."""
+        key = (a, b) if a < b else (b, a)
+        if key not in self._conflicts:
+            self._conflicts[key] = self._conflict(*key)
+        return self._conflicts[key]
+
+    def _conflict(self, a: int, b: int) -> str | None:
+        fa, fb = self.facts[a], self.facts[b]
+        for i, f in ((a, fa), (b, fb)):
+            if f.pin:
+                return f"instruction {i} is pinned: {f.pin}"
+        raw = fa.writes & fb.reads
+        if raw:
+            return f"RAW on {format_regs(raw)}"
+        war = fa.reads & fb.writes
+        if war:
+            return f"WAR on {format_regs(war)}"
+        waw = fa.writes & fb.writes
+        if waw:
+            return f"WAW on {format_regs(waw)}"
+        for first, second, fs, ss in ((a, b, fa, fb), (b, a, fb, fa)):
+            both = fs.sets & ss.waits
+            if both:
+                return f"scoreboard: {second} waits on SB{_bits(both)} that {first} sets"
+        both = fa.sets & fb.sets
+        if both:
+            return f"scoreboard: both set SB{_bits(both)}"
+        for waiter, other, fw, fo in ((a, b, fa, fb), (b, a, fb, fa)):
+            for sb in _each_bit(fw.waits):
+                hit = (fo.reads | fo.writes) & self.guard[sb]
+                if hit:
+                    return (f"scoreboard: {waiter} waits on SB{sb}, which guards "
+                            f"{format_regs(hit)} used by {other}")
+        if fa.variable and fb.variable:
+            for x, fx in ((a, fa), (b, fb)):
+                if fx.writes and not self.self_covered[x]:
+                    return (f"in-order completion: #{x} has variable latency and its results may "
+                            "be covered by a later instruction's scoreboard")
+            for x, fx, fy in ((a, fa, fb), (b, fb, fa)):
+                if fx.reads and fx.read_sb == NO_SCOREBOARD and fy.read_sb != NO_SCOREBOARD:
+                    return (f"in-order completion: #{x} reads registers without a read "
+                            "scoreboard; the other one's read scoreboard may cover it")
+        return _memory_conflict(fa, fb)
+
+    def dependencies(self, block: int) -> list[tuple[int, int, str]]:
+        """Every (earlier, later, reason) pair of `block` that must keep its order (for tests
+        and reports: quadratic in the block length)."""
+        ins = self.blocks[block]
+        return [(x, y, r) for k, x in enumerate(ins) for y in ins[k + 1:]
+                if (r := self.conflict(x, y)) is not None]
+
+    def _guards(self) -> tuple[frozenset[int], ...]:
+        """Per scoreboard: the registers a wait on it may be protecting. The results of a
+        variable-latency instruction that is not self-covered may ride on any scoreboard."""
+        guard: list[set[int]] = [set() for _ in range(6)]
+        for x, f in enumerate(self.facts):
+            if f.write_sb != NO_SCOREBOARD:
+                guard[f.write_sb] |= f.writes
+            if f.read_sb != NO_SCOREBOARD:
+                guard[f.read_sb] |= f.reads
+            if f.variable and f.writes and not self.self_covered[x]:
+                for g in guard:
+                    g |= f.writes
+        return tuple(frozenset(g) for g in guard)
+
+    def _self_covered(self) -> tuple[bool, ...]:
+        """Per instruction: it sets a write scoreboard, and inside its block a wait on that
+        scoreboard comes before (or with) every use of its results, and before the block end."""
+        covered = [False] * len(self.facts)
+        waits = [i.control.wait for i in self.kernel.instructions]  # DEPBAR counts are not full waits
+        for block in self.blocks:
+            for k, x in enumerate(block):
+                f = self.facts[x]
+                sb = f.write_sb
+                if not (f.variable and f.writes and sb != NO_SCOREBOARD):
+                    continue
+                for q in range(k + 1, len(block)):
+                    y = block[q]
+                    if waits[y] >> sb & 1:
+                        covered[x] = True
+                        break
+                    fy = self.facts[y]
+                    if fy.anchor or not f.writes.isdisjoint(fy.reads) or not f.writes.isdisjoint(fy.writes):
+                        break
+        return tuple(covered)
+
+    # ------------------------------------------------------------ fixed-latency pairs
+
+    def _latency_pairs(self):
+        """incoming[consumer] = {producer: required}, outgoing[producer] = {consumer: required};
+        consumers include block ends (see end()), producers include START."""
+        n = len(self.facts)
+        incoming: list[dict[int, int]] = [dict() for _ in range(n + len(self.blocks))]
+        outgoing: list[dict[int, int]] = [dict() for _ in range(n)]
+        facts = self.facts
+        for b, block in enumerate(self.blocks):
+            for p, c, required in self._block_pairs(b, block):
+                if required <= 0 or ((c >= n or facts[c].pin is not None)
+                                     and (p == START or facts[p].pin is not None)):
+                    continue  # neither end can move: the distance can only grow
+                if required > incoming[c].get(p, 0):
+                    incoming[c][p] = required
+                    if p != START:
+                        outgoing[p][c] = required
+        return tuple(incoming), tuple(outgoing)
+
+    def _block_pairs(self, b: int, block: tuple[int, ...]):
+        """(producer, consumer, required) for the register and scoreboard pairs of one block."""
+        facts = self.facts
+        at = {}  # instruction -> stall cycles from the block start to its issue
+        total = 0
+        for i in block:
+            at[i] = total
+            total += facts[i].stall
+        end = self.end(b)
+        at[end] = total
+        at[START] = 0
+        anchor_horizon = self.anchor_horizon
+
+        def horizon(p: int, guarded: bool) -> int:
+            if guarded:
+                return SCOREBOARD_SETUP
+            if p == START or facts[p].anchor:
+                return anchor_horizon
+            return facts[p].horizon
+
+        origin = START  # stands for every producer not seen yet: block start, or the last anchor
+        last_write: dict[int, int] = {}
+        readers: dict[int, list[int]] = {}
+        last_setter: dict[int, int] = {}
+
+        def close(c: int):
+            """Pairs from everything tracked so far into c (an anchor, or the block end)."""
+            for p in set(last_write.values()):
+                yield p, c, min(at[c] - at[p], horizon(p, facts[p].write_sb != NO_SCOREBOARD))
+            for rs in readers.values():
+                for p in rs:
+                    yield p, c, min(at[c] - at[p], horizon(p, facts[p].read_sb != NO_SCOREBOARD))
+            for p in last_setter.values():
+                yield p, c, min(at[c] - at[p], SCOREBOARD_SETUP)
+
+        for i in block:
+            f = facts[i]
+            if f.anchor:
+                yield from close(i)
+                origin, last_write, readers = i, {}, {}
+                continue
+            here = at[i]
+            for r in f.reads | f.writes:
+                p = last_write.get(r, origin)
+                guarded = p != origin and facts[p].write_sb != NO_SCOREBOARD
+                yield p, i, min(here - at[p], horizon(p, guarded))
+            for r in f.writes:
+                for rd in readers.get(r, ()):
+                    yield rd, i, min(here - at[rd], horizon(rd, facts[rd].read_sb != NO_SCOREBOARD))
+            if f.waits:
+                for sb in _each_bit(f.waits):
+                    p = last_setter.get(sb, origin)
+                    yield p, i, min(here - at[p], SCOREBOARD_SETUP)
+            for r in f.reads:
+                readers.setdefault(r, []).append(i)
+            for r in f.writes:
+                last_write[r] = i
+                readers.pop(r, None)
+            if f.sets:
+                for sb in _each_bit(f.sets):
+                    last_setter[sb] = i
+        yield from close(end)
+
+
+def _memory_conflict(fa: Facts, fb: Facts) -> str | None:
+    for x, y in ((fa, fb), (fb, fa)):
+        for space in x.stores:
+            hit = _ALIASES[space] & (y.loads | y.stores)
+            if hit:
+                return f"memory order: a store to {space} memory and an access to {min(hit)} memory"
+        if x.ordered:
+            for space in x.loads | x.stores:
+                hit = _ALIASES[space] & (y.loads | y.stores)
+                if hit:
+                    return f"memory order: a strong {space} access and an access to {min(hit)} memory"
+    return None
+
+
+def _each_bit(mask: int):
+    return [b for b in range(6) if mask >> b & 1]
+
+
+def _bits(mask: int) -> str:
+    return ",".join(str(b) for b in _each_bit(mask))
