@@ -1,0 +1,289 @@
+"""MoE combine on one GPU (TP=1): out[t] = sum_j w[t, j] * expert_out[slot_map[t, j]], skipping slot -1.
+
+The inverse of `moe_dispatch`: `slot_map` is the one dispatch returned, `expert_out` the grouped GEMM's
+output over the dispatch buffer (same rows). A thread owns one 16-byte vector of an output row: it
+reads the k slots and weights of its token (the same addresses for the whole warp: one broadcast
+transaction each), issues the k row loads back to back (128-bit, predicated rather than branched
+around), then accumulates in fp32 registers in the order j = 0..k-1 and stores once in expert_out's
+dtype. The launch asks for only one CTA per SM (min_blocks_per_mp=1) so that ptxas keeps all k loads
+in flight instead of interleaving them with the arithmetic to save registers; ~56 registers still
+leave 36 warps per SM, far more bytes in flight than HBM needs. Slots outside [0, rows of expert_out)
+are skipped like -1, so a stale or foreign slot_map can never read out of bounds; a token without
+any slot gets zeros. decode and prefill differ only in the CTA size (128 threads: few tokens spread
+over more SMs; 256).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+from rosekernels import jit  # first: it selects sm_90a before CuTeDSL is imported
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+import torch  # noqa: E402
+from cutlass import Float32, Int32  # noqa: E402
+
+from rosekernels import checks  # noqa: E402
+from rosekernels.kernels.moe_dispatch import (  # noqa: E402
+    _CUTE_DTYPE, _ELEM_BYTES, DTYPES, MODELS, TORCH_DTYPE, check_sm90, rows_view)
+
+OP = "moe_combine"
+THREADS = {"decode": 128, "prefill": 256}  # per CTA: small CTAs spread few tokens over more SMs
+DECODE_MAX_TOKENS = 256  # at or below: the decode shape
+
+
+@dataclasses.dataclass(frozen=True)
+class CombineConfig:
+    dtype: str  # of expert_out and out
+    weight_dtype: str  # of topk_weights: "fp32" or `dtype`
+    hidden: int
+    topk: int
+    mode: str
+    threads: int = 0  # per CTA; 0: THREADS[mode]
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _ELEM_BYTES:
+            raise ValueError(f"dtype must be one of {sorted(_ELEM_BYTES)}, got {self.dtype!r}")
+        if self.weight_dtype not in ("fp32", self.dtype):
+            raise ValueError(f"weight dtype must be fp32 or {self.dtype}, got {self.weight_dtype!r}")
+        if self.hidden <= 0 or self.hidden % self.vec:
+            raise ValueError(f"hidden size must be a positive multiple of {self.vec} (16 bytes) "
+                             f"for {self.dtype}, got {self.hidden}")
+        if not 1 <= self.topk <= 64:
+            raise ValueError(f"top-k must be in [1, 64], got {self.topk}")
+        if self.mode not in THREADS:
+            raise ValueError(f"mode must be 'prefill' or 'decode', got {self.mode!r}")
+        object.__setattr__(self, "threads", self.threads or THREADS[self.mode])
+        if self.threads % 32 or not 32 <= self.threads <= 1024:
+            raise ValueError(f"threads per CTA must be a multiple of 32 in [32, 1024], got {self.threads}")
+
+    @property
+    def vec(self) -> int:
+        return 16 // _ELEM_BYTES[self.dtype]
+
+    def variant(self) -> jit.Variant:
+        return jit.Variant.of(OP, self.mode, dtype=self.dtype, wdtype=self.weight_dtype,
+                              hidden=self.hidden, topk=self.topk, threads=self.threads)
+
+    @classmethod
+    def from_variant(cls, variant: jit.Variant) -> "CombineConfig":
+        p = dict(variant.params)
+        return cls(p["dtype"], p["wdtype"], p["hidden"], p["topk"], variant.mode, p["threads"])
+
+
+class _Combine:
+    def __init__(self, cfg: CombineConfig):
+        self.cfg = cfg
+        self.k, self.nt = cfg.topk, cfg.threads
+        self.vec, self.hv = cfg.vec, cfg.hidden // cfg.vec
+
+    @cute.jit
+    def __call__(self, mY: cute.Tensor, mW: cute.Tensor, mSlot: cute.Tensor, mOut: cute.Tensor, stream):
+        self.kernel(mY, mW, mSlot, mOut).launch(
+            grid=[(mOut.shape[0] * self.hv + self.nt - 1) // self.nt, 1, 1], block=[self.nt, 1, 1],
+            min_blocks_per_mp=1,  # lets ptxas keep all k loads in flight instead of chasing occupancy
+            stream=stream)
+
+    @cute.kernel
+    def kernel(self, mY: cute.Tensor, mW: cute.Tensor, mSlot: cute.Tensor, mOut: cute.Tensor):
+        k, hv = self.k, self.hv
+        i = cute.arch.block_idx()[0] * self.nt + cute.arch.thread_idx()[0]  # this thread's vector
+        rows = mY.shape[0]
+        if i < mOut.shape[0] * hv:
+            t = i // hv
+            v = i - t * hv
+            gY = cute.zipped_divide(mY, (1, self.vec))  # ((1, vec), (rows, hv))
+            gOut = cute.zipped_divide(mOut, (1, self.vec))
+            # Phase 1: the k loads, none waited for (predicated, no branches): each vector as 4 x b32,
+            # zero when its slot is skipped (its weight too).
+            raw = cute.make_rmem_tensor((4, k), Int32)
+            weights = cute.make_rmem_tensor((k,), Float32)
+            for j in cutlass.range_constexpr(k):
+                s = mSlot[t, j]
+                ok = (s >= 0) & (s < rows)
+                weights[j] = cutlass.select_(ok, Float32(mW[t, j]), Float32(0.0))
+                b = _load_16b_or_zero(gY[(None, None), (s, v)].iterator, ok)
+                for q in cutlass.range_constexpr(4):
+                    raw[q, j] = b[q]
+            # Phase 2: accumulate in fp32, j = 0..k-1, store once.
+            vals = cute.recast_tensor(raw, mY.element_type)  # (vec, k)
+            acc = cute.full((self.vec,), 0.0, Float32)
+            for j in cutlass.range_constexpr(k):
+                acc = acc + vals[None, j].load().to(Float32) * weights[j]
+            out = cute.make_rmem_tensor((1, self.vec), mOut.element_type)
+            out.store(acc.to(mOut.element_type).reshape((1, self.vec)))
+            cute.autovec_copy(out, gOut[(None, None), (t, v)])
+
+
+@cute.jit
+def _load_16b_or_zero(ptr: cute.Pointer, pred: cutlass.Boolean):
+    """16 bytes at `ptr` when `pred`, else zeros: a predicated ld.global.v4, no branch to wait behind."""
+    return cute.arch.inline_ptx(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, {$r1}, 0;\n"
+        "mov.b32 {$w0}, 0;\nmov.b32 {$w1}, 0;\nmov.b32 {$w2}, 0;\nmov.b32 {$w3}, 0;\n"
+        "@p ld.global.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];\n}",
+        write_only_types=[Int32] * 4,
+        read_only_args=[ptr, Int32(pred)],
+    )
+
+
+def _fake_args(cfg: CombineConfig) -> tuple:
+    dt = _CUTE_DTYPE[cfg.dtype]
+    tokens, rows = cute.sym_int(), cute.sym_int()
+    y = cute.runtime.make_fake_tensor(dt, (rows, cfg.hidden), (cute.sym_int64(divisibility=cfg.vec), 1),
+                                      assumed_align=16)
+    w = cute.runtime.make_fake_tensor(_CUTE_DTYPE[cfg.weight_dtype], (tokens, cfg.topk),
+                                      (cute.sym_int64(), 1), assumed_align=_ELEM_BYTES[cfg.weight_dtype])
+    slot = cute.runtime.make_fake_tensor(Int32, (tokens, cfg.topk), (cute.sym_int64(), 1), assumed_align=4)
+    out = cute.runtime.make_fake_tensor(dt, (tokens, cfg.hidden), (cute.sym_int64(divisibility=cfg.vec), 1),
+                                        assumed_align=16)
+    return (y, w, slot, out, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
+
+
+def compile(variant: jit.Variant) -> jit.CompiledKernel:
+    """The loaded kernel of `variant`: fn(expert_out, topk_weights, slot_map, out)."""
+    cfg = CombineConfig.from_variant(variant)
+    return jit.compile_variant(variant, lambda: (_Combine(cfg), _fake_args(cfg)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The op.
+
+def choose_mode(num_tokens: int) -> str:
+    return "decode" if num_tokens <= DECODE_MAX_TOKENS else "prefill"
+
+
+def moe_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor,
+                out: torch.Tensor | None = None, *, mode: str | None = None) -> torch.Tensor:
+    """out[t] = sum_j topk_weights[t, j] * expert_out[slot_map[t, j]] (fp32 accumulation), slots -1
+    skipped; out [T, H] in expert_out's dtype (allocated if not given; it must not overlap expert_out).
+    `mode` forces "prefill" or "decode" (default: by T)."""
+    if out is None:
+        if not (isinstance(expert_out, torch.Tensor) and expert_out.dim() == 2
+                and isinstance(slot_map, torch.Tensor) and slot_map.dim() == 2):
+            raise ValueError("expert_out must be [rows, hidden] and slot_map [tokens, k]")
+        out = expert_out.new_empty((slot_map.shape[0], expert_out.shape[1]))
+    torch.ops.rosekernels.moe_combine(expert_out, topk_weights, slot_map, out,
+                                      mode or choose_mode(slot_map.shape[0]))
+    return out
+
+
+def validate(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor, out: torch.Tensor,
+             mode: str, *, on_device: bool = True) -> CombineConfig:
+    """Every argument check, shapes/types first, then device, then alignment; returns the config."""
+    for name, t in (("expert_out", expert_out), ("topk_weights", topk_weights), ("slot_map", slot_map),
+                    ("out", out)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    checks.check_dtype("expert_out", expert_out, DTYPES)
+    checks.check_dtype("topk_weights", topk_weights, (torch.float32, expert_out.dtype))
+    checks.check_dtype("slot_map", slot_map, (torch.int32,))
+    checks.check_dtype("out", out, (expert_out.dtype,))
+    checks.check_shape("expert_out", expert_out, (None, None))
+    checks.check_shape("slot_map", slot_map, (None, None))
+    checks.check_shape("topk_weights", topk_weights, tuple(slot_map.shape))
+    checks.check_shape("out", out, (slot_map.shape[0], expert_out.shape[1]))
+    key = (checks.DTYPE_NAME[expert_out.dtype], checks.DTYPE_NAME[topk_weights.dtype], expert_out.shape[1],
+           slot_map.shape[1], mode)
+    cfg = _config(*key) if on_device else CombineConfig(*key)  # fake tensors may carry SymInts
+    if max(expert_out.shape[0], out.shape[0] * (out.shape[1] // cfg.vec)) >= 2**31:
+        raise ValueError(f"sizes exceed the kernel's 32-bit indexing: expert_out {list(expert_out.shape)}, "
+                         f"out {list(out.shape)}")
+    if on_device:
+        for name, t in (("expert_out", expert_out), ("topk_weights", topk_weights), ("slot_map", slot_map),
+                        ("out", out)):
+            checks.check_cuda(name, t)
+        checks.check_same_device(expert_out=expert_out, topk_weights=topk_weights, slot_map=slot_map, out=out)
+        check_sm90(out.device)
+        for name, t in (("expert_out", expert_out), ("topk_weights", topk_weights), ("slot_map", slot_map),
+                        ("out", out)):
+            checks.check_unit_last_stride(name, t)
+        checks.check_aligned("expert_out", expert_out)
+        checks.check_aligned("out", out)
+    return cfg
+
+
+@functools.cache
+def _config(*key: Any) -> CombineConfig:
+    return CombineConfig(*key)
+
+
+@torch.library.custom_op("rosekernels::moe_combine", mutates_args=("out",))
+def _moe_combine_op(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor,
+                    out: torch.Tensor, mode: str) -> None:
+    expert_out, topk_weights, slot_map, out_view = map(rows_view, (expert_out, topk_weights, slot_map, out))
+    cfg = validate(expert_out, topk_weights, slot_map, out_view, mode)
+    if out.numel() == 0:
+        return
+    compile(cfg.variant()).fn(expert_out, topk_weights, slot_map, out_view)
+
+
+@_moe_combine_op.register_fake
+def _(expert_out, topk_weights, slot_map, out, mode):
+    validate(expert_out, topk_weights, slot_map, out, mode, on_device=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Variant selection, the list of specializations, inputs and checks (tests, benchmark, SIP tuner).
+
+def config_for(tokens: int, hidden: int, topk: int, dtype: torch.dtype, weight_dtype: torch.dtype,
+               mode: str | None = None) -> CombineConfig:
+    """What moe_combine() launches for these sizes."""
+    return CombineConfig(checks.DTYPE_NAME[dtype], checks.DTYPE_NAME[weight_dtype], hidden, topk,
+                         mode or choose_mode(tokens))
+
+
+def all_variants(models=tuple(MODELS.values()), dtypes=(torch.bfloat16,)) -> list[jit.Variant]:
+    """The specializations of these (hidden, experts, top-k) models: dtype x weight dtype (fp32, dtype)
+    x {decode, prefill}."""
+    return [CombineConfig(checks.DTYPE_NAME[dt], checks.DTYPE_NAME[wdt], h, k, mode).variant()
+            for h, _, k in models for dt in dtypes for wdt in dict.fromkeys((torch.float32, dt))
+            for mode in ("decode", "prefill")]
+
+
+def sample_args(variant: jit.Variant, tokens: int | None = None, seed: int = 0, device: Any = "cuda") -> tuple:
+    """Fresh args for `compile(variant).fn(*args)`: (expert_out, topk_weights, slot_map, out), the rows of
+    a dispatch (T*k rows, every pair routed to its own row, in random order), a few pairs dropped (-1),
+    softmax weights, out NaN-poisoned. Default tokens: 128 for decode, 4096 for prefill."""
+    cfg = CombineConfig.from_variant(variant)
+    tokens = (128 if cfg.mode == "decode" else 4096) if tokens is None else tokens
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    rows = tokens * cfg.topk
+    expert_out = torch.randn(rows, cfg.hidden, generator=g).to(device=device, dtype=TORCH_DTYPE[cfg.dtype])
+    slot_map = torch.randperm(rows, generator=g).view(tokens, cfg.topk)
+    slot_map[torch.rand(tokens, cfg.topk, generator=g) < 0.02] = -1
+    weights = torch.rand(tokens, cfg.topk, generator=g).softmax(1)
+    out = torch.full((tokens, cfg.hidden), float("nan"), dtype=expert_out.dtype, device=device)
+    return (expert_out, weights.to(device=device, dtype=TORCH_DTYPE[cfg.weight_dtype]),
+            slot_map.to(device=device, dtype=torch.int32), out)
+
+
+def reference(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor,
+              absolute: bool = False) -> torch.Tensor:
+    """float64 combine (slots outside [0, rows) skipped); absolute=True: sum_j |w y| instead."""
+    ok = (slot_map >= 0) & (slot_map < expert_out.shape[0])
+    rows = expert_out.double()[slot_map.long().clamp(0, max(expert_out.shape[0] - 1, 0))]
+    terms = torch.where(ok[..., None], rows * torch.where(ok, topk_weights.double(), 0.0)[..., None], 0.0)
+    return (terms.abs() if absolute else terms).sum(1)
+
+
+def error_bound(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor) -> torch.Tensor:
+    """Per element: one rounding of the result to the output dtype, plus k fp32 additions of the terms."""
+    rel = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-10, torch.float32: 2.0**-23}[expert_out.dtype]
+    ref = reference(expert_out, topk_weights, slot_map)
+    terms = reference(expert_out, topk_weights, slot_map, absolute=True)
+    subnormal = torch.finfo(expert_out.dtype).smallest_normal * rel
+    return rel * ref.abs() + (slot_map.shape[1] + 2) * 2.0**-23 * terms + subnormal
+
+
+def check_args(variant: jit.Variant, args: tuple) -> None:
+    """Raise AssertionError unless the output in `args` (after a launch) is within `error_bound`."""
+    expert_out, weights, slot_map, out = args
+    err = (out.double() - reference(expert_out, weights, slot_map)).abs()
+    bad = ~(err <= error_bound(expert_out, weights, slot_map))  # NaN is bad
+    if bad.any():
+        first = tuple(bad.nonzero()[0].tolist())
+        raise AssertionError(f"moe_combine {variant.key()}: {int(bad.sum())} of {out.numel()} elements off, "
+                             f"first at {first}: {out[first].item()} (error {err[first].item():.3g})")

@@ -1,0 +1,539 @@
+"""MoE dispatch / combine: specializations compile for sm_90a (CPU), argument checks (CPU, meta),
+correctness against independent references, CUDA graphs and torch.compile (GPU)."""
+import importlib.util
+import re
+import struct
+import subprocess
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from rosekernels.kernels import moe_combine as mc
+from rosekernels.kernels import moe_dispatch as md
+from sip import cubin as sip_cubin
+
+BF16, FP16, FP32, I32 = torch.bfloat16, torch.float16, torch.float32, torch.int32
+
+
+@pytest.fixture(scope="module")
+def fresh_cache(tmp_path_factory):
+    """Compile into an empty disk cache so the CPU test really compiles."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ROSEKERNELS_CACHE_DIR", str(tmp_path_factory.mktemp("rk-cache")))
+    yield
+    mp.undo()
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: every specialization compiles for sm_90a, without spills.
+
+def _cpu_variants():
+    out = md.all_variants() + mc.all_variants()
+    # Other geometries: ragged vectors per row (2880/8 = 360), fp16/fp32, k = 1 and 6, E = 1 and 1024.
+    out += [md.DispatchConfig("fp16", 2880, 64, 6, "prefill").variant(),
+            md.DispatchConfig("fp32", 1028, 1024, 1, "decode").variant(),
+            md.DispatchConfig("bf16", 64, 1, 3, "prefill").variant(),
+            mc.CombineConfig("fp16", "fp16", 2880, 6, "prefill").variant(),
+            mc.CombineConfig("fp32", "fp32", 1028, 1, "decode").variant()]
+    return out
+
+
+def _sass(kernel, tmp_path):
+    """nvdisasm of the cubin, with the program headers that follow its sections in the object file."""
+    spec = importlib.util.find_spec("nvidia")
+    roots = spec.submodule_search_locations if spec else []
+    tool = next((p for p in (Path(r) / "cu13" / "bin" / "nvdisasm" for r in roots) if p.exists()), None)
+    if tool is None:
+        return None
+    start = kernel.object_bytes.find(kernel.cubin)
+    phoff, = struct.unpack_from("<Q", kernel.cubin, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", kernel.cubin, 0x36)
+    path = tmp_path / "k.cubin"
+    path.write_bytes(kernel.object_bytes[start:start + max(len(kernel.cubin), phoff + phentsize * phnum)])
+    return subprocess.run([tool, "-c", str(path)], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.parametrize("variant", _cpu_variants(), ids=lambda v: v.key())
+def test_variant_compiles(fresh_cache, tmp_path, variant):
+    module = md if variant.op == md.OP else mc
+    kernel = module.compile(variant)
+    assert kernel.variant == variant and callable(kernel.fn)
+    parsed = sip_cubin.parse_cubin(kernel.cubin)
+    assert parsed.arch == "sm_90a"
+    attrs = {a.name: a for a in parsed.nvinfo}
+    threads = dict(variant.params)["threads"]
+    regs = attrs["EIATTR_REGCOUNT"].words()[1]
+    assert regs * threads <= 65536, f"{regs} registers x {threads} threads do not fit one SM"
+    frame = attrs.get("EIATTR_FRAME_SIZE")
+    assert frame is None or frame.words()[1] == 0, "registers spilled to local memory"
+    sass = _sass(kernel, tmp_path)
+    if sass is None:
+        return  # nvdisasm not installed: compiled, SASS not inspected
+    ops = re.findall(r"\b(LDG\.E\.128|STG\.E\.128|FFMA|LDL|STL)\b", sass)
+    assert "LDL" not in ops and "STL" not in ops
+    assert "LDG.E.128" in ops and "STG.E.128" in ops, "the row copies are not 128-bit accesses"
+    if module is mc:  # all k row loads issued before the first use
+        k = dict(variant.params)["topk"]
+        first_ffma = ops.index("FFMA") if "FFMA" in ops else len(ops)
+        assert ops[:first_ffma].count("LDG.E.128") == k, ops[:first_ffma]
+
+
+def test_configs_and_modes():
+    for variant in md.all_variants():
+        assert md.DispatchConfig.from_variant(variant).variant() == variant
+    for variant in mc.all_variants():
+        assert mc.CombineConfig.from_variant(variant).variant() == variant
+    assert md.config_for(128, 2048, 128, 8, BF16).mode == "decode"  # 1024 pairs
+    assert md.config_for(512, 2048, 128, 8, BF16).mode == "prefill"
+    assert md.config_for(512, 2048, 128, 8, BF16, mode="decode").mode == "decode"
+    assert mc.config_for(128, 2048, 8, BF16, FP32).mode == "decode"
+    assert mc.config_for(4096, 2048, 8, BF16, FP32).mode == "prefill"
+    assert md.default_capacity(1, 8, 128, 128) == 8 + 8 * 127  # only non-empty experts are padded
+    assert md.default_capacity(4096, 8, 128, 128) == 4096 * 8 + 128 * 127
+    assert md.default_capacity(0, 8, 128, 128) == 0
+
+
+def test_custom_ops_registered():
+    d = str(torch.ops.rosekernels.moe_dispatch.default._schema)
+    c = str(torch.ops.rosekernels.moe_combine.default._schema)
+    assert re.search(r"Tensor\(a\d*!\) buffer", d) and "!) x" not in d, d
+    assert re.search(r"Tensor\(a\d*!\) out", c) and "!) expert_out" not in c, c
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: argument checks fire before anything is launched.
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("reached the compile/launch step")
+    monkeypatch.setattr(md, "compile", fail)
+    monkeypatch.setattr(mc, "compile", fail)
+
+
+def _dispatch_args(device="cpu", T=4, H=64, E=8, k=2, dtype=BF16):
+    return dict(x=torch.randn(T, H, device=device).to(dtype),
+                topk_ids=torch.randint(0, E, (T, k), device=device, dtype=I32), num_experts=E)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (lambda a: a.update(x=a["x"].to(torch.int8)), TypeError, "x has dtype int8"),
+    (lambda a: a.update(topk_ids=a["topk_ids"].long()), TypeError, "topk_ids has dtype int64"),
+    (lambda a: a.update(topk_ids=a["topk_ids"][:3]), ValueError, r"topk_ids has shape \[3, 2\]"),
+    (lambda a: a.update(x=a["x"][:, :60]), ValueError, "multiple of 8"),
+    (lambda a: a.update(topk_ids=a["topk_ids"][:, :0]), ValueError, "top-k must be in"),
+    (lambda a: a.update(num_experts=0), ValueError, "num_experts must be in"),
+    (lambda a: a.update(num_experts=1025), ValueError, "num_experts must be in"),
+    (lambda a: a.update(block_size=0), ValueError, "block_size must be a positive int"),
+    (lambda a: a.update(mode="fast"), ValueError, "mode must be"),
+    (lambda a: a.update(capacity=-1), ValueError, "capacity must be >= 0"),
+    (lambda a: a.update(buffer=torch.empty(10, 64, dtype=FP16)), TypeError, "buffer has dtype float16"),
+    (lambda a: a.update(buffer=torch.empty(10, 72, dtype=BF16)), ValueError, r"buffer has shape \[10, 72\]"),
+    (lambda a: a.update(buffer=torch.empty(10, 64, dtype=BF16), capacity=12), ValueError, "disagrees"),
+    (lambda a: None, ValueError, "must be on a CUDA device"),  # valid shapes, CPU tensors
+])
+def test_dispatch_rejects(no_launch, change, error, match):
+    args = _dispatch_args()
+    change(args)
+    with pytest.raises(error, match=match):
+        md.moe_dispatch(**args)
+
+
+def test_dispatch_rejects_32bit_overflow_and_misalignment(no_launch):
+    meta = _dispatch_args(device="meta", T=2**20, H=4096, k=8)
+    with pytest.raises(ValueError, match="32-bit"):
+        md.moe_dispatch(**meta, capacity=2**31)
+    with pytest.raises(ValueError, match="decode variant routes at most 8192"):
+        md.moe_dispatch(**_dispatch_args(device="meta", T=1025, k=8), mode="decode")
+    x = torch.randn(3, 72).to(BF16)[:, 4:68]  # row stride 72: fine; base misaligned by 8 bytes
+    assert x.data_ptr() % 16
+    with pytest.raises(ValueError, match="16-byte aligned|CUDA device"):
+        md.validate(x, torch.zeros(3, 2, dtype=I32), torch.empty(8, 64, dtype=BF16), 8, 4, "decode")
+
+
+def test_dispatch_fake_impl_shapes():
+    a = _dispatch_args(device="meta", T=5, H=128, E=16, k=3)
+    res = md.moe_dispatch(**a, block_size=32)
+    assert res.buffer.shape == (md.default_capacity(5, 3, 16, 32), 128) and res.buffer.dtype == BF16
+    assert res.slot_map.shape == (5, 3) and res.slot_map.dtype == I32
+    assert res.counts.shape == (16,) and res.offsets.shape == (17,)
+    assert res.overflow.shape == (1,) and res.invalid.shape == (1,)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        md.moe_dispatch(**_dispatch_args(device="meta", H=100))
+
+
+def _combine_args(device="cpu", T=4, H=64, k=2, rows=16, dtype=BF16, wdtype=FP32):
+    return dict(expert_out=torch.randn(rows, H, device=device).to(dtype),
+                topk_weights=torch.rand(T, k, device=device).to(wdtype),
+                slot_map=torch.randint(-1, rows, (T, k), device=device, dtype=I32))
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (lambda a: a.update(expert_out=a["expert_out"].long()), TypeError, "expert_out has dtype int64"),
+    (lambda a: a.update(topk_weights=a["topk_weights"].half()), TypeError, "topk_weights has dtype float16"),
+    (lambda a: a.update(slot_map=a["slot_map"].long()), TypeError, "slot_map has dtype int64"),
+    (lambda a: a.update(topk_weights=a["topk_weights"][:, :1]), ValueError, r"topk_weights has shape \[4, 1\]"),
+    (lambda a: a.update(expert_out=a["expert_out"][:, :63]), ValueError, "multiple of 8"),
+    (lambda a: a.update(out=torch.empty(4, 64, dtype=FP32)), TypeError, "out has dtype float32"),
+    (lambda a: a.update(out=torch.empty(5, 64, dtype=BF16)), ValueError, r"out has shape \[5, 64\]"),
+    (lambda a: a.update(mode="slow"), ValueError, "mode must be"),
+    (lambda a: None, ValueError, "must be on a CUDA device"),
+])
+def test_combine_rejects(no_launch, change, error, match):
+    args = _combine_args()
+    change(args)
+    with pytest.raises(error, match=match):
+        mc.moe_combine(**args)
+
+
+def test_combine_fake_impl():
+    out = mc.moe_combine(**_combine_args(device="meta", T=7, H=256, k=3, dtype=FP16, wdtype=FP16))
+    assert out.shape == (7, 256) and out.dtype == FP16 and out.device.type == "meta"
+    with pytest.raises(ValueError, match=r"topk_weights has shape"):
+        a = _combine_args(device="meta")
+        mc.moe_combine(a["expert_out"], a["topk_weights"][:2], a["slot_map"])
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: an independent reference of the layout, exact checks of every output.
+
+def _layout(ids, E, B, C):
+    """(counts stored, offsets [E+1], overflow) of a valid routing, computed in float64-free integer math."""
+    flat = ids.flatten().long().cpu()
+    cnt = [int((flat == e).sum()) for e in range(E)]
+    offsets, stored, start = [], [], 0
+    for c in cnt:
+        pad = -(-c // B) * B
+        off = min(start, C)
+        offsets.append(off)
+        stored.append(min(c, min(start + pad, C) - off))
+        start += pad
+    offsets.append(min(start, C))
+    return torch.tensor(stored), torch.tensor(offsets), sum(cnt) - sum(stored)
+
+
+def _bits(t):
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def assert_dispatch(x, ids, E, B, res, poison):
+    """Every output exact; rows not holding a stored pair still hold `poison` (untouched)."""
+    T, k = ids.shape
+    C = res.buffer.shape[0]
+    torch.cuda.synchronize()
+    flat = ids.flatten().long()
+    n_invalid = int(((flat < -1) | (flat >= E)).sum())
+    assert int(res.invalid) == n_invalid
+    slots = res.slot_map.flatten().long()
+    if n_invalid:
+        assert not res.counts.any() and not res.offsets.any() and int(res.overflow) == 0
+        assert (slots == -1).all()
+        assert torch.equal(_bits(res.buffer), _bits(poison)), "an invalid routing wrote the buffer"
+        return
+    stored, offsets, overflow = _layout(ids, E, B, C)
+    assert torch.equal(res.counts.cpu().long(), stored), (res.counts.cpu(), stored)
+    assert torch.equal(res.offsets.cpu().long(), offsets), (res.offsets.cpu(), offsets)
+    assert int(res.overflow) == overflow
+    assert (slots[flat < 0] == -1).all(), "a dropped pair got a slot"
+    placed = slots >= 0
+    assert (slots[~placed] == -1).all(), "a slot below -1"
+    e = flat[placed]
+    s = slots[placed]
+    assert torch.equal(torch.bincount(e, minlength=E).cpu(), stored), "placed pairs per expert"
+    lo = offsets.to(s.device)[e]
+    assert ((s >= lo) & (s < lo + stored.to(s.device)[e])).all(), "slot outside its expert's stored rows"
+    assert torch.unique(s).numel() == s.numel(), "two pairs share a row"
+    tok = torch.arange(T * k, device=x.device)[placed] // k
+    assert torch.equal(_bits(res.buffer[s]), _bits(x[tok])), "a row differs from its token"
+    untouched = torch.ones(C, dtype=torch.bool, device=x.device)
+    untouched[s] = False
+    assert torch.equal(_bits(res.buffer[untouched]), _bits(poison[untouched])), "padding/unused rows written"
+
+
+def _routing(kind, T, E, k, gen, device="cuda"):
+    if kind == "uniform":
+        ids = torch.rand(T, E, generator=gen).topk(k, dim=1).indices
+    elif kind == "hot":  # nearly every token picks the first min(k, 3) experts
+        logits = torch.rand(T, E, generator=gen)
+        logits[:, :3] += 10 * (torch.rand(T, 1, generator=gen) < 0.9)
+        ids = logits.topk(k, dim=1).indices
+    elif kind == "one_expert":  # every choice of every token: the same expert (k copies per token)
+        ids = torch.full((T, k), E - 1)
+    elif kind == "dropped":
+        ids = torch.rand(T, E, generator=gen).topk(k, dim=1).indices
+        ids[torch.rand(T, k, generator=gen) < 0.3] = -1
+    else:
+        raise ValueError(kind)
+    return ids.to(device=device, dtype=I32)
+
+
+def _seed(*key):
+    return zlib.crc32(repr(key).encode())
+
+
+def _randn(shape, dtype, seed):
+    """Large random tensors straight on the GPU."""
+    return torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)).to(dtype)
+
+
+def _poisoned(rows, H, dtype):
+    return torch.full((rows, H), float("nan"), dtype=dtype, device="cuda")
+
+
+# (dtype, hidden, experts, top-k, block size)
+GPU_CONFIGS = [(BF16, 2048, 128, 8, 128), (BF16, 7168, 256, 8, 128), (FP16, 2880, 32, 4, 64),
+               (FP32, 1028, 8, 2, 16), (BF16, 512, 1024, 6, 1), (BF16, 64, 1, 1, 8)]
+TOKENS = [1, 3, 37, 128, 256, 1000, 4096]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [None, "decode", "prefill"])
+@pytest.mark.parametrize("kind", ["uniform", "hot", "one_expert", "dropped"])
+@pytest.mark.parametrize("cfg", GPU_CONFIGS, ids=lambda c: f"{str(c[0])[6:]}-H{c[1]}-E{c[2]}-k{c[3]}-B{c[4]}")
+def test_dispatch(cfg, kind, mode):
+    dtype, H, E, k, B = cfg
+    gen = torch.Generator().manual_seed(_seed(cfg, kind, mode))
+    for T in TOKENS:
+        x = _randn((T, H), dtype, _seed(cfg, kind, mode, T))
+        ids = _routing(kind, T, E, k, gen)
+        C = md.default_capacity(T, k, E, B)
+        poison = _poisoned(C, H, dtype)
+        if mode == "decode" and T * k > md.DECODE_PAIRS_LIMIT:
+            with pytest.raises(ValueError, match="decode variant routes at most"):
+                md.moe_dispatch(x, ids, E, block_size=B, buffer=poison, mode=mode)
+            continue
+        res = md.moe_dispatch(x, ids, E, block_size=B, buffer=poison.clone(), mode=mode)
+        assert_dispatch(x, ids, E, B, res, poison)
+        res.check()  # nothing dropped, nothing invalid: no exception
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [None, "decode", "prefill"])
+def test_dispatch_many_tokens(mode):
+    gen = torch.Generator().manual_seed(7)
+    for T, kind in ((16384, "uniform"), (16384, "hot"), (9000, "one_expert"), (1024, "hot")):
+        if mode == "decode" and T * 8 > md.DECODE_PAIRS_LIMIT:
+            continue  # decode: only the largest routing it takes, 1024 x 8 pairs
+        x = torch.randn(T, 2048, generator=gen).to(device="cuda", dtype=BF16)
+        ids = _routing(kind, T, 128, 8, gen)
+        poison = _poisoned(md.default_capacity(T, 8, 128, 128), 2048, BF16)
+        assert_dispatch(x, ids, 128, 128, md.moe_dispatch(x, ids, 128, buffer=poison.clone(), mode=mode), poison)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_dispatch_overflow(mode):
+    gen = torch.Generator().manual_seed(11)
+    E, k, B, H = 16, 4, 32, 256
+    for T, capacity in ((300, 700), (300, 0), (40, 33), (2000, 4096)):
+        x = torch.randn(T, H, generator=gen).to(device="cuda", dtype=BF16)
+        ids = _routing("hot", T, E, k, gen)
+        poison = _poisoned(capacity, H, BF16)
+        res = md.moe_dispatch(x, ids, E, capacity, B, buffer=poison.clone(), mode=mode)
+        assert_dispatch(x, ids, E, B, res, poison)
+        assert int(res.overflow) > 0
+        with pytest.raises(RuntimeError, match="did not fit"):
+            res.check()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+@pytest.mark.parametrize("bad", [8, 1000, -2, -1000])
+def test_dispatch_invalid_ids(mode, bad):
+    gen = torch.Generator().manual_seed(13)
+    E, k, H = 8, 2, 128
+    for T in (1, 50, 3000):
+        x = torch.randn(T, H, generator=gen).to(device="cuda", dtype=BF16)
+        ids = _routing("uniform", T, E, k, gen)
+        ids.view(-1)[torch.randint(0, T * k, (1 + T // 100,), generator=gen)] = bad
+        poison = _poisoned(md.default_capacity(T, k, E, 16), H, BF16)
+        res = md.moe_dispatch(x, ids, E, block_size=16, buffer=poison.clone(), mode=mode)
+        assert_dispatch(x, ids, E, 16, res, poison)
+        with pytest.raises(ValueError, match="outside"):
+            res.check()
+
+
+@pytest.mark.gpu
+def test_dispatch_edge_inputs():
+    gen = torch.Generator().manual_seed(17)
+    # no tokens
+    empty_x, empty_ids = torch.empty(0, 256, dtype=BF16, device="cuda"), torch.empty(0, 4, dtype=I32, device="cuda")
+    res = md.moe_dispatch(empty_x, empty_ids, 8)
+    assert res.buffer.shape == (0, 256) and not res.counts.any() and not res.offsets.any()
+    # strided x and ids (views into wider tensors), every mode
+    for mode, T in (("decode", 5), ("prefill", 700)):
+        x = torch.randn(T, 264, generator=gen).to(device="cuda", dtype=BF16)[:, 8:264]
+        ids = _routing("uniform", T, 32, 6, gen).repeat(1, 2)[:, 3:9]
+        poison = _poisoned(md.default_capacity(T, 6, 32, 128), 256, BF16)
+        assert_dispatch(x, ids, 32, 128, md.moe_dispatch(x, ids, 32, buffer=poison.clone(), mode=mode), poison)
+    # the module's own checker agrees
+    args = md.sample_args(md.DispatchConfig("bf16", 2048, 128, 8, "prefill").variant(), 600)
+    md.launch(md.compile(md.DispatchConfig("bf16", 2048, 128, 8, "prefill").variant()).fn, args)
+    md.check_args(md.DispatchConfig("bf16", 2048, 128, 8, "prefill").variant(), args)
+
+
+@pytest.mark.gpu
+def test_dispatch_back_to_back():
+    """Many launches without synchronisation: the scratch of every call must be its own."""
+    gen = torch.Generator().manual_seed(19)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cases = []
+    for i in range(60):
+        mode = ("decode", "prefill")[i % 2]
+        T = (8 * sms + 7, 2000)[i % 2]  # decode: 32 vectors per token, 256 per CTA: a CTA per SM
+        x = torch.randn(T, 256, generator=gen).to(device="cuda", dtype=BF16)
+        ids = _routing(("uniform", "hot")[i % 3 == 0], T, 64, 4, gen)
+        poison = _poisoned(md.default_capacity(T, 4, 64, 32), 256, BF16)
+        cases.append((x, ids, poison, md.moe_dispatch(x, ids, 64, block_size=32, buffer=poison.clone(), mode=mode)))
+    for x, ids, poison, res in cases:
+        assert_dispatch(x, ids, 64, 32, res, poison)
+
+
+def _assert_combine(out, expert_out, w, slot_map):
+    torch.cuda.synchronize()
+    ref = mc.reference(expert_out, w, slot_map)
+    err = (out.double() - ref).abs()
+    bad = ~(err <= mc.error_bound(expert_out, w, slot_map))
+    assert not bad.any(), f"{int(bad.sum())} bad, first {bad.nonzero()[0].tolist()}: err {err[bad][0]}"
+    empty = ((slot_map < 0) | (slot_map >= expert_out.shape[0])).all(1)
+    assert (out[empty] == 0).all(), "a token without slots is not zero"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [None, "decode", "prefill"])
+@pytest.mark.parametrize("cfg", GPU_CONFIGS, ids=lambda c: f"{str(c[0])[6:]}-H{c[1]}-E{c[2]}-k{c[3]}-B{c[4]}")
+def test_combine(cfg, mode):
+    dtype, H, E, k, B = cfg
+    gen = torch.Generator().manual_seed(_seed(cfg, mode))
+    for T in TOKENS:
+        for wdtype in dict.fromkeys((FP32, dtype)):
+            ids = _routing("dropped", T, E, k, gen)
+            res = md.moe_dispatch(_randn((T, H), dtype, T), ids, E, block_size=B)
+            expert_out = _randn(res.buffer.shape, dtype, _seed(cfg, mode, T)) * 3
+            w = torch.rand(T, k, generator=gen).to(device="cuda", dtype=wdtype)
+            slot_map = res.slot_map.clone()
+            slot_map[T // 2:T // 2 + 1] = -1  # one token with no slot at all
+            out = torch.full((T, H), float("nan"), dtype=dtype, device="cuda")
+            assert mc.moe_combine(expert_out, w, slot_map, out, mode=mode) is out
+            _assert_combine(out, expert_out, w, slot_map)
+
+
+@pytest.mark.gpu
+def test_combine_foreign_slots_and_strides():
+    gen = torch.Generator().manual_seed(23)
+    T, k, H, rows = 300, 4, 512, 1000
+    expert_out = torch.randn(rows, H + 8, generator=gen).to(device="cuda", dtype=BF16)[:, :H]
+    slot_map = torch.randint(-3, rows + 5, (T, k), generator=gen).to(device="cuda", dtype=I32)  # some out of range
+    w = torch.randn(T, k + 1, generator=gen).to(device="cuda")[:, 1:]
+    out = torch.full((T, H + 16), float("nan"), dtype=BF16, device="cuda")[:, 16:]
+    for mode in ("decode", "prefill"):
+        mc.moe_combine(expert_out, w, slot_map, out, mode=mode)
+        _assert_combine(out, expert_out, w, slot_map)
+    assert mc.moe_combine(expert_out, w[:0], slot_map[:0]).shape == (0, H)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [128, 4096])
+def test_cuda_graph_replay_with_new_routing(T):
+    """Capture dispatch -> (a per-row 'expert') -> combine once; replay with new routings."""
+    E, k, H, B = 128, 8, 2048, 128
+    gen = torch.Generator().manual_seed(29)
+    x = torch.empty(T, H, dtype=BF16, device="cuda")
+    ids = torch.empty(T, k, dtype=I32, device="cuda")
+    w = torch.empty(T, k, dtype=FP32, device="cuda")
+    buffer = torch.empty(md.default_capacity(T, k, E, B), H, dtype=BF16, device="cuda")
+
+    def step():
+        res = md.moe_dispatch(x, ids, E, block_size=B, buffer=buffer)
+        return res, mc.moe_combine(res.buffer * 2, w, res.slot_map)
+
+    x.copy_(torch.randn(T, H, generator=gen))
+    ids.copy_(_routing("uniform", T, E, k, gen))
+    w.copy_(torch.rand(T, k, generator=gen))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm up (compile, allocator) outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        res, out = step()
+    for kind in ("hot", "dropped", "uniform", "one_expert"):
+        x.copy_(torch.randn(T, H, generator=gen))
+        ids.copy_(_routing(kind, T, E, k, gen))
+        w.copy_(torch.rand(T, k, generator=gen))
+        buffer.fill_(float("nan"))
+        poison = buffer.clone()
+        graph.replay()
+        assert_dispatch(x, ids, E, B, res, poison)
+        routed = (ids >= 0).double()
+        ref = 2 * x.double() * (w.double() * routed).sum(1, keepdim=True)
+        _assert_combine(out, res.buffer * 2, w, res.slot_map)
+        assert torch.allclose(out.double(), ref, rtol=2**-7, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_graph_of_many_launches():
+    """20 dispatches of different sizes captured in one graph, replayed twice: no state leaks."""
+    gen = torch.Generator().manual_seed(31)
+    cases = [(T, torch.randn(T, 256, generator=gen).to(device="cuda", dtype=BF16),
+              _routing("uniform", T, 32, 4, gen)) for T in (1, 100, 700, 1500) * 5]
+    for _, x, ids in cases:
+        md.moe_dispatch(x, ids, 32)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        results = [md.moe_dispatch(x, ids, 32) for _, x, ids in cases]
+    for _ in range(2):
+        for r in results:
+            r.buffer.fill_(float("nan"))
+        poisons = [r.buffer.clone() for r in results]
+        graph.replay()
+        for (_, x, ids), r, p in zip(cases, results, poisons):
+            assert_dispatch(x, ids, 32, md.DEFAULT_BLOCK_SIZE, r, p)
+
+
+@pytest.mark.gpu
+def test_torch_compile_and_opcheck():
+    gen = torch.Generator().manual_seed(37)
+    T, E, k, H = 200, 16, 4, 256
+    x = torch.randn(T, H, generator=gen).to(device="cuda", dtype=BF16)
+    ids = _routing("dropped", T, E, k, gen)
+    w = torch.rand(T, k, generator=gen, device="cpu").cuda()
+
+    def f(x, ids, w):
+        res = md.moe_dispatch(x, ids, E, block_size=16)
+        return mc.moe_combine(res.buffer, w, res.slot_map), res.counts
+
+    out, counts = torch.compile(f, fullgraph=True)(x, ids, w)
+    ref = x.double() * (w.double() * (ids >= 0)).sum(1, keepdim=True)
+    assert torch.allclose(out.double(), ref, rtol=2**-7, atol=1e-3)
+    assert torch.equal(counts.cpu().long(), torch.bincount(ids[ids >= 0].long().cpu(), minlength=E))
+    torch.library.opcheck(torch.ops.rosekernels.moe_combine.default,
+                          (x, w, torch.randint(-1, T, (T, k), dtype=I32, device="cuda"),
+                           torch.empty_like(x), "decode"))
+    buffer = torch.empty(md.default_capacity(T, k, E, 16), H, dtype=BF16, device="cuda")
+    torch.library.opcheck(torch.ops.rosekernels.moe_dispatch.default, (x, ids, buffer, E, 16, "prefill"),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("module", [md, mc], ids=["dispatch", "combine"])
+def test_sample_args_and_outputs(module):
+    """The SIP tuner's view: sample_args -> launch -> check_args, and canonical outputs that two
+    correct launches agree on bitwise."""
+    for variant in module.all_variants():
+        kernel = module.compile(variant)
+        for tokens in (None, 3):
+            a1 = module.sample_args(variant, tokens, seed=5)
+            a2 = module.sample_args(variant, tokens, seed=5)
+            run = md.launch if module is md else (lambda fn, a: fn(*a))
+            run(kernel.fn, a1)
+            run(kernel.fn, a2)
+            module.check_args(variant, a1)
+            if module is md:
+                for o1, o2 in zip(md.outputs(variant, a1), md.outputs(variant, a2)):
+                    assert torch.equal(_bits(o1) if o1.is_floating_point() else o1,
+                                       _bits(o2) if o2.is_floating_point() else o2)
