@@ -56,14 +56,14 @@ def sha256(data: bytes) -> str:
 
 def check_sm90_cubin(data: bytes) -> None:
     """Raise CacheError unless `data` is one whole sm_90/sm_90a cubin with kernel code."""
-    from sip import SipError, cubin  # the engine's reader: arch, sections, symbols, kernels
+    from sip import SipError, cubin, fatbin  # the engine's reader: arch, sections, symbols, kernels
 
     if len(data) < 64 or data[:4] != b"\x7fELF":
         raise CacheError("not an ELF image")
     try:
         parsed = cubin.parse_cubin(data)  # refuses other architectures
-        size = cubin.elf_image_size(data)
-    except (SipError, struct.error, IndexError, ValueError) as e:
+        size = fatbin.elf_size(data)
+    except (SipError, fatbin.FatbinError, struct.error, IndexError, ValueError) as e:
         raise CacheError(f"not a cubin SIP can read: {e}") from None
     if size != len(data):
         raise CacheError(f"ELF headers describe {size} bytes, the file has {len(data)}")

@@ -286,7 +286,6 @@ class _Bench:
         self.original = workload.kernel.cubin
         self.base = workload.kernel.fn
         self.stream = torch.cuda.Stream()
-        self.pool = torch.cuda.graph_pool_handle()
         self.free0 = torch.cuda.mem_get_info()[0]
         probe = workload.make_args(0x5EED)
         self.set_bytes = _set_bytes(probe)
@@ -336,7 +335,9 @@ class _Bench:
         g = torch.cuda.CUDAGraph()
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
-            g.capture_begin(pool=self.pool)
+            # Each graph gets a private memory pool: a shared one is released when its last graph
+            # is freed, and capturing into it again trips an allocator assertion.
+            g.capture_begin()
             try:
                 body()
             finally:

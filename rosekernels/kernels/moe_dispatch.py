@@ -434,7 +434,7 @@ def default_capacity(num_tokens: int, topk: int, num_experts: int, block_size: i
     """Rows that always suffice: every pair, plus the padding of every expert that can be non-empty
     (at most min(E, T*k) experts are; an empty expert takes no rows)."""
     pairs = num_tokens * topk
-    return pairs + torch.sym_min(num_experts, pairs) * (block_size - 1)
+    return pairs + min(num_experts, pairs) * (block_size - 1)  # builtin min: dynamo traces it on SymInts
 
 
 def choose_mode(num_tokens: int, topk: int) -> str:
