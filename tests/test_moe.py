@@ -537,3 +537,19 @@ def test_sample_args_and_outputs(module):
                 for o1, o2 in zip(md.outputs(variant, a1), md.outputs(variant, a2)):
                     assert torch.equal(_bits(o1) if o1.is_floating_point() else o1,
                                        _bits(o2) if o2.is_floating_point() else o2)
+
+
+def test_both_ops_trace_under_torch_compile_with_functionalization():
+    """Mutating custom ops are functionalized by torch.compile; an op argument named `mode` used to
+    collide with the functionalization's own keyword."""
+    T, E, k, H = 200, 16, 4, 256
+    x = torch.empty(T, H, dtype=BF16, device="meta")
+    ids = torch.empty(T, k, dtype=I32, device="meta")
+    w = torch.empty(T, k, device="meta")
+
+    def f(x, ids, w):
+        res = md.moe_dispatch(x, ids, E, block_size=16)
+        return mc.moe_combine(res.buffer, w, res.slot_map), res.counts
+
+    out, counts = torch.compile(f, fullgraph=True, backend="aot_eager")(x, ids, w)
+    assert out.shape == (T, H) and counts.shape == (E,)

@@ -212,17 +212,18 @@ def _config(*key: Any) -> CombineConfig:
 
 @torch.library.custom_op("rosekernels::moe_combine", mutates_args=("out",))
 def _moe_combine_op(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor,
-                    out: torch.Tensor, mode: str) -> None:
+                    out: torch.Tensor, variant_mode: str) -> None:
+    # (not `mode`: torch's functionalization of mutating ops passes a `mode` keyword of its own)
     expert_out, topk_weights, slot_map, out_view = map(rows_view, (expert_out, topk_weights, slot_map, out))
-    cfg = validate(expert_out, topk_weights, slot_map, out_view, mode)
+    cfg = validate(expert_out, topk_weights, slot_map, out_view, variant_mode)
     if out.numel() == 0:
         return
     compile(cfg.variant()).fn(expert_out, topk_weights, slot_map, out_view)
 
 
 @_moe_combine_op.register_fake
-def _(expert_out, topk_weights, slot_map, out, mode):
-    validate(expert_out, topk_weights, slot_map, out, mode, on_device=False)
+def _(expert_out, topk_weights, slot_map, out, variant_mode):
+    validate(expert_out, topk_weights, slot_map, out, variant_mode, on_device=False)
 
 
 # ---------------------------------------------------------------------------------------------

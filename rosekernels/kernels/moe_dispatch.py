@@ -550,9 +550,10 @@ def rows_view(t: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("rosekernels::moe_dispatch", mutates_args=("buffer",))
 def _moe_dispatch_op(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_experts: int,
-                     block_size: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+                     block_size: int, variant_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    # (not `mode`: torch's functionalization of mutating ops passes a `mode` keyword of its own)
     x, topk_ids, buffer = rows_view(x), rows_view(topk_ids), rows_view(buffer)
-    cfg = validate(x, topk_ids, buffer, num_experts, block_size, mode)
+    cfg = validate(x, topk_ids, buffer, num_experts, block_size, variant_mode)
     kernel = compile(cfg.variant())
     slot_map = torch.empty(topk_ids.shape, dtype=torch.int32, device=x.device)
     meta = torch.zeros(meta_layout(num_experts)["size"], dtype=torch.int32, device=x.device)
@@ -561,8 +562,8 @@ def _moe_dispatch_op(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tens
 
 
 @_moe_dispatch_op.register_fake
-def _(x, topk_ids, buffer, num_experts, block_size, mode):
-    validate(x, topk_ids, buffer, num_experts, block_size, mode, on_device=False)
+def _(x, topk_ids, buffer, num_experts, block_size, variant_mode):
+    validate(x, topk_ids, buffer, num_experts, block_size, variant_mode, on_device=False)
     return (topk_ids.new_empty(topk_ids.shape, dtype=torch.int32),
             topk_ids.new_empty((meta_layout(num_experts)["size"],), dtype=torch.int32))
 
