@@ -14,6 +14,7 @@ Every compiled variant goes the same way:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -195,13 +196,26 @@ _locks: dict[Variant, threading.Lock] = {}
 _locks_guard = threading.Lock()
 
 
+@functools.lru_cache(maxsize=None)
+def _package_digest() -> str:
+    """Digest of every source file of the package, so that an edit to a kernel or to anything it
+    imports (checks, modes, shared device helpers) invalidates the objects cached on disk."""
+    h = hashlib.sha256()
+    root = Path(__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def _source_digest(build: Callable[..., Any]) -> str:
-    """Digest of the kernel's source file and of this file: an edit invalidates cached objects."""
+    """The package digest, plus the builder's own file when it lives outside the package."""
     import inspect
 
-    h = hashlib.sha256(Path(__file__).read_bytes())
-    h.update(Path(inspect.getsourcefile(build) or __file__).read_bytes())
-    return h.hexdigest()[:16]
+    source = Path(inspect.getsourcefile(build) or __file__).resolve()
+    if Path(__file__).parent.resolve() in source.parents:
+        return _package_digest()
+    return hashlib.sha256((_package_digest() + source.read_text()).encode()).hexdigest()[:16]
 
 
 def _disk_paths(variant: Variant, digest: str) -> tuple[Path, Path]:

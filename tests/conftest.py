@@ -24,3 +24,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def fresh_cache(tmp_path_factory):
+    """An empty compile cache for the module, so its CPU tests really compile."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ROSEKERNELS_CACHE_DIR", str(tmp_path_factory.mktemp("rk-cache")))
+    yield
+    mp.undo()

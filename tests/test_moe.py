@@ -17,15 +17,6 @@ from sip import cubin as sip_cubin
 BF16, FP16, FP32, I32 = torch.bfloat16, torch.float16, torch.float32, torch.int32
 
 
-@pytest.fixture(scope="module")
-def fresh_cache(tmp_path_factory):
-    """Compile into an empty disk cache so the CPU test really compiles."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("ROSEKERNELS_CACHE_DIR", str(tmp_path_factory.mktemp("rk-cache")))
-    yield
-    mp.undo()
-
-
 # ---------------------------------------------------------------------------------------------
 # CPU: every specialization compiles for sm_90a, without spills.
 

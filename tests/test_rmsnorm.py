@@ -9,15 +9,6 @@ from rosekernels.kernels import rmsnorm as rms
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
-@pytest.fixture(scope="module")
-def fresh_cache(tmp_path_factory):
-    """Compile into an empty disk cache so the CPU test really compiles."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("ROSEKERNELS_CACHE_DIR", str(tmp_path_factory.mktemp("rk-cache")))
-    yield
-    mp.undo()
-
-
 # ---------------------------------------------------------------------------------------------
 # CPU: compile every specialization.
 

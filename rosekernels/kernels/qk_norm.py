@@ -30,6 +30,7 @@ import torch
 from cutlass import Float32, Int32
 
 from rosekernels import checks, jit, modes
+from rosekernels.vector_copy import vec_load, vec_store
 
 OP = "qk_norm"
 HEAD_DIMS = (64, 128, 256)
@@ -106,34 +107,6 @@ def _cute_dtype(name: str) -> type[cutlass.Numeric]:
 # ---------------------------------------------------------------------------------------------
 # The kernel.
 
-# Cache hints for the streamed data (read once, written once): (load, store) copy-atom attributes.
-_HINTS = {
-    "evict_first": ({"l1c_evict_priority": cute.nvgpu.CacheEvictionPriority.EVICT_FIRST},
-                    {"l1c_evict_priority": cute.nvgpu.CacheEvictionPriority.EVICT_FIRST}),
-    "last_use": ({"load_cache_mode": cute.nvgpu.LoadCacheMode.LAST_USE}, {}),
-}
-
-
-def _vec_load(src: cute.Tensor, hint: str = "none") -> cute.Tensor:
-    """Registers holding the 1-D gmem slice `src`, read with 128-bit loads."""
-    dst = cute.make_rmem_tensor(src.shape, src.element_type)
-    op = cute.nvgpu.CopyUniversalOp() if hint == "none" else cute.nvgpu.CopyG2ROp()
-    _copy128(op, {} if hint == "none" else _HINTS[hint][0], src, dst)
-    return dst
-
-
-def _vec_store(src: cute.Tensor, dst: cute.Tensor, hint: str = "none") -> None:
-    """Write registers `src` to the 1-D gmem slice `dst` with 128-bit stores."""
-    op = cute.nvgpu.CopyUniversalOp() if hint == "none" else cute.nvgpu.CopyR2GOp()
-    _copy128(op, {} if hint == "none" else _HINTS[hint][1], src, dst)
-
-
-def _copy128(op, attrs: dict, src: cute.Tensor, dst: cute.Tensor) -> None:
-    per_access = 128 // src.element_type.width
-    atom = cute.make_copy_atom(op, src.element_type, num_bits_per_copy=128, **attrs)
-    cute.copy(atom, cute.zipped_divide(src, (per_access,)), cute.zipped_divide(dst, (per_access,)))
-
-
 class QKNormKernel:
     def __init__(self, cfg: QKNormConfig):
         cfg.validate()
@@ -179,13 +152,13 @@ class QKNormKernel:
             t = Int32(cutlass.Uint32(row) // heads)  # unsigned: a multiply-shift, rows are >= 0
             h = row - t * heads
             src = cute.zipped_divide(mX[t, h, None], (c.vec,))
-            xs.append([_vec_load(src[None, ch], c.cache_hint) for ch in chunks])
+            xs.append([vec_load(src[None, ch], c.cache_hint) for ch in chunks])
             dst = cute.zipped_divide(mO[t, h, None], (c.vec,))
             dsts.append([dst[None, ch] for ch in chunks])
         ws = []
         gW = cute.zipped_divide(mW, (c.vec,))
         for ch in chunks:
-            w = _vec_load(gW[None, ch]).load().to(Float32)
+            w = vec_load(gW[None, ch]).load().to(Float32)
             if cutlass.const_expr(c.weight_bias != 0.0):
                 w = w + Float32(c.weight_bias)
             ws.append(w)
@@ -202,7 +175,7 @@ class QKNormKernel:
                 for j in cutlass.range_constexpr(vpt):
                     y = cute.make_rmem_tensor((c.vec,), mO.element_type)
                     y.store((x[j] * rstd * ws[j]).to(mO.element_type))
-                    _vec_store(y, dsts[r][j], c.cache_hint)
+                    vec_store(y, dsts[r][j], c.cache_hint)
 
 
 def _build(cfg: QKNormConfig) -> Callable[[], tuple]:

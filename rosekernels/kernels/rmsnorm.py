@@ -27,6 +27,7 @@ from cutlass import Float32
 from cutlass.memory import SmemAllocator
 
 from rosekernels import checks, jit, modes
+from rosekernels.vector_copy import vec_load, vec_store
 
 OP = "rmsnorm"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -116,34 +117,6 @@ def _cute_dtype(name: str) -> type[cutlass.Numeric]:
 # ---------------------------------------------------------------------------------------------
 # The kernel.
 
-# Cache hints for the streamed data (read once, written once): (load, store) copy-atom attributes.
-_HINTS = {
-    "evict_first": ({"l1c_evict_priority": cute.nvgpu.CacheEvictionPriority.EVICT_FIRST},
-                    {"l1c_evict_priority": cute.nvgpu.CacheEvictionPriority.EVICT_FIRST}),
-    "last_use": ({"load_cache_mode": cute.nvgpu.LoadCacheMode.LAST_USE}, {}),
-}
-
-
-def _vec_load(src: cute.Tensor, hint: str = "none") -> cute.Tensor:
-    """Registers holding the 1-D gmem slice `src`, read with 128-bit loads."""
-    dst = cute.make_rmem_tensor(src.shape, src.element_type)
-    op = cute.nvgpu.CopyUniversalOp() if hint == "none" else cute.nvgpu.CopyG2ROp()
-    _copy128(op, {} if hint == "none" else _HINTS[hint][0], src, dst)
-    return dst
-
-
-def _vec_store(src: cute.Tensor, dst: cute.Tensor, hint: str = "none") -> None:
-    """Write registers `src` to the 1-D gmem slice `dst` with 128-bit stores."""
-    op = cute.nvgpu.CopyUniversalOp() if hint == "none" else cute.nvgpu.CopyR2GOp()
-    _copy128(op, {} if hint == "none" else _HINTS[hint][1], src, dst)
-
-
-def _copy128(op, attrs: dict, src: cute.Tensor, dst: cute.Tensor) -> None:
-    per_access = 128 // src.element_type.width
-    atom = cute.make_copy_atom(op, src.element_type, num_bits_per_copy=128, **attrs)
-    cute.copy(atom, cute.zipped_divide(src, (per_access,)), cute.zipped_divide(dst, (per_access,)))
-
-
 class RMSNormKernel:
     def __init__(self, cfg: RMSNormConfig):
         cfg.validate()
@@ -179,12 +152,12 @@ class RMSNormKernel:
                 chunks.append(cutlass.min(j * tpr + lane, c.vecs - 1))
 
         gX = cute.zipped_divide(mX[row, None], (c.vec,))
-        xs = [_vec_load(gX[None, ch], c.cache_hint) for ch in chunks]
+        xs = [vec_load(gX[None, ch], c.cache_hint) for ch in chunks]
         if cutlass.const_expr(c.residual):
             gR = cute.zipped_divide(mR[row, None], (c.vec,))
-            rs = [_vec_load(gR[None, ch], c.cache_hint) for ch in chunks]
+            rs = [vec_load(gR[None, ch], c.cache_hint) for ch in chunks]
         gW = cute.zipped_divide(mW, (c.vec,))
-        ws = [_vec_load(gW[None, ch]) for ch in chunks]
+        ws = [vec_load(gW[None, ch]) for ch in chunks]
 
         hs = [v.load().to(Float32) for v in xs]
         if cutlass.const_expr(c.residual):
@@ -227,10 +200,10 @@ class RMSNormKernel:
         y.store(value.to(dst.element_type))
         if row_ok:
             if cutlass.const_expr(chunk_ok is None):
-                _vec_store(y, dst, self.cfg.cache_hint)
+                vec_store(y, dst, self.cfg.cache_hint)
             else:
                 if chunk_ok:
-                    _vec_store(y, dst, self.cfg.cache_hint)
+                    vec_store(y, dst, self.cfg.cache_hint)
 
 
 def _build(cfg: RMSNormConfig) -> Callable[[], tuple]:
