@@ -2,7 +2,7 @@
 
 `CORPUS` is the list of (name, builder) pairs every corpus-wide test iterates over; a builder
 gets a scratch directory and returns cubin bytes, or raises pytest.skip when its toolchain is
-missing. Add entries by appending to CORPUS (e.g. the project's own TMA + WGMMA GEMM).
+missing. Add entries by appending to CORPUS.
 
 `corpus` is a session fixture: {name: cubin bytes} for the builders that could run, built once
 per session (nvcc runs in parallel).
@@ -148,9 +148,17 @@ def build_cute_row_sum(workdir: Path) -> bytes:
     return cubin_from_cute(cute.compile(row_sum, x, y))
 
 
+def build_rosekernels_gemm(workdir: Path) -> bytes:
+    """The project's own Hopper GEMM: TMA loads, mbarrier pipeline, WGMMA warpgroups, TMA store."""
+    from rosekernels.kernels import gemm_leakyrelu as gemm
+
+    return gemm.compile_config(gemm.specializations()[0]).cubin
+
+
 CORPUS: list[tuple[str, Callable[[Path], bytes]]] = [
     ("cute_vector_scale_add", build_cute_vector_scale_add),
     ("cute_row_sum", build_cute_row_sum),
+    ("rosekernels_tma_wgmma_gemm", build_rosekernels_gemm),
     *((stem, _nvcc_builder(stem)) for stem in (
         "smem_tiled_gemm", "cp_async_pipeline", "warp_reduce_atomics", "mma_sync_hmma",
         "wgmma_tma", "control_mix", "isa_zoo", "unrolled_stencil")),
