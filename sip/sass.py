@@ -222,9 +222,24 @@ def disassemble_kernel(cubin: Cubin, name: str) -> Kernel:
     return _kernel(cubin, name, nvdisasm_functions(cubin))
 
 
+def _kernel_records(cubin: Cubin, code: KernelText, functions: dict[str, list[dict]]) -> list[dict] | None:
+    """The records of every function in the kernel's section, in address order.
+
+    nvdisasm 13.0 lists a kernel's internal subroutines (e.g. `$__internal_0_$__cuda_sm20_div_s64`)
+    as functions of their own; 13.5 lists them inside the kernel. Joining the section's functions
+    gives the same records either way; a gap or an overlap gives None."""
+    offsets = {s.name: s.value for s in cubin.symbols if s.shndx == code.section.index}
+    records: list[dict] = []
+    for start, part in sorted((offsets[n], recs) for n, recs in functions.items() if n in offsets):
+        if start != len(records) * INSTRUCTION_BYTES:
+            return None
+        records += part
+    return records or None
+
+
 def _kernel(cubin: Cubin, name: str, functions: dict[str, list[dict]]) -> Kernel:
     code = cubin.kernel(name)
-    records = functions.get(name)
+    records = _kernel_records(cubin, code, functions)
     if records is None or len(records) != code.instruction_count:
         got = "nothing" if records is None else f"{len(records)} instructions"
         raise SipError(f"nvdisasm gave {got} for {name}, whose code holds "

@@ -5,7 +5,7 @@ import stat
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from sip_corpus import CORPUS_NAMES, corpus, corpus_entry  # noqa: F401
+from sip_corpus import CORPUS_NAMES, CORPUS_SOURCES, compile_cu, corpus, corpus_entry, nvcc_path  # noqa: F401
 
 from sip import SipError, sass
 from sip.cubin import parse_cubin
@@ -185,3 +185,30 @@ def test_instructions_carry_their_words_and_blocks_partition_the_code(corpus, na
                 assert i.index + 1 in starts
         for off in kernel.code.entries:
             assert off // 16 in starts
+
+
+def test_internal_subroutines_listed_apart_by_nvdisasm_are_joined(tmp_path, monkeypatch):
+    """nvdisasm 13.0 gives a kernel's internal subroutine its own JSON function; 13.5 lists it inside
+    the kernel. Both must decode to the same instructions."""
+    if nvcc_path() is None:
+        pytest.skip("nvcc not found")
+    from sip import cubin as cubin_mod
+
+    data = compile_cu(CORPUS_SOURCES / "div64_subroutine.cu", tmp_path)
+    parsed = cubin_mod.parse_cubin(data)
+    (name,) = parsed.kernel_names
+    whole = sass.disassemble_kernel(parsed, name)
+    code = parsed.kernel(name)
+    subs = [s for s in parsed.symbols if s.shndx == code.section.index and s.value > 0 and s.name != name]
+    assert subs, "expected an internal subroutine symbol in the kernel's section"
+    cut = subs[0].value // cubin_mod.INSTRUCTION_BYTES
+    records = sass.nvdisasm_functions(parsed)[name]
+    assert len(records) == code.instruction_count  # this nvdisasm lists it inside the kernel
+    split = {name: records[:cut], subs[0].name: records[cut:]}
+    monkeypatch.setattr(sass, "nvdisasm_functions", lambda c: split)
+    apart = sass.disassemble_kernel(parsed, name)
+    assert apart.instructions == whole.instructions and apart.blocks == whole.blocks
+    gap = {name: records[:cut], subs[0].name: records[cut + 1:]}
+    monkeypatch.setattr(sass, "nvdisasm_functions", lambda c: gap)
+    with pytest.raises(SipError, match="nvdisasm gave"):
+        sass.disassemble_kernel(parsed, name)
