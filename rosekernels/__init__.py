@@ -8,15 +8,11 @@ import os
 # Before anything imports cutlass: unset, CuTeDSL silently targets sm_100a.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-_EXPORTS = {
-    "qk_norm": "rosekernels.kernels.qk_norm",
-    "rmsnorm": "rosekernels.kernels.rmsnorm",
-    "moe_dispatch": "rosekernels.kernels.moe_dispatch",
-    "moe_combine": "rosekernels.kernels.moe_combine",
-    "gemm_leakyrelu": "rosekernels.kernels.gemm_leakyrelu",
-    "attention": "rosekernels.kernels.attention",
-    "warmup": "rosekernels.warmup",
-}
+# Each op and the kernel module that defines it (the SIP tuner reads this too).
+OPS = {name: f"rosekernels.kernels.{name}" for name in (
+    "qk_norm", "rmsnorm", "moe_dispatch", "moe_combine", "gemm_leakyrelu", "attention")}
+# warmup lives in `startup`: a submodule named `warmup` would shadow the function once imported.
+_EXPORTS = {**OPS, "warmup": "rosekernels.startup"}
 
 __all__ = sorted(_EXPORTS)
 

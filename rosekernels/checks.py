@@ -17,6 +17,7 @@ CUTE_DTYPE = {
 
 DTYPE_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
               torch.int32: "i32", torch.int64: "i64"}
+TORCH_DTYPE = {name: dtype for dtype, name in DTYPE_NAME.items()}
 
 
 def vector_width(dtype: torch.dtype) -> int:

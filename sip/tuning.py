@@ -32,20 +32,14 @@ import sys
 import time
 from typing import Any, Callable
 
+import rosekernels  # cheap: the ops themselves load lazily
 from sip import SipError, cache, search
 from sip.runner import Evaluation, Options, Runner, Workload, WorkerFailure
 
 # ---------------------------------------------------------------------------------------------
 # The kernels sip-tune knows: name -> module; the workload builder of each is _<name>_workload below.
 
-KERNELS: dict[str, str] = {
-    "qk_norm": "rosekernels.kernels.qk_norm",
-    "rmsnorm": "rosekernels.kernels.rmsnorm",
-    "moe_dispatch": "rosekernels.kernels.moe_dispatch",
-    "moe_combine": "rosekernels.kernels.moe_combine",
-    "gemm_leakyrelu": "rosekernels.kernels.gemm_leakyrelu",
-    "attention": "rosekernels.kernels.attention",
-}
+KERNELS: dict[str, str] = dict(rosekernels.OPS)
 
 
 def availability(kernel: str) -> tuple[bool, str]:
@@ -137,12 +131,12 @@ def _rmsnorm_workload(mode: str, shape: dict[str, Any]) -> Workload:
 
 
 def _moe_dispatch_workload(mode: str, shape: dict[str, Any]) -> Workload:
-    import torch
+    from rosekernels.checks import TORCH_DTYPE
 
     m = _module("moe_dispatch")
     s = _shape("moe_dispatch", {"tokens": 128 if mode == "decode" else 4096, "hidden": 2048, "experts": 128,
                                 "topk": 8, "dtype": "bf16"}, shape)
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[s["dtype"]]
+    dt = TORCH_DTYPE[s["dtype"]]
 
     def cfg(tokens: int) -> Any:
         return m.config_for(tokens, s["hidden"], s["experts"], s["topk"], dt)
@@ -156,15 +150,13 @@ def _moe_dispatch_workload(mode: str, shape: dict[str, Any]) -> Workload:
 
 
 def _moe_combine_workload(mode: str, shape: dict[str, Any]) -> Workload:
-    import torch
+    from rosekernels.checks import TORCH_DTYPE
 
     m = _module("moe_combine")
     s = _shape("moe_combine", {"tokens": 128 if mode == "decode" else 4096, "hidden": 2048, "topk": 8,
                                "dtype": "bf16", "weight_dtype": "fp32"}, shape)
-    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
     def cfg(tokens: int) -> Any:
-        return m.config_for(tokens, s["hidden"], s["topk"], names[s["dtype"]], names[s["weight_dtype"]])
+        return m.config_for(tokens, s["hidden"], s["topk"], TORCH_DTYPE[s["dtype"]], TORCH_DTYPE[s["weight_dtype"]])
 
     _check_mode("moe_combine", mode, cfg(s["tokens"]).mode, s)
     variant = cfg(s["tokens"]).variant()

@@ -236,7 +236,7 @@ def jit_env(tmp_path, monkeypatch):
 
 def test_warmup_loads_the_tuned_cubin_and_reports_it(jit_env):
     import jit_demo_kernel as demo
-    from rosekernels.warmup import warmup
+    from rosekernels.startup import warmup
 
     jit = jit_env
     variant = jit.Variant.of("axpb_test", "decode", dtype="fp32")
@@ -255,7 +255,7 @@ def test_warmup_loads_the_tuned_cubin_and_reports_it(jit_env):
 
 def test_warmup_never_loads_a_tuned_cubin_for_another_original(jit_env):
     import jit_demo_kernel as demo
-    from rosekernels.warmup import warmup
+    from rosekernels.startup import warmup
 
     jit = jit_env
     variant = jit.Variant.of("axpb_test", "decode", dtype="fp32")
@@ -270,7 +270,7 @@ def test_warmup_never_loads_a_tuned_cubin_for_another_original(jit_env):
 
 def test_warmup_of_a_corrupt_entry_warns_and_loads_untuned(jit_env):
     import jit_demo_kernel as demo
-    from rosekernels.warmup import warmup
+    from rosekernels.startup import warmup
 
     jit = jit_env
     variant = jit.Variant.of("axpb_test", "decode", dtype="fp32")
@@ -286,7 +286,7 @@ def test_warmup_of_a_corrupt_entry_warns_and_loads_untuned(jit_env):
 def test_warmup_accepts_variants_of_the_rosekernels_ops(jit_env):
     import torch
     from rosekernels.kernels import qk_norm
-    from rosekernels.warmup import warmup
+    from rosekernels.startup import warmup
 
     jit = jit_env
     variant = qk_norm.config_for(1, 32, 8, 128, torch.bfloat16, torch.bfloat16).variant()

@@ -191,7 +191,7 @@ def test_tune_cache_then_warmup_in_a_fresh_process(env, tmp_path):
         import cutlass.cute as cute
         from rosekernels import jit
         from rosekernels.kernels import qk_norm
-        from rosekernels.warmup import warmup
+        from rosekernels.startup import warmup
         variant = jit.Variant.of({v.op!r}, {v.mode!r}, **{dict(v.params)!r})
         report = warmup([variant])
         print(report)
