@@ -14,6 +14,7 @@ Writes gemm_leakyrelu.json and gemm_leakyrelu.md into --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -197,12 +198,16 @@ def _sweep(m, n, k, dtype, slope, bias, sets, decode, flops, sm):
     if decode:
         cfg, _ = glr.select_config(m, n, k, name, "k", base["bias"], slope, sm)
         k_tiles = math.ceil(k / glr.TILE_K)
-        trials = [(cfg, s, glr.RASTER_GROUP) for s in (1, 2, 3, 4, 6, 8, 16) if s <= k_tiles]
+        for tile_n in (64, 128, 256):
+            tiled = dataclasses.replace(cfg, tile_n=tile_n)
+            trials += [(tiled, s, glr.RASTER_GROUP) for s in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16) if s <= k_tiles]
     else:
         for tile_m, tile_n, pingpong, _ in glr.PREFILL_TILES:
-            for group in (4, 8, 16):
-                cfg = glr.GemmConfig(**base, tile_m=tile_m, tile_n=tile_n, pingpong=pingpong)
-                trials.append((cfg, 1, group))
+            for cluster_m, cluster_n in ((2, 1), (1, 2), (1, 1)):
+                cfg = glr.GemmConfig(**base, tile_m=tile_m, tile_n=tile_n, pingpong=pingpong,
+                                     cluster_m=cluster_m, cluster_n=cluster_n)
+                groups = (4, 8, 16) if (cluster_m, cluster_n) == (2, 1) else (8,)
+                trials += [(cfg, 1, group) for group in groups]
     out = []
     for cfg, splits, group in trials:
         def fn(a, w, b, o, cfg=cfg, splits=splits, group=group):
