@@ -26,11 +26,12 @@ class Mode:
 
 
 # Prefill table: per op, rows (warps needed up to, warps per block, rows per thread, cache hint);
-# the first row whose limit covers the work wins. Produced by the sweeps of `python bench/qk_norm.py`
-# and `python bench/rmsnorm.py` on an H200; run: NONE YET -- initial guesses, to be replaced by
-# the benchmarks' recommendation.
+# the first row whose limit covers the work wins. qk_norm: the recommendation of the block-shape
+# sweep in `python bench/qk_norm.py` on the H200 (2026-11-30, Qwen3-8B and Qwen3-30B-A3B, bf16,
+# bench/results/qk_norm.md); neighbouring shapes are within 1-4% of the winner. rmsnorm: not swept
+# yet (`python bench/rmsnorm.py` prints its row).
 PREFILL_TABLE: dict[str, tuple[tuple[int, int, int, str], ...]] = {
-    "qk_norm": ((1 << 62, 8, 2, "none"),),
+    "qk_norm": ((2560, 8, 2, "none"), (20480, 16, 4, "evict_first"), (1 << 62, 8, 1, "evict_first")),
     "rmsnorm": ((1 << 62, 8, 1, "none"),),
 }
 
