@@ -1,17 +1,21 @@
 """Benchmark MoE dispatch / combine (TP=1) against torch eager and torch.compile; writes JSON + markdown.
 
     python bench/moe.py [--out bench/results] [--tokens 1,32,128,512,4096,8192] [--models ...] [--no-compile]
+                        [--compile-tokens 1,128,512,8192]
 
 Shapes: Qwen3-30B-A3B (H=2048, E=128, k=8) and DeepSeek-V3-like (H=7168, E=256, k=8), bf16 tokens,
 fp32 router weights, a realistic routing (k distinct experts per token from random logits), block
 size 128, the default (worst-case) capacity. In the same run: the device copy ceiling (one
 1 GiB copy_), rosekernels (auto mode, and both modes forced: where they cross), torch eager
 (argsort + index_select/index_copy_ for dispatch, index_add_ for combine, sync-free so that it can
-be captured too) and torch.compile of it.
+be captured too) and torch.compile of it (compiled once per shape, dynamic=False, after a dynamo reset, and
+checked against eager torch; a shape where it fails is recorded and skipped).
 
 Times are per call, the median of repetitions: eager = CUDA events around many back-to-back calls
 (host overhead included where it dominates); graph = the same calls captured in one CUDA graph,
-replay time / calls (decode sizes, T <= 512). Inputs AND output buffers rotate over sets spanning
+replay time / calls (decode sizes, T <= 512); host = wall time per call of a short burst of calls
+without synchronisation (what the CPU spends issuing one call; bursts are short enough that the launch
+queue does not fill). Inputs AND output buffers rotate over sets spanning
 more than twice the L2, so every call reads and writes HBM. Bytes that must move (the brief's model):
 dispatch reads x once per (token, choice) and writes that copy: 2*T*k*H*2 B; combine reads k rows per
 token and writes one: (T*k + T)*H*2 B. Our dispatch reads each token once, so its effective GB/s may
@@ -42,7 +46,7 @@ BLOCK = 128
 MODELS = {"qwen3-30b-a3b": (2048, 128, 8), "deepseek-v3": (7168, 256, 8)}
 TOKENS = (1, 32, 128, 512, 4096, 8192)
 GRAPH_MAX_TOKENS = 512
-TARGETS = {"prefill_pct_of_copy": 80.0, "decode_graph_us": 10.0, "speedup_vs_torch": 5.0}
+TARGETS = {"prefill_pct_of_copy": 80.0, "decode_graph_us": 10.0, "speedup_vs_torch": 5.0, "eager_host_us": 20.0}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,6 +98,21 @@ def graph_us(call, n_sets: int, reps: int = 15) -> float:
     return statistics.median(times)
 
 
+def host_us(call, n_sets: int, reps: int = 11, calls: int = 32) -> float:
+    """Median host (CPU) time per call of `calls` back-to-back calls, the device idle at the start."""
+    for i in range(3 * n_sets):
+        call(i % n_sets)
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for i in range(calls):
+            call(i % n_sets)
+        times.append((time.perf_counter() - t) * 1e6 / calls)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def copy_ceiling_gbps(nbytes: int = 1 << 30) -> float:
     src = torch.empty(nbytes // 2, dtype=DTYPE, device="cuda").normal_()
     dst = torch.empty_like(src)
@@ -135,8 +154,34 @@ def torch_combine(expert_out, weights, slot_map):
 
 
 def pipeline(dispatch, combine, s, num_experts):
-    buffer, _, _, slot_map = dispatch(s["x"], s["ids"], num_experts, BLOCK, s["buf"])
-    return combine(buffer[:-1], s["w"], slot_map)
+    _, _, _, slot_map = dispatch(s["x"], s["ids"], num_experts, BLOCK, s["buf"])
+    return combine(s["rbuf"], s["w"], slot_map)
+
+
+def compile_shape(s, num_experts, log):
+    """torch.compile of the torch reference for this shape only (dynamic=False; a dynamo reset first,
+    so no earlier shape's graphs or recompile limits are involved), warmed up and checked against
+    eager torch. Returns ((dispatch, combine) or None, error or None)."""
+    try:
+        torch._dynamo.reset()
+        t0 = time.time()
+        cd = torch.compile(torch_dispatch, dynamic=False)
+        cc = torch.compile(torch_combine, dynamic=False)
+        got = cd(s["x"], s["ids"], num_experts, BLOCK, s["buf"])
+        ref = torch_dispatch(s["x"], s["ids"], num_experts, BLOCK, s["buf"].clone())
+        for a, b in zip(got[1:], ref[1:]):
+            if not torch.equal(a, b):
+                raise AssertionError("compiled dispatch differs from eager torch")
+        slot_map = s["res"].slot_map
+        got_c, ref_c = cc(s["rbuf"], s["w"], slot_map), torch_combine(s["rbuf"], s["w"], slot_map)
+        if not torch.allclose(got_c.float(), ref_c.float(), rtol=2**-7, atol=1e-2):
+            raise AssertionError("compiled combine differs from eager torch")
+        torch.cuda.synchronize()
+        log(f"  torch.compile: {time.time() - t0:.1f} s")
+        return (cd, cc), None
+    except Exception as e:  # noqa: BLE001  (the peer is skipped, the reason recorded)
+        traceback.print_exc()
+        return None, f"unavailable: {type(e).__name__}: {str(e)[:200]}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,11 +200,12 @@ def make_sets(T, H, E, k, l2_bytes, seed=0):
         ids = md.random_topk_ids(T, E, k, g, "cuda")
         w = torch.rand(T, k, generator=g).softmax(1).cuda()
         buf = torch.empty(capacity + 1, H, dtype=DTYPE, device="cuda")
-        sets.append({"x": x, "ids": ids, "w": w, "buf": buf, "out": torch.empty(T, H, dtype=DTYPE, device="cuda")})
+        sets.append({"x": x, "ids": ids, "w": w, "buf": buf, "rbuf": buf[:-1],  # ours: no spare row
+                     "out": torch.empty(T, H, dtype=DTYPE, device="cuda")})
     return sets
 
 
-def bench_shape(model, T, compiled, log):
+def bench_shape(model, T, compile_peer, log):
     H, E, k = MODELS[model]
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     sets = make_sets(T, H, E, k, l2)
@@ -172,7 +218,7 @@ def bench_shape(model, T, compiled, log):
     # Our results per set: the combine reads the dispatch buffer as its "expert output".
     def ours_dispatch(i, mode=None):
         s = sets[i]
-        s["res"] = md.moe_dispatch(s["x"], s["ids"], E, block_size=BLOCK, buffer=s["buf"][:-1], mode=mode)
+        s["res"] = md.moe_dispatch(s["x"], s["ids"], E, block_size=BLOCK, buffer=s["rbuf"], mode=mode)
 
     def ours_combine(i):
         s = sets[i]
@@ -198,19 +244,24 @@ def bench_shape(model, T, compiled, log):
         "rk_combine": ours_combine,
         "rk_both": ours_both,
         "torch_dispatch": lambda i: torch_dispatch(sets[i]["x"], sets[i]["ids"], E, BLOCK, sets[i]["buf"]),
-        "torch_combine": lambda i: torch_combine(sets[i]["buf"][:-1], sets[i]["w"], sets[i]["res"].slot_map),
+        "torch_combine": lambda i: torch_combine(sets[i]["rbuf"], sets[i]["w"], sets[i]["res"].slot_map),
     }
     if T * k <= md.DECODE_PAIRS_LIMIT:
         impls["rk_dispatch_decode"] = lambda i: ours_dispatch(i, "decode")
     impls["torch_both"] = lambda i: pipeline(torch_dispatch, torch_combine, sets[i], E)
-    if compiled is not None:
-        cd, cc = compiled
-        impls["compile_dispatch"] = lambda i: cd(sets[i]["x"], sets[i]["ids"], E, BLOCK, sets[i]["buf"])
-        impls["compile_combine"] = lambda i: cc(sets[i]["buf"][:-1], sets[i]["w"], sets[i]["res"].slot_map)
-        impls["compile_both"] = lambda i: pipeline(cd, cc, sets[i], E)
+    if compile_peer:
+        compiled, error = compile_shape(sets[0], E, log)
+        row["compile"] = error or "ok"
+        if compiled is not None:
+            cd, cc = compiled
+            impls["compile_dispatch"] = lambda i: cd(sets[i]["x"], sets[i]["ids"], E, BLOCK, sets[i]["buf"])
+            impls["compile_combine"] = lambda i: cc(sets[i]["rbuf"], sets[i]["w"], sets[i]["res"].slot_map)
+            impls["compile_both"] = lambda i: pipeline(cd, cc, sets[i], E)
+    else:
+        row["compile"] = "not run"
 
     for name, call in impls.items():
-        for how, timer in (("eager", event_us), ("graph", graph_us)):
+        for how, timer in (("host", host_us), ("eager", event_us), ("graph", graph_us)):
             if how == "graph" and T > GRAPH_MAX_TOKENS:
                 continue
             try:
@@ -273,6 +324,14 @@ def markdown(env, copy_gbps, rows):
     for r in rows:
         lines.append(f"| {r['model']} | {r['tokens']} | {fmt(best(r, 'rk_both'))} | {fmt(best(r, 'torch_both'))} "
                      f"| {fmt(best(r, 'compile_both'))} | {fmt(r['speedup_vs_torch_both'])}x |")
+    lines += ["", "## eager host time per call (us, CPU time to issue one call)", "",
+              "| model | T | rk dispatch | torch dispatch | compile dispatch | rk combine | torch combine "
+              "| compile combine | rk both | torch both | compile both | torch.compile |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        cells = [fmt(r.get(f"{impl}_{op}_host_us")) for op in ("dispatch", "combine", "both")
+                 for impl in ("rk", "torch", "compile")]
+        lines.append(f"| {r['model']} | {r['tokens']} | " + " | ".join(cells) + f" | {r['compile']} |")
     lines += ["", "## dispatch: decode vs prefill variant (forced)", "",
               "| model | T | auto | decode us | prefill us |", "|---|---:|---|---:|---:|"]
     for r in rows:
@@ -301,6 +360,10 @@ def targets(rows):
                 ok = t is not None and t <= TARGETS["decode_graph_us"]
                 out.append(f"{'PASS' if ok else 'MISS'} {tag} decode {op} in a graph: {fmt(t, 2)} us "
                            f"(target <= {TARGETS['decode_graph_us']:.0f} us)")
+                t = r.get(f"rk_{op}_host_us")
+                ok = t is not None and t <= TARGETS["eager_host_us"]
+                out.append(f"{'PASS' if ok else 'MISS'} {tag} {op} eager host time: {fmt(t, 1)} us per call "
+                           f"(target <= {TARGETS['eager_host_us']:.0f} us)")
         for op in ("dispatch", "combine", "both"):
             s = r[f"speedup_vs_torch_{op}"]
             ok = s is not None and s >= TARGETS["speedup_vs_torch"]
@@ -322,22 +385,20 @@ def main():
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    ap.add_argument("--compile-tokens", default=None,
+                    help="token counts at which to run the torch.compile peer (default: all); each costs a compile")
     args = ap.parse_args()
     log = lambda m: print(m, flush=True)  # noqa: E731
     t0 = time.time()
     env = environment()
     copy_gbps = copy_ceiling_gbps()
     log(f"{env['gpu']}: device copy {copy_gbps:.0f} GB/s")
-    compiled = None
-    if not args.no_compile:
-        try:
-            compiled = (torch.compile(torch_dispatch, dynamic=True), torch.compile(torch_combine, dynamic=True))
-        except Exception as e:  # noqa: BLE001
-            log(f"torch.compile unavailable: {e}")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    compile_tokens = set(tokens if args.compile_tokens is None else map(int, args.compile_tokens.split(",")))
     rows = []
     for model in args.models.split(","):
-        for T in map(int, args.tokens.split(",")):
-            rows.append(bench_shape(model, T, compiled, log))
+        for T in tokens:
+            rows.append(bench_shape(model, T, not args.no_compile and T in compile_tokens, log))
             torch.cuda.empty_cache()
     summarize(rows, copy_gbps)
     out = Path(args.out)

@@ -1,5 +1,7 @@
-"""MoE dispatch / combine: specializations compile for sm_90a (CPU), argument checks (CPU, meta),
-correctness against independent references, CUDA graphs and torch.compile (GPU)."""
+"""MoE dispatch / combine: specializations compile for sm_90a (CPU), argument checks (CPU, meta, and on
+the eager fast path with a cached plan), correctness against independent references, cached plans
+across shapes, the prefill workspace (back to back, two streams, graphs), CUDA graphs and torch.compile
+(GPU)."""
 import importlib.util
 import re
 import struct
@@ -10,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rosekernels import scratch
 from rosekernels.kernels import moe_combine as mc
 from rosekernels.kernels import moe_dispatch as md
 from sip import cubin as sip_cubin
@@ -155,6 +158,62 @@ def test_dispatch_fake_impl_shapes():
         md.moe_dispatch(**_dispatch_args(device="meta", H=100))
 
 
+def _fake_plan(monkeypatch, module, key_tensors, extra, calls):
+    """A launch plan for CPU tensors whose kernel only records its calls: the eager fast path can be
+    exercised without a GPU."""
+    key = tuple(v for t in key_tensors for v in (t.shape, t.stride(), t.dtype, t.get_device())) + extra
+    fn = lambda *args: calls.append(args)  # noqa: E731
+    if module is md:
+        plan = md._Plan(fn, torch.device("cpu"), False, 1, md.meta_layout(extra[0])["size"], False)
+    else:
+        plan = mc._Plan(fn, torch.device("cpu"), False)
+    monkeypatch.setitem(module._plans, key, plan)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: None, raising=False)  # = the plan's index
+
+
+def test_cached_plan_still_rejects_before_launch(no_launch, monkeypatch):
+    """A cached plan covers shapes, strides, dtypes and devices; a misaligned pointer with the same
+    key, or a different stride, must still raise before the kernel is called, writing nothing."""
+    T, H, E, k = 4, 64, 8, 2
+    x = torch.randn(T, H).to(BF16)
+    ids = torch.randint(0, E, (T, k), dtype=I32)
+    buffer = torch.full((16, H), float("nan"), dtype=BF16)
+    calls = []
+    _fake_plan(monkeypatch, md, (x, ids, buffer), (E, 16, None), calls)
+    res = md.moe_dispatch(x, ids, E, block_size=16, buffer=buffer)  # the plan: fn called, outputs made
+    assert len(calls) == 1 and res.slot_map.shape == (T, k) and res.meta.shape == (2 * E + 3,)
+    assert calls[0][:3] == (x, ids, buffer) and calls[0][5] is None  # decode: no workspace
+    misaligned = torch.randn(T * H + 8).to(BF16)[4:4 + T * H].view(T, H)  # same key, 8-byte offset
+    with pytest.raises(ValueError, match="x must be 16-byte aligned"):
+        md.moe_dispatch(misaligned, ids, E, block_size=16, buffer=buffer)
+    wide = torch.randn(T, 2 * H).to(BF16)[:, ::2]  # same shape, stride 2: a new key, validated
+    with pytest.raises(ValueError, match="unit stride|CUDA device"):
+        md.moe_dispatch(wide, ids, E, block_size=16, buffer=buffer)
+    assert len(calls) == 1 and buffer.isnan().all()
+
+    w = torch.rand(T, k)
+    out = torch.full((T, H), float("nan"), dtype=BF16)
+    ccalls = []
+    _fake_plan(monkeypatch, mc, (buffer, w, res.slot_map, out), (None,), ccalls)
+    assert mc.moe_combine(buffer, w, res.slot_map, out) is out and len(ccalls) == 1
+    bad_out = torch.randn(T * H + 8).to(BF16)[4:4 + T * H].view(T, H)
+    with pytest.raises(ValueError, match="out must be 16-byte aligned"):
+        mc.moe_combine(buffer, w, res.slot_map, bad_out)
+    with pytest.raises(TypeError, match="topk_weights has dtype float16"):  # a new key: validated
+        mc.moe_combine(buffer, w.half(), res.slot_map, out)
+    assert len(ccalls) == 1 and out.isnan().all()
+
+
+def test_result_views():
+    E = 5
+    meta = torch.arange(2 * E + 3, dtype=I32)
+    res = md.MoeDispatch(torch.empty(0, 8), torch.empty(0, 2, dtype=I32), meta)
+    assert res.counts.tolist() == list(range(E))
+    assert res.offsets.tolist() == list(range(E, 2 * E + 1))
+    assert res.overflow.tolist() == [2 * E + 1] and res.invalid.tolist() == [2 * E + 2]
+    assert all(v.data_ptr() >= meta.data_ptr() for v in (res.counts, res.offsets, res.overflow, res.invalid))
+
+
 def _combine_args(device="cpu", T=4, H=64, k=2, rows=16, dtype=BF16, wdtype=FP32):
     return dict(expert_out=torch.randn(rows, H, device=device).to(dtype),
                 topk_weights=torch.rand(T, k, device=device).to(wdtype),
@@ -243,6 +302,17 @@ def assert_dispatch(x, ids, E, B, res, poison):
     assert torch.equal(_bits(res.buffer[untouched]), _bits(poison[untouched])), "padding/unused rows written"
 
 
+def assert_pair_order(ids, res):
+    """decode: the pairs of an expert fill its rows in (token, choice) order."""
+    flat = ids.flatten().long()
+    slots = res.slot_map.flatten().long()
+    placed = (slots >= 0).nonzero().flatten()  # ascending pair index
+    order = torch.argsort(flat[placed], stable=True)  # by expert, pair order kept within one
+    e, s = flat[placed][order], slots[placed][order]
+    same = e[1:] == e[:-1]
+    assert (s[1:][same] == s[:-1][same] + 1).all(), "decode: an expert's pairs out of (token, choice) order"
+
+
 def _routing(kind, T, E, k, gen, device="cuda"):
     if kind == "uniform":
         ids = torch.rand(T, E, generator=gen).topk(k, dim=1).indices
@@ -298,6 +368,8 @@ def test_dispatch(cfg, kind, mode):
         res = md.moe_dispatch(x, ids, E, block_size=B, buffer=poison.clone(), mode=mode)
         assert_dispatch(x, ids, E, B, res, poison)
         res.check()  # nothing dropped, nothing invalid: no exception
+        if (mode or md.choose_mode(T, k)) == "decode":
+            assert_pair_order(ids, res)
 
 
 @pytest.mark.gpu
@@ -365,9 +437,16 @@ def test_dispatch_edge_inputs():
     md.check_args(md.DispatchConfig("bf16", 2048, 128, 8, "prefill").variant(), args)
 
 
+def _assert_workspaces_zero():
+    torch.cuda.synchronize()
+    for key, ws in scratch._shared.items():
+        assert not ws.any(), f"workspace {key} not returned to zero: {ws.nonzero().flatten().tolist()[:8]}"
+
+
 @pytest.mark.gpu
 def test_dispatch_back_to_back():
-    """Many launches without synchronisation: the scratch of every call must be its own."""
+    """Many launches without synchronisation: each prefill launch must leave the stream's shared
+    workspace zero for the next one."""
     gen = torch.Generator().manual_seed(19)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     cases = []
@@ -380,6 +459,148 @@ def test_dispatch_back_to_back():
         cases.append((x, ids, poison, md.moe_dispatch(x, ids, 64, block_size=32, buffer=poison.clone(), mode=mode)))
     for x, ids, poison, res in cases:
         assert_dispatch(x, ids, 64, 32, res, poison)
+    _assert_workspaces_zero()
+
+
+@pytest.mark.gpu
+def test_plans_reused_across_shapes():
+    """Calls alternating between token counts (decode and prefill) reuse the plan of each shape; every
+    result is checked, so a plan applied to the wrong shape would show."""
+    gen = torch.Generator().manual_seed(41)
+    E, k, H, B = 32, 4, 256, 16
+    md._plans.clear()
+    mc._plans.clear()
+    sequence = (5, 128, 5, 700, 128, 3000, 5, 700)
+    for T in sequence:
+        x = torch.randn(T, H, generator=gen).to(device="cuda", dtype=BF16)
+        ids = _routing("dropped", T, E, k, gen)
+        poison = _poisoned(md.default_capacity(T, k, E, B), H, BF16)
+        res = md.moe_dispatch(x, ids, E, block_size=B, buffer=poison.clone())
+        assert_dispatch(x, ids, E, B, res, poison)
+        w = torch.rand(T, k, generator=gen).cuda()
+        out = torch.full((T, H), float("nan"), dtype=BF16, device="cuda")
+        mc.moe_combine(res.buffer, w, res.slot_map, out)
+        _assert_combine(out, res.buffer, w, res.slot_map)
+    assert len(md._plans) == len(set(sequence)) and len(mc._plans) == len(set(sequence))
+    # A cached plan does not cover the pointer: a misaligned x of a cached shape is still rejected.
+    T = 128
+    x = torch.randn(T * H + 8, generator=gen).to(device="cuda", dtype=BF16)[4:4 + T * H].view(T, H)
+    poison = _poisoned(md.default_capacity(T, k, E, B), H, BF16)
+    buffer = poison.clone()
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        md.moe_dispatch(x, _routing("uniform", T, E, k, gen), E, block_size=B, buffer=buffer)
+    torch.cuda.synchronize()
+    assert torch.equal(_bits(buffer), _bits(poison))
+    _assert_workspaces_zero()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [128, 700])
+def test_graph_then_eager_other_shapes_then_replay(T):
+    """Capture at one T, run other T eagerly (other plans, the eager workspace), replay: the graph
+    still computes the right thing and the eager calls did too."""
+    E, k, H, B = 64, 4, 512, 32
+    gen = torch.Generator().manual_seed(43 + T)
+    x = torch.empty(T, H, dtype=BF16, device="cuda")
+    ids = torch.empty(T, k, dtype=I32, device="cuda")
+    w = torch.empty(T, k, dtype=FP32, device="cuda")
+    buffer = torch.empty(md.default_capacity(T, k, E, B), H, dtype=BF16, device="cuda")
+
+    def step():
+        res = md.moe_dispatch(x, ids, E, block_size=B, buffer=buffer)
+        return res, mc.moe_combine(res.buffer, w, res.slot_map)
+
+    def fill():
+        x.copy_(torch.randn(T, H, generator=gen))
+        ids.copy_(_routing("hot", T, E, k, gen))
+        w.copy_(torch.rand(T, k, generator=gen))
+        buffer.fill_(float("nan"))
+        return buffer.clone()
+
+    fill()
+    step()  # compile and plan outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        res, out = step()
+    for T2 in (T + 13, 3 * T, 1):
+        x2 = torch.randn(T2, H, generator=gen).to(device="cuda", dtype=BF16)
+        ids2 = _routing("uniform", T2, E, k, gen)
+        poison = _poisoned(md.default_capacity(T2, k, E, B), H, BF16)
+        assert_dispatch(x2, ids2, E, B, md.moe_dispatch(x2, ids2, E, block_size=B, buffer=poison.clone()), poison)
+        for _ in range(2):
+            poison = fill()
+            graph.replay()
+            assert_dispatch(x, ids, E, B, res, poison)
+            _assert_combine(out, res.buffer, w, res.slot_map)
+    _assert_workspaces_zero()
+
+
+def _small_grid_prefill_inputs(gen, n, T=48, E=128, k=64, H=256):
+    """Prefill dispatches of few tokens (T*k > the decode limit, one CTA per token): two of them fit
+    the GPU side by side, so launches on two streams can really overlap."""
+    cases = []
+    for _ in range(n):
+        x = torch.randn(T, H, generator=gen).to(device="cuda", dtype=BF16)
+        ids = _routing("uniform", T, E, k, gen)
+        cases.append((x, ids, _poisoned(md.default_capacity(T, k, E, 16), H, BF16)))
+    return cases
+
+
+@pytest.mark.gpu
+def test_dispatch_two_streams():
+    """Prefill dispatches issued alternately on two streams, which run them concurrently: each stream
+    has its own workspace."""
+    gen = torch.Generator().manual_seed(47)
+    E = 128
+    cases = _small_grid_prefill_inputs(gen, 40)
+    assert md.choose_mode(*cases[0][1].shape) == "prefill"
+    streams = torch.cuda.Stream(), torch.cuda.Stream()
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    results = []
+    for i, (x, ids, poison) in enumerate(cases):
+        with torch.cuda.stream(streams[i % 2]):
+            results.append(md.moe_dispatch(x, ids, E, block_size=16, buffer=poison.clone()))
+    for s in streams:
+        torch.cuda.current_stream().wait_stream(s)
+    for (x, ids, poison), res in zip(cases, results):
+        assert_dispatch(x, ids, E, 16, res, poison)
+    _assert_workspaces_zero()
+
+
+@pytest.mark.gpu
+def test_two_graphs_replayed_concurrently():
+    """Two graphs captured one after the other (the same capture stream) replayed on two streams at
+    once, with eager dispatches on a third: every capture has its own workspace."""
+    gen = torch.Generator().manual_seed(53)
+    E = 128
+    groups = [_small_grid_prefill_inputs(gen, 4) for _ in range(3)]
+    for x, ids, poison in groups[0]:
+        md.moe_dispatch(x, ids, E, block_size=16, buffer=poison.clone())  # compile, plan
+    torch.cuda.synchronize()
+    graphs, captured = [], []
+    for cases in groups[:2]:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            captured.append([md.moe_dispatch(x, ids, E, block_size=16, buffer=p.clone()) for x, ids, p in cases])
+        graphs.append(g)
+    streams = [torch.cuda.Stream() for _ in range(3)]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    eager = []
+    for _ in range(10):
+        for g, s in zip(graphs, streams):
+            with torch.cuda.stream(s):
+                g.replay()
+        with torch.cuda.stream(streams[2]):
+            eager.append([md.moe_dispatch(x, ids, E, block_size=16, buffer=p.clone()) for x, ids, p in groups[2]])
+    for s in streams:
+        torch.cuda.current_stream().wait_stream(s)
+    for cases, results in zip(groups[:2] + [groups[2]] * len(eager), captured + eager):
+        for (x, ids, poison), res in zip(cases, results):
+            assert_dispatch(x, ids, E, 16, res, poison)
+    _assert_workspaces_zero()
 
 
 def _assert_combine(out, expert_out, w, slot_map):

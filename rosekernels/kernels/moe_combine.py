@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 from rosekernels import jit  # first: it selects sm_90a before CuTeDSL is imported
 
@@ -159,15 +159,82 @@ def moe_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: 
                 out: torch.Tensor | None = None, *, mode: str | None = None) -> torch.Tensor:
     """out[t] = sum_j topk_weights[t, j] * expert_out[slot_map[t, j]] (fp32 accumulation), slots -1
     skipped; out [T, H] in expert_out's dtype (allocated if not given; it must not overlap expert_out).
-    `mode` forces "prefill" or "decode" (default: by T)."""
+    `mode` forces "prefill" or "decode" (default: by T).
+
+    Registered as torch.ops.rosekernels.moe_combine (mutating `out`) for torch.compile and fake
+    tensors; eager calls skip the torch dispatcher and reuse the launch plan validated for the same
+    shapes, strides, dtypes and devices."""
     if out is None:
         if not (isinstance(expert_out, torch.Tensor) and expert_out.dim() == 2
                 and isinstance(slot_map, torch.Tensor) and slot_map.dim() == 2):
             raise ValueError("expert_out must be [rows, hidden] and slot_map [tokens, k]")
         out = expert_out.new_empty((slot_map.shape[0], expert_out.shape[1]))
-    torch.ops.rosekernels.moe_combine(expert_out, topk_weights, slot_map, out,
-                                      mode or choose_mode(slot_map.shape[0]))
+    if torch.compiler.is_compiling() or not type(expert_out) is type(topk_weights) is type(slot_map) is type(out) \
+            is torch.Tensor:
+        _call_op(expert_out, topk_weights, slot_map, out, mode)
+    else:
+        _run(expert_out, topk_weights, slot_map, out, mode)
     return out
+
+
+def _call_op(expert_out: Any, topk_weights: Any, slot_map: Any, out: Any, mode: str | None) -> None:
+    """Through the registered op: traced (torch.compile), fake/meta tensors, tensor subclasses."""
+    if mode is None:
+        if not (isinstance(slot_map, torch.Tensor) and slot_map.dim() == 2):
+            raise ValueError("slot_map must be a 2-D tensor [tokens, k]")
+        mode = choose_mode(slot_map.shape[0])
+    torch.ops.rosekernels.moe_combine(expert_out, topk_weights, slot_map, out, mode)
+
+
+class _Plan(NamedTuple):
+    """What a launch needs beyond the tensors, validated once per (shapes, strides, dtypes, devices, mode)."""
+
+    fn: Callable[..., Any] | None  # None: no tokens, nothing to launch
+    device: torch.device
+    canonical: bool  # some tensor needs `rows_view` (a size-1 dim with an odd stride)
+
+
+_plans: dict[tuple, _Plan] = {}
+
+
+def _run(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor, out: torch.Tensor,
+         mode: str | None) -> None:
+    """Launch on plain tensors. Per call: the plan's key, two pointer checks, the launch; the first
+    call with a key validates everything and compiles or loads the variant."""
+    key = (expert_out.shape, expert_out.stride(), expert_out.dtype, expert_out.get_device(),
+           topk_weights.shape, topk_weights.stride(), topk_weights.dtype, topk_weights.get_device(),
+           slot_map.shape, slot_map.stride(), slot_map.dtype, slot_map.get_device(),
+           out.shape, out.stride(), out.dtype, out.get_device(), mode)
+    plan = _plans.get(key)
+    if plan is None:
+        if expert_out.is_meta or topk_weights.is_meta or slot_map.is_meta or out.is_meta:
+            return _call_op(expert_out, topk_weights, slot_map, out, mode)  # the fake implementation
+        plan = _plan(key, expert_out, topk_weights, slot_map, out, mode)
+    if plan.fn is None:
+        return
+    if plan.device.index != torch._C._cuda_getDevice():
+        with torch.cuda.device(plan.device):  # the launch goes to the current device's stream
+            return _run(expert_out, topk_weights, slot_map, out, mode)
+    if expert_out.data_ptr() % 16 or out.data_ptr() % 16:  # the only property the key does not cover
+        checks.check_aligned("expert_out", expert_out)
+        checks.check_aligned("out", out)
+    if plan.canonical:
+        expert_out, topk_weights, slot_map, out = map(rows_view, (expert_out, topk_weights, slot_map, out))
+    plan.fn(expert_out, topk_weights, slot_map, out)
+
+
+def _plan(key: tuple, expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor,
+          out: torch.Tensor, mode: str | None) -> _Plan:
+    """The slow path, once per key: every check, the variant compiled or loaded."""
+    tensors = (expert_out, topk_weights, slot_map, out)
+    views = tuple(map(rows_view, tensors))
+    cfg = validate(*views, mode or choose_mode(slot_map.shape[0]))
+    fn = compile(cfg.variant()).fn if out.numel() else None
+    plan = _Plan(fn, out.device, any(v.stride() != t.stride() for v, t in zip(views, tensors)))
+    if len(_plans) >= 4096:  # many distinct token counts: start over rather than grow without bound
+        _plans.clear()
+    _plans[key] = plan
+    return plan
 
 
 def validate(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor, out: torch.Tensor,
@@ -214,11 +281,7 @@ def _config(*key: Any) -> CombineConfig:
 def _moe_combine_op(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor,
                     out: torch.Tensor, variant_mode: str) -> None:
     # (not `mode`: torch's functionalization of mutating ops passes a `mode` keyword of its own)
-    expert_out, topk_weights, slot_map, out_view = map(rows_view, (expert_out, topk_weights, slot_map, out))
-    cfg = validate(expert_out, topk_weights, slot_map, out_view, variant_mode)
-    if out.numel() == 0:
-        return
-    compile(cfg.variant()).fn(expert_out, topk_weights, slot_map, out_view)
+    _run(expert_out, topk_weights, slot_map, out, variant_mode)
 
 
 @_moe_combine_op.register_fake

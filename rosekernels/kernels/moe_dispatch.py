@@ -4,40 +4,45 @@
 expert-grouped buffer and copies the token there. Expert e owns the rows
 offsets[e] .. offsets[e+1]-1: its counts[e] tokens first, then padding up to a multiple of
 `block_size` (the grouped GEMM's tile height). Padding rows are left untouched (never written, never
-read by `moe_combine`): zeroing them would cost up to E*(block_size-1) row writes per call. The order of
-the tokens within an expert is not deterministic; slot_map[t, j] (the row of pair (t, j), -1 if the
-pair is dropped) always agrees with the buffer.
+read by `moe_combine`): zeroing them would cost up to E*(block_size-1) row writes per call. In the
+decode variant the tokens of an expert are in (token, choice) order; in the prefill variant their order
+is not deterministic. slot_map[t, j] (the row of pair (t, j), -1 if the pair is dropped) always agrees
+with the buffer.
 
 Everything happens on the device, with no host synchronisation, so the op can be captured in a CUDA
 graph: the buffer has a capacity fixed up front; pairs that do not fit are not written, get slot -1
 and are counted in `overflow`. Ids outside [-1, E) are counted in `invalid`; if there is any, nothing
 is dispatched at all (buffer untouched, slot_map all -1, counts and offsets 0), so a bad routing can
 never be mistaken for a good one. `MoeDispatch.check()` turns both counters into exceptions (it
-synchronises: not for graphs).
+synchronises: not for graphs). The kernel writes every output (nothing is zeroed before the launch).
 
-One kernel, a persistent grid of at most one 1024-thread CTA per SM, launched cooperatively (the driver
-guarantees that all CTAs are resident at once, so they may wait for each other), in two variants:
-- decode (T*k <= 2048 by default, at most 8192): CTA 0 routes every pair in shared memory (counts,
-  ranks, the layout scan, the slots), writes slot_map, then releases a flag in global memory; the other
-  CTAs load their share of x meanwhile, spin on the flag (acquire), read their slots and copy.
+One kernel, a grid of at most one 1024-thread CTA per SM, in two variants:
+- decode (T*k <= 2048 by default, at most 8 per thread): no CTA waits for another. Every CTA routes
+  all pairs itself, in shared memory and deterministically, so all agree without talking: warp w
+  takes a contiguous run of pairs and counts them per expert in its own row of a [warps, E] table
+  (warp-aggregated with match.any: one shared-memory update per distinct expert per warp, in
+  program order, no atomics), a scan down each column turns the rows into each warp's first rank
+  within the expert, a scan over the experts lays them out. A pair's rank is then the number of
+  pairs before it with its expert. CTA 0 writes slot_map and the counts; every CTA copies its share
+  of the tokens, whose loads it issued before routing.
 - prefill: every CTA routes its own tokens with shared-memory counters and adds its per-expert counts
   to global counters (the old value returned is the CTA's first rank within the expert), all CTAs
-  meet at a software grid barrier, each lays the experts out from the global counts (redundantly:
-  E <= 1024 values from L2), then turns its own ranks into slots and copies its own tokens. No second
-  barrier, no second launch.
-Ranks are warp-aggregated (match.any: one shared atomic per distinct expert per warp), so a hot expert
-does not serialise the CTA.
+  meet at a software grid barrier (cooperative launch: the driver guarantees that all CTAs are
+  resident at once), each lays the experts out from the global counts (redundantly: E <= 1024 values
+  from L2), then turns its own ranks into slots and copies its own tokens. No second barrier, no
+  second launch.
 The copy reads each token once (not once per choice) and stores it to its k slots with 128-bit
 accesses; every thread keeps `unroll` vectors in flight, the first batch issued before the routing.
 
-Scratch counters (global counts, barrier, flag) live behind the outputs in the same int32 tensor,
-zeroed by the op in the same stream before the launch: no state survives a call.
+The prefill scratch (global counters, grid barrier, invalid count) comes from rosekernels.scratch: zero
+before a launch, and the last CTA to leave it returns it to zero before it exits (see `_Dispatch.kernel`),
+so eager launches in stream order share one buffer and none is zeroed per call.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 from rosekernels import jit  # first: it selects sm_90a before CuTeDSL is imported
 
@@ -46,23 +51,27 @@ import cutlass.cute as cute  # noqa: E402
 import torch  # noqa: E402
 from cutlass import Int32, Int64, Uint32, const_expr  # noqa: E402
 
-from rosekernels import checks  # noqa: E402
+from rosekernels import checks, scratch  # noqa: E402
 
 OP = "moe_dispatch"
 THREADS = 1024  # one expert per thread in the layout scan: num_experts <= THREADS
 UNROLL = 4  # 16-byte vectors per thread in flight in the copy
-DECODE_MAX_PAIRS = 2048  # T*k at or below this: routing in one CTA (decode), above: in all CTAs
-DECODE_PAIRS_LIMIT = 8192  # the decode variant's routing CTA keeps every pair in shared memory (32 KB)
+DECODE_MAX_PAIRS = 2048  # T*k at or below this: routing in every CTA (decode), above: shared (prefill)
+DECODE_PAIRS_PER_THREAD = 8  # the decode variant keeps every pair in shared memory and 8 ids per thread
+DECODE_PAIRS_LIMIT = DECODE_PAIRS_PER_THREAD * THREADS
 DECODE_VECS_PER_CTA = 256  # decode: spread the copy so that each CTA moves at least this many vectors
 DEFAULT_BLOCK_SIZE = 128  # tile height of a Hopper grouped GEMM
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Prefill workspace (int32): the barrier counter and the invalid count on 128-byte lines of their own
+# (the barrier is polled while the per-expert counters take atomics), then one counter per expert.
+WS_SYNC, WS_INVALID, WS_RAW = 0, 32, 64
+WS_INTS = WS_RAW + THREADS
 
 
 def meta_layout(num_experts: int) -> dict[str, int]:
-    """Offsets into the int32 `meta` tensor: outputs first, then the scratch zeroed before each call."""
+    """Offsets into the int32 `meta` output: counts [E], offsets [E+1], overflow [1], invalid [1]."""
     e = num_experts
-    return {"counts": 0, "offsets": e, "overflow": 2 * e + 1, "invalid": 2 * e + 2,
-            "raw": 2 * e + 3, "sync": 3 * e + 3, "invalid_acc": 3 * e + 4, "size": 3 * e + 5}
+    return {"counts": 0, "offsets": e, "overflow": 2 * e + 1, "invalid": 2 * e + 2, "size": 2 * e + 3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +105,10 @@ class DispatchConfig:
     def vec(self) -> int:
         return 16 // _ELEM_BYTES[self.dtype]
 
+    @property
+    def decode_pairs_limit(self) -> int:
+        return DECODE_PAIRS_PER_THREAD * self.threads
+
     def variant(self) -> jit.Variant:
         return jit.Variant.of(OP, self.mode, dtype=self.dtype, hidden=self.hidden,
                               experts=self.num_experts, topk=self.topk, threads=self.threads,
@@ -110,6 +123,7 @@ class DispatchConfig:
 _ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _CUTE_DTYPE = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}
 TORCH_DTYPE = {checks.DTYPE_NAME[d]: d for d in DTYPES}
+_FULL = 0xFFFFFFFF
 
 
 class _Dispatch:
@@ -118,25 +132,28 @@ class _Dispatch:
     def __init__(self, cfg: DispatchConfig):
         self.cfg = cfg
         self.E, self.k, self.nt, self.unroll = cfg.num_experts, cfg.topk, cfg.threads, cfg.unroll
+        self.nw = cfg.threads // 32
         self.vec, self.hv = cfg.vec, cfg.hidden // cfg.vec  # 16-byte vectors per row
         self.decode = cfg.mode == "decode"
         self.m = meta_layout(cfg.num_experts)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mIds: cute.Tensor, mBuf: cute.Tensor, mSlot: cute.Tensor,
-                 mMeta: cute.Tensor, block_size: Int32, num_ctas: Int32, stream):
-        # Cooperative: the driver guarantees that all CTAs are resident at once (they wait for each other).
-        self.kernel(mX, mIds, mBuf, mSlot, mMeta, block_size).launch(
-            grid=[num_ctas, 1, 1], block=[self.nt, 1, 1], cooperative=True, stream=stream)
+                 mMeta: cute.Tensor, mWs: Optional[cute.Tensor], block_size: Int32, num_ctas: Int32, stream):
+        # prefill is cooperative: the driver guarantees that all CTAs are resident at once (they wait
+        # for each other at the grid barrier); decode CTAs never wait for each other.
+        self.kernel(mX, mIds, mBuf, mSlot, mMeta, mWs, block_size).launch(
+            grid=[num_ctas, 1, 1], block=[self.nt, 1, 1], cooperative=not self.decode, stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mIds: cute.Tensor, mBuf: cute.Tensor, mSlot: cute.Tensor,
-               mMeta: cute.Tensor, block_size: Int32):
+               mMeta: cute.Tensor, mWs: Optional[cute.Tensor], block_size: Int32):
         E, k, nt, hv = self.E, self.k, self.nt, self.hv
         tid = cute.arch.thread_idx()[0]
         bid = cute.arch.block_idx()[0]
         grid = cute.arch.grid_dim()[0]
         num_tokens = mX.shape[0]
+        num_pairs = num_tokens * k
         capacity = mBuf.shape[0]
 
         smem = cutlass.memory.SmemAllocator()
@@ -144,11 +161,16 @@ class _Dispatch:
         s_off = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
         s_stored = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
         s_warp = smem.allocate_tensor(Int32, cute.make_layout(32), byte_alignment=16)
-        s_misc = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)  # invalid, overflow
-        s_pair = None  # decode: (expert << 16 | rank) of every pair, -1 if not routed
+        s_misc = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)  # see below
+        s_pair = None  # decode: rank, then slot, of every pair
+        s_tab = None  # decode: [warps, E] per-warp counts, then each warp's first rank within the expert
         s_base = None  # prefill: this CTA's first rank within each expert
         if const_expr(self.decode):
-            s_pair = smem.allocate_tensor(Int32, cute.make_layout(DECODE_PAIRS_LIMIT), byte_alignment=16)
+            s_pair = smem.allocate_tensor(Int32, cute.make_layout(DECODE_PAIRS_PER_THREAD * nt),
+                                          byte_alignment=16)
+            row = E + 1 - E % 2  # odd row stride: a warp reading a column hits 32 different banks
+            s_tab = smem.allocate_tensor(Int32, cute.make_layout((self.nw, E), stride=(row, 1)),
+                                         byte_alignment=16)
         else:
             s_base = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
 
@@ -172,62 +194,78 @@ class _Dispatch:
         frag = cute.make_rmem_tensor(((1, self.vec), self.unroll), mX.element_type)
         self.load_batch(gX, frag, i0, i1, Int32(0), tid)  # in flight while the routing runs
 
+        # s_misc: [0] invalid ids seen by this CTA, [1] pairs over capacity, [2] last CTA to leave
+        # the prefill scratch, [3] the grid's invalid count
         if tid < E:
             s_cnt[tid] = 0
         if tid < 4:
             s_misc[tid] = 0
         cute.arch.sync_threads()
 
+        left = Int32(0)
         if const_expr(self.decode):
-            if bid == 0:
-                self.count(mIds, mSlot, s_pair, s_cnt, s_misc, Int32(0), num_tokens * k, tid)
-                cute.arch.sync_threads()
-                n_invalid = s_misc[0]
-                self.layout(s_cnt, s_off, s_stored, s_warp, s_misc, mMeta, block_size, capacity,
-                            n_invalid, True, tid)
-                self.finalize(mIds, mSlot, s_pair, s_base, s_off, s_stored, Int32(0), num_tokens * k,
-                              n_invalid, tid)
-                cute.arch.sync_threads()
-                if tid == 0:  # release: every write of this CTA (ordered by the barrier) before the flag
-                    cute.arch.store(mMeta.iterator + self.m["sync"], Int32(1), sem="release", scope="gpu")
-            else:
-                if tid == 0:
-                    flag = cute.arch.load(mMeta.iterator + self.m["sync"], Int32, sem="acquire", scope="gpu")
-                    while flag == 0:
-                        flag = cute.arch.load(mMeta.iterator + self.m["sync"], Int32, sem="acquire",
-                                              scope="gpu")
-                cute.arch.sync_threads()
+            per_warp = self.rank_decode(mIds, s_pair, s_tab, s_cnt, s_misc, num_pairs, tid)
+            n_invalid = s_misc[0]
+            self.layout(s_cnt, s_off, s_stored, s_warp, s_misc, mMeta, block_size, capacity,
+                        n_invalid, bid == 0, tid)
+            # Slots of the pairs of this CTA's tokens; CTA 0 does them all and writes slot_map.
+            p0 = Int32(0)
+            p1 = num_pairs
+            if bid > 0:
+                p0 = i0 // hv * k
+                p1 = (i1 + hv - 1) // hv * k
+            self.finalize_decode(mSlot, s_pair, s_tab, s_off, s_stored, p0, p1, per_warp, n_invalid,
+                                 bid == 0, tid)
         else:
+            ws = mWs.iterator
             p0 = t0 * k
             p1 = t1 * k
-            self.count(mIds, mSlot, s_pair, s_cnt, s_misc, p0, p1, tid)
+            self.count(mIds, mSlot, s_cnt, s_misc, p0, p1, tid)
             cute.arch.sync_threads()
             if tid < E:
                 c = s_cnt[tid]
                 if c > 0:  # the old value is this CTA's base within the expert
-                    s_base[tid] = cute.arch.atomic_add(mMeta.iterator + (self.m["raw"] + tid), c,
-                                                       sem="relaxed", scope="gpu")
+                    s_base[tid] = cute.arch.atomic_add(ws + (WS_RAW + tid), c, sem="relaxed", scope="gpu")
             if tid == 0:
                 if s_misc[0] > 0:
-                    cute.arch.atomic_add(mMeta.iterator + self.m["invalid_acc"], s_misc[0],
-                                         sem="relaxed", scope="gpu")
-            self.grid_barrier(mMeta.iterator + self.m["sync"], grid, tid)
+                    cute.arch.atomic_add(ws + WS_INVALID, s_misc[0], sem="relaxed", scope="gpu")
+            self.grid_barrier(ws + WS_SYNC, grid, tid)
             if tid < E:
-                s_cnt[tid] = cute.arch.load(mMeta.iterator + (self.m["raw"] + tid), Int32,
-                                            sem="relaxed", scope="gpu")
-            n_invalid = cute.arch.load(mMeta.iterator + self.m["invalid_acc"], Int32, sem="relaxed",
-                                       scope="gpu")
+                s_cnt[tid] = cute.arch.load(ws + (WS_RAW + tid), Int32, sem="relaxed", scope="gpu")
+            if tid == 0:
+                s_misc[3] = cute.arch.load(ws + WS_INVALID, Int32, sem="relaxed", scope="gpu")
             cute.arch.sync_threads()
+            # Every read of the scratch by this CTA has returned (its value is in shared memory,
+            # before the barrier above): leave it. The counter went to `grid` at the grid barrier;
+            # the CTA that brings it to 2 * grid is the last to leave and zeroes the scratch at
+            # the end. Relaxed: nothing waits for the old value until then.
+            if tid == 0:
+                left = cute.arch.atomic_add(ws + WS_SYNC, Int32(1), sem="relaxed", scope="gpu")
+            n_invalid = s_misc[3]
             self.layout(s_cnt, s_off, s_stored, s_warp, s_misc, mMeta, block_size, capacity,
                         n_invalid, bid == 0, tid)
-            self.finalize(mIds, mSlot, s_pair, s_base, s_off, s_stored, p0, p1, n_invalid, tid)
-            cute.arch.sync_threads()  # this CTA's slots, written by other threads, are read below
+            self.finalize_prefill(mIds, mSlot, s_base, s_off, s_stored, p0, p1, n_invalid, tid)
+        cute.arch.sync_threads()  # the slots, written by other threads, are read below
 
         num_batches = (i1 - i0 + nt * self.unroll - 1) // (nt * self.unroll)
         for b in cutlass.range(num_batches):
             if b > 0:
                 self.load_batch(gX, frag, i0, i1, b, tid)
-            self.store_batch(gBuf, mSlot, frag, i0, i1, b, tid)
+            self.store_batch(gBuf, mSlot, s_pair, frag, i0, i1, b, tid)
+
+        if const_expr(not self.decode):
+            if tid == 0:
+                s_misc[2] = Int32(left == 2 * grid - 1)
+            cute.arch.sync_threads()
+            if s_misc[2] != 0:  # every CTA has read the scratch: zero it for the next launch
+                if tid == 0:
+                    cute.arch.fence_acq_rel_gpu()
+                cute.arch.sync_threads()
+                if tid < E:
+                    mWs[WS_RAW + tid] = 0
+                if tid == 0:
+                    mWs[WS_INVALID] = 0
+                    mWs[WS_SYNC] = 0
 
     @cute.jit
     def load_batch(self, gX: cute.Tensor, frag: cute.Tensor, i0: Int32, i1: Int32, b: Int32, tid: Int32):
@@ -238,8 +276,8 @@ class _Dispatch:
                 cute.autovec_copy(gX[(None, None), (t, i - t * self.hv)], frag[(None, None), u])
 
     @cute.jit
-    def store_batch(self, gBuf: cute.Tensor, mSlot: cute.Tensor, frag: cute.Tensor, i0: Int32, i1: Int32,
-                    b: Int32, tid: Int32):
+    def store_batch(self, gBuf: cute.Tensor, mSlot: cute.Tensor, s_pair: Optional[cute.Tensor], frag: cute.Tensor,
+                    i0: Int32, i1: Int32, b: Int32, tid: Int32):
         for u in cutlass.range_constexpr(self.unroll):
             i = i0 + (b * self.unroll + u) * self.nt + tid
             if i < i1:
@@ -249,19 +287,108 @@ class _Dispatch:
                 # compiler, which would then wait for each load separately.
                 slots = cute.make_rmem_tensor((self.k,), Int32)
                 for j in cutlass.range_constexpr(self.k):
-                    slots[j] = mSlot[t, j]
+                    if const_expr(self.decode):
+                        slots[j] = s_pair[t * self.k + j]
+                    else:
+                        slots[j] = mSlot[t, j]
                 for j in cutlass.range_constexpr(self.k):
                     if slots[j] >= 0:
                         cute.autovec_copy(frag[(None, None), u], gBuf[(None, None), (slots[j], v)])
 
     @cute.jit
-    def count(self, mIds: cute.Tensor, mSlot: cute.Tensor, s_pair: cute.Tensor, s_cnt: cute.Tensor,
-              s_misc: cute.Tensor, p0: Int32, p1: Int32, tid: Int32):
-        """Rank of each pair in [p0, p1) among this CTA's pairs of its expert (-1: not routed) -> s_pair
-        packed with the expert (decode) or mSlot (prefill); per-expert totals -> s_cnt; ids outside
-        [-1, E) -> s_misc[0]."""
+    def rank_decode(self, mIds: cute.Tensor, s_pair: cute.Tensor, s_tab: cute.Tensor, s_cnt: cute.Tensor,
+                    s_misc: cute.Tensor, num_pairs: Int32, tid: Int32) -> Int32:
+        """Every pair's rank within its expert, the same in every CTA: warp w owns pairs
+        [w * per_warp, (w + 1) * per_warp), 32 per step; s_tab[w, e] counts its pairs of expert e
+        (in the order of the steps, lanes in order within a step) and becomes, after a scan down the
+        column, the number of pairs of e that earlier warps own. s_pair[p] = expert << 16 | rank
+        within the warp (-1: not routed); per-expert totals -> s_cnt; ids outside [-1, E) ->
+        s_misc[0]. Returns per_warp."""
+        E, k, nw = self.E, self.k, self.nw
+        lane = tid % 32
+        warp = tid // 32
+        per_warp = (num_pairs + nw * 32 - 1) // (nw * 32) * 32
+        first = warp * per_warp
+        ids = cute.make_rmem_tensor((DECODE_PAIRS_PER_THREAD,), Int32)
+        for i in cutlass.range_constexpr(DECODE_PAIRS_PER_THREAD):  # all loads in flight at once
+            p = first + i * 32 + lane
+            ids[i] = -1
+            if (i * 32 < per_warp) & (p < num_pairs):
+                t = p // k
+                ids[i] = mIds[t, p - t * k]
+        for c in cutlass.range_constexpr((E + 31) // 32):
+            if c * 32 + lane < E:
+                s_tab[warp, c * 32 + lane] = 0
+        cute.arch.sync_warp()
+        lower = (Uint32(1) << Uint32(lane)) - Uint32(1)
+        for i in cutlass.range_constexpr(DECODE_PAIRS_PER_THREAD):
+            if i * 32 < per_warp:  # uniform across the warp: match.any needs every lane
+                p = first + i * 32 + lane
+                e = ids[i]
+                inside = p < num_pairs
+                valid = inside & (e >= 0) & (e < E)
+                peers = cute.arch.match_sync(_FULL, cutlass.select_(valid, e, Int32(E) + lane))
+                rank = Int32(cute.arch.popc(peers & lower))
+                leader = Int32(31) - Int32(cute.arch.clz(peers & (Uint32(0) - peers)))
+                before = Int32(0)
+                if valid & (rank == 0):  # one lane per expert in the step: no atomics needed
+                    before = s_tab[warp, e]
+                    s_tab[warp, e] = before + Int32(cute.arch.popc(peers))
+                before = cute.arch.shuffle_sync(before, leader)
+                cute.arch.sync_warp()  # this step's counts before the next step reads them
+                if inside:
+                    s_pair[p] = cutlass.select_(valid, (e << 16) | (before + rank), -1)
+                    if (e != -1) & ~valid:
+                        cute.arch.atomic_add(s_misc.iterator, Int32(1), scope="cta")
+        cute.arch.sync_threads()
+        # Warp w scans columns w, w + nw, ... (lane = table row), unrolled so that the scans of
+        # different columns overlap; past the last column a warp scans it again and stores nothing.
+        for col in cutlass.range_constexpr((E + nw - 1) // nw):
+            e = warp + col * nw
+            c = Int32(0)
+            if lane < nw:
+                c = s_tab[lane, cutlass.min(e, E - 1)]
+            incl = self.warp_inclusive_scan(c, lane)
+            if e < E:
+                if lane < nw:
+                    s_tab[lane, e] = incl - c
+                if lane == 31:
+                    s_cnt[e] = incl
+        cute.arch.sync_threads()
+        return per_warp
+
+    @cute.jit
+    def finalize_decode(self, mSlot: cute.Tensor, s_pair: cute.Tensor, s_tab: cute.Tensor, s_off: cute.Tensor,
+                        s_stored: cute.Tensor, p0: Int32, p1: Int32, per_warp: Int32, n_invalid: Int32,
+                        write: cutlass.Boolean, tid: Int32):
+        """s_pair[p] -> slot (or -1: not routed, does not fit, or the routing is invalid) for p in
+        [p0, p1); `write`: to slot_map too."""
+        k = self.k
+        for base in cutlass.range(p0, p1, self.nt):
+            p = base + tid
+            if p < p1:
+                packed = s_pair[p]
+                s = Int32(-1)
+                if (packed >= 0) & (n_invalid == 0):
+                    e = packed >> 16
+                    r = (packed & 0xFFFF) + s_tab[p // per_warp, e]
+                    if r < s_stored[e]:
+                        s = s_off[e] + r
+                s_pair[p] = s
+                if write:
+                    t = p // k
+                    mSlot[t, p - t * k] = s
+
+    @cute.jit
+    def count(self, mIds: cute.Tensor, mSlot: cute.Tensor, s_cnt: cute.Tensor, s_misc: cute.Tensor,
+              p0: Int32, p1: Int32, tid: Int32):
+        """Rank of each pair in [p0, p1) among this CTA's pairs of its expert (-1: not routed) ->
+        mSlot; per-expert totals -> s_cnt; ids outside [-1, E) -> s_misc[0]. Ranks are
+        warp-aggregated (match.any: one shared atomic per distinct expert per warp), so a hot expert
+        does not serialise the CTA."""
         E, k = self.E, self.k
         lane = tid % 32
+        lower = (Uint32(1) << Uint32(lane)) - Uint32(1)
         for base in cutlass.range(p0, p1, self.nt):
             p = base + tid
             t = p // k
@@ -270,31 +397,21 @@ class _Dispatch:
             if p < p1:
                 e = mIds[t, j]
             valid = (p < p1) & (e >= 0) & (e < E)
-            key = Int32(E) + lane  # unique per lane: lanes without an expert match nobody
-            if valid:
-                key = e
-            peers = cute.arch.match_sync(0xFFFFFFFF, key)
-            rank = cute.arch.popc(peers & ((Uint32(1) << Uint32(lane)) - Uint32(1)))
-            lowest = peers & (Uint32(0) - peers)
-            leader = Int32(31) - Int32(cute.arch.clz(lowest))
+            peers = cute.arch.match_sync(_FULL, cutlass.select_(valid, e, Int32(E) + lane))
+            rank = cute.arch.popc(peers & lower)
+            leader = Int32(31) - Int32(cute.arch.clz(peers & (Uint32(0) - peers)))
             first = Int32(0)
             if valid & (rank == 0):
                 first = cute.arch.atomic_add(s_cnt.iterator + e, Int32(cute.arch.popc(peers)), scope="cta")
             first = cute.arch.shuffle_sync(first, leader)
             if p < p1:
-                r = Int32(-1)
-                if valid:
-                    r = first + Int32(rank)
-                if const_expr(self.decode):
-                    s_pair[p] = Int32(cutlass.select_(valid, (e << 16) | r, -1))
-                else:
-                    mSlot[t, j] = r
+                mSlot[t, j] = cutlass.select_(valid, first + Int32(rank), -1)
             if (p < p1) & (e != -1) & ~valid:
                 cute.arch.atomic_add(s_misc.iterator, Int32(1), scope="cta")
 
     @cute.jit
-    def finalize(self, mIds: cute.Tensor, mSlot: cute.Tensor, s_pair: cute.Tensor, s_base: cute.Tensor,
-                 s_off: cute.Tensor, s_stored: cute.Tensor, p0: Int32, p1: Int32, n_invalid: Int32, tid: Int32):
+    def finalize_prefill(self, mIds: cute.Tensor, mSlot: cute.Tensor, s_base: cute.Tensor, s_off: cute.Tensor,
+                         s_stored: cute.Tensor, p0: Int32, p1: Int32, n_invalid: Int32, tid: Int32):
         """Rank -> slot (or -1 when the pair is not routed, does not fit, or the routing is invalid)."""
         k = self.k
         for base in cutlass.range(p0, p1, self.nt):
@@ -302,20 +419,11 @@ class _Dispatch:
             if p < p1:
                 t = p // k
                 j = p - t * k
-                e = Int32(0)
-                r = Int32(-1)
-                if const_expr(self.decode):
-                    packed = s_pair[p]
-                    if packed >= 0:
-                        e = packed >> 16
-                        r = packed & 0xFFFF
-                else:
-                    r = mSlot[t, j]
-                    if r >= 0:
-                        e = mIds[t, j]
-                        r = r + s_base[e]
+                r = mSlot[t, j]
                 s = Int32(-1)
                 if (r >= 0) & (n_invalid == 0):
+                    e = mIds[t, j]
+                    r = r + s_base[e]
                     if r < s_stored[e]:
                         s = s_off[e] + r
                 mSlot[t, j] = s
@@ -327,7 +435,7 @@ class _Dispatch:
         """Counts -> padded exclusive prefix sum (one expert per thread) -> each expert's first row and
         how many of its pairs fit; the writer CTA stores counts, offsets, overflow and invalid."""
         E, m = self.E, self.m
-        num_warps = self.nt // 32
+        num_warps = self.nw
         lane = tid % 32
         warp = tid // 32
         cnt = Int32(0)
@@ -375,7 +483,8 @@ class _Dispatch:
 
     @cute.jit
     def grid_barrier(self, counter: cute.Pointer, grid: Int32, tid: Int32):
-        """All CTAs are resident (grid <= SMs, one CTA fits per SM), so spinning cannot deadlock."""
+        """All CTAs are resident (cooperative launch), so spinning cannot deadlock. The counter only
+        grows during a launch (CTAs leaving add to it too), so `>= grid` is the exit test."""
         cute.arch.sync_threads()
         if tid == 0:
             arrived = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu") + 1
@@ -395,13 +504,16 @@ def _fake_args(cfg: DispatchConfig) -> tuple:
     slot = cute.runtime.make_fake_compact_tensor(Int32, (tokens, cfg.topk), stride_order=(1, 0),
                                                  assumed_align=4)
     meta = cute.runtime.make_fake_compact_tensor(Int32, (meta_layout(cfg.num_experts)["size"],),
-                                                 assumed_align=16)
-    return (x, ids, buf, slot, meta, Int32(1), Int32(1), cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
+                                                 assumed_align=4)
+    ws = None if cfg.mode == "decode" else cute.runtime.make_fake_compact_tensor(Int32, (WS_INTS,),
+                                                                                   assumed_align=16)
+    return (x, ids, buf, slot, meta, ws, Int32(1), Int32(1),
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
 def compile(variant: jit.Variant) -> jit.CompiledKernel:
-    """The loaded kernel of `variant`: fn(x, topk_ids, buffer, slot_map, meta, block_size, num_ctas), with
-    meta zeroed before every launch (see `launch`)."""
+    """The loaded kernel of `variant`: fn(x, topk_ids, buffer, slot_map, meta, workspace, block_size,
+    num_ctas); workspace: None for decode, a zeroed int32 [WS_INTS] tensor for prefill (see `launch`)."""
     cfg = DispatchConfig.from_variant(variant)
     return jit.compile_variant(variant, lambda: (_Dispatch(cfg), _fake_args(cfg)))
 
@@ -409,15 +521,40 @@ def compile(variant: jit.Variant) -> jit.CompiledKernel:
 # ---------------------------------------------------------------------------------------------
 # The op.
 
-class MoeDispatch(NamedTuple):
-    """What `moe_dispatch` returns; every tensor is on x's device, written in the same stream."""
+class MoeDispatch:
+    """What `moe_dispatch` returns; every tensor is on x's device, written in the same stream.
 
-    buffer: torch.Tensor  # [capacity, H], x.dtype: expert e's tokens in rows offsets[e] .. +counts[e]-1
-    counts: torch.Tensor  # [E] int32: tokens of each expert stored in the buffer
-    offsets: torch.Tensor  # [E+1] int32: first row of each expert's segment, offsets[E] = rows in use
-    slot_map: torch.Tensor  # [T, k] int32: buffer row of each (token, choice), -1 = dropped
-    overflow: torch.Tensor  # [1] int32: routed pairs not stored for lack of capacity
-    invalid: torch.Tensor  # [1] int32: ids outside [-1, E); when > 0 nothing was dispatched
+    buffer   [capacity, H], x.dtype: expert e's tokens in rows offsets[e] .. +counts[e]-1
+    slot_map [T, k] int32: buffer row of each (token, choice), -1 = dropped
+    counts   [E] int32: tokens of each expert stored in the buffer
+    offsets  [E+1] int32: first row of each expert's segment, offsets[E] = rows in use
+    overflow [1] int32: routed pairs not stored for lack of capacity
+    invalid  [1] int32: ids outside [-1, E); when > 0 nothing was dispatched
+    The last four are views of one int32 tensor `meta`, made on access (a view costs host time).
+    """
+
+    def __init__(self, buffer: torch.Tensor, slot_map: torch.Tensor, meta: torch.Tensor):
+        self.buffer, self.slot_map, self.meta = buffer, slot_map, meta
+
+    @property
+    def counts(self) -> torch.Tensor:
+        return self.meta[:self._experts()]
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        e = self._experts()
+        return self.meta[e:2 * e + 1]
+
+    @property
+    def overflow(self) -> torch.Tensor:
+        return self.meta[-2:-1]
+
+    @property
+    def invalid(self) -> torch.Tensor:
+        return self.meta[-1:]
+
+    def _experts(self) -> int:
+        return (self.meta.shape[0] - 3) // 2
 
     def check(self) -> None:
         """Raise if the dispatch dropped pairs for lack of capacity or saw invalid ids (synchronises)."""
@@ -449,12 +586,15 @@ def moe_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, capa
     topk_ids [T, k] int32 (-1 = not routed). `capacity` (rows of the buffer) defaults to the worst case
     `default_capacity(...)`; pass `buffer` [capacity, H] to reuse one (its rows outside the experts'
     stored tokens are left as they were). `mode` forces "prefill" or "decode" (default: by T*k).
+
+    Registered as torch.ops.rosekernels.moe_dispatch (mutating `buffer`) for torch.compile and fake
+    tensors; eager calls skip the torch dispatcher and reuse the launch plan validated for the same
+    shapes, strides, dtypes and devices (tens of microseconds less per call).
     """
-    if isinstance(topk_ids, torch.Tensor) and topk_ids.dim() == 2:
-        num_tokens, topk = topk_ids.shape
-    else:
-        raise ValueError("topk_ids must be a 2-D tensor [tokens, k]")
     if buffer is None:
+        if not (isinstance(topk_ids, torch.Tensor) and topk_ids.dim() == 2):
+            raise ValueError("topk_ids must be a 2-D tensor [tokens, k]")
+        num_tokens, topk = topk_ids.shape
         if capacity is None:
             capacity = default_capacity(num_tokens, topk, num_experts, block_size)
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
@@ -464,15 +604,78 @@ def moe_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, capa
         buffer = x.new_empty((capacity, x.shape[1]))
     elif capacity is not None and capacity != buffer.shape[0]:
         raise ValueError(f"capacity {capacity} disagrees with the buffer's {buffer.shape[0]} rows")
-    slot_map, meta = torch.ops.rosekernels.moe_dispatch(
-        x, topk_ids, buffer, num_experts, block_size, mode or choose_mode(num_tokens, topk))
-    return _result(buffer, slot_map, meta, num_experts)
+    if torch.compiler.is_compiling() or not type(x) is type(topk_ids) is type(buffer) is torch.Tensor:
+        slot_map, meta = _call_op(x, topk_ids, buffer, num_experts, block_size, mode)
+    else:
+        slot_map, meta = _run(x, topk_ids, buffer, num_experts, block_size, mode)
+    return MoeDispatch(buffer, slot_map, meta)
 
 
-def _result(buffer: torch.Tensor, slot_map: torch.Tensor, meta: torch.Tensor, num_experts: int) -> MoeDispatch:
-    m = meta_layout(num_experts)
-    return MoeDispatch(buffer, meta[m["counts"]:m["offsets"]], meta[m["offsets"]:m["overflow"]], slot_map,
-                       meta[m["overflow"]:m["invalid"]], meta[m["invalid"]:m["raw"]])
+def _call_op(x: Any, topk_ids: Any, buffer: Any, num_experts: int, block_size: int,
+             mode: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Through the registered op: traced (torch.compile), fake/meta tensors, tensor subclasses."""
+    if mode is None:
+        if not (isinstance(topk_ids, torch.Tensor) and topk_ids.dim() == 2):
+            raise ValueError("topk_ids must be a 2-D tensor [tokens, k]")
+        mode = choose_mode(*topk_ids.shape)
+    return torch.ops.rosekernels.moe_dispatch(x, topk_ids, buffer, num_experts, block_size, mode)
+
+
+class _Plan(NamedTuple):
+    """What a launch needs beyond the tensors, validated once per (shapes, strides, dtypes, devices,
+    num_experts, block_size, mode)."""
+
+    fn: Callable[..., Any]
+    device: torch.device
+    prefill: bool
+    num_ctas: int
+    meta_size: int
+    canonical: bool  # some tensor needs `rows_view` (a size-1 dim with an odd stride)
+
+
+_plans: dict[tuple, _Plan] = {}
+
+
+def _run(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_experts: int, block_size: int,
+         mode: str | None, private_scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch on plain tensors. Per call: the plan's key, two pointer checks, the two outputs, the
+    launch; the first call with a key validates everything and compiles or loads the variant."""
+    key = (x.shape, x.stride(), x.dtype, x.get_device(), topk_ids.shape, topk_ids.stride(), topk_ids.dtype,
+           topk_ids.get_device(), buffer.shape, buffer.stride(), buffer.dtype, buffer.get_device(),
+           num_experts, block_size, mode)
+    plan = _plans.get(key)
+    if plan is None:
+        if x.is_meta or topk_ids.is_meta or buffer.is_meta:  # shapes only: the fake implementation
+            return _call_op(x, topk_ids, buffer, num_experts, block_size, mode)
+        plan = _plan(key, x, topk_ids, buffer, num_experts, block_size, mode)
+    if plan.device.index != torch._C._cuda_getDevice():
+        with torch.cuda.device(plan.device):  # outputs, workspace and launch on x's device and stream
+            return _run(x, topk_ids, buffer, num_experts, block_size, mode, private_scratch)
+    if x.data_ptr() % 16 or buffer.data_ptr() % 16:  # the only property the key does not cover
+        checks.check_aligned("x", x)
+        checks.check_aligned("buffer", buffer)
+    if plan.canonical:
+        x, topk_ids, buffer = rows_view(x), rows_view(topk_ids), rows_view(buffer)
+    slot_map = torch.empty(topk_ids.shape, dtype=torch.int32, device=plan.device)
+    meta = torch.empty(plan.meta_size, dtype=torch.int32, device=plan.device)
+    ws = scratch.zeroed_int32(plan.device.index, WS_INTS, private_scratch) if plan.prefill else None
+    plan.fn(x, topk_ids, buffer, slot_map, meta, ws,
+            block_size, plan.num_ctas)
+    return slot_map, meta
+
+
+def _plan(key: tuple, x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_experts: int,
+          block_size: int, mode: str | None) -> _Plan:
+    """The slow path, once per key: every check, the variant compiled or loaded, the grid."""
+    views = rows_view(x), rows_view(topk_ids), rows_view(buffer)
+    cfg = validate(*views, num_experts, block_size, mode or choose_mode(*topk_ids.shape))
+    canonical = any(v.stride() != t.stride() for v, t in zip(views, (x, topk_ids, buffer)))
+    plan = _Plan(compile(cfg.variant()).fn, x.device, cfg.mode == "prefill", num_ctas(cfg, x.shape[0], x.device),
+                 meta_layout(num_experts)["size"], canonical)
+    if len(_plans) >= 4096:  # many distinct token counts: start over rather than grow without bound
+        _plans.clear()
+    _plans[key] = plan
+    return plan
 
 
 def validate(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_experts: int,
@@ -488,13 +691,15 @@ def validate(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_
     checks.check_shape("x", x, (None, None))
     checks.check_shape("topk_ids", topk_ids, (x.shape[0], None))
     checks.check_shape("buffer", buffer, (None, x.shape[1]))
+    if not isinstance(num_experts, (int, torch.SymInt)) or isinstance(num_experts, bool):
+        raise ValueError(f"num_experts must be an int, got {num_experts!r}")
     key = (checks.DTYPE_NAME[x.dtype], x.shape[1], num_experts, topk_ids.shape[1], mode)
     cfg = _config(*key) if on_device else DispatchConfig(*key)  # fake tensors may carry SymInts
-    if not isinstance(block_size, (int, torch.SymInt)) or block_size < 1:
+    if not isinstance(block_size, (int, torch.SymInt)) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     tokens, topk, capacity = x.shape[0], topk_ids.shape[1], buffer.shape[0]
-    if mode == "decode" and tokens * topk > DECODE_PAIRS_LIMIT:
-        raise ValueError(f"the decode variant routes at most {DECODE_PAIRS_LIMIT} (token, choice) pairs, "
+    if mode == "decode" and tokens * topk > cfg.decode_pairs_limit:
+        raise ValueError(f"the decode variant routes at most {cfg.decode_pairs_limit} (token, choice) pairs, "
                          f"got {tokens} x {topk}; use mode='prefill'")
     worst = tokens * topk + min(num_experts, tokens * topk) * (block_size - 1)
     if max(worst, capacity, tokens * (x.shape[1] // cfg.vec)) >= 2**31:
@@ -531,7 +736,8 @@ def check_sm90(device: torch.device) -> None:
 
 
 def num_ctas(cfg: DispatchConfig, num_tokens: int, device: torch.device) -> int:
-    """At most one CTA per SM: the CTAs wait for each other, so all must be resident at once."""
+    """At most one CTA per SM: prefill CTAs wait for each other, so all must be resident at once;
+    every decode CTA routes all pairs, so more CTAs than SMs would only repeat that."""
     _, sms = _device_info(device.index if device.index is not None else torch.cuda.current_device())
     if cfg.mode == "decode":
         want = -(-num_tokens * (cfg.hidden // cfg.vec) // DECODE_VECS_PER_CTA)
@@ -552,13 +758,7 @@ def rows_view(t: torch.Tensor) -> torch.Tensor:
 def _moe_dispatch_op(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_experts: int,
                      block_size: int, variant_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     # (not `mode`: torch's functionalization of mutating ops passes a `mode` keyword of its own)
-    x, topk_ids, buffer = rows_view(x), rows_view(topk_ids), rows_view(buffer)
-    cfg = validate(x, topk_ids, buffer, num_experts, block_size, variant_mode)
-    kernel = compile(cfg.variant())
-    slot_map = torch.empty(topk_ids.shape, dtype=torch.int32, device=x.device)
-    meta = torch.zeros(meta_layout(num_experts)["size"], dtype=torch.int32, device=x.device)
-    kernel.fn(x, topk_ids, buffer, slot_map, meta, block_size, num_ctas(cfg, x.shape[0], x.device))
-    return slot_map, meta
+    return _run(x, topk_ids, buffer, num_experts, block_size, variant_mode, private_scratch=True)  # compiled graphs
 
 
 @_moe_dispatch_op.register_fake
@@ -596,8 +796,9 @@ def random_topk_ids(num_tokens: int, num_experts: int, topk: int, generator: tor
 def sample_args(variant: jit.Variant, tokens: int | None = None, seed: int = 0, device: Any = "cuda",
                 block_size: int = DEFAULT_BLOCK_SIZE) -> tuple:
     """Fresh args for `launch(compile(variant).fn, args)`: (x, topk_ids, buffer, slot_map, meta,
-    block_size, num_ctas), random x and routing, buffer NaN-poisoned, buffer of the default capacity.
-    Default tokens: 128 for decode, 4096 for prefill."""
+    workspace, block_size, num_ctas), random x and routing, buffer NaN-poisoned, buffer of the default
+    capacity, slot_map and meta poisoned (the kernel writes them all), workspace zeroed (prefill) or
+    None (decode). Default tokens: 128 for decode, 4096 for prefill."""
     cfg = DispatchConfig.from_variant(variant)
     tokens = (128 if cfg.mode == "decode" else 4096) if tokens is None else tokens
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -606,13 +807,16 @@ def sample_args(variant: jit.Variant, tokens: int | None = None, seed: int = 0, 
     capacity = default_capacity(tokens, cfg.topk, cfg.num_experts, block_size)
     buffer = torch.full((capacity, cfg.hidden), float("nan"), dtype=x.dtype, device=device)
     slot_map = torch.full(ids.shape, -7, dtype=torch.int32, device=device)
-    meta = torch.zeros(meta_layout(cfg.num_experts)["size"], dtype=torch.int32, device=device)
-    return x, ids, buffer, slot_map, meta, block_size, num_ctas(cfg, tokens, x.device)
+    meta = torch.full((meta_layout(cfg.num_experts)["size"],), -7, dtype=torch.int32, device=device)
+    ws = None if cfg.mode == "decode" else torch.zeros(WS_INTS, dtype=torch.int32, device=device)
+    return x, ids, buffer, slot_map, meta, ws, block_size, num_ctas(cfg, tokens, x.device)
 
 
 def launch(fn: Callable[..., Any], args: tuple) -> None:
-    """One dispatch with kernel function `fn` (the scratch behind the outputs zeroed first, as the op does)."""
-    args[4].zero_()
+    """One dispatch with kernel function `fn`. The workspace is zeroed first: a kernel leaves it zero,
+    but a broken candidate of the SIP tuner must not poison the launches after it."""
+    if args[5] is not None:
+        args[5].zero_()
     fn(*args)
 
 
@@ -623,15 +827,16 @@ def outputs(variant: jit.Variant, args: tuple) -> list[torch.Tensor]:
     x, ids, buffer, slot_map, meta = args[:5]
     s = slot_map.long()
     rows = torch.where((s >= 0)[..., None], buffer[s.clamp(0, max(buffer.shape[0] - 1, 0))], 0)
-    return [meta[:meta_layout(DispatchConfig.from_variant(variant).num_experts)["raw"]], rows,
-            s.flatten().sort().values]
+    return [meta, rows, s.flatten().sort().values]
 
 
 def check_args(variant: jit.Variant, args: tuple) -> None:
-    """Raise AssertionError unless the launch that filled `args` is a correct dispatch."""
-    x, ids, buffer, slot_map, meta, block_size = args[:6]
+    """Raise AssertionError unless the launch that filled `args` is a correct dispatch (and left the
+    workspace zero)."""
+    x, ids, buffer, slot_map, meta, ws, block_size = args[:7]
     cfg = DispatchConfig.from_variant(variant)
-    check_dispatch(x, ids, cfg.num_experts, block_size, _result(buffer, slot_map, meta, cfg.num_experts))
+    check_dispatch(x, ids, cfg.num_experts, block_size, MoeDispatch(buffer, slot_map, meta))
+    assert ws is None or not ws.any(), "the workspace was not returned to zero"
 
 
 def check_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, block_size: int,
