@@ -1,8 +1,10 @@
 """Benchmark the fused attention forward against torch SDPA (flash, cuDNN, efficient) and flash-attn-4.
 
     python bench/attention.py --out bench/results            # full prefill table (+ decode-shaped rows)
-    python bench/attention.py --quick                        # the reference shape only
-    python bench/attention.py --sweep                        # tile configs on the reference shapes
+    python bench/attention.py --quick                        # the reference shape + one decode row
+    python bench/attention.py --decode-only                  # the decode table only (< 1 min)
+    python bench/attention.py --decode-only --split-sweep    # + our kernel over forced KV split counts
+    python bench/attention.py --sweep                        # candidate configs on the prefill problem shapes
 
 TFLOP/s = 4 * B * Hq * S_q * S_kv * d / time, halved when causal. Each timing: warm-up, then one CUDA
 event pair per launch, median; the inputs rotate over enough copies to exceed the 50 MB L2. Every
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -182,40 +185,96 @@ def bench_shape(shape, peers, s_q=None, iters=10):
     return row
 
 
-def sweep(shapes, iters):
-    """Time alternative tile configs of our kernel (compiled directly) on the given shapes."""
+# The prefill shapes behind issue #7 (short and causal ones) plus two long ones as a check.
+SWEEP_SHAPES = [
+    *(dict(b=16, s=1024, hq=hq, hkv=hkv, d=d, causal=c)
+      for d in (128, 64) for hq, hkv in ((32, 8), (16, 16)) for c in (False, True)),
+    dict(b=8, s=2048, hq=16, hkv=16, d=64, causal=True),
+    dict(b=8, s=2048, hq=32, hkv=8, d=128, causal=True),
+    REFERENCE,
+    dict(REFERENCE, causal=True),
+]
+
+
+def sweep_candidates(d, causal):
+    """The default config, the same kernel launched one CTA per tile, and other tile shapes."""
+    base = A.default_config(d, "bf16", causal)
+    cands = [base, dataclasses.replace(base, persistent=False)]
+    if d == 128:
+        cands += [dataclasses.replace(base, tile_n=n) for n in (112, 144)]
+        cands += [dataclasses.replace(base, overlap=False)]
+    else:
+        cands += [A.AttentionConfig(64, "bf16", causal, tile_m=m, tile_n=n, num_stages=st)
+                  for m, n, st in ((192, 128, 2), (192, 112, 3), (128, 128, 3), (128, 176, 3))]
+    return list(dict.fromkeys(cands))
+
+
+def sweep(shapes, iters, peers):
+    """Time candidate configs of our kernel (compiled directly, the launch's counter reused: the
+    kernel re-zeroes it) next to cuDNN and FA4 on the given shapes."""
+    A.precompile([c for shape in shapes for c in sweep_candidates(shape["d"], shape["causal"])])
     rows = []
     for shape in shapes:
         d, causal = shape["d"], shape["causal"]
-        cands = [A.default_config(d, "bf16", causal)]
-        if d == 128:
-            cands += [A.AttentionConfig(128, "bf16", causal, tile_n=n) for n in (112, 144, 160, 176)]
-            cands += [A.AttentionConfig(128, "bf16", causal, overlap=False)]
-        else:
-            cands += [A.AttentionConfig(64, "bf16", causal, tile_m=m, tile_n=n, num_stages=st)
-                      for m, n, st in ((192, 128, 2), (192, 112, 3), (128, 128, 3), (128, 176, 3), (128, 192, 3))]
-        cands = list(dict.fromkeys(cands))
-        A.precompile(cands)
         sets = make_sets(shape, shape["s"], shape["s"])
         ref = A.attention(*sets[0][:3], causal=causal)
-        for cfg in cands:
+        row = dict(shape, configs={})
+        for name in ("sdpa_cudnn", "fa4"):
+            if name in peers.impls:
+                try:
+                    ms = time_ms(lambda i, fn=peers.impls[name]: fn(*sets[i][:3], causal), len(sets), iters=iters)
+                    row[f"{name}_TFLOPs"] = tflops(shape, shape["s"], shape["s"], ms)
+                except Exception as e:  # noqa: BLE001 - a backend refusing a shape is a result
+                    row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        for cfg in sweep_candidates(d, causal):
             kernel = A.compiled(cfg)
             scale_log2 = A.LOG2_E / math.sqrt(d)
+            q0 = sets[0][0]
+            launch = A.launch_args(cfg, q0)
+            lse = torch.empty(q0.shape[0], q0.shape[2], q0.shape[1], device="cuda")
 
-            def run(i, kernel=kernel):
+            def run(i, kernel=kernel, launch=launch, lse=lse):
                 q, k, v, out = sets[i]
-                lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device="cuda")
-                kernel.fn(q, k, v, out, lse, scale_log2)
+                kernel.fn(q, k, v, out, lse, scale_log2, *launch)
                 return out
 
-            diff = (run(0).float() - ref.float()).abs().max().item()
-            ms = time_ms(run, len(sets), iters=iters)
-            rows.append(dict(shape, config=cfg.variant().key(), ms=ms, TFLOPs=tflops(shape, shape["s"], shape["s"], ms),
-                             maxdiff_vs_default=diff))
-            print(f"{rows[-1]['config']:<90} {rows[-1]['TFLOPs']:7.1f} TFLOP/s  maxdiff {diff:.3g}", flush=True)
+            name = _config_name(cfg)
+            try:
+                diff = (run(0).float() - ref.float()).abs().max().item()
+                ms = time_ms(run, len(sets), iters=iters)
+                row["configs"][name] = dict(TFLOPs=tflops(shape, shape["s"], shape["s"], ms), ms=ms,
+                                            maxdiff_vs_op=diff, ctas=launch[1])
+            except Exception as e:  # noqa: BLE001
+                row["configs"][name] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+        rows.append(row)
+        best = max((c for c in row["configs"].items() if "TFLOPs" in c[1]), key=lambda c: c[1]["TFLOPs"])
+        print(f"B={shape['b']} S={shape['s']} H={shape['hq']}/{shape['hkv']} d={d} causal={causal:d}  "
+              f"cudnn={row.get('sdpa_cudnn_TFLOPs', 0):.0f} fa4={row.get('fa4_TFLOPs', 0):.0f}  "
+              f"best {best[0]} {best[1]['TFLOPs']:.0f}", flush=True)
+        for name, c in row["configs"].items():
+            print(f"    {name:<44} " + (f"{c['TFLOPs']:7.1f} TFLOP/s  maxdiff {c['maxdiff_vs_op']:.3g}"
+                                         if "TFLOPs" in c else c["error"]), flush=True)
         del sets
         torch.cuda.empty_cache()
     return rows
+
+
+def _config_name(cfg):
+    return (f"m{cfg.tile_m}n{cfg.tile_n}s{cfg.num_stages}" + ("" if cfg.overlap else "-inorder") +
+            ("" if cfg.persistent else "-per_tile"))
+
+
+def sweep_markdown(rows):
+    names = list(dict.fromkeys(n for r in rows for n in r["configs"]))
+    cols = ["B", "S", "Hq/Hkv", "d", "causal", "cuDNN", "FA4", *names]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = [r["b"], r["s"], f"{r['hq']}/{r['hkv']}", r["d"], "yes" if r["causal"] else "no",
+                 f"{r.get('sdpa_cudnn_TFLOPs', 0):.0f}", f"{r.get('fa4_TFLOPs', 0):.0f}"]
+        cells += [f"{r['configs'][n]['TFLOPs']:.0f}" if "TFLOPs" in r["configs"].get(n, {}) else
+                  ("err" if n in r["configs"] else "") for n in names]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
 
 
 def markdown(rows, names):
@@ -232,11 +291,136 @@ def markdown(rows, names):
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------
+# Decode: S_q <= 16 over a long KV cache (the split-KV kernel). Bound by reading K and V once, so
+# besides TFLOP/s each row reports the K/V read bandwidth and its share of the copy ceiling.
+
+def decode_shapes(quick=False):
+    if quick:
+        return [dict(b=16, s_q=1, s_kv=8192, hq=32, hkv=8, d=128)]
+    shapes = [dict(b=b, s_q=1, s_kv=s, hq=hq, hkv=hkv, d=128)
+              for hq, hkv in ((32, 8), (16, 16)) for b in (1, 16, 64) for s in (1024, 4096, 8192, 32768)
+              if b * s <= 64 * 8192]  # B=64 x 32K would be 8.6-17 GB per input set
+    return shapes + [dict(b=16, s_q=4, s_kv=8192, hq=32, hkv=8, d=128)]
+
+
+def decode_sets(shape, dtype=torch.bfloat16):
+    """(q, k, v, out) copies, enough to exceed the L2 three times over (each launch reads a new one)."""
+    b, s_q, s_k, hq, hkv, d = (shape[x] for x in ("b", "s_q", "s_kv", "hq", "hkv", "d"))
+    per_set = 2 * (2 * b * s_q * hq * d + 2 * b * s_k * hkv * d)
+    return [(torch.randn(b, s_q, hq, d, device="cuda", dtype=dtype),
+             torch.randn(b, s_k, hkv, d, device="cuda", dtype=dtype),
+             torch.randn(b, s_k, hkv, d, device="cuda", dtype=dtype),
+             torch.empty(b, s_q, hq, d, device="cuda", dtype=dtype))
+            for _ in range(max(2, math.ceil(3 * L2_BYTES / per_set)))]
+
+
+def time_graph_rotating_ms(fn, n_sets, replays=5):
+    """Per-launch time of calls fn(0), fn(1), ... (cycling over the input sets) captured in one
+    CUDA graph; warm-up and capture on the same side stream."""
+    launches = min(max(2 * n_sets, 20), 200)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(n_sets):
+            fn(i)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            for i in range(launches):
+                fn(i % n_sets)
+    torch.cuda.current_stream().wait_stream(s)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / launches)
+    del g
+    return statistics.median(times)
+
+
+def eager_us(fn, n_sets, calls=30):
+    """Wall time per eager call, back to back (host overhead when the kernel is shorter)."""
+    for i in range(3):
+        fn(i % n_sets)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for i in range(calls):
+        fn(i % n_sets)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / calls * 1e6
+
+
+def bench_decode(shape, peers, copy_gbps, split_sweep=()):
+    from rosekernels.kernels import attention_decode as D
+
+    sets = decode_sets(shape)
+    b, s_q, s_k, hq, hkv, d = (shape[x] for x in ("b", "s_q", "s_kv", "hq", "hkv", "d"))
+    kv_bytes = 2 * b * s_k * hkv * d * 2
+    row = dict(shape, splits=D._plan(*sets[0][:2])[1])
+    ours = lambda i: A.attention(*sets[i][:3], out=sets[i][3])  # noqa: E731
+    ref = ours(0).float().clone()
+    impls = {"rosekernels": ours}
+    impls.update({n: (lambda i, fn=fn: fn(*sets[i][:3], False)) for n, fn in peers.impls.items()})
+    for name, run in impls.items():
+        try:
+            if name != "rosekernels":
+                row[f"{name}_maxdiff"] = (run(0).float() - ref).abs().max().item()
+            ms = time_graph_rotating_ms(run, len(sets))
+            row[f"{name}_us"] = ms * 1e3
+            row[f"{name}_TFLOPs"] = 4 * b * hq * s_q * s_k * d / ms / 1e9
+            row[f"{name}_kv_GBps"] = kv_bytes / ms / 1e6
+            row[f"{name}_eager_us"] = eager_us(run, len(sets))
+        except Exception as e:  # noqa: BLE001 - a backend refusing a shape is a result, not a crash
+            row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    if "rosekernels_us" in row:
+        row["pct_copy"] = 100 * row["rosekernels_kv_GBps"] / copy_gbps
+        for peer in peers.impls:
+            if f"{peer}_us" in row:
+                row[f"vs_{peer}"] = row[f"{peer}_us"] / row["rosekernels_us"]
+    for splits in split_sweep:
+        try:
+            ms = time_graph_rotating_ms(
+                lambda i, n=splits: D.attention_decode(*sets[i][:3], out=sets[i][3], splits=n), len(sets))
+            row[f"splits{splits}_us"] = ms * 1e3
+        except Exception as e:  # noqa: BLE001
+            row[f"splits{splits}_error"] = f"{type(e).__name__}: {e}"
+    del sets
+    torch.cuda.empty_cache()
+    return row
+
+
+def markdown_decode(rows, peer_names, split_sweep=()):
+    cols = (["B", "S_q", "S_kv", "Hq/Hkv", "splits", "ours us", "TFLOP/s", "K/V GB/s", "% copy", "eager us"]
+            + [f"{p} us (ours x)" for p in peer_names] + [f"splits={n} us" for n in split_sweep])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = [r["b"], r["s_q"], r["s_kv"], f"{r['hq']}/{r['hkv']}", r["splits"]]
+        if "rosekernels_us" in r:
+            cells += [f"{r['rosekernels_us']:.1f}", f"{r['rosekernels_TFLOPs']:.1f}",
+                      f"{r['rosekernels_kv_GBps']:.0f}", f"{r['pct_copy']:.0f}%", f"{r['rosekernels_eager_us']:.1f}"]
+        else:
+            cells += ["err"] * 5
+        for p in peer_names:
+            cells.append(f"{r[p + '_us']:.1f} ({r['vs_' + p]:.2f}x)" if f"vs_{p}" in r else
+                         "err" if f"{p}_error" in r else "-")
+        cells += [f"{r[f'splits{n}_us']:.1f}" if f"splits{n}_us" in r else "err" for n in split_sweep]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    ap.add_argument("--quick", action="store_true", help="only the reference shape")
-    ap.add_argument("--sweep", action="store_true", help="tile configs on the reference shapes")
+    ap.add_argument("--quick", action="store_true", help="only the reference shape (and one decode row)")
+    ap.add_argument("--decode-only", action="store_true", help="only the decode table")
+    ap.add_argument("--split-sweep", action="store_true", help="decode: also time forced KV split counts")
+    ap.add_argument("--sweep", action="store_true", help="candidate configs (tiles, grid) on the prefill problem shapes")
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args()
     out = Path(args.out)
@@ -244,21 +428,28 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
 
     t0 = time.time()
-    A.precompile()
+    if not args.decode_only:
+        A.precompile()
+    from rosekernels.kernels import attention_decode as D
+    D.precompile(dict.fromkeys(D.config_for(s["d"], "bf16", s["s_q"] * s["hq"] // s["hkv"])
+                               for s in decode_shapes(args.quick)))
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "compile_s": round(time.time() - t0, 1), "ceilings": ceilings()}
     print(json.dumps(result), flush=True)
 
+    peers = Peers()
     if args.sweep:
-        shapes = [REFERENCE, dict(REFERENCE, causal=True), dict(REFERENCE, d=64), dict(REFERENCE, d=64, causal=True)]
-        result["sweep"] = sweep(shapes, args.iters)
+        result["unavailable"] = peers.unavailable
+        result["sweep"] = sweep(SWEEP_SHAPES, args.iters, peers)
         (out / "attention_sweep.json").write_text(json.dumps(result, indent=1))
+        md = [f"# attention prefill sweep (TFLOP/s), {result['device']}", "", sweep_markdown(result["sweep"])]
+        (out / "attention_sweep.md").write_text("\n".join(md) + "\n")
+        print("\n".join(md))
         return
 
-    peers = Peers()
     result["unavailable"] = peers.unavailable
     names = ["rosekernels", *peers.impls]
-    shapes = [REFERENCE] if args.quick else list(prefill_shapes())
+    shapes = [] if args.decode_only else [REFERENCE] if args.quick else list(prefill_shapes())
     rows = []
     for shape in shapes:
         t = time.time()
@@ -271,19 +462,28 @@ def main():
         if errs:
             print("   ", errs, flush=True)
     decode = []
-    if not args.quick:
-        # Decode-shaped: one query token per sequence over a long KV cache (no split-KV here yet).
-        for shape in (dict(b=16, s=8192, hq=32, hkv=8, d=128, causal=False),
-                      dict(b=64, s=2048, hq=32, hkv=8, d=128, causal=False)):
-            decode.append(bench_shape(shape, peers, s_q=1))
+    split_counts = (1, 2, 4, 8, 16, 32, 64) if args.split_sweep else ()
+    for shape in decode_shapes(args.quick):
+        t = time.time()
+        decode.append(bench_decode(shape, peers, result["ceilings"]["copy_GBps"], split_counts))
+        r = decode[-1]
+        print(f"decode B={r['b']:<2} S_q={r['s_q']} S_kv={r['s_kv']:<5} H={r['hq']}/{r['hkv']} splits={r['splits']:<3} " +
+              "  ".join(f"{n}={r[n + '_us']:.1f}us" if f"{n}_us" in r else f"{n}=ERR" for n in names) +
+              (f"  {r['pct_copy']:.0f}% of copy" if "pct_copy" in r else "") + f"  ({time.time() - t:.1f}s)", flush=True)
+        errs = {k: v for k, v in r.items() if k.endswith("_error") or (k.endswith("_maxdiff") and v > 0.05)}
+        if errs:
+            print("   ", errs, flush=True)
     result["prefill"], result["decode"] = rows, decode
     (out / "attention.json").write_text(json.dumps(result, indent=1))
     md = [f"# attention forward, {result['device']}", "",
           f"ceilings: copy {result['ceilings']['copy_GBps']:.0f} GB/s, "
-          f"bf16 GEMM {result['ceilings']['bf16_gemm_8192_TFLOPs']:.0f} TFLOP/s; unavailable: {peers.unavailable or 'none'}",
-          "", markdown(rows, names)]
+          f"bf16 GEMM {result['ceilings']['bf16_gemm_8192_TFLOPs']:.0f} TFLOP/s; unavailable: {peers.unavailable or 'none'}"]
+    if rows:
+        md += ["", markdown(rows, names)]
     if decode:
-        md += ["", "Decode-shaped (S_q = 1, CUDA graph, per launch):", "", markdown(decode, names)]
+        md += ["", "Decode (split-KV kernel; d=128 bf16, not causal; CUDA graph over rotating inputs, per launch; "
+               "eager us = wall time per back-to-back eager call; % copy = K/V read GB/s over the copy ceiling; "
+               "peer columns: peer us (peer time / ours)):", "", markdown_decode(decode, list(peers.impls), split_counts)]
     (out / "attention.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

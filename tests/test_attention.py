@@ -1,5 +1,6 @@
 """Fused attention forward: every specialization compiles to an sm_90a WGMMA/TMA kernel (CPU), argument
 validation (CPU), and numerics against a float64 reference on fresh random inputs (GPU)."""
+import dataclasses
 import importlib.util
 import math
 import os
@@ -21,7 +22,9 @@ IN_ORDER = (
     A.AttentionConfig(128, "bf16", True, overlap=False),
     A.AttentionConfig(64, "fp16", True, tile_m=192, num_stages=3, overlap=False),
 )
-ALL_CONFIGS = A.SPECIALIZATIONS + IN_ORDER
+# One CTA per tile instead of persistent CTAs: the same compiled kernel, another grid.
+PER_TILE = (dataclasses.replace(A.default_config(128, "bf16", True), persistent=False),)
+ALL_CONFIGS = A.SPECIALIZATIONS + IN_ORDER + PER_TILE
 CPU_CONFIGS = A.SPECIALIZATIONS + IN_ORDER[1:2]  # what CI compiles
 
 
@@ -65,16 +68,18 @@ def test_every_specialization_compiles_to_a_warp_specialized_wgmma_kernel(cpu_ke
         path = tmp_path / "k.cubin"
         path.write_bytes(_full_elf(k))
         sass = subprocess.run([nvdisasm, "-c", str(path)], capture_output=True, text=True, check=True).stdout
-        ops = set(re.findall(r"\b(HGMMA|UTMALDG|UTMASTG|USETMAXREG|STSM|LDL|STL)\b", sass))
-        assert {"HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "STSM"} <= ops, (cfg, ops)
+        ops = set(re.findall(r"\b(HGMMA|UTMALDG|UTMASTG|USETMAXREG|STSM|ATOMG|LDL|STL)\b", sass))
+        assert {"HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "STSM", "ATOMG"} <= ops, (cfg, ops)
         assert not {"LDL", "STL"} & ops, f"{cfg} spills registers to local memory"
         gemm_n = {int(n) for n in re.findall(r"HGMMA\.64x(\d+)x16", sass)}
         assert gemm_n == {cfg.tile_n, cfg.head_dim}, (cfg, gemm_n)  # S = Q K^T and O += P V
 
 
 def test_specializations_are_distinct_and_cover_the_dispatch():
-    keys = [c.variant().key() for c in ALL_CONFIGS]
+    keys = [c.variant().key() for c in A.SPECIALIZATIONS + IN_ORDER]
     assert len(set(keys)) == len(keys)
+    # The launch policy is not compiled in: both grids share one kernel.
+    assert PER_TILE[0].variant() == A.default_config(128, "bf16", True).variant()
     for d in (64, 128):
         for dt in ("bf16", "fp16"):
             for causal in (False, True):
@@ -88,6 +93,7 @@ def test_specializations_are_distinct_and_cover_the_dispatch():
     (dict(tile_n=100), "tile_n"),
     (dict(num_stages=0), "num_stages"),
     (dict(num_stages=6), "shared memory"),
+    (dict(tile_n=160), "shared memory"),  # Q, O and 2 stages of 160-key K/V tiles: 80 bytes over
 ])
 def test_config_validation(kwargs, match):
     base = dict(head_dim=128, dtype="bf16", causal=False)
@@ -121,6 +127,20 @@ def test_invalid_arguments_raise_before_anything_is_written(make, exc, match):
     with pytest.raises(exc, match=match):
         A.attention(q, k, v, **kwargs)
     assert torch.equal(out, before)
+
+
+def test_launch_args_size_the_grid_and_zero_the_counter_only_when_ctas_claim_tiles():
+    cfg = A.default_config(128, "bf16", True)  # tile_m 128
+    q = torch.empty(3, 300, 5, 128, device="meta")  # 3 m blocks * 5 heads * 3 batches = 45 tiles
+    assert A.num_tiles(cfg, 3, 300, 5) == 45
+    counter, ctas = A.launch_args(dataclasses.replace(cfg, persistent=False), q)
+    assert ctas == 45 and counter.shape == (1,) and counter.dtype == torch.int32
+    q = torch.empty(3, 300, 5, 128)
+    counter, ctas = A.launch_args(cfg, q, num_ctas=7)
+    assert ctas == 7 and counter.tolist() == [0]  # 7 CTAs claim the other 38 tiles from it
+    for bad in (0, -1, 2**31):
+        with pytest.raises(ValueError, match="num_ctas"):
+            A.launch_args(cfg, q, num_ctas=bad)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,23 +212,79 @@ def _sync(what, timeout_s=60.0):
         time.sleep(0.001)
 
 
-def _run_poisoned(kernel, cfg, q, k, v, scale):
+def _run_poisoned(kernel, cfg, q, k, v, scale, num_ctas=None):
+    """One launch into NaN-filled out/lse; num_ctas: the grid (default: the op's choice)."""
     out = torch.full_like(q, float("nan"))
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device="cuda")
-    kernel.fn(q, k, v, out, lse, scale * A.LOG2_E)
-    _sync(f"{cfg} on q{list(q.shape)} k{list(k.shape)}")
+    counter, ctas = A.launch_args(cfg, q, num_ctas)
+    kernel.fn(q, k, v, out, lse, scale * A.LOG2_E, counter, ctas)
+    _sync(f"{cfg} on q{list(q.shape)} k{list(k.shape)} with {ctas} CTAs")
+    assert counter.item() == 0 or ctas >= A.num_tiles(cfg, q.shape[0], q.shape[1], q.shape[2]), \
+        "the tile counter was not re-zeroed"
     return out, lse
 
 
+def _ids(cfg):
+    return cfg.variant().key().split("sm_90a-")[1] + ("" if cfg.persistent else "-per_tile")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=lambda c: c.variant().key().split("sm_90a-")[1])
+@pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=_ids)
 def test_matches_float64_reference(kernels, cfg):
+    # The small shapes fit one wave; 1 and 5 CTAs make each CTA walk many tiles (5: a ragged last
+    # round), 1000 leaves CTAs with no tile at all.
     for i, (s_q, s_k) in enumerate(SEQLENS):
         hq, hkv = HEADS[i % len(HEADS)]
         q, k, v = _inputs(2, s_q, s_k, hq, hkv, cfg.head_dim, TORCH_DTYPE[cfg.dtype], seed=i)
         scale = 1.0 / math.sqrt(cfg.head_dim)
-        out, lse = _run_poisoned(kernels[cfg], cfg, q, k, v, scale)
-        _check(out, lse, q, k, v, cfg.causal, scale, f"S_q={s_q} S_kv={s_k} Hq={hq} Hkv={hkv}")
+        for num_ctas in (None, 1, 5, 1000):
+            out, lse = _run_poisoned(kernels[cfg], cfg, q, k, v, scale, num_ctas)
+            _check(out, lse, q, k, v, cfg.causal, scale, f"S_q={s_q} S_kv={s_k} Hq={hq} Hkv={hkv} ctas={num_ctas}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_more_tiles_than_sms_through_the_public_op(kernels, causal, d):
+    """The op's own persistent grid (tiles > SMs): CTAs claim tiles from the counter."""
+    q, k, v = _inputs(3, 1111, 1500, 12, 4, d, torch.bfloat16, seed=10 + d + causal)
+    cfg = A.default_config(d, "bf16", causal)
+    assert A.num_tiles(cfg, 3, 1111, 12) > torch.cuda.get_device_properties(0).multi_processor_count
+    out = torch.full_like(q, float("nan"))
+    res, lse = A.attention(q, k, v, causal=causal, out=out, return_lse=True)
+    _sync("public op, persistent")
+    _check(out, lse, q, k, v, causal, 1 / math.sqrt(d), f"d={d} causal={causal} S_q=1111 S_kv=1500")
+
+
+@pytest.mark.gpu
+def test_causal_l2_sections_with_a_narrower_last_one(kernels):
+    """Long keys make each causal L2 section 2 heads wide; 5 heads leave a last section of 1."""
+    cfg = A.default_config(128, "bf16", True)
+    s_k = 30000
+    assert (A._L2_KV_BYTES // (4 * 128)) // s_k == 2
+    q, k, v = _inputs(1, 200, s_k, 5, 5, 128, torch.bfloat16, seed=11)
+    for num_ctas in (None, 3):
+        out, lse = _run_poisoned(kernels[cfg], cfg, q, k, v, 1 / math.sqrt(128), num_ctas)
+        _check(out, lse, q, k, v, True, 1 / math.sqrt(128), f"sections, ctas={num_ctas}")
+
+
+@pytest.mark.gpu
+def test_a_reused_counter_serves_back_to_back_launches(kernels):
+    """The kernel leaves the counter at zero, so launches on one stream may share it."""
+    cfg = A.default_config(64, "fp16", True)
+    q, k, v = _inputs(2, 700, 700, 8, 2, 64, torch.float16, seed=12)
+    counter, ctas = A.launch_args(cfg, q, num_ctas=4)
+    scale = 1 / 8
+    outs = []
+    for _ in range(3):
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((2, 8, 700), float("nan"), device="cuda")
+        kernels[cfg].fn(q, k, v, out, lse, scale * A.LOG2_E, counter, ctas)
+        outs.append((out, lse))
+    _sync("back-to-back launches")
+    assert counter.item() == 0
+    for i, (out, lse) in enumerate(outs):
+        _check(out, lse, q, k, v, True, scale, f"launch {i}")
 
 
 @pytest.mark.gpu
@@ -256,7 +332,8 @@ def test_fully_masked_rows_and_empty_query(kernels):
 
 @pytest.mark.gpu
 def test_captures_in_a_cuda_graph_on_the_current_stream(kernels):
-    q, k, v = _inputs(2, 513, 513, 8, 2, 128, torch.bfloat16, seed=3)
+    # More tiles than SMs: the capture holds the counter's zeroing too.
+    q, k, v = _inputs(4, 1025, 1025, 8, 2, 128, torch.bfloat16, seed=3)
     out = torch.empty_like(q)
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
@@ -265,9 +342,10 @@ def test_captures_in_a_cuda_graph_on_the_current_stream(kernels):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=s):
             A.attention(q, k, v, causal=True, out=out)
-    for t in (q, k, v):
-        t.copy_(torch.randn_like(t))
-    out.fill_(float("nan"))
-    g.replay()
-    _sync("graph replay")
-    _check(out, None, q, k, v, True, 1 / math.sqrt(128), "graph replay")
+    for replay in range(2):
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+        out.fill_(float("nan"))
+        g.replay()
+        _sync("graph replay")
+        _check(out, None, q, k, v, True, 1 / math.sqrt(128), f"graph replay {replay}")

@@ -5,14 +5,21 @@
 q [B, S_q, Hq, d], k/v [B, S_kv, Hkv, d] (Hq a multiple of Hkv: GQA/MQA), bf16 or fp16, d in {64, 128}.
 Causal masking is aligned bottom-right (query i sees keys j <= i + S_kv - S_q); a query row that sees
 no key gets out = 0 and lse = -inf. The LSE output is [B, Hq, S_q] fp32, natural log. No varlen, no
-split-KV (decode-shaped calls run the same kernel: one CTA per 128/192 query rows and head).
+split-KV (decode-shaped calls run the same kernel: one tile per 128/192 query rows and head).
 
-One CTA computes a tile of `tile_m` query rows of one head:
+Work is cut into tiles of `tile_m` query rows of one head. Persistent launch (the default): one CTA
+per SM takes tile after tile; the first is its block index, the next ones come from an atomic
+counter (so uneven causal tiles balance dynamically). The tile order keeps the CTAs that read the
+same K/V together: non-causal, the m blocks of one (batch, head) are adjacent; causal, the heads are
+cut into sections whose K/V fit in L2 and within a section the tiles go longest first (LPT), heads of
+one GQA group adjacent. `persistent=False` launches one CTA per tile in the same order instead.
 
-- warp 0 (the producer; its warpgroup drops to a few registers with setmaxnreg) loads the Q tile once
-  and K/V tiles of `tile_n` keys into a `num_stages`-deep ring of shared-memory buffers with TMA,
-  each stage guarded by a full/empty mbarrier pair. TMA zero-fills rows past S, so ragged edges
-  need no special loads.
+- warp 0 (the producer; its warpgroup drops to a few registers with setmaxnreg) loads each tile's
+  Q once and K/V tiles of `tile_n` keys into a `num_stages`-deep ring of shared-memory buffers with
+  TMA, each stage guarded by a full/empty mbarrier pair; the ring runs on across tiles, so the next
+  tile's first K/V and its Q load while the consumers finish the current one. TMA zero-fills rows
+  past S, so ragged edges need no special loads. It then claims the next tile and hands its index
+  to the consumers through a 2-slot shared-memory mailbox.
 - `tile_m / 64` consumer warpgroups each own 64 query rows: S = Q K^T with WGMMA from shared memory,
   online softmax in registers (row max/sum over the 4 threads of a quad with shuffles, exp2 with
   the scale folded into one FFMA), then O += P V with WGMMA taking P straight from registers.
@@ -23,8 +30,9 @@ One CTA computes a tile of `tile_m` query rows of one head:
   and does the softmax of S_next while the P V product runs; a named-barrier token passed around
   the consumer warpgroups orders their GEMM issue so one warpgroup's softmax hides behind another's
   GEMMs (ping-pong). `overlap=False` is the plain in-order pipeline (kept as the reference path).
-- Epilogue: O / rowsum -> bf16/fp16 -> shared memory (stmatrix) -> one TMA store, which clips rows
-  past S_q; the LSE is stored straight from registers.
+- Epilogue, per warpgroup: O / rowsum -> bf16/fp16 -> its own shared-memory slab (stmatrix) -> one
+  TMA store of its 64 rows (clipped past S_q) that completes while the next tile runs; the LSE is
+  stored straight from registers.
 
 `SPECIALIZATIONS` lists every config the dispatcher can select; `compiled(cfg)` and
 `example_inputs(cfg)` serve `sip-tune --kernel attention`.
@@ -32,6 +40,7 @@ One CTA computes a tile of `tile_m` query rows of one head:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -57,9 +66,12 @@ _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 _TORCH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _SMEM_BYTES = 227 * 1024  # sm_90 opt-in shared memory per block
 
-# Named barriers (0 is __syncthreads): the epilogue barrier, then one GEMM-issue token per consumer WG.
-_BAR_EPILOGUE = 1
-_BAR_SCHED = 2
+# Named barriers (0 is __syncthreads), each + the consumer warpgroup index (at most 3 WGs):
+_BAR_EPILOGUE = 1  # a warpgroup's epilogue (its O slab)
+_BAR_SCHED = 4  # a warpgroup's GEMM-issue token (ping-pong)
+# K/V bytes one causal tile section keeps in L2 (of 50-60 MB on H100/H200: Q, O and the other
+# partition's copy need the rest).
+_L2_KV_BYTES = 32 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +85,9 @@ class AttentionConfig:
     tile_n: int = 128  # keys per K/V tile (the N of the S GEMM, the K of the P V GEMM)
     num_stages: int = 2  # K/V buffers in flight
     overlap: bool = True  # intra-WG softmax/GEMM overlap + inter-WG ping-pong
+    # Launch policy, not compiled in (variant() leaves it out): one CTA per SM walking the tiles,
+    # else one CTA per tile.
+    persistent: bool = True
 
     def __post_init__(self) -> None:
         if self.head_dim not in (64, 128):
@@ -94,16 +109,21 @@ class AttentionConfig:
 
     def smem_bytes(self) -> int:
         elem = 2
-        q = self.tile_m * self.head_dim * elem  # also holds O in the epilogue
+        q = o = self.tile_m * self.head_dim * elem
         kv = 2 * self.num_stages * self.tile_n * self.head_dim * elem
-        return q + kv + 1024 * 3 + 8 * 2 * (1 + 2 * self.num_stages)
+        # + up to 1 KiB of alignment before each of the 4 buffers, the mbarriers, the tile mailbox
+        return q + o + kv + 1024 * 4 + 8 * 2 * (1 + 2 * self.num_stages + 2) + 4 * 2
 
     def variant(self) -> jit.Variant:
-        return jit.Variant.of("attention", "prefill", **dataclasses.asdict(self))
+        params = dataclasses.asdict(self)
+        del params["persistent"]
+        return jit.Variant.of("attention", "prefill", **params)
 
 
 def default_config(head_dim: int, dtype: str, causal: bool) -> AttentionConfig:
-    """The tile shape the op uses: FA3's choices for Hopper (d=64 takes 3 consumer WGs, 192 rows)."""
+    """The tile shape the op uses: FA3's choices for Hopper (d=64 takes 3 consumer WGs, 192 rows).
+
+    The grid is sized per call from the shape (`launch_args`): min(tiles, SMs) CTAs."""
     if head_dim == 64:
         return AttentionConfig(64, dtype, causal, tile_m=192, tile_n=128, num_stages=3)
     return AttentionConfig(128, dtype, causal, tile_m=128, tile_n=128, num_stages=2)
@@ -174,6 +194,46 @@ def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.
     warpgroup.commit_group()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+    """The tiles of one launch in the order CTAs take them, and each one's (m_block, head, batch).
+
+    Frozen: the DSL then treats it as read-only state in the device loops."""
+
+    causal: bool
+    num_m: Int32  # m blocks per (batch, head)
+    heads: Int32
+    total: Int32
+    section: Int32  # (batch, head) pairs per L2 section (causal only)
+    pairs: Int32  # batch * heads
+
+    @staticmethod
+    def make(cfg: AttentionConfig, seqlen_q, seqlen_k, heads, heads_kv, batch) -> "_Tiles":
+        num_m = (seqlen_q + cfg.tile_m - 1) // cfg.tile_m
+        pairs = heads * batch
+        section = pairs
+        if cfg.causal:
+            # K and V of one KV head take 4 * d * seqlen_k bytes; whole GQA groups per section.
+            kv_heads = cutlass.max((_L2_KV_BYTES // (4 * cfg.head_dim)) // seqlen_k, 1)
+            section = cutlass.min(kv_heads * (heads // heads_kv), pairs)
+        return _Tiles(cfg.causal, num_m, heads, num_m * pairs, section, pairs)
+
+    def coords(self, t):
+        if cutlass.const_expr(self.causal):
+            per_section = self.section * self.num_m
+            first = (t // per_section) * self.section
+            width = cutlass.min(self.section, self.pairs - first)  # the last section may be narrower
+            r = t - first * self.num_m
+            m_idx = r // width
+            pair = first + r - m_idx * width
+            m_block = self.num_m - 1 - m_idx  # longest first
+        else:
+            pair = t // self.num_m
+            m_block = t - pair * self.num_m
+        batch = pair // self.heads
+        return m_block, pair - batch * self.heads, batch
+
+
 class _FlashAttentionSm90:
     def __init__(self, cfg: AttentionConfig):
         self.cfg = cfg
@@ -196,7 +256,7 @@ class _FlashAttentionSm90:
 
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, lse: cute.Tensor,
-                 scale_log2: Float32, stream):
+                 scale_log2: Float32, tile_counter: cute.Tensor, num_ctas: Int32, stream):
         # [B, S, H, d] -> (S, d, H, B): the tile modes first, as TMA and local_tile want them.
         mQ, mK, mV, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
                           for t in (q, k, v, o)]
@@ -210,17 +270,23 @@ class _FlashAttentionSm90:
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
             Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, self.d),
             a_source=warpgroup.OperandSource.RMEM)
+        # One warpgroup's share of P @ V: its thread layout places O in that warpgroup's slab.
+        tiled_mma_o = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.d), a_source=warpgroup.OperandSource.RMEM)
 
         sQ_layout = self._smem_layout(self.tile_m, None)
         sK_layout = self._smem_layout(self.tile_n, self.stages)
         sV_layout = self._smem_layout(self.tile_n, self.stages)
+        sO_layout = self._smem_layout(64, self.num_mma_wg)  # one (64, d) slab per consumer warpgroup
 
         tma_load, tma_store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(tma_load, mQ, sQ_layout, (self.tile_m, self.d))
         kv_tile_layout = cute.select(sK_layout, mode=[0, 1])
         tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(tma_load, mK, kv_tile_layout, (self.tile_n, self.d))
         tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(tma_load, mV, kv_tile_layout, (self.tile_n, self.d))
-        tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(tma_store, mO, sQ_layout, (self.tile_m, self.d))
+        tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(tma_store, mO, cute.select(sO_layout, mode=[0, 1]),
+                                                        (64, self.d))
         self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
         self.kv_bytes = cute.size_in_bytes(self.dtype, kv_tile_layout)
 
@@ -229,18 +295,20 @@ class _FlashAttentionSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * 2]
+            next_tile: cute.struct.MemRange[Int32, 2]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
 
         self.shared_storage = SharedStorage
 
-        num_m_blocks = (mQ.shape[0] + self.tile_m - 1) // self.tile_m
         self.kernel(
-            tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o, mLSE,
-            scale_log2, sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv,
+            tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o, mLSE, tile_counter,
+            scale_log2, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv, tiled_mma_o,
         ).launch(
-            grid=[num_m_blocks, mQ.shape[2], mQ.shape[3]],
+            grid=[num_ctas, 1, 1],
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -254,14 +322,16 @@ class _FlashAttentionSm90:
         tma_atom_v: cute.CopyAtom, mV: cute.Tensor,
         tma_atom_o: cute.CopyAtom, mO: cute.Tensor,
         mLSE: cute.Tensor,
+        tile_counter: cute.Tensor,
         scale_log2: Float32,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+        sO_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tiled_mma_o: cute.TiledMma,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        bidx, head, batch = cute.arch.block_idx()
-        grid_m, _, _ = cute.arch.grid_dim()
+        bidx, _, _ = cute.arch.block_idx()
+        num_ctas, _, _ = cute.arch.grid_dim()
 
         if warp_idx == 0:
             for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o):
@@ -280,40 +350,81 @@ class _FlashAttentionSm90:
         pipe_v = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.stages, producer_group=producer,
             consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True)
+        # The next tile's index: written by the producer warp (all lanes arrive), read by every consumer thread.
+        pipe_tile = pipeline.PipelineAsync.create(
+            barrier_storage=storage.mbar_tile.data_ptr(), num_stages=2,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
+            defer_sync=True)
         pipeline.pipeline_init_arrive()
         pipeline.pipeline_init_wait()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sNext = storage.next_tile.get_tensor(cute.make_layout(2))
 
-        seqlen_q = mQ.shape[0]
-        seqlen_k = mK.shape[0]
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
-        # Causal: the longest rows first (the grid is launched in x order), so the tail is short.
-        m_block = grid_m - 1 - bidx if cutlass.const_expr(self.causal) else bidx
+        tiles = _Tiles.make(self.cfg, mQ.shape[0], mK.shape[0], mQ.shape[2], mK.shape[2], mQ.shape[3])
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.load_regs)
+            if warp_idx == 0:
+                self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
+                          pipe_q, pipe_k, pipe_v, pipe_tile, sNext, tile_counter, tiles, bidx, num_ctas)
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            self.mma(tidx - 128, mO, mLSE, sQ, sK, sV, sO, tma_atom_o, pipe_q, pipe_k, pipe_v, pipe_tile, sNext,
+                     tiled_mma_qk, tiled_mma_pv, tiled_mma_o, scale_log2, tiles, bidx,
+                     mQ.shape[0], mK.shape[0])
+
+    @cute.jit
+    def n_blocks(self, m_block, seqlen_q, seqlen_k):
+        """The number of KV tiles a query tile reads (0: causal, every row sees no key)."""
         n_block_max = (seqlen_k + self.tile_n - 1) // self.tile_n
         if cutlass.const_expr(self.causal):
             # Keys past the diagonal of the tile's last valid row are never needed.
             last_row = cutlass.min((m_block + 1) * self.tile_m, seqlen_q)
             limit = cutlass.max(last_row + seqlen_k - seqlen_q, 0)
             n_block_max = cutlass.min(n_block_max, (limit + self.tile_n - 1) // self.tile_n)
-
-        if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(self.load_regs)
-            if warp_idx == 0:
-                if n_block_max > 0:
-                    self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
-                              pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_block_max)
-        else:
-            cute.arch.setmaxregister_increase(self.mma_regs)
-            self.mma(tidx - 128, mO, mLSE, sQ, sK, sV, tma_atom_o, pipe_q, pipe_k, pipe_v,
-                     tiled_mma_qk, tiled_mma_pv, scale_log2, m_block, head, batch,
-                     seqlen_q, seqlen_k, n_block_max)
+        return n_block_max
 
     @cute.jit
     def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
-             pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, n_block_max):
+             pipe_q, pipe_k, pipe_v, pipe_tile, sNext, tile_counter, tiles, bidx, num_ctas):
+        head_ratio = mQ.shape[2] // mK.shape[2]
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        tile_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
+        tile = bidx
+        while tile < tiles.total:
+            m_block, head, batch = tiles.coords(tile)
+            n_block_max = self.n_blocks(m_block, mQ.shape[0], mK.shape[0])
+            if n_block_max > 0:
+                q_state, kv_state = self.load_tile(
+                    mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v, pipe_q, pipe_k, pipe_v,
+                    q_state, kv_state, m_block, head, head // head_ratio, batch, n_block_max)
+            # The next tile: past the first one per CTA, claimed from the counter. The claim that
+            # draws the launch's last number (every CTA draws one past the end) zeroes the counter
+            # for the next launch.
+            nxt = tiles.total
+            if num_ctas < tiles.total:
+                drawn = Int32(0)
+                if cute.arch.lane_idx() == 0:
+                    drawn = cute.arch.atomic_add(tile_counter.iterator, Int32(1))
+                    if drawn == tiles.total - 1:
+                        tile_counter[0] = Int32(0)
+                nxt = num_ctas + cute.arch.shuffle_sync(drawn, 0)
+            pipe_tile.producer_acquire(tile_state)
+            if cute.arch.lane_idx() == 0:
+                sNext[tile_state.index] = nxt
+            pipe_tile.producer_commit(tile_state)
+            tile_state.advance()
+            tile = nxt
+
+    @cute.jit
+    def load_tile(self, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v, pipe_q, pipe_k, pipe_v,
+                  q_state, state, m_block, head, head_kv, batch, n_block_max):
+        """Issue one tile's loads; returns the advanced (Q, K/V) pipeline states."""
         gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.d), (m_block, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
@@ -325,15 +436,15 @@ class _FlashAttentionSm90:
         tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, one, cute.group_modes(sV, 0, 2),
                                            cute.group_modes(gV, 0, 2))
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        pipe_q.producer_acquire(q_state)
-        cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        # The first K before Q: its stage frees while the previous tile's last steps run, Q only
+        # once all of its S GEMMs are done.
         n_last = n_block_max - 1
         pipe_k.producer_acquire(state)
         cute.copy(tma_atom_k, tKgK[None, n_last], tKsK[None, state.index],
                   tma_bar_ptr=pipe_k.producer_get_barrier(state))
+        pipe_q.producer_acquire(q_state)
+        cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        q_state.advance()
         if cutlass.const_expr(not self.overlap):
             # Consumption order: K_j, V_j, K_{j-1}, V_{j-1}, ...
             pipe_v.producer_acquire(state)
@@ -364,10 +475,12 @@ class _FlashAttentionSm90:
             pipe_v.producer_acquire(state)
             cute.copy(tma_atom_v, tVgV[None, 0], tVsV[None, state.index],
                       tma_bar_ptr=pipe_v.producer_get_barrier(state))
+            state.advance()
+        return q_state, state
 
     @cute.jit
-    def mma(self, tidx, mO, mLSE, sQ, sK, sV, tma_atom_o, pipe_q, pipe_k, pipe_v,
-            tiled_mma_qk, tiled_mma_pv, scale_log2, m_block, head, batch, seqlen_q, seqlen_k, n_block_max):
+    def mma(self, tidx, mO, mLSE, sQ, sK, sV, sO, tma_atom_o, pipe_q, pipe_k, pipe_v, pipe_tile, sNext,
+            tiled_mma_qk, tiled_mma_pv, tiled_mma_o, scale_log2, tiles, bidx, seqlen_q, seqlen_k):
         wg = cute.arch.make_warp_uniform(tidx // 128)
         wg_mma_qk = tiled_mma_qk.get_slice(wg * 128)
         wg_mma_pv = tiled_mma_pv.get_slice(wg * 128)
@@ -396,58 +509,85 @@ class _FlashAttentionSm90:
         row_max = cute.make_rmem_tensor(rows, Float32)
         row_sum = cute.make_rmem_tensor(rows, Float32)
         row_scale = cute.make_rmem_tensor(rows, Float32)
-        row_max.fill(-Float32.inf)
-        row_sum.fill(0.0)
-        acc_O.fill(0.0)
-
-        # Keys of KV tile n a row r may see: [0, seqlen_k) and, causal, [0, r + seqlen_k - seqlen_q].
-        causal_offset = seqlen_k - seqlen_q
-        # Tiles n >= n_block_mask hold a key past the diagonal of the tile's first row.
-        n_block_mask = cutlass.max(m_block * self.tile_m + causal_offset + 1, 0) // self.tile_n
 
         if cutlass.const_expr(self.overlap):
             if wg == 0:  # the first consumer WG holds the GEMM-issue token initially
                 cute.arch.barrier_arrive(barrier_id=_BAR_SCHED, number_of_threads=256)
 
-        if n_block_max > 0:
-            pipe_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            n_last = n_block_max - 1
-            # The last tile: ragged (seqlen) and, causal, diagonal masking.
-            pipe_k.consumer_wait(state)
-            _gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        tile_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
+        frags = (acc_S, acc_O, tOrP, tSrQ, tSrK, tOrV, tScS, t0ScS, row_max, row_sum, row_scale)
+        tile = bidx
+        while tile < tiles.total:
+            m_block, head, batch = tiles.coords(tile)
+            n_block_max = self.n_blocks(m_block, seqlen_q, seqlen_k)
+            row_max.fill(-Float32.inf)
+            row_sum.fill(0.0)
+            acc_O.fill(0.0)
+            if n_block_max > 0:
+                q_state, kv_state = self.mainloop(
+                    q_state, kv_state, n_block_max, m_block, *frags, tiled_mma_qk, tiled_mma_pv,
+                    pipe_q, pipe_k, pipe_v, scale_log2, seqlen_q, seqlen_k, wg)
+            self.epilogue(acc_O, row_max, row_sum, scale_log2, mO, mLSE, sO, tma_atom_o, tiled_mma_o,
+                          thr_mma_pv, tidx, wg, m_block, head, batch, seqlen_q)
+            pipe_tile.consumer_wait(tile_state)
+            tile = sNext[tile_state.index]
+            pipe_tile.consumer_release(tile_state)
+            tile_state.advance()
+        if tidx % 128 < 32:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last O store has left shared memory
+
+    @cute.jit
+    def mainloop(self, q_state, state, n_block_max, m_block, acc_S, acc_O, tOrP, tSrQ, tSrK, tOrV, tScS, t0ScS,
+                 row_max, row_sum, row_scale, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v,
+                 scale_log2, seqlen_q, seqlen_k, wg):
+        """All KV tiles of one query tile into acc_O / row_max / row_sum; returns the advanced
+        (Q, K/V) pipeline states."""
+        # Keys of KV tile n a row r may see: [0, seqlen_k) and, causal, [0, r + seqlen_k - seqlen_q].
+        causal_offset = seqlen_k - seqlen_q
+        # Tiles n >= n_block_mask hold a key past the diagonal of the tile's first row.
+        n_block_mask = cutlass.max(m_block * self.tile_m + causal_offset + 1, 0) // self.tile_n
+
+        pipe_q.consumer_wait(q_state)
+        n_last = n_block_max - 1
+        # The last tile: ragged (seqlen) and, causal, diagonal masking.
+        pipe_k.consumer_wait(state)
+        _gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
+        warpgroup.wait_group(0)
+        pipe_k.consumer_release(state)
+        self.apply_mask(acc_S, tScS, t0ScS, n_last, m_block, seqlen_k, causal_offset, causal=self.causal)
+        self.online_softmax(acc_S, row_max, row_sum, row_scale, scale_log2, first=True)
+        _convert(acc_S, tOrP)
+        if cutlass.const_expr(not self.overlap):
+            pipe_v.consumer_wait(state)
+            _gemm(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state.index], zero_init=False)
             warpgroup.wait_group(0)
-            pipe_k.consumer_release(state)
-            self.apply_mask(acc_S, tScS, t0ScS, n_last, m_block, seqlen_k, causal_offset, causal=self.causal)
-            self.online_softmax(acc_S, row_max, row_sum, row_scale, scale_log2, first=True)
-            _convert(acc_S, tOrP)
-            if cutlass.const_expr(not self.overlap):
-                pipe_v.consumer_wait(state)
-                _gemm(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state.index], zero_init=False)
-                warpgroup.wait_group(0)
-                pipe_v.consumer_release(state)
-                state.advance()
+            pipe_v.consumer_release(state)
+            state.advance()
 
-            args = (acc_S, acc_O, tOrP, tSrQ, tSrK, tOrV, tScS, t0ScS, row_max, row_sum,
-                    row_scale, tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, scale_log2, m_block, seqlen_k,
-                    causal_offset, wg)
-            n_masked_end = n_last
-            if cutlass.const_expr(self.causal):
-                # The rest of the diagonal tiles.
-                n_masked_end = cutlass.max(cutlass.min(n_block_mask, n_last), 0)
-                for i in cutlass.range(n_last - n_masked_end, unroll=1):
-                    state = self.step(state, n_last - 1 - i, *args, masked=True)
-            for i in cutlass.range(n_masked_end, unroll=1):
-                state = self.step(state, n_masked_end - 1 - i, *args, masked=False)
+        args = (acc_S, acc_O, tOrP, tSrQ, tSrK, tOrV, tScS, t0ScS, row_max, row_sum,
+                row_scale, tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, scale_log2, m_block, seqlen_k,
+                causal_offset, wg)
+        n_masked_end = n_last
+        if cutlass.const_expr(self.causal):
+            # The rest of the diagonal tiles.
+            n_masked_end = cutlass.max(cutlass.min(n_block_mask, n_last), 0)
+            for i in cutlass.range(n_last - n_masked_end, unroll=1):
+                state = self.step(state, n_last - 1 - i, *args, masked=True)
+        for i in cutlass.range(n_masked_end, unroll=1):
+            state = self.step(state, n_masked_end - 1 - i, *args, masked=False)
+        # Every S GEMM of the tile is done: the producer may load the next tile's Q.
+        pipe_q.consumer_release(q_state)
+        q_state.advance()
 
-            if cutlass.const_expr(self.overlap):
-                pipe_v.consumer_wait(state)
-                _gemm(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state.index], zero_init=False)
-                warpgroup.wait_group(0)
-                pipe_v.consumer_release(state)
-
-        self.epilogue(acc_O, row_max, row_sum, scale_log2, mO, mLSE, sQ, tma_atom_o, tiled_mma_pv,
-                      thr_mma_pv, tidx, m_block, head, batch, seqlen_q)
+        if cutlass.const_expr(self.overlap):
+            pipe_v.consumer_wait(state)
+            _gemm(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state.index], zero_init=False)
+            warpgroup.wait_group(0)
+            pipe_v.consumer_release(state)
+            state.advance()
+        return q_state, state
 
     @cute.jit
     def step(self, state, n_block, acc_S, acc_O, tOrP, tSrQ, tSrK, tOrV, tScS, t0ScS,
@@ -549,8 +689,8 @@ class _FlashAttentionSm90:
                 O[r, c] = O[r, c] * row_scale[r]
 
     @cute.jit
-    def epilogue(self, acc_O, row_max, row_sum, scale_log2, mO, mLSE, sQ, tma_atom_o, tiled_mma_pv,
-                 thr_mma_pv, tidx, m_block, head, batch, seqlen_q):
+    def epilogue(self, acc_O, row_max, row_sum, scale_log2, mO, mLSE, sO, tma_atom_o, tiled_mma_o,
+                 thr_mma_pv, tidx, wg, m_block, head, batch, seqlen_q):
         O = _rows_view(acc_O)
         tOcO = _rows_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.d))))
         lse = cute.make_rmem_tensor(cute.size(O, mode=[0]), Float32)
@@ -571,24 +711,28 @@ class _FlashAttentionSm90:
                 if row < seqlen_q:
                     mLSE[row, head, batch] = lse[r]
 
-        # O -> shared memory (over this CTA's Q tile, which the QK GEMMs are done with: each
-        # warpgroup only writes the rows it read) -> one TMA store; TMA clips rows past S_q.
+        # O -> this warpgroup's shared-memory slab (stmatrix) -> one TMA store of its 64 rows, left
+        # in flight: the slab is only rewritten by the next tile's epilogue, after waiting for it.
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         _convert(acc_O, rO)
-        sO = sQ
+        sO_wg = sO[None, None, wg]
+        store_warp = tidx % 128 < 32
+        if store_warp:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=_BAR_EPILOGUE + wg, number_of_threads=128)
         smem_copy = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
                                         self.dtype)
-        thr_copy = cute.make_tiled_copy_C(smem_copy, tiled_mma_pv).get_slice(tidx)
-        cute.copy(smem_copy, thr_copy.retile(rO), thr_copy.partition_D(sO))
+        thr_copy = cute.make_tiled_copy_C(smem_copy, tiled_mma_o).get_slice(tidx % 128)
+        cute.copy(smem_copy, thr_copy.retile(rO), thr_copy.partition_D(sO_wg))
         cute.arch.fence_view_async_shared()  # make the stores visible to the TMA (async proxy)
-        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
-        if tidx < 32:
-            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.d), (m_block, 0))
+        cute.arch.barrier(barrier_id=_BAR_EPILOGUE + wg, number_of_threads=128)
+        row_block = m_block * self.num_mma_wg + wg
+        if store_warp and row_block * 64 < seqlen_q:
+            gO = cute.local_tile(mO[None, None, head, batch], (64, self.d), (row_block, 0))
             tOsO, tOgO = cpasync.tma_partition(tma_atom_o, 0, cute.make_layout(1),
-                                               cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
+                                               cute.group_modes(sO_wg, 0, 2), cute.group_modes(gO, 0, 2))
             cute.copy(tma_atom_o, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -606,14 +750,39 @@ def _build(cfg: AttentionConfig):
         return make_fake_tensor(dtype, (b, s, h, d), stride=(*strides, 1), assumed_align=16)
 
     lse = make_fake_compact_tensor(Float32, (b, h_q, s_q), stride_order=(2, 1, 0), assumed_align=16)
-    args = (qkv(s_q, h_q), qkv(s_k, h_k), qkv(s_k, h_k), qkv(s_q, h_q), lse, Float32(1.0),
+    counter = make_fake_compact_tensor(Int32, (1,), stride_order=(0,), assumed_align=4)
+    args = (qkv(s_q, h_q), qkv(s_k, h_k), qkv(s_k, h_k), qkv(s_q, h_q), lse, Float32(1.0), counter, Int32(1),
             make_fake_stream(use_tvm_ffi_env_stream=True))
     return _FlashAttentionSm90(cfg), args
 
 
 def compiled(cfg: AttentionConfig) -> jit.CompiledKernel:
-    """The loaded kernel of one specialization: fn(q, k, v, out, lse, scale_log2)."""
+    """The loaded kernel of one specialization: fn(q, k, v, out, lse, scale_log2, *launch_args(...))."""
     return jit.compile_variant(cfg.variant(), lambda: _build(cfg))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_tiles(cfg: AttentionConfig, batch: int, seqlen_q: int, heads_q: int) -> int:
+    return -(-seqlen_q // cfg.tile_m) * heads_q * batch
+
+
+def launch_args(cfg: AttentionConfig, q: torch.Tensor, num_ctas: int | None = None) -> tuple[torch.Tensor, int]:
+    """(tile counter, grid size) for one launch on q [B, S_q, Hq, d].
+
+    Grid: min(tiles, SMs) persistent CTAs, or one per tile; `num_ctas` overrides it (tests). CTAs past
+    their first tile claim the next from the counter, which must be zero at launch: a fresh one
+    here (the kernel re-zeroes it when done, so a counter may be reused by calls on one stream)."""
+    tiles = num_tiles(cfg, q.shape[0], q.shape[1], q.shape[2])
+    if num_ctas is None:
+        num_ctas = min(tiles, _sm_count(q.device.index)) if cfg.persistent else tiles
+    if not 0 < num_ctas < 2**31:
+        raise ValueError(f"num_ctas must be in [1, 2^31), got {num_ctas}")
+    alloc = torch.zeros if num_ctas < tiles else torch.empty  # no claims: the counter is never read
+    return alloc(1, device=q.device, dtype=torch.int32), num_ctas
 
 
 def compile(variant: jit.Variant) -> jit.CompiledKernel:  # noqa: A001 - the name rosekernels.warmup looks up
@@ -633,7 +802,8 @@ def precompile(configs=SPECIALIZATIONS, processes: int | None = None) -> list[ji
 
     configs = list(configs)
     loaded = {k.variant for k in jit.loaded_variants()}
-    todo = [c for c in configs if c.variant() not in loaded]
+    # One compile per variant (configs differing only in launch policy share one).
+    todo = list({c.variant(): c for c in configs if c.variant() not in loaded}.values())
     processes = processes or min(len(todo), os.cpu_count() or 1)
     if processes > 1:
         ctx = multiprocessing.get_context("spawn")
@@ -655,7 +825,7 @@ def example_inputs(cfg: AttentionConfig, batch: int = 2, seqlen: int = 2048, hea
     q, k, v = randn(batch, seqlen, heads_q, d), randn(batch, seqlen, heads_kv, d), randn(batch, seqlen, heads_kv, d)
     out = torch.empty_like(q)
     lse = torch.empty(batch, heads_q, seqlen, device=device, dtype=torch.float32)
-    return q, k, v, out, lse, (1.0 / math.sqrt(d)) * LOG2_E
+    return (q, k, v, out, lse, (1.0 / math.sqrt(d)) * LOG2_E, *launch_args(cfg, q))
 
 
 def _check(q, k, v, out, softmax_scale) -> float:
@@ -679,7 +849,7 @@ def _check(q, k, v, out, softmax_scale) -> float:
     checks.check_shape("v", v, tuple(k.shape))
     if out is not None:
         checks.check_shape("out", out, tuple(q.shape))
-    if B > 65535 or Hq > 65535:
+    if B > 65535 or Hq > 65535:  # the prefill grid is 1-D, the decode kernel's is not
         raise ValueError(f"batch ({B}) and heads ({Hq}) must each be at most 65535 (grid limits)")
     Hkv = k.shape[2]
     if Hkv == 0 or Hq % Hkv:
@@ -719,7 +889,7 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                    causal: bool, softmax_scale: float) -> None:
     cfg = default_config(q.shape[-1], _TORCH_DTYPES[q.dtype], causal)
     with torch.cuda.device(q.device):
-        compiled(cfg).fn(q, k, v, out, lse, softmax_scale * LOG2_E)
+        compiled(cfg).fn(q, k, v, out, lse, softmax_scale * LOG2_E, *launch_args(cfg, q))
 
 
 @_attention_fwd.register_fake
@@ -737,6 +907,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     if out is None:
         out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
-    if q.numel():
+    # Decode shapes (S_q <= 16) take the split-KV kernel: one CTA per 128 query rows would leave
+    # most SMs idle. Imported here: attention_decode imports this module.
+    from rosekernels.kernels import attention_decode
+    if q.numel() and q.shape[1] <= attention_decode.MAX_SEQLEN_Q:
+        attention_decode.run(q, k, v, out, lse, bool(causal), scale)
+    elif q.numel():
         torch.ops.rosekernels.attention_fwd(*(_tma_view(t) for t in (q, k, v, out)), lse, bool(causal), scale)
     return (out, lse) if return_lse else out

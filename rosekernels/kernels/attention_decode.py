@@ -1,0 +1,699 @@
+"""Split-KV decode attention for Hopper (FlashDecoding style), in CuTeDSL.
+
+Same contract as `rosekernels.attention` (q [B, S_q, Hq, d], k/v [B, S_kv, Hkv, d], causal aligned
+bottom-right, lse [B, Hq, S_q] fp32 natural log, a row that sees no key gets out 0 and lse -inf), for
+decode shapes: `attention()` sends every call with S_q <= MAX_SEQLEN_Q here. Decode attention reads
+each K/V element once and does 4 * S_q * Hq/Hkv flops per element, so the K/V read bandwidth is the
+whole story; the design spreads that read over every SM:
+
+- GQA packing: the S_q * Hq/Hkv query rows sharing a KV head (row p = s * ratio + head in group)
+  form the M dimension of one CTA, so K/V are read once for all of them; `tile_m` (16/32/64) rows
+  per CTA, more rows take more CTAs (m-blocks, adjacent in the grid so they share K/V in L2).
+- Split-KV: the keys are cut into `num_splits` chunks of whole `tile_n` tiles; one CTA per
+  (split, m-block, KV head, batch). The host picks the split count from B * Hkv against the SM
+  count (`choose_splits`) so the grid fills the GPU (two CTAs fit per SM).
+- One producer warp streams the chunk's K and V tiles with TMA into a `num_stages` ring of
+  shared-memory buffers (one mbarrier pair per stage). Four MMA warps each take 16 rows and a
+  slice of the tile's keys (tile_m 16: each warp 1/4 of the keys; 32: 1/2; 64: all of them):
+  S = Q K^T and O += P V with warp-level mma.sync m16n8k16 (fp32 accumulate; Q stays in
+  registers, K and V come in with ldmatrix), online softmax in registers (exp2, scale folded in).
+- Epilogue: warps holding the same rows merge their (max, sum, O) through shared memory in warp
+  order. With one split the CTA writes out and lse; otherwise it writes its normalized fp32
+  partial O and its partial lse to a workspace and bumps a per-(batch, KV head, m-block) counter:
+  the last CTA to arrive combines all splits in split order (deterministic) and resets the
+  counter to 0 for the next launch.
+
+`SPECIALIZATIONS` lists every compiled config (d x dtype x tile_m; causal is a runtime value).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+
+from rosekernels import jit  # first: it pins CUTE_DSL_ARCH=sm_90a before cutlass loads
+from rosekernels import modes, scratch
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+from cutlass.tensor_utils import LayoutEnum
+
+from rosekernels.kernels import attention as _prefill
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+MAX_SEQLEN_Q = 16  # attention() dispatches S_q <= this here
+MMA_WARPS = 4
+_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+_TORCH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_BAR_MMA = 1  # named barrier of the MMA warps (the producer warp may have exited)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """One compiled specialization; everything here is a compile-time constant."""
+
+    head_dim: int  # 64 or 128
+    dtype: str  # "bf16" or "fp16"
+    tile_m: int = 16  # packed query rows per CTA: 16, 32 or 64
+    num_stages: int = 3  # K/V tiles in flight per CTA (3 x 32 KB: two CTAs fit per SM)
+
+    def __post_init__(self) -> None:
+        if self.head_dim not in (64, 128):
+            raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.tile_m not in (16, 32, 64):
+            raise ValueError(f"tile_m must be 16, 32 or 64, got {self.tile_m}")
+        if not 2 <= self.num_stages <= 6:
+            raise ValueError(f"num_stages must be in [2, 6], got {self.num_stages}")
+
+    @property
+    def tile_n(self) -> int:
+        """Keys per K/V tile: 16 KB of K (and of V) per stage."""
+        return 8192 // self.head_dim
+
+    @property
+    def key_slices(self) -> int:
+        """MMA warps sharing one 16-row block, each taking 1/key_slices of every tile's keys."""
+        return MMA_WARPS // (self.tile_m // 16)
+
+    def variant(self) -> jit.Variant:
+        return jit.Variant.of("attention_decode", "decode", **dataclasses.asdict(self))
+
+
+@functools.lru_cache(maxsize=None)
+def config_for(head_dim: int, dtype: str, rows: int) -> DecodeConfig:
+    """The config for `rows` = S_q * Hq/Hkv packed query rows (more than 64: several m-blocks)."""
+    tile_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    return DecodeConfig(head_dim, dtype, tile_m)
+
+
+SPECIALIZATIONS: tuple[DecodeConfig, ...] = tuple(
+    DecodeConfig(d, dt, m) for d in (64, 128) for dt in ("bf16", "fp16") for m in (16, 32, 64))
+
+
+# ---------------------------------------------------------------------------------------------
+# Device code.
+
+
+def _mn_view(t: cute.Tensor) -> cute.Tensor:
+    """An mma.sync accumulator ((2, 2), MMA_M, MMA_N) seen as (rows, cols) of this thread.
+
+    Value mode 0 of the m16n8 C fragment steps a column, mode 1 steps 8 rows: a thread holds
+    2 * MMA_M rows, each shared with the 3 other threads of its quad."""
+    cm = cute.make_layout(t.layout.shape)
+    shape = ((cm.shape[0][1], cm.shape[1]), (cm.shape[0][0], cm.shape[2]))
+    stride = ((cm.stride[0][1], cm.stride[1]), (cm.stride[0][0], cm.stride[2]))
+    return cute.make_tensor(t.iterator, cute.composition(t.layout, cute.make_layout(shape, stride=stride)))
+
+
+def _acc_as_a(t: cute.Tensor) -> cute.Tensor:
+    """An accumulator ((2, 2), MMA_M, MMA_N) as the A operand ((2, 2, 2), MMA_M, MMA_N / 2) of the
+    next mma.sync: two neighbouring n8 blocks of C are the two k halves of one k16 block of A."""
+    l = cute.logical_divide(t.layout, (None, None, 2))
+    layout = cute.make_layout(
+        ((l.shape[0][0], l.shape[0][1], l.shape[2][0]), l.shape[1], l.shape[2][1]),
+        stride=((l.stride[0][0], l.stride[0][1], l.stride[2][0]), l.stride[1], l.stride[2][1]))
+    return cute.make_tensor(t.iterator, layout)
+
+
+@cute.jit
+def _quad_max(x: Float32) -> Float32:
+    x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=2))
+    return cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=1))
+
+
+@cute.jit
+def _quad_sum(x: Float32) -> Float32:
+    x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
+    return x + cute.arch.shuffle_sync_bfly(x, offset=1)
+
+
+@cute.jit
+def _warp_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+               tBs: cute.Tensor, copy_B: cute.TiledCopy):
+    """acc += A @ B for one warp: A in registers, B loaded from shared memory one k block at a time."""
+    tB_view = copy_B.retile(tB)
+    for kb in cutlass.range_constexpr(cute.size(tB.shape[2])):
+        cute.copy(copy_B, tBs[None, None, kb], tB_view[None, None, kb])
+        cute.gemm(tiled_mma, acc, tA[None, None, kb], tB[None, None, kb], acc)
+
+
+class _DecodeAttentionSm90:
+    def __init__(self, cfg: DecodeConfig):
+        self.cfg = cfg
+        self.dtype = _DTYPES[cfg.dtype]
+        self.d = cfg.head_dim
+        self.tile_m, self.tile_n, self.stages = cfg.tile_m, cfg.tile_n, cfg.num_stages
+        self.ks = cfg.key_slices
+        self.warp_keys = self.tile_n // self.ks
+        self.num_threads = 32 * (MMA_WARPS + 1)  # warp MMA_WARPS is the TMA producer
+        self.scratch_stride = self.d + 8  # fp32 row stride of the merge scratch: no bank conflicts
+
+    def _smem_layout(self):
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.d), self.dtype)
+        return cute.tile_to_shape(atom, (self.tile_n, self.d, self.stages), order=(0, 1, 2))
+
+    @cute.jit
+    def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, lse: cute.Tensor,
+                 o_part: cute.Tensor, lse_part: cute.Tensor, counters: cute.Tensor, scale_log2: Float32,
+                 causal_shift: Int32, num_splits: Int32, tiles_per_split: Int32, stream):
+        # [B, S, H, d] -> (S, d, H, B) for TMA and local_tile.
+        mK, mV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (k, v)]
+        sKV_layout = self._smem_layout()
+        tile_layout = cute.select(sKV_layout, mode=[0, 1])
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(tma_load, mK, tile_layout, (self.tile_n, self.d))
+        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(tma_load, mV, tile_layout, (self.tile_n, self.d))
+        self.tile_bytes = cute.size_in_bytes(self.dtype, tile_layout)
+        # One warp per tiled MMA; N permuted to 16 so ldmatrix.x4 feeds two n8 blocks at once.
+        tiled_mma = cute.make_tiled_mma(warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)), (1, 1, 1),
+                                        permutation_mnk=(16, 16, 16))
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            last: cute.struct.MemRange[Int32, 1]
+            row_stats: cute.struct.MemRange[Float32, 2 * self.ks * self.tile_m]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        rows = q.shape[1] * (q.shape[2] // k.shape[2])
+        m_blocks = (rows + self.tile_m - 1) // self.tile_m
+        self.kernel(q, tma_atom_k, tma_k, tma_atom_v, tma_v, o, lse, o_part, lse_part, counters,
+                    scale_log2, causal_shift, num_splits, tiles_per_split, sKV_layout, tiled_mma).launch(
+            grid=[num_splits * m_blocks, k.shape[2], k.shape[0]],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, tma_atom_k: cute.CopyAtom, mK: cute.Tensor, tma_atom_v: cute.CopyAtom,
+               mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mOp: cute.Tensor, mLSEp: cute.Tensor,
+               mCount: cute.Tensor, scale_log2: Float32, causal_shift: Int32, num_splits: Int32,
+               tiles_per_split: Int32, sKV_layout: cute.ComposedLayout, tiled_mma: cute.TiledMma):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        bidx, head_kv, batch = cute.arch.block_idx()
+
+        seqlen_q, seqlen_k = mQ.shape[1], mK.shape[0]
+        ratio = mQ.shape[2] // mK.shape[2]
+        rows = seqlen_q * ratio
+        m_blocks = (rows + self.tile_m - 1) // self.tile_m
+        split = bidx // m_blocks
+        m_block = bidx - split * m_blocks
+        n_tiles = (seqlen_k + self.tile_n - 1) // self.tile_n
+        t_begin = split * tiles_per_split
+        n_local = cutlass.min(tiles_per_split, n_tiles - t_begin)  # >= 1: the host sizes the splits
+        # (batch, KV head, m-block): the unit whose splits combine; one workspace counter each.
+        num_groups = mK.shape[3] * mK.shape[2] * m_blocks
+        group = (batch * mK.shape[2] + head_kv) * m_blocks + m_block
+
+        if warp_idx == MMA_WARPS:
+            for atom in (tma_atom_k, tma_atom_v):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(), num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_WARPS),  # lane 0 of each
+            tx_count=2 * self.tile_bytes, defer_sync=True)
+        pipeline.pipeline_init_arrive()
+        pipeline.pipeline_init_wait()
+        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+
+        if warp_idx == MMA_WARPS:
+            gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
+            gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
+            one = cute.make_layout(1)
+            tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, one, cute.group_modes(sK, 0, 2),
+                                               cute.group_modes(gK, 0, 2))
+            tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, one, cute.group_modes(sV, 0, 2),
+                                               cute.group_modes(gV, 0, 2))
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+            for i in cutlass.range(n_local, unroll=1):
+                pipe.producer_acquire(state)
+                bar = pipe.producer_get_barrier(state)
+                cute.copy(tma_atom_k, tKgK[None, t_begin + i], tKsK[None, state.index], tma_bar_ptr=bar)
+                cute.copy(tma_atom_v, tVgV[None, t_begin + i], tVsV[None, state.index], tma_bar_ptr=bar)
+                state.advance()
+        else:
+            self.mma(mQ, mO, mLSE, mOp, mLSEp, mCount, sK, sV, storage, pipe, tiled_mma, scale_log2,
+                     causal_shift, num_splits, num_groups, group, tidx, warp_idx, head_kv, batch, split,
+                     m_block, ratio, rows, seqlen_k, t_begin, n_local)
+
+    @cute.jit
+    def mma(self, mQ, mO, mLSE, mOp, mLSEp, mCount, sK, sV, storage, pipe, tiled_mma, scale_log2,
+            causal_shift, num_splits, num_groups, group, tidx, warp_idx, head_kv, batch, split, m_block,
+            ratio, rows, seqlen_k, t_begin, n_local):
+        lane = tidx % 32
+        rb = warp_idx // self.ks  # this warp's 16-row block
+        ks = warp_idx - rb * self.ks  # and its slice of each tile's keys
+        row0 = m_block * self.tile_m + rb * 16  # packed row of the warp's first row
+        thr_mma = tiled_mma.get_slice(lane)
+
+        # This warp's keys of every stage, and V^T (d, keys, stage) as the B operand of P @ V.
+        sKw = cute.local_tile(sK, (self.warp_keys, self.d, self.stages), (ks, 0, 0))
+        sVw = cute.local_tile(sV, (self.warp_keys, self.d, self.stages), (ks, 0, 0))
+        sVtw = cute.composition(
+            sVw, cute.make_ordered_layout((self.d, self.warp_keys, self.stages), order=(1, 0, 2)))
+        copy_K = cute.make_tiled_copy_B(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
+            tiled_mma).get_slice(lane)
+        copy_V = cute.make_tiled_copy_B(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype),
+            tiled_mma).get_slice(lane)
+        tSsK = copy_K.partition_S(sKw)
+        tOsV = copy_V.partition_S(sVtw)
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sKw[None, None, 0]))
+        tOrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVtw[None, None, 0]))
+        acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((16, self.warp_keys)), Float32)
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((16, self.d)), Float32)
+        acc_O.fill(0.0)
+
+        # Q rows straight into the A fragment (read once; zero past the last packed row).
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_shape_A((16, self.d)))
+        tQcQ = thr_mma.partition_A(cute.make_identity_tensor((16, self.d)))
+        for i in cutlass.range_constexpr(cute.size(tSrQ)):
+            p = row0 + tQcQ[i][0]
+            s = p // ratio
+            val = tSrQ.element_type(0.0)
+            if p < rows:
+                val = mQ[batch, s, head_kv * ratio + (p - s * ratio), tQcQ[i][1]]
+            tSrQ[i] = val
+
+        # Keys row r may see: [0, seqlen_k) and, causal, [0, s + causal_shift] (causal_shift =
+        # S_kv - S_q; without causal it is S_kv, which never binds).
+        S = _mn_view(acc_S)
+        tScS = _mn_view(thr_mma.partition_C(cute.make_identity_tensor((16, self.warp_keys))))
+        n_rows = cute.size(S, mode=[0])
+        limit = cute.make_rmem_tensor(n_rows, Int32)
+        for r in cutlass.range_constexpr(n_rows):
+            limit[r] = cutlass.min(seqlen_k, (row0 + tScS[r, 0][0]) // ratio + causal_shift + 1)
+        # Tiles from this one on hold a key past some row's limit in this CTA: they need the mask.
+        first_s = (m_block * self.tile_m) // ratio
+        t_mask = cutlass.min(seqlen_k, first_s + causal_shift + 1) // self.tile_n
+
+        row_max = cute.make_rmem_tensor(n_rows, Float32)
+        row_sum = cute.make_rmem_tensor(n_rows, Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        O = _mn_view(acc_O)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        for i in cutlass.range(n_local, unroll=1):
+            t = t_begin + i
+            pipe.consumer_wait(state)
+            acc_S.fill(0.0)
+            _warp_gemm(tiled_mma, acc_S, tSrQ, tSrK, tSsK[None, None, None, state.index], copy_K)
+            if t >= t_mask:
+                col0 = t * self.tile_n + ks * self.warp_keys
+                for r in cutlass.range_constexpr(n_rows):
+                    for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                        S[r, c] = -Float32.inf if col0 + tScS[r, c][1] >= limit[r] else S[r, c]
+            for r in cutlass.range_constexpr(n_rows):
+                mx = row_max[r]
+                for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                    mx = cute.arch.fmax(mx, S[r, c])
+                mx = _quad_max(mx)
+                # A row with no visible key yet keeps max -inf; exponentiate against 0 so P = 0, not NaN.
+                mx_safe = 0.0 if mx == -Float32.inf else mx
+                mx_scaled = mx_safe * scale_log2
+                total = Float32(0.0)
+                for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                    pv = cute.math.exp2(S[r, c] * scale_log2 - mx_scaled, fastmath=True)
+                    S[r, c] = pv
+                    total = total + pv
+                rescale = cute.math.exp2((row_max[r] - mx_safe) * scale_log2, fastmath=True)
+                row_max[r] = mx
+                row_sum[r] = row_sum[r] * rescale + total
+                for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                    O[r, c] = O[r, c] * rescale
+            rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+            rP.store(acc_S.load().to(self.dtype))
+            _warp_gemm(tiled_mma, acc_O, _acc_as_a(rP), tOrV, tOsV[None, None, None, state.index], copy_V)
+            pipe.consumer_release(state)
+            state.advance()
+
+        for r in cutlass.range_constexpr(n_rows):
+            row_sum[r] = _quad_sum(row_sum[r])
+        if cutlass.const_expr(self.ks > 1):
+            self.merge_key_slices(acc_O, row_max, row_sum, tScS, storage, scale_log2, tidx, rb, ks, thr_mma)
+        if ks == 0:
+            # Partial rows of split `split` of `group`: workspace row (split * num_groups + group) * tile_m + i.
+            part_row = (split * num_groups + group) * self.tile_m - m_block * self.tile_m
+            self.store_rows(acc_O, row_max, row_sum, thr_mma, mO, mLSE, mOp, mLSEp, scale_log2, num_splits,
+                            lane, head_kv, batch, ratio, rows, row0, part_row)
+        if num_splits > 1:
+            self.combine_splits(mO, mLSE, mOp, mLSEp, mCount, storage, num_splits, num_groups, group, tidx,
+                                head_kv, batch, m_block, ratio, rows)
+
+    @cute.jit
+    def merge_key_slices(self, acc_O, row_max, row_sum, tScS, storage, scale_log2, tidx, rb, ks, thr_mma):
+        """Fold the key slices of each row block into the warp with ks == 0, in slice order."""
+        n_rows = cute.size(row_max)
+        stats = cute.make_tensor(storage.row_stats.data_ptr(), cute.make_layout((self.tile_m, self.ks, 2)))
+        if tidx % 4 == 0:
+            for r in cutlass.range_constexpr(n_rows):
+                row = rb * 16 + tScS[r, 0][0]
+                stats[row, ks, 0] = row_max[r]
+                stats[row, ks, 1] = row_sum[r]
+        # Every warp is done with the K/V ring (and its loads have landed): reuse it as fp32 scratch.
+        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=32 * MMA_WARPS)
+        O = _mn_view(acc_O)
+        for r in cutlass.range_constexpr(n_rows):
+            row = rb * 16 + tScS[r, 0][0]
+            mx = stats[row, 0, 0]
+            for j in cutlass.range_constexpr(1, self.ks):
+                mx = cute.arch.fmax(mx, stats[row, j, 0])
+            mx_safe = 0.0 if mx == -Float32.inf else mx
+            total = Float32(0.0)
+            for j in cutlass.range_constexpr(self.ks):
+                total = total + stats[row, j, 1] * cute.math.exp2((stats[row, j, 0] - mx_safe) * scale_log2,
+                                                                  fastmath=True)
+            factor = cute.math.exp2((row_max[r] - mx_safe) * scale_log2, fastmath=True)
+            for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                O[r, c] = O[r, c] * factor
+            row_max[r] = mx
+            row_sum[r] = total
+        scratch_layout = cute.make_layout((16, self.d, self.ks - 1, self.tile_m // 16),
+                                          stride=(self.scratch_stride, 1, 16 * self.scratch_stride,
+                                                  16 * self.scratch_stride * (self.ks - 1)))
+        scratch = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr(), dtype=Float32), scratch_layout)
+        if ks > 0:
+            mine = thr_mma.partition_C(scratch[None, None, ks - 1, rb])
+            for i in cutlass.range_constexpr(cute.size(acc_O)):
+                mine[i] = acc_O[i]
+        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=32 * MMA_WARPS)
+        if ks == 0:
+            for j in cutlass.range_constexpr(self.ks - 1):
+                theirs = thr_mma.partition_C(scratch[None, None, j, rb])
+                for i in cutlass.range_constexpr(cute.size(acc_O)):
+                    acc_O[i] = acc_O[i] + theirs[i]
+
+
+    @cute.jit
+    def store_rows(self, acc_O, row_max, row_sum, thr_mma, mO, mLSE, mOp, mLSEp, scale_log2, num_splits,
+                   lane, head_kv, batch, ratio, rows, row0, part_row):
+        """O / sum and the lse of this warp's rows: to out and lse (one split), else to the workspace
+        (fp32 O, natural-log lse) at workspace row part_row + packed row."""
+        O = _mn_view(acc_O)
+        tOcO = _mn_view(thr_mma.partition_C(cute.make_identity_tensor((16, self.d))))
+        for r in cutlass.range_constexpr(cute.size(row_max)):
+            total = row_sum[r]
+            empty = total == 0.0  # the row saw no key: O is 0 there, lse -inf
+            inv = cute.arch.rcp_approx(1.0 if empty else total)
+            lse = -Float32.inf if empty else (
+                row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
+            p = row0 + tOcO[r, 0][0]
+            if p < rows:
+                if num_splits == 1:
+                    s = p // ratio
+                    head = head_kv * ratio + (p - s * ratio)
+                    for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                        mO[batch, s, head, tOcO[r, c][1]] = (O[r, c] * inv).to(mO.element_type)
+                    if lane % 4 == 0:
+                        mLSE[batch, head, s] = lse
+                else:
+                    for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                        mOp[(part_row + p) * self.d + tOcO[r, c][1]] = O[r, c] * inv
+                    if lane % 4 == 0:
+                        mLSEp[part_row + p] = lse
+
+    @cute.jit
+    def combine_splits(self, mO, mLSE, mOp, mLSEp, mCount, storage, num_splits, num_groups, group, tidx,
+                       head_kv, batch, m_block, ratio, rows):
+        """Count this CTA's split in; the last split of the group to arrive combines all of them in
+        split order (run-to-run deterministic) into out and lse, and resets the group's counter."""
+        flag = cute.make_tensor(storage.last.data_ptr(), cute.make_layout(1))
+        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=32 * MMA_WARPS)  # every partial is written
+        if tidx == 0:
+            cute.arch.fence_acq_rel_gpu()  # this CTA's partial stores before the count
+            arrived = cute.arch.atomic_add(mCount.iterator + group, Int32(1), sem="acq_rel", scope="gpu")
+            flag[0] = Int32(arrived == num_splits - 1)
+        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=32 * MMA_WARPS)
+        if flag[0] != 0:
+            cute.arch.fence_acq_rel_gpu()
+            first = m_block * self.tile_m
+            vecs = self.d // 4  # each item: 4 columns of one row
+            items = cutlass.min(self.tile_m, rows - first) * vecs
+            acc = cute.make_rmem_tensor(4, Float32)
+            for it in cutlass.range(tidx, items, 32 * MMA_WARPS, unroll=1):
+                i = it // vecs
+                col = (it - i * vecs) * 4
+                mx = Float32(-Float32.inf)
+                total = Float32(0.0)
+                acc.fill(0.0)
+                # Unrolled: the loads of 8 splits go out together (each is an L2 round trip).
+                for sp in cutlass.range(num_splits, unroll=8):
+                    row = (sp * num_groups + group) * self.tile_m + i
+                    # .cg: read L2, where the other CTAs' partials are, never a stale L1 line.
+                    lse = cute.arch.load(mLSEp.iterator + row, Float32, cop="cg")
+                    new = cute.arch.fmax(mx, lse)
+                    new_safe = 0.0 if new == -Float32.inf else new
+                    keep = cute.math.exp2((mx - new_safe) * LOG2_E, fastmath=True)
+                    w = cute.math.exp2((lse - new_safe) * LOG2_E, fastmath=True)
+                    total = total * keep + w
+                    for j in cutlass.range_constexpr(4):
+                        o = cute.arch.load(mOp.iterator + (row * self.d + col + j), Float32, cop="cg")
+                        acc[j] = acc[j] * keep + w * o
+                    mx = new
+                empty = total == 0.0
+                inv = cute.arch.rcp_approx(1.0 if empty else total)
+                p = first + i
+                s = p // ratio
+                head = head_kv * ratio + (p - s * ratio)
+                for j in cutlass.range_constexpr(4):
+                    mO[batch, s, head, col + j] = (acc[j] * inv).to(mO.element_type)
+                if col == 0:
+                    mLSE[batch, head, s] = -Float32.inf if empty else mx + cute.math.log(total, fastmath=True)
+            if tidx == 0:
+                mCount[group] = Int32(0)  # ready for the next launch
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side.
+
+
+def _build(cfg: DecodeConfig):
+    dtype = _DTYPES[cfg.dtype]
+    d = cfg.head_dim
+    b, s_q, s_k, h_q, h_k = (cute.sym_int() for _ in range(5))
+
+    def qkv(s, h):
+        # [B, S, H, d], any 16-byte-aligned strides with a unit last stride (TMA needs that much).
+        strides = tuple(cute.sym_int(divisibility=8) for _ in range(3))
+        return make_fake_tensor(dtype, (b, s, h, d), stride=(*strides, 1), assumed_align=16)
+
+    lse = make_fake_compact_tensor(Float32, (b, h_q, s_q), stride_order=(2, 1, 0), assumed_align=16)
+    o_part = make_fake_tensor(Float32, (cute.sym_int(),), stride=(1,), assumed_align=16)
+    lse_part = make_fake_tensor(Float32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+    counters = make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+    args = (qkv(s_q, h_q), qkv(s_k, h_k), qkv(s_k, h_k), qkv(s_q, h_q), lse, o_part, lse_part, counters,
+            Float32(1.0), Int32(0), Int32(1), Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True))
+    return _DecodeAttentionSm90(cfg), args
+
+
+@functools.lru_cache(maxsize=None)
+def _variant(cfg: DecodeConfig) -> jit.Variant:
+    return cfg.variant()
+
+
+def compiled(cfg: DecodeConfig) -> jit.CompiledKernel:
+    """The loaded kernel of one specialization:
+    fn(q, k, v, out, lse, o_part, lse_part, counters, scale_log2, causal_shift, num_splits, tiles_per_split)."""
+    return jit.compile_variant(_variant(cfg), lambda: _build(cfg))
+
+
+def compile(variant: jit.Variant) -> jit.CompiledKernel:  # noqa: A001 - the name rosekernels.warmup looks up
+    return compiled(DecodeConfig(**dict(variant.params)))
+
+
+def _compile_in_worker(cfg: DecodeConfig) -> str:
+    return compiled(cfg).cubin_sha256
+
+
+def precompile(configs=SPECIALIZATIONS, processes: int | None = None) -> list[jit.CompiledKernel]:
+    """Compile `configs` in parallel processes (into the disk cache), then load them here."""
+    import concurrent.futures
+    import multiprocessing
+    import os
+
+    configs = list(configs)
+    loaded = {k.variant for k in jit.loaded_variants()}
+    todo = [c for c in configs if c.variant() not in loaded]
+    processes = processes or min(len(todo), os.cpu_count() or 1)
+    if processes > 1:
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx) as pool:
+            list(pool.map(_compile_in_worker, todo))
+    return [compiled(c) for c in configs]
+
+
+# How many KV splits: a fluid model of the launch. Every CTA streams its chunk at the lesser of
+# what one CTA keeps in flight (CTA_GBPS) and its share of HBM (HBM_GBPS over the CTAs resident);
+# CTAs past the resident ones (2 per SM) run in later waves; each wave costs CTA_US of ramp, and a
+# split launch COMBINE_US for the last CTA's combine; more splits must win by SPLIT_GAIN (each
+# costs workspace traffic the model leaves out). Estimates for an H200; `splits=` overrides.
+HBM_GBPS = 4300.0
+CTA_GBPS = 25.0
+CTA_US = 1.0
+COMBINE_US = 1.0
+MAX_SPLITS = 128
+SPLIT_GAIN = 0.97
+CTAS_PER_SM = 2
+
+
+@functools.lru_cache(maxsize=4096)
+def choose_splits(groups: int, n_tiles: int, tile_bytes: int, sms: int,
+                  max_splits: int = MAX_SPLITS) -> tuple[int, int]:
+    """(num_splits, tiles_per_split) for `groups` CTAs' worth of rows over `n_tiles` K/V tiles each."""
+    slots = CTAS_PER_SM * sms
+    best = None
+    for want in range(1, max(1, min(n_tiles, max_splits)) + 1):
+        per = -(-n_tiles // want)
+        splits = -(-n_tiles // per)
+        if best is not None and splits == best[1]:
+            continue
+        ctas = groups * splits
+        us = 0.0
+        while ctas > 0:
+            wave = min(ctas, slots)
+            us += per * tile_bytes / 1e3 / min(CTA_GBPS, HBM_GBPS / wave) + CTA_US
+            ctas -= wave
+        us += COMBINE_US if splits > 1 else 0.0
+        if best is None or us < SPLIT_GAIN * best[0]:
+            best = (us, splits, per)
+    return best[1], best[2]
+
+
+_dummies: dict[int, torch.Tensor] = {}  # never-read stand-ins for the workspace of one-split launches
+
+
+def _workspace(device: torch.device, groups: int, rows: int, head_dim: int, private_scratch: bool):
+    """(o_part, lse_part, counters) of a split launch on the current stream: the partials from the
+    caching allocator per call (inside a CUDA graph capture: the graph's pool, alive as long as the
+    graph); counters that the kernel returns to zero (rosekernels.scratch), sized in powers of two
+    so that few shared buffers serve every shape."""
+    counters = scratch.zeroed_int32(device.index, max(4096, 1 << (groups - 1).bit_length()), private_scratch)
+    o_part = torch.empty(rows * head_dim, dtype=torch.float32, device=device)
+    lse_part = torch.empty(rows, dtype=torch.float32, device=device)
+    return o_part, lse_part, counters
+
+
+def _plan(q: torch.Tensor, k: torch.Tensor, splits: int | None = None):
+    """(config, num_splits, tiles_per_split, groups) of a validated call."""
+    B, s_q, hq, d = q.shape
+    s_k, hkv = k.shape[1], k.shape[2]
+    rows = s_q * (hq // hkv)
+    cfg = config_for(d, _TORCH_DTYPES[q.dtype], rows)
+    groups = B * hkv * -(-rows // cfg.tile_m)
+    n_tiles = -(-s_k // cfg.tile_n)
+    fits = (2**31 - 1) // (groups * cfg.tile_m * d)  # workspace the kernel's 32-bit indices reach
+    if splits is None:
+        splits, per = choose_splits(groups, n_tiles, 2 * cfg.tile_n * d * 2, modes.sm_count(q.device.index),
+                                    min(MAX_SPLITS, fits))
+    else:  # forced: at most one chunk per tile
+        per = -(-n_tiles // max(1, min(splits, n_tiles, fits)))
+        splits = -(-n_tiles // per)
+    return cfg, splits, per, groups
+
+
+def _launch(q, k, v, out, lse, causal: bool, softmax_scale: float, splits: int | None = None,
+            private_scratch: bool = False) -> None:
+    """Run on validated (TMA-viewed) tensors; `splits` overrides the split count (benchmarks)."""
+    cfg, num_splits, per, groups = _plan(q, k, splits)
+    device = q.device
+    if num_splits > 1:
+        o_part, lse_part, counters = _workspace(device, groups, num_splits * groups * cfg.tile_m, cfg.head_dim,
+                                                private_scratch)
+    else:
+        if device.index not in _dummies:
+            _dummies[device.index] = torch.empty(4, dtype=torch.float32, device=device)
+        o_part = lse_part = _dummies[device.index]
+        counters = o_part.view(torch.int32)
+    causal_shift = k.shape[1] - q.shape[1] if causal else k.shape[1]
+    args = (q, k, v, out, lse, o_part, lse_part, counters, softmax_scale * LOG2_E, causal_shift, num_splits, per)
+    if device.index == torch.cuda.current_device():
+        compiled(cfg).fn(*args)
+    else:
+        with torch.cuda.device(device):  # TVM-FFI launches on the current device's current stream
+            compiled(cfg).fn(*args)
+
+
+@torch.library.custom_op("rosekernels::attention_decode", mutates_args=("out", "lse"))
+def _attention_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                         lse: torch.Tensor, causal: bool, softmax_scale: float) -> None:
+    _launch(q, k, v, out, lse, causal, softmax_scale, private_scratch=True)  # compiled graphs
+
+
+@_attention_decode_op.register_fake
+def _(q, k, v, out, lse, causal, softmax_scale) -> None:
+    return None
+
+
+def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+        causal: bool, softmax_scale: float, splits: int | None = None) -> None:
+    """Launch on arguments `attention()` validated (q non-empty). Traced (torch.compile) or on
+    tensor subclasses: the registered op; eager: straight to the kernel (the dispatcher would
+    add tens of microseconds to a call that takes a few)."""
+    q, k, v, out_view = (_prefill._tma_view(t) for t in (q, k, v, out))
+    if torch.compiler.is_compiling() or any(type(t) is not torch.Tensor for t in (q, k, v, out, lse)):
+        torch.ops.rosekernels.attention_decode(q, k, v, out_view, lse, bool(causal), float(softmax_scale))
+    else:
+        _launch(q, k, v, out_view, lse, bool(causal), float(softmax_scale), splits)
+
+
+def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                     softmax_scale: float | None = None, out: torch.Tensor | None = None,
+                     return_lse: bool = False, splits: int | None = None):
+    """`rosekernels.attention` forced onto the split-KV kernel (any S_q; meant for S_q <= 16);
+    `splits` overrides the number of KV chunks (tests and benchmarks)."""
+    scale = _prefill._check(q, k, v, out, softmax_scale)
+    if out is None:
+        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
+    if q.numel():
+        run(q, k, v, out, lse, causal, scale, splits)
+    return (out, lse) if return_lse else out
+
+
+def example_inputs(cfg: DecodeConfig, batch: int = 16, seqlen_q: int = 1, seqlen_k: int = 4096,
+                   heads_q: int = 32, heads_kv: int = 8, causal: bool = False, device: str = "cuda",
+                   seed: int = 0) -> tuple:
+    """Fresh random arguments for `compiled(cfg).fn(*args)` (its split count and workspace
+    included, out and lse NaN-poisoned); the rows (seqlen_q * heads_q / heads_kv) must fit cfg."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    dt = {v: k for k, v in _TORCH_DTYPES.items()}[cfg.dtype]
+    d = cfg.head_dim
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=device, dtype=torch.float32).to(dt)
+
+    q = randn(batch, seqlen_q, heads_q, d)
+    k, v = randn(batch, seqlen_k, heads_kv, d), randn(batch, seqlen_k, heads_kv, d)
+    got, splits, per, groups = _plan(q, k)
+    if got != cfg:
+        raise ValueError(f"{seqlen_q} x {heads_q // heads_kv} rows select {got}, not {cfg}")
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((batch, heads_q, seqlen_q), float("nan"), device=device)
+    rows = splits * groups * cfg.tile_m
+    o_part = torch.empty(max(rows * d, 4), device=device)
+    lse_part = torch.empty(max(rows, 4), device=device)
+    counters = torch.zeros(max(groups, 4), dtype=torch.int32, device=device)
+    causal_shift = seqlen_k - seqlen_q if causal else seqlen_k
+    return (q, k, v, out, lse, o_part, lse_part, counters, (1.0 / math.sqrt(d)) * LOG2_E, causal_shift,
+            splits, per)

@@ -1,0 +1,298 @@
+"""Split-KV decode attention: every specialization compiles to an mma.sync/TMA kernel (CPU), config,
+split-count and argument checks (CPU), numerics against a float64 reference on fresh random inputs,
+the split/combine paths, the attention() dispatch, CUDA graphs and torch.compile (GPU)."""
+import importlib.util
+import math
+import os
+import re
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rosekernels import scratch
+from rosekernels.kernels import attention as A
+from rosekernels.kernels import attention_decode as D
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """Every specialization compiled (in parallel processes when the disk cache is cold)."""
+    return dict(zip(D.SPECIALIZATIONS, D.precompile()))
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU
+
+
+def _nvdisasm() -> Path:
+    spec = importlib.util.find_spec("nvidia")
+    for root in spec.submodule_search_locations or []:
+        path = Path(root) / "cu13" / "bin" / "nvdisasm"
+        if path.exists():
+            return path
+    pytest.skip("nvdisasm (nvidia-cuda-nvdisasm) is not installed")
+
+
+def _full_elf(kernel) -> bytes:
+    """The cubin with its program headers (they follow the section data in the object file)."""
+    start = kernel.object_bytes.find(kernel.cubin)
+    phoff, = struct.unpack_from("<Q", kernel.cubin, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", kernel.cubin, 0x36)
+    return kernel.object_bytes[start:start + max(len(kernel.cubin), phoff + phentsize * phnum)]
+
+
+def test_every_specialization_compiles_to_an_mma_sync_tma_kernel(kernels, tmp_path):
+    nvdisasm = _nvdisasm()
+    for cfg, k in kernels.items():
+        assert int.from_bytes(k.cubin[0x30:0x34], "little") & 0xFF == 90, cfg  # e_flags: sm_90
+        path = tmp_path / "k.cubin"
+        path.write_bytes(_full_elf(k))
+        sass = subprocess.run([nvdisasm, "-c", str(path)], capture_output=True, text=True, check=True).stdout
+        ops = set(re.findall(r"\b(HMMA|UTMALDG|LDSM|ATOMG|LDL|STL)\b", sass))
+        assert {"HMMA", "UTMALDG", "LDSM", "ATOMG"} <= ops, (cfg, ops)
+        assert not {"LDL", "STL"} & ops, f"{cfg} spills registers to local memory"
+        # One K/V tile per loop pass: each warp's S = Q K^T over its keys and O += P V.
+        keys = cfg.tile_n // cfg.key_slices
+        per_tile = keys // 8 * cfg.head_dim // 16 + cfg.head_dim // 8 * keys // 16
+        assert len(re.findall(r"\bHMMA\.16816", sass)) == per_tile, cfg
+        assert len(re.findall(r"\bLDSM\.16\.MT88", sass)) > 0, f"{cfg}: V is not read with ldmatrix.trans"
+
+
+def test_specializations_are_distinct_and_cover_the_dispatch():
+    keys = [c.variant().key() for c in D.SPECIALIZATIONS]
+    assert len(set(keys)) == len(keys)
+    for d in (64, 128):
+        for dt in ("bf16", "fp16"):
+            for rows in (1, 4, 8, 16, 17, 32, 33, 64, 65, 128, 16 * 32):
+                assert D.config_for(d, dt, rows) in D.SPECIALIZATIONS
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(head_dim=96), "head_dim"),
+    (dict(dtype="fp32"), "dtype"),
+    (dict(tile_m=48), "tile_m"),
+    (dict(num_stages=1), "num_stages"),
+])
+def test_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        D.DecodeConfig(**{**dict(head_dim=128, dtype="bf16"), **kwargs})
+
+
+@pytest.mark.parametrize("groups", [1, 8, 16, 128, 256, 1024, 5000])
+@pytest.mark.parametrize("n_tiles", [1, 2, 7, 16, 129, 512, 4096])
+def test_split_choice_covers_every_tile_with_nonempty_chunks(groups, n_tiles):
+    splits, per = D.choose_splits(groups, n_tiles, 32768, 132)
+    assert 1 <= splits <= min(n_tiles, D.MAX_SPLITS)
+    assert splits * per >= n_tiles > (splits - 1) * per  # every tile in one chunk, no chunk empty
+    # A small batch still keeps most SMs busy, as far as the tiles (and MAX_SPLITS) allow.
+    assert 2 * groups * splits >= min(132, groups * min(n_tiles, D.MAX_SPLITS))
+
+
+def _cpu(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape).to(dtype)
+
+
+@pytest.mark.parametrize("make, exc, match", [
+    (lambda: (_cpu(2, 1, 4, 64)[0], _cpu(2, 16, 4, 64), _cpu(2, 16, 4, 64), {}), ValueError, "4-D"),
+    (lambda: (_cpu(2, 1, 4, 64, dtype=torch.float32),) + (_cpu(2, 16, 4, 64),) * 2 + ({},), TypeError, "dtype"),
+    (lambda: (_cpu(2, 1, 4, 96), _cpu(2, 16, 4, 96), _cpu(2, 16, 4, 96), {}), ValueError, "head_dim"),
+    (lambda: (_cpu(2, 1, 6, 64), _cpu(2, 16, 4, 64), _cpu(2, 16, 4, 64), {}), ValueError, "multiple"),
+    (lambda: (_cpu(2, 1, 4, 64), _cpu(2, 0, 4, 64), _cpu(2, 0, 4, 64), {}), ValueError, "at least one key"),
+    (lambda: (_cpu(2, 1, 4, 64), _cpu(2, 16, 4, 64), _cpu(2, 16, 4, 64), dict(softmax_scale=0.0)),
+     ValueError, "softmax_scale"),
+    (lambda: (_cpu(2, 1, 4, 64), _cpu(2, 16, 4, 64), _cpu(2, 16, 4, 64), {}), ValueError, "CUDA"),
+])
+@pytest.mark.parametrize("entry", ["attention", "attention_decode"])
+def test_invalid_arguments_raise_before_anything_is_written(make, exc, match, entry):
+    q, k, v, kwargs = make()
+    out = kwargs.setdefault("out", torch.full(q.shape if q.dim() == 4 else (1, 1, 1, 64), 7.0).to(q.dtype))
+    before = out.clone()
+    fn = A.attention if entry == "attention" else D.attention_decode
+    with pytest.raises(exc, match=match):
+        fn(q, k, v, **kwargs)
+    assert torch.equal(out, before)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+SEQLENS_Q = (1, 2, 5, 16)
+SEQLENS_K = (1, 7, 129, 1000, 8191)  # one key, less than a tile, ragged tiles, long
+HEADS = ((4, 4), (8, 2), (16, 2))  # GQA ratios 1, 4, 8 (S_q = 16 at ratio 8: two 64-row m-blocks)
+
+
+def _reference(q, k, v, causal, scale, lowp=False):
+    """(out, lse) in float64; lowp: the kernel's rounding (P and out in the input dtype, fp32 math).
+    Causal is bottom-right aligned; a row that sees no key gets out = 0, lse = -inf."""
+    ratio = q.shape[2] // k.shape[2]
+    acc = torch.float32 if lowp else torch.float64
+    qh, kh, vh = (t.transpose(1, 2).to(acc) for t in (q, k, v))  # [B, H, S, d]
+    kh, vh = kh.repeat_interleave(ratio, dim=1), vh.repeat_interleave(ratio, dim=1)
+    s = qh @ kh.transpose(-1, -2) * scale
+    s_q, s_k = q.shape[1], k.shape[1]
+    if causal:
+        i = torch.arange(s_q, device=q.device)[:, None]
+        j = torch.arange(s_k, device=q.device)[None, :]
+        s = s.masked_fill(j > i + s_k - s_q, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    if lowp:
+        p = p.to(q.dtype).to(acc)
+    out = (p @ vh).transpose(1, 2)
+    if lowp:
+        out = out.to(q.dtype)
+    return out.double(), lse.double()
+
+
+def _check(out, lse, q, k, v, causal, scale, what):
+    """out within 2x the error of a same-precision reference (+1e-3), every element written, lse to 1e-3."""
+    ref, ref_lse = _reference(q, k, v, causal, scale)
+    lowp, _ = _reference(q, k, v, causal, scale, lowp=True)
+    assert not out.isnan().any(), f"{what}: {out.isnan().sum().item()} output elements unwritten (NaN)"
+    err = (out.double() - ref).abs().max().item()
+    err_lowp = (lowp - ref).abs().max().item()
+    assert err <= 2 * err_lowp + 1e-3, f"{what}: max |out - ref| = {err:.3g}, same-precision reference {err_lowp:.3g}"
+    assert not lse.isnan().any(), f"{what}: {lse.isnan().sum().item()} lse elements unwritten (NaN)"
+    empty = ref_lse == float("-inf")
+    assert torch.equal(lse == float("-inf"), empty), f"{what}: -inf lse rows differ from the reference"
+    assert (out.double()[empty.transpose(1, 2)] == 0).all(), f"{what}: a row that sees no key is not 0"
+    lse_err = (lse.double() - ref_lse)[~empty].abs().max().item() if (~empty).any() else 0.0
+    assert lse_err <= 1e-3, f"{what}: max |lse - ref| = {lse_err:.3g}"
+
+
+def _inputs(b, s_q, s_k, hq, hkv, d, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(b, s, h, d, generator=g, device="cuda").to(dtype)
+            for s, h in ((s_q, hq), (s_k, hkv), (s_k, hkv))]
+
+
+def _sync(what, timeout_s=60.0):
+    """Synchronize, but end the process with a message if the kernel hangs (a pipeline deadlock
+    would otherwise hold the GPU until the job's time runs out)."""
+    done = torch.cuda.Event()
+    done.record()
+    start = time.time()
+    while not done.query():
+        if time.time() - start > timeout_s:
+            print(f"\nKERNEL HANG: {what} did not finish in {timeout_s:.0f} s", file=sys.stderr, flush=True)
+            os._exit(3)
+        time.sleep(0.001)
+
+
+def _run(q, k, v, causal, scale, splits=None):
+    out = torch.full_like(q, float("nan"))
+    res, lse = D.attention_decode(q, k, v, causal=causal, softmax_scale=scale, out=out, return_lse=True,
+                                  splits=splits)
+    what = f"q{list(q.shape)} k{list(k.shape)} causal={causal} splits={splits}"
+    _sync(what)
+    assert res is out
+    return out, lse, what
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_matches_float64_reference(kernels, d, dtype, causal):
+    """Every (S_q, S_kv) pair, the GQA ratios in turn; the split count the op picks, then one
+    split and one tile per split (the most partials to combine)."""
+    tdtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    scale = 1.0 / math.sqrt(d)
+    i = 0
+    for s_q in SEQLENS_Q:
+        for s_k in SEQLENS_K:
+            hq, hkv = HEADS[i % len(HEADS)]
+            q, k, v = _inputs(2, s_q, s_k, hq, hkv, d, tdtype, seed=i)
+            n_tiles = -(-s_k // D.config_for(d, dtype, s_q * hq // hkv).tile_n)
+            for splits in dict.fromkeys((None, 1, n_tiles)):
+                out, lse, what = _run(q, k, v, causal, scale, splits)
+                _check(out, lse, q, k, v, causal, scale, what)
+            i += 1
+    assert all(int(c.sum()) == 0 for c in scratch._shared.values()), "a split counter was not reset to 0"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq, hkv", [(32, 8), (16, 16), (64, 1)])
+def test_decode_shapes_with_many_splits(kernels, hq, hkv):
+    """Batch 1 over a long cache: the split count the op picks for a small grid (dozens of chunks)."""
+    q, k, v = _inputs(1, 1, 32768 + 77, hq, hkv, 128, torch.bfloat16, seed=hq)
+    cfg, splits, _, _ = D._plan(q, k)
+    assert splits > 8, (cfg, splits)
+    out, lse, what = _run(q, k, v, False, 0.1)
+    _check(out, lse, q, k, v, False, 0.1, what)
+
+
+@pytest.mark.gpu
+def test_attention_dispatches_short_queries_to_the_decode_kernel(kernels):
+    q, k, v = _inputs(3, 4, 3000, 16, 4, 128, torch.bfloat16, seed=11)
+    for causal in (False, True):
+        out, lse = A.attention(q, k, v, causal=causal, return_lse=True)
+        ref, ref_lse = D.attention_decode(q, k, v, causal=causal, return_lse=True)
+        _sync("dispatch")
+        assert torch.equal(out, ref) and torch.equal(lse, ref_lse), "attention() did not run the decode kernel"
+        _check(out, lse, q, k, v, causal, 1 / math.sqrt(128), f"attention() causal={causal}")
+
+
+@pytest.mark.gpu
+def test_strided_views_in_and_out(kernels):
+    b, s, h, d = 2, 700, 4, 128
+    kv = torch.randn(b, s, 2, h, d, device="cuda").to(torch.float16)
+    k, v = kv.unbind(2)  # strides (s*2*h*d, 2*h*d, d, 1)
+    q = torch.randn(b, 3, h, 2 * d, device="cuda").to(torch.float16)[..., d:]
+    big = torch.full((b, 3, h, 2 * d), float("nan"), device="cuda", dtype=torch.float16)
+    out = big[..., :d]
+    _, lse = A.attention(q, k, v, causal=True, out=out, return_lse=True)
+    _sync("strided")
+    _check(out, lse, q, k, v, True, 1 / math.sqrt(d), "strided")
+    assert big[..., d:].isnan().all(), "wrote outside out"
+
+
+@pytest.mark.gpu
+def test_captures_in_a_cuda_graph_and_replays_with_new_inputs(kernels):
+    """Two launches per graph (a split one and a one-split one), replayed twice with fresh inputs."""
+    q, k, v = _inputs(1, 1, 20000, 32, 8, 128, torch.bfloat16, seed=3)
+    q2, k2, v2 = _inputs(64, 2, 300, 8, 8, 64, torch.float16, seed=4)
+    assert D._plan(q, k)[1] > 1 and D._plan(q2, k2)[1] == 1
+    out, out2 = torch.empty_like(q), torch.empty_like(q2)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        A.attention(q, k, v, out=out)  # warm up outside the capture
+        A.attention(q2, k2, v2, causal=True, out=out2)
+        _sync("graph warm-up")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            _, lse = A.attention(q, k, v, out=out, return_lse=True)
+            _, lse2 = A.attention(q2, k2, v2, causal=True, out=out2, return_lse=True)
+    for seed in range(2):
+        for t in (q, k, v, q2, k2, v2):
+            t.copy_(torch.randn_like(t))
+        for t in (out, out2, lse, lse2):
+            t.fill_(float("nan"))
+        g.replay()
+        _sync("graph replay")
+        _check(out, lse, q, k, v, False, 1 / math.sqrt(128), f"graph replay {seed} (split)")
+        _check(out2, lse2, q2, k2, v2, True, 1 / math.sqrt(64), f"graph replay {seed} (one split)")
+
+
+@pytest.mark.gpu
+def test_registered_op_under_torch_compile_with_cuda_graphs(kernels):
+    """The op as torch.compile sees it (attention() traces into it), in reduce-overhead mode."""
+    q, k, v = _inputs(2, 1, 5000, 16, 4, 128, torch.bfloat16, seed=5)
+
+    def step(q, k, v):
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
+        torch.ops.rosekernels.attention_decode(q, k, v, out, lse, True, 0.125)
+        return out, lse
+
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    for i in range(3):  # warm-up, recording, replay
+        q, k, v = (torch.randn_like(t) for t in (q, k, v))
+        out, lse = compiled(q, k, v)
+        _sync(f"torch.compile call {i}")
+        _check(out.clone(), lse.clone(), q, k, v, True, 0.125, f"torch.compile call {i}")
