@@ -10,7 +10,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 # Each op and the kernel module that defines it (the SIP tuner reads this too).
 OPS = {name: f"rosekernels.kernels.{name}" for name in (
-    "qk_norm", "rmsnorm", "moe_dispatch", "moe_combine", "gemm_leakyrelu", "attention")}
+    "qk_norm", "rmsnorm", "moe_dispatch", "moe_combine", "gemm_leakyrelu", "attention", "attention_decode")}
 # warmup lives in `startup`: a submodule named `warmup` would shadow the function once imported.
 _EXPORTS = {**OPS, "warmup": "rosekernels.startup"}
 

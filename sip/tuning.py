@@ -197,7 +197,8 @@ def _gemm_leakyrelu_workload(mode: str, shape: dict[str, Any]) -> Workload:
 def _attention_workload(mode: str, shape: dict[str, Any]) -> Workload:
     m = _module("attention")
     if mode != "prefill":
-        raise ValueError("attention: one kernel serves every sequence length; tune it with --mode prefill")
+        raise ValueError("attention: the prefill kernel serves every sequence length; tune it with --mode prefill "
+                         "(the split-KV kernel of short queries is --kernel attention_decode --mode decode)")
     s = _shape("attention", {"batch": 2, "seqlen": 2048, "heads_q": 16, "heads_kv": 16, "head_dim": 128,
                              "dtype": "bf16", "causal": False}, shape)
     config = m.default_config(s["head_dim"], s["dtype"], bool(s["causal"]))
@@ -216,6 +217,26 @@ def _attention_workload(mode: str, shape: dict[str, Any]) -> Workload:
                     lambda seed: poisoned(m.example_inputs(config, s["batch"], s["seqlen"], s["heads_q"],
                                                            s["heads_kv"], seed=seed)),
                     outputs=lambda a: a[3:5], test_args=test_args, name="attention")
+
+
+def _attention_decode_workload(mode: str, shape: dict[str, Any]) -> Workload:
+    m = _module("attention_decode")
+    if mode != "decode":
+        raise ValueError("attention_decode: the split-KV kernel of short queries; tune it with --mode decode")
+    s = _shape("attention_decode", {"batch": 16, "seqlen_q": 1, "seqlen_kv": 4096, "heads_q": 32, "heads_kv": 8,
+                                    "head_dim": 128, "dtype": "bf16", "causal": False}, shape)
+    config = m.config_for(s["head_dim"], s["dtype"], s["seqlen_q"] * s["heads_q"] // s["heads_kv"])
+
+    def inputs(batch: int, seqlen_kv: int, seed: int) -> tuple:
+        return m.example_inputs(config, batch, s["seqlen_q"], seqlen_kv, s["heads_q"], s["heads_kv"],
+                                bool(s["causal"]), seed=seed)
+
+    def test_args(seed: int) -> tuple:
+        r = random.Random(seed)  # other batch sizes and ragged KV lengths: other split counts and tails
+        return inputs(r.randint(1, 3), r.randint(1, 5000), seed)
+
+    return Workload(m.compiled(config), lambda seed: inputs(s["batch"], s["seqlen_kv"], seed),
+                    outputs=lambda a: a[3:5], test_args=test_args, name="attention_decode")
 
 
 # ---------------------------------------------------------------------------------------------

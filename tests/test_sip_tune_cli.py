@@ -99,7 +99,7 @@ def test_every_cli_kernel_is_registered_and_the_existing_ones_are_tunable():
     import importlib.util
 
     assert set(tuning.KERNELS) == {"qk_norm", "rmsnorm", "moe_dispatch", "moe_combine", "gemm_leakyrelu",
-                                   "attention"}
+                                   "attention", "attention_decode"}
     for kernel, module in tuning.KERNELS.items():
         exists = importlib.util.find_spec(module) is not None
         assert tuning.availability(kernel) == ((True, "") if exists else (False, f"module {module} does not exist yet"))
@@ -119,14 +119,15 @@ def test_workloads_pick_the_variant_of_their_mode(kernel, mode, monkeypatch):
         if hasattr(module, name):
             monkeypatch.setattr(module, name, lambda x, name=name: SimpleNamespace(
                 variant=x if name == "compile" else x.variant()))
-    if kernel == "attention" and mode == "decode":
-        with pytest.raises(ValueError, match="--mode prefill"):
+    single_mode = {"attention": "prefill", "attention_decode": "decode"}  # one kernel per op, one mode
+    if single_mode.get(kernel, mode) != mode:
+        with pytest.raises(ValueError, match=f"--mode {single_mode[kernel]}"):
             tuning.workload_factory(kernel, mode)()
         return
     workload = tuning.workload_factory(kernel, mode)()
     assert workload.kernel.variant.mode == mode and workload.name == kernel
     assert callable(workload.make_args) and callable(workload.test_args) and callable(workload.outputs)
-    if kernel != "attention":  # a size of the other mode is refused with a hint
+    if kernel not in single_mode:  # a size of the other mode is refused with a hint
         other = {"qk_norm": "tokens", "rmsnorm": "rows", "moe_dispatch": "tokens", "moe_combine": "tokens",
                  "gemm_leakyrelu": "m"}[kernel]
         size = 4096 if mode == "decode" else 1

@@ -4,8 +4,9 @@
 
 q [B, S_q, Hq, d], k/v [B, S_kv, Hkv, d] (Hq a multiple of Hkv: GQA/MQA), bf16 or fp16, d in {64, 128}.
 Causal masking is aligned bottom-right (query i sees keys j <= i + S_kv - S_q); a query row that sees
-no key gets out = 0 and lse = -inf. The LSE output is [B, Hq, S_q] fp32, natural log. No varlen, no
-split-KV (decode-shaped calls run the same kernel: one tile per 128/192 query rows and head).
+no key gets out = 0 and lse = -inf. The LSE output is [B, Hq, S_q] fp32, natural log. No varlen.
+`attention()` sends short queries (S_q <= 16) to the split-KV kernel of
+rosekernels/kernels/attention_decode.py; this kernel serves the rest.
 
 Work is cut into tiles of `tile_m` query rows of one head. Persistent launch (the default): one CTA
 per SM takes tile after tile; the first is its block index, the next ones come from an atomic
