@@ -3,6 +3,7 @@ when installed, quack's GEMM (+ReLU epilogue) - all in one run, on one GPU.
 
     python bench/gemm_leakyrelu.py --out bench/results            # the standard table
     python bench/gemm_leakyrelu.py --out DIR --sweep              # + every tile config / split count
+                                                                  #   (decode: and rows of A loaded)
     python bench/gemm_leakyrelu.py --out DIR --shapes 1x14336x4096,8192x8192x8192
 
 Prefill shapes: CUDA events around back-to-back launches, inputs rotated through sets larger than
@@ -184,23 +185,26 @@ def bench_shape(m, n, k, dtype, slope, bias, copy_gbs, quack, compile_peer, swee
     cfg, splits = glr.select_config(m_, n_, k_, glr.checks.DTYPE_NAME[dtype], "k",
                                     glr.checks.DTYPE_NAME[dtype] if bias else "none", slope, sm)
     result = dict(m=m, n=n, k=k, decode=decode, rel_err_vs_fp32=rel, config=cfg.variant().key(),
-                  splits=splits, methods=rows)
+                  tile_n=cfg.tile_n, a_rows=cfg.a_rows, splits=splits, methods=rows)
     if sweep:
         result["sweep"] = _sweep(m, n, k, dtype, slope, bias, sets, decode, flops, sm)
     return result
 
 
 def _sweep(m, n, k, dtype, slope, bias, sets, decode, flops, sm):
-    """Every tile config (prefill) or split count (decode), forced past the heuristic."""
+    """Every tile config (prefill) or tile width x split count (decode), forced past the
+    heuristic; decode 64-row tiles both with the heuristic's rows of A (a_rows) and the whole tile."""
     name = glr.checks.DTYPE_NAME[dtype]
     base = dict(dtype=name, bias=name if bias else "none", slope=float(slope))
     trials = []
     if decode:
         cfg, _ = glr.select_config(m, n, k, name, "k", base["bias"], slope, sm)
         k_tiles = math.ceil(k / glr.TILE_K)
-        for tile_n in (64, 128, 256):
-            tiled = dataclasses.replace(cfg, tile_n=tile_n)
-            trials += [(tiled, s, glr.RASTER_GROUP) for s in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16) if s <= k_tiles]
+        for tile_n in sorted(glr.DECODE_TILE_N):
+            for a_rows in sorted({cfg.a_rows, cfg.tile_m}):
+                tiled = dataclasses.replace(cfg, tile_n=tile_n, a_rows=a_rows)
+                trials += [(tiled, s, glr.RASTER_GROUP) for s in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
+                           if s <= k_tiles and glr.split_fits(m, n, cfg.tile_m, tile_n, s)]
     else:
         for tile_m, tile_n, pingpong, _ in glr.PREFILL_TILES:
             for cluster_m, cluster_n in ((2, 1), (1, 2), (1, 1)):
@@ -222,6 +226,9 @@ def _sweep(m, n, k, dtype, slope, bias, sets, decode, flops, sm):
         except Exception as e:  # noqa: BLE001
             out.append(dict(config=cfg.variant().key(), splits=splits, raster_group=group,
                             error=f"{type(e).__name__}: {e}"[:300]))
+        if decode:  # the heuristic's cost model next to the measurement
+            out[-1].update(tile_n=cfg.tile_n, a_rows=cfg.a_rows,
+                           model_us=glr.decode_cost(m, n, k, cfg.tile_m, cfg.tile_n, splits, sm))
         print(f"    sweep {out[-1]}")
     return out
 
@@ -249,14 +256,35 @@ def _markdown(results, copy_gbs, device):
         lines.append(f"- {r['m']}x{r['n']}x{r['k']}: `{r['config']}` splits={r['splits']} "
                      f"rel_err={r['rel_err_vs_fp32']:.2e}")
     if any("sweep" in r for r in results):
-        lines += ["", "## Sweep", "", "| M | N | K | config | splits | raster | us | TFLOP/s |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["", "## Decode heuristic vs sweep", "",
+                  "| M | N | K | picked tile_n x splits (a_rows) | its us | sweep best | best us | picked / best "
+                  "| picked, whole-tile A | a_rows gain |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in results:
+            timed = [s for s in r.get("sweep", []) if "ms" in s and "tile_n" in s]
+            if not timed:
+                continue
+            best = min(timed, key=lambda s: s["ms"])
+            picked = next((s for s in timed if s["config"] == r["config"] and s["splits"] == r["splits"]), None)
+            mine = f"{picked['ms'] * 1e3:.1f}" if picked else "not swept"
+            ratio = f"{picked['ms'] / best['ms']:.3f}" if picked else ""
+            # The picked tile width and split count loading the whole 64-row A tile instead.
+            whole = next((s for s in timed if picked and s is not picked and s["tile_n"] == r["tile_n"]
+                          and s["splits"] == r["splits"] and s.get("a_rows") == 64), None)
+            whole_us = f"{whole['ms'] * 1e3:.1f}" if whole else ""
+            gain = f"{whole['ms'] / picked['ms']:.3f}" if whole else ""
+            lines.append(f"| {r['m']} | {r['n']} | {r['k']} | {r['tile_n']} x {r['splits']} ({r['a_rows']}) | "
+                         f"{mine} | {best['tile_n']} x {best['splits']} ({best.get('a_rows')}) | "
+                         f"{best['ms'] * 1e3:.1f} | {ratio} | {whole_us} | {gain} |")
+        lines += ["", "## Sweep", "", "| M | N | K | config | a_rows | splits | raster | us | TFLOP/s | model us |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in results:
             for s in r.get("sweep", []):
                 us = f"{s['ms'] * 1e3:.1f}" if "ms" in s else "failed"
                 tf = f"{s['tflops']:.1f}" if "ms" in s else ""
-                lines.append(f"| {r['m']} | {r['n']} | {r['k']} | `{s['config']}` | {s['splits']} | "
-                             f"{s['raster_group']} | {us} | {tf} |")
+                model = f"{s['model_us']:.1f}" if "model_us" in s else ""
+                lines.append(f"| {r['m']} | {r['n']} | {r['k']} | `{s['config']}` | {s.get('a_rows', '')} | "
+                             f"{s['splits']} | {s['raster_group']} | {us} | {tf} | {model} |")
     return "\n".join(lines) + "\n"
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rosekernels import scratch
 from rosekernels.kernels import attention as A
 
 # The in-order pipeline (no softmax/GEMM overlap, no ping-pong) is kept as the reference schedule.
@@ -83,7 +84,8 @@ def test_specializations_are_distinct_and_cover_the_dispatch():
     for d in (64, 128):
         for dt in ("bf16", "fp16"):
             for causal in (False, True):
-                assert A.default_config(d, dt, causal) in A.SPECIALIZATIONS
+                for seqlen_q in (None, 1, A.SHORT_CAUSAL_D64, A.SHORT_CAUSAL_D64 + 1, 100_000):
+                    assert A.default_config(d, dt, causal, seqlen_q) in A.SPECIALIZATIONS
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -349,3 +351,27 @@ def test_captures_in_a_cuda_graph_on_the_current_stream(kernels):
         g.replay()
         _sync("graph replay")
         _check(out, None, q, k, v, True, 1 / math.sqrt(128), f"graph replay {replay}")
+
+
+@pytest.mark.gpu
+def test_cached_plans_serve_new_data_and_still_check_pointers(kernels):
+    """Eager calls reuse the launch plan of their argument signature (and one tile counter per
+    stream, re-zeroed by each launch): back-to-back calls on new data stay right, across
+    signatures; a misaligned pointer with a cached signature is still refused before any launch."""
+    shapes = [(3, 1111, 1500, 12, 4, 128, True), (2, 700, 700, 8, 8, 64, False)]
+    for rep in range(3):
+        for i, (b, s_q, s_k, hq, hkv, d, causal) in enumerate(shapes):
+            q, k, v = _inputs(b, s_q, s_k, hq, hkv, d, torch.bfloat16, seed=100 + 10 * rep + i)
+            out = torch.full_like(q, float("nan"))
+            _, lse = A.attention(q, k, v, causal=causal, out=out, return_lse=True)
+            _sync("cached plan")
+            _check(out, lse, q, k, v, causal, 1 / math.sqrt(d), f"rep {rep} shape {i}")
+    assert all(int(c.sum()) == 0 for c in scratch._shared.values()), "a tile counter was left nonzero"
+    b, s_q, s_k, hq, hkv, d, causal = shapes[0]
+    q, k, v = _inputs(b, s_q, s_k, hq, hkv, d, torch.bfloat16, seed=7)
+    base = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
+    out = base[1:].view(q.shape)  # same shape and strides as a cached signature, pointer off by 2 bytes
+    out.fill_(1.0)
+    with pytest.raises(ValueError, match="align"):
+        A.attention(q, k, v, causal=causal, out=out)
+    assert bool((out == 1.0).all()), "the refused call wrote to out"

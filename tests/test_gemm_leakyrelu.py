@@ -36,10 +36,18 @@ def _sass(kernel: jit.CompiledKernel, tmp_path) -> str:
                           text=True).stdout
 
 
-# One of each tile shape, both B orders, all bias kinds, both dtypes; the rest under `slow`.
+# Each prefill tile shape and a spread of decode tiles, both B orders, all bias kinds, both
+# dtypes; the rest under `slow`.
 _SPECS = glr.specializations()
-_QUICK = [c for c in _SPECS if c.dtype == "bf16" and c.b_major == "k" and c.bias == "none"]
+_QUICK = [c for c in _SPECS if c.dtype == "bf16" and c.b_major == "k" and c.bias == "none" and not c.split_k]
 _QUICK += [glr.GemmConfig(b_major="n", bias="fp32"),
+           glr.GemmConfig(tile_m=64, tile_n=128, cluster_m=1, split_k=True),
+           glr.GemmConfig(tile_m=64, tile_n=128, cluster_m=1, split_k=True, a_rows=8),
+           glr.GemmConfig(dtype="fp16", bias="fp32", tile_m=64, tile_n=256, cluster_m=1,
+                          split_k=True, b_major="n", a_rows=32),
+           glr.GemmConfig(tile_m=128, tile_n=256, cluster_m=1, split_k=True, bias="bf16"),
+           glr.GemmConfig(dtype="fp16", bias="fp32", tile_m=64, tile_n=64, cluster_m=1,
+                          split_k=True, b_major="n"),
            glr.GemmConfig(dtype="fp16", bias="fp16", tile_m=128, tile_n=128, cluster_m=1,
                           split_k=True, b_major="n")]
 
@@ -50,9 +58,11 @@ def _compile_and_inspect(cfg, tmp_path):
     if _NVDISASM is None:
         pytest.skip("nvdisasm not found: compiled, SASS not inspected")
     sass = _sass(kernel, tmp_path)
-    ops = set(re.findall(r"\b(HGMMA|UTMALDG|UTMASTG|STSM|LDL|STL)\b", sass))
+    ops = set(re.findall(r"\b(HGMMA|UTMALDG|UTMASTG|STSM|LDL|STL|STG\.E\.128|LDG\.E\.128)\b", sass))
     assert {"HGMMA", "UTMALDG", "UTMASTG", "STSM"} <= ops, (cfg, ops)
     assert not {"LDL", "STL"} & ops, f"{cfg}: register spills"
+    if cfg.split_k:  # split-K partials move as 16-byte vectors
+        assert {"STG.E.128", "LDG.E.128"} <= ops, (cfg, ops)
 
 
 @pytest.mark.parametrize("cfg", _QUICK, ids=lambda c: c.variant().key())
@@ -70,20 +80,58 @@ def test_specializations_are_distinct_and_cover_the_heuristic():
     keys = {c.variant().key() for c in _SPECS}
     assert len(keys) == len(_SPECS)
     for m, n, k in [(1, 14336, 4096), (16, 4096, 14336), (128, 14336, 4096), (129, 136, 72),
-                    (1024, 14336, 4096), (4096, 4096, 4096), (8192, 14336, 4096)]:
+                    (1024, 14336, 4096), (4096, 4096, 4096), (8192, 14336, 4096), (1, 8, 8),
+                    (7, 136, 72), (100, 1024, 4096), (64, 128256, 4096), (8, 14336, 4096),
+                    (9, 4096, 14336), (17, 28672, 4096), (32, 136, 72), (33, 4096, 4096)]:
         for b_major in ("k", "n"):
             cfg, splits = glr.select_config(m, n, k, "bf16", b_major, "fp32", 0.01, 132)
             assert cfg in _SPECS and splits >= 1
             assert cfg.split_k == (m <= glr.DECODE_MAX_M)
+            # Decode loads the fewest rows of A that hold M: 8, 16, 32 or the whole 64-row tile.
+            fit = [r for r in glr.A_ROWS if r >= m]
+            assert cfg.a_rows == (fit[0] if cfg.split_k and cfg.tile_m == 64 else cfg.tile_m), (m, cfg)
             if cfg.split_k:
-                assert splits <= max(1, -(-k // glr.TILE_K) // 4)
+                assert splits <= max(1, -(-k // glr.TILE_K) // glr.MIN_SPLIT_K_TILES)
+                assert glr.split_fits(m, n, cfg.tile_m, cfg.tile_n, splits)
 
 
-def test_split_heuristic_fills_the_gpu():
-    cfg, splits = glr.select_config(16, 4096, 14336, "bf16", "k", "none", 0.01, 132)
-    assert splits == 4  # 32 tiles x 4 splits = 128 of 132 SMs
-    _, splits = glr.select_config(1, 14336, 4096, "bf16", "k", "none", 0.01, 132)
-    assert splits == 1  # 112 N tiles already stream the weights at full bandwidth
+_MLP = [(14336, 4096), (4096, 14336), (4096, 4096), (28672, 4096)]
+
+
+@pytest.mark.parametrize("n, k", _MLP)
+@pytest.mark.parametrize("m", [1, 16, 64, 128])
+def test_decode_heuristic_is_sensible(m, n, k):
+    tile_m, tile_n, splits = glr.decode_choice(m, n, k, 132)
+    assert tile_m == (64 if m <= 64 else 128) and tile_n in glr.DECODE_TILE_N
+    cost = glr.decode_cost(m, n, k, tile_m, tile_n, splits, 132)
+    # Never worse than any forced alternative the sweep times (within the 1% hysteresis).
+    for tn in glr.DECODE_TILE_N:
+        for s in range(1, glr.MAX_SPLITS + 1):
+            if glr.split_fits(m, n, tile_m, tn, s) and s <= -(-k // glr.TILE_K) // glr.MIN_SPLIT_K_TILES:
+                assert cost <= 1.0202 * glr.decode_cost(m, n, k, tile_m, tn, s, 132), (tn, s)
+    # The H200 sweep: a CTA running two units in sequence loses to any one-wave alternative.
+    units = -(-m // tile_m) * -(-n // tile_n) * splits
+    one_wave = [(tn, s) for tn in glr.DECODE_TILE_N for s in range(1, glr.MAX_SPLITS + 1)
+                if -(-m // tile_m) * -(-n // tn) * s <= 132 and s <= -(-k // glr.TILE_K) // glr.MIN_SPLIT_K_TILES]
+    assert units <= 132 or not one_wave, (tile_n, splits, units)
+    partial_mb = splits * m * n * 4 / 1e6 if splits > 1 else 0
+    assert partial_mb <= 0.25 * n * k * 2 / 1e6, (tile_n, splits, partial_mb)
+    print(f"M={m} N={n} K={k}: tile_n={tile_n} splits={splits} units={units} model={cost:.1f} us")
+
+
+def test_decode_heuristic_known_shapes():
+    # The fastest configs of the H200 sweep (bench/results/gemm_leakyrelu.md).
+    # Few N tiles: split K until the SMs are full (32 tiles x 4 splits = 128 of 132 SMs).
+    assert glr.decode_choice(16, 4096, 14336, 132) == (64, 128, 4)
+    # At M = 128 the last split's serial read of 128-row partials favours narrower tiles, fewer splits.
+    assert glr.decode_choice(128, 4096, 14336, 132) == (128, 64, 2)
+    # 112 N tiles in one wave: splitting further would put two units on some SMs.
+    assert glr.decode_choice(1, 14336, 4096, 132) == (64, 128, 1)
+    assert glr.decode_choice(128, 14336, 4096, 132)[2] == 1
+    # 28672 / 256 = 112 tiles: one wave of wide tiles beats two waves of 128-wide ones.
+    assert glr.decode_choice(16, 28672, 4096, 132) == (64, 256, 1)
+    # Large N: the tiles fill the GPU without splitting.
+    assert glr.decode_choice(1, 128256, 4096, 132)[2] == 1
 
 
 def test_config_validation():
@@ -99,6 +147,60 @@ def test_config_validation():
         glr.GemmConfig(dtype="bf16", bias="fp16")
     with pytest.raises(ValueError):
         glr.GemmConfig(split_k=True)  # clusters are not used with split-K
+    decode = dict(cluster_m=1, split_k=True)
+    assert glr.GemmConfig(tile_m=64, **decode).a_rows == 64  # default: the whole tile
+    assert glr.GemmConfig(tile_m=64, a_rows=64, **decode) == glr.GemmConfig(tile_m=64, **decode)
+    for bad in (dict(tile_m=64, a_rows=24, **decode), dict(tile_m=128, a_rows=64, **decode),
+                dict(tile_m=64, a_rows=8, cluster_m=1), dict(tile_m=64, a_rows=128, **decode)):
+        with pytest.raises(ValueError, match="a_rows"):
+            glr.GemmConfig(**bad)
+    # Whole-tile variants keep their cache keys; a_rows variants are named by it.
+    assert "a_rows" not in glr.GemmConfig(tile_m=64, **decode).variant().key()
+    assert "a_rows=8" in glr.GemmConfig(tile_m=64, a_rows=8, **decode).variant().key()
+
+
+@pytest.mark.parametrize("a_rows", glr.A_ROWS)
+@pytest.mark.parametrize("tile_n", sorted(glr.DECODE_TILE_N))
+def test_a_smem_layouts(a_rows, tile_n):
+    """The TMA view of the A stages is the first a_rows rows of the WGMMA view (same swizzle,
+    same offsets), stages sit a_rows * 128 bytes apart (a multiple of the 1024-byte swizzle
+    period) and the stage count the kernel derives fits shared memory."""
+    import cutlass
+    import cutlass.cute as cute
+
+    cfg = glr.GemmConfig(tile_m=64, tile_n=tile_n, cluster_m=1, split_k=True, a_rows=a_rows)
+    stages = glr._GemmLeakyReluSm90(cfg).ab_stage
+    whole = glr._GemmLeakyReluSm90(glr.GemmConfig(tile_m=64, tile_n=tile_n, cluster_m=1, split_k=True))
+    assert stages >= whole.ab_stage, "packing the A stages must not cost stages of weights"
+    found = {}
+
+    coords = [(r, c, s) for s in (0, 1, stages - 1) for r in range(a_rows) for c in (0, 1, 7, 8, 31, 63)]
+
+    @cute.jit
+    def check():  # plain Python values out: no control flow inside the traced function
+        mma, load = glr._a_smem_layouts(cfg, cutlass.BFloat16, stages)
+        found["swizzles"] = (str(mma.inner), str(load.inner))
+        found["load_shape"] = str(cute.shape(load.outer))
+        found["cosize"] = cute.cosize(mma.outer)
+        found["load"] = [load.outer(c) for c in coords]
+        found["mma"] = [mma.outer(c) for c in coords]
+        found["stage_starts"] = [mma.outer((0, 0, s)) for s in range(stages)]
+
+    cute.compile(check)  # traces (and checks) without a GPU
+    assert found["swizzles"][0] == found["swizzles"][1] == "S<3,4,3>"
+    assert found["load"] == found["mma"]
+    assert all(isinstance(x, int) for x in found["mma"]), "layouts must be static"
+    starts = found["stage_starts"]
+    assert starts == [s * a_rows * glr.TILE_K for s in range(stages)]
+    assert all(x * 2 % 1024 == 0 for x in starts), "stages must keep the 1024-byte swizzle phase"
+    # The last stage's 64-row WGMMA view ends inside the buffer.
+    assert found["cosize"] == (stages - 1) * a_rows * glr.TILE_K + 64 * glr.TILE_K
+
+
+def test_a_rows_variant_refuses_larger_m():
+    cfg = glr.GemmConfig(tile_m=64, tile_n=128, cluster_m=1, split_k=True, a_rows=8)
+    with pytest.raises(ValueError, match="loads 8 rows of A: M = 9"):
+        glr._Plan(_cpu(9, 64), _cpu(128, 64), None, _cpu(9, 128), cfg, 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,6 +258,40 @@ def test_meta_tensors_infer_shapes_and_check_them():
     assert out.shape == (4, 8) and out.device.type == "meta"
     with pytest.raises(ValueError, match="multiples of 8"):
         glr.gemm_leakyrelu(a, torch.empty(12, 16, dtype=torch.bfloat16, device="meta"))
+
+
+def test_eager_calls_reuse_the_launch_plan(monkeypatch):
+    """The slow path (checks, heuristic, compile) runs once per argument signature; later calls
+    only run the plan, which still rejects what depends on the data pointers."""
+    made, ran = [], []
+
+    def new_plan(a, b_nk, bias, out, slope):
+        made.append(slope)
+        return lambda *args: ran.append(args)
+
+    monkeypatch.setattr(glr, "_new_plan", new_plan)
+    monkeypatch.setattr(glr, "_plans", {})
+    a, b = _cpu(4, 16), _cpu(8, 16)
+    for _ in range(3):
+        glr.gemm_leakyrelu(a, b, out=_cpu(4, 8))
+    glr.gemm_leakyrelu(a, b, 0.2, out=_cpu(4, 8))
+    glr.gemm_leakyrelu(_cpu(5, 16), b, 0.2)
+    assert made == [0.01, 0.2, 0.2] and len(ran) == 5
+
+
+def test_plan_checks_pointers_before_launching():
+    launched = []
+    a, b, out = _cpu(4, 16), _cpu(8, 16), _cpu(4, 8)
+    plan = glr._Plan.__new__(glr._Plan)  # a plan as a CUDA signature would build it, faked on CPU
+    plan.fn, plan.device, plan.split_k = (lambda *args: launched.append(args)), None, False
+    plan.scalars, plan.fix_a, plan.fix_out = (1, 8, 132), False, False
+    plan.extents = (glr._extent(a), glr._extent(b), 0, glr._extent(out))
+    buf = _cpu(64, 16)
+    with pytest.raises(ValueError, match="aligned"):
+        plan(_cpu(4 * 16 + 1)[1:].view(4, 16), b, None, out)
+    with pytest.raises(ValueError, match="overlap a"):
+        plan(buf[:4], b, None, buf[2:6, :8])
+    assert not launched
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,14 +370,16 @@ def test_slopes(slope, m):
 
 def _every_config():
     return [glr.GemmConfig(dtype=dt, b_major=bm, bias=bias, slope=0.2, **{
-        k: v for k, v in vars(c).items() if k.startswith(("tile", "cluster", "pingpong", "split"))})
+        k: v for k, v in vars(c).items() if k.startswith(("tile", "cluster", "pingpong", "split", "a_rows"))})
         for c in glr.specializations() if c.dtype == "bf16" and c.b_major == "k" and c.bias == "none"
         for dt, bm, bias in [("bf16", "k", "bf16"), ("fp16", "n", "fp32")]]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", _every_config(), ids=lambda c: c.variant().key())
-@pytest.mark.parametrize("m, n, k", [(129, 520, 264), (300, 776, 1032), (1, 8, 8), (64, 4104, 72)])
+@pytest.mark.parametrize("cfg, m, n, k", [
+    pytest.param(cfg, m, n, k, id=f"{cfg.variant().key()}-{m}x{n}x{k}") for cfg in _every_config()
+    for m, n, k in [(129, 520, 264), (300, 776, 1032), (1, 8, 8), (64, 4104, 72), (5, 4104, 72)]
+    if m <= cfg.a_rows or cfg.a_rows == cfg.tile_m])  # a_rows variants only take M <= a_rows
 def test_every_tile_config(cfg, m, n, k):
     """Each kernel variant on ragged shapes, whatever the heuristic would pick; split-K configs
     with every split count that leaves each split at least one k-tile."""
@@ -260,12 +398,127 @@ def test_every_tile_config(cfg, m, n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile_n", sorted(glr.DECODE_TILE_N))
+@pytest.mark.parametrize("m, tile_m", [(1, 64), (7, 64), (64, 64), (7, 128), (100, 128), (128, 128)])
+@pytest.mark.parametrize("b_layout, bias", [("nk", None), ("kn", torch.float32), ("nk", torch.bfloat16)])
+def test_split_k(m, tile_m, tile_n, b_layout, bias):
+    """Every split count on ragged N and K tiles: N = 776 leaves a partial last tile for every
+    width, K = 1000 a partial 16th k-tile; 16 splits give each split a single k-tile."""
+    n, k = 776, 1000
+    cfg = glr.GemmConfig(tile_m=tile_m, tile_n=tile_n, cluster_m=1, split_k=True,
+                         b_major="k" if b_layout == "nk" else "n",
+                         bias=glr.checks.DTYPE_NAME[bias] if bias is not None else "none")
+    a, b, bias_t = _inputs(m, n, k, torch.bfloat16, b_layout, bias, seed=m + tile_n)
+    b_nk = b if b_layout == "nk" else b.t()
+    ref = _reference(a, b_nk, bias_t, cfg.slope)
+    for splits in (1, 2, 3, 5, 7, 16):
+        for rep in range(2):  # the tile counters must be back at zero for the second run
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            glr._launch(a, b_nk, bias_t, out, cfg, splits)
+            _assert_close(out, ref, torch.bfloat16, f"{cfg} m={m} splits={splits} run {rep}")
+
+
+_A_ROWS_CASES = [(1, 8), (1, 16), (7, 8), (7, 16), (8, 8), (8, 16), (9, 16), (9, 32), (16, 16),
+                 (16, 32), (17, 32), (17, 64), (32, 32), (33, 64), (64, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_n", sorted(glr.DECODE_TILE_N))
+@pytest.mark.parametrize("m, a_rows", _A_ROWS_CASES, ids=[f"m{m}-a_rows{r}" for m, r in _A_ROWS_CASES])
+@pytest.mark.parametrize("b_layout, bias", [("nk", None), ("kn", torch.float32)])
+def test_split_k_a_rows(m, a_rows, tile_n, b_layout, bias):
+    """Decode tiles that load only a_rows rows of A (the matching and the next larger a_rows
+    for each M), every split count on ragged N and K. Before each run a whole-tile launch on
+    all-NaN inputs leaves NaN in the A stages' shared memory (rows >= a_rows are never written
+    by the a_rows variant): it must not reach any stored row."""
+    n, k = 776, 1000
+    common = dict(tile_m=64, tile_n=tile_n, cluster_m=1, split_k=True,
+                  b_major="k" if b_layout == "nk" else "n",
+                  bias=glr.checks.DTYPE_NAME[bias] if bias is not None else "none")
+    cfg = glr.GemmConfig(**common, a_rows=a_rows)
+    poison_cfg = glr.GemmConfig(**common)
+    a, b, bias_t = _inputs(m, n, k, torch.bfloat16, b_layout, bias, seed=m + a_rows + tile_n)
+    b_nk = b if b_layout == "nk" else b.t()
+    ref = _reference(a, b_nk, bias_t, cfg.slope)
+    nan_a = torch.full((64, k), float("nan"), dtype=torch.bfloat16, device="cuda")
+    nan_b = torch.full_like(b_nk, float("nan"))
+    sink = torch.empty(64, n, dtype=torch.bfloat16, device="cuda")
+    for splits in (1, 2, 3, 7, 16):
+        for rep in range(2):  # the tile counters must be back at zero for the second run
+            glr._launch(nan_a, nan_b, bias_t, sink, poison_cfg, 1)
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            glr._launch(a, b_nk, bias_t, out, cfg, splits)
+            _assert_close(out, ref, torch.bfloat16, f"{cfg} m={m} splits={splits} run {rep}")
+
+
+@pytest.mark.gpu
+def test_split_k_a_rows_matches_whole_tile_bitwise():
+    """Loading fewer rows of A changes nothing in the valid rows: same bits as the whole tile."""
+    for m in (1, 8, 9, 17, 32):
+        a, b, _ = _inputs(m, 14336, 4096, torch.bfloat16, seed=m)
+        a_rows = next(r for r in glr.A_ROWS if r >= m)
+        outs = []
+        for rows in (a_rows, 64):
+            cfg = glr.GemmConfig(tile_m=64, tile_n=128, cluster_m=1, split_k=True, a_rows=rows)
+            out = torch.full((m, 14336), float("nan"), dtype=torch.bfloat16, device="cuda")
+            glr._launch(a, b, None, out, cfg, 2)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), f"m={m} a_rows={a_rows}"
+        _assert_close(outs[0], _reference(a, b, None, 0.01), torch.bfloat16, f"m={m}")
+
+
+@pytest.mark.gpu
 def test_split_k_is_deterministic():
     a, b, bias = _inputs(16, 4096, 14336, torch.bfloat16, bias=torch.float32)
+    cfg, splits = glr.select_config(16, 4096, 14336, "bf16", "k", "fp32", 0.01, glr._num_sms(0))
+    assert splits > 1
     first = glr.gemm_leakyrelu(a, b, bias=bias)
     for _ in range(3):
         assert torch.equal(glr.gemm_leakyrelu(a, b, bias=bias), first)
     _assert_close(first, _reference(a, b, bias, 0.01), torch.bfloat16, "split-K decode shape")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warm_capture_stream", [True, False])
+def test_split_k_graph_survives_later_launches(warm_capture_stream):
+    """A captured split-K launch keeps valid workspace pointers: larger split launches after the
+    capture (which need more partials) must not free or replace what the graph uses. Without a
+    warm-up on the capture stream, the capture gets tile counters of its own."""
+    cfg, splits = glr.select_config(16, 4096, 4096, "bf16", "k", "none", 0.01, glr._num_sms(0))
+    assert cfg.split_k and splits > 1
+    a, b, _ = _inputs(16, 4096, 4096, torch.bfloat16, seed=1)
+    ref = _reference(a, b, None, 0.01)
+    out = torch.full((16, 4096), float("nan"), dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    glr.gemm_leakyrelu(a, b, out=out)  # compile and load outside the capture
+    if warm_capture_stream:
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            glr.gemm_leakyrelu(a, b, out=out)
+        torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        glr.gemm_leakyrelu(a, b, out=out)
+    # Larger split launches, on the default and on the capture stream, then churn the allocator.
+    for m, n, k in [(64, 4096, 14336), (128, 8192, 14336)]:
+        a2, b2, _ = _inputs(m, n, k, torch.bfloat16, seed=2)
+        _, big_splits = glr.select_config(m, n, k, "bf16", "k", "none", 0.01, glr._num_sms(0))
+        assert big_splits > 1
+        for s in (torch.cuda.current_stream(), stream):
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                out2 = glr.gemm_leakyrelu(a2, b2)
+            torch.cuda.current_stream().wait_stream(s)
+            _assert_close(out2, _reference(a2, b2, None, 0.01), torch.bfloat16,
+                          f"eager {m}x{n}x{k}")
+    junk = [torch.full((1 << 20,), 7.0, device="cuda") for _ in range(64)]  # reuse freed blocks
+    del junk
+    for rep in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_close(out, ref, torch.bfloat16, f"graph replay {rep}")
 
 
 @pytest.mark.gpu

@@ -47,7 +47,7 @@ import math
 import torch
 
 from rosekernels import jit  # first: it pins CUTE_DSL_ARCH=sm_90a before cutlass loads
-from rosekernels import checks
+from rosekernels import checks, scratch
 
 import cutlass
 import cutlass.cute as cute
@@ -121,18 +121,26 @@ class AttentionConfig:
         return jit.Variant.of("attention", "prefill", **params)
 
 
-def default_config(head_dim: int, dtype: str, causal: bool) -> AttentionConfig:
-    """The tile shape the op uses: FA3's choices for Hopper (d=64 takes 3 consumer WGs, 192 rows).
+SHORT_CAUSAL_D64 = 1024  # causal d=64 with S_q up to this: 128-row tiles (finer causal tails)
+
+
+def default_config(head_dim: int, dtype: str, causal: bool, seqlen_q: int | None = None) -> AttentionConfig:
+    """The tile shape the op uses: FA3's choices for Hopper (d=64 takes 3 consumer WGs, 192 rows),
+    except causal d=64 with short queries, where 128-row tiles measured 13-15% faster on the H200
+    (B16 S1k; at S 2k the 192-row tile is 5% ahead). `seqlen_q` None: long queries.
 
     The grid is sized per call from the shape (`launch_args`): min(tiles, SMs) CTAs."""
     if head_dim == 64:
+        if causal and seqlen_q is not None and seqlen_q <= SHORT_CAUSAL_D64:
+            return AttentionConfig(64, dtype, causal, tile_m=128, tile_n=128, num_stages=3)
         return AttentionConfig(64, dtype, causal, tile_m=192, tile_n=128, num_stages=3)
     return AttentionConfig(128, dtype, causal, tile_m=128, tile_n=128, num_stages=2)
 
 
-SPECIALIZATIONS: tuple[AttentionConfig, ...] = tuple(
-    default_config(d, dt, c) for d in (64, 128) for dt in ("bf16", "fp16") for c in (False, True)
-)
+SPECIALIZATIONS: tuple[AttentionConfig, ...] = tuple(dict.fromkeys(
+    default_config(d, dt, c, s) for d in (64, 128) for dt in ("bf16", "fp16") for c in (False, True)
+    for s in (None, SHORT_CAUSAL_D64)
+))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -888,7 +896,7 @@ def _tma_view(t: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("rosekernels::attention_fwd", mutates_args=("out", "lse"))
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                    causal: bool, softmax_scale: float) -> None:
-    cfg = default_config(q.shape[-1], _TORCH_DTYPES[q.dtype], causal)
+    cfg = default_config(q.shape[-1], _TORCH_DTYPES[q.dtype], causal, q.shape[1])
     with torch.cuda.device(q.device):
         compiled(cfg).fn(q, k, v, out, lse, softmax_scale * LOG2_E, *launch_args(cfg, q))
 
@@ -898,21 +906,68 @@ def _(q, k, v, out, lse, causal, softmax_scale) -> None:
     return None
 
 
+_plans: dict[tuple, tuple] = {}  # argument signature -> (scale, decode?, prefill kernel fn, prefill grid)
+
+
+def _plan(q, k, v, out, causal: bool, softmax_scale) -> tuple:
+    """The slow path, once per argument signature: every check, the kernel picked and loaded."""
+    scale = _check(q, k, v, out, softmax_scale)
+    from rosekernels.kernels import attention_decode  # here: attention_decode imports this module
+    if q.shape[1] <= attention_decode.MAX_SEQLEN_Q:
+        return scale, True, None, 0
+    cfg = default_config(q.shape[-1], _TORCH_DTYPES[q.dtype], causal, q.shape[1])
+    tiles = num_tiles(cfg, q.shape[0], q.shape[1], q.shape[2])
+    return scale, False, compiled(cfg).fn, min(tiles, _sm_count(q.device.index))
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
               softmax_scale: float | None = None, out: torch.Tensor | None = None,
               return_lse: bool = False):
     """softmax(q k^T * softmax_scale [causal, bottom-right]) v; see the module docstring.
 
-    Returns out [B, S_q, Hq, d], or (out, lse [B, Hq, S_q] fp32) with return_lse."""
-    scale = _check(q, k, v, out, softmax_scale)
+    Returns out [B, S_q, Hq, d], or (out, lse [B, Hq, S_q] fp32) with return_lse. Eager calls on
+    plain tensors skip the torch dispatcher and reuse a launch plan cached per argument signature
+    (the checks run once per signature; per call only the 16-byte alignment of the pointers);
+    under torch.compile the prefill kernel runs through the registered op rosekernels::attention_fwd.
+    """
+    causal = bool(causal)
+    plain = (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+             and (out is None or type(out) is torch.Tensor) and not torch.compiler.is_compiling())
+    key = plan = None
+    if plain:
+        key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape,
+               v.stride(), v.dtype, v.device, None if out is None else (out.shape, out.stride(), out.dtype,
+               out.device), causal, softmax_scale)
+        plan = _plans.get(key)
+        if plan is not None and (q.data_ptr() | k.data_ptr() | v.data_ptr()
+                                 | (0 if out is None else out.data_ptr())) % 16:
+            plan = None  # the full checks say which pointer is misaligned
+    if plan is None:
+        plan = _plan(q, k, v, out, causal, softmax_scale)
+        if plain:
+            if len(_plans) >= 4096:  # many distinct shapes: start over rather than grow without bound
+                _plans.clear()
+            _plans[key] = plan
+    scale, decode, fn, num_ctas = plan
     if out is None:
         out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
-    # Decode shapes (S_q <= 16) take the split-KV kernel: one CTA per 128 query rows would leave
-    # most SMs idle. Imported here: attention_decode imports this module.
-    from rosekernels.kernels import attention_decode
-    if q.numel() and q.shape[1] <= attention_decode.MAX_SEQLEN_Q:
-        attention_decode.run(q, k, v, out, lse, bool(causal), scale)
-    elif q.numel():
-        torch.ops.rosekernels.attention_fwd(*(_tma_view(t) for t in (q, k, v, out)), lse, bool(causal), scale)
+    if not q.numel():
+        pass
+    elif decode:
+        # Decode shapes (S_q <= 16) take the split-KV kernel: one CTA per 128 query rows would leave
+        # most SMs idle.
+        from rosekernels.kernels import attention_decode
+        attention_decode.run(q, k, v, out, lse, causal, scale)
+    elif not plain:
+        torch.ops.rosekernels.attention_fwd(*(_tma_view(t) for t in (q, k, v, out)), lse, causal, scale)
+    else:
+        # The tile counter is re-zeroed by the kernel: one per stream serves every eager call.
+        args = (*(_tma_view(t) for t in (q, k, v, out)), lse, scale * LOG2_E,
+                scratch.zeroed_int32(q.device.index, 1), num_ctas)
+        if q.device.index == torch.cuda.current_device():
+            fn(*args)
+        else:
+            with torch.cuda.device(q.device):
+                fn(*args)
     return (out, lse) if return_lse else out

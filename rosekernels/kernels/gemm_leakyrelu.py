@@ -10,10 +10,17 @@ One persistent, warp-specialized kernel serves every specialization:
 - the epilogue adds the bias (staged once per tile in shared memory), applies LeakyReLU with the
   slope constant-folded, converts to the input dtype and stores through shared memory with TMA
   (which clips ragged M/N edges; ragged K is zero-filled by the TMA loads);
+- decode variants for M <= 32 load only the first `a_rows` rows of each A k-tile (a smaller TMA box
+  instead of a mostly zero-filled 64-row one) and pack the A stages `a_rows` rows apart, which
+  leaves room for more stages of weights in flight (see `_a_smem_layouts`);
 - a static persistent scheduler walks the output tiles in bands of `raster_group` cluster rows
-  (L2 reuse of both operands); decode shapes (M <= 128) may split K: each split stores its fp32
-  partial tile, and the last split to finish (a per-tile counter that it resets) sums the partials
-  in split order (deterministic) and runs the epilogue.
+  (L2 reuse of both operands); decode shapes (M <= 128) may split K to fill the SMs: each split
+  stores the fp32 partials of the tile's rows < M (16-byte vectors), and the last split to finish
+  (a per-tile counter that it resets) sums them in split order (deterministic) and runs the
+  epilogue. A cost model of SM fill vs partials traffic picks the tile width and split count.
+
+Eager calls cache a launch plan per argument signature (shapes, strides, dtypes, device, slope,
+bias), so a repeated call only checks pointers (alignment, overlap) and launches.
 
 Public entry point: `gemm_leakyrelu(a, b, negative_slope=0.01, bias=None, out=None, b_layout="nk")`.
 `specializations()`, `compile_config()` and `TuningCase` expose every compiled variant to SIP.
@@ -38,7 +45,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.tensor_utils import LayoutEnum
 
-from rosekernels import checks
+from rosekernels import checks, scratch
 
 OP = "gemm_leakyrelu"
 SMEM_CAPACITY = 232448  # sm_90: 227 KiB of shared memory per block
@@ -67,8 +74,12 @@ class GemmConfig:
     cluster_n: int = 1  # CTAs along N sharing each A tile
     pingpong: bool = False  # one tile per warpgroup, alternating mainloops
     split_k: bool = False  # decode: K may be split across CTAs at runtime
+    # Decode with M <= a_rows < tile_m = 64: rows of A loaded per k-tile (None: tile_m).
+    a_rows: Optional[int] = None
 
     def __post_init__(self) -> None:
+        if self.a_rows is None:
+            object.__setattr__(self, "a_rows", self.tile_m)
         if self.dtype not in ("bf16", "fp16"):
             raise ValueError(f"dtype must be bf16 or fp16, got {self.dtype!r}")
         if self.b_major not in ("k", "n"):
@@ -85,8 +96,11 @@ class GemmConfig:
             raise ValueError("tile_n must be a multiple of 32 in [32, 256]")
         if self.cluster_m * self.cluster_n > 2 or min(self.cluster_m, self.cluster_n) < 1:
             raise ValueError("clusters are 1x1, 2x1 or 1x2")
-        if self.split_k and self.cluster_m * self.cluster_n != 1:
-            raise ValueError("split-K variants do not use clusters")
+        if self.split_k and (self.cluster_m * self.cluster_n != 1 or self.pingpong):
+            raise ValueError("split-K variants are cooperative and do not use clusters")
+        if self.a_rows != self.tile_m and (self.a_rows not in (8, 16, 32) or self.tile_m != 64
+                                           or not self.split_k):
+            raise ValueError("a_rows < tile_m is 8, 16 or 32 and only for split-K tiles of 64 rows")
 
     @property
     def mode(self) -> str:
@@ -94,7 +108,32 @@ class GemmConfig:
 
     def variant(self) -> jit.Variant:
         params = dataclasses.asdict(self)
+        if self.a_rows == self.tile_m:
+            del params["a_rows"]  # the keys of whole-tile variants predate a_rows
         return jit.Variant.of(OP, self.mode, **params)
+
+
+def _a_smem_layouts(cfg: GemmConfig, dtype, stages: int):
+    """(WGMMA view, TMA view) of the A stages in shared memory: K-major, 128-byte swizzle.
+
+    The WGMMA view keeps each stage a whole tile_m-row tile; the TMA view is its first a_rows
+    rows: in this layout (8-row swizzle atoms stacked along M) the stage's first a_rows * 128
+    bytes, i.e. the same atoms tiled to a_rows rows (a test checks that the views agree).
+    Stages start a_rows rows apart, so for a_rows < tile_m a stage's rows >= a_rows alias the
+    next stages' rows (or the tail's, never written): garbage, possibly NaN/Inf or being
+    written by TMA, that only reaches accumulator rows >= a_rows >= M, since row i of a product
+    depends on row i of A alone. Those rows are never stored (the TMA store clips at M,
+    partials hold rows < M), so it cannot reach a valid row. Stage offsets are multiples of
+    1024 bytes: the swizzle (a function of address bits 4-9) is the same in every stage.
+    """
+
+    def staged(rows: int):  # rows x TILE_K per stage, stages a_rows rows apart
+        one = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (rows, cfg.tile_n, TILE_K), dtype, 1)
+        outer = cute.append(cute.slice_(one.outer, (None, None, 0)),
+                            cute.make_layout(stages, stride=cfg.a_rows * TILE_K))
+        return cute.make_composed_layout(one.inner, 0, outer)
+
+    return staged(cfg.tile_m), staged(cfg.a_rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,11 +168,13 @@ class _GemmLeakyReluSm90:
 
     def _stages(self) -> tuple[int, int]:
         """Fill shared memory with A/B stages after 2 epilogue buffers per tile slot; leftover
-        goes to more epilogue buffers (up to 4)."""
+        goes to more epilogue buffers (up to 4). A stages are a_rows rows apart, plus a tail so
+        that the last stage's WGMMA view stays inside the buffer."""
         elem = self.ab_dtype.width // 8
-        ab_bytes = (self.cfg.tile_m + self.cfg.tile_n) * TILE_K * elem
+        ab_bytes = (self.cfg.a_rows + self.cfg.tile_n) * TILE_K * elem
         epi_bytes = self.epi_tile[0] * self.epi_tile[1] * elem * self.tile_slots
         fixed = 2048 + 4 * self.cfg.tile_n * self.tile_slots  # mbarriers, flags, alignment, bias
+        fixed += (self.cfg.tile_m - self.cfg.a_rows) * TILE_K * elem  # the A tail
         ab_stage = (SMEM_CAPACITY - fixed - 2 * epi_bytes) // ab_bytes
         left = SMEM_CAPACITY - fixed - ab_stage * ab_bytes
         epi_stage = min(4, left // epi_bytes)
@@ -168,17 +209,17 @@ class _GemmLeakyReluSm90:
             self.atom_layout,
             tiler_mn=(64, self.cfg.tile_n),
         )
-        a_smem = sm90_utils.make_smem_layout_a(a_layout, self.tile_shape, self.ab_dtype, self.ab_stage)
+        a_smem, a_load_smem = _a_smem_layouts(self.cfg, self.ab_dtype, self.ab_stage)
         b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile_shape, self.ab_dtype, self.ab_stage)
         d_smem = sm90_utils.make_smem_layout_epi(
             self.ab_dtype, d_layout, self.epi_tile, self.epi_stage * self.tile_slots
         )
         a_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.mcast_a > 1) else cpasync.CopyBulkTensorTileG2SOp()
         b_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.mcast_b > 1) else cpasync.CopyBulkTensorTileG2SOp()
-        a_smem_one = cute.slice_(a_smem, (None, None, 0))
+        a_smem_one = cute.slice_(a_load_smem, (None, None, 0))  # a_rows x TILE_K
         b_smem_one = cute.slice_(b_smem, (None, None, 0))
         tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
-            a_op, mA, a_smem_one, (self.cfg.tile_m, TILE_K), num_multicast=self.mcast_a
+            a_op, mA, a_smem_one, (self.cfg.a_rows, TILE_K), num_multicast=self.mcast_a
         )
         tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
             b_op, mB, b_smem_one, (self.cfg.tile_n, TILE_K), num_multicast=self.mcast_b
@@ -210,7 +251,7 @@ class _GemmLeakyReluSm90:
         self.kernel(
             tiled_mma, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d,
             mBias, mPartials, mCounters, num_splits, raster_group, clusters_m, clusters_n,
-            a_smem, b_smem, d_smem, tx_bytes,
+            a_smem, a_load_smem, b_smem, d_smem, tx_bytes,
         ).launch(
             grid=(self.cfg.cluster_m, self.cfg.cluster_n, grid_clusters),
             block=(self.threads, 1, 1),
@@ -266,6 +307,7 @@ class _GemmLeakyReluSm90:
         clusters_m: Int32,
         clusters_n: Int32,
         a_smem: cute.ComposedLayout,
+        a_load_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
         d_smem: cute.ComposedLayout,
         tx_bytes: cutlass.Constexpr,
@@ -300,18 +342,20 @@ class _GemmLeakyReluSm90:
         pipeline.pipeline_init_arrive(cluster_shape_mn=self.cluster_shape[:2], is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        sA_load = storage.sA.get_tensor(a_load_smem.outer, swizzle=a_load_smem.inner)
         sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
         sD = storage.sD.get_tensor(d_smem.outer, swizzle=d_smem.inner)
         sBias = storage.bias.get_tensor(cute.make_layout((cfg.tile_n, self.tile_slots)))
         sLast = storage.last_split.get_tensor(cute.make_layout(4))
 
         # (bM, bK, RestM, RestK) / (bN, bK, RestN, RestK) / (bM, bN, RestM, RestN)
-        gA = cute.local_tile(mA, (cfg.tile_m, TILE_K), (None, None))
+        # a_rows < tile_m only runs with M <= a_rows: one M tile, whose first a_rows rows are loaded.
+        gA = cute.local_tile(mA, (cfg.a_rows, TILE_K), (None, None))
         gB = cute.local_tile(mB, (cfg.tile_n, TILE_K), (None, None))
         gD = cute.local_tile(mD, (cfg.tile_m, cfg.tile_n), (None, None))
         tAsA, tAgA = cpasync.tma_partition(
             tma_atom_a, cluster_coord[1], cute.make_layout(self.mcast_a),
-            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2),
+            cute.group_modes(sA_load, 0, 2), cute.group_modes(gA, 0, 2),
         )
         tBsB, tBgB = cpasync.tma_partition(
             tma_atom_b, cluster_coord[0], cute.make_layout(self.mcast_b),
@@ -394,7 +438,6 @@ class _GemmLeakyReluSm90:
             num_subtiles = cute.size(subtiles)
             bias_per_thread = cute.ceil_div(cfg.tile_n, self.epi_threads)
             bias_regs = cute.make_rmem_tensor((bias_per_thread,), Float32)
-            partial_span = self.epi_threads * cute.size(acc)  # floats per partial tile
 
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             unit = first_unit
@@ -451,10 +494,9 @@ class _GemmLeakyReluSm90:
                 run_epilogue = True
                 if const_expr(cfg.split_k):
                     if num_splits > 1:
-                        tile_idx = tile_m * clusters_n + tile_n
                         run_epilogue = self._reduce_splits(
-                            acc, mPartials, mCounters, sLast, tile_idx, split, num_splits,
-                            partial_span, t, slot,
+                            acc, tCcD, mPartials, mCounters, sLast, tile_m, tile_n, split,
+                            num_splits, mD.shape[0], clusters_n, t, slot,
                         )
 
                 # ------------------------------------------------ epilogue
@@ -502,17 +544,47 @@ class _GemmLeakyReluSm90:
         cute.arch.barrier(barrier_id=_EPI_BARRIER + slot, number_of_threads=self.epi_threads)
 
     @cute.jit
-    def _reduce_splits(self, acc: cute.Tensor, mPartials: cute.Tensor, mCounters: cute.Tensor,
-                       sLast: cute.Tensor, tile_idx: Int32, split: Int32, num_splits: Int32,
-                       partial_span: cutlass.Constexpr, t: Int32, slot: Int32):
-        """Store this split's fp32 partial tile; the last split of the tile to arrive sums all
-        partials in split order (run-to-run deterministic), resets the counter and returns True."""
-        num = cute.size(acc)
-        base = tile_idx * num_splits * partial_span + t
-        mine = base + split * partial_span
-        for i in cutlass.range(num, unroll_full=True):
-            mPartials[mine + i * self.epi_threads] = acc[i]
+    def _reduce_splits(self, acc: cute.Tensor, tCcD: cute.Tensor, mPartials: cute.Tensor,
+                       mCounters: cute.Tensor, sLast: cute.Tensor, tile_m: Int32, tile_n: Int32,
+                       split: Int32, num_splits: Int32, m: Int32, clusters_n: Int32, t: Int32,
+                       slot: Int32):
+        """Store this split's fp32 partials of the tile's rows < M; the last split of the tile to
+        arrive sums all partials in split order (run-to-run deterministic), resets the tile's
+        counter and returns True.
+
+        Partials are [splits, M, n_tiles * tile_n] fp32, each row permuted so that every thread
+        moves 16-byte vectors: the WGMMA accumulator gives thread t rows r and r + 8 (h = 0, 1)
+        and, in each 16-column chunk v, columns {0, 1, 8, 9} + 2q (q = t % 4). Those four values
+        go to floats 16v + 4q .. 16v + 4q + 3 of the row, so the 4 threads of a row write 64
+        contiguous bytes per chunk and an M = 1 tile moves tile_n * 4 bytes, not tile_m times that.
+        """
+        cfg = self.cfg
+        chunks = cfg.tile_n // 16
+        # The accumulator layout this relies on: ((2 columns, 2 row halves, tile_n / 8), 1, 1).
+        assert cute.size(acc) == cfg.tile_n // 2 and cute.size(acc.shape[0][2]) == cfg.tile_n // 8
+        row_vecs = clusters_n * (cfg.tile_n // 4)  # 16-byte vectors per partials row
+        vectors = cute.make_tensor(  # (4 floats, vector): slices stay 16-byte aligned
+            mPartials.iterator, cute.make_layout((4, num_splits * m * row_vecs), stride=(1, 4))
+        )
+        first_vec = tile_n * chunks * 4 + tCcD[0][1] // 2  # + 4v: this thread's vector of chunk v
+        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+        # .cg: read L2, where the other CTAs' partials are, never a stale L1 line.
+        load_atom = cute.make_copy_atom(
+            cute.nvgpu.CopyG2ROp(), Float32, num_bits_per_copy=128,
+            load_cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL,
+        )
+        vec = cute.make_rmem_tensor((4,), Float32)
+
+        for h in cutlass.range_constexpr(2):
+            row = tile_m * cfg.tile_m + tCcD[2 * h][0]
+            if row < m:
+                row_base = (split * m + row) * row_vecs + first_vec
+                for v in cutlass.range_constexpr(chunks):
+                    for e in cutlass.range_constexpr(4):
+                        vec[e] = acc[2 * h + 8 * v + e % 2 + 4 * (e // 2)]
+                    cute.copy(store_atom, vec, vectors[(None, row_base + 4 * v)])
         self._epi_sync(slot)
+        tile_idx = tile_m * clusters_n + tile_n
         if t == 0:
             cute.arch.fence_acq_rel_gpu()  # the tile's partial stores before the count
             arrived = cute.arch.atomic_add(
@@ -524,13 +596,16 @@ class _GemmLeakyReluSm90:
         if is_last:
             cute.arch.fence_acq_rel_gpu()
             acc.fill(0.0)
-            for s in cutlass.range(num_splits, unroll=1):
-                src = base + s * partial_span
-                for i in cutlass.range(num, unroll_full=True):
-                    # .cg: read L2, where the other CTAs' partials are, never a stale L1 line.
-                    acc[i] = acc[i] + cute.arch.load(
-                        mPartials.iterator + (src + i * self.epi_threads), Float32, cop="cg"
-                    )
+            for h in cutlass.range_constexpr(2):
+                row = tile_m * cfg.tile_m + tCcD[2 * h][0]
+                if row < m:  # rows >= M keep their (unused) values: the TMA store clips them
+                    for s in cutlass.range(num_splits, unroll=2):
+                        row_base = (s * m + row) * row_vecs + first_vec
+                        for v in cutlass.range_constexpr(chunks):
+                            cute.copy(load_atom, vectors[(None, row_base + 4 * v)], vec)
+                            for e in cutlass.range_constexpr(4):
+                                i = 2 * h + 8 * v + e % 2 + 4 * (e // 2)
+                                acc[i] = acc[i] + vec[e]
             if t == 0:
                 mCounters[tile_idx] = Int32(0)
         return is_last
@@ -581,6 +656,19 @@ PREFILL_TILES = (
 )
 RASTER_GROUP = 8  # cluster rows per band of the tile walk: both operands' bands stay in L2
 
+# Decode (M <= 128): weight-bandwidth bound. Tile widths and their weight-streaming efficiency
+# at equal SM fill (H200 sweep, bench/results/gemm_leakyrelu.md: 64-wide tiles pay more per byte).
+DECODE_TILE_N = {64: 0.85, 128: 1.00, 256: 1.00}
+MAX_SPLITS = 16
+A_ROWS = (8, 16, 32, 64)  # rows of A a 64-row decode tile loads: the smallest that holds M
+MIN_SPLIT_K_TILES = 4  # k-tiles per split at least: shorter splits are mostly pipeline fill
+COUNTER_SLOTS = 4096  # split-K tile counters per stream: a split launch has at most this many tiles
+# Cost model constants, fitted to the H200 decode sweep: the rate at which one SM streams weights
+# when the whole GPU is busy, and the fixed cost of one work unit (pipeline fill, epilogue). A
+# CTA that runs two units in sequence is much slower than one running a unit twice as long.
+_SM_BW = 3.1e4  # bytes per us
+_UNIT_US = 3.0
+
 
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
@@ -601,19 +689,65 @@ def _max_active_clusters(device_index: int, cluster_size: int) -> int:
         return sms // cluster_size
 
 
+def split_fits(m: int, n: int, tile_m: int, tile_n: int, splits: int) -> bool:
+    """Whether a split-K launch fits the tile counters and 32-bit partials indexing."""
+    tiles = math.ceil(m / tile_m) * math.ceil(n / tile_n)
+    return splits == 1 or (tiles <= COUNTER_SLOTS and splits * m * math.ceil(n / tile_n) * tile_n < 2**31)
+
+
+def decode_cost(m: int, n: int, k: int, tile_m: int, tile_n: int, splits: int, num_sms: int) -> float:
+    """Modelled microseconds of a decode launch. Units (N tile x K split) are dealt round-robin to
+    at most one CTA per SM, so the busiest CTA runs ceil(units / SMs) of them, each streaming its
+    weight slice; with splits, the last split of a tile then reads all partials (M valid rows) alone.
+    On the H200 sweep the best split count always kept every unit in one wave."""
+    k_tiles = math.ceil(k / TILE_K)
+    units = math.ceil(m / tile_m) * math.ceil(n / tile_n) * splits
+    waves = math.ceil(units / num_sms)
+    unit_bytes = tile_n * math.ceil(k_tiles / splits) * TILE_K * 2
+    cost = waves * (unit_bytes / (_SM_BW * DECODE_TILE_N[tile_n]) + _UNIT_US)
+    if splits > 1:
+        cost += min(m, tile_m) * tile_n * 4 * splits / _SM_BW
+    return cost
+
+
+def decode_splits(m: int, n: int, k: int, tile_m: int, tile_n: int, num_sms: int) -> tuple[float, int]:
+    """(modelled us, K splits) of least modelled cost for one decode tile shape; a split count
+    must win by 1% over fewer splits."""
+    max_splits = max(1, min(MAX_SPLITS, math.ceil(k / TILE_K) // MIN_SPLIT_K_TILES))
+    best = (decode_cost(m, n, k, tile_m, tile_n, 1, num_sms), 1)
+    for splits in range(2, max_splits + 1):
+        if not split_fits(m, n, tile_m, tile_n, splits) or math.ceil(n / tile_n) * splits > 8 * num_sms:
+            break  # out of counters, or far past filling the GPU
+        cost = decode_cost(m, n, k, tile_m, tile_n, splits, num_sms)
+        if cost < 0.99 * best[0]:
+            best = (cost, splits)
+    return best
+
+
+@functools.lru_cache(maxsize=4096)
+def decode_choice(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int]:
+    """(tile_m, tile_n, K splits) for an M <= DECODE_MAX_M problem: one M tile (M <= 64 fits a
+    64-row warpgroup tile), the tile width and split count of least modelled cost (128-wide
+    tiles unless another is 1% better)."""
+    tile_m = 64 if m <= 64 else 128
+    best = None
+    for tile_n in (128, 256, 64):
+        cost, splits = decode_splits(m, n, k, tile_m, tile_n, num_sms)
+        if best is None or cost < 0.99 * best[0]:
+            best = (cost, tile_n, splits)
+    return tile_m, best[1], best[2]
+
+
 @functools.lru_cache(maxsize=4096)
 def select_config(m: int, n: int, k: int, dtype: str, b_major: str, bias: str, slope: float,
                   num_sms: int) -> tuple[GemmConfig, int]:
     """(specialization, K splits) for an [m, k] x [n, k] problem on a GPU with `num_sms` SMs."""
     base = dict(dtype=dtype, b_major=b_major, bias=bias, slope=float(slope))
-    k_tiles = max(1, math.ceil(k / TILE_K))
     if m <= DECODE_MAX_M:
-        # Weight-bandwidth bound: one M tile; split K when the N tiles cannot fill the GPU.
-        cfg = GemmConfig(**base, tile_m=64 if m <= 64 else 128, tile_n=128, cluster_m=1,
-                         split_k=True)
-        tiles = math.ceil(n / cfg.tile_n)
-        splits = max(1, min(num_sms // tiles, k_tiles // 4, 16)) if tiles < num_sms else 1
-        return cfg, splits
+        tile_m, tile_n, splits = decode_choice(m, n, k, num_sms)
+        a_rows = next(r for r in A_ROWS if r >= m) if tile_m == 64 else tile_m
+        return GemmConfig(**base, tile_m=tile_m, tile_n=tile_n, cluster_m=1, split_k=True,
+                          a_rows=a_rows), splits
     best = None
     for tile_m, tile_n, pingpong, efficiency in PREFILL_TILES:
         clusters = math.ceil(math.ceil(m / tile_m) / 2) * math.ceil(n / tile_n)
@@ -628,50 +762,85 @@ def select_config(m: int, n: int, k: int, dtype: str, b_major: str, bias: str, s
 # ---------------------------------------------------------------------------------------------
 # Launching.
 
-_workspaces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _split_workspace(device: torch.device, tiles: int, floats: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(counters, partials) of split-K launches on the current stream: int32 counters, one per
-    output tile, zeroed once and returned to zero by the kernel; fp32 partial tiles. Launches on
-    one stream never overlap, so both are reused; they only grow."""
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    counters, partials = _workspaces.get(key, (None, None))
-    if counters is None or counters.numel() < tiles:
-        counters = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
-    if partials is None or partials.numel() < floats:
-        partials = torch.empty(max(floats, 4), dtype=torch.float32, device=device)
-    _workspaces[key] = counters, partials
-    return counters, partials
+_unread_partials: dict[int, torch.Tensor] = {}  # per device: stands in for the partials of unsplit launches
 
 
 def _row_stride_ok(t: torch.Tensor) -> torch.Tensor:
     """`t` with a 16-byte multiple row stride: a size-1 leading dim may carry any stride."""
-    if t.shape[0] == 1 and t.stride(0) % 8:
-        return t.as_strided(t.shape, (8 * math.ceil(t.shape[1] / 8), t.stride(1)))
-    return t
+    return t.as_strided(t.shape, (8 * math.ceil(t.shape[1] / 8), t.stride(1)))
+
+
+def _extent(t: Optional[torch.Tensor]) -> int:
+    """Bytes from t's first to one past its last element (0 when empty or None)."""
+    if t is None or t.numel() == 0:
+        return 0
+    return (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+class _Plan:
+    """One specialization launched on one argument signature (shapes, strides, dtypes, device):
+    everything derived from the signature is computed once; a call only checks what depends on
+    the data pointers (16-byte alignment, out overlapping an input), fetches the split-K
+    workspace and launches."""
+
+    def __init__(self, a, b_nk, bias, out, cfg: GemmConfig, splits: int,
+                 raster_group: int = RASTER_GROUP):
+        m, k = a.shape
+        n = b_nk.shape[0]
+        if splits < 1 or (splits > 1 and not cfg.split_k):
+            raise ValueError(f"{cfg} cannot run {splits} K splits")
+        if cfg.split_k and not split_fits(m, n, cfg.tile_m, cfg.tile_n, splits):
+            raise ValueError(f"{m}x{n} is too large for {splits} K splits of {cfg}")
+        if cfg.a_rows < cfg.tile_m and m > cfg.a_rows:
+            raise ValueError(f"{cfg} loads {cfg.a_rows} rows of A: M = {m} is too many")
+        self.fn = compile_config(cfg).fn
+        self.device = a.device.index
+        self.split_k = cfg.split_k
+        self.partial_floats = splits * m * math.ceil(n / cfg.tile_n) * cfg.tile_n if splits > 1 else 0
+        self.scalars = (splits, raster_group,
+                        _max_active_clusters(self.device, cfg.cluster_m * cfg.cluster_n))
+        self.fix_a = m == 1 and a.stride(0) % 8 != 0
+        self.fix_out = m == 1 and out.stride(0) % 8 != 0
+        self.extents = (_extent(a), _extent(b_nk), _extent(bias), _extent(out))
+
+    def __call__(self, a, b_nk, bias, out, private_scratch: bool = False) -> None:
+        pa, pb, po = a.data_ptr(), b_nk.data_ptr(), out.data_ptr()
+        ea, eb, ebias, eo = self.extents
+        pbias = bias.data_ptr() if bias is not None else 0
+        if ((pa | pb | po) % 16 or (pa < po + eo and po < pa + ea) or (pb < po + eo and po < pb + eb)
+                or (ebias and pbias < po + eo and po < pbias + ebias)):
+            _check_memory(a, b_nk, bias, out)  # raises, saying which
+        partials = counters = None
+        if self.split_k:
+            # Tile counters that the last split of each tile returns to zero (see rosekernels.scratch).
+            counters = scratch.zeroed_int32(self.device, COUNTER_SLOTS, private_scratch)
+            if self.partial_floats:
+                partials = torch.empty(self.partial_floats, dtype=torch.float32, device=a.device)
+            else:
+                partials = _unread_partials.get(self.device)
+                if partials is None:
+                    partials = _unread_partials[self.device] = torch.empty(4, dtype=torch.float32, device=a.device)
+        args = (_row_stride_ok(a) if self.fix_a else a, b_nk,
+                _row_stride_ok(out) if self.fix_out else out, bias, partials, counters, *self.scalars)
+        try:
+            if torch.cuda.current_device() == self.device:
+                self.fn(*args)
+            else:
+                with torch.cuda.device(self.device):  # the launch goes to the current device's stream
+                    self.fn(*args)
+        except Exception:
+            # The compiled host code checks its arguments and raises before launching; the full
+            # checks say what is wrong in this op's terms.
+            _check_shapes(a, b_nk, bias, out)
+            _check_memory(a, b_nk, bias, out)
+            raise
 
 
 def _launch(a: torch.Tensor, b_nk: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
             cfg: GemmConfig, splits: int, raster_group: int = RASTER_GROUP) -> None:
-    """Run `cfg` on validated arguments (b_nk: b seen as [N, K])."""
-    kernel = compile_config(cfg)
-    m, k = a.shape
-    n = b_nk.shape[0]
-    device = a.device
-    partials = counters = None
-    if cfg.split_k:
-        tiles = math.ceil(n / cfg.tile_n) * math.ceil(m / cfg.tile_m)
-        floats = tiles * splits * cfg.tile_m * cfg.tile_n if splits > 1 else 0
-        counters, partials = _split_workspace(device, tiles, floats)
-    clusters = _max_active_clusters(device.index, cfg.cluster_m * cfg.cluster_n)
-    args = (_row_stride_ok(a), b_nk, _row_stride_ok(out), bias, partials, counters, splits,
-            raster_group, clusters)
-    if device.index == torch.cuda.current_device():
-        kernel.fn(*args)
-    else:
-        with torch.cuda.device(device):  # the launch goes to the current device's stream
-            kernel.fn(*args)
+    """Run `cfg` with `splits` K splits on validated arguments (b_nk: b seen as [N, K]), whatever
+    the heuristic would pick: for tests, the benchmark's sweep and the tuner."""
+    _Plan(a, b_nk, bias, out, cfg, splits, raster_group)(a, b_nk, bias, out)
 
 
 def _check_shapes(a, b_nk, bias, out) -> None:
@@ -731,6 +900,8 @@ def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 
 def _b_as_nk(b: torch.Tensor, b_layout: str) -> torch.Tensor:
+    if b_layout == "nk" and type(b) in _PLAIN and b.dim() == 2:
+        return b
     if b_layout not in ("nk", "kn"):
         raise ValueError(f"b_layout must be 'nk' (b is [N, K]) or 'kn' (b is [K, N]), got {b_layout!r}")
     if not isinstance(b, torch.Tensor) or b.dim() != 2:
@@ -738,31 +909,54 @@ def _b_as_nk(b: torch.Tensor, b_layout: str) -> torch.Tensor:
     return b if b_layout == "nk" else b.t()
 
 
-def _gemm_leakyrelu_impl(a: torch.Tensor, b_nk: torch.Tensor, bias: Optional[torch.Tensor],
-                         out: torch.Tensor, negative_slope: float) -> None:
+def _k_zero(a, b_nk, bias, out, negative_slope) -> None:
+    """K = 0: no K tiles for TMA to describe; the product is zero."""
+    _check_memory(a, b_nk, bias, out)
+    n = out.shape[1]
+    out.copy_(torch.nn.functional.leaky_relu(
+        (bias.float() if bias is not None else out.new_zeros(n, dtype=torch.float32)).expand(out.shape),
+        negative_slope))
+
+
+def _new_plan(a, b_nk, bias, out, negative_slope: float):
+    """Slow path, once per argument signature: every check, the heuristic, the compile."""
     _check_shapes(a, b_nk, bias, out)
     _check_memory(a, b_nk, bias, out)
     m, k = a.shape
     n = b_nk.shape[0]
     if m == 0 or n == 0:
-        return
-    if k == 0:  # no K tiles for TMA to describe: the product is zero
-        out.copy_(torch.nn.functional.leaky_relu(
-            (bias.float() if bias is not None else out.new_zeros(n, dtype=torch.float32)).expand(m, n),
-            negative_slope))
-        return
+        return lambda *args: None
+    if k == 0:
+        return lambda a, b_nk, bias, out, private_scratch=False: _k_zero(a, b_nk, bias, out, negative_slope)
     names = checks.DTYPE_NAME
     cfg, splits = select_config(
         m, n, k, names[a.dtype], "k" if b_nk.stride(1) == 1 else "n",
         names[bias.dtype] if bias is not None else "none", negative_slope, _num_sms(a.device.index),
     )
-    _launch(a, b_nk, bias, out, cfg, splits)
+    return _Plan(a, b_nk, bias, out, cfg, splits)
+
+
+_plans: dict[tuple, object] = {}  # argument signature -> launch plan
+
+
+def _gemm_leakyrelu_impl(a: torch.Tensor, b_nk: torch.Tensor, bias: Optional[torch.Tensor],
+                         out: torch.Tensor, negative_slope: float, private_scratch: bool = False) -> None:
+    key = (a.shape, a.stride(), b_nk.shape, b_nk.stride(), out.shape, out.stride(), a.dtype,
+           b_nk.dtype, out.dtype, a.device, b_nk.device, out.device, negative_slope,
+           None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device))
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _new_plan(a, b_nk, bias, out, negative_slope)
+        if len(_plans) >= 4096:  # many distinct signatures: start over rather than grow unbounded
+            _plans.clear()
+        _plans[key] = plan
+    plan(a, b_nk, bias, out, private_scratch)
 
 
 @torch.library.custom_op("rosekernels::gemm_leakyrelu", mutates_args=("out",))
 def _gemm_leakyrelu_op(a: torch.Tensor, b_nk: torch.Tensor, bias: Optional[torch.Tensor],
                        out: torch.Tensor, negative_slope: float) -> None:
-    _gemm_leakyrelu_impl(a, b_nk, bias, out, negative_slope)
+    _gemm_leakyrelu_impl(a, b_nk, bias, out, negative_slope, private_scratch=True)  # compiled graphs
 
 
 @_gemm_leakyrelu_op.register_fake
@@ -788,13 +982,16 @@ def gemm_leakyrelu(a: torch.Tensor, b: torch.Tensor, negative_slope: float = 0.0
         if not isinstance(a, torch.Tensor) or a.dim() != 2:
             raise ValueError("a must be a 2-D tensor")
         out = torch.empty((a.shape[0], b_nk.shape[0]), dtype=a.dtype, device=a.device)
-    plain = (torch.Tensor, torch.nn.Parameter)
-    if (torch.compiler.is_compiling() or out.device.type == "meta"
-            or any(type(t) not in plain for t in (a, b_nk, bias, out) if t is not None)):
-        _gemm_leakyrelu_op(a, b_nk, bias, out, float(negative_slope))  # traced: the registered op
-    else:
+    if (type(a) in _PLAIN and type(b_nk) in _PLAIN and type(out) in _PLAIN
+            and (bias is None or type(bias) in _PLAIN) and not out.is_meta
+            and not torch.compiler.is_compiling()):
         _gemm_leakyrelu_impl(a, b_nk, bias, out, float(negative_slope))  # eager: skip the dispatcher
+    else:
+        _gemm_leakyrelu_op(a, b_nk, bias, out, float(negative_slope))  # traced: the registered op
     return out
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # subclasses (fake, functional) take the op
 
 
 # ---------------------------------------------------------------------------------------------
@@ -805,7 +1002,9 @@ def specializations(slope: float = 0.01) -> list[GemmConfig]:
     """Every kernel variant `gemm_leakyrelu` can launch for one slope value (bias dtype "fp32"
     and the input dtype both count; b contiguous along K or N)."""
     tiles = [dict(tile_m=tm, tile_n=tn, pingpong=pp) for tm, tn, pp, _ in PREFILL_TILES]
-    tiles += [dict(tile_m=tm, tile_n=128, cluster_m=1, split_k=True) for tm in (64, 128)]
+    tiles += [dict(tile_m=64, tile_n=tn, cluster_m=1, split_k=True, a_rows=r)
+              for tn in DECODE_TILE_N for r in A_ROWS]
+    tiles += [dict(tile_m=128, tile_n=tn, cluster_m=1, split_k=True) for tn in DECODE_TILE_N]
     return [GemmConfig(dtype=dt, b_major=bm, bias=bias, slope=slope, **t)
             for dt in ("bf16", "fp16") for bm in ("k", "n")
             for bias in ("none", dt, "fp32") for t in tiles]
@@ -822,8 +1021,10 @@ class TuningCase:
 
     @classmethod
     def for_config(cls, cfg: GemmConfig) -> "TuningCase":
-        if cfg.split_k:
-            return cls(cfg, 16 if cfg.tile_m == 64 else 128, 14336, 4096)
+        if cfg.split_k:  # MLP up (M <= 32) and down (M = 128) projections: both split K
+            if cfg.tile_m == 64:
+                return cls(cfg, 16 if cfg.a_rows == 64 else cfg.a_rows, 14336, 4096)
+            return cls(cfg, 128, 4096, 14336)
         return cls(cfg, 8192, 14336, 4096)
 
     def kernel(self) -> jit.CompiledKernel:
@@ -847,12 +1048,10 @@ class TuningCase:
         partials = counters = None
         if cfg.split_k:
             sms = _num_sms(torch.device(device).index or 0)
-            _, splits = select_config(self.m, self.n, self.k, cfg.dtype, cfg.b_major, cfg.bias,
-                                      cfg.slope, sms)
-            tiles = math.ceil(self.n / cfg.tile_n) * math.ceil(self.m / cfg.tile_m)
-            counters = torch.zeros(tiles, dtype=torch.int32, device=device)
-            partials = torch.empty(max(4, tiles * splits * cfg.tile_m * cfg.tile_n),
-                                   dtype=torch.float32, device=device)
+            _, splits = decode_splits(self.m, self.n, self.k, cfg.tile_m, cfg.tile_n, sms)
+            n_pad = math.ceil(self.n / cfg.tile_n) * cfg.tile_n
+            counters = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+            partials = torch.empty(max(4, splits * self.m * n_pad), dtype=torch.float32, device=device)
         clusters = _max_active_clusters(torch.device(device).index or 0, cfg.cluster_m * cfg.cluster_n)
         return (a, b, out, bias, partials, counters, splits, RASTER_GROUP, clusters)
 
