@@ -60,31 +60,6 @@ def time_ms(fn, sets, warmup=3, iters=10):
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
-def time_graph_ms(fn, launches=50, replays=5):
-    """Per-launch time of `launches` calls captured in one CUDA graph (decode-sized work)."""
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            for _ in range(launches):
-                fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / launches)
-    return statistics.median(times)
-
-
 def ceilings():
     """Measured in this run: device copy bandwidth (read + write) and a dense bf16 GEMM."""
     n = 1 << 28
@@ -170,7 +145,7 @@ def bench_shape(shape, peers, s_q=None, iters=10):
                 diff = (run(0).float() - ref.float()).abs().max().item()
                 row[f"{name}_maxdiff"] = diff
             if s_q == 1:
-                ms = time_graph_ms(lambda: run(0))
+                ms = time_graph_rotating_ms(lambda i: run(0), 1)
             else:
                 ms = time_ms(run, len(sets), iters=iters)
             row[f"{name}_ms"] = ms

@@ -3,16 +3,14 @@ validation (CPU), and numerics against a float64 reference on fresh random input
 import dataclasses
 import importlib.util
 import math
-import os
 import re
 import struct
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from attention_reference import check, inputs, sync
 
 from rosekernels import scratch
 from rosekernels.kernels import attention as A
@@ -155,72 +153,13 @@ SEQLENS = [(1, 1), (17, 17), (127, 127), (129, 129), (1000, 1000), (1, 1000), (1
 HEADS = [(4, 4), (8, 2), (8, 1)]  # GQA ratios 1, 4, 8
 
 
-def _reference(q, k, v, causal, scale, lowp=False):
-    """(out, lse) in float64; lowp: the kernel's rounding (P and out in the input dtype, fp32 math).
-
-    Causal is bottom-right aligned; a row that sees no key gets out = 0, lse = -inf."""
-    ratio = q.shape[2] // k.shape[2]
-    acc = torch.float32 if lowp else torch.float64
-    qh, kh, vh = (t.transpose(1, 2).to(acc) for t in (q, k, v))  # [B, H, S, d]
-    kh, vh = kh.repeat_interleave(ratio, dim=1), vh.repeat_interleave(ratio, dim=1)
-    s = qh @ kh.transpose(-1, -2) * scale
-    s_q, s_k = q.shape[1], k.shape[1]
-    if causal:
-        i = torch.arange(s_q, device=q.device)[:, None]
-        j = torch.arange(s_k, device=q.device)[None, :]
-        s = s.masked_fill(j > i + s_k - s_q, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-    if lowp:
-        p = p.to(q.dtype).to(acc)
-    out = (p @ vh).transpose(1, 2)
-    if lowp:
-        out = out.to(q.dtype)
-    return out.double(), lse.double()
-
-
-def _check(out, lse, q, k, v, causal, scale, what):
-    """out within 2x the error of a same-precision reference (+1e-3), every element written, lse to 1e-3."""
-    ref, ref_lse = _reference(q, k, v, causal, scale)
-    lowp, _ = _reference(q, k, v, causal, scale, lowp=True)
-    assert not out.isnan().any(), f"{what}: {out.isnan().sum().item()} output elements unwritten (NaN)"
-    err = (out.double() - ref).abs().max().item()
-    err_lowp = (lowp - ref).abs().max().item()
-    assert err <= 2 * err_lowp + 1e-3, f"{what}: max |out - ref| = {err:.3g}, same-precision reference {err_lowp:.3g}"
-    if lse is not None:
-        assert not lse.isnan().any(), f"{what}: {lse.isnan().sum().item()} lse elements unwritten (NaN)"
-        empty = ref_lse == float("-inf")
-        assert torch.equal(lse == float("-inf"), empty), f"{what}: -inf lse rows differ from the reference"
-        lse_err = (lse.double() - ref_lse)[~empty].abs().max().item() if (~empty).any() else 0.0
-        assert lse_err <= 1e-3, f"{what}: max |lse - ref| = {lse_err:.3g}"
-
-
-def _inputs(b, s_q, s_k, hq, hkv, d, dtype, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return [torch.randn(b, s, h, d, generator=g, device="cuda").to(dtype)
-            for s, h in ((s_q, hq), (s_k, hkv), (s_k, hkv))]
-
-
-def _sync(what, timeout_s=60.0):
-    """Synchronize, but end the process with a message if the kernel hangs (a pipeline deadlock
-    would otherwise hold the GPU until the job's time runs out)."""
-    done = torch.cuda.Event()
-    done.record()
-    start = time.time()
-    while not done.query():
-        if time.time() - start > timeout_s:
-            print(f"\nKERNEL HANG: {what} did not finish in {timeout_s:.0f} s", file=sys.stderr, flush=True)
-            os._exit(3)
-        time.sleep(0.001)
-
-
 def _run_poisoned(kernel, cfg, q, k, v, scale, num_ctas=None):
     """One launch into NaN-filled out/lse; num_ctas: the grid (default: the op's choice)."""
     out = torch.full_like(q, float("nan"))
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device="cuda")
     counter, ctas = A.launch_args(cfg, q, num_ctas)
     kernel.fn(q, k, v, out, lse, scale * A.LOG2_E, counter, ctas)
-    _sync(f"{cfg} on q{list(q.shape)} k{list(k.shape)} with {ctas} CTAs")
+    sync(f"{cfg} on q{list(q.shape)} k{list(k.shape)} with {ctas} CTAs")
     assert counter.item() == 0 or ctas >= A.num_tiles(cfg, q.shape[0], q.shape[1], q.shape[2]), \
         "the tile counter was not re-zeroed"
     return out, lse
@@ -237,11 +176,11 @@ def test_matches_float64_reference(kernels, cfg):
     # round), 1000 leaves CTAs with no tile at all.
     for i, (s_q, s_k) in enumerate(SEQLENS):
         hq, hkv = HEADS[i % len(HEADS)]
-        q, k, v = _inputs(2, s_q, s_k, hq, hkv, cfg.head_dim, TORCH_DTYPE[cfg.dtype], seed=i)
+        q, k, v = inputs(2, s_q, s_k, hq, hkv, cfg.head_dim, TORCH_DTYPE[cfg.dtype], seed=i)
         scale = 1.0 / math.sqrt(cfg.head_dim)
         for num_ctas in (None, 1, 5, 1000):
             out, lse = _run_poisoned(kernels[cfg], cfg, q, k, v, scale, num_ctas)
-            _check(out, lse, q, k, v, cfg.causal, scale, f"S_q={s_q} S_kv={s_k} Hq={hq} Hkv={hkv} ctas={num_ctas}")
+            check(out, lse, q, k, v, cfg.causal, scale, f"S_q={s_q} S_kv={s_k} Hq={hq} Hkv={hkv} ctas={num_ctas}")
 
 
 @pytest.mark.gpu
@@ -249,13 +188,13 @@ def test_matches_float64_reference(kernels, cfg):
 @pytest.mark.parametrize("d", [64, 128])
 def test_more_tiles_than_sms_through_the_public_op(kernels, causal, d):
     """The op's own persistent grid (tiles > SMs): CTAs claim tiles from the counter."""
-    q, k, v = _inputs(3, 1111, 1500, 12, 4, d, torch.bfloat16, seed=10 + d + causal)
+    q, k, v = inputs(3, 1111, 1500, 12, 4, d, torch.bfloat16, seed=10 + d + causal)
     cfg = A.default_config(d, "bf16", causal)
     assert A.num_tiles(cfg, 3, 1111, 12) > torch.cuda.get_device_properties(0).multi_processor_count
     out = torch.full_like(q, float("nan"))
     res, lse = A.attention(q, k, v, causal=causal, out=out, return_lse=True)
-    _sync("public op, persistent")
-    _check(out, lse, q, k, v, causal, 1 / math.sqrt(d), f"d={d} causal={causal} S_q=1111 S_kv=1500")
+    sync("public op, persistent")
+    check(out, lse, q, k, v, causal, 1 / math.sqrt(d), f"d={d} causal={causal} S_q=1111 S_kv=1500")
 
 
 @pytest.mark.gpu
@@ -264,17 +203,17 @@ def test_causal_l2_sections_with_a_narrower_last_one(kernels):
     cfg = A.default_config(128, "bf16", True)
     s_k = 30000
     assert (A._L2_KV_BYTES // (4 * 128)) // s_k == 2
-    q, k, v = _inputs(1, 200, s_k, 5, 5, 128, torch.bfloat16, seed=11)
+    q, k, v = inputs(1, 200, s_k, 5, 5, 128, torch.bfloat16, seed=11)
     for num_ctas in (None, 3):
         out, lse = _run_poisoned(kernels[cfg], cfg, q, k, v, 1 / math.sqrt(128), num_ctas)
-        _check(out, lse, q, k, v, True, 1 / math.sqrt(128), f"sections, ctas={num_ctas}")
+        check(out, lse, q, k, v, True, 1 / math.sqrt(128), f"sections, ctas={num_ctas}")
 
 
 @pytest.mark.gpu
 def test_a_reused_counter_serves_back_to_back_launches(kernels):
     """The kernel leaves the counter at zero, so launches on one stream may share it."""
     cfg = A.default_config(64, "fp16", True)
-    q, k, v = _inputs(2, 700, 700, 8, 2, 64, torch.float16, seed=12)
+    q, k, v = inputs(2, 700, 700, 8, 2, 64, torch.float16, seed=12)
     counter, ctas = A.launch_args(cfg, q, num_ctas=4)
     scale = 1 / 8
     outs = []
@@ -283,22 +222,22 @@ def test_a_reused_counter_serves_back_to_back_launches(kernels):
         lse = torch.full((2, 8, 700), float("nan"), device="cuda")
         kernels[cfg].fn(q, k, v, out, lse, scale * A.LOG2_E, counter, ctas)
         outs.append((out, lse))
-    _sync("back-to-back launches")
+    sync("back-to-back launches")
     assert counter.item() == 0
     for i, (out, lse) in enumerate(outs):
-        _check(out, lse, q, k, v, True, scale, f"launch {i}")
+        check(out, lse, q, k, v, True, scale, f"launch {i}")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
 def test_public_op_long_sequence_custom_scale_and_lse(kernels, causal, d):
-    q, k, v = _inputs(1, 2048 + 77, 2048 + 77, 4, 2, d, torch.bfloat16, seed=d + causal)
+    q, k, v = inputs(1, 2048 + 77, 2048 + 77, 4, 2, d, torch.bfloat16, seed=d + causal)
     out = torch.full_like(q, float("nan"))
     res, lse = A.attention(q, k, v, causal=causal, softmax_scale=0.3, out=out, return_lse=True)
-    _sync("public op")
+    sync("public op")
     assert res is out
-    _check(out, lse, q, k, v, causal, 0.3, f"d={d} causal={causal}")
+    check(out, lse, q, k, v, causal, 0.3, f"d={d} causal={causal}")
 
 
 @pytest.mark.gpu
@@ -309,25 +248,25 @@ def test_strided_views_in_and_out(kernels):
     big = torch.full((b, s, h, 2 * d), float("nan"), device="cuda", dtype=torch.float16)
     out = big[..., d:]
     A.attention(q, k, v, causal=True, out=out)
-    _sync("strided")
-    _check(out, None, q, k, v, True, 1 / math.sqrt(d), "strided")
+    sync("strided")
+    check(out, None, q, k, v, True, 1 / math.sqrt(d), "strided")
     assert big[..., :d].isnan().all(), "wrote outside out"
     # A size-1 batch with an odd batch stride: the stride never addresses memory.
     q1 = torch.randn(3, 64, h, d, device="cuda", dtype=torch.float16)[1:2]
     q1 = q1.as_strided(q1.shape, (7, *q1.stride()[1:]), q1.storage_offset())
     k1, v1 = k[:1, :64].contiguous(), v[:1, :64].contiguous()
     out1 = A.attention(q1, k1, v1)
-    _sync("size-1 batch")
-    _check(out1, None, q1, k1, v1, False, 1 / math.sqrt(d), "size-1 batch")
+    sync("size-1 batch")
+    check(out1, None, q1, k1, v1, False, 1 / math.sqrt(d), "size-1 batch")
 
 
 @pytest.mark.gpu
 def test_fully_masked_rows_and_empty_query(kernels):
-    q, k, v = _inputs(1, 300, 40, 2, 2, 64, torch.bfloat16, seed=7)
+    q, k, v = inputs(1, 300, 40, 2, 2, 64, torch.bfloat16, seed=7)
     out, lse = A.attention(q, k, v, causal=True, return_lse=True)
-    _sync("fully masked rows")
+    sync("fully masked rows")
     assert (out[:, :260] == 0).all() and (lse[:, :, :260] == float("-inf")).all()
-    _check(out, lse, q, k, v, True, 1 / 8, "S_q > S_kv causal")
+    check(out, lse, q, k, v, True, 1 / 8, "S_q > S_kv causal")
     empty = A.attention(q[:, :0], k, v, causal=True)
     assert empty.shape == (1, 0, 2, 64)
 
@@ -335,12 +274,12 @@ def test_fully_masked_rows_and_empty_query(kernels):
 @pytest.mark.gpu
 def test_captures_in_a_cuda_graph_on_the_current_stream(kernels):
     # More tiles than SMs: the capture holds the counter's zeroing too.
-    q, k, v = _inputs(4, 1025, 1025, 8, 2, 128, torch.bfloat16, seed=3)
+    q, k, v = inputs(4, 1025, 1025, 8, 2, 128, torch.bfloat16, seed=3)
     out = torch.empty_like(q)
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         A.attention(q, k, v, causal=True, out=out)  # warm up outside the capture
-        _sync("graph warm-up")
+        sync("graph warm-up")
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=s):
             A.attention(q, k, v, causal=True, out=out)
@@ -349,8 +288,8 @@ def test_captures_in_a_cuda_graph_on_the_current_stream(kernels):
             t.copy_(torch.randn_like(t))
         out.fill_(float("nan"))
         g.replay()
-        _sync("graph replay")
-        _check(out, None, q, k, v, True, 1 / math.sqrt(128), f"graph replay {replay}")
+        sync("graph replay")
+        check(out, None, q, k, v, True, 1 / math.sqrt(128), f"graph replay {replay}")
 
 
 @pytest.mark.gpu
@@ -361,14 +300,14 @@ def test_cached_plans_serve_new_data_and_still_check_pointers(kernels):
     shapes = [(3, 1111, 1500, 12, 4, 128, True), (2, 700, 700, 8, 8, 64, False)]
     for rep in range(3):
         for i, (b, s_q, s_k, hq, hkv, d, causal) in enumerate(shapes):
-            q, k, v = _inputs(b, s_q, s_k, hq, hkv, d, torch.bfloat16, seed=100 + 10 * rep + i)
+            q, k, v = inputs(b, s_q, s_k, hq, hkv, d, torch.bfloat16, seed=100 + 10 * rep + i)
             out = torch.full_like(q, float("nan"))
             _, lse = A.attention(q, k, v, causal=causal, out=out, return_lse=True)
-            _sync("cached plan")
-            _check(out, lse, q, k, v, causal, 1 / math.sqrt(d), f"rep {rep} shape {i}")
+            sync("cached plan")
+            check(out, lse, q, k, v, causal, 1 / math.sqrt(d), f"rep {rep} shape {i}")
     assert all(int(c.sum()) == 0 for c in scratch._shared.values()), "a tile counter was left nonzero"
     b, s_q, s_k, hq, hkv, d, causal = shapes[0]
-    q, k, v = _inputs(b, s_q, s_k, hq, hkv, d, torch.bfloat16, seed=7)
+    q, k, v = inputs(b, s_q, s_k, hq, hkv, d, torch.bfloat16, seed=7)
     base = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
     out = base[1:].view(q.shape)  # same shape and strides as a cached signature, pointer off by 2 bytes
     out.fill_(1.0)

@@ -3,16 +3,14 @@ split-count and argument checks (CPU), numerics against a float64 reference on f
 the split/combine paths, the attention() dispatch, CUDA graphs and torch.compile (GPU)."""
 import importlib.util
 import math
-import os
 import re
 import struct
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from attention_reference import check, inputs, sync
 
 from rosekernels import scratch
 from rosekernels.kernels import attention as A
@@ -126,70 +124,12 @@ SEQLENS_K = (1, 7, 129, 1000, 8191)  # one key, less than a tile, ragged tiles, 
 HEADS = ((4, 4), (8, 2), (16, 2))  # GQA ratios 1, 4, 8 (S_q = 16 at ratio 8: two 64-row m-blocks)
 
 
-def _reference(q, k, v, causal, scale, lowp=False):
-    """(out, lse) in float64; lowp: the kernel's rounding (P and out in the input dtype, fp32 math).
-    Causal is bottom-right aligned; a row that sees no key gets out = 0, lse = -inf."""
-    ratio = q.shape[2] // k.shape[2]
-    acc = torch.float32 if lowp else torch.float64
-    qh, kh, vh = (t.transpose(1, 2).to(acc) for t in (q, k, v))  # [B, H, S, d]
-    kh, vh = kh.repeat_interleave(ratio, dim=1), vh.repeat_interleave(ratio, dim=1)
-    s = qh @ kh.transpose(-1, -2) * scale
-    s_q, s_k = q.shape[1], k.shape[1]
-    if causal:
-        i = torch.arange(s_q, device=q.device)[:, None]
-        j = torch.arange(s_k, device=q.device)[None, :]
-        s = s.masked_fill(j > i + s_k - s_q, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-    if lowp:
-        p = p.to(q.dtype).to(acc)
-    out = (p @ vh).transpose(1, 2)
-    if lowp:
-        out = out.to(q.dtype)
-    return out.double(), lse.double()
-
-
-def _check(out, lse, q, k, v, causal, scale, what):
-    """out within 2x the error of a same-precision reference (+1e-3), every element written, lse to 1e-3."""
-    ref, ref_lse = _reference(q, k, v, causal, scale)
-    lowp, _ = _reference(q, k, v, causal, scale, lowp=True)
-    assert not out.isnan().any(), f"{what}: {out.isnan().sum().item()} output elements unwritten (NaN)"
-    err = (out.double() - ref).abs().max().item()
-    err_lowp = (lowp - ref).abs().max().item()
-    assert err <= 2 * err_lowp + 1e-3, f"{what}: max |out - ref| = {err:.3g}, same-precision reference {err_lowp:.3g}"
-    assert not lse.isnan().any(), f"{what}: {lse.isnan().sum().item()} lse elements unwritten (NaN)"
-    empty = ref_lse == float("-inf")
-    assert torch.equal(lse == float("-inf"), empty), f"{what}: -inf lse rows differ from the reference"
-    assert (out.double()[empty.transpose(1, 2)] == 0).all(), f"{what}: a row that sees no key is not 0"
-    lse_err = (lse.double() - ref_lse)[~empty].abs().max().item() if (~empty).any() else 0.0
-    assert lse_err <= 1e-3, f"{what}: max |lse - ref| = {lse_err:.3g}"
-
-
-def _inputs(b, s_q, s_k, hq, hkv, d, dtype, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return [torch.randn(b, s, h, d, generator=g, device="cuda").to(dtype)
-            for s, h in ((s_q, hq), (s_k, hkv), (s_k, hkv))]
-
-
-def _sync(what, timeout_s=60.0):
-    """Synchronize, but end the process with a message if the kernel hangs (a pipeline deadlock
-    would otherwise hold the GPU until the job's time runs out)."""
-    done = torch.cuda.Event()
-    done.record()
-    start = time.time()
-    while not done.query():
-        if time.time() - start > timeout_s:
-            print(f"\nKERNEL HANG: {what} did not finish in {timeout_s:.0f} s", file=sys.stderr, flush=True)
-            os._exit(3)
-        time.sleep(0.001)
-
-
 def _run(q, k, v, causal, scale, splits=None):
     out = torch.full_like(q, float("nan"))
     res, lse = D.attention_decode(q, k, v, causal=causal, softmax_scale=scale, out=out, return_lse=True,
                                   splits=splits)
     what = f"q{list(q.shape)} k{list(k.shape)} causal={causal} splits={splits}"
-    _sync(what)
+    sync(what)
     assert res is out
     return out, lse, what
 
@@ -207,11 +147,11 @@ def test_matches_float64_reference(kernels, d, dtype, causal):
     for s_q in SEQLENS_Q:
         for s_k in SEQLENS_K:
             hq, hkv = HEADS[i % len(HEADS)]
-            q, k, v = _inputs(2, s_q, s_k, hq, hkv, d, tdtype, seed=i)
+            q, k, v = inputs(2, s_q, s_k, hq, hkv, d, tdtype, seed=i)
             n_tiles = -(-s_k // D.config_for(d, dtype, s_q * hq // hkv).tile_n)
             for splits in dict.fromkeys((None, 1, n_tiles)):
                 out, lse, what = _run(q, k, v, causal, scale, splits)
-                _check(out, lse, q, k, v, causal, scale, what)
+                check(out, lse, q, k, v, causal, scale, what)
             i += 1
     assert all(int(c.sum()) == 0 for c in scratch._shared.values()), "a split counter was not reset to 0"
 
@@ -220,22 +160,22 @@ def test_matches_float64_reference(kernels, d, dtype, causal):
 @pytest.mark.parametrize("hq, hkv", [(32, 8), (16, 16), (64, 1)])
 def test_decode_shapes_with_many_splits(kernels, hq, hkv):
     """Batch 1 over a long cache: the split count the op picks for a small grid (dozens of chunks)."""
-    q, k, v = _inputs(1, 1, 32768 + 77, hq, hkv, 128, torch.bfloat16, seed=hq)
+    q, k, v = inputs(1, 1, 32768 + 77, hq, hkv, 128, torch.bfloat16, seed=hq)
     cfg, splits, _, _ = D._plan(q, k)
     assert splits > 8, (cfg, splits)
     out, lse, what = _run(q, k, v, False, 0.1)
-    _check(out, lse, q, k, v, False, 0.1, what)
+    check(out, lse, q, k, v, False, 0.1, what)
 
 
 @pytest.mark.gpu
 def test_attention_dispatches_short_queries_to_the_decode_kernel(kernels):
-    q, k, v = _inputs(3, 4, 3000, 16, 4, 128, torch.bfloat16, seed=11)
+    q, k, v = inputs(3, 4, 3000, 16, 4, 128, torch.bfloat16, seed=11)
     for causal in (False, True):
         out, lse = A.attention(q, k, v, causal=causal, return_lse=True)
         ref, ref_lse = D.attention_decode(q, k, v, causal=causal, return_lse=True)
-        _sync("dispatch")
+        sync("dispatch")
         assert torch.equal(out, ref) and torch.equal(lse, ref_lse), "attention() did not run the decode kernel"
-        _check(out, lse, q, k, v, causal, 1 / math.sqrt(128), f"attention() causal={causal}")
+        check(out, lse, q, k, v, causal, 1 / math.sqrt(128), f"attention() causal={causal}")
 
 
 @pytest.mark.gpu
@@ -247,23 +187,23 @@ def test_strided_views_in_and_out(kernels):
     big = torch.full((b, 3, h, 2 * d), float("nan"), device="cuda", dtype=torch.float16)
     out = big[..., :d]
     _, lse = A.attention(q, k, v, causal=True, out=out, return_lse=True)
-    _sync("strided")
-    _check(out, lse, q, k, v, True, 1 / math.sqrt(d), "strided")
+    sync("strided")
+    check(out, lse, q, k, v, True, 1 / math.sqrt(d), "strided")
     assert big[..., d:].isnan().all(), "wrote outside out"
 
 
 @pytest.mark.gpu
 def test_captures_in_a_cuda_graph_and_replays_with_new_inputs(kernels):
     """Two launches per graph (a split one and a one-split one), replayed twice with fresh inputs."""
-    q, k, v = _inputs(1, 1, 20000, 32, 8, 128, torch.bfloat16, seed=3)
-    q2, k2, v2 = _inputs(64, 2, 300, 8, 8, 64, torch.float16, seed=4)
+    q, k, v = inputs(1, 1, 20000, 32, 8, 128, torch.bfloat16, seed=3)
+    q2, k2, v2 = inputs(64, 2, 300, 8, 8, 64, torch.float16, seed=4)
     assert D._plan(q, k)[1] > 1 and D._plan(q2, k2)[1] == 1
     out, out2 = torch.empty_like(q), torch.empty_like(q2)
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         A.attention(q, k, v, out=out)  # warm up outside the capture
         A.attention(q2, k2, v2, causal=True, out=out2)
-        _sync("graph warm-up")
+        sync("graph warm-up")
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=s):
             _, lse = A.attention(q, k, v, out=out, return_lse=True)
@@ -274,15 +214,15 @@ def test_captures_in_a_cuda_graph_and_replays_with_new_inputs(kernels):
         for t in (out, out2, lse, lse2):
             t.fill_(float("nan"))
         g.replay()
-        _sync("graph replay")
-        _check(out, lse, q, k, v, False, 1 / math.sqrt(128), f"graph replay {seed} (split)")
-        _check(out2, lse2, q2, k2, v2, True, 1 / math.sqrt(64), f"graph replay {seed} (one split)")
+        sync("graph replay")
+        check(out, lse, q, k, v, False, 1 / math.sqrt(128), f"graph replay {seed} (split)")
+        check(out2, lse2, q2, k2, v2, True, 1 / math.sqrt(64), f"graph replay {seed} (one split)")
 
 
 @pytest.mark.gpu
 def test_registered_op_under_torch_compile_with_cuda_graphs(kernels):
     """The op as torch.compile sees it (attention() traces into it), in reduce-overhead mode."""
-    q, k, v = _inputs(2, 1, 5000, 16, 4, 128, torch.bfloat16, seed=5)
+    q, k, v = inputs(2, 1, 5000, 16, 4, 128, torch.bfloat16, seed=5)
 
     def step(q, k, v):
         out = torch.empty_like(q)
@@ -294,5 +234,5 @@ def test_registered_op_under_torch_compile_with_cuda_graphs(kernels):
     for i in range(3):  # warm-up, recording, replay
         q, k, v = (torch.randn_like(t) for t in (q, k, v))
         out, lse = compiled(q, k, v)
-        _sync(f"torch.compile call {i}")
-        _check(out.clone(), lse.clone(), q, k, v, True, 0.125, f"torch.compile call {i}")
+        sync(f"torch.compile call {i}")
+        check(out.clone(), lse.clone(), q, k, v, True, 0.125, f"torch.compile call {i}")

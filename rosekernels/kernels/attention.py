@@ -799,26 +799,9 @@ def compile(variant: jit.Variant) -> jit.CompiledKernel:  # noqa: A001 - the nam
     return compiled(AttentionConfig(**dict(variant.params)))
 
 
-def _compile_in_worker(cfg: AttentionConfig) -> str:
-    return compiled(cfg).cubin_sha256
-
-
 def precompile(configs=SPECIALIZATIONS, processes: int | None = None) -> list[jit.CompiledKernel]:
     """Compile `configs` in parallel processes (into the disk cache), then load them here."""
-    import concurrent.futures
-    import multiprocessing
-    import os
-
-    configs = list(configs)
-    loaded = {k.variant for k in jit.loaded_variants()}
-    # One compile per variant (configs differing only in launch policy share one).
-    todo = list({c.variant(): c for c in configs if c.variant() not in loaded}.values())
-    processes = processes or min(len(todo), os.cpu_count() or 1)
-    if processes > 1:
-        ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx) as pool:
-            list(pool.map(_compile_in_worker, todo))
-    return [compiled(c) for c in configs]
+    return jit.precompile(__name__, configs, processes)
 
 
 def example_inputs(cfg: AttentionConfig, batch: int = 2, seqlen: int = 2048, heads_q: int = 16,

@@ -522,25 +522,9 @@ def compile(variant: jit.Variant) -> jit.CompiledKernel:  # noqa: A001 - the nam
     return compiled(DecodeConfig(**dict(variant.params)))
 
 
-def _compile_in_worker(cfg: DecodeConfig) -> str:
-    return compiled(cfg).cubin_sha256
-
-
 def precompile(configs=SPECIALIZATIONS, processes: int | None = None) -> list[jit.CompiledKernel]:
     """Compile `configs` in parallel processes (into the disk cache), then load them here."""
-    import concurrent.futures
-    import multiprocessing
-    import os
-
-    configs = list(configs)
-    loaded = {k.variant for k in jit.loaded_variants()}
-    todo = [c for c in configs if c.variant() not in loaded]
-    processes = processes or min(len(todo), os.cpu_count() or 1)
-    if processes > 1:
-        ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx) as pool:
-            list(pool.map(_compile_in_worker, todo))
-    return [compiled(c) for c in configs]
+    return jit.precompile(__name__, configs, processes)
 
 
 # How many KV splits: a fluid model of the launch. Every CTA streams its chunk at the lesser of
