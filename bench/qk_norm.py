@@ -344,18 +344,23 @@ def bench_model(model, hq, hk, tokens_list, peers, empty_fn, sweep, log):
 
 
 def recommend_table(sweep_rows):
-    """PREFILL_TABLE rows for qk_norm from the sweep: best prefill shape at each measured size."""
+    """PREFILL_TABLE rows from a block-shape sweep (this op's or rmsnorm's): the best prefill shape at
+    each measured size."""
     best = {}
     for s in sweep_rows:
         pre = {k: v for k, v in s["times"].items() if k != "decode" and v is not None}
         if pre and s["warps_needed"] > modes.sm_count():
-            best[s["warps_needed"]] = tuple(s["modes"][min(pre, key=pre.get)])
+            best.setdefault(s["warps_needed"], []).append((pre, s["modes"]))
     table = []
     for wn in sorted(best):
-        if table and table[-1][1:] == best[wn]:
-            table[-1] = (wn, *best[wn])
+        # several shapes can need the same warps: take the block size best on their total time
+        labels = set.intersection(*(set(p) for p, _ in best[wn]))
+        label = min(labels, key=lambda k: sum(p[k] for p, _ in best[wn]))
+        entry = tuple(best[wn][0][1][label])
+        if table and table[-1][1:] == entry:
+            table[-1] = (wn, *entry)
         else:
-            table.append((wn, *best[wn]))
+            table.append((wn, *entry))
     if table:
         table[-1] = (1 << 62, *table[-1][1:])
     return table

@@ -34,7 +34,7 @@ HIDDEN = (2048, 4096, 5120, 8192, 16384)
 DECODE_ROWS = (1, 32, 128)
 PREFILL_ROWS = (4096, 16384, 65536)
 MAX_TENSOR_BYTES = 1 << 30
-fmt, ratio, measure = common.fmt, common.ratio, common.measure
+fmt, ratio, measure, recommend_table = common.fmt, common.ratio, common.measure, common.recommend_table
 
 
 def peer_factories(residual: bool):
@@ -132,27 +132,6 @@ def bench_case(hidden, rows, residual, peers, sweep, log):
     sets.clear()  # free the inputs before the next size
     torch.cuda.empty_cache()
     return res, sweep_row
-
-
-def recommend_table(sweep_rows):
-    best = {}
-    for s in sweep_rows:
-        pre = {k: v for k, v in s["times"].items() if k != "decode" and v is not None}
-        if pre and s["warps_needed"] > modes.sm_count():
-            best.setdefault(s["warps_needed"], []).append((pre, s["modes"]))
-    table = []
-    for wn in sorted(best):
-        # several shapes can need the same warps: take the block size best on their total time
-        labels = set.intersection(*(set(p) for p, _ in best[wn]))
-        label = min(labels, key=lambda k: sum(p[k] for p, _ in best[wn]))
-        entry = tuple(best[wn][0][1][label])
-        if table and table[-1][1:] == entry:
-            table[-1] = (wn, *entry)
-        else:
-            table.append((wn, *entry))
-    if table:
-        table[-1] = (1 << 62, *table[-1][1:])
-    return table
 
 
 def markdown(env, rows, sweep_rows, table, log):

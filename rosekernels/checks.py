@@ -20,6 +20,11 @@ DTYPE_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp3
 TORCH_DTYPE = {name: dtype for dtype, name in DTYPE_NAME.items()}
 
 
+def cute_dtype(name: str) -> type[cutlass.Numeric]:
+    """The CuTeDSL element type of a dtype name ("bf16", "fp16", "fp32", ...)."""
+    return CUTE_DTYPE[TORCH_DTYPE[name]]
+
+
 def vector_width(dtype: torch.dtype) -> int:
     """Elements per 128-bit access."""
     return 16 // torch.empty((), dtype=dtype).element_size()

@@ -167,12 +167,12 @@ def _moe_combine_workload(mode: str, shape: dict[str, Any]) -> Workload:
 
 
 def _gemm_leakyrelu_workload(mode: str, shape: dict[str, Any]) -> Workload:
-    import torch
+    from rosekernels import modes
 
     m = _module("gemm_leakyrelu")
     s = _shape("gemm_leakyrelu", {"m": 16 if mode == "decode" else 8192, "n": 14336, "k": 4096, "dtype": "bf16",
                                   "b_major": "k", "bias": "none", "slope": 0.01}, shape)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
+    sms = modes.sm_count(0)
 
     def cfg(rows: int) -> Any:
         return m.select_config(rows, s["n"], s["k"], s["dtype"], s["b_major"], s["bias"], s["slope"], sms)[0]

@@ -1,16 +1,13 @@
 """Fused attention forward: every specialization compiles to an sm_90a WGMMA/TMA kernel (CPU), argument
 validation (CPU), and numerics against a float64 reference on fresh random inputs (GPU)."""
 import dataclasses
-import importlib.util
 import math
 import re
-import struct
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 from attention_reference import check, inputs, sync
+from kernel_sass import sass_of
 
 from rosekernels import scratch
 from rosekernels.kernels import attention as A
@@ -38,35 +35,16 @@ def cpu_kernels():
     return dict(zip(CPU_CONFIGS, A.precompile(CPU_CONFIGS)))
 
 
-def _nvdisasm() -> Path:
-    spec = importlib.util.find_spec("nvidia")
-    for root in spec.submodule_search_locations or []:
-        path = Path(root) / "cu13" / "bin" / "nvdisasm"
-        if path.exists():
-            return path
-    pytest.skip("nvdisasm (nvidia-cuda-nvdisasm) is not installed")
-
-
-def _full_elf(kernel) -> bytes:
-    """The cubin with its program headers, which sit after the section headers in the object file
-    (`CompiledKernel.cubin` ends at the section data, and nvdisasm rejects it without them)."""
-    start = kernel.object_bytes.find(kernel.cubin)
-    phoff, = struct.unpack_from("<Q", kernel.cubin, 0x20)
-    phentsize, phnum = struct.unpack_from("<HH", kernel.cubin, 0x36)
-    return kernel.object_bytes[start:start + max(len(kernel.cubin), phoff + phentsize * phnum)]
-
-
 # ---------------------------------------------------------------------------------------------
 # CPU
 
 
 def test_every_specialization_compiles_to_a_warp_specialized_wgmma_kernel(cpu_kernels, tmp_path):
-    nvdisasm = _nvdisasm()
     for cfg, k in cpu_kernels.items():
         assert int.from_bytes(k.cubin[0x30:0x34], "little") & 0xFF == 90, cfg  # e_flags: sm_90
-        path = tmp_path / "k.cubin"
-        path.write_bytes(_full_elf(k))
-        sass = subprocess.run([nvdisasm, "-c", str(path)], capture_output=True, text=True, check=True).stdout
+        sass = sass_of(k, tmp_path)
+        if sass is None:
+            pytest.skip("nvdisasm (nvidia-cuda-nvdisasm) is not installed")
         ops = set(re.findall(r"\b(HGMMA|UTMALDG|UTMASTG|USETMAXREG|STSM|ATOMG|LDL|STL)\b", sass))
         assert {"HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "STSM", "ATOMG"} <= ops, (cfg, ops)
         assert not {"LDL", "STL"} & ops, f"{cfg} spills registers to local memory"

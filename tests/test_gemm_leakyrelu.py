@@ -1,40 +1,16 @@
 """gemm_leakyrelu: every specialization compiles for sm_90a (with HGMMA), argument errors fire before
 any launch (CPU); results match a float64 reference on fresh random inputs (GPU)."""
-import os
 import re
-import shutil
-import struct
-import subprocess
 
 import pytest
 import torch
 
-from rosekernels import jit
+from kernel_sass import sass_of
+from rosekernels import modes
 from rosekernels.kernels import gemm_leakyrelu as glr
 
 # ---------------------------------------------------------------------------------------------
 # CPU: compilation.
-
-_NVDISASM = next((p for p in [shutil.which("nvdisasm")] + [
-    os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", cu, "bin", "nvdisasm")
-    for cu in ("cu13", "cuda_nvcc", "cuda_nvdisasm")] if p and os.path.exists(p)), None)
-
-
-def _elf(kernel: jit.CompiledKernel) -> bytes:
-    """The kernel's cubin with its program headers (which trail the sections in these ELFs)."""
-    blob = kernel.object_bytes
-    off = blob.find(kernel.cubin)
-    phoff, = struct.unpack_from("<Q", blob, off + 0x20)
-    phentsize, phnum = struct.unpack_from("<HH", blob, off + 0x36)
-    return blob[off:off + max(len(kernel.cubin), phoff + phentsize * phnum)]
-
-
-def _sass(kernel: jit.CompiledKernel, tmp_path) -> str:
-    path = tmp_path / "k.cubin"
-    path.write_bytes(_elf(kernel))
-    return subprocess.run([_NVDISASM, "-c", str(path)], check=True, capture_output=True,
-                          text=True).stdout
-
 
 # Each prefill tile shape and a spread of decode tiles, both B orders, all bias kinds, both
 # dtypes; the rest under `slow`.
@@ -55,9 +31,9 @@ _QUICK += [glr.GemmConfig(b_major="n", bias="fp32"),
 def _compile_and_inspect(cfg, tmp_path):
     kernel = glr.compile_config(cfg)
     assert kernel.variant.mode == cfg.mode
-    if _NVDISASM is None:
+    sass = sass_of(kernel, tmp_path)
+    if sass is None:
         pytest.skip("nvdisasm not found: compiled, SASS not inspected")
-    sass = _sass(kernel, tmp_path)
     ops = set(re.findall(r"\b(HGMMA|UTMALDG|UTMASTG|STSM|LDL|STL|STG\.E\.128|LDG\.E\.128)\b", sass))
     assert {"HGMMA", "UTMALDG", "UTMASTG", "STSM"} <= ops, (cfg, ops)
     assert not {"LDL", "STL"} & ops, f"{cfg}: register spills"
@@ -470,7 +446,7 @@ def test_split_k_a_rows_matches_whole_tile_bitwise():
 @pytest.mark.gpu
 def test_split_k_is_deterministic():
     a, b, bias = _inputs(16, 4096, 14336, torch.bfloat16, bias=torch.float32)
-    cfg, splits = glr.select_config(16, 4096, 14336, "bf16", "k", "fp32", 0.01, glr._num_sms(0))
+    cfg, splits = glr.select_config(16, 4096, 14336, "bf16", "k", "fp32", 0.01, modes.sm_count(0))
     assert splits > 1
     first = glr.gemm_leakyrelu(a, b, bias=bias)
     for _ in range(3):
@@ -484,7 +460,7 @@ def test_split_k_graph_survives_later_launches(warm_capture_stream):
     """A captured split-K launch keeps valid workspace pointers: larger split launches after the
     capture (which need more partials) must not free or replace what the graph uses. Without a
     warm-up on the capture stream, the capture gets tile counters of its own."""
-    cfg, splits = glr.select_config(16, 4096, 4096, "bf16", "k", "none", 0.01, glr._num_sms(0))
+    cfg, splits = glr.select_config(16, 4096, 4096, "bf16", "k", "none", 0.01, modes.sm_count(0))
     assert cfg.split_k and splits > 1
     a, b, _ = _inputs(16, 4096, 4096, torch.bfloat16, seed=1)
     ref = _reference(a, b, None, 0.01)
@@ -503,7 +479,7 @@ def test_split_k_graph_survives_later_launches(warm_capture_stream):
     # Larger split launches, on the default and on the capture stream, then churn the allocator.
     for m, n, k in [(64, 4096, 14336), (128, 8192, 14336)]:
         a2, b2, _ = _inputs(m, n, k, torch.bfloat16, seed=2)
-        _, big_splits = glr.select_config(m, n, k, "bf16", "k", "none", 0.01, glr._num_sms(0))
+        _, big_splits = glr.select_config(m, n, k, "bf16", "k", "none", 0.01, modes.sm_count(0))
         assert big_splits > 1
         for s in (torch.cuda.current_stream(), stream):
             s.wait_stream(torch.cuda.current_stream())

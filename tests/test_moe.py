@@ -2,16 +2,13 @@
 the eager fast path with a cached plan), correctness against independent references, cached plans
 across shapes, the prefill workspace (back to back, two streams, graphs), CUDA graphs and torch.compile
 (GPU)."""
-import importlib.util
 import re
-import struct
-import subprocess
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
 
+from kernel_sass import sass_of
 from rosekernels import scratch
 from rosekernels.kernels import moe_combine as mc
 from rosekernels.kernels import moe_dispatch as md
@@ -34,21 +31,6 @@ def _cpu_variants():
     return out
 
 
-def _sass(kernel, tmp_path):
-    """nvdisasm of the cubin, with the program headers that follow its sections in the object file."""
-    spec = importlib.util.find_spec("nvidia")
-    roots = spec.submodule_search_locations if spec else []
-    tool = next((p for p in (Path(r) / "cu13" / "bin" / "nvdisasm" for r in roots) if p.exists()), None)
-    if tool is None:
-        return None
-    start = kernel.object_bytes.find(kernel.cubin)
-    phoff, = struct.unpack_from("<Q", kernel.cubin, 0x20)
-    phentsize, phnum = struct.unpack_from("<HH", kernel.cubin, 0x36)
-    path = tmp_path / "k.cubin"
-    path.write_bytes(kernel.object_bytes[start:start + max(len(kernel.cubin), phoff + phentsize * phnum)])
-    return subprocess.run([tool, "-c", str(path)], capture_output=True, text=True, check=True).stdout
-
-
 @pytest.mark.parametrize("variant", _cpu_variants(), ids=lambda v: v.key())
 def test_variant_compiles(fresh_cache, tmp_path, variant):
     module = md if variant.op == md.OP else mc
@@ -62,7 +44,7 @@ def test_variant_compiles(fresh_cache, tmp_path, variant):
     assert regs * threads <= 65536, f"{regs} registers x {threads} threads do not fit one SM"
     frame = attrs.get("EIATTR_FRAME_SIZE")
     assert frame is None or frame.words()[1] == 0, "registers spilled to local memory"
-    sass = _sass(kernel, tmp_path)
+    sass = sass_of(kernel, tmp_path)
     if sass is None:
         return  # nvdisasm not installed: compiled, SASS not inspected
     ops = re.findall(r"\b(LDG\.E\.128|STG\.E\.128|FFMA|LDL|STL)\b", sass)

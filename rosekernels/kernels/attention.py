@@ -41,13 +41,12 @@ one GQA group adjacent. `persistent=False` launches one CTA per tile in the same
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import torch
 
 from rosekernels import jit  # first: it pins CUTE_DSL_ARCH=sm_90a before cutlass loads
-from rosekernels import checks, scratch
+from rosekernels import checks, modes, scratch
 
 import cutlass
 import cutlass.cute as cute
@@ -748,19 +747,23 @@ class _FlashAttentionSm90:
 # Host side.
 
 
-def _build(cfg: AttentionConfig):
-    dtype = _DTYPES[cfg.dtype]
-    d = cfg.head_dim
+def fake_qkv_out_lse(dtype: str, head_dim: int) -> tuple:
+    """Compile-time stand-ins for (q, k, v, out, lse), so one compile serves every batch, length,
+    head count and stride: [B, S, H, d] with any 16-byte-aligned strides and a unit last stride
+    (TMA needs that much); lse [B, Hq, S_q] compact fp32."""
     b, s_q, s_k, h_q, h_k = (cute.sym_int() for _ in range(5))
 
     def qkv(s, h):
-        # [B, S, H, d], any 16-byte-aligned strides with a unit last stride (TMA needs that much).
         strides = tuple(cute.sym_int(divisibility=8) for _ in range(3))
-        return make_fake_tensor(dtype, (b, s, h, d), stride=(*strides, 1), assumed_align=16)
+        return make_fake_tensor(_DTYPES[dtype], (b, s, h, head_dim), stride=(*strides, 1), assumed_align=16)
 
     lse = make_fake_compact_tensor(Float32, (b, h_q, s_q), stride_order=(2, 1, 0), assumed_align=16)
+    return qkv(s_q, h_q), qkv(s_k, h_k), qkv(s_k, h_k), qkv(s_q, h_q), lse
+
+
+def _build(cfg: AttentionConfig):
     counter = make_fake_compact_tensor(Int32, (1,), stride_order=(0,), assumed_align=4)
-    args = (qkv(s_q, h_q), qkv(s_k, h_k), qkv(s_k, h_k), qkv(s_q, h_q), lse, Float32(1.0), counter, Int32(1),
+    args = (*fake_qkv_out_lse(cfg.dtype, cfg.head_dim), Float32(1.0), counter, Int32(1),
             make_fake_stream(use_tvm_ffi_env_stream=True))
     return _FlashAttentionSm90(cfg), args
 
@@ -768,11 +771,6 @@ def _build(cfg: AttentionConfig):
 def compiled(cfg: AttentionConfig) -> jit.CompiledKernel:
     """The loaded kernel of one specialization: fn(q, k, v, out, lse, scale_log2, *launch_args(...))."""
     return jit.compile_variant(cfg.variant(), lambda: _build(cfg))
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def num_tiles(cfg: AttentionConfig, batch: int, seqlen_q: int, heads_q: int) -> int:
@@ -787,7 +785,7 @@ def launch_args(cfg: AttentionConfig, q: torch.Tensor, num_ctas: int | None = No
     here (the kernel re-zeroes it when done, so a counter may be reused by calls on one stream)."""
     tiles = num_tiles(cfg, q.shape[0], q.shape[1], q.shape[2])
     if num_ctas is None:
-        num_ctas = min(tiles, _sm_count(q.device.index)) if cfg.persistent else tiles
+        num_ctas = min(tiles, modes.sm_count(q.device.index)) if cfg.persistent else tiles
     if not 0 < num_ctas < 2**31:
         raise ValueError(f"num_ctas must be in [1, 2^31), got {num_ctas}")
     alloc = torch.zeros if num_ctas < tiles else torch.empty  # no claims: the counter is never read
@@ -889,7 +887,7 @@ def _(q, k, v, out, lse, causal, softmax_scale) -> None:
     return None
 
 
-_plans: dict[tuple, tuple] = {}  # argument signature -> (scale, decode?, prefill kernel fn, prefill grid)
+_plans: dict[tuple, tuple] = {}  # argument signature -> (scale, decode?, kernel fn or decode launcher, grid)
 
 
 def _plan(q, k, v, out, causal: bool, softmax_scale) -> tuple:
@@ -897,10 +895,10 @@ def _plan(q, k, v, out, causal: bool, softmax_scale) -> tuple:
     scale = _check(q, k, v, out, softmax_scale)
     from rosekernels.kernels import attention_decode  # here: attention_decode imports this module
     if q.shape[1] <= attention_decode.MAX_SEQLEN_Q:
-        return scale, True, None, 0
+        return scale, True, attention_decode.run, 0
     cfg = default_config(q.shape[-1], _TORCH_DTYPES[q.dtype], causal, q.shape[1])
     tiles = num_tiles(cfg, q.shape[0], q.shape[1], q.shape[2])
-    return scale, False, compiled(cfg).fn, min(tiles, _sm_count(q.device.index))
+    return scale, False, compiled(cfg).fn, min(tiles, modes.sm_count(q.device.index))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -940,8 +938,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     elif decode:
         # Decode shapes (S_q <= 16) take the split-KV kernel: one CTA per 128 query rows would leave
         # most SMs idle.
-        from rosekernels.kernels import attention_decode
-        attention_decode.run(q, k, v, out, lse, causal, scale)
+        fn(q, k, v, out, lse, causal, scale)
     elif not plain:
         torch.ops.rosekernels.attention_fwd(*(_tma_view(t) for t in (q, k, v, out)), lse, causal, scale)
     else:

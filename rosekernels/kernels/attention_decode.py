@@ -42,7 +42,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.tensor_utils import LayoutEnum
 
 from rosekernels.kernels import attention as _prefill
@@ -52,8 +52,6 @@ LN_2 = math.log(2.0)
 
 MAX_SEQLEN_Q = 16  # attention() dispatches S_q <= this here
 MMA_WARPS = 4
-_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
-_TORCH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _BAR_MMA = 1  # named barrier of the MMA warps (the producer warp may have exited)
 
 
@@ -69,8 +67,8 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         if self.head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in _prefill._DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_prefill._DTYPES)}, got {self.dtype!r}")
         if self.tile_m not in (16, 32, 64):
             raise ValueError(f"tile_m must be 16, 32 or 64, got {self.tile_m}")
         if not 2 <= self.num_stages <= 6:
@@ -127,18 +125,6 @@ def _acc_as_a(t: cute.Tensor) -> cute.Tensor:
 
 
 @cute.jit
-def _quad_max(x: Float32) -> Float32:
-    x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=2))
-    return cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=1))
-
-
-@cute.jit
-def _quad_sum(x: Float32) -> Float32:
-    x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
-    return x + cute.arch.shuffle_sync_bfly(x, offset=1)
-
-
-@cute.jit
 def _warp_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
                tBs: cute.Tensor, copy_B: cute.TiledCopy):
     """acc += A @ B for one warp: A in registers, B loaded from shared memory one k block at a time."""
@@ -151,7 +137,7 @@ def _warp_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: 
 class _DecodeAttentionSm90:
     def __init__(self, cfg: DecodeConfig):
         self.cfg = cfg
-        self.dtype = _DTYPES[cfg.dtype]
+        self.dtype = _prefill._DTYPES[cfg.dtype]
         self.d = cfg.head_dim
         self.tile_m, self.tile_n, self.stages = cfg.tile_m, cfg.tile_n, cfg.num_stages
         self.ks = cfg.key_slices
@@ -328,7 +314,7 @@ class _DecodeAttentionSm90:
                 mx = row_max[r]
                 for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
                     mx = cute.arch.fmax(mx, S[r, c])
-                mx = _quad_max(mx)
+                mx = _prefill._quad_max(mx)
                 # A row with no visible key yet keeps max -inf; exponentiate against 0 so P = 0, not NaN.
                 mx_safe = 0.0 if mx == -Float32.inf else mx
                 mx_scaled = mx_safe * scale_log2
@@ -349,7 +335,7 @@ class _DecodeAttentionSm90:
             state.advance()
 
         for r in cutlass.range_constexpr(n_rows):
-            row_sum[r] = _quad_sum(row_sum[r])
+            row_sum[r] = _prefill._quad_sum(row_sum[r])
         if cutlass.const_expr(self.ks > 1):
             self.merge_key_slices(acc_O, row_max, row_sum, tScS, storage, scale_log2, tidx, rb, ks, thr_mma)
         if ks == 0:
@@ -489,20 +475,10 @@ class _DecodeAttentionSm90:
 
 
 def _build(cfg: DecodeConfig):
-    dtype = _DTYPES[cfg.dtype]
-    d = cfg.head_dim
-    b, s_q, s_k, h_q, h_k = (cute.sym_int() for _ in range(5))
-
-    def qkv(s, h):
-        # [B, S, H, d], any 16-byte-aligned strides with a unit last stride (TMA needs that much).
-        strides = tuple(cute.sym_int(divisibility=8) for _ in range(3))
-        return make_fake_tensor(dtype, (b, s, h, d), stride=(*strides, 1), assumed_align=16)
-
-    lse = make_fake_compact_tensor(Float32, (b, h_q, s_q), stride_order=(2, 1, 0), assumed_align=16)
     o_part = make_fake_tensor(Float32, (cute.sym_int(),), stride=(1,), assumed_align=16)
     lse_part = make_fake_tensor(Float32, (cute.sym_int(),), stride=(1,), assumed_align=4)
     counters = make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
-    args = (qkv(s_q, h_q), qkv(s_k, h_k), qkv(s_k, h_k), qkv(s_q, h_q), lse, o_part, lse_part, counters,
+    args = (*_prefill.fake_qkv_out_lse(cfg.dtype, cfg.head_dim), o_part, lse_part, counters,
             Float32(1.0), Int32(0), Int32(1), Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True))
     return _DecodeAttentionSm90(cfg), args
 
@@ -583,7 +559,7 @@ def _plan(q: torch.Tensor, k: torch.Tensor, splits: int | None = None):
     B, s_q, hq, d = q.shape
     s_k, hkv = k.shape[1], k.shape[2]
     rows = s_q * (hq // hkv)
-    cfg = config_for(d, _TORCH_DTYPES[q.dtype], rows)
+    cfg = config_for(d, _prefill._TORCH_DTYPES[q.dtype], rows)
     groups = B * hkv * -(-rows // cfg.tile_m)
     n_tiles = -(-s_k // cfg.tile_n)
     fits = (2**31 - 1) // (groups * cfg.tile_m * d)  # workspace the kernel's 32-bit indices reach
@@ -661,7 +637,7 @@ def example_inputs(cfg: DecodeConfig, batch: int = 16, seqlen_q: int = 1, seqlen
     """Fresh random arguments for `compiled(cfg).fn(*args)` (its split count and workspace
     included, out and lse NaN-poisoned); the rows (seqlen_q * heads_q / heads_kv) must fit cfg."""
     g = torch.Generator(device=device).manual_seed(seed)
-    dt = {v: k for k, v in _TORCH_DTYPES.items()}[cfg.dtype]
+    dt = {v: k for k, v in _prefill._TORCH_DTYPES.items()}[cfg.dtype]
     d = cfg.head_dim
 
     def randn(*shape):

@@ -45,7 +45,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.tensor_utils import LayoutEnum
 
-from rosekernels import checks, scratch
+from rosekernels import checks, modes, scratch
 
 OP = "gemm_leakyrelu"
 SMEM_CAPACITY = 232448  # sm_90: 227 KiB of shared memory per block
@@ -671,14 +671,9 @@ _UNIT_US = 3.0
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@functools.lru_cache(maxsize=None)
 def _max_active_clusters(device_index: int, cluster_size: int) -> int:
     """Clusters of `cluster_size` CTAs (one per SM) that can be resident at once."""
-    sms = _num_sms(device_index)
+    sms = modes.sm_count(device_index)
     if cluster_size == 1:
         return sms
     try:  # GPCs with an odd number of free SMs fit fewer 2-CTA clusters than sms // 2
@@ -931,7 +926,7 @@ def _new_plan(a, b_nk, bias, out, negative_slope: float):
     names = checks.DTYPE_NAME
     cfg, splits = select_config(
         m, n, k, names[a.dtype], "k" if b_nk.stride(1) == 1 else "n",
-        names[bias.dtype] if bias is not None else "none", negative_slope, _num_sms(a.device.index),
+        names[bias.dtype] if bias is not None else "none", negative_slope, modes.sm_count(a.device.index),
     )
     return _Plan(a, b_nk, bias, out, cfg, splits)
 
@@ -1047,7 +1042,7 @@ class TuningCase:
         splits = 1
         partials = counters = None
         if cfg.split_k:
-            sms = _num_sms(torch.device(device).index or 0)
+            sms = modes.sm_count(torch.device(device).index or 0)
             _, splits = decode_splits(self.m, self.n, self.k, cfg.tile_m, cfg.tile_n, sms)
             n_pad = math.ceil(self.n / cfg.tile_n) * cfg.tile_n
             counters = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)

@@ -27,7 +27,7 @@ from cutlass import Float32, Int32  # noqa: E402
 
 from rosekernels import checks  # noqa: E402
 from rosekernels.kernels.moe_dispatch import (  # noqa: E402
-    _CUTE_DTYPE, _ELEM_BYTES, DTYPES, MODELS, TORCH_DTYPE, check_sm90, rows_view)
+    _ELEM_BYTES, DTYPES, MODELS, TORCH_DTYPE, check_sm90, rows_view)
 
 OP = "moe_combine"
 THREADS = {"decode": 128, "prefill": 256}  # per CTA: small CTAs spread few tokens over more SMs
@@ -130,11 +130,11 @@ def _load_16b_or_zero(ptr: cute.Pointer, pred: cutlass.Boolean):
 
 
 def _fake_args(cfg: CombineConfig) -> tuple:
-    dt = _CUTE_DTYPE[cfg.dtype]
+    dt = checks.cute_dtype(cfg.dtype)
     tokens, rows = cute.sym_int(), cute.sym_int()
     y = cute.runtime.make_fake_tensor(dt, (rows, cfg.hidden), (cute.sym_int64(divisibility=cfg.vec), 1),
                                       assumed_align=16)
-    w = cute.runtime.make_fake_tensor(_CUTE_DTYPE[cfg.weight_dtype], (tokens, cfg.topk),
+    w = cute.runtime.make_fake_tensor(checks.cute_dtype(cfg.weight_dtype), (tokens, cfg.topk),
                                       (cute.sym_int64(), 1), assumed_align=_ELEM_BYTES[cfg.weight_dtype])
     slot = cute.runtime.make_fake_tensor(Int32, (tokens, cfg.topk), (cute.sym_int64(), 1), assumed_align=4)
     out = cute.runtime.make_fake_tensor(dt, (tokens, cfg.hidden), (cute.sym_int64(divisibility=cfg.vec), 1),

@@ -121,7 +121,6 @@ class DispatchConfig:
 
 
 _ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-_CUTE_DTYPE = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}
 TORCH_DTYPE = {checks.DTYPE_NAME[d]: d for d in DTYPES}
 _FULL = 0xFFFFFFFF
 
@@ -494,7 +493,7 @@ class _Dispatch:
 
 
 def _fake_args(cfg: DispatchConfig) -> tuple:
-    dt = _CUTE_DTYPE[cfg.dtype]
+    dt = checks.cute_dtype(cfg.dtype)
     tokens, rows = cute.sym_int(), cute.sym_int()
     x = cute.runtime.make_fake_tensor(dt, (tokens, cfg.hidden), (cute.sym_int64(divisibility=cfg.vec), 1),
                                       assumed_align=16)

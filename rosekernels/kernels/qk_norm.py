@@ -60,7 +60,7 @@ class QKNormConfig:
     @property
     def vec(self) -> int:
         """Elements per 128-bit access."""
-        return 128 // _cute_dtype(self.dtype).width
+        return 128 // checks.cute_dtype(self.dtype).width
 
     @property
     def threads_per_head(self) -> int:
@@ -98,10 +98,6 @@ class QKNormConfig:
             raise ValueError(f"unsupported block shape: {self.warps} warps x {self.rows_per_thread} rows")
         if self.cache_hint not in modes.CACHE_HINTS:
             raise ValueError(f"unknown cache hint {self.cache_hint!r}")
-
-
-def _cute_dtype(name: str) -> type[cutlass.Numeric]:
-    return checks.CUTE_DTYPE[TORCH_DTYPE[name]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,7 +176,7 @@ class QKNormKernel:
 
 def _build(cfg: QKNormConfig) -> Callable[[], tuple]:
     def build():
-        dt, wdt = _cute_dtype(cfg.dtype), _cute_dtype(cfg.weight_dtype)
+        dt, wdt = checks.cute_dtype(cfg.dtype), checks.cute_dtype(cfg.weight_dtype)
         tokens = cute.sym_int32()
 
         def heads(h: int) -> cute.Tensor:  # [tokens, h, d], any 16-byte-aligned row/head strides

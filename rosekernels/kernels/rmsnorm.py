@@ -59,7 +59,7 @@ class RMSNormConfig:
 
     @property
     def vec(self) -> int:
-        return 128 // _cute_dtype(self.dtype).width
+        return 128 // checks.cute_dtype(self.dtype).width
 
     @property
     def vecs(self) -> int:
@@ -108,10 +108,6 @@ class RMSNormConfig:
             raise ValueError(f"unsupported warps per block {self.warps}")
         if self.cache_hint not in modes.CACHE_HINTS:
             raise ValueError(f"unknown cache hint {self.cache_hint!r}")
-
-
-def _cute_dtype(name: str) -> type[cutlass.Numeric]:
-    return checks.CUTE_DTYPE[TORCH_DTYPE[name]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,7 +204,7 @@ class RMSNormKernel:
 
 def _build(cfg: RMSNormConfig) -> Callable[[], tuple]:
     def build():
-        dt, wdt = _cute_dtype(cfg.dtype), _cute_dtype(cfg.weight_dtype)
+        dt, wdt = checks.cute_dtype(cfg.dtype), checks.cute_dtype(cfg.weight_dtype)
         rows = cute.sym_int32()
 
         def rows_tensor() -> cute.Tensor:  # [rows, hidden], any 16-byte-aligned row stride
