@@ -60,6 +60,25 @@ def time_ms(fn, sets, warmup=3, iters=10):
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
+def time_interleaved_ms(fns, sets, warmup=3, iters=10):
+    """{name: median per-launch CUDA-event time} with the launches of all fns interleaved (round
+    r runs each fn once on input set r % sets): clock and power drift reach every method alike."""
+    for name, fn in fns.items():
+        for i in range(warmup):
+            fn(i % sets)
+    torch.cuda.synchronize()
+    events = {name: [] for name in fns}
+    for i in range(iters):
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(i % sets)
+            end.record()
+            events[name].append((start, end))
+    torch.cuda.synchronize()
+    return {name: statistics.median(s.elapsed_time(e) for s, e in ev) for name, ev in events.items()}
+
+
 def ceilings():
     """Measured in this run: device copy bandwidth (read + write) and a dense bf16 GEMM."""
     n = 1 << 28
@@ -138,6 +157,7 @@ def bench_shape(shape, peers, s_q=None, iters=10):
     torch.cuda.synchronize()
     ref = sets[0][3].clone()
     impls = {"rosekernels": None, **peers.impls}
+    ready = {}
     for name, fn in impls.items():
         try:
             run = ours if fn is None else (lambda i, fn=fn: fn(*sets[i][:3], shape["causal"]))
@@ -146,12 +166,16 @@ def bench_shape(shape, peers, s_q=None, iters=10):
                 row[f"{name}_maxdiff"] = diff
             if s_q == 1:
                 ms = time_graph_rotating_ms(lambda i: run(0), 1)
+                row[f"{name}_ms"] = ms
+                row[f"{name}_TFLOPs"] = tflops(shape, s_q, s_k, ms)
             else:
-                ms = time_ms(run, len(sets), iters=iters)
-            row[f"{name}_ms"] = ms
-            row[f"{name}_TFLOPs"] = tflops(shape, s_q, s_k, ms)
+                ready[name] = run  # timed below, interleaved with the others
         except Exception as e:  # noqa: BLE001 - a backend refusing a shape is a result, not a crash
             row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    if ready:
+        for name, ms in time_interleaved_ms(ready, len(sets), iters=iters).items():
+            row[f"{name}_ms"] = ms
+            row[f"{name}_TFLOPs"] = tflops(shape, s_q, s_k, ms)
     for peer in ("sdpa_cudnn", "sdpa_flash", "fa4"):
         if f"{peer}_ms" in row:
             row[f"vs_{peer}"] = row[f"{peer}_ms"] / row["rosekernels_ms"]
@@ -194,13 +218,16 @@ def sweep(shapes, iters, peers):
         sets = make_sets(shape, shape["s"], shape["s"])
         ref = A.attention(*sets[0][:3], causal=causal)
         row = dict(shape, configs={})
+        fns, peer_fns = {}, {}
         for name in ("sdpa_cudnn", "fa4"):
             if name in peers.impls:
+                fn = lambda i, fn=peers.impls[name]: fn(*sets[i][:3], causal)  # noqa: E731
                 try:
-                    ms = time_ms(lambda i, fn=peers.impls[name]: fn(*sets[i][:3], causal), len(sets), iters=iters)
-                    row[f"{name}_TFLOPs"] = tflops(shape, shape["s"], shape["s"], ms)
+                    fn(0)
+                    peer_fns[name] = fns[name] = fn
                 except Exception as e:  # noqa: BLE001 - a backend refusing a shape is a result
                     row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        launches = {}
         for cfg in sweep_candidates(d, causal):
             kernel = A.compiled(cfg)
             scale_log2 = A.LOG2_E / math.sqrt(d)
@@ -216,11 +243,17 @@ def sweep(shapes, iters, peers):
             name = _config_name(cfg)
             try:
                 diff = (run(0).float() - ref.float()).abs().max().item()
-                ms = time_ms(run, len(sets), iters=iters)
-                row["configs"][name] = dict(TFLOPs=tflops(shape, shape["s"], shape["s"], ms), ms=ms,
-                                            maxdiff_vs_op=diff, ctas=launch[1])
+                fns[name] = run
+                launches[name] = (diff, launch[1])
             except Exception as e:  # noqa: BLE001
                 row["configs"][name] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+        for name, ms in time_interleaved_ms(fns, len(sets), iters=iters).items():
+            if name in peer_fns:
+                row[f"{name}_TFLOPs"] = tflops(shape, shape["s"], shape["s"], ms)
+            else:
+                diff, ctas = launches[name]
+                row["configs"][name] = dict(TFLOPs=tflops(shape, shape["s"], shape["s"], ms), ms=ms,
+                                            maxdiff_vs_op=diff, ctas=ctas)
         rows.append(row)
         best = max((c for c in row["configs"].items() if "TFLOPs" in c[1]), key=lambda c: c[1]["TFLOPs"])
         print(f"B={shape['b']} S={shape['s']} H={shape['hq']}/{shape['hkv']} d={d} causal={causal:d}  "

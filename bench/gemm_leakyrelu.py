@@ -48,6 +48,17 @@ def _time_events(fn, sets, reps, iters):
     return statistics.median(times)
 
 
+def _time_interleaved(fns, sets, reps, iters):
+    """{name: median ms per call} of `reps` rounds in which every fn runs one timed loop of `iters`
+    calls in turn: clock and power drift over a long run reaches every method alike (timed one
+    after another, the same kernel measured up to 10% apart between runs on the H200)."""
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            times[name].append(_time_events(fn, sets, 1, iters))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def _time_graph(fn, sets, reps, launches):
     """Median ms per call of `launches` calls captured in one CUDA graph."""
     stream = torch.cuda.Stream()
@@ -146,33 +157,33 @@ def bench_shape(m, n, k, dtype, slope, bias, copy_gbs, quack, compile_peer, swee
     ref = F.leaky_relu(F.linear(a.float(), w.float(), None if b is None else b.float()), slope)
     rel = ((out.float() - ref).norm() / ref.norm()).item()
 
-    rows = []
+    rows, ready = [], {}
     for name, fn in methods.items():
         try:
             fn(*sets[0])  # compile / autotune / warm up
             torch.cuda.synchronize()
-            timing = "graph" if decode else "events"
-            if decode:
-                try:
-                    ms = _time_graph(fn, sets, reps=5, launches=max(20, 200 // len(sets) * len(sets)))
-                except Exception as e:  # noqa: BLE001 - not capturable: time it eagerly instead
-                    print(f"  {name}: CUDA graph failed ({type(e).__name__}), timing eagerly")
-                    torch.cuda.synchronize()
-                    ms, timing = _time_events(fn, sets, reps=5, iters=200), "events (graph failed)"
-                host = _host_us(fn, sets)
-            else:
-                iters = max(5, min(50, int(200 / max(flops / 700e12 * 1e3, 1e-3))))
-                ms = _time_events(fn, sets, reps=5, iters=iters)
-                host = None
+            if not decode:
+                ready[name] = fn  # timed below, interleaved with the others
+                continue
+            timing = "graph"
+            try:
+                ms = _time_graph(fn, sets, reps=5, launches=max(20, 200 // len(sets) * len(sets)))
+            except Exception as e:  # noqa: BLE001 - not capturable: time it eagerly instead
+                print(f"  {name}: CUDA graph failed ({type(e).__name__}), timing eagerly")
+                torch.cuda.synchronize()
+                ms, timing = _time_events(fn, sets, reps=5, iters=200), "events (graph failed)"
+            host = _host_us(fn, sets)
         except Exception as e:  # noqa: BLE001 - record the failure, keep benchmarking the rest
             print(f"  {name}: failed: {type(e).__name__}: {str(e)[:300]}")
             rows.append(dict(method=name, error=f"{type(e).__name__}: {e}"[:500]))
             continue
-        row = dict(method=name, ms=ms, tflops=flops / ms / 1e9, host_us=host, timing=timing)
-        if decode:
-            row["weight_gbs"] = weight_bytes / ms / 1e6
-            row["pct_copy_ceiling"] = 100 * row["weight_gbs"] / copy_gbs
-        rows.append(row)
+        rows.append(dict(method=name, ms=ms, tflops=flops / ms / 1e9, host_us=host, timing=timing,
+                         weight_gbs=weight_bytes / ms / 1e6, pct_copy_ceiling=weight_bytes / ms / 1e4 / copy_gbs))
+    if ready:
+        iters = max(5, min(50, int(100 / max(flops / 700e12 * 1e3, 1e-3))))
+        for name, ms in _time_interleaved(ready, sets, reps=7, iters=iters).items():
+            rows.append(dict(method=name, ms=ms, tflops=flops / ms / 1e9, host_us=None, timing="events"))
+    rows.sort(key=lambda r: list(methods).index(r["method"]))
     by = {r["method"]: r for r in rows if "ms" in r}
     for r in rows:
         if "ms" in r:
@@ -192,19 +203,20 @@ def bench_shape(m, n, k, dtype, slope, bias, copy_gbs, quack, compile_peer, swee
 
 
 def _sweep(m, n, k, dtype, slope, bias, sets, decode, flops, sm):
-    """Every tile config (prefill) or tile width x split count (decode), forced past the
-    heuristic; decode 64-row tiles both with the heuristic's rows of A (a_rows) and the whole tile."""
+    """Every tile config (prefill) or tile width (multiples of 32) x split count (decode), forced
+    past the heuristic."""
     name = glr.checks.DTYPE_NAME[dtype]
     base = dict(dtype=name, bias=name if bias else "none", slope=float(slope))
     trials = []
     if decode:
         cfg, _ = glr.select_config(m, n, k, name, "k", base["bias"], slope, sm)
         k_tiles = math.ceil(k / glr.TILE_K)
-        for tile_n in sorted(glr.DECODE_TILE_N):
-            for a_rows in sorted({cfg.a_rows, cfg.tile_m}):
-                tiled = dataclasses.replace(cfg, tile_n=tile_n, a_rows=a_rows)
-                trials += [(tiled, s, glr.RASTER_GROUP) for s in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
-                           if s <= k_tiles and glr.split_fits(m, n, cfg.tile_m, tile_n, s)]
+        for tile_n in range(64, 257, 32):
+            tiled = dataclasses.replace(cfg, tile_n=tile_n)
+            # Split counts up to two waves of work units: more never won on the H200.
+            trials += [(tiled, s, glr.RASTER_GROUP) for s in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
+                       if s <= k_tiles and glr.split_fits(m, n, cfg.tile_m, tile_n, s)
+                       and math.ceil(n / tile_n) * s <= 2 * sm]
     else:
         for tile_m, tile_n, pingpong, _ in glr.PREFILL_TILES:
             for cluster_m, cluster_n in ((2, 1), (1, 2), (1, 1)):
@@ -212,25 +224,34 @@ def _sweep(m, n, k, dtype, slope, bias, sets, decode, flops, sm):
                                      cluster_m=cluster_m, cluster_n=cluster_n)
                 groups = (4, 8, 16) if (cluster_m, cluster_n) == (2, 1) else (8,)
                 trials += [(cfg, 1, group) for group in groups]
-    out = []
-    for cfg, splits, group in trials:
+    glr.precompile(dict.fromkeys(cfg for cfg, _, _ in trials))
+    fns, rows = {}, {}
+    for trial in trials:
+        cfg, splits, group = trial
+        rows[trial] = dict(config=cfg.variant().key(), splits=splits, raster_group=group)
+
         def fn(a, w, b, o, cfg=cfg, splits=splits, group=group):
             glr._launch(a, w, b, o, cfg, splits, group)
         try:
             fn(*sets[0])
             torch.cuda.synchronize()
-            ms = (_time_graph(fn, sets, 5, max(20, 200 // len(sets) * len(sets))) if decode
-                  else _time_events(fn, sets, 5, max(5, min(50, int(200 / (flops / 700e12 * 1e3))))))
-            out.append(dict(config=cfg.variant().key(), splits=splits, raster_group=group, ms=ms,
-                            tflops=flops / ms / 1e9))
+            fns[trial] = fn
         except Exception as e:  # noqa: BLE001
-            out.append(dict(config=cfg.variant().key(), splits=splits, raster_group=group,
-                            error=f"{type(e).__name__}: {e}"[:300]))
-        if decode:  # the heuristic's cost model next to the measurement
-            out[-1].update(tile_n=cfg.tile_n, a_rows=cfg.a_rows,
-                           model_us=glr.decode_cost(m, n, k, cfg.tile_m, cfg.tile_n, splits, sm))
-        print(f"    sweep {out[-1]}")
-    return out
+            rows[trial]["error"] = f"{type(e).__name__}: {e}"[:300]
+    if decode:  # each in its own CUDA graph, next to the heuristic's cost model
+        times = {trial: _time_graph(fn, sets, 5, max(20, 200 // len(sets) * len(sets))) for trial, fn in fns.items()}
+        for (cfg, splits, _), row in rows.items():
+            row.update(tile_n=cfg.tile_n, a_rows=cfg.a_rows,
+                       model_us=glr.decode_cost(m, n, k, cfg.tile_m, cfg.tile_n, splits, sm)
+                       if cfg.tile_n in glr.DECODE_TILE_N else None)
+    else:  # every trial timed in each round (see _time_interleaved)
+        iters = max(5, min(50, int(100 / (flops / 700e12 * 1e3))))
+        times = _time_interleaved(fns, sets, reps=5, iters=iters)
+    for trial, ms in times.items():
+        rows[trial].update(ms=ms, tflops=flops / ms / 1e9)
+    for row in rows.values():
+        print(f"    sweep {row}")
+    return list(rows.values())
 
 
 def _markdown(results, copy_gbs, device):
@@ -257,9 +278,8 @@ def _markdown(results, copy_gbs, device):
                      f"rel_err={r['rel_err_vs_fp32']:.2e}")
     if any("sweep" in r for r in results):
         lines += ["", "## Decode heuristic vs sweep", "",
-                  "| M | N | K | picked tile_n x splits (a_rows) | its us | sweep best | best us | picked / best "
-                  "| picked, whole-tile A | a_rows gain |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| M | N | K | picked tile_n x splits (a_rows) | its us | sweep best | best us | picked / best |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in results:
             timed = [s for s in r.get("sweep", []) if "ms" in s and "tile_n" in s]
             if not timed:
@@ -268,21 +288,16 @@ def _markdown(results, copy_gbs, device):
             picked = next((s for s in timed if s["config"] == r["config"] and s["splits"] == r["splits"]), None)
             mine = f"{picked['ms'] * 1e3:.1f}" if picked else "not swept"
             ratio = f"{picked['ms'] / best['ms']:.3f}" if picked else ""
-            # The picked tile width and split count loading the whole 64-row A tile instead.
-            whole = next((s for s in timed if picked and s is not picked and s["tile_n"] == r["tile_n"]
-                          and s["splits"] == r["splits"] and s.get("a_rows") == 64), None)
-            whole_us = f"{whole['ms'] * 1e3:.1f}" if whole else ""
-            gain = f"{whole['ms'] / picked['ms']:.3f}" if whole else ""
             lines.append(f"| {r['m']} | {r['n']} | {r['k']} | {r['tile_n']} x {r['splits']} ({r['a_rows']}) | "
                          f"{mine} | {best['tile_n']} x {best['splits']} ({best.get('a_rows')}) | "
-                         f"{best['ms'] * 1e3:.1f} | {ratio} | {whole_us} | {gain} |")
+                         f"{best['ms'] * 1e3:.1f} | {ratio} |")
         lines += ["", "## Sweep", "", "| M | N | K | config | a_rows | splits | raster | us | TFLOP/s | model us |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in results:
             for s in r.get("sweep", []):
                 us = f"{s['ms'] * 1e3:.1f}" if "ms" in s else "failed"
                 tf = f"{s['tflops']:.1f}" if "ms" in s else ""
-                model = f"{s['model_us']:.1f}" if "model_us" in s else ""
+                model = f"{s['model_us']:.1f}" if s.get("model_us") is not None else ""
                 lines.append(f"| {r['m']} | {r['n']} | {r['k']} | `{s['config']}` | {s.get('a_rows', '')} | "
                              f"{s['splits']} | {s['raster_group']} | {us} | {tf} | {model} |")
     return "\n".join(lines) + "\n"

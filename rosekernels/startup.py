@@ -7,7 +7,7 @@ A spec is one specialization, given as any of
 - a `rosekernels.jit.Variant` (e.g. from `qk_norm.all_variants()` or `cfg.variant()`): compiled with
   `rosekernels.kernels.<variant.op>.compile(variant)`;
 - a kernel config object with a `.variant()` method (QKNormConfig, GemmConfig, AttentionConfig, ...):
-  compiled with its module's `compile_config(cfg)` or `compiled(cfg)`, else `compile(cfg.variant())`;
+  compiled with its module's `compiled(cfg)`, else `compile(cfg.variant())`;
 - a zero-argument callable returning a `jit.CompiledKernel` (any other CuTeDSL kernel).
 
 Tuned cubins come from the SIP cache (`sip.cache`; `cache_dir` or $SIP_CACHE_DIR, else
@@ -62,12 +62,12 @@ def _resolve(spec: Any) -> tuple[jit.Variant | None, Callable[[], jit.CompiledKe
     if callable(variant_of):
         variant = variant_of()
         mod = _module(variant.op)
-        for name in ("compile_config", "compiled", "compile"):
+        for name in ("compiled", "compile"):
             if hasattr(mod, name):
                 compile_it = getattr(mod, name)
                 arg = variant if name == "compile" else spec
                 return variant, lambda: compile_it(arg)
-        raise ValueError(f"rosekernels.kernels.{variant.op} has no compile_config(cfg) or compile(variant)")
+        raise ValueError(f"rosekernels.kernels.{variant.op} has no compiled(cfg) or compile(variant)")
     if callable(spec):
         return None, spec
     raise TypeError(f"a warmup spec is a Variant, a kernel config with .variant(), or a callable; got {spec!r}")

@@ -189,7 +189,7 @@ def _gemm_leakyrelu_workload(mode: str, shape: dict[str, Any]) -> Workload:
         case = m.TuningCase(config, r.randint(lo, hi), 8 * r.randint(1, 200), 8 * r.randint(1, 200))
         return case.make_args(seed=seed)
 
-    return Workload(m.compile_config(config),
+    return Workload(m.compiled(config),
                     lambda seed: m.TuningCase(config, s["m"], s["n"], s["k"]).make_args(seed=seed),
                     outputs=lambda a: a[2:3], test_args=test_args, name="gemm_leakyrelu")
 
@@ -201,7 +201,7 @@ def _attention_workload(mode: str, shape: dict[str, Any]) -> Workload:
                          "(the split-KV kernel of short queries is --kernel attention_decode --mode decode)")
     s = _shape("attention", {"batch": 2, "seqlen": 2048, "heads_q": 16, "heads_kv": 16, "head_dim": 128,
                              "dtype": "bf16", "causal": False}, shape)
-    config = m.default_config(s["head_dim"], s["dtype"], bool(s["causal"]), s["seqlen"])
+    config = m.default_config(s["head_dim"], s["dtype"], bool(s["causal"]))
 
     def poisoned(args: tuple) -> tuple:
         args[3].fill_(math.nan)  # out and lse come back empty(): poison them

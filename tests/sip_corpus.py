@@ -152,7 +152,7 @@ def build_rosekernels_gemm(workdir: Path) -> bytes:
     """The project's own Hopper GEMM: TMA loads, mbarrier pipeline, WGMMA warpgroups, TMA store."""
     from rosekernels.kernels import gemm_leakyrelu as gemm
 
-    return gemm.compile_config(gemm.specializations()[0]).cubin
+    return gemm.compiled(gemm.specializations()[0]).cubin
 
 
 CORPUS: list[tuple[str, Callable[[Path], bytes]]] = [

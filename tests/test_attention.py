@@ -60,8 +60,7 @@ def test_specializations_are_distinct_and_cover_the_dispatch():
     for d in (64, 128):
         for dt in ("bf16", "fp16"):
             for causal in (False, True):
-                for seqlen_q in (None, 1, A.SHORT_CAUSAL_D64, A.SHORT_CAUSAL_D64 + 1, 100_000):
-                    assert A.default_config(d, dt, causal, seqlen_q) in A.SPECIALIZATIONS
+                assert A.default_config(d, dt, causal) in A.SPECIALIZATIONS
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -126,6 +125,8 @@ def test_launch_args_size_the_grid_and_zero_the_counter_only_when_ctas_claim_til
 
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # (S_q, S_kv): single tokens, sizes off the tile grid on both sides, decode-shaped, S_q < S_kv, S_q > S_kv.
+# With 192-row tiles, S_q = 1, 17, 127, 1000 and 255 leave warpgroups with no row in their last tile
+# (they only keep the pipelines in step: idle_mainloop).
 SEQLENS = [(1, 1), (17, 17), (127, 127), (129, 129), (1000, 1000), (1, 1000), (129, 1000), (1000, 129),
            (255, 17)]
 HEADS = [(4, 4), (8, 2), (8, 1)]  # GQA ratios 1, 4, 8
@@ -272,10 +273,11 @@ def test_captures_in_a_cuda_graph_on_the_current_stream(kernels):
 
 @pytest.mark.gpu
 def test_cached_plans_serve_new_data_and_still_check_pointers(kernels):
-    """Eager calls reuse the launch plan of their argument signature (and one tile counter per
-    stream, re-zeroed by each launch): back-to-back calls on new data stay right, across
+    """Eager calls reuse the launch plan of their argument signature (and one tile or split
+    counter per stream, re-zeroed by each launch): back-to-back calls on new data stay right, across
     signatures; a misaligned pointer with a cached signature is still refused before any launch."""
-    shapes = [(3, 1111, 1500, 12, 4, 128, True), (2, 700, 700, 8, 8, 64, False)]
+    shapes = [(3, 1111, 1500, 12, 4, 128, True), (2, 700, 700, 8, 8, 64, False),
+              (2, 5, 9000, 16, 4, 128, True)]  # the last: the split-KV decode kernel
     for rep in range(3):
         for i, (b, s_q, s_k, hq, hkv, d, causal) in enumerate(shapes):
             q, k, v = inputs(b, s_q, s_k, hq, hkv, d, torch.bfloat16, seed=100 + 10 * rep + i)

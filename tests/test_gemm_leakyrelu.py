@@ -29,7 +29,7 @@ _QUICK += [glr.GemmConfig(b_major="n", bias="fp32"),
 
 
 def _compile_and_inspect(cfg, tmp_path):
-    kernel = glr.compile_config(cfg)
+    kernel = glr.compiled(cfg)
     assert kernel.variant.mode == cfg.mode
     sass = sass_of(kernel, tmp_path)
     if sass is None:
@@ -96,7 +96,7 @@ def test_decode_heuristic_is_sensible(m, n, k):
 
 
 def test_decode_heuristic_known_shapes():
-    # The fastest configs of the H200 sweep (bench/results/gemm_leakyrelu.md).
+    # The fastest configs of the H200 sweep (bench/results/gemm_leakyrelu_decode_sweep.md).
     # Few N tiles: split K until the SMs are full (32 tiles x 4 splits = 128 of 132 SMs).
     assert glr.decode_choice(16, 4096, 14336, 132) == (64, 128, 4)
     # At M = 128 the last split's serial read of 128-row partials favours narrower tiles, fewer splits.
@@ -108,6 +108,21 @@ def test_decode_heuristic_known_shapes():
     assert glr.decode_choice(16, 28672, 4096, 132) == (64, 256, 1)
     # Large N: the tiles fill the GPU without splitting.
     assert glr.decode_choice(1, 128256, 4096, 132)[2] == 1
+
+
+def test_prefill_heuristic_known_shapes():
+    # The fastest configs of the H200 sweep (bench/results/gemm_leakyrelu_prefill_sweep.md).
+    def tiles(m, n, k):
+        cfg, splits = glr.select_config(m, n, k, "bf16", "k", "none", 0.01, 132)
+        assert splits == 1 and not cfg.split_k
+        return cfg.tile_m, cfg.tile_n, cfg.pingpong
+
+    assert tiles(8192, 4096, 14336) == (128, 256, False)
+    assert tiles(8192, 14336, 4096) == (128, 192, True)
+    assert tiles(8192, 8192, 8192) == (128, 192, True)
+    assert tiles(1024, 14336, 4096) == (128, 128, True)
+    # 128 cooperative 128 x 256 tiles would be one wave: pingpong 128 x 128 instead (12% faster).
+    assert tiles(1024, 4096, 14336) == (128, 128, True)
 
 
 def test_config_validation():

@@ -115,7 +115,7 @@ def test_workloads_pick_the_variant_of_their_mode(kernel, mode, monkeypatch):
     if not tuning.availability(kernel)[0]:
         pytest.skip(f"{kernel} does not exist yet")
     module = tuning._module(kernel)
-    for name in ("compile", "compile_config", "compiled"):
+    for name in ("compile", "compiled"):
         if hasattr(module, name):
             monkeypatch.setattr(module, name, lambda x, name=name: SimpleNamespace(
                 variant=x if name == "compile" else x.variant()))

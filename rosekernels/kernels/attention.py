@@ -120,26 +120,19 @@ class AttentionConfig:
         return jit.Variant.of("attention", "prefill", **params)
 
 
-SHORT_CAUSAL_D64 = 1024  # causal d=64 with S_q up to this: 128-row tiles (finer causal tails)
-
-
-def default_config(head_dim: int, dtype: str, causal: bool, seqlen_q: int | None = None) -> AttentionConfig:
-    """The tile shape the op uses: FA3's choices for Hopper (d=64 takes 3 consumer WGs, 192 rows),
-    except causal d=64 with short queries, where 128-row tiles measured 13-15% faster on the H200
-    (B16 S1k; at S 2k the 192-row tile is 5% ahead). `seqlen_q` None: long queries.
-
-    The grid is sized per call from the shape (`launch_args`): min(tiles, SMs) CTAs."""
+def default_config(head_dim: int, dtype: str, causal: bool) -> AttentionConfig:
+    """The tile shape the op uses: FA3's choices for Hopper (d=64 takes 3 consumer WGs, 192 rows).
+    The warpgroups of a last tile that hold no row skip its math (`idle_mainloop`), which made the
+    192-row tile as fast as 128 rows even at S_q = 1024 causal (H200,
+    bench/results/attention_sweep.md). The grid is sized per call from the shape (`launch_args`):
+    min(tiles, SMs) CTAs."""
     if head_dim == 64:
-        if causal and seqlen_q is not None and seqlen_q <= SHORT_CAUSAL_D64:
-            return AttentionConfig(64, dtype, causal, tile_m=128, tile_n=128, num_stages=3)
         return AttentionConfig(64, dtype, causal, tile_m=192, tile_n=128, num_stages=3)
     return AttentionConfig(128, dtype, causal, tile_m=128, tile_n=128, num_stages=2)
 
 
-SPECIALIZATIONS: tuple[AttentionConfig, ...] = tuple(dict.fromkeys(
-    default_config(d, dt, c, s) for d in (64, 128) for dt in ("bf16", "fp16") for c in (False, True)
-    for s in (None, SHORT_CAUSAL_D64)
-))
+SPECIALIZATIONS: tuple[AttentionConfig, ...] = tuple(
+    default_config(d, dt, c) for d in (64, 128) for dt in ("bf16", "fp16") for c in (False, True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -534,9 +527,13 @@ class _FlashAttentionSm90:
             row_sum.fill(0.0)
             acc_O.fill(0.0)
             if n_block_max > 0:
-                q_state, kv_state = self.mainloop(
-                    q_state, kv_state, n_block_max, m_block, *frags, tiled_mma_qk, tiled_mma_pv,
-                    pipe_q, pipe_k, pipe_v, scale_log2, seqlen_q, seqlen_k, wg)
+                if m_block * self.tile_m + wg * 64 < seqlen_q:
+                    q_state, kv_state = self.mainloop(
+                        q_state, kv_state, n_block_max, m_block, *frags, tiled_mma_qk, tiled_mma_pv,
+                        pipe_q, pipe_k, pipe_v, scale_log2, seqlen_q, seqlen_k, wg)
+                else:
+                    q_state, kv_state = self.idle_mainloop(q_state, kv_state, n_block_max, pipe_q, pipe_k,
+                                                           pipe_v, wg)
             self.epilogue(acc_O, row_max, row_sum, scale_log2, mO, mLSE, sO, tma_atom_o, tiled_mma_o,
                           thr_mma_pv, tidx, wg, m_block, head, batch, seqlen_q)
             pipe_tile.consumer_wait(tile_state)
@@ -593,6 +590,44 @@ class _FlashAttentionSm90:
             pipe_v.consumer_wait(state)
             _gemm(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state.index], zero_init=False)
             warpgroup.wait_group(0)
+            pipe_v.consumer_release(state)
+            state.advance()
+        return q_state, state
+
+    @cute.jit
+    def idle_mainloop(self, q_state, state, n_block_max, pipe_q, pipe_k, pipe_v, wg):
+        """The pipeline waits and releases and the GEMM-issue token of `mainloop`, without its
+        math: for a warpgroup whose 64 rows all lie past S_q (in the last 192-row tile of
+        S_q = 1024 only the first warpgroup has rows), so that the others get the tensor cores.
+        Waiting on each stage keeps its releases in the phase the other warpgroups release."""
+        pipe_q.consumer_wait(q_state)
+        pipe_k.consumer_wait(state)
+        pipe_k.consumer_release(state)
+        if cutlass.const_expr(not self.overlap):
+            pipe_v.consumer_wait(state)
+            pipe_v.consumer_release(state)
+            state.advance()
+        for _ in cutlass.range(n_block_max - 1, unroll=1):
+            state_v = state.clone()
+            if cutlass.const_expr(self.overlap):
+                state.advance()
+            pipe_k.consumer_wait(state)
+            if cutlass.const_expr(self.overlap):
+                cute.arch.barrier(barrier_id=_BAR_SCHED + wg, number_of_threads=256)
+                pipe_v.consumer_wait(state_v)
+                nxt = wg + 1 if wg + 1 < self.num_mma_wg else 0
+                cute.arch.barrier_arrive(barrier_id=_BAR_SCHED + nxt, number_of_threads=256)
+                pipe_k.consumer_release(state)
+                pipe_v.consumer_release(state_v)
+            else:
+                pipe_k.consumer_release(state)
+                pipe_v.consumer_wait(state)
+                pipe_v.consumer_release(state)
+                state.advance()
+        pipe_q.consumer_release(q_state)
+        q_state.advance()
+        if cutlass.const_expr(self.overlap):
+            pipe_v.consumer_wait(state)
             pipe_v.consumer_release(state)
             state.advance()
         return q_state, state
@@ -877,7 +912,7 @@ def _tma_view(t: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("rosekernels::attention_fwd", mutates_args=("out", "lse"))
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                    causal: bool, softmax_scale: float) -> None:
-    cfg = default_config(q.shape[-1], _TORCH_DTYPES[q.dtype], causal, q.shape[1])
+    cfg = default_config(q.shape[-1], _TORCH_DTYPES[q.dtype], causal)
     with torch.cuda.device(q.device):
         compiled(cfg).fn(q, k, v, out, lse, softmax_scale * LOG2_E, *launch_args(cfg, q))
 
@@ -887,18 +922,23 @@ def _(q, k, v, out, lse, causal, softmax_scale) -> None:
     return None
 
 
-_plans: dict[tuple, tuple] = {}  # argument signature -> (scale, decode?, kernel fn or decode launcher, grid)
+# argument signature -> (scale, decode?, decode Launch | (kernel fn, TMA views needed?), grid)
+_plans: dict[tuple, tuple] = {}
 
 
-def _plan(q, k, v, out, causal: bool, softmax_scale) -> tuple:
+def _plan(q, k, v, out, causal: bool, softmax_scale, plain: bool) -> tuple:
     """The slow path, once per argument signature: every check, the kernel picked and loaded."""
     scale = _check(q, k, v, out, softmax_scale)
     from rosekernels.kernels import attention_decode  # here: attention_decode imports this module
     if q.shape[1] <= attention_decode.MAX_SEQLEN_Q:
+        if plain and q.numel():
+            return scale, True, attention_decode.Launch(q, k, v, out), 0
         return scale, True, attention_decode.run, 0
-    cfg = default_config(q.shape[-1], _TORCH_DTYPES[q.dtype], causal, q.shape[1])
+    cfg = default_config(q.shape[-1], _TORCH_DTYPES[q.dtype], causal)
     tiles = num_tiles(cfg, q.shape[0], q.shape[1], q.shape[2])
-    return scale, False, compiled(cfg).fn, min(tiles, modes.sm_count(q.device.index))
+    # Strides are part of the signature: whether the TMA needs regularized views is too.
+    views = any(_tma_view(t) is not t for t in (q, k, v, out) if t is not None)
+    return scale, False, (compiled(cfg).fn, views), min(tiles, modes.sm_count(q.device.index))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -924,7 +964,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
                                  | (0 if out is None else out.data_ptr())) % 16:
             plan = None  # the full checks say which pointer is misaligned
     if plan is None:
-        plan = _plan(q, k, v, out, causal, softmax_scale)
+        plan = _plan(q, k, v, out, causal, softmax_scale, plain)
         if plain:
             if len(_plans) >= 4096:  # many distinct shapes: start over rather than grow without bound
                 _plans.clear()
@@ -942,9 +982,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     elif not plain:
         torch.ops.rosekernels.attention_fwd(*(_tma_view(t) for t in (q, k, v, out)), lse, causal, scale)
     else:
+        fn, views = fn
+        if views:
+            q, k, v, out_view = (_tma_view(t) for t in (q, k, v, out))
+        else:
+            out_view = out
         # The tile counter is re-zeroed by the kernel: one per stream serves every eager call.
-        args = (*(_tma_view(t) for t in (q, k, v, out)), lse, scale * LOG2_E,
-                scratch.zeroed_int32(q.device.index, 1), num_ctas)
+        args = (q, k, v, out_view, lse, scale * LOG2_E, scratch.zeroed_int32(q.device.index, 1), num_ctas)
         if q.device.index == torch.cuda.current_device():
             fn(*args)
         else:

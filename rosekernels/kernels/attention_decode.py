@@ -11,7 +11,7 @@ whole story; the design spreads that read over every SM:
   per CTA, more rows take more CTAs (m-blocks, adjacent in the grid so they share K/V in L2).
 - Split-KV: the keys are cut into `num_splits` chunks of whole `tile_n` tiles; one CTA per
   (split, m-block, KV head, batch). The host picks the split count from B * Hkv against the SM
-  count (`choose_splits`) so the grid fills the GPU (two CTAs fit per SM).
+  count (`choose_splits`) so the grid fills the SMs (two CTAs fit per SM; one streams as fast).
 - One producer warp streams the chunk's K and V tiles with TMA into a `num_stages` ring of
   shared-memory buffers (one mbarrier pair per stage). Four MMA warps each take 16 rows and a
   slice of the tile's keys (tile_m 16: each warp 1/4 of the keys; 32: 1/2; 64: all of them):
@@ -504,24 +504,26 @@ def precompile(configs=SPECIALIZATIONS, processes: int | None = None) -> list[ji
 
 
 # How many KV splits: a fluid model of the launch. Every CTA streams its chunk at the lesser of
-# what one CTA keeps in flight (CTA_GBPS) and its share of HBM (HBM_GBPS over the CTAs resident);
-# CTAs past the resident ones (2 per SM) run in later waves; each wave costs CTA_US of ramp, and a
-# split launch COMBINE_US for the last CTA's combine; more splits must win by SPLIT_GAIN (each
-# costs workspace traffic the model leaves out). Estimates for an H200; `splits=` overrides.
+# what one CTA keeps in flight (CTA_GBPS) and its share of HBM (HBM_GBPS over the CTAs of its wave);
+# a wave is one CTA per SM (two fit, but on the H200 a second resident CTA added no bandwidth:
+# B=16 S_kv=1k-4k ran 6-14% faster unsplit, 128 CTAs, than split in two); each wave costs CTA_US of
+# ramp, and a split launch COMBINE_US for the last CTA's combine; more splits must win by SPLIT_GAIN
+# (each costs workspace traffic the model leaves out). Fitted to an H200 sweep of split counts
+# (B 1-64, S_kv 1k-32k, GQA 4 and 1): the picks are within 0.5% of the best. `splits=` overrides.
 HBM_GBPS = 4300.0
 CTA_GBPS = 25.0
-CTA_US = 1.0
+CTA_US = 0.5
 COMBINE_US = 1.0
 MAX_SPLITS = 128
 SPLIT_GAIN = 0.97
-CTAS_PER_SM = 2
+WAVE_CTAS_PER_SM = 1
 
 
 @functools.lru_cache(maxsize=4096)
 def choose_splits(groups: int, n_tiles: int, tile_bytes: int, sms: int,
                   max_splits: int = MAX_SPLITS) -> tuple[int, int]:
     """(num_splits, tiles_per_split) for `groups` CTAs' worth of rows over `n_tiles` K/V tiles each."""
-    slots = CTAS_PER_SM * sms
+    slots = WAVE_CTAS_PER_SM * sms
     best = None
     for want in range(1, max(1, min(n_tiles, max_splits)) + 1):
         per = -(-n_tiles // want)
@@ -572,32 +574,45 @@ def _plan(q: torch.Tensor, k: torch.Tensor, splits: int | None = None):
     return cfg, splits, per, groups
 
 
-def _launch(q, k, v, out, lse, causal: bool, softmax_scale: float, splits: int | None = None,
-            private_scratch: bool = False) -> None:
-    """Run on validated (TMA-viewed) tensors; `splits` overrides the split count (benchmarks)."""
-    cfg, num_splits, per, groups = _plan(q, k, splits)
-    device = q.device
-    if num_splits > 1:
-        o_part, lse_part, counters = _workspace(device, groups, num_splits * groups * cfg.tile_m, cfg.head_dim,
-                                                private_scratch)
-    else:
-        if device.index not in _dummies:
-            _dummies[device.index] = torch.empty(4, dtype=torch.float32, device=device)
-        o_part = lse_part = _dummies[device.index]
-        counters = o_part.view(torch.int32)
-    causal_shift = k.shape[1] - q.shape[1] if causal else k.shape[1]
-    args = (q, k, v, out, lse, o_part, lse_part, counters, softmax_scale * LOG2_E, causal_shift, num_splits, per)
-    if device.index == torch.cuda.current_device():
-        compiled(cfg).fn(*args)
-    else:
-        with torch.cuda.device(device):  # TVM-FFI launches on the current device's current stream
-            compiled(cfg).fn(*args)
+class Launch:
+    """One decode launch planned for an argument signature (shapes, strides, dtype, device):
+    config, split count and loaded kernel fixed up front, so that a call only allocates the
+    split workspace and launches. `attention()` caches one per signature of its eager calls."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None,
+                 splits: int | None = None):
+        self.cfg, self.num_splits, self.per, self.groups = _plan(q, k, splits)
+        self.kernel = compiled(self.cfg).fn
+        self.device = q.device
+        # Strides are part of the signature: whether the TMA needs regularized views is too.
+        self.views = any(_prefill._tma_view(t) is not t for t in (q, k, v, out) if t is not None)
+
+    def __call__(self, q, k, v, out, lse, causal: bool, softmax_scale: float, private_scratch: bool = False):
+        if self.views:
+            q, k, v, out = (_prefill._tma_view(t) for t in (q, k, v, out))
+        device = self.device
+        if self.num_splits > 1:
+            o_part, lse_part, counters = _workspace(device, self.groups, self.num_splits * self.groups * self.cfg.tile_m,
+                                                    self.cfg.head_dim, private_scratch)
+        else:
+            o_part = lse_part = _dummies.get(device.index)
+            if o_part is None:
+                o_part = lse_part = _dummies[device.index] = torch.empty(4, dtype=torch.float32, device=device)
+            counters = o_part.view(torch.int32)
+        causal_shift = k.shape[1] - q.shape[1] if causal else k.shape[1]
+        args = (q, k, v, out, lse, o_part, lse_part, counters, softmax_scale * LOG2_E, causal_shift,
+                self.num_splits, self.per)
+        if device.index == torch.cuda.current_device():
+            self.kernel(*args)
+        else:
+            with torch.cuda.device(device):  # TVM-FFI launches on the current device's current stream
+                self.kernel(*args)
 
 
 @torch.library.custom_op("rosekernels::attention_decode", mutates_args=("out", "lse"))
 def _attention_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                          lse: torch.Tensor, causal: bool, softmax_scale: float) -> None:
-    _launch(q, k, v, out, lse, causal, softmax_scale, private_scratch=True)  # compiled graphs
+    Launch(q, k, v, out)(q, k, v, out, lse, causal, softmax_scale, private_scratch=True)  # compiled graphs
 
 
 @_attention_decode_op.register_fake
@@ -610,11 +625,11 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, ls
     """Launch on arguments `attention()` validated (q non-empty). Traced (torch.compile) or on
     tensor subclasses: the registered op; eager: straight to the kernel (the dispatcher would
     add tens of microseconds to a call that takes a few)."""
-    q, k, v, out_view = (_prefill._tma_view(t) for t in (q, k, v, out))
     if torch.compiler.is_compiling() or any(type(t) is not torch.Tensor for t in (q, k, v, out, lse)):
-        torch.ops.rosekernels.attention_decode(q, k, v, out_view, lse, bool(causal), float(softmax_scale))
+        q, k, v, out = (_prefill._tma_view(t) for t in (q, k, v, out))
+        torch.ops.rosekernels.attention_decode(q, k, v, out, lse, bool(causal), float(softmax_scale))
     else:
-        _launch(q, k, v, out_view, lse, bool(causal), float(softmax_scale), splits)
+        Launch(q, k, v, out, splits)(q, k, v, out, lse, bool(causal), float(softmax_scale))
 
 
 def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,

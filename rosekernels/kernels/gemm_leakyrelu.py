@@ -23,7 +23,7 @@ Eager calls cache a launch plan per argument signature (shapes, strides, dtypes,
 bias), so a repeated call only checks pointers (alignment, overlap) and launches.
 
 Public entry point: `gemm_leakyrelu(a, b, negative_slope=0.01, bias=None, out=None, b_layout="nk")`.
-`specializations()`, `compile_config()` and `TuningCase` expose every compiled variant to SIP.
+`specializations()`, `compiled()` and `TuningCase` expose every compiled variant to SIP.
 """
 from __future__ import annotations
 
@@ -638,9 +638,14 @@ def _build(cfg: GemmConfig):
 
 
 @functools.lru_cache(maxsize=None)
-def compile_config(cfg: GemmConfig) -> jit.CompiledKernel:
+def compiled(cfg: GemmConfig) -> jit.CompiledKernel:
     """The loaded kernel of `cfg` (compiled once per process, cached on disk)."""
     return jit.compile_variant(cfg.variant(), lambda: _build(cfg))
+
+
+def precompile(configs, processes: int | None = None) -> list[jit.CompiledKernel]:
+    """compiled() of each config, cold ones compiled in parallel processes (jit.precompile)."""
+    return jit.precompile(__name__, configs, processes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -657,7 +662,7 @@ PREFILL_TILES = (
 RASTER_GROUP = 8  # cluster rows per band of the tile walk: both operands' bands stay in L2
 
 # Decode (M <= 128): weight-bandwidth bound. Tile widths and their weight-streaming efficiency
-# at equal SM fill (H200 sweep, bench/results/gemm_leakyrelu.md: 64-wide tiles pay more per byte).
+# at equal SM fill (H200 sweep, bench/results/gemm_leakyrelu_decode_sweep.md: 64-wide tiles pay more per byte).
 DECODE_TILE_N = {64: 0.85, 128: 1.00, 256: 1.00}
 MAX_SPLITS = 16
 A_ROWS = (8, 16, 32, 64)  # rows of A a 64-row decode tile loads: the smallest that holds M
@@ -749,8 +754,13 @@ def select_config(m: int, n: int, k: int, dtype: str, b_major: str, bias: str, s
         waves = math.ceil(clusters / (num_sms // 2))
         cost = waves * tile_m * tile_n / efficiency
         if best is None or cost < best[0]:
-            best = (cost, tile_m, tile_n, pingpong)
-    _, tile_m, tile_n, pingpong = best
+            best = (cost, tile_m, tile_n, pingpong, waves)
+    _, tile_m, tile_n, pingpong, waves = best
+    if waves == 1 and not pingpong:
+        # One wave of cooperative tiles leaves each CTA a single tile, its pipeline fill and
+        # epilogue overlapping nothing; pingpong 128 x 128 tiles (two per CTA) measured 12% faster
+        # on 1024 x 4096 x 14336 (H200 sweep, bench/results/gemm_leakyrelu_prefill_sweep.md).
+        tile_m, tile_n, pingpong = 128, 128, True
     return GemmConfig(**base, tile_m=tile_m, tile_n=tile_n, pingpong=pingpong), 1
 
 
@@ -788,7 +798,7 @@ class _Plan:
             raise ValueError(f"{m}x{n} is too large for {splits} K splits of {cfg}")
         if cfg.a_rows < cfg.tile_m and m > cfg.a_rows:
             raise ValueError(f"{cfg} loads {cfg.a_rows} rows of A: M = {m} is too many")
-        self.fn = compile_config(cfg).fn
+        self.fn = compiled(cfg).fn
         self.device = a.device.index
         self.split_k = cfg.split_k
         self.partial_floats = splits * m * math.ceil(n / cfg.tile_n) * cfg.tile_n if splits > 1 else 0
@@ -1023,7 +1033,7 @@ class TuningCase:
         return cls(cfg, 8192, 14336, 4096)
 
     def kernel(self) -> jit.CompiledKernel:
-        return compile_config(self.config)
+        return compiled(self.config)
 
     def make_args(self, device: str = "cuda", seed: int = 0) -> tuple:
         """Positional arguments of `kernel().fn(*args)` on fresh random inputs; the output
