@@ -24,6 +24,8 @@ one GQA group adjacent. `persistent=False` launches one CTA per tile in the same
 - `tile_m / 64` consumer warpgroups each own 64 query rows: S = Q K^T with WGMMA from shared memory,
   online softmax in registers (row max/sum over the 4 threads of a quad with shuffles, exp2 with
   the scale folded into one FFMA), then O += P V with WGMMA taking P straight from registers.
+- A warpgroup whose 64 rows all lie past S_q (the ragged last tile) skips the math and only keeps the
+  pipelines and the issue token moving (`idle_mainloop`), leaving the tensor cores to the others.
 - KV tiles are visited from the last to the first, so the only tiles that need masking (the ragged
   last tile and, when causal, the diagonal ones) come first; tiles entirely above the causal
   diagonal are never loaded.
