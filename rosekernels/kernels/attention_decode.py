@@ -590,10 +590,10 @@ class Launch:
     def __call__(self, q, k, v, out, lse, causal: bool, softmax_scale: float, private_scratch: bool = False):
         if self.views:
             q, k, v, out = (_prefill._tma_view(t) for t in (q, k, v, out))
-        device = self.device
+        device, cfg = self.device, self.cfg
         if self.num_splits > 1:
-            o_part, lse_part, counters = _workspace(device, self.groups, self.num_splits * self.groups * self.cfg.tile_m,
-                                                    self.cfg.head_dim, private_scratch)
+            rows = self.num_splits * self.groups * cfg.tile_m
+            o_part, lse_part, counters = _workspace(device, self.groups, rows, cfg.head_dim, private_scratch)
         else:
             o_part = lse_part = _dummies.get(device.index)
             if o_part is None:
