@@ -757,9 +757,9 @@ def select_config(m: int, n: int, k: int, dtype: str, b_major: str, bias: str, s
             best = (cost, tile_m, tile_n, pingpong, waves)
     _, tile_m, tile_n, pingpong, waves = best
     if waves == 1 and not pingpong:
-        # One wave of cooperative tiles leaves each CTA a single tile, its pipeline fill and
-        # epilogue overlapping nothing; pingpong 128 x 128 tiles (two per CTA) measured 12% faster
-        # on 1024 x 4096 x 14336 (H200 sweep, bench/results/gemm_leakyrelu_prefill_sweep.md).
+        # Where cooperative tiles make a single wave (one tile per CTA), pingpong 128 x 128 tiles
+        # (two per CTA) measured 12% faster: 1024 x 4096 x 14336 on the H200
+        # (bench/results/gemm_leakyrelu_prefill_sweep.md; at 2048 x 4096 x 14336, two waves, even).
         tile_m, tile_n, pingpong = 128, 128, True
     return GemmConfig(**base, tile_m=tile_m, tile_n=tile_n, pingpong=pingpong), 1
 
