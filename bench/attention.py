@@ -19,7 +19,6 @@ import dataclasses
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import timing  # noqa: E402
 from rosekernels.kernels import attention as A  # noqa: E402
 
 L2_BYTES = 50 * 2**20
@@ -46,47 +46,17 @@ def tflops(shape, s_q, s_k, ms):
     return flops / ms / 1e9
 
 
-def time_ms(fn, sets, warmup=3, iters=10):
-    """Median of per-launch CUDA-event times; fn(i) runs on input set i % len(sets)."""
-    for i in range(warmup):
-        fn(i % sets)
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for i, (start, end) in enumerate(events):
-        start.record()
-        fn(i % sets)
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
-
-
-def time_interleaved_ms(fns, sets, warmup=3, iters=10):
-    """{name: median per-launch CUDA-event time} with the launches of all fns interleaved (round
-    r runs each fn once on input set r % sets): clock and power drift reach every method alike."""
-    for name, fn in fns.items():
-        for i in range(warmup):
-            fn(i % sets)
-    torch.cuda.synchronize()
-    events = {name: [] for name in fns}
-    for i in range(iters):
-        for name, fn in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(i % sets)
-            end.record()
-            events[name].append((start, end))
-    torch.cuda.synchronize()
-    return {name: statistics.median(s.elapsed_time(e) for s, e in ev) for name, ev in events.items()}
+def interleaved_ms(runs, n_sets, iters):
+    """{name: median per-launch device ms}, every run(i) launched once per round (timing.interleaved_time_us)."""
+    steps = {name: (lambda i, run=run: run(i % n_sets)) for name, run in runs.items()}
+    return {name: us / 1e3 for name, us in timing.interleaved_time_us(steps, 1, rounds=iters).items()}
 
 
 def ceilings():
     """Measured in this run: device copy bandwidth (read + write) and a dense bf16 GEMM."""
-    n = 1 << 28
-    a, b = torch.empty(n, device="cuda", dtype=torch.uint8), torch.empty(n, device="cuda", dtype=torch.uint8)
-    copy_ms = time_ms(lambda i: b.copy_(a), 1, warmup=3, iters=10)
     m = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    gemm_ms = time_ms(lambda i: m @ m, 1, warmup=3, iters=10)
-    return {"copy_GBps": 2 * n / copy_ms / 1e6, "bf16_gemm_8192_TFLOPs": 2 * 8192**3 / gemm_ms / 1e9}
+    gemm_us = timing.event_time_us(lambda _: m @ m, 10, reps=3)
+    return {"copy_GBps": timing.copy_gbs(1 << 28), "bf16_gemm_8192_TFLOPs": 2 * 8192**3 / gemm_us / 1e6}
 
 
 def make_sets(shape, s_q, s_k, dtype=torch.bfloat16):
@@ -165,7 +135,7 @@ def bench_shape(shape, peers, s_q=None, iters=10):
                 diff = (run(0).float() - ref.float()).abs().max().item()
                 row[f"{name}_maxdiff"] = diff
             if s_q == 1:
-                ms = time_graph_rotating_ms(lambda i: run(0), 1)
+                ms = graph_ms(lambda i: run(0), 1)
                 row[f"{name}_ms"] = ms
                 row[f"{name}_TFLOPs"] = tflops(shape, s_q, s_k, ms)
             else:
@@ -173,7 +143,7 @@ def bench_shape(shape, peers, s_q=None, iters=10):
         except Exception as e:  # noqa: BLE001 - a backend refusing a shape is a result, not a crash
             row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     if ready:
-        for name, ms in time_interleaved_ms(ready, len(sets), iters=iters).items():
+        for name, ms in interleaved_ms(ready, len(sets), iters).items():
             row[f"{name}_ms"] = ms
             row[f"{name}_TFLOPs"] = tflops(shape, s_q, s_k, ms)
     for peer in ("sdpa_cudnn", "sdpa_flash", "fa4"):
@@ -247,7 +217,7 @@ def sweep(shapes, iters, peers):
                 launches[name] = (diff, launch[1])
             except Exception as e:  # noqa: BLE001
                 row["configs"][name] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
-        for name, ms in time_interleaved_ms(fns, len(sets), iters=iters).items():
+        for name, ms in interleaved_ms(fns, len(sets), iters).items():
             if name in peer_fns:
                 row[f"{name}_TFLOPs"] = tflops(shape, shape["s"], shape["s"], ms)
             else:
@@ -323,45 +293,14 @@ def decode_sets(shape, dtype=torch.bfloat16):
             for _ in range(max(2, math.ceil(3 * L2_BYTES / per_set)))]
 
 
-def time_graph_rotating_ms(fn, n_sets, replays=5):
-    """Per-launch time of calls fn(0), fn(1), ... (cycling over the input sets) captured in one
-    CUDA graph; warm-up and capture on the same side stream."""
-    launches = min(max(2 * n_sets, 20), 200)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(n_sets):
-            fn(i)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            for i in range(launches):
-                fn(i % n_sets)
-    torch.cuda.current_stream().wait_stream(s)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / launches)
-    del g
-    return statistics.median(times)
+def graph_ms(fn, n_sets):
+    """Device ms per launch of fn(0), fn(1), ... (cycling over the input sets) in one CUDA graph."""
+    return timing.graph_time_us(lambda i: fn(i % n_sets), min(max(2 * n_sets, 20), 200), reps=5, warmup=n_sets) / 1e3
 
 
-def eager_us(fn, n_sets, calls=30):
+def eager_us(fn, n_sets):
     """Wall time per eager call, back to back (host overhead when the kernel is shorter)."""
-    for i in range(3):
-        fn(i % n_sets)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for i in range(calls):
-        fn(i % n_sets)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / calls * 1e6
+    return timing.host_time_us(lambda i: fn(i % n_sets), calls=30, reps=1, warmup=3)
 
 
 def bench_decode(shape, peers, copy_gbps, split_sweep=()):
@@ -379,7 +318,7 @@ def bench_decode(shape, peers, copy_gbps, split_sweep=()):
         try:
             if name != "rosekernels":
                 row[f"{name}_maxdiff"] = (run(0).float() - ref).abs().max().item()
-            ms = time_graph_rotating_ms(run, len(sets))
+            ms = graph_ms(run, len(sets))
             row[f"{name}_us"] = ms * 1e3
             row[f"{name}_TFLOPs"] = 4 * b * hq * s_q * s_k * d / ms / 1e9
             row[f"{name}_kv_GBps"] = kv_bytes / ms / 1e6
@@ -393,7 +332,7 @@ def bench_decode(shape, peers, copy_gbps, split_sweep=()):
                 row[f"vs_{peer}"] = row[f"{peer}_us"] / row["rosekernels_us"]
     for splits in split_sweep:
         try:
-            ms = time_graph_rotating_ms(
+            ms = graph_ms(
                 lambda i, n=splits: D.attention_decode(*sets[i][:3], out=sets[i][3], splits=n), len(sets))
             row[f"splits{splits}_us"] = ms * 1e3
         except Exception as e:  # noqa: BLE001

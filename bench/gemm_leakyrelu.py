@@ -19,7 +19,6 @@ import dataclasses
 import json
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -27,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import timing  # noqa: E402
 from rosekernels.kernels import gemm_leakyrelu as glr  # noqa: E402
 
 L2_BYTES = 50 << 20
@@ -34,73 +34,15 @@ MLP = [(m, n, k) for m in (1, 16, 128, 1024, 8192) for n, k in ((14336, 4096), (
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192)] + MLP
 
 
-def _time_events(fn, sets, reps, iters):
-    """Median ms per call over `reps` timed loops of `iters` calls, rotating input sets."""
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(iters):
-            fn(*sets[i % len(sets)])
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    return statistics.median(times)
+def _rotating(fn, sets):
+    """fn on input set i % len(sets) for call i (bench/timing.py's step)."""
+    return lambda i: fn(*sets[i % len(sets)])
 
 
-def _time_interleaved(fns, sets, reps, iters):
-    """{name: median ms per call} of `reps` rounds in which every fn runs one timed loop of `iters`
-    calls in turn: clock and power drift over a long run reaches every method alike (timed one
-    after another, the same kernel measured up to 10% apart between runs on the H200)."""
-    times = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            times[name].append(_time_events(fn, sets, 1, iters))
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def _time_graph(fn, sets, reps, launches):
-    """Median ms per call of `launches` calls captured in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for s in sets:  # warm up on the capture stream (allocator, split-K workspace)
-            fn(*s)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for i in range(launches):
-            fn(*sets[i % len(sets)])
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / launches)
-    return statistics.median(times)
-
-
-def _host_us(fn, sets, calls=200):
-    """Host time per eager call (enqueue only; the GPU queue never fills at this depth)."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for i in range(calls):
-        fn(*sets[i % len(sets)])
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
-
-
-def copy_bandwidth_gbs() -> float:
-    """Device-to-device copy bandwidth, read + write bytes, GB/s."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = _time_events(lambda: dst.copy_(src), [()], reps=5, iters=10)
-    return 2 * src.numel() / ms / 1e6
+def _graph_ms(fn, sets):
+    """Device ms per call of a CUDA graph of about 200 calls over the sets."""
+    launches = max(20, 200 // len(sets) * len(sets))
+    return timing.graph_time_us(_rotating(fn, sets), launches, reps=5, warmup=len(sets)) / 1e3
 
 
 def _quack():
@@ -165,24 +107,25 @@ def bench_shape(m, n, k, dtype, slope, bias, copy_gbs, quack, compile_peer, swee
             if not decode:
                 ready[name] = fn  # timed below, interleaved with the others
                 continue
-            timing = "graph"
+            how = "graph"
             try:
-                ms = _time_graph(fn, sets, reps=5, launches=max(20, 200 // len(sets) * len(sets)))
+                ms = _graph_ms(fn, sets)
             except Exception as e:  # noqa: BLE001 - not capturable: time it eagerly instead
                 print(f"  {name}: CUDA graph failed ({type(e).__name__}), timing eagerly")
                 torch.cuda.synchronize()
-                ms, timing = _time_events(fn, sets, reps=5, iters=200), "events (graph failed)"
-            host = _host_us(fn, sets)
+                ms, how = timing.event_time_us(_rotating(fn, sets), 200, reps=5) / 1e3, "events (graph failed)"
+            host = timing.enqueue_time_us(_rotating(fn, sets), calls=200, reps=1)
         except Exception as e:  # noqa: BLE001 - record the failure, keep benchmarking the rest
             print(f"  {name}: failed: {type(e).__name__}: {str(e)[:300]}")
             rows.append(dict(method=name, error=f"{type(e).__name__}: {e}"[:500]))
             continue
-        rows.append(dict(method=name, ms=ms, tflops=flops / ms / 1e9, host_us=host, timing=timing,
+        rows.append(dict(method=name, ms=ms, tflops=flops / ms / 1e9, host_us=host, timing=how,
                          weight_gbs=weight_bytes / ms / 1e6, pct_copy_ceiling=weight_bytes / ms / 1e4 / copy_gbs))
     if ready:
         iters = max(5, min(50, int(100 / max(flops / 700e12 * 1e3, 1e-3))))
-        for name, ms in _time_interleaved(ready, sets, reps=7, iters=iters).items():
-            rows.append(dict(method=name, ms=ms, tflops=flops / ms / 1e9, host_us=None, timing="events"))
+        steps = {name: _rotating(fn, sets) for name, fn in ready.items()}
+        for name, us in timing.interleaved_time_us(steps, iters, rounds=7).items():
+            rows.append(dict(method=name, ms=us / 1e3, tflops=flops / us / 1e6, host_us=None, timing="events"))
     rows.sort(key=lambda r: list(methods).index(r["method"]))
     by = {r["method"]: r for r in rows if "ms" in r}
     for r in rows:
@@ -239,14 +182,15 @@ def _sweep(m, n, k, dtype, slope, bias, sets, decode, flops, sm):
         except Exception as e:  # noqa: BLE001
             rows[trial]["error"] = f"{type(e).__name__}: {e}"[:300]
     if decode:  # each in its own CUDA graph, next to the heuristic's cost model
-        times = {trial: _time_graph(fn, sets, 5, max(20, 200 // len(sets) * len(sets))) for trial, fn in fns.items()}
+        times = {trial: _graph_ms(fn, sets) for trial, fn in fns.items()}
         for (cfg, splits, _), row in rows.items():
             row.update(tile_n=cfg.tile_n, a_rows=cfg.a_rows,
                        model_us=glr.decode_cost(m, n, k, cfg.tile_m, cfg.tile_n, splits, sm)
                        if cfg.tile_n in glr.DECODE_TILE_N else None)
-    else:  # every trial timed in each round (see _time_interleaved)
+    else:  # every trial timed in each round (timing.interleaved_time_us)
         iters = max(5, min(50, int(100 / (flops / 700e12 * 1e3))))
-        times = _time_interleaved(fns, sets, reps=5, iters=iters)
+        steps = {trial: _rotating(fn, sets) for trial, fn in fns.items()}
+        times = {trial: us / 1e3 for trial, us in timing.interleaved_time_us(steps, iters, rounds=5).items()}
     for trial, ms in times.items():
         rows[trial].update(ms=ms, tflops=flops / ms / 1e9)
     for row in rows.values():
@@ -316,7 +260,7 @@ def main():
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     shapes = SHAPES if not args.shapes else [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     device = torch.cuda.get_device_name()
-    copy_gbs = copy_bandwidth_gbs()
+    copy_gbs = timing.copy_gbs()
     print(f"{device}: copy bandwidth {copy_gbs:.0f} GB/s")
     quack = _quack()
     results = []

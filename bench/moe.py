@@ -27,7 +27,6 @@ import argparse
 import json
 import math
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -37,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import timing  # noqa: E402
 from rosekernels import jit  # noqa: E402
 from rosekernels.kernels import moe_combine as mc  # noqa: E402
 from rosekernels.kernels import moe_dispatch as md  # noqa: E402
@@ -50,74 +50,15 @@ TARGETS = {"prefill_pct_of_copy": 80.0, "decode_graph_us": 10.0, "speedup_vs_tor
 
 
 # ---------------------------------------------------------------------------------------------
-# Timing.
+# Timing (bench/timing.py); call(i) runs on input set i of n.
 
-def event_us(call, n_sets: int, reps: int = 15, warmup: int = 3) -> float:
-    """Median per-call time of `calls` back-to-back calls (cycling the sets), by CUDA events."""
-    calls = max(n_sets, 8)
-    for i in range(warmup * n_sets):
-        call(i % n_sets)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for i in range(calls):
-            call(i % n_sets)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
-
-
-def graph_us(call, n_sets: int, reps: int = 15) -> float:
-    """Median per-call device time of many calls captured in one CUDA graph."""
-    calls = max(64, n_sets)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(n_sets):
-            call(i)  # warm up: compile, allocator
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            call(i % n_sets)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    del graph
-    return statistics.median(times)
-
-
-def host_us(call, n_sets: int, reps: int = 11, calls: int = 32) -> float:
-    """Median host (CPU) time per call of `calls` back-to-back calls, the device idle at the start."""
-    for i in range(3 * n_sets):
-        call(i % n_sets)
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for i in range(calls):
-            call(i % n_sets)
-        times.append((time.perf_counter() - t) * 1e6 / calls)
-    torch.cuda.synchronize()
-    return statistics.median(times)
-
-
-def copy_ceiling_gbps(nbytes: int = 1 << 30) -> float:
-    src = torch.empty(nbytes // 2, dtype=DTYPE, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    us = event_us(lambda i: dst.copy_(src), 1, reps=20)
-    return 2 * nbytes / us / 1e3
+def timers(n: int) -> tuple:
+    """(how, timer): eager host time to enqueue, eager device time, device time inside a CUDA graph."""
+    def rotating(call):
+        return lambda i: call(i % n)
+    return (("host", lambda call: timing.enqueue_time_us(rotating(call), calls=32, reps=11, warmup=3 * n)),
+            ("eager", lambda call: timing.event_time_us(rotating(call), max(n, 8), warmup=3 * n)),
+            ("graph", lambda call: timing.graph_time_us(rotating(call), max(64, n), warmup=n)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,11 +202,11 @@ def bench_shape(model, T, compile_peer, log):
         row["compile"] = "not run"
 
     for name, call in impls.items():
-        for how, timer in (("host", host_us), ("eager", event_us), ("graph", graph_us)):
+        for how, timer in timers(n):
             if how == "graph" and T > GRAPH_MAX_TOKENS:
                 continue
             try:
-                row[f"{name}_{how}_us"] = timer(call, n)
+                row[f"{name}_{how}_us"] = timer(call)
             except Exception as e:  # noqa: BLE001  (a peer that fails is recorded, not fatal)
                 errors.append(f"{name} {how}: {type(e).__name__}: {e}")
                 traceback.print_exc()
@@ -391,7 +332,7 @@ def main():
     log = lambda m: print(m, flush=True)  # noqa: E731
     t0 = time.time()
     env = environment()
-    copy_gbps = copy_ceiling_gbps()
+    copy_gbps = timing.copy_gbs()
     log(f"{env['gpu']}: device copy {copy_gbps:.0f} GB/s")
     tokens = [int(t) for t in args.tokens.split(",")]
     compile_tokens = set(tokens if args.compile_tokens is None else map(int, args.compile_tokens.split(",")))

@@ -24,7 +24,6 @@ import dataclasses
 import json
 import math
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -35,6 +34,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import timing  # noqa: E402
+from timing import auto_event_time_us, copy_gbs, copy_time_us, graph_time_us, host_time_us  # noqa: E402
 from rosekernels import jit, modes  # noqa: E402
 from rosekernels.kernels import qk_norm as qkn  # noqa: E402
 from rosekernels.kernels import rmsnorm as rms  # noqa: E402
@@ -48,94 +49,7 @@ DTYPE = torch.bfloat16
 EPS = 1e-6
 DECODE_T = (1, 8, 32, 128)
 PREFILL_T = (1024, 4096, 8192, 16384, 32768)
-L2_BYTES = 50 << 20
 GRAPH_CALLS = 100
-
-
-# ---------------------------------------------------------------------------------------------
-# Measurement helpers (bench/rmsnorm.py uses them too).
-
-def sync():
-    torch.cuda.synchronize()
-
-
-def event_time_us(step, calls_per_rep: int, reps: int = 15, warmup: int = 3) -> float:
-    """Median over `reps` of (CUDA-event time of `calls_per_rep` calls of step(i)) / calls."""
-    for i in range(warmup):
-        step(i)
-    sync()
-    times = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    n = 0
-    for _ in range(reps):
-        start.record()
-        for _ in range(calls_per_rep):
-            step(n)
-            n += 1
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls_per_rep)
-    return statistics.median(times)
-
-
-def auto_event_time_us(step, reps: int = 15) -> float:
-    """event_time_us with enough calls per repetition to last >= 2 ms."""
-    probe = event_time_us(step, 3, reps=3, warmup=2)
-    return event_time_us(step, max(3, min(2000, math.ceil(2000 / max(probe, 1e-3)))), reps=reps)
-
-
-def graph_time_us(call, calls: int = GRAPH_CALLS, reps: int = 15) -> float:
-    """Device time per call: `calls` calls captured in one CUDA graph, replayed, median."""
-    for _ in range(3):
-        call()  # compile / autotune outside the capture
-    sync()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        call()  # warm the side stream, as torch's graph docs advise
-        stream.synchronize()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(calls):
-                call()
-    sync()
-    for _ in range(3):
-        graph.replay()
-    sync()
-    times = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    del graph
-    return statistics.median(times)
-
-
-def host_time_us(call, calls: int = 3000, reps: int = 5) -> float:
-    """Eager wall-clock time per call of a long loop: the host cost when kernels are tiny."""
-    for _ in range(20):
-        call()
-    sync()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            call()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e6 / calls)
-    return statistics.median(times)
-
-
-def copy_time_us(nbytes: int) -> float:
-    """One device-to-device copy of nbytes, buffers rotated past L2."""
-    n = max(1, nbytes // 4)
-    sets = max(2, math.ceil(3 * L2_BYTES / (2 * nbytes)))
-    bufs = [(torch.empty(n, device="cuda", dtype=torch.float32).normal_(),
-             torch.empty(n, device="cuda", dtype=torch.float32)) for _ in range(sets)]
-    t = auto_event_time_us(lambda i: bufs[i % sets][1].copy_(bufs[i % sets][0]))
-    return t
 
 
 def empty_cutedsl_kernel():
@@ -257,7 +171,7 @@ def bench_model(model, hq, hk, tokens_list, peers, empty_fn, sweep, log):
     for tokens in tokens_list:
         nbytes = tokens * (hq + hk) * d * DTYPE.itemsize  # q + k, read once and written once
         decode = tokens <= 128
-        count = 1 if decode else max(2, math.ceil(3 * L2_BYTES / (2 * nbytes)))
+        count = 1 if decode else max(2, math.ceil(3 * timing.L2_BYTES / (2 * nbytes)))
         sets, wq, wk = make_sets(tokens, hq, hk, d, count)
         errors = []
         r = {"model": model, "tokens": tokens, "bytes": 2 * nbytes, "errors": errors,
@@ -283,28 +197,28 @@ def bench_model(model, hq, hk, tokens_list, peers, empty_fn, sweep, log):
         if decode:
             raw = qkn.compile(qkn.config_for(tokens, hq, hk, d, DTYPE, DTYPE, EPS).variant()).fn
             dummy = torch.empty(16, device="cuda", dtype=torch.float32)
-            r["ours_graph_us"] = measure("ours graph", lambda: graph_time_us(lambda: ours(0)), errors)
-            r["empty_graph_us"] = measure("empty graph", lambda: graph_time_us(lambda: empty_fn(dummy)), errors)
+            r["ours_graph_us"] = measure("ours graph", lambda: graph_time_us(lambda _: ours(0), GRAPH_CALLS), errors)
+            r["empty_graph_us"] = measure("empty graph", lambda: graph_time_us(lambda _: empty_fn(dummy), GRAPH_CALLS), errors)
             # The floor of any kernel that must read its input before writing: one torch copy of q+k's bytes.
             flat_src = torch.cat([q.flatten(), k.flatten()])
             flat_dst = torch.empty_like(flat_src)
-            r["copy_graph_us"] = measure("copy graph", lambda: graph_time_us(lambda: flat_dst.copy_(flat_src)), errors)
+            r["copy_graph_us"] = measure("copy graph", lambda: graph_time_us(lambda _: flat_dst.copy_(flat_src), GRAPH_CALLS), errors)
             for name in PEERS:
                 if peers.get(name) is not None:
                     fn = peers[name]
-                    r[f"{name}_graph_us"] = measure(f"{name} graph", lambda: graph_time_us(lambda: fn(q, k, wq, wk)), errors)
+                    r[f"{name}_graph_us"] = measure(f"{name} graph", lambda: graph_time_us(lambda _: fn(q, k, wq, wk), GRAPH_CALLS), errors)
             r["host_us"] = {
-                "qk_norm(out given)": measure("host", lambda: host_time_us(lambda: ours(0)), errors),
-                "qk_norm(allocating)": measure("host", lambda: host_time_us(lambda: qkn.qk_norm(q, k, wq, wk, EPS)), errors),
-                "CompiledKernel.fn": measure("host", lambda: host_time_us(lambda: raw(q, k, wq, wk, oq, ok)), errors),
+                "qk_norm(out given)": measure("host", lambda: host_time_us(lambda _: ours(0)), errors),
+                "qk_norm(allocating)": measure("host", lambda: host_time_us(lambda _: qkn.qk_norm(q, k, wq, wk, EPS)), errors),
+                "CompiledKernel.fn": measure("host", lambda: host_time_us(lambda _: raw(q, k, wq, wk, oq, ok)), errors),
                 "torch.ops.rosekernels.qk_norm": measure("host", lambda: host_time_us(
-                    lambda: torch.ops.rosekernels.qk_norm(q, k, wq, wk, oq, ok, EPS, 0.0)), errors),
-                "empty CuTeDSL kernel": measure("host", lambda: host_time_us(lambda: empty_fn(dummy)), errors),
+                    lambda _: torch.ops.rosekernels.qk_norm(q, k, wq, wk, oq, ok, EPS, 0.0)), errors),
+                "empty CuTeDSL kernel": measure("host", lambda: host_time_us(lambda _: empty_fn(dummy)), errors),
             }
             for name in ("quack", "torch_eager"):
                 if peers.get(name) is not None:
                     fn = peers[name]
-                    r["host_us"][name] = measure(f"{name} host", lambda: host_time_us(lambda: fn(q, k, wq, wk)), errors)
+                    r["host_us"][name] = measure(f"{name} host", lambda: host_time_us(lambda _: fn(q, k, wq, wk)), errors)
         else:
             r["ours_us"] = measure("ours", lambda: auto_event_time_us(ours), errors)
             r["copy_us"] = measure("copy", lambda: copy_time_us(nbytes), errors)
@@ -332,7 +246,7 @@ def bench_model(model, hq, hk, tokens_list, peers, empty_fn, sweep, log):
                 s["modes"][label] = (cfg.warps, cfg.rows_per_thread, cfg.cache_hint)
                 step = (lambda i, fn=fn: fn(*sets[i % count][:2], wq, wk, *sets[i % count][2:]))
                 if decode:
-                    s["times"][label] = measure(label, lambda: graph_time_us(lambda: step(0)), errors)
+                    s["times"][label] = measure(label, lambda: graph_time_us(lambda _: step(0), GRAPH_CALLS), errors)
                 else:
                     s["times"][label] = measure(label, lambda: auto_event_time_us(step), errors)
             sweep_rows.append(s)
@@ -451,7 +365,7 @@ def main():
     torch.manual_seed(0)
     env = environment()
     log = []
-    env["copy_1gib_gbs"] = 2 * (1 << 30) / copy_time_us(1 << 30) / 1e3
+    env["copy_1gib_gbs"] = copy_gbs()
     empty_fn = empty_cutedsl_kernel()
     models = {"Qwen3-8B": MODELS["Qwen3-8B"]} if args.quick else MODELS
     tokens_list = (1, 128, 8192, 32768) if args.quick else DECODE_T + PREFILL_T

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import qk_norm as common  # noqa: E402  (bench/qk_norm.py: the shared measurement helpers)
+import qk_norm as common  # noqa: E402  (bench/qk_norm.py: the shared report helpers)
+import timing  # noqa: E402
 from rosekernels import modes  # noqa: E402
 from rosekernels.kernels import rmsnorm as rms  # noqa: E402
 
@@ -81,7 +82,7 @@ def bench_case(hidden, rows, residual, peers, sweep, log):
     nbytes = rows * hidden * DTYPE.itemsize  # x once; traffic counts x (+ residual) read, out (+ h) written
     traffic = nbytes * (4 if residual else 2)
     decode = rows <= 128
-    count = 1 if decode else max(2, math.ceil(3 * common.L2_BYTES / traffic))
+    count = 1 if decode else max(2, math.ceil(3 * timing.L2_BYTES / traffic))
     sets, w = make_sets(rows, hidden, residual, count)
     errors = []
     cfg = rms.config_for(rows, hidden, DTYPE, DTYPE, residual, EPS)
@@ -103,18 +104,18 @@ def bench_case(hidden, rows, residual, peers, sweep, log):
     del ref_out, ref_h
 
     if decode:
-        res["ours_graph_us"] = measure("ours graph", lambda: common.graph_time_us(lambda: ours(0)), errors)
+        res["ours_graph_us"] = measure("ours graph", lambda: timing.graph_time_us(lambda _: ours(0), common.GRAPH_CALLS), errors)
         for name in PEERS:
             if peers.get(name) is not None:
                 fn = peers[name]
-                res[f"{name}_graph_us"] = measure(name, lambda: common.graph_time_us(lambda: fn(x, w, r)), errors)
+                res[f"{name}_graph_us"] = measure(name, lambda: timing.graph_time_us(lambda _: fn(x, w, r), common.GRAPH_CALLS), errors)
     else:
-        res["ours_us"] = measure("ours", lambda: common.auto_event_time_us(ours), errors)
-        res["copy_us"] = measure("copy", lambda: common.copy_time_us(traffic // 2), errors)
+        res["ours_us"] = measure("ours", lambda: timing.auto_event_time_us(ours), errors)
+        res["copy_us"] = measure("copy", lambda: timing.copy_time_us(traffic // 2), errors)
         for name in PEERS:
             if peers.get(name) is not None:
                 fn = peers[name]
-                res[f"{name}_us"] = measure(name, lambda: common.auto_event_time_us(
+                res[f"{name}_us"] = measure(name, lambda: timing.auto_event_time_us(
                     lambda i: fn(sets[i % count][0], w, sets[i % count][1])), errors)
     sweep_row = None
     if sweep and not decode and not residual:  # one table serves both; sweep the plain norm
@@ -126,7 +127,7 @@ def bench_case(hidden, rows, residual, peers, sweep, log):
             c = rms.RMSNormConfig.from_variant(v)
             label = "decode" if c.mode == "decode" else f"{c.block_warps}w {c.cache_hint}"
             sweep_row["modes"][label] = (c.warps, 1, c.cache_hint)
-            sweep_row["times"][label] = measure(label, lambda: common.auto_event_time_us(
+            sweep_row["times"][label] = measure(label, lambda: timing.auto_event_time_us(
                 lambda i: fn(sets[i % count][0], w, *sets[i % count][1:])), errors)
     print(json.dumps(res, default=str), flush=True)
     sets.clear()  # free the inputs before the next size
@@ -196,7 +197,7 @@ def main():
     ap.add_argument("--no-sweep", action="store_true")
     args = ap.parse_args()
     env = common.environment()
-    env["copy_1gib_gbs"] = 2 * (1 << 30) / common.copy_time_us(1 << 30) / 1e3
+    env["copy_1gib_gbs"] = timing.copy_gbs()
     hidden = (4096, 16384) if args.quick else HIDDEN
     row_list = (1, 16384) if args.quick else DECODE_ROWS + PREFILL_ROWS
     residuals = (False,) if args.quick else (False, True)

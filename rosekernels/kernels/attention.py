@@ -184,6 +184,12 @@ def _convert(src: cute.Tensor, dst: cute.Tensor):
         dst32[i] = _cvt_pair(src[2 * i], src[2 * i + 1], dst.element_type)
 
 
+def _tma_tiles(atom: cute.CopyAtom, smem: cute.Tensor, gmem: cute.Tensor) -> tuple:
+    """(smem, gmem) views of a one-CTA TMA copy: `gmem` tiled like `smem` (first two modes one tile)."""
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
+                                 cute.group_modes(gmem, 0, 2))
+
+
 @cute.jit
 def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
           zero_init: cutlass.Constexpr[bool]):
@@ -431,13 +437,9 @@ class _FlashAttentionSm90:
         gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.d), (m_block, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
-        one = cute.make_layout(1)
-        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, one, cute.group_modes(sQ, 0, 2),
-                                           cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, one, cute.group_modes(sK, 0, 2),
-                                           cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, one, cute.group_modes(sV, 0, 2),
-                                           cute.group_modes(gV, 0, 2))
+        tQsQ, tQgQ = _tma_tiles(tma_atom_q, sQ, gQ)
+        tKsK, tKgK = _tma_tiles(tma_atom_k, sK, gK)
+        tVsV, tVgV = _tma_tiles(tma_atom_v, sV, gV)
 
         # The first K before Q: its stage frees while the previous tile's last steps run, Q only
         # once all of its S GEMMs are done.
@@ -774,8 +776,7 @@ class _FlashAttentionSm90:
         row_block = m_block * self.num_mma_wg + wg
         if store_warp and row_block * 64 < seqlen_q:
             gO = cute.local_tile(mO[None, None, head, batch], (64, self.d), (row_block, 0))
-            tOsO, tOgO = cpasync.tma_partition(tma_atom_o, 0, cute.make_layout(1),
-                                               cute.group_modes(sO_wg, 0, 2), cute.group_modes(gO, 0, 2))
+            tOsO, tOgO = _tma_tiles(tma_atom_o, sO_wg, gO)
             cute.copy(tma_atom_o, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
 
@@ -911,6 +912,12 @@ def _tma_view(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided(t.shape, tuple(s if n > 1 else r for n, s, r in zip(t.shape, t.stride(), regular)))
 
 
+def _views_needed(*tensors) -> bool:
+    """Whether any of `tensors` (None skipped) needs `_tma_view`: decided once per argument
+    signature, since the strides are part of it."""
+    return any(_tma_view(t) is not t for t in tensors if t is not None)
+
+
 @torch.library.custom_op("rosekernels::attention_fwd", mutates_args=("out", "lse"))
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                    causal: bool, softmax_scale: float) -> None:
@@ -938,9 +945,7 @@ def _plan(q, k, v, out, causal: bool, softmax_scale, plain: bool) -> tuple:
         return scale, True, attention_decode.run, 0
     cfg = default_config(q.shape[-1], _TORCH_DTYPES[q.dtype], causal)
     tiles = num_tiles(cfg, q.shape[0], q.shape[1], q.shape[2])
-    # Strides are part of the signature: whether the TMA needs regularized views is too.
-    views = any(_tma_view(t) is not t for t in (q, k, v, out) if t is not None)
-    return scale, False, (compiled(cfg).fn, views), min(tiles, modes.sm_count(q.device.index))
+    return scale, False, (compiled(cfg).fn, _views_needed(q, k, v, out)), min(tiles, modes.sm_count(q.device.index))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,

@@ -225,11 +225,8 @@ class _DecodeAttentionSm90:
         if warp_idx == MMA_WARPS:
             gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
             gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
-            one = cute.make_layout(1)
-            tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, one, cute.group_modes(sK, 0, 2),
-                                               cute.group_modes(gK, 0, 2))
-            tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, one, cute.group_modes(sV, 0, 2),
-                                               cute.group_modes(gV, 0, 2))
+            tKsK, tKgK = _prefill._tma_tiles(tma_atom_k, sK, gK)
+            tVsV, tVgV = _prefill._tma_tiles(tma_atom_v, sV, gV)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
             for i in cutlass.range(n_local, unroll=1):
                 pipe.producer_acquire(state)
@@ -584,8 +581,7 @@ class Launch:
         self.cfg, self.num_splits, self.per, self.groups = _plan(q, k, splits)
         self.kernel = compiled(self.cfg).fn
         self.device = q.device
-        # Strides are part of the signature: whether the TMA needs regularized views is too.
-        self.views = any(_prefill._tma_view(t) is not t for t in (q, k, v, out) if t is not None)
+        self.views = _prefill._views_needed(q, k, v, out)
 
     def __call__(self, q, k, v, out, lse, causal: bool, softmax_scale: float, private_scratch: bool = False):
         if self.views:

@@ -1,0 +1,143 @@
+"""CUDA timing shared by the benchmarks.
+
+Each `step(i)` enqueues the work of call i (benchmarks rotate their input sets with i % sets, so that
+inputs larger than the L2 cache are not served from it); every result is a median in microseconds.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import torch
+
+L2_BYTES = 50 << 20  # H100/H200: 50 MB
+
+
+def _events():
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+
+def event_time_us(step, calls_per_rep: int, reps: int = 15, warmup: int = 3) -> float:
+    """Device time per call: median over `reps` of one CUDA-event pair around `calls_per_rep`
+    back-to-back calls."""
+    for i in range(warmup):
+        step(i)
+    torch.cuda.synchronize()
+    times = []
+    start, end = _events()
+    n = 0
+    for _ in range(reps):
+        start.record()
+        for _ in range(calls_per_rep):
+            step(n)
+            n += 1
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls_per_rep)
+    return statistics.median(times)
+
+
+def auto_event_time_us(step, reps: int = 15) -> float:
+    """event_time_us with enough calls per repetition to last >= 2 ms."""
+    probe = event_time_us(step, 3, reps=3, warmup=2)
+    return event_time_us(step, max(3, min(2000, math.ceil(2000 / max(probe, 1e-3)))), reps=reps)
+
+
+def interleaved_time_us(steps: dict, calls_per_round: int, rounds: int, warmup: int = 3) -> dict:
+    """{name: device time per call}: in every round each step runs `calls_per_round` calls between
+    its own event pair, one step after another, with one synchronization at the end. Clock and
+    power drift over a long run then reach every method alike (timed one after another, the same
+    kernel measured up to 10% apart between runs on the H200)."""
+    for step in steps.values():
+        for i in range(warmup):
+            step(i)
+    torch.cuda.synchronize()
+    pairs = {name: [] for name in steps}
+    n = 0
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start, end = _events()
+            start.record()
+            for i in range(calls_per_round):
+                step(n + i)
+            end.record()
+            pairs[name].append((start, end))
+        n += calls_per_round
+    torch.cuda.synchronize()
+    return {name: statistics.median(s.elapsed_time(e) * 1e3 / calls_per_round for s, e in p)
+            for name, p in pairs.items()}
+
+
+def graph_time_us(step, calls: int = 100, reps: int = 15, warmup: int = 3) -> float:
+    """Device time per call: step(0), ..., step(calls - 1) captured in one CUDA graph (warm-up and
+    capture on a side stream, as torch's graph docs advise), replayed `reps` times."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(warmup):
+            step(i)  # compile, autotune, allocate outside the capture
+        side.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            for i in range(calls):
+                step(i)
+    torch.cuda.current_stream().wait_stream(side)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    start, end = _events()
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return statistics.median(times)
+
+
+def host_time_us(step, calls: int = 3000, reps: int = 5, warmup: int = 20) -> float:
+    """Wall-clock time per call of a loop of `calls` calls, synchronized at its end: the host cost
+    of an eager call when kernels are shorter than it."""
+    for i in range(warmup):
+        step(i)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for i in range(calls):
+            step(i)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e6 / calls)
+    return statistics.median(times)
+
+
+def enqueue_time_us(step, calls: int, reps: int, warmup: int = 0) -> float:
+    """Host time per call to enqueue `calls` calls on an idle device (the drain is not timed)."""
+    for i in range(warmup):
+        step(i)
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(calls):
+            step(i)
+        times.append((time.perf_counter() - t0) * 1e6 / calls)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def copy_time_us(nbytes: int) -> float:
+    """One device-to-device copy of nbytes, buffers rotated past L2."""
+    n = max(1, nbytes // 4)
+    sets = max(2, math.ceil(3 * L2_BYTES / (2 * nbytes)))
+    bufs = [(torch.empty(n, device="cuda", dtype=torch.float32).normal_(),
+             torch.empty(n, device="cuda", dtype=torch.float32)) for _ in range(sets)]
+    return auto_event_time_us(lambda i: bufs[i % sets][1].copy_(bufs[i % sets][0]))
+
+
+def copy_gbs(nbytes: int = 1 << 30) -> float:
+    """Device copy bandwidth, read + write bytes, GB/s: the ceiling of bandwidth-bound kernels."""
+    return 2 * nbytes / copy_time_us(nbytes) / 1e3
