@@ -300,7 +300,7 @@ def graph_ms(fn, n_sets):
 
 def eager_us(fn, n_sets):
     """Wall time per eager call, back to back (host overhead when the kernel is shorter)."""
-    return timing.host_time_us(lambda i: fn(i % n_sets), calls=30, reps=1, warmup=3)
+    return timing.host_time_us(lambda i: fn(i % n_sets), calls=100, reps=3, warmup=5)
 
 
 def bench_decode(shape, peers, copy_gbps, split_sweep=()):

@@ -23,13 +23,14 @@ accepted swaps can never invert any dependent pair of the original order. A pair
 
 Instructions that never move (pinned): block terminators and all control flow; synchronisation
 (barriers, memory fences, DEPBAR / LDGDEPBAR, mbarrier SYNCS, TMA and bulk copies, WARPGROUP /
-HGMMA, WARPSYNC, ELECT, NANOSLEEP, anything nvdisasm flags as an inter-warp barrier); clock
-reads; instructions the cubin refers to by offset (see sip.cubin); instructions predicated off
-(`@!PT`: ptxas placeholders); and every instruction whose operands the register model does not
-cover. A pinned instruction conflicts with everything, so nothing crosses it. Warp-collective
-register operations (SHFL, VOTE, MATCH, REDUX) are NOT fences: inside one basic block the
-participating threads and the values they exchange are fixed by the register dependencies
-alone, which the model keeps (the cubin pins the ones it lists in COOP_GROUP_INSTR_OFFSETS).
+HGMMA, WARPSYNC, ELECT, NANOSLEEP, the dependent-launch wait and trigger ACQBULK and PREEXIT,
+anything nvdisasm flags as an inter-warp barrier); clock reads; instructions the cubin refers to by
+offset (see sip.cubin); instructions predicated off (`@!PT`: ptxas placeholders); and every
+instruction whose operands the register model does not cover. A pinned instruction conflicts with
+everything, so nothing crosses it. Warp-collective register operations (SHFL, VOTE, MATCH, REDUX)
+are NOT fences: inside one basic block the participating threads and the values they exchange
+are fixed by the register dependencies alone, which the model keeps (the cubin pins the ones it
+lists in COOP_GROUP_INSTR_OFFSETS).
 
 Fixed-latency distances: a producer with no scoreboard has no hardware interlock, so moving its
 consumer closer would read a stale value. `incoming` / `outgoing` hold, for the original order,
@@ -63,7 +64,7 @@ FENCES = frozenset({
     "BAR", "MEMBAR", "FENCE", "ERRBAR", "CGAERRBAR", "CCTL", "CCTLL", "CCTLT", "DEPBAR",
     "LDGDEPBAR", "ARRIVES", "SYNCS", "UTMALDG", "UTMASTG", "UTMAPF", "UTMACCTL", "UTMACMDFLUSH",
     "UTMAREDG", "UBLKCP", "UBLKRED", "UBLKPF", "WARPGROUP", "HGMMA", "IGMMA", "QGMMA", "BGMMA",
-    "WARPSYNC", "NANOSLEEP", "ELECT", "USETMAXREG", "ACQBULK", "PMTRIG", "UCGABAR_ARV",
+    "WARPSYNC", "NANOSLEEP", "ELECT", "USETMAXREG", "ACQBULK", "PREEXIT", "PMTRIG", "UCGABAR_ARV",
     "UCGABAR_WAIT", "B2R", "R2B", "LEPC", "GETLMEMBASE", "SETLMEMBASE",
 })
 # Instructions whose completion the hardware tracks with scoreboards (anything that sets one in

@@ -201,7 +201,7 @@ def _attention_workload(mode: str, shape: dict[str, Any]) -> Workload:
                          "(the split-KV kernel of short queries is --kernel attention_decode --mode decode)")
     s = _shape("attention", {"batch": 2, "seqlen": 2048, "heads_q": 16, "heads_kv": 16, "head_dim": 128,
                              "dtype": "bf16", "causal": False}, shape)
-    config = m.default_config(s["head_dim"], s["dtype"], bool(s["causal"]))
+    config = m.default_config(s["head_dim"], s["dtype"], bool(s["causal"]), s["seqlen"])
 
     def poisoned(args: tuple) -> tuple:
         args[3].fill_(math.nan)  # out and lse come back empty(): poison them

@@ -60,7 +60,9 @@ def test_specializations_are_distinct_and_cover_the_dispatch():
     for d in (64, 128):
         for dt in ("bf16", "fp16"):
             for causal in (False, True):
-                assert A.default_config(d, dt, causal) in A.SPECIALIZATIONS
+                for seqlen_k in (1, A.LONG_KV - 1, A.LONG_KV, 10**6):
+                    assert A.default_config(d, dt, causal, seqlen_k) in A.SPECIALIZATIONS
+    assert A.default_config(128, "bf16", False, A.LONG_KV).tile_n == 144
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -126,9 +128,10 @@ def test_launch_args_size_the_grid_and_zero_the_counter_only_when_ctas_claim_til
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # (S_q, S_kv): single tokens, sizes off the tile grid on both sides, decode-shaped, S_q < S_kv, S_q > S_kv.
 # With 192-row tiles, S_q = 1, 17, 127, 1000 and 255 leave warpgroups with no row in their last tile
-# (they only keep the pipelines in step: idle_mainloop).
+# (they only keep the pipelines in step: idle_mainloop); causal, the first warpgroups of a 192-row
+# tile skip its last KV tile, and at (200, 264) so does the first of a 128-row one (skip_tiles).
 SEQLENS = [(1, 1), (17, 17), (127, 127), (129, 129), (1000, 1000), (1, 1000), (129, 1000), (1000, 129),
-           (255, 17)]
+           (255, 17), (200, 264)]
 HEADS = [(4, 4), (8, 2), (8, 1)]  # GQA ratios 1, 4, 8
 
 
@@ -217,6 +220,15 @@ def test_public_op_long_sequence_custom_scale_and_lse(kernels, causal, d):
     sync("public op")
     assert res is out
     check(out, lse, q, k, v, causal, 0.3, f"d={d} causal={causal}")
+
+
+@pytest.mark.gpu
+def test_long_keys_take_144_key_tiles_through_the_public_op(kernels):
+    q, k, v = inputs(1, 300, A.LONG_KV + 77, 4, 2, 128, torch.bfloat16, seed=21)
+    assert A.default_config(128, "bf16", False, k.shape[1]).tile_n == 144
+    out, lse = A.attention(q, k, v, out=torch.full_like(q, float("nan")), return_lse=True)
+    sync("public op, 144-key tiles")
+    check(out, lse, q, k, v, False, 1 / math.sqrt(128), "S_kv past LONG_KV")
 
 
 @pytest.mark.gpu

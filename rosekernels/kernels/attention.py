@@ -24,8 +24,10 @@ one GQA group adjacent. `persistent=False` launches one CTA per tile in the same
 - `tile_m / 64` consumer warpgroups each own 64 query rows: S = Q K^T with WGMMA from shared memory,
   online softmax in registers (row max/sum over the 4 threads of a quad with shuffles, exp2 with
   the scale folded into one FFMA), then O += P V with WGMMA taking P straight from registers.
-- A warpgroup whose 64 rows all lie past S_q (the ragged last tile) skips the math and only keeps the
-  pipelines and the issue token moving (`idle_mainloop`), leaving the tensor cores to the others.
+- A warpgroup skips the math of the KV tiles none of its 64 rows sees and only keeps the pipelines and
+  the issue token moving through them (`skip_tiles`), leaving the tensor cores to the others: all of
+  them when its rows lie past S_q (the ragged last tile, `idle_mainloop`), and, causal, the last
+  diagonal tiles of a 192-row tile, which only its later warpgroups see.
 - KV tiles are visited from the last to the first, so the only tiles that need masking (the ragged
   last tile and, when causal, the diagonal ones) come first; tiles entirely above the causal
   diagonal are never loaded.
@@ -122,19 +124,27 @@ class AttentionConfig:
         return jit.Variant.of("attention", "prefill", **params)
 
 
-def default_config(head_dim: int, dtype: str, causal: bool) -> AttentionConfig:
+# Keys from which d=128 non-causal attention takes 144-key tiles.
+LONG_KV = 8192
+
+
+def default_config(head_dim: int, dtype: str, causal: bool, seqlen_k: int = 0) -> AttentionConfig:
     """The tile shape the op uses: FA3's choices for Hopper (d=64 takes 3 consumer WGs, 192 rows).
     The warpgroups of a last tile that hold no row skip its math (`idle_mainloop`), which made the
-    192-row tile as fast as 128 rows even at S_q = 1024 causal (H200,
-    bench/results/attention_sweep.md). The grid is sized per call from the shape (`launch_args`):
-    min(tiles, SMs) CTAs."""
+    192-row tile as fast as 128 rows even at S_q = 1024 causal. d=128 non-causal with at least
+    LONG_KV keys takes 144-key tiles (one softmax round per 144 keys, not 128): 2% faster from
+    8k keys on the H200; at 4k even, below that the ragged last tile costs more, and causal gains
+    at most 0.6% (bench/results/attention_sweep.md, attention_tile_n.md). The grid is sized per
+    call from the shape (`launch_args`): min(tiles, SMs) CTAs."""
     if head_dim == 64:
         return AttentionConfig(64, dtype, causal, tile_m=192, tile_n=128, num_stages=3)
-    return AttentionConfig(128, dtype, causal, tile_m=128, tile_n=128, num_stages=2)
+    tile_n = 144 if not causal and seqlen_k >= LONG_KV else 128
+    return AttentionConfig(128, dtype, causal, tile_m=128, tile_n=tile_n, num_stages=2)
 
 
-SPECIALIZATIONS: tuple[AttentionConfig, ...] = tuple(
-    default_config(d, dt, c) for d in (64, 128) for dt in ("bf16", "fp16") for c in (False, True))
+SPECIALIZATIONS: tuple[AttentionConfig, ...] = tuple(dict.fromkeys(
+    default_config(d, dt, c, s) for d in (64, 128) for dt in ("bf16", "fp16") for c in (False, True)
+    for s in (0, LONG_KV)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -531,10 +541,11 @@ class _FlashAttentionSm90:
             row_sum.fill(0.0)
             acc_O.fill(0.0)
             if n_block_max > 0:
-                if m_block * self.tile_m + wg * 64 < seqlen_q:
+                n_block_wg = self.wg_n_blocks(m_block, wg, n_block_max, seqlen_q, seqlen_k)
+                if n_block_wg > 0:
                     q_state, kv_state = self.mainloop(
-                        q_state, kv_state, n_block_max, m_block, *frags, tiled_mma_qk, tiled_mma_pv,
-                        pipe_q, pipe_k, pipe_v, scale_log2, seqlen_q, seqlen_k, wg)
+                        q_state, kv_state, n_block_max, n_block_wg, m_block, *frags, tiled_mma_qk,
+                        tiled_mma_pv, pipe_q, pipe_k, pipe_v, scale_log2, seqlen_q, seqlen_k, wg)
                 else:
                     q_state, kv_state = self.idle_mainloop(q_state, kv_state, n_block_max, pipe_q, pipe_k,
                                                            pipe_v, wg)
@@ -548,42 +559,57 @@ class _FlashAttentionSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last O store has left shared memory
 
     @cute.jit
-    def mainloop(self, q_state, state, n_block_max, m_block, acc_S, acc_O, tOrP, tSrQ, tSrK, tOrV, tScS, t0ScS,
-                 row_max, row_sum, row_scale, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v,
-                 scale_log2, seqlen_q, seqlen_k, wg):
-        """All KV tiles of one query tile into acc_O / row_max / row_sum; returns the advanced
-        (Q, K/V) pipeline states."""
+    def wg_n_blocks(self, m_block, wg, n_block_max, seqlen_q, seqlen_k):
+        """KV tiles [0, n) hold every key a row of warpgroup `wg` sees. n < n_block_max when causal
+        and its rows end above the tile's last diagonal tile (the first warpgroups of a 192-row tile
+        see no key of the last 128-key tile); 0 when it has no row in S_q, or none that sees a key."""
+        first_row = m_block * self.tile_m + wg * 64
+        n = n_block_max if first_row < seqlen_q else 0
+        if cutlass.const_expr(self.causal):
+            last_row = cutlass.min(first_row + 63, seqlen_q - 1)
+            keys = cutlass.max(last_row + seqlen_k - seqlen_q + 1, 0)
+            n = cutlass.min(n, (keys + self.tile_n - 1) // self.tile_n)
+        return n
+
+    @cute.jit
+    def mainloop(self, q_state, state, n_block_max, n_block_wg, m_block, acc_S, acc_O, tOrP, tSrQ, tSrK,
+                 tOrV, tScS, t0ScS, row_max, row_sum, row_scale, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k,
+                 pipe_v, scale_log2, seqlen_q, seqlen_k, wg):
+        """The KV tiles [0, n_block_wg) of one query tile into acc_O / row_max / row_sum, the tile's
+        later ones only passed through (`skip_tiles`); returns the advanced (Q, K/V) pipeline states."""
         # Keys of KV tile n a row r may see: [0, seqlen_k) and, causal, [0, r + seqlen_k - seqlen_q].
         causal_offset = seqlen_k - seqlen_q
-        # Tiles n >= n_block_mask hold a key past the diagonal of the tile's first row.
-        n_block_mask = cutlass.max(m_block * self.tile_m + causal_offset + 1, 0) // self.tile_n
-
-        pipe_q.consumer_wait(q_state)
-        n_last = n_block_max - 1
-        # The last tile: ragged (seqlen) and, causal, diagonal masking.
-        pipe_k.consumer_wait(state)
-        _gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
-        warpgroup.wait_group(0)
-        pipe_k.consumer_release(state)
-        self.apply_mask(acc_S, tScS, t0ScS, n_last, m_block, seqlen_k, causal_offset, causal=self.causal)
-        self.online_softmax(acc_S, row_max, row_sum, row_scale, scale_log2, first=True)
-        _convert(acc_S, tOrP)
-        if cutlass.const_expr(not self.overlap):
-            pipe_v.consumer_wait(state)
-            _gemm(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state.index], zero_init=False)
-            warpgroup.wait_group(0)
-            pipe_v.consumer_release(state)
-            state.advance()
-
+        # Tiles n >= n_block_mask hold a key past the diagonal of this warpgroup's first row.
+        n_block_mask = cutlass.max(m_block * self.tile_m + wg * 64 + causal_offset + 1, 0) // self.tile_n
         args = (acc_S, acc_O, tOrP, tSrQ, tSrK, tOrV, tScS, t0ScS, row_max, row_sum,
                 row_scale, tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, scale_log2, m_block, seqlen_k,
                 causal_offset, wg)
-        n_masked_end = n_last
+
+        pipe_q.consumer_wait(q_state)
+        n_last = n_block_max - 1
+        n_first = n_block_wg - 1  # the first tile this warpgroup computes
+        if n_first < n_last:
+            state = self.skip_tiles(state, n_last - n_first, pipe_k, pipe_v, wg)
+            state = self.step(state, n_first, *args, masked=True, first=True)
+        else:
+            # The last tile: ragged (seqlen) and, causal, diagonal masking. Issued without the token:
+            # each warpgroup's first S GEMM goes as soon as its Q and K are in.
+            pipe_k.consumer_wait(state)
+            _gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
+            warpgroup.wait_group(0)
+            pipe_k.consumer_release(state)
+            self.apply_mask(acc_S, tScS, t0ScS, n_last, m_block, seqlen_k, causal_offset, causal=self.causal)
+            self.online_softmax(acc_S, row_max, row_sum, row_scale, scale_log2, first=True)
+            _convert(acc_S, tOrP)
+            if cutlass.const_expr(not self.overlap):
+                state = self.pv_in_order(state, acc_O, tOrP, tOrV, tiled_mma_pv, pipe_v)
+
+        n_masked_end = n_first
         if cutlass.const_expr(self.causal):
             # The rest of the diagonal tiles.
-            n_masked_end = cutlass.max(cutlass.min(n_block_mask, n_last), 0)
-            for i in cutlass.range(n_last - n_masked_end, unroll=1):
-                state = self.step(state, n_last - 1 - i, *args, masked=True)
+            n_masked_end = cutlass.max(cutlass.min(n_block_mask, n_first), 0)
+            for i in cutlass.range(n_first - n_masked_end, unroll=1):
+                state = self.step(state, n_first - 1 - i, *args, masked=True)
         for i in cutlass.range(n_masked_end, unroll=1):
             state = self.step(state, n_masked_end - 1 - i, *args, masked=False)
         # Every S GEMM of the tile is done: the producer may load the next tile's Q.
@@ -599,19 +625,18 @@ class _FlashAttentionSm90:
         return q_state, state
 
     @cute.jit
-    def idle_mainloop(self, q_state, state, n_block_max, pipe_q, pipe_k, pipe_v, wg):
-        """The pipeline waits and releases and the GEMM-issue token of `mainloop`, without its
-        math: for a warpgroup whose 64 rows all lie past S_q (in the last 192-row tile of
-        S_q = 1024 only the first warpgroup has rows), so that the others get the tensor cores.
-        Waiting on each stage keeps its releases in the phase the other warpgroups release."""
-        pipe_q.consumer_wait(q_state)
+    def skip_tiles(self, state, count, pipe_k, pipe_v, wg):
+        """Pass through the last `count` KV tiles of a query tile without math: the pipeline waits and
+        releases and the GEMM-issue token of as many `step`s (the first K, like mainloop's, without
+        the token). Waiting on each stage keeps the releases in the phase the other warpgroups
+        release; the next tile's V (overlapped) stays for the caller."""
         pipe_k.consumer_wait(state)
         pipe_k.consumer_release(state)
         if cutlass.const_expr(not self.overlap):
             pipe_v.consumer_wait(state)
             pipe_v.consumer_release(state)
             state.advance()
-        for _ in cutlass.range(n_block_max - 1, unroll=1):
+        for _ in cutlass.range(count - 1, unroll=1):
             state_v = state.clone()
             if cutlass.const_expr(self.overlap):
                 state.advance()
@@ -628,6 +653,15 @@ class _FlashAttentionSm90:
                 pipe_v.consumer_wait(state)
                 pipe_v.consumer_release(state)
                 state.advance()
+        return state
+
+    @cute.jit
+    def idle_mainloop(self, q_state, state, n_block_max, pipe_q, pipe_k, pipe_v, wg):
+        """`mainloop` for a warpgroup that computes none of the tile's KV tiles (its 64 rows all lie
+        past S_q, as in the last 192-row tile of S_q = 1024, or see no key): the others get the
+        tensor cores."""
+        pipe_q.consumer_wait(q_state)
+        state = self.skip_tiles(state, n_block_max, pipe_k, pipe_v, wg)
         pipe_q.consumer_release(q_state)
         q_state.advance()
         if cutlass.const_expr(self.overlap):
@@ -639,12 +673,14 @@ class _FlashAttentionSm90:
     @cute.jit
     def step(self, state, n_block, acc_S, acc_O, tOrP, tSrQ, tSrK, tOrV, tScS, t0ScS,
              row_max, row_sum, row_scale, tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, scale_log2,
-             m_block, seqlen_k, causal_offset, wg, masked: cutlass.Constexpr[bool]):
+             m_block, seqlen_k, causal_offset, wg, masked: cutlass.Constexpr[bool],
+             first: cutlass.Constexpr[bool] = False):
         """One KV tile n_block; returns the advanced pipeline state.
 
         In order: S = Q K_n^T, softmax, O = O * scale + P_n V_n.
         Overlapped: S = Q K_n^T and O += P_{n+1} V_{n+1} are issued together and the softmax of S
-        runs while P V is in flight; P_n V_n is issued by the next step (or after the loop)."""
+        runs while P V is in flight; P_n V_n is issued by the next step (or after the loop).
+        `first`: the warpgroup's first computed tile after skipped ones, which hold no P to multiply."""
         state_v = state.clone()  # in-order: the same tile; overlapped: the tile whose P is in registers
         if cutlass.const_expr(self.overlap):
             state.advance()
@@ -654,27 +690,35 @@ class _FlashAttentionSm90:
         _gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
         if cutlass.const_expr(self.overlap):
             pipe_v.consumer_wait(state_v)
-            _gemm(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state_v.index], zero_init=False)
+            if cutlass.const_expr(not first):
+                _gemm(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state_v.index], zero_init=False)
             nxt = wg + 1 if wg + 1 < self.num_mma_wg else 0
             cute.arch.barrier_arrive(barrier_id=_BAR_SCHED + nxt, number_of_threads=256)  # pass it on
-            warpgroup.wait_group(1)  # S is ready; P V may still run
+            warpgroup.wait_group(0 if first else 1)  # S is ready; P V may still run
         else:
             warpgroup.wait_group(0)
         pipe_k.consumer_release(state)
         if cutlass.const_expr(masked):
             self.apply_mask(acc_S, tScS, t0ScS, n_block, m_block, seqlen_k, causal_offset, causal=True)
-        self.online_softmax(acc_S, row_max, row_sum, row_scale, scale_log2, first=False)
+        self.online_softmax(acc_S, row_max, row_sum, row_scale, scale_log2, first=first)
         if cutlass.const_expr(self.overlap):
             warpgroup.wait_group(0)
             pipe_v.consumer_release(state_v)
         _convert(acc_S, tOrP)
-        self.rescale(acc_O, row_scale)
+        if cutlass.const_expr(not first):
+            self.rescale(acc_O, row_scale)
         if cutlass.const_expr(not self.overlap):
-            pipe_v.consumer_wait(state)
-            _gemm(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state.index], zero_init=False)
-            warpgroup.wait_group(0)
-            pipe_v.consumer_release(state)
-            state.advance()
+            state = self.pv_in_order(state, acc_O, tOrP, tOrV, tiled_mma_pv, pipe_v)
+        return state
+
+    @cute.jit
+    def pv_in_order(self, state, acc_O, tOrP, tOrV, tiled_mma_pv, pipe_v):
+        """The in-order pipeline's O += P V on the tile at `state`; returns the next stage."""
+        pipe_v.consumer_wait(state)
+        _gemm(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state.index], zero_init=False)
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(state)
+        state.advance()
         return state
 
     @cute.jit
@@ -921,7 +965,7 @@ def _views_needed(*tensors) -> bool:
 @torch.library.custom_op("rosekernels::attention_fwd", mutates_args=("out", "lse"))
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                    causal: bool, softmax_scale: float) -> None:
-    cfg = default_config(q.shape[-1], _TORCH_DTYPES[q.dtype], causal)
+    cfg = default_config(q.shape[-1], _TORCH_DTYPES[q.dtype], causal, k.shape[1])
     with torch.cuda.device(q.device):
         compiled(cfg).fn(q, k, v, out, lse, softmax_scale * LOG2_E, *launch_args(cfg, q))
 
@@ -943,7 +987,7 @@ def _plan(q, k, v, out, causal: bool, softmax_scale, plain: bool) -> tuple:
         if plain and q.numel():
             return scale, True, attention_decode.Launch(q, k, v, out), 0
         return scale, True, attention_decode.run, 0
-    cfg = default_config(q.shape[-1], _TORCH_DTYPES[q.dtype], causal)
+    cfg = default_config(q.shape[-1], _TORCH_DTYPES[q.dtype], causal, k.shape[1])
     tiles = num_tiles(cfg, q.shape[0], q.shape[1], q.shape[2])
     return scale, False, (compiled(cfg).fn, _views_needed(q, k, v, out)), min(tiles, modes.sm_count(q.device.index))
 

@@ -258,6 +258,7 @@ class _GemmLeakyReluSm90:
             cluster=self.cluster_shape,
             min_blocks_per_mp=1,
             stream=stream,
+            use_pdl=True,
         )
 
     # -----------------------------------------------------------------------------------------
@@ -374,6 +375,9 @@ class _GemmLeakyReluSm90:
         unit_stride = cute.arch.grid_dim()[2]
 
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_shape[:2])
+        # Programmatic dependent launch: the set-up above may overlap the previous kernel in the
+        # stream; every global access below waits for it to complete.
+        cute.arch.griddepcontrol_wait()
 
         # ---------------------------------------------------------------- producer warp
         if warp_idx >= self.load_warp:
@@ -485,6 +489,12 @@ class _GemmLeakyReluSm90:
                 if const_expr(cfg.pingpong):
                     cute.arch.barrier_arrive(barrier_id=_MMA_ORDER_BARRIER + 1 - wg_idx, number_of_threads=256)
                 warpgroup.wait_group(0)
+                if unit + unit_stride * self.tile_slots >= units:
+                    # The CTA's last mainloop is done: the next kernel in the stream may launch and
+                    # run its set-up while this one reduces splits and stores. (Triggered once the
+                    # loads were issued instead, the next grid's CTAs took SMs early and, H200, made
+                    # unsplit decode launches up to 7% slower; here split-K ones gain 2-7%.)
+                    cute.arch.griddepcontrol_launch_dependents()
                 if k_count > 0:
                     ab_pipeline.consumer_release(release_state)
                 if const_expr(cfg.pingpong):
