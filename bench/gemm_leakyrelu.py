@@ -39,10 +39,14 @@ def _rotating(fn, sets):
     return lambda i: fn(*sets[i % len(sets)])
 
 
+def _graph_calls(sets) -> int:
+    """Calls per CUDA graph: about 200, whole rounds over the sets."""
+    return max(20, 200 // len(sets) * len(sets))
+
+
 def _graph_ms(fn, sets):
     """Device ms per call of a CUDA graph of about 200 calls over the sets."""
-    launches = max(20, 200 // len(sets) * len(sets))
-    return timing.graph_time_us(_rotating(fn, sets), launches, reps=5, warmup=len(sets)) / 1e3
+    return timing.graph_time_us(_rotating(fn, sets), _graph_calls(sets), reps=5, warmup=len(sets)) / 1e3
 
 
 def _quack():
@@ -104,24 +108,26 @@ def bench_shape(m, n, k, dtype, slope, bias, copy_gbs, quack, compile_peer, swee
         try:
             fn(*sets[0])  # compile / autotune / warm up
             torch.cuda.synchronize()
-            if not decode:
-                ready[name] = fn  # timed below, interleaved with the others
-                continue
-            how = "graph"
-            try:
-                ms = _graph_ms(fn, sets)
-            except Exception as e:  # noqa: BLE001 - not capturable: time it eagerly instead
-                print(f"  {name}: CUDA graph failed ({type(e).__name__}), timing eagerly")
-                torch.cuda.synchronize()
-                ms, how = timing.event_time_us(_rotating(fn, sets), 200, reps=5) / 1e3, "events (graph failed)"
-            host = timing.enqueue_time_us(_rotating(fn, sets), calls=200, reps=1)
+            ready[name] = fn  # timed below, interleaved with the others
         except Exception as e:  # noqa: BLE001 - record the failure, keep benchmarking the rest
             print(f"  {name}: failed: {type(e).__name__}: {str(e)[:300]}")
             rows.append(dict(method=name, error=f"{type(e).__name__}: {e}"[:500]))
-            continue
-        rows.append(dict(method=name, ms=ms, tflops=flops / ms / 1e9, host_us=host, timing=how,
-                         weight_gbs=weight_bytes / ms / 1e6, pct_copy_ceiling=weight_bytes / ms / 1e4 / copy_gbs))
-    if ready:
+    if decode and ready:
+        # A CUDA graph per method, replays interleaved; a method that cannot be captured is timed eagerly.
+        failed = {}
+        steps = {name: _rotating(fn, sets) for name, fn in ready.items()}
+        graph_us = timing.interleaved_graph_time_us(steps, _graph_calls(sets), rounds=7, warmup=len(sets),
+                                                    errors=failed)
+        for name, fn in ready.items():
+            if name in graph_us:
+                ms, how = graph_us[name] / 1e3, "graph"
+            else:
+                print(f"  {name}: CUDA graph failed ({failed[name]}), timing eagerly")
+                ms, how = timing.event_time_us(_rotating(fn, sets), 200, reps=5) / 1e3, "events (graph failed)"
+            host = timing.enqueue_time_us(_rotating(fn, sets), calls=200, reps=1)
+            rows.append(dict(method=name, ms=ms, tflops=flops / ms / 1e9, host_us=host, timing=how,
+                             weight_gbs=weight_bytes / ms / 1e6, pct_copy_ceiling=weight_bytes / ms / 1e4 / copy_gbs))
+    elif ready:
         iters = max(5, min(50, int(100 / max(flops / 700e12 * 1e3, 1e-3))))
         steps = {name: _rotating(fn, sets) for name, fn in ready.items()}
         for name, us in timing.interleaved_time_us(steps, iters, rounds=7).items():
@@ -201,7 +207,8 @@ def _sweep(m, n, k, dtype, slope, bias, sets, decode, flops, sm):
 def _markdown(results, copy_gbs, device):
     lines = [f"# gemm_leakyrelu on {device}", "",
              f"Device copy bandwidth (read+write): {copy_gbs:.0f} GB/s. TFLOP/s = 2MNK / time; "
-             "speedups are time(peer) / time(method). Decode rows: CUDA-graph time per launch, "
+             "speedups are time(peer) / time(method). Prefill rows: methods timed interleaved. Decode rows: "
+             "CUDA-graph time per launch (a graph per method, replays interleaved), "
              "weight bandwidth as % of the copy bandwidth, eager host us per call.", "",
              "| M | N | K | method | us | TFLOP/s | vs cuBLAS+act | vs cuBLAS | weights % copy | host us |",
              "|---|---|---|---|---|---|---|---|---|---|"]

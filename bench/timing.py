@@ -69,9 +69,9 @@ def interleaved_time_us(steps: dict, calls_per_round: int, rounds: int, warmup: 
             for name, p in pairs.items()}
 
 
-def graph_time_us(step, calls: int = 100, reps: int = 15, warmup: int = 3) -> float:
-    """Device time per call: step(0), ..., step(calls - 1) captured in one CUDA graph (warm-up and
-    capture on a side stream, as torch's graph docs advise), replayed `reps` times."""
+def _capture(step, calls: int, warmup: int) -> torch.cuda.CUDAGraph:
+    """step(0), ..., step(calls - 1) in one CUDA graph (warm-up and capture on a side stream, as
+    torch's graph docs advise)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -83,19 +83,47 @@ def graph_time_us(step, calls: int = 100, reps: int = 15, warmup: int = 3) -> fl
             for i in range(calls):
                 step(i)
     torch.cuda.current_stream().wait_stream(side)
-    for _ in range(3):
-        graph.replay()
+    return graph
+
+
+def interleaved_graph_time_us(steps: dict, calls: int = 100, rounds: int = 15, warmup: int = 3,
+                              errors: dict | None = None) -> dict:
+    """{name: device time per call}: each step's `calls` calls captured in a CUDA graph of its own;
+    every round replays each graph once between its own event pair, the order reversed every other
+    round, one synchronization at the end (drift reaches every method alike, as in
+    interleaved_time_us). With `errors`, a step that fails to capture is left out and its error
+    recorded there."""
+    graphs = {}
+    for name, step in steps.items():
+        try:
+            graphs[name] = _capture(step, calls, warmup)
+        except Exception as e:  # noqa: BLE001 - a method that cannot be captured is a result
+            if errors is None:
+                raise
+            torch.cuda.synchronize()
+            errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    for graph in graphs.values():
+        for _ in range(3):
+            graph.replay()
     torch.cuda.synchronize()
-    times = []
-    start, end = _events()
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    del graph
-    return statistics.median(times)
+    pairs = {name: [] for name in graphs}
+    order = list(graphs)
+    for r in range(rounds):
+        for name in order if r % 2 == 0 else order[::-1]:
+            start, end = _events()
+            start.record()
+            graphs[name].replay()
+            end.record()
+            pairs[name].append((start, end))
+    torch.cuda.synchronize()
+    del graphs
+    return {name: statistics.median(s.elapsed_time(e) * 1e3 / calls for s, e in p) for name, p in pairs.items()}
+
+
+def graph_time_us(step, calls: int = 100, reps: int = 15, warmup: int = 3) -> float:
+    """Device time per call: step(0), ..., step(calls - 1) captured in one CUDA graph, replayed
+    `reps` times."""
+    return interleaved_graph_time_us({"step": step}, calls, reps, warmup)["step"]
 
 
 def host_time_us(step, calls: int = 3000, reps: int = 5, warmup: int = 20) -> float:
