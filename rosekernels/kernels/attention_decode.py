@@ -22,6 +22,8 @@ whole story; the design spreads that read over every SM:
   partial O and its partial lse to a workspace and bumps a per-(batch, KV head, m-block) counter:
   the last CTA to arrive combines all splits in split order (deterministic) and resets the
   counter to 0 for the next launch.
+- Programmatic dependent launch: a CTA sets up before `griddepcontrol.wait` (the previous kernel in
+  the stream may still run) and, its work done, lets the next kernel launch.
 
 `SPECIALIZATIONS` lists every compiled config (d x dtype x tile_m; causal is a runtime value).
 """

@@ -17,7 +17,10 @@ One persistent, warp-specialized kernel serves every specialization:
   (L2 reuse of both operands); decode shapes (M <= 128) may split K to fill the SMs: each split
   stores the fp32 partials of the tile's rows < M (16-byte vectors), and the last split to finish
   (a per-tile counter that it resets) sums them in split order (deterministic) and runs the
-  epilogue. A cost model of SM fill vs partials traffic picks the tile width and split count.
+  epilogue. A cost model of SM fill vs partials traffic picks the tile width and split count;
+- launches use programmatic dependent launch: a CTA sets up its barriers before
+  `griddepcontrol.wait` (the previous kernel in the stream may still run), and once its last
+  mainloop is done lets the next kernel launch while it reduces and stores.
 
 Eager calls cache a launch plan per argument signature (shapes, strides, dtypes, device, slope,
 bias), so a repeated call only checks pointers (alignment, overlap) and launches.
@@ -491,9 +494,9 @@ class _GemmLeakyReluSm90:
                 warpgroup.wait_group(0)
                 if unit + unit_stride * self.tile_slots >= units:
                     # The CTA's last mainloop is done: the next kernel in the stream may launch and
-                    # run its set-up while this one reduces splits and stores. (Triggered once the
-                    # loads were issued instead, the next grid's CTAs took SMs early and, H200, made
-                    # unsplit decode launches up to 7% slower; here split-K ones gain 2-7%.)
+                    # run its set-up while this one reduces splits and stores (split-K decode launches
+                    # 2-7% faster on the H200). Triggered as soon as the loads were issued, the next
+                    # grid's CTAs took the idle SMs early and unsplit decode launches ran up to 7% slower.
                     cute.arch.griddepcontrol_launch_dependents()
                 if k_count > 0:
                     ab_pipeline.consumer_release(release_state)
