@@ -293,9 +293,14 @@ def decode_sets(shape, dtype=torch.bfloat16):
             for _ in range(max(2, math.ceil(3 * L2_BYTES / per_set)))]
 
 
+def graph_calls(n_sets):
+    """Calls per CUDA graph: twice round the input sets, within 20-200."""
+    return min(max(2 * n_sets, 20), 200)
+
+
 def graph_ms(fn, n_sets):
     """Device ms per launch of fn(0), fn(1), ... (cycling over the input sets) in one CUDA graph."""
-    return timing.graph_time_us(lambda i: fn(i % n_sets), min(max(2 * n_sets, 20), 200), reps=5, warmup=n_sets) / 1e3
+    return timing.graph_time_us(lambda i: fn(i % n_sets), graph_calls(n_sets), reps=5, warmup=n_sets) / 1e3
 
 
 def eager_us(fn, n_sets):
@@ -324,8 +329,7 @@ def bench_decode(shape, peers, copy_gbps, split_sweep=()):
             errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     n_sets = len(sets)
     steps = {name: (lambda i, run=run: run(i % n_sets)) for name, run in ready.items()}
-    graph_us = timing.interleaved_graph_time_us(steps, min(max(2 * n_sets, 20), 200), rounds=7, warmup=n_sets,
-                                                errors=errors)
+    graph_us = timing.interleaved_graph_time_us(steps, graph_calls(n_sets), rounds=7, warmup=n_sets, errors=errors)
     for name, us in graph_us.items():
         ms = us / 1e3
         row[f"{name}_us"] = us

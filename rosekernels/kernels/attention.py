@@ -642,10 +642,9 @@ class _FlashAttentionSm90:
                 state.advance()
             pipe_k.consumer_wait(state)
             if cutlass.const_expr(self.overlap):
-                cute.arch.barrier(barrier_id=_BAR_SCHED + wg, number_of_threads=256)
+                self.take_token(wg)
                 pipe_v.consumer_wait(state_v)
-                nxt = wg + 1 if wg + 1 < self.num_mma_wg else 0
-                cute.arch.barrier_arrive(barrier_id=_BAR_SCHED + nxt, number_of_threads=256)
+                self.pass_token(wg)
                 pipe_k.consumer_release(state)
                 pipe_v.consumer_release(state_v)
             else:
@@ -686,14 +685,13 @@ class _FlashAttentionSm90:
             state.advance()
         pipe_k.consumer_wait(state)
         if cutlass.const_expr(self.overlap):
-            cute.arch.barrier(barrier_id=_BAR_SCHED + wg, number_of_threads=256)  # take the issue token
+            self.take_token(wg)
         _gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
         if cutlass.const_expr(self.overlap):
             pipe_v.consumer_wait(state_v)
             if cutlass.const_expr(not first):
                 _gemm(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state_v.index], zero_init=False)
-            nxt = wg + 1 if wg + 1 < self.num_mma_wg else 0
-            cute.arch.barrier_arrive(barrier_id=_BAR_SCHED + nxt, number_of_threads=256)  # pass it on
+            self.pass_token(wg)
             warpgroup.wait_group(0 if first else 1)  # S is ready; P V may still run
         else:
             warpgroup.wait_group(0)
@@ -710,6 +708,17 @@ class _FlashAttentionSm90:
         if cutlass.const_expr(not self.overlap):
             state = self.pv_in_order(state, acc_O, tOrP, tOrV, tiled_mma_pv, pipe_v)
         return state
+
+    @cute.jit
+    def take_token(self, wg):
+        """Wait for the GEMM-issue token: the consumer warpgroups issue their GEMMs in turn."""
+        cute.arch.barrier(barrier_id=_BAR_SCHED + wg, number_of_threads=256)
+
+    @cute.jit
+    def pass_token(self, wg):
+        """Hand the GEMM-issue token to the next consumer warpgroup."""
+        nxt = wg + 1 if wg + 1 < self.num_mma_wg else 0
+        cute.arch.barrier_arrive(barrier_id=_BAR_SCHED + nxt, number_of_threads=256)
 
     @cute.jit
     def pv_in_order(self, state, acc_O, tOrP, tOrV, tiled_mma_pv, pipe_v):
@@ -888,7 +897,7 @@ def example_inputs(cfg: AttentionConfig, batch: int = 2, seqlen: int = 2048, hea
                    heads_kv: int = 16, device: str = "cuda", seed: int = 0) -> tuple:
     """Fresh random arguments for `compiled(cfg).fn(*args)` (sip-tune's input generator)."""
     g = torch.Generator(device=device).manual_seed(seed)
-    dt = {v: k for k, v in _TORCH_DTYPES.items()}[cfg.dtype]
+    dt = checks.TORCH_DTYPE[cfg.dtype]
     d = cfg.head_dim
 
     def randn(*shape):

@@ -36,7 +36,7 @@ import math
 import torch
 
 from rosekernels import jit  # first: it pins CUTE_DSL_ARCH=sm_90a before cutlass loads
-from rosekernels import modes, scratch
+from rosekernels import checks, modes, scratch
 
 import cutlass
 import cutlass.cute as cute
@@ -658,7 +658,7 @@ def example_inputs(cfg: DecodeConfig, batch: int = 16, seqlen_q: int = 1, seqlen
     """Fresh random arguments for `compiled(cfg).fn(*args)` (its split count and workspace
     included, out and lse NaN-poisoned); the rows (seqlen_q * heads_q / heads_kv) must fit cfg."""
     g = torch.Generator(device=device).manual_seed(seed)
-    dt = {v: k for k, v in _prefill._TORCH_DTYPES.items()}[cfg.dtype]
+    dt = checks.TORCH_DTYPE[cfg.dtype]
     d = cfg.head_dim
 
     def randn(*shape):
