@@ -166,13 +166,12 @@ def _sweep(m, n, k, dtype, slope, bias, sets, decode, flops, sm):
             trials += [(tiled, s, glr.RASTER_GROUP) for s in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
                        if s <= k_tiles and glr.split_fits(m, n, cfg.tile_m, tile_n, s)
                        and math.ceil(n / tile_n) * s <= 2 * sm]
-    else:
+    else:  # 2x2 clusters (both operands multicast) ran 3-21% slower than 2x1 on the H200: left out
         for tile_m, tile_n, pingpong, _ in glr.PREFILL_TILES:
-            for cluster_m, cluster_n in ((2, 1), (1, 2), (1, 1)):
+            for cluster_m, cluster_n, group in ((2, 1, glr.RASTER_GROUP), (2, 1, 2), (1, 2, glr.RASTER_GROUP)):
                 cfg = glr.GemmConfig(**base, tile_m=tile_m, tile_n=tile_n, pingpong=pingpong,
                                      cluster_m=cluster_m, cluster_n=cluster_n)
-                groups = (4, 8, 16) if (cluster_m, cluster_n) == (2, 1) else (8,)
-                trials += [(cfg, 1, group) for group in groups]
+                trials.append((cfg, 1, group))
     glr.precompile(dict.fromkeys(cfg for cfg, _, _ in trials))
     fns, rows = {}, {}
     for trial in trials:
@@ -196,12 +195,19 @@ def _sweep(m, n, k, dtype, slope, bias, sets, decode, flops, sm):
     else:  # every trial timed in each round (timing.interleaved_time_us)
         iters = max(5, min(50, int(100 / (flops / 700e12 * 1e3))))
         steps = {trial: _rotating(fn, sets) for trial, fn in fns.items()}
-        times = {trial: us / 1e3 for trial, us in timing.interleaved_time_us(steps, iters, rounds=5).items()}
+        times = {trial: us / 1e3 for trial, us in timing.interleaved_time_us(steps, iters, rounds=11).items()}
     for trial, ms in times.items():
         rows[trial].update(ms=ms, tflops=flops / ms / 1e9)
     for row in rows.values():
         print(f"    sweep {row}")
     return list(rows.values())
+
+
+def _tile_name(key: str) -> str:
+    """'128x192 pingpong 2x1' from a variant key."""
+    p = dict(part.split("=", 1) for part in key.split("-") if "=" in part)
+    kind = "pingpong" if p["pingpong"] == "True" else "cooperative"
+    return f"{p['tile_m']}x{p['tile_n']} {kind} {p['cluster_m']}x{p['cluster_n']}"
 
 
 def _markdown(results, copy_gbs, device):
@@ -242,6 +248,20 @@ def _markdown(results, copy_gbs, device):
             lines.append(f"| {r['m']} | {r['n']} | {r['k']} | {r['tile_n']} x {r['splits']} ({r['a_rows']}) | "
                          f"{mine} | {best['tile_n']} x {best['splits']} ({best.get('a_rows')}) | "
                          f"{best['ms'] * 1e3:.1f} | {ratio} |")
+        lines += ["", "## Prefill heuristic vs sweep", "",
+                  "| M | N | K | picked tile | its us | sweep best (cluster, raster) | best us | picked / best |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in results:
+            timed = [s for s in r.get("sweep", []) if "ms" in s and "tile_n" not in s]
+            if not timed:
+                continue
+            best = min(timed, key=lambda s: s["ms"])
+            picked = next((s for s in timed if s["config"] == r["config"]
+                           and s["raster_group"] == glr.RASTER_GROUP), None)
+            mine = f"{picked['ms'] * 1e3:.1f}" if picked else "not swept"
+            ratio = f"{picked['ms'] / best['ms']:.3f}" if picked else ""
+            lines.append(f"| {r['m']} | {r['n']} | {r['k']} | {_tile_name(r['config'])} | {mine} | "
+                         f"{_tile_name(best['config'])}, {best['raster_group']} | {best['ms'] * 1e3:.1f} | {ratio} |")
         lines += ["", "## Sweep", "", "| M | N | K | config | a_rows | splits | raster | us | TFLOP/s | model us |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in results:

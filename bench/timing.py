@@ -6,6 +6,7 @@ inputs larger than the L2 cache are not served from it); every result is a media
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import time
 
@@ -44,19 +45,26 @@ def auto_event_time_us(step, reps: int = 15) -> float:
     return event_time_us(step, max(3, min(2000, math.ceil(2000 / max(probe, 1e-3)))), reps=reps)
 
 
+def _round_order(names: list, r: int) -> list:
+    """The order of round r, shuffled (seeded by r): what ran just before a kernel sets the clocks
+    and power state it starts in, so no method may always follow the same one."""
+    return random.Random(r).sample(names, len(names))
+
+
 def interleaved_time_us(steps: dict, calls_per_round: int, rounds: int, warmup: int = 3) -> dict:
     """{name: device time per call}: in every round each step runs `calls_per_round` calls between
-    its own event pair, one step after another, with one synchronization at the end. Clock and
-    power drift over a long run then reach every method alike (timed one after another, the same
-    kernel measured up to 10% apart between runs on the H200)."""
+    its own event pair, one step after another (_round_order), with one synchronization at the
+    end. Clock and power drift over a long run then reach every method alike (timed one after
+    another, the same kernel measured up to 10% apart between runs on the H200)."""
     for step in steps.values():
         for i in range(warmup):
             step(i)
     torch.cuda.synchronize()
     pairs = {name: [] for name in steps}
     n = 0
-    for _ in range(rounds):
-        for name, step in steps.items():
+    for r in range(rounds):
+        for name in _round_order(list(steps), r):
+            step = steps[name]
             start, end = _events()
             start.record()
             for i in range(calls_per_round):
@@ -89,8 +97,8 @@ def _capture(step, calls: int, warmup: int) -> torch.cuda.CUDAGraph:
 def interleaved_graph_time_us(steps: dict, calls: int = 100, rounds: int = 15, warmup: int = 3,
                               errors: dict | None = None) -> dict:
     """{name: device time per call}: each step's `calls` calls captured in a CUDA graph of its own;
-    every round replays each graph once between its own event pair, the order reversed every other
-    round, one synchronization at the end (drift reaches every method alike, as in
+    every round replays each graph once between its own event pair (_round_order), one
+    synchronization at the end (drift reaches every method alike, as in
     interleaved_time_us). With `errors`, a step that fails to capture is left out and its error
     recorded there."""
     graphs = {}
@@ -107,9 +115,8 @@ def interleaved_graph_time_us(steps: dict, calls: int = 100, rounds: int = 15, w
             graph.replay()
     torch.cuda.synchronize()
     pairs = {name: [] for name in graphs}
-    order = list(graphs)
     for r in range(rounds):
-        for name in order if r % 2 == 0 else order[::-1]:
+        for name in _round_order(list(graphs), r):
             start, end = _events()
             start.record()
             graphs[name].replay()

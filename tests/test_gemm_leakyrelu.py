@@ -121,7 +121,12 @@ def test_prefill_heuristic_known_shapes():
     assert tiles(8192, 14336, 4096) == (128, 192, True)
     assert tiles(8192, 8192, 8192) == (128, 192, True)
     assert tiles(1024, 14336, 4096) == (128, 128, True)
-    # 128 cooperative 128 x 256 tiles would be one wave: pingpong 128 x 128 instead (12% faster).
+    # Same waves as cooperative 128 x 256 tiles, whose epilogue shows at short K: pingpong 128 x 128
+    # was 3-7% faster (4096^3, 16384 x 4096 x 4096); at K = 14336 the two were even.
+    assert tiles(4096, 4096, 4096) == (128, 128, True)
+    assert tiles(16384, 4096, 4096) == (128, 128, True)
+    assert tiles(4096, 4096, 14336) == (128, 256, False)
+    # 128 cooperative 128 x 256 tiles would be one wave: pingpong 128 x 128 instead (2-9% faster).
     assert tiles(1024, 4096, 14336) == (128, 128, True)
 
 
