@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import timing  # noqa: E402
 from rosekernels.kernels import attention as A  # noqa: E402
 
-L2_BYTES = 50 * 2**20
 REFERENCE = dict(b=2, s=8192, hq=32, hkv=8, d=128, causal=False)  # FA4 752, cuDNN 693, SDPA flash 341
 
 
@@ -63,7 +62,7 @@ def make_sets(shape, s_q, s_k, dtype=torch.bfloat16):
     """Enough input copies to exceed the L2 cache; each is (q, k, v, out)."""
     b, hq, hkv, d = shape["b"], shape["hq"], shape["hkv"], shape["d"]
     per_set = 2 * (2 * b * s_q * hq * d + 2 * b * s_k * hkv * d)
-    count = max(2, math.ceil(3 * L2_BYTES / per_set))
+    count = timing.input_sets(per_set)
     sets = []
     for _ in range(count):
         q = torch.randn(b, s_q, hq, d, device="cuda", dtype=dtype)
@@ -290,7 +289,7 @@ def decode_sets(shape, dtype=torch.bfloat16):
              torch.randn(b, s_k, hkv, d, device="cuda", dtype=dtype),
              torch.randn(b, s_k, hkv, d, device="cuda", dtype=dtype),
              torch.empty(b, s_q, hq, d, device="cuda", dtype=dtype))
-            for _ in range(max(2, math.ceil(3 * L2_BYTES / per_set)))]
+            for _ in range(timing.input_sets(per_set))]
 
 
 def graph_calls(n_sets):

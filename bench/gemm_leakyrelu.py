@@ -29,7 +29,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import timing  # noqa: E402
 from rosekernels.kernels import gemm_leakyrelu as glr  # noqa: E402
 
-L2_BYTES = 50 << 20
 MLP = [(m, n, k) for m in (1, 16, 128, 1024, 8192) for n, k in ((14336, 4096), (4096, 14336))]
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192)] + MLP
 
@@ -49,6 +48,11 @@ def _graph_ms(fn, sets):
     return timing.graph_time_us(_rotating(fn, sets), _graph_calls(sets), reps=5, warmup=len(sets)) / 1e3
 
 
+def _prefill_calls(flops: int) -> int:
+    """Calls per method per interleaved round: about 100 ms of work at 700 TFLOP/s, 5 to 50."""
+    return max(5, min(50, int(100 / max(flops / 700e12 * 1e3, 1e-3))))
+
+
 def _quack():
     try:
         from quack.gemm_interface import gemm, gemm_act
@@ -60,7 +64,7 @@ def _quack():
 
 def _make_sets(m, n, k, dtype, bias):
     per_set = (m * k + n * k + m * n) * torch.finfo(dtype).bits // 8
-    count = max(1, min(8, math.ceil(3 * L2_BYTES / per_set)))
+    count = timing.input_sets(per_set, least=1, most=8)
     sets = []
     g = torch.Generator(device="cuda").manual_seed(0)
     for _ in range(count):
@@ -128,9 +132,8 @@ def bench_shape(m, n, k, dtype, slope, bias, copy_gbs, quack, compile_peer, swee
             rows.append(dict(method=name, ms=ms, tflops=flops / ms / 1e9, host_us=host, timing=how,
                              weight_gbs=weight_bytes / ms / 1e6, pct_copy_ceiling=weight_bytes / ms / 1e4 / copy_gbs))
     elif ready:
-        iters = max(5, min(50, int(100 / max(flops / 700e12 * 1e3, 1e-3))))
         steps = {name: _rotating(fn, sets) for name, fn in ready.items()}
-        for name, us in timing.interleaved_time_us(steps, iters, rounds=7).items():
+        for name, us in timing.interleaved_time_us(steps, _prefill_calls(flops), rounds=7).items():
             rows.append(dict(method=name, ms=us / 1e3, tflops=flops / us / 1e6, host_us=None, timing="events"))
     rows.sort(key=lambda r: list(methods).index(r["method"]))
     by = {r["method"]: r for r in rows if "ms" in r}
@@ -193,9 +196,9 @@ def _sweep(m, n, k, dtype, slope, bias, sets, decode, flops, sm):
                        model_us=glr.decode_cost(m, n, k, cfg.tile_m, cfg.tile_n, splits, sm)
                        if cfg.tile_n in glr.DECODE_TILE_N else None)
     else:  # every trial timed in each round (timing.interleaved_time_us)
-        iters = max(5, min(50, int(100 / (flops / 700e12 * 1e3))))
         steps = {trial: _rotating(fn, sets) for trial, fn in fns.items()}
-        times = {trial: us / 1e3 for trial, us in timing.interleaved_time_us(steps, iters, rounds=11).items()}
+        times = timing.interleaved_time_us(steps, _prefill_calls(flops), rounds=11)
+        times = {trial: us / 1e3 for trial, us in times.items()}
     for trial, ms in times.items():
         rows[trial].update(ms=ms, tflops=flops / ms / 1e9)
     for row in rows.values():

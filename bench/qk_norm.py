@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import platform
 import sys
 import time
@@ -171,7 +170,7 @@ def bench_model(model, hq, hk, tokens_list, peers, empty_fn, sweep, log):
     for tokens in tokens_list:
         nbytes = tokens * (hq + hk) * d * DTYPE.itemsize  # q + k, read once and written once
         decode = tokens <= 128
-        count = 1 if decode else max(2, math.ceil(3 * timing.L2_BYTES / (2 * nbytes)))
+        count = 1 if decode else timing.input_sets(2 * nbytes)
         sets, wq, wk = make_sets(tokens, hq, hk, d, count)
         errors = []
         r = {"model": model, "tokens": tokens, "bytes": 2 * nbytes, "errors": errors,

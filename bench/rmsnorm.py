@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -82,7 +81,7 @@ def bench_case(hidden, rows, residual, peers, sweep, log):
     nbytes = rows * hidden * DTYPE.itemsize  # x once; traffic counts x (+ residual) read, out (+ h) written
     traffic = nbytes * (4 if residual else 2)
     decode = rows <= 128
-    count = 1 if decode else max(2, math.ceil(3 * timing.L2_BYTES / traffic))
+    count = 1 if decode else timing.input_sets(traffic)
     sets, w = make_sets(rows, hidden, residual, count)
     errors = []
     cfg = rms.config_for(rows, hidden, DTYPE, DTYPE, residual, EPS)

@@ -15,6 +15,13 @@ import torch
 L2_BYTES = 50 << 20  # H100/H200: 50 MB
 
 
+def input_sets(bytes_per_set: int, least: int = 2, most: int | None = None) -> int:
+    """How many input sets to rotate through so that together they hold three L2 caches' worth:
+    a launch then reads its inputs from HBM, not from what the previous launch left in L2."""
+    count = max(least, math.ceil(3 * L2_BYTES / bytes_per_set))
+    return count if most is None else min(most, count)
+
+
 def _events():
     return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
@@ -167,7 +174,7 @@ def enqueue_time_us(step, calls: int, reps: int, warmup: int = 0) -> float:
 def copy_time_us(nbytes: int) -> float:
     """One device-to-device copy of nbytes, buffers rotated past L2."""
     n = max(1, nbytes // 4)
-    sets = max(2, math.ceil(3 * L2_BYTES / (2 * nbytes)))
+    sets = input_sets(2 * nbytes)
     bufs = [(torch.empty(n, device="cuda", dtype=torch.float32).normal_(),
              torch.empty(n, device="cuda", dtype=torch.float32)) for _ in range(sets)]
     return auto_event_time_us(lambda i: bufs[i % sets][1].copy_(bufs[i % sets][0]))
