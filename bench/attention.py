@@ -26,8 +26,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import report  # noqa: E402
 import timing  # noqa: E402
+import rosekernels  # noqa: E402
 from rosekernels.kernels import attention as A  # noqa: E402
+from rosekernels.kernels import attention_decode as D  # noqa: E402
 
 REFERENCE = dict(b=2, s=8192, hq=32, hkv=8, d=128, causal=False)  # FA4 752, cuDNN 693, SDPA flash 341
 
@@ -79,17 +82,20 @@ class Peers:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         self.impls = {}
-        self.unavailable = {}
+        self.unavailable = []  # "name: unavailable (why)"
         for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
                               ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION)):
             self.impls[name] = self._sdpa(sdpa_kernel, backend)
-        try:
-            os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
-            from flash_attn.cute.interface import flash_attn_func
+        fa4 = report.try_peer("fa4", self._fa4, self.unavailable)
+        if fa4 is not None:
+            self.impls["fa4"] = fa4
 
-            self.impls["fa4"] = lambda q, k, v, causal: _first(flash_attn_func(q, k, v, causal=causal))
-        except Exception as e:  # noqa: BLE001 - any import failure means "not installed here"
-            self.unavailable["fa4"] = f"{type(e).__name__}: {e}"
+    @staticmethod
+    def _fa4():
+        os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+        from flash_attn.cute.interface import flash_attn_func
+
+        return lambda q, k, v, causal: _first(flash_attn_func(q, k, v, causal=causal))
 
     @staticmethod
     def _sdpa(sdpa_kernel, backend):
@@ -121,7 +127,7 @@ def bench_shape(shape, peers, s_q=None, iters=10):
     s_k = shape["s"]
     sets = make_sets(shape, s_q, s_k)
     row = dict(shape, s_q=s_q, s_kv=s_k)
-    ours = lambda i: A.attention(*sets[i][:3], causal=shape["causal"], out=sets[i][3])  # noqa: E731
+    ours = lambda i: rosekernels.attention(*sets[i][:3], causal=shape["causal"], out=sets[i][3])  # noqa: E731
     ours(0)
     torch.cuda.synchronize()
     ref = sets[0][3].clone()
@@ -185,7 +191,7 @@ def sweep(shapes, iters, peers):
     for shape in shapes:
         d, causal = shape["d"], shape["causal"]
         sets = make_sets(shape, shape["s"], shape["s"])
-        ref = A.attention(*sets[0][:3], causal=causal)
+        ref = rosekernels.attention(*sets[0][:3], causal=causal)
         row = dict(shape, configs={})
         fns, peer_fns = {}, {}
         for name in ("sdpa_cudnn", "fa4"):
@@ -198,7 +204,7 @@ def sweep(shapes, iters, peers):
                     row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
         launches = {}
         for cfg in sweep_candidates(d, causal):
-            kernel = A.compiled(cfg)
+            kernel = A.compile(cfg)
             scale_log2 = A.LOG2_E / math.sqrt(d)
             q0 = sets[0][0]
             launch = A.launch_args(cfg, q0)
@@ -281,6 +287,11 @@ def decode_shapes(quick=False):
     return shapes + [dict(b=16, s_q=4, s_kv=8192, hq=32, hkv=8, d=128)]
 
 
+def decode_shape(shape):
+    """The kernel's view of a decode row (bf16, not causal)."""
+    return D.DecodeShape(shape["b"], shape["s_q"], shape["s_kv"], shape["hq"], shape["hkv"], shape["d"])
+
+
 def decode_sets(shape, dtype=torch.bfloat16):
     """(q, k, v, out) copies, enough to exceed the L2 three times over (each launch reads a new one)."""
     b, s_q, s_k, hq, hkv, d = (shape[x] for x in ("b", "s_q", "s_kv", "hq", "hkv", "d"))
@@ -308,13 +319,11 @@ def eager_us(fn, n_sets):
 
 
 def bench_decode(shape, peers, copy_gbps, split_sweep=()):
-    from rosekernels.kernels import attention_decode as D
-
     sets = decode_sets(shape)
     b, s_q, s_k, hq, hkv, d = (shape[x] for x in ("b", "s_q", "s_kv", "hq", "hkv", "d"))
     kv_bytes = 2 * b * s_k * hkv * d * 2
-    row = dict(shape, splits=D._plan(*sets[0][:2])[1])
-    ours = lambda i: A.attention(*sets[i][:3], out=sets[i][3])  # noqa: E731
+    row = dict(shape, splits=D.config_for(decode_shape(shape)).splits)
+    ours = lambda i: rosekernels.attention(*sets[i][:3], out=sets[i][3])  # noqa: E731
     ref = ours(0).float().clone()
     impls = {"rosekernels": ours}
     impls.update({n: (lambda i, fn=fn: fn(*sets[i][:3], False)) for n, fn in peers.impls.items()})
@@ -375,35 +384,30 @@ def markdown_decode(rows, peer_names, split_sweep=()):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--out", default=str(report.RESULTS))
     ap.add_argument("--quick", action="store_true", help="only the reference shape (and one decode row)")
     ap.add_argument("--decode-only", action="store_true", help="only the decode table")
     ap.add_argument("--split-sweep", action="store_true", help="decode: also time forced KV split counts")
     ap.add_argument("--sweep", action="store_true", help="candidate configs (tiles, grid) on the prefill problem shapes")
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
 
     t0 = time.time()
     if not args.decode_only:
         A.precompile()
-    from rosekernels.kernels import attention_decode as D
-    D.precompile(dict.fromkeys(D.config_for(s["d"], "bf16", s["s_q"] * s["hq"] // s["hkv"])
-                               for s in decode_shapes(args.quick)))
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "compile_s": round(time.time() - t0, 1), "ceilings": ceilings()}
+    D.precompile([D.config_for(decode_shape(s)) for s in decode_shapes(args.quick)])
+    result = {"environment": report.environment(("flash_attn",)), "compile_s": round(time.time() - t0, 1),
+              "ceilings": ceilings()}
     print(json.dumps(result), flush=True)
+    gpu = result["environment"]["gpu"]
 
     peers = Peers()
     if args.sweep:
         result["unavailable"] = peers.unavailable
         result["sweep"] = sweep(SWEEP_SHAPES, args.iters, peers)
-        (out / "attention_sweep.json").write_text(json.dumps(result, indent=1))
-        md = [f"# attention prefill sweep (TFLOP/s), {result['device']}", "", sweep_markdown(result["sweep"])]
-        (out / "attention_sweep.md").write_text("\n".join(md) + "\n")
-        print("\n".join(md))
+        md = [f"# attention prefill sweep (TFLOP/s), {gpu}", "", sweep_markdown(result["sweep"])]
+        report.write(args.out, "attention_sweep", result, "\n".join(md))
         return
 
     result["unavailable"] = peers.unavailable
@@ -433,10 +437,9 @@ def main():
         if errs:
             print("   ", errs, flush=True)
     result["prefill"], result["decode"] = rows, decode
-    (out / "attention.json").write_text(json.dumps(result, indent=1))
-    md = [f"# attention forward, {result['device']}", "",
+    md = [f"# attention forward, {gpu}", "",
           f"ceilings: copy {result['ceilings']['copy_GBps']:.0f} GB/s, "
-          f"bf16 GEMM {result['ceilings']['bf16_gemm_8192_TFLOPs']:.0f} TFLOP/s; unavailable: {peers.unavailable or 'none'}"]
+          f"bf16 GEMM {result['ceilings']['bf16_gemm_8192_TFLOPs']:.0f} TFLOP/s; unavailable: {'; '.join(peers.unavailable) or 'none'}"]
     if rows:
         md += ["", markdown(rows, names)]
     if decode:
@@ -444,8 +447,7 @@ def main():
                "replays interleaved across methods, per launch; "
                "eager us = wall time per back-to-back eager call; % copy = K/V read GB/s over the copy ceiling; "
                "peer columns: peer us (peer time / ours)):", "", markdown_decode(decode, list(peers.impls), split_counts)]
-    (out / "attention.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    report.write(args.out, "attention", result, "\n".join(md))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 when installed, quack's GEMM (+ReLU epilogue) - all in one run, on one GPU.
 
     python bench/gemm_leakyrelu.py --out bench/results            # the standard table
-    python bench/gemm_leakyrelu.py --out DIR --sweep              # + every tile config / split count
-                                                                  #   (decode: and rows of A loaded)
+    python bench/gemm_leakyrelu.py --out DIR --sweep              # + every candidate config (tile,
+                                                                  #   split count, rows of A, cluster,
+                                                                  #   raster) against the heuristic
     python bench/gemm_leakyrelu.py --out DIR --shapes 1x14336x4096,8192x8192x8192
 
 Prefill shapes: CUDA events around back-to-back launches, inputs rotated through sets larger than
@@ -15,8 +16,6 @@ Writes gemm_leakyrelu.json and gemm_leakyrelu.md into --out.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import math
 import os
 import sys
@@ -26,8 +25,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import report  # noqa: E402  (bench/report.py: environment, peers and result files)
 import timing  # noqa: E402
+from rosekernels import checks  # noqa: E402
 from rosekernels.kernels import gemm_leakyrelu as glr  # noqa: E402
+from rosekernels.kernels import gemm_leakyrelu_plan as plan  # noqa: E402
 
 MLP = [(m, n, k) for m in (1, 16, 128, 1024, 8192) for n, k in ((14336, 4096), (4096, 14336))]
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192)] + MLP
@@ -54,12 +56,8 @@ def _prefill_calls(flops: int) -> int:
 
 
 def _quack():
-    try:
-        from quack.gemm_interface import gemm, gemm_act
-        return gemm, gemm_act
-    except Exception as e:  # noqa: BLE001 - any import failure: the peer is unavailable
-        print(f"quack unavailable: {type(e).__name__}: {e}")
-        return None
+    from quack.gemm_interface import gemm, gemm_act
+    return gemm, gemm_act
 
 
 def _make_sets(m, n, k, dtype, bias):
@@ -78,7 +76,7 @@ def _make_sets(m, n, k, dtype, bias):
 
 def bench_shape(m, n, k, dtype, slope, bias, copy_gbs, quack, compile_peer, sweep):
     sets = _make_sets(m, n, k, dtype, bias)
-    decode = m <= glr.DECODE_MAX_M
+    decode = m <= plan.DECODE_MAX_M
     flops = 2 * m * n * k
     weight_bytes = n * k * torch.finfo(dtype).bits // 8
 
@@ -143,64 +141,49 @@ def bench_shape(m, n, k, dtype, slope, bias, copy_gbs, quack, compile_peer, swee
                 if peer in by:
                     r[f"speedup_vs_{peer}"] = by[peer]["ms"] / r["ms"]
 
-    m_, n_, k_ = m, n, k
     sm = torch.cuda.get_device_properties(0).multi_processor_count
-    cfg, splits = glr.select_config(m_, n_, k_, glr.checks.DTYPE_NAME[dtype], "k",
-                                    glr.checks.DTYPE_NAME[dtype] if bias else "none", slope, sm)
+    dt = checks.DTYPE_NAME[dtype]
+    shape = glr.Shape(m, n, k, dt, "k", dt if bias else "none", slope)
+    cfg = glr.config_for(shape, sm)
     result = dict(m=m, n=n, k=k, decode=decode, rel_err_vs_fp32=rel, config=cfg.variant().key(),
-                  tile_n=cfg.tile_n, a_rows=cfg.a_rows, splits=splits, methods=rows)
+                  tile_n=cfg.tile_n, a_rows=cfg.a_rows, splits=cfg.splits, raster_group=cfg.raster_group,
+                  methods=rows)
     if sweep:
-        result["sweep"] = _sweep(m, n, k, dtype, slope, bias, sets, decode, flops, sm)
+        result["sweep"] = _sweep(shape, sets, flops, sm)
     return result
 
 
-def _sweep(m, n, k, dtype, slope, bias, sets, decode, flops, sm):
-    """Every tile config (prefill) or tile width (multiples of 32) x split count (decode), forced
-    past the heuristic."""
-    name = glr.checks.DTYPE_NAME[dtype]
-    base = dict(dtype=name, bias=name if bias else "none", slope=float(slope))
-    trials = []
-    if decode:
-        cfg, _ = glr.select_config(m, n, k, name, "k", base["bias"], slope, sm)
-        k_tiles = math.ceil(k / glr.TILE_K)
-        for tile_n in range(64, 257, 32):
-            tiled = dataclasses.replace(cfg, tile_n=tile_n)
-            # Split counts up to two waves of work units: more never won on the H200.
-            trials += [(tiled, s, glr.RASTER_GROUP) for s in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
-                       if s <= k_tiles and glr.split_fits(m, n, cfg.tile_m, tile_n, s)
-                       and math.ceil(n / tile_n) * s <= 2 * sm]
-    else:  # 2x2 clusters (both operands multicast) ran 3-21% slower than 2x1 on the H200: left out
-        for tile_m, tile_n, pingpong, _ in glr.PREFILL_TILES:
-            for cluster_m, cluster_n, group in ((2, 1, glr.RASTER_GROUP), (2, 1, 2), (1, 2, glr.RASTER_GROUP)):
-                cfg = glr.GemmConfig(**base, tile_m=tile_m, tile_n=tile_n, pingpong=pingpong,
-                                     cluster_m=cluster_m, cluster_n=cluster_n)
-                trials.append((cfg, 1, group))
-    glr.precompile(dict.fromkeys(cfg for cfg, _, _ in trials))
+def _sweep(shape, sets, flops, sm):
+    """Every candidate config of the shape (glr.candidates: the tuner's search space), forced past
+    the heuristic; decode ones up to two waves of work units (more never won on the H200)."""
+    m, n, k = shape.m, shape.n, shape.k
+    decode = shape.mode == "decode"
+    trials = [cfg for cfg in glr.candidates(shape, sm)
+              if not decode or math.ceil(n / cfg.tile_n) * cfg.splits <= 2 * sm]
+    glr.precompile(trials)
     fns, rows = {}, {}
-    for trial in trials:
-        cfg, splits, group = trial
-        rows[trial] = dict(config=cfg.variant().key(), splits=splits, raster_group=group)
+    for cfg in trials:
+        rows[cfg] = dict(config=cfg.variant().key(), splits=cfg.splits, raster_group=cfg.raster_group)
 
-        def fn(a, w, b, o, cfg=cfg, splits=splits, group=group):
-            glr._launch(a, w, b, o, cfg, splits, group)
+        def fn(a, w, b, o, cfg=cfg):
+            glr.run(a, w, b, o, cfg)
         try:
             fn(*sets[0])
             torch.cuda.synchronize()
-            fns[trial] = fn
+            fns[cfg] = fn
         except Exception as e:  # noqa: BLE001
-            rows[trial]["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows[cfg]["error"] = f"{type(e).__name__}: {e}"[:300]
     if decode:  # each in its own CUDA graph, next to the heuristic's cost model
-        times = {trial: _graph_ms(fn, sets) for trial, fn in fns.items()}
-        for (cfg, splits, _), row in rows.items():
+        times = {cfg: _graph_ms(fn, sets) for cfg, fn in fns.items()}
+        for cfg, row in rows.items():
             row.update(tile_n=cfg.tile_n, a_rows=cfg.a_rows,
-                       model_us=glr.decode_cost(m, n, k, cfg.tile_m, cfg.tile_n, splits, sm)
-                       if cfg.tile_n in glr.DECODE_TILE_N else None)
+                       model_us=plan.decode_cost(m, n, k, cfg.tile_m, cfg.tile_n, cfg.splits, sm))
     else:  # every trial timed in each round (timing.interleaved_time_us)
-        steps = {trial: _rotating(fn, sets) for trial, fn in fns.items()}
+        steps = {cfg: _rotating(fn, sets) for cfg, fn in fns.items()}
         times = timing.interleaved_time_us(steps, _prefill_calls(flops), rounds=11)
-        times = {trial: us / 1e3 for trial, us in times.items()}
-    for trial, ms in times.items():
-        rows[trial].update(ms=ms, tflops=flops / ms / 1e9)
+        times = {cfg: us / 1e3 for cfg, us in times.items()}
+    for cfg, ms in times.items():
+        rows[cfg].update(ms=ms, tflops=flops / ms / 1e9)
     for row in rows.values():
         print(f"    sweep {row}")
     return list(rows.values())
@@ -211,6 +194,12 @@ def _tile_name(key: str) -> str:
     p = dict(part.split("=", 1) for part in key.split("-") if "=" in part)
     kind = "pingpong" if p["pingpong"] == "True" else "cooperative"
     return f"{p['tile_m']}x{p['tile_n']} {kind} {p['cluster_m']}x{p['cluster_n']}"
+
+
+def _picked(result, sweep):
+    """The sweep row of the heuristic's config, or None."""
+    key = ("config", "splits", "raster_group")
+    return next((s for s in sweep if all(s[f] == result[f] for f in key)), None)
 
 
 def _markdown(results, copy_gbs, device):
@@ -245,7 +234,7 @@ def _markdown(results, copy_gbs, device):
             if not timed:
                 continue
             best = min(timed, key=lambda s: s["ms"])
-            picked = next((s for s in timed if s["config"] == r["config"] and s["splits"] == r["splits"]), None)
+            picked = _picked(r, timed)
             mine = f"{picked['ms'] * 1e3:.1f}" if picked else "not swept"
             ratio = f"{picked['ms'] / best['ms']:.3f}" if picked else ""
             lines.append(f"| {r['m']} | {r['n']} | {r['k']} | {r['tile_n']} x {r['splits']} ({r['a_rows']}) | "
@@ -259,8 +248,7 @@ def _markdown(results, copy_gbs, device):
             if not timed:
                 continue
             best = min(timed, key=lambda s: s["ms"])
-            picked = next((s for s in timed if s["config"] == r["config"]
-                           and s["raster_group"] == glr.RASTER_GROUP), None)
+            picked = _picked(r, timed)
             mine = f"{picked['ms'] * 1e3:.1f}" if picked else "not swept"
             ratio = f"{picked['ms'] / best['ms']:.3f}" if picked else ""
             lines.append(f"| {r['m']} | {r['n']} | {r['k']} | {_tile_name(r['config'])} | {mine} | "
@@ -284,15 +272,17 @@ def main():
     p.add_argument("--slope", type=float, default=0.01)
     p.add_argument("--bias", action="store_true", help="add a bias [N] (all methods)")
     p.add_argument("--shapes", help="comma-separated MxNxK list (default: the standard set)")
-    p.add_argument("--sweep", action="store_true", help="also time every tile config / split count")
+    p.add_argument("--sweep", action="store_true", help="also time every candidate config (glr.candidates)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
     args = p.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     shapes = SHAPES if not args.shapes else [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    device = torch.cuda.get_device_name()
+    peers_log = []
+    quack = report.try_peer("quack", _quack, peers_log)
+    env = report.environment(("quack",))
+    device = env["gpu"]
     copy_gbs = timing.copy_gbs()
-    print(f"{device}: copy bandwidth {copy_gbs:.0f} GB/s")
-    quack = _quack()
+    print(f"{device}: copy bandwidth {copy_gbs:.0f} GB/s", *peers_log, sep="\n")
     results = []
     t0 = time.time()
     for m, n, k in shapes:
@@ -304,13 +294,9 @@ def main():
                       + (f"  {row['pct_copy_ceiling']:.1f}% copy" if "pct_copy_ceiling" in row else ""))
         print(f"  rel err {r['rel_err_vs_fp32']:.2e}  config {r['config']} splits={r['splits']}", flush=True)
         results.append(r)
-    os.makedirs(args.out, exist_ok=True)
-    meta = dict(device=device, copy_gbs=copy_gbs, dtype=args.dtype, slope=args.slope, bias=args.bias,
-                torch=torch.__version__, seconds=time.time() - t0)
-    with open(os.path.join(args.out, "gemm_leakyrelu.json"), "w") as f:
-        json.dump(dict(meta=meta, results=results), f, indent=1)
-    with open(os.path.join(args.out, "gemm_leakyrelu.md"), "w") as f:
-        f.write(_markdown(results, copy_gbs, device))
+    meta = dict(env, copy_gbs=copy_gbs, dtype=args.dtype, slope=args.slope, bias=args.bias, peers=peers_log,
+                seconds=time.time() - t0)
+    report.write(args.out, "gemm_leakyrelu", dict(meta=meta, results=results), _markdown(results, copy_gbs, device))
     print(f"wrote {args.out}/gemm_leakyrelu.json and .md in {time.time() - t0:.0f} s")
 
 

@@ -24,26 +24,24 @@ exceed the copy ceiling. Every rosekernels result is checked against the routing
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import report  # noqa: E402
 import timing  # noqa: E402
-from rosekernels import jit  # noqa: E402
+from report import fmt  # noqa: E402
 from rosekernels.kernels import moe_combine as mc  # noqa: E402
 from rosekernels.kernels import moe_dispatch as md  # noqa: E402
 
 DTYPE = torch.bfloat16
 BLOCK = 128
-MODELS = {"qwen3-30b-a3b": (2048, 128, 8), "deepseek-v3": (7168, 256, 8)}
+MODELS = md.MODELS  # name -> (hidden, experts, top-k)
 TOKENS = (1, 32, 128, 512, 4096, 8192)
 GRAPH_MAX_TOKENS = 512
 TARGETS = {"prefill_pct_of_copy": 80.0, "decode_graph_us": 10.0, "speedup_vs_torch": 5.0, "eager_host_us": 20.0}
@@ -102,27 +100,23 @@ def pipeline(dispatch, combine, s, num_experts):
 def compile_shape(s, num_experts, log):
     """torch.compile of the torch reference for this shape only (dynamic=False; a dynamo reset first,
     so no earlier shape's graphs or recompile limits are involved), warmed up and checked against
-    eager torch. Returns ((dispatch, combine) or None, error or None)."""
-    try:
-        torch._dynamo.reset()
-        t0 = time.time()
-        cd = torch.compile(torch_dispatch, dynamic=False)
-        cc = torch.compile(torch_combine, dynamic=False)
-        got = cd(s["x"], s["ids"], num_experts, BLOCK, s["buf"])
-        ref = torch_dispatch(s["x"], s["ids"], num_experts, BLOCK, s["buf"].clone())
-        for a, b in zip(got[1:], ref[1:]):
-            if not torch.equal(a, b):
-                raise AssertionError("compiled dispatch differs from eager torch")
-        slot_map = s["res"].slot_map
-        got_c, ref_c = cc(s["rbuf"], s["w"], slot_map), torch_combine(s["rbuf"], s["w"], slot_map)
-        if not torch.allclose(got_c.float(), ref_c.float(), rtol=2**-7, atol=1e-2):
-            raise AssertionError("compiled combine differs from eager torch")
-        torch.cuda.synchronize()
-        log(f"  torch.compile: {time.time() - t0:.1f} s")
-        return (cd, cc), None
-    except Exception as e:  # noqa: BLE001  (the peer is skipped, the reason recorded)
-        traceback.print_exc()
-        return None, f"unavailable: {type(e).__name__}: {str(e)[:200]}"
+    eager torch: (dispatch, combine)."""
+    torch._dynamo.reset()
+    t0 = time.time()
+    cd = torch.compile(torch_dispatch, dynamic=False)
+    cc = torch.compile(torch_combine, dynamic=False)
+    got = cd(s["x"], s["ids"], num_experts, BLOCK, s["buf"])
+    ref = torch_dispatch(s["x"], s["ids"], num_experts, BLOCK, s["buf"].clone())
+    for a, b in zip(got[1:], ref[1:]):
+        if not torch.equal(a, b):
+            raise AssertionError("compiled dispatch differs from eager torch")
+    slot_map = s["res"].slot_map
+    got_c, ref_c = cc(s["rbuf"], s["w"], slot_map), torch_combine(s["rbuf"], s["w"], slot_map)
+    if not torch.allclose(got_c.float(), ref_c.float(), rtol=2**-7, atol=1e-2):
+        raise AssertionError("compiled combine differs from eager torch")
+    torch.cuda.synchronize()
+    log(f"  torch.compile: {time.time() - t0:.1f} s")
+    return cd, cc
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,8 +169,7 @@ def bench_shape(model, T, compile_peer, log):
         ours_dispatch(0, mode)
         md.check_dispatch(sets[0]["x"], sets[0]["ids"], E, BLOCK, sets[0]["res"])
     ours_combine(0)
-    mc.check_args(mc.config_for(T, H, k, DTYPE, torch.float32).variant(),
-                  (sets[0]["res"].buffer, sets[0]["w"], sets[0]["res"].slot_map, sets[0]["out"]))
+    mc.check_combine(sets[0]["res"].buffer, sets[0]["w"], sets[0]["res"].slot_map, sets[0]["out"])
     ours_dispatch(0)
 
     impls = {
@@ -191,8 +184,9 @@ def bench_shape(model, T, compile_peer, log):
         impls["rk_dispatch_decode"] = lambda i: ours_dispatch(i, "decode")
     impls["torch_both"] = lambda i: pipeline(torch_dispatch, torch_combine, sets[i], E)
     if compile_peer:
-        compiled, error = compile_shape(sets[0], E, log)
-        row["compile"] = error or "ok"
+        missing = []
+        compiled = report.try_peer("torch.compile", lambda: compile_shape(sets[0], E, log), missing)
+        row["compile"] = missing[0] if missing else "ok"
         if compiled is not None:
             cd, cc = compiled
             impls["compile_dispatch"] = lambda i: cd(sets[i]["x"], sets[i]["ids"], E, BLOCK, sets[i]["buf"])
@@ -205,11 +199,9 @@ def bench_shape(model, T, compile_peer, log):
         for how, timer in timers(n):
             if how == "graph" and T > GRAPH_MAX_TOKENS:
                 continue
-            try:
-                row[f"{name}_{how}_us"] = timer(call)
-            except Exception as e:  # noqa: BLE001  (a peer that fails is recorded, not fatal)
-                errors.append(f"{name} {how}: {type(e).__name__}: {e}")
-                traceback.print_exc()
+            us = report.measure(f"{name} {how}", lambda: timer(call), errors)
+            if us is not None:
+                row[f"{name}_{how}_us"] = us
     row["errors"] = errors
     log(f"{model:14s} T={T:5d} " + " ".join(
         f"{k[:-3]}={v:.1f}" for k, v in row.items() if k.endswith("_us") and k.startswith("rk_")))
@@ -224,10 +216,6 @@ def best(row, name):
     return row.get(f"{name}_graph_us", row.get(f"{name}_eager_us"))
 
 
-def fmt(x, digits=1):
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
 def summarize(rows, copy_gbps):
     for r in rows:
         for op, nbytes in (("dispatch", r["bytes_dispatch"]), ("combine", r["bytes_combine"])):
@@ -235,10 +223,8 @@ def summarize(rows, copy_gbps):
             r[f"rk_{op}_gbps"] = None if t is None else nbytes / t / 1e3
             r[f"rk_{op}_pct_copy"] = None if t is None else 100 * nbytes / t / 1e3 / copy_gbps
             for peer in ("torch", "compile"):
-                p = best(r, f"{peer}_{op}")
-                r[f"speedup_vs_{peer}_{op}"] = None if p is None or t is None else p / t
-        tb, pb = best(r, "rk_both"), best(r, "torch_both")
-        r["speedup_vs_torch_both"] = None if tb is None or pb is None else pb / tb
+                r[f"speedup_vs_{peer}_{op}"] = report.ratio(best(r, f"{peer}_{op}"), t)
+        r["speedup_vs_torch_both"] = report.ratio(best(r, "torch_both"), best(r, "rk_both"))
 
 
 def markdown(env, copy_gbps, rows):
@@ -313,16 +299,9 @@ def targets(rows):
     return out
 
 
-def environment():
-    props = torch.cuda.get_device_properties(0)
-    return {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-            "python": platform.python_version(), "toolchain": jit.TOOLCHAIN,
-            "l2_bytes": getattr(props, "L2_cache_size", None)}
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--out", default=str(report.RESULTS))
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
@@ -331,7 +310,7 @@ def main():
     args = ap.parse_args()
     log = lambda m: print(m, flush=True)  # noqa: E731
     t0 = time.time()
-    env = environment()
+    env = report.environment()
     copy_gbps = timing.copy_gbs()
     log(f"{env['gpu']}: device copy {copy_gbps:.0f} GB/s")
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -342,15 +321,10 @@ def main():
             rows.append(bench_shape(model, T, not args.no_compile and T in compile_tokens, log))
             torch.cuda.empty_cache()
     summarize(rows, copy_gbps)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     doc = {"env": env, "copy_gbps": copy_gbps, "rows": rows, "targets": targets(rows),
            "seconds": time.time() - t0}
-    (out / "moe.json").write_text(json.dumps(doc, indent=1))
-    md_text = markdown(env, copy_gbps, rows)
-    (out / "moe.md").write_text(md_text)
-    print(md_text)
-    log(f"wrote {out / 'moe.json'} and {out / 'moe.md'} in {time.time() - t0:.0f} s")
+    report.write(args.out, "moe", doc, markdown(env, copy_gbps, rows))
+    log(f"wrote moe.json and moe.md under {args.out} in {time.time() - t0:.0f} s")
 
 
 if __name__ == "__main__":

@@ -22,10 +22,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -33,11 +31,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import report  # noqa: E402
 import timing  # noqa: E402
+from report import fmt, measure, ratio  # noqa: E402
 from timing import auto_event_time_us, copy_gbs, copy_time_us, graph_time_us, host_time_us  # noqa: E402
-from rosekernels import jit, modes  # noqa: E402
+from rosekernels import checks, modes  # noqa: E402
 from rosekernels.kernels import qk_norm as qkn  # noqa: E402
 from rosekernels.kernels import rmsnorm as rms  # noqa: E402
+from rosekernels.kernels.qk_norm_plan import ROWS_PER_THREAD  # noqa: E402
 
 import cutlass  # noqa: E402  (after rosekernels, which pins CUTE_DSL_ARCH=sm_90a)
 import cutlass.cute as cute  # noqa: E402
@@ -65,45 +66,6 @@ def empty_cutedsl_kernel():
     fake = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(),), assumed_align=16)
     return cute.compile(empty, fake, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
                         options="--enable-tvm-ffi")
-
-
-def try_peer(name, factory, log):
-    """factory() -> callable, or None with the reason logged ("unavailable")."""
-    try:
-        return factory()
-    except Exception as e:  # noqa: BLE001  (a missing or broken peer is recorded, not fatal)
-        log.append(f"{name}: unavailable ({type(e).__name__}: {e})")
-        return None
-
-
-def measure(name, fn, errors):
-    try:
-        return fn()
-    except Exception as e:  # noqa: BLE001
-        errors.append(f"{name}: {type(e).__name__}: {e}")
-        traceback.print_exc()
-        return None
-
-
-def environment() -> dict:
-    props = torch.cuda.get_device_properties(0)
-    info = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-            "python": platform.python_version(), "toolchain": jit.TOOLCHAIN}
-    for mod in ("quack", "liger_kernel", "triton"):
-        try:
-            m = __import__(mod)
-            info[mod] = getattr(m, "__version__", "present")
-        except Exception:  # noqa: BLE001
-            info[mod] = "unavailable"
-    return info
-
-
-def fmt(x, digits=1):
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
-def ratio(peer, ours):
-    return None if peer is None or ours is None else peer / ours
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,8 +135,9 @@ def bench_model(model, hq, hk, tokens_list, peers, empty_fn, sweep, log):
         count = 1 if decode else timing.input_sets(2 * nbytes)
         sets, wq, wk = make_sets(tokens, hq, hk, d, count)
         errors = []
-        r = {"model": model, "tokens": tokens, "bytes": 2 * nbytes, "errors": errors,
-             "variant": qkn.config_for(tokens, hq, hk, d, DTYPE, DTYPE, EPS).variant().key()}
+        shape = qkn.Shape(tokens, hq, hk, d, checks.DTYPE_NAME[DTYPE], eps=EPS)
+        cfg = qkn.config_for(shape)
+        r = {"model": model, "tokens": tokens, "bytes": 2 * nbytes, "errors": errors, "variant": cfg.variant().key()}
 
         def ours(i):
             q, k, oq, ok = sets[i % count]
@@ -194,7 +157,7 @@ def bench_model(model, hq, hk, tokens_list, peers, empty_fn, sweep, log):
         del ref_q, ref_k
 
         if decode:
-            raw = qkn.compile(qkn.config_for(tokens, hq, hk, d, DTYPE, DTYPE, EPS).variant()).fn
+            raw = qkn.compile(cfg).fn
             dummy = torch.empty(16, device="cuda", dtype=torch.float32)
             r["ours_graph_us"] = measure("ours graph", lambda: graph_time_us(lambda _: ours(0), GRAPH_CALLS), errors)
             r["empty_graph_us"] = measure("empty graph", lambda: graph_time_us(lambda _: empty_fn(dummy), GRAPH_CALLS), errors)
@@ -231,18 +194,13 @@ def bench_model(model, hq, hk, tokens_list, peers, empty_fn, sweep, log):
                     r[f"{name}_us"] = measure(name, lambda: auto_event_time_us(peer_step(peers[name])), errors)
 
         if sweep:
-            base = qkn.config_for(tokens, hq, hk, d, DTYPE, DTYPE, EPS)
-            cands = [dataclasses.replace(base, mode="decode", warps=1, rows_per_thread=1).variant()]
-            # cache hints only matter for streaming sizes
-            cands += qkn.sweep_variants(base.variant(), cache_hints=("none",) if decode else modes.CACHE_HINTS)
             s = {"model": model, "tokens": tokens,
-                 "warps_needed": modes.warps_needed(tokens * (hq + hk), base.threads_per_head),
+                 "warps_needed": modes.warps_needed(tokens * (hq + hk), cfg.threads_per_head),
                  "times": {}, "modes": {}}
-            for v in cands:
-                fn = qkn.compile(v).fn
-                cfg = qkn.QKNormConfig.from_variant(v)
-                label = "decode" if cfg.mode == "decode" else f"{cfg.warps}w x{cfg.rows_per_thread} {cfg.cache_hint}"
-                s["modes"][label] = (cfg.warps, cfg.rows_per_thread, cfg.cache_hint)
+            for c in sweep_configs(shape, decode):
+                fn = qkn.compile(c).fn
+                label = "decode" if c.mode == "decode" else f"{c.warps}w x{c.rows_per_thread} {c.cache_hint}"
+                s["modes"][label] = (c.warps, c.rows_per_thread, c.cache_hint)
                 step = (lambda i, fn=fn: fn(*sets[i % count][:2], wq, wk, *sets[i % count][2:]))
                 if decode:
                     s["times"][label] = measure(label, lambda: graph_time_us(lambda _: step(0), GRAPH_CALLS), errors)
@@ -256,27 +214,14 @@ def bench_model(model, hq, hk, tokens_list, peers, empty_fn, sweep, log):
     return rows, sweep_rows
 
 
-def recommend_table(sweep_rows):
-    """PREFILL_TABLE rows from a block-shape sweep (this op's or rmsnorm's): the best prefill shape at
-    each measured size."""
-    best = {}
-    for s in sweep_rows:
-        pre = {k: v for k, v in s["times"].items() if k != "decode" and v is not None}
-        if pre and s["warps_needed"] > modes.sm_count():
-            best.setdefault(s["warps_needed"], []).append((pre, s["modes"]))
-    table = []
-    for wn in sorted(best):
-        # several shapes can need the same warps: take the block size best on their total time
-        labels = set.intersection(*(set(p) for p, _ in best[wn]))
-        label = min(labels, key=lambda k: sum(p[k] for p, _ in best[wn]))
-        entry = tuple(best[wn][0][1][label])
-        if table and table[-1][1:] == entry:
-            table[-1] = (wn, *entry)
-        else:
-            table.append((wn, *entry))
-    if table:
-        table[-1] = (1 << 62, *table[-1][1:])
-    return table
+def sweep_configs(shape, decode):
+    """The decode config, then the prefill block shapes: every candidate at prefill sizes; at decode
+    sizes (where decode should win) without cache hints, which only matter for streaming sizes."""
+    decode_cfg = qkn.config_for(dataclasses.replace(shape, tokens=1))
+    if not decode:
+        return [decode_cfg] + qkn.candidates(shape)
+    return [decode_cfg] + [dataclasses.replace(decode_cfg, mode="prefill", warps=w, rows_per_thread=r)
+                           for w in modes.PREFILL_WARPS for r in ROWS_PER_THREAD]
 
 
 def markdown(env, rows, sweep_rows, table, log):
@@ -362,7 +307,7 @@ def main():
     ap.add_argument("--no-sweep", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
-    env = environment()
+    env = report.environment(("quack", "liger_kernel", "triton"))
     log = []
     env["copy_1gib_gbs"] = copy_gbs()
     empty_fn = empty_cutedsl_kernel()
@@ -371,21 +316,16 @@ def main():
     rows, sweep_rows = [], []
     t0 = time.time()
     factories = peer_factories(HEAD_DIM)  # one set for both models: torch.compile compiles once (dynamic)
-    peers = {name: try_peer(name, factories[name], log) for name in PEERS}
+    peers = {name: report.try_peer(name, factories[name], log) for name in PEERS}
     for model, (hq, hk) in models.items():
         r, s = bench_model(model, hq, hk, tokens_list, peers, empty_fn, not args.no_sweep, log)
         rows += r
         sweep_rows += s
-    table = recommend_table(sweep_rows)
+    table = report.recommend_table(sweep_rows)
     env["wall_s"] = round(time.time() - t0, 1)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     result = {"env": env, "rows": rows, "sweep": sweep_rows, "recommended_prefill_table": table,
               "current_prefill_table": modes.PREFILL_TABLE["qk_norm"], "log": log}
-    (out / "qk_norm.json").write_text(json.dumps(result, indent=1, default=str))
-    md = markdown(env, rows, sweep_rows, table, log)
-    (out / "qk_norm.md").write_text(md)
-    print(md)
+    report.write(args.out, "qk_norm", result, markdown(env, rows, sweep_rows, table, log))
 
 
 if __name__ == "__main__":

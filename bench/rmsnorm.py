@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import qk_norm as common  # noqa: E402  (bench/qk_norm.py: the shared report helpers)
+import report  # noqa: E402
 import timing  # noqa: E402
-from rosekernels import modes  # noqa: E402
+from report import fmt, measure, ratio  # noqa: E402
+from rosekernels import checks, modes  # noqa: E402
 from rosekernels.kernels import rmsnorm as rms  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -34,7 +34,6 @@ HIDDEN = (2048, 4096, 5120, 8192, 16384)
 DECODE_ROWS = (1, 32, 128)
 PREFILL_ROWS = (4096, 16384, 65536)
 MAX_TENSOR_BYTES = 1 << 30
-fmt, ratio, measure, recommend_table = common.fmt, common.ratio, common.measure, common.recommend_table
 
 
 def peer_factories(residual: bool):
@@ -84,7 +83,8 @@ def bench_case(hidden, rows, residual, peers, sweep, log):
     count = 1 if decode else timing.input_sets(traffic)
     sets, w = make_sets(rows, hidden, residual, count)
     errors = []
-    cfg = rms.config_for(rows, hidden, DTYPE, DTYPE, residual, EPS)
+    shape = rms.Shape(rows, hidden, checks.DTYPE_NAME[DTYPE], residual=residual, eps=EPS)
+    cfg = rms.config_for(shape)
     res = {"hidden": hidden, "rows": rows, "residual": residual, "bytes": traffic, "errors": errors,
            "variant": cfg.variant().key()}
 
@@ -103,11 +103,11 @@ def bench_case(hidden, rows, residual, peers, sweep, log):
     del ref_out, ref_h
 
     if decode:
-        res["ours_graph_us"] = measure("ours graph", lambda: timing.graph_time_us(lambda _: ours(0), common.GRAPH_CALLS), errors)
+        res["ours_graph_us"] = measure("ours graph", lambda: timing.graph_time_us(lambda _: ours(0)), errors)
         for name in PEERS:
             if peers.get(name) is not None:
                 fn = peers[name]
-                res[f"{name}_graph_us"] = measure(name, lambda: timing.graph_time_us(lambda _: fn(x, w, r), common.GRAPH_CALLS), errors)
+                res[f"{name}_graph_us"] = measure(name, lambda: timing.graph_time_us(lambda _: fn(x, w, r)), errors)
     else:
         res["ours_us"] = measure("ours", lambda: timing.auto_event_time_us(ours), errors)
         res["copy_us"] = measure("copy", lambda: timing.copy_time_us(traffic // 2), errors)
@@ -120,10 +120,8 @@ def bench_case(hidden, rows, residual, peers, sweep, log):
     if sweep and not decode and not residual:  # one table serves both; sweep the plain norm
         sweep_row = {"hidden": hidden, "rows": rows, "residual": residual,
                      "warps_needed": modes.warps_needed(rows, cfg.threads_per_row), "times": {}, "modes": {}}
-        cands = [dataclasses.replace(cfg, mode="decode", warps=1).variant()] + rms.sweep_variants(cfg.variant())
-        for v in cands:
-            fn = rms.compile(v).fn
-            c = rms.RMSNormConfig.from_variant(v)
+        for c in [rms.config_for(dataclasses.replace(shape, rows=1))] + rms.candidates(shape):
+            fn = rms.compile(c).fn
             label = "decode" if c.mode == "decode" else f"{c.block_warps}w {c.cache_hint}"
             sweep_row["modes"][label] = (c.warps, 1, c.cache_hint)
             sweep_row["times"][label] = measure(label, lambda: timing.auto_event_time_us(
@@ -195,7 +193,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="hidden 4096/16384, rows 1 and 16384, no residual")
     ap.add_argument("--no-sweep", action="store_true")
     args = ap.parse_args()
-    env = common.environment()
+    env = report.environment(("quack", "liger_kernel", "triton"))
     env["copy_1gib_gbs"] = timing.copy_gbs()
     hidden = (4096, 16384) if args.quick else HIDDEN
     row_list = (1, 16384) if args.quick else DECODE_ROWS + PREFILL_ROWS
@@ -204,7 +202,7 @@ def main():
     t0 = time.time()
     for residual in residuals:
         factories = peer_factories(residual)
-        peers = {name: common.try_peer(f"{name} (residual={residual})", factories[name], log) for name in PEERS}
+        peers = {name: report.try_peer(f"{name} (residual={residual})", factories[name], log) for name in PEERS}
         for n in hidden:
             for m in row_list:
                 if m * n * DTYPE.itemsize > MAX_TENSOR_BYTES:
@@ -213,16 +211,11 @@ def main():
                 rows.append(r)
                 if s:
                     sweep_rows.append(s)
-    table = recommend_table(sweep_rows)
+    table = report.recommend_table(sweep_rows)
     env["wall_s"] = round(time.time() - t0, 1)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     result = {"env": env, "rows": rows, "sweep": sweep_rows, "recommended_prefill_table": table,
               "current_prefill_table": modes.PREFILL_TABLE["rmsnorm"], "log": log}
-    (out / "rmsnorm.json").write_text(json.dumps(result, indent=1, default=str))
-    md = markdown(env, rows, sweep_rows, table, log)
-    (out / "rmsnorm.md").write_text(md)
-    print(md)
+    report.write(args.out, "rmsnorm", result, markdown(env, rows, sweep_rows, table, log))
 
 
 if __name__ == "__main__":

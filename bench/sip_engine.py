@@ -6,7 +6,7 @@ Targets: parsing + dependency analysis under 2 s; at least 1,000 legal moves app
     python3 bench/sip_engine.py [--rows 1000] [--moves 3000]
 
 Prints a table and writes bench/results/sip_engine.json and .md. The kernel is
-tests/corpus/unrolled_stencil.cu built with nvcc -DROWS=<rows> (cached in the temp directory).
+tests/support/corpus/unrolled_stencil.cu built with nvcc -DROWS=<rows> (cached in the temp directory).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from sip.cubin import load_cubin  # noqa: E402
 from sip.deps import DependencyModel  # noqa: E402
 from sip.mutate import IllegalMove, Move, Schedule, apply, movable  # noqa: E402
 
-SOURCE = ROOT / "tests" / "corpus" / "unrolled_stencil.cu"
+SOURCE = ROOT / "tests" / "support" / "corpus" / "unrolled_stencil.cu"
 RESULTS = ROOT / "bench" / "results"
 
 

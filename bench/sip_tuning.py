@@ -6,7 +6,7 @@
 Per kernel and mode:
 - the energy check: the original with every stall count raised to 11 must time slower (proves the
   measurement resolves a schedule difference), and the original against itself (the noise floor);
-- the search (`sip.tuning.tune`, min_speedup 1.0: the best validated schedule is kept even at 1.00x,
+- the search (`sip_tune.tuning.tune`, min_speedup 1.0: the best validated schedule is kept even at 1.00x,
   so the table always shows what the search found), search time, candidates, samples tested;
 - the final word: original and tuned cubin re-timed in a FRESH worker, interleaved, `--repeats`
   independent runs of `--reps` replay pairs each (CUDA graphs of many launches cycling over input
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import statistics
 import sys
@@ -28,15 +27,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sip import tuning  # noqa: E402
-from sip.runner import Runner  # noqa: E402
+import report  # noqa: E402  (bench/report.py: environment and result files)
+from sip.mutate import with_extra_stalls  # noqa: E402
+from sip_tune import tuning, workloads  # noqa: E402
+from sip_tune.runner import Runner, gpu_problem  # noqa: E402
 
 
 def energy_check(factory, original: bytes) -> dict:
     with Runner(factory) as runner:
         info = runner.start()
         same = runner.evaluate(original, seed=1)
-        slow = runner.evaluate(tuning.with_extra_stalls(original), seed=2)
+        slow = runner.evaluate(with_extra_stalls(original), seed=2)
     return {"noise_rel": same.rel, "stalled_rel": slow.rel, "stalled_status": slow.status,
             "candidate_cost_s": same.wall_s, "worker": info}
 
@@ -57,26 +58,35 @@ def confirm(factory, original: bytes, tuned: bytes, repeats: int, reps: int) -> 
 
 def bench_one(kernel: str, mode: str, args: argparse.Namespace, cache_dir: str) -> dict:
     row: dict = {"kernel": kernel, "mode": mode}
-    factory = tuning.workload_factory(kernel, mode)
+    factory = workloads.factory(kernel, mode)
     workload = factory()
     original = workload.kernel.cubin
     row["variant"] = workload.kernel.variant.key()
     row.update(energy_check(factory, original))
     config = tuning.TuneConfig(budget_seconds=args.budget_minutes * 60, runs=args.runs, samples=args.samples,
                                seed=args.seed, min_speedup=1.0)
-    report = tuning.tune(factory, config, kernel=kernel, cache_root=cache_dir)
-    print(report.text(), flush=True)
-    row["report"] = report.to_dict()
-    row.update(search_s=report.search_seconds, total_s=report.total_seconds, iterations=report.iterations,
-               evaluated=report.evaluated, incorrect=report.incorrect, crashed=report.crashed,
-               samples_passed=report.samples_passed, outcome=report.outcome,
-               cost_per_candidate_s=report.cost_s.get("total", math.nan))
-    if report.cached:
-        tuned = (Path(report.cached) / "tuned.cubin").read_bytes()
+    result = tuning.tune(factory, config, kernel=kernel, cache_root=cache_dir)
+    print(result.text(), flush=True)
+    row["report"] = result.to_dict()
+    row.update(search_s=result.search_seconds, total_s=result.total_seconds, iterations=result.iterations,
+               evaluated=result.evaluated, incorrect=result.incorrect, crashed=result.crashed,
+               samples_passed=result.samples_passed, outcome=result.outcome,
+               cost_per_candidate_s=result.cost_s.get("total", math.nan))
+    if result.cached:
+        tuned = (Path(result.cached) / "tuned.cubin").read_bytes()
         row.update(confirm(factory, original, tuned, args.repeats, args.reps))
     else:
-        row.update(original_us=report.baseline_us, tuned_us=report.baseline_us, speedup=1.0)
+        row.update(original_us=result.baseline_us, tuned_us=result.baseline_us, speedup=1.0)
     return row
+
+
+def has_mode(kernel: str, mode: str) -> bool:
+    """Whether the kernel has a variant of `mode` (attention: prefill only, attention_decode: decode only)."""
+    try:
+        workloads.kernel_module(kernel).Shape.defaults(mode)
+    except ValueError:
+        return False
+    return True
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
@@ -113,23 +123,17 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=60)
     p.add_argument("--cache", help="tuned-cubin cache (default: <out>/sip-cache)")
     args = p.parse_args()
-    problem = tuning.gpu_problem()
+    problem = gpu_problem()
     if problem:
         print(f"sip_tuning bench: needs a CUDA sm_90 GPU: {problem}", file=sys.stderr)
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    cache_dir = args.cache or str(out / "sip-cache")
-    kernels = [k for k in args.kernels.split(",") if k] or sorted(tuning.KERNELS)
+    cache_dir = args.cache or str(Path(args.out) / "sip-cache")
+    kernels = [k for k in args.kernels.split(",") if k] or sorted(workloads.KERNELS)
     rows = []
     for kernel in kernels:
-        ok, why = tuning.availability(kernel)
-        if not ok:
-            print(f"skip {kernel}: {why}", flush=True)
-            continue
         for mode in [m for m in args.modes.split(",") if m]:
-            if kernel == "attention" and mode == "decode":
-                continue  # one kernel for every sequence length
+            if not has_mode(kernel, mode):
+                continue
             print(f"=== {kernel} {mode}", flush=True)
             t0 = time.monotonic()
             try:
@@ -138,14 +142,10 @@ def main() -> int:
                 traceback.print_exc()
                 rows.append({"kernel": kernel, "mode": mode, "error": f"{type(e).__name__}: {e}"[:300]})
             print(f"=== {kernel} {mode}: {time.monotonic() - t0:.0f} s", flush=True)
-    import torch
-
-    meta = {"gpu": torch.cuda.get_device_name(0), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    meta = {**report.environment(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "budget_minutes": args.budget_minutes, "runs": args.runs, "samples": args.samples,
             "repeats": args.repeats, "reps": args.reps}
-    (out / "sip_tuning.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
-    (out / "sip_tuning.md").write_text(markdown(rows, meta))
-    print(markdown(rows, meta))
+    report.write(args.out, "sip_tuning", {"meta": meta, "rows": rows}, markdown(rows, meta))
     return 0
 
 

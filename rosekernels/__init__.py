@@ -8,11 +8,13 @@ import os
 # Before anything imports cutlass: unset, CuTeDSL silently targets sm_100a.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-# Each op and the kernel module that defines it (the SIP tuner reads this too).
-OPS = {name: f"rosekernels.kernels.{name}" for name in (
+# The kernel modules, each following the contract of rosekernels.contract (warm-up and sip-tune use it).
+KERNELS = {name: f"rosekernels.kernels.{name}" for name in (
     "qk_norm", "rmsnorm", "moe_dispatch", "moe_combine", "gemm_leakyrelu", "attention", "attention_decode")}
-# warmup lives in `startup`: a submodule named `warmup` would shadow the function once imported.
-_EXPORTS = {**OPS, "warmup": "rosekernels.startup"}
+# The public ops and where each is defined: a kernel's own module, or rosekernels.ops where an op
+# chooses between kernels. warmup lives in `startup`: a submodule named `warmup` would shadow the
+# function once imported.
+_EXPORTS = {**KERNELS, "attention": "rosekernels.ops.attention", "warmup": "rosekernels.startup"}
 
 __all__ = sorted(_EXPORTS)
 

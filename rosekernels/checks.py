@@ -3,31 +3,31 @@ from __future__ import annotations
 
 from typing import Iterable
 
-import cutlass
 import torch
-
-# torch dtype -> CuTeDSL element type, for the dtypes the kernels accept.
-CUTE_DTYPE = {
-    torch.bfloat16: cutlass.BFloat16,
-    torch.float16: cutlass.Float16,
-    torch.float32: cutlass.Float32,
-    torch.int32: cutlass.Int32,
-    torch.int64: cutlass.Int64,
-}
 
 DTYPE_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
               torch.int32: "i32", torch.int64: "i64"}
 TORCH_DTYPE = {name: dtype for dtype, name in DTYPE_NAME.items()}
+ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "i32": 4, "i64": 8}
 
 
-def cute_dtype(name: str) -> type[cutlass.Numeric]:
-    """The CuTeDSL element type of a dtype name ("bf16", "fp16", "fp32", ...)."""
-    return CUTE_DTYPE[TORCH_DTYPE[name]]
+def cute_dtype(name: str):
+    """The CuTeDSL element type of a dtype name ("bf16", "fp16", "fp32", ...). CuTeDSL is imported
+    here, not at the top: plan modules use this module without it."""
+    import cutlass
+
+    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32,
+            "i32": cutlass.Int32, "i64": cutlass.Int64}[name]
+
+
+def vector_elems(name: str) -> int:
+    """Elements of dtype `name` per 128-bit access."""
+    return 16 // ELEM_BYTES[name]
 
 
 def vector_width(dtype: torch.dtype) -> int:
     """Elements per 128-bit access."""
-    return 16 // torch.empty((), dtype=dtype).element_size()
+    return 16 // dtype.itemsize
 
 
 def check_cuda(name: str, t: torch.Tensor) -> None:

@@ -32,9 +32,9 @@ import tvm_ffi  # noqa: E402
 from cutlass._mlir import ir  # noqa: E402
 from cutlass.base_dsl import compiler as _dsl_compiler  # noqa: E402
 
+from rosekernels.variant import ARCH, Variant  # noqa: E402,F401  (re-exported: jit.Variant)
 from sip import fatbin  # noqa: E402
 
-ARCH = "sm_90a"
 TOOLCHAIN = f"cutedsl-{cutlass.__version__}_tvmffi-{tvm_ffi.__version__}"
 _ENTRY_NAME = "rk_entry"  # symbol prefix of every exported function
 
@@ -46,30 +46,6 @@ def cache_dir() -> Path:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "rosekernels"
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """What identifies one compiled kernel: op, prefill|decode, and every compile-time parameter."""
-
-    op: str
-    mode: str  # "prefill" or "decode"
-    params: tuple[tuple[str, Any], ...]  # sorted (name, value); values are str/int/float/bool
-    arch: str = ARCH
-
-    @classmethod
-    def of(cls, op: str, mode: str, **params: Any) -> "Variant":
-        if mode not in ("prefill", "decode"):
-            raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
-        return cls(op, mode, tuple(sorted(params.items())))
-
-    def key(self) -> str:
-        """Readable, file-name-safe and unique: `op-mode-arch-k=v-...`."""
-        fields = "-".join(f"{k}={v}" for k, v in self.params)
-        return f"{self.op}-{self.mode}-{self.arch}-{fields}".replace("/", "_").replace(" ", "")
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"op": self.op, "mode": self.mode, "arch": self.arch, "params": dict(self.params)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,15 +266,15 @@ def forget_loaded() -> None:
 
 
 def precompile(module: str, configs: Any, processes: int | None = None) -> list[CompiledKernel]:
-    """The kernels of `configs` (config objects of kernel module `module`, each loaded by its
-    `compiled(cfg)`), compiled in parallel processes into the disk cache first, then loaded here: a
-    cold cache costs about one compile time instead of one per config. Configs that share a variant
-    (they differ only in launch policy) compile once."""
+    """`compile(cfg)` of kernel module `module` for each config, the cold ones compiled in parallel
+    processes into the disk cache first, then loaded here: a cold cache costs about one compile time
+    instead of one per config. Configs that share a variant (they differ only in launch policy)
+    compile once."""
     import concurrent.futures
     import importlib
     import multiprocessing
 
-    compiled = importlib.import_module(module).compiled
+    compile_config = importlib.import_module(module).compile
     configs = list(configs)
     loaded = {k.variant for k in loaded_variants()}
     todo = list({c.variant(): c for c in configs if c.variant() not in loaded}.values())
@@ -307,10 +283,10 @@ def precompile(module: str, configs: Any, processes: int | None = None) -> list[
         ctx = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx) as pool:
             list(pool.map(functools.partial(_compile_in_worker, module), todo))
-    return [compiled(c) for c in configs]
+    return [compile_config(c) for c in configs]
 
 
 def _compile_in_worker(module: str, cfg: Any) -> str:
     import importlib
 
-    return importlib.import_module(module).compiled(cfg).cubin_sha256
+    return importlib.import_module(module).compile(cfg).cubin_sha256

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 DEFAULT_SM_COUNT = 132  # H200 / H100 SXM; used when no GPU is visible (CPU compile tests)
 
-
 CACHE_HINTS = ("none", "evict_first", "last_use")  # streaming-data load/store cache hints
+PREFILL_WARPS = (8, 16, 32)  # prefill block sizes the tuner and the benchmarks try (32: 1024 threads, the limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +28,7 @@ class Mode:
 
 # Prefill table: per op, rows (warps needed up to, warps per block, rows per thread, cache hint);
 # the first row whose limit covers the work wins. qk_norm: the recommendation of the block-shape
-# sweep in `python bench/qk_norm.py` on the H200 (2026-11-30, Qwen3-8B and Qwen3-30B-A3B, bf16,
+# sweep in `python bench/qk_norm.py` on the H200 (Qwen3-8B and Qwen3-30B-A3B, bf16,
 # bench/results/qk_norm.md); neighbouring shapes are within 1-4% of the winner. rmsnorm: not swept
 # yet (`python bench/rmsnorm.py` prints its row).
 PREFILL_TABLE: dict[str, tuple[tuple[int, int, int, str], ...]] = {
@@ -70,3 +71,17 @@ def prefill_modes(op: str) -> list[Mode]:
 
 def all_modes(op: str) -> list[Mode]:
     return [Mode("decode", 1, 1)] + prefill_modes(op)
+
+
+def size_range(mode: str, mode_of: Callable[[int], str], cap: int = 1 << 16) -> tuple[int, int]:
+    """(lo, hi): the sizes (token or row counts) to test a `mode` kernel on, given the mode each size
+    selects: every size of the mode (decode), or its first ones (prefill: the same code with more
+    blocks; small sizes keep test samples cheap and exercise the ragged tails)."""
+    lo = 1
+    while lo < cap and mode_of(lo) != mode:
+        lo = lo * 2 if mode_of(lo * 2) != mode else lo + 1
+    hi = lo
+    limit = cap if mode == "decode" else 2 * lo + 64
+    while hi < limit and mode_of(hi + 1) == mode:
+        hi += 1
+    return lo, hi

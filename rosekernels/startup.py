@@ -4,13 +4,13 @@
     print(report)
 
 A spec is one specialization, given as any of
-- a `rosekernels.jit.Variant` (e.g. from `qk_norm.all_variants()` or `cfg.variant()`): compiled with
-  `rosekernels.kernels.<variant.op>.compile(variant)`;
-- a kernel config object with a `.variant()` method (QKNormConfig, GemmConfig, AttentionConfig, ...):
-  compiled with its module's `compiled(cfg)`, else `compile(cfg.variant())`;
+- a `rosekernels.jit.Variant` (e.g. `cfg.variant()`): compiled with its kernel module's
+  `compile(Config.from_variant(variant))` (the module is `rosekernels.KERNELS[variant.op]`);
+- a kernel Config (a dataclass with `.variant()`, e.g. from `qk_norm.variants_for()`): compiled with
+  its kernel module's `compile(config)`;
 - a zero-argument callable returning a `jit.CompiledKernel` (any other CuTeDSL kernel).
 
-Tuned cubins come from the SIP cache (`sip.cache`; `cache_dir` or $SIP_CACHE_DIR, else
+Tuned cubins come from the tuned store (`rosekernels.tuned`; `cache_dir` or $SIP_CACHE_DIR, else
 <rosekernels cache>/sip). Each entry stores the original cubin it was tuned from, so it is installed
 (`jit.install_tuned_cubin`) BEFORE compiling and swapped in when the kernel loads; the swap is keyed
 by the original's SHA-256, so a tuned cubin never replaces a different original (a kernel whose source
@@ -22,9 +22,11 @@ import dataclasses
 import importlib
 import time
 import warnings
+from types import ModuleType
 from typing import Any, Callable, Iterable
 
-from rosekernels import jit
+import rosekernels
+from rosekernels import jit, tuned
 
 
 @dataclasses.dataclass
@@ -44,46 +46,36 @@ class WarmupReport:
         return "\n".join(lines)
 
 
-def _module(op: str) -> Any:
-    try:
-        return importlib.import_module(f"rosekernels.kernels.{op}")
-    except ModuleNotFoundError as e:
-        raise ValueError(f"no kernel module rosekernels.kernels.{op} for op {op!r}") from e
+def _module(op: str) -> ModuleType:
+    if op not in rosekernels.KERNELS:
+        raise ValueError(f"no kernel module for op {op!r}; the kernels are {sorted(rosekernels.KERNELS)}")
+    return importlib.import_module(rosekernels.KERNELS[op])
 
 
 def _resolve(spec: Any) -> tuple[jit.Variant | None, Callable[[], jit.CompiledKernel]]:
     """(the variant if known before compiling, how to compile it)."""
     if isinstance(spec, jit.Variant):
-        mod = _module(spec.op)
-        if not hasattr(mod, "compile"):
-            raise ValueError(f"rosekernels.kernels.{spec.op} has no compile(variant); pass its config object")
-        return spec, lambda: mod.compile(spec)
-    variant_of = getattr(spec, "variant", None)
-    if callable(variant_of):
-        variant = variant_of()
-        mod = _module(variant.op)
-        for name in ("compiled", "compile"):
-            if hasattr(mod, name):
-                compile_it = getattr(mod, name)
-                arg = variant if name == "compile" else spec
-                return variant, lambda: compile_it(arg)
-        raise ValueError(f"rosekernels.kernels.{variant.op} has no compiled(cfg) or compile(variant)")
+        m = _module(spec.op)
+        config = m.Config.from_variant(spec)
+        return spec, lambda: m.compile(config)
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):  # a kernel Config
+        variant = spec.variant()
+        m = _module(variant.op)
+        return variant, lambda: m.compile(spec)
     if callable(spec):
         return None, spec
     raise TypeError(f"a warmup spec is a Variant, a kernel config with .variant(), or a callable; got {spec!r}")
 
 
 def warmup(specs: Iterable[Any], cache_dir: str | None = None) -> WarmupReport:
-    """Compile (or load from the disk cache) every spec, with the SIP-tuned cubins found in the cache."""
-    from sip import cache
-
+    """Compile (or load from the disk cache) every spec, with the SIP-tuned cubins found in the store."""
     t0 = time.perf_counter()
     resolved = [_resolve(s) for s in specs]
-    entries: dict[str, list[cache.Entry]] = {}
+    entries: dict[str, list[tuned.Entry]] = {}
 
     def install_for(variant: jit.Variant) -> None:
         if variant.key() not in entries:
-            found = cache.entries_for_variant(cache_dir, variant)
+            found = tuned.entries_for_variant(cache_dir, variant)
             entries[variant.key()] = found
             for e in sorted(found, key=lambda e: e.speedup):  # the best entry for an original wins
                 jit.install_tuned_cubin(e.original, e.tuned)

@@ -2,6 +2,7 @@
 
 Layers, each in its own module:
 
+* `sip.fatbin` - find and replace cubins inside a CUDA fatbin container.
 * `sip.cubin`  - the ELF container: sections, symbols, relocations, `.nv.info` attributes, the
   instruction offsets other sections refer to (pinned), arch check, in-place `.text` patching.
 * `sip.sass`   - nvdisasm-backed decoding: `Instruction` (128-bit word, control code, registers
@@ -9,7 +10,12 @@ Layers, each in its own module:
 * `sip.deps`   - the dependency model of a kernel: which adjacent instructions may swap, and the
   fixed-latency distances a reordering must keep.
 * `sip.mutate` - immutable `Schedule` values, SIP's one-slot moves, control-code repair, `apply`.
+* `sip.search` - simulated annealing over any state space (what the tuner runs on schedules).
 * `sip.cli`    - the `sip` command (disasm / inspect / mutate).
+
+The engine works on bytes only: it imports neither torch, CuTeDSL nor rosekernels. Running
+candidates on a GPU is the tuner's job (`sip_tune`); loading tuned cubins is rosekernels' own
+(`rosekernels.tuned`, `rosekernels.jit`).
 """
 
 

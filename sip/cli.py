@@ -26,12 +26,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def tune_main(argv: list[str] | None = None) -> int:
-    from sip import tuning  # the command's arguments and logic live there
-
-    return tuning.main(argv)
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sip", description="SASS schedule engine for sm_90 cubins")
     sub = p.add_subparsers(dest="command", required=True)

@@ -3,6 +3,8 @@
 A `Schedule` is a value: the order of every basic block plus the control code of every
 instruction. `Schedule.moved(move)` returns a new schedule or raises `IllegalMove` with the
 reason; `Schedule.moves()` lists the legal moves; `apply(schedule)` gives the cubin bytes.
+`with_extra_stalls(cubin)` is the one mutation outside that policy: the same code, only slower (it
+shows that a timing resolves a schedule difference).
 
 SIP's mutation policy: pick a movable instruction (global memory: LDG, STG, LDGSTS, ATOMG, RED,
 REDG; with include_shared also LDS, STS, LDSM) and move it up or down one slot in its basic block,
@@ -35,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from sip import SipError
-from sip.cubin import INSTRUCTION_BYTES
+from sip.cubin import INSTRUCTION_BYTES, parse_cubin
 from sip.deps import START, DependencyModel
 from sip.sass import control_bits, regs_in, with_control
 
@@ -387,3 +389,20 @@ def random_walk(schedule: Schedule, steps: int, seed: int, include_shared: bool 
             schedule = schedule.moved(move)
             done.append(move)
     return schedule, done
+
+
+def with_extra_stalls(cubin: bytes, stall: int = MAX_STALL[1], every: int = 1) -> bytes:
+    """The cubin with the stall count of every `every`-th instruction of each kernel raised to
+    `stall`: same code, same results, only slower. The default is the largest stall that is defined
+    whether or not the instruction yields."""
+    parsed = parse_cubin(cubin)
+    for code in parsed.kernels():
+        text = bytearray(parsed.text(code.name))
+        for at in range(0, len(text), every * INSTRUCTION_BYTES):
+            word = int.from_bytes(text[at:at + INSTRUCTION_BYTES], "little")
+            bits = control_bits(word)
+            if bits & _STALL_BITS < stall:
+                word = with_control(word, (bits & ~_STALL_BITS) | stall)
+                text[at:at + INSTRUCTION_BYTES] = word.to_bytes(INSTRUCTION_BYTES, "little")
+        parsed = parse_cubin(parsed.with_text(code.name, bytes(text)))
+    return parsed.to_bytes()

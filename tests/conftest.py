@@ -3,18 +3,9 @@ import os
 
 import pytest
 
+from devices import HAS_SM90
+
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-
-
-def _has_sm90() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
-
-
-HAS_SM90 = _has_sm90()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -39,18 +39,29 @@ one GQA group adjacent. `persistent=False` launches one CTA per tile in the same
   TMA store of its 64 rows (clipped past S_q) that completes while the next tile runs; the LSE is
   stored straight from registers.
 
-`SPECIALIZATIONS` lists every config the dispatcher can select; `compiled(cfg)` and
-`example_inputs(cfg)` serve `sip-tune --kernel attention`.
+Configs, the tile heuristic, the tuner's search space and the warm-up set are in attention_plan.py
+(re-exported here). This module holds the device code, `compile(config)`, `workload(config, shape)`,
+the launch plan of a call (`plan`, `Launch`) and the registered op rosekernels::attention_fwd;
+`rosekernels.attention()` (rosekernels/ops/attention.py) chooses between this kernel and the
+split-KV one.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import random
 
 import torch
 
 from rosekernels import jit  # first: it pins CUTE_DSL_ARCH=sm_90a before cutlass loads
-from rosekernels import checks, modes, scratch
+from rosekernels import checks, launch, modes, scratch
+from rosekernels.kernels.attention_common import (
+    CUTE_DTYPES, LN_2, LOG2_E, TORCH_DTYPES, check, fake_qkv_out_lse, quad_max, quad_sum, tma_tiles, tma_view,
+    views_needed)
+from rosekernels.kernels.attention_plan import (  # noqa: F401 - the plan's names are this kernel's
+    LONG_KV, OP, AttentionConfig, AttentionShape, candidates, config_for, default_config, grid_size, num_tiles,
+    variants_for)
+from rosekernels.workload import Workload
 
 import cutlass
 import cutlass.cute as cute
@@ -60,91 +71,17 @@ from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from cutlass.tensor_utils import LayoutEnum
 
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
-
-_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
-_TORCH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-_SMEM_BYTES = 227 * 1024  # sm_90 opt-in shared memory per block
+Config, Shape = AttentionConfig, AttentionShape
 
 # Named barriers (0 is __syncthreads), each + the consumer warpgroup index (at most 3 WGs):
 _BAR_EPILOGUE = 1  # a warpgroup's epilogue (its O slab)
 _BAR_SCHED = 4  # a warpgroup's GEMM-issue token (ping-pong)
 # K/V bytes one causal tile section keeps in L2 (of 50-60 MB on H100/H200: Q, O and the other
 # partition's copy need the rest).
-_L2_KV_BYTES = 32 * 2**20
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionConfig:
-    """One compiled specialization. Everything here is a compile-time constant."""
-
-    head_dim: int  # 64 or 128
-    dtype: str  # "bf16" or "fp16"
-    causal: bool
-    tile_m: int = 128  # query rows per CTA: 64 per consumer warpgroup (128 -> 2 WGs, 192 -> 3 WGs)
-    tile_n: int = 128  # keys per K/V tile (the N of the S GEMM, the K of the P V GEMM)
-    num_stages: int = 2  # K/V buffers in flight
-    overlap: bool = True  # intra-WG softmax/GEMM overlap + inter-WG ping-pong
-    # Launch policy, not compiled in (variant() leaves it out): one CTA per SM walking the tiles,
-    # else one CTA per tile.
-    persistent: bool = True
-
-    def __post_init__(self) -> None:
-        if self.head_dim not in (64, 128):
-            raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.tile_m not in (128, 192):
-            raise ValueError(f"tile_m must be 128 or 192, got {self.tile_m}")
-        if self.tile_n % 16 or not 64 <= self.tile_n <= 256:
-            raise ValueError(f"tile_n must be a multiple of 16 in [64, 256], got {self.tile_n}")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
-        if self.smem_bytes() > _SMEM_BYTES:
-            raise ValueError(f"{self} needs {self.smem_bytes()} bytes of shared memory (> {_SMEM_BYTES})")
-
-    @property
-    def num_mma_warpgroups(self) -> int:
-        return self.tile_m // 64
-
-    def smem_bytes(self) -> int:
-        elem = 2
-        q = o = self.tile_m * self.head_dim * elem
-        kv = 2 * self.num_stages * self.tile_n * self.head_dim * elem
-        # + up to 1 KiB of alignment before each of the 4 buffers, the mbarriers, the tile mailbox
-        return q + o + kv + 1024 * 4 + 8 * 2 * (1 + 2 * self.num_stages + 2) + 4 * 2
-
-    def variant(self) -> jit.Variant:
-        params = dataclasses.asdict(self)
-        del params["persistent"]
-        return jit.Variant.of("attention", "prefill", **params)
-
-
-# Keys from which d=128 non-causal attention takes 144-key tiles.
-LONG_KV = 8192
-
-
-def default_config(head_dim: int, dtype: str, causal: bool, seqlen_k: int = 0) -> AttentionConfig:
-    """The tile shape the op uses: FA3's choices for Hopper (d=64 takes 3 consumer WGs, 192 rows).
-    The warpgroups of a last tile that hold no row skip its math (`idle_mainloop`), which made the
-    192-row tile as fast as 128 rows even at S_q = 1024 causal. d=128 non-causal with at least
-    LONG_KV keys takes 144-key tiles (one softmax round per 144 keys, not 128): 2% faster from
-    8k keys on the H200; at 4k even, below that the ragged last tile costs more, and causal gains
-    at most 0.6% (bench/results/attention_sweep.md, attention_tile_n.md). The grid is sized per
-    call from the shape (`launch_args`): min(tiles, SMs) CTAs."""
-    if head_dim == 64:
-        return AttentionConfig(64, dtype, causal, tile_m=192, tile_n=128, num_stages=3)
-    tile_n = 144 if not causal and seqlen_k >= LONG_KV else 128
-    return AttentionConfig(128, dtype, causal, tile_m=128, tile_n=tile_n, num_stages=2)
-
-
-SPECIALIZATIONS: tuple[AttentionConfig, ...] = tuple(dict.fromkeys(
-    default_config(d, dt, c, s) for d in (64, 128) for dt in ("bf16", "fp16") for c in (False, True)
-    for s in (0, LONG_KV)))
+L2_KV_BYTES = 32 * 2**20
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,18 +97,6 @@ def _rows_view(t: cute.Tensor) -> cute.Tensor:
     shape = ((cm.shape[0][1], cm.shape[1]), (cm.shape[0][0], cm.shape[0][2], cm.shape[2]))
     stride = ((cm.stride[0][1], cm.stride[1]), (cm.stride[0][0], cm.stride[0][2], cm.stride[2]))
     return cute.make_tensor(t.iterator, cute.composition(t.layout, cute.make_layout(shape, stride=stride)))
-
-
-@cute.jit
-def _quad_max(x: Float32) -> Float32:
-    x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=2))
-    return cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=1))
-
-
-@cute.jit
-def _quad_sum(x: Float32) -> Float32:
-    x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
-    return x + cute.arch.shuffle_sync_bfly(x, offset=1)
 
 
 @dsl_user_op
@@ -192,12 +117,6 @@ def _convert(src: cute.Tensor, dst: cute.Tensor):
     dst32 = cute.recast_tensor(dst, Int32)
     for i in cutlass.range_constexpr(cute.size(dst32)):
         dst32[i] = _cvt_pair(src[2 * i], src[2 * i + 1], dst.element_type)
-
-
-def _tma_tiles(atom: cute.CopyAtom, smem: cute.Tensor, gmem: cute.Tensor) -> tuple:
-    """(smem, gmem) views of a one-CTA TMA copy: `gmem` tiled like `smem` (first two modes one tile)."""
-    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
-                                 cute.group_modes(gmem, 0, 2))
 
 
 @cute.jit
@@ -233,7 +152,7 @@ class _Tiles:
         section = pairs
         if cfg.causal:
             # K and V of one KV head take 4 * d * seqlen_k bytes; whole GQA groups per section.
-            kv_heads = cutlass.max((_L2_KV_BYTES // (4 * cfg.head_dim)) // seqlen_k, 1)
+            kv_heads = cutlass.max((L2_KV_BYTES // (4 * cfg.head_dim)) // seqlen_k, 1)
             section = cutlass.min(kv_heads * (heads // heads_kv), pairs)
         return _Tiles(cfg.causal, num_m, heads, num_m * pairs, section, pairs)
 
@@ -256,7 +175,7 @@ class _Tiles:
 class _FlashAttentionSm90:
     def __init__(self, cfg: AttentionConfig):
         self.cfg = cfg
-        self.dtype = _DTYPES[cfg.dtype]
+        self.dtype = CUTE_DTYPES[cfg.dtype]
         self.d = cfg.head_dim
         self.tile_m, self.tile_n, self.stages = cfg.tile_m, cfg.tile_n, cfg.num_stages
         self.causal = cfg.causal
@@ -447,9 +366,9 @@ class _FlashAttentionSm90:
         gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.d), (m_block, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
-        tQsQ, tQgQ = _tma_tiles(tma_atom_q, sQ, gQ)
-        tKsK, tKgK = _tma_tiles(tma_atom_k, sK, gK)
-        tVsV, tVgV = _tma_tiles(tma_atom_v, sV, gV)
+        tQsQ, tQgQ = tma_tiles(tma_atom_q, sQ, gQ)
+        tKsK, tKgK = tma_tiles(tma_atom_k, sK, gK)
+        tVsV, tVgV = tma_tiles(tma_atom_v, sV, gV)
 
         # The first K before Q: its stage frees while the previous tile's last steps run, Q only
         # once all of its S GEMMs are done.
@@ -762,7 +681,7 @@ class _FlashAttentionSm90:
             mx = cute.arch.fmax(cute.arch.fmax(m[0], m[1]), cute.arch.fmax(m[2], m[3]))
             if cutlass.const_expr(not first):
                 mx = cute.arch.fmax(mx, row_max[r])
-            mx = _quad_max(mx)
+            mx = quad_max(mx)
             prev = row_max[r]
             row_max[r] = mx
             # A row with no visible key yet keeps max -inf; exponentiate against 0 so P = 0, not NaN.
@@ -795,7 +714,7 @@ class _FlashAttentionSm90:
         tOcO = _rows_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.d))))
         lse = cute.make_rmem_tensor(cute.size(O, mode=[0]), Float32)
         for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
-            total = _quad_sum(row_sum[r])
+            total = quad_sum(row_sum[r])
             # total == 0: the row saw no key (causal, S_q > S_kv); O is 0 there, lse -inf.
             empty = total == 0.0
             inv = cute.arch.rcp_approx(1.0 if empty else total)
@@ -829,27 +748,13 @@ class _FlashAttentionSm90:
         row_block = m_block * self.num_mma_wg + wg
         if store_warp and row_block * 64 < seqlen_q:
             gO = cute.local_tile(mO[None, None, head, batch], (64, self.d), (row_block, 0))
-            tOsO, tOgO = _tma_tiles(tma_atom_o, sO_wg, gO)
+            tOsO, tOgO = tma_tiles(tma_atom_o, sO_wg, gO)
             cute.copy(tma_atom_o, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
 
 
 # ---------------------------------------------------------------------------------------------
 # Host side.
-
-
-def fake_qkv_out_lse(dtype: str, head_dim: int) -> tuple:
-    """Compile-time stand-ins for (q, k, v, out, lse), so one compile serves every batch, length,
-    head count and stride: [B, S, H, d] with any 16-byte-aligned strides and a unit last stride
-    (TMA needs that much); lse [B, Hq, S_q] compact fp32."""
-    b, s_q, s_k, h_q, h_k = (cute.sym_int() for _ in range(5))
-
-    def qkv(s, h):
-        strides = tuple(cute.sym_int(divisibility=8) for _ in range(3))
-        return make_fake_tensor(_DTYPES[dtype], (b, s, h, head_dim), stride=(*strides, 1), assumed_align=16)
-
-    lse = make_fake_compact_tensor(Float32, (b, h_q, s_q), stride_order=(2, 1, 0), assumed_align=16)
-    return qkv(s_q, h_q), qkv(s_k, h_k), qkv(s_k, h_k), qkv(s_q, h_q), lse
 
 
 def _build(cfg: AttentionConfig):
@@ -859,43 +764,36 @@ def _build(cfg: AttentionConfig):
     return _FlashAttentionSm90(cfg), args
 
 
-def compiled(cfg: AttentionConfig) -> jit.CompiledKernel:
-    """The loaded kernel of one specialization: fn(q, k, v, out, lse, scale_log2, *launch_args(...))."""
-    return jit.compile_variant(cfg.variant(), lambda: _build(cfg))
+def compile(config: AttentionConfig) -> jit.CompiledKernel:  # noqa: A001 - the contract's name
+    """The loaded kernel of one config: fn(q, k, v, out, lse, scale_log2, *launch_args(...))."""
+    return jit.compile_variant(config.variant(), lambda: _build(config))
 
 
-def num_tiles(cfg: AttentionConfig, batch: int, seqlen_q: int, heads_q: int) -> int:
-    return -(-seqlen_q // cfg.tile_m) * heads_q * batch
+def precompile(configs=None, processes: int | None = None) -> list[jit.CompiledKernel]:
+    """Compile `configs` (default: variants_for()) in parallel processes into the disk cache, then
+    load them here."""
+    return jit.precompile(__name__, variants_for() if configs is None else configs, processes)
 
 
 def launch_args(cfg: AttentionConfig, q: torch.Tensor, num_ctas: int | None = None) -> tuple[torch.Tensor, int]:
     """(tile counter, grid size) for one launch on q [B, S_q, Hq, d].
 
-    Grid: min(tiles, SMs) persistent CTAs, or one per tile; `num_ctas` overrides it (tests). CTAs past
-    their first tile claim the next from the counter, which must be zero at launch: a fresh one
-    here (the kernel re-zeroes it when done, so a counter may be reused by calls on one stream)."""
+    Grid: `grid_size` (min(tiles, SMs) persistent CTAs, or one per tile); `num_ctas` overrides it
+    (tests). CTAs past their first tile claim the next from the counter, which must be zero at
+    launch: a fresh one here (the kernel re-zeroes it when done, so a counter may be reused by calls
+    on one stream)."""
     tiles = num_tiles(cfg, q.shape[0], q.shape[1], q.shape[2])
     if num_ctas is None:
-        num_ctas = min(tiles, modes.sm_count(q.device.index)) if cfg.persistent else tiles
+        num_ctas = grid_size(cfg, q.shape[0], q.shape[1], q.shape[2], modes.sm_count(q.device.index))
     if not 0 < num_ctas < 2**31:
         raise ValueError(f"num_ctas must be in [1, 2^31), got {num_ctas}")
     alloc = torch.zeros if num_ctas < tiles else torch.empty  # no claims: the counter is never read
     return alloc(1, device=q.device, dtype=torch.int32), num_ctas
 
 
-def compile(variant: jit.Variant) -> jit.CompiledKernel:  # noqa: A001 - the name rosekernels.warmup looks up
-    """`compiled` for a Variant (e.g. one listed by `[c.variant() for c in SPECIALIZATIONS]`)."""
-    return compiled(AttentionConfig(**dict(variant.params)))
-
-
-def precompile(configs=SPECIALIZATIONS, processes: int | None = None) -> list[jit.CompiledKernel]:
-    """Compile `configs` in parallel processes (into the disk cache), then load them here."""
-    return jit.precompile(__name__, configs, processes)
-
-
-def example_inputs(cfg: AttentionConfig, batch: int = 2, seqlen: int = 2048, heads_q: int = 16,
-                   heads_kv: int = 16, device: str = "cuda", seed: int = 0) -> tuple:
-    """Fresh random arguments for `compiled(cfg).fn(*args)` (sip-tune's input generator)."""
+def _inputs(cfg: AttentionConfig, batch: int, seqlen: int, heads_q: int, heads_kv: int, seed: int,
+            device: str = "cuda") -> tuple:
+    """Random arguments of `compile(cfg).fn`, q, k and v [batch, seqlen, heads, d]; out and lse NaN."""
     g = torch.Generator(device=device).manual_seed(seed)
     dt = checks.TORCH_DTYPE[cfg.dtype]
     d = cfg.head_dim
@@ -904,154 +802,63 @@ def example_inputs(cfg: AttentionConfig, batch: int = 2, seqlen: int = 2048, hea
         return torch.randn(*shape, generator=g, device=device, dtype=torch.float32).to(dt)
 
     q, k, v = randn(batch, seqlen, heads_q, d), randn(batch, seqlen, heads_kv, d), randn(batch, seqlen, heads_kv, d)
-    out = torch.empty_like(q)
-    lse = torch.empty(batch, heads_q, seqlen, device=device, dtype=torch.float32)
+    out = torch.full_like(q, math.nan)
+    lse = torch.full((batch, heads_q, seqlen), math.nan, device=device)
     return (q, k, v, out, lse, (1.0 / math.sqrt(d)) * LOG2_E, *launch_args(cfg, q))
 
 
-def _check(q, k, v, out, softmax_scale) -> float:
-    """Validate everything before any launch (shapes first, then devices and memory layout);
-    return the softmax scale."""
-    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
-        if t is None and name == "out":
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D [batch, seqlen, heads, head_dim], got shape {list(t.shape)}")
-    checks.check_dtype("q", q, _TORCH_DTYPES)
-    for name, t in (("k", k), ("v", v), ("out", out)):
-        if t is not None:
-            checks.check_dtype(name, t, (q.dtype,))
-    B, _, Hq, d = q.shape
-    if d not in (64, 128):
-        raise ValueError(f"head_dim must be 64 or 128, got {d}")
-    checks.check_shape("k", k, (B, None, None, d))
-    checks.check_shape("v", v, tuple(k.shape))
-    if out is not None:
-        checks.check_shape("out", out, tuple(q.shape))
-    if B > 65535 or Hq > 65535:  # the prefill grid is 1-D, the decode kernel's is not
-        raise ValueError(f"batch ({B}) and heads ({Hq}) must each be at most 65535 (grid limits)")
-    Hkv = k.shape[2]
-    if Hkv == 0 or Hq % Hkv:
-        raise ValueError(f"the number of query heads ({Hq}) must be a multiple of the KV heads ({Hkv})")
-    if k.shape[1] == 0 and q.numel():
-        raise ValueError("k and v must hold at least one key")
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
-    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
-        if t is None:
-            continue
-        checks.check_cuda(name, t)
-        if t.numel() == 0:
-            continue
-        checks.check_unit_last_stride(name, t)
-        checks.check_aligned(name, _tma_view(t), 16)
-        if any(s == 0 for n, s in zip(t.shape, t.stride()) if n > 1):
-            raise ValueError(f"{name} has a zero stride (an expanded view); pass a materialized tensor")
-        if sum((n - 1) * s for n, s in zip(t.shape, t.stride())) >= 2**31:
-            raise ValueError(f"{name} spans 2^31 elements or more; the kernel indexes with 32 bits")
-    checks.check_same_device(q=q, k=k, v=v, out=out)
-    return scale
+def workload(config: AttentionConfig, shape: AttentionShape) -> Workload:
+    """`config`'s kernel on inputs of `shape` (sip-tune, tests). A compiled kernel serves every
+    size, so test_args draw 1-2 batches and 1 to 3 tiles + 7 query rows (ragged last tiles)."""
+    if (config.head_dim, config.dtype, config.causal) != (shape.head_dim, shape.dtype, bool(shape.causal)):
+        raise ValueError(f"{config} does not serve {shape}")
+    scale = 1.0 / math.sqrt(config.head_dim)
+
+    def test_args(seed: int) -> tuple:
+        r = random.Random(seed)
+        return _inputs(config, r.randint(1, 2), r.randint(1, 3 * config.tile_m + 7), shape.heads_q, shape.heads_kv,
+                       seed)
+
+    def verify(args: tuple) -> float:
+        q, k, v, out, lse = args[:5]
+        return check(out, lse, q, k, v, config.causal, scale, f"{config} on q{list(q.shape)} k{list(k.shape)}")
+
+    return Workload(compile(config),
+                    lambda seed: _inputs(config, shape.batch, shape.seqlen, shape.heads_q, shape.heads_kv, seed),
+                    outputs=lambda args: args[3:5], check=verify, test_args=test_args, name=OP)
 
 
-def _tma_view(t: torch.Tensor) -> torch.Tensor:
-    """The same view, with the strides of size-1 dims made those of a contiguous tensor: they never
-    address memory, but the TMA descriptor wants every stride a multiple of 16 bytes."""
-    if all(n > 1 or s % 8 == 0 for n, s in zip(t.shape[:-1], t.stride()[:-1])):
-        return t
-    regular = torch.empty(t.shape, device="meta").stride()
-    return t.as_strided(t.shape, tuple(s if n > 1 else r for n, s, r in zip(t.shape, t.stride(), regular)))
+class Launch(launch.Launch):
+    """One launch of `cfg` planned for an argument signature (validated arguments, q non-empty): the
+    loaded kernel, its grid, the scale and whether TMA needs views of the tensors; a call only takes
+    the stream's tile counter (the kernel re-zeroes it: one per stream serves every eager call)."""
+
+    def __init__(self, cfg: AttentionConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor | None, scale: float):
+        super().__init__(compile(cfg).fn, q.device.index)
+        self.num_ctas = grid_size(cfg, q.shape[0], q.shape[1], q.shape[2], modes.sm_count(q.device.index))
+        self.scale_log2 = scale * LOG2_E
+        self.views = views_needed(q, k, v, out)
+
+    def launch(self, q, k, v, out, lse) -> None:
+        if self.views:
+            q, k, v, out = (tma_view(t) for t in (q, k, v, out))
+        launch.on_device(self.device, self.fn, q, k, v, out, lse, self.scale_log2,
+                         scratch.zeroed_int32(self.device, 1), self.num_ctas)
 
 
-def _views_needed(*tensors) -> bool:
-    """Whether any of `tensors` (None skipped) needs `_tma_view`: decided once per argument
-    signature, since the strides are part of it."""
-    return any(_tma_view(t) is not t for t in tensors if t is not None)
+def plan(q, k, v, out, causal: bool, scale: float) -> Launch:
+    """The launch of validated arguments (q non-empty) with the heuristic's config."""
+    return Launch(default_config(q.shape[3], TORCH_DTYPES[q.dtype], causal, k.shape[1]), q, k, v, out, scale)
 
 
-@torch.library.custom_op("rosekernels::attention_fwd", mutates_args=("out", "lse"))
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                    causal: bool, softmax_scale: float) -> None:
-    cfg = default_config(q.shape[-1], _TORCH_DTYPES[q.dtype], causal, k.shape[1])
-    with torch.cuda.device(q.device):
-        compiled(cfg).fn(q, k, v, out, lse, softmax_scale * LOG2_E, *launch_args(cfg, q))
+    """The registered op (torch.compile, tensor subclasses): validated arguments, TMA views; a fresh
+    tile counter per call (CUDA-graph trees keep no tensor across calls)."""
+    cfg = default_config(q.shape[-1], TORCH_DTYPES[q.dtype], causal, k.shape[1])
+    launch.on_device(q.device.index, compile(cfg).fn, q, k, v, out, lse, softmax_scale * LOG2_E,
+                     *launch_args(cfg, q))
 
 
-@_attention_fwd.register_fake
-def _(q, k, v, out, lse, causal, softmax_scale) -> None:
-    return None
-
-
-# argument signature -> (scale, decode?, decode Launch | (kernel fn, TMA views needed?), grid)
-_plans: dict[tuple, tuple] = {}
-
-
-def _plan(q, k, v, out, causal: bool, softmax_scale, plain: bool) -> tuple:
-    """The slow path, once per argument signature: every check, the kernel picked and loaded."""
-    scale = _check(q, k, v, out, softmax_scale)
-    from rosekernels.kernels import attention_decode  # here: attention_decode imports this module
-    if q.shape[1] <= attention_decode.MAX_SEQLEN_Q:
-        if plain and q.numel():
-            return scale, True, attention_decode.Launch(q, k, v, out), 0
-        return scale, True, attention_decode.run, 0
-    cfg = default_config(q.shape[-1], _TORCH_DTYPES[q.dtype], causal, k.shape[1])
-    tiles = num_tiles(cfg, q.shape[0], q.shape[1], q.shape[2])
-    return scale, False, (compiled(cfg).fn, _views_needed(q, k, v, out)), min(tiles, modes.sm_count(q.device.index))
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-              softmax_scale: float | None = None, out: torch.Tensor | None = None,
-              return_lse: bool = False):
-    """softmax(q k^T * softmax_scale [causal, bottom-right]) v; see the module docstring.
-
-    Returns out [B, S_q, Hq, d], or (out, lse [B, Hq, S_q] fp32) with return_lse. Eager calls on
-    plain tensors skip the torch dispatcher and reuse a launch plan cached per argument signature
-    (the checks run once per signature; per call only the 16-byte alignment of the pointers);
-    under torch.compile the prefill kernel runs through the registered op rosekernels::attention_fwd.
-    """
-    causal = bool(causal)
-    plain = (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
-             and (out is None or type(out) is torch.Tensor) and not torch.compiler.is_compiling())
-    key = plan = None
-    if plain:
-        key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape,
-               v.stride(), v.dtype, v.device, None if out is None else (out.shape, out.stride(), out.dtype,
-               out.device), causal, softmax_scale)
-        plan = _plans.get(key)
-        if plan is not None and (q.data_ptr() | k.data_ptr() | v.data_ptr()
-                                 | (0 if out is None else out.data_ptr())) % 16:
-            plan = None  # the full checks say which pointer is misaligned
-    if plan is None:
-        plan = _plan(q, k, v, out, causal, softmax_scale, plain)
-        if plain:
-            if len(_plans) >= 4096:  # many distinct shapes: start over rather than grow without bound
-                _plans.clear()
-            _plans[key] = plan
-    scale, decode, fn, num_ctas = plan
-    if out is None:
-        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
-    if not q.numel():
-        pass
-    elif decode:
-        # Decode shapes (S_q <= 16) take the split-KV kernel: one CTA per 128 query rows would leave
-        # most SMs idle.
-        fn(q, k, v, out, lse, causal, scale)
-    elif not plain:
-        torch.ops.rosekernels.attention_fwd(*(_tma_view(t) for t in (q, k, v, out)), lse, causal, scale)
-    else:
-        fn, views = fn
-        if views:
-            q, k, v, out_view = (_tma_view(t) for t in (q, k, v, out))
-        else:
-            out_view = out
-        # The tile counter is re-zeroed by the kernel: one per stream serves every eager call.
-        args = (q, k, v, out_view, lse, scale * LOG2_E, scratch.zeroed_int32(q.device.index, 1), num_ctas)
-        if q.device.index == torch.cuda.current_device():
-            fn(*args)
-        else:
-            with torch.cuda.device(q.device):
-                fn(*args)
-    return (out, lse) if return_lse else out
+launch.register_op("attention_fwd", _attention_fwd, mutates_args=("out", "lse"))

@@ -25,18 +25,29 @@ whole story; the design spreads that read over every SM:
 - Programmatic dependent launch: a CTA sets up before `griddepcontrol.wait` (the previous kernel in
   the stream may still run) and, its work done, lets the next kernel launch.
 
-`SPECIALIZATIONS` lists every compiled config (d x dtype x tile_m; causal is a runtime value).
+Configs, the split-count model (`choose_splits`), the tuner's search space and the warm-up set are
+in attention_decode_plan.py (re-exported here). This module holds the device code, `compile(config)`,
+`workload(config, shape)`, the launch plan of a call (`plan`, `Launch`), the registered op
+rosekernels::attention_decode and `attention_decode()`, the split-KV kernel for any S_q.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
+import random
 
 import torch
 
 from rosekernels import jit  # first: it pins CUTE_DSL_ARCH=sm_90a before cutlass loads
-from rosekernels import checks, modes, scratch
+from rosekernels import checks, launch, modes, scratch
+from rosekernels.kernels.attention_common import (
+    CUTE_DTYPES, LN_2, LOG2_E, check, fake_qkv_out_lse, quad_max, quad_sum, tma_tiles, tma_view, validate,
+    views_needed)
+from rosekernels.kernels.attention_decode_plan import (  # noqa: F401 - the plan's names are this kernel's
+    MAX_SEQLEN_Q, MAX_SPLITS, MMA_WARPS, OP, DecodeConfig, DecodeShape, candidates, choose_splits, config_for,
+    split_plan, variants_for)
+from rosekernels.workload import Workload
 
 import cutlass
 import cutlass.cute as cute
@@ -47,58 +58,9 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.tensor_utils import LayoutEnum
 
-from rosekernels.kernels import attention as _prefill
+Config, Shape = DecodeConfig, DecodeShape
 
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
-
-MAX_SEQLEN_Q = 16  # attention() dispatches S_q <= this here
-MMA_WARPS = 4
 _BAR_MMA = 1  # named barrier of the MMA warps (the producer warp may have exited)
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeConfig:
-    """One compiled specialization; everything here is a compile-time constant."""
-
-    head_dim: int  # 64 or 128
-    dtype: str  # "bf16" or "fp16"
-    tile_m: int = 16  # packed query rows per CTA: 16, 32 or 64
-    num_stages: int = 3  # K/V tiles in flight per CTA (3 x 32 KB: two CTAs fit per SM)
-
-    def __post_init__(self) -> None:
-        if self.head_dim not in (64, 128):
-            raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
-        if self.dtype not in _prefill._DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_prefill._DTYPES)}, got {self.dtype!r}")
-        if self.tile_m not in (16, 32, 64):
-            raise ValueError(f"tile_m must be 16, 32 or 64, got {self.tile_m}")
-        if not 2 <= self.num_stages <= 6:
-            raise ValueError(f"num_stages must be in [2, 6], got {self.num_stages}")
-
-    @property
-    def tile_n(self) -> int:
-        """Keys per K/V tile: 16 KB of K (and of V) per stage."""
-        return 8192 // self.head_dim
-
-    @property
-    def key_slices(self) -> int:
-        """MMA warps sharing one 16-row block, each taking 1/key_slices of every tile's keys."""
-        return MMA_WARPS // (self.tile_m // 16)
-
-    def variant(self) -> jit.Variant:
-        return jit.Variant.of("attention_decode", "decode", **dataclasses.asdict(self))
-
-
-@functools.lru_cache(maxsize=None)
-def config_for(head_dim: int, dtype: str, rows: int) -> DecodeConfig:
-    """The config for `rows` = S_q * Hq/Hkv packed query rows (more than 64: several m-blocks)."""
-    tile_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    return DecodeConfig(head_dim, dtype, tile_m)
-
-
-SPECIALIZATIONS: tuple[DecodeConfig, ...] = tuple(
-    DecodeConfig(d, dt, m) for d in (64, 128) for dt in ("bf16", "fp16") for m in (16, 32, 64))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,7 +101,7 @@ def _warp_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: 
 class _DecodeAttentionSm90:
     def __init__(self, cfg: DecodeConfig):
         self.cfg = cfg
-        self.dtype = _prefill._DTYPES[cfg.dtype]
+        self.dtype = CUTE_DTYPES[cfg.dtype]
         self.d = cfg.head_dim
         self.tile_m, self.tile_n, self.stages = cfg.tile_m, cfg.tile_n, cfg.num_stages
         self.ks = cfg.key_slices
@@ -231,8 +193,8 @@ class _DecodeAttentionSm90:
         if warp_idx == MMA_WARPS:
             gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
             gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
-            tKsK, tKgK = _prefill._tma_tiles(tma_atom_k, sK, gK)
-            tVsV, tVgV = _prefill._tma_tiles(tma_atom_v, sV, gV)
+            tKsK, tKgK = tma_tiles(tma_atom_k, sK, gK)
+            tVsV, tVgV = tma_tiles(tma_atom_v, sV, gV)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
             for i in cutlass.range(n_local, unroll=1):
                 pipe.producer_acquire(state)
@@ -317,7 +279,7 @@ class _DecodeAttentionSm90:
                 mx = row_max[r]
                 for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
                     mx = cute.arch.fmax(mx, S[r, c])
-                mx = _prefill._quad_max(mx)
+                mx = quad_max(mx)
                 # A row with no visible key yet keeps max -inf; exponentiate against 0 so P = 0, not NaN.
                 mx_safe = 0.0 if mx == -Float32.inf else mx
                 mx_scaled = mx_safe * scale_log2
@@ -338,7 +300,7 @@ class _DecodeAttentionSm90:
             state.advance()
 
         for r in cutlass.range_constexpr(n_rows):
-            row_sum[r] = _prefill._quad_sum(row_sum[r])
+            row_sum[r] = quad_sum(row_sum[r])
         if cutlass.const_expr(self.ks > 1):
             self.merge_key_slices(acc_O, row_max, row_sum, tScS, storage, scale_log2, tidx, rb, ks, thr_mma)
         if ks == 0:
@@ -485,7 +447,7 @@ def _build(cfg: DecodeConfig):
     o_part = make_fake_tensor(Float32, (cute.sym_int(),), stride=(1,), assumed_align=16)
     lse_part = make_fake_tensor(Float32, (cute.sym_int(),), stride=(1,), assumed_align=4)
     counters = make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
-    args = (*_prefill.fake_qkv_out_lse(cfg.dtype, cfg.head_dim), o_part, lse_part, counters,
+    args = (*fake_qkv_out_lse(cfg.dtype, cfg.head_dim), o_part, lse_part, counters,
             Float32(1.0), Int32(0), Int32(1), Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True))
     return _DecodeAttentionSm90(cfg), args
 
@@ -495,58 +457,63 @@ def _variant(cfg: DecodeConfig) -> jit.Variant:
     return cfg.variant()
 
 
-def compiled(cfg: DecodeConfig) -> jit.CompiledKernel:
-    """The loaded kernel of one specialization:
+def compile(config: DecodeConfig) -> jit.CompiledKernel:  # noqa: A001 - the contract's name
+    """The loaded kernel of one config:
     fn(q, k, v, out, lse, o_part, lse_part, counters, scale_log2, causal_shift, num_splits, tiles_per_split)."""
-    return jit.compile_variant(_variant(cfg), lambda: _build(cfg))
+    return jit.compile_variant(_variant(config), lambda: _build(config))
 
 
-def compile(variant: jit.Variant) -> jit.CompiledKernel:  # noqa: A001 - the name rosekernels.warmup looks up
-    return compiled(DecodeConfig(**dict(variant.params)))
+def precompile(configs=None, processes: int | None = None) -> list[jit.CompiledKernel]:
+    """Compile `configs` (default: variants_for()) in parallel processes into the disk cache, then
+    load them here."""
+    return jit.precompile(__name__, variants_for() if configs is None else configs, processes)
 
 
-def precompile(configs=SPECIALIZATIONS, processes: int | None = None) -> list[jit.CompiledKernel]:
-    """Compile `configs` in parallel processes (into the disk cache), then load them here."""
-    return jit.precompile(__name__, configs, processes)
+def _causal_shift(causal: bool, seqlen_q: int, seqlen_kv: int) -> int:
+    """Keys row s sees: [0, s + causal_shift]; without causal S_kv, which never binds."""
+    return seqlen_kv - seqlen_q if causal else seqlen_kv
 
 
-# How many KV splits: a fluid model of the launch. Every CTA streams its chunk at the lesser of
-# what one CTA keeps in flight (CTA_GBPS) and its share of HBM (HBM_GBPS over the CTAs of its wave);
-# a wave is one CTA per SM (two fit, but on the H200 a second resident CTA added no bandwidth:
-# B=16 S_kv=1k-4k ran 6-14% faster unsplit, 128 CTAs, than split in two); each wave costs CTA_US of
-# ramp, and a split launch COMBINE_US for the last CTA's combine; more splits must win by SPLIT_GAIN
-# (each costs workspace traffic the model leaves out). Fitted to an H200 sweep of split counts
-# (B 1-64, S_kv 1k-32k, GQA 4 and 1): the picks are within 0.5% of the best. `splits=` overrides.
-HBM_GBPS = 4300.0
-CTA_GBPS = 25.0
-CTA_US = 0.5
-COMBINE_US = 1.0
-MAX_SPLITS = 128
-SPLIT_GAIN = 0.97
-WAVE_CTAS_PER_SM = 1
+def _inputs(cfg: DecodeConfig, shape: DecodeShape, seed: int, device: str = "cuda") -> tuple:
+    """Random arguments of `compile(cfg).fn` at `shape`, its split count and workspace included;
+    out and lse NaN."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    dt = checks.TORCH_DTYPE[cfg.dtype]
+    d = cfg.head_dim
+
+    def randn(*size):
+        return torch.randn(*size, generator=g, device=device, dtype=torch.float32).to(dt)
+
+    q = randn(shape.batch, shape.seqlen_q, shape.heads_q, d)
+    k, v = randn(shape.batch, shape.seqlen_kv, shape.heads_kv, d), randn(shape.batch, shape.seqlen_kv, shape.heads_kv, d)
+    splits, per, groups = split_plan(cfg, shape, modes.sm_count(q.device.index))
+    out = torch.full_like(q, math.nan)
+    lse = torch.full((shape.batch, shape.heads_q, shape.seqlen_q), math.nan, device=device)
+    rows = splits * groups * cfg.tile_m
+    o_part = torch.empty(max(rows * d, 4), device=device)
+    lse_part = torch.empty(max(rows, 4), device=device)
+    counters = torch.zeros(max(groups, 4), dtype=torch.int32, device=device)
+    return (q, k, v, out, lse, o_part, lse_part, counters, (1.0 / math.sqrt(d)) * LOG2_E,
+            _causal_shift(bool(shape.causal), shape.seqlen_q, shape.seqlen_kv), splits, per)
 
 
-@functools.lru_cache(maxsize=4096)
-def choose_splits(groups: int, n_tiles: int, tile_bytes: int, sms: int,
-                  max_splits: int = MAX_SPLITS) -> tuple[int, int]:
-    """(num_splits, tiles_per_split) for `groups` CTAs' worth of rows over `n_tiles` K/V tiles each."""
-    slots = WAVE_CTAS_PER_SM * sms
-    best = None
-    for want in range(1, max(1, min(n_tiles, max_splits)) + 1):
-        per = -(-n_tiles // want)
-        splits = -(-n_tiles // per)
-        if best is not None and splits == best[1]:
-            continue
-        ctas = groups * splits
-        us = 0.0
-        while ctas > 0:
-            wave = min(ctas, slots)
-            us += per * tile_bytes / 1e3 / min(CTA_GBPS, HBM_GBPS / wave) + CTA_US
-            ctas -= wave
-        us += COMBINE_US if splits > 1 else 0.0
-        if best is None or us < SPLIT_GAIN * best[0]:
-            best = (us, splits, per)
-    return best[1], best[2]
+def workload(config: DecodeConfig, shape: DecodeShape) -> Workload:
+    """`config`'s kernel on inputs of `shape` (sip-tune, tests). A compiled kernel serves every
+    size, so test_args draw 1-3 batches and 1-5000 keys (other split counts, ragged last tiles)."""
+    if (config.head_dim, config.dtype) != (shape.head_dim, shape.dtype):
+        raise ValueError(f"{config} does not serve {shape}")
+    scale = 1.0 / math.sqrt(config.head_dim)
+
+    def test_args(seed: int) -> tuple:
+        r = random.Random(seed)
+        return _inputs(config, dataclasses.replace(shape, batch=r.randint(1, 3), seqlen_kv=r.randint(1, 5000)), seed)
+
+    def verify(args: tuple) -> float:
+        q, k, v, out, lse = args[:5]
+        return check(out, lse, q, k, v, bool(shape.causal), scale, f"{config} on q{list(q.shape)} k{list(k.shape)}")
+
+    return Workload(compile(config), lambda seed: _inputs(config, shape, seed), outputs=lambda args: args[3:5],
+                    check=verify, test_args=test_args, name=OP)
 
 
 _dummies: dict[int, torch.Tensor] = {}  # never-read stand-ins for the workspace of one-split launches
@@ -563,118 +530,73 @@ def _workspace(device: torch.device, groups: int, rows: int, head_dim: int, priv
     return o_part, lse_part, counters
 
 
-def _plan(q: torch.Tensor, k: torch.Tensor, splits: int | None = None):
-    """(config, num_splits, tiles_per_split, groups) of a validated call."""
-    B, s_q, hq, d = q.shape
-    s_k, hkv = k.shape[1], k.shape[2]
-    rows = s_q * (hq // hkv)
-    cfg = config_for(d, _prefill._TORCH_DTYPES[q.dtype], rows)
-    groups = B * hkv * -(-rows // cfg.tile_m)
-    n_tiles = -(-s_k // cfg.tile_n)
-    fits = (2**31 - 1) // (groups * cfg.tile_m * d)  # workspace the kernel's 32-bit indices reach
-    if splits is None:
-        splits, per = choose_splits(groups, n_tiles, 2 * cfg.tile_n * d * 2, modes.sm_count(q.device.index),
-                                    min(MAX_SPLITS, fits))
-    else:  # forced: at most one chunk per tile
-        per = -(-n_tiles // max(1, min(splits, n_tiles, fits)))
-        splits = -(-n_tiles // per)
-    return cfg, splits, per, groups
+class Launch(launch.Launch):
+    """One launch of `cfg` planned for an argument signature (validated arguments, q non-empty):
+    split count, loaded kernel, TMA views and scalars fixed up front, so that a call only allocates
+    the split workspace and launches. `private_scratch`: a fresh split counter per call (the
+    registered op: CUDA-graph trees keep no tensor across calls)."""
 
+    def __init__(self, cfg: DecodeConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor | None, causal: bool, scale: float, private_scratch: bool = False):
+        super().__init__(compile(cfg).fn, q.device.index)
+        self.cfg = cfg
+        self.num_splits, self.per, self.groups = split_plan(cfg, DecodeShape.of(q, k, causal),
+                                                            modes.sm_count(q.device.index))
+        self.torch_device = q.device
+        self.views = views_needed(q, k, v, out)
+        self.scale_log2 = scale * LOG2_E
+        self.causal_shift = _causal_shift(causal, q.shape[1], k.shape[1])
+        self.private_scratch = private_scratch
 
-class Launch:
-    """One decode launch planned for an argument signature (shapes, strides, dtype, device):
-    config, split count and loaded kernel fixed up front, so that a call only allocates the
-    split workspace and launches. `attention()` caches one per signature of its eager calls."""
-
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None,
-                 splits: int | None = None):
-        self.cfg, self.num_splits, self.per, self.groups = _plan(q, k, splits)
-        self.kernel = compiled(self.cfg).fn
-        self.device = q.device
-        self.views = _prefill._views_needed(q, k, v, out)
-
-    def __call__(self, q, k, v, out, lse, causal: bool, softmax_scale: float, private_scratch: bool = False):
+    def launch(self, q, k, v, out, lse) -> None:
         if self.views:
-            q, k, v, out = (_prefill._tma_view(t) for t in (q, k, v, out))
-        device, cfg = self.device, self.cfg
+            q, k, v, out = (tma_view(t) for t in (q, k, v, out))
         if self.num_splits > 1:
-            rows = self.num_splits * self.groups * cfg.tile_m
-            o_part, lse_part, counters = _workspace(device, self.groups, rows, cfg.head_dim, private_scratch)
+            rows = self.num_splits * self.groups * self.cfg.tile_m
+            o_part, lse_part, counters = _workspace(self.torch_device, self.groups, rows, self.cfg.head_dim,
+                                                    self.private_scratch)
         else:
-            o_part = lse_part = _dummies.get(device.index)
+            o_part = lse_part = _dummies.get(self.device)
             if o_part is None:
-                o_part = lse_part = _dummies[device.index] = torch.empty(4, dtype=torch.float32, device=device)
+                o_part = lse_part = _dummies[self.device] = torch.empty(4, dtype=torch.float32,
+                                                                        device=self.torch_device)
             counters = o_part.view(torch.int32)
-        causal_shift = k.shape[1] - q.shape[1] if causal else k.shape[1]
-        args = (q, k, v, out, lse, o_part, lse_part, counters, softmax_scale * LOG2_E, causal_shift,
-                self.num_splits, self.per)
-        if device.index == torch.cuda.current_device():
-            self.kernel(*args)
-        else:
-            with torch.cuda.device(device):  # TVM-FFI launches on the current device's current stream
-                self.kernel(*args)
+        launch.on_device(self.device, self.fn, q, k, v, out, lse, o_part, lse_part, counters, self.scale_log2,
+                         self.causal_shift, self.num_splits, self.per)
 
 
-@torch.library.custom_op("rosekernels::attention_decode", mutates_args=("out", "lse"))
+def plan(q, k, v, out, causal: bool, scale: float, splits: int | None = None,
+         private_scratch: bool = False) -> Launch:
+    """The launch of validated arguments (q non-empty) with the heuristic's config (`config_for`);
+    `splits` forces the number of KV chunks."""
+    cfg = config_for(DecodeShape.of(q, k, causal), modes.sm_count(q.device.index))
+    if splits is not None:
+        cfg = dataclasses.replace(cfg, splits=splits)
+    return Launch(cfg, q, k, v, out, causal, scale, private_scratch)
+
+
 def _attention_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                          lse: torch.Tensor, causal: bool, softmax_scale: float) -> None:
-    Launch(q, k, v, out)(q, k, v, out, lse, causal, softmax_scale, private_scratch=True)  # compiled graphs
+    """The registered op (torch.compile, tensor subclasses): validated arguments, TMA views."""
+    plan(q, k, v, out, causal, softmax_scale, private_scratch=True).launch(q, k, v, out, lse)
 
 
-@_attention_decode_op.register_fake
-def _(q, k, v, out, lse, causal, softmax_scale) -> None:
-    return None
-
-
-def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-        causal: bool, softmax_scale: float, splits: int | None = None) -> None:
-    """Launch on arguments `attention()` validated (q non-empty). Traced (torch.compile) or on
-    tensor subclasses: the registered op; eager: straight to the kernel (the dispatcher would
-    add tens of microseconds to a call that takes a few)."""
-    if torch.compiler.is_compiling() or any(type(t) is not torch.Tensor for t in (q, k, v, out, lse)):
-        q, k, v, out = (_prefill._tma_view(t) for t in (q, k, v, out))
-        torch.ops.rosekernels.attention_decode(q, k, v, out, lse, bool(causal), float(softmax_scale))
-    else:
-        Launch(q, k, v, out, splits)(q, k, v, out, lse, bool(causal), float(softmax_scale))
+launch.register_op("attention_decode", _attention_decode_op, mutates_args=("out", "lse"))
 
 
 def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                      softmax_scale: float | None = None, out: torch.Tensor | None = None,
                      return_lse: bool = False, splits: int | None = None):
     """`rosekernels.attention` forced onto the split-KV kernel (any S_q; meant for S_q <= 16);
-    `splits` overrides the number of KV chunks (tests and benchmarks)."""
-    scale = _prefill._check(q, k, v, out, softmax_scale)
+    `splits` overrides the number of KV chunks of an eager call (tests and benchmarks)."""
+    causal = bool(causal)
+    scale = validate(q, k, v, out, softmax_scale)
     if out is None:
         out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
     if q.numel():
-        run(q, k, v, out, lse, causal, scale, splits)
+        if launch.eager(q, k, v, out):
+            plan(q, k, v, out, causal, scale, splits).launch(q, k, v, out, lse)
+        else:
+            torch.ops.rosekernels.attention_decode(*(tma_view(t) for t in (q, k, v, out)), lse, causal, scale)
     return (out, lse) if return_lse else out
-
-
-def example_inputs(cfg: DecodeConfig, batch: int = 16, seqlen_q: int = 1, seqlen_k: int = 4096,
-                   heads_q: int = 32, heads_kv: int = 8, causal: bool = False, device: str = "cuda",
-                   seed: int = 0) -> tuple:
-    """Fresh random arguments for `compiled(cfg).fn(*args)` (its split count and workspace
-    included, out and lse NaN-poisoned); the rows (seqlen_q * heads_q / heads_kv) must fit cfg."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    dt = checks.TORCH_DTYPE[cfg.dtype]
-    d = cfg.head_dim
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=g, device=device, dtype=torch.float32).to(dt)
-
-    q = randn(batch, seqlen_q, heads_q, d)
-    k, v = randn(batch, seqlen_k, heads_kv, d), randn(batch, seqlen_k, heads_kv, d)
-    got, splits, per, groups = _plan(q, k)
-    if got != cfg:
-        raise ValueError(f"{seqlen_q} x {heads_q // heads_kv} rows select {got}, not {cfg}")
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full((batch, heads_q, seqlen_q), float("nan"), device=device)
-    rows = splits * groups * cfg.tile_m
-    o_part = torch.empty(max(rows * d, 4), device=device)
-    lse_part = torch.empty(max(rows, 4), device=device)
-    counters = torch.zeros(max(groups, 4), dtype=torch.int32, device=device)
-    causal_shift = seqlen_k - seqlen_q if causal else seqlen_k
-    return (q, k, v, out, lse, o_part, lse_part, counters, (1.0 / math.sqrt(d)) * LOG2_E, causal_shift,
-            splits, per)

@@ -17,22 +17,25 @@ One persistent, warp-specialized kernel serves every specialization:
   (L2 reuse of both operands); decode shapes (M <= 128) may split K to fill the SMs: each split
   stores the fp32 partials of the tile's rows < M (16-byte vectors), and the last split to finish
   (a per-tile counter that it resets) sums them in split order (deterministic) and runs the
-  epilogue. A cost model of SM fill vs partials traffic picks the tile width and split count;
+  epilogue. The K split count and raster group are launch arguments, not compiled in;
 - launches use programmatic dependent launch: a CTA sets up its barriers before
   `griddepcontrol.wait` (the previous kernel in the stream may still run), and once its last
   mainloop is done lets the next kernel launch while it reduces and stores.
 
-Eager calls cache a launch plan per argument signature (shapes, strides, dtypes, device, slope,
-bias), so a repeated call only checks pointers (alignment, overlap) and launches.
+Configs, shapes and the cost models that choose a tile shape and split count are in
+`gemm_leakyrelu_plan`. Eager calls keep a launch plan per argument signature (rosekernels.launch),
+so a repeated call only checks pointers (alignment, overlap) and launches.
 
-Public entry point: `gemm_leakyrelu(a, b, negative_slope=0.01, bias=None, out=None, b_layout="nk")`.
-`specializations()`, `compiled()` and `TuningCase` expose every compiled variant to SIP.
+Public entry point: `gemm_leakyrelu(a, b, negative_slope=0.01, bias=None, out=None, b_layout="nk")`;
+`run(a, b_nk, bias, out, config)` launches a given config. The kernel-module contract
+(rosekernels.contract) exposes every variant to warm-up, tests and SIP.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
+import random
 from typing import Optional
 
 from rosekernels import jit  # first: it pins CUTE_DSL_ARCH=sm_90a before cutlass is imported
@@ -48,72 +51,21 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.tensor_utils import LayoutEnum
 
-from rosekernels import checks, modes, scratch
+from rosekernels import checks, launch, modes, scratch
+from rosekernels.kernels.gemm_leakyrelu_plan import (  # noqa: F401  (candidates, variants_for: the contract)
+    COUNTER_SLOTS, MAX_SPLITS, OP, TILE_K, GemmConfig, GemmShape, candidates, check_fits, config_for, m_range,
+    variants_for)
+from rosekernels.workload import Workload
 
-OP = "gemm_leakyrelu"
+Config, Shape = GemmConfig, GemmShape
+
 SMEM_CAPACITY = 232448  # sm_90: 227 KiB of shared memory per block
-TILE_K = 64  # 128 bytes of bf16/fp16: one SW128 swizzle atom along K
-DECODE_MAX_M = 128  # token counts up to this use the decode variants (one M tile, split-K)
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}
-_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # Named barrier ids (0 is __syncthreads): epilogue groups use 1..2, pingpong MMA order 3..4.
 _EPI_BARRIER = 1
 _MMA_ORDER_BARRIER = 3
-
-
-@dataclasses.dataclass(frozen=True)
-class GemmConfig:
-    """Every compile-time choice of one specialization."""
-
-    dtype: str = "bf16"  # a, b and out: "bf16" | "fp16"
-    b_major: str = "k"  # memory order of b seen as [N, K]: "k" (row-major [N, K]) | "n" ([K, N])
-    bias: str = "none"  # "none" | the bias dtype: "bf16" | "fp16" | "fp32"
-    slope: float = 0.01  # LeakyReLU negative slope, constant-folded
-    tile_m: int = 128
-    tile_n: int = 256
-    cluster_m: int = 2  # CTAs along M sharing (multicasting) each B tile
-    cluster_n: int = 1  # CTAs along N sharing each A tile
-    pingpong: bool = False  # one tile per warpgroup, alternating mainloops
-    split_k: bool = False  # decode: K may be split across CTAs at runtime
-    # Decode with M <= a_rows < tile_m = 64: rows of A loaded per k-tile (None: tile_m).
-    a_rows: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        if self.a_rows is None:
-            object.__setattr__(self, "a_rows", self.tile_m)
-        if self.dtype not in ("bf16", "fp16"):
-            raise ValueError(f"dtype must be bf16 or fp16, got {self.dtype!r}")
-        if self.b_major not in ("k", "n"):
-            raise ValueError(f"b_major must be 'k' or 'n', got {self.b_major!r}")
-        if self.bias not in ("none", "bf16", "fp16", "fp32"):
-            raise ValueError(f"bias must be none/bf16/fp16/fp32, got {self.bias!r}")
-        if self.bias not in ("none", self.dtype, "fp32"):
-            raise ValueError(f"a {self.dtype} GEMM takes a {self.dtype} or fp32 bias, not {self.bias}")
-        if self.pingpong and (self.tile_m != 128 or self.tile_n > 192):
-            raise ValueError("pingpong tiles are 128 x (<= 192): one warpgroup holds the accumulator")
-        if not self.pingpong and self.tile_m not in (64, 128):
-            raise ValueError("cooperative tiles are 64 or 128 rows (one 64-row warpgroup each)")
-        if self.tile_n % 32 or not 32 <= self.tile_n <= 256:
-            raise ValueError("tile_n must be a multiple of 32 in [32, 256]")
-        if self.cluster_m * self.cluster_n > 2 or min(self.cluster_m, self.cluster_n) < 1:
-            raise ValueError("clusters are 1x1, 2x1 or 1x2")
-        if self.split_k and (self.cluster_m * self.cluster_n != 1 or self.pingpong):
-            raise ValueError("split-K variants are cooperative and do not use clusters")
-        if self.a_rows != self.tile_m and (self.a_rows not in (8, 16, 32) or self.tile_m != 64
-                                           or not self.split_k):
-            raise ValueError("a_rows < tile_m is 8, 16 or 32 and only for split-K tiles of 64 rows")
-
-    @property
-    def mode(self) -> str:
-        return "decode" if self.split_k else "prefill"
-
-    def variant(self) -> jit.Variant:
-        params = dataclasses.asdict(self)
-        if self.a_rows == self.tile_m:
-            del params["a_rows"]  # the keys of whole-tile variants predate a_rows
-        return jit.Variant.of(OP, self.mode, **params)
 
 
 def _a_smem_layouts(cfg: GemmConfig, dtype, stages: int):
@@ -651,53 +603,21 @@ def _build(cfg: GemmConfig):
 
 
 @functools.lru_cache(maxsize=None)
-def compiled(cfg: GemmConfig) -> jit.CompiledKernel:
-    """The loaded kernel of `cfg` (compiled once per process, cached on disk)."""
-    return jit.compile_variant(cfg.variant(), lambda: _build(cfg))
+def compile(config: GemmConfig) -> jit.CompiledKernel:
+    """The loaded kernel of `config` (compiled once per variant and process, cached on disk). Its
+    function takes (a, b_nk, out, bias, partials, counters, splits, raster_group, max_clusters)."""
+    return jit.compile_variant(config.variant(), lambda: _build(config))
 
 
 def precompile(configs, processes: int | None = None) -> list[jit.CompiledKernel]:
-    """compiled() of each config, cold ones compiled in parallel processes (jit.precompile)."""
+    """compile() of each config, cold ones compiled in parallel processes (jit.precompile)."""
     return jit.precompile(__name__, configs, processes)
-
-
-# ---------------------------------------------------------------------------------------------
-# Choosing a specialization.
-
-# Prefill tile candidates and their relative MMA efficiency per output element (the wave model
-# below trades it against wave quantization).
-PREFILL_TILES = (
-    # (tile_m, tile_n, pingpong, efficiency)
-    (128, 256, False, 1.00),
-    (128, 192, True, 1.00),
-    (128, 128, True, 0.99),
-)
-# A cooperative tile's epilogue stalls its MMAs for about as long as this many k-tiles of its
-# mainloop take (pingpong hides it under the other warpgroup's mainloop). This constant and the
-# efficiencies above fit three H200 runs over 23 prefill shapes (the last one:
-# bench/results/gemm_leakyrelu_prefill_sweep.md): the model's tile is within 1.2% of the fastest
-# of the three on each, where the model without the epilogue term (and 0.95 for 128 x 128) lost
-# up to 6%, on K = 4096 shapes that it gave cooperative 128 x 256 tiles.
-COOP_EPILOGUE_K_TILES = 2
-RASTER_GROUP = 8  # cluster rows per band of the tile walk: both operands' bands stay in L2
-
-# Decode (M <= 128): weight-bandwidth bound. Tile widths and their weight-streaming efficiency
-# at equal SM fill (H200 sweep, bench/results/gemm_leakyrelu_decode_sweep.md: 64-wide tiles pay more per byte).
-DECODE_TILE_N = {64: 0.85, 128: 1.00, 256: 1.00}
-MAX_SPLITS = 16
-A_ROWS = (8, 16, 32, 64)  # rows of A a 64-row decode tile loads: the smallest that holds M
-MIN_SPLIT_K_TILES = 4  # k-tiles per split at least: shorter splits are mostly pipeline fill
-COUNTER_SLOTS = 4096  # split-K tile counters per stream: a split launch has at most this many tiles
-# Cost model constants, fitted to the H200 decode sweep: the rate at which one SM streams weights
-# when the whole GPU is busy, and the fixed cost of one work unit (pipeline fill, epilogue). A
-# CTA that runs two units in sequence is much slower than one running a unit twice as long.
-_SM_BW = 3.1e4  # bytes per us
-_UNIT_US = 3.0
 
 
 @functools.lru_cache(maxsize=None)
 def _max_active_clusters(device_index: int, cluster_size: int) -> int:
-    """Clusters of `cluster_size` CTAs (one per SM) that can be resident at once."""
+    """Clusters of `cluster_size` CTAs (one per SM) that can be resident at once: the persistent
+    grid's size."""
     sms = modes.sm_count(device_index)
     if cluster_size == 1:
         return sms
@@ -707,83 +627,6 @@ def _max_active_clusters(device_index: int, cluster_size: int) -> int:
             return int(cutlass.utils.HardwareInfo(device_index).get_max_active_clusters(cluster_size))
     except Exception:  # noqa: BLE001 - an occupancy query failure only costs the estimate
         return sms // cluster_size
-
-
-def split_fits(m: int, n: int, tile_m: int, tile_n: int, splits: int) -> bool:
-    """Whether a split-K launch fits the tile counters and 32-bit partials indexing."""
-    tiles = math.ceil(m / tile_m) * math.ceil(n / tile_n)
-    return splits == 1 or (tiles <= COUNTER_SLOTS and splits * m * math.ceil(n / tile_n) * tile_n < 2**31)
-
-
-def decode_cost(m: int, n: int, k: int, tile_m: int, tile_n: int, splits: int, num_sms: int) -> float:
-    """Modelled microseconds of a decode launch. Units (N tile x K split) are dealt round-robin to
-    at most one CTA per SM, so the busiest CTA runs ceil(units / SMs) of them, each streaming its
-    weight slice; with splits, the last split of a tile then reads all partials (M valid rows) alone.
-    On the H200 sweep the best split count always kept every unit in one wave."""
-    k_tiles = math.ceil(k / TILE_K)
-    units = math.ceil(m / tile_m) * math.ceil(n / tile_n) * splits
-    waves = math.ceil(units / num_sms)
-    unit_bytes = tile_n * math.ceil(k_tiles / splits) * TILE_K * 2
-    cost = waves * (unit_bytes / (_SM_BW * DECODE_TILE_N[tile_n]) + _UNIT_US)
-    if splits > 1:
-        cost += min(m, tile_m) * tile_n * 4 * splits / _SM_BW
-    return cost
-
-
-def decode_splits(m: int, n: int, k: int, tile_m: int, tile_n: int, num_sms: int) -> tuple[float, int]:
-    """(modelled us, K splits) of least modelled cost for one decode tile shape; a split count
-    must win by 1% over fewer splits."""
-    max_splits = max(1, min(MAX_SPLITS, math.ceil(k / TILE_K) // MIN_SPLIT_K_TILES))
-    best = (decode_cost(m, n, k, tile_m, tile_n, 1, num_sms), 1)
-    for splits in range(2, max_splits + 1):
-        if not split_fits(m, n, tile_m, tile_n, splits) or math.ceil(n / tile_n) * splits > 8 * num_sms:
-            break  # out of counters, or far past filling the GPU
-        cost = decode_cost(m, n, k, tile_m, tile_n, splits, num_sms)
-        if cost < 0.99 * best[0]:
-            best = (cost, splits)
-    return best
-
-
-@functools.lru_cache(maxsize=4096)
-def decode_choice(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int]:
-    """(tile_m, tile_n, K splits) for an M <= DECODE_MAX_M problem: one M tile (M <= 64 fits a
-    64-row warpgroup tile), the tile width and split count of least modelled cost (128-wide
-    tiles unless another is 1% better)."""
-    tile_m = 64 if m <= 64 else 128
-    best = None
-    for tile_n in (128, 256, 64):
-        cost, splits = decode_splits(m, n, k, tile_m, tile_n, num_sms)
-        if best is None or cost < 0.99 * best[0]:
-            best = (cost, tile_n, splits)
-    return tile_m, best[1], best[2]
-
-
-@functools.lru_cache(maxsize=4096)
-def select_config(m: int, n: int, k: int, dtype: str, b_major: str, bias: str, slope: float,
-                  num_sms: int) -> tuple[GemmConfig, int]:
-    """(specialization, K splits) for an [m, k] x [n, k] problem on a GPU with `num_sms` SMs."""
-    base = dict(dtype=dtype, b_major=b_major, bias=bias, slope=float(slope))
-    if m <= DECODE_MAX_M:
-        tile_m, tile_n, splits = decode_choice(m, n, k, num_sms)
-        a_rows = next(r for r in A_ROWS if r >= m) if tile_m == 64 else tile_m
-        return GemmConfig(**base, tile_m=tile_m, tile_n=tile_n, cluster_m=1, split_k=True,
-                          a_rows=a_rows), splits
-    best = None
-    k_tiles = math.ceil(k / TILE_K)
-    for tile_m, tile_n, pingpong, efficiency in PREFILL_TILES:
-        clusters = math.ceil(math.ceil(m / tile_m) / 2) * math.ceil(n / tile_n)
-        waves = math.ceil(clusters / (num_sms // 2))
-        tile_k_tiles = k_tiles + (0 if pingpong else COOP_EPILOGUE_K_TILES)
-        cost = waves * tile_m * tile_n * tile_k_tiles / efficiency
-        if best is None or cost < best[0]:
-            best = (cost, tile_m, tile_n, pingpong, waves)
-    _, tile_m, tile_n, pingpong, waves = best
-    if waves == 1 and not pingpong:
-        # Where cooperative tiles make a single wave (one tile per CTA), pingpong 128 x 128 tiles
-        # (two per CTA) measured 2-9% faster on the H200 (1024 x 4096 x 14336, in different runs;
-        # the model above has them even).
-        tile_m, tile_n, pingpong = 128, 128, True
-    return GemmConfig(**base, tile_m=tile_m, tile_n=tile_n, pingpong=pingpong), 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -804,33 +647,27 @@ def _extent(t: Optional[torch.Tensor]) -> int:
     return (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
-class _Plan:
-    """One specialization launched on one argument signature (shapes, strides, dtypes, device):
-    everything derived from the signature is computed once; a call only checks what depends on
-    the data pointers (16-byte alignment, out overlapping an input), fetches the split-K
-    workspace and launches."""
+class _Plan(launch.Launch):
+    """One config launched on one argument signature (shapes, strides, dtypes, device): everything
+    derived from the signature is computed once; a launch only checks what depends on the data
+    pointers (16-byte alignment, out overlapping an input), fetches the split-K workspace and
+    launches."""
 
-    def __init__(self, a, b_nk, bias, out, cfg: GemmConfig, splits: int,
-                 raster_group: int = RASTER_GROUP):
-        m, k = a.shape
+    def __init__(self, a, b_nk, bias, out, config: GemmConfig):
+        m = a.shape[0]
         n = b_nk.shape[0]
-        if splits < 1 or (splits > 1 and not cfg.split_k):
-            raise ValueError(f"{cfg} cannot run {splits} K splits")
-        if cfg.split_k and not split_fits(m, n, cfg.tile_m, cfg.tile_n, splits):
-            raise ValueError(f"{m}x{n} is too large for {splits} K splits of {cfg}")
-        if cfg.a_rows < cfg.tile_m and m > cfg.a_rows:
-            raise ValueError(f"{cfg} loads {cfg.a_rows} rows of A: M = {m} is too many")
-        self.fn = compiled(cfg).fn
-        self.device = a.device.index
-        self.split_k = cfg.split_k
-        self.partial_floats = splits * m * math.ceil(n / cfg.tile_n) * cfg.tile_n if splits > 1 else 0
-        self.scalars = (splits, raster_group,
-                        _max_active_clusters(self.device, cfg.cluster_m * cfg.cluster_n))
+        check_fits(config, m, n)
+        super().__init__(compile(config).fn, a.device.index)
+        self.split_k = config.split_k
+        n_pad = math.ceil(n / config.tile_n) * config.tile_n
+        self.partial_floats = config.splits * m * n_pad if config.splits > 1 else 0
+        self.scalars = (config.splits, config.raster_group,
+                        _max_active_clusters(self.device, config.cluster_m * config.cluster_n))
         self.fix_a = m == 1 and a.stride(0) % 8 != 0
         self.fix_out = m == 1 and out.stride(0) % 8 != 0
         self.extents = (_extent(a), _extent(b_nk), _extent(bias), _extent(out))
 
-    def __call__(self, a, b_nk, bias, out, private_scratch: bool = False) -> None:
+    def launch(self, a, b_nk, bias, out, private_scratch: bool = False) -> None:
         pa, pb, po = a.data_ptr(), b_nk.data_ptr(), out.data_ptr()
         ea, eb, ebias, eo = self.extents
         pbias = bias.data_ptr() if bias is not None else 0
@@ -847,14 +684,9 @@ class _Plan:
                 partials = _unread_partials.get(self.device)
                 if partials is None:
                     partials = _unread_partials[self.device] = torch.empty(4, dtype=torch.float32, device=a.device)
-        args = (_row_stride_ok(a) if self.fix_a else a, b_nk,
-                _row_stride_ok(out) if self.fix_out else out, bias, partials, counters, *self.scalars)
         try:
-            if torch.cuda.current_device() == self.device:
-                self.fn(*args)
-            else:
-                with torch.cuda.device(self.device):  # the launch goes to the current device's stream
-                    self.fn(*args)
+            launch.on_device(self.device, self.fn, _row_stride_ok(a) if self.fix_a else a, b_nk,
+                             _row_stride_ok(out) if self.fix_out else out, bias, partials, counters, *self.scalars)
         except Exception:
             # The compiled host code checks its arguments and raises before launching; the full
             # checks say what is wrong in this op's terms.
@@ -863,11 +695,29 @@ class _Plan:
             raise
 
 
-def _launch(a: torch.Tensor, b_nk: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
-            cfg: GemmConfig, splits: int, raster_group: int = RASTER_GROUP) -> None:
-    """Run `cfg` with `splits` K splits on validated arguments (b_nk: b seen as [N, K]), whatever
-    the heuristic would pick: for tests, the benchmark's sweep and the tuner."""
-    _Plan(a, b_nk, bias, out, cfg, splits, raster_group)(a, b_nk, bias, out)
+class _NoProduct:
+    """The plan of a problem without K tiles or without outputs: out = leaky_relu(bias) for K = 0
+    (no K tiles for TMA to describe), nothing to write for M = 0 or N = 0."""
+
+    def __init__(self, negative_slope: float):
+        self.negative_slope = negative_slope
+
+    def launch(self, a, b_nk, bias, out, private_scratch: bool = False) -> None:
+        if out.numel() == 0:
+            return
+        _check_memory(a, b_nk, bias, out)
+        n = out.shape[1]
+        out.copy_(torch.nn.functional.leaky_relu(
+            (bias.float() if bias is not None else out.new_zeros(n, dtype=torch.float32)).expand(out.shape),
+            self.negative_slope))
+
+
+def run(a: torch.Tensor, b_nk: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
+        config: GemmConfig) -> None:
+    """Launch `config` (its tile shape, K splits and raster group) on arguments that gemm_leakyrelu
+    accepts (b_nk: b seen as [N, K]; M, N, K > 0), whatever config_for would pick: for tests, the
+    benchmark's sweep and the tuner. Plans anew on every call."""
+    _Plan(a, b_nk, bias, out, config).launch(a, b_nk, bias, out)
 
 
 def _check_shapes(a, b_nk, bias, out) -> None:
@@ -927,8 +777,6 @@ def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 
 def _b_as_nk(b: torch.Tensor, b_layout: str) -> torch.Tensor:
-    if b_layout == "nk" and type(b) in _PLAIN and b.dim() == 2:
-        return b
     if b_layout not in ("nk", "kn"):
         raise ValueError(f"b_layout must be 'nk' (b is [N, K]) or 'kn' (b is [K, N]), got {b_layout!r}")
     if not isinstance(b, torch.Tensor) or b.dim() != 2:
@@ -936,13 +784,10 @@ def _b_as_nk(b: torch.Tensor, b_layout: str) -> torch.Tensor:
     return b if b_layout == "nk" else b.t()
 
 
-def _k_zero(a, b_nk, bias, out, negative_slope) -> None:
-    """K = 0: no K tiles for TMA to describe; the product is zero."""
-    _check_memory(a, b_nk, bias, out)
-    n = out.shape[1]
-    out.copy_(torch.nn.functional.leaky_relu(
-        (bias.float() if bias is not None else out.new_zeros(n, dtype=torch.float32)).expand(out.shape),
-        negative_slope))
+# ---------------------------------------------------------------------------------------------
+# The op.
+
+_plans = launch.PlanCache()
 
 
 def _new_plan(a, b_nk, bias, out, negative_slope: float):
@@ -951,44 +796,30 @@ def _new_plan(a, b_nk, bias, out, negative_slope: float):
     _check_memory(a, b_nk, bias, out)
     m, k = a.shape
     n = b_nk.shape[0]
-    if m == 0 or n == 0:
-        return lambda *args: None
-    if k == 0:
-        return lambda a, b_nk, bias, out, private_scratch=False: _k_zero(a, b_nk, bias, out, negative_slope)
-    names = checks.DTYPE_NAME
-    cfg, splits = select_config(
-        m, n, k, names[a.dtype], "k" if b_nk.stride(1) == 1 else "n",
-        names[bias.dtype] if bias is not None else "none", negative_slope, modes.sm_count(a.device.index),
-    )
-    return _Plan(a, b_nk, bias, out, cfg, splits)
+    if m == 0 or n == 0 or k == 0:
+        return _NoProduct(negative_slope)
+    name = checks.DTYPE_NAME
+    shape = GemmShape(m, n, k, name[a.dtype], "k" if b_nk.stride(1) == 1 else "n",
+                      name[bias.dtype] if bias is not None else "none", negative_slope)
+    return _Plan(a, b_nk, bias, out, config_for(shape, modes.sm_count(a.device.index)))
 
 
-_plans: dict[tuple, object] = {}  # argument signature -> launch plan
+def _run(a, b_nk, bias, out, negative_slope: float, private_scratch: bool = False) -> None:
+    key = launch.signature(a, b_nk, bias, out, negative_slope)
+    plan = _plans.get(key) or _plans.put(key, _new_plan(a, b_nk, bias, out, negative_slope))
+    plan.launch(a, b_nk, bias, out, private_scratch)
 
 
-def _gemm_leakyrelu_impl(a: torch.Tensor, b_nk: torch.Tensor, bias: Optional[torch.Tensor],
-                         out: torch.Tensor, negative_slope: float, private_scratch: bool = False) -> None:
-    key = (a.shape, a.stride(), b_nk.shape, b_nk.stride(), out.shape, out.stride(), a.dtype,
-           b_nk.dtype, out.dtype, a.device, b_nk.device, out.device, negative_slope,
-           None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device))
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _new_plan(a, b_nk, bias, out, negative_slope)
-        if len(_plans) >= 4096:  # many distinct signatures: start over rather than grow unbounded
-            _plans.clear()
-        _plans[key] = plan
-    plan(a, b_nk, bias, out, private_scratch)
+def _op_impl(a: torch.Tensor, b_nk: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
+             negative_slope: float) -> None:
+    _run(a, b_nk, bias, out, negative_slope, private_scratch=True)  # compiled graphs: rosekernels.scratch
 
 
-@torch.library.custom_op("rosekernels::gemm_leakyrelu", mutates_args=("out",))
-def _gemm_leakyrelu_op(a: torch.Tensor, b_nk: torch.Tensor, bias: Optional[torch.Tensor],
-                       out: torch.Tensor, negative_slope: float) -> None:
-    _gemm_leakyrelu_impl(a, b_nk, bias, out, negative_slope, private_scratch=True)  # compiled graphs
-
-
-@_gemm_leakyrelu_op.register_fake
-def _(a, b_nk, bias, out, negative_slope) -> None:
+def _op_fake(a, b_nk, bias, out, negative_slope) -> None:
     _check_shapes(a, b_nk, bias, out)
+
+
+_op = launch.register_op(OP, _op_impl, mutates_args=("out",), fake=_op_fake)
 
 
 def gemm_leakyrelu(a: torch.Tensor, b: torch.Tensor, negative_slope: float = 0.01,
@@ -1009,87 +840,74 @@ def gemm_leakyrelu(a: torch.Tensor, b: torch.Tensor, negative_slope: float = 0.0
         if not isinstance(a, torch.Tensor) or a.dim() != 2:
             raise ValueError("a must be a 2-D tensor")
         out = torch.empty((a.shape[0], b_nk.shape[0]), dtype=a.dtype, device=a.device)
-    if (type(a) in _PLAIN and type(b_nk) in _PLAIN and type(out) in _PLAIN
-            and (bias is None or type(bias) in _PLAIN) and not out.is_meta
-            and not torch.compiler.is_compiling()):
-        _gemm_leakyrelu_impl(a, b_nk, bias, out, float(negative_slope))  # eager: skip the dispatcher
+    if launch.eager(a, b_nk, bias, out):
+        _run(a, b_nk, bias, out, float(negative_slope))
     else:
-        _gemm_leakyrelu_op(a, b_nk, bias, out, float(negative_slope))  # traced: the registered op
+        _op(a, b_nk, bias, out, float(negative_slope))
     return out
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # subclasses (fake, functional) take the op
-
-
 # ---------------------------------------------------------------------------------------------
-# Specializations, for CI and for SIP (`sip-tune --kernel gemm_leakyrelu`).
+# Workloads: a config's kernel with inputs and a reference, for tests and SIP.
 
 
-def specializations(slope: float = 0.01) -> list[GemmConfig]:
-    """Every kernel variant `gemm_leakyrelu` can launch for one slope value (bias dtype "fp32"
-    and the input dtype both count; b contiguous along K or N)."""
-    tiles = [dict(tile_m=tm, tile_n=tn, pingpong=pp) for tm, tn, pp, _ in PREFILL_TILES]
-    tiles += [dict(tile_m=64, tile_n=tn, cluster_m=1, split_k=True, a_rows=r)
-              for tn in DECODE_TILE_N for r in A_ROWS]
-    tiles += [dict(tile_m=128, tile_n=tn, cluster_m=1, split_k=True) for tn in DECODE_TILE_N]
-    return [GemmConfig(dtype=dt, b_major=bm, bias=bias, slope=slope, **t)
-            for dt in ("bf16", "fp16") for bm in ("k", "n")
-            for bias in ("none", dt, "fp32") for t in tiles]
+def _args(config: GemmConfig, m: int, n: int, k: int, seed: int) -> tuple:
+    """Arguments of compile(config).fn for one [m, k] x [n, k] problem on the current CUDA device:
+    random inputs (b scaled so outputs stay O(1)), the output NaN-filled so that a skipped element
+    shows, fresh split-K workspace."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dt = checks.TORCH_DTYPE[config.dtype]
+    a = torch.randn(m, k, generator=g, device="cuda").to(dt)
+    b = torch.randn(n, k, generator=g, device="cuda").div_(k ** 0.5).to(dt)
+    if config.b_major == "n":
+        b = b.t().contiguous().t()
+    bias = None
+    if config.bias != "none":
+        bias = torch.randn(n, generator=g, device="cuda").to(checks.TORCH_DTYPE[config.bias])
+    out = torch.full((m, n), float("nan"), dtype=dt, device="cuda")
+    partials = counters = None
+    if config.split_k:
+        n_pad = math.ceil(n / config.tile_n) * config.tile_n
+        counters = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device="cuda")
+        partials = torch.empty(max(4, config.splits * m * n_pad), dtype=torch.float32, device="cuda")
+    clusters = _max_active_clusters(torch.cuda.current_device(), config.cluster_m * config.cluster_n)
+    return (a, b, out, bias, partials, counters, config.splits, config.raster_group, clusters)
 
 
-@dataclasses.dataclass(frozen=True)
-class TuningCase:
-    """One specialization with a representative problem: what SIP needs to time and check it."""
-
-    config: GemmConfig
-    m: int
-    n: int
-    k: int
-
-    @classmethod
-    def for_config(cls, cfg: GemmConfig) -> "TuningCase":
-        if cfg.split_k:  # MLP up (M <= 32) and down (M = 128) projections: both split K
-            if cfg.tile_m == 64:
-                return cls(cfg, 16 if cfg.a_rows == 64 else cfg.a_rows, 14336, 4096)
-            return cls(cfg, 128, 4096, 14336)
-        return cls(cfg, 8192, 14336, 4096)
-
-    def kernel(self) -> jit.CompiledKernel:
-        return compiled(self.config)
-
-    def make_args(self, device: str = "cuda", seed: int = 0) -> tuple:
-        """Positional arguments of `kernel().fn(*args)` on fresh random inputs; the output
-        (args[2]) is NaN-filled so a skipped element shows."""
-        cfg = self.config
-        g = torch.Generator(device=device).manual_seed(seed)
-        dt = _TORCH_DTYPES[cfg.dtype]
-        a = torch.randn(self.m, self.k, generator=g, device=device).to(dt)
-        b = torch.randn(self.n, self.k, generator=g, device=device).div_(self.k ** 0.5).to(dt)
-        if cfg.b_major == "n":
-            b = b.t().contiguous().t()
-        bias = None
-        if cfg.bias != "none":
-            bias = torch.randn(self.n, generator=g, device=device).to(_TORCH_DTYPES[cfg.bias])
-        out = torch.full((self.m, self.n), float("nan"), dtype=dt, device=device)
-        splits = 1
-        partials = counters = None
-        if cfg.split_k:
-            sms = modes.sm_count(torch.device(device).index or 0)
-            _, splits = decode_splits(self.m, self.n, self.k, cfg.tile_m, cfg.tile_n, sms)
-            n_pad = math.ceil(self.n / cfg.tile_n) * cfg.tile_n
-            counters = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-            partials = torch.empty(max(4, splits * self.m * n_pad), dtype=torch.float32, device=device)
-        clusters = _max_active_clusters(torch.device(device).index or 0, cfg.cluster_m * cfg.cluster_n)
-        return (a, b, out, bias, partials, counters, splits, RASTER_GROUP, clusters)
-
-    def reference(self, args: tuple) -> torch.Tensor:
-        """fp32 result the output args[2] must match (to bf16/fp16 rounding)."""
-        a, b, _, bias = args[:4]
-        ref = a.float() @ b.float().t()
-        if bias is not None:
-            ref += bias.float()
-        return torch.nn.functional.leaky_relu(ref, self.config.slope)
+def _check(slope: float, args: tuple) -> float:
+    """Raise AssertionError unless out (args[2]) is within one ulp of its dtype of the float64
+    reference rounded to that dtype (+ 1e-4 absolute near zero): fp32 accumulation leaves the
+    rounding of the output as the only visible error. Returns the worst error / tolerance."""
+    a, b, out, bias = args[:4]
+    ref = a.double() @ b.double().t()
+    if bias is not None:
+        ref += bias.double()
+    ref = torch.nn.functional.leaky_relu(ref, slope)
+    assert torch.isfinite(out).all(), "unwritten (NaN) or non-finite elements"
+    ulp = 2.0 ** (-7 if out.dtype == torch.bfloat16 else -10)
+    err = (out.double() - ref.to(out.dtype).double()).abs() / (1.01 * ulp * ref.abs() + 1e-4)
+    worst = err.argmax().item()
+    assert err.flatten()[worst] <= 1, (f"element {divmod(worst, out.shape[1])} = {out.flatten()[worst].item()}, "
+                                       f"reference {ref.flatten()[worst].item()}")
+    return err.flatten()[worst].item()
 
 
-def tuning_cases() -> list[TuningCase]:
-    return [TuningCase.for_config(cfg) for cfg in specializations()]
+def workload(config: GemmConfig, shape: GemmShape) -> Workload:
+    """`config`'s kernel on `shape` (make_args, with the config's K splits and raster group).
+    test_args draws ragged M (m_range(config)), N and K up to 1600, and for split-K configs the
+    split count too: one compiled kernel serves every count."""
+    options = (shape.dtype, shape.b_major, shape.bias, float(shape.slope))
+    if options != (config.dtype, config.b_major, config.bias, config.slope):
+        raise ValueError(f"{config} does not serve {shape}: dtype, b_major, bias and slope must match")
+    check_fits(config, shape.m, shape.n)
+    lo, hi = m_range(config)
+
+    def test_args(seed: int) -> tuple:
+        r = random.Random(seed)
+        m, n, k = r.randint(lo, hi), 8 * r.randint(1, 200), 8 * r.randint(1, 200)
+        splits = r.randint(1, min(MAX_SPLITS, math.ceil(k / TILE_K))) if config.split_k else 1
+        return _args(dataclasses.replace(config, splits=splits), m, n, k, seed)
+
+    return Workload(compile(config), lambda seed: _args(config, shape.m, shape.n, shape.k, seed),
+                    outputs=lambda args: args[2:3], check=functools.partial(_check, config.slope),
+                    test_args=test_args, name=OP)

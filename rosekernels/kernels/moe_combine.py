@@ -11,66 +11,26 @@ leave 36 warps per SM, far more bytes in flight than HBM needs. Slots outside [0
 are skipped like -1, so a stale or foreign slot_map can never read out of bounds; a token without
 any slot gets zeros. decode and prefill differ only in the CTA size (128 threads: few tokens spread
 over more SMs; 256).
+
+Config, mode rule, search space and warm-up set: moe_combine_plan.py (no CuTeDSL there).
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
-from typing import Any, Callable, NamedTuple
+import random
+from typing import Any
 
-from rosekernels import jit  # first: it selects sm_90a before CuTeDSL is imported
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Int32
 
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-import torch  # noqa: E402
-from cutlass import Float32, Int32  # noqa: E402
+from rosekernels import checks, jit, launch
+from rosekernels.kernels.moe_combine_plan import (  # noqa: F401  (re-exported: the kernel's contract)
+    OP, CombineConfig, CombineShape, candidates, choose_mode, config_for, token_range, variants_for)
+from rosekernels.kernels.moe_dispatch import DTYPES, check_sm90, rows_view
+from rosekernels.workload import Workload
 
-from rosekernels import checks  # noqa: E402
-from rosekernels.kernels.moe_dispatch import (  # noqa: E402
-    _ELEM_BYTES, DTYPES, MODELS, TORCH_DTYPE, check_sm90, rows_view)
-
-OP = "moe_combine"
-THREADS = {"decode": 128, "prefill": 256}  # per CTA: small CTAs spread few tokens over more SMs
-DECODE_MAX_TOKENS = 256  # at or below: the decode shape
-
-
-@dataclasses.dataclass(frozen=True)
-class CombineConfig:
-    dtype: str  # of expert_out and out
-    weight_dtype: str  # of topk_weights: "fp32" or `dtype`
-    hidden: int
-    topk: int
-    mode: str
-    threads: int = 0  # per CTA; 0: THREADS[mode]
-
-    def __post_init__(self) -> None:
-        if self.dtype not in _ELEM_BYTES:
-            raise ValueError(f"dtype must be one of {sorted(_ELEM_BYTES)}, got {self.dtype!r}")
-        if self.weight_dtype not in ("fp32", self.dtype):
-            raise ValueError(f"weight dtype must be fp32 or {self.dtype}, got {self.weight_dtype!r}")
-        if self.hidden <= 0 or self.hidden % self.vec:
-            raise ValueError(f"hidden size must be a positive multiple of {self.vec} (16 bytes) "
-                             f"for {self.dtype}, got {self.hidden}")
-        if not 1 <= self.topk <= 64:
-            raise ValueError(f"top-k must be in [1, 64], got {self.topk}")
-        if self.mode not in THREADS:
-            raise ValueError(f"mode must be 'prefill' or 'decode', got {self.mode!r}")
-        object.__setattr__(self, "threads", self.threads or THREADS[self.mode])
-        if self.threads % 32 or not 32 <= self.threads <= 1024:
-            raise ValueError(f"threads per CTA must be a multiple of 32 in [32, 1024], got {self.threads}")
-
-    @property
-    def vec(self) -> int:
-        return 16 // _ELEM_BYTES[self.dtype]
-
-    def variant(self) -> jit.Variant:
-        return jit.Variant.of(OP, self.mode, dtype=self.dtype, wdtype=self.weight_dtype,
-                              hidden=self.hidden, topk=self.topk, threads=self.threads)
-
-    @classmethod
-    def from_variant(cls, variant: jit.Variant) -> "CombineConfig":
-        p = dict(variant.params)
-        return cls(p["dtype"], p["wdtype"], p["hidden"], p["topk"], variant.mode, p["threads"])
+Config, Shape = CombineConfig, CombineShape
 
 
 class _Combine:
@@ -135,25 +95,20 @@ def _fake_args(cfg: CombineConfig) -> tuple:
     y = cute.runtime.make_fake_tensor(dt, (rows, cfg.hidden), (cute.sym_int64(divisibility=cfg.vec), 1),
                                       assumed_align=16)
     w = cute.runtime.make_fake_tensor(checks.cute_dtype(cfg.weight_dtype), (tokens, cfg.topk),
-                                      (cute.sym_int64(), 1), assumed_align=_ELEM_BYTES[cfg.weight_dtype])
+                                      (cute.sym_int64(), 1), assumed_align=checks.ELEM_BYTES[cfg.weight_dtype])
     slot = cute.runtime.make_fake_tensor(Int32, (tokens, cfg.topk), (cute.sym_int64(), 1), assumed_align=4)
     out = cute.runtime.make_fake_tensor(dt, (tokens, cfg.hidden), (cute.sym_int64(divisibility=cfg.vec), 1),
                                         assumed_align=16)
     return (y, w, slot, out, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
-def compile(variant: jit.Variant) -> jit.CompiledKernel:
-    """The loaded kernel of `variant`: fn(expert_out, topk_weights, slot_map, out)."""
-    cfg = CombineConfig.from_variant(variant)
-    return jit.compile_variant(variant, lambda: (_Combine(cfg), _fake_args(cfg)))
+def compile(config: CombineConfig) -> jit.CompiledKernel:
+    """The loaded kernel of `config`: fn(expert_out, topk_weights, slot_map, out)."""
+    return jit.compile_variant(config.variant(), lambda: (_Combine(config), _fake_args(config)))
 
 
 # ---------------------------------------------------------------------------------------------
 # The op.
-
-def choose_mode(num_tokens: int) -> str:
-    return "decode" if num_tokens <= DECODE_MAX_TOKENS else "prefill"
-
 
 def moe_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor,
                 out: torch.Tensor | None = None, *, mode: str | None = None) -> torch.Tensor:
@@ -169,11 +124,10 @@ def moe_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: 
                 and isinstance(slot_map, torch.Tensor) and slot_map.dim() == 2):
             raise ValueError("expert_out must be [rows, hidden] and slot_map [tokens, k]")
         out = expert_out.new_empty((slot_map.shape[0], expert_out.shape[1]))
-    if torch.compiler.is_compiling() or not type(expert_out) is type(topk_weights) is type(slot_map) is type(out) \
-            is torch.Tensor:
-        _call_op(expert_out, topk_weights, slot_map, out, mode)
-    else:
+    if launch.eager(expert_out, topk_weights, slot_map, out):
         _run(expert_out, topk_weights, slot_map, out, mode)
+    else:
+        _call_op(expert_out, topk_weights, slot_map, out, mode)
     return out
 
 
@@ -186,55 +140,46 @@ def _call_op(expert_out: Any, topk_weights: Any, slot_map: Any, out: Any, mode: 
     torch.ops.rosekernels.moe_combine(expert_out, topk_weights, slot_map, out, mode)
 
 
-class _Plan(NamedTuple):
-    """What a launch needs beyond the tensors, validated once per (shapes, strides, dtypes, devices, mode)."""
+class _Plan(launch.Launch):
+    """A combine validated for one signature; fn None: no tokens, nothing to launch. `canonical`: some
+    tensor needs `rows_view` (a size-1 dim with an odd stride)."""
 
-    fn: Callable[..., Any] | None  # None: no tokens, nothing to launch
-    device: torch.device
-    canonical: bool  # some tensor needs `rows_view` (a size-1 dim with an odd stride)
+    def __init__(self, fn: Any, device: int, canonical: bool):
+        super().__init__(fn, device)
+        self.canonical = canonical
+
+    def launch(self, expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor,
+               out: torch.Tensor) -> None:
+        if self.canonical:
+            expert_out, topk_weights, slot_map, out = map(rows_view, (expert_out, topk_weights, slot_map, out))
+        launch.on_device(self.device, self.fn, expert_out, topk_weights, slot_map, out)
 
 
-_plans: dict[tuple, _Plan] = {}
+_plans = launch.PlanCache()
 
 
 def _run(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor, out: torch.Tensor,
          mode: str | None) -> None:
     """Launch on plain tensors. Per call: the plan's key, two pointer checks, the launch; the first
-    call with a key validates everything and compiles or loads the variant."""
-    key = (expert_out.shape, expert_out.stride(), expert_out.dtype, expert_out.get_device(),
-           topk_weights.shape, topk_weights.stride(), topk_weights.dtype, topk_weights.get_device(),
-           slot_map.shape, slot_map.stride(), slot_map.dtype, slot_map.get_device(),
-           out.shape, out.stride(), out.dtype, out.get_device(), mode)
-    plan = _plans.get(key)
-    if plan is None:
-        if expert_out.is_meta or topk_weights.is_meta or slot_map.is_meta or out.is_meta:
-            return _call_op(expert_out, topk_weights, slot_map, out, mode)  # the fake implementation
-        plan = _plan(key, expert_out, topk_weights, slot_map, out, mode)
+    call with a key validates everything and compiles or loads the kernel."""
+    key = launch.signature(expert_out, topk_weights, slot_map, out, mode)
+    plan = _plans.get(key) or _plans.put(key, _new_plan(expert_out, topk_weights, slot_map, out, mode))
     if plan.fn is None:
         return
-    if plan.device.index != torch._C._cuda_getDevice():
-        with torch.cuda.device(plan.device):  # the launch goes to the current device's stream
-            return _run(expert_out, topk_weights, slot_map, out, mode)
     if expert_out.data_ptr() % 16 or out.data_ptr() % 16:  # the only property the key does not cover
         checks.check_aligned("expert_out", expert_out)
         checks.check_aligned("out", out)
-    if plan.canonical:
-        expert_out, topk_weights, slot_map, out = map(rows_view, (expert_out, topk_weights, slot_map, out))
-    plan.fn(expert_out, topk_weights, slot_map, out)
+    plan.launch(expert_out, topk_weights, slot_map, out)
 
 
-def _plan(key: tuple, expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor,
-          out: torch.Tensor, mode: str | None) -> _Plan:
-    """The slow path, once per key: every check, the variant compiled or loaded."""
+def _new_plan(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor, out: torch.Tensor,
+              mode: str | None) -> _Plan:
+    """The slow path, once per signature: every check, the config, the kernel compiled or loaded."""
     tensors = (expert_out, topk_weights, slot_map, out)
     views = tuple(map(rows_view, tensors))
     cfg = validate(*views, mode or choose_mode(slot_map.shape[0]))
-    fn = compile(cfg.variant()).fn if out.numel() else None
-    plan = _Plan(fn, out.device, any(v.stride() != t.stride() for v, t in zip(views, tensors)))
-    if len(_plans) >= 4096:  # many distinct token counts: start over rather than grow without bound
-        _plans.clear()
-    _plans[key] = plan
-    return plan
+    fn = compile(cfg).fn if out.numel() else None
+    return _Plan(fn, out.device.index, any(v.stride() != t.stride() for v, t in zip(views, tensors)))
 
 
 def validate(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor, out: torch.Tensor,
@@ -252,9 +197,8 @@ def validate(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: tor
     checks.check_shape("slot_map", slot_map, (None, None))
     checks.check_shape("topk_weights", topk_weights, tuple(slot_map.shape))
     checks.check_shape("out", out, (slot_map.shape[0], expert_out.shape[1]))
-    key = (checks.DTYPE_NAME[expert_out.dtype], checks.DTYPE_NAME[topk_weights.dtype], expert_out.shape[1],
-           slot_map.shape[1], mode)
-    cfg = _config(*key) if on_device else CombineConfig(*key)  # fake tensors may carry SymInts
+    cfg = CombineConfig(checks.DTYPE_NAME[expert_out.dtype], checks.DTYPE_NAME[topk_weights.dtype],
+                        expert_out.shape[1], slot_map.shape[1], mode)
     if max(expert_out.shape[0], out.shape[0] * (out.shape[1] // cfg.vec)) >= 2**31:
         raise ValueError(f"sizes exceed the kernel's 32-bit indexing: expert_out {list(expert_out.shape)}, "
                          f"out {list(out.shape)}")
@@ -272,56 +216,45 @@ def validate(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: tor
     return cfg
 
 
-@functools.cache
-def _config(*key: Any) -> CombineConfig:
-    return CombineConfig(*key)
-
-
-@torch.library.custom_op("rosekernels::moe_combine", mutates_args=("out",))
-def _moe_combine_op(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor,
-                    out: torch.Tensor, variant_mode: str) -> None:
+def _impl(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor, out: torch.Tensor,
+          variant_mode: str) -> None:
     # (not `mode`: torch's functionalization of mutating ops passes a `mode` keyword of its own)
     _run(expert_out, topk_weights, slot_map, out, variant_mode)
 
 
-@_moe_combine_op.register_fake
-def _(expert_out, topk_weights, slot_map, out, variant_mode):
+def _fake(expert_out, topk_weights, slot_map, out, variant_mode):
     validate(expert_out, topk_weights, slot_map, out, variant_mode, on_device=False)
 
 
+launch.register_op(OP, _impl, mutates_args=("out",), fake=_fake)
+
+
 # ---------------------------------------------------------------------------------------------
-# Variant selection, the list of specializations, inputs and checks (tests, benchmark, SIP tuner).
+# Inputs and checks: tests, benchmark, the SIP tuner.
 
-def config_for(tokens: int, hidden: int, topk: int, dtype: torch.dtype, weight_dtype: torch.dtype,
-               mode: str | None = None) -> CombineConfig:
-    """What moe_combine() launches for these sizes."""
-    return CombineConfig(checks.DTYPE_NAME[dtype], checks.DTYPE_NAME[weight_dtype], hidden, topk,
-                         mode or choose_mode(tokens))
-
-
-def all_variants(models=tuple(MODELS.values()), dtypes=(torch.bfloat16,)) -> list[jit.Variant]:
-    """The specializations of these (hidden, experts, top-k) models: dtype x weight dtype (fp32, dtype)
-    x {decode, prefill}."""
-    return [CombineConfig(checks.DTYPE_NAME[dt], checks.DTYPE_NAME[wdt], h, k, mode).variant()
-            for h, _, k in models for dt in dtypes for wdt in dict.fromkeys((torch.float32, dt))
-            for mode in ("decode", "prefill")]
+def workload(config: CombineConfig, shape: CombineShape) -> Workload:
+    """`config`'s kernel fed with `shape.tokens` tokens (make_args) or a random count of
+    `token_range(config)` (test_args): args (expert_out, topk_weights, slot_map, out), the rows of a
+    dispatch (T*k rows, every pair routed to its own row, in random order), a few pairs dropped (-1),
+    softmax weights, out NaN-poisoned; checked by `check_combine`."""
+    if (shape.hidden, shape.topk, shape.dtype, shape.weight_dtype) != \
+            (config.hidden, config.topk, config.dtype, config.weight_dtype):
+        raise ValueError(f"{shape} does not have the sizes of {config}")
+    return Workload(compile(config), lambda seed: _args(config, shape.tokens, seed), outputs=lambda a: a[3:4],
+                    check=lambda a: check_combine(*a), name=OP,
+                    test_args=lambda seed: _args(config, random.Random(seed).randint(*token_range(config)), seed))
 
 
-def sample_args(variant: jit.Variant, tokens: int | None = None, seed: int = 0, device: Any = "cuda") -> tuple:
-    """Fresh args for `compile(variant).fn(*args)`: (expert_out, topk_weights, slot_map, out), the rows of
-    a dispatch (T*k rows, every pair routed to its own row, in random order), a few pairs dropped (-1),
-    softmax weights, out NaN-poisoned. Default tokens: 128 for decode, 4096 for prefill."""
-    cfg = CombineConfig.from_variant(variant)
-    tokens = (128 if cfg.mode == "decode" else 4096) if tokens is None else tokens
+def _args(cfg: CombineConfig, tokens: int, seed: int) -> tuple:
     g = torch.Generator(device="cpu").manual_seed(seed)
     rows = tokens * cfg.topk
-    expert_out = torch.randn(rows, cfg.hidden, generator=g).to(device=device, dtype=TORCH_DTYPE[cfg.dtype])
+    expert_out = torch.randn(rows, cfg.hidden, generator=g).to(device="cuda", dtype=checks.TORCH_DTYPE[cfg.dtype])
     slot_map = torch.randperm(rows, generator=g).view(tokens, cfg.topk)
     slot_map[torch.rand(tokens, cfg.topk, generator=g) < 0.02] = -1
     weights = torch.rand(tokens, cfg.topk, generator=g).softmax(1)
-    out = torch.full((tokens, cfg.hidden), float("nan"), dtype=expert_out.dtype, device=device)
-    return (expert_out, weights.to(device=device, dtype=TORCH_DTYPE[cfg.weight_dtype]),
-            slot_map.to(device=device, dtype=torch.int32), out)
+    out = torch.full((tokens, cfg.hidden), float("nan"), dtype=expert_out.dtype, device="cuda")
+    return (expert_out, weights.to(device="cuda", dtype=checks.TORCH_DTYPE[cfg.weight_dtype]),
+            slot_map.to(device="cuda", dtype=torch.int32), out)
 
 
 def reference(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor,
@@ -342,12 +275,14 @@ def error_bound(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: 
     return rel * ref.abs() + (slot_map.shape[1] + 2) * 2.0**-23 * terms + subnormal
 
 
-def check_args(variant: jit.Variant, args: tuple) -> None:
-    """Raise AssertionError unless the output in `args` (after a launch) is within `error_bound`."""
-    expert_out, weights, slot_map, out = args
-    err = (out.double() - reference(expert_out, weights, slot_map)).abs()
-    bad = ~(err <= error_bound(expert_out, weights, slot_map))  # NaN is bad
+def check_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor,
+                  out: torch.Tensor) -> float:
+    """Raise AssertionError unless `out` is within `error_bound` of the float64 `reference`; returns
+    the largest error."""
+    err = (out.double() - reference(expert_out, topk_weights, slot_map)).abs()
+    bad = ~(err <= error_bound(expert_out, topk_weights, slot_map))  # NaN is bad
     if bad.any():
         first = tuple(bad.nonzero()[0].tolist())
-        raise AssertionError(f"moe_combine {variant.key()}: {int(bad.sum())} of {out.numel()} elements off, "
-                             f"first at {first}: {out[first].item()} (error {err[first].item():.3g})")
+        raise AssertionError(f"moe_combine: {int(bad.sum())} of {out.numel()} elements off, first at {first}: "
+                             f"{out[first].item()} (error {err[first].item():.3g})")
+    return float(err.max()) if err.numel() else 0.0

@@ -37,91 +37,34 @@ accesses; every thread keeps `unroll` vectors in flight, the first batch issued 
 The prefill scratch (global counters, grid barrier, invalid count) comes from rosekernels.scratch: zero
 before a launch, and the last CTA to leave it returns it to zero before it exits (see `_Dispatch.kernel`),
 so eager launches in stream order share one buffer and none is zeroed per call.
+
+The config, the mode rule, the grid, the tuner's search space and the warm-up set are planned in
+moe_dispatch_plan.py (no CuTeDSL there).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple, Optional
+import random
+from typing import Any, Optional
 
-from rosekernels import jit  # first: it selects sm_90a before CuTeDSL is imported
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Int32, Int64, Uint32, const_expr
 
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-import torch  # noqa: E402
-from cutlass import Int32, Int64, Uint32, const_expr  # noqa: E402
+from rosekernels import checks, jit, launch, modes, scratch
+from rosekernels.kernels.moe_dispatch_plan import (  # noqa: F401  (re-exported: the kernel's contract)
+    DECODE_PAIRS_LIMIT, DECODE_PAIRS_PER_THREAD, DEFAULT_BLOCK_SIZE, MODELS, OP, THREADS, DispatchConfig,
+    DispatchShape, candidates, choose_mode, config_for, default_capacity, meta_layout, num_ctas, token_range,
+    variants_for)
+from rosekernels.workload import Workload
 
-from rosekernels import checks, scratch  # noqa: E402
-
-OP = "moe_dispatch"
-THREADS = 1024  # one expert per thread in the layout scan: num_experts <= THREADS
-UNROLL = 4  # 16-byte vectors per thread in flight in the copy
-DECODE_MAX_PAIRS = 2048  # T*k at or below this: routing in every CTA (decode), above: shared (prefill)
-DECODE_PAIRS_PER_THREAD = 8  # the decode variant keeps every pair in shared memory and 8 ids per thread
-DECODE_PAIRS_LIMIT = DECODE_PAIRS_PER_THREAD * THREADS
-DECODE_VECS_PER_CTA = 256  # decode: spread the copy so that each CTA moves at least this many vectors
-DEFAULT_BLOCK_SIZE = 128  # tile height of a Hopper grouped GEMM
+Config, Shape = DispatchConfig, DispatchShape
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Prefill workspace (int32): the barrier counter and the invalid count on 128-byte lines of their own
 # (the barrier is polled while the per-expert counters take atomics), then one counter per expert.
 WS_SYNC, WS_INVALID, WS_RAW = 0, 32, 64
 WS_INTS = WS_RAW + THREADS
-
-
-def meta_layout(num_experts: int) -> dict[str, int]:
-    """Offsets into the int32 `meta` output: counts [E], offsets [E+1], overflow [1], invalid [1]."""
-    e = num_experts
-    return {"counts": 0, "offsets": e, "overflow": 2 * e + 1, "invalid": 2 * e + 2, "size": 2 * e + 3}
-
-
-@dataclasses.dataclass(frozen=True)
-class DispatchConfig:
-    """Everything a compiled dispatch kernel is specialised on (all runtime sizes stay dynamic)."""
-
-    dtype: str  # "bf16" | "fp16" | "fp32", of x and the buffer
-    hidden: int
-    num_experts: int
-    topk: int
-    mode: str  # "prefill" | "decode"
-    threads: int = THREADS
-    unroll: int = UNROLL
-
-    def __post_init__(self) -> None:
-        if self.dtype not in _ELEM_BYTES:
-            raise ValueError(f"dtype must be one of {sorted(_ELEM_BYTES)}, got {self.dtype!r}")
-        if self.hidden <= 0 or self.hidden % self.vec:
-            raise ValueError(f"hidden size must be a positive multiple of {self.vec} (16 bytes) "
-                             f"for {self.dtype}, got {self.hidden}")
-        if not 1 <= self.num_experts <= self.threads:
-            raise ValueError(f"num_experts must be in [1, {self.threads}], got {self.num_experts}")
-        if not 1 <= self.topk <= 64:
-            raise ValueError(f"top-k must be in [1, 64], got {self.topk}")
-        if self.mode not in ("prefill", "decode"):
-            raise ValueError(f"mode must be 'prefill' or 'decode', got {self.mode!r}")
-        if self.threads % 32 or not 32 <= self.threads <= 1024 or self.unroll < 1:
-            raise ValueError(f"bad launch shape: threads={self.threads}, unroll={self.unroll}")
-
-    @property
-    def vec(self) -> int:
-        return 16 // _ELEM_BYTES[self.dtype]
-
-    @property
-    def decode_pairs_limit(self) -> int:
-        return DECODE_PAIRS_PER_THREAD * self.threads
-
-    def variant(self) -> jit.Variant:
-        return jit.Variant.of(OP, self.mode, dtype=self.dtype, hidden=self.hidden,
-                              experts=self.num_experts, topk=self.topk, threads=self.threads,
-                              unroll=self.unroll)
-
-    @classmethod
-    def from_variant(cls, variant: jit.Variant) -> "DispatchConfig":
-        p = dict(variant.params)
-        return cls(p["dtype"], p["hidden"], p["experts"], p["topk"], variant.mode, p["threads"], p["unroll"])
-
-
-_ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-TORCH_DTYPE = {checks.DTYPE_NAME[d]: d for d in DTYPES}
 _FULL = 0xFFFFFFFF
 
 
@@ -510,11 +453,11 @@ def _fake_args(cfg: DispatchConfig) -> tuple:
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
-def compile(variant: jit.Variant) -> jit.CompiledKernel:
-    """The loaded kernel of `variant`: fn(x, topk_ids, buffer, slot_map, meta, workspace, block_size,
-    num_ctas); workspace: None for decode, a zeroed int32 [WS_INTS] tensor for prefill (see `launch`)."""
-    cfg = DispatchConfig.from_variant(variant)
-    return jit.compile_variant(variant, lambda: (_Dispatch(cfg), _fake_args(cfg)))
+def compile(config: DispatchConfig) -> jit.CompiledKernel:
+    """The loaded kernel of `config`: fn(x, topk_ids, buffer, slot_map, meta, workspace, block_size,
+    num_ctas); workspace: None for decode, an int32 [WS_INTS] tensor of zeros for prefill (the kernel
+    leaves it zero)."""
+    return jit.compile_variant(config.variant(), lambda: (_Dispatch(config), _fake_args(config)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -566,17 +509,6 @@ class MoeDispatch:
                                f"{self.buffer.shape[0]} and were dropped")
 
 
-def default_capacity(num_tokens: int, topk: int, num_experts: int, block_size: int) -> int:
-    """Rows that always suffice: every pair, plus the padding of every expert that can be non-empty
-    (at most min(E, T*k) experts are; an empty expert takes no rows)."""
-    pairs = num_tokens * topk
-    return pairs + min(num_experts, pairs) * (block_size - 1)  # builtin min: dynamo traces it on SymInts
-
-
-def choose_mode(num_tokens: int, topk: int) -> str:
-    return "decode" if num_tokens * topk <= DECODE_MAX_PAIRS else "prefill"
-
-
 def moe_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, capacity: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, *, buffer: torch.Tensor | None = None,
                  mode: str | None = None) -> MoeDispatch:
@@ -603,10 +535,10 @@ def moe_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, capa
         buffer = x.new_empty((capacity, x.shape[1]))
     elif capacity is not None and capacity != buffer.shape[0]:
         raise ValueError(f"capacity {capacity} disagrees with the buffer's {buffer.shape[0]} rows")
-    if torch.compiler.is_compiling() or not type(x) is type(topk_ids) is type(buffer) is torch.Tensor:
-        slot_map, meta = _call_op(x, topk_ids, buffer, num_experts, block_size, mode)
-    else:
+    if launch.eager(x, topk_ids, buffer):
         slot_map, meta = _run(x, topk_ids, buffer, num_experts, block_size, mode)
+    else:
+        slot_map, meta = _call_op(x, topk_ids, buffer, num_experts, block_size, mode)
     return MoeDispatch(buffer, slot_map, meta)
 
 
@@ -620,61 +552,60 @@ def _call_op(x: Any, topk_ids: Any, buffer: Any, num_experts: int, block_size: i
     return torch.ops.rosekernels.moe_dispatch(x, topk_ids, buffer, num_experts, block_size, mode)
 
 
-class _Plan(NamedTuple):
-    """What a launch needs beyond the tensors, validated once per (shapes, strides, dtypes, devices,
-    num_experts, block_size, mode)."""
+class _Plan(launch.Launch):
+    """A dispatch validated for one signature: beyond the kernel and its device, the block size, the
+    grid, the size of `meta`, whether it takes the prefill scratch, and whether some tensor needs
+    `rows_view` (a size-1 dim with an odd stride)."""
 
-    fn: Callable[..., Any]
-    device: torch.device
-    prefill: bool
-    num_ctas: int
-    meta_size: int
-    canonical: bool  # some tensor needs `rows_view` (a size-1 dim with an odd stride)
+    def __init__(self, fn: Any, device: torch.device, cfg: DispatchConfig, block_size: int, grid: int,
+                 canonical: bool):
+        super().__init__(fn, device.index)
+        self.torch_device = device
+        self.prefill = cfg.mode == "prefill"
+        self.block_size = block_size
+        self.grid = grid
+        self.meta_size = meta_layout(cfg.num_experts)["size"]
+        self.canonical = canonical
+
+    def launch(self, x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor,
+               private_scratch: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot_map, meta): the outputs, the scratch and the launch on the plan's device and its stream."""
+        return launch.on_device(self.device, self._launch, x, topk_ids, buffer, private_scratch)
+
+    def _launch(self, x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor,
+                private_scratch: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.canonical:
+            x, topk_ids, buffer = rows_view(x), rows_view(topk_ids), rows_view(buffer)
+        slot_map = torch.empty(topk_ids.shape, dtype=torch.int32, device=self.torch_device)
+        meta = torch.empty(self.meta_size, dtype=torch.int32, device=self.torch_device)
+        ws = scratch.zeroed_int32(self.device, WS_INTS, private_scratch) if self.prefill else None
+        self.fn(x, topk_ids, buffer, slot_map, meta, ws, self.block_size, self.grid)
+        return slot_map, meta
 
 
-_plans: dict[tuple, _Plan] = {}
+_plans = launch.PlanCache()
 
 
 def _run(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_experts: int, block_size: int,
          mode: str | None, private_scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch on plain tensors. Per call: the plan's key, two pointer checks, the two outputs, the
-    launch; the first call with a key validates everything and compiles or loads the variant."""
-    key = (x.shape, x.stride(), x.dtype, x.get_device(), topk_ids.shape, topk_ids.stride(), topk_ids.dtype,
-           topk_ids.get_device(), buffer.shape, buffer.stride(), buffer.dtype, buffer.get_device(),
-           num_experts, block_size, mode)
-    plan = _plans.get(key)
-    if plan is None:
-        if x.is_meta or topk_ids.is_meta or buffer.is_meta:  # shapes only: the fake implementation
-            return _call_op(x, topk_ids, buffer, num_experts, block_size, mode)
-        plan = _plan(key, x, topk_ids, buffer, num_experts, block_size, mode)
-    if plan.device.index != torch._C._cuda_getDevice():
-        with torch.cuda.device(plan.device):  # outputs, workspace and launch on x's device and stream
-            return _run(x, topk_ids, buffer, num_experts, block_size, mode, private_scratch)
+    launch; the first call with a key validates everything and compiles or loads the kernel."""
+    key = launch.signature(x, topk_ids, buffer, num_experts, block_size, mode)
+    plan = _plans.get(key) or _plans.put(key, _new_plan(x, topk_ids, buffer, num_experts, block_size, mode))
     if x.data_ptr() % 16 or buffer.data_ptr() % 16:  # the only property the key does not cover
         checks.check_aligned("x", x)
         checks.check_aligned("buffer", buffer)
-    if plan.canonical:
-        x, topk_ids, buffer = rows_view(x), rows_view(topk_ids), rows_view(buffer)
-    slot_map = torch.empty(topk_ids.shape, dtype=torch.int32, device=plan.device)
-    meta = torch.empty(plan.meta_size, dtype=torch.int32, device=plan.device)
-    ws = scratch.zeroed_int32(plan.device.index, WS_INTS, private_scratch) if plan.prefill else None
-    plan.fn(x, topk_ids, buffer, slot_map, meta, ws,
-            block_size, plan.num_ctas)
-    return slot_map, meta
+    return plan.launch(x, topk_ids, buffer, private_scratch)
 
 
-def _plan(key: tuple, x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_experts: int,
-          block_size: int, mode: str | None) -> _Plan:
-    """The slow path, once per key: every check, the variant compiled or loaded, the grid."""
+def _new_plan(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_experts: int,
+              block_size: int, mode: str | None) -> _Plan:
+    """The slow path, once per signature: every check, the config, the kernel compiled or loaded, the grid."""
     views = rows_view(x), rows_view(topk_ids), rows_view(buffer)
     cfg = validate(*views, num_experts, block_size, mode or choose_mode(*topk_ids.shape))
     canonical = any(v.stride() != t.stride() for v, t in zip(views, (x, topk_ids, buffer)))
-    plan = _Plan(compile(cfg.variant()).fn, x.device, cfg.mode == "prefill", num_ctas(cfg, x.shape[0], x.device),
-                 meta_layout(num_experts)["size"], canonical)
-    if len(_plans) >= 4096:  # many distinct token counts: start over rather than grow without bound
-        _plans.clear()
-    _plans[key] = plan
-    return plan
+    grid = num_ctas(cfg, x.shape[0], modes.sm_count(x.device.index))
+    return _Plan(compile(cfg).fn, x.device, cfg, block_size, grid, canonical)
 
 
 def validate(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_experts: int,
@@ -692,8 +623,7 @@ def validate(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_
     checks.check_shape("buffer", buffer, (None, x.shape[1]))
     if not isinstance(num_experts, (int, torch.SymInt)) or isinstance(num_experts, bool):
         raise ValueError(f"num_experts must be an int, got {num_experts!r}")
-    key = (checks.DTYPE_NAME[x.dtype], x.shape[1], num_experts, topk_ids.shape[1], mode)
-    cfg = _config(*key) if on_device else DispatchConfig(*key)  # fake tensors may carry SymInts
+    cfg = DispatchConfig(checks.DTYPE_NAME[x.dtype], x.shape[1], num_experts, topk_ids.shape[1], mode)
     if not isinstance(block_size, (int, torch.SymInt)) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     tokens, topk, capacity = x.shape[0], topk_ids.shape[1], buffer.shape[0]
@@ -717,32 +647,15 @@ def validate(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_
 
 
 @functools.cache
-def _config(*key: Any) -> DispatchConfig:
-    return DispatchConfig(*key)
-
-
-@functools.cache
-def _device_info(index: int) -> tuple[tuple[int, int], int]:
-    props = torch.cuda.get_device_properties(index)
-    return (props.major, props.minor), props.multi_processor_count
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def check_sm90(device: torch.device) -> None:
-    cc, _ = _device_info(device.index if device.index is not None else torch.cuda.current_device())
+    cc = _capability(device.index if device.index is not None else torch.cuda.current_device())
     if cc != (9, 0):
         raise RuntimeError(f"rosekernels MoE kernels are compiled for sm_90a (H100/H200); "
                            f"{device} is sm_{cc[0]}{cc[1]}")
-
-
-def num_ctas(cfg: DispatchConfig, num_tokens: int, device: torch.device) -> int:
-    """At most one CTA per SM: prefill CTAs wait for each other, so all must be resident at once;
-    every decode CTA routes all pairs, so more CTAs than SMs would only repeat that."""
-    _, sms = _device_info(device.index if device.index is not None else torch.cuda.current_device())
-    if cfg.mode == "decode":
-        want = -(-num_tokens * (cfg.hidden // cfg.vec) // DECODE_VECS_PER_CTA)
-    else:
-        want = num_tokens
-    return max(1, min(sms, want))
 
 
 def rows_view(t: torch.Tensor) -> torch.Tensor:
@@ -753,37 +666,24 @@ def rows_view(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-@torch.library.custom_op("rosekernels::moe_dispatch", mutates_args=("buffer",))
-def _moe_dispatch_op(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_experts: int,
-                     block_size: int, variant_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _impl(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_experts: int, block_size: int,
+          variant_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     # (not `mode`: torch's functionalization of mutating ops passes a `mode` keyword of its own)
-    return _run(x, topk_ids, buffer, num_experts, block_size, variant_mode, private_scratch=True)  # compiled graphs
+    # A private scratch per launch: compiled graphs (see rosekernels.scratch).
+    return _run(x, topk_ids, buffer, num_experts, block_size, variant_mode, private_scratch=True)
 
 
-@_moe_dispatch_op.register_fake
-def _(x, topk_ids, buffer, num_experts, block_size, variant_mode):
+def _fake(x, topk_ids, buffer, num_experts, block_size, variant_mode):
     validate(x, topk_ids, buffer, num_experts, block_size, variant_mode, on_device=False)
     return (topk_ids.new_empty(topk_ids.shape, dtype=torch.int32),
             topk_ids.new_empty((meta_layout(num_experts)["size"],), dtype=torch.int32))
 
 
+launch.register_op(OP, _impl, mutates_args=("buffer",), fake=_fake)
+
+
 # ---------------------------------------------------------------------------------------------
-# Variant selection, the list of specializations, inputs and checks (tests, benchmark, SIP tuner).
-
-MODELS = {"qwen3-30b-a3b": (2048, 128, 8), "deepseek-v3": (7168, 256, 8)}  # hidden, experts, top-k
-
-
-def config_for(tokens: int, hidden: int, num_experts: int, topk: int, dtype: torch.dtype,
-               mode: str | None = None) -> DispatchConfig:
-    """What moe_dispatch() launches for these sizes."""
-    return DispatchConfig(checks.DTYPE_NAME[dtype], hidden, num_experts, topk, mode or choose_mode(tokens, topk))
-
-
-def all_variants(models=tuple(MODELS.values()), dtypes=(torch.bfloat16,)) -> list[jit.Variant]:
-    """The specializations of these (hidden, experts, top-k) models: dtype x {decode, prefill}."""
-    return [DispatchConfig(checks.DTYPE_NAME[dt], h, e, k, mode).variant()
-            for h, e, k in models for dt in dtypes for mode in ("decode", "prefill")]
-
+# Inputs and checks: tests, benchmark, the SIP tuner.
 
 def random_topk_ids(num_tokens: int, num_experts: int, topk: int, generator: torch.Generator | None = None,
                     device: Any = "cpu") -> torch.Tensor:
@@ -792,34 +692,46 @@ def random_topk_ids(num_tokens: int, num_experts: int, topk: int, generator: tor
     return logits.topk(topk, dim=1).indices.to(device=device, dtype=torch.int32)
 
 
-def sample_args(variant: jit.Variant, tokens: int | None = None, seed: int = 0, device: Any = "cuda",
-                block_size: int = DEFAULT_BLOCK_SIZE) -> tuple:
-    """Fresh args for `launch(compile(variant).fn, args)`: (x, topk_ids, buffer, slot_map, meta,
-    workspace, block_size, num_ctas), random x and routing, buffer NaN-poisoned, buffer of the default
-    capacity, slot_map and meta poisoned (the kernel writes them all), workspace zeroed (prefill) or
-    None (decode). Default tokens: 128 for decode, 4096 for prefill."""
-    cfg = DispatchConfig.from_variant(variant)
-    tokens = (128 if cfg.mode == "decode" else 4096) if tokens is None else tokens
+def workload(config: DispatchConfig, shape: DispatchShape) -> Workload:
+    """`config`'s kernel fed with `shape.tokens` tokens (make_args) or a random count of
+    `token_range(config)` (test_args): args (x, topk_ids, buffer, slot_map, meta, workspace,
+    block_size, num_ctas), random x and routing, the default capacity, buffer, slot_map and meta
+    poisoned (the kernel writes them all). `launch` zeroes the workspace first: a kernel leaves it
+    zero, but a broken candidate of the SIP tuner must not poison the launches after it."""
+    if (shape.hidden, shape.experts, shape.topk, shape.dtype) != \
+            (config.hidden, config.num_experts, config.topk, config.dtype):
+        raise ValueError(f"{shape} does not have the sizes of {config}")
+
+    def zero_then_launch(fn: Any, args: tuple) -> None:
+        if args[5] is not None:
+            args[5].zero_()
+        fn(*args)
+
+    def check(args: tuple) -> float:
+        x, ids, buffer, slot_map, meta, ws, block_size = args[:7]
+        check_dispatch(x, ids, config.num_experts, block_size, MoeDispatch(buffer, slot_map, meta))
+        assert ws is None or not ws.any(), "the workspace was not returned to zero"
+        return 0.0  # exact
+
+    return Workload(compile(config), lambda seed: _args(config, shape.tokens, seed), outputs=_outputs,
+                    check=check, launch=zero_then_launch, name=OP,
+                    test_args=lambda seed: _args(config, random.Random(seed).randint(*token_range(config)), seed))
+
+
+def _args(cfg: DispatchConfig, tokens: int, seed: int) -> tuple:
     g = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(tokens, cfg.hidden, generator=g).to(device=device, dtype=TORCH_DTYPE[cfg.dtype])
-    ids = random_topk_ids(tokens, cfg.num_experts, cfg.topk, g, device)
-    capacity = default_capacity(tokens, cfg.topk, cfg.num_experts, block_size)
-    buffer = torch.full((capacity, cfg.hidden), float("nan"), dtype=x.dtype, device=device)
-    slot_map = torch.full(ids.shape, -7, dtype=torch.int32, device=device)
-    meta = torch.full((meta_layout(cfg.num_experts)["size"],), -7, dtype=torch.int32, device=device)
-    ws = None if cfg.mode == "decode" else torch.zeros(WS_INTS, dtype=torch.int32, device=device)
-    return x, ids, buffer, slot_map, meta, ws, block_size, num_ctas(cfg, tokens, x.device)
+    x = torch.randn(tokens, cfg.hidden, generator=g).to(device="cuda", dtype=checks.TORCH_DTYPE[cfg.dtype])
+    ids = random_topk_ids(tokens, cfg.num_experts, cfg.topk, g, "cuda")
+    capacity = default_capacity(tokens, cfg.topk, cfg.num_experts, DEFAULT_BLOCK_SIZE)
+    buffer = torch.full((capacity, cfg.hidden), float("nan"), dtype=x.dtype, device="cuda")
+    slot_map = torch.full(ids.shape, -7, dtype=torch.int32, device="cuda")
+    meta = torch.full((meta_layout(cfg.num_experts)["size"],), -7, dtype=torch.int32, device="cuda")
+    ws = None if cfg.mode == "decode" else torch.zeros(WS_INTS, dtype=torch.int32, device="cuda")
+    grid = num_ctas(cfg, tokens, modes.sm_count(x.device.index))
+    return x, ids, buffer, slot_map, meta, ws, DEFAULT_BLOCK_SIZE, grid
 
 
-def launch(fn: Callable[..., Any], args: tuple) -> None:
-    """One dispatch with kernel function `fn`. The workspace is zeroed first: a kernel leaves it zero,
-    but a broken candidate of the SIP tuner must not poison the launches after it."""
-    if args[5] is not None:
-        args[5].zero_()
-    fn(*args)
-
-
-def outputs(variant: jit.Variant, args: tuple) -> list[torch.Tensor]:
+def _outputs(args: tuple) -> list[torch.Tensor]:
     """The outputs of a launch in a canonical form that does not depend on the (free) order of the
     tokens within an expert: counts/offsets/overflow/invalid, each pair's buffer row (zeros when
     dropped), and the sorted slots."""
@@ -827,15 +739,6 @@ def outputs(variant: jit.Variant, args: tuple) -> list[torch.Tensor]:
     s = slot_map.long()
     rows = torch.where((s >= 0)[..., None], buffer[s.clamp(0, max(buffer.shape[0] - 1, 0))], 0)
     return [meta, rows, s.flatten().sort().values]
-
-
-def check_args(variant: jit.Variant, args: tuple) -> None:
-    """Raise AssertionError unless the launch that filled `args` is a correct dispatch (and left the
-    workspace zero)."""
-    x, ids, buffer, slot_map, meta, ws, block_size = args[:7]
-    cfg = DispatchConfig.from_variant(variant)
-    check_dispatch(x, ids, cfg.num_experts, block_size, MoeDispatch(buffer, slot_map, meta))
-    assert ws is None or not ws.any(), "the workspace was not returned to zero"
 
 
 def check_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, block_size: int,

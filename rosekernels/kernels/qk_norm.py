@@ -17,11 +17,13 @@ divergence around the shuffles) and masked for storing.
 
 Modes (rosekernels.modes): decode = one warp per block, a tiny grid of one-warp blocks;
 prefill = 8/16/32-warp blocks and several heads per thread group, from the benchmarked table.
+The config, the call's shape and the choice between them live in qk_norm_plan (no CuTeDSL).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from typing import Callable
 
 import cutlass
@@ -29,75 +31,13 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32
 
-from rosekernels import checks, jit, modes
+from rosekernels import checks, jit, launch, modes
+from rosekernels.kernels.qk_norm_plan import (  # noqa: F401  (candidates, variants_for: the contract)
+    DTYPES, HEAD_DIMS, OP, TORCH_DTYPE, QKNormConfig, QKNormShape, candidates, config_for, variants_for)
 from rosekernels.vector_copy import vec_load, vec_store
+from rosekernels.workload import Workload
 
-OP = "qk_norm"
-HEAD_DIMS = (64, 128, 256)
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-TORCH_DTYPE = {checks.DTYPE_NAME[d]: d for d in DTYPES}
-# (q heads, kv heads) of the models the benchmark and all_variants() cover by default.
-MODEL_HEADS = {"qwen3-8b": (32, 8), "qwen3-30b-a3b": (32, 4)}
-
-
-# ---------------------------------------------------------------------------------------------
-# Configuration: everything a compiled variant is specialized on.
-
-@dataclasses.dataclass(frozen=True)
-class QKNormConfig:
-    dtype: str  # q, k and the outputs: "bf16" | "fp16" | "fp32"
-    weight_dtype: str  # both weights: the input dtype or "fp32"
-    head_dim: int
-    q_heads: int
-    k_heads: int
-    eps: float
-    weight_bias: float
-    mode: str  # "decode" | "prefill"
-    warps: int  # warps per block
-    rows_per_thread: int  # heads per thread group
-    cache_hint: str  # for q/k loads and output stores: one of modes.CACHE_HINTS
-
-    @property
-    def vec(self) -> int:
-        """Elements per 128-bit access."""
-        return 128 // checks.cute_dtype(self.dtype).width
-
-    @property
-    def threads_per_head(self) -> int:
-        return min(32, self.head_dim // self.vec)
-
-    @property
-    def vecs_per_thread(self) -> int:
-        return self.head_dim // (self.vec * self.threads_per_head)
-
-    @property
-    def groups_per_block(self) -> int:
-        return self.warps * 32 // self.threads_per_head
-
-    @property
-    def heads_per_block(self) -> int:
-        return self.groups_per_block * self.rows_per_thread
-
-    def variant(self) -> jit.Variant:
-        params = dataclasses.asdict(self)
-        mode = params.pop("mode")
-        return jit.Variant.of(OP, mode, **params)
-
-    @classmethod
-    def from_variant(cls, variant: jit.Variant) -> "QKNormConfig":
-        if variant.op != OP:
-            raise ValueError(f"not a {OP} variant: {variant}")
-        return cls(mode=variant.mode, **dict(variant.params))
-
-    def validate(self) -> None:
-        if self.dtype not in TORCH_DTYPE or self.weight_dtype not in (self.dtype, "fp32"):
-            raise ValueError(f"unsupported dtypes {self.dtype}/{self.weight_dtype}")
-        if self.head_dim not in HEAD_DIMS or min(self.q_heads, self.k_heads) < 1:
-            raise ValueError(f"unsupported head_dim {self.head_dim} or head counts")
-        if self.warps not in (1, 2, 4, 8, 16, 32) or self.rows_per_thread < 1:
-            raise ValueError(f"unsupported block shape: {self.warps} warps x {self.rows_per_thread} rows")
-        if self.cache_hint not in modes.CACHE_HINTS:
-            raise ValueError(f"unknown cache hint {self.cache_hint!r}")
+Config, Shape = QKNormConfig, QKNormShape
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,76 +133,14 @@ def _build(cfg: QKNormConfig) -> Callable[[], tuple]:
     return build
 
 
-def compile(variant: jit.Variant) -> jit.CompiledKernel:
-    """The loaded kernel of `variant`; call `.fn(q, k, q_weight, k_weight, out_q, out_k)`."""
-    cfg = QKNormConfig.from_variant(variant)
-    cfg.validate()
-    return jit.compile_variant(variant, _build(cfg))
+def compile(config: QKNormConfig) -> jit.CompiledKernel:
+    """The loaded kernel of `config`; call `.fn(q, k, q_weight, k_weight, out_q, out_k)`."""
+    config.validate()
+    return jit.compile_variant(config.variant(), _build(config))
 
 
 # ---------------------------------------------------------------------------------------------
-# Variant selection and the list of specializations.
-
-def config_for(tokens: int, q_heads: int, k_heads: int, head_dim: int, dtype: torch.dtype,
-               weight_dtype: torch.dtype, eps: float = 1e-6, weight_bias: float = 0.0,
-               sms: int | None = None) -> QKNormConfig:
-    """What qk_norm() launches for these sizes (decode below the SM count, else the prefill table)."""
-    vec = checks.vector_width(dtype)
-    per_head = min(32, head_dim // vec)
-    mode = modes.select(OP, modes.warps_needed(tokens * (q_heads + k_heads), per_head), sms)
-    return _config(dtype, weight_dtype, head_dim, q_heads, k_heads, eps, weight_bias, mode)
-
-
-def _config(dtype, weight_dtype, head_dim, q_heads, k_heads, eps, weight_bias, mode: modes.Mode) -> QKNormConfig:
-    return QKNormConfig(checks.DTYPE_NAME[dtype], checks.DTYPE_NAME[weight_dtype], int(head_dim),
-                        int(q_heads), int(k_heads), float(eps), float(weight_bias),
-                        mode.name, mode.warps, mode.rows_per_thread, mode.cache_hint)
-
-
-def all_variants(heads=tuple(MODEL_HEADS.values()), eps: float = 1e-6, weight_bias: float = 0.0,
-                 dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[jit.Variant]:
-    """Every specialization qk_norm() can launch for these models: dtype x weight dtype x head dim x
-    (decode + each prefill mode of the table)."""
-    out = []
-    for hq, hk in heads:
-        for dt in dtypes:
-            for wdt in dict.fromkeys((dt, torch.float32)):
-                for d in head_dims:
-                    for mode in modes.all_modes(OP):
-                        out.append(_config(dt, wdt, d, hq, hk, eps, weight_bias, mode).variant())
-    return out
-
-
-def sweep_variants(base: jit.Variant, warps=(8, 16, 32), rows_per_thread=(1, 2, 4),
-                   cache_hints=modes.CACHE_HINTS) -> list[jit.Variant]:
-    """Prefill variants of `base` with other block shapes and cache hints (the benchmark's sweep)."""
-    cfg = QKNormConfig.from_variant(base)
-    return [dataclasses.replace(cfg, mode="prefill", warps=w, rows_per_thread=r, cache_hint=h).variant()
-            for w in warps for r in rows_per_thread for h in cache_hints]
-
-
-# ---------------------------------------------------------------------------------------------
-# Inputs for a variant, and the float64 reference (tests, benchmark, SIP tuner).
-
-def sample_args(variant: jit.Variant, tokens: int | None = None, seed: int = 0,
-                device: str = "cuda") -> tuple[torch.Tensor, ...]:
-    """Fresh random args for `compile(variant).fn(*args)`: (q, k, q_weight, k_weight, out_q, out_k),
-    outputs NaN-poisoned. Default tokens: 1 for decode, 4096 for prefill."""
-    cfg = QKNormConfig.from_variant(variant)
-    if tokens is None:
-        tokens = 1 if cfg.mode == "decode" else 4096
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    dt, wdt = TORCH_DTYPE[cfg.dtype], TORCH_DTYPE[cfg.weight_dtype]
-
-    def rand(*shape, dtype, scale=1.0, shift=0.0):
-        return (torch.randn(*shape, generator=g) * scale + shift).to(dtype=dtype, device=device)
-
-    q = rand(tokens, cfg.q_heads, cfg.head_dim, dtype=dt, scale=3.0)
-    k = rand(tokens, cfg.k_heads, cfg.head_dim, dtype=dt, scale=3.0)
-    wq = rand(cfg.head_dim, dtype=wdt, scale=0.2, shift=1.0)
-    wk = rand(cfg.head_dim, dtype=wdt, scale=0.2, shift=1.0)
-    return q, k, wq, wk, torch.full_like(q, math.nan), torch.full_like(k, math.nan)
-
+# The float64 reference, and inputs for a config (tests, benchmark, SIP tuner).
 
 def reference(q, k, q_weight, k_weight, eps: float = 1e-6, weight_bias: float = 0.0):
     """float64 (out_q, out_k)."""
@@ -277,17 +155,37 @@ def tolerance(dtype: torch.dtype) -> float:
     return {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 2e-5}[dtype]
 
 
-def check_args(variant: jit.Variant, args: tuple[torch.Tensor, ...]) -> float:
-    """Error of the outputs in `args` (after a launch) against the reference; raises if too large."""
-    cfg = QKNormConfig.from_variant(variant)
-    q, k, wq, wk, oq, ok = args
-    worst = 0.0
-    for out, ref in zip((oq, ok), reference(q, k, wq, wk, cfg.eps, cfg.weight_bias)):
-        err = ((out.double() - ref).abs() / (1 + ref.abs())).nan_to_num(math.inf).max().item()
-        worst = max(worst, err)
-    if worst > tolerance(q.dtype):
-        raise AssertionError(f"{variant.key()}: error {worst:.3g} > {tolerance(q.dtype):.3g}")
-    return worst
+def workload(config: QKNormConfig, shape: QKNormShape) -> Workload:
+    """`compile(config)` with its inputs: make_args(seed) at `shape`'s token count, test_args(seed) at
+    a random token count of config's mode (small ones for prefill); args are
+    (q, k, q_weight, k_weight, out_q, out_k) on the GPU, outputs NaN-poisoned."""
+    lo, hi = modes.size_range(config.mode, lambda t: config_for(dataclasses.replace(shape, tokens=t)).mode)
+
+    def args(tokens: int, seed: int) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        dt, wdt = TORCH_DTYPE[config.dtype], TORCH_DTYPE[config.weight_dtype]
+
+        def rand(*size, dtype, scale=1.0, shift=0.0):
+            return (torch.randn(*size, generator=g) * scale + shift).to(dtype=dtype, device="cuda")
+
+        q = rand(tokens, config.q_heads, config.head_dim, dtype=dt, scale=3.0)
+        k = rand(tokens, config.k_heads, config.head_dim, dtype=dt, scale=3.0)
+        wq = rand(config.head_dim, dtype=wdt, scale=0.2, shift=1.0)
+        wk = rand(config.head_dim, dtype=wdt, scale=0.2, shift=1.0)
+        return q, k, wq, wk, torch.full_like(q, math.nan), torch.full_like(k, math.nan)
+
+    def check(a: tuple) -> float:
+        q, k, wq, wk, oq, ok = a
+        worst = 0.0
+        for out, ref in zip((oq, ok), reference(q, k, wq, wk, config.eps, config.weight_bias)):
+            err = ((out.double() - ref).abs() / (1 + ref.abs())).nan_to_num(math.inf).max().item()
+            worst = max(worst, err)
+        if worst > tolerance(q.dtype):
+            raise AssertionError(f"{config.variant().key()}: error {worst:.3g} > {tolerance(q.dtype):.3g}")
+        return worst
+
+    return Workload(compile(config), lambda seed: args(shape.tokens, seed), outputs=lambda a: a[4:6], check=check,
+                    test_args=lambda seed: args(random.Random(seed).randint(lo, hi), seed), name=OP)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,46 +231,36 @@ def _validate(q, k, q_weight, k_weight, out_q, out_k) -> None:
 # ---------------------------------------------------------------------------------------------
 # The op.
 
-_NOOP = lambda *args: None  # noqa: E731  (zero tokens: nothing to launch)
-_dispatch: dict[tuple, Callable] = {}  # (shapes, dtypes, eps, bias) -> loaded kernel function
+_NOTHING = lambda *args: None  # noqa: E731  (zero tokens: nothing to launch)
+_plans = launch.PlanCache()
 
 
-def _launcher(q, k, q_weight, k_weight, eps, weight_bias, out_q, out_k) -> Callable:
-    """Slow path, once per shape: validate everything, pick and load the variant, cache it."""
+def _new_plan(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias) -> launch.Launch:
+    """Slow path, once per signature: validate everything, pick and load the kernel."""
     _validate(q, k, q_weight, k_weight, out_q, out_k)
     tokens, q_heads, head_dim = q.shape
     if tokens == 0:
-        return _NOOP
-    cfg = config_for(tokens, q_heads, k.shape[1], head_dim, q.dtype, q_weight.dtype, eps, weight_bias)
-    fn = compile(cfg.variant()).fn
-    if len(_dispatch) > 4096:  # many distinct token counts: start over rather than grow unbounded
-        _dispatch.clear()
-    _dispatch[(q.shape, k.shape, q.dtype, q_weight.dtype, eps, weight_bias)] = fn
-    return fn
+        return launch.Launch(_NOTHING, q.device.index)
+    shape = QKNormShape(tokens, q_heads, k.shape[1], head_dim, checks.DTYPE_NAME[q.dtype],
+                        checks.DTYPE_NAME[q_weight.dtype], eps, weight_bias)
+    return launch.Launch(compile(config_for(shape, modes.sm_count(q.device.index))).fn, q.device.index)
 
 
-def _run(q, k, q_weight, k_weight, eps, weight_bias, out_q, out_k) -> None:
-    fn = _dispatch.get((q.shape, k.shape, q.dtype, q_weight.dtype, eps, weight_bias))
-    if fn is None:
-        fn = _launcher(q, k, q_weight, k_weight, eps, weight_bias, out_q, out_k)
+def _run(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+         out_q: torch.Tensor, out_k: torch.Tensor, eps: float, weight_bias: float) -> None:
+    # What the plan depends on (the compiled host code checks every other dtype, shape, stride,
+    # alignment and device on each call): a microsecond cheaper than launch.signature of all six.
+    key = (q.shape, k.shape, q.dtype, q_weight.dtype, q.get_device(), eps, weight_bias)
+    plan = _plans.get(key) or _plans.put(key, _new_plan(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias))
     try:
-        # The compiled host code checks dtypes, shapes, strides, alignment and devices itself
-        # and raises before launching; on any failure the full checks say what is wrong.
-        fn(q, k, q_weight, k_weight, out_q, out_k)
+        plan.launch(q, k, q_weight, k_weight, out_q, out_k)
     except Exception:
+        # The compiled host code raises before launching; the full checks say what is wrong.
         _validate(q, k, q_weight, k_weight, out_q, out_k)
         raise
 
 
-@torch.library.custom_op("rosekernels::qk_norm", mutates_args=("out_q", "out_k"))
-def _qk_norm_op(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                out_q: torch.Tensor, out_k: torch.Tensor, eps: float, weight_bias: float) -> None:
-    _run(q, k, q_weight, k_weight, eps, weight_bias, out_q, out_k)
-
-
-@_qk_norm_op.register_fake
-def _(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias) -> None:
-    return None
+launch.register_op(OP, _run, mutates_args=("out_q", "out_k"))  # the schema comes from _run's annotations
 
 
 def qk_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
@@ -391,8 +279,12 @@ def qk_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: 
         out_q = torch.empty_like(q)
     if out_k is None:
         out_k = torch.empty_like(k)
-    if torch.compiler.is_compiling():
+    # The inputs decide (each tensor checked costs host time on every call): a tensor subclass given
+    # only as a weight or an output is refused by the compiled host checks.
+    if launch.eager(q, k):
+        _run(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias)
+    elif all(isinstance(t, torch.Tensor) for t in (q, k, q_weight, k_weight, out_q, out_k)):  # traced, fake, meta
         torch.ops.rosekernels.qk_norm(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias)
     else:
-        _run(q, k, q_weight, k_weight, eps, weight_bias, out_q, out_k)
+        _validate(q, k, q_weight, k_weight, out_q, out_k)  # raises, naming the argument that is not a tensor
     return out_q, out_k

@@ -13,11 +13,13 @@ the shuffles and the barrier; a row's ragged last vector column is masked the sa
 
 Modes (rosekernels.modes): decode = one row per block (one warp per block for short rows);
 prefill = blocks of the tabled warp count (at least one row), many rows per block.
+The config, the call's shape and the choice between them live in rmsnorm_plan (no CuTeDSL).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from typing import Callable
 
 import cutlass
@@ -26,88 +28,13 @@ import torch
 from cutlass import Float32
 from cutlass.memory import SmemAllocator
 
-from rosekernels import checks, jit, modes
+from rosekernels import checks, jit, launch, modes
+from rosekernels.kernels.rmsnorm_plan import (  # noqa: F401  (candidates, variants_for: the contract)
+    DTYPES, MAX_HIDDEN, OP, TORCH_DTYPE, RMSNormConfig, RMSNormShape, candidates, config_for, variants_for)
 from rosekernels.vector_copy import vec_load, vec_store
+from rosekernels.workload import Workload
 
-OP = "rmsnorm"
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-TORCH_DTYPE = {checks.DTYPE_NAME[d]: d for d in DTYPES}
-MAX_HIDDEN = 16384
-MAX_VECS_PER_THREAD = 8
-# Hidden sizes all_variants() covers by default (Llama/Qwen/Mixtral-class models).
-MODEL_HIDDEN = (2048, 4096, 5120, 8192)
-
-
-def threads_per_row(hidden: int, vec: int) -> int:
-    """Power of two: at most MAX_VECS_PER_THREAD vectors per thread, and a full warp per row
-    unless the row has fewer vectors than that."""
-    vecs = hidden // vec
-    tpr = 1 << max(0, math.ceil(math.log2(-(-vecs // MAX_VECS_PER_THREAD))))
-    return max(tpr, min(32, 1 << math.ceil(math.log2(vecs))))
-
-
-@dataclasses.dataclass(frozen=True)
-class RMSNormConfig:
-    dtype: str  # x, residual and outputs: "bf16" | "fp16" | "fp32"
-    weight_dtype: str  # the input dtype or "fp32"
-    hidden: int
-    residual: bool
-    eps: float
-    mode: str  # "decode" | "prefill"
-    warps: int  # warps per block asked by the mode (raised to cover a whole row)
-    cache_hint: str  # for x/residual loads and output stores: one of modes.CACHE_HINTS
-
-    @property
-    def vec(self) -> int:
-        return 128 // checks.cute_dtype(self.dtype).width
-
-    @property
-    def vecs(self) -> int:
-        """128-bit vectors per row."""
-        return self.hidden // self.vec
-
-    @property
-    def threads_per_row(self) -> int:
-        return threads_per_row(self.hidden, self.vec)
-
-    @property
-    def vecs_per_thread(self) -> int:
-        return -(-self.vecs // self.threads_per_row)
-
-    @property
-    def warps_per_row(self) -> int:
-        return max(1, self.threads_per_row // 32)
-
-    @property
-    def block_warps(self) -> int:
-        if self.mode == "decode":
-            return self.warps_per_row
-        return max(self.warps, self.warps_per_row)
-
-    @property
-    def rows_per_block(self) -> int:
-        return self.block_warps * 32 // self.threads_per_row
-
-    def variant(self) -> jit.Variant:
-        params = dataclasses.asdict(self)
-        mode = params.pop("mode")
-        return jit.Variant.of(OP, mode, **params)
-
-    @classmethod
-    def from_variant(cls, variant: jit.Variant) -> "RMSNormConfig":
-        if variant.op != OP:
-            raise ValueError(f"not an {OP} variant: {variant}")
-        return cls(mode=variant.mode, **dict(variant.params))
-
-    def validate(self) -> None:
-        if self.dtype not in TORCH_DTYPE or self.weight_dtype not in (self.dtype, "fp32"):
-            raise ValueError(f"unsupported dtypes {self.dtype}/{self.weight_dtype}")
-        if not (0 < self.hidden <= MAX_HIDDEN) or self.hidden % self.vec:
-            raise ValueError(f"hidden size {self.hidden} must be a multiple of {self.vec} up to {MAX_HIDDEN}")
-        if self.warps not in (1, 2, 4, 8, 16, 32):
-            raise ValueError(f"unsupported warps per block {self.warps}")
-        if self.cache_hint not in modes.CACHE_HINTS:
-            raise ValueError(f"unknown cache hint {self.cache_hint!r}")
+Config, Shape = RMSNormConfig, RMSNormShape
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,75 +147,15 @@ def _build(cfg: RMSNormConfig) -> Callable[[], tuple]:
     return build
 
 
-def compile(variant: jit.Variant) -> jit.CompiledKernel:
-    """The loaded kernel of `variant`; call `.fn(x, weight, residual, out, residual_out)`
-    (residual and residual_out are None for variants without a residual)."""
-    cfg = RMSNormConfig.from_variant(variant)
-    cfg.validate()
-    return jit.compile_variant(variant, _build(cfg))
+def compile(config: RMSNormConfig) -> jit.CompiledKernel:
+    """The loaded kernel of `config`; call `.fn(x, weight, residual, out, residual_out)`
+    (residual and residual_out are None for configs without a residual)."""
+    config.validate()
+    return jit.compile_variant(config.variant(), _build(config))
 
 
 # ---------------------------------------------------------------------------------------------
-# Variant selection and the list of specializations.
-
-def config_for(rows: int, hidden: int, dtype: torch.dtype, weight_dtype: torch.dtype,
-               residual: bool, eps: float = 1e-6, sms: int | None = None) -> RMSNormConfig:
-    """What rmsnorm() launches for these sizes (decode below the SM count, else the prefill table)."""
-    vec = checks.vector_width(dtype)
-    mode = modes.select(OP, modes.warps_needed(rows, threads_per_row(hidden, vec)), sms)
-    return _config(dtype, weight_dtype, hidden, residual, eps, mode)
-
-
-def _config(dtype, weight_dtype, hidden, residual, eps, mode: modes.Mode) -> RMSNormConfig:
-    return RMSNormConfig(checks.DTYPE_NAME[dtype], checks.DTYPE_NAME[weight_dtype], int(hidden),
-                         bool(residual), float(eps), mode.name, mode.warps, mode.cache_hint)
-
-
-def all_variants(hidden=MODEL_HIDDEN, eps: float = 1e-6, dtypes=DTYPES,
-                 residual=(False, True)) -> list[jit.Variant]:
-    """Every specialization rmsnorm() can launch for these hidden sizes: dtype x weight dtype x
-    residual x (decode + each prefill mode of the table)."""
-    out = []
-    for n in hidden:
-        for dt in dtypes:
-            for wdt in dict.fromkeys((dt, torch.float32)):
-                for res in residual:
-                    for mode in modes.all_modes(OP):
-                        out.append(_config(dt, wdt, n, res, eps, mode).variant())
-    return out
-
-
-def sweep_variants(base: jit.Variant, warps=(8, 16, 32), cache_hints=modes.CACHE_HINTS) -> list[jit.Variant]:
-    """Prefill variants of `base` with other block sizes and cache hints (the benchmark's sweep)."""
-    cfg = RMSNormConfig.from_variant(base)
-    return [dataclasses.replace(cfg, mode="prefill", warps=w, cache_hint=h).variant()
-            for w in warps for h in cache_hints]
-
-
-# ---------------------------------------------------------------------------------------------
-# Inputs for a variant, and the float64 reference (tests, benchmark, SIP tuner).
-
-def sample_args(variant: jit.Variant, rows: int | None = None, seed: int = 0,
-                device: str = "cuda") -> tuple[torch.Tensor | None, ...]:
-    """Fresh random args for `compile(variant).fn(*args)`: (x, weight, residual, out, residual_out),
-    outputs NaN-poisoned, residual entries None without a residual. Default rows: 1 for decode,
-    4096 for prefill."""
-    cfg = RMSNormConfig.from_variant(variant)
-    if rows is None:
-        rows = 1 if cfg.mode == "decode" else 4096
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    dt, wdt = TORCH_DTYPE[cfg.dtype], TORCH_DTYPE[cfg.weight_dtype]
-
-    def rand(*shape, dtype, scale=1.0, shift=0.0):
-        return (torch.randn(*shape, generator=g) * scale + shift).to(dtype=dtype, device=device)
-
-    x = rand(rows, cfg.hidden, dtype=dt, scale=2.0)
-    w = rand(cfg.hidden, dtype=wdt, scale=0.2, shift=1.0)
-    res = rand(rows, cfg.hidden, dtype=dt) if cfg.residual else None
-    out = torch.full_like(x, math.nan)
-    res_out = torch.full_like(x, math.nan) if cfg.residual else None
-    return x, w, res, out, res_out
-
+# The float64 reference, and inputs for a config (tests, benchmark, SIP tuner).
 
 def reference(x, weight, eps: float = 1e-6, residual=None):
     """float64 (out, new_residual); new_residual is None without a residual."""
@@ -302,19 +169,42 @@ def tolerance(dtype: torch.dtype) -> float:
     return {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 2e-5}[dtype]
 
 
-def check_args(variant: jit.Variant, args: tuple) -> float:
-    """Error of the outputs in `args` (after a launch) against the reference; raises if too large."""
-    cfg = RMSNormConfig.from_variant(variant)
-    x, w, res, out, res_out = args
-    ref_out, ref_res = reference(x, w, cfg.eps, res)
-    worst = 0.0
-    for got, ref in ((out, ref_out), (res_out, ref_res)):
-        if ref is not None:
-            err = ((got.double() - ref).abs() / (1 + ref.abs())).nan_to_num(math.inf).max().item()
-            worst = max(worst, err)
-    if worst > tolerance(x.dtype):
-        raise AssertionError(f"{variant.key()}: error {worst:.3g} > {tolerance(x.dtype):.3g}")
-    return worst
+def workload(config: RMSNormConfig, shape: RMSNormShape) -> Workload:
+    """`compile(config)` with its inputs: make_args(seed) at `shape`'s row count, test_args(seed) at a
+    random row count of config's mode (small ones for prefill); args are
+    (x, weight, residual, out, residual_out) on the GPU, outputs NaN-poisoned, the residual entries
+    None without a residual."""
+    lo, hi = modes.size_range(config.mode, lambda r: config_for(dataclasses.replace(shape, rows=r)).mode)
+
+    def args(rows: int, seed: int) -> tuple[torch.Tensor | None, ...]:
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        dt, wdt = TORCH_DTYPE[config.dtype], TORCH_DTYPE[config.weight_dtype]
+
+        def rand(*size, dtype, scale=1.0, shift=0.0):
+            return (torch.randn(*size, generator=g) * scale + shift).to(dtype=dtype, device="cuda")
+
+        x = rand(rows, config.hidden, dtype=dt, scale=2.0)
+        w = rand(config.hidden, dtype=wdt, scale=0.2, shift=1.0)
+        res = rand(rows, config.hidden, dtype=dt) if config.residual else None
+        out = torch.full_like(x, math.nan)
+        res_out = torch.full_like(x, math.nan) if config.residual else None
+        return x, w, res, out, res_out
+
+    def check(a: tuple) -> float:
+        x, w, res, out, res_out = a
+        ref_out, ref_res = reference(x, w, config.eps, res)
+        worst = 0.0
+        for got, ref in ((out, ref_out), (res_out, ref_res)):
+            if ref is not None:
+                err = ((got.double() - ref).abs() / (1 + ref.abs())).nan_to_num(math.inf).max().item()
+                worst = max(worst, err)
+        if worst > tolerance(x.dtype):
+            raise AssertionError(f"{config.variant().key()}: error {worst:.3g} > {tolerance(x.dtype):.3g}")
+        return worst
+
+    return Workload(compile(config), lambda seed: args(shape.rows, seed),
+                    outputs=lambda a: [t for t in a[3:5] if t is not None], check=check,
+                    test_args=lambda seed: args(random.Random(seed).randint(lo, hi), seed), name=OP)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,48 +245,37 @@ def _validate(x, weight, residual, out, residual_out) -> None:
 # ---------------------------------------------------------------------------------------------
 # The op.
 
-_NOOP = lambda *args: None  # noqa: E731  (zero rows: nothing to launch)
-_dispatch: dict[tuple, Callable] = {}  # (shape, dtypes, residual?, eps) -> loaded kernel function
+_NOTHING = lambda *args: None  # noqa: E731  (zero rows: nothing to launch)
+_plans = launch.PlanCache()
 
 
-def _launcher(x, weight, residual, out, residual_out, eps) -> Callable:
-    """Slow path, once per shape: validate everything, pick and load the variant, cache it."""
+def _new_plan(x, weight, residual, out, residual_out, eps) -> launch.Launch:
+    """Slow path, once per signature: validate everything, pick and load the kernel."""
     _validate(x, weight, residual, out, residual_out)
     rows, hidden = x.shape
     if rows == 0:
-        return _NOOP
-    cfg = config_for(rows, hidden, x.dtype, weight.dtype, residual is not None, eps)
-    fn = compile(cfg.variant()).fn
-    if len(_dispatch) > 4096:  # many distinct row counts: start over rather than grow unbounded
-        _dispatch.clear()
-    _dispatch[(x.shape, x.dtype, weight.dtype, residual is None, eps)] = fn
-    return fn
+        return launch.Launch(_NOTHING, x.device.index)
+    shape = RMSNormShape(rows, hidden, checks.DTYPE_NAME[x.dtype], checks.DTYPE_NAME[weight.dtype],
+                         residual is not None, eps)
+    return launch.Launch(compile(config_for(shape, modes.sm_count(x.device.index))).fn, x.device.index)
 
 
 def _run(x, weight, residual, out, residual_out, eps) -> None:
-    fn = _dispatch.get((x.shape, x.dtype, weight.dtype, residual is None, eps))
-    if fn is None:
-        fn = _launcher(x, weight, residual, out, residual_out, eps)
+    # What the plan depends on (the compiled host code checks every other dtype, shape, stride,
+    # alignment and device on each call): a microsecond cheaper than launch.signature of all five.
+    key = (x.shape, x.dtype, weight.dtype, residual is None, x.get_device(), eps)
+    plan = _plans.get(key) or _plans.put(key, _new_plan(x, weight, residual, out, residual_out, eps))
     try:
-        # The compiled host code checks dtypes, shapes, strides, alignment and devices itself
-        # and raises before launching; on any failure the full checks say what is wrong.
-        fn(x, weight, residual, out, residual_out)
+        plan.launch(x, weight, residual, out, residual_out)
     except Exception:
+        # The compiled host code raises before launching; the full checks say what is wrong.
         _validate(x, weight, residual, out, residual_out)
         raise
 
 
-@torch.library.custom_op(
-    "rosekernels::rmsnorm", mutates_args=("out", "residual_out"),
-    schema="(Tensor x, Tensor weight, Tensor? residual, Tensor(a!) out, Tensor(b!)? residual_out, "
-           "float eps) -> ()")
-def _rmsnorm_op(x, weight, residual, out, residual_out, eps) -> None:
-    _run(x, weight, residual, out, residual_out, eps)
-
-
-@_rmsnorm_op.register_fake
-def _(x, weight, residual, out, residual_out, eps) -> None:
-    return None
+launch.register_op(
+    OP, _run, mutates_args=("out", "residual_out"),
+    schema="(Tensor x, Tensor weight, Tensor? residual, Tensor(a!) out, Tensor(b!)? residual_out, float eps) -> ()")
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None,
@@ -421,10 +300,14 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: 
         out = torch.empty_like(x)
     if residual is not None and residual_out is None:
         residual_out = torch.empty_like(x)
-    if torch.compiler.is_compiling():
-        torch.ops.rosekernels.rmsnorm(x, weight, residual, out, residual_out, eps)
-    else:
+    # The inputs decide (each tensor checked costs host time on every call): a tensor subclass given
+    # only as the weight or an output is refused by the compiled host checks.
+    if launch.eager(x, residual):
         _run(x, weight, residual, out, residual_out, eps)
+    elif all(t is None or isinstance(t, torch.Tensor) for t in (x, weight, residual, out, residual_out)):
+        torch.ops.rosekernels.rmsnorm(x, weight, residual, out, residual_out, eps)  # traced, fake or meta
+    else:
+        _validate(x, weight, residual, out, residual_out)  # raises, naming the argument that is not a tensor
     if len(shape) != 2:
         out = out.view(shape) if given_out is None else given_out
         if residual_out is not None:

@@ -1,0 +1,92 @@
+"""Report writing shared by the benchmark scripts: the run's environment, number formatting, peers that
+may be missing, and the JSON + markdown files under bench/results/."""
+from __future__ import annotations
+
+import json
+import platform
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def environment(peers: tuple[str, ...] = ()) -> dict[str, Any]:
+    """GPU, software versions and each named peer package's version (or "unavailable")."""
+    from rosekernels import jit
+
+    props = torch.cuda.get_device_properties(0)
+    info: dict[str, Any] = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+                            "python": platform.python_version(), "toolchain": jit.TOOLCHAIN,
+                            "l2_bytes": getattr(props, "L2_cache_size", None)}
+    for name in peers:
+        try:
+            info[name] = getattr(__import__(name), "__version__", "present")
+        except Exception:  # noqa: BLE001 - a missing or broken peer is recorded, not fatal
+            info[name] = "unavailable"
+    return info
+
+
+def fmt(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def ratio(peer: float | None, ours: float | None) -> float | None:
+    return None if peer is None or ours is None else peer / ours
+
+
+def try_peer(name: str, factory: Callable[[], Any], log: list[str]) -> Any:
+    """factory() -> a callable peer, or None with the reason logged ("unavailable")."""
+    try:
+        return factory()
+    except Exception as e:  # noqa: BLE001 - a missing or broken peer is recorded, not fatal
+        log.append(f"{name}: unavailable ({type(e).__name__}: {e})")
+        return None
+
+
+def measure(name: str, fn: Callable[[], Any], errors: list[str]) -> Any:
+    """fn(), or None with the error recorded: one failing method does not end the run."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"{name}: {type(e).__name__}: {e}")
+        traceback.print_exc()
+        return None
+
+
+def write(out: str | Path, stem: str, data: Any, markdown: str) -> None:
+    """<out>/<stem>.json and <out>/<stem>.md, and the markdown on stdout."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=1, default=str))
+    (out / f"{stem}.md").write_text(markdown if markdown.endswith("\n") else markdown + "\n")
+    print(markdown)
+
+
+def recommend_table(sweep_rows: list[dict]) -> list[tuple]:
+    """rosekernels.modes.PREFILL_TABLE rows for a memory-bound op from its block-shape sweep: each
+    sweep row has "warps_needed", "times" {label: us} and "modes" {label: (warps, rows per thread,
+    cache hint)}; the best prefill shape at each measured size, equal neighbours merged, the last
+    row widened to catch everything."""
+    from rosekernels import modes
+
+    best: dict[int, list] = {}
+    for s in sweep_rows:
+        pre = {k: v for k, v in s["times"].items() if k != "decode" and v is not None}
+        if pre and s["warps_needed"] > modes.sm_count():
+            best.setdefault(s["warps_needed"], []).append((pre, s["modes"]))
+    table: list[tuple] = []
+    for wn in sorted(best):
+        # several shapes can need the same warps: take the block size best on their total time
+        labels = set.intersection(*(set(p) for p, _ in best[wn]))
+        label = min(labels, key=lambda k: sum(p[k] for p, _ in best[wn]))
+        entry = tuple(best[wn][0][1][label])
+        if table and table[-1][1:] == entry:
+            table[-1] = (wn, *entry)
+        else:
+            table.append((wn, *entry))
+    if table:
+        table[-1] = (1 << 62, *table[-1][1:])
+    return table

@@ -1,0 +1,45 @@
+"""The kernel-module contract: the names every module in `rosekernels.kernels` (listed in
+`rosekernels.KERNELS`) defines, so that warm-up, tests and the tuner treat every kernel alike.
+
+    Config                   frozen dataclass: everything one launch is specialised on; compile-time
+                             fields go into `variant()` (the compile and tuned-store key), launch
+                             policy (grid, split counts) may stay out of it. `Config.from_variant(v)`
+                             inverts `variant()`.
+    Shape                    frozen dataclass of the problem sizes and options a call has (token count,
+                             heads, hidden size, dtype, ...); `Shape.defaults(mode)` is the shape
+                             `sip-tune --mode` tunes when no --shape is given.
+    config_for(shape)        today's heuristic choice for `shape` (it decides the mode).
+    candidates(shape)        every legal Config that can serve `shape`: the autotuner's search space
+                             (the heuristic's choice among them).
+    compile(config)          the loaded kernel (`jit.CompiledKernel`), from the compile caches.
+    variants_for(models, modes)
+                             the Configs that models (`rosekernels.models.ModelDims`; None: the
+                             library's default coverage) need at warm-up, for the given modes.
+    workload(config, shape)  a `rosekernels.workload.Workload`: inputs of `shape`, outputs, the float64
+                             check and the launch of `config`'s kernel, for tests and the tuner.
+
+Configs, shapes and heuristics live in the kernel's plan module (`<kernel>_plan.py`), which imports
+neither CuTeDSL nor the device code, so they are tested and swept on a CPU without compiling.
+"""
+from __future__ import annotations
+
+import dataclasses
+from types import ModuleType
+from typing import Any, Mapping
+
+NAMES = ("Config", "Shape", "config_for", "candidates", "compile", "variants_for", "workload")
+
+
+def missing(module: ModuleType) -> list[str]:
+    """The contract names `module` does not define."""
+    return [n for n in NAMES if not hasattr(module, n)]
+
+
+def shape_with(shape: Any, overrides: Mapping[str, Any]) -> Any:
+    """`shape` with some fields replaced (e.g. from `sip-tune --shape k=v,...`); unknown keys are an
+    error that lists the known ones."""
+    known = {f.name for f in dataclasses.fields(shape)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"unknown shape keys {unknown}; {type(shape).__name__} takes {sorted(known)}")
+    return dataclasses.replace(shape, **overrides)

@@ -1,0 +1,175 @@
+"""What the two attention kernels share: the prefill kernel (rosekernels.kernels.attention) and the
+split-KV decode kernel (rosekernels.kernels.attention_decode) take the same arguments (q [B, S_q, Hq, d],
+k/v [B, S_kv, Hkv, d], out like q, lse [B, Hq, S_q] fp32), so they share the argument checks, the TMA
+views and the compile-time stand-ins of those arguments, a few device helpers, and the float64
+reference their workloads and tests check against.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rosekernels import jit  # noqa: F401 - first: it pins CUTE_DSL_ARCH=sm_90a before cutlass loads
+from rosekernels import checks
+from rosekernels.kernels.attention_plan import DTYPES, HEAD_DIMS
+
+import cutlass.cute as cute
+from cutlass import Float32
+from cutlass.cute.nvgpu import cpasync
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+CUTE_DTYPES = {name: checks.cute_dtype(name) for name in DTYPES}
+TORCH_DTYPES = {checks.TORCH_DTYPE[name]: name for name in DTYPES}
+
+
+# ---------------------------------------------------------------------------------------------
+# Device helpers.
+
+
+@cute.jit
+def quad_max(x: Float32) -> Float32:
+    """The max over the 4 threads of a quad (the threads that share an accumulator row)."""
+    x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=2))
+    return cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=1))
+
+
+@cute.jit
+def quad_sum(x: Float32) -> Float32:
+    """The sum over the 4 threads of a quad."""
+    x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
+    return x + cute.arch.shuffle_sync_bfly(x, offset=1)
+
+
+def tma_tiles(atom: cute.CopyAtom, smem: cute.Tensor, gmem: cute.Tensor) -> tuple:
+    """(smem, gmem) views of a one-CTA TMA copy: `gmem` tiled like `smem` (first two modes one tile)."""
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
+                                 cute.group_modes(gmem, 0, 2))
+
+
+def fake_qkv_out_lse(dtype: str, head_dim: int) -> tuple:
+    """Compile-time stand-ins for (q, k, v, out, lse), so one compile serves every batch, length,
+    head count and stride: [B, S, H, d] with any 16-byte-aligned strides and a unit last stride
+    (TMA needs that much); lse [B, Hq, S_q] compact fp32."""
+    b, s_q, s_k, h_q, h_k = (cute.sym_int() for _ in range(5))
+
+    def qkv(s, h):
+        strides = tuple(cute.sym_int(divisibility=8) for _ in range(3))
+        return make_fake_tensor(CUTE_DTYPES[dtype], (b, s, h, head_dim), stride=(*strides, 1), assumed_align=16)
+
+    lse = make_fake_compact_tensor(Float32, (b, h_q, s_q), stride_order=(2, 1, 0), assumed_align=16)
+    return qkv(s_q, h_q), qkv(s_k, h_k), qkv(s_k, h_k), qkv(s_q, h_q), lse
+
+
+# ---------------------------------------------------------------------------------------------
+# Host helpers.
+
+
+def validate(q, k, v, out, softmax_scale) -> float:
+    """Check every argument of an attention call before any launch (shapes first, then devices and
+    memory layout); return the softmax scale."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if t is None and name == "out":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [batch, seqlen, heads, head_dim], got shape {list(t.shape)}")
+    checks.check_dtype("q", q, TORCH_DTYPES)
+    for name, t in (("k", k), ("v", v), ("out", out)):
+        if t is not None:
+            checks.check_dtype(name, t, (q.dtype,))
+    B, _, Hq, d = q.shape
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be 64 or 128, got {d}")
+    checks.check_shape("k", k, (B, None, None, d))
+    checks.check_shape("v", v, tuple(k.shape))
+    if out is not None:
+        checks.check_shape("out", out, tuple(q.shape))
+    if B > 65535 or Hq > 65535:  # the prefill grid is 1-D, the decode kernel's is not
+        raise ValueError(f"batch ({B}) and heads ({Hq}) must each be at most 65535 (grid limits)")
+    Hkv = k.shape[2]
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"the number of query heads ({Hq}) must be a multiple of the KV heads ({Hkv})")
+    if k.shape[1] == 0 and q.numel():
+        raise ValueError("k and v must hold at least one key")
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if t is None:
+            continue
+        checks.check_cuda(name, t)
+        if t.numel() == 0:
+            continue
+        checks.check_unit_last_stride(name, t)
+        checks.check_aligned(name, tma_view(t), 16)
+        if any(s == 0 for n, s in zip(t.shape, t.stride()) if n > 1):
+            raise ValueError(f"{name} has a zero stride (an expanded view); pass a materialized tensor")
+        if sum((n - 1) * s for n, s in zip(t.shape, t.stride())) >= 2**31:
+            raise ValueError(f"{name} spans 2^31 elements or more; the kernel indexes with 32 bits")
+    checks.check_same_device(q=q, k=k, v=v, out=out)
+    return scale
+
+
+def tma_view(t: torch.Tensor) -> torch.Tensor:
+    """The same view, with the strides of size-1 dims made those of a contiguous tensor: they never
+    address memory, but the TMA descriptor wants every stride a multiple of 16 bytes."""
+    if all(n > 1 or s % 8 == 0 for n, s in zip(t.shape[:-1], t.stride()[:-1])):
+        return t
+    regular = torch.empty(t.shape, device="meta").stride()
+    return t.as_strided(t.shape, tuple(s if n > 1 else r for n, s, r in zip(t.shape, t.stride(), regular)))
+
+
+def views_needed(*tensors) -> bool:
+    """Whether any of `tensors` (None skipped) needs `tma_view`: decided once per argument
+    signature, since the strides are part of it."""
+    return any(tma_view(t) is not t for t in tensors if t is not None)
+
+
+def reference(q, k, v, causal, scale, lowp=False):
+    """(out, lse) in float64; lowp: the kernels' rounding (P and out in the input dtype, fp32 math).
+
+    Causal is bottom-right aligned; a row that sees no key gets out = 0, lse = -inf."""
+    ratio = q.shape[2] // k.shape[2]
+    acc = torch.float32 if lowp else torch.float64
+    qh, kh, vh = (t.transpose(1, 2).to(acc) for t in (q, k, v))  # [B, H, S, d]
+    kh, vh = kh.repeat_interleave(ratio, dim=1), vh.repeat_interleave(ratio, dim=1)
+    s = qh @ kh.transpose(-1, -2) * scale
+    s_q, s_k = q.shape[1], k.shape[1]
+    if causal:
+        i = torch.arange(s_q, device=q.device)[:, None]
+        j = torch.arange(s_k, device=q.device)[None, :]
+        s = s.masked_fill(j > i + s_k - s_q, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    if lowp:
+        p = p.to(q.dtype).to(acc)
+    out = (p @ vh).transpose(1, 2)
+    if lowp:
+        out = out.to(q.dtype)
+    return out.double(), lse.double()
+
+
+def check(out, lse, q, k, v, causal, scale, what) -> float:
+    """Raise AssertionError unless out is within 2x the error of a same-precision reference (+1e-3)
+    and every element is written; with lse: lse within 1e-3, -inf exactly on the rows that see no
+    key, and those rows of out 0. Returns the largest |out - reference|."""
+    ref, ref_lse = reference(q, k, v, causal, scale)
+    lowp, _ = reference(q, k, v, causal, scale, lowp=True)
+    assert not out.isnan().any(), f"{what}: {out.isnan().sum().item()} output elements unwritten (NaN)"
+    err = (out.double() - ref).abs().max().item()
+    err_lowp = (lowp - ref).abs().max().item()
+    assert err <= 2 * err_lowp + 1e-3, f"{what}: max |out - ref| = {err:.3g}, same-precision reference {err_lowp:.3g}"
+    if lse is None:
+        return err
+    assert not lse.isnan().any(), f"{what}: {lse.isnan().sum().item()} lse elements unwritten (NaN)"
+    empty = ref_lse == float("-inf")
+    assert torch.equal(lse == float("-inf"), empty), f"{what}: -inf lse rows differ from the reference"
+    assert (out.double()[empty.transpose(1, 2)] == 0).all(), f"{what}: a row that sees no key is not 0"
+    lse_err = (lse.double() - ref_lse)[~empty].abs().max().item() if (~empty).any() else 0.0
+    assert lse_err <= 1e-3, f"{what}: max |lse - ref| = {lse_err:.3g}"
+    return err

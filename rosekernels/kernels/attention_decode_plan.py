@@ -1,0 +1,209 @@
+"""Split-KV decode attention planning: what a launch of the split-KV kernel
+(rosekernels.kernels.attention_decode) is specialized on, which config and split count a call gets,
+the configs the tuner may try and the ones warm-up compiles.
+
+No CuTeDSL here: configs and split counts are chosen, listed and tested on a CPU without compiling.
+
+The S_q * Hq/Hkv query rows that share a KV head are packed into the M dimension of a CTA, `tile_m`
+rows per CTA (more rows: more m-blocks); the keys are cut into `splits` chunks of whole `tile_n`
+tiles, one CTA per (split, m-block, KV head, batch). Head dim, dtype, tile_m and the stage count are
+compiled in; the split count, causality and every size are launch-time values.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Iterable
+
+import torch
+
+from rosekernels import checks
+from rosekernels.kernels.attention_plan import DTYPES, HEAD_DIMS
+from rosekernels.models import ModelDims
+from rosekernels.modes import sm_count
+from rosekernels.variant import MODES, Variant
+
+OP = "attention_decode"
+MAX_SEQLEN_Q = 16  # attention() sends S_q <= this here
+MMA_WARPS = 4
+TILE_M = (16, 32, 64)
+STAGES = (2, 3, 4, 5, 6)  # the legal K/V ring depths (6 x 32 KB: one CTA per SM still fits)
+
+# How many KV splits: a fluid model of the launch. Every CTA streams its chunk at the lesser of
+# what one CTA keeps in flight (CTA_GBPS) and its share of HBM (HBM_GBPS over the CTAs of its wave);
+# a wave is one CTA per SM (two fit, but on the H200 a second resident CTA added no bandwidth:
+# B=16 S_kv=1k-4k ran 6-14% faster unsplit, 128 CTAs, than split in two); each wave costs CTA_US of
+# ramp, and a split launch COMBINE_US for the last CTA's combine; more splits must win by SPLIT_GAIN
+# (each costs workspace traffic the model leaves out). Fitted to an H200 sweep of split counts
+# (B 1-64, S_kv 1k-32k, GQA 4 and 1): the picks are within 0.5% of the best. `splits=` overrides.
+HBM_GBPS = 4300.0
+CTA_GBPS = 25.0
+CTA_US = 0.5
+COMBINE_US = 1.0
+MAX_SPLITS = 128
+SPLIT_GAIN = 0.97
+WAVE_CTAS_PER_SM = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeShape:
+    """The sizes and options of a call (the keys of `sip-tune --kernel attention_decode --shape`):
+    q [batch, seqlen_q, heads_q, head_dim], k and v [batch, seqlen_kv, heads_kv, head_dim]."""
+
+    batch: int = 16
+    seqlen_q: int = 1
+    seqlen_kv: int = 4096
+    heads_q: int = 32
+    heads_kv: int = 8
+    head_dim: int = 128
+    dtype: str = "bf16"
+    causal: bool = False
+
+    @classmethod
+    def defaults(cls, mode: str) -> "DecodeShape":
+        if mode != "decode":
+            raise ValueError("attention_decode: the split-KV kernel of short queries; tune it with --mode decode")
+        return cls()
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool = False) -> "DecodeShape":
+        """The shape of a call on q [B, S_q, Hq, d] and k [B, S_kv, Hkv, d]."""
+        batch, seqlen_q, heads_q, head_dim = q.shape
+        return cls(batch, seqlen_q, k.shape[1], heads_q, k.shape[2], head_dim, checks.DTYPE_NAME[q.dtype], causal)
+
+    @property
+    def rows(self) -> int:
+        """Query rows that share one KV head: S_q * Hq / Hkv."""
+        return self.seqlen_q * (self.heads_q // self.heads_kv)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """One compiled specialization, and how it is launched."""
+
+    head_dim: int  # 64 or 128
+    dtype: str  # "bf16" or "fp16"
+    tile_m: int = 16  # packed query rows per CTA: 16, 32 or 64
+    num_stages: int = 3  # K/V tiles in flight per CTA (3 x 32 KB: two CTAs fit per SM)
+    # Launch policy, not compiled in (variant() leaves it out): the KV chunks wanted, at most one
+    # per tile (`split_plan`); None: the split-count model's choice for each call's shape.
+    splits: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.tile_m not in TILE_M:
+            raise ValueError(f"tile_m must be 16, 32 or 64, got {self.tile_m}")
+        if not 2 <= self.num_stages <= 6:
+            raise ValueError(f"num_stages must be in [2, 6], got {self.num_stages}")
+        if self.splits is not None and self.splits < 1:
+            raise ValueError(f"splits must be None or >= 1, got {self.splits}")
+
+    @property
+    def tile_n(self) -> int:
+        """Keys per K/V tile: 16 KB of K (and of V) per stage."""
+        return 8192 // self.head_dim
+
+    @property
+    def key_slices(self) -> int:
+        """MMA warps sharing one 16-row block, each taking 1/key_slices of every tile's keys."""
+        return MMA_WARPS // (self.tile_m // 16)
+
+    def variant(self) -> Variant:
+        params = dataclasses.asdict(self)
+        del params["splits"]
+        return Variant.of(OP, "decode", **params)
+
+    @classmethod
+    def from_variant(cls, variant: Variant) -> "DecodeConfig":
+        if variant.op != OP:
+            raise ValueError(f"not an {OP} variant: {variant}")
+        return cls(**dict(variant.params))
+
+
+def tile_m_for(rows: int) -> int:
+    """The smallest row tile that holds `rows` packed query rows (more than 64: several m-blocks)."""
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+
+
+@functools.lru_cache(maxsize=4096)
+def choose_splits(groups: int, n_tiles: int, tile_bytes: int, sms: int,
+                  max_splits: int = MAX_SPLITS) -> tuple[int, int]:
+    """(num_splits, tiles_per_split) for `groups` CTAs' worth of rows over `n_tiles` K/V tiles each."""
+    slots = WAVE_CTAS_PER_SM * sms
+    best = None
+    for want in range(1, max(1, min(n_tiles, max_splits)) + 1):
+        per = -(-n_tiles // want)
+        splits = -(-n_tiles // per)
+        if best is not None and splits == best[1]:
+            continue
+        ctas = groups * splits
+        us = 0.0
+        while ctas > 0:
+            wave = min(ctas, slots)
+            us += per * tile_bytes / 1e3 / min(CTA_GBPS, HBM_GBPS / wave) + CTA_US
+            ctas -= wave
+        us += COMBINE_US if splits > 1 else 0.0
+        if best is None or us < SPLIT_GAIN * best[0]:
+            best = (us, splits, per)
+    return best[1], best[2]
+
+
+def split_plan(cfg: DecodeConfig, shape: DecodeShape, sms: int | None = None) -> tuple[int, int, int]:
+    """(num_splits, tiles_per_split, groups) of a launch of `cfg` on `shape`: `cfg.splits` chunks of
+    whole tiles (cfg.splits None: the model's choice for a GPU of `sms` SMs, the current device's
+    when sms is None), never more than there are tiles or than the workspace's 32-bit indices
+    reach; groups = CTAs per split."""
+    groups = shape.batch * shape.heads_kv * -(-shape.rows // cfg.tile_m)
+    n_tiles = -(-shape.seqlen_kv // cfg.tile_n)
+    fits = (2**31 - 1) // (groups * cfg.tile_m * cfg.head_dim)
+    if cfg.splits is None:
+        splits, per = choose_splits(groups, n_tiles, 2 * cfg.tile_n * cfg.head_dim * 2,
+                                    sm_count() if sms is None else sms, min(MAX_SPLITS, fits))
+    else:
+        per = -(-n_tiles // max(1, min(cfg.splits, n_tiles, fits)))
+        splits = -(-n_tiles // per)
+    return splits, per, groups
+
+
+@functools.lru_cache(maxsize=4096)
+def config_for(shape: DecodeShape, sms: int | None = None) -> DecodeConfig:
+    """What attention() launches for `shape` (S_q <= MAX_SEQLEN_Q) on a GPU of `sms` SMs (None: the
+    current device's): the smallest row tile that holds the packed rows, and the split count of
+    the model."""
+    cfg = DecodeConfig(shape.head_dim, shape.dtype, tile_m_for(shape.rows))
+    return dataclasses.replace(cfg, splits=split_plan(cfg, shape, sms)[0])
+
+
+def candidates(shape: DecodeShape, sms: int | None = None) -> list[DecodeConfig]:
+    """Every row tile that holds `shape`'s packed rows (or 64 rows) x every stage count x split
+    counts: powers of two up to MAX_SPLITS, and the model's choice for the tile, as far as `shape`
+    has tiles to split. config_for(shape, sms) is among them."""
+    found = []
+    for tile_m in TILE_M[TILE_M.index(tile_m_for(shape.rows)):]:
+        for stages in STAGES:
+            cfg = DecodeConfig(shape.head_dim, shape.dtype, tile_m, stages)
+            wanted = (None, *(2**i for i in range(MAX_SPLITS.bit_length())))
+            counts = {split_plan(dataclasses.replace(cfg, splits=s), shape, sms)[0] for s in wanted}
+            found += [dataclasses.replace(cfg, splits=s) for s in sorted(counts)]
+    return found
+
+
+def variants_for(models: Iterable[ModelDims] | None = None, modes: Iterable[str] = MODES) -> list[DecodeConfig]:
+    """The configs attention() can launch for `models` (rosekernels.models.ModelDims: their head dim
+    and dtype, the row tiles of S_q = 1..MAX_SEQLEN_Q at their GQA ratio; a head dim or dtype the
+    kernel lacks needs none). None: every head dim, dtype and row tile. The kernel has only a
+    decode mode."""
+    if "decode" not in set(modes):
+        return []
+    if models is None:
+        return [DecodeConfig(d, dt, m) for d in HEAD_DIMS for dt in DTYPES for m in TILE_M]
+    found = {}
+    for m in models:
+        if m.head_dim in HEAD_DIMS and m.dtype in DTYPES:
+            ratio = m.heads_q // m.heads_kv
+            for s_q in range(1, MAX_SEQLEN_Q + 1):
+                found[DecodeConfig(m.head_dim, m.dtype, tile_m_for(s_q * ratio))] = None
+    return list(found)

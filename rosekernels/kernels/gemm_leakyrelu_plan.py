@@ -1,0 +1,336 @@
+"""Planning for gemm_leakyrelu: its configs and problem shapes, and the cost models that choose a tile
+shape and K split count for a problem. No CuTeDSL here: everything is tested and swept on a CPU.
+
+- Prefill (M > DECODE_MAX_M) is compute bound: a wave model trades each tile shape's MMA efficiency
+  against wave quantization on the SMs (`prefill_choice`); 2-CTA clusters multicast the B tiles.
+- Decode (M <= DECODE_MAX_M) streams the weights: one M tile, and K split across CTAs when the N tiles
+  alone would leave SMs idle; a model of SM fill vs partials traffic picks the tile width and split
+  count (`decode_choice`). M <= 32 loads only the `a_rows` rows of A that hold M.
+
+`config_for(shape)` is the heuristic's choice, `candidates(shape)` every config that can run the shape
+(the tuner's and the benchmark sweep's search space), `variants_for()` what warm-up compiles.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Iterable, Optional
+
+from rosekernels.modes import sm_count
+from rosekernels.variant import MODES, Variant
+
+OP = "gemm_leakyrelu"
+TILE_K = 64  # 128 bytes of bf16/fp16: one SW128 swizzle atom along K
+DECODE_MAX_M = 128  # token counts up to this use the decode variants (one M tile, split-K)
+DTYPES = ("bf16", "fp16")
+
+# Prefill tile candidates and their relative MMA efficiency per output element (the wave model
+# trades it against wave quantization).
+PREFILL_TILES = (
+    # (tile_m, tile_n, pingpong, efficiency)
+    (128, 256, False, 1.00),
+    (128, 192, True, 1.00),
+    (128, 128, True, 0.99),
+)
+# A cooperative tile's epilogue stalls its MMAs for about as long as this many k-tiles of its
+# mainloop take (pingpong hides it under the other warpgroup's mainloop). This constant and the
+# efficiencies above are fitted to H200 sweeps over 23 prefill shapes
+# (bench/results/gemm_leakyrelu_prefill_sweep.md): the model's tile is within 1.2% of the fastest
+# of the three on each.
+COOP_EPILOGUE_K_TILES = 2
+RASTER_GROUP = 8  # cluster rows per band of the tile walk: both operands' bands stay in L2
+# What the prefill search space adds to the heuristic's 2x1 clusters and raster groups of 8. 2x2
+# clusters (both operands multicast) ran 3-21% slower than 2x1 on the H200: left out.
+PREFILL_CLUSTERS = ((2, 1), (1, 2))
+PREFILL_RASTER_GROUPS = (RASTER_GROUP, 2)
+
+# Decode (M <= 128): weight-bandwidth bound. Tile widths and their weight-streaming efficiency at
+# equal SM fill (H200 sweep, bench/results/gemm_leakyrelu_decode_sweep.md: 64-wide tiles pay more
+# per byte).
+DECODE_TILE_N = {64: 0.85, 128: 1.00, 256: 1.00}
+MAX_SPLITS = 16
+A_ROWS = (8, 16, 32, 64)  # rows of A a 64-row decode tile loads: the smallest that holds M
+MIN_SPLIT_K_TILES = 4  # k-tiles per split at least: shorter splits are mostly pipeline fill
+COUNTER_SLOTS = 4096  # split-K tile counters per stream: a split launch has at most this many tiles
+# Cost model constants, fitted to the H200 decode sweep: the rate at which one SM streams weights
+# when the whole GPU is busy, and the fixed cost of one work unit (pipeline fill, epilogue). A
+# CTA that runs two units in sequence is much slower than one running a unit twice as long.
+_SM_BW = 3.1e4  # bytes per us
+_UNIT_US = 3.0
+
+# Token counts whose choices variants_for(models) collects: every decode M, a spread of prefill M.
+WARMUP_TOKENS = {"decode": range(1, DECODE_MAX_M + 1),
+                 "prefill": (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs and shapes.
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """One launch: the compile-time choices of a specialization (its `variant()`), then the launch
+    policy the same compiled kernel takes at run time (K splits, raster group)."""
+
+    dtype: str = "bf16"  # a, b and out: "bf16" | "fp16"
+    b_major: str = "k"  # memory order of b seen as [N, K]: "k" (row-major [N, K]) | "n" ([K, N])
+    bias: str = "none"  # "none" | the bias dtype: "bf16" | "fp16" | "fp32"
+    slope: float = 0.01  # LeakyReLU negative slope, constant-folded
+    tile_m: int = 128
+    tile_n: int = 256
+    cluster_m: int = 2  # CTAs along M sharing (multicasting) each B tile
+    cluster_n: int = 1  # CTAs along N sharing each A tile
+    pingpong: bool = False  # one tile per warpgroup, alternating mainloops
+    split_k: bool = False  # decode: K may be split across CTAs at runtime
+    # Decode with M <= a_rows < tile_m = 64: rows of A loaded per k-tile (None: tile_m).
+    a_rows: Optional[int] = None
+    # Launch policy, not compiled in (left out of variant()):
+    splits: int = 1  # K splits (split-K variants only)
+    raster_group: int = RASTER_GROUP  # cluster rows per band of the persistent tile walk
+
+    def __post_init__(self) -> None:
+        if self.a_rows is None:
+            object.__setattr__(self, "a_rows", self.tile_m)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be bf16 or fp16, got {self.dtype!r}")
+        if self.b_major not in ("k", "n"):
+            raise ValueError(f"b_major must be 'k' or 'n', got {self.b_major!r}")
+        if self.bias not in ("none", "bf16", "fp16", "fp32"):
+            raise ValueError(f"bias must be none/bf16/fp16/fp32, got {self.bias!r}")
+        if self.bias not in ("none", self.dtype, "fp32"):
+            raise ValueError(f"a {self.dtype} GEMM takes a {self.dtype} or fp32 bias, not {self.bias}")
+        if self.pingpong and (self.tile_m != 128 or self.tile_n > 192):
+            raise ValueError("pingpong tiles are 128 x (<= 192): one warpgroup holds the accumulator")
+        if not self.pingpong and self.tile_m not in (64, 128):
+            raise ValueError("cooperative tiles are 64 or 128 rows (one 64-row warpgroup each)")
+        if self.tile_n % 32 or not 32 <= self.tile_n <= 256:
+            raise ValueError("tile_n must be a multiple of 32 in [32, 256]")
+        if self.cluster_m * self.cluster_n > 2 or min(self.cluster_m, self.cluster_n) < 1:
+            raise ValueError("clusters are 1x1, 2x1 or 1x2")
+        if self.split_k and (self.cluster_m * self.cluster_n != 1 or self.pingpong):
+            raise ValueError("split-K variants are cooperative and do not use clusters")
+        if self.a_rows != self.tile_m and (self.a_rows not in (8, 16, 32) or self.tile_m != 64
+                                           or not self.split_k):
+            raise ValueError("a_rows < tile_m is 8, 16 or 32 and only for split-K tiles of 64 rows")
+        if self.splits < 1 or (self.splits > 1 and not self.split_k):
+            raise ValueError(f"{self.splits} K splits: at least 1, and more only for split-K variants")
+        if self.raster_group < 1:
+            raise ValueError(f"raster_group must be at least 1, got {self.raster_group}")
+
+    @property
+    def mode(self) -> str:
+        return "decode" if self.split_k else "prefill"
+
+    def variant(self) -> Variant:
+        params = dataclasses.asdict(self)
+        del params["splits"], params["raster_group"]  # launch policy: one compile serves every value
+        if self.a_rows == self.tile_m:
+            del params["a_rows"]  # the keys of whole-tile variants predate a_rows
+        return Variant.of(OP, self.mode, **params)
+
+    @classmethod
+    def from_variant(cls, variant: Variant) -> "GemmConfig":
+        """The config of `variant` with the default launch policy (one K split, RASTER_GROUP)."""
+        if variant.op != OP:
+            raise ValueError(f"not a {OP} variant: {variant.key()}")
+        return cls(**dict(variant.params))
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmShape:
+    """One call: out[m, n] = leaky_relu(a[m, k] @ b[n, k]^T + bias, slope)."""
+
+    m: int
+    n: int = 14336
+    k: int = 4096
+    dtype: str = "bf16"
+    b_major: str = "k"
+    bias: str = "none"
+    slope: float = 0.01
+
+    @property
+    def mode(self) -> str:
+        return "decode" if self.m <= DECODE_MAX_M else "prefill"
+
+    @classmethod
+    def defaults(cls, mode: str) -> "GemmShape":
+        """What `sip-tune --mode` tunes without --shape: an MLP up projection (Llama-3-8B sizes)."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
+        return cls(m=16 if mode == "decode" else 8192)
+
+
+def check_fits(config: GemmConfig, m: int, n: int) -> None:
+    """Raise ValueError unless `config` can run an [m, K] x [n, K] problem: its K splits fit the tile
+    counters and 32-bit partials indexing, and a tile that loads a_rows rows of A holds M."""
+    if config.split_k and not split_fits(m, n, config.tile_m, config.tile_n, config.splits):
+        raise ValueError(f"{m}x{n} is too large for {config.splits} K splits of {config}")
+    if config.a_rows < config.tile_m and m > config.a_rows:
+        raise ValueError(f"{config} loads {config.a_rows} rows of A: M = {m} is too many")
+
+
+def m_range(config: GemmConfig) -> tuple[int, int]:
+    """The token counts (M) that config_for gives `config`'s tiling along M (tile_m, a_rows), at
+    any N and K: what tests of the config sample. Prefill: the same code serves every M past the
+    decode range; small ones keep samples cheap and exercise the ragged tails."""
+    if not config.split_k:
+        return DECODE_MAX_M + 1, 4 * DECODE_MAX_M + 64
+    if config.tile_m == 128:
+        return 65, DECODE_MAX_M
+    smaller = [r for r in A_ROWS if r < config.a_rows]
+    return (smaller[-1] + 1 if smaller else 1), config.a_rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost models.
+
+
+def split_fits(m: int, n: int, tile_m: int, tile_n: int, splits: int) -> bool:
+    """Whether a split-K launch fits the tile counters and 32-bit partials indexing."""
+    tiles = math.ceil(m / tile_m) * math.ceil(n / tile_n)
+    return splits == 1 or (tiles <= COUNTER_SLOTS and splits * m * math.ceil(n / tile_n) * tile_n < 2**31)
+
+
+def decode_cost(m: int, n: int, k: int, tile_m: int, tile_n: int, splits: int, num_sms: int) -> float:
+    """Modelled microseconds of a decode launch. Units (N tile x K split) are dealt round-robin to
+    at most one CTA per SM, so the busiest CTA runs ceil(units / SMs) of them, each streaming its
+    weight slice; with splits, the last split of a tile then reads all partials (M valid rows) alone.
+    On the H200 sweep the best split count always kept every unit in one wave."""
+    k_tiles = math.ceil(k / TILE_K)
+    units = math.ceil(m / tile_m) * math.ceil(n / tile_n) * splits
+    waves = math.ceil(units / num_sms)
+    unit_bytes = tile_n * math.ceil(k_tiles / splits) * TILE_K * 2
+    cost = waves * (unit_bytes / (_SM_BW * DECODE_TILE_N[tile_n]) + _UNIT_US)
+    if splits > 1:
+        cost += min(m, tile_m) * tile_n * 4 * splits / _SM_BW
+    return cost
+
+
+def decode_splits(m: int, n: int, k: int, tile_m: int, tile_n: int, num_sms: int) -> tuple[float, int]:
+    """(modelled us, K splits) of least modelled cost for one decode tile shape; a split count
+    must win by 1% over fewer splits."""
+    max_splits = max(1, min(MAX_SPLITS, math.ceil(k / TILE_K) // MIN_SPLIT_K_TILES))
+    best = (decode_cost(m, n, k, tile_m, tile_n, 1, num_sms), 1)
+    for splits in range(2, max_splits + 1):
+        if not split_fits(m, n, tile_m, tile_n, splits) or math.ceil(n / tile_n) * splits > 8 * num_sms:
+            break  # out of counters, or far past filling the GPU
+        cost = decode_cost(m, n, k, tile_m, tile_n, splits, num_sms)
+        if cost < 0.99 * best[0]:
+            best = (cost, splits)
+    return best
+
+
+@functools.lru_cache(maxsize=4096)
+def decode_choice(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int]:
+    """(tile_m, tile_n, K splits) for an M <= DECODE_MAX_M problem: one M tile (M <= 64 fits a
+    64-row warpgroup tile), the tile width and split count of least modelled cost (128-wide
+    tiles unless another is 1% better)."""
+    tile_m = 64 if m <= 64 else 128
+    best = None
+    for tile_n in (128, 256, 64):
+        cost, splits = decode_splits(m, n, k, tile_m, tile_n, num_sms)
+        if best is None or cost < 0.99 * best[0]:
+            best = (cost, tile_n, splits)
+    return tile_m, best[1], best[2]
+
+
+def prefill_choice(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, bool]:
+    """(tile_m, tile_n, pingpong) for an M > DECODE_MAX_M problem on 2x1 clusters: the tile of
+    least modelled time, waves of clusters x tile work / efficiency."""
+    best = None
+    k_tiles = math.ceil(k / TILE_K)
+    for tile_m, tile_n, pingpong, efficiency in PREFILL_TILES:
+        clusters = math.ceil(math.ceil(m / tile_m) / 2) * math.ceil(n / tile_n)
+        waves = math.ceil(clusters / (num_sms // 2))
+        tile_k_tiles = k_tiles + (0 if pingpong else COOP_EPILOGUE_K_TILES)
+        cost = waves * tile_m * tile_n * tile_k_tiles / efficiency
+        if best is None or cost < best[0]:
+            best = (cost, tile_m, tile_n, pingpong, waves)
+    _, tile_m, tile_n, pingpong, waves = best
+    if waves == 1 and not pingpong:
+        # Where cooperative tiles make a single wave (one tile per CTA), pingpong 128 x 128 tiles
+        # (two per CTA) measured 2-9% faster on the H200 (e.g. 1024 x 4096 x 14336); the model
+        # above rates them even.
+        return 128, 128, True
+    return tile_m, tile_n, pingpong
+
+
+# ---------------------------------------------------------------------------------------------
+# The contract: the heuristic, the search space, the warm-up set.
+
+
+def _base(shape: GemmShape) -> dict:
+    return dict(dtype=shape.dtype, b_major=shape.b_major, bias=shape.bias, slope=float(shape.slope))
+
+
+def config_for(shape: GemmShape, sms: int | None = None) -> GemmConfig:
+    """The heuristic's config (tile shape and K splits) for `shape` on a GPU with `sms` SMs (None:
+    the current device's)."""
+    sms = sm_count() if sms is None else sms
+    if shape.m <= DECODE_MAX_M:
+        tile_m, tile_n, splits = decode_choice(shape.m, shape.n, shape.k, sms)
+        a_rows = next(r for r in A_ROWS if r >= shape.m) if tile_m == 64 else tile_m
+        return GemmConfig(**_base(shape), tile_m=tile_m, tile_n=tile_n, cluster_m=1, split_k=True,
+                          a_rows=a_rows, splits=splits)
+    tile_m, tile_n, pingpong = prefill_choice(shape.m, shape.n, shape.k, sms)
+    return GemmConfig(**_base(shape), tile_m=tile_m, tile_n=tile_n, pingpong=pingpong)
+
+
+def candidates(shape: GemmShape, sms: int | None = None) -> list[GemmConfig]:
+    """Every config that can run `shape`, config_for's first. Decode: the heuristic's tile_m, each
+    tile width of DECODE_TILE_N, each a_rows that holds M, each split count up to MAX_SPLITS that
+    leaves every split a k-tile and fits the counters. Prefill: each tile of PREFILL_TILES on
+    PREFILL_CLUSTERS, walked in PREFILL_RASTER_GROUPS."""
+    pick = config_for(shape, sms)
+    m, n = shape.m, shape.n
+    if m <= DECODE_MAX_M:
+        rows = [r for r in A_ROWS if r >= m] if pick.tile_m == 64 else [pick.tile_m]
+        max_splits = max(1, min(MAX_SPLITS, math.ceil(shape.k / TILE_K)))
+        found = [GemmConfig(**_base(shape), tile_m=pick.tile_m, tile_n=tile_n, cluster_m=1, split_k=True,
+                            a_rows=a_rows, splits=splits)
+                 for tile_n in sorted(DECODE_TILE_N) for a_rows in rows for splits in range(1, max_splits + 1)
+                 if split_fits(m, n, pick.tile_m, tile_n, splits)]
+    else:
+        found = [GemmConfig(**_base(shape), tile_m=tile_m, tile_n=tile_n, pingpong=pingpong,
+                            cluster_m=cluster_m, cluster_n=cluster_n, raster_group=group)
+                 for tile_m, tile_n, pingpong, _ in PREFILL_TILES
+                 for cluster_m, cluster_n in PREFILL_CLUSTERS for group in PREFILL_RASTER_GROUPS]
+    return list(dict.fromkeys([pick, *found]))
+
+
+def _library_variants() -> list[GemmConfig]:
+    """Every kernel variant `gemm_leakyrelu` can launch at the default slope (bias dtype "fp32"
+    and the input dtype both count; b contiguous along K or N)."""
+    tiles = [dict(tile_m=tm, tile_n=tn, pingpong=pp) for tm, tn, pp, _ in PREFILL_TILES]
+    tiles += [dict(tile_m=64, tile_n=tn, cluster_m=1, split_k=True, a_rows=r)
+              for tn in DECODE_TILE_N for r in A_ROWS]
+    tiles += [dict(tile_m=128, tile_n=tn, cluster_m=1, split_k=True) for tn in DECODE_TILE_N]
+    return [GemmConfig(dtype=dt, b_major=bm, bias=bias, **t)
+            for dt in DTYPES for bm in ("k", "n") for bias in ("none", dt, "fp32") for t in tiles]
+
+
+def _mlp_linears(model) -> list[tuple[int, int]]:
+    """(N, K) of the MLP projections of a model (dense and expert): where an activation follows."""
+    pairs = []
+    for inner in (model.intermediate, model.moe_intermediate):
+        if inner:
+            pairs += [(inner, model.hidden), (model.hidden, inner)]
+    return pairs
+
+
+def variants_for(models: Optional[Iterable] = None, modes: Iterable[str] = MODES) -> list[GemmConfig]:
+    """The configs warm-up compiles, one per variant (launch policy at its defaults). models None:
+    every variant the op can launch at the default slope; else, for each
+    `rosekernels.models.ModelDims`, the configs config_for picks for its MLP projections (bf16/fp16
+    models; b as nn.Linear stores it, no bias, the default slope) over WARMUP_TOKENS of each mode,
+    on the current device."""
+    modes = tuple(modes)
+    if models is None:
+        configs = _library_variants()
+    else:
+        configs = [config_for(GemmShape(m, n, k, dtype=model.dtype))
+                   for model in models if model.dtype in DTYPES for n, k in _mlp_linears(model)
+                   for mode in modes for m in WARMUP_TOKENS[mode]]
+    unique = {c.variant(): dataclasses.replace(c, splits=1, raster_group=RASTER_GROUP) for c in configs}
+    return [c for c in unique.values() if c.mode in modes]

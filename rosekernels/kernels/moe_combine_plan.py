@@ -1,0 +1,111 @@
+"""Planning of `moe_combine` (see moe_combine.py for the kernel): its config, the shape of a call, the
+decode/prefill rule, the tuner's search space and the warm-up set. No CuTeDSL here.
+
+The variants differ only in the CTA size: a thread owns one 16-byte vector of an output row, so few
+tokens (decode, up to DECODE_MAX_TOKENS) are spread over more SMs by small CTAs.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from rosekernels import checks
+from rosekernels.kernels.moe_dispatch_plan import DEFAULT_TOKENS, DTYPE_NAMES, MODELS
+from rosekernels.models import ModelDims
+from rosekernels.variant import MODES, Variant
+
+OP = "moe_combine"
+THREADS = {"decode": 128, "prefill": 256}  # per CTA: small CTAs spread few tokens over more SMs
+DECODE_MAX_TOKENS = 256  # at or below: the decode shape
+THREAD_CHOICES = (64, 128, 256, 512, 1024)  # the tuner's search space
+
+
+@dataclasses.dataclass(frozen=True)
+class CombineConfig:
+    dtype: str  # of expert_out and out
+    weight_dtype: str  # of topk_weights: "fp32" or `dtype`
+    hidden: int
+    topk: int
+    mode: str
+    threads: int = 0  # per CTA; 0: THREADS[mode]
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.weight_dtype not in ("fp32", self.dtype):
+            raise ValueError(f"weight dtype must be fp32 or {self.dtype}, got {self.weight_dtype!r}")
+        if self.hidden <= 0 or self.hidden % self.vec:
+            raise ValueError(f"hidden size must be a positive multiple of {self.vec} (16 bytes) "
+                             f"for {self.dtype}, got {self.hidden}")
+        if not 1 <= self.topk <= 64:
+            raise ValueError(f"top-k must be in [1, 64], got {self.topk}")
+        if self.mode not in THREADS:
+            raise ValueError(f"mode must be 'prefill' or 'decode', got {self.mode!r}")
+        object.__setattr__(self, "threads", self.threads or THREADS[self.mode])
+        if self.threads % 32 or not 32 <= self.threads <= 1024:
+            raise ValueError(f"threads per CTA must be a multiple of 32 in [32, 1024], got {self.threads}")
+
+    @property
+    def vec(self) -> int:
+        return checks.vector_elems(self.dtype)
+
+    def variant(self) -> Variant:
+        return Variant.of(OP, self.mode, dtype=self.dtype, wdtype=self.weight_dtype,
+                          hidden=self.hidden, topk=self.topk, threads=self.threads)
+
+    @classmethod
+    def from_variant(cls, variant: Variant) -> "CombineConfig":
+        p = dict(variant.params)
+        return cls(p["dtype"], p["wdtype"], p["hidden"], p["topk"], variant.mode, p["threads"])
+
+
+@dataclasses.dataclass(frozen=True)
+class CombineShape:
+    """The sizes of one combine: T tokens of `hidden` elements, each the weighted sum of `topk` rows."""
+
+    tokens: int
+    hidden: int = 2048
+    topk: int = 8
+    dtype: str = "bf16"
+    weight_dtype: str = "fp32"
+
+    @classmethod
+    def defaults(cls, mode: str) -> "CombineShape":
+        """Qwen3-30B-A3B's MoE layer at 128 tokens (decode) or 4096 (prefill)."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
+        return cls(DEFAULT_TOKENS[mode])
+
+
+def choose_mode(num_tokens: int) -> str:
+    return "decode" if num_tokens <= DECODE_MAX_TOKENS else "prefill"
+
+
+def config_for(shape: CombineShape) -> CombineConfig:
+    """What moe_combine() launches for `shape`."""
+    return CombineConfig(shape.dtype, shape.weight_dtype, shape.hidden, shape.topk, choose_mode(shape.tokens))
+
+
+def candidates(shape: CombineShape) -> list[CombineConfig]:
+    """Every CTA size of the tuner's search space, in the mode of `shape`."""
+    base = config_for(shape)
+    return [dataclasses.replace(base, threads=t) for t in THREAD_CHOICES]
+
+
+def variants_for(models: list[ModelDims] | None = None, modes: tuple[str, ...] = MODES) -> list[CombineConfig]:
+    """The configs warm-up compiles, with fp32 weights and weights in the model's dtype: of MODELS in
+    bf16 (models None), or of the given models' MoE layers (dense models need none)."""
+    if models is None:
+        dims = [(h, k, "bf16") for h, _, k in MODELS.values()]
+    else:
+        dims = [(m.hidden, m.topk, m.dtype) for m in models if m.experts]
+    return [CombineConfig(dtype, wdtype, h, k, mode) for h, k, dtype in dims
+            for wdtype in dict.fromkeys(("fp32", dtype)) for mode in modes]
+
+
+def token_range(cfg: CombineConfig) -> tuple[int, int]:
+    """The token counts (lo, hi) a workload tests `cfg` on: every count of decode, or the first ones
+    of prefill (the same code with more CTAs; small counts keep samples cheap)."""
+    if cfg.mode == "decode":
+        return 1, DECODE_MAX_TOKENS
+    lo = DECODE_MAX_TOKENS + 1
+    return lo, 2 * lo + 64

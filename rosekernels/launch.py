@@ -1,0 +1,92 @@
+"""The one launch layer every op goes through.
+
+An op reads: validate -> config -> compile -> plan -> launch. The first call with an argument
+signature (shapes, strides, dtypes, devices and the scalar options) validates everything, picks the
+config, loads the compiled kernel and keeps what the signature decides in a plan (`PlanCache`); every
+later call with that signature only does what depends on the data pointers and launches. Eager calls
+on plain tensors skip the torch dispatcher (`eager`), which would add several microseconds to a
+kernel that runs for one or two; traced calls (torch.compile, fake tensors, tensor subclasses) go
+through the op registered with `register_op`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+
+PLAN_CACHE_SIZE = 4096
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # subclasses (fake, functional) take the registered op
+
+
+def signature(*args: Any) -> tuple:
+    """Hashable key of an argument list: a tensor by its shape, strides, dtype and device index; None
+    and scalars as they are. Everything a plan depends on but the data pointers. (A list, not a
+    generator, and the device index, not the device object: each saves host time on every call.) An op
+    whose compiled host code checks strides, alignment and devices on every call may key its plans on
+    less (the norms do: each tensor in the key costs a few hundred nanoseconds per call)."""
+    return tuple([(a.shape, a.stride(), a.dtype, a.get_device()) if isinstance(a, torch.Tensor) else a
+                  for a in args])
+
+
+class PlanCache:
+    """Launch plans by argument signature. Bounded: past `size` signatures (many distinct token
+    counts) it starts over rather than grow without bound."""
+
+    def __init__(self, size: int = PLAN_CACHE_SIZE):
+        self.size = size
+        self._plans: dict[tuple, Any] = {}
+
+    def get(self, key: tuple) -> Any:
+        return self._plans.get(key)
+
+    def put(self, key: tuple, plan: Any) -> Any:
+        if len(self._plans) >= self.size:
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+def eager(*tensors: Any) -> bool:
+    """Whether a call may skip the dispatcher: every argument given is a plain tensor (None skipped),
+    none is a meta tensor, and nothing is being traced."""
+    for t in tensors:
+        if t is not None and (type(t) not in _PLAIN or t.is_meta):
+            return False
+    return not torch.compiler.is_compiling()
+
+
+def on_device(device: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) with `device` current: TVM-FFI launches on the current device's current stream, so a
+    call on tensors of another device switches to it for the launch."""
+    if torch._C._cuda_getDevice() == device:
+        return fn(*args)
+    with torch.cuda.device(device):
+        return fn(*args)
+
+
+class Launch:
+    """One kernel planned for one argument signature: the loaded kernel function and the device it
+    runs on. Ops subclass it to keep what else the signature decides (grid, split count, views)."""
+
+    def __init__(self, fn: Callable[..., Any], device: int):
+        self.fn = fn
+        self.device = device
+
+    def launch(self, *args: Any) -> None:
+        on_device(self.device, self.fn, *args)
+
+
+def register_op(name: str, impl: Callable[..., Any], mutates_args: Iterable[str],
+                fake: Callable[..., Any] | None = None, schema: str | None = None) -> Any:
+    """`impl` as the custom op torch.ops.rosekernels.<name> (what torch.compile and CUDA-graph trees
+    call), with `fake` as its shape function (default: returns None, for ops that only write their
+    out arguments)."""
+    op = torch.library.custom_op(f"rosekernels::{name}", impl, mutates_args=tuple(mutates_args), schema=schema)
+    op.register_fake(fake or (lambda *args, **kwargs: None))
+    return op

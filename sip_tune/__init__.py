@@ -1,0 +1,9 @@
+"""sip_tune: the SASS schedule tuner of rosekernels' kernels, on top of the engine (`sip`) and the
+package (`rosekernels`).
+
+* `sip_tune.runner`    - the GPU worker process: load, test and time candidate cubins, crash-isolated.
+* `sip_tune.tuning`    - the tune loop (simulated annealing over engine schedules), the final
+  validation and the report; the winner goes into the tuned store (`rosekernels.tuned`).
+* `sip_tune.workloads` - what to run for a kernel of the package, from its kernel-module contract.
+* `sip_tune.cli`       - the `sip-tune` command.
+"""

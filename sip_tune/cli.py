@@ -1,0 +1,144 @@
+"""The `sip-tune` command: tune the SASS schedule of a kernel of the package on this GPU and store the
+result for `rosekernels.warmup`.
+
+    sip-tune --kernel qk_norm --mode decode [--shape tokens=4,...] [--budget-minutes 10] ...
+    sip-tune --list [--cache DIR]
+
+Exit codes: 0 done (whether or not a faster schedule was stored), 1 the tuning failed (bad shape, a
+kernel the engine cannot read, a worker that cannot start), 2 bad arguments or no sm_90 GPU.
+Nothing here imports torch or CuTeDSL before a tuning starts: `--list` reads the store only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+import rosekernels
+from rosekernels import tuned
+from rosekernels.variant import MODES
+from sip import SipError
+from sip_tune import tuning, workloads
+from sip_tune.runner import WorkerFailure, gpu_problem
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own exit code 2, our wording
+        self.print_usage(sys.stderr)
+        self.exit(2, f"sip-tune: error: {message}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="sip-tune", description="Tune the SASS schedule of a rosekernels kernel on this GPU "
+                "(simulated annealing + probabilistic testing) and cache the result for rosekernels.warmup.")
+    p.add_argument("--kernel", choices=sorted(rosekernels.KERNELS), help="the kernel to tune")
+    p.add_argument("--mode", choices=MODES, default="decode")
+    p.add_argument("--shape", default="", metavar="K=V,...",
+                   help="sizes and options of the kernel, e.g. tokens=4,q_heads=32,k_heads=8,head_dim=128,dtype=bf16")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--budget-iters", type=int, metavar="N", help="annealing iterations over all runs")
+    budget.add_argument("--budget-minutes", type=float, metavar="M",
+                        help="search time over all runs (default 10 when no budget is given)")
+    p.add_argument("--runs", type=int, default=2, metavar="K", help="independent annealing runs (seeds S..S+K-1)")
+    p.add_argument("--samples", type=int, default=10_000, metavar="N",
+                   help="fresh random samples the winner must pass before it is cached (up to 1e7)")
+    p.add_argument("--search-samples", type=int, default=2, metavar="N", help="samples per candidate in the search")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache", metavar="DIR", help=f"tuned-cubin cache (default ${tuned.ENV_VAR} or "
+                   "<rosekernels cache>/sip)")
+    p.add_argument("--min-speedup", type=float, default=1.01, help="cache only if at least this much faster")
+    p.add_argument("--rtol", type=float, help="compare outputs with this tolerance instead of bitwise")
+    p.add_argument("--atol", type=float, help="(with --rtol) absolute tolerance")
+    p.add_argument("--t-max", type=float, default=0.02, help="initial temperature (relative time units)")
+    p.add_argument("--t-min", type=float, default=2e-4, help="final temperature")
+    p.add_argument("--cooling", type=float, help="cooling factor L (T <- T/L); default: derived from the budget")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    p.add_argument("--list", action="store_true", help="list the cache entries and exit")
+    return p
+
+
+def parse_shape(text: str) -> dict[str, Any]:
+    """'tokens=4,dtype=bf16,eps=1e-6,residual=true' -> typed dict."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        if "=" not in item:
+            raise ValueError(f"bad --shape item {item!r}: expected KEY=VALUE")
+        k, v = (s.strip() for s in item.split("=", 1))
+        if v.lower() in ("true", "false"):
+            out[k] = v.lower() == "true"
+            continue
+        for conv in (int, float):
+            try:
+                out[k] = conv(v)
+                break
+            except ValueError:
+                pass
+        else:
+            out[k] = v
+    return out
+
+
+def _print_entries(root: str | None) -> None:
+    rows = tuned.list_entries(root)
+    print(f"tuned-cubin cache {tuned.resolve_root(root)}: {len(rows)} entries")
+    for r in rows:
+        if r["valid"]:
+            print(f"  {r['kernel']:<15} {r['mode']:<8} {r.get('speedup', math.nan):.3f}x  "
+                  f"{r.get('samples_passed', '?'):>8} samples  {r.get('gpu', '?')}  {r.get('date', '?')}  "
+                  f"{r['spec_key']}")
+        else:
+            print(f"  {r['kernel']:<15} BROKEN: {r['error']}  ({r['path']})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.list:
+        _print_entries(args.cache)
+        return 0
+    if args.kernel is None:
+        parser.error("--kernel is required (or --list)")
+    if args.budget_iters is not None and args.budget_iters < 1:
+        parser.error("--budget-iters must be >= 1")
+    if args.budget_minutes is not None and not args.budget_minutes > 0:
+        parser.error("--budget-minutes must be > 0")
+    if not 1 <= args.samples <= 10**7:
+        parser.error("--samples must be in [1, 1e7]")
+    if args.runs < 1 or args.search_samples < 1:
+        parser.error("--runs and --search-samples must be >= 1")
+    if (args.atol is not None) and args.rtol is None:
+        parser.error("--atol needs --rtol")
+    try:
+        shape = parse_shape(args.shape)
+    except ValueError as e:
+        parser.error(str(e))
+    problem = gpu_problem()
+    if problem:
+        print(f"sip-tune: needs a CUDA sm_90 GPU (H100/H200) to run and time candidates: {problem}.",
+              file=sys.stderr)
+        return 2
+    minutes = args.budget_minutes  # (the two budgets exclude each other)
+    if args.budget_iters is None and minutes is None:
+        minutes = 10.0
+    config = tuning.TuneConfig(
+        budget_iters=args.budget_iters, budget_seconds=None if minutes is None else minutes * 60,
+        runs=args.runs, seed=args.seed, samples=args.samples, search_samples=args.search_samples,
+        t_max=args.t_max, t_min=args.t_min, cooling=args.cooling, min_speedup=args.min_speedup,
+        tolerance=None if args.rtol is None else (args.rtol, args.atol or 0.0))
+    try:
+        factory = workloads.factory(args.kernel, args.mode, shape)
+        report = tuning.tune(factory, config, kernel=args.kernel, cache_root=args.cache)
+    except (SipError, ValueError, WorkerFailure) as e:
+        print(f"sip-tune: {e}", file=sys.stderr)
+        return 1
+    print(report.text())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_dict(), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

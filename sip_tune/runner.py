@@ -1,0 +1,450 @@
+"""Run candidate cubins on the GPU, in a worker process: load, test against the original, time.
+
+A `rosekernels.workload.Workload` says what to tune and how to feed it: the compiled kernel (its
+exported object embeds the original cubin) and a generator of fresh random arguments. Every kernel
+module makes one with `workload(config, shape)` (`sip_tune.workloads.factory` wraps that); any other
+CuTeDSL kernel compiled through `rosekernels.jit.compile_variant` can be tuned by writing a
+module-level function that returns one (`tests/tuner/test_sip_gpu.py` has a small example). The
+`Runner` pickles that function into a spawned worker, which builds the workload itself.
+
+For every candidate the worker
+1. loads it: `jit.load_object(object, {sha256(original): candidate})` patches the cubin inside the
+   exported object and loads that (a few ms, no recompilation);
+2. tests it: fresh random inputs (seeded by the caller) go through the original and the candidate;
+   outputs must match bit for bit (or within a tolerance, if one is given);
+3. times it against the original: each kernel is captured in a CUDA graph of many launches cycling
+   over input sets that together exceed the L2 cache, and the two graphs are replayed alternately;
+   the energy is the median of the per-pair time ratios, so drift of the card cancels out.
+
+Any exception in the worker (an illegal address poisons its CUDA context) ends the worker; a hang is
+cut by a timeout. Either way the parent records the failure, and the next request starts a new worker.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import multiprocessing
+import os
+import random
+import statistics
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+from rosekernels.workload import Workload
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    tolerance: tuple[float, float] | None = None  # (rtol, atol); None: bitwise equality
+    timing_reps: int = 10  # replay pairs (original, candidate) per candidate
+    graph_ms: float = 1.0  # a graph replay lasts at least this long (timer resolution, launch gaps) ...
+    max_graph_ms: float = 8.0  # ... and at most this long (cost per candidate)
+    max_launches: int = 4096  # per graph
+    ring_l2_multiple: float = 2.0  # the timing input sets together span this many L2 caches (0: one hot set)
+    max_ring_sets: int = 4096
+    memory_cap_bytes: int = 2 << 30  # for the timing input sets
+    test_batch: int = 64  # argument sets per test round (final validation)
+    eval_timeout_s: float = 120.0
+    start_timeout_s: float = 900.0
+    recycle_every: int = 3000  # restart the worker after this many loaded candidates (loaded modules pile up)
+
+
+@dataclasses.dataclass
+class Evaluation:
+    status: str  # "ok" | "incorrect" | "crash" | "timeout"
+    rel: float  # candidate time / original time (median of interleaved pairs); inf unless ok
+    cand_us: float = math.nan  # per launch
+    base_us: float = math.nan
+    load_s: float = 0.0
+    test_s: float = 0.0
+    time_s: float = 0.0
+    wall_s: float = 0.0  # round trip as the parent saw it
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+class WorkerFailure(RuntimeError):
+    """The worker died, hung or could not start."""
+
+
+def gpu_problem() -> str | None:
+    """Why this machine cannot tune (None: it can)."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible"
+    cap = torch.cuda.get_device_capability(0)
+    if cap != (9, 0):
+        return f"device 0 is sm_{cap[0]}{cap[1]} ({torch.cuda.get_device_name(0)})"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Parent side.
+
+class Runner:
+    """Owns one worker process at a time; restarts it after a crash, hang or every `recycle_every`
+    candidates. Use as a context manager."""
+
+    def __init__(self, factory: Callable[[], Workload], options: Options = Options(),
+                 log: Callable[[str], None] | None = None, bench: Callable[[Any, Options], Any] | None = None):
+        self.factory = factory
+        self.options = options
+        self.bench = bench or _Bench  # what the worker runs requests on (tests pass a CPU stand-in)
+        self.log = log or (lambda msg: None)
+        self.info: dict[str, Any] = {}
+        self.crashes = 0
+        self.timeouts = 0
+        self.starts = 0
+        self._proc = None
+        self._conn = None
+        self._loaded = 0
+
+    def __enter__(self) -> "Runner":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def start(self) -> dict[str, Any]:
+        if self._proc is not None:
+            return self.info
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker_main, args=(child, self.factory, self.options, self.bench),
+                           name="sip-worker", daemon=True)
+        proc.start()
+        child.close()
+        self._proc, self._conn, self._loaded = proc, parent, 0
+        self.starts += 1
+        kind, payload = self._receive(self.options.start_timeout_s)
+        if kind != "ready":
+            self._kill()
+            self.log(f"worker set-up failed:\n{payload}")
+            last = [line for line in str(payload).strip().splitlines() if line.strip()][-1:]
+            raise WorkerFailure(f"the worker could not set up the kernel: {''.join(last)}")
+        self.info = payload
+        return payload
+
+    def restart(self) -> None:
+        self.close()
+        self.start()
+
+    def close(self) -> None:
+        if self._proc is None:
+            return
+        try:
+            self._conn.send(("quit", None))
+            self._proc.join(10)
+        except (OSError, EOFError, BrokenPipeError):
+            pass
+        self._kill()
+
+    def _kill(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.is_alive():
+            proc.kill()
+            proc.join(10)
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _receive(self, timeout: float) -> tuple[str, Any]:
+        try:
+            if not self._conn.poll(timeout):
+                return "timeout", f"no answer within {timeout:.0f} s"
+            return self._conn.recv()
+        except (EOFError, OSError) as e:
+            code = self._proc.exitcode if self._proc is not None else None
+            return "crash", f"worker died (exit code {code}): {e!r}"
+
+    def request(self, cmd: str, payload: Any, timeout: float) -> tuple[str, Any]:
+        """Send one request; ('crash'|'timeout', message) if the worker failed (it is then gone)."""
+        if self._proc is None:
+            self.start()
+        if cmd != "compare" and self._loaded >= self.options.recycle_every:
+            self.restart()
+        self._loaded += 1
+        self._conn.send((cmd, payload))
+        kind, answer = self._receive(timeout)
+        if kind in ("crash", "timeout"):
+            if kind == "crash":
+                self.crashes += 1
+            else:
+                self.timeouts += 1
+            self.log(f"worker {kind}: {str(answer).strip().splitlines()[-1] if answer else ''}; restarting it")
+            self._kill()
+        elif isinstance(answer, dict) and answer.pop("recycle", False):
+            self.log("worker memory is filling up (loaded candidates); restarting it")
+            self.restart()
+        return kind, answer
+
+    def evaluate(self, cubin: bytes, seed: int, samples: int = 2) -> Evaluation:
+        t0 = time.perf_counter()
+        kind, answer = self.request("eval", (cubin, seed, samples), self.options.eval_timeout_s)
+        wall = time.perf_counter() - t0
+        if kind in ("crash", "timeout"):
+            return Evaluation(kind, math.inf, wall_s=wall, detail=str(answer))
+        return Evaluation(**answer, wall_s=wall)
+
+    def validate(self, cubin: bytes, seed: int, samples: int) -> dict[str, Any]:
+        """Test `cubin` on `samples` fresh input sets; {'passed', 'failed', 'seconds', 'detail', 'status'}."""
+        timeout = self.options.eval_timeout_s + samples * 0.05
+        kind, answer = self.request("validate", (cubin, seed, samples), timeout)
+        if kind in ("crash", "timeout"):
+            return {"status": kind, "passed": 0, "failed": True, "detail": str(answer), "seconds": math.nan}
+        return answer
+
+    def compare(self, cubins: Sequence[bytes], reps: int) -> dict[str, Any]:
+        """Interleaved timing of the original (index 0 of the result) and each cubin."""
+        timeout = self.options.eval_timeout_s * (1 + len(cubins))
+        kind, answer = self.request("compare", (list(cubins), reps), timeout)
+        if kind in ("crash", "timeout"):
+            raise WorkerFailure(f"the final timing run failed: {answer}")
+        return answer
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker side.
+
+def _worker_main(conn: Any, factory: Callable[[], Workload], options: Options,
+                 bench_class: Callable[[Any, Options], Any]) -> None:
+    try:
+        bench = bench_class(factory(), options)
+        conn.send(("ready", bench.info()))
+    except BaseException:  # noqa: BLE001 - report anything, then die
+        conn.send(("error", traceback.format_exc()))
+        os._exit(3)
+    while True:
+        try:
+            cmd, payload = conn.recv()
+        except EOFError:
+            os._exit(0)
+        if cmd == "quit":
+            os._exit(0)
+        try:
+            answer = getattr(bench, cmd)(*payload)
+            conn.send(("ok", answer))
+        except BaseException:  # noqa: BLE001 - the CUDA context may be poisoned: report and die
+            try:
+                conn.send(("crash", traceback.format_exc()))
+            finally:
+                os._exit(4)
+
+
+def _tensors(args: Any) -> list[Any]:
+    import torch
+
+    return [a for a in args if isinstance(a, torch.Tensor)]
+
+
+def _clone(args: tuple) -> tuple:
+    import torch
+
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _set_bytes(args: tuple) -> int:
+    seen = {}
+    for t in _tensors(args):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return max(1, sum(seen.values()))
+
+
+class _Bench:
+    """Everything the worker does, on the GPU."""
+
+    def __init__(self, workload: Workload, options: Options):
+        import torch
+
+        self.torch = torch
+        self.w = workload
+        self.o = options
+        self.original = workload.kernel.cubin
+        self.base = workload.kernel.fn
+        self.stream = torch.cuda.Stream()
+        self.free0 = torch.cuda.mem_get_info()[0]
+        probe = workload.make_args(0x5EED)
+        self.set_bytes = _set_bytes(probe)
+        self._check_deterministic()
+        props = torch.cuda.get_device_properties(0)
+        self.gpu = props.name
+        self.l2 = getattr(props, "L2_cache_size", 0) or (50 << 20)
+        # Input sets that together exceed L2, so that cycling over them keeps the cache from
+        # flattering (each launch of a graph takes the next set).
+        want = math.ceil(self.o.ring_l2_multiple * self.l2 / self.set_bytes)
+        n_ring = max(1, min(want, self.o.max_ring_sets, self.o.memory_cap_bytes // self.set_bytes))
+        self.ring = [probe] + [workload.make_args(0x5EED + i) for i in range(1, n_ring)]
+        # Per-launch time of the original, then launches per graph: the whole ring once and at least
+        # graph_ms, but at most max_graph_ms of work.
+        self.launches = min(len(self.ring), 32)
+        t = statistics.median(self._replay([self._graph(self.base)], 5)[0]) / self.launches
+        t = max(t, 1e-4)
+        self.launches = max(1, min(self.o.max_launches, round(self.o.max_graph_ms / t),
+                                   max(len(self.ring), round(self.o.graph_ms / t))))
+        self.base_graph = self._graph(self.base)
+        self.base_us = statistics.median(self._replay([self.base_graph], 5)[0]) / self.launches * 1e3
+
+    def info(self) -> dict[str, Any]:
+        used = min(len(self.ring), self.launches)
+        return {"gpu": self.gpu, "base_us": self.base_us, "launches_per_graph": self.launches,
+                "input_sets": used, "bytes_cycled": used * self.set_bytes, "l2_bytes": self.l2,
+                "set_bytes": self.set_bytes, "pid": os.getpid(),
+                "tolerance": self.o.tolerance}
+
+    # -- pieces
+
+    def _load(self, cubin: bytes) -> Callable[..., Any]:
+        if cubin == self.original:
+            return self.base
+        if len(cubin) != len(self.original):
+            raise ValueError(f"candidate has {len(cubin)} bytes, the original {len(self.original)}")
+        from rosekernels import jit
+
+        fn, swapped = jit.load_object(self.w.kernel.object_bytes, {self.w.kernel.cubin_sha256: cubin})
+        if not swapped:
+            raise RuntimeError("the original cubin was not found in the kernel's object")
+        return fn
+
+    def _capture(self, body: Callable[[], None]) -> Any:
+        """A CUDA graph of what `body` launches (captured on a side stream, no gc/empty_cache)."""
+        torch = self.torch
+        g = torch.cuda.CUDAGraph()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            # Each graph gets a private memory pool: a shared one is released when its last graph
+            # is freed, and capturing into it again trips an allocator assertion.
+            g.capture_begin()
+            try:
+                body()
+            finally:
+                g.capture_end()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return g
+
+    def _graph(self, fn: Callable[..., Any]) -> Any:
+        """`launches` launches of `fn` cycling over the timing input sets."""
+        self.w.run(fn, self.ring[0])  # a first call outside capture (the module loads lazily)
+
+        def body() -> None:
+            for j in range(self.launches):
+                self.w.run(fn, self.ring[j % len(self.ring)])
+        return self._capture(body)
+
+    def _replay(self, graphs: list[Any], reps: int) -> list[list[float]]:
+        """Milliseconds per replay, graphs alternated (each rep rotates the order)."""
+        torch = self.torch
+        for g in graphs:
+            g.replay()
+        n = len(graphs)
+        ev = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+               for _ in range(reps)] for _ in graphs]
+        for r in range(reps):
+            for k in range(n):
+                gi = (k + r) % n
+                a, b = ev[gi][r]
+                a.record()
+                graphs[gi].replay()
+                b.record()
+        torch.cuda.synchronize()
+        return [[a.elapsed_time(b) for a, b in row] for row in ev]
+
+    def _mismatch(self, ref: Any, out: Any) -> Any:
+        torch = self.torch
+        if ref.shape != out.shape or ref.dtype != out.dtype:
+            return torch.ones((), dtype=torch.bool, device=ref.device)
+        if self.o.tolerance is not None and ref.is_floating_point():
+            rtol, atol = self.o.tolerance
+            return ~torch.isclose(out, ref, rtol=rtol, atol=atol, equal_nan=True).all()
+        a = ref.contiguous().view(-1).view(torch.uint8)
+        b = out.contiguous().view(-1).view(torch.uint8)
+        return (a != b).any()
+
+    def _check_deterministic(self) -> None:
+        """Bitwise testing needs an original that repeats itself exactly."""
+        result = self._test(self.base, 0xD7, 8, batch=8)
+        if result["failed"]:
+            raise RuntimeError("the original kernel's outputs differ between two runs on the same inputs "
+                               f"({result['detail']}); compare canonical outputs or give a tolerance")
+
+    def _test(self, fn: Callable[..., Any], seed: int, samples: int, batch: int) -> dict[str, Any]:
+        """Run `samples` fresh input sets (seeds drawn from `seed`) through the original and `fn`;
+        `batch` samples per round, compared on the device, one host synchronisation per round."""
+        torch = self.torch
+        seeds = random.Random(seed)
+        done = 0
+        t0 = time.perf_counter()
+        while done < samples:
+            k = min(batch, samples - done)
+            pairs = []
+            for _ in range(k):
+                ref = self.w.sample(seeds.getrandbits(63))
+                cand = _clone(ref)
+                self.w.run(self.base, ref)
+                self.w.run(fn, cand)
+                pairs.append((ref, cand))
+            flags = [torch.stack([self._mismatch(r, c) for r, c in zip(self.w.outputs(ref), self.w.outputs(cand))])
+                     .any() for ref, cand in pairs]
+            bad = torch.stack(flags).nonzero()
+            if len(bad):
+                j = int(bad[0])
+                return {"passed": done + j, "failed": True, "seconds": time.perf_counter() - t0,
+                        "detail": f"sample {done + j}: " + self._describe(*pairs[j])}
+            done += k
+        return {"passed": done, "failed": False, "seconds": time.perf_counter() - t0, "detail": ""}
+
+    def _describe(self, ref_args: tuple, cand_args: tuple) -> str:
+        torch = self.torch
+        parts = []
+        for i, (r, c) in enumerate(zip(self.w.outputs(ref_args), self.w.outputs(cand_args))):
+            a = r.contiguous().view(-1).view(torch.uint8)
+            b = c.contiguous().view(-1).view(torch.uint8)
+            diff = (a != b).nonzero()
+            if len(diff):
+                parts.append(f"output {i}: {len(diff)} of {a.numel()} bytes differ, first at byte {int(diff[0])}")
+        return "; ".join(parts) or "outputs differ within tolerance"
+
+    def _recycle(self) -> bool:
+        free = self.torch.cuda.mem_get_info()[0]
+        return free < 0.5 * self.free0 or free < (2 << 30)
+
+    # -- requests
+
+    def eval(self, cubin: bytes, seed: int, samples: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        fn = self._load(cubin)
+        t1 = time.perf_counter()
+        test = self._test(fn, seed, samples, batch=samples)
+        t2 = time.perf_counter()
+        if test["failed"]:
+            return {"status": "incorrect", "rel": math.inf, "load_s": t1 - t0, "test_s": t2 - t1,
+                    "detail": test["detail"], "recycle": self._recycle()}
+        g = self._graph(fn)
+        base, cand = self._replay([self.base_graph, g], self.o.timing_reps)
+        del g
+        rel = statistics.median(c / b for b, c in zip(base, cand))
+        t3 = time.perf_counter()
+        return {"status": "ok", "rel": rel, "cand_us": statistics.median(cand) / self.launches * 1e3,
+                "base_us": statistics.median(base) / self.launches * 1e3,
+                "load_s": t1 - t0, "test_s": t2 - t1, "time_s": t3 - t2, "recycle": self._recycle()}
+
+    def validate(self, cubin: bytes, seed: int, samples: int) -> dict[str, Any]:
+        fn = self._load(cubin)
+        out = self._test(fn, seed, samples, batch=self.o.test_batch)
+        out["status"] = "incorrect" if out["failed"] else "ok"
+        return out
+
+    def compare(self, cubins: list[bytes], reps: int) -> dict[str, Any]:
+        """Per-launch median microseconds of the original and each cubin, all replayed interleaved."""
+        graphs = [self.base_graph] + [self._graph(self._load(c)) for c in cubins]
+        times = self._replay(graphs, reps)
+        us = [[t / self.launches * 1e3 for t in row] for row in times]
+        ratios = [statistics.median(c / b for b, c in zip(times[0], row)) for row in times]
+        return {"median_us": [statistics.median(row) for row in us], "rel": ratios,
+                "min_us": [min(row) for row in us], "reps": reps, "launches_per_graph": self.launches}

@@ -1,0 +1,355 @@
+"""The tune loop and its report: search, validate and store a tuned cubin for one workload.
+
+    tune(factory, TuneConfig(...)) -> TuneReport
+
+`factory` is a picklable zero-argument callable returning a `rosekernels.workload.Workload` (the
+compiled kernel and its input generator); `sip_tune.workloads.factory(kernel, mode, shape)` makes one
+for the kernels of the package. The loop:
+
+1. the parent compiles the kernel (CPU only) and reads its cubin into an engine Schedule;
+2. K independent annealing runs (seeds seed, seed+1, ...) share the budget; each proposal is a legal
+   move of the engine (sip.mutate), rendered to a cubin (`apply`) and sent to the GPU worker, which
+   tests it on fresh random inputs against the original and times it against the original
+   (energy = relative time; failed or crashed candidates get +inf);
+3. every distinct cubin seen is ranked by its search energy; the best few are re-timed together with
+   the original in one interleaved run in a fresh worker, and taken greedily, fastest first: the first
+   one that is at least `min_speedup` faster and passes `samples` fresh random samples is stored
+   (`rosekernels.tuned`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import math
+import os
+import random
+import statistics
+import time
+from typing import Any, Callable
+
+from rosekernels import tuned
+from rosekernels.workload import Workload
+from sip import cubin as elf, deps, mutate, sass, search
+from sip_tune.runner import Evaluation, Options, Runner
+
+# ---------------------------------------------------------------------------------------------
+# The engine (sip.cubin / sip.sass / sip.deps / sip.mutate) behind four functions: what the loop
+# asks of a schedule, and where the CPU tests put a toy engine in.
+
+def engine_initial(cubin: bytes) -> mutate.Schedule:
+    """The schedule the cubin has (of its largest kernel: CuTeDSL cubins hold one)."""
+    parsed = elf.parse_cubin(cubin)
+    kernels = [k for k in parsed.kernels() if k.entry] or parsed.kernels()
+    if not kernels:
+        raise ValueError("the cubin holds no kernel code")
+    name = max(kernels, key=lambda k: k.instruction_count).name
+    return mutate.Schedule.initial(deps.DependencyModel(sass.disassemble_kernel(parsed, name)))
+
+
+def engine_neighbour(schedule: mutate.Schedule, rng: random.Random) -> mutate.Schedule | None:
+    """One random legal move away (the engine's own policy, seeded from `rng`); None: no legal move."""
+    moved, moves = mutate.random_walk(schedule, 1, rng.getrandbits(63))
+    return moved if moves else None
+
+
+def engine_apply(schedule: mutate.Schedule) -> bytes:
+    return mutate.apply(schedule)
+
+
+def engine_stats(schedule: mutate.Schedule) -> tuple[int, int, int]:
+    """(instructions, movable instructions, legal moves) of a schedule, for the report."""
+    return len(schedule.model.instructions), len(mutate.movable(schedule.model)), len(schedule.moves())
+
+
+# ---------------------------------------------------------------------------------------------
+# The tune loop.
+
+@dataclasses.dataclass(frozen=True)
+class TuneConfig:
+    budget_iters: int | None = None  # total over all runs
+    budget_seconds: float | None = None  # total search time over all runs
+    runs: int = 2
+    seed: int = 0
+    samples: int = 10_000  # final validation: fresh random samples through both kernels
+    search_samples: int = 2  # per candidate during the search
+    t_max: float = 0.02
+    t_min: float = 2e-4
+    cooling: float | None = None
+    finalists: int = 4
+    compare_reps: int = 60
+    min_speedup: float = 1.01  # cache only a schedule at least this much faster (0: the best one that passes)
+    exhausted_after: int = 500  # end a run when this many proposals in a row were measured before
+    tolerance: tuple[float, float] | None = None
+    options: Options = Options()
+
+    def __post_init__(self) -> None:
+        if (self.budget_iters is None) == (self.budget_seconds is None):
+            raise ValueError("give exactly one budget: iterations or seconds")
+        if self.runs < 1 or self.samples < 1 or self.search_samples < 1 or self.finalists < 1:
+            raise ValueError("runs, samples, search_samples and finalists must be >= 1")
+
+    def anneal(self) -> search.AnnealConfig:
+        return search.AnnealConfig(self.t_max, self.t_min, self.cooling, self.budget_iters,
+                                   self.budget_seconds).split(self.runs)
+
+
+@dataclasses.dataclass
+class Candidate:
+    """An annealing state: the schedule and the cubin it renders to."""
+
+    schedule: Any
+    cubin: bytes
+    digest: str
+
+
+@dataclasses.dataclass
+class TuneReport:
+    kernel: str
+    variant: str
+    mode: str
+    gpu: str = ""
+    original_sha256: str = ""
+    cubin_bytes: int = 0
+    movable: int = 0  # instructions the mutation policy may move
+    legal_moves: int = 0  # at the start
+    worker: dict[str, Any] = dataclasses.field(default_factory=dict)
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    runs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    iterations: int = 0
+    evaluated: int = 0  # distinct cubins run on the GPU
+    incorrect: int = 0
+    crashed: int = 0
+    timeouts: int = 0
+    worker_starts: int = 0
+    cost_s: dict[str, float] = dataclasses.field(default_factory=dict)  # mean per evaluated candidate
+    finalists: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    baseline_us: float = math.nan
+    tuned_us: float = math.nan
+    speedup: float = 1.0
+    samples_passed: int = 0
+    cached: str = ""  # entry path, or ""
+    outcome: str = ""
+    search_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def text(self) -> str:
+        c = self.cost_s
+        lines = [
+            f"sip-tune report: {self.kernel} ({self.mode})",
+            f"  variant      {self.variant}",
+            f"  gpu          {self.gpu}   original cubin {self.cubin_bytes} B, sha256 {self.original_sha256[:16]}",
+            f"  engine       {self.movable} movable instructions, {self.legal_moves} legal moves at the start",
+            f"  timing       {self.worker.get('launches_per_graph', '?')} launches per CUDA graph over "
+            f"{self.worker.get('input_sets', '?')} input sets ({self.worker.get('bytes_cycled', 0) / 2**20:.1f} MiB)",
+            f"  search       {self.iterations} iterations in {len(self.runs)} runs, {self.search_seconds:.1f} s; "
+            f"{self.evaluated} distinct cubins run: {self.incorrect} incorrect, {self.crashed} crashed, "
+            f"{self.timeouts} hung; worker started {self.worker_starts}x",
+            f"  per cubin    {c.get('total', math.nan):.3f} s = apply {c.get('apply', math.nan):.3f} + load "
+            f"{c.get('load', math.nan):.3f} + test {c.get('test', math.nan):.3f} + time {c.get('time', math.nan):.3f} "
+            f"+ transfer {c.get('other', math.nan):.3f}",
+        ]
+        for r in self.runs:
+            lines.append(f"  run seed {r['seed']}: {r['iterations']} iters, {r['accepted']} accepted, best "
+                         f"{r['best_rel']:.4f} (search energy)" + (", ended early: no new schedule nearby"
+                                                                   if r["exhausted"] else ""))
+        for f in self.finalists:
+            lines.append(f"  finalist {f['digest'][:12]}: search {f['search_rel']:.4f}, re-timed {f['rel']:.4f}"
+                         + (f", validation: {f['validation']}" if f.get("validation") else ""))
+        lines += [
+            f"  result       original {self.baseline_us:.3f} us, tuned {self.tuned_us:.3f} us per launch: "
+            f"{self.speedup:.3f}x ({self.samples_passed} samples passed)",
+            f"  outcome      {self.outcome}",
+            f"  total        {self.total_seconds:.1f} s",
+        ]
+        return "\n".join(lines)
+
+
+def _digest(cubin: bytes) -> str:
+    return hashlib.sha256(cubin).hexdigest()
+
+
+def tune(factory: Callable[[], Workload], config: TuneConfig, *, kernel: str | None = None,
+         cache_root: str | os.PathLike | None = None, log: Callable[[str], None] = print,
+         candidate_hook: Callable[[bytes], bytes] | None = None) -> TuneReport:
+    """Search, validate and (if it pays) cache a tuned cubin for the workload `factory` builds.
+
+    `candidate_hook` (tests only) rewrites every proposed cubin before it is run."""
+    t_start = time.monotonic()
+    workload = factory()  # compiles (CPU); the worker builds its own from the disk cache
+    original, variant = workload.kernel.cubin, workload.kernel.variant
+    kernel = kernel or workload.name or variant.op
+    report = TuneReport(kernel, variant.key(), variant.mode, original_sha256=_digest(original),
+                        cubin_bytes=len(original), config=_config_dict(config))
+    options = dataclasses.replace(config.options, tolerance=config.tolerance)
+    memo: dict[str, float] = {_digest(original): 1.0}
+    costs: dict[str, list[float]] = {k: [] for k in ("apply", "load", "test", "time", "total")}
+    t0 = time.perf_counter()
+    initial = engine_initial(original)  # CPU only: fails fast, before any GPU work, on a cubin SIP cannot read
+    count, report.movable, report.legal_moves = engine_stats(initial)
+    log(f"[sip-tune] {kernel}: {count} instructions, {report.movable} movable, "
+        f"{report.legal_moves} legal moves at the start ({time.perf_counter() - t0:.1f} s to disassemble)")
+    if report.legal_moves == 0:
+        report.outcome = ("the engine finds no legal move in this kernel (its memory instructions are pinned); "
+                          "nothing to tune")
+        report.total_seconds = time.monotonic() - t_start
+        return report
+    runner = Runner(factory, options, log=lambda m: log(f"[sip-tune] {m}"))
+    try:
+        info = runner.start()
+        report.gpu, report.worker = info["gpu"], info
+        log(f"[sip-tune] {kernel} {variant.key()} on {info['gpu']}: original {info['base_us']:.3f} us per launch, "
+            f"{info['launches_per_graph']} launches per graph over {info['input_sets']} input sets")
+
+        seen_in_a_row = [0]  # proposals in a row whose cubin was measured before
+
+        def neighbour(state: Candidate, rng: random.Random) -> Candidate | None:
+            if seen_in_a_row[0] >= config.exhausted_after:
+                return None  # the space around here is exhausted: end the run early
+            t0 = time.perf_counter()
+            schedule = engine_neighbour(state.schedule, rng)
+            if schedule is None:
+                return None
+            cubin = engine_apply(schedule)
+            if candidate_hook is not None:
+                cubin = candidate_hook(cubin)
+            costs["apply"].append(time.perf_counter() - t0)
+            return Candidate(schedule, cubin, _digest(cubin))
+
+        sample_seeds = random.Random(f"sip-samples-{config.seed}")
+
+        def energy(c: Candidate) -> float:
+            if c.digest in memo:
+                seen_in_a_row[0] += 1
+                return memo[c.digest]
+            seen_in_a_row[0] = 0
+            ev: Evaluation = runner.evaluate(c.cubin, sample_seeds.getrandbits(63), config.search_samples)
+            report.evaluated += 1
+            if ev.status == "incorrect":
+                report.incorrect += 1
+            elif ev.status in ("crash", "timeout"):
+                log(f"[sip-tune] candidate {c.digest[:12]}: {ev.status}: {_last_line(ev.detail)}")
+            if ev.ok:
+                costs["load"].append(ev.load_s)
+                costs["test"].append(ev.test_s)
+                costs["time"].append(ev.time_s)
+                costs["total"].append(ev.wall_s + (costs["apply"][-1] if costs["apply"] else 0.0))
+            memo[c.digest] = ev.rel if ev.ok else math.inf
+            return memo[c.digest]
+
+        pool: dict[str, tuple[float, bytes]] = {}
+        acfg = config.anneal()
+        t_search = time.monotonic()
+        for r in range(config.runs):
+            seed = config.seed + r
+            seen_in_a_row[0] = 0
+            start = Candidate(initial, original, _digest(original))
+            progress = _Progress(log, f"run {r + 1}/{config.runs}", acfg)
+            result = search.anneal(start, neighbour, energy, acfg, seed, key=lambda c: c.digest,
+                                   keep=config.finalists, on_step=progress)
+            progress.done(result)
+            report.runs.append({"seed": seed, "iterations": result.iterations, "accepted": result.accepted,
+                                "best_rel": result.best_energy, "seconds": result.seconds,
+                                "exhausted": seen_in_a_row[0] >= config.exhausted_after,
+                                "feedback": sum(s.reward for s in result.steps)})
+            report.iterations += result.iterations
+            for e, digest, cand in result.top:
+                if digest != report.original_sha256 and math.isfinite(e) and e < pool.get(digest, (math.inf,))[0]:
+                    pool[digest] = (e, cand.cubin)
+        report.search_seconds = time.monotonic() - t_search
+        report.crashed, report.timeouts = runner.crashes, runner.timeouts
+        _fill_costs(report, costs)
+        _finish(report, runner, pool, config, kernel, variant, original, cache_root, log)
+        report.worker_starts = runner.starts
+    finally:
+        runner.close()
+        report.total_seconds = time.monotonic() - t_start
+    return report
+
+
+def _finish(report: TuneReport, runner: Runner, pool: dict[str, tuple[float, bytes]], config: TuneConfig,
+            kernel: str, variant: Any, original: bytes, cache_root: Any, log: Callable[[str], None]) -> None:
+    """Greedy pick: re-time the best few against the original in one interleaved run (fresh worker),
+    then validate fastest first; cache the first that is fast enough and passes."""
+    ranked = sorted(pool.items(), key=lambda kv: kv[1][0])[:config.finalists]
+    if not ranked:
+        report.outcome = "no candidate passed testing; nothing cached"
+        return
+    runner.restart()  # nothing a candidate did during the search can leak into the final checks
+    timing = runner.compare([cubin for _, (_, cubin) in ranked], config.compare_reps)
+    report.baseline_us = timing["median_us"][0]
+    for i, (digest, (e, cubin)) in enumerate(ranked):
+        report.finalists.append({"digest": digest, "search_rel": e, "rel": timing["rel"][i + 1],
+                                 "median_us": timing["median_us"][i + 1], "cubin": cubin})
+    report.finalists.sort(key=lambda f: f["rel"])
+    for f in report.finalists:
+        speedup = 1.0 / f["rel"]
+        if speedup < config.min_speedup:
+            f["validation"] = f"skipped: {speedup:.3f}x < {config.min_speedup}x"
+            continue
+        log(f"[sip-tune] validating {f['digest'][:12]} ({speedup:.3f}x) on {config.samples} fresh samples")
+        v = runner.validate(f["cubin"], random.Random(f"sip-final-{config.seed}").getrandbits(63), config.samples)
+        f["validation"] = f"{v['status']}: {v['passed']} passed in {v['seconds']:.1f} s" + (
+            f" ({_last_line(v['detail'])})" if v.get("detail") else "")
+        if v["status"] != "ok":
+            continue
+        report.tuned_us, report.speedup, report.samples_passed = f["median_us"], speedup, v["passed"]
+        meta = {"baseline_median_us": report.baseline_us, "tuned_median_us": f["median_us"],
+                "speedup": speedup, "samples_passed": v["passed"], "search": report.config,
+                "seed": config.seed, "gpu": report.gpu, "iterations": report.iterations,
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        path, written = tuned.store(cache_root, kernel, variant, original, f["cubin"], meta)
+        report.cached = str(path)
+        report.outcome = (f"cached {speedup:.3f}x at {path}" if written else
+                          f"kept the existing, faster entry at {path} (this run: {speedup:.3f}x)")
+        break
+    else:
+        report.outcome = ("no finalist was faster by the required margin and correct on every sample; "
+                          "nothing cached (the untuned kernel stays)")
+    for f in report.finalists:
+        del f["cubin"]
+
+
+def _fill_costs(report: TuneReport, costs: dict[str, list[float]]) -> None:
+    mean = {k: statistics.fmean(v) if v else math.nan for k, v in costs.items()}
+    mean["other"] = mean["total"] - sum(mean[k] for k in ("apply", "load", "test", "time"))
+    report.cost_s = mean
+
+
+def _config_dict(config: TuneConfig) -> dict[str, Any]:
+    d = dataclasses.asdict(config)
+    d["options"] = dataclasses.asdict(config.options)
+    return d
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in str(text).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+class _Progress:
+    """One plain line every few seconds: iteration, temperature, current and best speedup."""
+
+    def __init__(self, log: Callable[[str], None], label: str, cfg: search.AnnealConfig, every_s: float = 2.0):
+        self.log, self.label, self.cfg, self.every_s = log, label, cfg, every_s
+        self.last = -math.inf
+
+    def __call__(self, step: search.Step) -> None:
+        if step.seconds - self.last < self.every_s:
+            return
+        self.last = step.seconds
+        cfg = self.cfg
+        total = f"/{cfg.max_iters}" if cfg.max_iters else f" ({step.seconds:.0f}/{cfg.max_seconds:.0f} s)"
+        self.log(f"[sip-tune] {self.label} iter {step.i + 1}{total}  T={step.temperature:.2e}  "
+                 f"current {_x(step.current)}  best {_x(step.best)}")
+
+    def done(self, result: search.AnnealResult) -> None:
+        self.log(f"[sip-tune] {self.label} done: {result.iterations} iterations, {result.accepted} accepted, "
+                 f"best {_x(result.best_energy)} in {result.seconds:.1f} s")
+
+
+def _x(rel: float) -> str:
+    return f"{1 / rel:.3f}x" if math.isfinite(rel) and rel > 0 else "failed"

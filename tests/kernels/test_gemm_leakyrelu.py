@@ -1,0 +1,493 @@
+"""gemm_leakyrelu: every specialization compiles for sm_90a (with HGMMA), argument errors fire before
+any launch (CPU); results match a float64 reference on fresh random inputs (GPU). The cost models and
+heuristics are tested without CuTeDSL in test_gemm_leakyrelu_plan.py."""
+import dataclasses
+import re
+
+import pytest
+import torch
+
+from kernel_sass import sass_of
+from rosekernels import checks, contract, modes
+from rosekernels.kernels import gemm_leakyrelu as glr
+from rosekernels.kernels import gemm_leakyrelu_plan as plan
+
+# ---------------------------------------------------------------------------------------------
+# CPU: compilation.
+
+# Each prefill tile shape and a spread of decode tiles, both B orders, all bias kinds, both
+# dtypes; the rest under `slow`.
+_SPECS = glr.variants_for()
+_QUICK = [c for c in _SPECS if c.dtype == "bf16" and c.b_major == "k" and c.bias == "none" and not c.split_k]
+_QUICK += [glr.Config(b_major="n", bias="fp32"),
+           glr.Config(tile_m=64, tile_n=128, cluster_m=1, split_k=True),
+           glr.Config(tile_m=64, tile_n=128, cluster_m=1, split_k=True, a_rows=8),
+           glr.Config(dtype="fp16", bias="fp32", tile_m=64, tile_n=256, cluster_m=1,
+                      split_k=True, b_major="n", a_rows=32),
+           glr.Config(tile_m=128, tile_n=256, cluster_m=1, split_k=True, bias="bf16"),
+           glr.Config(dtype="fp16", bias="fp32", tile_m=64, tile_n=64, cluster_m=1,
+                      split_k=True, b_major="n"),
+           glr.Config(dtype="fp16", bias="fp16", tile_m=128, tile_n=128, cluster_m=1,
+                      split_k=True, b_major="n")]
+
+
+def _compile_and_inspect(cfg, tmp_path):
+    kernel = glr.compile(cfg)
+    assert kernel.variant.mode == cfg.mode
+    sass = sass_of(kernel, tmp_path)
+    if sass is None:
+        pytest.skip("nvdisasm not found: compiled, SASS not inspected")
+    ops = set(re.findall(r"\b(HGMMA|UTMALDG|UTMASTG|STSM|LDL|STL|STG\.E\.128|LDG\.E\.128)\b", sass))
+    assert {"HGMMA", "UTMALDG", "UTMASTG", "STSM"} <= ops, (cfg, ops)
+    assert not {"LDL", "STL"} & ops, f"{cfg}: register spills"
+    if cfg.split_k:  # split-K partials move as 16-byte vectors
+        assert {"STG.E.128", "LDG.E.128"} <= ops, (cfg, ops)
+
+
+@pytest.mark.parametrize("cfg", _QUICK, ids=lambda c: c.variant().key())
+def test_compiles_for_sm90a(cfg, tmp_path):
+    _compile_and_inspect(cfg, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", [c for c in _SPECS if c not in _QUICK], ids=lambda c: c.variant().key())
+def test_every_specialization_compiles(cfg, tmp_path):
+    _compile_and_inspect(cfg, tmp_path)
+
+
+def test_module_follows_the_contract():
+    assert contract.missing(glr) == []
+    assert glr.Config is plan.GemmConfig and glr.Shape is plan.GemmShape
+
+
+@pytest.mark.parametrize("a_rows", plan.A_ROWS)
+@pytest.mark.parametrize("tile_n", sorted(plan.DECODE_TILE_N))
+def test_a_smem_layouts(a_rows, tile_n):
+    """The TMA view of the A stages is the first a_rows rows of the WGMMA view (same swizzle,
+    same offsets), stages sit a_rows * 128 bytes apart (a multiple of the 1024-byte swizzle
+    period) and the stage count the kernel derives fits shared memory. Device internals: the
+    kernel class and its layout helper have no public counterpart."""
+    import cutlass
+    import cutlass.cute as cute
+
+    cfg = glr.Config(tile_m=64, tile_n=tile_n, cluster_m=1, split_k=True, a_rows=a_rows)
+    stages = glr._GemmLeakyReluSm90(cfg).ab_stage
+    whole = glr._GemmLeakyReluSm90(glr.Config(tile_m=64, tile_n=tile_n, cluster_m=1, split_k=True))
+    assert stages >= whole.ab_stage, "packing the A stages must not cost stages of weights"
+    found = {}
+
+    coords = [(r, c, s) for s in (0, 1, stages - 1) for r in range(a_rows) for c in (0, 1, 7, 8, 31, 63)]
+
+    @cute.jit
+    def check():  # plain Python values out: no control flow inside the traced function
+        mma, load = glr._a_smem_layouts(cfg, cutlass.BFloat16, stages)
+        found["swizzles"] = (str(mma.inner), str(load.inner))
+        found["load_shape"] = str(cute.shape(load.outer))
+        found["cosize"] = cute.cosize(mma.outer)
+        found["load"] = [load.outer(c) for c in coords]
+        found["mma"] = [mma.outer(c) for c in coords]
+        found["stage_starts"] = [mma.outer((0, 0, s)) for s in range(stages)]
+
+    cute.compile(check)  # traces (and checks) without a GPU
+    assert found["swizzles"][0] == found["swizzles"][1] == "S<3,4,3>"
+    assert found["load"] == found["mma"]
+    assert all(isinstance(x, int) for x in found["mma"]), "layouts must be static"
+    starts = found["stage_starts"]
+    assert starts == [s * a_rows * plan.TILE_K for s in range(stages)]
+    assert all(x * 2 % 1024 == 0 for x in starts), "stages must keep the 1024-byte swizzle phase"
+    # The last stage's 64-row WGMMA view ends inside the buffer.
+    assert found["cosize"] == (stages - 1) * a_rows * plan.TILE_K + 64 * plan.TILE_K
+
+
+def test_a_rows_variant_refuses_larger_m():
+    cfg = glr.Config(tile_m=64, tile_n=128, cluster_m=1, split_k=True, a_rows=8)
+    with pytest.raises(ValueError, match="loads 8 rows of A: M = 9"):
+        glr.run(_cpu(9, 64), _cpu(128, 64), None, _cpu(9, 128), cfg)
+    with pytest.raises(ValueError, match="loads 8 rows of A: M = 9"):
+        glr.workload(cfg, glr.Shape(9, 128, 64))
+
+
+def test_workload_refuses_a_shape_its_config_does_not_serve():
+    cfg = glr.config_for(glr.Shape(16, 4096, 4096), 132)
+    with pytest.raises(ValueError, match="does not serve"):
+        glr.workload(cfg, glr.Shape(16, 4096, 4096, dtype="fp16"))
+    with pytest.raises(ValueError, match="does not serve"):
+        glr.workload(cfg, glr.Shape(16, 4096, 4096, slope=0.2))
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: argument errors fire before anything runs (CPU tensors never reach a kernel: the device
+# check comes last, so every other error is reachable without a GPU).
+
+
+def _cpu(*shape, dtype=torch.bfloat16):
+    return torch.zeros(*shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("case, error, match", [
+    (dict(a=_cpu(4, 16, dtype=torch.float32), b=_cpu(8, 16, dtype=torch.float32)), TypeError, "a has dtype"),
+    (dict(a=_cpu(4, 16), b=_cpu(8, 16, dtype=torch.float16)), TypeError, "must match"),
+    (dict(a=_cpu(4, 16), b=_cpu(8, 24)), ValueError, "K ="),
+    (dict(a=_cpu(4, 12), b=_cpu(8, 12)), ValueError, "multiples of 8"),
+    (dict(a=_cpu(4, 16), b=_cpu(12, 16)), ValueError, "multiples of 8"),
+    (dict(a=_cpu(4, 16, 2), b=_cpu(8, 16)), ValueError, "2-D"),
+    (dict(a=_cpu(4, 16), b=_cpu(8, 16), bias=_cpu(16)), ValueError, "bias has shape"),
+    (dict(a=_cpu(4, 16), b=_cpu(8, 16), bias=_cpu(8, dtype=torch.int32)), TypeError, "bias has dtype"),
+    (dict(a=_cpu(4, 16), b=_cpu(8, 16), bias=_cpu(16)[::2]), ValueError, "contiguous"),
+    (dict(a=_cpu(4, 16), b=_cpu(8, 16), out=_cpu(4, 8, dtype=torch.float32)), TypeError, "out has dtype"),
+    (dict(a=_cpu(4, 16), b=_cpu(8, 16), out=_cpu(4, 16)), ValueError, "out has shape"),
+    (dict(a=_cpu(4, 16), b=_cpu(8, 16), out=_cpu(8, 4).t()), ValueError, "unit stride"),
+    (dict(a=_cpu(16, 4).t(), b=_cpu(8, 16)), ValueError, "unit stride"),
+    (dict(a=_cpu(4, 20)[:, :16], b=_cpu(8, 16)), ValueError, "aligned"),
+    (dict(a=_cpu(4, 16), b=_cpu(8, 16, 2)[:, :, 0]), ValueError, "contiguous along N or K"),
+    (dict(a=_cpu(4, 16), b=_cpu(8, 16), b_layout="mk"), ValueError, "b_layout"),
+    (dict(a=_cpu(4, 16), b=_cpu(8, 16), b_layout="kn"), ValueError, "K ="),
+    (dict(a=_cpu(4, 16), b=_cpu(8, 16)), ValueError, "CUDA device"),
+])
+def test_argument_errors(case, error, match):
+    with pytest.raises(error, match=match):
+        glr.gemm_leakyrelu(**case)
+
+
+def test_registered_op_checks_too():
+    out = _cpu(4, 8)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        torch.ops.rosekernels.gemm_leakyrelu(_cpu(4, 12), _cpu(8, 12), None, out, 0.01)
+    with pytest.raises(ValueError, match="CUDA device"):
+        torch.ops.rosekernels.gemm_leakyrelu(_cpu(4, 16), _cpu(8, 16), None, out, 0.01)
+
+
+def test_out_overlapping_an_input_is_rejected():
+    buf = _cpu(64, 16)
+    with pytest.raises(ValueError, match="overlap a"):
+        glr.gemm_leakyrelu(buf[:4], _cpu(8, 16), out=buf[2:6, :8])
+
+
+def test_meta_tensors_infer_shapes_and_check_them():
+    """Meta (and torch.compile's fake) tensors take the op's fake path: shapes are checked too."""
+    a = torch.empty(4, 16, dtype=torch.bfloat16, device="meta")
+    out = glr.gemm_leakyrelu(a, torch.empty(16, 8, dtype=torch.bfloat16, device="meta"), b_layout="kn")
+    assert out.shape == (4, 8) and out.device.type == "meta"
+    with pytest.raises(ValueError, match="multiples of 8"):
+        glr.gemm_leakyrelu(a, torch.empty(12, 16, dtype=torch.bfloat16, device="meta"))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: correctness.
+
+_TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _inputs(m, n, k, dtype, b_layout="nk", bias=None, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn(m, k, generator=g, device="cuda").to(dtype)
+    w = (torch.randn(n, k, generator=g, device="cuda") / k ** 0.5).to(dtype)
+    b = w if b_layout == "nk" else w.t().contiguous()
+    bias_t = None
+    if bias is not None:
+        bias_t = torch.randn(n, generator=g, device="cuda").to(bias)
+    return a, b, bias_t
+
+
+def _reference(a, b, bias, slope, b_layout="nk"):
+    w = b.double() if b_layout == "nk" else b.double().t()
+    ref = a.double() @ w.t()
+    if bias is not None:
+        ref += bias.double()
+    return torch.nn.functional.leaky_relu(ref, slope)
+
+
+def _assert_close(out, ref, dtype, what=""):
+    assert out.dtype == dtype
+    assert torch.isfinite(out).all(), f"{what}: unwritten (NaN) or non-finite elements"
+    o = out.double()
+    rel = ((o - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    assert rel < (1e-2 if dtype == torch.bfloat16 else 2e-3), f"{what}: relative error {rel:.3g}"
+    # Against the reference rounded like the output: at most one ulp of the output type apart.
+    ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
+    rounded = ref.to(dtype).double()
+    excess = (o - rounded).abs() - (ulp * 1.01 * ref.abs() + 1e-4)
+    worst = excess.argmax()
+    assert excess.max() <= 0, (f"{what}: element {divmod(worst.item(), out.shape[1])} = "
+                               f"{o.flatten()[worst].item()}, reference {ref.flatten()[worst].item()}")
+
+
+def _run(m, n, k, dtype=torch.bfloat16, b_layout="nk", bias=None, slope=0.01, seed=0):
+    a, b, bias_t = _inputs(m, n, k, dtype, b_layout, bias, seed)
+    out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+    res = glr.gemm_leakyrelu(a, b, slope, bias=bias_t, out=out, b_layout=b_layout)
+    assert res is out
+    _assert_close(out, _reference(a, b, bias_t, slope, b_layout), dtype,
+                  f"m={m} n={n} k={k} {dtype} {b_layout} bias={bias} slope={slope}")
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 7, 129, 1000])
+@pytest.mark.parametrize("n", [8, 136, 4104])
+@pytest.mark.parametrize("k", [8, 72, 4104])
+def test_ragged_shapes(m, n, k):
+    _run(m, n, k, bias=torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b_layout", ["nk", "kn"])
+@pytest.mark.parametrize("bias", [None, "same", torch.float32])
+@pytest.mark.parametrize("m", [7, 1000])
+def test_layouts_and_bias(dtype, b_layout, bias, m):
+    _run(m, 136, 4104, dtype, b_layout, dtype if bias == "same" else bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slope", [0.2, -0.5, 1.5, 0.0])
+@pytest.mark.parametrize("m", [7, 1000])
+def test_slopes(slope, m):
+    _run(m, 264, 200, torch.float16, "kn", torch.float32, slope=slope)
+
+
+def _every_config():
+    return [dataclasses.replace(c, dtype=dt, b_major=bm, bias=bias, slope=0.2)
+            for c in glr.variants_for() if c.dtype == "bf16" and c.b_major == "k" and c.bias == "none"
+            for dt, bm, bias in [("bf16", "k", "bf16"), ("fp16", "n", "fp32")]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg, m, n, k", [
+    pytest.param(cfg, m, n, k, id=f"{cfg.variant().key()}-{m}x{n}x{k}") for cfg in _every_config()
+    for m, n, k in [(129, 520, 264), (300, 776, 1032), (1, 8, 8), (64, 4104, 72), (5, 4104, 72)]
+    if m <= cfg.a_rows or cfg.a_rows == cfg.tile_m])  # a_rows variants only take M <= a_rows
+def test_every_tile_config(cfg, m, n, k):
+    """Each kernel variant on ragged shapes, whatever the heuristic would pick; split-K configs
+    with every split count that leaves each split at least one k-tile."""
+    dtype = _TORCH[cfg.dtype]
+    a, b, bias = _inputs(m, n, k, dtype, "nk" if cfg.b_major == "k" else "kn", _TORCH.get(cfg.bias, torch.float32))
+    b_nk = b if cfg.b_major == "k" else b.t()
+    ref = _reference(a, b_nk, bias, cfg.slope)
+    k_tiles = -(-k // plan.TILE_K)
+    for splits in sorted({1, 2, 3, k_tiles}) if cfg.split_k else [1]:
+        if splits > k_tiles:
+            continue
+        for rep in range(2):  # the split counters must be back at zero for the second run
+            out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+            glr.run(a, b_nk, bias, out, dataclasses.replace(cfg, splits=splits))
+            _assert_close(out, ref, dtype, f"{cfg} m={m} n={n} k={k} splits={splits} run {rep}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_n", sorted(plan.DECODE_TILE_N))
+@pytest.mark.parametrize("m, tile_m", [(1, 64), (7, 64), (64, 64), (7, 128), (100, 128), (128, 128)])
+@pytest.mark.parametrize("b_layout, bias", [("nk", None), ("kn", torch.float32), ("nk", torch.bfloat16)])
+def test_split_k(m, tile_m, tile_n, b_layout, bias):
+    """Every split count on ragged N and K tiles: N = 776 leaves a partial last tile for every
+    width, K = 1000 a partial 16th k-tile; 16 splits give each split a single k-tile."""
+    n, k = 776, 1000
+    cfg = glr.Config(tile_m=tile_m, tile_n=tile_n, cluster_m=1, split_k=True,
+                     b_major="k" if b_layout == "nk" else "n",
+                     bias=checks.DTYPE_NAME[bias] if bias is not None else "none")
+    a, b, bias_t = _inputs(m, n, k, torch.bfloat16, b_layout, bias, seed=m + tile_n)
+    b_nk = b if b_layout == "nk" else b.t()
+    ref = _reference(a, b_nk, bias_t, cfg.slope)
+    for splits in (1, 2, 3, 5, 7, 16):
+        for rep in range(2):  # the tile counters must be back at zero for the second run
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            glr.run(a, b_nk, bias_t, out, dataclasses.replace(cfg, splits=splits))
+            _assert_close(out, ref, torch.bfloat16, f"{cfg} m={m} splits={splits} run {rep}")
+
+
+_A_ROWS_CASES = [(1, 8), (1, 16), (7, 8), (7, 16), (8, 8), (8, 16), (9, 16), (9, 32), (16, 16),
+                 (16, 32), (17, 32), (17, 64), (32, 32), (33, 64), (64, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_n", sorted(plan.DECODE_TILE_N))
+@pytest.mark.parametrize("m, a_rows", _A_ROWS_CASES, ids=[f"m{m}-a_rows{r}" for m, r in _A_ROWS_CASES])
+@pytest.mark.parametrize("b_layout, bias", [("nk", None), ("kn", torch.float32)])
+def test_split_k_a_rows(m, a_rows, tile_n, b_layout, bias):
+    """Decode tiles that load only a_rows rows of A (the matching and the next larger a_rows
+    for each M), every split count on ragged N and K. Before each run a whole-tile launch on
+    all-NaN inputs leaves NaN in the A stages' shared memory (rows >= a_rows are never written
+    by the a_rows variant): it must not reach any stored row."""
+    n, k = 776, 1000
+    common = dict(tile_m=64, tile_n=tile_n, cluster_m=1, split_k=True,
+                  b_major="k" if b_layout == "nk" else "n",
+                  bias=checks.DTYPE_NAME[bias] if bias is not None else "none")
+    cfg = glr.Config(**common, a_rows=a_rows)
+    poison_cfg = glr.Config(**common)
+    a, b, bias_t = _inputs(m, n, k, torch.bfloat16, b_layout, bias, seed=m + a_rows + tile_n)
+    b_nk = b if b_layout == "nk" else b.t()
+    ref = _reference(a, b_nk, bias_t, cfg.slope)
+    nan_a = torch.full((64, k), float("nan"), dtype=torch.bfloat16, device="cuda")
+    nan_b = torch.full_like(b_nk, float("nan"))
+    sink = torch.empty(64, n, dtype=torch.bfloat16, device="cuda")
+    for splits in (1, 2, 3, 7, 16):
+        for rep in range(2):  # the tile counters must be back at zero for the second run
+            glr.run(nan_a, nan_b, bias_t, sink, poison_cfg)
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            glr.run(a, b_nk, bias_t, out, dataclasses.replace(cfg, splits=splits))
+            _assert_close(out, ref, torch.bfloat16, f"{cfg} m={m} splits={splits} run {rep}")
+
+
+@pytest.mark.gpu
+def test_split_k_a_rows_matches_whole_tile_bitwise():
+    """Loading fewer rows of A changes nothing in the valid rows: same bits as the whole tile."""
+    for m in (1, 8, 9, 17, 32):
+        a, b, _ = _inputs(m, 14336, 4096, torch.bfloat16, seed=m)
+        a_rows = next(r for r in plan.A_ROWS if r >= m)
+        outs = []
+        for rows in (a_rows, 64):
+            cfg = glr.Config(tile_m=64, tile_n=128, cluster_m=1, split_k=True, a_rows=rows, splits=2)
+            out = torch.full((m, 14336), float("nan"), dtype=torch.bfloat16, device="cuda")
+            glr.run(a, b, None, out, cfg)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), f"m={m} a_rows={a_rows}"
+        _assert_close(outs[0], _reference(a, b, None, 0.01), torch.bfloat16, f"m={m}")
+
+
+@pytest.mark.gpu
+def test_split_k_is_deterministic():
+    a, b, bias = _inputs(16, 4096, 14336, torch.bfloat16, bias=torch.float32)
+    assert glr.config_for(glr.Shape(16, 4096, 14336, bias="fp32"), modes.sm_count(0)).splits > 1
+    first = glr.gemm_leakyrelu(a, b, bias=bias)
+    for _ in range(3):
+        assert torch.equal(glr.gemm_leakyrelu(a, b, bias=bias), first)
+    _assert_close(first, _reference(a, b, bias, 0.01), torch.bfloat16, "split-K decode shape")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warm_capture_stream", [True, False])
+def test_split_k_graph_survives_later_launches(warm_capture_stream):
+    """A captured split-K launch keeps valid workspace pointers: larger split launches after the
+    capture (which need more partials) must not free or replace what the graph uses. Without a
+    warm-up on the capture stream, the capture gets tile counters of its own."""
+    cfg = glr.config_for(glr.Shape(16, 4096, 4096), modes.sm_count(0))
+    assert cfg.split_k and cfg.splits > 1
+    a, b, _ = _inputs(16, 4096, 4096, torch.bfloat16, seed=1)
+    ref = _reference(a, b, None, 0.01)
+    out = torch.full((16, 4096), float("nan"), dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    glr.gemm_leakyrelu(a, b, out=out)  # compile and load outside the capture
+    if warm_capture_stream:
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            glr.gemm_leakyrelu(a, b, out=out)
+        torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        glr.gemm_leakyrelu(a, b, out=out)
+    # Larger split launches, on the default and on the capture stream, then churn the allocator.
+    for m, n, k in [(64, 4096, 14336), (128, 8192, 14336)]:
+        a2, b2, _ = _inputs(m, n, k, torch.bfloat16, seed=2)
+        assert glr.config_for(glr.Shape(m, n, k), modes.sm_count(0)).splits > 1
+        for s in (torch.cuda.current_stream(), stream):
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                out2 = glr.gemm_leakyrelu(a2, b2)
+            torch.cuda.current_stream().wait_stream(s)
+            _assert_close(out2, _reference(a2, b2, None, 0.01), torch.bfloat16,
+                          f"eager {m}x{n}x{k}")
+    junk = [torch.full((1 << 20,), 7.0, device="cuda") for _ in range(64)]  # reuse freed blocks
+    del junk
+    for rep in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_close(out, ref, torch.bfloat16, f"graph replay {rep}")
+
+
+@pytest.mark.gpu
+def test_strided_views_and_large_problem():
+    # a with a padded row stride, b given as the transposed view of a [K, N] buffer, out a column
+    # slice of a wider buffer; an MLP-sized problem to run many persistent tiles per CTA.
+    m, n, k = 2000, 4096, 1024
+    g = torch.Generator(device="cuda").manual_seed(3)
+    a = torch.randn(m, k + 64, generator=g, device="cuda").to(torch.bfloat16)[:, :k]
+    w_kn = (torch.randn(k, n, generator=g, device="cuda") / k ** 0.5).to(torch.bfloat16)
+    wide = torch.full((m, n + 8), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = wide[:, 8:]
+    glr.gemm_leakyrelu(a, w_kn.t(), 0.1, out=out)
+    _assert_close(out, _reference(a, w_kn.t(), None, 0.1), torch.bfloat16, "strided views")
+    assert torch.isnan(wide[:, :8]).all(), "wrote outside out"
+    glr.gemm_leakyrelu(a, w_kn, 0.1, out=out, b_layout="kn")
+    _assert_close(out, _reference(a, w_kn.t(), None, 0.1), torch.bfloat16, "b_layout=kn")
+
+
+@pytest.mark.gpu
+def test_empty_and_k_zero():
+    a = torch.randn(0, 64, device="cuda", dtype=torch.bfloat16)
+    assert glr.gemm_leakyrelu(a, torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)).shape == (0, 16)
+    a = torch.randn(5, 0, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(16, device="cuda")
+    out = glr.gemm_leakyrelu(a, torch.randn(16, 0, device="cuda", dtype=torch.bfloat16), 0.1, bias=bias)
+    torch.testing.assert_close(out, torch.nn.functional.leaky_relu(bias, 0.1).expand(5, 16).bfloat16())
+
+
+@pytest.mark.gpu
+def test_eager_calls_reuse_the_launch_plan(monkeypatch):
+    """The slow path (checks, heuristic, compile) runs once per argument signature; later calls
+    only run the plan, which still rejects what depends on the data pointers."""
+    picked = []
+
+    def config_for(shape, sms=None):
+        picked.append(shape.slope)
+        return plan.config_for(shape, sms)
+
+    monkeypatch.setattr(glr, "config_for", config_for)
+    a, b, _ = _inputs(3, 24, 40, torch.bfloat16)  # a signature no other test uses
+    for _ in range(3):
+        glr.gemm_leakyrelu(a, b, 0.125, out=torch.empty(3, 24, dtype=torch.bfloat16, device="cuda"))
+    glr.gemm_leakyrelu(a, b, 0.25)
+    glr.gemm_leakyrelu(a[:2], b, 0.25)
+    assert picked == [0.125, 0.25, 0.25]
+    # Same signature, data pointers the plan must still reject: a misaligned a, out overlapping a.
+    flat = torch.zeros(3 * 40 + 1, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="aligned"):
+        glr.gemm_leakyrelu(flat[1:].view(3, 40), b, 0.125)
+    buf = torch.zeros(6, 40, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="overlap a"):
+        glr.gemm_leakyrelu(buf[:3], b, 0.125, out=buf[2:5, :24].as_strided((3, 24), (24, 1)))
+    assert picked == [0.125, 0.25, 0.25]
+
+
+_WORKLOAD_SHAPES = [glr.Shape(1, 4096, 4096), glr.Shape(16, 4096, 14336, bias="fp32"),
+                    glr.Shape(100, 776, 1000, dtype="fp16", b_major="n", bias="fp16"), glr.Shape(1000, 1032, 264)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", _WORKLOAD_SHAPES, ids=lambda s: f"{s.m}x{s.n}x{s.k}")
+def test_workloads_check_their_kernels(shape):
+    """workload(config, shape) for the heuristic's config and the search space's ends (first and
+    last candidates): make_args at the shape and ragged test_args pass the workload's check."""
+    found = glr.candidates(shape)
+    for cfg in (found[0], found[1], found[-1]):
+        w = glr.workload(cfg, shape)
+        for args in [w.make_args(0)] + [w.sample(seed) for seed in range(1, 4)]:
+            w.run(w.kernel.fn, args)
+            torch.cuda.synchronize()
+            assert w.check(args) <= 1, cfg
+            assert len(w.outputs(args)) == 1
+
+
+@pytest.mark.gpu
+def test_opcheck():
+    a, b, bias = _inputs(130, 264, 136, torch.bfloat16, bias=torch.float32)
+    out = torch.empty(130, 264, dtype=torch.bfloat16, device="cuda")
+    torch.library.opcheck(torch.ops.rosekernels.gemm_leakyrelu.default, (a, b, bias, out, 0.2),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.gpu
+def test_torch_compile_and_cuda_graph():
+    a, b, bias = _inputs(64, 512, 256, torch.bfloat16, bias=torch.bfloat16)
+    ref = _reference(a, b, bias, 0.01)
+    fn = torch.compile(lambda x: glr.gemm_leakyrelu(x, b, bias=bias) * 2, fullgraph=True)
+    _assert_close(fn(a) / 2, ref, torch.bfloat16, "torch.compile")
+    out = torch.full((64, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    glr.gemm_leakyrelu(a, b, bias=bias, out=out)  # compile + warm up outside the capture
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        glr.gemm_leakyrelu(a, b, bias=bias, out=out)
+    graph.replay()
+    _assert_close(out, ref, torch.bfloat16, "CUDA graph")

@@ -1,0 +1,249 @@
+"""gemm_leakyrelu planning on the CPU, without CuTeDSL: configs and their variant keys, the cost models
+and heuristics against the H200 sweeps, the search space (candidates) and the warm-up set."""
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rosekernels import contract
+from rosekernels.kernels import gemm_leakyrelu_plan as plan
+from rosekernels.models import QWEN3_8B, QWEN3_30B_A3B, ModelDims
+
+Config, Shape = plan.GemmConfig, plan.GemmShape
+DECODE = dict(cluster_m=1, split_k=True)
+
+
+def test_imports_without_cutedsl():
+    code = "import sys; sys.modules['cutlass'] = None; import rosekernels.kernels.gemm_leakyrelu_plan"
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "CUTE_DSL_ARCH": "sm_90a"})
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs and shapes.
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        Config(dtype="fp32")
+    with pytest.raises(ValueError):
+        Config(tile_n=200)
+    with pytest.raises(ValueError):
+        Config(pingpong=True, tile_m=64)
+    with pytest.raises(ValueError):
+        Config(pingpong=True, tile_n=256)
+    with pytest.raises(ValueError):
+        Config(dtype="bf16", bias="fp16")
+    with pytest.raises(ValueError):
+        Config(split_k=True)  # clusters are not used with split-K
+    assert Config(tile_m=64, **DECODE).a_rows == 64  # default: the whole tile
+    assert Config(tile_m=64, a_rows=64, **DECODE) == Config(tile_m=64, **DECODE)
+    for bad in (dict(tile_m=64, a_rows=24, **DECODE), dict(tile_m=128, a_rows=64, **DECODE),
+                dict(tile_m=64, a_rows=8, cluster_m=1), dict(tile_m=64, a_rows=128, **DECODE)):
+        with pytest.raises(ValueError, match="a_rows"):
+            Config(**bad)
+    with pytest.raises(ValueError, match="K splits"):
+        Config(splits=2)  # only split-K variants split K
+    with pytest.raises(ValueError, match="K splits"):
+        Config(tile_m=64, splits=0, **DECODE)
+    with pytest.raises(ValueError, match="raster_group"):
+        Config(raster_group=0)
+
+
+def test_variant_keys():
+    # Whole-tile variants keep their cache keys; a_rows variants are named by it.
+    assert "a_rows" not in Config(tile_m=64, **DECODE).variant().key()
+    assert "a_rows=8" in Config(tile_m=64, a_rows=8, **DECODE).variant().key()
+    assert Config().variant().key() == (
+        "gemm_leakyrelu-prefill-sm_90a-b_major=k-bias=none-cluster_m=2-cluster_n=1-dtype=bf16-pingpong=False"
+        "-slope=0.01-split_k=False-tile_m=128-tile_n=256")
+    # The launch policy is not compiled in: one variant serves every split count and raster group.
+    decode = Config(tile_m=64, a_rows=16, **DECODE)
+    assert dataclasses.replace(decode, splits=7, raster_group=2).variant() == decode.variant()
+    for cfg in plan.variants_for():
+        assert Config.from_variant(cfg.variant()) == cfg
+    with pytest.raises(ValueError, match="not a gemm_leakyrelu variant"):
+        Config.from_variant(dataclasses.replace(Config().variant(), op="rmsnorm"))
+
+
+def test_shape_defaults():
+    assert Shape.defaults("decode") == Shape(16, 14336, 4096, "bf16", "k", "none", 0.01)
+    assert Shape.defaults("prefill") == Shape(8192, 14336, 4096)
+    assert Shape.defaults("decode").mode == "decode" and Shape.defaults("prefill").mode == "prefill"
+    with pytest.raises(ValueError, match="mode"):
+        Shape.defaults("train")
+    assert contract.shape_with(Shape.defaults("decode"), {"m": 1, "bias": "fp32"}) == Shape(1, bias="fp32")
+    for mode in ("decode", "prefill"):
+        assert plan.config_for(Shape.defaults(mode), 132).mode == mode
+
+
+def test_check_fits():
+    a_rows_8 = Config(tile_m=64, tile_n=128, a_rows=8, **DECODE)
+    plan.check_fits(a_rows_8, 8, 4096)
+    with pytest.raises(ValueError, match="loads 8 rows of A: M = 9"):
+        plan.check_fits(a_rows_8, 9, 4096)
+    wide = Config(tile_m=64, tile_n=64, splits=2, **DECODE)
+    plan.check_fits(wide, 64, 64 * plan.COUNTER_SLOTS)
+    with pytest.raises(ValueError, match="too large for 2 K splits"):
+        plan.check_fits(wide, 64, 64 * plan.COUNTER_SLOTS + 8)
+
+
+@pytest.mark.parametrize("n, k", [(14336, 4096), (4096, 14336), (136, 72), (128256, 4096)])
+def test_m_range_holds_every_m_the_heuristic_gives_a_config(n, k):
+    for m in list(range(1, plan.DECODE_MAX_M + 1)) + [129, 576, 4096]:
+        cfg = plan.config_for(Shape(m, n, k), 132)
+        lo, hi = plan.m_range(cfg)
+        if cfg.split_k:
+            assert lo <= m <= hi, (m, cfg)
+        else:
+            assert lo == plan.DECODE_MAX_M + 1 < hi
+        plan.check_fits(cfg, hi, n)
+
+
+# ---------------------------------------------------------------------------------------------
+# The heuristic.
+
+_SHAPES = [(1, 14336, 4096), (16, 4096, 14336), (128, 14336, 4096), (129, 136, 72), (1024, 14336, 4096),
+           (4096, 4096, 4096), (8192, 14336, 4096), (1, 8, 8), (7, 136, 72), (100, 1024, 4096),
+           (64, 128256, 4096), (8, 14336, 4096), (9, 4096, 14336), (17, 28672, 4096), (32, 136, 72),
+           (33, 4096, 4096)]
+
+
+def test_variants_are_distinct_and_cover_the_heuristic():
+    keys = {c.variant().key() for c in plan.variants_for()}
+    for m, n, k in _SHAPES:
+        for b_major in ("k", "n"):
+            cfg = plan.config_for(Shape(m, n, k, "bf16", b_major, "fp32"), 132)
+            assert cfg.variant().key() in keys and cfg.splits >= 1
+            assert cfg.split_k == (m <= plan.DECODE_MAX_M)
+            # Decode loads the fewest rows of A that hold M: 8, 16, 32 or the whole 64-row tile.
+            fit = [r for r in plan.A_ROWS if r >= m]
+            assert cfg.a_rows == (fit[0] if cfg.split_k and cfg.tile_m == 64 else cfg.tile_m), (m, cfg)
+            if cfg.split_k:
+                assert cfg.splits <= max(1, -(-k // plan.TILE_K) // plan.MIN_SPLIT_K_TILES)
+                assert plan.split_fits(m, n, cfg.tile_m, cfg.tile_n, cfg.splits)
+            else:
+                assert cfg.splits == 1 and cfg.raster_group == plan.RASTER_GROUP
+
+
+_MLP = [(14336, 4096), (4096, 14336), (4096, 4096), (28672, 4096)]
+
+
+@pytest.mark.parametrize("n, k", _MLP)
+@pytest.mark.parametrize("m", [1, 16, 64, 128])
+def test_decode_heuristic_is_sensible(m, n, k):
+    tile_m, tile_n, splits = plan.decode_choice(m, n, k, 132)
+    assert tile_m == (64 if m <= 64 else 128) and tile_n in plan.DECODE_TILE_N
+    cost = plan.decode_cost(m, n, k, tile_m, tile_n, splits, 132)
+    # Never worse than any forced alternative the sweep times (within the 1% hysteresis).
+    for tn in plan.DECODE_TILE_N:
+        for s in range(1, plan.MAX_SPLITS + 1):
+            if plan.split_fits(m, n, tile_m, tn, s) and s <= -(-k // plan.TILE_K) // plan.MIN_SPLIT_K_TILES:
+                assert cost <= 1.0202 * plan.decode_cost(m, n, k, tile_m, tn, s, 132), (tn, s)
+    # The H200 sweep: a CTA running two units in sequence loses to any one-wave alternative.
+    units = -(-m // tile_m) * -(-n // tile_n) * splits
+    one_wave = [(tn, s) for tn in plan.DECODE_TILE_N for s in range(1, plan.MAX_SPLITS + 1)
+                if -(-m // tile_m) * -(-n // tn) * s <= 132 and s <= -(-k // plan.TILE_K) // plan.MIN_SPLIT_K_TILES]
+    assert units <= 132 or not one_wave, (tile_n, splits, units)
+    partial_mb = splits * m * n * 4 / 1e6 if splits > 1 else 0
+    assert partial_mb <= 0.25 * n * k * 2 / 1e6, (tile_n, splits, partial_mb)
+    assert plan.config_for(Shape(m, n, k), 132).splits == splits
+
+
+def test_decode_heuristic_known_shapes():
+    # The fastest configs of the H200 sweep (bench/results/gemm_leakyrelu_decode_sweep.md).
+    # Few N tiles: split K until the SMs are full (32 tiles x 4 splits = 128 of 132 SMs).
+    assert plan.decode_choice(16, 4096, 14336, 132) == (64, 128, 4)
+    # At M = 128 the last split's serial read of 128-row partials favours narrower tiles, fewer splits.
+    assert plan.decode_choice(128, 4096, 14336, 132) == (128, 64, 2)
+    # 112 N tiles in one wave: splitting further would put two units on some SMs.
+    assert plan.decode_choice(1, 14336, 4096, 132) == (64, 128, 1)
+    assert plan.decode_choice(128, 14336, 4096, 132)[2] == 1
+    # 28672 / 256 = 112 tiles: one wave of wide tiles beats two waves of 128-wide ones.
+    assert plan.decode_choice(16, 28672, 4096, 132) == (64, 256, 1)
+    # Large N: the tiles fill the GPU without splitting.
+    assert plan.decode_choice(1, 128256, 4096, 132)[2] == 1
+
+
+def test_prefill_heuristic_known_shapes():
+    # The fastest configs of the H200 sweep (bench/results/gemm_leakyrelu_prefill_sweep.md).
+    def tiles(m, n, k):
+        cfg = plan.config_for(Shape(m, n, k), 132)
+        assert cfg.splits == 1 and not cfg.split_k and (cfg.cluster_m, cfg.cluster_n) == (2, 1)
+        return cfg.tile_m, cfg.tile_n, cfg.pingpong
+
+    assert tiles(8192, 4096, 14336) == (128, 256, False)
+    assert tiles(8192, 14336, 4096) == (128, 192, True)
+    assert tiles(8192, 8192, 8192) == (128, 192, True)
+    assert tiles(1024, 14336, 4096) == (128, 128, True)
+    # Same waves as cooperative 128 x 256 tiles, whose epilogue shows at short K: pingpong 128 x 128
+    # was 3-7% faster (4096^3, 16384 x 4096 x 4096); at K = 14336 the two were even.
+    assert tiles(4096, 4096, 4096) == (128, 128, True)
+    assert tiles(16384, 4096, 4096) == (128, 128, True)
+    assert tiles(4096, 4096, 14336) == (128, 256, False)
+    # 128 cooperative 128 x 256 tiles would be one wave: pingpong 128 x 128 instead (2-9% faster).
+    assert tiles(1024, 4096, 14336) == (128, 128, True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The search space and the warm-up set.
+
+
+@pytest.mark.parametrize("m, n, k", _SHAPES + [(5, 4096, 4096)])
+@pytest.mark.parametrize("options", [dict(), dict(dtype="fp16", b_major="n", bias="fp32", slope=0.2)])
+def test_candidates_are_valid_distinct_and_hold_the_pick(m, n, k, options):
+    shape = Shape(m, n, k, **options)
+    found = plan.candidates(shape, 132)
+    pick = plan.config_for(shape, 132)
+    assert found[0] == pick and len(set(found)) == len(found)
+    for cfg in found:
+        assert Config(**dataclasses.asdict(cfg)) == cfg  # passes validation
+        assert (cfg.dtype, cfg.b_major, cfg.bias, cfg.slope) == (shape.dtype, shape.b_major, shape.bias, shape.slope)
+        assert cfg.mode == shape.mode
+        plan.check_fits(cfg, m, n)
+    if shape.mode == "prefill":
+        assert len(found) == len(plan.PREFILL_TILES) * len(plan.PREFILL_CLUSTERS) * len(plan.PREFILL_RASTER_GROUPS)
+        assert {(c.cluster_m, c.cluster_n, c.raster_group) for c in found} == {
+            (2, 1, 8), (2, 1, 2), (1, 2, 8), (1, 2, 2)}
+    else:
+        k_tiles = -(-k // plan.TILE_K)
+        assert {c.tile_n for c in found} == set(plan.DECODE_TILE_N)
+        assert {c.tile_m for c in found} == {pick.tile_m}
+        assert {c.a_rows for c in found} == ({r for r in plan.A_ROWS if r >= m} if pick.tile_m == 64 else {128})
+        assert max(c.splits for c in found) == min(plan.MAX_SPLITS, k_tiles)
+
+
+def test_default_variants_are_todays_warmup_set():
+    configs = plan.variants_for()
+    assert len(configs) == 216 and len({c.variant() for c in configs}) == 216
+    decode = plan.variants_for(modes=("decode",))
+    prefill = plan.variants_for(modes=("prefill",))
+    # 2 dtypes x 2 b orders x 3 bias kinds, times 3 prefill tiles or 3 widths x (4 a_rows + 1 128-row tile).
+    assert (len(prefill), len(decode)) == (36, 180)
+    assert {c.variant() for c in decode + prefill} == {c.variant() for c in configs}
+    assert all(c.splits == 1 and c.raster_group == plan.RASTER_GROUP and c.slope == 0.01 for c in configs)
+    keys = {c.variant().key() for c in configs}
+    assert ("gemm_leakyrelu-decode-sm_90a-a_rows=8-b_major=n-bias=fp32-cluster_m=1-cluster_n=1-dtype=fp16"
+            "-pingpong=False-slope=0.01-split_k=True-tile_m=64-tile_n=256") in keys
+    assert ("gemm_leakyrelu-decode-sm_90a-b_major=k-bias=bf16-cluster_m=1-cluster_n=1-dtype=bf16"
+            "-pingpong=False-slope=0.01-split_k=True-tile_m=128-tile_n=64") in keys
+    assert ("gemm_leakyrelu-prefill-sm_90a-b_major=k-bias=none-cluster_m=2-cluster_n=1-dtype=bf16"
+            "-pingpong=True-slope=0.01-split_k=False-tile_m=128-tile_n=192") in keys
+
+
+@pytest.mark.parametrize("model", [QWEN3_8B, QWEN3_30B_A3B], ids=lambda m: m.name)
+def test_model_variants(model):
+    configs = plan.variants_for([model])
+    keys = [c.variant().key() for c in configs]
+    assert len(set(keys)) == len(keys)
+    assert set(keys) <= {c.variant().key() for c in plan.variants_for()}
+    # What the model's MLP projections select at every decode token count is in the set.
+    up = plan.config_for(Shape(1, model.intermediate, model.hidden))
+    down = plan.config_for(Shape(plan.DECODE_MAX_M, model.hidden, model.intermediate))
+    assert {up.variant().key(), down.variant().key()} <= set(keys)
+    decode = plan.variants_for([model], modes=("decode",))
+    assert decode and all(c.mode == "decode" for c in decode)
+    assert {c.variant() for c in decode} < {c.variant() for c in configs}
+    assert plan.variants_for([dataclasses.replace(model, dtype="fp32")]) == []
+    assert plan.variants_for([ModelDims("no-mlp", 4096, 0, 32, 8, 128)]) == []

@@ -1,0 +1,345 @@
+"""qk_norm: specializations compile for sm_90a (CPU), argument checks (CPU), numerics (GPU).
+Configs and their selection: test_qk_norm_plan.py."""
+import math
+
+import pytest
+import torch
+
+from rosekernels import contract, jit
+from rosekernels.kernels import qk_norm as qkn
+from rosekernels.kernels import qk_norm_plan as plan
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: compile every specialization.
+
+def _cpu_configs():
+    # Every dtype x weight dtype x head dim x mode for one model; the other model's head counts
+    # only change folded constants, so its bf16 d=128 configs are enough.
+    first = next(iter(plan.MODEL_HEADS.values()))
+    return [c for c in qkn.variants_for()
+            if (c.q_heads, c.k_heads) == first or (c.dtype == "bf16" and c.head_dim == 128)]
+
+
+@pytest.mark.parametrize("cfg", _cpu_configs(), ids=lambda c: c.variant().key())
+def test_config_compiles(fresh_cache, cfg):
+    kernel = qkn.compile(cfg)
+    assert kernel.cubin[:4] == b"\x7fELF" and kernel.variant == cfg.variant()
+    assert callable(kernel.fn)
+
+
+def test_distinct_variants_get_distinct_kernels(fresh_cache):
+    """Variants differing in one parameter (here the weight dtype) must not share a cache entry."""
+    a = qkn.config_for(qkn.Shape(1, weight_dtype="bf16"))
+    b = qkn.config_for(qkn.Shape(1, weight_dtype="fp32"))
+    jit.forget_loaded()
+    ka, kb = qkn.compile(a), qkn.compile(b)
+    assert ka.cubin_sha256 != kb.cubin_sha256
+
+
+def test_contract():
+    assert contract.missing(qkn) == []
+    assert qkn.Config is plan.QKNormConfig and qkn.Shape is plan.QKNormShape
+
+
+def test_custom_op_registered():
+    op = torch.ops.rosekernels.qk_norm.default
+    schema = str(op._schema)
+    assert "!) out_q" in schema and "!) out_k" in schema and "!) q," not in schema, schema
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: argument validation fires before anything is compiled or launched.
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("validation should have failed before compiling/launching")
+    monkeypatch.setattr(qkn, "compile", fail)
+
+
+def _cpu_inputs(tokens=4, hq=4, hk=2, d=128, dtype=BF16, wdtype=None, device="cpu"):
+    wdtype = dtype if wdtype is None else wdtype
+    q = torch.randn(tokens, hq, d, device=device).to(dtype)
+    k = torch.randn(tokens, hk, d, device=device).to(dtype)
+    return q, k, torch.ones(d, dtype=wdtype, device=device), torch.ones(d, dtype=wdtype, device=device)
+
+
+def _expect(exc, match, *args, **kwargs):
+    outs = {}
+    q, k = args[0], args[1]
+    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and "out_q" not in kwargs:
+        kwargs["out_q"] = outs["q"] = torch.full(q.shape, 7.0, dtype=q.dtype, device=q.device)
+        kwargs["out_k"] = outs["k"] = torch.full(k.shape, 7.0, dtype=k.dtype, device=k.device)
+    with pytest.raises(exc, match=match):
+        qkn.qk_norm(*args, **kwargs)
+    for t in outs.values():
+        assert (t == 7.0).all(), "an output was written although the call failed"
+
+
+def test_rejects_cpu_tensors(no_launch):
+    _expect(ValueError, "CUDA", *_cpu_inputs())
+
+
+def test_rejects_dtype_mismatch(no_launch):
+    q, k, wq, wk = _cpu_inputs()
+    _expect(TypeError, "k has dtype", q, k.half(), wq, wk)
+    _expect(TypeError, "q_weight has dtype", q, k, wq.half(), wk)
+    _expect(TypeError, "k_weight has dtype", q, k, wq, wk.float())
+    _expect(TypeError, "q has dtype", q.double(), k.double(), wq.double(), wk.double())
+    _expect(TypeError, "out_q has dtype", q, k, wq, wk, out_q=torch.empty_like(q, dtype=FP16),
+            out_k=torch.empty_like(k))
+
+
+def test_rejects_bad_shapes(no_launch):
+    q, k, wq, wk = _cpu_inputs(d=96, dtype=BF16)
+    _expect(ValueError, "head dim 96", q, k, wq, wk)
+    q, k, wq, wk = _cpu_inputs()
+    _expect(ValueError, "k has shape", q, k[:3], wq, wk)  # token counts differ
+    _expect(ValueError, "k has shape", q, torch.randn(4, 2, 64).to(BF16), wq, wk)
+    _expect(ValueError, "q_weight has shape", q, k, wq[:64], wk)
+    _expect(ValueError, "q has shape", q.flatten(1), k, wq, wk)
+    _expect(ValueError, "out_k has shape", q, k, wq, wk, out_q=torch.empty_like(q), out_k=torch.empty_like(q))
+
+
+def test_rejects_non_unit_last_stride(no_launch):
+    q, k, wq, wk = _cpu_inputs()
+    q2 = torch.randn(4, 4, 256).to(BF16)[:, :, ::2]
+    _expect(ValueError, "unit stride", q2, k, wq, wk)
+
+
+def test_rejects_misaligned_views(no_launch):
+    q, k, wq, wk = _cpu_inputs()
+    buf = torch.randn(4 * 4 * 128 + 1).to(BF16)
+    _expect(ValueError, "aligned", buf[1:].view(4, 4, 128), k, wq, wk)  # base pointer off by 2 bytes
+    rows = torch.randn(4, 4 * 128 + 4).to(BF16)
+    _expect(ValueError, "aligned", rows[:, :512].view(4, 4, 128), k, wq, wk)  # row stride 1032 bytes
+    wbuf = torch.ones(129).to(BF16)
+    _expect(ValueError, "aligned", q, k, wbuf[1:], wk)
+
+
+def test_rejects_non_tensors(no_launch):
+    q, k, wq, wk = _cpu_inputs()
+    with pytest.raises(TypeError, match="k_weight must be a torch.Tensor"):
+        qkn.qk_norm(q, k, wq, [1.0] * 128, out_q=torch.empty_like(q), out_k=torch.empty_like(k))
+
+
+def test_meta_tensors_take_the_registered_op(no_launch):
+    q, k, wq, wk = (t.to("meta") for t in _cpu_inputs())
+    out_q, out_k = qkn.qk_norm(q, k, wq, wk)
+    assert out_q.is_meta and out_q.shape == q.shape and out_k.shape == k.shape
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: numerics against a float64 reference.
+
+MODEL = (32, 8)
+TOKENS = (1, 2, 3, 7, 31, 128, 1000, 4097, 16384)
+DTYPE_PAIRS = ((BF16, BF16), (BF16, FP32), (FP16, FP16), (FP16, FP32), (FP32, FP32))
+
+
+def _rand(*shape, dtype, scale=1.0, shift=0.0, gen=None):
+    return (torch.randn(*shape, generator=gen, device="cuda") * scale + shift).to(dtype)
+
+
+def _check(got, ref, dtype, what=""):
+    assert not got.isnan().any(), f"{what}: {got.isnan().sum().item()} elements never written"
+    err = ((got.double() - ref).abs() / (1 + ref.abs())).max().item()
+    assert err <= qkn.tolerance(dtype), f"{what}: error {err:.3g} > {qkn.tolerance(dtype):.3g}"
+
+
+def _run_case(tokens, hq, hk, d, dtype, wdtype, eps=1e-6, bias=0.0, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = _rand(tokens, hq, d, dtype=dtype, scale=3.0, gen=gen)
+    k = _rand(tokens, hk, d, dtype=dtype, scale=0.5, shift=0.2, gen=gen)
+    wq = _rand(d, dtype=wdtype, scale=0.3, shift=1.0 - bias, gen=gen)
+    wk = _rand(d, dtype=wdtype, scale=0.3, shift=1.0 - bias, gen=gen)
+    out_q, out_k = torch.full_like(q, math.nan), torch.full_like(k, math.nan)
+    q0, k0 = q.clone(), k.clone()
+    res = qkn.qk_norm(q, k, wq, wk, eps=eps, weight_bias=bias, out_q=out_q, out_k=out_k)
+    assert res[0] is out_q and res[1] is out_k
+    ref_q, ref_k = qkn.reference(q, k, wq, wk, eps, bias)
+    what = f"T={tokens} heads={hq}/{hk} d={d} {dtype}/{wdtype} eps={eps} bias={bias}"
+    _check(out_q, ref_q, dtype, "q " + what)
+    _check(out_k, ref_k, dtype, "k " + what)
+    assert torch.equal(q, q0) and torch.equal(k, k0), "inputs modified"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_tokens_bf16_d128(tokens):
+    _run_case(tokens, *MODEL, 128, BF16, BF16, seed=tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,wdtype", DTYPE_PAIRS, ids=lambda t: str(t).replace("torch.", ""))
+@pytest.mark.parametrize("d", qkn.HEAD_DIMS)
+@pytest.mark.parametrize("tokens", (1, 7, 1000, 4097))
+def test_dtypes_and_head_dims(tokens, d, dtype, wdtype):
+    _run_case(tokens, *MODEL, d, dtype, wdtype, seed=tokens + d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hk", [(32, 4), (16, 2), (5, 3), (1, 1), (64, 8)])
+@pytest.mark.parametrize("tokens", (1, 3, 31, 4097))
+def test_head_counts(tokens, hq, hk):
+    _run_case(tokens, hq, hk, 128, BF16, BF16, seed=hq * hk + tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eps,bias", [(1e-5, 0.0), (1e-6, 1.0), (1e-6, -0.5)])
+@pytest.mark.parametrize("dtype,wdtype", [(BF16, BF16), (FP16, FP32), (FP32, FP32)],
+                         ids=lambda t: str(t).replace("torch.", ""))
+def test_eps_and_weight_bias(eps, bias, dtype, wdtype):
+    for tokens in (2, 1000):
+        _run_case(tokens, *MODEL, 128, dtype, wdtype, eps=eps, bias=bias)
+
+
+def _qkv(tokens, hq, hk, d, dtype, pad=0, seed=0):
+    """A fused qkv buffer (+pad columns) and q/k views into it."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    qkv = _rand(tokens, (hq + 2 * hk) * d + pad, dtype=dtype, scale=2.0, gen=gen)
+    q = qkv[:, :hq * d].view(tokens, hq, d)
+    k = qkv[:, hq * d:(hq + hk) * d].view(tokens, hk, d)
+    return qkv, q, k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", (1, 7, 1000, 4097))
+@pytest.mark.parametrize("d,dtype,pad", [(128, BF16, 0), (128, BF16, 64), (64, FP16, 8), (256, FP32, 4)])
+def test_strided_qkv_views(tokens, d, dtype, pad):
+    hq, hk = MODEL
+    qkv, q, k = _qkv(tokens, hq, hk, d, dtype, pad, seed=tokens)
+    before = qkv.clone()
+    wq, wk = _rand(d, dtype=dtype, shift=1.0), _rand(d, dtype=dtype, shift=1.0)
+    out_q, out_k = qkn.qk_norm(q, k, wq, wk)
+    ref_q, ref_k = qkn.reference(q, k, wq, wk)
+    _check(out_q, ref_q, dtype, "q")
+    _check(out_k, ref_k, dtype, "k")
+    assert torch.equal(qkv, before), "the input buffer was modified"
+    # outputs may be strided too: write into another fused buffer
+    qkv2, oq, ok = _qkv(tokens, hq, hk, d, dtype, pad, seed=tokens + 1)
+    v_before = qkv2[:, (hq + hk) * d:].clone()
+    qkn.qk_norm(q, k, wq, wk, out_q=oq, out_k=ok)
+    _check(oq, ref_q, dtype, "strided out_q")
+    _check(ok, ref_k, dtype, "strided out_k")
+    assert torch.equal(qkv2[:, (hq + hk) * d:], v_before), "v or the padding was written"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", (1, 3, 1000, 16384))
+@pytest.mark.parametrize("dtype", (BF16, FP32), ids=str)
+def test_in_place(tokens, dtype):
+    hq, hk = MODEL
+    qkv, q, k = _qkv(tokens, hq, hk, 128, dtype, seed=tokens)
+    wq, wk = _rand(128, dtype=dtype, shift=1.0), _rand(128, dtype=dtype, shift=1.0)
+    ref_q, ref_k = qkn.reference(q, k, wq, wk)
+    v_before = qkv[:, (hq + hk) * 128:].clone()
+    out_q, out_k = qkn.qk_norm(q, k, wq, wk, out_q=q, out_k=k)
+    assert out_q is q and out_k is k
+    _check(q, ref_q, dtype, "in-place q")
+    _check(k, ref_k, dtype, "in-place k")
+    assert torch.equal(qkv[:, (hq + hk) * 128:], v_before), "v was written"
+
+
+@pytest.mark.gpu
+def test_zero_tokens():
+    q, k = torch.empty(0, 32, 128, device="cuda", dtype=BF16), torch.empty(0, 8, 128, device="cuda", dtype=BF16)
+    w = torch.ones(128, device="cuda", dtype=BF16)
+    out_q, out_k = qkn.qk_norm(q, k, w, w)
+    assert out_q.shape == q.shape and out_k.shape == k.shape
+
+
+@pytest.mark.gpu
+def test_errors_on_gpu_after_a_good_call():
+    """The cached fast path must still reject bad inputs of an already-seen shape, writing nothing."""
+    hq, hk = MODEL
+    tokens = 9
+    qkv, q, k = _qkv(tokens, hq, hk, 128, BF16)
+    w = _rand(128, dtype=BF16, shift=1.0)
+    qkn.qk_norm(q, k, w, w)  # plans this shape: the calls below take the fast path
+    out_q = torch.full_like(q, 7.0)
+    out_k = torch.full_like(k, 7.0)
+    rows = torch.randn(tokens, hq * 128 + 4, device="cuda").to(BF16)
+    bad_q = rows[:, :hq * 128].view(tokens, hq, 128)  # row stride not a multiple of 16 bytes
+    with pytest.raises(ValueError, match="aligned"):
+        qkn.qk_norm(bad_q, k, w, w, out_q=out_q, out_k=out_k)
+    with pytest.raises(TypeError, match="k_weight has dtype"):
+        qkn.qk_norm(q, k, w, w.float(), out_q=out_q, out_k=out_k)
+    with pytest.raises(ValueError, match="CUDA"):
+        qkn.qk_norm(q, k.cpu(), w, w, out_q=out_q, out_k=out_k)
+    torch.cuda.synchronize()
+    assert (out_q == 7.0).all() and (out_k == 7.0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", (1, 128, 4097))
+def test_cuda_graph_capture(tokens):
+    hq, hk = MODEL
+    q, k = _rand(tokens, hq, 128, dtype=BF16), _rand(tokens, hk, 128, dtype=BF16)
+    wq, wk = _rand(128, dtype=BF16, shift=1.0), _rand(128, dtype=BF16, shift=1.0)
+    out_q, out_k = torch.empty_like(q), torch.empty_like(k)
+    qkn.qk_norm(q, k, wq, wk, out_q=out_q, out_k=out_k)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qkn.qk_norm(q, k, wq, wk, out_q=out_q, out_k=out_k)
+    for seed in range(3):
+        gen = torch.Generator(device="cuda").manual_seed(100 + seed)
+        q.copy_(_rand(*q.shape, dtype=BF16, scale=2.0, gen=gen))
+        k.copy_(_rand(*k.shape, dtype=BF16, scale=2.0, gen=gen))
+        out_q.fill_(math.nan)
+        out_k.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_q, ref_k = qkn.reference(q, k, wq, wk)
+        _check(out_q, ref_q, BF16, f"graph replay {seed} q")
+        _check(out_k, ref_k, BF16, f"graph replay {seed} k")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_place", (False, True))
+def test_torch_compile(in_place):
+    hq, hk = MODEL
+
+    def attention_prologue(qkv, wq, wk):
+        q = qkv[:, :hq * 128].view(-1, hq, 128)
+        k = qkv[:, hq * 128:(hq + hk) * 128].view(-1, hk, 128)
+        if in_place:
+            qkn.qk_norm(q, k, wq, wk, out_q=q, out_k=k)
+            return q * 2.0, k + 1.0
+        nq, nk = qkn.qk_norm(q, k, wq, wk, weight_bias=0.5)
+        return nq * 2.0, nk + 1.0
+
+    compiled = torch.compile(attention_prologue, fullgraph=True)
+    for tokens in (5, 300):
+        _, q, k = _qkv(tokens, hq, hk, 128, BF16, seed=tokens)
+        wq, wk = _rand(128, dtype=BF16, shift=0.5), _rand(128, dtype=BF16, shift=0.5)
+        qkv_a = torch.cat([q.flatten(1), k.flatten(1), torch.zeros(tokens, hk * 128, device="cuda", dtype=BF16)], 1)
+        qkv_b = qkv_a.clone()
+        got = compiled(qkv_a, wq, wk)
+        want = attention_prologue(qkv_b, wq, wk)
+        ref_q, ref_k = qkn.reference(q, k, wq, wk, weight_bias=0.0 if in_place else 0.5)
+        _check(got[0], ref_q * 2.0, BF16, "compiled q")
+        _check(got[1], ref_k + 1.0, BF16, "compiled k")
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        if in_place:
+            torch.testing.assert_close(qkv_a, qkv_b, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_workload():
+    """The contract's workload (what the tuner runs): every listed config of one model runs on its
+    args at the default size and at a random size of its mode, and passes the float64 check."""
+    for cfg in qkn.variants_for():
+        if (cfg.q_heads, cfg.k_heads) != MODEL:
+            continue
+        shape = qkn.Shape(qkn.Shape.defaults(cfg.mode).tokens, cfg.q_heads, cfg.k_heads, cfg.head_dim, cfg.dtype,
+                          cfg.weight_dtype, cfg.eps, cfg.weight_bias)
+        w = qkn.workload(cfg, shape)
+        for args in (w.make_args(1), w.sample(2)):
+            w.run(w.kernel.fn, args)
+            torch.cuda.synchronize()
+            w.check(args)

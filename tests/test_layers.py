@@ -1,0 +1,61 @@
+"""The layering of the tree, read from the import statements of every source file:
+
+    bench/  ->  sip_tune/  ->  rosekernels/  ->  sip/ (the SASS engine)
+
+no import runs back up, the engine needs neither torch nor CuTeDSL, plan modules import no device
+code, and a benchmark script imports no other script (only the shared timing and report modules)."""
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = ("sip", "rosekernels", "sip_tune", "bench")  # bottom up
+BENCH_SHARED = {"timing", "report"}
+
+
+def imports(path: Path) -> set[str]:
+    """Top-level names of every module `path` imports (relative imports resolved to their package)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+            names |= {f"{node.module}.{a.name}" for a in node.names}
+    return names
+
+
+def sources(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("lower", range(len(LAYERS)))
+def test_no_import_runs_back_up(lower):
+    above = LAYERS[lower + 1:]
+    for path in sources(LAYERS[lower]):
+        bad = sorted(n for n in imports(path) if n.split(".")[0] in above)
+        assert not bad, f"{path.relative_to(ROOT)} imports a higher layer: {bad}"
+
+
+def test_the_engine_imports_neither_torch_nor_cutedsl():
+    for path in sources("sip"):
+        bad = sorted(n for n in imports(path) if n.split(".")[0] in ("torch", "cutlass", "tvm_ffi", "filelock"))
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_plan_modules_import_no_device_code():
+    plans = sorted((ROOT / "rosekernels" / "kernels").glob("*_plan.py"))
+    assert len(plans) == 7, [p.name for p in plans]
+    for path in plans:
+        bad = sorted(n for n in imports(path) if n.split(".")[0] in ("cutlass", "tvm_ffi")
+                     or n.startswith("rosekernels.jit") or (n.startswith("rosekernels.kernels.")
+                                                            and not n.split(".")[2].endswith("_plan")))
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_a_benchmark_script_imports_no_other_script():
+    scripts = {p.stem for p in (ROOT / "bench").glob("*.py")}
+    for path in (ROOT / "bench").glob("*.py"):
+        bad = sorted(n for n in imports(path) if n in scripts - BENCH_SHARED - {path.stem})
+        assert not bad, f"{path.relative_to(ROOT)} imports the script(s) {bad}"

@@ -1,0 +1,95 @@
+"""sip-tune's command line: argument errors, the no-GPU exit, --list (no GPU, no torch needed)."""
+import subprocess
+import sys
+
+import pytest
+from devices import HAS_SM90
+from store_samples import META, ORIGINAL, TUNED, FakeVariant
+
+import rosekernels
+from rosekernels import tuned
+from sip_tune import cli
+
+
+def run(capsys, *argv):
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as e:  # argparse errors
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kernel", "nope"], "invalid choice"),
+    (["--kernel", "qk_norm", "--budget-iters", "10", "--budget-minutes", "1"], "not allowed with"),
+    (["--mode", "decode"], "--kernel is required"),
+    (["--kernel", "qk_norm", "--budget-iters", "0"], "--budget-iters must be >= 1"),
+    (["--kernel", "qk_norm", "--budget-minutes", "-1"], "--budget-minutes must be > 0"),
+    (["--kernel", "qk_norm", "--samples", "0"], "--samples"),
+    (["--kernel", "qk_norm", "--runs", "0"], "--runs"),
+    (["--kernel", "qk_norm", "--atol", "1e-3"], "--atol needs --rtol"),
+    (["--kernel", "qk_norm", "--shape", "tokens"], "KEY=VALUE"),
+    (["--kernel", "qk_norm", "--mode", "fast"], "invalid choice"),
+])
+def test_argument_errors_exit_2(capsys, argv, message):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and message in err
+
+
+def test_every_kernel_of_the_package_can_be_asked_for(capsys):
+    assert set(rosekernels.KERNELS) == {"qk_norm", "rmsnorm", "moe_dispatch", "moe_combine", "gemm_leakyrelu",
+                                        "attention", "attention_decode"}
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out, _ = capsys.readouterr()
+    assert all(k in out for k in rosekernels.KERNELS)
+
+
+@pytest.mark.skipif(HAS_SM90, reason="checks the message shown without an sm_90 GPU")
+def test_without_a_gpu_exit_2_with_a_clear_message(capsys):
+    code, _, err = run(capsys, "--kernel", "qk_norm", "--budget-iters", "5")
+    assert code == 2 and "needs a CUDA sm_90 GPU" in err
+
+
+@pytest.mark.skipif(HAS_SM90, reason="checks the message shown without an sm_90 GPU")
+def test_the_command_exits_2_without_a_gpu(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "sip_tune.cli", "--kernel", "qk_norm", "--budget-minutes", "1",
+                          "--cache", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert "sm_90" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_list_shows_valid_and_broken_entries(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(tuned, "current_toolchain", lambda: "test-toolchain")
+    code, out, _ = run(capsys, "--list", "--cache", str(tmp_path))
+    assert code == 0 and "0 entries" in out
+    tuned.store(tmp_path, "qk_norm", FakeVariant(d=128), ORIGINAL, TUNED, META)
+    path, _ = tuned.store(tmp_path, "rmsnorm", FakeVariant("rmsnorm", hidden=4096), ORIGINAL, TUNED, META)
+    (path / "meta.json").write_text("{")
+    code, out, _ = run(capsys, "--list", "--cache", str(tmp_path))
+    assert code == 0 and "2 entries" in out
+    assert f"{META['speedup']:.3f}x" in out and "NVIDIA H200" in out and FakeVariant(d=128).key() in out
+    assert "rmsnorm" in out and "BROKEN" in out
+
+
+def test_list_follows_the_environment_variable(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv(tuned.ENV_VAR, str(tmp_path / "c"))
+    code, out, _ = run(capsys, "--list")
+    assert code == 0 and str(tmp_path / "c") in out
+
+
+def test_list_imports_neither_torch_nor_cutedsl(tmp_path):
+    script = ("import sys\nfrom sip_tune import cli\nassert cli.main(['--list', '--cache', sys.argv[1]]) == 0\n"
+              "print(sorted(m for m in ('torch', 'cutlass', 'tvm_ffi') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "[]"
+
+
+def test_parse_shape_types_values():
+    assert cli.parse_shape("tokens=4, dtype=bf16,eps=1e-5,residual=true,x=False") == {
+        "tokens": 4, "dtype": "bf16", "eps": 1e-5, "residual": True, "x": False}
+    assert cli.parse_shape("") == {}
+    with pytest.raises(ValueError):
+        cli.parse_shape("tokens")

@@ -1,0 +1,231 @@
+"""The tuner on the CPU: the tune loop (sip_tune.tuning.tune) end to end with a toy engine and a fake
+GPU worker, and the worker process (sip_tune.runner.Runner) with a stand-in bench that crashes and hangs."""
+import math
+import os
+import time
+from types import SimpleNamespace
+
+import pytest
+from store_samples import FakeVariant, make_cubin
+
+from rosekernels import tuned
+from sip_tune import tuning
+from sip_tune.runner import Evaluation, Options, Runner, WorkerFailure
+
+
+# ---------------------------------------------------------------------------------------------
+# The tune loop: a toy engine, a fake GPU worker.
+
+class ToyEngine:
+    """Schedules are permutations of 8 slots; a 'cubin' spells the permutation in its code bytes."""
+
+    @staticmethod
+    def cubin(perm):
+        return make_cubin(text=b"".join(bytes([v]) * 8 for v in perm))
+
+    @staticmethod
+    def perm(cubin):
+        return tuple(cubin[64:128:8])
+
+    @staticmethod
+    def rel(perm):
+        """Time relative to the original (reversed) order; the sorted order is 1.32x faster."""
+        disp = lambda p: sum(abs(v - i) for i, v in enumerate(p))  # noqa: E731
+        return (1 + 0.01 * disp(perm)) / (1 + 0.01 * disp(tuple(reversed(range(8)))))
+
+
+class FakeRunner:
+    """The Runner API, timing and testing toy cubins: perm[0] == 3 computes garbage, 6 before 7 at
+    the front crashes, and the sorted order fails final validation."""
+
+    instances = []
+
+    def __init__(self, factory, options, log=None):
+        self.crashes = self.timeouts = self.starts = 0
+        self.evaluated = []
+        FakeRunner.instances.append(self)
+
+    def start(self):
+        self.starts += 1
+        return {"gpu": "Fake H200", "base_us": 2.0, "launches_per_graph": 500, "input_sets": 200,
+                "bytes_cycled": 100 << 20}
+
+    def restart(self):
+        self.start()
+
+    def close(self):
+        pass
+
+    def evaluate(self, cubin, seed, samples=2):
+        p = ToyEngine.perm(cubin)
+        self.evaluated.append(p)
+        if p[:2] == (6, 7):
+            self.crashes += 1
+            return Evaluation("crash", math.inf, detail="illegal address")
+        if p[0] == 3:
+            return Evaluation("incorrect", math.inf, detail="output 0 differs")
+        return Evaluation("ok", ToyEngine.rel(p), 2.0 * ToyEngine.rel(p), 2.0, 0.005, 0.002, 0.02, 0.03)
+
+    def compare(self, cubins, reps):
+        rels = [1.0] + [ToyEngine.rel(ToyEngine.perm(c)) for c in cubins]
+        return {"median_us": [2.0 * r for r in rels], "rel": rels}
+
+    def validate(self, cubin, seed, samples):
+        bad = ToyEngine.perm(cubin) == tuple(range(8))  # the best-looking schedule fails a rare case
+        return {"status": "incorrect" if bad else "ok", "passed": 17 if bad else samples, "failed": bad,
+                "seconds": 0.1, "detail": ""}
+
+
+@pytest.fixture
+def toy(monkeypatch, tmp_path):
+    original = ToyEngine.cubin(tuple(reversed(range(8))))
+    monkeypatch.setattr(tuned, "current_toolchain", lambda: "test-toolchain")
+    monkeypatch.setattr(tuning, "Runner", FakeRunner)
+    monkeypatch.setattr(tuning, "engine_initial", ToyEngine.perm)
+    monkeypatch.setattr(tuning, "engine_apply", ToyEngine.cubin)
+    monkeypatch.setattr(tuning, "engine_stats", lambda s: (8, 8, 14))
+    monkeypatch.setattr(tuning, "engine_neighbour", lambda s, rng: swap_neighbour_8(s, rng))
+    kernel = SimpleNamespace(cubin=original, variant=FakeVariant("toy", hidden=8))
+    FakeRunner.instances = []
+    return lambda: SimpleNamespace(kernel=kernel, name="toy"), tmp_path
+
+
+def swap_neighbour_8(state, rng):
+    i = rng.randrange(7)
+    s = list(state)
+    s[i], s[i + 1] = s[i + 1], s[i]
+    return tuple(s)
+
+
+def test_tune_finds_validates_and_caches_the_best_schedule(toy):
+    factory, root = toy
+    config = tuning.TuneConfig(budget_iters=3000, runs=2, samples=500, seed=4, finalists=4, exhausted_after=10**6)
+    report = tuning.tune(factory, config, cache_root=root, log=lambda m: None)
+    assert report.iterations == 3000 and len(report.runs) == 2
+    ran = FakeRunner.instances[0].evaluated
+    assert report.evaluated == len(ran) == len(set(ran))  # each distinct cubin ran once
+    assert report.incorrect > 0 and report.crashed == sum(p[:2] == (6, 7) for p in ran) > 0
+    # the sorted order is fastest but fails validation: the next one wins
+    rels = [f["rel"] for f in report.finalists]
+    assert rels == sorted(rels) and report.finalists[0]["validation"].startswith("incorrect")
+    assert report.speedup == pytest.approx(1 / report.finalists[1]["rel"]) and report.speedup > 1.2
+    entry = tuned.lookup(root, "toy", factory().kernel.variant, factory().kernel.cubin)
+    assert entry is not None and report.cached == str(entry.path)
+    assert ToyEngine.perm(entry.tuned) != tuple(range(8))
+    assert entry.meta["samples_passed"] == 500 and entry.meta["seed"] == 4 and entry.meta["gpu"] == "Fake H200"
+    assert entry.meta["speedup"] == pytest.approx(report.speedup)
+    assert "cached" in report.outcome and f"{report.crashed} crashed" in report.text()
+
+
+def test_tune_is_reproducible_by_seed(toy):
+    factory, root = toy
+    config = tuning.TuneConfig(budget_iters=300, runs=2, samples=10, seed=9)
+    a = tuning.tune(factory, config, cache_root=root / "a", log=lambda m: None)
+    b = tuning.tune(factory, config, cache_root=root / "b", log=lambda m: None)
+    assert FakeRunner.instances[0].evaluated == FakeRunner.instances[1].evaluated
+    assert [r["best_rel"] for r in a.runs] == [r["best_rel"] for r in b.runs]
+    c = tuning.tune(factory, tuning.TuneConfig(budget_iters=300, runs=2, samples=10, seed=10),
+                    cache_root=root / "c", log=lambda m: None)
+    assert FakeRunner.instances[2].evaluated != FakeRunner.instances[0].evaluated
+    assert c.iterations == 300
+
+
+def test_tune_caches_nothing_below_the_required_speedup(toy):
+    factory, root = toy
+    report = tuning.tune(factory, tuning.TuneConfig(budget_iters=200, runs=1, samples=10, min_speedup=2.0),
+                         cache_root=root, log=lambda m: None)
+    assert not report.cached and "nothing cached" in report.outcome
+    assert all(f["validation"].startswith("skipped") for f in report.finalists)
+    assert tuned.list_entries(root) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker process on the CPU: a stand-in for the GPU bench that can crash.
+
+def cpu_workload():
+    return "cpu"
+
+
+class CpuBench:
+    """Answers like the GPU bench; some cubins kill the process, raise (a poisoned CUDA context),
+    or hang."""
+
+    def __init__(self, workload, options):
+        assert workload == "cpu"
+
+    def info(self):
+        return {"gpu": "cpu", "pid": os.getpid()}
+
+    def eval(self, cubin, seed, samples):
+        if cubin == b"segfault":
+            os._exit(139)
+        if cubin == b"raise":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        if cubin == b"hang":
+            time.sleep(600)
+        if cubin == b"wrong":
+            return {"status": "incorrect", "rel": math.inf, "detail": "sample 0: output 0 differs"}
+        return {"status": "ok", "rel": 1.0 - len(cubin) / 100, "cand_us": 1.0, "base_us": 1.0,
+                "recycle": cubin == b"full"}
+
+    def validate(self, cubin, seed, samples):
+        return {"status": "ok", "passed": samples, "failed": False, "seconds": 0.0, "detail": ""}
+
+    def compare(self, cubins, reps):
+        return {"median_us": [1.0] * (len(cubins) + 1), "rel": [1.0] * (len(cubins) + 1)}
+
+
+def test_worker_crashes_and_hangs_are_contained_and_the_worker_restarts():
+    options = Options(eval_timeout_s=3.0, start_timeout_s=120.0)
+    logs = []
+    with Runner(cpu_workload, options, log=logs.append, bench=CpuBench) as runner:
+        pid = runner.start()["pid"]
+        assert runner.evaluate(b"ab", seed=0).rel == pytest.approx(0.98)
+        wrong = runner.evaluate(b"wrong", seed=0)
+        assert wrong.status == "incorrect" and math.isinf(wrong.rel) and runner.starts == 1
+        for bad, status in ((b"segfault", "crash"), (b"raise", "crash"), (b"hang", "timeout")):
+            ev = runner.evaluate(bad, seed=0)
+            assert ev.status == status and math.isinf(ev.rel) and not ev.ok, ev
+            ok = runner.evaluate(b"abc", seed=0)  # the next request gets a new worker
+            assert ok.ok and ok.rel == pytest.approx(0.97)
+            assert runner.info["pid"] != pid
+            pid = runner.info["pid"]
+        assert "illegal memory access" in runner.evaluate(b"raise", seed=0).detail
+        assert runner.crashes == 3 and runner.timeouts == 1 and runner.starts == 4
+        runner.evaluate(b"full", seed=0)  # a new worker (5), which says its memory is filling up: another
+        assert runner.starts == 6
+    assert any("timeout" in m for m in logs) and any("crash" in m for m in logs)
+
+
+def broken_workload():
+    raise LookupError("no such kernel")
+
+
+def test_a_worker_that_cannot_set_up_is_a_clear_error():
+    with pytest.raises(WorkerFailure, match="could not set up the kernel.*no such kernel"):
+        with Runner(broken_workload, bench=CpuBench) as runner:
+            runner.start()
+
+
+def test_a_run_ends_early_once_nothing_new_is_proposed(toy):
+    factory, root = toy
+    config = tuning.TuneConfig(budget_iters=20000, runs=1, samples=10, t_min=1e-6, exhausted_after=40)
+    report = tuning.tune(factory, config, cache_root=root, log=lambda m: None)
+    (run,) = report.runs
+    assert run["exhausted"] and run["iterations"] < 20000 and "ended early" in report.text()
+
+
+def test_a_kernel_without_legal_moves_is_not_searched(toy, monkeypatch):
+    factory, root = toy
+    monkeypatch.setattr(tuning, "engine_stats", lambda s: (8, 0, 0))
+    report = tuning.tune(factory, tuning.TuneConfig(budget_iters=100), cache_root=root, log=lambda m: None)
+    assert "no legal move" in report.outcome and report.iterations == 0 and not FakeRunner.instances
+
+
+def test_tune_config_needs_exactly_one_budget():
+    with pytest.raises(ValueError, match="exactly one budget"):
+        tuning.TuneConfig()
+    with pytest.raises(ValueError, match="exactly one budget"):
+        tuning.TuneConfig(budget_iters=5, budget_seconds=5.0)
+    split = tuning.TuneConfig(budget_iters=100, runs=4).anneal()
+    assert split.max_iters == 25 and split.max_seconds is None
