@@ -33,6 +33,11 @@ def zeroed_int32(device_index: int, numel: int, private: bool = False) -> torch.
     return torch.zeros(numel, dtype=torch.int32, device=torch.device("cuda", device_index))
 
 
+def shared_buffers() -> dict[tuple[int, int, int, int], torch.Tensor]:
+    """Every shared buffer by (device, stream, numel, capture): what tests check is back to zero."""
+    return dict(_shared)
+
+
 def _capture_id(stream: int) -> int | None:
     """The (process-unique) id of the capture sequence `stream` takes part in, or None."""
     try:

@@ -297,7 +297,7 @@ def test_cached_plans_serve_new_data_and_still_check_pointers(kernels):
             _, lse = rosekernels.attention(q, k, v, causal=causal, out=out, return_lse=True)
             sync("cached plan")
             check(out, lse, q, k, v, causal, 1 / math.sqrt(d), f"rep {rep} shape {i}")
-    assert all(int(c.sum()) == 0 for c in scratch._shared.values()), "a tile counter was left nonzero"
+    assert all(int(c.sum()) == 0 for c in scratch.shared_buffers().values()), "a tile counter was left nonzero"
     b, s_q, s_k, hq, hkv, d, causal = shapes[0]
     q, k, v = inputs(b, s_q, s_k, hq, hkv, d, torch.bfloat16, seed=7)
     base = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")

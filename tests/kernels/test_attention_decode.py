@@ -112,7 +112,7 @@ def test_matches_float64_reference(kernels, d, dtype, causal):
                 out, lse, what = _run(q, k, v, causal, scale, splits)
                 check(out, lse, q, k, v, causal, scale, what)
             i += 1
-    assert all(int(c.sum()) == 0 for c in scratch._shared.values()), "a split counter was not reset to 0"
+    assert all(int(c.sum()) == 0 for c in scratch.shared_buffers().values()), "a split counter was not reset to 0"
 
 
 @pytest.mark.gpu

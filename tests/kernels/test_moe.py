@@ -408,7 +408,7 @@ def test_dispatch_edge_inputs():
 
 def _assert_workspaces_zero():
     torch.cuda.synchronize()
-    for key, ws in scratch._shared.items():
+    for key, ws in scratch.shared_buffers().items():
         assert not ws.any(), f"workspace {key} not returned to zero: {ws.nonzero().flatten().tolist()[:8]}"
 
 
