@@ -32,20 +32,12 @@ import tvm_ffi  # noqa: E402
 from cutlass._mlir import ir  # noqa: E402
 from cutlass.base_dsl import compiler as _dsl_compiler  # noqa: E402
 
+from rosekernels.paths import cache_dir  # noqa: E402,F401  (re-exported: jit.cache_dir)
 from rosekernels.variant import ARCH, Variant  # noqa: E402,F401  (re-exported: jit.Variant)
 from sip import fatbin  # noqa: E402
 
 TOOLCHAIN = f"cutedsl-{cutlass.__version__}_tvmffi-{tvm_ffi.__version__}"
 _ENTRY_NAME = "rk_entry"  # symbol prefix of every exported function
-
-
-def cache_dir() -> Path:
-    """Root of the on-disk caches: $ROSEKERNELS_CACHE_DIR, else the user cache dir."""
-    env = os.environ.get("ROSEKERNELS_CACHE_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "rosekernels"
 
 
 @dataclasses.dataclass(frozen=True)
