@@ -7,7 +7,10 @@
                              inverts `variant()`.
     Shape                    frozen dataclass of the problem sizes and options a call has (token count,
                              heads, hidden size, dtype, ...); `Shape.defaults(mode)` is the shape
-                             `sip-tune --mode` tunes when no --shape is given.
+                             `sip-tune --mode` tunes when no --shape is given; `Shape.SIZE_FIELDS`
+                             names the fields that vary from call to call (token or row counts,
+                             sequence lengths): `bucket` rounds them to group shapes for the tuned
+                             store.
     config_for(shape)        today's heuristic choice for `shape` (it decides the mode).
     candidates(shape)        every legal Config that can serve `shape`: the autotuner's search space
                              (the heuristic's choice among them).
@@ -42,4 +45,28 @@ def shape_with(shape: Any, overrides: Mapping[str, Any]) -> Any:
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise ValueError(f"unknown shape keys {unknown}; {type(shape).__name__} takes {sorted(known)}")
+    for name, value in overrides.items():
+        current = getattr(shape, name)
+        if current is not None and not _same_kind(value, current):
+            raise ValueError(f"shape key {name}={value!r}: expected a {type(current).__name__}")
     return dataclasses.replace(shape, **overrides)
+
+
+def _same_kind(value: Any, current: Any) -> bool:
+    """Whether `value` may replace `current` (an int where a float is expected, never a bool for a number)."""
+    if isinstance(current, bool) or isinstance(value, bool):
+        return isinstance(current, bool) and isinstance(value, bool)
+    if isinstance(current, float):
+        return isinstance(value, (int, float))
+    return isinstance(value, type(current))
+
+
+def bucket(shape: Any) -> Any:
+    """`shape` with each of its class's SIZE_FIELDS raised to the next power of two (0 and 1 stay):
+    the shapes one tuned-config entry serves. Every other field (heads, dims, dtype, options) is
+    kept exactly, since it changes what the kernel computes, not only how much."""
+    return dataclasses.replace(shape, **{name: _next_pow2(getattr(shape, name)) for name in type(shape).SIZE_FIELDS})
+
+
+def _next_pow2(n: int) -> int:
+    return n if n <= 1 else 1 << (int(n) - 1).bit_length()

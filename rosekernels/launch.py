@@ -74,6 +74,15 @@ class Launch:
         on_device(self.device, self.fn, *args)
 
 
+def _nothing(*args: Any) -> None:
+    return None
+
+
+def nothing(device: int) -> Launch:
+    """The plan of a call with nothing to compute (an empty batch)."""
+    return Launch(_nothing, device)
+
+
 def register_op(name: str, impl: Callable[..., Any], mutates_args: Iterable[str],
                 fake: Callable[..., Any] | None = None, schema: str | None = None) -> Any:
     """`impl` as the custom op torch.ops.rosekernels.<name> (what torch.compile and CUDA-graph trees

@@ -15,6 +15,12 @@ Tuned cubins come from the tuned store (`rosekernels.tuned`; `cache_dir` or $SIP
 (`jit.install_tuned_cubin`) BEFORE compiling and swapped in when the kernel loads; the swap is keyed
 by the original's SHA-256, so a tuned cubin never replaces a different original (a kernel whose source
 or toolchain changed simply loads untuned, and the report says the entry is stale).
+
+Tuned configs (`tuned.config_entries`: the level-1 winners of `sip-tune`) of the specs' kernels and
+modes are compiled too, with the heuristic configs they were tuned against, so an op that plans a
+shape of a tuned bucket loads them without compiling; the ops look them up under warmup's root from
+then on (`tuned.use_config_root`). An entry whose heuristic no longer compiles to the cubin it was
+tuned against is reported stale and not used.
 """
 from __future__ import annotations
 
@@ -36,6 +42,8 @@ class WarmupReport:
     stale: list[str]  # had a cache entry, but for another original cubin (re-tune them)
     seconds: float
     kernels: list[jit.CompiledKernel]
+    configs: list[str] = dataclasses.field(default_factory=list)  # tuned-config entries in use
+    stale_configs: list[str] = dataclasses.field(default_factory=list)  # tuned against another build
 
     def __str__(self) -> str:
         lines = [f"rosekernels.warmup: {len(self.kernels)} specializations in {self.seconds:.2f} s: "
@@ -43,6 +51,9 @@ class WarmupReport:
         lines += [f"  tuned    {k}" for k in self.tuned]
         lines += [f"  untuned  {k}" + ("  (cache entry is stale: re-tune)" if k in self.stale else "")
                   for k in self.untuned]
+        lines += [f"  config   {c}" for c in self.configs]
+        lines += [f"  config   {c}  (stale: tuned against another build of its heuristic kernel: re-tune)"
+                  for c in self.stale_configs]
         return "\n".join(lines)
 
 
@@ -70,7 +81,16 @@ def _resolve(spec: Any) -> tuple[jit.Variant | None, Callable[[], jit.CompiledKe
 def warmup(specs: Iterable[Any], cache_dir: str | None = None) -> WarmupReport:
     """Compile (or load from the disk cache) every spec, with the SIP-tuned cubins found in the store."""
     t0 = time.perf_counter()
+    tuned.use_config_root(cache_dir)
     resolved = [_resolve(s) for s in specs]
+    n_specs = len(resolved)
+    modes: dict[str, set[str]] = {}
+    for variant, _ in resolved:
+        if variant is not None:
+            modes.setdefault(variant.op, set()).add(variant.mode)
+    # Each tuned config follows the specs, after the heuristic config it was tuned against.
+    configs = [e for op in sorted(modes) for e in tuned.config_entries(cache_dir, op) if e.meta["mode"] in modes[op]]
+    resolved += [_resolve(c) for e in configs for c in (e.heuristic, e.config)]
     entries: dict[str, list[tuned.Entry]] = {}
 
     def install_for(variant: jit.Variant) -> None:
@@ -94,8 +114,23 @@ def warmup(specs: Iterable[Any], cache_dir: str | None = None) -> WarmupReport:
     if reload:
         jit.forget_loaded()
         kernels = [build() for _, build in resolved]
-    report = WarmupReport([], [], [], 0.0, kernels)
-    for k in kernels:
+    report = WarmupReport([], [], [], 0.0, kernels[:n_specs])
+    for i, e in enumerate(configs):
+        heuristic, config = kernels[n_specs + 2 * i: n_specs + 2 * i + 2]
+        line = f"{e.meta['kernel']} {e.path.stem}: {heuristic.variant.key()} -> {config.variant.key()}"
+        if heuristic.cubin_sha256 == e.original_sha256:
+            report.configs.append(line)
+        else:
+            report.stale_configs.append(line)
+            warnings.warn(f"rosekernels.warmup: tuned config {e.path} was tuned against another build of "
+                          f"{heuristic.variant.key()} (the kernel or toolchain changed): not used; re-run sip-tune",
+                          stacklevel=2)
+    seen = {k.variant.key() for k in report.kernels}
+    for k in kernels[n_specs:]:  # the configs' kernels, each listed once
+        if k.variant.key() not in seen:
+            seen.add(k.variant.key())
+            report.kernels.append(k)
+    for k in report.kernels:
         key = k.variant.key()
         if k.tuned:
             report.tuned.append(key)

@@ -1,4 +1,5 @@
-"""The store of tuned cubins: what `sip-tune` writes and `rosekernels.warmup` loads.
+"""The store of tuned cubins and tuned configs: what `sip-tune` writes, `rosekernels.warmup` loads
+and the ops consult when they plan a call (`tuned_config`; the config half is at the end).
 
 Layout: <root>/<toolchain>/<kernel>/<Variant.key()>/<sha256 of the original cubin>/ holding
 `tuned.cubin`, `original.cubin` and `meta.json` (medians, speedup, samples passed, search parameters,
@@ -30,6 +31,7 @@ from typing import Any
 
 import filelock
 
+from rosekernels import contract
 from sip import SipError, cubin, fatbin
 
 ENV_VAR = "SIP_CACHE_DIR"
@@ -247,3 +249,230 @@ def list_entries(root: str | os.PathLike | None) -> list[dict[str, Any]]:
 
 def _glob_escape(s: str) -> str:
     return "".join(f"[{c}]" if c in "*?[]" else c for c in s)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tuned configs (sip-tune level 1): which Config a shape bucket launches instead of the heuristic's.
+#
+# Layout: <root>/<toolchain>/<kernel>/configs/<mode>-<bucket key>-<original sha256[:16]>.json, beside
+# the variant-key folders of the cubin entries. An entry names the heuristic's config and the hash
+# of its cubin ("the original"): it applies only where the op's heuristic picks that same config and
+# it still compiles to those bytes (same toolchain, same kernel source), and only where the stored
+# config is among the kernel's `candidates` for the call's exact shape (a bucket spans shapes a
+# config may not serve, e.g. a split count with too few tiles). One JSON file per entry, replaced
+# atomically under the folder's lock: a reader sees a whole file or none, so it reads unlocked.
+
+CONFIG_FORMAT = 1
+CONFIGS_DIR = "configs"  # no variant key is this name: every key starts with its op
+_MEMO_SIZE = 4096  # like launch.PLAN_CACHE_SIZE: many distinct token counts start the memo over
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigEntry:
+    path: Path  # the entry's JSON file
+    meta: dict[str, Any]  # kernel, mode, shape, bucket, config, heuristic (asdict), original_sha256,
+    #                       toolchain, arch, and the tuner's medians/speedup/aa_spread/gpu/date
+    config: Any  # the kernel's Config, rebuilt with Config(**meta["config"])
+    heuristic: Any  # the heuristic's Config the entry was tuned against
+
+    @property
+    def original_sha256(self) -> str:
+        return self.meta["original_sha256"]
+
+    @property
+    def speedup(self) -> float:
+        return float(self.meta.get("speedup", 0.0))
+
+
+@dataclasses.dataclass
+class _Index:
+    """The entries of one kernel under one root, by bucket key: those of the current toolchain, and
+    those of other toolchains (only to say that a bucket needs re-tuning)."""
+    current: dict[str, list[ConfigEntry]]
+    other: dict[str, list[ConfigEntry]]
+
+
+_indexes: dict[tuple[str, str], _Index] = {}  # (root, kernel) -> entries read from disk
+_chosen: dict[tuple, Any] = {}  # (root, kernel, shape, heuristic, sms) -> the config tuned_config gave
+_original_hashes: dict[Any, str] = {}  # heuristic variant -> sha256 of its compiled cubin
+_warned: set[Path] = set()  # stale entries already warned about in this process
+_config_root: Path | None = None  # where tuned_config looks (None: default_root()); set by warmup
+
+
+def bucket_key(shape: Any) -> str:
+    """The file-name-safe name of `shape`'s bucket: every field of contract.bucket(shape)."""
+    b = contract.bucket(shape)
+    return ",".join(f"{f.name}={getattr(b, f.name)}" for f in dataclasses.fields(b)).replace("/", "_").replace(" ", "")
+
+
+def config_path(root: str | os.PathLike | None, kernel: str, mode: str, shape: Any, original_sha256: str,
+                toolchain: str | None = None) -> Path:
+    toolchain = toolchain or current_toolchain()
+    for part in (kernel, mode, toolchain):
+        if not part or "/" in part or part in (".", ".."):
+            raise ValueError(f"bad cache key component {part!r}")
+    if len(original_sha256) != 64:
+        raise ValueError("original_sha256 must be a full SHA-256 hex digest")
+    name = f"{mode}-{bucket_key(shape)}-{original_sha256[:16]}.json"
+    return resolve_root(root) / toolchain / kernel / CONFIGS_DIR / name
+
+
+def _kernel_module(kernel: str) -> Any:
+    import importlib
+
+    import rosekernels
+
+    if kernel not in rosekernels.KERNELS:
+        raise ValueError(f"no kernel module for {kernel!r}; the kernels are {sorted(rosekernels.KERNELS)}")
+    return importlib.import_module(rosekernels.KERNELS[kernel])
+
+
+def _read_config(path: Path, kernel: str, toolchain: str) -> ConfigEntry:
+    """The entry in `path`, checked against its place in the store; CacheError on any defect."""
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CacheError(f"unreadable: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != CONFIG_FORMAT:
+        raise CacheError(f"not a format-{CONFIG_FORMAT} tuned-config entry")
+    if meta.get("kernel") != kernel or meta.get("toolchain") != toolchain:
+        raise CacheError(f"written for {meta.get('kernel')!r} under toolchain {meta.get('toolchain')!r}")
+    m = _kernel_module(kernel)
+    try:
+        config, heuristic = m.Config(**meta["config"]), m.Config(**meta["heuristic"])
+        shape = m.Shape(**meta["bucket"])
+        name = config_path(path.parents[3], kernel, heuristic.variant().mode, shape, meta["original_sha256"],
+                           toolchain).name
+    except (KeyError, TypeError, ValueError) as e:
+        raise CacheError(f"does not describe a {kernel} config: {e!r}") from None
+    if name != path.name:  # copied or edited by hand: the name is what lookups find it by
+        raise CacheError(f"its contents belong in {name}")
+    return ConfigEntry(path, meta, config, heuristic)
+
+
+def _index(root: Path, kernel: str) -> _Index:
+    """The entries of `kernel` under `root`, read from disk on first use in this process."""
+    key = (str(root), kernel)
+    found = _indexes.get(key)
+    if found is not None:
+        return found
+    toolchain = current_toolchain()
+    found = _Index({}, {})
+    for path in sorted(root.glob(f"*/{_glob_escape(kernel)}/{CONFIGS_DIR}/*.json")):
+        ours = path.parents[2].name == toolchain
+        try:
+            entry = _read_config(path, kernel, path.parents[2].name)
+        except CacheError as e:
+            if ours:  # another toolchain's broken entry could not have been used anyway
+                warnings.warn(f"sip: ignoring tuned-config entry {path}: {e}; using the heuristic's config",
+                              stacklevel=3)
+            continue
+        bkey = bucket_key(_kernel_module(kernel).Shape(**entry.meta["bucket"]))
+        (found.current if ours else found.other).setdefault(bkey, []).append(entry)
+    _indexes[key] = found
+    return found
+
+
+def store_config(root: str | os.PathLike | None, kernel: str, shape: Any, config: Any, heuristic: Any,
+                 original_sha256: str, meta: dict[str, Any], *, keep_better: bool = True,
+                 toolchain: str | None = None) -> Path:
+    """Write the entry: `config` serves bucket(shape) where the heuristic picks `heuristic`, whose
+    cubin hashes to `original_sha256`; `meta` adds the measurements. Returns the entry's file. With
+    `keep_better`, an existing valid entry with a higher measured speedup is kept (as for cubins)."""
+    toolchain = toolchain or current_toolchain()
+    variant = heuristic.variant()
+    path = config_path(root, kernel, variant.mode, shape, original_sha256, toolchain)
+    full = {
+        **meta,
+        "format": CONFIG_FORMAT,
+        "kernel": kernel,
+        "mode": variant.mode,
+        "arch": variant.arch,
+        "toolchain": toolchain,
+        "shape": dataclasses.asdict(shape),
+        "bucket": dataclasses.asdict(contract.bucket(shape)),
+        "config": dataclasses.asdict(config),
+        "config_key": config.variant().key(),
+        "heuristic": dataclasses.asdict(heuristic),
+        "heuristic_key": variant.key(),
+        "original_sha256": original_sha256,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _lock(path.parent):
+        if keep_better and path.exists():
+            try:
+                old = _read_config(path, kernel, toolchain)
+            except CacheError:
+                old = None
+            if old is not None and old.speedup > float(full.get("speedup", 0.0)):
+                return path
+        _atomic_write(path, json.dumps(full, indent=1, sort_keys=True).encode())
+    forget_configs()  # this process reads the new entry next time
+    return path
+
+
+def config_entries(root: str | os.PathLike | None, kernel: str) -> list[ConfigEntry]:
+    """Every valid entry of `kernel` under the current toolchain (what warmup compiles)."""
+    return [e for found in _index(resolve_root(root), kernel).current.values() for e in found]
+
+
+def lookup_config(root: str | os.PathLike | None, kernel: str, shape: Any, original_sha256: str) -> ConfigEntry | None:
+    """The entry for bucket(shape) tuned against the heuristic cubin `original_sha256`, or None."""
+    for entry in _index(resolve_root(root), kernel).current.get(bucket_key(shape), ()):
+        if entry.original_sha256 == original_sha256:
+            return entry
+    return None
+
+
+def use_config_root(root: str | os.PathLike | None) -> None:
+    """Where tuned_config looks from now on (None: default_root()); warmup calls it with its root."""
+    global _config_root
+    _config_root = Path(root) if root is not None else None
+
+
+def forget_configs() -> None:
+    """Drop what was read from disk and chosen (the next plan reads the store again)."""
+    _indexes.clear()
+    _chosen.clear()
+    _original_hashes.clear()
+
+
+def tuned_config(kernel: str, shape: Any, heuristic: Any, sms: int | None = None) -> Any:
+    """The config an op launches for `shape`, where the heuristic picked `heuristic` (for a GPU of
+    `sms` SMs where the kernel's candidates depend on it): the stored entry's config for
+    bucket(shape) if it was tuned against this heuristic's cubin as compiled now and is legal for
+    this exact shape, else `heuristic`. Called once per plan; a shape already seen costs one dict
+    lookup, a bucket with no entries two."""
+    root = _config_root if _config_root is not None else default_root()
+    key = (str(root), kernel, shape, heuristic, sms)
+    chosen = _chosen.get(key)
+    if chosen is None:
+        chosen = _choose(root, kernel, shape, heuristic, sms)
+        if len(_chosen) >= _MEMO_SIZE:
+            _chosen.clear()
+        _chosen[key] = chosen
+    return chosen
+
+
+def _choose(root: Path, kernel: str, shape: Any, heuristic: Any, sms: int | None) -> Any:
+    index = _index(root, kernel)
+    bkey = bucket_key(shape)
+    here = index.current.get(bkey, [])
+    if here:
+        m = _kernel_module(kernel)
+        original = _original_hashes.get(heuristic.variant())
+        if original is None:  # compiled (or loaded) anyway when the heuristic wins: the op needs it then
+            original = _original_hashes[heuristic.variant()] = m.compile(heuristic).cubin_sha256
+        for entry in here:
+            if entry.original_sha256 == original:
+                legal = m.candidates(shape) if sms is None else m.candidates(shape, sms)
+                return entry.config if entry.config in legal else heuristic
+    # Entries of this bucket tuned against this same heuristic config, but for a kernel that no
+    # longer compiles to the same cubin (source or toolchain changed): say so, once per entry.
+    for entry in here + index.other.get(bkey, []):
+        if entry.heuristic == heuristic and entry.path not in _warned:
+            _warned.add(entry.path)
+            warnings.warn(f"sip: ignoring tuned-config entry {entry.path}: it was tuned against another build "
+                          f"of {heuristic.variant().key()} (the kernel or toolchain changed); using the "
+                          "heuristic's config: re-run sip-tune", stacklevel=4)
+    return heuristic

@@ -1,12 +1,14 @@
-"""The `sip-tune` command: tune the SASS schedule of a kernel of the package on this GPU and store the
-result for `rosekernels.warmup`.
+"""The `sip-tune` command: tune a kernel of the package on this GPU and store the result for the ops
+and `rosekernels.warmup`. Two levels: `config` searches the kernel's configurations for the shape
+(`sip_tune.configs`), `sass` anneals the SASS schedule of the chosen one (`sip_tune.tuning`).
 
-    sip-tune --kernel qk_norm --mode decode [--shape tokens=4,...] [--budget-minutes 10] ...
+    sip-tune --kernel qk_norm --mode decode [--shape tokens=4,...] [--levels config,sass] [--budget-minutes 10] ...
+    sip-tune --kernel gemm_leakyrelu --mode decode --shape m=8 --plan    (the config search space; no GPU)
     sip-tune --list [--cache DIR]
 
 Exit codes: 0 done (whether or not a faster schedule was stored), 1 the tuning failed (bad shape, a
 kernel the engine cannot read, a worker that cannot start), 2 bad arguments or no sm_90 GPU.
-Nothing here imports torch or CuTeDSL before a tuning starts: `--list` reads the store only.
+Nothing here imports torch or CuTeDSL before a tuning or `--plan` starts: `--list` reads the store only.
 """
 from __future__ import annotations
 
@@ -20,8 +22,20 @@ import rosekernels
 from rosekernels import tuned
 from rosekernels.variant import MODES
 from sip import SipError
-from sip_tune import tuning, workloads
+from sip_tune import configs, tuning, workloads
 from sip_tune.runner import WorkerFailure, gpu_problem
+
+
+LEVELS = ("config", "sass")
+
+
+# A --shape the kernel cannot take fails in its plan module with one of these (an unknown dtype name is
+# a KeyError, a size that is not a number a TypeError): a one-line error, not a traceback.
+_BAD_REQUEST = (ValueError, LookupError, TypeError)
+
+
+def _reason(e: Exception) -> str:
+    return f"no such value {e}" if isinstance(e, LookupError) else str(e)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -31,12 +45,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="sip-tune", description="Tune the SASS schedule of a rosekernels kernel on this GPU "
-                "(simulated annealing + probabilistic testing) and cache the result for rosekernels.warmup.")
+    p = _Parser(prog="sip-tune", description="Tune a rosekernels kernel on this GPU: search its configurations "
+                "for the shape (level 'config'), then the SASS schedule of the chosen one (level 'sass': simulated "
+                "annealing + probabilistic testing); the results go into the tuned store the ops read.")
     p.add_argument("--kernel", choices=sorted(rosekernels.KERNELS), help="the kernel to tune")
     p.add_argument("--mode", choices=MODES, default="decode")
     p.add_argument("--shape", default="", metavar="K=V,...",
                    help="sizes and options of the kernel, e.g. tokens=4,q_heads=32,k_heads=8,head_dim=128,dtype=bf16")
+    p.add_argument("--levels", default="config,sass", metavar="L,...",
+                   help="what to tune, in this order: 'config' (configuration search), 'sass' (annealing of the "
+                   "chosen config's schedule), or both (default)")
+    p.add_argument("--plan", action="store_true",
+                   help="print the configurations the config level would try for the shape and exit (no GPU)")
+    p.add_argument("--max-candidates", type=int, default=configs.MAX_CANDIDATES, metavar="N",
+                   help="configs tried besides the heuristic's; more are pruned by the kernel's cost model")
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--budget-iters", type=int, metavar="N", help="annealing iterations over all runs")
     budget.add_argument("--budget-minutes", type=float, metavar="M",
@@ -54,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--t-max", type=float, default=0.02, help="initial temperature (relative time units)")
     p.add_argument("--t-min", type=float, default=2e-4, help="final temperature")
     p.add_argument("--cooling", type=float, help="cooling factor L (T <- T/L); default: derived from the budget")
-    p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON (with both levels: "
+                   "{\"config\": ..., \"sass\": ...})")
     p.add_argument("--list", action="store_true", help="list the cache entries and exit")
     return p
 
@@ -110,10 +133,23 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--runs and --search-samples must be >= 1")
     if (args.atol is not None) and args.rtol is None:
         parser.error("--atol needs --rtol")
+    if args.max_candidates < 0:
+        parser.error("--max-candidates must be >= 0")
+    levels = [s.strip() for s in args.levels.split(",") if s.strip()]
+    if not levels or any(lv not in LEVELS for lv in levels) or len(set(levels)) != len(levels):
+        parser.error(f"--levels takes a comma-separated subset of {','.join(LEVELS)}, got {args.levels!r}")
     try:
         shape = parse_shape(args.shape)
     except ValueError as e:
         parser.error(str(e))
+    if args.plan:
+        try:
+            space = configs.plan(args.kernel, args.mode, shape, args.max_candidates)
+        except _BAD_REQUEST as e:
+            print(f"sip-tune: {_reason(e)}", file=sys.stderr)
+            return 1
+        print("\n".join(space.lines()))
+        return 0
     problem = gpu_problem()
     if problem:
         print(f"sip-tune: needs a CUDA sm_90 GPU (H100/H200) to run and time candidates: {problem}.",
@@ -127,16 +163,27 @@ def main(argv: list[str] | None = None) -> int:
         runs=args.runs, seed=args.seed, samples=args.samples, search_samples=args.search_samples,
         t_max=args.t_max, t_min=args.t_min, cooling=args.cooling, min_speedup=args.min_speedup,
         tolerance=None if args.rtol is None else (args.rtol, args.atol or 0.0))
+    reports: dict[str, Any] = {}
     try:
-        factory = workloads.factory(args.kernel, args.mode, shape)
-        report = tuning.tune(factory, config, kernel=args.kernel, cache_root=args.cache)
-    except (SipError, ValueError, WorkerFailure) as e:
-        print(f"sip-tune: {e}", file=sys.stderr)
+        if "config" in levels:
+            reports["config"] = configs.tune_configs(
+                args.kernel, args.mode, shape, max_candidates=args.max_candidates, min_speedup=args.min_speedup,
+                seed=args.seed, cache_root=args.cache)
+            print(reports["config"].text())
+        if "sass" in levels:
+            if "config" in reports and reports["config"].winner is not None:
+                factory = configs.workload_factory(args.kernel, *configs.chosen(reports["config"]))
+            else:  # the heuristic's config: what the op runs for the shape
+                factory = workloads.factory(args.kernel, args.mode, shape)
+            reports["sass"] = tuning.tune(factory, config, kernel=args.kernel, cache_root=args.cache)
+            print(reports["sass"].text())
+    except (*_BAD_REQUEST, SipError, WorkerFailure) as e:
+        print(f"sip-tune: {_reason(e)}", file=sys.stderr)
         return 1
-    print(report.text())
     if args.json:
+        out = (reports["sass"].to_dict() if levels == ["sass"] else {k: r.to_dict() for k, r in reports.items()})
         with open(args.json, "w") as f:
-            json.dump(report.to_dict(), f, indent=1)
+            json.dump(out, f, indent=1)
     return 0
 
 

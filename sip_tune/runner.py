@@ -18,6 +18,10 @@ For every candidate the worker
 
 Any exception in the worker (an illegal address poisons its CUDA context) ends the worker; a hang is
 cut by a timeout. Either way the parent records the failure, and the next request starts a new worker.
+
+The same worker runs level 1 (`sip_tune.configs`) with `ConfigBench` in place of the cubin bench:
+whole configurations of a kernel for one shape, each its own compiled kernel, tested against the
+heuristic's and timed with the same graphs, L2 rotation and interleaved replay.
 """
 from __future__ import annotations
 
@@ -257,60 +261,34 @@ def _set_bytes(args: tuple) -> int:
     return max(1, sum(seen.values()))
 
 
-class _Bench:
-    """Everything the worker does, on the GPU."""
+def _device() -> tuple[str, int]:
+    """(name, L2 bytes) of the current CUDA device."""
+    import torch
 
-    def __init__(self, workload: Workload, options: Options):
-        import torch
+    props = torch.cuda.get_device_properties(0)
+    return props.name, getattr(props, "L2_cache_size", 0) or (50 << 20)
 
-        self.torch = torch
-        self.w = workload
-        self.o = options
-        self.original = workload.kernel.cubin
-        self.base = workload.kernel.fn
-        self.stream = torch.cuda.Stream()
-        self.free0 = torch.cuda.mem_get_info()[0]
-        probe = workload.make_args(0x5EED)
-        self.set_bytes = _set_bytes(probe)
-        self._check_deterministic()
-        props = torch.cuda.get_device_properties(0)
-        self.gpu = props.name
-        self.l2 = getattr(props, "L2_cache_size", 0) or (50 << 20)
-        # Input sets that together exceed L2, so that cycling over them keeps the cache from
-        # flattering (each launch of a graph takes the next set).
-        want = math.ceil(self.o.ring_l2_multiple * self.l2 / self.set_bytes)
-        n_ring = max(1, min(want, self.o.max_ring_sets, self.o.memory_cap_bytes // self.set_bytes))
-        self.ring = [probe] + [workload.make_args(0x5EED + i) for i in range(1, n_ring)]
-        # Per-launch time of the original, then launches per graph: the whole ring once and at least
-        # graph_ms, but at most max_graph_ms of work.
-        self.launches = min(len(self.ring), 32)
-        t = statistics.median(self._replay([self._graph(self.base)], 5)[0]) / self.launches
-        t = max(t, 1e-4)
-        self.launches = max(1, min(self.o.max_launches, round(self.o.max_graph_ms / t),
-                                   max(len(self.ring), round(self.o.graph_ms / t))))
-        self.base_graph = self._graph(self.base)
-        self.base_us = statistics.median(self._replay([self.base_graph], 5)[0]) / self.launches * 1e3
 
-    def info(self) -> dict[str, Any]:
-        used = min(len(self.ring), self.launches)
-        return {"gpu": self.gpu, "base_us": self.base_us, "launches_per_graph": self.launches,
-                "input_sets": used, "bytes_cycled": used * self.set_bytes, "l2_bytes": self.l2,
-                "set_bytes": self.set_bytes, "pid": os.getpid(),
-                "tolerance": self.o.tolerance}
+def _ring_sets(set_bytes: int, l2: int, options: Options) -> int:
+    """Input sets that together exceed L2, so that cycling over them keeps the cache from flattering
+    (each launch of a graph takes the next set)."""
+    want = math.ceil(options.ring_l2_multiple * l2 / set_bytes)
+    return max(1, min(want, options.max_ring_sets, options.memory_cap_bytes // set_bytes))
 
-    # -- pieces
 
-    def _load(self, cubin: bytes) -> Callable[..., Any]:
-        if cubin == self.original:
-            return self.base
-        if len(cubin) != len(self.original):
-            raise ValueError(f"candidate has {len(cubin)} bytes, the original {len(self.original)}")
-        from rosekernels import jit
+def _launches_per_graph(ms_per_launch: float, ring: int, options: Options) -> int:
+    """Launches per graph, from the per-launch time of the original: the whole ring once and at
+    least graph_ms, but at most max_graph_ms of work."""
+    t = max(ms_per_launch, 1e-4)
+    return max(1, min(options.max_launches, round(options.max_graph_ms / t), max(ring, round(options.graph_ms / t))))
 
-        fn, swapped = jit.load_object(self.w.kernel.object_bytes, {self.w.kernel.cubin_sha256: cubin})
-        if not swapped:
-            raise RuntimeError("the original cubin was not found in the kernel's object")
-        return fn
+
+class _Graphs:
+    """CUDA graph capture, interleaved replay and output comparison, for the benches below."""
+
+    torch: Any
+    stream: Any
+    o: Options
 
     def _capture(self, body: Callable[[], None]) -> Any:
         """A CUDA graph of what `body` launches (captured on a side stream, no gc/empty_cache)."""
@@ -327,15 +305,6 @@ class _Bench:
                 g.capture_end()
         torch.cuda.current_stream().wait_stream(self.stream)
         return g
-
-    def _graph(self, fn: Callable[..., Any]) -> Any:
-        """`launches` launches of `fn` cycling over the timing input sets."""
-        self.w.run(fn, self.ring[0])  # a first call outside capture (the module loads lazily)
-
-        def body() -> None:
-            for j in range(self.launches):
-                self.w.run(fn, self.ring[j % len(self.ring)])
-        return self._capture(body)
 
     def _replay(self, graphs: list[Any], reps: int) -> list[list[float]]:
         """Milliseconds per replay, graphs alternated (each rep rotates the order)."""
@@ -365,6 +334,62 @@ class _Bench:
         a = ref.contiguous().view(-1).view(torch.uint8)
         b = out.contiguous().view(-1).view(torch.uint8)
         return (a != b).any()
+
+
+class _Bench(_Graphs):
+    """Everything the worker does, on the GPU."""
+
+    def __init__(self, workload: Workload, options: Options):
+        import torch
+
+        self.torch = torch
+        self.w = workload
+        self.o = options
+        self.original = workload.kernel.cubin
+        self.base = workload.kernel.fn
+        self.stream = torch.cuda.Stream()
+        self.free0 = torch.cuda.mem_get_info()[0]
+        probe = workload.make_args(0x5EED)
+        self.set_bytes = _set_bytes(probe)
+        self._check_deterministic()
+        self.gpu, self.l2 = _device()
+        n_ring = _ring_sets(self.set_bytes, self.l2, self.o)
+        self.ring = [probe] + [workload.make_args(0x5EED + i) for i in range(1, n_ring)]
+        self.launches = min(len(self.ring), 32)
+        t = statistics.median(self._replay([self._graph(self.base)], 5)[0]) / self.launches
+        self.launches = _launches_per_graph(t, len(self.ring), self.o)
+        self.base_graph = self._graph(self.base)
+        self.base_us = statistics.median(self._replay([self.base_graph], 5)[0]) / self.launches * 1e3
+
+    def info(self) -> dict[str, Any]:
+        used = min(len(self.ring), self.launches)
+        return {"gpu": self.gpu, "base_us": self.base_us, "launches_per_graph": self.launches,
+                "input_sets": used, "bytes_cycled": used * self.set_bytes, "l2_bytes": self.l2,
+                "set_bytes": self.set_bytes, "pid": os.getpid(),
+                "tolerance": self.o.tolerance}
+
+    # -- pieces
+
+    def _load(self, cubin: bytes) -> Callable[..., Any]:
+        if cubin == self.original:
+            return self.base
+        if len(cubin) != len(self.original):
+            raise ValueError(f"candidate has {len(cubin)} bytes, the original {len(self.original)}")
+        from rosekernels import jit
+
+        fn, swapped = jit.load_object(self.w.kernel.object_bytes, {self.w.kernel.cubin_sha256: cubin})
+        if not swapped:
+            raise RuntimeError("the original cubin was not found in the kernel's object")
+        return fn
+
+    def _graph(self, fn: Callable[..., Any]) -> Any:
+        """`launches` launches of `fn` cycling over the timing input sets."""
+        self.w.run(fn, self.ring[0])  # a first call outside capture (the module loads lazily)
+
+        def body() -> None:
+            for j in range(self.launches):
+                self.w.run(fn, self.ring[j % len(self.ring)])
+        return self._capture(body)
 
     def _check_deterministic(self) -> None:
         """Bitwise testing needs an original that repeats itself exactly."""
@@ -448,3 +473,124 @@ class _Bench:
         ratios = [statistics.median(c / b for b, c in zip(times[0], row)) for row in times]
         return {"median_us": [statistics.median(row) for row in us], "rel": ratios,
                 "min_us": [min(row) for row in us], "reps": reps, "launches_per_graph": self.launches}
+
+
+class ConfigBench(_Graphs):
+    """The worker of level 1 (`sip_tune.configs`): several configurations of one kernel for one
+    shape. `space` has `configs` (the heuristic's first) and `workload(i)`, the Workload of
+    configs[i] at the shape; workloads are built (loaded from the disk cache) when first asked for,
+    so that one that fails to load or crashes costs only its own request.
+
+    test(i, ...) runs the heuristic and configs[i] on the same inputs (make_args of the same seeds:
+    the tuned config is for this shape) and compares the outputs bitwise; where they differ, the
+    candidate's float64 check must pass. time(indices, ...) replays graphs of the heuristic (twice:
+    the A/A pair) and of each candidate interleaved, every graph cycling over its own input sets
+    (the configs' arguments differ, e.g. split-K workspaces) that together exceed L2."""
+
+    RING_SEED = 0x5EED
+
+    def __init__(self, space: Any, options: Options):
+        import torch
+
+        self.torch = torch
+        self.space = space
+        self.o = options
+        self.stream = torch.cuda.Stream()
+        self.workloads: dict[int, Workload] = {}
+        self.rings: dict[int, list[tuple]] = {}
+        self.gpu, self.l2 = _device()
+        heuristic = self._workload(0)
+        probe = heuristic.make_args(self.RING_SEED)
+        self.set_bytes = _set_bytes(probe)
+        self.n_ring = _ring_sets(self.set_bytes, self.l2, self.o)
+        self._check_deterministic()
+        self.launches = min(self.n_ring, 32)
+        t = statistics.median(self._replay([self._graph(0)], 5)[0]) / self.launches
+        self.launches = _launches_per_graph(t, self.n_ring, self.o)
+        self.base_us = statistics.median(self._replay([self._graph(0)], 5)[0]) / self.launches * 1e3
+
+    def info(self) -> dict[str, Any]:
+        used = min(self.n_ring, self.launches)
+        return {"gpu": self.gpu, "base_us": self.base_us, "launches_per_graph": self.launches,
+                "input_sets": used, "bytes_cycled": used * self.set_bytes, "l2_bytes": self.l2,
+                "set_bytes": self.set_bytes, "pid": os.getpid(), "configs": len(self.space.configs)}
+
+    def _workload(self, i: int) -> Workload:
+        if i not in self.workloads:
+            self.workloads[i] = self.space.workload(i)
+        return self.workloads[i]
+
+    def _ring(self, i: int) -> list[tuple]:
+        if i not in self.rings:
+            w = self._workload(i)
+            self.rings[i] = [w.make_args(self.RING_SEED + j) for j in range(self.n_ring)]
+        return self.rings[i]
+
+    def _graph(self, i: int) -> Any:
+        """`launches` launches of configs[i] cycling over its input sets."""
+        w, ring = self._workload(i), self._ring(i)
+        w.run(w.kernel.fn, ring[0])  # a first call outside capture (the module loads lazily)
+
+        def body() -> None:
+            for j in range(self.launches):
+                w.run(w.kernel.fn, ring[j % len(ring)])
+        return self._capture(body)
+
+    def _differs(self, ref: tuple, out: tuple, w_ref: Workload, w_out: Workload) -> bool:
+        return bool(self.torch.stack([self._mismatch(r, c) for r, c in zip(w_ref.outputs(ref), w_out.outputs(out))])
+                    .any())
+
+    def _check_deterministic(self) -> None:
+        """Bitwise comparison needs a heuristic kernel that repeats itself exactly."""
+        w = self._workload(0)
+        for seed in range(4):
+            a, b = w.make_args(0xD7 + seed), w.make_args(0xD7 + seed)
+            w.run(w.kernel.fn, a)
+            w.run(w.kernel.fn, b)
+            if self._differs(a, b, w, w):
+                raise RuntimeError("the heuristic's kernel gives different outputs on the same inputs: "
+                                   "candidates cannot be compared with it bitwise")
+
+    # -- requests
+
+    def test(self, i: int, seed: int, samples: int) -> dict[str, Any]:
+        """configs[i] against the heuristic on `samples` input sets drawn from `seed`: status
+        ("ok" | "incorrect"), bitwise (every sample equal), max_err (the worst of the float64 checks,
+        relative to the kernel's tolerance; nan when every sample was bitwise equal)."""
+        t0 = time.perf_counter()
+        heuristic, w = self._workload(0), self._workload(i)
+        t1 = time.perf_counter()
+        seeds = random.Random(seed)
+        bitwise, max_err = True, math.nan
+        for n in range(samples):
+            s = seeds.getrandbits(63)
+            ref, out = heuristic.make_args(s), w.make_args(s)
+            heuristic.run(heuristic.kernel.fn, ref)
+            w.run(w.kernel.fn, out)
+            if not self._differs(ref, out, heuristic, w):
+                continue
+            bitwise = False
+            if w.check is None:
+                return self._verdict("incorrect", False, max_err, t0, t1,
+                                     f"sample {n}: outputs differ from the heuristic's and the kernel has no check")
+            try:
+                err = float(w.check(out))
+            except AssertionError as e:
+                return self._verdict("incorrect", False, max_err, t0, t1, f"sample {n}: {e}")
+            max_err = err if math.isnan(max_err) else max(max_err, err)
+        return self._verdict("ok", bitwise, max_err, t0, t1, "")
+
+    @staticmethod
+    def _verdict(status: str, bitwise: bool, max_err: float, t0: float, t1: float, detail: str) -> dict[str, Any]:
+        return {"status": status, "bitwise": bitwise, "max_err": max_err, "load_s": t1 - t0,
+                "test_s": time.perf_counter() - t1, "detail": detail}
+
+    def time(self, indices: list[int], reps: int) -> dict[str, Any]:
+        """Per-launch median microseconds of [heuristic, heuristic again, *configs[indices]], all
+        replayed interleaved; rel: the median over reps of each one's time / the heuristic's
+        (the second entry's is the A/A ratio)."""
+        graphs = [self._graph(0), self._graph(0)] + [self._graph(i) for i in indices]
+        times = self._replay(graphs, reps)
+        ratios = [statistics.median(c / b for b, c in zip(times[0], row)) for row in times]
+        return {"median_us": [statistics.median(row) / self.launches * 1e3 for row in times], "rel": ratios,
+                "reps": reps, "launches_per_graph": self.launches}

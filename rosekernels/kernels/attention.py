@@ -54,7 +54,7 @@ import random
 import torch
 
 from rosekernels import jit  # first: it pins CUTE_DSL_ARCH=sm_90a before cutlass loads
-from rosekernels import checks, launch, modes, scratch
+from rosekernels import checks, launch, modes, scratch, tuned
 from rosekernels.kernels.attention_common import (
     CUTE_DTYPES, LN_2, LOG2_E, TORCH_DTYPES, check, fake_qkv_out_lse, quad_max, quad_sum, tma_tiles, tma_view,
     views_needed)
@@ -847,16 +847,26 @@ class Launch(launch.Launch):
                          scratch.zeroed_int32(self.device, 1), self.num_ctas)
 
 
+def choose_config(q, k, causal: bool) -> AttentionConfig:
+    """The heuristic's config, or the tuned store's for the call's shape. The shape the tuner
+    measures (AttentionShape) has one sequence length, so a call with S_q != S_kv keeps the heuristic."""
+    cfg = default_config(q.shape[-1], TORCH_DTYPES[q.dtype], causal, k.shape[1])
+    if q.shape[1] != k.shape[1]:
+        return cfg
+    return tuned.tuned_config(OP, AttentionShape(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3],
+                                                 TORCH_DTYPES[q.dtype], causal), cfg)
+
+
 def plan(q, k, v, out, causal: bool, scale: float) -> Launch:
-    """The launch of validated arguments (q non-empty) with the heuristic's config."""
-    return Launch(default_config(q.shape[3], TORCH_DTYPES[q.dtype], causal, k.shape[1]), q, k, v, out, scale)
+    """The launch of validated arguments (q non-empty) with `choose_config`'s config."""
+    return Launch(choose_config(q, k, causal), q, k, v, out, scale)
 
 
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                    causal: bool, softmax_scale: float) -> None:
     """The registered op (torch.compile, tensor subclasses): validated arguments, TMA views; a fresh
     tile counter per call (CUDA-graph trees keep no tensor across calls)."""
-    cfg = default_config(q.shape[-1], TORCH_DTYPES[q.dtype], causal, k.shape[1])
+    cfg = choose_config(q, k, causal)  # as eager calls plan it: both give the same results
     launch.on_device(q.device.index, compile(cfg).fn, q, k, v, out, lse, softmax_scale * LOG2_E,
                      *launch_args(cfg, q))
 

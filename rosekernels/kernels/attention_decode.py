@@ -40,12 +40,12 @@ import random
 import torch
 
 from rosekernels import jit  # first: it pins CUTE_DSL_ARCH=sm_90a before cutlass loads
-from rosekernels import checks, launch, modes, scratch
+from rosekernels import checks, launch, modes, scratch, tuned
 from rosekernels.kernels.attention_common import (
     CUTE_DTYPES, LN_2, LOG2_E, check, fake_qkv_out_lse, quad_max, quad_sum, tma_tiles, tma_view, validate,
     views_needed)
 from rosekernels.kernels.attention_decode_plan import (  # noqa: F401 - the plan's names are this kernel's
-    MAX_SEQLEN_Q, MAX_SPLITS, MMA_WARPS, OP, DecodeConfig, DecodeShape, candidates, choose_splits, config_for,
+    MAX_SEQLEN_Q, MMA_WARPS, OP, DecodeConfig, DecodeShape, candidates, config_for,
     split_plan, variants_for)
 from rosekernels.workload import Workload
 
@@ -505,8 +505,11 @@ def workload(config: DecodeConfig, shape: DecodeShape) -> Workload:
     scale = 1.0 / math.sqrt(config.head_dim)
 
     def test_args(seed: int) -> tuple:
+        # Each sample also draws its split count (the model's choice included): one compiled kernel
+        # serves them all, and the split/combine path must be tested even where `config` runs one split.
         r = random.Random(seed)
-        return _inputs(config, dataclasses.replace(shape, batch=r.randint(1, 3), seqlen_kv=r.randint(1, 5000)), seed)
+        sample = dataclasses.replace(shape, batch=r.randint(1, 3), seqlen_kv=r.randint(1, 5000))
+        return _inputs(dataclasses.replace(config, splits=r.choice((None, 1, 2, 3, 7, 16))), sample, seed)
 
     def verify(args: tuple) -> float:
         q, k, v, out, lse = args[:5]
@@ -569,7 +572,8 @@ def plan(q, k, v, out, causal: bool, scale: float, splits: int | None = None,
          private_scratch: bool = False) -> Launch:
     """The launch of validated arguments (q non-empty) with the heuristic's config (`config_for`);
     `splits` forces the number of KV chunks."""
-    cfg = config_for(DecodeShape.of(q, k, causal), modes.sm_count(q.device.index))
+    shape, sms = DecodeShape.of(q, k, causal), modes.sm_count(q.device.index)
+    cfg = tuned.tuned_config(OP, shape, config_for(shape, sms), sms)
     if splits is not None:
         cfg = dataclasses.replace(cfg, splits=splits)
     return Launch(cfg, q, k, v, out, causal, scale, private_scratch)

@@ -50,6 +50,7 @@ class DecodeShape:
     """The sizes and options of a call (the keys of `sip-tune --kernel attention_decode --shape`):
     q [batch, seqlen_q, heads_q, head_dim], k and v [batch, seqlen_kv, heads_kv, head_dim]."""
 
+    SIZE_FIELDS = ("batch", "seqlen_kv")  # vary per call: bucketed by the tuned-config store (contract.bucket)
     batch: int = 16
     seqlen_q: int = 1
     seqlen_kv: int = 4096
@@ -132,23 +133,29 @@ def tile_m_for(rows: int) -> int:
 def choose_splits(groups: int, n_tiles: int, tile_bytes: int, sms: int,
                   max_splits: int = MAX_SPLITS) -> tuple[int, int]:
     """(num_splits, tiles_per_split) for `groups` CTAs' worth of rows over `n_tiles` K/V tiles each."""
-    slots = WAVE_CTAS_PER_SM * sms
     best = None
     for want in range(1, max(1, min(n_tiles, max_splits)) + 1):
         per = -(-n_tiles // want)
         splits = -(-n_tiles // per)
         if best is not None and splits == best[1]:
             continue
-        ctas = groups * splits
-        us = 0.0
-        while ctas > 0:
-            wave = min(ctas, slots)
-            us += per * tile_bytes / 1e3 / min(CTA_GBPS, HBM_GBPS / wave) + CTA_US
-            ctas -= wave
-        us += COMBINE_US if splits > 1 else 0.0
+        us = launch_us(groups, splits, per, tile_bytes, sms)
         if best is None or us < SPLIT_GAIN * best[0]:
             best = (us, splits, per)
     return best[1], best[2]
+
+
+def launch_us(groups: int, splits: int, per: int, tile_bytes: int, sms: int) -> float:
+    """Modelled microseconds of a launch of `groups` x `splits` CTAs streaming `per` tiles of
+    `tile_bytes` each: the fluid model above, wave by wave, plus the combine of a split launch."""
+    slots = WAVE_CTAS_PER_SM * sms
+    ctas = groups * splits
+    us = 0.0
+    while ctas > 0:
+        wave = min(ctas, slots)
+        us += per * tile_bytes / 1e3 / min(CTA_GBPS, HBM_GBPS / wave) + CTA_US
+        ctas -= wave
+    return us + (COMBINE_US if splits > 1 else 0.0)
 
 
 def split_plan(cfg: DecodeConfig, shape: DecodeShape, sms: int | None = None) -> tuple[int, int, int]:
@@ -189,6 +196,18 @@ def candidates(shape: DecodeShape, sms: int | None = None) -> list[DecodeConfig]
             counts = {split_plan(dataclasses.replace(cfg, splits=s), shape, sms)[0] for s in wanted}
             found += [dataclasses.replace(cfg, splits=s) for s in sorted(counts)]
     return found
+
+
+def rank(shape: DecodeShape, configs: Iterable[DecodeConfig], sms: int | None = None) -> list[DecodeConfig]:
+    """`configs` (candidates of `shape`) best first by the split model's time (`launch_us`) of their
+    split plan, for the tuner's pruning; the stage count, which the model does not see, keeps the
+    given order among equal times (the sort is stable)."""
+    sms = sm_count() if sms is None else sms
+
+    def cost(c: DecodeConfig) -> float:
+        splits, per, groups = split_plan(c, shape, sms)
+        return launch_us(groups, splits, per, 2 * c.tile_n * c.head_dim * 2, sms)
+    return sorted(configs, key=cost)
 
 
 def variants_for(models: Iterable[ModelDims] | None = None, modes: Iterable[str] = MODES) -> list[DecodeConfig]:

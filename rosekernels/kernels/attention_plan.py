@@ -34,6 +34,7 @@ class AttentionShape:
     """The sizes and options of a call (the keys of `sip-tune --kernel attention --shape`): q, k and
     v [batch, seqlen, heads, head_dim]."""
 
+    SIZE_FIELDS = ("batch", "seqlen")  # vary per call: bucketed by the tuned-config store (contract.bucket)
     batch: int = 2
     seqlen: int = 2048
     heads_q: int = 16

@@ -51,7 +51,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.tensor_utils import LayoutEnum
 
-from rosekernels import checks, launch, modes, scratch
+from rosekernels import checks, launch, modes, scratch, tuned
 from rosekernels.kernels.gemm_leakyrelu_plan import (  # noqa: F401  (candidates, variants_for: the contract)
     COUNTER_SLOTS, MAX_SPLITS, OP, TILE_K, GemmConfig, GemmShape, candidates, check_fits, config_for, m_range,
     variants_for)
@@ -801,7 +801,8 @@ def _new_plan(a, b_nk, bias, out, negative_slope: float):
     name = checks.DTYPE_NAME
     shape = GemmShape(m, n, k, name[a.dtype], "k" if b_nk.stride(1) == 1 else "n",
                       name[bias.dtype] if bias is not None else "none", negative_slope)
-    return _Plan(a, b_nk, bias, out, config_for(shape, modes.sm_count(a.device.index)))
+    sms = modes.sm_count(a.device.index)
+    return _Plan(a, b_nk, bias, out, tuned.tuned_config(OP, shape, config_for(shape, sms), sms))
 
 
 def _run(a, b_nk, bias, out, negative_slope: float, private_scratch: bool = False) -> None:

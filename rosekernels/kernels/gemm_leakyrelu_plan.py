@@ -141,6 +141,7 @@ class GemmConfig:
 class GemmShape:
     """One call: out[m, n] = leaky_relu(a[m, k] @ b[n, k]^T + bias, slope)."""
 
+    SIZE_FIELDS = ("m",)  # varies per call (tokens): bucketed by the tuned-config store (contract.bucket)
     m: int
     n: int = 14336
     k: int = 4096
@@ -235,16 +236,23 @@ def decode_choice(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int]:
     return tile_m, best[1], best[2]
 
 
+def prefill_cost(m: int, n: int, k: int, tile_m: int, tile_n: int, pingpong: bool, num_sms: int,
+                 cluster_m: int = 2, cluster_n: int = 1) -> tuple[float, int]:
+    """(modelled time in MMA work units, waves) of a prefill launch of one PREFILL_TILES tile on
+    cluster_m x cluster_n clusters: waves of clusters x tile work / efficiency."""
+    efficiency = next(e for tm, tn, pp, e in PREFILL_TILES if (tm, tn, pp) == (tile_m, tile_n, pingpong))
+    clusters = math.ceil(math.ceil(m / tile_m) / cluster_m) * math.ceil(math.ceil(n / tile_n) / cluster_n)
+    waves = math.ceil(clusters / (num_sms // (cluster_m * cluster_n)))
+    tile_k_tiles = math.ceil(k / TILE_K) + (0 if pingpong else COOP_EPILOGUE_K_TILES)
+    return waves * tile_m * tile_n * tile_k_tiles / efficiency, waves
+
+
 def prefill_choice(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, bool]:
     """(tile_m, tile_n, pingpong) for an M > DECODE_MAX_M problem on 2x1 clusters: the tile of
-    least modelled time, waves of clusters x tile work / efficiency."""
+    least modelled time (`prefill_cost`)."""
     best = None
-    k_tiles = math.ceil(k / TILE_K)
-    for tile_m, tile_n, pingpong, efficiency in PREFILL_TILES:
-        clusters = math.ceil(math.ceil(m / tile_m) / 2) * math.ceil(n / tile_n)
-        waves = math.ceil(clusters / (num_sms // 2))
-        tile_k_tiles = k_tiles + (0 if pingpong else COOP_EPILOGUE_K_TILES)
-        cost = waves * tile_m * tile_n * tile_k_tiles / efficiency
+    for tile_m, tile_n, pingpong, _ in PREFILL_TILES:
+        cost, waves = prefill_cost(m, n, k, tile_m, tile_n, pingpong, num_sms)
         if best is None or cost < best[0]:
             best = (cost, tile_m, tile_n, pingpong, waves)
     _, tile_m, tile_n, pingpong, waves = best
@@ -297,6 +305,25 @@ def candidates(shape: GemmShape, sms: int | None = None) -> list[GemmConfig]:
                  for tile_m, tile_n, pingpong, _ in PREFILL_TILES
                  for cluster_m, cluster_n in PREFILL_CLUSTERS for group in PREFILL_RASTER_GROUPS]
     return list(dict.fromkeys([pick, *found]))
+
+
+def rank(shape: GemmShape, configs: Iterable[GemmConfig], sms: int | None = None) -> list[GemmConfig]:
+    """`configs` (candidates of `shape`) best first by the cost models, for the tuner's pruning:
+    decode configs by `decode_cost` of their tile and split count, prefill ones by the wave model
+    (`prefill_cost`) of their tile and cluster shape. Fields the models do not see (a_rows, raster
+    group) keep the given order among equal costs (the sort is stable), except that every tile and
+    split count with the fewest A rows that hold M comes before any with more: they load rows that do
+    not exist, and would otherwise fill the pruned list with copies of one modelled cost."""
+    sms = sm_count() if sms is None else sms
+    fewest = next((r for r in A_ROWS if r >= shape.m), None)
+
+    def cost(c: GemmConfig) -> tuple[bool, float]:
+        if c.split_k:
+            extra_rows = c.tile_m == 64 and c.a_rows != fewest
+            return extra_rows, decode_cost(shape.m, shape.n, shape.k, c.tile_m, c.tile_n, c.splits, sms)
+        return False, prefill_cost(shape.m, shape.n, shape.k, c.tile_m, c.tile_n, c.pingpong, sms,
+                                   c.cluster_m, c.cluster_n)[0]
+    return sorted(configs, key=cost)
 
 
 def _library_variants() -> list[GemmConfig]:

@@ -24,7 +24,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32
 
-from rosekernels import checks, jit, launch
+from rosekernels import checks, jit, launch, tuned
 from rosekernels.kernels.moe_combine_plan import (  # noqa: F401  (re-exported: the kernel's contract)
     OP, CombineConfig, CombineShape, candidates, choose_mode, config_for, token_range, variants_for)
 from rosekernels.kernels.moe_dispatch import DTYPES, check_sm90, rows_view
@@ -178,6 +178,8 @@ def _new_plan(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: to
     tensors = (expert_out, topk_weights, slot_map, out)
     views = tuple(map(rows_view, tensors))
     cfg = validate(*views, mode or choose_mode(slot_map.shape[0]))
+    shape = CombineShape(out.shape[0], cfg.hidden, cfg.topk, cfg.dtype, cfg.weight_dtype)
+    cfg = tuned.tuned_config(OP, shape, cfg)
     fn = compile(cfg).fn if out.numel() else None
     return _Plan(fn, out.device.index, any(v.stride() != t.stride() for v, t in zip(views, tensors)))
 

@@ -62,6 +62,7 @@ class CombineConfig:
 class CombineShape:
     """The sizes of one combine: T tokens of `hidden` elements, each the weighted sum of `topk` rows."""
 
+    SIZE_FIELDS = ("tokens",)  # varies per call: bucketed by the tuned-config store (contract.bucket)
     tokens: int
     hidden: int = 2048
     topk: int = 8

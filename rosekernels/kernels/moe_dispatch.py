@@ -52,7 +52,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Int32, Int64, Uint32, const_expr
 
-from rosekernels import checks, jit, launch, modes, scratch
+from rosekernels import checks, jit, launch, modes, scratch, tuned
 from rosekernels.kernels.moe_dispatch_plan import (  # noqa: F401  (re-exported: the kernel's contract)
     DECODE_PAIRS_LIMIT, DECODE_PAIRS_PER_THREAD, DEFAULT_BLOCK_SIZE, MODELS, OP, THREADS, DispatchConfig,
     DispatchShape, candidates, choose_mode, config_for, default_capacity, meta_layout, num_ctas, token_range,
@@ -603,6 +603,7 @@ def _new_plan(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num
     """The slow path, once per signature: every check, the config, the kernel compiled or loaded, the grid."""
     views = rows_view(x), rows_view(topk_ids), rows_view(buffer)
     cfg = validate(*views, num_experts, block_size, mode or choose_mode(*topk_ids.shape))
+    cfg = tuned.tuned_config(OP, DispatchShape(x.shape[0], cfg.hidden, cfg.num_experts, cfg.topk, cfg.dtype), cfg)
     canonical = any(v.stride() != t.stride() for v, t in zip(views, (x, topk_ids, buffer)))
     grid = num_ctas(cfg, x.shape[0], modes.sm_count(x.device.index))
     return _Plan(compile(cfg).fn, x.device, cfg, block_size, grid, canonical)

@@ -88,6 +88,7 @@ class DispatchConfig:
 class DispatchShape:
     """The sizes of one dispatch: T tokens of `hidden` elements, each routed to `topk` of `experts`."""
 
+    SIZE_FIELDS = ("tokens",)  # varies per call: bucketed by the tuned-config store (contract.bucket)
     tokens: int
     hidden: int = 2048
     experts: int = 128

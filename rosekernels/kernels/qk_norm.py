@@ -31,7 +31,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32
 
-from rosekernels import checks, jit, launch, modes
+from rosekernels import checks, jit, launch, modes, tuned
 from rosekernels.kernels.qk_norm_plan import (  # noqa: F401  (candidates, variants_for: the contract)
     DTYPES, HEAD_DIMS, OP, TORCH_DTYPE, QKNormConfig, QKNormShape, candidates, config_for, variants_for)
 from rosekernels.vector_copy import vec_load, vec_store
@@ -231,7 +231,6 @@ def _validate(q, k, q_weight, k_weight, out_q, out_k) -> None:
 # ---------------------------------------------------------------------------------------------
 # The op.
 
-_NOTHING = lambda *args: None  # noqa: E731  (zero tokens: nothing to launch)
 _plans = launch.PlanCache()
 
 
@@ -240,10 +239,11 @@ def _new_plan(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias) -> launc
     _validate(q, k, q_weight, k_weight, out_q, out_k)
     tokens, q_heads, head_dim = q.shape
     if tokens == 0:
-        return launch.Launch(_NOTHING, q.device.index)
+        return launch.nothing(q.device.index)
     shape = QKNormShape(tokens, q_heads, k.shape[1], head_dim, checks.DTYPE_NAME[q.dtype],
                         checks.DTYPE_NAME[q_weight.dtype], eps, weight_bias)
-    return launch.Launch(compile(config_for(shape, modes.sm_count(q.device.index))).fn, q.device.index)
+    sms = modes.sm_count(q.device.index)
+    return launch.Launch(compile(tuned.tuned_config(OP, shape, config_for(shape, sms), sms)).fn, q.device.index)
 
 
 def _run(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,

@@ -33,6 +33,7 @@ MODEL_HEADS = {"qwen3-8b": (32, 8), "qwen3-30b-a3b": (32, 4)}
 class QKNormShape:
     """The sizes and options of a call (the keys of `sip-tune --kernel qk_norm --shape`)."""
 
+    SIZE_FIELDS = ("tokens",)  # varies per call: bucketed by the tuned-config store (contract.bucket)
     tokens: int
     q_heads: int = 32
     k_heads: int = 8

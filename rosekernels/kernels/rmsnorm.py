@@ -28,7 +28,7 @@ import torch
 from cutlass import Float32
 from cutlass.memory import SmemAllocator
 
-from rosekernels import checks, jit, launch, modes
+from rosekernels import checks, jit, launch, modes, tuned
 from rosekernels.kernels.rmsnorm_plan import (  # noqa: F401  (candidates, variants_for: the contract)
     DTYPES, MAX_HIDDEN, OP, TORCH_DTYPE, RMSNormConfig, RMSNormShape, candidates, config_for, variants_for)
 from rosekernels.vector_copy import vec_load, vec_store
@@ -245,7 +245,6 @@ def _validate(x, weight, residual, out, residual_out) -> None:
 # ---------------------------------------------------------------------------------------------
 # The op.
 
-_NOTHING = lambda *args: None  # noqa: E731  (zero rows: nothing to launch)
 _plans = launch.PlanCache()
 
 
@@ -254,10 +253,11 @@ def _new_plan(x, weight, residual, out, residual_out, eps) -> launch.Launch:
     _validate(x, weight, residual, out, residual_out)
     rows, hidden = x.shape
     if rows == 0:
-        return launch.Launch(_NOTHING, x.device.index)
+        return launch.nothing(x.device.index)
     shape = RMSNormShape(rows, hidden, checks.DTYPE_NAME[x.dtype], checks.DTYPE_NAME[weight.dtype],
                          residual is not None, eps)
-    return launch.Launch(compile(config_for(shape, modes.sm_count(x.device.index))).fn, x.device.index)
+    sms = modes.sm_count(x.device.index)
+    return launch.Launch(compile(tuned.tuned_config(OP, shape, config_for(shape, sms), sms)).fn, x.device.index)
 
 
 def _run(x, weight, residual, out, residual_out, eps) -> None:

@@ -41,6 +41,7 @@ def threads_per_row(hidden: int, vec: int) -> int:
 class RMSNormShape:
     """The sizes and options of a call (the keys of `sip-tune --kernel rmsnorm --shape`)."""
 
+    SIZE_FIELDS = ("rows",)  # varies per call: bucketed by the tuned-config store (contract.bucket)
     rows: int
     hidden: int = 4096
     dtype: str = "bf16"  # x, residual and the outputs

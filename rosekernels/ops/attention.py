@@ -20,14 +20,13 @@ from rosekernels.kernels import attention_decode as decode
 from rosekernels.kernels.attention_common import tma_view, validate
 
 _plans = launch.PlanCache()
-_NOOP = lambda *args: None  # noqa: E731  (an empty query: nothing to launch)
 
 
 def _new_plan(q, k, v, out, causal: bool, softmax_scale) -> launch.Launch:
     """The slow path, once per argument signature: every check, then the kernel for the query length."""
     scale = validate(q, k, v, out, softmax_scale)
     if not q.numel():
-        return launch.Launch(_NOOP, q.device.index)
+        return launch.nothing(q.device.index)
     kernel = decode if q.shape[1] <= decode.MAX_SEQLEN_Q else prefill
     return kernel.plan(q, k, v, out, causal, scale)
 

@@ -1,5 +1,6 @@
-"""The tuned-cubin store (rosekernels.tuned): keys, metadata, locking, and falling back to the untuned
-kernel on any defect."""
+"""The tuned store (rosekernels.tuned), cubins and configs: keys, metadata, locking, and falling back to
+the untuned kernel or the heuristic's config on any defect."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -164,3 +165,108 @@ def test_concurrent_writers_never_leave_a_broken_entry(tmp_path):
         entry = get(tmp_path)
     assert entry is not None and entry.meta["speedup"] == 40.0
     assert not [p for p in entry.path.iterdir() if p.name.startswith(".") and p.name != ".lock"]  # no temp files
+
+
+# ---------------------------------------------------------------------------------------------
+# Tuned configs: <root>/<toolchain>/<kernel>/configs/<mode>-<bucket>-<original hash>.json
+
+CONFIG_META = {"heuristic_median_us": 3.0, "tuned_median_us": 2.5, "speedup": 1.2, "aa_spread": 0.01,
+               "gpu": "NVIDIA H200", "date": "2026-12-01T00:00:00Z"}
+SHA = "ab" * 32
+
+
+def qk_configs(tokens=3000):
+    """A prefill qk_norm shape, its heuristic config and another legal one (no compile)."""
+    from rosekernels.kernels import qk_norm_plan as plan
+
+    shape = plan.QKNormShape(tokens)
+    heuristic = plan.config_for(shape, 132)
+    other = next(c for c in plan.candidates(shape, 132) if c.variant() != heuristic.variant())
+    return shape, heuristic, other
+
+
+@pytest.fixture
+def configs_fresh():
+    tuned.forget_configs()
+    yield
+    tuned.forget_configs()
+
+
+def test_config_entry_layout_and_round_trip(tmp_path, configs_fresh):
+    shape, heuristic, other = qk_configs(3000)
+    path = tuned.store_config(tmp_path, "qk_norm", shape, other, heuristic, SHA, CONFIG_META)
+    toolchain = tuned.current_toolchain()
+    assert path.parent == tmp_path / toolchain / "qk_norm" / "configs"
+    assert path.name == f"prefill-{tuned.bucket_key(shape)}-{SHA[:16]}.json" and "tokens=4096" in path.name
+    meta = json.loads(path.read_text())
+    assert {k: meta[k] for k in CONFIG_META} == CONFIG_META
+    assert meta["kernel"] == "qk_norm" and meta["mode"] == "prefill" and meta["arch"] == "sm_90a"
+    assert meta["toolchain"] == toolchain and meta["original_sha256"] == SHA
+    assert meta["shape"]["tokens"] == 3000 and meta["bucket"]["tokens"] == 4096
+    assert meta["config_key"] == other.variant().key() and meta["heuristic_key"] == heuristic.variant().key()
+    # Any shape of the bucket finds it, for that original only; the config comes back as a Config.
+    entry = tuned.lookup_config(tmp_path, "qk_norm", dataclasses.replace(shape, tokens=2049), SHA)
+    assert entry.path == path and entry.config == other and entry.heuristic == heuristic
+    assert entry.speedup == 1.2 and entry.original_sha256 == SHA
+    assert tuned.lookup_config(tmp_path, "qk_norm", dataclasses.replace(shape, tokens=2048), SHA) is None
+    assert tuned.lookup_config(tmp_path, "qk_norm", dataclasses.replace(shape, tokens=4096, k_heads=4), SHA) is None
+    assert tuned.lookup_config(tmp_path, "qk_norm", shape, "cd" * 32) is None
+    assert [e.path for e in tuned.config_entries(tmp_path, "qk_norm")] == [path]
+    assert tuned.config_entries(tmp_path, "rmsnorm") == []
+
+
+def test_config_entries_are_read_once_per_root_and_kernel(tmp_path, configs_fresh):
+    shape, heuristic, other = qk_configs()
+    path = tuned.store_config(tmp_path, "qk_norm", shape, other, heuristic, SHA, CONFIG_META)
+    assert tuned.lookup_config(tmp_path, "qk_norm", shape, SHA) is not None
+    path.unlink()  # what this process read stays in memory ...
+    assert tuned.lookup_config(tmp_path, "qk_norm", shape, SHA).config == other
+    tuned.store_config(tmp_path, "qk_norm", shape, heuristic, heuristic, "cd" * 32, CONFIG_META)
+    assert tuned.lookup_config(tmp_path, "qk_norm", shape, SHA) is None  # ... until a store re-reads
+
+
+def test_the_better_config_entry_is_kept(tmp_path, configs_fresh):
+    shape, heuristic, other = qk_configs()
+    path = tuned.store_config(tmp_path, "qk_norm", shape, other, heuristic, SHA, CONFIG_META)
+    assert tuned.store_config(tmp_path, "qk_norm", shape, heuristic, heuristic, SHA,
+                              {**CONFIG_META, "speedup": 1.1}) == path
+    assert tuned.lookup_config(tmp_path, "qk_norm", shape, SHA).config == other
+    tuned.store_config(tmp_path, "qk_norm", shape, heuristic, heuristic, SHA, {**CONFIG_META, "speedup": 1.1},
+                       keep_better=False)
+    assert tuned.lookup_config(tmp_path, "qk_norm", shape, SHA).config == heuristic
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".") and p.name != ".lock"]  # no temp files
+
+
+def _config_json(path):
+    path.write_text("{not json")
+
+
+def _config_moved(path):  # a whole entry, but under a name lookups of its bucket would not use
+    path.rename(path.with_name(path.name.replace("tokens=4096", "tokens=8192")))
+
+
+def _config_bad_field(path):
+    meta = json.loads(path.read_text())
+    meta["config"]["no_such_field"] = 1
+    path.write_text(json.dumps(meta))
+
+
+def _config_other_format(path):
+    meta = json.loads(path.read_text())
+    meta["format"] = 99
+    path.write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("corrupt", [_config_json, _config_moved, _config_bad_field, _config_other_format])
+def test_a_broken_config_entry_warns_and_is_ignored(tmp_path, configs_fresh, corrupt):
+    shape, heuristic, other = qk_configs()
+    path = tuned.store_config(tmp_path, "qk_norm", shape, other, heuristic, SHA, CONFIG_META)
+    corrupt(path)
+    tuned.forget_configs()
+    with pytest.warns(UserWarning, match="ignoring tuned-config entry.*heuristic"):
+        assert tuned.lookup_config(tmp_path, "qk_norm", shape, SHA) is None
+    assert tuned.config_entries(tmp_path, "qk_norm") == []
+    # The next store replaces a broken entry in place.
+    if corrupt is not _config_moved:
+        tuned.store_config(tmp_path, "qk_norm", shape, other, heuristic, SHA, CONFIG_META)
+        assert tuned.lookup_config(tmp_path, "qk_norm", shape, SHA).config == other

@@ -1,0 +1,183 @@
+"""Level 1 of sip-tune (configuration search) over a list of shapes per kernel: what tuning pays over
+each kernel's heuristic, next to the A/A spread and, where the bench has them, the best peer.
+
+    python bench/autotune.py --out bench/results                      # the standard shapes
+    python bench/autotune.py --shape gemm_leakyrelu:decode:m=8,n=4096,k=4096 --shape qk_norm:decode:tokens=1
+    python bench/autotune.py --plan                                   # the search spaces only (no GPU)
+
+Each shape runs `sip_tune.configs.tune_configs` (compile in parallel, test and time in the
+crash-isolated worker, re-time the fastest in a fresh one); the heuristic and tuned times are the
+medians of that re-time (interleaved). Peers (GEMM: cuBLAS + leaky_relu and cuBLAS alone) are timed
+in this process in CUDA graphs over input sets rotated past L2. Winners go into the tuned store at
+--cache (default: a temporary directory, so that a benchmark run changes no installed entry).
+Writes autotune.json and autotune.md into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from sip_tune import configs  # noqa: E402
+from sip_tune.cli import parse_shape  # noqa: E402
+
+# (kernel, mode, shape overrides): decode and prefill sizes of Llama-3-8B / Qwen3-8B layers.
+SHAPES = [
+    ("gemm_leakyrelu", "decode", {"m": 1, "n": 14336, "k": 4096}),
+    ("gemm_leakyrelu", "decode", {"m": 8, "n": 4096, "k": 4096}),
+    ("gemm_leakyrelu", "decode", {"m": 16, "n": 4096, "k": 14336}),
+    ("gemm_leakyrelu", "decode", {"m": 128, "n": 14336, "k": 4096}),
+    ("gemm_leakyrelu", "prefill", {"m": 1024, "n": 14336, "k": 4096}),
+    ("gemm_leakyrelu", "prefill", {"m": 4096, "n": 4096, "k": 4096}),
+    ("qk_norm", "decode", {"tokens": 1}),
+    ("qk_norm", "prefill", {"tokens": 4096}),
+    ("rmsnorm", "prefill", {"rows": 4096}),
+    ("attention_decode", "decode", {"batch": 16, "seqlen_kv": 4096}),
+    ("attention_decode", "decode", {"batch": 1, "seqlen_kv": 32768}),
+]
+
+
+def parse_spec(text: str) -> tuple[str, str, dict[str, Any]]:
+    """'kernel:mode:k=v,...' (the shape part as sip-tune --shape takes it) -> (kernel, mode, overrides)."""
+    parts = text.split(":", 2)
+    if len(parts) < 2 or not parts[0] or not parts[1]:
+        raise ValueError(f"bad --shape {text!r}: expected KERNEL:MODE[:K=V,...]")
+    return parts[0], parts[1], parse_shape(parts[2] if len(parts) == 3 else "")
+
+
+def _gemm_peers(shape: Any) -> dict[str, float]:
+    """Microseconds per call of cuBLAS + leaky_relu and of cuBLAS alone at `shape` (interleaved,
+    CUDA graphs over input sets past L2)."""
+    import torch
+    import torch.nn.functional as F
+
+    import timing  # bench/timing.py
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[shape.dtype]
+    m, n, k = shape.m, shape.n, shape.k
+    count = timing.input_sets((m * k + n * k + m * n) * 2, least=1, most=8)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sets = []
+    for _ in range(count):
+        a = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+        w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).to(dtype)
+        b = torch.randn(n, device="cuda", generator=g).to(dtype) if shape.bias != "none" else None
+        sets.append((a, w, b, torch.empty(m, n, device="cuda", dtype=dtype)))
+
+    def cublas_act(i):
+        a, w, b, _ = sets[i % len(sets)]
+        F.leaky_relu(F.linear(a, w, b), shape.slope, inplace=True)
+
+    def cublas(i):
+        a, w, b, out = sets[i % len(sets)]
+        torch.mm(a, w.t(), out=out) if b is None else torch.addmm(b, a, w.t(), out=out)
+
+    calls = max(20, 200 // len(sets) * len(sets))
+    return timing.interleaved_graph_time_us({"cublas+leaky_relu": cublas_act, "cublas": cublas}, calls, rounds=15)
+
+
+PEERS = {"gemm_leakyrelu": _gemm_peers}
+
+
+def _row(report: configs.ConfigReport, peers: dict[str, float], errors: list[str]) -> dict[str, Any]:
+    best_peer = min(peers.items(), key=lambda kv: kv[1]) if peers else None
+    return {
+        "kernel": report.kernel, "mode": report.mode, "shape": report.shape,
+        "heuristic_us": report.heuristic_us, "tuned_us": report.tuned_us, "speedup": report.speedup,
+        "aa_spread": max(report.aa_spread, report.retime_aa_spread) if report.finalists else report.aa_spread,
+        "winner": report.winner_key or None, "outcome": report.outcome,
+        "searched": len(report.candidates), "candidates": report.total, "pruned_by": report.ranked_by,
+        "statuses": dict(collections.Counter(r["status"] for r in report.candidates)),
+        "shares": report.shares, "seconds": report.seconds.get("total"),
+        "peers_us": peers, "best_peer": best_peer[0] if best_peer else None,
+        "tuned_vs_best_peer": best_peer[1] / report.tuned_us if best_peer else None,
+        "errors": errors,
+    }
+
+
+def _shape_text(shape: dict, keys: dict) -> str:
+    return ",".join(f"{k}={shape[k]}" for k in keys) or "defaults"
+
+
+def _markdown(rows: list[dict], specs: list, env: dict) -> str:
+    import report  # bench/report.py
+
+    lines = [f"# sip-tune level 1 (configuration search) on {env.get('gpu')}", "",
+             "Heuristic and tuned: per-launch medians of the final re-time (interleaved, fresh worker). A/A: "
+             "how far the heuristic measured from itself in the same pipeline; a winner must beat "
+             "max(1.01, 1 + A/A). Shares: of each shape's wall time.", "",
+             "| kernel | mode | shape | heuristic us | tuned us | speedup | A/A | searched / all | best peer us | "
+             "tuned vs peer | compile / test / time | s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row, (_, _, keys) in zip(rows, specs):
+        if "error" in row:
+            lines.append(f"| {row['kernel']} | {row['mode']} | {_shape_text(row.get('shape', {}), keys)} | "
+                         f"failed: {row['error']} |||||||||")
+            continue
+        sh = row["shares"]
+        peer = f"{row['peers_us'][row['best_peer']]:.2f} ({row['best_peer']})" if row["best_peer"] else "-"
+        lines.append(
+            f"| {row['kernel']} | {row['mode']} | {_shape_text(row['shape'], keys)} | "
+            f"{report.fmt(row['heuristic_us'], 2)} | {report.fmt(row['tuned_us'], 2)} | {row['speedup']:.3f} | {row['aa_spread']:.4f} | "
+            f"{row['searched']} / {row['candidates']} | {peer} | {report.fmt(row['tuned_vs_best_peer'], 3)} | "
+            f"{sh['compile']:.0%} / {sh['test']:.0%} / {sh['time']:.0%} | {row['seconds']:.0f} |")
+    lines += ["", "Winners:"] + [f"- {r['kernel']} {r['mode']} {_shape_text(r['shape'], k)}: {r['outcome']}"
+                                 for r, (_, _, k) in zip(rows, specs) if "error" not in r]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--shape", action="append", metavar="KERNEL:MODE[:K=V,...]",
+                   help="a shape to tune (repeatable; default: the standard list)")
+    p.add_argument("--max-candidates", type=int, default=configs.MAX_CANDIDATES)
+    p.add_argument("--samples", type=int, default=8, help="input sets each candidate is tested on")
+    p.add_argument("--cache", help="tuned store the winners go into (default: a temporary directory)")
+    p.add_argument("--no-peers", action="store_true")
+    p.add_argument("--plan", action="store_true", help="print each shape's search space and exit (no GPU)")
+    args = p.parse_args(argv)
+    try:
+        specs = [parse_spec(s) for s in args.shape] if args.shape else SHAPES
+    except ValueError as e:
+        p.error(str(e))
+    if args.plan:
+        for kernel, mode, keys in specs:
+            space = configs.plan(kernel, mode, keys, args.max_candidates)
+            print(f"{kernel} {mode} {_shape_text(dataclasses.asdict(space.shape), keys)}: {space.lines()[-1]}")
+        return 0
+
+    import report  # bench/report.py (imports torch)
+
+    cache = args.cache or tempfile.mkdtemp(prefix="autotune-store-")
+    env = report.environment()
+    rows = []
+    t0 = time.time()
+    for kernel, mode, keys in specs:
+        print(f"{kernel} {mode} {keys} ...", flush=True)
+        errors: list[str] = []
+        result = report.measure(f"{kernel} {mode} {keys}", lambda: configs.tune_configs(
+            kernel, mode, keys, max_candidates=args.max_candidates, samples=args.samples, cache_root=cache), errors)
+        if result is None:
+            rows.append({"kernel": kernel, "mode": mode, "shape": keys, "error": errors[-1]})
+            continue
+        print(result.text(), flush=True)
+        peers = {}
+        if kernel in PEERS and not args.no_peers:
+            shape = configs.plan(kernel, mode, keys, 0).shape
+            peers = report.measure(f"peers of {kernel}", lambda: PEERS[kernel](shape), errors) or {}
+        rows.append(_row(result, peers, errors))
+    meta = dict(env, store=cache, max_candidates=args.max_candidates, samples=args.samples, seconds=time.time() - t0)
+    report.write(args.out, "autotune", {"meta": meta, "results": rows}, _markdown(rows, specs, env))
+    print(f"wrote {args.out}/autotune.json and .md in {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,373 @@
+"""Level 1 of sip-tune: search a kernel's configurations for one shape.
+
+    plan("gemm_leakyrelu", "decode", {"m": 8})          -> SearchSpace     (CPU only)
+    tune_configs("gemm_leakyrelu", "decode", {"m": 8})  -> ConfigReport    (GPU)
+
+1. The space: the kernel module's `candidates(shape)`. Where there are more than `max_candidates`
+   besides the heuristic's, the kernel's cost model prunes them: a module (or its plan module) may
+   define `rank(shape, configs)`, best first; without one the candidates' own order is kept. The
+   heuristic's config is always kept.
+2. Compile: every distinct variant in parallel processes, into the disk cache (CPU); each row gets
+   the seconds its variant took (a disk hit shows as the load time).
+3. Test, in the crash-isolated worker (`runner.ConfigBench`): the heuristic and each candidate on the
+   same input sets of the shape; equal outputs bit for bit, or the candidate passes the kernel's
+   float64 check on every sample. A crash or hang marks that candidate and restarts the worker.
+4. Time: every passing candidate, the heuristic and the heuristic again (the A/A pair, whose ratio
+   says how far apart two identical kernels measure) in one interleaved replay of CUDA graphs.
+5. The fastest few are re-timed against the heuristic in a fresh worker; the fastest of those is the
+   winner if it beats the heuristic by more than max(min_speedup, 1 + A/A spread) there, and goes into
+   the tuned store (`rosekernels.tuned.store_config`), which ops consult when they plan a call.
+
+Level 2 (`sip_tune.tuning.tune`, SASS annealing) then runs on the winner's config:
+`workload_factory(kernel, winner, shape)` is its factory.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import datetime
+import functools
+import importlib
+import importlib.util
+import math
+import multiprocessing
+import os
+import random
+import time
+from types import ModuleType
+from typing import Any, Callable, Mapping
+
+from rosekernels.workload import Workload
+from sip_tune import workloads
+from sip_tune.runner import ConfigBench, Options, Runner, WorkerFailure
+
+MAX_CANDIDATES = 24
+
+
+# ---------------------------------------------------------------------------------------------
+# The space (CPU only).
+
+@dataclasses.dataclass
+class SearchSpace:
+    kernel: str
+    module: str  # the kernel module's import name (what the worker imports)
+    shape: Any
+    heuristic: Any
+    candidates: list  # what is searched: the heuristic's config first, then the kept ones best first
+    total: int  # candidates(shape) before pruning
+    ranked_by: str  # "<module>.rank" or "candidates order"
+
+    @property
+    def pruned(self) -> int:
+        return self.total - len(self.candidates)
+
+    def lines(self) -> list[str]:
+        """One line per candidate (variant key, then launch-policy fields), then the counts."""
+        out = [describe(c) + ("   (heuristic)" if i == 0 else "") for i, c in enumerate(self.candidates)]
+        out.append(f"{self.total} candidates ({len(self.candidates)} after pruning"
+                   + (f" by {self.ranked_by}" if self.pruned else "") + ")")
+        return out
+
+
+def describe(config: Any) -> str:
+    """The config's variant key, then the fields it has beyond the key (launch policy: K splits,
+    split counts, raster groups), which one compiled kernel takes at run time."""
+    variant = config.variant()
+    compiled = {k for k, _ in variant.params} | {"mode"}
+    policy = {k: v for k, v in dataclasses.asdict(config).items() if k not in compiled}
+    return " ".join([variant.key()] + [f"{k}={v}" for k, v in policy.items()])
+
+
+def _rank_function(m: ModuleType) -> tuple[Callable[[Any, list], list] | None, str]:
+    """The kernel's `rank(shape, configs)`: in the kernel module, or in its plan module."""
+    if hasattr(m, "rank"):
+        return m.rank, f"{m.__name__}.rank"
+    plan_name = f"{m.__name__}_plan"
+    if importlib.util.find_spec(plan_name) is not None:
+        plan_module = importlib.import_module(plan_name)
+        if hasattr(plan_module, "rank"):
+            return plan_module.rank, f"{plan_name}.rank"
+    return None, "candidates order"
+
+
+def plan(kernel: str, mode: str, overrides: Mapping[str, Any] | None = None,
+         max_candidates: int = MAX_CANDIDATES) -> SearchSpace:
+    """The configurations level 1 tries for `kernel` at Shape.defaults(mode) + overrides: the
+    heuristic's, then the first `max_candidates` others in the cost model's order. No GPU needed."""
+    if max_candidates < 0:
+        raise ValueError(f"max_candidates must be >= 0, got {max_candidates}")
+    m = workloads.kernel_module(kernel)
+    heuristic, shape = workloads.resolve(kernel, mode, overrides)
+    found = list(m.candidates(shape))
+    if heuristic not in found:
+        raise ValueError(f"{kernel}: the heuristic's config is not among candidates({shape}): {heuristic}")
+    rank, ranked_by = _rank_function(m)
+    ordered = rank(shape, found) if rank is not None else found
+    if sorted(map(repr, ordered)) != sorted(map(repr, found)):
+        raise ValueError(f"{ranked_by} did not return a permutation of the candidates")
+    others = [c for c in ordered if c != heuristic][:max_candidates]
+    return SearchSpace(kernel, m.__name__, shape, heuristic, [heuristic, *others], len(found), ranked_by)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compile (CPU, parallel).
+
+def _timed_compile(module: str, config: Any) -> float:
+    t0 = time.perf_counter()
+    importlib.import_module(module).compile(config)
+    return time.perf_counter() - t0
+
+
+def compile_configs(module: str, configs: list, processes: int | None = None) -> dict[str, float]:
+    """Compile every distinct variant of `configs` into the disk cache, in `processes` spawned
+    processes (None: one per CPU core, at most one per variant); seconds per variant key, as each
+    process saw it (the worker loads them from disk)."""
+    todo = {c.variant().key(): c for c in configs}
+    processes = processes or min(len(todo), os.cpu_count() or 1)
+    if processes > 1:
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx) as pool:
+            seconds = list(pool.map(functools.partial(_timed_compile, module), todo.values()))
+    else:
+        seconds = [_timed_compile(module, c) for c in todo.values()]
+    return dict(zip(todo, seconds))
+
+
+# ---------------------------------------------------------------------------------------------
+# What the worker builds.
+
+@dataclasses.dataclass(frozen=True)
+class ConfigSpace:
+    """Picklable: the worker's view of a search (`runner.ConfigBench` takes it)."""
+
+    module: str
+    shape: Any
+    configs: tuple
+
+    def workload(self, i: int) -> Workload:
+        return importlib.import_module(self.module).workload(self.configs[i], self.shape)
+
+
+def _config_workload(kernel: str, config: Any, shape: Any) -> Workload:
+    workload = workloads.kernel_module(kernel).workload(config, shape)
+    return dataclasses.replace(workload, name=kernel)  # the tuned store files entries by kernel name
+
+
+def workload_factory(kernel: str, config: Any, shape: Any) -> Callable[[], Workload]:
+    """A picklable factory of `config`'s workload at `shape`: what level 2 (`tuning.tune`) anneals."""
+    return functools.partial(_config_workload, kernel, config, shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# The search (GPU).
+
+@dataclasses.dataclass
+class ConfigReport:
+    kernel: str
+    mode: str
+    shape: dict
+    heuristic: dict
+    ranked_by: str = ""
+    total: int = 0  # candidates(shape)
+    pruned: int = 0
+    gpu: str = ""
+    worker: dict = dataclasses.field(default_factory=dict)
+    # per config searched, the heuristic's first: key (describe()), config (asdict), compile_s,
+    # status ("ok" | "incorrect" | "crash" | "timeout" | "untimed"), bitwise, max_err, median_us, rel
+    candidates: list = dataclasses.field(default_factory=list)
+    heuristic_us: float = math.nan
+    aa_spread: float = math.nan  # |A/A ratio - 1| of the joint timing run
+    finalists: list = dataclasses.field(default_factory=list)  # the re-timed ones
+    retime_aa_spread: float = math.nan
+    winner: dict | None = None  # asdict of the stored config; None: the heuristic stays
+    winner_key: str = ""
+    tuned_us: float = math.nan
+    speedup: float = 1.0  # of the winner over the heuristic, in the re-time
+    outcome: str = ""
+    stored: str = ""  # the store entry's path
+    seconds: dict = dataclasses.field(default_factory=dict)  # plan, compile, setup, test, time, retime, total
+    shares: dict = dataclasses.field(default_factory=dict)  # compile, test, time: fractions of the total
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def text(self) -> str:
+        s, sh = self.seconds, self.shares
+        counts = {}
+        for row in self.candidates[1:]:
+            counts[row["status"]] = counts.get(row["status"], 0) + 1
+        lines = [
+            f"sip-tune level 1 (configs): {self.kernel} ({self.mode}) {self.shape}",
+            f"  space        {self.total} candidates, {len(self.candidates)} searched"
+            + (f" ({self.pruned} pruned by {self.ranked_by})" if self.pruned else "") + f"; gpu {self.gpu}",
+            f"  timing       {self.worker.get('launches_per_graph', '?')} launches per CUDA graph over "
+            f"{self.worker.get('input_sets', '?')} input sets per config; A/A spread {self.aa_spread:.4f}",
+            "  results      " + (", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no other candidate"),
+        ]
+        heuristic = self.candidates[0]["key"] if self.candidates else None
+        for row in sorted(self.candidates, key=lambda r: r["rel"]):
+            err = "bitwise" if row["bitwise"] else f"max_err {row['max_err']:.3g}"
+            lines.append(f"    {row['rel']:7.4f}  {row['median_us']:9.3f} us  {row['status']:<9} "
+                         f"{err if row['status'] == 'ok' else '':<16} {row['key']}"
+                         + ("   (heuristic)" if row["key"] == heuristic else ""))
+        for f in self.finalists:
+            lines.append(f"  re-timed     {f['speedup']:.4f}x  {f['median_us']:.3f} us  {f['key']}")
+        lines += [
+            f"  result       heuristic {self.heuristic_us:.3f} us, tuned {self.tuned_us:.3f} us: {self.speedup:.3f}x",
+            f"  outcome      {self.outcome}",
+            f"  time         {s.get('total', 0):.1f} s: compile {sh.get('compile', 0):.0%}, test "
+            f"{sh.get('test', 0):.0%}, time {sh.get('time', 0):.0%} (setup {s.get('setup', 0):.1f} s, "
+            f"plan {s.get('plan', 0):.1f} s)",
+        ]
+        return "\n".join(lines)
+
+
+def chosen(report: ConfigReport) -> tuple[Any, Any]:
+    """(config, shape) that level 2 anneals after `report`: the winner's config, else the heuristic's."""
+    m = workloads.kernel_module(report.kernel)
+    return m.Config(**(report.winner or report.heuristic)), m.Shape(**report.shape)
+
+
+def _row(config: Any, compile_s: float) -> dict[str, Any]:
+    return {"key": describe(config), "config": dataclasses.asdict(config), "compile_s": compile_s,
+            "status": "untimed", "bitwise": False, "max_err": math.nan, "median_us": math.nan, "rel": math.inf,
+            "detail": ""}
+
+
+def tune_configs(kernel: str, mode: str, overrides: Mapping[str, Any] | None = None, *,
+                 max_candidates: int = MAX_CANDIDATES, samples: int = 8, reps: int = 30, finalists: int = 3,
+                 retime_reps: int = 60, min_speedup: float = 1.01, seed: int = 0, processes: int | None = None,
+                 options: Options = Options(), cache_root: str | os.PathLike | None = None,
+                 log: Callable[[str], None] = print, bench: Callable[[Any, Options], Any] | None = None,
+                 ) -> ConfigReport:
+    """Level 1 for `kernel` at Shape.defaults(mode) + overrides (see the module docstring); the
+    winner, if any, is stored in the tuned store at `cache_root` (None: the default root).
+    `bench` replaces the worker's GPU bench (tests pass a CPU stand-in)."""
+    t_start = time.perf_counter()
+    space = plan(kernel, mode, overrides, max_candidates)
+    report = ConfigReport(kernel, mode, dataclasses.asdict(space.shape), dataclasses.asdict(space.heuristic),
+                          space.ranked_by, space.total, space.pruned)
+    seconds = report.seconds
+    seconds["plan"] = time.perf_counter() - t_start
+    say = lambda msg: log(f"[sip-tune configs] {msg}")  # noqa: E731
+    say(f"{kernel} {mode}: {space.total} candidates, searching {len(space.candidates)} "
+        f"({space.pruned} pruned by {space.ranked_by})")
+
+    t0 = time.perf_counter()
+    compiled = compile_configs(space.module, space.candidates, processes)
+    original_sha256 = importlib.import_module(space.module).compile(space.heuristic).cubin_sha256
+    seconds["compile"] = time.perf_counter() - t0
+    say(f"compiled {len(compiled)} variants in {seconds['compile']:.1f} s")
+    rows = [_row(c, compiled[c.variant().key()]) for c in space.candidates]
+    report.candidates = rows
+    rows[0].update(status="ok", bitwise=True, rel=1.0)
+
+    factory = functools.partial(ConfigSpace, space.module, space.shape, tuple(space.candidates))
+    runner = Runner(factory, options, log=say, bench=bench or ConfigBench)
+    try:
+        t0 = time.perf_counter()
+        info = runner.start()
+        seconds["setup"] = time.perf_counter() - t0
+        report.gpu, report.worker = info["gpu"], info
+        say(f"heuristic {info['base_us']:.3f} us per launch on {info['gpu']}")
+
+        t0 = time.perf_counter()
+        sample_seed = random.Random(f"sip-configs-{seed}").getrandbits(63)  # the same input sets for every candidate
+        for i, row in enumerate(rows[1:], 1):
+            kind, answer = runner.request("test", (i, sample_seed, samples), options.eval_timeout_s)
+            if kind in ("crash", "timeout"):
+                row.update(status=kind, detail=_last_line(answer))
+                continue
+            row.update(status=answer["status"], bitwise=answer["bitwise"], max_err=answer["max_err"],
+                       detail=answer["detail"])
+        seconds["test"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        passing = [i for i, row in enumerate(rows) if i and row["status"] == "ok"]
+        timing = _time(runner, passing, reps, options, rows)
+        report.heuristic_us, report.aa_spread = timing["median_us"][0], abs(timing["rel"][1] - 1)
+        rows[0]["median_us"] = report.heuristic_us
+        for j, i in enumerate(timing["indices"]):
+            rows[i].update(median_us=timing["median_us"][j + 2], rel=timing["rel"][j + 2])
+        seconds["time"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        winner = _pick(report, runner, space, rows, finalists, retime_reps, min_speedup, options)
+        seconds["retime"] = time.perf_counter() - t0
+    finally:
+        runner.close()
+    if winner is not None:
+        from rosekernels import tuned
+
+        meta = {"heuristic_median_us": report.heuristic_us, "tuned_median_us": report.tuned_us,
+                "speedup": report.speedup, "aa_spread": max(report.aa_spread, report.retime_aa_spread),
+                "samples": samples, "searched": len(rows), "candidates": space.total, "gpu": report.gpu,
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        report.stored = str(tuned.store_config(cache_root, kernel, space.shape, winner, space.heuristic,
+                                               original_sha256, meta))
+        report.outcome += f"; stored at {report.stored}"
+    seconds["total"] = time.perf_counter() - t_start
+    # Re-timing is timing: the shares say where a level-1 run's wall time goes.
+    report.shares = {"compile": seconds["compile"] / seconds["total"], "test": seconds["test"] / seconds["total"],
+                     "time": (seconds["time"] + seconds["retime"]) / seconds["total"]}
+    return report
+
+
+def _time(runner: Runner, indices: list[int], reps: int, options: Options, rows: list[dict]) -> dict[str, Any]:
+    """One interleaved timing run of the heuristic (twice) and configs[indices]. Should it crash
+    (a candidate that passed its test can still fail in a graph), each candidate is timed alone
+    with the heuristic in a fresh worker: the crashing ones are marked and left out."""
+    timeout = options.eval_timeout_s * (2 + len(indices))
+    kind, answer = runner.request("time", (indices, reps), timeout)
+    if kind == "ok":
+        return {**answer, "indices": indices}
+    kept = []
+    for i in indices:
+        kind, alone = runner.request("time", ([i], reps), options.eval_timeout_s * 3)
+        if kind == "ok":
+            kept.append(i)
+        else:
+            rows[i].update(status=kind, detail=f"in timing: {_last_line(alone)}")
+    kind, answer = runner.request("time", (kept, reps), options.eval_timeout_s * (2 + len(kept)))
+    if kind != "ok":
+        raise WorkerFailure(f"the timing run failed: {_last_line(answer)}")
+    return {**answer, "indices": kept}
+
+
+def _pick(report: ConfigReport, runner: Runner, space: SearchSpace, rows: list[dict], finalists: int,
+          retime_reps: int, min_speedup: float, options: Options) -> Any:
+    """Re-time the fastest `finalists` against the heuristic in a fresh worker; the fastest there
+    wins if it beats max(min_speedup, 1 + the larger A/A spread). The winner's config, or None."""
+    ranked = sorted((i for i, r in enumerate(rows) if i and r["status"] == "ok" and r["rel"] < 1.0),
+                    key=lambda i: rows[i]["rel"])[:finalists]
+    if not ranked:
+        report.tuned_us = report.heuristic_us
+        report.outcome = "no candidate timed faster than the heuristic; the heuristic stays"
+        return None
+    runner.restart()  # nothing the search ran can leak into the re-time
+    kind, answer = runner.request("time", (ranked, retime_reps), options.eval_timeout_s * (2 + len(ranked)))
+    if kind != "ok":
+        report.tuned_us = report.heuristic_us
+        report.outcome = f"the re-time failed ({_last_line(answer)}); the heuristic stays"
+        return None
+    report.retime_aa_spread = abs(answer["rel"][1] - 1)
+    for j, i in enumerate(ranked):
+        report.finalists.append({"index": i, "key": rows[i]["key"], "median_us": answer["median_us"][j + 2],
+                                 "heuristic_us": answer["median_us"][0], "speedup": 1 / answer["rel"][j + 2]})
+    best = max(report.finalists, key=lambda f: f["speedup"])
+    bar = max(min_speedup, 1 + max(report.aa_spread, report.retime_aa_spread))
+    if best["speedup"] <= bar:
+        report.tuned_us = report.heuristic_us
+        report.outcome = (f"the fastest candidate re-timed {best['speedup']:.4f}x, not above {bar:.4f}x "
+                          "(max of min_speedup and the A/A spread); the heuristic stays")
+        return None
+    winner = space.candidates[best["index"]]
+    report.winner, report.winner_key = dataclasses.asdict(winner), best["key"]
+    report.heuristic_us, report.tuned_us, report.speedup = best["heuristic_us"], best["median_us"], best["speedup"]
+    report.outcome = f"{best['key']} is {best['speedup']:.3f}x the heuristic (bar {bar:.4f}x)"
+    return winner
+
+
+def _last_line(text: Any) -> str:
+    lines = [line for line in str(text).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""

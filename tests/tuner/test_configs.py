@@ -1,0 +1,390 @@
+"""Level 1 of sip-tune on the CPU: the search space and its pruning (real kernels' plans and cost
+models), `sip-tune --plan`, and the search end to end (sip_tune.configs.tune_configs) over a toy
+kernel whose worker bench is a CPU stand-in that crashes, computes wrong results and times.
+
+This module is also the toy kernel module (Config, Shape, config_for, candidates, compile,
+workload): the worker process imports it by name, as it imports a real kernel module."""
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+import rosekernels
+from rosekernels import modes, tuned
+from rosekernels.kernels import attention_decode_plan, gemm_leakyrelu_plan, qk_norm_plan
+from rosekernels.variant import Variant
+from rosekernels.workload import Workload
+from sip_tune import cli, configs, tuning, workloads
+from sip_tune.runner import Options
+
+
+# ---------------------------------------------------------------------------------------------
+# The space: real plans, pruned by their cost models.
+
+def test_gemm_decode_space_keeps_the_heuristic_and_the_cost_models_best():
+    space = configs.plan("gemm_leakyrelu", "decode", {"m": 8, "n": 4096, "k": 4096}, max_candidates=24)
+    shape = space.shape
+    everything = gemm_leakyrelu_plan.candidates(shape)
+    assert space.total == len(everything) > 25 and len(space.candidates) == 25 and space.pruned == space.total - 25
+    assert space.candidates[0] == space.heuristic == gemm_leakyrelu_plan.config_for(shape)
+    assert space.ranked_by == "rosekernels.kernels.gemm_leakyrelu_plan.rank"
+    sms = modes.sm_count()
+
+    def cost(c):
+        return gemm_leakyrelu_plan.decode_cost(shape.m, shape.n, shape.k, c.tile_m, c.tile_n, c.splits, sms)
+    # M = 8 fits the smallest A tile (8 rows): configs loading more rows than exist come last, so the
+    # 24 kept are distinct tile/split choices, best modelled first.
+    assert all(c.a_rows == 8 for c in space.candidates)
+    kept = [cost(c) for c in space.candidates[1:]]
+    assert kept == sorted(kept)  # best first
+    dropped = [cost(c) for c in everything if c not in space.candidates and c.a_rows == 8]
+    assert max(kept) <= min(dropped)  # nothing pruned is modelled cheaper than what is kept
+    assert len(set(space.candidates)) == 25 and all(c in everything for c in space.candidates)
+
+
+def test_without_pruning_the_space_is_every_candidate():
+    space = configs.plan("gemm_leakyrelu", "decode", {"m": 8, "n": 4096, "k": 4096}, max_candidates=10**6)
+    assert space.pruned == 0 and set(space.candidates) == set(gemm_leakyrelu_plan.candidates(space.shape))
+    only = configs.plan("gemm_leakyrelu", "decode", {"m": 8, "n": 4096, "k": 4096}, max_candidates=0)
+    assert only.candidates == [space.heuristic] and only.pruned == space.total - 1
+
+
+def test_gemm_prefill_space_is_ordered_by_the_wave_model():
+    space = configs.plan("gemm_leakyrelu", "prefill", {"m": 4096, "n": 4096, "k": 4096})
+    s, sms = space.shape, modes.sm_count()
+    assert space.pruned == 0 and space.total == len(gemm_leakyrelu_plan.candidates(s))
+    costs = [gemm_leakyrelu_plan.prefill_cost(s.m, s.n, s.k, c.tile_m, c.tile_n, c.pingpong, sms, c.cluster_m,
+                                              c.cluster_n)[0] for c in space.candidates[1:]]
+    assert costs == sorted(costs)
+
+
+def test_prefill_cost_is_the_heuristics_model():
+    """prefill_choice decides with prefill_cost (2x1 clusters): the cheapest tile it models is the pick,
+    except where one cooperative wave makes it take pingpong 128x128."""
+    for m, n, k in ((8192, 14336, 4096), (4096, 4096, 4096), (2048, 4096, 14336)):
+        costs = {(tm, tn, pp): gemm_leakyrelu_plan.prefill_cost(m, n, k, tm, tn, pp, 132)
+                 for tm, tn, pp, _ in gemm_leakyrelu_plan.PREFILL_TILES}
+        best = min(costs, key=lambda t: costs[t][0])
+        pick = gemm_leakyrelu_plan.prefill_choice(m, n, k, 132)
+        assert pick == best or (costs[best][1] == 1 and not best[2] and pick == (128, 128, True))
+
+
+def test_attention_decode_rank_orders_by_the_split_model():
+    shape = attention_decode_plan.DecodeShape(batch=4, seqlen_kv=8192)
+    found = attention_decode_plan.candidates(shape, 132)
+    ranked = attention_decode_plan.rank(shape, found, 132)
+    assert sorted(map(repr, ranked)) == sorted(map(repr, found))
+
+    def us(c):
+        splits, per, groups = attention_decode_plan.split_plan(c, shape, 132)
+        return attention_decode_plan.launch_us(groups, splits, per, 4 * c.tile_n * c.head_dim, 132)
+    assert [us(c) for c in ranked] == sorted(us(c) for c in found)
+    # the heuristic's split count is the model's best for its tile (within the 3% a split must win by)
+    assert us(ranked[0]) >= attention_decode_plan.SPLIT_GAIN * us(attention_decode_plan.config_for(shape, 132))
+
+
+def test_a_kernel_without_a_cost_model_keeps_its_own_order():
+    space = configs.plan("qk_norm", "prefill", {"tokens": 4096}, max_candidates=5)
+    assert space.ranked_by == "candidates order"
+    rest = [c for c in qk_norm_plan.candidates(space.shape) if c != space.heuristic]
+    assert space.candidates == [space.heuristic, *rest[:5]]
+    decode = configs.plan("qk_norm", "decode", {"tokens": 1})
+    assert decode.candidates == [qk_norm_plan.config_for(qk_norm_plan.QKNormShape(1))] and decode.total == 1
+
+
+def test_describe_starts_with_the_variant_key_then_the_launch_policy():
+    cfg = gemm_leakyrelu_plan.GemmConfig(tile_m=64, tile_n=128, cluster_m=1, split_k=True, a_rows=8, splits=5)
+    assert configs.describe(cfg) == f"{cfg.variant().key()} splits=5 raster_group=8"
+    q = qk_norm_plan.config_for(qk_norm_plan.QKNormShape(1))
+    assert configs.describe(q) == q.variant().key()  # everything compiled in, mode included
+
+
+# ---------------------------------------------------------------------------------------------
+# sip-tune --plan, --levels.
+
+def run(capsys, *argv):
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_prints_one_line_per_candidate_then_the_counts(capsys):
+    code, out, _ = run(capsys, "--kernel", "gemm_leakyrelu", "--mode", "decode", "--shape", "m=8,n=4096,k=4096",
+                       "--plan", "--max-candidates", "10")
+    lines = out.strip().splitlines()
+    space = configs.plan("gemm_leakyrelu", "decode", {"m": 8, "n": 4096, "k": 4096}, 10)
+    assert code == 0 and len(lines) == 12
+    assert [line.split()[0] for line in lines[:-1]] == [c.variant().key() for c in space.candidates]
+    assert lines[0].endswith("(heuristic)") and "splits=" in lines[1]
+    assert lines[-1] == f"{space.total} candidates (11 after pruning by rosekernels.kernels.gemm_leakyrelu_plan.rank)"
+
+
+def test_the_plan_command_runs_without_a_gpu(tmp_path):
+    env = dict(os.environ, ROSEKERNELS_CACHE_DIR=str(tmp_path), SIP_CACHE_DIR=str(tmp_path / "sip"))
+    out = subprocess.run([sys.executable, "-m", "sip_tune.cli", "--kernel", "gemm_leakyrelu", "--mode", "decode",
+                          "--shape", "m=8,n=4096,k=4096", "--plan"], capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1].endswith("(25 after pruning by "
+                                                          "rosekernels.kernels.gemm_leakyrelu_plan.rank)")
+
+
+@pytest.mark.parametrize("argv, code, message", [
+    (["--levels", "config,fast"], 2, "--levels"),
+    (["--levels", "sass,sass"], 2, "--levels"),
+    (["--levels", ""], 2, "--levels"),
+    (["--max-candidates", "-1"], 2, "--max-candidates"),
+    (["--plan", "--shape", "tokens=1"], 1, "unknown shape keys"),
+    (["--plan", "--mode", "decode", "--shape", "m=4096"], 1, "selects the prefill variant"),
+])
+def test_level_and_plan_errors(capsys, argv, code, message):
+    got, _, err = run(capsys, "--kernel", "gemm_leakyrelu", *argv)
+    assert got == code and message in err
+
+
+# ---------------------------------------------------------------------------------------------
+# The toy kernel (this module, seen through rosekernels.KERNELS["toy"]).
+
+OP = "toy"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    block: int = 2  # compiled in
+    splits: int = 1  # launch policy
+
+    def variant(self):
+        return Variant.of(OP, "decode", block=self.block)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    SIZE_FIELDS = ("n",)
+    n: int = 48
+
+    @classmethod
+    def defaults(cls, mode):
+        return cls()
+
+
+# Per config: modelled and "measured" microseconds, and what goes wrong. The heuristic (2, 1)
+# takes 10 us; (8, 3) would be fastest but crashes its worker, (4, 2) computes garbage, (4, 3)
+# differs from the heuristic in the last bits but passes the float64 check, (1, 3) crashes only
+# inside a timing graph.
+US = {(1, 1): 12.0, (1, 2): 12.5, (1, 3): 11.0, (2, 1): 10.0, (2, 2): 10.4, (2, 3): 10.3,
+      (4, 1): 9.6, (4, 2): 8.5, (4, 3): 9.0, (8, 1): 9.9, (8, 2): 11.0, (8, 3): 8.0}
+CRASH_IN_TEST, WRONG, INEXACT, CRASH_IN_TIMING = (8, 3), (4, 2), (4, 3), (1, 3)
+
+
+def config_for(shape):
+    return Config(2, 1)
+
+
+def candidates(shape):
+    return [Config(b, s) for b in (1, 2, 4, 8) for s in (1, 2, 3)]
+
+
+def rank(shape, found):
+    return sorted(found, key=lambda c: US[c.block, c.splits] * (1.1 if c.block == 8 else 1.0))
+
+
+def compile(config):
+    return SimpleNamespace(cubin_sha256=hashlib.sha256(b"toy-%d" % config.block).hexdigest(), config=config)
+
+
+def workload(config, shape):
+    return Workload(compile(config), make_args=lambda seed: (seed, shape.n), outputs=lambda args: args[:1])
+
+
+class CpuConfigBench:
+    """Answers as runner.ConfigBench does, from the table above; the A/A pair measures 0.3% apart."""
+
+    def __init__(self, space, options):
+        self.space = space
+        self.keys = [(c.block, c.splits) for c in space.configs]
+        assert self.keys[0] == (2, 1)
+
+    def info(self):
+        return {"gpu": "Fake H200", "base_us": US[2, 1], "launches_per_graph": 100, "input_sets": 7,
+                "bytes_cycled": 7 << 20, "pid": os.getpid(), "configs": len(self.keys)}
+
+    def test(self, i, seed, samples):
+        key = self.keys[i]
+        if key == CRASH_IN_TEST:
+            os._exit(9)  # an illegal address: the worker dies
+        verdict = {"load_s": 0.0, "test_s": 0.0, "detail": "", "bitwise": key not in (WRONG, INEXACT),
+                   "max_err": 0.5 if key == INEXACT else math.nan, "status": "ok"}
+        if key == WRONG:
+            verdict.update(status="incorrect", max_err=math.nan, detail="sample 0: error 3.2 > 1")
+        return verdict
+
+    def time(self, indices, reps):
+        if any(self.keys[i] == CRASH_IN_TIMING for i in indices):
+            os._exit(9)
+        us = [US[2, 1], US[2, 1] * 1.003] + [US[self.keys[i]] for i in indices]
+        return {"median_us": us, "rel": [u / us[0] for u in us], "reps": reps, "launches_per_graph": 100}
+
+
+@pytest.fixture
+def toy(monkeypatch, tmp_path):
+    monkeypatch.setitem(rosekernels.KERNELS, OP, __name__)
+    monkeypatch.setattr(tuned, "current_toolchain", lambda: "test-toolchain")
+    tuned.forget_configs()
+    yield tmp_path
+    tuned.forget_configs()
+
+
+def test_toy_plan_prunes_by_its_rank(toy):
+    space = configs.plan(OP, "decode", max_candidates=4)
+    assert space.ranked_by == f"{__name__}.rank" and space.total == 12
+    assert [(c.block, c.splits) for c in space.candidates] == [(2, 1), (4, 2), (8, 3), (4, 3), (4, 1)]
+
+
+def test_tune_configs_end_to_end_with_a_cpu_bench(toy):
+    logs = []
+    report = configs.tune_configs(OP, "decode", max_candidates=100, processes=1, cache_root=toy, log=logs.append,
+                                  bench=CpuConfigBench, options=Options(eval_timeout_s=60, start_timeout_s=120))
+    rows = {(r["config"]["block"], r["config"]["splits"]): r for r in report.candidates}
+    assert len(rows) == 12 and report.candidates[0]["config"] == {"block": 2, "splits": 1}
+    assert rows[CRASH_IN_TEST]["status"] == "crash"
+    assert rows[WRONG]["status"] == "incorrect" and "error 3.2" in rows[WRONG]["detail"]
+    assert rows[CRASH_IN_TIMING]["status"] == "crash" and rows[CRASH_IN_TIMING]["detail"].startswith("in timing")
+    assert rows[INEXACT]["status"] == "ok" and not rows[INEXACT]["bitwise"] and rows[INEXACT]["max_err"] == 0.5
+    assert all(rows[k]["status"] == "ok" and rows[k]["bitwise"] for k in US if k not in
+               (CRASH_IN_TEST, WRONG, INEXACT, CRASH_IN_TIMING))
+    assert rows[4, 1]["median_us"] == 9.6 and rows[4, 1]["rel"] == pytest.approx(0.96)
+    assert report.aa_spread == pytest.approx(0.003) and report.heuristic_us == 10.0
+    # every variant compiled once; rows of one variant share its time
+    assert rows[4, 1]["compile_s"] == rows[4, 3]["compile_s"] >= 0
+    # the three fastest passing ones are re-timed; (4, 3) wins
+    assert [f["key"] for f in report.finalists] == [configs.describe(Config(4, 3)), configs.describe(Config(4, 1)),
+                                                    configs.describe(Config(8, 1))]
+    assert report.winner == {"block": 4, "splits": 3} and report.speedup == pytest.approx(10 / 9)
+    assert report.tuned_us == 9.0 and "stored at" in report.outcome
+    assert set(report.shares) == {"compile", "test", "time"} and 0 < sum(report.shares.values()) <= 1
+    # the store has it, keyed by the heuristic's cubin, and the op-side lookup gives it back
+    entry = tuned.lookup_config(toy, OP, Shape(), compile(Config(2, 1)).cubin_sha256)
+    assert entry is not None and str(entry.path) == report.stored and entry.config == Config(4, 3)
+    assert entry.meta["speedup"] == pytest.approx(report.speedup) and entry.meta["aa_spread"] == pytest.approx(0.003)
+    assert tuned.lookup_config(toy, OP, Shape(), compile(Config(4, 3)).cubin_sha256) is None
+    assert configs.chosen(report) == (Config(4, 3), Shape())
+    assert "crash" in report.text() and "12 candidates" in report.text()
+
+
+def test_nothing_is_stored_below_the_bar(toy):
+    report = configs.tune_configs(OP, "decode", max_candidates=3, processes=1, cache_root=toy, log=lambda m: None,
+                                  bench=CpuConfigBench, min_speedup=1.2)
+    assert report.winner is None and report.finalists and "the heuristic stays" in report.outcome
+    assert not report.stored and tuned.config_entries(toy, OP) == []
+    assert configs.chosen(report) == (Config(2, 1), Shape())
+
+
+def test_compile_configs_compiles_each_variant_once_in_parallel(toy):
+    seconds = configs.compile_configs(__name__, candidates(Shape()), processes=2)
+    assert sorted(seconds) == sorted({c.variant().key() for c in candidates(Shape())})
+    assert all(s >= 0 for s in seconds.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI's levels: level 2 anneals the level-1 winner's config; --levels sass is today's run.
+
+@pytest.fixture
+def cli_toy(toy, monkeypatch):
+    calls = {}
+
+    def fake_tune_configs(kernel, mode, shape, **kw):
+        calls["configs"] = (kernel, mode, shape, kw)
+        return configs.ConfigReport(kernel, mode, {"n": 48}, {"block": 2, "splits": 1},
+                                    winner={"block": 4, "splits": 3})
+
+    def fake_tune(factory, config, kernel=None, cache_root=None):
+        calls["sass"] = (factory, config, kernel, cache_root)
+        return tuning.TuneReport(kernel, "v", "decode", outcome="fake")
+
+    monkeypatch.setattr(cli, "gpu_problem", lambda: None)
+    monkeypatch.setattr(configs, "tune_configs", fake_tune_configs)
+    monkeypatch.setattr(tuning, "tune", fake_tune)
+    return calls
+
+
+def test_level_two_anneals_the_winners_config(cli_toy, capsys, toy):
+    code, out, _ = run(capsys, "--kernel", OP, "--budget-iters", "5", "--cache", str(toy), "--json",
+                       str(toy / "r.json"))
+    assert code == 0 and "level 1" in out and "fake" in out
+    kernel, mode, shape, kw = cli_toy["configs"]
+    assert (kernel, mode, shape, kw["cache_root"]) == (OP, "decode", {}, str(toy))
+    factory, config, kernel, root = cli_toy["sass"]
+    built = factory()
+    assert built.kernel.config == Config(4, 3) and built.name == OP and config.budget_iters == 5
+    assert set(json.loads((toy / "r.json").read_text())) == {"config", "sass"}
+
+
+def test_levels_sass_is_the_plain_annealing_run(cli_toy, capsys, toy):
+    code, out, _ = run(capsys, "--kernel", OP, "--levels", "sass", "--budget-iters", "5", "--shape", "n=40",
+                       "--json", str(toy / "r.json"))
+    assert code == 0 and "configs" not in cli_toy and "level 1" not in out
+    factory = cli_toy["sass"][0]
+    plain = workloads.factory(OP, "decode", {"n": 40})
+    assert (factory.func, factory.args) == (plain.func, plain.args)
+    assert factory().kernel.config == Config(2, 1)
+    assert json.loads((toy / "r.json").read_text())["outcome"] == "fake"  # today's format
+
+
+# ---------------------------------------------------------------------------------------------
+# The config worker's verdicts (runner.ConfigBench.test), on CPU tensors: its comparison and
+# reference-check logic, without the GPU set-up of its constructor.
+
+def _cpu_workload(offset, check=True):
+    """y = x + 1, with `offset` added to element 0 (0: the heuristic's result); the float64 check
+    accepts an error up to 0.01."""
+    import torch
+
+    def make_args(seed):
+        x = torch.randn(16, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
+        return x, torch.full_like(x, math.nan)
+
+    def launch(fn, args):
+        x, y = args
+        torch.add(x, 1, out=y)
+        y[0] += offset
+
+    def reference_check(args):
+        x, y = args
+        err = (y.double() - (x.double() + 1)).abs().max().item()
+        assert err <= 0.01, f"error {err:.3g} > 0.01"
+        return err / 0.01
+
+    return Workload(SimpleNamespace(fn=None), make_args, outputs=lambda a: a[1:], launch=launch,
+                    check=reference_check if check else None)
+
+
+def cpu_config_bench(*workloads):
+    import torch
+
+    from sip_tune.runner import ConfigBench
+
+    bench = ConfigBench.__new__(ConfigBench)
+    bench.torch, bench.o, bench.workloads = torch, Options(), dict(enumerate(workloads))
+    return bench
+
+
+def test_the_config_worker_compares_bitwise_then_checks_against_the_reference():
+    bench = cpu_config_bench(_cpu_workload(0.0), _cpu_workload(0.0), _cpu_workload(1e-3), _cpu_workload(0.5),
+                             _cpu_workload(1e-3, check=False))
+    same = bench.test(1, 5, 3)
+    assert same["status"] == "ok" and same["bitwise"] and math.isnan(same["max_err"])
+    close = bench.test(2, 5, 3)
+    assert close["status"] == "ok" and not close["bitwise"] and close["max_err"] == pytest.approx(0.1, rel=1e-3)
+    wrong = bench.test(3, 5, 3)
+    assert wrong["status"] == "incorrect" and wrong["detail"].startswith("sample 0: error 0.5")
+    unchecked = bench.test(4, 5, 3)
+    assert unchecked["status"] == "incorrect" and "has no check" in unchecked["detail"]

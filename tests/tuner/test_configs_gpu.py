@@ -1,0 +1,109 @@
+"""Level 1 of sip-tune on the GPU: the config worker (runner.ConfigBench) tells bitwise-equal, merely
+correct and wrong candidates apart on real kernels; tune_configs searches qk_norm decode (the heuristic
+alone: the A/A pair) and gemm_leakyrelu decode at M = 8 end to end; level 2 anneals the chosen config.
+
+Every test spawns worker processes and the GEMM one compiles a few variants: a few minutes in all."""
+import dataclasses
+import functools
+import math
+
+import pytest
+import torch
+
+from rosekernels import tuned
+from rosekernels.kernels import gemm_leakyrelu_plan
+from sip_tune import configs, tuning
+from sip_tune.runner import ConfigBench, Runner
+
+pytestmark = pytest.mark.gpu
+
+GEMM_DECODE = {"m": 8, "n": 4096, "k": 4096}
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """A private tuned store; the compile cache stays shared (workers reuse the parent's compiles)."""
+    monkeypatch.setenv(tuned.ENV_VAR, str(tmp_path / "sip"))
+    tuned.forget_configs()
+    yield tmp_path / "sip"
+    tuned.forget_configs()
+
+
+def _zero_outputs(launch, fn, args):
+    launch(fn, args)
+    args[4].zero_()  # qk_norm's out_q: a wrong result
+
+
+def _one_ulp_off(launch, fn, args):
+    launch(fn, args)
+    args[4].view(-1).view(torch.int16)[0] += 1  # the last mantissa bit of one bf16 value
+
+
+@dataclasses.dataclass(frozen=True)
+class DoctoredSpace(configs.ConfigSpace):
+    """The heuristic's qk_norm decode kernel three times: as is, writing zeros, and one ulp off."""
+
+    def workload(self, i):
+        w = super().workload(i)
+        doctor = (None, _zero_outputs, _one_ulp_off)[i]
+        if doctor is None:
+            return w
+        return dataclasses.replace(w, launch=functools.partial(doctor, w.run))
+
+
+def test_the_config_worker_tells_equal_correct_and_wrong_apart(store):
+    space = configs.plan("qk_norm", "decode", {"tokens": 4})
+    factory = functools.partial(DoctoredSpace, space.module, space.shape, (space.heuristic,) * 3)
+    with Runner(factory, bench=ConfigBench) as runner:
+        info = runner.start()
+        assert info["base_us"] > 0 and info["configs"] == 3
+        wrong = runner.request("test", (1, 7, 4), 120)[1]
+        assert wrong["status"] == "incorrect" and not wrong["bitwise"] and "sample 0" in wrong["detail"]
+        close = runner.request("test", (2, 7, 4), 120)[1]
+        assert close["status"] == "ok" and not close["bitwise"] and 0 < close["max_err"] < 0.016
+        same = runner.request("test", (0, 7, 4), 120)[1]
+        assert same["status"] == "ok" and same["bitwise"] and math.isnan(same["max_err"])
+        kind, timing = runner.request("time", ([2], 10), 300)
+        assert kind == "ok" and len(timing["median_us"]) == 3 and all(t > 0 for t in timing["median_us"])
+        assert abs(timing["rel"][1] - 1) < 0.05  # the A/A pair: one kernel measured twice
+
+
+def test_qk_norm_decode_level_one_times_the_heuristic_against_itself(store):
+    report = configs.tune_configs("qk_norm", "decode", {"tokens": 1}, samples=4, reps=10, cache_root=store)
+    assert len(report.candidates) == 1 and report.total == 1 and report.candidates[0]["status"] == "ok"
+    assert report.heuristic_us > 0 and 0 <= report.aa_spread < 0.05
+    assert report.winner is None and "the heuristic stays" in report.outcome and not report.stored
+    assert set(report.shares) == {"compile", "test", "time"} and sum(report.shares.values()) <= 1
+    assert "qk_norm" in report.text()
+
+
+def test_gemm_decode_level_one_then_level_two_on_the_chosen_config(store):
+    report = configs.tune_configs("gemm_leakyrelu", "decode", GEMM_DECODE, max_candidates=6, samples=4, reps=20,
+                                  retime_reps=40, cache_root=store)
+    rows = report.candidates
+    assert len(rows) == 7 and report.pruned == report.total - 7
+    assert all(r["status"] in ("ok", "incorrect", "crash", "timeout") for r in rows[1:])
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert len(ok) >= 4 and all(r["median_us"] > 0 and math.isfinite(r["rel"]) for r in ok)
+    heuristic = gemm_leakyrelu_plan.GemmConfig(**report.heuristic)
+    for r in ok[1:]:
+        cfg = gemm_leakyrelu_plan.GemmConfig(**r["config"])
+        if cfg.splits != heuristic.splits:  # another fp32 summation order: correct, not bitwise
+            assert not r["bitwise"] and r["max_err"] <= 1
+    assert 0 <= report.aa_spread < 0.05 and report.shares["compile"] > 0
+    original = heuristic.variant()
+    if report.winner is not None:
+        from rosekernels.kernels import gemm_leakyrelu
+
+        entry = tuned.lookup_config(store, "gemm_leakyrelu", configs.chosen(report)[1],
+                                    gemm_leakyrelu.compile(heuristic).cubin_sha256)
+        assert entry is not None and dataclasses.asdict(entry.config) == report.winner
+        assert report.speedup > max(1.01, 1 + report.aa_spread)
+    else:
+        assert tuned.config_entries(store, "gemm_leakyrelu") == []
+    config, shape = configs.chosen(report)
+    sass = tuning.tune(configs.workload_factory("gemm_leakyrelu", config, shape),
+                       tuning.TuneConfig(budget_iters=20, runs=1, samples=50), kernel="gemm_leakyrelu",
+                       cache_root=store, log=lambda m: None)
+    assert sass.variant == config.variant().key()
+    assert (sass.variant == original.key()) == (report.winner is None or config.variant() == original)

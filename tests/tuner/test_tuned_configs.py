@@ -1,0 +1,179 @@
+"""Shape buckets and the run-time use of tuned configs: what an op plans when the tuned store has an
+entry for its shape's bucket (CPU: the choice, with a compiled heuristic; GPU: the op's launch)."""
+import dataclasses
+import importlib
+import math
+
+import pytest
+
+import rosekernels
+from rosekernels import contract, jit, tuned
+from rosekernels.kernels import qk_norm_plan
+from rosekernels.startup import warmup
+
+META = {"heuristic_median_us": 3.0, "tuned_median_us": 2.5, "speedup": 1.2, "aa_spread": 0.01,
+        "gpu": "NVIDIA H200", "date": "2026-12-01T00:00:00Z"}
+SMS = 132
+SHAPE = qk_norm_plan.QKNormShape(3000)  # prefill on 132 SMs; bucket tokens=4096
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """An empty default tuned store, nothing read or chosen yet."""
+    monkeypatch.setenv(tuned.ENV_VAR, str(tmp_path / "sip"))
+    tuned.use_config_root(None)
+    tuned.forget_configs()
+    yield tmp_path / "sip"
+    tuned.use_config_root(None)
+    tuned.forget_configs()
+
+
+def qk_norm():
+    return importlib.import_module("rosekernels.kernels.qk_norm")
+
+
+def heuristic_and_other(shape=SHAPE, sms=SMS):
+    heuristic = qk_norm_plan.config_for(shape, sms)
+    assert heuristic.mode == "prefill"
+    return heuristic, next(c for c in qk_norm_plan.candidates(shape, sms) if c.variant() != heuristic.variant())
+
+
+# ---------------------------------------------------------------------------------------------
+# Buckets
+
+def test_bucket_rounds_the_size_fields_up_to_a_power_of_two_and_keeps_the_rest():
+    s = qk_norm_plan.QKNormShape(3000, q_heads=40, k_heads=5, head_dim=64, dtype="fp16", eps=1e-5)
+    assert contract.bucket(s) == dataclasses.replace(s, tokens=4096)
+    for n, b in [(0, 0), (1, 1), (2, 2), (3, 4), (4096, 4096), (4097, 8192)]:
+        assert contract.bucket(dataclasses.replace(s, tokens=n)).tokens == b
+    from rosekernels.kernels.attention_decode_plan import DecodeShape
+    d = DecodeShape(batch=3, seqlen_q=3, seqlen_kv=5000, heads_q=40)
+    assert contract.bucket(d) == dataclasses.replace(d, batch=4, seqlen_kv=8192)  # seqlen_q stays exact
+
+
+@pytest.mark.parametrize("kernel", sorted(rosekernels.KERNELS))
+def test_every_kernel_shape_names_its_size_fields(kernel):
+    plan = importlib.import_module(rosekernels.KERNELS[kernel] + "_plan")
+    shapes = [v for v in vars(plan).values() if isinstance(v, type) and v.__name__.endswith("Shape")]
+    (shape_cls,) = shapes
+    fields = {f.name: f for f in dataclasses.fields(shape_cls)}
+    assert shape_cls.SIZE_FIELDS and set(shape_cls.SIZE_FIELDS) <= set(fields)
+    assert "SIZE_FIELDS" not in fields  # a class attribute, not a per-call field
+    shape = shape_cls.defaults("prefill" if kernel == "attention" else "decode")
+    assert contract.bucket(contract.bucket(shape)) == contract.bucket(shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# tuned_config: what an op plans
+
+def test_no_entry_gives_the_heuristic_without_compiling(store):
+    heuristic, _ = heuristic_and_other()
+    loaded = len(jit.loaded_variants())
+    assert tuned.tuned_config("qk_norm", SHAPE, heuristic, SMS) is heuristic
+    assert len(jit.loaded_variants()) == loaded
+
+
+def test_the_stored_config_is_planned_for_every_shape_of_its_bucket(store):
+    """CPU: the heuristic compiled for its hash (qk_norm compiles in about a second), a stored entry."""
+    heuristic, other = heuristic_and_other()
+    original = qk_norm().compile(heuristic).cubin_sha256
+    tuned.store_config(None, "qk_norm", SHAPE, other, heuristic, original, META)
+    assert tuned.tuned_config("qk_norm", SHAPE, heuristic, SMS) == other
+    near = dataclasses.replace(SHAPE, tokens=2100)  # same bucket, same heuristic
+    assert qk_norm_plan.config_for(near, SMS) == heuristic
+    assert tuned.tuned_config("qk_norm", near, heuristic, SMS) == other
+    # Another bucket, or other fields, have no entry.
+    for shape in (dataclasses.replace(SHAPE, tokens=5000), dataclasses.replace(SHAPE, q_heads=16)):
+        h = qk_norm_plan.config_for(shape, SMS)
+        assert tuned.tuned_config("qk_norm", shape, h, SMS) is h
+
+
+def test_an_entry_applies_only_where_the_heuristic_picks_the_config_it_was_tuned_against(store):
+    """Bucket tokens=8 on 132 SMs: 7 and 8 tokens take the prefill kernel, 5 and 6 the decode one."""
+    eight, six = dataclasses.replace(SHAPE, tokens=8), dataclasses.replace(SHAPE, tokens=6)
+    heuristic, other = heuristic_and_other(eight)
+    decode = qk_norm_plan.config_for(six, SMS)
+    assert decode.mode == "decode" and contract.bucket(six) == contract.bucket(eight)
+    tuned.store_config(None, "qk_norm", eight, other, heuristic, qk_norm().compile(heuristic).cubin_sha256, META)
+    assert tuned.tuned_config("qk_norm", dataclasses.replace(SHAPE, tokens=7), heuristic, SMS) == other
+    assert tuned.tuned_config("qk_norm", six, decode, SMS) is decode
+
+
+def test_the_root_warmup_was_given_is_where_ops_look(store, tmp_path):
+    heuristic, other = heuristic_and_other()
+    original = qk_norm().compile(heuristic).cubin_sha256
+    tuned.store_config(tmp_path / "elsewhere", "qk_norm", SHAPE, other, heuristic, original, META)
+    assert tuned.tuned_config("qk_norm", SHAPE, heuristic, SMS) is heuristic
+    report = warmup([heuristic], cache_dir=str(tmp_path / "elsewhere"))
+    assert tuned.tuned_config("qk_norm", SHAPE, heuristic, SMS) == other
+    assert len(report.configs) == 1 and other.variant().key() in report.configs[0]
+    assert other.variant() in [k.variant for k in report.kernels]  # compiled now: no JIT when an op plans it
+    assert "config   qk_norm prefill-" in str(report)
+
+
+def test_an_entry_not_legal_for_the_exact_shape_is_ignored(store):
+    heuristic, _ = heuristic_and_other()
+    original = qk_norm().compile(heuristic).cubin_sha256
+    decode = dataclasses.replace(heuristic, mode="decode", warps=1, rows_per_thread=1)  # not a candidate here
+    assert decode not in qk_norm_plan.candidates(SHAPE, SMS)
+    tuned.store_config(None, "qk_norm", SHAPE, decode, heuristic, original, META)
+    assert tuned.lookup_config(None, "qk_norm", SHAPE, original).config == decode
+    assert tuned.tuned_config("qk_norm", SHAPE, heuristic, SMS) is heuristic
+
+
+def test_an_entry_for_another_build_of_the_heuristic_warns_and_is_ignored(store):
+    heuristic, other = heuristic_and_other()
+    tuned.store_config(None, "qk_norm", SHAPE, other, heuristic, "ab" * 32, META)  # not what it compiles to
+    with pytest.warns(UserWarning, match="another build"):
+        assert tuned.tuned_config("qk_norm", SHAPE, heuristic, SMS) is heuristic
+    with pytest.warns(UserWarning, match="another build"):
+        report = warmup([heuristic])
+    assert report.configs == [] and len(report.stale_configs) == 1 and "stale" in str(report)
+
+
+def test_an_entry_of_another_toolchain_warns_and_is_ignored(store):
+    heuristic, other = heuristic_and_other()
+    original = qk_norm().compile(heuristic).cubin_sha256
+    tuned.store_config(None, "qk_norm", SHAPE, other, heuristic, original, META, toolchain="cutedsl-0.0_old")
+    with pytest.warns(UserWarning, match="another build"):
+        assert tuned.tuned_config("qk_norm", SHAPE, heuristic, SMS) is heuristic
+    assert tuned.config_entries(None, "qk_norm") == []
+
+
+def test_a_corrupt_entry_warns_and_gives_the_heuristic(store):
+    heuristic, other = heuristic_and_other()
+    original = qk_norm().compile(heuristic).cubin_sha256
+    path = tuned.store_config(None, "qk_norm", SHAPE, other, heuristic, original, META)
+    path.write_text('{"format": 1, "kernel": "qk_norm"')
+    tuned.forget_configs()
+    with pytest.warns(UserWarning, match="ignoring tuned-config entry"):
+        assert tuned.tuned_config("qk_norm", SHAPE, heuristic, SMS) is heuristic
+
+
+# ---------------------------------------------------------------------------------------------
+# The op on a GPU
+
+@pytest.mark.gpu
+def test_the_op_launches_the_stored_config_and_is_correct(store):
+    import torch
+
+    from rosekernels import modes
+
+    m = qk_norm()
+    sms = modes.sm_count(0)
+    shape = qk_norm_plan.QKNormShape(3000)
+    heuristic, other = heuristic_and_other(shape, sms)
+    assert qk_norm_plan.config_for(dataclasses.replace(shape, tokens=2900), sms) == heuristic
+    tuned.store_config(None, "qk_norm", shape, other, heuristic, m.compile(heuristic).cubin_sha256, META)
+    m._plans.clear()
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q = (torch.randn(2900, 32, 128, generator=g) * 3).to(device="cuda", dtype=torch.bfloat16)  # same bucket
+    k = (torch.randn(2900, 8, 128, generator=g) * 3).to(device="cuda", dtype=torch.bfloat16)
+    wq, wk = ((torch.randn(128, generator=g) * 0.2 + 1).to(device="cuda", dtype=torch.bfloat16) for _ in "qk")
+    out_q, out_k = m.qk_norm(q, k, wq, wk)
+    torch.cuda.synchronize()
+    assert [p.fn for p in m._plans._plans.values()] == [m.compile(other).fn]
+    for out, ref in zip((out_q, out_k), m.reference(q, k, wq, wk)):
+        err = ((out.double() - ref).abs() / (1 + ref.abs())).nan_to_num(math.inf).max().item()
+        assert err <= m.tolerance(torch.bfloat16)
+    m._plans.clear()
