@@ -18,30 +18,33 @@ PLAN_CACHE_SIZE = 4096
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # subclasses (fake, functional) take the registered op
 
 
-def signature(*args: Any) -> tuple:
-    """Hashable key of an argument list: a tensor by its shape, strides, dtype and device index; None
-    and scalars as they are. Everything a plan depends on but the data pointers. (A list, not a
-    generator, and the device index, not the device object: each saves host time on every call.) An op
-    whose compiled host code checks strides, alignment and devices on every call may key its plans on
-    less (the norms do: each tensor in the key costs a few hundred nanoseconds per call)."""
-    return tuple([(a.shape, a.stride(), a.dtype, a.get_device()) if isinstance(a, torch.Tensor) else a
-                  for a in args])
-
-
 class PlanCache:
-    """Launch plans by argument signature. Bounded: past `size` signatures (many distinct token
-    counts) it starts over rather than grow without bound."""
+    """Launch plans by argument signature: a tuple of what the op's plan depends on (each tensor's
+    shape, strides, dtype and device index, and the scalar options), written out by the op, since a
+    generic builder looping over the arguments costs about a microsecond more per call. Bounded: past
+    `size` signatures (many distinct token counts) it starts over rather than grow without bound."""
 
     def __init__(self, size: int = PLAN_CACHE_SIZE):
         self.size = size
         self._plans: dict[tuple, Any] = {}
         self.get = self._plans.get  # the dict's own method: no Python frame on the per-call path
+        _caches.append(self)
 
     def put(self, key: tuple, plan: Any) -> Any:
         if len(self._plans) >= self.size:
             self._plans.clear()
         self._plans[key] = plan
         return plan
+
+
+_caches: list[PlanCache] = []  # every op's, for forget_plans()
+
+
+def forget_plans() -> None:
+    """Drop every op's plans: the next call of each signature plans again, e.g. after warm-up loaded
+    tuned configs, which plans made before it do not see."""
+    for cache in _caches:
+        cache._plans.clear()
 
 
 def eager(*tensors: Any) -> bool:

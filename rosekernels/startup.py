@@ -32,7 +32,7 @@ from types import ModuleType
 from typing import Any, Callable, Iterable
 
 import rosekernels
-from rosekernels import jit, tuned
+from rosekernels import jit, launch, tuned
 
 
 @dataclasses.dataclass
@@ -82,6 +82,7 @@ def warmup(specs: Iterable[Any], cache_dir: str | None = None) -> WarmupReport:
     """Compile (or load from the disk cache) every spec, with the SIP-tuned cubins found in the store."""
     t0 = time.perf_counter()
     tuned.use_config_root(cache_dir)
+    launch.forget_plans()  # a plan made before now would keep the config it chose without the store
     resolved = [_resolve(s) for s in specs]
     n_specs = len(resolved)
     modes: dict[str, set[str]] = {}

@@ -249,7 +249,7 @@ def _new_plan(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias) -> launc
 def _run(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
          out_q: torch.Tensor, out_k: torch.Tensor, eps: float, weight_bias: float) -> None:
     # What the plan depends on (the compiled host code checks every other dtype, shape, stride,
-    # alignment and device on each call): a microsecond cheaper than launch.signature of all six.
+    # alignment and device on each call): a microsecond cheaper than a key of all six tensors.
     key = (q.shape, k.shape, q.dtype, q_weight.dtype, q.get_device(), eps, weight_bias)
     plan = _plans.get(key) or _plans.put(key, _new_plan(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias))
     try:
