@@ -43,6 +43,10 @@ class QKNormShape:
     eps: float = 1e-6
     weight_bias: float = 0.0
 
+    def __post_init__(self) -> None:
+        if self.weight_dtype == self.dtype:  # one spelling per problem: the tuned store keys on it
+            object.__setattr__(self, "weight_dtype", None)
+
     @classmethod
     def defaults(cls, mode: str) -> "QKNormShape":
         """Qwen3-8B heads, bf16: one token (decode) or 4096 (prefill)."""

@@ -49,6 +49,10 @@ class RMSNormShape:
     residual: bool = False
     eps: float = 1e-6
 
+    def __post_init__(self) -> None:
+        if self.weight_dtype == self.dtype:  # one spelling per problem: the tuned store keys on it
+            object.__setattr__(self, "weight_dtype", None)
+
     @classmethod
     def defaults(cls, mode: str) -> "RMSNormShape":
         """Hidden 4096, bf16, no residual: one row (decode) or 4096 (prefill)."""

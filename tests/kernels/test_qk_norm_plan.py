@@ -124,3 +124,10 @@ def test_size_range():
     assert modes.size_range("decode", mode_of) == (1, 6)
     lo, hi = modes.size_range("prefill", mode_of)
     assert (lo, hi) == (7, 2 * 7 + 64)
+
+
+def test_a_weight_dtype_equal_to_the_input_dtype_is_spelled_once():
+    # The op names the weight dtype; sip-tune's default shape leaves it None: both must be one
+    # problem, or a tuned-config entry stored for one is never found for the other.
+    assert plan.QKNormShape(5, weight_dtype="bf16") == plan.QKNormShape(5)
+    assert plan.QKNormShape(5, dtype="fp16", weight_dtype="fp32").weight_dtype == "fp32"

@@ -118,3 +118,7 @@ def test_size_range():
         return config_for(RMSNormShape(rows), sms=SMS).mode
     assert modes.size_range("decode", mode_of) == (1, 66)
     assert modes.size_range("prefill", mode_of) == (67, 2 * 67 + 64)
+
+
+def test_a_weight_dtype_equal_to_the_input_dtype_is_spelled_once():
+    assert plan.RMSNormShape(5, weight_dtype="bf16") == plan.RMSNormShape(5)
