@@ -48,9 +48,9 @@ def default_root() -> Path:
     env = os.environ.get(ENV_VAR)
     if env:
         return Path(env)
-    from rosekernels import jit
+    from rosekernels import paths  # not jit: listing the store needs neither CuTeDSL nor torch
 
-    return jit.cache_dir() / "sip"
+    return paths.cache_dir() / "sip"
 
 
 def resolve_root(root: str | os.PathLike | None) -> Path:
