@@ -1,11 +1,30 @@
-"""Shared pytest setup: the `gpu` marker skips when no sm_90 CUDA device is visible."""
+"""Shared pytest setup: the `gpu` marker skips when no sm_90 CUDA device is visible, and the suite
+never writes the user's caches."""
 import os
+import shutil
+import tempfile
 
 import pytest
 
 from devices import HAS_SM90
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+_OWN_CACHE = None
+
+
+def pytest_configure(config):
+    """Unless the environment names them, the compile cache and the tuned store of the whole session
+    (worker processes included: they inherit the environment) live in a temporary directory."""
+    global _OWN_CACHE
+    if "ROSEKERNELS_CACHE_DIR" not in os.environ:
+        _OWN_CACHE = tempfile.mkdtemp(prefix="rosekernels-tests-")
+        os.environ["ROSEKERNELS_CACHE_DIR"] = _OWN_CACHE
+    os.environ.setdefault("SIP_CACHE_DIR", os.path.join(os.environ["ROSEKERNELS_CACHE_DIR"], "sip"))
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
