@@ -45,12 +45,19 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("cubin", type=Path)
     m.add_argument("-o", "--output", type=Path, required=True)
     m.add_argument("--kernel", help="kernel to mutate (default: the only one, or the largest)")
-    m.add_argument("--steps", type=int, required=True)
+    m.add_argument("--steps", type=_steps, required=True, help="moves to try (>= 0)")
     m.add_argument("--seed", type=int, required=True)
     m.add_argument("--include-shared", action="store_true",
                    help="also move shared-memory loads and stores (LDS, STS, LDSM)")
     m.set_defaults(run=_mutate)
     return p
+
+
+def _steps(text: str) -> int:
+    steps = int(text)
+    if steps < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {steps}")
+    return steps
 
 
 def _kernels(cubin: Cubin, name: str | None) -> list[Kernel]:
@@ -94,8 +101,11 @@ def _mutate(args) -> int:
     else:
         name = args.kernel
     model = DependencyModel(disassemble_kernel(cubin, name))
-    schedule, moves = random_walk(Schedule.initial(model), args.steps, args.seed,
-                                  args.include_shared)
+    initial = Schedule.initial(model)
+    if args.steps and not initial.moves(args.include_shared):
+        raise SipError(f"{name} has no legal move (of {len(movable(model, args.include_shared))} movable "
+                       "instructions none can swap with a neighbour); nothing written")
+    schedule, moves = random_walk(initial, args.steps, args.seed, args.include_shared)
     args.output.write_bytes(apply(schedule))
     print(f"{name}: applied {len(moves)} of {args.steps} moves (seed {args.seed}) -> {args.output}")
     return 0

@@ -4,10 +4,12 @@ and `rosekernels.warmup`. Two levels: `config` searches the kernel's configurati
 
     sip-tune --kernel qk_norm --mode decode [--shape tokens=4,...] [--levels config,sass] [--budget-minutes 10] ...
     sip-tune --kernel gemm_leakyrelu --mode decode --shape m=8 --plan    (the config search space; no GPU)
+    sip-tune --model config.json --mode decode [--plan]   (level 1 for every kernel and shape of a model)
     sip-tune --list [--cache DIR]
 
 Exit codes: 0 done (whether or not a faster schedule was stored), 1 the tuning failed (bad shape, a
-kernel the engine cannot read, a worker that cannot start), 2 bad arguments or no sm_90 GPU.
+kernel the engine cannot read, a worker that cannot start; --model: any of its shapes), 2 bad arguments
+or no sm_90 GPU.
 Nothing here imports torch or CuTeDSL before a tuning or `--plan` starts: `--list` reads the store only.
 """
 from __future__ import annotations
@@ -20,9 +22,10 @@ from typing import Any
 
 import rosekernels
 from rosekernels import tuned
+from rosekernels.models import ModelDims
 from rosekernels.variant import MODES
 from sip import SipError
-from sip_tune import configs, tuning, workloads
+from sip_tune import configs, model, tuning, workloads
 from sip_tune.runner import WorkerFailure, gpu_problem
 
 
@@ -48,15 +51,22 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="sip-tune", description="Tune a rosekernels kernel on this GPU: search its configurations "
                 "for the shape (level 'config'), then the SASS schedule of the chosen one (level 'sass': simulated "
                 "annealing + probabilistic testing); the results go into the tuned store the ops read.")
-    p.add_argument("--kernel", choices=sorted(rosekernels.KERNELS), help="the kernel to tune")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--kernel", choices=sorted(rosekernels.KERNELS), help="the kernel to tune")
+    what.add_argument("--model", metavar="CONFIG.json",
+                      help="tune every kernel and shape a forward pass of this Hugging Face model config runs in "
+                      "--mode, over the mode's token buckets, level 'config' only (SASS annealing is per kernel: "
+                      "use --kernel); shapes whose bucket already has a tuned entry are skipped, so an "
+                      "interrupted run resumes")
     p.add_argument("--mode", choices=MODES, default="decode")
     p.add_argument("--shape", default="", metavar="K=V,...",
                    help="sizes and options of the kernel, e.g. tokens=4,q_heads=32,k_heads=8,head_dim=128,dtype=bf16")
-    p.add_argument("--levels", default="config,sass", metavar="L,...",
+    p.add_argument("--levels", metavar="L,...",
                    help="what to tune, in this order: 'config' (configuration search), 'sass' (annealing of the "
-                   "chosen config's schedule), or both (default)")
+                   "chosen config's schedule), or both (default; --model: config only)")
     p.add_argument("--plan", action="store_true",
-                   help="print the configurations the config level would try for the shape and exit (no GPU)")
+                   help="print the configurations the config level would try for the shape and exit (no GPU); "
+                   "with --model, each shape's count of them and the total")
     p.add_argument("--max-candidates", type=int, default=configs.MAX_CANDIDATES, metavar="N",
                    help="configs tried besides the heuristic's; more are pruned by the kernel's cost model")
     budget = p.add_mutually_exclusive_group()
@@ -115,14 +125,57 @@ def _print_entries(root: str | None) -> None:
             print(f"  {r['kernel']:<15} BROKEN: {r['error']}  ({r['path']})")
 
 
+def _main_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """--model: the plan (no GPU) or level 1 of every (kernel, shape) of the model in turn."""
+    try:
+        dims = ModelDims.from_config(args.model)
+    except (OSError, ValueError, TypeError) as e:  # no file, not JSON, a size missing or not a number
+        parser.error(f"--model {args.model}: {e}")
+    if not args.plan:
+        problem = gpu_problem()
+        if problem:
+            print(f"sip-tune: needs a CUDA sm_90 GPU (H100/H200) to run and time candidates: {problem}.",
+                  file=sys.stderr)
+            return 2
+    found = model.shapes(dims, args.mode)
+    tokens = model.TOKENS[args.mode]
+    print(f"{dims.name} ({args.mode}): {len(found.jobs)} kernel shapes over {len(tokens)} token counts "
+          f"{tokens[0]}..{tokens[-1]}")
+    for job, why in found.dropped:
+        print(f"  dropped  {job.kernel} {job.label()}: {why}")
+    if not args.plan:
+        rows = model.tune(found, cache_root=args.cache, max_candidates=args.max_candidates,
+                          min_speedup=args.min_speedup, seed=args.seed)
+        print(model.table(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump([{"kernel": r.job.kernel, "role": r.job.role, "shape": r.job.shape, "status": r.status,
+                            "report": r.report.to_dict() if r.report else None} for r in rows], f, indent=1)
+        return 1 if any(r.status.startswith("failed") for r in rows) else 0
+    searched = total = failed = 0
+    width = max((len(job.label()) for job in found.jobs), default=0)
+    for job in found.jobs:
+        try:
+            space = configs.plan(job.kernel, args.mode, job.shape, args.max_candidates)
+        except _BAD_REQUEST as e:
+            failed += 1
+            print(f"sip-tune: {job.kernel} {job.label()}: {_reason(e)}", file=sys.stderr)
+            continue
+        searched, total = searched + len(space.candidates), total + space.total
+        print(f"  {job.kernel:<16} {job.label():<{width}}  {space.lines()[-1]}")
+    print(f"total: {len(found.jobs) - failed} shapes, {searched} configs to search ({total} candidates before "
+          f"pruning), {len(found.dropped)} shapes dropped" + (f", {failed} failed" if failed else ""))
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.list:
         _print_entries(args.cache)
         return 0
-    if args.kernel is None:
-        parser.error("--kernel is required (or --list)")
+    if args.kernel is None and args.model is None:
+        parser.error("--kernel is required (or --model, or --list)")
     if args.budget_iters is not None and args.budget_iters < 1:
         parser.error("--budget-iters must be >= 1")
     if args.budget_minutes is not None and not args.budget_minutes > 0:
@@ -135,9 +188,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--atol needs --rtol")
     if args.max_candidates < 0:
         parser.error("--max-candidates must be >= 0")
-    levels = [s.strip() for s in args.levels.split(",") if s.strip()]
+    text = args.levels or ("config" if args.model else ",".join(LEVELS))
+    levels = [s.strip() for s in text.split(",") if s.strip()]
     if not levels or any(lv not in LEVELS for lv in levels) or len(set(levels)) != len(levels):
-        parser.error(f"--levels takes a comma-separated subset of {','.join(LEVELS)}, got {args.levels!r}")
+        parser.error(f"--levels takes a comma-separated subset of {','.join(LEVELS)}, got {text!r}")
+    if args.model is not None:
+        if levels != ["config"]:
+            parser.error("--model tunes level 'config' only; anneal a kernel's SASS with --kernel")
+        if args.shape:
+            parser.error("--shape is for --kernel; --model derives the shapes from the model")
+        return _main_model(parser, args)
     try:
         shape = parse_shape(args.shape)
     except ValueError as e:

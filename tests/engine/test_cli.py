@@ -79,3 +79,18 @@ def test_bad_inputs_give_clear_errors(gemm_cubin, tmp_path, capsys):
     old.write_bytes(compile_cu(CORPUS_SOURCES / "warp_reduce_atomics.cu", tmp_path, "sm_80"))
     assert main(["mutate", str(old), "-o", str(tmp_path / "x.cubin"), "--steps", "1", "--seed", "1"]) == 1
     assert "unsupported architecture sm_80" in capsys.readouterr().err
+
+
+def test_mutate_refuses_negative_steps(gemm_cubin, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["mutate", str(gemm_cubin), "-o", str(tmp_path / "out.cubin"), "--steps", "-3", "--seed", "1"])
+    assert e.value.code == 2 and "must be >= 0" in capsys.readouterr().err
+    assert not (tmp_path / "out.cubin").exists()
+
+
+def test_mutate_of_a_kernel_without_a_legal_move_says_so_and_writes_nothing(corpus, tmp_path, capsys):
+    path = tmp_path / "pipeline.cubin"  # cp.async pipeline: a few movable instructions, none can move
+    path.write_bytes(corpus_entry(corpus, "cp_async_pipeline"))
+    out = tmp_path / "out.cubin"
+    assert main(["mutate", str(path), "-o", str(out), "--steps", "50", "--seed", "1"]) == 1
+    assert "has no legal move" in capsys.readouterr().err and not out.exists()

@@ -1,0 +1,213 @@
+"""`sip-tune --model CONFIG.json --mode decode|prefill`: level 1 (configs) for every kernel and shape
+one forward pass of a model runs.
+
+    shapes(ModelDims.from_config("config.json"), "decode")  -> ModelShapes   (CPU only)
+    tune(shapes, "decode", ...)                              -> list[Row]     (GPU)
+
+The shapes are those of a Qwen3/Llama decoder block (plus the MoE routing kernels where the model has
+experts), one set per token count T of the mode's buckets:
+
+- decode, DECODE_TOKENS = 1, 2, 4, ..., 128: T concurrent sequences, one new token each, up to
+  gemm_leakyrelu's DECODE_MAX_M (beyond it the GEMM runs its prefill kernels); attention reads a
+  KV cache of DECODE_CONTEXT tokens per sequence.
+- prefill, PREFILL_TOKENS = 512, 1024, ..., 16384: the chunk sizes serving engines prefill in; one
+  sequence of T tokens for attention (causal).
+
+Powers of two because the tuned store keys entries by bucket (every size field raised to the next
+power of two, `rosekernels.contract.bucket`): the entry tuned at T serves every count in (T/2, T].
+
+A shape whose config the kernel's heuristic (`config_for`, on this CPU) does not put in the mode
+asked for, or rejects, is dropped and reported (e.g. qk_norm at 64 decode tokens already runs its
+prefill kernel: tuning the prefill mode covers it). Resuming: a shape whose bucket has a stored entry
+tuned against the heuristic's cubin as it compiles now is skipped.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Iterable
+
+from rosekernels import tuned
+from rosekernels.kernels.gemm_leakyrelu_plan import DECODE_MAX_M
+from rosekernels.models import ModelDims
+from sip import SipError
+from sip_tune import configs, workloads
+from sip_tune.runner import WorkerFailure
+
+DECODE_TOKENS = tuple(2**i for i in range(DECODE_MAX_M.bit_length()))  # 1 .. 128
+PREFILL_TOKENS = tuple(2**i for i in range(9, 15))  # 512 .. 16384
+TOKENS = {"decode": DECODE_TOKENS, "prefill": PREFILL_TOKENS}
+DECODE_CONTEXT = 4096  # KV-cache tokens per sequence that decode attention is tuned at (bucket 2049..4096)
+GEMM_ALIGN = 8  # gemm_leakyrelu's TMA needs N and K in whole 16-byte rows of bf16/fp16
+
+# A shape the kernel cannot take fails in its plan module with one of these (as for --shape in cli).
+BAD_SHAPE = (ValueError, LookupError, TypeError)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One (kernel, shape) to tune: `overrides` on the kernel's Shape.defaults(mode)."""
+
+    kernel: str
+    role: str  # which part of the block runs it, for the table ("qkv", "mlp down", "residual", ...)
+    overrides: tuple[tuple[str, Any], ...]
+
+    @property
+    def shape(self) -> dict[str, Any]:
+        return dict(self.overrides)
+
+    def label(self) -> str:
+        sizes = ",".join(f"{k}={v}" for k, v in self.overrides if k != "dtype")
+        return f"{self.role} {sizes}".strip()
+
+
+@dataclasses.dataclass
+class ModelShapes:
+    dims: ModelDims
+    mode: str
+    jobs: list[Job]  # what the kernels accept in `mode`, in block order, token count by token count
+    dropped: list[tuple[Job, str]]  # and why each of the others was left out
+
+
+def _job(kernel: str, role: str, **overrides: Any) -> Job:
+    return Job(kernel, role, tuple(overrides.items()))
+
+
+def _block(dims: ModelDims, mode: str, tokens: int) -> list[Job]:
+    """The kernel calls of one decoder block at `tokens` tokens, in the order it runs them."""
+    dt = dims.dtype
+    q_dim, kv_dim = dims.heads_q * dims.head_dim, dims.heads_kv * dims.head_dim
+    heads = dict(heads_q=dims.heads_q, heads_kv=dims.heads_kv, head_dim=dims.head_dim, dtype=dt)
+
+    def gemm(role: str, n: int, k: int) -> Job:
+        return _job("gemm_leakyrelu", role, m=tokens, n=n, k=k, dtype=dt)
+
+    # The first norm of a layer has no residual to add; every later one adds the previous sub-layer's output.
+    jobs = [_job("rmsnorm", "norm", rows=tokens, hidden=dims.hidden, dtype=dt, residual=False),
+            _job("rmsnorm", "norm + residual", rows=tokens, hidden=dims.hidden, dtype=dt, residual=True),
+            gemm("qkv", q_dim + 2 * kv_dim, dims.hidden),
+            _job("qk_norm", "q/k norm", tokens=tokens, q_heads=dims.heads_q, k_heads=dims.heads_kv,
+                 head_dim=dims.head_dim, dtype=dt)]
+    if mode == "decode":
+        jobs.append(_job("attention_decode", "attention", batch=tokens, seqlen_q=1, seqlen_kv=DECODE_CONTEXT,
+                         **heads))
+    else:
+        jobs.append(_job("attention", "attention", batch=1, seqlen=tokens, causal=True, **heads))
+    jobs.append(gemm("o", dims.hidden, q_dim))
+    if dims.experts:
+        # Each expert runs on the tokens routed to it, 0..T of them: m=T is the largest, and the smaller
+        # counts fall in the buckets of the smaller token counts.
+        jobs += [_job("moe_dispatch", "moe dispatch", tokens=tokens, hidden=dims.hidden, experts=dims.experts,
+                      topk=dims.topk, dtype=dt),
+                 gemm("expert gate/up", dims.moe_intermediate, dims.hidden),
+                 gemm("expert down", dims.hidden, dims.moe_intermediate),
+                 _job("moe_combine", "moe combine", tokens=tokens, hidden=dims.hidden, topk=dims.topk, dtype=dt)]
+    else:
+        jobs += [gemm("mlp gate/up", dims.intermediate, dims.hidden), gemm("mlp down", dims.hidden, dims.intermediate)]
+    return jobs
+
+
+def shapes(dims: ModelDims, mode: str) -> ModelShapes:
+    """Every (kernel, shape) a forward pass of `dims` runs in `mode` over TOKENS[mode] (duplicates,
+    e.g. an o projection as wide as the MLP's down one, once), split into those the kernels accept in
+    `mode` and the dropped ones with the reason."""
+    if mode not in TOKENS:
+        raise ValueError(f"mode must be one of {sorted(TOKENS)}, got {mode!r}")
+    found = ModelShapes(dims, mode, [], [])
+    seen: set[tuple[str, tuple]] = set()
+    for tokens in TOKENS[mode]:
+        for job in _block(dims, mode, tokens):
+            if (job.kernel, job.overrides) in seen:
+                continue
+            seen.add((job.kernel, job.overrides))
+            shape = job.shape
+            if job.kernel == "gemm_leakyrelu" and (shape["n"] % GEMM_ALIGN or shape["k"] % GEMM_ALIGN):
+                found.dropped.append((job, f"N and K must be multiples of {GEMM_ALIGN}"))
+                continue
+            try:
+                workloads.resolve(job.kernel, mode, shape)
+            except BAD_SHAPE as e:
+                found.dropped.append((job, str(e)))
+                continue
+            found.jobs.append(job)
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# Tuning (GPU).
+
+@dataclasses.dataclass
+class Row:
+    """One line of the final table."""
+
+    job: Job
+    status: str  # the report's outcome, "skipped: already tuned", or "failed: <reason>"
+    heuristic_us: float = math.nan
+    tuned_us: float = math.nan
+    speedup: float = math.nan
+    aa_spread: float = math.nan
+    report: configs.ConfigReport | None = None
+
+
+def stored_entry(job: Job, mode: str, cache_root: Any = None) -> tuned.ConfigEntry | None:
+    """The tuned-store entry for `job`'s bucket tuned against its heuristic's cubin as it compiles
+    now, if any. The heuristic is compiled only when the store holds an entry for this bucket and
+    heuristic config at all (compiling costs seconds; most shapes have none on a first run)."""
+    heuristic, shape = workloads.resolve(job.kernel, mode, job.shape)
+    bkey = tuned.bucket_key(shape)
+    m = workloads.kernel_module(job.kernel)
+    if not any(tuned.bucket_key(m.Shape(**e.meta["bucket"])) == bkey and e.heuristic == heuristic
+               for e in tuned.config_entries(cache_root, job.kernel)):
+        return None
+    return tuned.lookup_config(cache_root, job.kernel, shape, m.compile(heuristic).cubin_sha256)
+
+
+def _progress(jobs: list[Job]) -> tuple[Iterable[Job], Callable[[str], None]]:
+    """The jobs wrapped in a tqdm bar and the matching way to print beside it, or the plain jobs and print."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return jobs, print
+    return tqdm(jobs, desc="sip-tune --model", unit="shape"), tqdm.write
+
+
+def tune(found: ModelShapes, *, cache_root: Any = None, max_candidates: int = configs.MAX_CANDIDATES,
+         min_speedup: float = 1.01, seed: int = 0) -> list[Row]:
+    """Level 1 (`configs.tune_configs`) for every job of `found` in turn, skipping those already tuned;
+    a job that fails is reported in its row and the next one runs."""
+    rows = []
+    jobs, write = _progress(found.jobs)
+    for i, job in enumerate(jobs, 1):
+        write(f"[{i}/{len(found.jobs)}] {job.kernel} {job.label()}")
+        try:
+            entry = stored_entry(job, found.mode, cache_root)
+            if entry is not None:
+                meta = entry.meta
+                rows.append(Row(job, "skipped: already tuned", meta.get("heuristic_median_us", math.nan),
+                                meta.get("tuned_median_us", math.nan), entry.speedup, meta.get("aa_spread", math.nan)))
+                write(f"  skipped: {entry.path} holds {entry.config.variant().key()} ({entry.speedup:.3f}x)")
+                continue
+            report = configs.tune_configs(job.kernel, found.mode, job.shape, max_candidates=max_candidates,
+                                          min_speedup=min_speedup, seed=seed, cache_root=cache_root, log=write)
+        except (*BAD_SHAPE, SipError, WorkerFailure) as e:
+            rows.append(Row(job, f"failed: {e}"))
+            write(f"  failed: {e}")
+            continue
+        write(report.text())
+        rows.append(Row(job, "tuned" if report.winner is not None else "heuristic stays", report.heuristic_us,
+                        report.tuned_us, report.speedup, report.aa_spread, report))
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    """The final table: kernel, shape, heuristic and tuned medians, speedup, A/A spread, outcome."""
+    head = ("kernel", "shape", "heuristic us", "tuned us", "speedup", "A/A", "outcome")
+    body = [(r.job.kernel, r.job.label(), _num(r.heuristic_us, "{:.3f}"), _num(r.tuned_us, "{:.3f}"),
+             _num(r.speedup, "{:.3f}x"), _num(r.aa_spread, "{:.4f}"), r.status) for r in rows]
+    widths = [max(len(line[c]) for line in [head, *body]) for c in range(len(head) - 1)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)) + "  " + line[-1]
+                     for line in [head, *body])
+
+
+def _num(x: float, fmt: str) -> str:
+    return "-" if math.isnan(x) else fmt.format(x)  # a failed job has no measurements
