@@ -384,13 +384,14 @@ def markdown_decode(rows, peer_names, split_sweep=()):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(report.RESULTS))
+    report.add_out(ap)
     ap.add_argument("--quick", action="store_true", help="only the reference shape (and one decode row)")
     ap.add_argument("--decode-only", action="store_true", help="only the decode table")
     ap.add_argument("--split-sweep", action="store_true", help="decode: also time forced KV split counts")
     ap.add_argument("--sweep", action="store_true", help="candidate configs (tiles, grid) on the prefill problem shapes")
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args()
+    report.require_gpu()
     torch.backends.cuda.matmul.allow_tf32 = False
 
     t0 = time.time()

@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import report  # noqa: E402  (bench/report.py, beside this script)
 from sip_tune import configs  # noqa: E402
 from sip_tune.cli import parse_shape  # noqa: E402
 
@@ -106,7 +107,6 @@ def _shape_text(shape: dict, keys: dict) -> str:
 
 
 def _markdown(rows: list[dict], specs: list, env: dict) -> str:
-    import report  # bench/report.py
 
     lines = [f"# sip-tune level 1 (configuration search) on {env.get('gpu')}", "",
              "Heuristic and tuned: per-launch medians of the final re-time (interleaved, fresh worker). A/A: "
@@ -134,7 +134,7 @@ def _markdown(rows: list[dict], specs: list, env: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    report.add_out(p)
     p.add_argument("--shape", action="append", metavar="KERNEL:MODE[:K=V,...]",
                    help="a shape to tune (repeatable; default: the standard list)")
     p.add_argument("--max-candidates", type=int, default=configs.MAX_CANDIDATES)
@@ -152,9 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             space = configs.plan(kernel, mode, keys, args.max_candidates)
             print(f"{kernel} {mode} {_shape_text(dataclasses.asdict(space.shape), keys)}: {space.lines()[-1]}")
         return 0
-
-    import report  # bench/report.py (imports torch)
-
+    report.require_gpu()
     cache = args.cache or tempfile.mkdtemp(prefix="autotune-store-")
     env = report.environment()
     rows = []

@@ -267,7 +267,7 @@ def _markdown(results, copy_gbs, device):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    report.add_out(p)
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--slope", type=float, default=0.01)
     p.add_argument("--bias", action="store_true", help="add a bias [N] (all methods)")
@@ -275,6 +275,7 @@ def main():
     p.add_argument("--sweep", action="store_true", help="also time every candidate config (glr.candidates)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
     args = p.parse_args()
+    report.require_gpu()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     shapes = SHAPES if not args.shapes else [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     peers_log = []

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report  # noqa: E402
 import timing  # noqa: E402
 
 import rosekernels  # noqa: E402
@@ -53,10 +54,11 @@ def calls() -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="bench/results")
+    report.add_out(p)
     p.add_argument("--label", default="current")
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
+    report.require_gpu()
     fns = calls()
     result = {name: statistics.median(timing.host_time_us(lambda i, f=f: f(), calls=2000, reps=3)
                                       for _ in range(args.rounds)) for name, f in fns.items()}

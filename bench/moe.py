@@ -301,13 +301,14 @@ def targets(rows):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(report.RESULTS))
+    report.add_out(ap)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
     ap.add_argument("--compile-tokens", default=None,
                     help="token counts at which to run the torch.compile peer (default: all); each costs a compile")
     args = ap.parse_args()
+    report.require_gpu()
     log = lambda m: print(m, flush=True)  # noqa: E731
     t0 = time.time()
     env = report.environment()

@@ -302,10 +302,11 @@ def targets(rows):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    report.add_out(ap)
     ap.add_argument("--quick", action="store_true", help="Qwen3-8B only, T in (1, 128, 8192, 32768)")
     ap.add_argument("--no-sweep", action="store_true")
     args = ap.parse_args()
+    report.require_gpu()
     torch.manual_seed(0)
     env = report.environment(("quack", "liger_kernel", "triton"))
     log = []

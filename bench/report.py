@@ -4,13 +4,31 @@ from __future__ import annotations
 
 import json
 import platform
+import sys
 import traceback
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results"  # the committed results: written only when asked
+LOCAL = Path(__file__).resolve().parent / "out"  # where a run writes by default (ignored by git)
+
+
+def add_out(parser: Any) -> None:
+    """The --out option of every benchmark: a local folder by default, so that a run never overwrites the
+    committed results unless asked (`--out bench/results`)."""
+    parser.add_argument("--out", default=str(LOCAL),
+                        help=f"folder for the JSON and markdown results (default {LOCAL}; the committed ones: {RESULTS})")
+
+
+def require_gpu() -> None:
+    """End the run with one line, not a traceback, where there is no sm_90 GPU to measure on."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{Path(sys.argv[0]).name}: needs a CUDA sm_90 GPU (H100/H200): none is visible")
+    cc = torch.cuda.get_device_capability(0)
+    if cc != (9, 0):
+        raise SystemExit(f"{Path(sys.argv[0]).name}: needs a CUDA sm_90 GPU (H100/H200): device 0 is sm_{cc[0]}{cc[1]}")
 
 
 def environment(peers: tuple[str, ...] = ()) -> dict[str, Any]:

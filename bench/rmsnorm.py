@@ -189,10 +189,11 @@ def markdown(env, rows, sweep_rows, table, log):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    report.add_out(ap)
     ap.add_argument("--quick", action="store_true", help="hidden 4096/16384, rows 1 and 16384, no residual")
     ap.add_argument("--no-sweep", action="store_true")
     args = ap.parse_args()
+    report.require_gpu()
     env = report.environment(("quack", "liger_kernel", "triton"))
     env["copy_1gib_gbs"] = timing.copy_gbs()
     hidden = (4096, 16384) if args.quick else HIDDEN

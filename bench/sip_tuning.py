@@ -112,7 +112,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="bench/results")
+    report.add_out(p)
     p.add_argument("--kernels", default="", help="comma-separated (default: every tunable kernel)")
     p.add_argument("--modes", default="decode,prefill")
     p.add_argument("--budget-minutes", type=float, default=1.0, help="search time per kernel and mode")
@@ -123,6 +123,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=60)
     p.add_argument("--cache", help="tuned-cubin cache (default: <out>/sip-cache)")
     args = p.parse_args()
+    report.require_gpu()
     problem = gpu_problem()
     if problem:
         print(f"sip_tuning bench: needs a CUDA sm_90 GPU: {problem}", file=sys.stderr)
