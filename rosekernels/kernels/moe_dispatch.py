@@ -511,12 +511,17 @@ class MoeDispatch:
 
 def moe_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, capacity: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, *, buffer: torch.Tensor | None = None,
-                 mode: str | None = None) -> MoeDispatch:
+                 mode: str | None = None, check: bool = False) -> MoeDispatch:
     """Group the tokens of x [T, H] by expert: see the module docstring for the layout.
 
     topk_ids [T, k] int32 (-1 = not routed). `capacity` (rows of the buffer) defaults to the worst case
     `default_capacity(...)`; pass `buffer` [capacity, H] to reuse one (its rows outside the experts'
     stored tokens are left as they were). `mode` forces "prefill" or "decode" (default: by T*k).
+
+    Nothing is raised on the device: ids outside [-1, E) make the whole dispatch a no-op (counted in
+    `.invalid`), and pairs past the capacity are dropped (slot -1, counted in `.overflow`). Call
+    `.check()` on the result to turn either into an exception, or pass `check=True` (a debug switch:
+    it synchronises with the device on every call, so not inside CUDA graphs).
 
     Registered as torch.ops.rosekernels.moe_dispatch (mutating `buffer`) for torch.compile and fake
     tensors; eager calls skip the torch dispatcher and reuse the launch plan validated for the same
@@ -539,7 +544,10 @@ def moe_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, capa
         slot_map, meta = _run(x, topk_ids, buffer, num_experts, block_size, mode)
     else:
         slot_map, meta = _call_op(x, topk_ids, buffer, num_experts, block_size, mode)
-    return MoeDispatch(buffer, slot_map, meta)
+    result = MoeDispatch(buffer, slot_map, meta)
+    if check:
+        result.check()
+    return result
 
 
 def _call_op(x: Any, topk_ids: Any, buffer: Any, num_experts: int, block_size: int,

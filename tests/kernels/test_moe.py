@@ -367,6 +367,8 @@ def test_dispatch_overflow(mode):
         assert int(res.overflow) > 0
         with pytest.raises(RuntimeError, match="did not fit"):
             res.check()
+        with pytest.raises(RuntimeError, match="did not fit"):  # the debug switch checks every call
+            md.moe_dispatch(x, ids, E, capacity, B, buffer=poison.clone(), mode=mode, check=True)
 
 
 @pytest.mark.gpu
@@ -384,6 +386,8 @@ def test_dispatch_invalid_ids(mode, bad):
         assert_dispatch(x, ids, E, 16, res, poison)
         with pytest.raises(ValueError, match="outside"):
             res.check()
+        with pytest.raises(ValueError, match="outside"):
+            md.moe_dispatch(x, ids, E, block_size=16, buffer=poison.clone(), mode=mode, check=True)
 
 
 @pytest.mark.gpu
