@@ -263,18 +263,21 @@ def _run(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: tor
 launch.register_op(OP, _run, mutates_args=("out_q", "out_k"))  # the schema comes from _run's annotations
 
 
-def qk_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+def qk_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor | None = None,
             eps: float = 1e-6, weight_bias: float = 0.0, out_q: torch.Tensor | None = None,
             out_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm of q [T, hq, d] and k [T, hk, d] (d in 64/128/256) in one launch.
 
     `y = x * rsqrt(mean(x^2) + eps) * (w + weight_bias)` with fp32 math; q/k may be strided views
-    (e.g. of a fused qkv buffer); weights are [d] in the input dtype or fp32. Results go to
-    out_q/out_k (new tensors by default; out_q=q, out_k=k normalizes in place).
+    (e.g. of a fused qkv buffer); weights are [d] in the input dtype or fp32, one for both
+    (`qk_norm(q, k, w)`) or one each. Results go to out_q/out_k (new tensors by default; out_q=q,
+    out_k=k normalizes in place).
 
     Eager calls launch the kernel directly (torch.library dispatch would add several us of host
     time per call); under torch.compile the call goes through the custom op rosekernels::qk_norm.
     """
+    if k_weight is None:
+        k_weight = q_weight
     if out_q is None:
         out_q = torch.empty_like(q)
     if out_k is None:

@@ -196,6 +196,19 @@ def test_eps_and_weight_bias(eps, bias, dtype, wdtype):
         _run_case(tokens, *MODEL, 128, dtype, wdtype, eps=eps, bias=bias)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", (1, 1000))
+def test_one_weight_for_both(tokens):
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    q = _rand(tokens, 32, 128, dtype=BF16, scale=3.0, gen=gen)
+    k = _rand(tokens, 8, 128, dtype=BF16, scale=0.5, shift=0.2, gen=gen)
+    w = _rand(128, dtype=BF16, scale=0.3, shift=1.0, gen=gen)
+    out_q, out_k = qkn.qk_norm(q, k, w)
+    ref_q, ref_k = qkn.reference(q, k, w, w)
+    _check(out_q, ref_q, BF16, f"q T={tokens}, one weight")
+    _check(out_k, ref_k, BF16, f"k T={tokens}, one weight")
+
+
 def _qkv(tokens, hq, hk, d, dtype, pad=0, seed=0):
     """A fused qkv buffer (+pad columns) and q/k views into it."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
