@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--atol needs --rtol")
     if args.max_candidates < 0:
         parser.error("--max-candidates must be >= 0")
-    text = args.levels or ("config" if args.model else ",".join(LEVELS))
+    text = args.levels if args.levels is not None else ("config" if args.model else ",".join(LEVELS))
     levels = [s.strip() for s in text.split(",") if s.strip()]
     if not levels or any(lv not in LEVELS for lv in levels) or len(set(levels)) != len(levels):
         parser.error(f"--levels takes a comma-separated subset of {','.join(LEVELS)}, got {text!r}")

@@ -18,8 +18,9 @@ power of two, `rosekernels.contract.bucket`): the entry tuned at T serves every 
 
 A shape whose config the kernel's heuristic (`config_for`, on this CPU) does not put in the mode
 asked for, or rejects, is dropped and reported (e.g. qk_norm at 64 decode tokens already runs its
-prefill kernel: tuning the prefill mode covers it). Resuming: a shape whose bucket has a stored entry
-tuned against the heuristic's cubin as it compiles now is skipped.
+prefill kernel; `sip-tune --kernel qk_norm --mode prefill --shape tokens=64` tunes that one).
+Resuming: a shape whose bucket has a stored entry tuned against the heuristic's cubin as it compiles
+now is skipped; one where the heuristic stayed stores nothing, so it is searched again.
 """
 from __future__ import annotations
 

@@ -1,0 +1,189 @@
+"""sip-tune --model on the CPU: the (kernel, shape) list of a model's forward pass (Qwen3-8B dense,
+Qwen3-30B-A3B MoE), that every listed shape resolves to a config of the mode asked for, --plan, the
+no-GPU exit, and the resumable skip of shapes already in the tuned store."""
+import dataclasses
+import json
+
+import pytest
+from devices import HAS_SM90
+
+from rosekernels import models, tuned
+from sip_tune import cli, configs, model, workloads
+
+QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6}
+QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                 "num_experts_per_tok": 8, "moe_intermediate_size": 768, "torch_dtype": "bfloat16"}
+CONFIGS = {"qwen3-8b": (QWEN3_8B, models.QWEN3_8B), "qwen3-30b-a3b": (QWEN3_30B_A3B, models.QWEN3_30B_A3B)}
+
+
+def config_file(tmp_path, name):
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(CONFIGS[name][0]))
+    return path
+
+
+def dims(tmp_path, name):
+    found = models.ModelDims.from_config(config_file(tmp_path, name))
+    assert dataclasses.replace(found, name=name) == CONFIGS[name][1]
+    return found
+
+
+def by_kernel(found):
+    out = {}
+    for job in found.jobs:
+        out.setdefault(job.kernel, []).append(job.shape)
+    return out
+
+
+def run(capsys, *argv):
+    try:
+        code = cli.main([str(a) for a in argv])
+    except SystemExit as e:  # argparse errors
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---------------------------------------------------------------------------------------------
+# The shapes
+
+def test_qwen3_8b_decode_runs_the_dense_block_at_every_decode_token_count(tmp_path):
+    found = model.shapes(dims(tmp_path, "qwen3-8b"), "decode")
+    jobs = by_kernel(found)
+    assert set(jobs) == {"rmsnorm", "qk_norm", "gemm_leakyrelu", "attention_decode"}
+    gemms = jobs["gemm_leakyrelu"]
+    # qkv (32 + 2 * 8 heads of 128), o, MLP gate/up and down, at every token count.
+    assert {(s["n"], s["k"]) for s in gemms} == {(6144, 4096), (4096, 4096), (12288, 4096), (4096, 12288)}
+    assert sorted({s["m"] for s in gemms}) == list(model.DECODE_TOKENS) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert len(gemms) == 4 * len(model.DECODE_TOKENS)
+    attention = jobs["attention_decode"]
+    assert [s["batch"] for s in attention] == list(model.DECODE_TOKENS)
+    assert all(s["seqlen_kv"] == model.DECODE_CONTEXT and (s["heads_q"], s["heads_kv"], s["head_dim"]) == (32, 8, 128)
+               for s in attention)
+    assert dict(tokens=1, q_heads=32, k_heads=8, head_dim=128, dtype="bf16") in jobs["qk_norm"]
+    assert {(s["hidden"], s["residual"]) for s in jobs["rmsnorm"]} == {(4096, False), (4096, True)}
+    assert dict(rows=1, hidden=4096, dtype="bf16", residual=True) in jobs["rmsnorm"]
+    # Token counts where the norms already run their prefill kernels are dropped, and say why.
+    assert found.dropped and all(job.kernel in ("qk_norm", "rmsnorm") and "prefill" in why
+                                 for job, why in found.dropped)
+    assert dict(tokens=128, q_heads=32, k_heads=8, head_dim=128, dtype="bf16") in [j.shape for j, _ in found.dropped]
+
+
+def test_qwen3_30b_a3b_decode_runs_the_experts_and_the_moe_routing_instead_of_a_dense_mlp(tmp_path):
+    jobs = by_kernel(model.shapes(dims(tmp_path, "qwen3-30b-a3b"), "decode"))
+    assert set(jobs) == {"rmsnorm", "qk_norm", "gemm_leakyrelu", "attention_decode", "moe_dispatch", "moe_combine"}
+    # qkv (32 + 2 * 4 heads), o (n=hidden, k=32 * 128), the experts' gate/up and down; no 6144-wide dense MLP.
+    assert {(s["n"], s["k"]) for s in jobs["gemm_leakyrelu"]} == {(5120, 2048), (2048, 4096), (768, 2048),
+                                                                  (2048, 768)}
+    assert [s["tokens"] for s in jobs["moe_dispatch"]] == list(model.DECODE_TOKENS)
+    assert all((s["hidden"], s["experts"], s["topk"]) == (2048, 128, 8) for s in jobs["moe_dispatch"])
+    assert all((s["hidden"], s["topk"]) == (2048, 8) for s in jobs["moe_combine"])
+    assert all((s["heads_q"], s["heads_kv"]) == (32, 4) for s in jobs["attention_decode"])
+    assert dict(tokens=1, q_heads=32, k_heads=4, head_dim=128, dtype="bf16") in jobs["qk_norm"]
+
+
+def test_prefill_runs_causal_attention_over_one_sequence_of_each_prefill_token_count(tmp_path):
+    found = model.shapes(dims(tmp_path, "qwen3-30b-a3b"), "prefill")
+    jobs = by_kernel(found)
+    assert "attention_decode" not in jobs and not found.dropped
+    assert [(s["batch"], s["seqlen"], s["causal"]) for s in jobs["attention"]] == [
+        (1, t, True) for t in model.PREFILL_TOKENS]
+    assert model.PREFILL_TOKENS == (512, 1024, 2048, 4096, 8192, 16384)
+    assert [s["tokens"] for s in jobs["qk_norm"]] == list(model.PREFILL_TOKENS)
+    assert [s["tokens"] for s in jobs["moe_combine"]] == list(model.PREFILL_TOKENS)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_every_listed_shape_resolves_to_a_config_of_the_mode(tmp_path, name, mode):
+    found = model.shapes(dims(tmp_path, name), mode)
+    assert found.jobs and len({(j.kernel, j.overrides) for j in found.jobs}) == len(found.jobs)
+    for job in found.jobs:
+        config, shape = workloads.resolve(job.kernel, mode, job.shape)
+        assert config.variant().mode == mode, job
+        assert config in workloads.kernel_module(job.kernel).candidates(shape)
+
+
+def test_gemm_shapes_whose_n_or_k_is_not_a_multiple_of_8_are_dropped():
+    odd = dataclasses.replace(models.QWEN3_8B, intermediate=12300)  # 12300 = 8 * 1537 + 4
+    found = model.shapes(odd, "decode")
+    assert not any(12300 in (j.shape.get("n"), j.shape.get("k")) for j in found.jobs)
+    dropped = [(j, why) for j, why in found.dropped if j.kernel == "gemm_leakyrelu"]
+    assert len(dropped) == 2 * len(model.DECODE_TOKENS) and all("multiples of 8" in why for _, why in dropped)
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+def test_plan_prints_each_shapes_space_and_a_total(capsys, tmp_path):
+    path = config_file(tmp_path, "qwen3-30b-a3b")
+    code, out, err = run(capsys, "--model", path, "--mode", "decode", "--plan")
+    assert code == 0, err
+    found = model.shapes(models.ModelDims.from_config(path), "decode")
+    lines = out.splitlines()
+    assert sum("candidates (" in line for line in lines) == len(found.jobs)
+    assert lines[-1].startswith(f"total: {len(found.jobs)} shapes, ")
+    assert f"{len(found.dropped)} shapes dropped" in lines[-1]
+    assert sum(line.startswith("  dropped  ") for line in lines) == len(found.dropped)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kernel", "qk_norm"], "not allowed with"),
+    (["--levels", "config,sass"], "level 'config' only"),
+    (["--shape", "tokens=4"], "--shape is for --kernel"),
+])
+def test_model_argument_errors_exit_2(capsys, tmp_path, argv, message):
+    code, _, err = run(capsys, "--model", config_file(tmp_path, "qwen3-8b"), "--plan", *argv)
+    assert code == 2 and message in err
+
+
+def test_an_unreadable_model_config_exits_2(capsys, tmp_path):
+    (tmp_path / "bad.json").write_text("{}")  # no hidden_size
+    for path in (tmp_path / "missing.json", tmp_path / "bad.json"):
+        code, _, err = run(capsys, "--model", path, "--plan")
+        assert code == 2 and f"--model {path}" in err
+
+
+@pytest.mark.skipif(HAS_SM90, reason="checks the message shown without an sm_90 GPU")
+def test_without_a_gpu_tuning_a_model_exits_2_with_one_line(capsys, tmp_path):
+    code, out, err = run(capsys, "--model", config_file(tmp_path, "qwen3-8b"), "--mode", "decode")
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "needs a CUDA sm_90 GPU" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# Resuming
+
+def test_shapes_with_a_stored_entry_for_the_current_heuristic_are_skipped(capsys, tmp_path, monkeypatch):
+    """A stored entry for the qk_norm job (its heuristic compiled on the CPU for the hash, about a
+    second) skips it; the gemm job, with none, is tuned (by a stand-in for the GPU search)."""
+    root = tmp_path / "sip"
+    found = model.shapes(models.QWEN3_8B, "decode")
+    norm = next(j for j in found.jobs if j.kernel == "qk_norm" and j.shape["tokens"] == 2)
+    gemm = next(j for j in found.jobs if j.kernel == "gemm_leakyrelu" and j.shape["m"] == 2)
+    heuristic, shape = workloads.resolve(norm.kernel, "decode", norm.shape)
+    original = workloads.kernel_module("qk_norm").compile(heuristic).cubin_sha256
+    meta = {"heuristic_median_us": 3.0, "tuned_median_us": 2.5, "speedup": 1.2, "aa_spread": 0.01}
+    tuned.store_config(root, "qk_norm", shape, heuristic, heuristic, original, meta)
+    assert model.stored_entry(norm, "decode", root) is not None
+    assert model.stored_entry(gemm, "decode", root) is None
+
+    calls = []
+
+    def fake_tune_configs(kernel, mode, overrides, **kw):
+        calls.append((kernel, mode, overrides, kw["cache_root"]))
+        return configs.ConfigReport(kernel, mode, overrides, {}, heuristic_us=10.0, tuned_us=10.0, aa_spread=0.002,
+                                    outcome="no candidate timed faster than the heuristic; the heuristic stays")
+
+    monkeypatch.setattr(configs, "tune_configs", fake_tune_configs)
+    rows = model.tune(model.ModelShapes(found.dims, "decode", [norm, gemm], []), cache_root=root)
+    assert calls == [("gemm_leakyrelu", "decode", gemm.shape, root)]
+    assert [r.status for r in rows] == ["skipped: already tuned", "heuristic stays"]
+    assert (rows[0].heuristic_us, rows[0].tuned_us, rows[0].speedup) == (3.0, 2.5, 1.2)
+    out = capsys.readouterr().out
+    assert "[1/2] qk_norm" in out and "[2/2] gemm_leakyrelu" in out
+    table = model.table(rows)
+    assert "skipped: already tuned" in table and "1.200x" in table and "10.000" in table
+    assert table.splitlines()[0].split()[:2] == ["kernel", "shape"]
