@@ -113,9 +113,15 @@ def parse_shape(text: str) -> dict[str, Any]:
     return out
 
 
-def _print_entries(root: str | None) -> None:
+def _print_entries(root: str | None) -> int:
+    """The --list output; 1 when the folder --cache names does not exist (a mistyped path)."""
+    folder = tuned.resolve_root(root)
+    if not folder.is_dir():
+        print(f"tuned-cubin cache {folder}: the folder does not exist (nothing tuned there yet)",
+              file=sys.stderr if root is not None else sys.stdout)
+        return 1 if root is not None else 0
     rows = tuned.list_entries(root)
-    print(f"tuned-cubin cache {tuned.resolve_root(root)}: {len(rows)} entries")
+    print(f"tuned-cubin cache {folder}: {len(rows)} entries" + ("" if rows else " (nothing tuned there yet)"))
     for r in rows:
         if r["valid"]:
             print(f"  {r['kernel']:<15} {r['mode']:<8} {r.get('speedup', math.nan):.3f}x  "
@@ -123,6 +129,7 @@ def _print_entries(root: str | None) -> None:
                   f"{r['spec_key']}")
         else:
             print(f"  {r['kernel']:<15} BROKEN: {r['error']}  ({r['path']})")
+    return 0
 
 
 def _main_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -172,8 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.list:
-        _print_entries(args.cache)
-        return 0
+        return _print_entries(args.cache)
     if args.kernel is None and args.model is None:
         parser.error("--kernel is required (or --model, or --list)")
     if args.budget_iters is not None and args.budget_iters < 1:

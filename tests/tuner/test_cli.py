@@ -73,6 +73,11 @@ def test_list_shows_valid_and_broken_entries(capsys, tmp_path, monkeypatch):
     assert "rmsnorm" in out and "BROKEN" in out
 
 
+def test_list_of_a_folder_that_does_not_exist_says_so(capsys, tmp_path):
+    code, _, err = run(capsys, "--list", "--cache", str(tmp_path / "typo"))
+    assert code == 1 and "does not exist" in err
+
+
 def test_list_follows_the_environment_variable(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv(tuned.ENV_VAR, str(tmp_path / "c"))
     code, out, _ = run(capsys, "--list")
