@@ -33,6 +33,18 @@ def zeroed_int32(device_index: int, numel: int, private: bool = False) -> torch.
     return torch.zeros(numel, dtype=torch.int32, device=torch.device("cuda", device_index))
 
 
+_unread: dict[int, torch.Tensor] = {}
+
+
+def unread_float32(device_index: int) -> torch.Tensor:
+    """A few fp32 elements per device that stand in for a workspace a launch never touches (the split-K
+    partials of an unsplit launch): the kernel's signature wants a tensor there."""
+    buf = _unread.get(device_index)
+    if buf is None:
+        buf = _unread[device_index] = torch.empty(4, dtype=torch.float32, device=torch.device("cuda", device_index))
+    return buf
+
+
 def shared_buffers() -> dict[tuple[int, int, int, int], torch.Tensor]:
     """Every shared buffer by (device, stream, numel, capture): what tests check is back to zero."""
     return dict(_shared)

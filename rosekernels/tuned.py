@@ -95,13 +95,18 @@ def current_toolchain() -> str:
     return jit.TOOLCHAIN
 
 
-def entry_dir(root: Path, kernel: str, variant_key: str, original_sha256: str, toolchain: str | None = None) -> Path:
-    toolchain = toolchain or current_toolchain()
-    for part in (kernel, variant_key, toolchain):
+def _check_key(parts: tuple[str, ...], original_sha256: str) -> None:
+    """Each part names one folder or file of the store, and the original is named by a full hash."""
+    for part in parts:
         if not part or "/" in part or part in (".", ".."):
             raise ValueError(f"bad cache key component {part!r}")
     if len(original_sha256) != 64:
         raise ValueError("original_sha256 must be a full SHA-256 hex digest")
+
+
+def entry_dir(root: Path, kernel: str, variant_key: str, original_sha256: str, toolchain: str | None = None) -> Path:
+    toolchain = toolchain or current_toolchain()
+    _check_key((kernel, variant_key, toolchain), original_sha256)
     return root / toolchain / kernel / variant_key / original_sha256
 
 
@@ -308,11 +313,7 @@ def bucket_key(shape: Any) -> str:
 def config_path(root: str | os.PathLike | None, kernel: str, mode: str, shape: Any, original_sha256: str,
                 toolchain: str | None = None) -> Path:
     toolchain = toolchain or current_toolchain()
-    for part in (kernel, mode, toolchain):
-        if not part or "/" in part or part in (".", ".."):
-            raise ValueError(f"bad cache key component {part!r}")
-    if len(original_sha256) != 64:
-        raise ValueError("original_sha256 must be a full SHA-256 hex digest")
+    _check_key((kernel, mode, toolchain), original_sha256)
     name = f"{mode}-{bucket_key(shape)}-{original_sha256[:16]}.json"
     return resolve_root(root) / toolchain / kernel / CONFIGS_DIR / name
 

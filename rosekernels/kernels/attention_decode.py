@@ -519,9 +519,6 @@ def workload(config: DecodeConfig, shape: DecodeShape) -> Workload:
                     check=verify, test_args=test_args, name=OP)
 
 
-_dummies: dict[int, torch.Tensor] = {}  # never-read stand-ins for the workspace of one-split launches
-
-
 def _workspace(device: torch.device, groups: int, rows: int, head_dim: int, private_scratch: bool):
     """(o_part, lse_part, counters) of a split launch on the current stream: the partials from the
     caching allocator per call (inside a CUDA graph capture: the graph's pool, alive as long as the
@@ -559,10 +556,7 @@ class Launch(launch.Launch):
             o_part, lse_part, counters = _workspace(self.torch_device, self.groups, rows, self.cfg.head_dim,
                                                     self.private_scratch)
         else:
-            o_part = lse_part = _dummies.get(self.device)
-            if o_part is None:
-                o_part = lse_part = _dummies[self.device] = torch.empty(4, dtype=torch.float32,
-                                                                        device=self.torch_device)
+            o_part = lse_part = scratch.unread_float32(self.device)
             counters = o_part.view(torch.int32)
         launch.on_device(self.device, self.fn, q, k, v, out, lse, o_part, lse_part, counters, self.scale_log2,
                          self.causal_shift, self.num_splits, self.per)

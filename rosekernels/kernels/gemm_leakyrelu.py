@@ -632,8 +632,6 @@ def _max_active_clusters(device_index: int, cluster_size: int) -> int:
 # ---------------------------------------------------------------------------------------------
 # Launching.
 
-_unread_partials: dict[int, torch.Tensor] = {}  # per device: stands in for the partials of unsplit launches
-
 
 def _row_stride_ok(t: torch.Tensor) -> torch.Tensor:
     """`t` with a 16-byte multiple row stride: a size-1 leading dim may carry any stride."""
@@ -681,9 +679,7 @@ class _Plan(launch.Launch):
             if self.partial_floats:
                 partials = torch.empty(self.partial_floats, dtype=torch.float32, device=a.device)
             else:
-                partials = _unread_partials.get(self.device)
-                if partials is None:
-                    partials = _unread_partials[self.device] = torch.empty(4, dtype=torch.float32, device=a.device)
+                partials = scratch.unread_float32(self.device)
         try:
             launch.on_device(self.device, self.fn, _row_stride_ok(a) if self.fix_a else a, b_nk,
                              _row_stride_ok(out) if self.fix_out else out, bias, partials, counters, *self.scalars)
