@@ -74,7 +74,7 @@ def _make_sets(m, n, k, dtype, bias):
     return sets
 
 
-def bench_shape(m, n, k, dtype, slope, bias, copy_gbs, quack, compile_peer, sweep):
+def bench_shape(m, n, k, dtype, slope, bias, copy_gbs, quack, compile_peer, sweep, sweep_splits=None):
     sets = _make_sets(m, n, k, dtype, bias)
     decode = m <= plan.DECODE_MAX_M
     flops = 2 * m * n * k
@@ -149,17 +149,21 @@ def bench_shape(m, n, k, dtype, slope, bias, copy_gbs, quack, compile_peer, swee
                   tile_n=cfg.tile_n, a_rows=cfg.a_rows, splits=cfg.splits, raster_group=cfg.raster_group,
                   methods=rows)
     if sweep:
-        result["sweep"] = _sweep(shape, sets, flops, sm)
+        result["sweep"] = _sweep(shape, sets, flops, sm, sweep_splits)
     return result
 
 
-def _sweep(shape, sets, flops, sm):
+def _sweep(shape, sets, flops, sm, splits=None):
     """Every candidate config of the shape (glr.candidates: the tuner's search space), forced past
-    the heuristic; decode ones up to two waves of work units (more never won on the H200)."""
+    the heuristic; decode ones up to two waves of work units (more never won on the H200), with
+    split counts in `splits` (None: all) and only the fewest rows of A that hold M."""
     m, n, k = shape.m, shape.n, shape.k
     decode = shape.mode == "decode"
+    fewest = next((r for r in plan.A_ROWS if r >= m), None)
     trials = [cfg for cfg in glr.candidates(shape, sm)
-              if not decode or math.ceil(n / cfg.tile_n) * cfg.splits <= 2 * sm]
+              if not decode or (plan.output_tiles(cfg, m, n) * cfg.splits <= 2 * sm
+                                and (splits is None or cfg.splits in splits)
+                                and (cfg.tile_m != 64 or cfg.swap_ab or cfg.a_rows == fewest))]
     glr.precompile(trials)
     fns, rows = {}, {}
     for cfg in trials:
@@ -176,8 +180,9 @@ def _sweep(shape, sets, flops, sm):
     if decode:  # each in its own CUDA graph, next to the heuristic's cost model
         times = {cfg: _graph_ms(fn, sets) for cfg, fn in fns.items()}
         for cfg, row in rows.items():
-            row.update(tile_n=cfg.tile_n, a_rows=cfg.a_rows,
-                       model_us=plan.decode_cost(m, n, k, cfg.tile_m, cfg.tile_n, cfg.splits, sm))
+            row.update(tile_m=cfg.tile_m, tile_n=cfg.tile_n, a_rows=cfg.a_rows, swap_ab=cfg.swap_ab,
+                       model_us=None if cfg.swap_ab else plan.decode_cost(m, n, k, cfg.tile_m, cfg.tile_n,
+                                                                          cfg.splits, sm))
     else:  # every trial timed in each round (timing.interleaved_time_us)
         steps = {cfg: _rotating(fn, sets) for cfg, fn in fns.items()}
         times = timing.interleaved_time_us(steps, _prefill_calls(flops), rounds=11)
@@ -273,6 +278,7 @@ def main():
     p.add_argument("--bias", action="store_true", help="add a bias [N] (all methods)")
     p.add_argument("--shapes", help="comma-separated MxNxK list (default: the standard set)")
     p.add_argument("--sweep", action="store_true", help="also time every candidate config (glr.candidates)")
+    p.add_argument("--sweep-splits", help="comma-separated K split counts the decode sweep tries (default: all)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
     args = p.parse_args()
     report.require_gpu()
@@ -288,7 +294,8 @@ def main():
     t0 = time.time()
     for m, n, k in shapes:
         print(f"{m}x{n}x{k} ...", flush=True)
-        r = bench_shape(m, n, k, dtype, args.slope, args.bias, copy_gbs, quack, not args.no_compile, args.sweep)
+        r = bench_shape(m, n, k, dtype, args.slope, args.bias, copy_gbs, quack, not args.no_compile, args.sweep,
+                        {int(x) for x in args.sweep_splits.split(",")} if args.sweep_splits else None)
         for row in r["methods"]:
             if "ms" in row:
                 print(f"  {row['method']:>22}: {row['ms'] * 1e3:9.1f} us {row['tflops']:7.1f} TFLOP/s"

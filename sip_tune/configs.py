@@ -70,11 +70,15 @@ class SearchSpace:
 
 
 def describe(config: Any) -> str:
-    """The config's variant key, then the fields it has beyond the key (launch policy: K splits,
-    split counts, raster groups), which one compiled kernel takes at run time."""
+    """The config's variant key, then its launch policy (K splits, split counts, raster groups),
+    which one compiled kernel takes at run time: the Config's POLICY_FIELDS where it names them
+    (a key may also leave out compiled fields at their defaults), else every field beyond the key."""
     variant = config.variant()
-    compiled = {k for k, _ in variant.params} | {"mode"}
-    policy = {k: v for k, v in dataclasses.asdict(config).items() if k not in compiled}
+    fields = dataclasses.asdict(config)
+    names = getattr(type(config), "POLICY_FIELDS", None)
+    if names is None:
+        names = set(fields) - {k for k, _ in variant.params} - {"mode"}
+    policy = {k: v for k, v in fields.items() if k in names}
     return " ".join([variant.key()] + [f"{k}={v}" for k, v in policy.items()])
 
 

@@ -54,7 +54,7 @@ from cutlass.tensor_utils import LayoutEnum
 from rosekernels import checks, launch, modes, scratch, tuned
 from rosekernels.kernels.gemm_leakyrelu_plan import (  # noqa: F401  (candidates, variants_for: the contract)
     COUNTER_SLOTS, MAX_SPLITS, OP, TILE_K, GemmConfig, GemmShape, candidates, check_fits, config_for, m_range,
-    variants_for)
+    partial_floats, variants_for)
 from rosekernels.workload import Workload
 
 Config, Shape = GemmConfig, GemmShape
@@ -102,6 +102,7 @@ class _GemmLeakyReluSm90:
         self.cfg = cfg
         self.ab_dtype = _DTYPES[cfg.dtype]
         self.acc_dtype = Float32
+        self.swap = cfg.swap_ab  # the weights are A (tile_m of N), the tokens B (tile_n of M)
         self.tile_shape = (cfg.tile_m, cfg.tile_n, TILE_K)
         self.cluster_shape = (cfg.cluster_m, cfg.cluster_n, 1)
         # Cooperative: tile_m/64 warpgroups share a tile. Pingpong: 2 warpgroups, a tile each.
@@ -124,13 +125,19 @@ class _GemmLeakyReluSm90:
     def _stages(self) -> tuple[int, int]:
         """Fill shared memory with A/B stages after 2 epilogue buffers per tile slot; leftover
         goes to more epilogue buffers (up to 4). A stages are a_rows rows apart, plus a tail so
-        that the last stage's WGMMA view stays inside the buffer."""
+        that the last stage's WGMMA view stays inside the buffer. Swapped tiles store from
+        registers (no epilogue buffers); cfg.stages, when set, caps the A/B stages."""
         elem = self.ab_dtype.width // 8
         ab_bytes = (self.cfg.a_rows + self.cfg.tile_n) * TILE_K * elem
+        if self.swap:
+            ab_stage = (SMEM_CAPACITY - 2048) // ab_bytes
+            return (min(ab_stage, self.cfg.stages) if self.cfg.stages else ab_stage), 0
         epi_bytes = self.epi_tile[0] * self.epi_tile[1] * elem * self.tile_slots
         fixed = 2048 + 4 * self.cfg.tile_n * self.tile_slots  # mbarriers, flags, alignment, bias
         fixed += (self.cfg.tile_m - self.cfg.a_rows) * TILE_K * elem  # the A tail
         ab_stage = (SMEM_CAPACITY - fixed - 2 * epi_bytes) // ab_bytes
+        if self.cfg.stages:
+            ab_stage = min(ab_stage, self.cfg.stages)
         left = SMEM_CAPACITY - fixed - ab_stage * ab_bytes
         epi_stage = min(4, left // epi_bytes)
         return ab_stage, epi_stage
@@ -141,9 +148,9 @@ class _GemmLeakyReluSm90:
     @cute.jit
     def __call__(
         self,
-        mA: cute.Tensor,  # [M, K], K contiguous
-        mB: cute.Tensor,  # [N, K], K or N contiguous
-        mD: cute.Tensor,  # [M, N], N contiguous
+        mA: cute.Tensor,  # [M, K], K contiguous (swapped: the weights [N, K], K or N contiguous)
+        mB: cute.Tensor,  # [N, K], K or N contiguous (swapped: the tokens [M, K], K contiguous)
+        mD: cute.Tensor,  # [M, N], N contiguous (swapped: out^T, [N, M], N contiguous)
         mBias: Optional[cute.Tensor],  # [N] or None
         mPartials: Optional[cute.Tensor],  # split-K: fp32 partial tiles
         mCounters: Optional[cute.Tensor],  # split-K: int32 per output tile, zero between launches
@@ -152,8 +159,10 @@ class _GemmLeakyReluSm90:
         max_clusters: Int32,
         stream,
     ):
-        a_layout = LayoutEnum.ROW_MAJOR
-        b_layout = LayoutEnum.ROW_MAJOR if const_expr(self.cfg.b_major == "k") else LayoutEnum.COL_MAJOR
+        w_layout = LayoutEnum.ROW_MAJOR if const_expr(self.cfg.b_major == "k") else LayoutEnum.COL_MAJOR
+        a_layout, b_layout = LayoutEnum.ROW_MAJOR, w_layout
+        if const_expr(self.swap):
+            a_layout, b_layout = w_layout, LayoutEnum.ROW_MAJOR
         d_layout = LayoutEnum.ROW_MAJOR
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype,
@@ -164,11 +173,19 @@ class _GemmLeakyReluSm90:
             self.atom_layout,
             tiler_mn=(64, self.cfg.tile_n),
         )
-        a_smem, a_load_smem = _a_smem_layouts(self.cfg, self.ab_dtype, self.ab_stage)
+        if const_expr(self.swap):
+            a_smem = sm90_utils.make_smem_layout_a(a_layout, self.tile_shape, self.ab_dtype, self.ab_stage)
+            a_load_smem = a_smem
+        else:
+            a_smem, a_load_smem = _a_smem_layouts(self.cfg, self.ab_dtype, self.ab_stage)
         b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile_shape, self.ab_dtype, self.ab_stage)
-        d_smem = sm90_utils.make_smem_layout_epi(
-            self.ab_dtype, d_layout, self.epi_tile, self.epi_stage * self.tile_slots
-        )
+        d_smem = None
+        d_elems = 16  # swapped tiles store from registers
+        if const_expr(not self.swap):
+            d_smem = sm90_utils.make_smem_layout_epi(
+                self.ab_dtype, d_layout, self.epi_tile, self.epi_stage * self.tile_slots
+            )
+            d_elems = cute.cosize(d_smem)
         a_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.mcast_a > 1) else cpasync.CopyBulkTensorTileG2SOp()
         b_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.mcast_b > 1) else cpasync.CopyBulkTensorTileG2SOp()
         a_smem_one = cute.slice_(a_load_smem, (None, None, 0))  # a_rows x TILE_K
@@ -179,9 +196,11 @@ class _GemmLeakyReluSm90:
         tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
             b_op, mB, b_smem_one, (self.cfg.tile_n, TILE_K), num_multicast=self.mcast_b
         )
-        tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mD, cute.slice_(d_smem, (None, None, 0)), self.epi_tile
-        )
+        tma_atom_d, tma_d = None, mD
+        if const_expr(not self.swap):
+            tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mD, cute.slice_(d_smem, (None, None, 0)), self.epi_tile
+            )
         tx_bytes = cute.size_in_bytes(self.ab_dtype, a_smem_one) + cute.size_in_bytes(self.ab_dtype, b_smem_one)
 
         @cute.struct
@@ -191,7 +210,7 @@ class _GemmLeakyReluSm90:
             bias: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_slots * self.cfg.tile_n], 16]
             sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], 1024]
-            sD: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(d_smem)], 1024]
+            sD: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, d_elems], 1024]
 
         self.shared_storage = SharedStorage
         if const_expr(SharedStorage.size_in_bytes() > SMEM_CAPACITY):
@@ -253,7 +272,7 @@ class _GemmLeakyReluSm90:
         mA: cute.Tensor,
         tma_atom_b: cute.CopyAtom,
         mB: cute.Tensor,
-        tma_atom_d: cute.CopyAtom,
+        tma_atom_d: Optional[cute.CopyAtom],
         mD: cute.Tensor,
         mBias: Optional[cute.Tensor],
         mPartials: Optional[cute.Tensor],
@@ -265,7 +284,7 @@ class _GemmLeakyReluSm90:
         a_smem: cute.ComposedLayout,
         a_load_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
-        d_smem: cute.ComposedLayout,
+        d_smem: Optional[cute.ComposedLayout],
         tx_bytes: cutlass.Constexpr,
     ):
         cfg = self.cfg
@@ -275,7 +294,8 @@ class _GemmLeakyReluSm90:
         if warp_idx == self.load_warp:
             cpasync.prefetch_descriptor(tma_atom_a)
             cpasync.prefetch_descriptor(tma_atom_b)
-            cpasync.prefetch_descriptor(tma_atom_d)
+            if const_expr(not self.swap):
+                cpasync.prefetch_descriptor(tma_atom_d)
 
         cta_layout = cute.make_layout(self.cluster_shape)
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
@@ -300,7 +320,6 @@ class _GemmLeakyReluSm90:
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sA_load = storage.sA.get_tensor(a_load_smem.outer, swizzle=a_load_smem.inner)
         sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
-        sD = storage.sD.get_tensor(d_smem.outer, swizzle=d_smem.inner)
         sBias = storage.bias.get_tensor(cute.make_layout((cfg.tile_n, self.tile_slots)))
         sLast = storage.last_split.get_tensor(cute.make_layout(4))
 
@@ -308,7 +327,6 @@ class _GemmLeakyReluSm90:
         # a_rows < tile_m only runs with M <= a_rows: one M tile, whose first a_rows rows are loaded.
         gA = cute.local_tile(mA, (cfg.a_rows, TILE_K), (None, None))
         gB = cute.local_tile(mB, (cfg.tile_n, TILE_K), (None, None))
-        gD = cute.local_tile(mD, (cfg.tile_m, cfg.tile_n), (None, None))
         tAsA, tAgA = cpasync.tma_partition(
             tma_atom_a, cluster_coord[1], cute.make_layout(self.mcast_a),
             cute.group_modes(sA_load, 0, 2), cute.group_modes(gA, 0, 2),
@@ -369,34 +387,36 @@ class _GemmLeakyReluSm90:
             tCsB = thr_mma.partition_B(sB)
             tCrA = tiled_mma.make_fragment_A(tCsA)
             tCrB = tiled_mma.make_fragment_B(tCsB)
-            tCgD = thr_mma.partition_C(gD[(None, None, 0, 0)])
-            acc = cute.make_rmem_tensor(tCgD.shape, self.acc_dtype)
-            # Tile coordinates of each accumulator element: the bias column.
+            # Tile coordinates of each accumulator element: the bias column (swapped: row).
             tCcD = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
+            acc = cute.make_rmem_tensor(tCcD.shape, self.acc_dtype)
             num_k_blocks = cute.size(tCrA, mode=[2])
 
-            # Epilogue: registers -> shared memory (stmatrix) -> global (TMA store).
-            copy_atom_c = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.ab_dtype)
-            tiled_copy_r2s = cute.make_tiled_copy_S(
-                sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.ab_dtype, self.acc_dtype),
-                cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma),
-            )
-            thr_copy_r2s = tiled_copy_r2s.get_slice(t)
-            tRS_sD = thr_copy_r2s.partition_D(sD)  # (R2S, R2S_M, R2S_N, buffer)
-            tRS_rAcc = tiled_copy_r2s.retile(acc)
-            rD_shape = cute.shape(thr_copy_r2s.partition_S(sD))
-            tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
-            tRS_rD_out = cute.make_rmem_tensor(rD_shape[:3], self.ab_dtype)
-            subtile_size = cute.size(tRS_rD)
-            store_pipeline = pipeline.PipelineTmaStore.create(
-                num_stages=self.epi_stage,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads),
-            )
-            subtiles = cute.zipped_divide(cute.make_layout((cfg.tile_m, cfg.tile_n)), self.epi_tile).shape[1]
-            subtile_order = cute.make_layout(subtiles, stride=(subtiles[1], 1))  # N fastest
-            num_subtiles = cute.size(subtiles)
-            bias_per_thread = cute.ceil_div(cfg.tile_n, self.epi_threads)
-            bias_regs = cute.make_rmem_tensor((bias_per_thread,), Float32)
+            if const_expr(not self.swap):
+                # Epilogue: registers -> shared memory (stmatrix) -> global (TMA store).
+                sD = storage.sD.get_tensor(d_smem.outer, swizzle=d_smem.inner)
+                gD = cute.local_tile(mD, (cfg.tile_m, cfg.tile_n), (None, None))
+                copy_atom_c = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.ab_dtype)
+                tiled_copy_r2s = cute.make_tiled_copy_S(
+                    sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.ab_dtype, self.acc_dtype),
+                    cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma),
+                )
+                thr_copy_r2s = tiled_copy_r2s.get_slice(t)
+                tRS_sD = thr_copy_r2s.partition_D(sD)  # (R2S, R2S_M, R2S_N, buffer)
+                tRS_rAcc = tiled_copy_r2s.retile(acc)
+                rD_shape = cute.shape(thr_copy_r2s.partition_S(sD))
+                tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
+                tRS_rD_out = cute.make_rmem_tensor(rD_shape[:3], self.ab_dtype)
+                subtile_size = cute.size(tRS_rD)
+                store_pipeline = pipeline.PipelineTmaStore.create(
+                    num_stages=self.epi_stage,
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads),
+                )
+                subtiles = cute.zipped_divide(cute.make_layout((cfg.tile_m, cfg.tile_n)), self.epi_tile).shape[1]
+                subtile_order = cute.make_layout(subtiles, stride=(subtiles[1], 1))  # N fastest
+                num_subtiles = cute.size(subtiles)
+                bias_per_thread = cute.ceil_div(cfg.tile_n, self.epi_threads)
+                bias_regs = cute.make_rmem_tensor((bias_per_thread,), Float32)
 
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             unit = first_unit
@@ -413,7 +433,7 @@ class _GemmLeakyReluSm90:
                 tile_m, tile_n, split, k_begin, k_count = self._work_unit(
                     unit, num_splits, raster_group, clusters_m, clusters_n, k_tiles, cluster_coord
                 )
-                if const_expr(cfg.bias != "none"):
+                if const_expr(cfg.bias != "none" and not self.swap):
                     # Fetched now, used after the mainloop: its latency hides under the MMAs.
                     for j in cutlass.range_constexpr(bias_per_thread):
                         col = t + j * self.epi_threads
@@ -459,13 +479,22 @@ class _GemmLeakyReluSm90:
                 run_epilogue = True
                 if const_expr(cfg.split_k):
                     if num_splits > 1:
-                        run_epilogue = self._reduce_splits(
-                            acc, tCcD, mPartials, mCounters, sLast, tile_m, tile_n, split,
-                            num_splits, mD.shape[0], clusters_n, t, slot,
-                        )
+                        if const_expr(self.swap):
+                            run_epilogue = self._reduce_splits_whole(
+                                acc, mPartials, mCounters, sLast, tile_m * clusters_n + tile_n, split,
+                                num_splits, clusters_m * clusters_n, t, slot,
+                            )
+                        else:
+                            run_epilogue = self._reduce_splits(
+                                acc, tCcD, mPartials, mCounters, sLast, tile_m, tile_n, split,
+                                num_splits, mD.shape[0], clusters_n, t, slot,
+                            )
 
                 # ------------------------------------------------ epilogue
-                if run_epilogue:
+                if const_expr(self.swap):
+                    if run_epilogue:
+                        self._store_swapped(acc, tCcD, mD, mBias, tile_m, tile_n)
+                elif run_epilogue:
                     if const_expr(cfg.bias != "none"):
                         for j in cutlass.range_constexpr(bias_per_thread):
                             col = t + j * self.epi_threads
@@ -501,8 +530,71 @@ class _GemmLeakyReluSm90:
                         epi_count += 1
 
                 unit += unit_stride * self.tile_slots
-            if warp_idx == epi_warp:
-                store_pipeline.producer_tail()
+            if const_expr(not self.swap):
+                if warp_idx == epi_warp:
+                    store_pipeline.producer_tail()
+
+    @cute.jit
+    def _store_swapped(self, acc: cute.Tensor, tCcD: cute.Tensor, mD: cute.Tensor,
+                       mBias: Optional[cute.Tensor], tile_m: Int32, tile_n: Int32):
+        """Epilogue of a swapped tile: out^T[n, m] = leaky(acc + bias[n]) straight from registers,
+        element by element inside [N, M]. A thread's elements are two tokens of one weight row,
+        so neither TMA nor vector stores apply; the output (M x N) is small next to the weights."""
+        cfg = self.cfg
+        for i in cutlass.range(cute.size(acc), unroll_full=True):
+            n_idx = tile_m * cfg.tile_m + tCcD[i][0]
+            m_idx = tile_n * cfg.tile_n + tCcD[i][1]
+            if n_idx < mD.shape[0] and m_idx < mD.shape[1]:
+                x = acc[i]
+                if const_expr(cfg.bias != "none"):
+                    x = x + mBias[n_idx].to(Float32)
+                mD[n_idx, m_idx] = self._leaky(x).to(self.ab_dtype)
+
+    @cute.jit
+    def _reduce_splits_whole(self, acc: cute.Tensor, mPartials: cute.Tensor, mCounters: cute.Tensor,
+                             sLast: cute.Tensor, tile_idx: Int32, split: Int32, num_splits: Int32,
+                             tiles: Int32, t: Int32, slot: Int32):
+        """_reduce_splits for swapped tiles, whose every row may be valid: the whole accumulator
+        goes to the partials, [splits, tiles, acc / 4, threads] 16-byte vectors (a warp writes
+        512 contiguous bytes per vector index); the last split sums them in split order."""
+        vecs = cute.size(acc) // 4
+        assert cute.size(acc) % 4 == 0
+        threads = self.epi_threads
+        vectors = cute.make_tensor(
+            mPartials.iterator, cute.make_layout((4, num_splits * tiles * vecs * threads), stride=(1, 4))
+        )
+        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+        load_atom = cute.make_copy_atom(  # .cg: the other CTAs' partials are in L2, never in L1
+            cute.nvgpu.CopyG2ROp(), Float32, num_bits_per_copy=128,
+            load_cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL,
+        )
+        vec = cute.make_rmem_tensor((4,), Float32)
+        base = (split * tiles + tile_idx) * vecs * threads + t
+        for j in cutlass.range_constexpr(vecs):
+            for e in cutlass.range_constexpr(4):
+                vec[e] = acc[4 * j + e]
+            cute.copy(store_atom, vec, vectors[(None, base + j * threads)])
+        self._epi_sync(slot)
+        if t == 0:
+            cute.arch.fence_acq_rel_gpu()  # the tile's partial stores before the count
+            arrived = cute.arch.atomic_add(
+                mCounters.iterator + tile_idx, Int32(1), sem="acq_rel", scope="gpu"
+            )
+            sLast[slot] = Int32(arrived == num_splits - 1)
+        self._epi_sync(slot)
+        is_last = sLast[slot] != 0
+        if is_last:
+            cute.arch.fence_acq_rel_gpu()
+            acc.fill(0.0)
+            for s in cutlass.range(num_splits, unroll=2):
+                first = (s * tiles + tile_idx) * vecs * threads + t
+                for j in cutlass.range_constexpr(vecs):
+                    cute.copy(load_atom, vectors[(None, first + j * threads)], vec)
+                    for e in cutlass.range_constexpr(4):
+                        acc[4 * j + e] = acc[4 * j + e] + vec[e]
+            if t == 0:
+                mCounters[tile_idx] = Int32(0)
+        return is_last
 
     @cute.jit
     def _epi_sync(self, slot: Int32):
@@ -589,7 +681,11 @@ def _build(cfg: GemmConfig):
         b = make_fake_tensor(elem, (n, k), (cute.sym_int64(divisibility=8), 1), assumed_align=16)
     else:
         b = make_fake_tensor(elem, (n, k), (1, cute.sym_int64(divisibility=8)), assumed_align=16)
-    d = make_fake_tensor(elem, (m, n), (cute.sym_int64(divisibility=8), 1), assumed_align=16)
+    if cfg.swap_ab:  # the kernel's A is the weights, its B the tokens, its D out^T (stored per element)
+        a, b = b, a
+        d = make_fake_tensor(elem, (n, m), (1, cute.sym_int64()), assumed_align=16)
+    else:
+        d = make_fake_tensor(elem, (m, n), (cute.sym_int64(divisibility=8), 1), assumed_align=16)
     bias = None
     if cfg.bias != "none":
         bias = make_fake_tensor(_DTYPES[cfg.bias], (n,), (1,), assumed_align=_DTYPES[cfg.bias].width // 8)
@@ -605,7 +701,8 @@ def _build(cfg: GemmConfig):
 @functools.lru_cache(maxsize=None)
 def compile(config: GemmConfig) -> jit.CompiledKernel:
     """The loaded kernel of `config` (compiled once per variant and process, cached on disk). Its
-    function takes (a, b_nk, out, bias, partials, counters, splits, raster_group, max_clusters)."""
+    function takes (a, b_nk, out, bias, partials, counters, splits, raster_group, max_clusters),
+    swapped configs (b_nk, a, out.t(), ...)."""
     return jit.compile_variant(config.variant(), lambda: _build(config))
 
 
@@ -657,8 +754,8 @@ class _Plan(launch.Launch):
         check_fits(config, m, n)
         super().__init__(compile(config).fn, a.device.index)
         self.split_k = config.split_k
-        n_pad = math.ceil(n / config.tile_n) * config.tile_n
-        self.partial_floats = config.splits * m * n_pad if config.splits > 1 else 0
+        self.swap = config.swap_ab
+        self.partial_floats = partial_floats(config, m, n) if config.splits > 1 else 0
         self.scalars = (config.splits, config.raster_group,
                         _max_active_clusters(self.device, config.cluster_m * config.cluster_n))
         self.fix_a = m == 1 and a.stride(0) % 8 != 0
@@ -680,9 +777,13 @@ class _Plan(launch.Launch):
                 partials = torch.empty(self.partial_floats, dtype=torch.float32, device=a.device)
             else:
                 partials = scratch.unread_float32(self.device)
+        a = _row_stride_ok(a) if self.fix_a else a
         try:
-            launch.on_device(self.device, self.fn, _row_stride_ok(a) if self.fix_a else a, b_nk,
-                             _row_stride_ok(out) if self.fix_out else out, bias, partials, counters, *self.scalars)
+            if self.swap:
+                launch.on_device(self.device, self.fn, b_nk, a, out.t(), bias, partials, counters, *self.scalars)
+            else:
+                launch.on_device(self.device, self.fn, a, b_nk, _row_stride_ok(out) if self.fix_out else out, bias,
+                                 partials, counters, *self.scalars)
         except Exception:
             # The compiled host code checks its arguments and raises before launching; the full
             # checks say what is wrong in this op's terms.
@@ -867,18 +968,21 @@ def _args(config: GemmConfig, m: int, n: int, k: int, seed: int) -> tuple:
     out = torch.full((m, n), float("nan"), dtype=dt, device="cuda")
     partials = counters = None
     if config.split_k:
-        n_pad = math.ceil(n / config.tile_n) * config.tile_n
         counters = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device="cuda")
-        partials = torch.empty(max(4, config.splits * m * n_pad), dtype=torch.float32, device="cuda")
+        partials = torch.empty(max(4, partial_floats(config, m, n)), dtype=torch.float32, device="cuda")
     clusters = _max_active_clusters(torch.cuda.current_device(), config.cluster_m * config.cluster_n)
+    if config.swap_ab:
+        return (b, a, out.t(), bias, partials, counters, config.splits, config.raster_group, clusters)
     return (a, b, out, bias, partials, counters, config.splits, config.raster_group, clusters)
 
 
-def _check(slope: float, args: tuple) -> float:
+def _check(slope: float, swap_ab: bool, args: tuple) -> float:
     """Raise AssertionError unless out (args[2]) is within one ulp of its dtype of the float64
     reference rounded to that dtype (+ 1e-4 absolute near zero): fp32 accumulation leaves the
     rounding of the output as the only visible error. Returns the worst error / tolerance."""
     a, b, out, bias = args[:4]
+    if swap_ab:  # the launch took (b_nk, a, out^T)
+        a, b, out = b, a, out.t()
     ref = a.double() @ b.double().t()
     if bias is not None:
         ref += bias.double()
@@ -909,5 +1013,6 @@ def workload(config: GemmConfig, shape: GemmShape) -> Workload:
         return _args(dataclasses.replace(config, splits=splits), m, n, k, seed)
 
     return Workload(compile(config), lambda seed: _args(config, shape.m, shape.n, shape.k, seed),
-                    outputs=lambda args: args[2:3], check=functools.partial(_check, config.slope),
+                    outputs=lambda args: (args[2].t(),) if config.swap_ab else args[2:3],
+                    check=functools.partial(_check, config.slope, config.swap_ab),
                     test_args=test_args, name=OP)

@@ -3,9 +3,11 @@ shape and K split count for a problem. No CuTeDSL here: everything is tested and
 
 - Prefill (M > DECODE_MAX_M) is compute bound: a wave model trades each tile shape's MMA efficiency
   against wave quantization on the SMs (`prefill_choice`); 2-CTA clusters multicast the B tiles.
-- Decode (M <= DECODE_MAX_M) streams the weights: one M tile, and K split across CTAs when the N tiles
-  alone would leave SMs idle; a model of SM fill vs partials traffic picks the tile width and split
-  count (`decode_choice`). M <= 32 loads only the `a_rows` rows of A that hold M.
+- Decode (M <= DECODE_MAX_M) streams the weights: one tile of tokens, and K split across CTAs when the
+  weight tiles alone would leave SMs idle. Plain tiles put the tokens on the MMA's M side (64 rows, of
+  which only the `a_rows` that hold M are loaded, or 128); swapped tiles put the weights there and the
+  tokens on its N side (8-128), as cuBLAS does at small M. A cost model fitted to a broad H200 sweep
+  picks the tile kind, width and split count (`decode_cost`, `decode_choice`).
 
 `config_for(shape)` is the heuristic's choice, `candidates(shape)` every config that can run the shape
 (the tuner's and the benchmark sweep's search space), `variants_for()` what warm-up compiles.
@@ -45,19 +47,32 @@ RASTER_GROUP = 8  # cluster rows per band of the tile walk: both operands' bands
 PREFILL_CLUSTERS = ((2, 1), (1, 2))
 PREFILL_RASTER_GROUPS = (RASTER_GROUP, 2)
 
-# Decode (M <= 128): weight-bandwidth bound. Tile widths and their weight-streaming efficiency at
-# equal SM fill (H200 sweep, bench/results/gemm_leakyrelu_decode_sweep.md: 64-wide tiles pay more
-# per byte).
-DECODE_TILE_N = {64: 0.85, 128: 1.00, 256: 1.00}
+# Decode (M <= 128): weight-bandwidth bound. Plain tiles: tile_m rows of tokens (64: a_rows of
+# them loaded, 128) x tile_n weight rows; swapped tiles: tile_m weight rows x tile_n tokens.
+DECODE_TILE_N = (64, 128, 256)  # weight rows of plain tiles
 MAX_SPLITS = 16
 A_ROWS = (8, 16, 32, 64)  # rows of A a 64-row decode tile loads: the smallest that holds M
+# Swapped decode tiles: tokens per tile (the MMA's N side, the smallest that holds M) and weight
+# rows per tile (64: one warpgroup, 128: two).
+SWAP_TILE_N = (8, 16, 32, 64, 96, 128)
+SWAP_TILE_M = (64, 128)
 MIN_SPLIT_K_TILES = 4  # k-tiles per split at least: shorter splits are mostly pipeline fill
 COUNTER_SLOTS = 4096  # split-K tile counters per stream: a split launch has at most this many tiles
-# Cost model constants, fitted to the H200 decode sweep: the rate at which one SM streams weights
-# when the whole GPU is busy, and the fixed cost of one work unit (pipeline fill, epilogue). A
-# CTA that runs two units in sequence is much slower than one running a unit twice as long.
-_SM_BW = 3.1e4  # bytes per us
-_UNIT_US = 3.0
+# The decode cost model (`decode_cost`), fitted to an H200 sweep of 1,813 timed configs on 91
+# shapes (13 MLP and attention-projection N x K of Llama-3-8B, Qwen3-8B and Qwen2.5-7B, M = 1-128;
+# bench/results/gemm_leakyrelu_decode_broad.md, tools/fit_gemm_decode.py) by minimising the time
+# lost by the model's pick: its picks are within 1.7% of the sweep's best on average, 12% at worst.
+_DRAM_BW = 3.9e6  # bytes per us: the whole GPU streaming weights (measured, not fitted)
+_SM_BW = 6.82e4  # bytes per us one SM streams, times the tile family's efficiency below
+_MMA_RATE = 3.6e6  # multiply-adds per us per SM
+_WAVE_US = 2.96  # fixed cost per unit a CTA runs in sequence (pipeline fill, epilogue)
+_SPLIT_US = 2.31  # fixed cost of a plain split-K launch (swapped ones measured none)
+_PARTIALS_BW = 3.09e4  # bytes per us the last split reads partials at
+_EFFICIENCY = {  # (swapped, tile_m, tile_n of plain tiles): weight-streaming efficiency
+    (False, 64, 64): 0.77, (False, 64, 128): 1.33, (False, 64, 256): 0.96,
+    (False, 128, 64): 0.42, (False, 128, 128): 0.92, (False, 128, 256): 1.12,
+    (True, 64, None): 0.65, (True, 128, None): 1.29,
+}
 
 # Token counts whose choices variants_for(models) collects: every decode M, a spread of prefill M.
 WARMUP_TOKENS = {"decode": range(1, DECODE_MAX_M + 1),
@@ -73,6 +88,8 @@ class GemmConfig:
     """One launch: the compile-time choices of a specialization (its `variant()`), then the launch
     policy the same compiled kernel takes at run time (K splits, raster group)."""
 
+    POLICY_FIELDS = ("splits", "raster_group")  # not compiled in: left out of variant()
+
     dtype: str = "bf16"  # a, b and out: "bf16" | "fp16"
     b_major: str = "k"  # memory order of b seen as [N, K]: "k" (row-major [N, K]) | "n" ([K, N])
     bias: str = "none"  # "none" | the bias dtype: "bf16" | "fp16" | "fp32"
@@ -85,6 +102,10 @@ class GemmConfig:
     split_k: bool = False  # decode: K may be split across CTAs at runtime
     # Decode with M <= a_rows < tile_m = 64: rows of A loaded per k-tile (None: tile_m).
     a_rows: Optional[int] = None
+    # Decode: the weights are the MMA's M side (tile_m of N) and the tokens its N side (tile_n of
+    # M, down to 8), so no MMA row is padding; the kernel computes out^T.
+    swap_ab: bool = False
+    stages: int = 0  # A/B shared-memory stages; 0: as many as fit
     # Launch policy, not compiled in (left out of variant()):
     splits: int = 1  # K splits (split-K variants only)
     raster_group: int = RASTER_GROUP  # cluster rows per band of the persistent tile walk
@@ -104,19 +125,24 @@ class GemmConfig:
             raise ValueError("pingpong tiles are 128 x (<= 192): one warpgroup holds the accumulator")
         if not self.pingpong and self.tile_m not in (64, 128):
             raise ValueError("cooperative tiles are 64 or 128 rows (one 64-row warpgroup each)")
-        if self.tile_n % 32 or not 32 <= self.tile_n <= 256:
+        if self.swap_ab:
+            if not self.split_k or self.tile_n not in SWAP_TILE_N:
+                raise ValueError(f"swapped tiles are decode (split-K) tiles with tile_n in {SWAP_TILE_N}")
+        elif self.tile_n % 32 or not 32 <= self.tile_n <= 256:
             raise ValueError("tile_n must be a multiple of 32 in [32, 256]")
         if self.cluster_m * self.cluster_n > 2 or min(self.cluster_m, self.cluster_n) < 1:
             raise ValueError("clusters are 1x1, 2x1 or 1x2")
         if self.split_k and (self.cluster_m * self.cluster_n != 1 or self.pingpong):
             raise ValueError("split-K variants are cooperative and do not use clusters")
         if self.a_rows != self.tile_m and (self.a_rows not in (8, 16, 32) or self.tile_m != 64
-                                           or not self.split_k):
+                                           or not self.split_k or self.swap_ab):
             raise ValueError("a_rows < tile_m is 8, 16 or 32 and only for split-K tiles of 64 rows")
         if self.splits < 1 or (self.splits > 1 and not self.split_k):
             raise ValueError(f"{self.splits} K splits: at least 1, and more only for split-K variants")
         if self.raster_group < 1:
             raise ValueError(f"raster_group must be at least 1, got {self.raster_group}")
+        if self.stages == 1 or self.stages < 0:
+            raise ValueError(f"stages must be 0 (as many as fit) or at least 2, got {self.stages}")
 
     @property
     def mode(self) -> str:
@@ -124,9 +150,13 @@ class GemmConfig:
 
     def variant(self) -> Variant:
         params = dataclasses.asdict(self)
-        del params["splits"], params["raster_group"]  # launch policy: one compile serves every value
+        for name in self.POLICY_FIELDS:  # one compile serves every value
+            del params[name]
         if self.a_rows == self.tile_m:
             del params["a_rows"]  # the keys of whole-tile variants predate a_rows
+        for name, default in (("swap_ab", False), ("stages", 0)):  # nor did these two
+            if params[name] == default:
+                del params[name]
         return Variant.of(OP, self.mode, **params)
 
     @classmethod
@@ -162,10 +192,26 @@ class GemmShape:
         return cls(m=16 if mode == "decode" else 8192)
 
 
+def output_tiles(config: GemmConfig, m: int, n: int) -> int:
+    """Output tiles of an [m, K] x [n, K] problem (swapped: tile_m along N, tile_n along M)."""
+    if config.swap_ab:
+        return math.ceil(n / config.tile_m) * math.ceil(m / config.tile_n)
+    return math.ceil(m / config.tile_m) * math.ceil(n / config.tile_n)
+
+
+def partial_floats(config: GemmConfig, m: int, n: int) -> int:
+    """fp32 split-K partials of a launch: the valid rows (M) of each split's tiles, or, swapped,
+    whole tiles."""
+    if config.swap_ab:
+        return config.splits * output_tiles(config, m, n) * config.tile_m * config.tile_n
+    return config.splits * m * math.ceil(n / config.tile_n) * config.tile_n
+
+
 def check_fits(config: GemmConfig, m: int, n: int) -> None:
     """Raise ValueError unless `config` can run an [m, K] x [n, K] problem: its K splits fit the tile
     counters and 32-bit partials indexing, and a tile that loads a_rows rows of A holds M."""
-    if config.split_k and not split_fits(m, n, config.tile_m, config.tile_n, config.splits):
+    if config.split_k and config.splits > 1 and (output_tiles(config, m, n) > COUNTER_SLOTS
+                                                 or partial_floats(config, m, n) >= 2**31):
         raise ValueError(f"{m}x{n} is too large for {config.splits} K splits of {config}")
     if config.a_rows < config.tile_m and m > config.a_rows:
         raise ValueError(f"{config} loads {config.a_rows} rows of A: M = {m} is too many")
@@ -177,6 +223,9 @@ def m_range(config: GemmConfig) -> tuple[int, int]:
     decode range; small ones keep samples cheap and exercise the ragged tails."""
     if not config.split_k:
         return DECODE_MAX_M + 1, 4 * DECODE_MAX_M + 64
+    if config.swap_ab:
+        smaller = [t for t in SWAP_TILE_N if t < config.tile_n]
+        return (smaller[-1] + 1 if smaller else 1), config.tile_n
     if config.tile_m == 128:
         return 65, DECODE_MAX_M
     smaller = [r for r in A_ROWS if r < config.a_rows]
@@ -187,53 +236,52 @@ def m_range(config: GemmConfig) -> tuple[int, int]:
 # Cost models.
 
 
-def split_fits(m: int, n: int, tile_m: int, tile_n: int, splits: int) -> bool:
-    """Whether a split-K launch fits the tile counters and 32-bit partials indexing."""
-    tiles = math.ceil(m / tile_m) * math.ceil(n / tile_n)
-    return splits == 1 or (tiles <= COUNTER_SLOTS and splits * m * math.ceil(n / tile_n) * tile_n < 2**31)
-
-
-def decode_cost(m: int, n: int, k: int, tile_m: int, tile_n: int, splits: int, num_sms: int) -> float:
-    """Modelled microseconds of a decode launch. Units (N tile x K split) are dealt round-robin to
-    at most one CTA per SM, so the busiest CTA runs ceil(units / SMs) of them, each streaming its
-    weight slice; with splits, the last split of a tile then reads all partials (M valid rows) alone.
-    On the H200 sweep the best split count always kept every unit in one wave."""
+def decode_cost(config: GemmConfig, m: int, n: int, k: int, num_sms: int) -> float:
+    """Modelled microseconds of a decode launch. Units (output tile x K split) are dealt round-robin
+    to at most one CTA per SM, so the busiest CTA runs ceil(units / SMs) of them, streaming its
+    weight slice (bounded by the whole GPU's bandwidth) or running its MMAs, whichever is longer;
+    each unit in sequence adds a fixed cost; with splits, the last split of a tile reads every
+    split's partials alone."""
     k_tiles = math.ceil(k / TILE_K)
-    units = math.ceil(m / tile_m) * math.ceil(n / tile_n) * splits
-    waves = math.ceil(units / num_sms)
-    unit_bytes = tile_n * math.ceil(k_tiles / splits) * TILE_K * 2
-    cost = waves * (unit_bytes / (_SM_BW * DECODE_TILE_N[tile_n]) + _UNIT_US)
-    if splits > 1:
-        cost += min(m, tile_m) * tile_n * 4 * splits / _SM_BW
+    weight_rows = config.tile_m if config.swap_ab else config.tile_n
+    waves = math.ceil(output_tiles(config, m, n) * config.splits / num_sms)
+    unit_k = math.ceil(k_tiles / config.splits) * TILE_K
+    family = (config.swap_ab, config.tile_m, None if config.swap_ab else config.tile_n)
+    stream = max(n * k * 2 / _DRAM_BW, waves * weight_rows * unit_k * 2 / (_SM_BW * _EFFICIENCY[family]))
+    mma = waves * config.tile_m * config.tile_n * unit_k / _MMA_RATE
+    cost = max(stream, mma) + waves * _WAVE_US
+    if config.splits > 1:
+        tile_rows = config.tile_m if config.swap_ab else min(m, config.tile_m)  # rows with partials
+        cost += (0 if config.swap_ab else _SPLIT_US) + tile_rows * config.tile_n * 4 * config.splits / _PARTIALS_BW
     return cost
 
 
-def decode_splits(m: int, n: int, k: int, tile_m: int, tile_n: int, num_sms: int) -> tuple[float, int]:
-    """(modelled us, K splits) of least modelled cost for one decode tile shape; a split count
-    must win by 1% over fewer splits."""
-    max_splits = max(1, min(MAX_SPLITS, math.ceil(k / TILE_K) // MIN_SPLIT_K_TILES))
-    best = (decode_cost(m, n, k, tile_m, tile_n, 1, num_sms), 1)
-    for splits in range(2, max_splits + 1):
-        if not split_fits(m, n, tile_m, tile_n, splits) or math.ceil(n / tile_n) * splits > 8 * num_sms:
-            break  # out of counters, or far past filling the GPU
-        cost = decode_cost(m, n, k, tile_m, tile_n, splits, num_sms)
-        if cost < 0.99 * best[0]:
-            best = (cost, splits)
-    return best
+def decode_configs(shape: GemmShape, splits: Iterable[int]) -> list[GemmConfig]:
+    """The decode configs of `shape` with each of `splits` that fits: plain tiles of every width
+    (one M tile: 64 rows, of which the fewest A_ROWS that hold M are loaded, or 128) and swapped
+    tiles of 64 and 128 weight rows with the fewest SWAP_TILE_N tokens that hold M."""
+    m = shape.m
+    tile_m = 64 if m <= 64 else 128
+    a_rows = next(r for r in A_ROWS if r >= m) if tile_m == 64 else tile_m
+    swap_n = next(t for t in SWAP_TILE_N if t >= min(m, SWAP_TILE_N[-1]))
+    kinds = [dict(tile_m=tile_m, tile_n=tile_n, a_rows=a_rows) for tile_n in DECODE_TILE_N]
+    kinds += [dict(tile_m=tile_m, tile_n=swap_n, swap_ab=True) for tile_m in SWAP_TILE_M]
+    configs = [GemmConfig(**_base(shape), cluster_m=1, split_k=True, splits=s, **kind)
+               for kind in kinds for s in splits]
+    return [c for c in configs if _fits(c, m, shape.n)]
 
 
 @functools.lru_cache(maxsize=4096)
-def decode_choice(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int]:
-    """(tile_m, tile_n, K splits) for an M <= DECODE_MAX_M problem: one M tile (M <= 64 fits a
-    64-row warpgroup tile), the tile width and split count of least modelled cost (128-wide
-    tiles unless another is 1% better)."""
-    tile_m = 64 if m <= 64 else 128
+def decode_choice(shape: GemmShape, num_sms: int) -> GemmConfig:
+    """The decode config of least modelled cost (`decode_cost`): over decode_configs with split
+    counts that leave each split MIN_SPLIT_K_TILES k-tiles; fewer splits unless more win by 1%."""
+    max_splits = max(1, min(MAX_SPLITS, math.ceil(shape.k / TILE_K) // MIN_SPLIT_K_TILES))
     best = None
-    for tile_n in (128, 256, 64):
-        cost, splits = decode_splits(m, n, k, tile_m, tile_n, num_sms)
+    for config in decode_configs(shape, range(1, max_splits + 1)):
+        cost = decode_cost(config, shape.m, shape.n, shape.k, num_sms)
         if best is None or cost < 0.99 * best[0]:
-            best = (cost, tile_n, splits)
-    return tile_m, best[1], best[2]
+            best = (cost, config)
+    return best[1]
 
 
 def prefill_cost(m: int, n: int, k: int, tile_m: int, tile_n: int, pingpong: bool, num_sms: int,
@@ -277,34 +325,38 @@ def config_for(shape: GemmShape, sms: int | None = None) -> GemmConfig:
     the current device's)."""
     sms = sm_count() if sms is None else sms
     if shape.m <= DECODE_MAX_M:
-        tile_m, tile_n, splits = decode_choice(shape.m, shape.n, shape.k, sms)
-        a_rows = next(r for r in A_ROWS if r >= shape.m) if tile_m == 64 else tile_m
-        return GemmConfig(**_base(shape), tile_m=tile_m, tile_n=tile_n, cluster_m=1, split_k=True,
-                          a_rows=a_rows, splits=splits)
+        return decode_choice(shape, sms)
     tile_m, tile_n, pingpong = prefill_choice(shape.m, shape.n, shape.k, sms)
     return GemmConfig(**_base(shape), tile_m=tile_m, tile_n=tile_n, pingpong=pingpong)
 
 
 def candidates(shape: GemmShape, sms: int | None = None) -> list[GemmConfig]:
-    """Every config that can run `shape`, config_for's first. Decode: the heuristic's tile_m, each
-    tile width of DECODE_TILE_N, each a_rows that holds M, each split count up to MAX_SPLITS that
-    leaves every split a k-tile and fits the counters. Prefill: each tile of PREFILL_TILES on
+    """Every config that can run `shape`, config_for's first. Decode: decode_configs with each split
+    count up to MAX_SPLITS that leaves every split a k-tile, plain 64-row tiles also with each
+    larger a_rows (`stages` stays at as many as fit: not searched). Prefill: each
+    tile of PREFILL_TILES on
     PREFILL_CLUSTERS, walked in PREFILL_RASTER_GROUPS."""
     pick = config_for(shape, sms)
     m, n = shape.m, shape.n
     if m <= DECODE_MAX_M:
-        rows = [r for r in A_ROWS if r >= m] if pick.tile_m == 64 else [pick.tile_m]
-        max_splits = max(1, min(MAX_SPLITS, math.ceil(shape.k / TILE_K)))
-        found = [GemmConfig(**_base(shape), tile_m=pick.tile_m, tile_n=tile_n, cluster_m=1, split_k=True,
-                            a_rows=a_rows, splits=splits)
-                 for tile_n in sorted(DECODE_TILE_N) for a_rows in rows for splits in range(1, max_splits + 1)
-                 if split_fits(m, n, pick.tile_m, tile_n, splits)]
+        splits = range(1, max(1, min(MAX_SPLITS, math.ceil(shape.k / TILE_K))) + 1)
+        found = decode_configs(shape, splits)
+        found += [dataclasses.replace(c, a_rows=r) for c in found if not c.swap_ab and c.tile_m == 64
+                  for r in A_ROWS if r > c.a_rows]
     else:
         found = [GemmConfig(**_base(shape), tile_m=tile_m, tile_n=tile_n, pingpong=pingpong,
                             cluster_m=cluster_m, cluster_n=cluster_n, raster_group=group)
                  for tile_m, tile_n, pingpong, _ in PREFILL_TILES
                  for cluster_m, cluster_n in PREFILL_CLUSTERS for group in PREFILL_RASTER_GROUPS]
     return list(dict.fromkeys([pick, *found]))
+
+
+def _fits(config: GemmConfig, m: int, n: int) -> bool:
+    try:
+        check_fits(config, m, n)
+        return True
+    except ValueError:
+        return False
 
 
 def rank(shape: GemmShape, configs: Iterable[GemmConfig], sms: int | None = None) -> list[GemmConfig]:
@@ -319,8 +371,8 @@ def rank(shape: GemmShape, configs: Iterable[GemmConfig], sms: int | None = None
 
     def cost(c: GemmConfig) -> tuple[bool, float]:
         if c.split_k:
-            extra_rows = c.tile_m == 64 and c.a_rows != fewest
-            return extra_rows, decode_cost(shape.m, shape.n, shape.k, c.tile_m, c.tile_n, c.splits, sms)
+            extra_rows = not c.swap_ab and c.tile_m == 64 and c.a_rows != fewest
+            return extra_rows, decode_cost(c, shape.m, shape.n, shape.k, sms)
         return False, prefill_cost(shape.m, shape.n, shape.k, c.tile_m, c.tile_n, c.pingpong, sms,
                                    c.cluster_m, c.cluster_n)[0]
     return sorted(configs, key=cost)
@@ -333,6 +385,8 @@ def _library_variants() -> list[GemmConfig]:
     tiles += [dict(tile_m=64, tile_n=tn, cluster_m=1, split_k=True, a_rows=r)
               for tn in DECODE_TILE_N for r in A_ROWS]
     tiles += [dict(tile_m=128, tile_n=tn, cluster_m=1, split_k=True) for tn in DECODE_TILE_N]
+    tiles += [dict(tile_m=tm, tile_n=tn, cluster_m=1, split_k=True, swap_ab=True)
+              for tm in SWAP_TILE_M for tn in SWAP_TILE_N]
     return [GemmConfig(dtype=dt, b_major=bm, bias=bias, **t)
             for dt in DTYPES for bm in ("k", "n") for bias in ("none", dt, "fp32") for t in tiles]
 

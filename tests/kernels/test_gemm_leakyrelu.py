@@ -28,7 +28,10 @@ _QUICK += [glr.Config(b_major="n", bias="fp32"),
            glr.Config(dtype="fp16", bias="fp32", tile_m=64, tile_n=64, cluster_m=1,
                       split_k=True, b_major="n"),
            glr.Config(dtype="fp16", bias="fp16", tile_m=128, tile_n=128, cluster_m=1,
-                      split_k=True, b_major="n")]
+                      split_k=True, b_major="n"),
+           glr.Config(tile_m=64, tile_n=8, cluster_m=1, split_k=True, swap_ab=True),
+           glr.Config(dtype="fp16", bias="fp32", tile_m=128, tile_n=96, cluster_m=1, split_k=True,
+                      swap_ab=True, b_major="n")]
 
 
 def _compile_and_inspect(cfg, tmp_path):
@@ -37,8 +40,11 @@ def _compile_and_inspect(cfg, tmp_path):
     sass = sass_of(kernel, tmp_path)
     if sass is None:
         pytest.skip("nvdisasm not found: compiled, SASS not inspected")
-    ops = set(re.findall(r"\b(HGMMA|UTMALDG|UTMASTG|STSM|LDL|STL|STG\.E\.128|LDG\.E\.128)\b", sass))
-    assert {"HGMMA", "UTMALDG", "UTMASTG", "STSM"} <= ops, (cfg, ops)
+    ops = set(re.findall(r"\b(HGMMA|UTMALDG|UTMASTG|STSM|LDL|STL|STG\.E\.U16|STG\.E\.128|LDG\.E\.128)\b", sass))
+    # Swapped tiles store out^T element by element from registers; the others through shared
+    # memory (stmatrix) and TMA.
+    stores = {"STG.E.U16"} if cfg.swap_ab else {"UTMASTG", "STSM"}
+    assert {"HGMMA", "UTMALDG"} | stores <= ops, (cfg, ops)
     assert not {"LDL", "STL"} & ops, f"{cfg}: register spills"
     if cfg.split_k:  # split-K partials move as 16-byte vectors
         assert {"STG.E.128", "LDG.E.128"} <= ops, (cfg, ops)
@@ -292,6 +298,50 @@ def test_split_k(m, tile_m, tile_n, b_layout, bias):
             out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
             glr.run(a, b_nk, bias_t, out, dataclasses.replace(cfg, splits=splits))
             _assert_close(out, ref, torch.bfloat16, f"{cfg} m={m} splits={splits} run {rep}")
+
+
+_SWAP_CASES = [(1, 64, 8), (8, 64, 8), (9, 128, 16), (16, 64, 16), (17, 128, 32), (33, 64, 64),
+                (64, 128, 64), (65, 128, 96), (96, 64, 96), (97, 128, 128), (128, 64, 128), (200, 128, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, tile_m, tile_n", _SWAP_CASES, ids=[f"m{m}-{tm}x{tn}" for m, tm, tn in _SWAP_CASES])
+@pytest.mark.parametrize("b_layout, bias", [("nk", None), ("kn", torch.float32), ("nk", torch.bfloat16)])
+def test_swapped_tiles(m, tile_m, tile_n, b_layout, bias):
+    """Swapped decode tiles (weights on the MMA's M side, tokens on its N side, out^T stored per
+    element) on ragged N and K with every split count; M past tile_n takes several token tiles.
+    The output starts NaN, so an element the epilogue skips shows."""
+    n, k = 776, 1000
+    cfg = glr.Config(tile_m=tile_m, tile_n=tile_n, cluster_m=1, split_k=True, swap_ab=True,
+                     b_major="k" if b_layout == "nk" else "n",
+                     bias=checks.DTYPE_NAME[bias] if bias is not None else "none")
+    a, b, bias_t = _inputs(m, n, k, torch.bfloat16, b_layout, bias, seed=m + tile_n)
+    b_nk = b if b_layout == "nk" else b.t()
+    ref = _reference(a, b_nk, bias_t, cfg.slope)
+    outs = []
+    for splits in (1, 2, 3, 7, 16):
+        for rep in range(2):  # the tile counters must be back at zero for the second run
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            glr.run(a, b_nk, bias_t, out, dataclasses.replace(cfg, splits=splits))
+            _assert_close(out, ref, torch.bfloat16, f"{cfg} m={m} splits={splits} run {rep}")
+            outs.append(out)
+        assert torch.equal(outs[-1], outs[-2]), f"splits={splits}: two runs differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [2, 3, 5])
+def test_stage_counts(stages):
+    """Fewer A/B stages than fit (the stages field): same bits as the default count."""
+    a, b, _ = _inputs(33, 1032, 1000, torch.bfloat16, seed=stages)
+    outs = []
+    for cfg in (glr.Config(tile_m=64, tile_n=128, cluster_m=1, split_k=True, splits=2),
+                glr.Config(tile_m=128, tile_n=64, cluster_m=1, split_k=True, swap_ab=True, splits=3)):
+        for s in (0, stages):
+            out = torch.full((33, 1032), float("nan"), dtype=torch.bfloat16, device="cuda")
+            glr.run(a, b, None, out, dataclasses.replace(cfg, stages=s))
+            outs.append(out)
+        assert torch.equal(outs[-2], outs[-1]), cfg
+    _assert_close(outs[0], _reference(a, b, None, 0.01), torch.bfloat16, "stages")
 
 
 _A_ROWS_CASES = [(1, 8), (1, 16), (7, 8), (7, 16), (8, 8), (8, 16), (9, 16), (9, 32), (16, 16),

@@ -117,53 +117,56 @@ def test_variants_are_distinct_and_cover_the_heuristic():
             cfg = plan.config_for(Shape(m, n, k, "bf16", b_major, "fp32"), 132)
             assert cfg.variant().key() in keys and cfg.splits >= 1
             assert cfg.split_k == (m <= plan.DECODE_MAX_M)
-            # Decode loads the fewest rows of A that hold M: 8, 16, 32 or the whole 64-row tile.
+            # Decode loads the fewest rows of A that hold M: 8, 16, 32 or the whole 64-row tile;
+            # swapped tiles take the fewest tokens that hold M.
             fit = [r for r in plan.A_ROWS if r >= m]
-            assert cfg.a_rows == (fit[0] if cfg.split_k and cfg.tile_m == 64 else cfg.tile_m), (m, cfg)
+            if cfg.swap_ab:
+                assert cfg.tile_n == next(t for t in plan.SWAP_TILE_N if t >= min(m, 128)) and cfg.a_rows == cfg.tile_m
+            else:
+                assert cfg.a_rows == (fit[0] if cfg.split_k and cfg.tile_m == 64 else cfg.tile_m), (m, cfg)
             if cfg.split_k:
                 assert cfg.splits <= max(1, -(-k // plan.TILE_K) // plan.MIN_SPLIT_K_TILES)
-                assert plan.split_fits(m, n, cfg.tile_m, cfg.tile_n, cfg.splits)
+                plan.check_fits(cfg, m, n)
             else:
                 assert cfg.splits == 1 and cfg.raster_group == plan.RASTER_GROUP
 
 
-_MLP = [(14336, 4096), (4096, 14336), (4096, 4096), (28672, 4096)]
+_MLP = [(14336, 4096), (4096, 14336), (4096, 4096), (28672, 4096), (1024, 4096), (18944, 3584)]
 
 
 @pytest.mark.parametrize("n, k", _MLP)
-@pytest.mark.parametrize("m", [1, 16, 64, 128])
+@pytest.mark.parametrize("m", [1, 16, 64, 96, 128])
 def test_decode_heuristic_is_sensible(m, n, k):
-    tile_m, tile_n, splits = plan.decode_choice(m, n, k, 132)
-    assert tile_m == (64 if m <= 64 else 128) and tile_n in plan.DECODE_TILE_N
-    cost = plan.decode_cost(m, n, k, tile_m, tile_n, splits, 132)
-    # Never worse than any forced alternative the sweep times (within the 1% hysteresis).
-    for tn in plan.DECODE_TILE_N:
-        for s in range(1, plan.MAX_SPLITS + 1):
-            if plan.split_fits(m, n, tile_m, tn, s) and s <= -(-k // plan.TILE_K) // plan.MIN_SPLIT_K_TILES:
-                assert cost <= 1.0202 * plan.decode_cost(m, n, k, tile_m, tn, s, 132), (tn, s)
-    # The H200 sweep: a CTA running two units in sequence loses to any one-wave alternative.
-    units = -(-m // tile_m) * -(-n // tile_n) * splits
-    one_wave = [(tn, s) for tn in plan.DECODE_TILE_N for s in range(1, plan.MAX_SPLITS + 1)
-                if -(-m // tile_m) * -(-n // tn) * s <= 132 and s <= -(-k // plan.TILE_K) // plan.MIN_SPLIT_K_TILES]
-    assert units <= 132 or not one_wave, (tile_n, splits, units)
-    partial_mb = splits * m * n * 4 / 1e6 if splits > 1 else 0
-    assert partial_mb <= 0.25 * n * k * 2 / 1e6, (tile_n, splits, partial_mb)
-    assert plan.config_for(Shape(m, n, k), 132).splits == splits
+    shape = Shape(m, n, k)
+    pick = plan.decode_choice(shape, 132)
+    assert pick == plan.config_for(shape, 132) and pick.split_k
+    cost = plan.decode_cost(pick, m, n, k, 132)
+    # Never worse than any alternative of its space (within the 1% hysteresis).
+    max_splits = max(1, -(-k // plan.TILE_K) // plan.MIN_SPLIT_K_TILES)
+    for other in plan.decode_configs(shape, range(1, max_splits + 1)):
+        assert cost <= 1.0202 * plan.decode_cost(other, m, n, k, 132), other
+    # The H200 sweeps: a CTA that runs two units in sequence always lost to one wave.
+    assert plan.output_tiles(pick, m, n) * pick.splits <= 132 or pick.splits == 1, pick
+    partial_mb = plan.partial_floats(pick, m, n) * 4 / 1e6 if pick.splits > 1 else 0
+    assert partial_mb <= 0.25 * n * k * 2 / 1e6, (pick, partial_mb)
+
+
+def _pick(m, n, k):
+    c = plan.config_for(Shape(m, n, k), 132)
+    return ("swap" if c.swap_ab else "plain", c.tile_m, c.tile_n, c.splits)
 
 
 def test_decode_heuristic_known_shapes():
-    # The fastest configs of the H200 sweep (bench/results/gemm_leakyrelu_decode_sweep.md).
-    # Few N tiles: split K until the SMs are full (32 tiles x 4 splits = 128 of 132 SMs).
-    assert plan.decode_choice(16, 4096, 14336, 132) == (64, 128, 4)
-    # At M = 128 the last split's serial read of 128-row partials favours narrower tiles, fewer splits.
-    assert plan.decode_choice(128, 4096, 14336, 132) == (128, 64, 2)
-    # 112 N tiles in one wave: splitting further would put two units on some SMs.
-    assert plan.decode_choice(1, 14336, 4096, 132) == (64, 128, 1)
-    assert plan.decode_choice(128, 14336, 4096, 132)[2] == 1
-    # 28672 / 256 = 112 tiles: one wave of wide tiles beats two waves of 128-wide ones.
-    assert plan.decode_choice(16, 28672, 4096, 132) == (64, 256, 1)
+    # Picks on shapes of the H200 sweep (bench/results/gemm_leakyrelu_decode_broad.md), each within
+    # 2% of the fastest config timed there.
+    # Many weight rows: plain tiles, one wave, no split (12288 / 128 = 96 CTAs streamed 3.7 TB/s).
+    assert _pick(8, 12288, 4096) == ("plain", 64, 128, 1)
+    assert _pick(64, 18944, 3584) == ("plain", 64, 256, 1)
+    # Few weight rows: swapped 64-row weight tiles, K split until the SMs are busy.
+    assert _pick(1, 512, 3584)[:3] == ("swap", 64, 8) and _pick(1, 512, 3584)[3] >= 6
+    assert _pick(96, 4096, 4096)[:3] == ("swap", 64, 96)
     # Large N: the tiles fill the GPU without splitting.
-    assert plan.decode_choice(1, 128256, 4096, 132)[2] == 1
+    assert _pick(1, 128256, 4096)[3] == 1
 
 
 def test_prefill_heuristic_known_shapes():
@@ -208,19 +211,24 @@ def test_candidates_are_valid_distinct_and_hold_the_pick(m, n, k, options):
             (2, 1, 8), (2, 1, 2), (1, 2, 8), (1, 2, 2)}
     else:
         k_tiles = -(-k // plan.TILE_K)
-        assert {c.tile_n for c in found} == set(plan.DECODE_TILE_N)
-        assert {c.tile_m for c in found} == {pick.tile_m}
-        assert {c.a_rows for c in found} == ({r for r in plan.A_ROWS if r >= m} if pick.tile_m == 64 else {128})
+        plain = [c for c in found if not c.swap_ab]
+        swapped = [c for c in found if c.swap_ab]
+        assert {c.tile_n for c in plain} == set(plan.DECODE_TILE_N)
+        assert {c.tile_m for c in plain} == {64 if m <= 64 else 128}
+        assert {c.a_rows for c in plain} == ({r for r in plan.A_ROWS if r >= m} if m <= 64 else {128})
+        assert {c.tile_m for c in swapped} == set(plan.SWAP_TILE_M)
+        assert {c.tile_n for c in swapped} == {next(t for t in plan.SWAP_TILE_N if t >= min(m, 128))}
         assert max(c.splits for c in found) == min(plan.MAX_SPLITS, k_tiles)
 
 
 def test_default_variants_are_todays_warmup_set():
     configs = plan.variants_for()
-    assert len(configs) == 216 and len({c.variant() for c in configs}) == 216
+    assert len(configs) == 360 and len({c.variant() for c in configs}) == 360
     decode = plan.variants_for(modes=("decode",))
     prefill = plan.variants_for(modes=("prefill",))
-    # 2 dtypes x 2 b orders x 3 bias kinds, times 3 prefill tiles or 3 widths x (4 a_rows + 1 128-row tile).
-    assert (len(prefill), len(decode)) == (36, 180)
+    # 2 dtypes x 2 b orders x 3 bias kinds, times 3 prefill tiles, or 3 widths x (4 a_rows + 1
+    # 128-row tile) plain and 2 x 6 swapped decode tiles.
+    assert (len(prefill), len(decode)) == (36, 324)
     assert {c.variant() for c in decode + prefill} == {c.variant() for c in configs}
     assert all(c.splits == 1 and c.raster_group == plan.RASTER_GROUP and c.slope == 0.01 for c in configs)
     keys = {c.variant().key() for c in configs}
@@ -230,6 +238,8 @@ def test_default_variants_are_todays_warmup_set():
             "-pingpong=False-slope=0.01-split_k=True-tile_m=128-tile_n=64") in keys
     assert ("gemm_leakyrelu-prefill-sm_90a-b_major=k-bias=none-cluster_m=2-cluster_n=1-dtype=bf16"
             "-pingpong=True-slope=0.01-split_k=False-tile_m=128-tile_n=192") in keys
+    assert ("gemm_leakyrelu-decode-sm_90a-b_major=n-bias=fp32-cluster_m=1-cluster_n=1-dtype=bf16"
+            "-pingpong=False-slope=0.01-split_k=True-swap_ab=True-tile_m=64-tile_n=96") in keys
 
 
 @pytest.mark.parametrize("model", [QWEN3_8B, QWEN3_30B_A3B], ids=lambda m: m.name)

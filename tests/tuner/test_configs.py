@@ -37,13 +37,17 @@ def test_gemm_decode_space_keeps_the_heuristic_and_the_cost_models_best():
     sms = modes.sm_count()
 
     def cost(c):
-        return gemm_leakyrelu_plan.decode_cost(shape.m, shape.n, shape.k, c.tile_m, c.tile_n, c.splits, sms)
-    # M = 8 fits the smallest A tile (8 rows): configs loading more rows than exist come last, so the
-    # 24 kept are distinct tile/split choices, best modelled first.
-    assert all(c.a_rows == 8 for c in space.candidates)
+        return gemm_leakyrelu_plan.decode_cost(c, shape.m, shape.n, shape.k, sms)
+
+    def fewest(c):  # swapped tiles, or plain ones loading the 8 rows of A that M = 8 needs
+        return c.swap_ab or c.a_rows == 8
+    # Plain configs loading more rows of A than exist come last, so the 24 kept are distinct
+    # tile/split choices, best modelled first; both tile kinds are among them.
+    assert all(fewest(c) for c in space.candidates)
+    assert {c.swap_ab for c in space.candidates} == {False, True}
     kept = [cost(c) for c in space.candidates[1:]]
     assert kept == sorted(kept)  # best first
-    dropped = [cost(c) for c in everything if c not in space.candidates and c.a_rows == 8]
+    dropped = [cost(c) for c in everything if c not in space.candidates and fewest(c)]
     assert max(kept) <= min(dropped)  # nothing pruned is modelled cheaper than what is kept
     assert len(set(space.candidates)) == 25 and all(c in everything for c in space.candidates)
 

@@ -1,0 +1,111 @@
+"""Fit the decode GEMM cost model (rosekernels.kernels.gemm_leakyrelu_plan.decode_cost) to a sweep.
+
+    python tools/fit_gemm_decode.py bench/results/gemm_leakyrelu_decode_broad.json
+
+The sweep is what `python bench/gemm_leakyrelu.py --sweep --sweep-splits 1,2,3,4,6,8 --shapes ...`
+writes: every decode config of each shape timed in a CUDA graph. The model's parameters are found by
+minimising the time lost by its pick on each shape (a soft-min over the shape's configs, so the loss
+is smooth), plus a small weight on the log error of every prediction; each parameter is kept within
+physical bounds (per-SM bandwidth 30-90 GB/s, MMA rate 2.0-3.6 multiply-adds per ns per SM, ...).
+The whole GPU's bandwidth is not fitted: 3.9 TB/s, what the sweep's best shapes stream. Prints the
+constants to paste into the plan module and the pick's loss per shape. Needs numpy and scipy.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+
+import numpy as np
+from scipy.optimize import minimize
+
+SMS = 132
+DRAM_BW = 3.9e6  # bytes per us
+# (name, low, high) of each fitted constant, in decode_cost's units (bytes, us, multiply-adds).
+BOUNDS = [("_SM_BW", 3e4, 9e4), ("_MMA_RATE", 2.0e6, 3.6e6), ("_WAVE_US", 0.2, 6.0), ("_SPLIT_US", 0.0, 4.0),
+          ("_SPLIT_US swapped", 0.0, 4.0), ("_PARTIALS_BW", 1e4, 2e5)]
+EFFICIENCY = (0.4, 1.6)
+
+
+def family(row: dict) -> tuple:
+    return (row["swap_ab"], row["tile_m"], None if row["swap_ab"] else row["tile_n"])
+
+
+def features(m: int, n: int, k: int, row: dict) -> list[float]:
+    """What decode_cost reads of one config: waves, weight bytes of the busiest CTA, MMA work,
+    split or not, partials bytes the last split reads."""
+    k_tiles, splits = math.ceil(k / 64), row["splits"]
+    if row["swap_ab"]:
+        weight_rows, tiles = row["tile_m"], math.ceil(n / row["tile_m"]) * math.ceil(m / row["tile_n"])
+        partial_rows = row["tile_m"]
+    else:
+        weight_rows, tiles = row["tile_n"], math.ceil(n / row["tile_n"]) * math.ceil(m / row["tile_m"])
+        partial_rows = min(m, row["tile_m"])
+    waves = math.ceil(tiles * splits / SMS)
+    unit_k = math.ceil(k_tiles / splits) * 64
+    return [waves, waves * weight_rows * unit_k * 2, n * k * 2, waves * row["tile_m"] * row["tile_n"] * unit_k,
+            float(splits > 1), partial_rows * row["tile_n"] * 4 * splits if splits > 1 else 0.0, float(row["swap_ab"])]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("sweep", help="JSON written by bench/gemm_leakyrelu.py --sweep")
+    p.add_argument("--restarts", type=int, default=10)
+    args = p.parse_args()
+    data = json.load(open(args.sweep))
+    shapes, rows = [], []
+    for result in data["results"]:
+        for row in result.get("sweep", []):
+            if "ms" in row and "swap_ab" in row:
+                shapes.append((result["m"], result["n"], result["k"]))
+                rows.append(row)
+    families = sorted({family(r) for r in rows}, key=str)
+    fam = np.array([families.index(family(r)) for r in rows])
+    x = np.array([features(*s, r) for s, r in zip(shapes, rows)])
+    logy = np.log([r["ms"] * 1e3 for r in rows])
+    groups = [np.array(ix) for ix in collections.defaultdict(list, {}).values()]
+    by_shape = collections.defaultdict(list)
+    for i, s in enumerate(shapes):
+        by_shape[s].append(i)
+    groups = [np.array(ix) for ix in by_shape.values()]
+
+    def unpack(p):
+        vals = [lo + (hi - lo) / (1 + np.exp(-v)) for v, (_, lo, hi) in zip(p, BOUNDS)]
+        lo, hi = EFFICIENCY
+        return vals, lo + (hi - lo) / (1 + np.exp(-p[len(BOUNDS):]))
+
+    def predict(p):
+        (sm_bw, mma, wave, split, split_swapped, partials_bw), eff = unpack(p)
+        stream = np.maximum(x[:, 2] / DRAM_BW, x[:, 1] / (sm_bw * eff[fam]))
+        return (np.maximum(stream, x[:, 3] / mma) + x[:, 0] * wave
+                + x[:, 4] * np.where(x[:, 6] > 0, split_swapped, split) + x[:, 5] / partials_bw)
+
+    def loss(p, tau=0.02):
+        lp = np.log(predict(p))
+        lost = 0.0
+        for g in groups:
+            w = np.exp(-(lp[g] - lp[g].min()) / tau)
+            lost += np.dot(w / w.sum(), logy[g] - logy[g].min())
+        return lost / len(groups) + 0.05 * np.mean((lp - logy) ** 2)
+
+    rng = np.random.default_rng(2)
+    best = min((minimize(loss, rng.normal(0, 1, len(BOUNDS) + len(families)), method="Powell",
+                         options=dict(maxiter=30000, xtol=1e-4, ftol=1e-7)) for _ in range(args.restarts)),
+               key=lambda r: r.fun)
+    vals, eff = unpack(best.x)
+    for (name, _, _), v in zip(BOUNDS, vals):
+        print(f"{name} = {v:.4g}")
+    print("_EFFICIENCY = {" + ", ".join(f"{f}: {e:.2f}" for f, e in zip(families, eff)) + "}")
+    pred = predict(best.x)
+    lost = []
+    for s, g in by_shape.items():
+        pick = g[int(np.argmin(pred[g]))]
+        lost.append(math.exp(logy[pick] - logy[g].min()))
+        print(f"{s[0]}x{s[1]}x{s[2]}: pick {math.exp(logy[pick]):.1f} us, best {math.exp(logy[g].min()):.1f} us, "
+              f"{lost[-1]:.3f}")
+    print(f"pick / best: mean {np.mean(lost):.4f}, worst {max(lost):.3f} over {len(lost)} shapes")
+
+
+if __name__ == "__main__":
+    main()
