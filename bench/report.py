@@ -75,11 +75,26 @@ def measure(name: str, fn: Callable[[], Any], errors: list[str]) -> Any:
 
 
 def write(out: str | Path, stem: str, data: Any, markdown: str) -> None:
-    """<out>/<stem>.json and <out>/<stem>.md, and the markdown on stdout."""
+    """<out>/<stem>.json and <out>/<stem>.md, then <out>/<stem>.png where bench/charts.py has a chart for
+    `stem` (linked from the end of the markdown), and the markdown on stdout. A chart that cannot be drawn
+    costs one line on stderr, never the JSON or the markdown, which are written first."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(data, indent=1, default=str))
-    (out / f"{stem}.md").write_text(markdown if markdown.endswith("\n") else markdown + "\n")
+    text = json.dumps(data, indent=1, default=str)
+    (out / f"{stem}.json").write_text(text)
+    markdown = markdown if markdown.endswith("\n") else markdown + "\n"
+    (out / f"{stem}.md").write_text(markdown)
+    try:
+        import charts  # here, not above: matplotlib is optional (pip install 'rosekernels[bench]')
+
+        # The chart reads what was written, as `python bench/charts.py` does when it redraws.
+        png = charts.draw(stem, json.loads(text), out)
+    except Exception as e:  # noqa: BLE001 - a chart is a view of the results, never worth losing them
+        png = None
+        print(f"{stem}: no chart ({type(e).__name__}: {e})", file=sys.stderr)
+    if png is not None:
+        markdown += f"\n![{stem}]({png.name})\n"
+        (out / f"{stem}.md").write_text(markdown)
     print(markdown)
 
 

@@ -1,6 +1,25 @@
 """rosekernels: CuTeDSL kernels for LLM inference on Hopper (sm_90a).
 
-The ops load on first use (importing CuTeDSL takes seconds), e.g. `rosekernels.qk_norm(q, k, wq, wk)`.
+Ops (torch tensors in, torch tensors out; each JIT-specialized per shape, dtype and warp count):
+
+    qk_norm(q, k, q_weight, k_weight=None, eps)   Qwen3 per-head RMSNorm of q and k in one launch
+    rmsnorm(x, weight, eps, residual=None)         RMSNorm of rows, optionally fused with a residual add
+    moe_dispatch(x, topk_ids, num_experts)         group tokens by expert for a grouped GEMM (MoE, one GPU)
+    moe_combine(expert_out, topk_weights, slot_map)
+                                                   weighted sum of each token's expert outputs
+    gemm_leakyrelu(a, b, negative_slope, bias)     leaky_relu(a @ b.T + bias), prefill and decode kernels
+    attention(q, k, v, causal)                     attention forward, GQA; S_q <= 16 runs the split-KV kernel
+    attention_decode(q, k, v, causal, splits)      attention forced onto the split-KV (decode) kernel
+    warmup(specs=(), model=None)                   compile what a model (or a list of specs) needs ahead of
+                                                   the first call, and load SIP-tuned cubins
+
+`help(rosekernels.qk_norm)` and so on give each op's arguments. The ops load on first use (importing
+CuTeDSL takes seconds); `dir(rosekernels)` lists them without loading anything.
+
+torch.ops.rosekernels.* are the out-variant custom ops behind them (qk_norm, rmsnorm, moe_dispatch,
+moe_combine, gemm_leakyrelu, attention_fwd, attention_decode): they write into output tensors the
+caller passes and return nothing. torch.compile and CUDA-graph capture go through them; eager calls of
+the functions above skip the torch dispatcher. Call the functions above, not the custom ops.
 """
 import importlib
 import os
@@ -25,3 +44,8 @@ def __getattr__(name: str):
     value = getattr(importlib.import_module(_EXPORTS[name]), name)
     globals()[name] = value
     return value
+
+
+def __dir__():
+    # The lazy ops are not module attributes until first used: list them anyway.
+    return sorted(set(globals()) | set(__all__))

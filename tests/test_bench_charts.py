@@ -1,0 +1,245 @@
+"""bench/charts.py draws a PNG from the dict each benchmark writes (synthetic ones here, with random values
+and ragged sizes, and the committed ones in bench/results/), and report.write puts the chart beside the
+JSON and markdown without ever losing them."""
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))  # the benchmark scripts import report and charts as top-level modules
+
+import charts  # noqa: E402
+import report  # noqa: E402
+from matplotlib.image import imread  # noqa: E402
+
+
+def _sample(rng, lo, hi, n):
+    return sorted(rng.sample(range(lo, hi), n))
+
+
+def qk_norm_data(rng):
+    rows = []
+    for model in ("Model-A", "Model-B"):
+        for t in _sample(rng, 1, 200, 3):
+            rows.append({"model": model, "tokens": t, "ours_graph_us": rng.uniform(1, 2), "empty_graph_us": 0.6,
+                         "copy_graph_us": rng.uniform(1, 1.5), "quack_graph_us": rng.uniform(2, 3),
+                         "torch_eager_graph_us": rng.uniform(3, 7)})
+        for t in _sample(rng, 1000, 40000, 4):
+            copy = t / 200
+            rows.append({"model": model, "tokens": t, "copy_us": copy, "ours_us": copy * rng.uniform(1.0, 1.1),
+                         "quack_us": copy * rng.uniform(1.0, 3.0), "liger_us": None,
+                         "torch_compile_us": copy * rng.uniform(2, 5)})
+    rng.shuffle(rows)  # the chart orders by tokens itself
+    return {"env": {"gpu": "test GPU"}, "rows": rows}
+
+
+def rmsnorm_data(rng):
+    rows = []
+    for hidden in (rng.choice([2048, 4096]), 16384):
+        rows.append({"hidden": hidden, "rows": rng.randint(3000, 20000), "residual": rng.random() < 0.5,
+                     "copy_us": 60.0, "ours_us": rng.uniform(60, 70), "quack_us": rng.uniform(60, 80)})
+        rows.append({"hidden": hidden, "rows": 1, "residual": False, "ours_graph_us": rng.uniform(1, 2),
+                     "torch_eager_graph_us": rng.uniform(3, 12)})
+    return {"env": {"gpu": "test GPU"}, "rows": rows}
+
+
+def moe_data(rng):
+    rows = []
+    for model in ("moe-a", "moe-b"):
+        for t in _sample(rng, 1, 300, 3) + _sample(rng, 500, 9000, 3):
+            mode = "decode" if t < 300 else "prefill"
+            row = {"model": model, "tokens": t, "mode": mode, "combine_mode": mode,
+                   "bytes_dispatch": t * 65536, "bytes_combine": t * 36864}
+            timing = "graph" if mode == "decode" else "eager"
+            for impl, scale in (("rk", 1.0), ("torch", 12.0)):
+                for op in ("dispatch", "combine"):
+                    row[f"{impl}_{op}_{timing}_us"] = scale * rng.uniform(1, 2) * (5 + t / 60)
+            if rng.random() < 0.5:
+                row[f"compile_dispatch_{timing}_us"] = rng.uniform(50, 300)
+            rows.append(row)
+    return {"env": {"gpu": "test GPU"}, "copy_gbps": 4200.0, "rows": rows}
+
+
+def gemm_data(rng):
+    def methods(m, n, k):
+        flop = 2 * m * n * k
+        out = []
+        for name in ("rosekernels", "cublas+leaky_relu", "cublas", "quack"):
+            ms = flop / rng.uniform(3e11, 7e11) / 1e3 if m > 128 else rng.uniform(0.028, 0.04)
+            out.append({"method": name, "ms": ms, "tflops": flop / ms / 1e9})
+        return out + [{"method": "quack+relu (fused)", "error": "TypeError: unsupported"}]
+
+    results = [{"m": m, "n": n, "k": k, "decode": False, "methods": methods(m, n, k)}
+               for m, n, k in ((rng.choice([1000, 4096]), 4096, 4096), (8192, 14336, rng.choice([4096, 4104])))]
+    for n, k in ((14336, 4096), (4096, 14336)):
+        results += [{"m": m, "n": n, "k": k, "decode": True, "methods": methods(m, n, k)} for m in _sample(rng, 1, 129, 3)]
+    return {"meta": {"device": "test GPU", "copy_gbs": 4200.0}, "results": results}
+
+
+def attention_data(rng):
+    keys = ("rosekernels", "sdpa_cudnn", "fa4", "sdpa_flash")
+    prefill = [{"b": 16384 // s, "s": s, "hq": hq, "hkv": hkv, "d": d, "causal": causal,
+                **{f"{m}_TFLOPs": rng.uniform(300, 750) for m in keys}}
+               for hq, hkv, d in ((32, 8, 128), (16, 16, 64)) for causal in (False, True) for s in (1024, 4096, 16384)]
+    decode = [{"b": b, "s_q": 1, "s_kv": s, "hq": 32, "hkv": 8, "d": 128, **{f"{m}_us": rng.uniform(7, 500) for m in keys}}
+              for b in (1, rng.randint(2, 70)) for s in _sample(rng, 1000, 40000, 3)]
+    decode.append({"b": 16, "s_q": 4, "s_kv": 8192, "hq": 32, "hkv": 8, "d": 128, "rosekernels_us": 120.0})
+    return {"device": "test GPU", "ceilings": {"copy_GBps": 4160.0, "bf16_gemm_8192_TFLOPs": 780.0},
+            "prefill": prefill, "decode": decode}
+
+
+def autotune_data(rng):
+    """Rows as bench/autotune.py's _row writes them, one failed shape and one with NaN times."""
+    def row(kernel, mode, shape, peers):
+        h = rng.uniform(2, 200)
+        best = min(peers, key=peers.get) if peers else None
+        return {"kernel": kernel, "mode": mode, "shape": shape, "heuristic_us": h, "tuned_us": h / rng.uniform(1.0, 1.2),
+                "speedup": 1.1, "aa_spread": 0.004, "winner": None, "outcome": "kept", "searched": 7, "candidates": 30,
+                "pruned_by": "model", "statuses": {"ok": 7}, "shares": {"compile": 0.5, "test": 0.2, "time": 0.3},
+                "seconds": 40.0, "peers_us": peers, "best_peer": best, "errors": []}
+
+    results = [row("gemm_leakyrelu", "decode", {"m": rng.randint(1, 128), "n": 14336, "k": 4096, "dtype": "bf16",
+                                                "bias": "none", "slope": 0.01},
+                   {"cublas": rng.uniform(20, 40), "cublas+leaky_relu": rng.uniform(20, 40)}),
+               row("qk_norm", "decode", {"tokens": 1, "q_heads": 32, "k_heads": 8, "head_dim": 128}, {}),
+               {**row("rmsnorm", "prefill", {"rows": 4096, "hidden": 4096}, {}), "tuned_us": math.nan},
+               {"kernel": "attention_decode", "mode": "decode", "shape": {"batch": 16}, "error": "RuntimeError: boom"}]
+    return {"meta": {"gpu": "test GPU"}, "results": results}
+
+
+def sip_tuning_data(rng):
+    rows = [{"kernel": k, "mode": "decode", "original_us": (o := rng.uniform(1, 4)), "tuned_us": o / rng.uniform(0.99, 1.05)}
+            for k in ("qk_norm", "rmsnorm", "moe_combine")]
+    return {"meta": {"gpu": "test GPU"}, "rows": rows + [{"kernel": "moe_dispatch", "mode": "decode"}]}
+
+
+SYNTHETIC = {"qk_norm": qk_norm_data, "rmsnorm": rmsnorm_data, "moe": moe_data, "gemm_leakyrelu": gemm_data,
+             "attention": attention_data, "autotune": autotune_data, "sip_tuning": sip_tuning_data}
+
+
+def assert_real_chart(path: Path):
+    """A PNG of a real size with drawing on it: not blank, more than a few colours."""
+    assert path.is_file() and path.stat().st_size > 10_000
+    img = imread(path)
+    assert img.shape[0] >= 200 and img.shape[1] >= 500
+    rgb = img[..., :3].reshape(-1, 3)
+    assert (rgb.min(axis=1) < 0.9).mean() > 0.02  # more than 2% of the pixels are not (near) white
+    assert len({tuple(p) for p in (rgb[::7] * 15).round().astype(int).tolist()}) > 8
+
+
+def test_every_chart_has_a_synthetic_case():
+    assert set(SYNTHETIC) == set(charts.CHARTS)
+
+
+@pytest.mark.parametrize("name", sorted(SYNTHETIC))
+def test_each_chart_draws_a_png_from_a_synthetic_result(name, tmp_path):
+    data = json.loads(json.dumps(SYNTHETIC[name](random.Random())))  # as report.write hands it over: via JSON
+    path = charts.draw(name, data, tmp_path)
+    assert path == tmp_path / f"{name}.png"
+    assert_real_chart(path)
+
+
+@pytest.mark.parametrize("path", sorted(p for p in (ROOT / "bench" / "results").glob("*.json") if p.stem in charts.CHARTS),
+                         ids=lambda p: p.stem)
+def test_the_committed_results_draw(path, tmp_path):
+    assert_real_chart(charts.draw(path.stem, json.loads(path.read_text()), tmp_path))
+
+
+def _line(fig, label):
+    return next(line for ax in fig.axes for line in ax.get_lines() if line.get_label() == label)
+
+
+def test_qk_norm_plots_our_share_of_the_copy_ceiling_in_token_order():
+    data = qk_norm_data(random.Random())
+    line = _line(charts.qk_norm(data), charts.OURS)  # the first: prefill of the model met first
+    model = data["rows"][0]["model"]
+    pre = sorted((r for r in data["rows"] if r["model"] == model and "ours_us" in r), key=lambda r: r["tokens"])
+    assert list(line.get_xdata()) == [r["tokens"] for r in pre]
+    assert line.get_ydata() == pytest.approx([100 * r["copy_us"] / r["ours_us"] for r in pre])
+
+
+def test_moe_takes_graph_times_where_measured_else_eager():
+    data = moe_data(random.Random())
+    row = next(r for r in data["rows"] if r["model"] == "moe-a" and r["mode"] == "prefill")
+    row["rk_dispatch_graph_us"] = row["rk_dispatch_eager_us"] / 2  # a graph time wins over the eager one
+    line = _line(charts.moe(data), f"{charts.OURS} (moe-a)")
+    pre = sorted((r for r in data["rows"] if r["model"] == "moe-a" and r["mode"] == "prefill"), key=lambda r: r["tokens"])
+    want = [100 * r["bytes_dispatch"] / r.get("rk_dispatch_graph_us", r["rk_dispatch_eager_us"]) / 1e3 / 4200.0
+            for r in pre]
+    assert line.get_ydata() == pytest.approx(want)
+
+
+def test_gemm_bars_are_speedups_over_cublas():
+    data = gemm_data(random.Random())
+    ax = charts.gemm_leakyrelu(data).axes[0]
+    ours = next(c for c in ax.containers if c.get_label() == charts.OURS)
+    pre = [r for r in data["results"] if not r["decode"]]
+    times = [{m["method"]: m["ms"] for m in r["methods"] if "ms" in m} for r in pre]
+    assert [bar.get_y() + bar.get_height() for bar in ours] == pytest.approx([t["cublas"] / t["rosekernels"] for t in times])
+    assert charts.OURS in {c.get_label() for c in ax.containers} and "cublas" not in {c.get_label() for c in ax.containers}
+
+
+def test_autotune_skips_failed_rows_and_shows_tuned_time_relative_to_the_heuristic():
+    data = autotune_data(random.Random())
+    ax = charts.autotune(data).axes[0]
+    good = data["results"][:2]  # the NaN and the failed shape are left out
+    assert [t.get_text() for t in ax.get_yticklabels()] == [
+        "gemm_leakyrelu decode " + ",".join(f"{k}={good[0]['shape'][k]}" for k in ("m", "n", "k")),
+        "qk_norm decode tokens=1,q_heads=32,k_heads=8,head_dim=128"]
+    tuned = next(c for c in ax.containers if c.get_label() == "tuned")
+    assert [bar.get_width() for bar in tuned] == pytest.approx([r["tuned_us"] / r["heuristic_us"] for r in good])
+
+
+def test_bad_data_raises_and_writes_nothing(tmp_path):
+    with pytest.raises(KeyError):
+        charts.draw("qk_norm", {"env": {}, "rows": [{"tokens": 1}]}, tmp_path)
+    with pytest.raises(ValueError, match="no row"):
+        charts.draw("sip_tuning", {"meta": {}, "rows": [{"kernel": "x", "mode": "decode"}]}, tmp_path)
+    assert charts.draw("no_such_benchmark", {}, tmp_path) is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_report_write_adds_the_chart_after_the_json_and_markdown(tmp_path, capsys):
+    data = rmsnorm_data(random.Random())
+    report.write(tmp_path, "rmsnorm", data, "# rmsnorm")
+    assert json.loads((tmp_path / "rmsnorm.json").read_text()) == data
+    assert (tmp_path / "rmsnorm.md").read_text() == "# rmsnorm\n\n![rmsnorm](rmsnorm.png)\n"
+    assert_real_chart(tmp_path / "rmsnorm.png")
+    assert "![rmsnorm](rmsnorm.png)" in capsys.readouterr().out
+
+
+def test_a_chart_that_fails_loses_neither_json_nor_markdown(tmp_path, capsys):
+    report.write(tmp_path, "moe", {"rows": "not rows"}, "# moe\n")
+    assert json.loads((tmp_path / "moe.json").read_text()) == {"rows": "not rows"}
+    assert (tmp_path / "moe.md").read_text() == "# moe\n"
+    assert not (tmp_path / "moe.png").exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("moe: no chart (")
+
+
+def test_a_result_without_a_chart_gets_no_png_and_no_link(tmp_path):
+    report.write(tmp_path, "host_time_x", {"a": 1}, "# host time")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["host_time_x.json", "host_time_x.md"]
+    assert (tmp_path / "host_time_x.md").read_text() == "# host time\n"
+
+
+def test_redraw_command(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        charts.main([str(tmp_path / "missing")])
+    assert "is not a folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        charts.main([str(tmp_path)])
+    assert "holds none of" in capsys.readouterr().err
+    (tmp_path / "rmsnorm.json").write_text(json.dumps(rmsnorm_data(random.Random())))
+    (tmp_path / "moe.json").write_text(json.dumps({"rows": []}))  # bad: no copy_gbps
+    assert charts.main([str(tmp_path)]) == 1
+    out = capsys.readouterr()
+    assert out.out.split() == [str(tmp_path / "rmsnorm.png")] and "moe.json: no chart (KeyError" in out.err
+    assert_real_chart(tmp_path / "rmsnorm.png")
+    assert not (tmp_path / "moe.png").exists()
