@@ -5,24 +5,29 @@ Every compiled variant goes the same way:
 1. `cute.compile(..., options="--enable-tvm-ffi")` builds it; the wrapped `Compiler.jit` (the one hook
    point every CuTeDSL module passes before its JIT engine is built) records the cubin found in the
    module's `*_binary` global, so any specialization's cubin can be handed to SIP.
-2. The host+device code is exported as an object file into the disk cache, so a second process
-   skips the JIT.
+2. The host+device code is exported as an object file into the disk cache
+   (<root>/jit/<TOOLCHAIN>/<variant key>-<source digest>.o, with a .json beside it), so a second
+   process skips the JIT. The cache is plain files: `rosekernels-cache` builds one on a machine
+   without a GPU, lists and verifies it.
 3. The object is loaded with `cute.runtime.load_module`; on the way, `swap_cubins` replaces each
    embedded cubin for which a tuned one is installed (same size, in place). Loading from the object
    also in the compiling process keeps one path for fresh, cached and tuned variants.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
+import importlib
 import json
 import os
+import re
 import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # unset, CuTeDSL silently targets sm_100a
 
@@ -36,7 +41,19 @@ from rosekernels.paths import cache_dir  # noqa: E402,F401  (re-exported: jit.ca
 from rosekernels.variant import ARCH, Variant  # noqa: E402,F401  (re-exported: jit.Variant)
 from sip import fatbin  # noqa: E402
 
-TOOLCHAIN = f"cutedsl-{cutlass.__version__}_tvmffi-{tvm_ffi.__version__}"
+
+def _cuda_flavor() -> str:
+    """cu12 or cu13: the CUDA build of CuTeDSL's compiler that CuTeDSL loaded (the newest installed one
+    that the driver supports; the newest, without a driver). Their ptxas builds differ, so the same
+    CuTeDSL version makes other cubins with each."""
+    loaded = importlib.import_module("cutlass._mlir._mlir_libs._cutlass_ir").__file__ or ""
+    found = re.match(r"_cutlass_ir\.(cu\d+)\.", os.path.basename(loaded))
+    if found is None:
+        raise RuntimeError(f"cannot tell which CUDA build of CuTeDSL is loaded from {loaded!r}")
+    return found.group(1)
+
+
+TOOLCHAIN = f"cutedsl-{cutlass.__version__}-{_cuda_flavor()}_tvmffi-{tvm_ffi.__version__}"
 _ENTRY_NAME = "rk_entry"  # symbol prefix of every exported function
 
 
@@ -162,10 +179,39 @@ def load_object(object_bytes: bytes, replacements: dict[str, bytes] | None = Non
 _memory: dict[Variant, CompiledKernel] = {}
 _locks: dict[Variant, threading.Lock] = {}
 _locks_guard = threading.Lock()
+_root: Path | None = None  # use_cache_root's choice; None: paths.cache_dir()
+_no_compile = threading.local()
+
+
+class NotCached(LookupError):
+    """compile_variant inside `cached_only()`, for a variant that neither cache holds."""
+
+
+def use_cache_root(root: str | os.PathLike | None) -> None:
+    """Where this process reads and writes the disk cache from now on (None: $ROSEKERNELS_CACHE_DIR,
+    else the user cache dir); `warmup(cache_dir=...)` calls it."""
+    global _root
+    _root = Path(root) if root is not None else None
+
+
+def cache_root() -> Path:
+    return _root if _root is not None else cache_dir()
+
+
+@contextlib.contextmanager
+def cached_only():
+    """Within it, compile_variant (in this thread) loads from the caches and raises NotCached instead
+    of compiling: how warm-up tells the cold variants from the others without compiling."""
+    before = getattr(_no_compile, "on", False)
+    _no_compile.on = True
+    try:
+        yield
+    finally:
+        _no_compile.on = before
 
 
 @functools.lru_cache(maxsize=None)
-def _package_digest() -> str:
+def package_digest() -> str:
     """Digest of every source file of the package, so that an edit to a kernel or to anything it
     imports (checks, modes, shared device helpers) invalidates the objects cached on disk."""
     h = hashlib.sha256()
@@ -182,45 +228,88 @@ def _source_digest(build: Callable[..., Any]) -> str:
 
     source = Path(inspect.getsourcefile(build) or __file__).resolve()
     if Path(__file__).parent.resolve() in source.parents:
-        return _package_digest()
-    return hashlib.sha256((_package_digest() + source.read_text()).encode()).hexdigest()[:16]
+        return package_digest()
+    return hashlib.sha256((package_digest() + source.read_text()).encode()).hexdigest()[:16]
 
 
-def _disk_paths(variant: Variant, digest: str) -> tuple[Path, Path]:
-    folder = cache_dir() / "jit" / TOOLCHAIN
+@dataclasses.dataclass(frozen=True)
+class DiskEntry:
+    """One variant in a disk cache: <root>/jit/<toolchain>/<variant key>-<source digest>.o, and the
+    .json beside it (variant, cubin SHA-256, toolchain)."""
+
+    object_path: Path
+    meta_path: Path
+
+    @property
+    def toolchain(self) -> str:
+        return self.object_path.parent.name
+
+    @property
+    def key(self) -> str:
+        return self.object_path.name[:-len(".o")].rsplit("-", 1)[0]
+
+    @property
+    def digest(self) -> str:
+        return self.object_path.name[:-len(".o")].rsplit("-", 1)[-1]
+
+    @property
+    def op(self) -> str:
+        return self.key.split("-", 1)[0]
+
+
+def _disk_entry(variant: Variant, digest: str) -> DiskEntry:
+    folder = cache_root() / "jit" / TOOLCHAIN
     name = f"{variant.key()}-{digest}"  # keys hold dots (eps=1e-06, 0.0): never use with_suffix
-    return folder / f"{name}.o", folder / f"{name}.json"
+    return DiskEntry(folder / f"{name}.o", folder / f"{name}.json")
+
+
+def disk_entries(root: str | os.PathLike) -> list[DiskEntry]:
+    """Every entry of the disk cache at `root`, of any toolchain, sorted; an object or metadata file
+    whose other half is missing counts as an entry too (`read_entry` then says so)."""
+    stems = sorted({path.with_name(path.name[:-len(path.suffix)]) for path in (Path(root) / "jit").glob("*/*")
+                    if path.suffix in (".o", ".json")})
+    return [DiskEntry(stem.with_name(stem.name + ".o"), stem.with_name(stem.name + ".json")) for stem in stems]
+
+
+def read_entry(entry: DiskEntry) -> tuple[bytes, bytes, dict[str, Any]]:
+    """(object bytes, its cubin, metadata) of a whole entry; OSError or ValueError saying what is wrong."""
+    meta = json.loads(entry.meta_path.read_text())
+    if not isinstance(meta, dict) or not isinstance(meta.get("cubin_sha256"), str):
+        raise ValueError("its metadata has no cubin_sha256")
+    obj = entry.object_path.read_bytes()
+    cubins = [c for _, c in embedded_cubins(obj)]
+    if len(cubins) != 1:
+        raise ValueError(f"the object embeds {len(cubins)} cubins, not one")
+    if hashlib.sha256(cubins[0]).hexdigest() != meta["cubin_sha256"]:
+        raise ValueError("its cubin does not match the SHA-256 in its metadata")
+    return obj, cubins[0], meta
 
 
 def _read_disk(variant: Variant, digest: str) -> tuple[bytes, bytes] | None:
-    obj_path, meta_path = _disk_paths(variant, digest)
-    if not obj_path.exists():
+    entry = _disk_entry(variant, digest)
+    if not entry.object_path.exists():
         return None
     try:
-        meta = json.loads(meta_path.read_text())
-        obj = obj_path.read_bytes()
-        cubins = [c for _, c in embedded_cubins(obj)]
-        if len(cubins) != 1 or hashlib.sha256(cubins[0]).hexdigest() != meta["cubin_sha256"]:
-            raise ValueError("embedded cubin does not match its metadata")
-        return obj, cubins[0]
-    except (OSError, ValueError, KeyError) as e:
-        warnings.warn(f"rosekernels: ignoring corrupt cache entry {obj_path}: {e}", stacklevel=3)
+        obj, cubin, _ = read_entry(entry)
+        return obj, cubin
+    except (OSError, ValueError) as e:
+        warnings.warn(f"rosekernels: ignoring corrupt cache entry {entry.object_path}: {e}", stacklevel=3)
         return None
 
 
 def _write_disk(variant: Variant, digest: str, obj: bytes, cubin: bytes) -> None:
-    obj_path, meta_path = _disk_paths(variant, digest)
+    entry = _disk_entry(variant, digest)
     try:
-        obj_path.parent.mkdir(parents=True, exist_ok=True)
+        entry.object_path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"variant": variant.as_dict(), "cubin_sha256": hashlib.sha256(cubin).hexdigest(),
                 "toolchain": TOOLCHAIN}
-        for path, data in ((obj_path, obj), (meta_path, json.dumps(meta, indent=1).encode())):
+        for path, data in ((entry.object_path, obj), (entry.meta_path, json.dumps(meta, indent=1).encode())):
             fd, tmp = tempfile.mkstemp(dir=path.parent)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
             os.replace(tmp, path)  # atomic: readers never see a half-written entry
     except OSError as e:
-        warnings.warn(f"rosekernels: cannot write the compile cache at {obj_path}: {e}", stacklevel=3)
+        warnings.warn(f"rosekernels: cannot write the compile cache at {entry.object_path}: {e}", stacklevel=3)
 
 
 def compile_variant(variant: Variant, build: Callable[[], tuple[Callable[..., Any], tuple]]) -> CompiledKernel:
@@ -238,6 +327,8 @@ def compile_variant(variant: Variant, build: Callable[[], tuple[Callable[..., An
         digest = _source_digest(build)
         cached = _read_disk(variant, digest)
         if cached is None:
+            if getattr(_no_compile, "on", False):
+                raise NotCached(variant)
             obj, cubin = compile_to_object(*build())
             _write_disk(variant, digest, obj, cubin)
         else:
@@ -257,28 +348,99 @@ def forget_loaded() -> None:
     _memory.clear()
 
 
-def precompile(module: str, configs: Any, processes: int | None = None) -> list[CompiledKernel]:
-    """`compile(cfg)` of kernel module `module` for each config, the cold ones compiled in parallel
-    processes into the disk cache first, then loaded here: a cold cache costs about one compile time
-    instead of one per config. Configs that share a variant (they differ only in launch policy)
-    compile once."""
+# ---------------------------------------------------------------------------------------------
+# Compiling many variants at once: cold ones in parallel processes.
+
+# Peak resident memory of one compile worker (a spawned process that imports torch and CuTeDSL,
+# then compiles): 450-470 MiB measured on the CPU build host for the largest kernels (GEMM,
+# attention), rounded up for other hosts' builds of the libraries.
+COMPILE_PEAK_BYTES = 640 << 20
+
+
+def _available_memory() -> int | None:
+    """Bytes new processes may take: the kernel's MemAvailable, capped by a cgroup (v2) limit; None
+    where neither can be read."""
+    found = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def compile_processes(jobs: int) -> int:
+    """Worker processes for `jobs` cold compiles: one per core this process may run on, no more than
+    fit in the available memory at COMPILE_PEAK_BYTES each, nor than there are jobs; at least one."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    memory = _available_memory()
+    fit = cores if memory is None else memory // COMPILE_PEAK_BYTES
+    return max(1, min(jobs, cores, fit))
+
+
+def compile_cold(jobs: Iterable[tuple[str, Any]], processes: int | None = None,
+                 progress: bool = False) -> list[Variant]:
+    """Compile into the disk cache each (kernel module, config) of `jobs` whose variant neither cache
+    holds, in `processes` spawned processes (None: `compile_processes`; 1: here), with a tqdm bar when
+    `progress` and stderr is a terminal; the warm ones are loaded here on the way. Returns the
+    variants compiled."""
+    cold: dict[Variant, tuple[str, Any]] = {}
+    for module, cfg in jobs:
+        variant = cfg.variant()
+        if variant in cold:
+            continue
+        try:
+            with cached_only():
+                importlib.import_module(module).compile(cfg)
+        except NotCached:
+            cold[variant] = (module, cfg)
+    if not cold:
+        return []
     import concurrent.futures
-    import importlib
     import multiprocessing
 
-    compile_config = importlib.import_module(module).compile
+    from tqdm import tqdm
+
+    todo = list(cold.values())
+    processes = min(processes or compile_processes(len(todo)), len(todo))
+    with tqdm(total=len(todo), desc=f"rosekernels: compiling in {processes} process{'es' * (processes > 1)}",
+              unit="kernel", disable=None if progress else True) as bar:
+        if processes == 1:
+            for module, cfg in todo:
+                importlib.import_module(module).compile(cfg)
+                bar.update()
+        else:
+            ctx = multiprocessing.get_context("spawn")  # CuTeDSL's and CUDA's state do not survive fork
+            with concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx) as pool:
+                futures = [pool.submit(_compile_in_worker, str(cache_root()), module, cfg) for module, cfg in todo]
+                try:
+                    for future in concurrent.futures.as_completed(futures):
+                        future.result()
+                        bar.update()
+                except BaseException:
+                    pool.shutdown(wait=False, cancel_futures=True)  # the first failure ends the build
+                    raise
+    return list(cold)
+
+
+def _compile_in_worker(root: str, module: str, cfg: Any) -> None:
+    use_cache_root(root)
+    importlib.import_module(module).compile(cfg)
+
+
+def precompile(module: str, configs: Any, processes: int | None = None, progress: bool = False) -> list[CompiledKernel]:
+    """`compile(cfg)` of kernel module `module` for each config, the cold ones compiled in parallel
+    processes into the disk cache first (`compile_cold`), then loaded here: a cold cache costs about
+    one compile time per process instead of one per config. Configs that share a variant (they differ
+    only in launch policy) compile once."""
     configs = list(configs)
-    loaded = {k.variant for k in loaded_variants()}
-    todo = list({c.variant(): c for c in configs if c.variant() not in loaded}.values())
-    processes = processes or min(len(todo), os.cpu_count() or 1)
-    if processes > 1:
-        ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx) as pool:
-            list(pool.map(functools.partial(_compile_in_worker, module), todo))
+    compile_cold([(module, c) for c in configs], processes, progress)
+    compile_config = importlib.import_module(module).compile
     return [compile_config(c) for c in configs]
-
-
-def _compile_in_worker(module: str, cfg: Any) -> str:
-    import importlib
-
-    return importlib.import_module(module).compile(cfg).cubin_sha256

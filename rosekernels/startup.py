@@ -1,7 +1,18 @@
 """Engine start-up: compile every specialization a model needs and load the SIP-tuned cubins.
 
-    report = rosekernels.warmup(specs)      # then: no JIT on any call of these specializations
-    print(report)
+    report = rosekernels.warmup(model="config.json")     # what this Hugging Face model needs
+    report = rosekernels.warmup(specs)                   # or these specializations
+    print(report)                                        # then: no JIT on any call of them
+
+The model form takes a `transformers` config object, a dict or the path of a config.json, and
+compiles, for each kernel module, `variants_for([ModelDims.from_config(model)], modes)`; `max_tokens`
+(the most tokens one forward pass carries) drops the specializations that only larger calls select.
+
+Cold specializations (in neither the memory nor the disk cache) compile in parallel processes
+(`jit.compile_cold`: one per core, as many as the available memory holds) with a progress bar; the
+report says how many were compiled and how many loaded from disk. `cache_dir` is the compile cache's
+root, as $ROSEKERNELS_CACHE_DIR (e.g. one built ahead of time by `rosekernels-cache build` on a machine
+without a GPU); this process uses it from then on.
 
 A spec is one specialization, given as any of
 - a `rosekernels.jit.Variant` (e.g. `cfg.variant()`): compiled with its kernel module's
@@ -10,8 +21,8 @@ A spec is one specialization, given as any of
   its kernel module's `compile(config)`;
 - a zero-argument callable returning a `jit.CompiledKernel` (any other CuTeDSL kernel).
 
-Tuned cubins come from the tuned store (`rosekernels.tuned`; `cache_dir` or $SIP_CACHE_DIR, else
-<rosekernels cache>/sip). Each entry stores the original cubin it was tuned from, so it is installed
+Tuned cubins come from the tuned store (`rosekernels.tuned`; `tuned_dir`, else $SIP_CACHE_DIR, else
+<compile cache root>/sip). Each entry stores the original cubin it was tuned from, so it is installed
 (`jit.install_tuned_cubin`) BEFORE compiling and swapped in when the kernel loads; the swap is keyed
 by the original's SHA-256, so a tuned cubin never replaces a different original (a kernel whose source
 or toolchain changed simply loads untuned, and the report says the entry is stale).
@@ -26,13 +37,19 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
+import sys
+import threading
 import time
 import warnings
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Iterable
 
 import rosekernels
 from rosekernels import jit, launch, tuned
+from rosekernels.models import ModelDims
+from rosekernels.variant import MODES
 
 
 @dataclasses.dataclass
@@ -44,9 +61,14 @@ class WarmupReport:
     kernels: list[jit.CompiledKernel]
     configs: list[str] = dataclasses.field(default_factory=list)  # tuned-config entries in use
     stale_configs: list[str] = dataclasses.field(default_factory=list)  # tuned against another build
+    compiled: list[str] = dataclasses.field(default_factory=list)  # variant keys this call compiled
+    from_disk: list[str] = dataclasses.field(default_factory=list)  # loaded from the disk cache
+    # The rest of `kernels` were loaded in this process before the call.
 
     def __str__(self) -> str:
+        before = len(self.kernels) - len(self.compiled) - len(self.from_disk)
         lines = [f"rosekernels.warmup: {len(self.kernels)} specializations in {self.seconds:.2f} s: "
+                 f"{len(self.compiled)} compiled, {len(self.from_disk)} loaded from disk, {before} already loaded; "
                  f"{len(self.tuned)} tuned, {len(self.untuned)} untuned"]
         lines += [f"  tuned    {k}" for k in self.tuned]
         lines += [f"  untuned  {k}" + ("  (cache entry is stale: re-tune)" if k in self.stale else "")
@@ -63,48 +85,121 @@ def _module(op: str) -> ModuleType:
     return importlib.import_module(rosekernels.KERNELS[op])
 
 
-def _resolve(spec: Any) -> tuple[jit.Variant | None, Callable[[], jit.CompiledKernel]]:
-    """(the variant if known before compiling, how to compile it)."""
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    variant: jit.Variant | None  # known before compiling, except for a callable spec
+    build: Callable[[], jit.CompiledKernel]
+    job: tuple[str, Any] | None  # (kernel module, config): what a compile worker process can build
+
+
+def _resolve(spec: Any) -> _Spec:
     if isinstance(spec, jit.Variant):
-        m = _module(spec.op)
-        config = m.Config.from_variant(spec)
-        return spec, lambda: m.compile(config)
+        spec = _module(spec.op).Config.from_variant(spec)
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):  # a kernel Config
         variant = spec.variant()
         m = _module(variant.op)
-        return variant, lambda: m.compile(spec)
+        return _Spec(variant, lambda: m.compile(spec), (m.__name__, spec))
     if callable(spec):
-        return None, spec
+        return _Spec(None, spec, None)
     raise TypeError(f"a warmup spec is a Variant, a kernel config with .variant(), or a callable; got {spec!r}")
 
 
-def warmup(specs: Iterable[Any], cache_dir: str | None = None) -> WarmupReport:
-    """Compile (or load from the disk cache) every spec, with the SIP-tuned cubins found in the store."""
+_TOKENS_LOCK = threading.Lock()
+
+
+def _variants(module: ModuleType, dims: ModelDims, modes: tuple[str, ...], max_tokens: int | None) -> list[Any]:
+    """module.variants_for([dims], modes), for calls of at most `max_tokens` tokens where the module
+    draws its warm-up set from the token counts of its plan's WARMUP_TOKENS table (gemm_leakyrelu;
+    the other kernels list every mode their heuristics can pick, at most a few variants apart)."""
+    plan = sys.modules[module.variants_for.__module__]
+    table = getattr(plan, "WARMUP_TOKENS", None)
+    if max_tokens is None or table is None:
+        return module.variants_for([dims], modes)
+    # variants_for takes no token bound: it gets the bounded table for this call (the largest call,
+    # max_tokens itself, included: config_for files it under its own mode).
+    bounded = {mode: sorted({t for t in tokens if t <= max_tokens} | {max_tokens}) for mode, tokens in table.items()}
+    with _TOKENS_LOCK:
+        plan.WARMUP_TOKENS = bounded
+        try:
+            return module.variants_for([dims], modes)
+        finally:
+            plan.WARMUP_TOKENS = table
+
+
+def model_specs(model: Any, modes: Iterable[str] = MODES, max_tokens: int | None = None) -> list[Any]:
+    """The configs of every kernel module that `model` (a Hugging Face config: object, dict or path of
+    a config.json; or a ModelDims) needs in `modes`, for calls of at most `max_tokens` tokens (None:
+    every token count the kernels warm up)."""
+    modes = tuple(modes)
+    if not modes or any(m not in MODES for m in modes):
+        raise ValueError(f"modes must be some of {MODES}, got {modes!r}")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    dims = model if isinstance(model, ModelDims) else ModelDims.from_config(model)
+    return [c for op in rosekernels.KERNELS for c in _variants(_module(op), dims, modes, max_tokens)]
+
+
+def _tuned_root(cache_dir: str | os.PathLike | None, tuned_dir: str | os.PathLike | None) -> Path | None:
+    """The tuned store's root as $ROSEKERNELS_CACHE_DIR=cache_dir would make it (None: the default)."""
+    if tuned_dir is not None:
+        return Path(tuned_dir)
+    if cache_dir is not None and not os.environ.get(tuned.ENV_VAR):
+        return Path(cache_dir) / "sip"
+    return None
+
+
+def warmup(specs: Iterable[Any] = (), *, model: Any = None, modes: Iterable[str] = MODES,
+           max_tokens: int | None = None, cache_dir: str | os.PathLike | None = None,
+           tuned_dir: str | os.PathLike | None = None, processes: int | None = None,
+           progress: bool = True) -> WarmupReport:
+    """Compile (or load from the disk cache) every spec, and what `model` needs in `modes` for calls
+    of at most `max_tokens` tokens (`model_specs`), with the SIP-tuned cubins found in the store.
+
+    cache_dir: the compile cache's root from now on (None: $ROSEKERNELS_CACHE_DIR, else the user
+    cache dir). tuned_dir: the tuned store's (None: $SIP_CACHE_DIR, else <cache root>/sip).
+    processes: compile workers for the cold specializations (None: one per core, memory allowing).
+    progress: a progress bar on a terminal while compiling."""
     t0 = time.perf_counter()
-    tuned.use_config_root(cache_dir)
+    specs = list(specs)
+    if model is not None:
+        specs += model_specs(model, modes, max_tokens)
+    elif not specs:
+        raise TypeError("warmup needs specs or model=")
+    jit.use_cache_root(cache_dir)
+    root = _tuned_root(cache_dir, tuned_dir)
+    tuned.use_config_root(root)
     launch.forget_plans()  # a plan made before now would keep the config it chose without the store
     resolved = [_resolve(s) for s in specs]
     n_specs = len(resolved)
-    modes: dict[str, set[str]] = {}
-    for variant, _ in resolved:
-        if variant is not None:
-            modes.setdefault(variant.op, set()).add(variant.mode)
+    op_modes: dict[str, set[str]] = {}
+    for r in resolved:
+        if r.variant is not None:
+            op_modes.setdefault(r.variant.op, set()).add(r.variant.mode)
     # Each tuned config follows the specs, after the heuristic config it was tuned against.
-    configs = [e for op in sorted(modes) for e in tuned.config_entries(cache_dir, op) if e.meta["mode"] in modes[op]]
+    configs = [e for op in sorted(op_modes) for e in tuned.config_entries(root, op) if e.meta["mode"] in op_modes[op]]
     resolved += [_resolve(c) for e in configs for c in (e.heuristic, e.config)]
     entries: dict[str, list[tuned.Entry]] = {}
 
     def install_for(variant: jit.Variant) -> None:
         if variant.key() not in entries:
-            found = tuned.entries_for_variant(cache_dir, variant)
+            found = tuned.entries_for_variant(root, variant)
             entries[variant.key()] = found
             for e in sorted(found, key=lambda e: e.speedup):  # the best entry for an original wins
                 jit.install_tuned_cubin(e.original, e.tuned)
 
-    for variant, _ in resolved:
-        if variant is not None:
-            install_for(variant)
-    kernels = [build() for _, build in resolved]
+    for r in resolved:
+        if r.variant is not None:
+            install_for(r.variant)
+    loaded_before = {k.variant for k in jit.loaded_variants()}
+    compiled = set(jit.compile_cold([r.job for r in resolved if r.job is not None], processes, progress))
+    for r in resolved:  # callables compile here, one after another
+        if r.job is None:
+            try:
+                with jit.cached_only():
+                    r.build()
+            except jit.NotCached as cold:
+                compiled.add(cold.args[0])
+    kernels = [r.build() for r in resolved]
     # Specs known only once compiled, and variants loaded untuned before this call: reload them.
     reload = False
     for k in kernels:
@@ -114,7 +209,7 @@ def warmup(specs: Iterable[Any], cache_dir: str | None = None) -> WarmupReport:
             reload = True
     if reload:
         jit.forget_loaded()
-        kernels = [build() for _, build in resolved]
+        kernels = [r.build() for r in resolved]
     report = WarmupReport([], [], [], 0.0, kernels[:n_specs])
     for i, e in enumerate(configs):
         heuristic, config = kernels[n_specs + 2 * i: n_specs + 2 * i + 2]
@@ -133,6 +228,10 @@ def warmup(specs: Iterable[Any], cache_dir: str | None = None) -> WarmupReport:
             report.kernels.append(k)
     for k in report.kernels:
         key = k.variant.key()
+        if k.variant in compiled:
+            report.compiled.append(key)
+        elif k.variant not in loaded_before:
+            report.from_disk.append(key)
         if k.tuned:
             report.tuned.append(key)
             continue

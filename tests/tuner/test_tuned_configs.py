@@ -104,7 +104,7 @@ def test_the_root_warmup_was_given_is_where_ops_look(store, tmp_path):
     original = qk_norm().compile(heuristic).cubin_sha256
     tuned.store_config(tmp_path / "elsewhere", "qk_norm", SHAPE, other, heuristic, original, META)
     assert tuned.tuned_config("qk_norm", SHAPE, heuristic, SMS) is heuristic
-    report = warmup([heuristic], cache_dir=str(tmp_path / "elsewhere"))
+    report = warmup([heuristic], tuned_dir=str(tmp_path / "elsewhere"))
     assert tuned.tuned_config("qk_norm", SHAPE, heuristic, SMS) == other
     assert len(report.configs) == 1 and other.variant().key() in report.configs[0]
     assert other.variant() in [k.variant for k in report.kernels]  # compiled now: no JIT when an op plans it

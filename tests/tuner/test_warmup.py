@@ -1,11 +1,18 @@
-"""rosekernels.warmup on top of the tuned store (CPU: compile and load, no launch)."""
+"""rosekernels.warmup: on top of the tuned store, for a model, in parallel processes (CPU: compile and
+load, no launch)."""
+import os
+import random
+import shutil
+
 import axpb_kernel
 import jit_demo_kernel as demo
 import pytest
 from store_samples import META
 
 import rosekernels
-from rosekernels import jit, tuned
+from rosekernels import jit, startup, tuned
+from rosekernels.kernels import gemm_leakyrelu_plan as gemm_plan
+from rosekernels.models import ModelDims
 from rosekernels.startup import warmup
 from sip.mutate import with_extra_stalls
 
@@ -23,6 +30,8 @@ def env(tmp_path, monkeypatch):
     yield
     jit.forget_loaded()
     jit.uninstall_tuned_cubins()
+    jit.use_cache_root(None)  # warmup(cache_dir=...) moves it for the process
+    tuned.use_config_root(None)
 
 
 def compile_demo() -> jit.CompiledKernel:
@@ -88,3 +97,94 @@ def test_warmup_of_a_package_kernel(env):
     jit.forget_loaded()
     report = warmup([variant])
     assert report.tuned == [variant.key()] and report.kernels[0].variant == variant
+
+
+# ---------------------------------------------------------------------------------------------
+# warmup(model=...): what a model needs, cold variants compiled in worker processes.
+
+
+def random_model(rng: random.Random) -> dict:
+    """A Hugging Face config dict of odd sizes every kernel takes (multiples of 8, head dims 64/128)."""
+    heads_kv = rng.randint(1, 8)
+    return {"hidden_size": 8 * rng.randint(33, 700), "intermediate_size": 8 * rng.randint(40, 2000),
+            "num_attention_heads": heads_kv * rng.choice((1, 2, 4, 8)), "num_key_value_heads": heads_kv,
+            "head_dim": rng.choice((64, 128)), "torch_dtype": rng.choice(("bfloat16", "float16"))}
+
+
+@pytest.fixture
+def demo_only(env, monkeypatch):
+    """The demo kernel as the package's only kernel module: warmup(model=...) compiles two cheap variants."""
+    monkeypatch.setattr(rosekernels, "KERNELS", {axpb_kernel.OP: "axpb_kernel"})
+
+
+def test_a_model_compiles_in_worker_processes_then_loads_from_disk(demo_only):
+    model = random_model(random.Random(os.urandom(8)))
+    keys = sorted(axpb_kernel.Config(m).variant().key() for m in ("decode", "prefill"))
+    first = warmup(model=model, processes=2)
+    assert sorted(first.compiled) == keys and first.from_disk == []
+    assert "2 compiled, 0 loaded from disk, 0 already loaded" in str(first)
+    assert sorted(e.key for e in jit.disk_entries(jit.cache_root())) == keys  # written by the workers
+    jit.forget_loaded()
+    second = warmup(model=model)
+    assert second.compiled == [] and sorted(second.from_disk) == keys
+    third = warmup(model=model, modes=("decode",))
+    assert [k.variant.key() for k in third.kernels] == [axpb_kernel.Config("decode").variant().key()]
+    assert third.compiled == third.from_disk == [] and "1 already loaded" in str(third)
+
+
+def test_cache_dir_is_the_compile_cache_root_and_holds_the_tuned_store(env, tmp_path, monkeypatch):
+    monkeypatch.delenv(tuned.ENV_VAR)
+    prebuilt = tmp_path / "prebuilt"
+    original = compile_demo().cubin  # into the default root
+    tuned.store(prebuilt / "sip", "axpb", VARIANT, original, with_extra_stalls(original), META)
+    jit.forget_loaded()
+    report = warmup([VARIANT], cache_dir=prebuilt, processes=1)
+    assert report.compiled == [VARIANT.key()] and report.tuned == [VARIANT.key()]
+    assert [e.key for e in jit.disk_entries(prebuilt)] == [VARIANT.key()]
+    shutil.rmtree(tmp_path / "rk")  # the default root
+    jit.forget_loaded()
+    with jit.cached_only():
+        assert compile_demo().tuned  # later compiles load from the root warmup was given
+    jit.forget_loaded()
+    assert warmup([VARIANT]).compiled == [VARIANT.key()]  # cache_dir None: the default root again
+    assert [e.key for e in jit.disk_entries(tmp_path / "rk")] == [VARIANT.key()]
+
+
+def test_max_tokens_bounds_the_token_counts_of_the_warmup_set():
+    rng = random.Random(os.urandom(8))
+    model = random_model(rng)
+    dims = ModelDims.from_config(model)
+    table = gemm_plan.WARMUP_TOKENS
+    everything = startup.model_specs(model)
+    for max_tokens in (rng.randint(1, gemm_plan.DECODE_MAX_M), rng.randint(gemm_plan.DECODE_MAX_M + 1, 40000)):
+        bounded = startup.model_specs(model, max_tokens=max_tokens)
+        assert gemm_plan.WARMUP_TOKENS is table and set(bounded) <= set(everything)
+        pairs = [(dims.intermediate, dims.hidden), (dims.hidden, dims.intermediate)]
+        expected = {gemm_plan.config_for(gemm_plan.GemmShape(m, n, k, dtype=dims.dtype)).variant()
+                    for m in range(1, max_tokens + 1) if m <= gemm_plan.DECODE_MAX_M or m in table["prefill"]
+                    or m == max_tokens for n, k in pairs}
+        assert {c.variant() for c in bounded if c.variant().op == "gemm_leakyrelu"} == expected, (model, max_tokens)
+        others = [c for c in everything if c.variant().op != "gemm_leakyrelu"]  # drawn from no token counts
+        assert [c for c in bounded if c.variant().op != "gemm_leakyrelu"] == others
+    assert not any(c.variant().mode == "prefill" and c.variant().op == "gemm_leakyrelu"
+                   for c in startup.model_specs(model, ("prefill",), gemm_plan.DECODE_MAX_M))
+
+
+def test_bad_model_arguments_are_named(env, tmp_path):
+    model = random_model(random.Random(1))
+    with pytest.raises(TypeError, match="specs or model"):
+        warmup()
+    with pytest.raises(ValueError, match="modes must be"):
+        warmup(model=model, modes=("decode", "sideways"))
+    with pytest.raises(ValueError, match="max_tokens must be a positive int"):
+        warmup(model=model, max_tokens=0)
+    with pytest.raises(FileNotFoundError):
+        warmup(model=str(tmp_path / "missing.json"))
+
+
+def test_compile_processes_follow_cores_jobs_and_memory(monkeypatch):
+    cores = len(os.sched_getaffinity(0))
+    for memory, expected in ((None, cores), (3 * jit.COMPILE_PEAK_BYTES + 1, min(cores, 3)), (0, 1)):
+        monkeypatch.setattr(jit, "_available_memory", lambda m=memory: m)
+        assert jit.compile_processes(1000) == expected
+        assert jit.compile_processes(1) == 1
