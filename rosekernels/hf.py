@@ -1,0 +1,469 @@
+"""Qwen3 and Qwen3-MoE in Hugging Face transformers (>= 5.17) on the rosekernels ops.
+
+    import rosekernels.hf
+    print(rosekernels.hf.warmup(model))  # optional: compile and load the kernels it launches up front
+    rosekernels.hf.apply(model)          # patched in place and returned; idempotent
+    print(rosekernels.hf.plan(model))    # what apply() replaces (works on CPU and meta models too)
+
+What apply() replaces (the model on one sm_90 GPU):
+- RMSNorm modules -> rosekernels.rmsnorm. In each decoder layer the residual add after attention is
+  fused into post_attention_layernorm: one launch returns the normalized state and the new residual.
+  The add after the MLP stays a torch add: the layer must return the full hidden state (the model's
+  layer loop passes it on and output_hidden_states records it), so fusing it into the next layer's
+  input_layernorm would mean replacing Qwen3Model.forward.
+- q_norm + k_norm -> one rosekernels.qk_norm launch on [tokens, heads, head_dim] views of the q and k
+  projections' outputs.
+- attention -> rosekernels.attention, registered as attn_implementation "rosekernels" in transformers'
+  AttentionInterface (with sdpa's mask function in AttentionMaskInterface). transformers passes q as
+  [B, Hq, S_q, d] and k/v as the KV cache holds them, [B, Hkv, S_kv, d]; the kernels take [B, S, H, d]
+  with any 16-byte-aligned strides, so the transposed views go in without a copy.
+- MoE experts -> moe_dispatch (block size 1: no padding rows, so the grouped GEMMs only compute routed
+  rows) -> torch._grouped_mm on the experts' gate_up and down weights (bf16 on sm_90: torch's CUTLASS
+  grouped GEMM, no host synchronisation, capturable) -> SiLU-and-mul in torch -> moe_combine;
+  registered as experts_implementation "rosekernels" in transformers' ExpertsInterface.
+Left on torch: the linear projections and the dense MLP (until rosekernels has a general/gated GEMM:
+one more entry in SWAPS), rotary embedding, embedding and lm_head.
+
+A call rosekernels cannot serve runs the stock path instead and is counted in `stats()` as
+"fallback:<op>:<reason>": attention with a mask tensor (padding, or a static cache, whose keys past the
+current length are masked: the kernels have no per-sequence key lengths), dropout, another dtype or
+head dim; experts in a dtype other than bf16. Calls served are counted under the op's name. Calls
+inside torch.compile are not counted (traced code would bake a Python counter in as a constant):
+check those with torch.profiler kernel names.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+import rosekernels
+from rosekernels.kernels import (attention_decode_plan, attention_plan, moe_combine_plan, moe_dispatch_plan,
+                                 qk_norm_plan, rmsnorm_plan)
+from rosekernels.models import QWEN3_8B, QWEN3_30B_A3B, ModelDims
+
+try:
+    from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config, Qwen3MoeConfig
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+    from transformers.models.qwen3 import modeling_qwen3 as q3
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as q3m
+except ImportError as e:  # an optional extra
+    raise ImportError(f"rosekernels.hf needs transformers >= 5.17 (pip install 'rosekernels[hf]'): {e}") from e
+
+IMPLEMENTATION = "rosekernels"  # its name in transformers' attention and experts registries
+MODEL_TYPES = ("qwen3", "qwen3_moe")
+
+# ---------------------------------------------------------------------------------------------
+# Counters: which path each call took.
+
+_calls: collections.Counter = collections.Counter()
+
+
+def stats() -> dict[str, int]:
+    """Calls served by rosekernels per op, and "fallback:<op>:<reason>" calls that ran the stock path,
+    since the last reset_stats() (eager calls and CUDA-graph captures; not calls inside torch.compile)."""
+    return dict(_calls)
+
+
+def reset_stats() -> None:
+    _calls.clear()
+
+
+def _count(key: str) -> None:
+    if not torch.compiler.is_compiling():  # traced, a Python counter would be baked in as a constant
+        _calls[key] += 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The replacement forwards. Each is a mixin put in front of the stock class (RoseQwen3* below), so
+# super().forward is the stock forward, isinstance checks still hold and a fallback is one call away.
+
+
+class _RMSNorm:
+    """forward(x) -> rosekernels.rmsnorm; forward(x, residual) -> (norm(x + residual), x + residual)."""
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None):
+        w = self.weight
+        if hidden_states.is_cuda and hidden_states.dtype in rmsnorm_plan.DTYPES and w.dtype in (
+                hidden_states.dtype, torch.float32):
+            _count("rmsnorm" if residual is None else "rmsnorm+residual")
+            return rosekernels.rmsnorm(hidden_states, w, eps=self.variance_epsilon, residual=residual)
+        _count("fallback:rmsnorm:" + ("device" if not hidden_states.is_cuda else "dtype"))
+        if residual is None:
+            return super().forward(hidden_states)
+        hidden_states = residual + hidden_states
+        return super().forward(hidden_states), hidden_states
+
+
+def _normed_qk(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, hidden_shape: tuple) -> tuple:
+    """q_norm and k_norm of the projections q [..., Hq*d], k [..., Hk*d], as [B, H, S, d] views."""
+    wq, wk = attn.q_norm.weight, attn.k_norm.weight
+    if q.is_cuda and q.dtype in qk_norm_plan.DTYPES and wq.dtype in (q.dtype, torch.float32) and wk.dtype == wq.dtype:
+        _count("qk_norm")
+        d = attn.head_dim
+        qn, kn = rosekernels.qk_norm(q.view(-1, q.shape[-1] // d, d), k.view(-1, k.shape[-1] // d, d), wq, wk,
+                                     eps=attn.q_norm.variance_epsilon)
+        return qn.view(hidden_shape).transpose(1, 2), kn.view(hidden_shape).transpose(1, 2)
+    _count("fallback:qk_norm:" + ("device" if not q.is_cuda else "dtype"))
+    return attn.q_norm(q.view(hidden_shape)).transpose(1, 2), attn.k_norm(k.view(hidden_shape)).transpose(1, 2)
+
+
+class _Attention:
+    """The stock Qwen3 attention forward (transformers 5.17) with q_norm + k_norm in one qk_norm launch."""
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple, attention_mask: torch.Tensor | None,
+                past_key_values: Any = None, **kwargs: Any) -> tuple:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states, key_states = _normed_qk(self, self.q_proj(hidden_states), self.k_proj(hidden_states),
+                                              hidden_shape)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = self._rope(query_states, key_states, cos, sin)
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._eager)
+        attn_output, attn_weights = attention_interface(
+            self, query_states, key_states, value_states, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
+            sliding_window=self.sliding_window, **kwargs)
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+
+
+class _DecoderLayer:
+    """The stock decoder layer with the residual add after attention fused into post_attention_layernorm."""
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, past_key_values: Any = None, use_cache: bool | None = False,
+                position_embeddings: tuple | None = None, **kwargs: Any) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,
+                                          position_ids=position_ids, past_key_values=past_key_values,
+                                          use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual=residual)
+        return residual + self.mlp(hidden_states)
+
+
+# Module-level classes (not made on the fly), so that a patched model pickles.
+class RoseQwen3RMSNorm(_RMSNorm, q3.Qwen3RMSNorm):
+    pass
+
+
+class RoseQwen3MoeRMSNorm(_RMSNorm, q3m.Qwen3MoeRMSNorm):
+    pass
+
+
+class RoseQwen3Attention(_Attention, q3.Qwen3Attention):
+    _rope = staticmethod(q3.apply_rotary_pos_emb)
+    _eager = staticmethod(q3.eager_attention_forward)
+
+
+class RoseQwen3MoeAttention(_Attention, q3m.Qwen3MoeAttention):
+    _rope = staticmethod(q3m.apply_rotary_pos_emb)
+    _eager = staticmethod(q3m.eager_attention_forward)
+
+
+class RoseQwen3DecoderLayer(_DecoderLayer, q3.Qwen3DecoderLayer):
+    pass
+
+
+class RoseQwen3MoeDecoderLayer(_DecoderLayer, q3m.Qwen3MoeDecoderLayer):
+    pass
+
+
+_PATCHED = {cls.__bases__[1]: cls for cls in (RoseQwen3RMSNorm, RoseQwen3MoeRMSNorm, RoseQwen3Attention,
+                                              RoseQwen3MoeAttention, RoseQwen3DecoderLayer, RoseQwen3MoeDecoderLayer)}
+_RMSNORMS = (q3.Qwen3RMSNorm, q3m.Qwen3MoeRMSNorm)
+
+
+# ---------------------------------------------------------------------------------------------
+# The functions registered with transformers.
+
+
+def _strides_ok(t: torch.Tensor) -> bool:
+    """What the attention kernels' TMA needs of q/k/v besides alignment (fresh allocations and their
+    slices along S are 16-byte aligned): a unit last stride and 16-byte strides where a dim is > 1."""
+    vec = 16 // t.element_size()
+    if t.stride(-1) != 1:
+        return False
+    for n, s in zip(t.shape[:-1], t.stride()[:-1]):  # a loop, not a generator: torch.compile traces it
+        if n > 1 and s % vec:
+            return False
+    return True
+
+
+def _attention_refusal(query, key, value, attention_mask, dropout, kwargs) -> str | None:
+    """Why rosekernels.attention cannot serve this call (None: it can)."""
+    if attention_mask is not None:
+        return "mask"
+    if dropout:
+        return "dropout"
+    if kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None:
+        return "bias"
+    if query.dtype not in (torch.bfloat16, torch.float16) or key.dtype != query.dtype or value.dtype != query.dtype:
+        return "dtype"
+    if query.shape[-1] not in attention_plan.HEAD_DIMS or value.shape[-1] != query.shape[-1]:
+        return "head_dim"
+    if not query.is_cuda:
+        return "device"
+    if not (_strides_ok(query) and _strides_ok(key) and _strides_ok(value)):
+        return "strides"
+    return None
+
+
+def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: query [B, Hq, S_q, d], key/value [B, Hkv, S_kv, d];
+    returns ([B, S_q, Hq, d], None). Without a mask tensor the call means what it means to sdpa, and
+    is computed the same way: causal (top-left) when S_q > 1, over the first S_q keys when a static
+    cache hands more (its prefill), and over all keys when S_q == 1."""
+    reason = _attention_refusal(query, key, value, attention_mask, dropout, kwargs)
+    if reason is not None:
+        _count(f"fallback:attention:{reason}")
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    q_len = query.shape[2]
+    causal = q_len > 1 and (is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    if causal and key.shape[2] > q_len:
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    _count("attention_decode" if q_len <= attention_decode_plan.MAX_SEQLEN_Q else "attention_prefill")
+    out = rosekernels.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=causal,
+                                softmax_scale=scaling)
+    return out, None
+
+
+_grouped_mm = getattr(torch, "_grouped_mm", None)
+
+
+def _experts_refusal(experts: nn.Module, hidden_states: torch.Tensor) -> str | None:
+    """Why the rosekernels MoE path cannot serve this call (None: it can)."""
+    if experts.has_bias or experts.is_transposed or not experts.has_gate or not experts.is_concatenated:
+        return "layout"
+    if _grouped_mm is None:
+        return "no_grouped_mm"
+    # torch._grouped_mm's sm_90 kernel is bf16 only; other dtypes take a loop that synchronises the host.
+    if not (hidden_states.dtype == experts.gate_up_proj.dtype == experts.down_proj.dtype == torch.bfloat16):
+        return "dtype"
+    if not hidden_states.is_cuda:
+        return "device"
+    return None
+
+
+def _stock_experts(experts: nn.Module) -> Callable:
+    """The experts implementation the model had before apply() ("eager": the undecorated forward)."""
+    return ALL_EXPERTS_FUNCTIONS.get_interface(getattr(experts, "_rosekernels_fallback", "grouped_mm"),
+                                               type(experts).forward.__wrapped__)
+
+
+def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts contract: hidden_states [T, H], top_k_index/top_k_weights [T, k] -> [T, H]."""
+    reason = _experts_refusal(experts, hidden_states)
+    if reason is not None:
+        _count(f"fallback:experts:{reason}")
+        return _stock_experts(experts)(experts, hidden_states, top_k_index, top_k_weights)
+    _count("experts")
+    d = rosekernels.moe_dispatch(hidden_states, top_k_index.to(torch.int32), experts.num_experts, block_size=1)
+    ends = d.offsets[1:]  # expert e's rows end at offsets[e + 1]: grouped_mm's group ends
+    gate_up = _grouped_mm(d.buffer, experts.gate_up_proj.transpose(-2, -1), offs=ends)
+    down = _grouped_mm(experts._apply_gate(gate_up), experts.down_proj.transpose(-2, -1), offs=ends)
+    return rosekernels.moe_combine(down, top_k_weights, d.slot_map)
+
+
+AttentionInterface.register(IMPLEMENTATION, attention_forward)
+AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)  # None where sdpa would rely on is_causal
+ExpertsInterface.register(IMPLEMENTATION, experts_forward)
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning (no GPU needed) and applying.
+
+
+def _serves_rmsnorm(m: nn.Module) -> bool:
+    return (type(m) in _RMSNORMS and m.weight.dim() == 1
+            and 0 < m.weight.shape[0] <= rmsnorm_plan.MAX_HIDDEN and m.weight.shape[0] % 8 == 0)
+
+
+def _is_rmsnorm(m: nn.Module) -> bool:
+    return _serves_rmsnorm(m) or isinstance(m, _RMSNorm)
+
+
+def _serves_attention(m: nn.Module) -> bool:
+    return (type(m) in (q3.Qwen3Attention, q3m.Qwen3MoeAttention) and m.head_dim in qk_norm_plan.HEAD_DIMS
+            and _is_rmsnorm(m.q_norm) and _is_rmsnorm(m.k_norm)
+            and m.q_norm.variance_epsilon == m.k_norm.variance_epsilon)  # one launch, one eps
+
+
+def _serves_layer(m: nn.Module) -> bool:
+    # The fused forward calls post_attention_layernorm(x, residual=...): only a patched norm takes that.
+    return type(m) in (q3.Qwen3DecoderLayer, q3m.Qwen3MoeDecoderLayer) and _is_rmsnorm(m.post_attention_layernorm)
+
+
+def _serves_experts(m: nn.Module) -> bool:
+    if type(m) is not q3m.Qwen3MoeExperts:
+        return False
+    # The model's current implementation is the fallback: one of the registry's (or "eager"), not
+    # already ours, and not a quantized one (those live in another registry).
+    current = m.config._experts_implementation
+    return (current != IMPLEMENTATION and (current == "eager" or current in ALL_EXPERTS_FUNCTIONS)
+            and m.has_gate and not m.has_bias and not m.is_transposed and m.is_concatenated
+            and m.num_experts <= moe_dispatch_plan.THREADS and m.hidden_dim % 8 == 0)
+
+
+def _swap_class(m: nn.Module) -> None:
+    m.__class__ = _PATCHED[type(m)]
+
+
+def _route_experts(m: nn.Module) -> None:
+    """Remember the model's experts implementation for fallbacks (_swap then switches the model)."""
+    m._rosekernels_fallback = m.config._experts_implementation
+
+
+@dataclasses.dataclass(frozen=True)
+class Swap:
+    kind: str
+    what: str  # one line: what replaces what
+    matches: Callable[[nn.Module], bool]
+    patch: Callable[[nn.Module], None]
+
+
+# In order (a decoder layer's fused forward needs its norms patched). The dense MLP's swap, once
+# rosekernels has a gated GEMM, is one more entry.
+SWAPS = (
+    Swap("rmsnorm", "RMSNorm -> rosekernels.rmsnorm", _serves_rmsnorm, _swap_class),
+    Swap("attention", "q_norm + k_norm -> one rosekernels.qk_norm; attention -> rosekernels.attention",
+         _serves_attention, _swap_class),
+    Swap("decoder_layer", "residual add after attention -> fused into post_attention_layernorm's rmsnorm",
+         _serves_layer, _swap_class),
+    Swap("experts", "MoE experts -> moe_dispatch, torch._grouped_mm x2, moe_combine", _serves_experts,
+         _route_experts),
+)
+LEFT_ON_TORCH = ("linear projections and the dense MLP (no rosekernels GEMM with those epilogues yet)",
+                 "rotary embedding", "embedding and lm_head")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What apply() replaces: for each kind of SWAPS, the names of the modules (as model.named_modules())."""
+
+    model_type: str
+    swaps: dict[str, tuple[str, ...]]
+
+    def __str__(self) -> str:
+        lines = [f"rosekernels.hf plan for a {self.model_type} model:"]
+        lines += [f"  {len(self.swaps[s.kind]):4d} x {s.what}" for s in SWAPS]
+        lines += [f"  left on torch: {what}" for what in LEFT_ON_TORCH]
+        return "\n".join(lines)
+
+
+def plan(model: nn.Module) -> Plan:
+    """The modules apply() would replace in `model` (any device, meta included); modules already
+    replaced are not listed again. Raises ValueError for a model that is not Qwen3 / Qwen3-MoE."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"rosekernels.hf serves Qwen3 and Qwen3-MoE models (model_type {' or '.join(MODEL_TYPES)}); "
+                         f"got {model_type!r}")
+    modules = list(model.named_modules())
+    return Plan(model_type, {s.kind: tuple(n for n, m in modules if s.matches(m)) for s in SWAPS})
+
+
+def _require_gpu(model: nn.Module) -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError("rosekernels.hf.apply needs an sm_90 GPU (H100/H200): no CUDA device is visible")
+    devices = {p.device for p in model.parameters()}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        raise RuntimeError(f"rosekernels.hf.apply needs the model on one GPU; its parameters are on "
+                           f"{sorted(map(str, devices))} (move it first: model.to('cuda'))")
+    cc = torch.cuda.get_device_capability(next(iter(devices)))
+    if cc != (9, 0):
+        raise RuntimeError(f"rosekernels.hf.apply needs an sm_90 GPU (H100/H200); the model's is sm_{cc[0]}{cc[1]}")
+
+
+def _swap(model: nn.Module, p: Plan) -> None:
+    """Carry out plan `p` on `model` (no device checks: apply() made them)."""
+    modules = dict(model.named_modules())
+    for swap in SWAPS:
+        for name in p.swaps[swap.kind]:
+            swap.patch(modules[name])
+    model.set_attn_implementation(IMPLEMENTATION)
+    if p.swaps["experts"]:
+        model.set_experts_implementation(IMPLEMENTATION)
+
+
+def apply(model: nn.Module) -> nn.Module:
+    """Run `model` (a transformers Qwen3 or Qwen3-MoE model on an sm_90 GPU) on rosekernels: see the
+    module docstring. Patches in place and returns the model; applying twice changes nothing more."""
+    _require_gpu(model)
+    p = plan(model)
+    # Load the ops now (rosekernels imports them on first use), so that the patched forwards find
+    # plain module attributes, which torch.compile traces without a module __getattr__.
+    for op in ("rmsnorm", "qk_norm", "attention", "moe_dispatch", "moe_combine"):
+        getattr(rosekernels, op)
+    _swap(model, p)
+    return model
+
+
+def warmup_specs(model: nn.Module) -> list:
+    """The kernel configs the patched model launches (its dims, dtype and norm eps, both modes), for
+    rosekernels.warmup: compiled or loaded up front instead of on the first calls."""
+    config = model.config
+    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[next(model.parameters()).dtype]
+    dims = dataclasses.replace(ModelDims.from_config(config), dtype=dtype)
+    configs = [c for m in (rmsnorm_plan, qk_norm_plan, attention_plan, attention_decode_plan, moe_dispatch_plan,
+                           moe_combine_plan) for c in m.variants_for([dims])]
+    # Norm and router weights are in the model's dtype; the norms are specialised on eps.
+    configs = [c for c in configs if getattr(c, "weight_dtype", dtype) == dtype]
+    return [dataclasses.replace(c, eps=float(config.rms_norm_eps)) if hasattr(c, "eps") else c for c in configs]
+
+
+def warmup(model: nn.Module, **kwargs: Any) -> Any:
+    """rosekernels.warmup(warmup_specs(model), **kwargs): exactly the kernels the patched model launches
+    (rosekernels.warmup(model=config) would also compile the GEMMs apply() does not use yet)."""
+    return rosekernels.warmup(warmup_specs(model), **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models with random weights (no download): the geometry of the released checkpoints, fewer layers.
+
+_COMMON = dict(vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+               rope_parameters={"rope_type": "default", "rope_theta": 1e6}, hidden_act="silu")
+GEOMETRIES = {"qwen3-8b": QWEN3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B}
+
+
+def model_config(name: str, layers: int) -> Any:
+    """The transformers config of `name` (a key of GEOMETRIES) with `layers` decoder layers."""
+    if name not in GEOMETRIES:
+        raise ValueError(f"unknown geometry {name!r}; choose one of {sorted(GEOMETRIES)}")
+    g = GEOMETRIES[name]
+    dims = dict(hidden_size=g.hidden, intermediate_size=g.intermediate, num_hidden_layers=layers,
+                num_attention_heads=g.heads_q, num_key_value_heads=g.heads_kv, head_dim=g.head_dim, **_COMMON)
+    if not g.experts:
+        return Qwen3Config(**dims)
+    return Qwen3MoeConfig(num_experts=g.experts, num_experts_per_tok=g.topk, moe_intermediate_size=g.moe_intermediate,
+                          norm_topk_prob=True, decoder_sparse_step=1, **dims)
+
+
+def random_model(geometry: str | Any, layers: int | None = None, seed: int = 0, device: str | torch.device = "cuda",
+                 dtype: torch.dtype = torch.bfloat16) -> PreTrainedModel:
+    """A model with random weights, built on `device` in eval mode: of `geometry` (a key of GEOMETRIES,
+    with `layers` layers) or of a transformers config. transformers' initialisation (normal, std 0.02),
+    then norm weights drawn around 1 (std 0.2: a kernel that ignored its weight would pass with the
+    default ones)."""
+    config = model_config(geometry, layers) if isinstance(geometry, str) else geometry
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, _RMSNORMS):
+                m.weight.normal_(1.0, 0.2)
+    return model.eval()

@@ -1,0 +1,271 @@
+"""rosekernels.hf without a GPU: the plan of Qwen3 / Qwen3-MoE models (meta device), the refusal to
+apply without a GPU, the swapped modules falling back to exactly the stock computation, and the glue
+around the attention and MoE ops, run with stand-ins that follow the ops' documented contracts."""
+import copy
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import rosekernels  # noqa: E402
+from rosekernels import hf  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig  # noqa: E402
+from transformers.integrations.moe import grouped_mm_experts_forward  # noqa: E402
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+
+TINY = dict(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            vocab_size=997, rms_norm_eps=1e-5)
+
+
+def _tiny(moe: bool, layers: int, device: str = "cpu", **extra):
+    config = (Qwen3MoeConfig(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=96, norm_topk_prob=True,
+                             num_hidden_layers=layers, **TINY, **extra) if moe
+              else Qwen3Config(num_hidden_layers=layers, **TINY, **extra))
+    return hf.random_model(config, device=device)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan
+
+
+@pytest.mark.parametrize("geometry, layers", [("qwen3-8b", 3), ("qwen3-30b-a3b", 2)])
+def test_plan_of_the_released_geometries_lists_every_module_once(geometry, layers):
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf.model_config(geometry, layers), dtype=torch.bfloat16)
+    p = hf.plan(model)
+    moe = geometry == "qwen3-30b-a3b"
+    assert p.model_type == ("qwen3_moe" if moe else "qwen3")
+    # per layer: input, post-attention, q and k norms; plus the final norm
+    assert len(p.swaps["rmsnorm"]) == 4 * layers + 1
+    assert p.swaps["attention"] == tuple(f"model.layers.{i}.self_attn" for i in range(layers))
+    assert p.swaps["decoder_layer"] == tuple(f"model.layers.{i}" for i in range(layers))
+    assert p.swaps["experts"] == (tuple(f"model.layers.{i}.mlp.experts" for i in range(layers)) if moe else ())
+    assert "model.norm" in p.swaps["rmsnorm"] and "model.layers.0.self_attn.k_norm" in p.swaps["rmsnorm"]
+    text = str(p)
+    assert f"{layers:4d} x MoE experts" in text if moe else "   0 x MoE experts" in text
+
+
+def test_plan_leaves_the_dense_layers_of_a_moe_model_to_torch():
+    model = _tiny(moe=True, layers=4, device="meta", mlp_only_layers=[1, 2])
+    assert hf.plan(model).swaps["experts"] == ("model.layers.0.mlp.experts", "model.layers.3.mlp.experts")
+
+
+def test_plan_skips_an_attention_whose_q_and_k_norms_differ():
+    model = _tiny(moe=False, layers=2, device="meta")
+    model.model.layers[1].self_attn.k_norm.variance_epsilon = 1e-3  # one qk_norm launch has one eps
+    assert hf.plan(model).swaps["attention"] == ("model.layers.0.self_attn",)
+
+
+def test_plan_refuses_other_models():
+    with torch.device("meta"):
+        llama = AutoModelForCausalLM.from_config(LlamaConfig(**{k: v for k, v in TINY.items()}, num_hidden_layers=1))
+    with pytest.raises(ValueError, match="Qwen3 and Qwen3-MoE.*'llama'"):
+        hf.plan(llama)
+    with pytest.raises(ValueError, match="got None"):
+        hf.plan(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_apply_without_a_gpu_refuses_in_one_line_and_changes_nothing():
+    model = _tiny(moe=True, layers=2)
+    classes = [type(m) for m in model.modules()]
+    with pytest.raises(RuntimeError) as e:
+        hf.apply(model)
+    assert "\n" not in str(e.value) and "sm_90 GPU" in str(e.value) and "no CUDA device" in str(e.value)
+    assert [type(m) for m in model.modules()] == classes
+    assert (model.config._attn_implementation, model.config._experts_implementation) == ("sdpa", "grouped_mm")
+
+
+# ---------------------------------------------------------------------------------------------
+# The swapped model, every op falling back (CPU tensors)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_swapped_model_on_the_cpu_falls_back_to_exactly_the_stock_computation(moe):
+    stock = _tiny(moe, layers=3)
+    ours = copy.deepcopy(stock)
+    hf._swap(ours, hf.plan(ours))
+    hf._swap(ours, hf.plan(ours))  # idempotent: nothing left to plan, nothing changes
+    assert all(names == () for names in hf.plan(ours).swaps.values())
+    assert type(ours.model.layers[0]).__name__.startswith("RoseQwen3")
+    assert ours.config._attn_implementation == "rosekernels"
+    assert ours.config._experts_implementation == ("rosekernels" if moe else "eager")
+    if moe:
+        assert ours.model.layers[0].mlp.experts._rosekernels_fallback == "grouped_mm"
+    ids = torch.randint(0, TINY["vocab_size"], (2, 29), generator=torch.Generator().manual_seed(3))
+    hf.reset_stats()
+    with torch.inference_mode():
+        want, got = stock(ids).logits, ours(ids).logits
+        # decode steps with a cache: the fused layer and the attention function on S_q = 1
+        want_gen = stock.generate(ids, max_new_tokens=4, do_sample=False)
+        got_gen = ours.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(want, got)
+    assert torch.equal(want_gen, got_gen)
+    calls = 2 + 3  # two forwards of the prompt (one inside generate), then three decode steps
+    # per layer: input and post-attention norms, and the q and k norms the qk fallback calls; the final norm
+    expected = {"fallback:rmsnorm:device": calls * (4 * 3 + 1), "fallback:qk_norm:device": calls * 3,
+                "fallback:attention:device": calls * 3}
+    if moe:
+        expected["fallback:experts:device"] = calls * 3
+    assert hf.stats() == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# The glue around the ops, with stand-ins that follow the ops' contracts
+
+
+def _reference_attention(q, k, v, causal=False, softmax_scale=None):
+    """rosekernels.attention's contract: [B, S, H, d] operands, GQA, causal aligned bottom-right."""
+    s_q, s_k, ratio = q.shape[1], k.shape[1], q.shape[2] // k.shape[2]
+    qh, kh, vh = (t.transpose(1, 2).double() for t in (q, k, v))
+    kh, vh = kh.repeat_interleave(ratio, 1), vh.repeat_interleave(ratio, 1)
+    s = qh @ kh.transpose(-1, -2) * (softmax_scale or q.shape[-1] ** -0.5)
+    if causal:
+        i, j = torch.arange(s_q)[:, None], torch.arange(s_k)[None, :]
+        s = s.masked_fill(j > i + s_k - s_q, float("-inf"))
+    return (s.softmax(-1) @ vh).transpose(1, 2).to(q.dtype)
+
+
+@pytest.mark.parametrize("s_q, s_kv", [(37, 37), (1, 45), (20, 64), (3, 10)])
+def test_attention_function_means_what_sdpa_means_and_passes_views(monkeypatch, s_q, s_kv):
+    """Prefill, a decode step, a static cache's prefill (keys past S_q are stale) and a short chunk:
+    the registered function's result equals sdpa's, and the op gets views of q, k, v (no copies)."""
+    seen = []
+
+    def op(q, k, v, causal=False, softmax_scale=None):
+        seen.append((q, k, v))
+        return _reference_attention(q, k, v, causal, softmax_scale)
+
+    monkeypatch.setattr(rosekernels, "attention", op, raising=False)
+    real = hf._attention_refusal
+    monkeypatch.setattr(hf, "_attention_refusal", lambda *a: None if real(*a) == "device" else real(*a))
+    g = torch.Generator().manual_seed(s_q * 100 + s_kv)
+    # the layouts transformers hands over: q transposed from [B, S, H, d], k/v as the cache stores them
+    query = torch.randn(2, s_q, 8, 64, generator=g).to(torch.bfloat16).transpose(1, 2)
+    key, value = (torch.randn(2, 2, s_kv, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    module = types.SimpleNamespace(is_causal=True, num_key_value_groups=4)
+    hf.reset_stats()
+    got, weights = hf.attention_forward(module, query, key, value, None, scaling=0.1)
+    want, _ = sdpa_attention_forward(module, query.float(), key.float(), value.float(), None, scaling=0.1)
+    assert weights is None and got.shape == (2, s_q, 8, 64)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    (q, k, v), = seen
+    for passed, given in ((q, query), (k, key), (v, value)):
+        assert passed.untyped_storage().data_ptr() == given.untyped_storage().data_ptr()
+    assert hf.stats() == {"attention_decode" if s_q <= 16 else "attention_prefill": 1}
+
+
+def test_attention_function_falls_back_to_sdpa_for_a_mask_and_counts_it():
+    g = torch.Generator().manual_seed(7)
+    query = torch.randn(1, 4, 5, 64, generator=g).to(torch.bfloat16)
+    key, value = (torch.randn(1, 2, 9, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    mask = torch.rand(1, 1, 5, 9, generator=g) > 0.3
+    module = types.SimpleNamespace(is_causal=True, num_key_value_groups=2)
+    hf.reset_stats()
+    got, _ = hf.attention_forward(module, query, key, value, mask, scaling=0.125)
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.125)
+    assert torch.equal(got, want)
+    assert hf.stats() == {"fallback:attention:mask": 1}
+
+
+def test_attention_refusals():
+    q = torch.zeros(1, 4, 2, 64, dtype=torch.bfloat16)
+    k = torch.zeros(1, 2, 6, 64, dtype=torch.bfloat16)
+    assert hf._attention_refusal(q, k, k, torch.ones(1, 1, 2, 6, dtype=torch.bool), 0.0, {}) == "mask"
+    assert hf._attention_refusal(q, k, k, None, 0.1, {}) == "dropout"
+    assert hf._attention_refusal(q.float(), k.float(), k.float(), None, 0.0, {}) == "dtype"
+    odd = torch.zeros(1, 4, 2, 96, dtype=torch.bfloat16)
+    assert hf._attention_refusal(odd, odd, odd, None, 0.0, {}) == "head_dim"
+    assert hf._attention_refusal(q, k, k, None, 0.0, {}) == "device"
+    assert hf._strides_ok(k.transpose(1, 2)) and not hf._strides_ok(torch.zeros(3, 2, 130)[..., :64])
+
+
+def _dispatch_standin(x, topk_ids, num_experts, block_size=128):
+    """moe_dispatch's contract at block size 1: expert e's tokens in rows offsets[e] .. offsets[e+1]-1,
+    in any order within the expert (the prefill variant's order is not deterministic: shuffled here),
+    slot_map[t, j] the row of pair (t, j)."""
+    assert block_size == 1 and topk_ids.dtype == torch.int32
+    pairs = topk_ids.flatten().long()
+    order = torch.argsort(pairs * len(pairs) + torch.randperm(len(pairs), generator=torch.Generator().manual_seed(1)))
+    slot = torch.empty_like(pairs)
+    slot[order] = torch.arange(len(pairs))
+    counts = torch.bincount(pairs, minlength=num_experts)
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).int()
+    return types.SimpleNamespace(buffer=x[order // topk_ids.shape[1]], offsets=offsets,
+                                 slot_map=slot.view(topk_ids.shape).int())
+
+
+def _combine_standin(expert_out, topk_weights, slot_map):
+    """moe_combine's contract: out[t] = sum_j w[t, j] * expert_out[slot_map[t, j]], fp32 accumulation."""
+    rows = expert_out.float()[slot_map.long()]
+    return (rows * topk_weights.float()[..., None]).sum(1).to(expert_out.dtype)
+
+
+def test_experts_glue_groups_the_gemms_by_the_dispatch_offsets(monkeypatch):
+    """The grouped GEMMs over the dispatch buffer (torch._grouped_mm runs on the CPU too), then the
+    combine: the stock grouped_mm experts' result, on a ragged routing with an expert left empty."""
+    monkeypatch.setattr(rosekernels, "moe_dispatch", _dispatch_standin, raising=False)
+    monkeypatch.setattr(rosekernels, "moe_combine", _combine_standin, raising=False)
+    monkeypatch.setattr(hf, "_experts_refusal", lambda experts, h: None)
+    experts = _tiny(moe=True, layers=1).model.layers[0].mlp.experts
+    g = torch.Generator().manual_seed(11)
+    tokens = 37
+    hidden = torch.randn(tokens, TINY["hidden_size"], generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(7, generator=g)[:3] for _ in range(tokens)])  # expert 7 gets no token
+    weights = torch.rand(tokens, 3, generator=g).softmax(-1).to(torch.bfloat16)
+    hf.reset_stats()
+    got = hf.experts_forward(experts, hidden, ids, weights)
+    want = grouped_mm_experts_forward(experts, hidden, ids, weights)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    err = (got.float() - want.float()).norm() / want.float().norm()
+    assert err < 1e-2, f"relative error {err:.3g}"
+    assert hf.stats() == {"experts": 1}
+
+
+def test_experts_refusals():
+    experts = _tiny(moe=True, layers=1).model.layers[0].mlp.experts
+    h = torch.zeros(3, TINY["hidden_size"], dtype=torch.bfloat16)
+    assert hf._experts_refusal(experts, h) == "device"
+    assert hf._experts_refusal(experts, h.half()) == "dtype"
+    experts.has_bias = True
+    assert hf._experts_refusal(experts, h) == "layout"
+
+
+# ---------------------------------------------------------------------------------------------
+# Warm-up specs and random models
+
+
+@pytest.mark.parametrize("geometry", sorted(hf.GEOMETRIES))
+def test_warmup_specs_cover_the_models_kernels_in_its_dtype_and_eps(geometry):
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf.model_config(geometry, 1), dtype=torch.bfloat16)
+    model.config.rms_norm_eps = 1e-5
+    specs = hf.warmup_specs(model)
+    ops = {s.variant().op for s in specs}
+    moe = geometry == "qwen3-30b-a3b"
+    assert ops == {"rmsnorm", "qk_norm", "attention", "attention_decode"} | ({"moe_dispatch", "moe_combine"} if moe else set())
+    assert ops <= set(rosekernels.KERNELS)
+    g = hf.GEOMETRIES[geometry]
+    for s in specs:
+        assert getattr(s, "dtype") == "bf16" and getattr(s, "weight_dtype", "bf16") == "bf16"
+        if s.variant().op in ("rmsnorm", "qk_norm"):
+            assert s.eps == 1e-5
+    assert {s.hidden for s in specs if s.variant().op == "rmsnorm"} == {g.hidden}
+    assert {(s.q_heads, s.k_heads, s.head_dim) for s in specs if s.variant().op == "qk_norm"} == {
+        (g.heads_q, g.heads_kv, g.head_dim)}
+    assert {s.mode for s in specs if s.variant().op == "rmsnorm"} == {"prefill", "decode"}
+
+
+def test_model_config_of_an_unknown_geometry_is_refused():
+    with pytest.raises(ValueError, match="unknown geometry 'qwen3-9b'"):
+        hf.model_config("qwen3-9b", 2)
+
+
+def test_random_model_has_random_norm_weights_and_the_released_geometry():
+    c = hf.random_model("qwen3-30b-a3b", 1, device="meta").config
+    assert (c.hidden_size, c.head_dim, c.num_key_value_heads, c.num_experts, c.num_experts_per_tok) == (2048, 128, 4, 128, 8)
+    a, b = (_tiny(moe=False, layers=2).model.layers[1].post_attention_layernorm.weight.float() for _ in range(2))
+    assert torch.equal(a, b), "the seed decides the weights"
+    assert 0.1 < a.std() < 0.3 and abs(a.mean() - 1) < 0.05

@@ -1,0 +1,242 @@
+"""rosekernels.hf on an H100/H200: the patched model against stock transformers (sdpa attention, grouped_mm
+experts) with the same random weights and inputs, for the Qwen3-8B and Qwen3-30B-A3B geometries with
+LAYERS layers in bf16: per-position cosine similarity of the logits, greedy next-token agreement over
+teacher-forced decode steps, a CUDA graph of a static-cache decode step, torch.compile's
+reduce-overhead decode (slow), the warm-up set (slow); that the rosekernels ops ran is read from
+rosekernels.hf.stats() and from the kernel names torch.profiler records."""
+import copy
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from rosekernels import hf, jit, launch  # noqa: E402
+from transformers import DynamicCache, Qwen3Config, StaticCache  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+LAYERS = 4
+COS_MIN = 0.999
+AGREE_MIN = 0.99
+_OPS = re.compile(r"rosekernelskernels(attention_decode|attention|qk_norm|rmsnorm|moe_dispatch|moe_combine)")
+
+
+@pytest.fixture(scope="module", params=sorted(hf.GEOMETRIES))
+def pair(request):
+    """(geometry, stock model, patched copy)."""
+    stock = hf.random_model(request.param, LAYERS, seed=1)
+    ours = copy.deepcopy(stock)
+    hf.warmup(ours)  # the kernels compiled in parallel, not one by one on first use
+    hf.apply(ours)
+    yield request.param, stock, ours
+    del stock, ours
+    torch.cuda.empty_cache()
+
+
+def _ids(batch, length, seed, vocab=151936):
+    return torch.randint(0, vocab, (batch, length), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+
+
+def _min_cos(a, b):
+    """The smallest cosine similarity over positions of logits [..., V]."""
+    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).min().item()
+
+
+def _agreement(stock_logits, ours_logits):
+    """(greedy agreement on decisive steps, fraction of steps decisive, raw agreement). A step is
+    decisive where the stock's top two logits are more than two bf16 ulps of the top apart: the
+    near-uniform logits of a random-weight model over 152k tokens have near-ties that rounding
+    noise alone flips (a trained model's are far peakier)."""
+    top2 = stock_logits.float().topk(2, dim=-1).values
+    decisive = top2[..., 0] - top2[..., 1] > 2 * torch.finfo(torch.bfloat16).eps * top2[..., 0].abs()
+    agree = stock_logits.argmax(-1) == ours_logits.argmax(-1)
+    return agree[decisive].float().mean().item(), decisive.float().mean().item(), agree.float().mean().item()
+
+
+def _ops_run(fn):
+    """(fn(), the rosekernels kernels it launched, by op name, from torch.profiler's kernel names)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    return out, {m.group(1) for e in prof.key_averages() if (m := _OPS.search(e.key))}
+
+
+def _per_forward(geometry, forwards, attention):
+    """The stats of `forwards` patched forwards whose attention calls all went to `attention`."""
+    counts = {"rmsnorm": LAYERS + 1, "rmsnorm+residual": LAYERS, "qk_norm": LAYERS, attention: LAYERS}
+    if geometry == "qwen3-30b-a3b":
+        counts["experts"] = LAYERS
+    return {k: v * forwards for k, v in counts.items()}
+
+
+def _merge(*counts):
+    out = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+@torch.inference_mode()
+def test_prefill_logits_match_stock_at_every_position(pair):
+    geometry, stock, ours = pair
+    ops = {"rmsnorm", "qk_norm", "attention"} | ({"moe_dispatch", "moe_combine"} if geometry == "qwen3-30b-a3b" else set())
+    for batch, length, seed in ((2, 333, 1), (1, 1100, 2)):
+        ids = _ids(batch, length, seed)
+        want = stock(input_ids=ids).logits
+        hf.reset_stats()
+        got, ran = _ops_run(lambda: ours(input_ids=ids).logits)
+        assert hf.stats() == _per_forward(geometry, 1, "attention_prefill")
+        assert ran == ops, f"kernels launched: {ran}"
+        cos = _min_cos(got, want)
+        assert cos >= COS_MIN, f"{geometry} B{batch} S{length}: min cosine similarity {cos:.6f}"
+
+
+def _decode(model, prompt, steps, feed=None):
+    """Greedy decoding with a DynamicCache: (logits [B, steps, V], picks [B, steps]); step 0 is the
+    prompt's last position, then each step feeds back the model's pick, or feed[:, i] (teacher forcing)."""
+    cache = DynamicCache(config=model.config)
+    logits, nxt = [], prompt
+    for i in range(steps):
+        step = model(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits.append(step)
+        nxt = (step.argmax(-1) if feed is None else feed[:, i])[:, None]
+    logits = torch.stack(logits, 1)
+    return logits, logits.argmax(-1)
+
+
+def _check_decode(geometry, stock, ours, steps):
+    prompt = _ids(2, 77, seed=steps)
+    want, picks = _decode(stock, prompt, steps)
+    hf.reset_stats()
+    got, _ = _decode(ours, prompt, steps, feed=picks)  # the stock's prefix at every step
+    assert hf.stats() == _merge(_per_forward(geometry, 1, "attention_prefill"),
+                                _per_forward(geometry, steps - 1, "attention_decode"))
+    cos = _min_cos(got, want)
+    agree, decisive, raw = _agreement(want, got)
+    assert cos >= COS_MIN, f"{geometry}: min cosine similarity over {steps} steps {cos:.6f}"
+    assert decisive >= 0.5, f"only {decisive:.0%} of the steps are decisive: the agreement says little"
+    assert agree >= AGREE_MIN, f"{geometry}: greedy agreement {agree:.2%} on decisive steps ({decisive:.0%}), raw {raw:.2%}"
+
+
+@torch.inference_mode()
+def test_greedy_decode_agrees_with_stock(pair):
+    _check_decode(*pair, steps=32)
+
+
+@pytest.mark.slow
+@torch.inference_mode()
+def test_greedy_decode_agrees_with_stock_over_256_steps(pair):
+    _check_decode(*pair, steps=256)
+
+
+@torch.inference_mode()
+def test_decode_step_in_a_cuda_graph_with_a_static_cache(pair):
+    """A static cache's decode step captured in a CUDA graph and replayed (what torch.compile's
+    reduce-overhead does, without the compile). The prefill into the static cache takes rosekernels
+    attention on its first S_q keys; the decode steps carry a mask over the whole cache, so their
+    attention falls back to sdpa (counted): the kernels take no per-sequence key length yet."""
+    geometry, stock, ours = pair
+    prompt, feed = _ids(4, 50, seed=5), _ids(4, 24, seed=6)
+
+    def run(model):
+        steps = feed.shape[1]
+        cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + steps + 8)
+        logits = [model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]]
+        tok = feed[:, :1].clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # one real step outside the capture: first-call work happens here
+            logits.append(model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1].clone())
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # recorded, not run: the cache does not move
+            out = model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1]
+        for i in range(1, steps):
+            tok.copy_(feed[:, i:i + 1])
+            graph.replay()
+            logits.append(out.clone())
+        return torch.stack(logits, 1)
+
+    want = run(stock)
+    hf.reset_stats()
+    got = run(ours)
+    decode = _per_forward(geometry, 2, "fallback:attention:mask")  # the eager step and the capture
+    assert hf.stats() == _merge(_per_forward(geometry, 1, "attention_prefill"), decode)
+    cos = _min_cos(got, want)
+    agree, decisive, raw = _agreement(want, got)
+    assert cos >= COS_MIN, f"{geometry}: min cosine similarity {cos:.6f}"
+    assert decisive >= 0.5 and agree >= AGREE_MIN, f"agreement {agree:.2%} on {decisive:.0%} decisive, raw {raw:.2%}"
+
+
+@pytest.mark.slow
+@torch.no_grad()  # as generate() runs it
+def test_torch_compile_reduce_overhead_decode_with_a_static_cache(pair):
+    """The decode step as generate() compiles it for a static cache (torch.compile, mode
+    reduce-overhead: CUDA graphs), teacher-forced; the rosekernels kernels must run inside it."""
+    geometry, stock, ours = pair
+    prompt, feed = _ids(2, 40, seed=7), _ids(2, 12, seed=8)
+
+    def run(model):
+        torch._dynamo.reset()
+        cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + feed.shape[1] + 8)
+        logits = [model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]]
+        step = torch.compile(model, mode="reduce-overhead")
+        # the first call compiles and runs the graph without CUDA graphs: its kernels are all visible
+        first, ran = _ops_run(lambda: step(input_ids=feed[:, :1], past_key_values=cache, use_cache=True).logits[:, -1].clone())
+        logits.append(first)
+        for i in range(1, feed.shape[1]):  # recorded, then replayed
+            logits.append(step(input_ids=feed[:, i:i + 1], past_key_values=cache, use_cache=True).logits[:, -1].clone())
+        torch._dynamo.reset()
+        return torch.stack(logits, 1), ran
+
+    want, _ = run(stock)
+    got, ran = run(ours)
+    expected = {"rmsnorm", "qk_norm"} | ({"moe_dispatch", "moe_combine"} if geometry == "qwen3-30b-a3b" else set())
+    assert ran == expected, f"kernels launched in the compiled step: {ran}"
+    cos = _min_cos(got, want)
+    agree, decisive, raw = _agreement(want, got)
+    assert cos >= COS_MIN, f"{geometry}: min cosine similarity {cos:.6f}"
+    assert decisive >= 0.5 and agree >= AGREE_MIN, f"agreement {agree:.2%} on {decisive:.0%} decisive, raw {raw:.2%}"
+
+
+@pytest.mark.slow
+@torch.inference_mode()
+def test_warmup_compiles_every_kernel_the_model_launches(pair, tmp_path):
+    """From an empty compile cache, hf.warmup(model) compiles what a prefill and decode steps launch:
+    run inside jit.cached_only(), they compile nothing."""
+    geometry, _, ours = pair
+    jit.forget_loaded()
+    try:
+        report = hf.warmup(ours, cache_dir=tmp_path)
+        assert len(report.kernels) == len(hf.warmup_specs(ours))
+        with jit.cached_only():
+            _decode(ours, _ids(3, 300, seed=9), steps=4)
+            ours(input_ids=_ids(1, 20, seed=10))  # a short prompt: the decode-mode norms
+    finally:
+        jit.use_cache_root(None)  # warmup(cache_dir=) kept the temporary root for this process
+        jit.forget_loaded()
+        launch.forget_plans()
+
+
+@torch.inference_mode()
+def test_apply_is_idempotent(pair):
+    geometry, _, ours = pair
+    classes = [type(m) for m in ours.modules()]
+    assert hf.apply(ours) is ours
+    assert [type(m) for m in ours.modules()] == classes
+    assert all(names == () for names in hf.plan(ours).swaps.values())
+    hf.reset_stats()
+    ours(input_ids=_ids(1, 40, seed=11))
+    assert hf.stats() == _per_forward(geometry, 1, "attention_prefill")
+
+
+def test_apply_refuses_a_model_left_on_the_cpu():
+    config = Qwen3Config(hidden_size=256, intermediate_size=384, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, vocab_size=512)
+    model = hf.random_model(config, device="cpu")
+    with pytest.raises(RuntimeError) as e:
+        hf.apply(model)
+    assert "\n" not in str(e.value) and "model.to('cuda')" in str(e.value)
+    assert type(model.model.layers[0]).__name__ == "Qwen3DecoderLayer"
