@@ -426,7 +426,7 @@ def test_split_k_graph_survives_later_launches(warm_capture_stream):
     with torch.cuda.graph(graph, stream=stream):
         glr.gemm_leakyrelu(a, b, out=out)
     # Larger split launches, on the default and on the capture stream, then churn the allocator.
-    for m, n, k in [(64, 4096, 14336), (128, 8192, 14336)]:
+    for m, n, k in [(64, 4096, 14336), (128, 2048, 14336)]:
         a2, b2, _ = _inputs(m, n, k, torch.bfloat16, seed=2)
         assert glr.config_for(glr.Shape(m, n, k), modes.sm_count(0)).splits > 1
         for s in (torch.cuda.current_stream(), stream):
