@@ -284,12 +284,14 @@ class _Dispatch:
                         cute.arch.atomic_add(s_misc.iterator, Int32(1), scope="cta")
         cute.arch.sync_threads()
         # Warp w scans columns w, w + nw, ... (lane = table row), unrolled so that the scans of
-        # different columns overlap; past the last column a warp scans it again and stores nothing.
+        # different columns overlap; past the last column a warp scans zeros (its shuffles keep the
+        # warp converged) and reads nothing: reading another warp's column while that warp rewrites
+        # it was a race (harmless, the value was dropped, but racecheck rightly reported it).
         for col in cutlass.range_constexpr((E + nw - 1) // nw):
             e = warp + col * nw
             c = Int32(0)
-            if lane < nw:
-                c = s_tab[lane, cutlass.min(e, E - 1)]
+            if (lane < nw) & (e < E):
+                c = s_tab[lane, e]
             incl = self.warp_inclusive_scan(c, lane)
             if e < E:
                 if lane < nw:
