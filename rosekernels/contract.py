@@ -15,9 +15,11 @@
     candidates(shape)        every legal Config that can serve `shape`: the autotuner's search space
                              (the heuristic's choice among them).
     compile(config)          the loaded kernel (`jit.CompiledKernel`), from the compile caches.
-    variants_for(models, modes)
+    variants_for(models, modes, max_tokens)
                              the Configs that models (`rosekernels.models.ModelDims`; None: the
-                             library's default coverage) need at warm-up, for the given modes.
+                             library's default coverage) need at warm-up, for the given modes and
+                             calls of at most max_tokens tokens (None: any; kernels whose variants do
+                             not depend on the token count take it and list the same set).
     workload(config, shape)  a `rosekernels.workload.Workload`: inputs of `shape`, outputs, the float64
                              check and the launch of `config`'s kernel, for tests and the tuner.
 

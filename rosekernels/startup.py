@@ -5,7 +5,7 @@
     print(report)                                        # then: no JIT on any call of them
 
 The model form takes a `transformers` config object, a dict or the path of a config.json, and
-compiles, for each kernel module, `variants_for([ModelDims.from_config(model)], modes)`; `max_tokens`
+compiles, for each kernel module, `variants_for([ModelDims.from_config(model)], modes, max_tokens)`; `max_tokens`
 (the most tokens one forward pass carries) drops the specializations that only larger calls select.
 
 Cold specializations (in neither the memory nor the disk cache) compile in parallel processes
@@ -38,8 +38,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-import sys
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -104,28 +102,6 @@ def _resolve(spec: Any) -> _Spec:
     raise TypeError(f"a warmup spec is a Variant, a kernel config with .variant(), or a callable; got {spec!r}")
 
 
-_TOKENS_LOCK = threading.Lock()
-
-
-def _variants(module: ModuleType, dims: ModelDims, modes: tuple[str, ...], max_tokens: int | None) -> list[Any]:
-    """module.variants_for([dims], modes), for calls of at most `max_tokens` tokens where the module
-    draws its warm-up set from the token counts of its plan's WARMUP_TOKENS table (gemm_leakyrelu;
-    the other kernels list every mode their heuristics can pick, at most a few variants apart)."""
-    plan = sys.modules[module.variants_for.__module__]
-    table = getattr(plan, "WARMUP_TOKENS", None)
-    if max_tokens is None or table is None:
-        return module.variants_for([dims], modes)
-    # variants_for takes no token bound: it gets the bounded table for this call (the largest call,
-    # max_tokens itself, included: config_for files it under its own mode).
-    bounded = {mode: sorted({t for t in tokens if t <= max_tokens} | {max_tokens}) for mode, tokens in table.items()}
-    with _TOKENS_LOCK:
-        plan.WARMUP_TOKENS = bounded
-        try:
-            return module.variants_for([dims], modes)
-        finally:
-            plan.WARMUP_TOKENS = table
-
-
 def model_specs(model: Any, modes: Iterable[str] = MODES, max_tokens: int | None = None) -> list[Any]:
     """The configs of every kernel module that `model` (a Hugging Face config: object, dict or path of
     a config.json; or a ModelDims) needs in `modes`, for calls of at most `max_tokens` tokens (None:
@@ -136,7 +112,7 @@ def model_specs(model: Any, modes: Iterable[str] = MODES, max_tokens: int | None
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
     dims = model if isinstance(model, ModelDims) else ModelDims.from_config(model)
-    return [c for op in rosekernels.KERNELS for c in _variants(_module(op), dims, modes, max_tokens)]
+    return [c for op in rosekernels.KERNELS for c in _module(op).variants_for([dims], modes, max_tokens)]
 
 
 def _tuned_root(cache_dir: str | os.PathLike | None, tuned_dir: str | os.PathLike | None) -> Path | None:

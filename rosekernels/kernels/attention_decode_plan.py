@@ -210,7 +210,8 @@ def rank(shape: DecodeShape, configs: Iterable[DecodeConfig], sms: int | None = 
     return sorted(configs, key=cost)
 
 
-def variants_for(models: Iterable[ModelDims] | None = None, modes: Iterable[str] = MODES) -> list[DecodeConfig]:
+def variants_for(models: Iterable[ModelDims] | None = None, modes: Iterable[str] = MODES,
+                 max_tokens: int | None = None) -> list[DecodeConfig]:
     """The configs attention() can launch for `models` (rosekernels.models.ModelDims: their head dim
     and dtype, the row tiles of S_q = 1..MAX_SEQLEN_Q at their GQA ratio; a head dim or dtype the
     kernel lacks needs none). None: every head dim, dtype and row tile. The kernel has only a

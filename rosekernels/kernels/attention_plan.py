@@ -138,7 +138,8 @@ def candidates(shape: AttentionShape, sms: int | None = None) -> list[AttentionC
     return found
 
 
-def variants_for(models: Iterable[ModelDims] | None = None, modes: Iterable[str] = MODES) -> list[AttentionConfig]:
+def variants_for(models: Iterable[ModelDims] | None = None, modes: Iterable[str] = MODES,
+                 max_tokens: int | None = None) -> list[AttentionConfig]:
     """The configs attention() can launch for `models` (rosekernels.models.ModelDims: their head dim
     and dtype, causal and not, short and long key ranges; a head dim or dtype the kernel lacks needs
     none). None: every head dim and dtype. The kernel has only a prefill mode."""

@@ -333,12 +333,10 @@ def config_for(shape: GemmShape, sms: int | None = None) -> GemmConfig:
 def candidates(shape: GemmShape, sms: int | None = None) -> list[GemmConfig]:
     """Every config that can run `shape`, config_for's first. Decode: decode_configs with each split
     count up to MAX_SPLITS that leaves every split a k-tile, plain 64-row tiles also with each
-    larger a_rows (`stages` stays at as many as fit: not searched). Prefill: each
-    tile of PREFILL_TILES on
-    PREFILL_CLUSTERS, walked in PREFILL_RASTER_GROUPS."""
+    larger a_rows (`stages` stays at as many as fit: not searched). Prefill: each tile of
+    PREFILL_TILES on PREFILL_CLUSTERS, walked in PREFILL_RASTER_GROUPS."""
     pick = config_for(shape, sms)
-    m, n = shape.m, shape.n
-    if m <= DECODE_MAX_M:
+    if shape.m <= DECODE_MAX_M:
         splits = range(1, max(1, min(MAX_SPLITS, math.ceil(shape.k / TILE_K))) + 1)
         found = decode_configs(shape, splits)
         found += [dataclasses.replace(c, a_rows=r) for c in found if not c.swap_ab and c.tile_m == 64
@@ -400,18 +398,21 @@ def _mlp_linears(model) -> list[tuple[int, int]]:
     return pairs
 
 
-def variants_for(models: Optional[Iterable] = None, modes: Iterable[str] = MODES) -> list[GemmConfig]:
+def variants_for(models: Optional[Iterable] = None, modes: Iterable[str] = MODES,
+                 max_tokens: Optional[int] = None) -> list[GemmConfig]:
     """The configs warm-up compiles, one per variant (launch policy at its defaults). models None:
     every variant the op can launch at the default slope; else, for each
     `rosekernels.models.ModelDims`, the configs config_for picks for its MLP projections (bf16/fp16
     models; b as nn.Linear stores it, no bias, the default slope) over WARMUP_TOKENS of each mode,
-    on the current device."""
+    on the current device; with `max_tokens`, the counts up to it and max_tokens itself."""
     modes = tuple(modes)
     if models is None:
         configs = _library_variants()
     else:
+        tokens = {t for mode in modes for t in WARMUP_TOKENS[mode]
+                  if max_tokens is None or t <= max_tokens} | ({max_tokens} if max_tokens else set())
         configs = [config_for(GemmShape(m, n, k, dtype=model.dtype))
                    for model in models if model.dtype in DTYPES for n, k in _mlp_linears(model)
-                   for mode in modes for m in WARMUP_TOKENS[mode]]
+                   for m in sorted(tokens)]
     unique = {c.variant(): dataclasses.replace(c, splits=1, raster_group=RASTER_GROUP) for c in configs}
     return [c for c in unique.values() if c.mode in modes]

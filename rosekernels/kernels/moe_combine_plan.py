@@ -92,7 +92,8 @@ def candidates(shape: CombineShape) -> list[CombineConfig]:
     return [dataclasses.replace(base, threads=t) for t in THREAD_CHOICES]
 
 
-def variants_for(models: list[ModelDims] | None = None, modes: tuple[str, ...] = MODES) -> list[CombineConfig]:
+def variants_for(models: list[ModelDims] | None = None, modes: tuple[str, ...] = MODES,
+                 max_tokens: int | None = None) -> list[CombineConfig]:
     """The configs warm-up compiles, with fp32 weights and weights in the model's dtype: of MODELS in
     bf16 (models None), or of the given models' MoE layers (dense models need none)."""
     if models is None:

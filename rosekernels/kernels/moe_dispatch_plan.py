@@ -121,7 +121,8 @@ def candidates(shape: DispatchShape) -> list[DispatchConfig]:
             and (base.mode == "prefill" or DECODE_PAIRS_PER_THREAD * t >= DECODE_MAX_PAIRS)]
 
 
-def variants_for(models: list[ModelDims] | None = None, modes: tuple[str, ...] = MODES) -> list[DispatchConfig]:
+def variants_for(models: list[ModelDims] | None = None, modes: tuple[str, ...] = MODES,
+                 max_tokens: int | None = None) -> list[DispatchConfig]:
     """The configs warm-up compiles: of MODELS in bf16 (models None), or of the given models' MoE
     layers (dense models need none)."""
     if models is None:

@@ -132,7 +132,8 @@ def candidates(shape: QKNormShape, sms: int | None = None) -> list[QKNormConfig]
             for w in PREFILL_WARPS for r in ROWS_PER_THREAD for h in CACHE_HINTS]
 
 
-def variants_for(models: Iterable[ModelDims] | None = None, modes: Iterable[str] = MODES) -> list[QKNormConfig]:
+def variants_for(models: Iterable[ModelDims] | None = None, modes: Iterable[str] = MODES,
+                 max_tokens: int | None = None) -> list[QKNormConfig]:
     """The configs qk_norm() can launch in `modes` for `models` (rosekernels.models.ModelDims: their
     heads, head dim and dtype, weights in that dtype or fp32; a head dim the kernel lacks needs none).
     None: the MODEL_HEADS models in every dtype and head dim."""

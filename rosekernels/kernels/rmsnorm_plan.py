@@ -143,7 +143,8 @@ def candidates(shape: RMSNormShape, sms: int | None = None) -> list[RMSNormConfi
     return [dataclasses.replace(cfg, warps=w, cache_hint=h) for w in PREFILL_WARPS for h in CACHE_HINTS]
 
 
-def variants_for(models: Iterable[ModelDims] | None = None, modes: Iterable[str] = MODES) -> list[RMSNormConfig]:
+def variants_for(models: Iterable[ModelDims] | None = None, modes: Iterable[str] = MODES,
+                 max_tokens: int | None = None) -> list[RMSNormConfig]:
     """The configs rmsnorm() can launch in `modes` for `models` (rosekernels.models.ModelDims: their
     hidden size and dtype, weights in that dtype or fp32, with and without the residual add; a hidden
     size the kernel lacks needs none). None: the MODEL_HIDDEN sizes in every dtype."""

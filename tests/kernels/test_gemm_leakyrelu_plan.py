@@ -255,5 +255,10 @@ def test_model_variants(model):
     decode = plan.variants_for([model], modes=("decode",))
     assert decode and all(c.mode == "decode" for c in decode)
     assert {c.variant() for c in decode} < {c.variant() for c in configs}
+    # Calls of at most 8 tokens: the choices of M = 1..8 only, a strict subset of the decode set.
+    few = plan.variants_for([model], modes=("decode",), max_tokens=8)
+    assert {c.variant() for c in few} == {plan.config_for(Shape(m, n, k)).variant()
+                                          for m in range(1, 9) for n, k in plan._mlp_linears(model)}
+    assert {c.variant() for c in few} < {c.variant() for c in decode}
     assert plan.variants_for([dataclasses.replace(model, dtype="fp32")]) == []
     assert plan.variants_for([ModelDims("no-mlp", 4096, 0, 32, 8, 128)]) == []

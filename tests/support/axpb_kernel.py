@@ -55,7 +55,7 @@ def compile(config: Config) -> jit.CompiledKernel:
     return jit.compile_variant(config.variant(), demo.build)
 
 
-def variants_for(models=None, modes=MODES) -> list[Config]:
+def variants_for(models=None, modes=MODES, max_tokens=None) -> list[Config]:
     return [Config(mode) for mode in modes]
 
 
