@@ -7,6 +7,9 @@ Ops (torch tensors in, torch tensors out; each JIT-specialized per shape, dtype 
     moe_dispatch(x, topk_ids, num_experts)         group tokens by expert for a grouped GEMM (MoE, one GPU)
     moe_combine(expert_out, topk_weights, slot_map)
                                                    weighted sum of each token's expert outputs
+    gemm(a, w, bias, activation, gated)            act(a @ w.T + bias), act none/relu/leaky_relu/silu/gelu_tanh;
+                                                   gated: act(a @ w_gate.T) * (a @ w_up.T) (SwiGLU), one kernel
+    gate_up_rows(w_gate, w_up)                     the interleaved weight a gated gemm takes
     gemm_leakyrelu(a, b, negative_slope, bias)     leaky_relu(a @ b.T + bias), prefill and decode kernels
     attention(q, k, v, causal)                     attention forward, GQA; S_q <= 16 runs the split-KV kernel
     attention_decode(q, k, v, causal, splits)      attention forced onto the split-KV (decode) kernel
@@ -17,7 +20,7 @@ Ops (torch tensors in, torch tensors out; each JIT-specialized per shape, dtype 
 CuTeDSL takes seconds); `dir(rosekernels)` lists them without loading anything.
 
 torch.ops.rosekernels.* are the out-variant custom ops behind them (qk_norm, rmsnorm, moe_dispatch,
-moe_combine, gemm_leakyrelu, attention_fwd, attention_decode): they write into output tensors the
+moe_combine, gemm, gemm_leakyrelu, attention_fwd, attention_decode): they write into output tensors the
 caller passes and return nothing. torch.compile and CUDA-graph capture go through them; eager calls of
 the functions above skip the torch dispatcher. Call the functions above, not the custom ops.
 """
@@ -33,7 +36,8 @@ KERNELS = {name: f"rosekernels.kernels.{name}" for name in (
 # The public ops and where each is defined: a kernel's own module, or rosekernels.ops where an op
 # chooses between kernels. warmup lives in `startup`: a submodule named `warmup` would shadow the
 # function once imported.
-_EXPORTS = {**KERNELS, "attention": "rosekernels.ops.attention", "warmup": "rosekernels.startup"}
+_EXPORTS = {**KERNELS, "attention": "rosekernels.ops.attention", "warmup": "rosekernels.startup",
+            "gemm": KERNELS["gemm_leakyrelu"], "gate_up_rows": KERNELS["gemm_leakyrelu"]}
 
 __all__ = sorted(_EXPORTS)
 

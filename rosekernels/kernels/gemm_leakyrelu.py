@@ -1,4 +1,5 @@
-"""GEMM + LeakyReLU for Hopper (sm_90a): out = leaky_relu(a @ b^T + bias, negative_slope).
+"""GEMM with a fused epilogue for Hopper (sm_90a): out = act(a @ b^T + bias), act one of none, relu,
+leaky_relu, silu, gelu_tanh; gated (SwiGLU): out = act(a @ b_gate^T) * (a @ b_up^T) in one kernel.
 
 One persistent, warp-specialized kernel serves every specialization:
 
@@ -7,9 +8,12 @@ One persistent, warp-specialized kernel serves every specialization:
 - consumer warpgroups run WGMMA (bf16/fp16 in, fp32 accumulate). "Cooperative" tiles split one
   tile across 2 warpgroups (64 rows each); "pingpong" tiles give each warpgroup a whole tile and
   alternate mainloops (an ordering barrier), so one warpgroup's epilogue hides under the other's MMAs;
-- the epilogue adds the bias (staged once per tile in shared memory), applies LeakyReLU with the
-  slope constant-folded, converts to the input dtype and stores through shared memory with TMA
-  (which clips ragged M/N edges; ragged K is zero-filled by the TMA loads);
+- the epilogue adds the bias (staged once per tile in shared memory), applies the activation (the
+  LeakyReLU slope constant-folded; gated: act(gate) * up of column pairs that one thread holds, see
+  GATE_BLOCK), converts to the input dtype and stores through shared memory with TMA (which clips
+  ragged M/N edges; ragged K is zero-filled by the TMA loads);
+- decode variants may swap the operands (`swap_ab`): the weights fill the MMA's M side and the few
+  tokens its N side (8-128), the kernel computes out^T and stores it from registers;
 - decode variants for M <= 32 load only the first `a_rows` rows of each A k-tile (a smaller TMA box
   instead of a mostly zero-filled 64-row one) and pack the A stages `a_rows` rows apart, which
   leaves room for more stages of weights in flight (see `_a_smem_layouts`);
@@ -26,7 +30,8 @@ Configs, shapes and the cost models that choose a tile shape and split count are
 `gemm_leakyrelu_plan`. Eager calls keep a launch plan per argument signature (rosekernels.launch),
 so a repeated call only checks pointers (alignment, overlap) and launches.
 
-Public entry point: `gemm_leakyrelu(a, b, negative_slope=0.01, bias=None, out=None, b_layout="nk")`;
+Public entry points: `gemm(a, w, bias=None, activation=None, gated=False, ...)`, `gemm_leakyrelu(a, b,
+negative_slope=0.01, bias=None, out=None, b_layout="nk")` and `gate_up_rows(w_gate, w_up)`;
 `run(a, b_nk, bias, out, config)` launches a given config. The kernel-module contract
 (rosekernels.contract) exposes every variant to warm-up, tests and SIP.
 """
@@ -53,8 +58,8 @@ from cutlass.tensor_utils import LayoutEnum
 
 from rosekernels import checks, launch, modes, scratch, tuned
 from rosekernels.kernels.gemm_leakyrelu_plan import (  # noqa: F401  (candidates, variants_for: the contract)
-    COUNTER_SLOTS, MAX_SPLITS, OP, TILE_K, GemmConfig, GemmShape, candidates, check_fits, config_for, m_range,
-    partial_floats, variants_for)
+    ACTIVATIONS, COUNTER_SLOTS, GATE_BLOCK, MAX_SPLITS, OP, TILE_K, GemmConfig, GemmShape, candidates, check_fits,
+    config_for, m_range, partial_floats, variants_for)
 from rosekernels.workload import Workload
 
 Config, Shape = GemmConfig, GemmShape
@@ -120,6 +125,8 @@ class _GemmLeakyReluSm90:
         self.tile_slots = self.num_mma_wg // self.wg_per_tile  # tiles in flight per CTA
         self.mcast_a = cfg.cluster_n  # CTAs of a cluster row load the same A tile
         self.mcast_b = cfg.cluster_m
+        # Output columns of a plain tile (gated: the products of its gate/up column pairs).
+        self.out_n = cfg.tile_n // 2 if cfg.gated and not cfg.swap_ab else cfg.tile_n
         self.ab_stage, self.epi_stage = self._stages()
 
     def _stages(self) -> tuple[int, int]:
@@ -173,6 +180,13 @@ class _GemmLeakyReluSm90:
             self.atom_layout,
             tiler_mn=(64, self.cfg.tile_n),
         )
+        # The layout of the output tile's fragment (gated plain tiles: half as wide as the MMA's).
+        tiled_mma_out = tiled_mma
+        if const_expr(self.out_n != self.cfg.tile_n):
+            tiled_mma_out = sm90_utils.make_trivial_tiled_mma(
+                self.ab_dtype, self.ab_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
+                self.acc_dtype, self.atom_layout, tiler_mn=(64, self.out_n),
+            )
         if const_expr(self.swap):
             a_smem = sm90_utils.make_smem_layout_a(a_layout, self.tile_shape, self.ab_dtype, self.ab_stage)
             a_load_smem = a_smem
@@ -223,7 +237,7 @@ class _GemmLeakyReluSm90:
         units = clusters_m * clusters_n * num_splits
         grid_clusters = cutlass.min(units, max_clusters)
         self.kernel(
-            tiled_mma, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d,
+            tiled_mma, tiled_mma_out, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d,
             mBias, mPartials, mCounters, num_splits, raster_group, clusters_m, clusters_n,
             a_smem, a_load_smem, b_smem, d_smem, tx_bytes,
         ).launch(
@@ -258,16 +272,49 @@ class _GemmLeakyReluSm90:
                 split, k_begin, k_end - k_begin)
 
     @cute.jit
-    def _leaky(self, x: Float32) -> Float32:
-        slope = self.cfg.slope
-        if const_expr(0.0 <= slope <= 1.0):
-            return cute.arch.fmax(x, x * slope)  # two instructions; NaN stays NaN
-        return cutlass.select_(x > 0.0, x, x * slope)
+    def _act(self, x: Float32) -> Float32:
+        """The config's activation, in fp32."""
+        act = self.cfg.activation
+        y = x
+        if const_expr(act == "relu"):
+            y = cute.arch.fmax(x, Float32(0.0))
+        elif const_expr(act == "leaky_relu"):
+            slope = self.cfg.slope
+            if const_expr(0.0 <= slope <= 1.0):
+                y = cute.arch.fmax(x, x * slope)  # two instructions; NaN stays NaN
+            else:
+                y = cutlass.select_(x > 0.0, x, x * slope)
+        elif const_expr(act == "silu"):
+            y = x / (Float32(1.0) + cute.math.exp(-x))
+        elif const_expr(act == "gelu_tanh"):
+            inner = Float32(0.7978845608028654) * (x + Float32(0.044715) * x * x * x)
+            y = Float32(0.5) * x * (Float32(1.0) + cute.math.tanh(inner))
+        return y
+
+    @cute.jit
+    def _gate(self, acc: cute.Tensor, out: cute.Tensor):
+        """out = act(gate) * up for a plain tile: accumulator column blocks 2i (gate) and 2i + 1
+        (up) of 8 columns each give output block i (fragment mode 0 is (column pair, row half,
+        8-column block)); for unganged tiles out is acc, activated in place."""
+        if const_expr(not self.cfg.gated):
+            for i in cutlass.range(cute.size(acc), unroll_full=True):
+                acc[i] = self._act(acc[i])
+        else:
+            blocks = cute.size(out.shape[0][2])
+            for mm in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                for nn in cutlass.range_constexpr(cute.size(acc, mode=[2])):
+                    for i in cutlass.range_constexpr(blocks):
+                        for h in cutlass.range_constexpr(2):
+                            for c in cutlass.range_constexpr(2):
+                                gate = acc[((c, h, 2 * i), mm, nn)]
+                                up = acc[((c, h, 2 * i + 1), mm, nn)]
+                                out[((c, h, i), mm, nn)] = self._act(gate) * up
 
     @cute.kernel
     def kernel(
         self,
         tiled_mma: cute.TiledMma,
+        tiled_mma_out: cute.TiledMma,
         tma_atom_a: cute.CopyAtom,
         mA: cute.Tensor,
         tma_atom_b: cute.CopyAtom,
@@ -394,16 +441,21 @@ class _GemmLeakyReluSm90:
 
             if const_expr(not self.swap):
                 # Epilogue: registers -> shared memory (stmatrix) -> global (TMA store).
+                acc_out = acc
+                if const_expr(cfg.gated):
+                    acc_out = cute.make_rmem_tensor(
+                        tiled_mma_out.get_slice(t).partition_C(
+                            cute.make_identity_tensor((cfg.tile_m, self.out_n))).shape, self.acc_dtype)
                 sD = storage.sD.get_tensor(d_smem.outer, swizzle=d_smem.inner)
-                gD = cute.local_tile(mD, (cfg.tile_m, cfg.tile_n), (None, None))
+                gD = cute.local_tile(mD, (cfg.tile_m, self.out_n), (None, None))
                 copy_atom_c = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.ab_dtype)
                 tiled_copy_r2s = cute.make_tiled_copy_S(
                     sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.ab_dtype, self.acc_dtype),
-                    cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma),
+                    cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma_out),
                 )
                 thr_copy_r2s = tiled_copy_r2s.get_slice(t)
                 tRS_sD = thr_copy_r2s.partition_D(sD)  # (R2S, R2S_M, R2S_N, buffer)
-                tRS_rAcc = tiled_copy_r2s.retile(acc)
+                tRS_rAcc = tiled_copy_r2s.retile(acc_out)
                 rD_shape = cute.shape(thr_copy_r2s.partition_S(sD))
                 tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
                 tRS_rD_out = cute.make_rmem_tensor(rD_shape[:3], self.ab_dtype)
@@ -412,7 +464,7 @@ class _GemmLeakyReluSm90:
                     num_stages=self.epi_stage,
                     producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads),
                 )
-                subtiles = cute.zipped_divide(cute.make_layout((cfg.tile_m, cfg.tile_n)), self.epi_tile).shape[1]
+                subtiles = cute.zipped_divide(cute.make_layout((cfg.tile_m, self.out_n)), self.epi_tile).shape[1]
                 subtile_order = cute.make_layout(subtiles, stride=(subtiles[1], 1))  # N fastest
                 num_subtiles = cute.size(subtiles)
                 bias_per_thread = cute.ceil_div(cfg.tile_n, self.epi_threads)
@@ -501,11 +553,10 @@ class _GemmLeakyReluSm90:
                             if col < cfg.tile_n:
                                 sBias[col, slot] = bias_regs[j]
                         self._epi_sync(slot)
-                    for i in cutlass.range(cute.size(acc), unroll_full=True):
-                        x = acc[i]
-                        if const_expr(cfg.bias != "none"):
-                            x = x + sBias[tCcD[i][1], slot]
-                        acc[i] = self._leaky(x)
+                    if const_expr(cfg.bias != "none"):
+                        for i in cutlass.range(cute.size(acc), unroll_full=True):
+                            acc[i] = acc[i] + sBias[tCcD[i][1], slot]
+                    self._gate(acc, acc_out)
 
                     gD_tile = gD[(None, None, tile_m, tile_n)]
                     bSG_sD, bSG_gD = cpasync.tma_partition(
@@ -537,18 +588,34 @@ class _GemmLeakyReluSm90:
     @cute.jit
     def _store_swapped(self, acc: cute.Tensor, tCcD: cute.Tensor, mD: cute.Tensor,
                        mBias: Optional[cute.Tensor], tile_m: Int32, tile_n: Int32):
-        """Epilogue of a swapped tile: out^T[n, m] = leaky(acc + bias[n]) straight from registers,
+        """Epilogue of a swapped tile: out^T[n, m] = act(acc + bias[n]) straight from registers,
         element by element inside [N, M]. A thread's elements are two tokens of one weight row,
-        so neither TMA nor vector stores apply; the output (M x N) is small next to the weights."""
+        so neither TMA nor vector stores apply; the output (M x N) is small next to the weights.
+        Gated: rows r and r + 8 of each 16 (row halves h = 0, 1 of the fragment, one thread) are a
+        gate/up pair, output row (r // 16) * 8 + r % 8."""
         cfg = self.cfg
-        for i in cutlass.range(cute.size(acc), unroll_full=True):
-            n_idx = tile_m * cfg.tile_m + tCcD[i][0]
-            m_idx = tile_n * cfg.tile_n + tCcD[i][1]
-            if n_idx < mD.shape[0] and m_idx < mD.shape[1]:
-                x = acc[i]
-                if const_expr(cfg.bias != "none"):
-                    x = x + mBias[n_idx].to(Float32)
-                mD[n_idx, m_idx] = self._leaky(x).to(self.ab_dtype)
+        if const_expr(cfg.bias != "none"):
+            for i in cutlass.range(cute.size(acc), unroll_full=True):
+                n_idx = tile_m * cfg.tile_m + tCcD[i][0]
+                if n_idx < mBias.shape[0]:
+                    acc[i] = acc[i] + mBias[n_idx].to(Float32)
+        if const_expr(not cfg.gated):
+            for i in cutlass.range(cute.size(acc), unroll_full=True):
+                n_idx = tile_m * cfg.tile_m + tCcD[i][0]
+                m_idx = tile_n * cfg.tile_n + tCcD[i][1]
+                if n_idx < mD.shape[0] and m_idx < mD.shape[1]:
+                    mD[n_idx, m_idx] = self._act(acc[i]).to(self.ab_dtype)
+        else:
+            for mm in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                for nn in cutlass.range_constexpr(cute.size(acc, mode=[2])):
+                    for j in cutlass.range_constexpr(cute.size(acc.shape[0][2])):
+                        for c in cutlass.range_constexpr(2):
+                            coord = tCcD[((c, 0, j), mm, nn)]
+                            n_idx = tile_m * (cfg.tile_m // 2) + coord[0] // 16 * 8 + coord[0] % 8
+                            m_idx = tile_n * cfg.tile_n + coord[1]
+                            if n_idx < mD.shape[0] and m_idx < mD.shape[1]:
+                                y = self._act(acc[((c, 0, j), mm, nn)]) * acc[((c, 1, j), mm, nn)]
+                                mD[n_idx, m_idx] = y.to(self.ab_dtype)
 
     @cute.jit
     def _reduce_splits_whole(self, acc: cute.Tensor, mPartials: cute.Tensor, mCounters: cute.Tensor,
@@ -681,11 +748,12 @@ def _build(cfg: GemmConfig):
         b = make_fake_tensor(elem, (n, k), (cute.sym_int64(divisibility=8), 1), assumed_align=16)
     else:
         b = make_fake_tensor(elem, (n, k), (1, cute.sym_int64(divisibility=8)), assumed_align=16)
+    n_out = cute.sym_int() if cfg.gated else n  # gated: half as many columns as weight rows
     if cfg.swap_ab:  # the kernel's A is the weights, its B the tokens, its D out^T (stored per element)
         a, b = b, a
-        d = make_fake_tensor(elem, (n, m), (1, cute.sym_int64()), assumed_align=16)
+        d = make_fake_tensor(elem, (n_out, m), (1, cute.sym_int64()), assumed_align=16)
     else:
-        d = make_fake_tensor(elem, (m, n), (cute.sym_int64(divisibility=8), 1), assumed_align=16)
+        d = make_fake_tensor(elem, (m, n_out), (cute.sym_int64(divisibility=8), 1), assumed_align=16)
     bias = None
     if cfg.bias != "none":
         bias = make_fake_tensor(_DTYPES[cfg.bias], (n,), (1,), assumed_align=_DTYPES[cfg.bias].width // 8)
@@ -792,21 +860,46 @@ class _Plan(launch.Launch):
             raise
 
 
-class _NoProduct:
-    """The plan of a problem without K tiles or without outputs: out = leaky_relu(bias) for K = 0
-    (no K tiles for TMA to describe), nothing to write for M = 0 or N = 0."""
+def epilogue_reference(y: torch.Tensor, activation: str = "leaky_relu", gated: bool = False,
+                       negative_slope: float = 0.01) -> torch.Tensor:
+    """The kernel's epilogue in torch, on y = a @ b^T + bias: act(y), or for gated, act(gate) * up
+    over the GATE_BLOCK-interleaved columns of y (half as many columns). For references and K = 0."""
+    f = torch.nn.functional
+    act = {"none": lambda x: x, "relu": f.relu, "leaky_relu": lambda x: f.leaky_relu(x, negative_slope),
+           "silu": f.silu, "gelu_tanh": lambda x: f.gelu(x, approximate="tanh")}[activation]
+    if not gated:
+        return act(y)
+    pairs = y.unflatten(-1, (-1, 2, GATE_BLOCK))
+    return (act(pairs[..., 0, :]) * pairs[..., 1, :]).flatten(-2)
 
-    def __init__(self, negative_slope: float):
-        self.negative_slope = negative_slope
+
+def gate_up_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The weight of a gated `gemm` from the gate and up projections' weights (each [N, K], as
+    nn.Linear stores them; N a multiple of 8): their rows interleaved in blocks of GATE_BLOCK
+    ([2N, K]), so that gemm(a, gate_up_rows(g, u), activation="silu", gated=True) is
+    silu(a @ g^T) * (a @ u^T). A bias of the gated GEMM is interleaved the same way
+    (gate_up_rows(bias_g[:, None], bias_u[:, None])[:, 0])."""
+    if gate.shape != up.shape or gate.dim() != 2 or gate.shape[0] % GATE_BLOCK:
+        raise ValueError(f"gate and up must be [N, K] alike with N a multiple of {GATE_BLOCK}, got "
+                         f"{list(gate.shape)} and {list(up.shape)}")
+    k = gate.shape[1]
+    return torch.stack([gate.reshape(-1, GATE_BLOCK, k), up.reshape(-1, GATE_BLOCK, k)], 1).reshape(-1, k)
+
+
+class _NoProduct:
+    """The plan of a problem without K tiles or without outputs: out = act(bias) for K = 0 (no K
+    tiles for TMA to describe), nothing to write for M = 0 or N = 0."""
+
+    def __init__(self, activation: str, gated: bool, negative_slope: float):
+        self.epilogue = (activation, gated, negative_slope)
 
     def launch(self, a, b_nk, bias, out, private_scratch: bool = False) -> None:
         if out.numel() == 0:
             return
         _check_memory(a, b_nk, bias, out)
-        n = out.shape[1]
-        out.copy_(torch.nn.functional.leaky_relu(
-            (bias.float() if bias is not None else out.new_zeros(n, dtype=torch.float32)).expand(out.shape),
-            self.negative_slope))
+        n = b_nk.shape[0]
+        y = bias.float() if bias is not None else out.new_zeros(n, dtype=torch.float32)
+        out.copy_(epilogue_reference(y, *self.epilogue).expand(out.shape))
 
 
 def run(a: torch.Tensor, b_nk: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
@@ -817,7 +910,7 @@ def run(a: torch.Tensor, b_nk: torch.Tensor, bias: Optional[torch.Tensor], out: 
     _Plan(a, b_nk, bias, out, config).launch(a, b_nk, bias, out)
 
 
-def _check_shapes(a, b_nk, bias, out) -> None:
+def _check_shapes(a, b_nk, bias, out, gated: bool = False) -> None:
     """Dtypes and shapes (also checked on fake tensors, when torch.compile traces the op)."""
     checks.check_dtype("a", a, (torch.bfloat16, torch.float16))
     if b_nk.dtype != a.dtype:
@@ -830,13 +923,16 @@ def _check_shapes(a, b_nk, bias, out) -> None:
         raise ValueError(f"a is [M, K] = {list(a.shape)} but b gives K = {b_nk.shape[1]}")
     if n % 8 or k % 8:
         raise ValueError(f"N and K must be multiples of 8 (16-byte rows for TMA), got N={n}, K={k}")
+    if gated and n % (2 * GATE_BLOCK):
+        raise ValueError(f"a gated GEMM takes gate and up rows in blocks of {GATE_BLOCK}: N must be a multiple "
+                         f"of {2 * GATE_BLOCK}, got {n}")
     if bias is not None:
         checks.check_dtype("bias", bias, (a.dtype, torch.float32))
         checks.check_shape("bias", bias, (n,))
         if n > 1 and bias.stride(0) != 1:
             raise ValueError("bias must be contiguous")
     checks.check_dtype("out", out, (a.dtype,))
-    checks.check_shape("out", out, (m, n))
+    checks.check_shape("out", out, (m, n // 2 if gated else n))
 
 
 def _check_memory(a, b_nk, bias, out) -> None:
@@ -887,47 +983,97 @@ def _b_as_nk(b: torch.Tensor, b_layout: str) -> torch.Tensor:
 _plans = launch.PlanCache()
 
 
-def _new_plan(a, b_nk, bias, out, negative_slope: float):
+def _new_plan(a, b_nk, bias, out, activation: str, gated: bool, negative_slope: float):
     """Slow path, once per argument signature: every check, the heuristic, the compile."""
-    _check_shapes(a, b_nk, bias, out)
+    _check_shapes(a, b_nk, bias, out, gated)
     _check_memory(a, b_nk, bias, out)
     m, k = a.shape
     n = b_nk.shape[0]
     if m == 0 or n == 0 or k == 0:
-        return _NoProduct(negative_slope)
+        return _NoProduct(activation, gated, negative_slope)
     name = checks.DTYPE_NAME
     shape = GemmShape(m, n, k, name[a.dtype], "k" if b_nk.stride(1) == 1 else "n",
-                      name[bias.dtype] if bias is not None else "none", negative_slope)
+                      name[bias.dtype] if bias is not None else "none", negative_slope, activation, gated)
     sms = modes.sm_count(a.device.index)
     return _Plan(a, b_nk, bias, out, tuned.tuned_config(OP, shape, config_for(shape, sms), sms))
 
 
-def _run(a, b_nk, bias, out, negative_slope: float, private_scratch: bool = False) -> None:
+def _run(a, b_nk, bias, out, activation: str, gated: bool, negative_slope: float,
+         private_scratch: bool = False) -> None:
     # The plan's signature, written out: a generic builder (a loop over the arguments) costs ~1 us more.
     key = (a.shape, a.stride(), b_nk.shape, b_nk.stride(), out.shape, out.stride(), a.dtype, b_nk.dtype,
-           out.dtype, a.get_device(), b_nk.get_device(), out.get_device(), negative_slope,
+           out.dtype, a.get_device(), b_nk.get_device(), out.get_device(), activation, gated, negative_slope,
            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device()))
-    plan = _plans.get(key) or _plans.put(key, _new_plan(a, b_nk, bias, out, negative_slope))
+    plan = _plans.get(key) or _plans.put(key, _new_plan(a, b_nk, bias, out, activation, gated, negative_slope))
     plan.launch(a, b_nk, bias, out, private_scratch)
 
 
-def _op_impl(a: torch.Tensor, b_nk: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
-             negative_slope: float) -> None:
-    _run(a, b_nk, bias, out, negative_slope, private_scratch=True)  # compiled graphs: rosekernels.scratch
+def _leaky_impl(a: torch.Tensor, b_nk: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
+                negative_slope: float) -> None:
+    _run(a, b_nk, bias, out, "leaky_relu", False, negative_slope, private_scratch=True)  # rosekernels.scratch
 
 
-def _op_fake(a, b_nk, bias, out, negative_slope) -> None:
+def _leaky_fake(a, b_nk, bias, out, negative_slope) -> None:
     _check_shapes(a, b_nk, bias, out)
 
 
-_op = launch.register_op(OP, _op_impl, mutates_args=("out",), fake=_op_fake)
+def _gemm_impl(a: torch.Tensor, b_nk: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
+               activation: str, gated: bool, negative_slope: float) -> None:
+    _run(a, b_nk, bias, out, activation, gated, negative_slope, private_scratch=True)
+
+
+def _gemm_fake(a, b_nk, bias, out, activation, gated, negative_slope) -> None:
+    _check_shapes(a, b_nk, bias, out, gated)
+
+
+_leaky_op = launch.register_op(OP, _leaky_impl, mutates_args=("out",), fake=_leaky_fake)
+_gemm_op = launch.register_op("gemm", _gemm_impl, mutates_args=("out",), fake=_gemm_fake)
+
+
+def _launch(a, b, bias, out, b_layout: str, activation: str, gated: bool, negative_slope: float) -> torch.Tensor:
+    b_nk = _b_as_nk(b, b_layout)
+    if out is None:
+        if not isinstance(a, torch.Tensor) or a.dim() != 2:
+            raise ValueError("a must be a 2-D tensor")
+        n = b_nk.shape[0]
+        out = torch.empty((a.shape[0], n // 2 if gated else n), dtype=a.dtype, device=a.device)
+    if launch.eager(a, b_nk, bias, out):
+        _run(a, b_nk, bias, out, activation, gated, negative_slope)
+    elif activation == "leaky_relu" and not gated:
+        _leaky_op(a, b_nk, bias, out, negative_slope)
+    else:
+        _gemm_op(a, b_nk, bias, out, activation, gated, negative_slope)
+    return out
+
+
+def gemm(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: Optional[str] = None,
+         gated: bool = False, negative_slope: float = 0.01, out: Optional[torch.Tensor] = None,
+         b_layout: str = "nk") -> torch.Tensor:
+    """act(a @ w^T + bias) with activation None, "relu", "leaky_relu" (negative_slope), "silu" or
+    "gelu_tanh" (GELU, tanh approximation), in one kernel (prefill and decode variants, as
+    gemm_leakyrelu).
+
+    gated=True: out = act(a @ w_gate^T + b_gate) * (a @ w_up^T + b_up) (SwiGLU with "silu"), one kernel,
+    out [M, N / 2]; w [N, K] holds the gate and up rows interleaved in blocks of 8 (w[16 i + j] is gate
+    row 8 i + j, w[16 i + 8 + j] up row 8 i + j): `gate_up_rows(w_gate, w_up)` builds it, the bias
+    likewise. N a multiple of 16.
+
+    a: [M, K] bf16/fp16, unit stride along K; w: same dtype, contiguous along K or N (b_layout="kn":
+    w is [K, N]); bias: [N] in a's dtype or fp32. Registered as torch.ops.rosekernels.gemm (mutating
+    `out`) for torch.compile; eager calls skip the dispatcher.
+    """
+    activation = "none" if activation is None else activation
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be None or one of {ACTIVATIONS[1:]}, got {activation!r}")
+    return _launch(a, w, bias, out, b_layout, activation, bool(gated),
+                   float(negative_slope) if activation == "leaky_relu" else 0.01)
 
 
 def gemm_leakyrelu(a: torch.Tensor, b: torch.Tensor, negative_slope: float = 0.01,
                    bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
                    b_layout: str = "nk") -> torch.Tensor:
     """leaky_relu(a @ b^T + bias) for b_layout="nk" (b: [N, K], the weight layout of nn.Linear),
-    leaky_relu(a @ b + bias) for b_layout="kn" (b: [K, N]).
+    leaky_relu(a @ b + bias) for b_layout="kn" (b: [K, N]): gemm(..., activation="leaky_relu").
 
     a: [M, K] bf16/fp16, unit stride along K; b: same dtype, contiguous along K or along N (a
     transposed view works: b_layout only says which dim is N); bias: [N] in a's dtype or fp32;
@@ -936,18 +1082,7 @@ def gemm_leakyrelu(a: torch.Tensor, b: torch.Tensor, negative_slope: float = 0.0
     Registered as torch.ops.rosekernels.gemm_leakyrelu (mutating `out`) for torch.compile and fake
     tensors; eager calls skip the dispatcher (tens of microseconds), no autograd either way.
     """
-    b_nk = _b_as_nk(b, b_layout)
-    if out is None:
-        if not isinstance(a, torch.Tensor) or a.dim() != 2:
-            raise ValueError("a must be a 2-D tensor")
-        out = torch.empty((a.shape[0], b_nk.shape[0]), dtype=a.dtype, device=a.device)
-    if launch.eager(a, b_nk, bias, out):
-        _run(a, b_nk, bias, out, float(negative_slope))
-    else:
-        _op(a, b_nk, bias, out, float(negative_slope))
-    return out
-
-
+    return _launch(a, b, bias, out, b_layout, "leaky_relu", False, float(negative_slope))
 # ---------------------------------------------------------------------------------------------
 # Workloads: a config's kernel with inputs and a reference, for tests and SIP.
 
@@ -965,7 +1100,7 @@ def _args(config: GemmConfig, m: int, n: int, k: int, seed: int) -> tuple:
     bias = None
     if config.bias != "none":
         bias = torch.randn(n, generator=g, device="cuda").to(checks.TORCH_DTYPE[config.bias])
-    out = torch.full((m, n), float("nan"), dtype=dt, device="cuda")
+    out = torch.full((m, n // 2 if config.gated else n), float("nan"), dtype=dt, device="cuda")
     partials = counters = None
     if config.split_k:
         counters = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device="cuda")
@@ -976,17 +1111,17 @@ def _args(config: GemmConfig, m: int, n: int, k: int, seed: int) -> tuple:
     return (a, b, out, bias, partials, counters, config.splits, config.raster_group, clusters)
 
 
-def _check(slope: float, swap_ab: bool, args: tuple) -> float:
+def _check(config: GemmConfig, args: tuple) -> float:
     """Raise AssertionError unless out (args[2]) is within one ulp of its dtype of the float64
     reference rounded to that dtype (+ 1e-4 absolute near zero): fp32 accumulation leaves the
     rounding of the output as the only visible error. Returns the worst error / tolerance."""
     a, b, out, bias = args[:4]
-    if swap_ab:  # the launch took (b_nk, a, out^T)
+    if config.swap_ab:  # the launch took (b_nk, a, out^T)
         a, b, out = b, a, out.t()
     ref = a.double() @ b.double().t()
     if bias is not None:
         ref += bias.double()
-    ref = torch.nn.functional.leaky_relu(ref, slope)
+    ref = epilogue_reference(ref, config.activation, config.gated, config.slope)
     assert torch.isfinite(out).all(), "unwritten (NaN) or non-finite elements"
     ulp = 2.0 ** (-7 if out.dtype == torch.bfloat16 else -10)
     err = (out.double() - ref.to(out.dtype).double()).abs() / (1.01 * ulp * ref.abs() + 1e-4)
@@ -1000,19 +1135,20 @@ def workload(config: GemmConfig, shape: GemmShape) -> Workload:
     """`config`'s kernel on `shape` (make_args, with the config's K splits and raster group).
     test_args draws ragged M (m_range(config)), N and K up to 1600, and for split-K configs the
     split count too: one compiled kernel serves every count."""
-    options = (shape.dtype, shape.b_major, shape.bias, float(shape.slope))
-    if options != (config.dtype, config.b_major, config.bias, config.slope):
-        raise ValueError(f"{config} does not serve {shape}: dtype, b_major, bias and slope must match")
+    options = (shape.dtype, shape.b_major, shape.bias, float(shape.slope), shape.activation, shape.gated)
+    if options != (config.dtype, config.b_major, config.bias, config.slope, config.activation, config.gated):
+        raise ValueError(f"{config} does not serve {shape}: dtype, b_major, bias, slope, activation and gating "
+                         "must match")
     check_fits(config, shape.m, shape.n)
     lo, hi = m_range(config)
 
     def test_args(seed: int) -> tuple:
         r = random.Random(seed)
-        m, n, k = r.randint(lo, hi), 8 * r.randint(1, 200), 8 * r.randint(1, 200)
+        m, n, k = r.randint(lo, hi), 16 * r.randint(1, 100), 8 * r.randint(1, 200)
         splits = r.randint(1, min(MAX_SPLITS, math.ceil(k / TILE_K))) if config.split_k else 1
         return _args(dataclasses.replace(config, splits=splits), m, n, k, seed)
 
     return Workload(compile(config), lambda seed: _args(config, shape.m, shape.n, shape.k, seed),
                     outputs=lambda args: (args[2].t(),) if config.swap_ab else args[2:3],
-                    check=functools.partial(_check, config.slope, config.swap_ab),
+                    check=functools.partial(_check, config),
                     test_args=test_args, name=OP)

@@ -23,6 +23,13 @@ from rosekernels.modes import sm_count
 from rosekernels.variant import MODES, Variant
 
 OP = "gemm_leakyrelu"
+# Epilogue activations: act(x) after the bias. "gelu_tanh" is GELU's tanh approximation.
+ACTIVATIONS = ("none", "relu", "leaky_relu", "silu", "gelu_tanh")
+# Gated GEMMs (SwiGLU: out = act(a @ w_gate^T) * (a @ w_up^T)) take the gate and up rows of w
+# interleaved in blocks of GATE_BLOCK rows: w[16 i + j] = gate[8 i + j], w[16 i + 8 + j] = up[8 i + j]
+# (j < 8). Both halves of a pair then sit in one thread's accumulator, plain or swapped, so the
+# product needs no data exchange. `gate_up_rows` makes that layout from separate gate and up.
+GATE_BLOCK = 8
 TILE_K = 64  # 128 bytes of bf16/fp16: one SW128 swizzle atom along K
 DECODE_MAX_M = 128  # token counts up to this use the decode variants (one M tile, split-K)
 DTYPES = ("bf16", "fp16")
@@ -93,7 +100,7 @@ class GemmConfig:
     dtype: str = "bf16"  # a, b and out: "bf16" | "fp16"
     b_major: str = "k"  # memory order of b seen as [N, K]: "k" (row-major [N, K]) | "n" ([K, N])
     bias: str = "none"  # "none" | the bias dtype: "bf16" | "fp16" | "fp32"
-    slope: float = 0.01  # LeakyReLU negative slope, constant-folded
+    slope: float = 0.01  # LeakyReLU negative slope, constant-folded (leaky_relu only)
     tile_m: int = 128
     tile_n: int = 256
     cluster_m: int = 2  # CTAs along M sharing (multicasting) each B tile
@@ -106,6 +113,8 @@ class GemmConfig:
     # M, down to 8), so no MMA row is padding; the kernel computes out^T.
     swap_ab: bool = False
     stages: int = 0  # A/B shared-memory stages; 0: as many as fit
+    activation: str = "leaky_relu"  # one of ACTIVATIONS
+    gated: bool = False  # out = act(gate) * up over GATE_BLOCK-interleaved weight rows: N / 2 columns
     # Launch policy, not compiled in (left out of variant()):
     splits: int = 1  # K splits (split-K variants only)
     raster_group: int = RASTER_GROUP  # cluster rows per band of the persistent tile walk
@@ -113,6 +122,8 @@ class GemmConfig:
     def __post_init__(self) -> None:
         if self.a_rows is None:
             object.__setattr__(self, "a_rows", self.tile_m)
+        if self.activation != "leaky_relu":
+            object.__setattr__(self, "slope", 0.01)  # unread: one spelling per kernel
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be bf16 or fp16, got {self.dtype!r}")
         if self.b_major not in ("k", "n"):
@@ -143,6 +154,8 @@ class GemmConfig:
             raise ValueError(f"raster_group must be at least 1, got {self.raster_group}")
         if self.stages == 1 or self.stages < 0:
             raise ValueError(f"stages must be 0 (as many as fit) or at least 2, got {self.stages}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
 
     @property
     def mode(self) -> str:
@@ -154,9 +167,11 @@ class GemmConfig:
             del params[name]
         if self.a_rows == self.tile_m:
             del params["a_rows"]  # the keys of whole-tile variants predate a_rows
-        for name, default in (("swap_ab", False), ("stages", 0)):  # nor did these two
-            if params[name] == default:
+        for name, default in (("swap_ab", False), ("stages", 0), ("activation", "leaky_relu"), ("gated", False)):
+            if params[name] == default:  # nor did these
                 del params[name]
+        if self.activation != "leaky_relu":
+            del params["slope"]  # only leaky_relu reads it
         return Variant.of(OP, self.mode, **params)
 
     @classmethod
@@ -169,7 +184,8 @@ class GemmConfig:
 
 @dataclasses.dataclass(frozen=True)
 class GemmShape:
-    """One call: out[m, n] = leaky_relu(a[m, k] @ b[n, k]^T + bias, slope)."""
+    """One call: out[m, n] = act(a[m, k] @ b[n, k]^T + bias) (leaky_relu: with `slope`); gated:
+    out[m, n // 2] = act(gate) * up, n counting the interleaved gate and up rows of b."""
 
     SIZE_FIELDS = ("m",)  # varies per call (tokens): bucketed by the tuned-config store (contract.bucket)
     m: int
@@ -179,6 +195,12 @@ class GemmShape:
     b_major: str = "k"
     bias: str = "none"
     slope: float = 0.01
+    activation: str = "leaky_relu"
+    gated: bool = False
+
+    def __post_init__(self) -> None:
+        if self.activation != "leaky_relu":
+            object.__setattr__(self, "slope", 0.01)  # unread: one spelling per kernel
 
     @property
     def mode(self) -> str:
@@ -317,7 +339,8 @@ def prefill_choice(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, bool
 
 
 def _base(shape: GemmShape) -> dict:
-    return dict(dtype=shape.dtype, b_major=shape.b_major, bias=shape.bias, slope=float(shape.slope))
+    return dict(dtype=shape.dtype, b_major=shape.b_major, bias=shape.bias, slope=float(shape.slope),
+                activation=shape.activation, gated=shape.gated)
 
 
 def config_for(shape: GemmShape, sms: int | None = None) -> GemmConfig:

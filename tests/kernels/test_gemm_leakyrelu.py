@@ -30,6 +30,10 @@ _QUICK += [glr.Config(b_major="n", bias="fp32"),
            glr.Config(dtype="fp16", bias="fp16", tile_m=128, tile_n=128, cluster_m=1,
                       split_k=True, b_major="n"),
            glr.Config(tile_m=64, tile_n=8, cluster_m=1, split_k=True, swap_ab=True),
+           glr.Config(activation="silu", gated=True, bias="fp32"),
+           glr.Config(tile_m=128, tile_n=128, pingpong=True, activation="gelu_tanh", gated=True),
+           glr.Config(tile_m=64, tile_n=128, cluster_m=1, split_k=True, a_rows=16, activation="relu", gated=True),
+           glr.Config(tile_m=128, tile_n=32, cluster_m=1, split_k=True, swap_ab=True, activation="silu", gated=True),
            glr.Config(dtype="fp16", bias="fp32", tile_m=128, tile_n=96, cluster_m=1, split_k=True,
                       swap_ab=True, b_major="n")]
 
@@ -342,6 +346,81 @@ def test_stage_counts(stages):
             outs.append(out)
         assert torch.equal(outs[-2], outs[-1]), cfg
     _assert_close(outs[0], _reference(a, b, None, 0.01), torch.bfloat16, "stages")
+
+
+def test_gemm_arguments_and_gate_up_rows():
+    a = torch.empty(4, 16, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match="activation must be"):
+        glr.gemm(a, torch.empty(32, 16, dtype=torch.bfloat16, device="meta"), activation="tanh")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        glr.gemm(a, torch.empty(24, 16, dtype=torch.bfloat16, device="meta"), gated=True)
+    out = glr.gemm(a, torch.empty(32, 16, dtype=torch.bfloat16, device="meta"), activation="silu", gated=True)
+    assert out.shape == (4, 16)
+    # gate_up_rows interleaves blocks of 8 rows; the epilogue's torch definition undoes it.
+    g, u = torch.randn(24, 5, dtype=torch.float64), torch.randn(24, 5, dtype=torch.float64)
+    w = glr.gate_up_rows(g, u)
+    assert torch.equal(w[:8], g[:8]) and torch.equal(w[8:16], u[:8]) and torch.equal(w[16:24], g[8:16])
+    x = torch.randn(3, 5, dtype=torch.float64)
+    ref = torch.nn.functional.silu(x @ g.t()) * (x @ u.t())
+    assert torch.allclose(glr.epilogue_reference(x @ w.t(), "silu", True), ref)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        glr.gate_up_rows(g[:12], u[:12])
+
+
+_TILE_KINDS = {  # (m, config fields): plain and swapped decode tiles, cooperative and pingpong prefill tiles
+    "plain": (5, dict(tile_m=64, tile_n=128, cluster_m=1, split_k=True, a_rows=8)),
+    "plain128": (100, dict(tile_m=128, tile_n=64, cluster_m=1, split_k=True)),
+    "swap64": (33, dict(tile_m=64, tile_n=64, cluster_m=1, split_k=True, swap_ab=True)),
+    "swap128": (7, dict(tile_m=128, tile_n=8, cluster_m=1, split_k=True, swap_ab=True)),
+    "coop": (300, dict()),
+    "pingpong": (300, dict(tile_m=128, tile_n=128, pingpong=True)),
+}
+# Every activation plain and gated on three tile kinds; the other kinds gated with silu.
+_EPILOGUE_CASES = [(act, gated, kind) for act in ("none", "relu", "silu", "gelu_tanh") for gated in (False, True)
+                   for kind in ("plain", "swap64", "coop")]
+_EPILOGUE_CASES += [("silu", True, kind) for kind in ("plain128", "swap128", "pingpong")]
+
+
+def _epilogue_config(activation, gated, kind):
+    return glr.Config(activation=activation, gated=gated, bias="fp32", **_TILE_KINDS[kind][1])
+
+
+@pytest.fixture(scope="module")
+def epilogue_kernels():
+    """Compile the epilogue variants in parallel processes once, not one by one in the tests."""
+    glr.precompile([_epilogue_config(*case) for case in _EPILOGUE_CASES])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation, gated, kind", _EPILOGUE_CASES)
+def test_activations_and_gating(activation, gated, kind, epilogue_kernels):
+    """Each activation, plain and gated, on ragged N and K, two split counts where the tile splits,
+    against float64 (bias included: it goes in before the activation)."""
+    n, k = 784, 1000
+    m = _TILE_KINDS[kind][0]
+    cfg = _epilogue_config(activation, gated, kind)
+    a, b, bias = _inputs(m, n, k, torch.bfloat16, bias=torch.float32, seed=m)
+    ref = glr.epilogue_reference(a.double() @ b.double().t() + bias.double(), activation, gated)
+    for splits in (1, 3) if cfg.split_k else (1,):
+        out = torch.full((m, n // 2 if gated else n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        glr.run(a, b, bias, out, dataclasses.replace(cfg, splits=splits))
+        _assert_close(out, ref, torch.bfloat16, f"{cfg} splits={splits}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 96, 1000])
+def test_swiglu_through_the_op(m):
+    """gemm(..., activation="silu", gated=True) on gate_up_rows(w_gate, w_up) is the SwiGLU of a
+    Qwen3-like MLP: silu(a @ w_gate^T) * (a @ w_up^T); the registered op agrees (torch.compile path)."""
+    a, wg, _ = _inputs(m, 1536, 1024, torch.bfloat16, seed=m)
+    _, wu, _ = _inputs(m, 1536, 1024, torch.bfloat16, seed=m + 1)
+    w = glr.gate_up_rows(wg, wu)
+    out = glr.gemm(a, w, activation="silu", gated=True)
+    ref = torch.nn.functional.silu(a.double() @ wg.double().t()) * (a.double() @ wu.double().t())
+    _assert_close(out, ref, torch.bfloat16, f"swiglu m={m}")
+    via_op = torch.empty_like(out)
+    torch.ops.rosekernels.gemm(a, w, None, via_op, "silu", True, 0.01)
+    assert torch.equal(via_op, out)
 
 
 _A_ROWS_CASES = [(1, 8), (1, 16), (7, 8), (7, 16), (8, 8), (8, 16), (9, 16), (9, 32), (16, 16),

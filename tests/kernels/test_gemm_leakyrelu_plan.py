@@ -65,6 +65,14 @@ def test_variant_keys():
         assert Config.from_variant(cfg.variant()) == cfg
     with pytest.raises(ValueError, match="not a gemm_leakyrelu variant"):
         Config.from_variant(dataclasses.replace(Config().variant(), op="rmsnorm"))
+    # Activation and gating are named when not the LeakyReLU default; the slope only for leaky_relu,
+    # so that other activations have one key whatever slope a caller passed.
+    silu = Config(activation="silu", gated=True, slope=0.3)
+    assert "activation=silu" in silu.variant().key() and "gated=True" in silu.variant().key()
+    assert "slope" not in silu.variant().key() and silu == Config(activation="silu", gated=True)
+    assert Config.from_variant(silu.variant()) == silu
+    with pytest.raises(ValueError, match="activation must be"):
+        Config(activation="tanh")
 
 
 def test_shape_defaults():
