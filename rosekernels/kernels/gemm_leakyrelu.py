@@ -293,22 +293,18 @@ class _GemmLeakyReluSm90:
 
     @cute.jit
     def _gate(self, acc: cute.Tensor, out: cute.Tensor):
-        """out = act(gate) * up for a plain tile: accumulator column blocks 2i (gate) and 2i + 1
-        (up) of 8 columns each give output block i (fragment mode 0 is (column pair, row half,
-        8-column block)); for unganged tiles out is acc, activated in place."""
-        if const_expr(not self.cfg.gated):
-            for i in cutlass.range(cute.size(acc), unroll_full=True):
-                acc[i] = self._act(acc[i])
-        else:
-            blocks = cute.size(out.shape[0][2])
-            for mm in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-                for nn in cutlass.range_constexpr(cute.size(acc, mode=[2])):
-                    for i in cutlass.range_constexpr(blocks):
-                        for h in cutlass.range_constexpr(2):
-                            for c in cutlass.range_constexpr(2):
-                                gate = acc[((c, h, 2 * i), mm, nn)]
-                                up = acc[((c, h, 2 * i + 1), mm, nn)]
-                                out[((c, h, i), mm, nn)] = self._act(gate) * up
+        """out = act(gate) * up for a gated plain tile: accumulator column blocks 2i (gate) and
+        2i + 1 (up) of 8 columns each give output block i (fragment mode 0 is (column pair, row
+        half, 8-column block))."""
+        blocks = cute.size(out.shape[0][2])
+        for mm in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+            for nn in cutlass.range_constexpr(cute.size(acc, mode=[2])):
+                for i in cutlass.range_constexpr(blocks):
+                    for h in cutlass.range_constexpr(2):
+                        for c in cutlass.range_constexpr(2):
+                            gate = acc[((c, h, 2 * i), mm, nn)]
+                            up = acc[((c, h, 2 * i + 1), mm, nn)]
+                            out[((c, h, i), mm, nn)] = self._act(gate) * up
 
     @cute.kernel
     def kernel(
@@ -553,10 +549,17 @@ class _GemmLeakyReluSm90:
                             if col < cfg.tile_n:
                                 sBias[col, slot] = bias_regs[j]
                         self._epi_sync(slot)
-                    if const_expr(cfg.bias != "none"):
+                    if const_expr(not cfg.gated):
                         for i in cutlass.range(cute.size(acc), unroll_full=True):
-                            acc[i] = acc[i] + sBias[tCcD[i][1], slot]
-                    self._gate(acc, acc_out)
+                            x = acc[i]
+                            if const_expr(cfg.bias != "none"):
+                                x = x + sBias[tCcD[i][1], slot]
+                            acc[i] = self._act(x)
+                    else:
+                        if const_expr(cfg.bias != "none"):
+                            for i in cutlass.range(cute.size(acc), unroll_full=True):
+                                acc[i] = acc[i] + sBias[tCcD[i][1], slot]
+                        self._gate(acc, acc_out)
 
                     gD_tile = gD[(None, None, tile_m, tile_n)]
                     bSG_sD, bSG_gD = cpasync.tma_partition(
@@ -594,18 +597,21 @@ class _GemmLeakyReluSm90:
         Gated: rows r and r + 8 of each 16 (row halves h = 0, 1 of the fragment, one thread) are a
         gate/up pair, output row (r // 16) * 8 + r % 8."""
         cfg = self.cfg
-        if const_expr(cfg.bias != "none"):
-            for i in cutlass.range(cute.size(acc), unroll_full=True):
-                n_idx = tile_m * cfg.tile_m + tCcD[i][0]
-                if n_idx < mBias.shape[0]:
-                    acc[i] = acc[i] + mBias[n_idx].to(Float32)
         if const_expr(not cfg.gated):
             for i in cutlass.range(cute.size(acc), unroll_full=True):
                 n_idx = tile_m * cfg.tile_m + tCcD[i][0]
                 m_idx = tile_n * cfg.tile_n + tCcD[i][1]
                 if n_idx < mD.shape[0] and m_idx < mD.shape[1]:
-                    mD[n_idx, m_idx] = self._act(acc[i]).to(self.ab_dtype)
+                    x = acc[i]
+                    if const_expr(cfg.bias != "none"):
+                        x = x + mBias[n_idx].to(Float32)
+                    mD[n_idx, m_idx] = self._act(x).to(self.ab_dtype)
         else:
+            if const_expr(cfg.bias != "none"):
+                for i in cutlass.range(cute.size(acc), unroll_full=True):
+                    n_idx = tile_m * cfg.tile_m + tCcD[i][0]
+                    if n_idx < mBias.shape[0]:
+                        acc[i] = acc[i] + mBias[n_idx].to(Float32)
             for mm in cutlass.range_constexpr(cute.size(acc, mode=[1])):
                 for nn in cutlass.range_constexpr(cute.size(acc, mode=[2])):
                     for j in cutlass.range_constexpr(cute.size(acc.shape[0][2])):
