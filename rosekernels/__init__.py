@@ -13,6 +13,9 @@ Ops (torch tensors in, torch tensors out; each JIT-specialized per shape, dtype 
     gemm_leakyrelu(a, b, negative_slope, bias)     leaky_relu(a @ b.T + bias), prefill and decode kernels
     attention(q, k, v, causal)                     attention forward, GQA; S_q <= 16 runs the split-KV kernel
     attention_decode(q, k, v, causal, splits)      attention forced onto the split-KV (decode) kernel
+    attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)
+                                                   decode attention over a KV cache (contiguous or paged,
+                                                   per-sequence lengths on the device; graph-capturable)
     warmup(specs=(), model=None)                   compile what a model (or a list of specs) needs ahead of
                                                    the first call, and load SIP-tuned cubins
 
@@ -20,7 +23,7 @@ Ops (torch tensors in, torch tensors out; each JIT-specialized per shape, dtype 
 CuTeDSL takes seconds); `dir(rosekernels)` lists them without loading anything.
 
 torch.ops.rosekernels.* are the out-variant custom ops behind them (qk_norm, rmsnorm, moe_dispatch,
-moe_combine, gemm, gemm_leakyrelu, attention_fwd, attention_decode): they write into output tensors the
+moe_combine, gemm, gemm_leakyrelu, attention_fwd, attention_decode, attention_with_kvcache): they write into output tensors the
 caller passes and return nothing. torch.compile and CUDA-graph capture go through them; eager calls of
 the functions above skip the torch dispatcher. Call the functions above, not the custom ops.
 """
@@ -37,7 +40,8 @@ KERNELS = {name: f"rosekernels.kernels.{name}" for name in (
 # chooses between kernels. warmup lives in `startup`: a submodule named `warmup` would shadow the
 # function once imported.
 _EXPORTS = {**KERNELS, "attention": "rosekernels.ops.attention", "warmup": "rosekernels.startup",
-            "gemm": KERNELS["gemm_leakyrelu"], "gate_up_rows": KERNELS["gemm_leakyrelu"]}
+            "gemm": KERNELS["gemm_leakyrelu"], "gate_up_rows": KERNELS["gemm_leakyrelu"],
+            "attention_with_kvcache": "rosekernels.ops.kvcache"}
 
 __all__ = sorted(_EXPORTS)
 

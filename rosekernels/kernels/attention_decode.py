@@ -25,10 +25,19 @@ whole story; the design spreads that read over every SM:
 - Programmatic dependent launch: a CTA sets up before `griddepcontrol.wait` (the previous kernel in
   the stream may still run) and, its work done, lets the next kernel launch.
 
+KV-cache variants (`varlen`, `page_rows`; rosekernels.attention_with_kvcache, rosekernels/ops/kvcache.py):
+the same kernel over a cache [B, S_max, Hkv, d] or a paged one [num_blocks, block_size, Hkv, d] with a
+block table, each sequence's key count read on the device after the PDL wait. A CTA loads only the
+tiles that hold keys of its sequence (none past its end: it still writes a neutral partial, lse -inf,
+which the combine weighs 0); a paged tile is loaded as boxes of page_rows rows, each inside one page
+(the page a TMA coordinate, its id read from the table once per box); the last tile's V rows past the
+length are zeroed in shared memory before P V (P is 0 there, but the cache may hold NaN).
+
 Configs, the split-count model (`choose_splits`), the tuner's search space and the warm-up set are
 in attention_decode_plan.py (re-exported here). This module holds the device code, `compile(config)`,
-`workload(config, shape)`, the launch plan of a call (`plan`, `Launch`), the registered op
-rosekernels::attention_decode and `attention_decode()`, the split-KV kernel for any S_q.
+`workload(config, shape)`, the launch plan of a call (`plan`, `Launch`; `plan_kvcache`, `KVCacheLaunch`),
+the registered ops rosekernels::attention_decode and rosekernels::attention_with_kvcache and
+`attention_decode()`, the split-KV kernel for any S_q.
 """
 from __future__ import annotations
 
@@ -45,8 +54,8 @@ from rosekernels.kernels.attention_common import (
     CUTE_DTYPES, LN_2, LOG2_E, check, fake_qkv_out_lse, quad_max, quad_sum, tma_tiles, tma_view, validate,
     views_needed)
 from rosekernels.kernels.attention_decode_plan import (  # noqa: F401 - the plan's names are this kernel's
-    MAX_SEQLEN_Q, MMA_WARPS, OP, DecodeConfig, DecodeShape, candidates, config_for,
-    split_plan, variants_for)
+    MAX_SEQLEN_Q, MMA_WARPS, OP, DecodeConfig, DecodeShape, candidates, config_for, kvcache_config_for,
+    kvcache_variants_for, split_plan, variants_for)
 from rosekernels.workload import Workload
 
 import cutlass
@@ -55,7 +64,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
-from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 from cutlass.tensor_utils import LayoutEnum
 
 Config, Shape = DecodeConfig, DecodeShape
@@ -210,7 +219,9 @@ class _DecodeAttentionSm90:
     @cute.jit
     def mma(self, mQ, mO, mLSE, mOp, mLSEp, mCount, sK, sV, storage, pipe, tiled_mma, scale_log2,
             causal_shift, num_splits, num_groups, group, tidx, warp_idx, head_kv, batch, split, m_block,
-            ratio, rows, seqlen_k, t_begin, n_local):
+            ratio, rows, seqlen_k, t_begin, n_local, mTable=None, block_size=None, num_blocks=None):
+        """The MMA warps' work (the KV-cache kernel passes its block table, page size and page count
+        when paged)."""
         lane = tidx % 32
         rb = warp_idx // self.ks  # this warp's 16-row block
         ks = warp_idx - rb * self.ks  # and its slice of each tile's keys
@@ -267,14 +278,32 @@ class _DecodeAttentionSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         for i in cutlass.range(n_local, unroll=1):
             t = t_begin + i
+            if cutlass.const_expr(self.cfg.paged):
+                # Read before the wait: the table entries' latency hides behind the K/V load.
+                bad = self.bad_boxes(mTable, batch, t * self.tile_n + ks * self.warp_keys, seqlen_k, block_size,
+                                     num_blocks)
             pipe.consumer_wait(state)
+            if cutlass.const_expr(self.cfg.varlen):
+                self.clear_v_tail(sV, state.index, seqlen_k - t * self.tile_n, ks, lane)
             acc_S.fill(0.0)
             _warp_gemm(tiled_mma, acc_S, tSrQ, tSrK, tSsK[None, None, None, state.index], copy_K)
-            if t >= t_mask:
-                col0 = t * self.tile_n + ks * self.warp_keys
-                for r in cutlass.range_constexpr(n_rows):
-                    for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                        S[r, c] = -Float32.inf if col0 + tScS[r, c][1] >= limit[r] else S[r, c]
+            if cutlass.const_expr(self.cfg.paged):
+                if t >= t_mask or bad != 0:
+                    col0 = t * self.tile_n + ks * self.warp_keys
+                    for r in cutlass.range_constexpr(n_rows):
+                        for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                            key = tScS[r, c][1]  # in this warp's slice
+                            box = 0
+                            if cutlass.const_expr(self.warp_keys > self.cfg.page_rows):
+                                box = key // self.cfg.page_rows
+                            hidden = col0 + key >= limit[r] or ((bad >> box) & 1) != 0
+                            S[r, c] = -Float32.inf if hidden else S[r, c]
+            else:
+                if t >= t_mask:
+                    col0 = t * self.tile_n + ks * self.warp_keys
+                    for r in cutlass.range_constexpr(n_rows):
+                        for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                            S[r, c] = -Float32.inf if col0 + tScS[r, c][1] >= limit[r] else S[r, c]
             for r in cutlass.range_constexpr(n_rows):
                 mx = row_max[r]
                 for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
@@ -315,6 +344,36 @@ class _DecodeAttentionSm90:
         # (Triggered earlier, the next grid's CTAs shared SMs with this one's, two fitting per SM,
         # and long launches ran up to 13% slower on the H200.)
         cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def bad_boxes(self, mTable, batch, first, seqlen_k, block_size, num_blocks) -> Int32:
+        """Paged: bit j set when box j of this warp's keys (from key `first` on, page_rows keys per box)
+        lies in a page whose block-table entry is outside [0, num_blocks); the producer loaded page 0
+        there instead and its keys are masked. Boxes past the sequence's keys read no entry."""
+        bad = Int32(0)
+        for j in cutlass.range_constexpr(max(1, self.warp_keys // self.cfg.page_rows)):
+            p = first + j * self.cfg.page_rows
+            if p < seqlen_k:
+                page = mTable[batch, p // block_size]
+                if page < 0 or page >= num_blocks:
+                    bad = bad | (1 << j)
+        return bad
+
+    @cute.jit
+    def clear_v_tail(self, sV, stage, valid, ks, lane):
+        """Varlen: in the sequence's last tile (valid < tile_n keys), zero the V rows of this warp's
+        keys past its end. The cache may hold anything there (NaN included): P is 0 on those keys,
+        but 0 * NaN is not. Each warp clears only the rows it reads itself, so a warp barrier orders it."""
+        if valid < self.tile_n:
+            vecs = self.d // 8  # 16-byte vectors per row
+            sVw = cute.local_tile(sV[None, None, stage], (self.warp_keys, self.d), (ks, 0))
+            zero = cute.make_rmem_tensor((1, 8), self.dtype)
+            zero.fill(0.0)
+            first = cutlass.max(valid - ks * self.warp_keys, 0)
+            for it in cutlass.range(first * vecs + lane, self.warp_keys * vecs, 32, unroll=1):
+                row = it // vecs
+                cute.autovec_copy(zero, cute.local_tile(sVw, (1, 8), (row, it - row * vecs)))
+            cute.arch.sync_warp()
 
     @cute.jit
     def merge_key_slices(self, acc_O, row_max, row_sum, tScS, storage, scale_log2, tidx, rb, ks, thr_mma):
@@ -439,16 +498,194 @@ class _DecodeAttentionSm90:
                 mCount[group] = Int32(0)  # ready for the next launch
 
 
+class _KVCacheDecodeSm90(_DecodeAttentionSm90):
+    """The split-KV kernel over a KV cache (configs with `varlen`): sequence b has
+    seqlens[b] keys (read on the device, clamped to [0, capacity]), and its causal rows align
+    bottom-right to that count. A CTA loads only the tiles holding its split's keys (none for a
+    split past the sequence's end: it writes a neutral partial, lse -inf and O 0, that the combine
+    weighs 0).
+
+    Contiguous cache (page_rows 0): k/v [B, S_max, Hkv, d], one TMA box per tile, as the dense kernel.
+    Paged (page_rows > 0): k/v [num_blocks, block_size, Hkv, d] (the TMA view (block_size, d, Hkv,
+    num_blocks): a page is a coordinate, so any page stride TMA takes will do), key p of sequence b
+    at row p % block_size of page table[b, p // block_size]. A tile is tile_n / page_rows boxes, each
+    inside one page (block_size is a multiple of page_rows), its page id read once per box. A box
+    past the sequence's keys reads no table entry, and one whose id is outside [0, num_blocks) is
+    not loaded from it: both load page 0 instead (memory of the cache, whatever the table holds)
+    and their keys are masked."""
+
+    @cute.jit
+    def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, lse: cute.Tensor,
+                 o_part: cute.Tensor, lse_part: cute.Tensor, counters: cute.Tensor, seqlens: cute.Tensor,
+                 table: cute.Tensor, scale_log2: Float32, causal_offset: Int32, num_splits: Int32,
+                 tiles_per_split: Int32, stream):
+        # [B or pages, S, H, d] -> (S, d, H, B or pages) for TMA and local_tile.
+        mK, mV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (k, v)]
+        sKV_layout = self._smem_layout()
+        tile_layout = cute.select(sKV_layout, mode=[0, 1])
+        box = (self.tile_n, self.d)
+        box_layout = tile_layout
+        if cutlass.const_expr(self.cfg.paged):
+            # One box: page_rows rows of the tile, as they lie in its shared-memory layout (with d = 128
+            # not contiguous: TMA writes each 64-column half of the box where the tile keeps it).
+            box = (self.cfg.page_rows, self.d)
+            box_layout = cute.composition(tile_layout, cute.make_layout(box, stride=(1, self.tile_n)))
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(tma_load, mK, box_layout, box)
+        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(tma_load, mV, box_layout, box)
+        self.tile_bytes = cute.size_in_bytes(self.dtype, tile_layout)  # every box of a stage: one tx count
+        # The dense kernel's MMA and shared memory.
+        tiled_mma = cute.make_tiled_mma(warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)), (1, 1, 1),
+                                        permutation_mnk=(16, 16, 16))
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            last: cute.struct.MemRange[Int32, 1]
+            row_stats: cute.struct.MemRange[Float32, 2 * self.ks * self.tile_m]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        rows = q.shape[1] * (q.shape[2] // k.shape[2])
+        m_blocks = (rows + self.tile_m - 1) // self.tile_m
+        self.kernel(q, tma_atom_k, tma_k, tma_atom_v, tma_v, o, lse, o_part, lse_part, counters, seqlens, table,
+                    scale_log2, causal_offset, num_splits, tiles_per_split, sKV_layout, tiled_mma).launch(
+            grid=[num_splits * m_blocks, k.shape[2], q.shape[0]],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            use_pdl=True,
+        )
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, tma_atom_k: cute.CopyAtom, mK: cute.Tensor, tma_atom_v: cute.CopyAtom,
+               mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mOp: cute.Tensor, mLSEp: cute.Tensor,
+               mCount: cute.Tensor, mSeqlens: cute.Tensor, mTable: cute.Tensor, scale_log2: Float32,
+               causal_offset: Int32, num_splits: Int32, tiles_per_split: Int32, sKV_layout: cute.ComposedLayout,
+               tiled_mma: cute.TiledMma):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        bidx, head_kv, batch = cute.arch.block_idx()
+
+        seqlen_q, heads_kv = mQ.shape[1], mK.shape[2]
+        ratio = mQ.shape[2] // heads_kv
+        rows = seqlen_q * ratio
+        m_blocks = (rows + self.tile_m - 1) // self.tile_m
+        split = bidx // m_blocks
+        m_block = bidx - split * m_blocks
+        t_begin = split * tiles_per_split
+        num_groups = mQ.shape[0] * heads_kv * m_blocks
+        group = (batch * heads_kv + head_kv) * m_blocks + m_block
+        block_size, num_blocks = mK.shape[0], mK.shape[3]  # paged; contiguous: S_max and B
+        capacity = mTable.shape[1] * block_size if cutlass.const_expr(self.cfg.paged) else block_size
+
+        if warp_idx == MMA_WARPS:
+            for atom in (tma_atom_k, tma_atom_v):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(), num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_WARPS),  # lane 0 of each
+            tx_count=2 * self.tile_bytes, defer_sync=True)
+        pipeline.pipeline_init_arrive()
+        pipeline.pipeline_init_wait()
+        cute.arch.griddepcontrol_wait()
+        # After the wait: the previous kernel in the stream may have written the lengths.
+        seqlen_k = cutlass.max(cutlass.min(mSeqlens[batch], capacity), 0)
+        n_tiles = (seqlen_k + self.tile_n - 1) // self.tile_n
+        n_local = cutlass.max(cutlass.min(tiles_per_split, n_tiles - t_begin), 0)  # 0: a split past the end
+        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+
+        if warp_idx == MMA_WARPS:
+            self.load(tma_atom_k, mK, tma_atom_v, mV, sK, sV, pipe, mTable, head_kv, batch, seqlen_k, t_begin,
+                      n_local, block_size, num_blocks)
+        else:
+            self.mma(mQ, mO, mLSE, mOp, mLSEp, mCount, sK, sV, storage, pipe, tiled_mma, scale_log2,
+                     seqlen_k + causal_offset, num_splits, num_groups, group, tidx, warp_idx, head_kv, batch,
+                     split, m_block, ratio, rows, seqlen_k, t_begin, n_local, mTable, block_size, num_blocks)
+
+    @cute.jit
+    def load(self, tma_atom_k, mK, tma_atom_v, mV, sK, sV, pipe, mTable, head_kv, batch, seqlen_k, t_begin,
+             n_local, block_size, num_blocks):
+        """The producer warp: tiles t_begin .. t_begin + n_local - 1 into the ring, one stage each."""
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        if cutlass.const_expr(not self.cfg.paged):
+            gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
+            gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
+            tKsK, tKgK = tma_tiles(tma_atom_k, sK, gK)
+            tVsV, tVgV = tma_tiles(tma_atom_v, sV, gV)
+            for i in cutlass.range(n_local, unroll=1):
+                pipe.producer_acquire(state)
+                bar = pipe.producer_get_barrier(state)
+                cute.copy(tma_atom_k, tKgK[None, t_begin + i], tKsK[None, state.index], tma_bar_ptr=bar)
+                cute.copy(tma_atom_v, tVgV[None, t_begin + i], tVsV[None, state.index], tma_bar_ptr=bar)
+                state.advance()
+        else:
+            rows = self.cfg.page_rows
+            box = (rows, self.d)
+            # The ring as boxes: (rows, d, box of the tile, 1, stage).
+            sKb, sVb = cute.flat_divide(sK, box), cute.flat_divide(sV, box)
+            for i in cutlass.range(n_local, unroll=1):
+                t = t_begin + i
+                pipe.producer_acquire(state)
+                bar = pipe.producer_get_barrier(state)
+                for j in cutlass.range_constexpr(self.tile_n // rows):
+                    p = t * self.tile_n + j * rows  # the box's first key
+                    page = Int32(0)
+                    at = Int32(0)  # the box's index in its page
+                    if p < seqlen_k:
+                        entry = p // block_size
+                        found = mTable[batch, entry]
+                        if found >= 0 and found < num_blocks:
+                            page = found
+                            at = (p - entry * block_size) // rows
+                    gK = cute.local_tile(mK[None, None, head_kv, page], box, (None, 0))
+                    gV = cute.local_tile(mV[None, None, head_kv, page], box, (None, 0))
+                    tKsK, tKgK = tma_tiles(tma_atom_k, sKb, gK)
+                    tVsV, tVgV = tma_tiles(tma_atom_v, sVb, gV)
+                    cute.copy(tma_atom_k, tKgK[None, at], tKsK[None, j, 0, state.index], tma_bar_ptr=bar)
+                    cute.copy(tma_atom_v, tVgV[None, at], tVsV[None, j, 0, state.index], tma_bar_ptr=bar)
+                state.advance()
+
+
 # ---------------------------------------------------------------------------------------------
 # Host side.
+
+
+def _fake_kvcache_args(cfg: DecodeConfig) -> tuple:
+    """Compile-time stand-ins for (q, k_cache, v_cache, out, lse, seqlens, table): as the dense
+    kernel's, but the caches' first dim is their own (pages, or B again); seqlens [B] and table
+    [*, max_blocks] int32 with a unit last stride (table rows may be strided; a contiguous cache's
+    launch passes any stand-in)."""
+    b, s_q, h_q, n, s_k, h_k, t, m = (cute.sym_int() for _ in range(8))
+
+    def bshd(*shape):
+        strides = tuple(cute.sym_int(divisibility=8) for _ in range(3))
+        return make_fake_tensor(CUTE_DTYPES[cfg.dtype], (*shape, cfg.head_dim), stride=(*strides, 1),
+                                assumed_align=16)
+
+    lse = make_fake_compact_tensor(Float32, (b, h_q, s_q), stride_order=(2, 1, 0), assumed_align=16)
+    seqlens = make_fake_tensor(Int32, (b,), stride=(1,), assumed_align=4)
+    table = make_fake_tensor(Int32, (t, m), stride=(cute.sym_int(), 1), assumed_align=4)
+    return bshd(b, s_q, h_q), bshd(n, s_k, h_k), bshd(n, s_k, h_k), bshd(b, s_q, h_q), lse, seqlens, table
 
 
 def _build(cfg: DecodeConfig):
     o_part = make_fake_tensor(Float32, (cute.sym_int(),), stride=(1,), assumed_align=16)
     lse_part = make_fake_tensor(Float32, (cute.sym_int(),), stride=(1,), assumed_align=4)
     counters = make_fake_tensor(Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    if cfg.varlen:
+        q, k, v, out, lse, seqlens, table = _fake_kvcache_args(cfg)
+        args = (q, k, v, out, lse, o_part, lse_part, counters, seqlens, table, Float32(1.0), Int32(0), Int32(1),
+                Int32(1), stream)
+        return _KVCacheDecodeSm90(cfg), args
     args = (*fake_qkv_out_lse(cfg.dtype, cfg.head_dim), o_part, lse_part, counters,
-            Float32(1.0), Int32(0), Int32(1), Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True))
+            Float32(1.0), Int32(0), Int32(1), Int32(1), stream)
     return _DecodeAttentionSm90(cfg), args
 
 
@@ -459,7 +696,10 @@ def _variant(cfg: DecodeConfig) -> jit.Variant:
 
 def compile(config: DecodeConfig) -> jit.CompiledKernel:  # noqa: A001 - the contract's name
     """The loaded kernel of one config:
-    fn(q, k, v, out, lse, o_part, lse_part, counters, scale_log2, causal_shift, num_splits, tiles_per_split)."""
+    fn(q, k, v, out, lse, o_part, lse_part, counters, scale_log2, causal_shift, num_splits, tiles_per_split);
+    with `varlen` (the KV-cache kernel): fn(q, k_cache, v_cache, out, lse, o_part, lse_part, counters,
+    seqlens, table, scale_log2, causal_offset, num_splits, tiles_per_split) (causal_offset: -S_q causal, else 0;
+    table: the block table, paged, else any int32 [*, 1] stand-in)."""
     return jit.compile_variant(_variant(config), lambda: _build(config))
 
 
@@ -502,6 +742,9 @@ def workload(config: DecodeConfig, shape: DecodeShape) -> Workload:
     size, so test_args draw 1-3 batches and 1-5000 keys (other split counts, ragged last tiles)."""
     if (config.head_dim, config.dtype) != (shape.head_dim, shape.dtype):
         raise ValueError(f"{config} does not serve {shape}")
+    if config.varlen:
+        raise ValueError(f"{config}: the KV-cache variants have no workload (their tests: "
+                         "tests/kernels/test_attention_kvcache.py)")
     scale = 1.0 / math.sqrt(config.head_dim)
 
     def test_args(seed: int) -> tuple:
@@ -598,3 +841,80 @@ def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
         else:
             torch.ops.rosekernels.attention_decode(*(tma_view(t) for t in (q, k, v, out)), lse, causal, scale)
     return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# The KV-cache kernel's host side (rosekernels.attention_with_kvcache validates; rosekernels/ops/kvcache.py).
+
+
+def _unit_strides(t: torch.Tensor) -> torch.Tensor:
+    """An int32 index tensor whose last stride is 1 (size-1 dims: any stride, which never addresses
+    memory) as the kernel's compiled layout wants it."""
+    if t.dim() and t.shape[-1] == 1 and t.stride(-1) != 1:
+        return t.as_strided(t.shape, (*t.stride()[:-1], 1))
+    return t
+
+
+class KVCacheLaunch(launch.Launch):
+    """One launch of a KV-cache config (`varlen`) planned for an argument signature (validated
+    arguments, B >= 1): split count for the cache's capacity, loaded kernel, views and scalars fixed
+    up front. `private_scratch`: as Launch's."""
+
+    def __init__(self, cfg: DecodeConfig, shape: DecodeShape, q, k_cache, v_cache, out, cache_seqlens, block_table,
+                 scale: float, private_scratch: bool = False):
+        super().__init__(compile(cfg).fn, q.device.index)
+        self.cfg = cfg
+        self.num_splits, self.per, self.groups = split_plan(cfg, shape, modes.sm_count(q.device.index))
+        self.torch_device = q.device
+        self.views = views_needed(q, k_cache, v_cache, out)
+        self.int_views = any(_unit_strides(t) is not t for t in (cache_seqlens, block_table) if t is not None)
+        # A contiguous cache reads no table: any int32 [*, 1] stands in.
+        self.no_table = None if cfg.paged else scratch.unread_float32(self.device).view(torch.int32)[:1].view(1, 1)
+        self.scale_log2 = scale * LOG2_E
+        self.causal_offset = -shape.seqlen_q if shape.causal else 0  # row s sees keys < len - S_q + 1 + s
+        self.private_scratch = private_scratch
+
+    def launch(self, q, k_cache, v_cache, out, lse, cache_seqlens, block_table) -> None:
+        if self.views:
+            q, k_cache, v_cache, out = (tma_view(t) for t in (q, k_cache, v_cache, out))
+        if self.no_table is not None:
+            block_table = self.no_table
+        if self.int_views:
+            cache_seqlens, block_table = _unit_strides(cache_seqlens), _unit_strides(block_table)
+        if self.num_splits > 1:
+            rows = self.num_splits * self.groups * self.cfg.tile_m
+            o_part, lse_part, counters = _workspace(self.torch_device, self.groups, rows, self.cfg.head_dim,
+                                                    self.private_scratch)
+        else:
+            o_part = lse_part = scratch.unread_float32(self.device)
+            counters = o_part.view(torch.int32)
+        launch.on_device(self.device, self.fn, q, k_cache, v_cache, out, lse, o_part, lse_part, counters,
+                         cache_seqlens, block_table, self.scale_log2, self.causal_offset, self.num_splits, self.per)
+
+
+def plan_kvcache(q, k_cache, v_cache, out, cache_seqlens, block_table, causal: bool, scale: float,
+                 splits: int | None = None, private_scratch: bool = False) -> KVCacheLaunch:
+    """The launch of validated attention_with_kvcache arguments (B >= 1) with kvcache_config_for's
+    config, planned for a full cache (S_max, or max_blocks * block_size keys per sequence);
+    `splits` forces the number of KV chunks."""
+    block_size = None if block_table is None else k_cache.shape[1]
+    capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    shape = DecodeShape(batch, seqlen_q, capacity, heads_q, k_cache.shape[2], head_dim,
+                        checks.DTYPE_NAME[q.dtype], causal)
+    cfg = kvcache_config_for(shape, block_size, modes.sm_count(q.device.index))
+    if splits is not None:
+        cfg = dataclasses.replace(cfg, splits=splits)
+    return KVCacheLaunch(cfg, shape, q, k_cache, v_cache, out, cache_seqlens, block_table, scale, private_scratch)
+
+
+def _attention_with_kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, out: torch.Tensor,
+                               lse: torch.Tensor, causal: bool, softmax_scale: float) -> None:
+    """The registered op (torch.compile, tensor subclasses): validated arguments, B >= 1, TMA views."""
+    plan_kvcache(q, k_cache, v_cache, out, cache_seqlens, block_table, causal, softmax_scale,
+                 private_scratch=True).launch(
+        q, k_cache, v_cache, out, lse, cache_seqlens, block_table)
+
+
+launch.register_op("attention_with_kvcache", _attention_with_kvcache_op, mutates_args=("out", "lse"))

@@ -8,11 +8,18 @@ The S_q * Hq/Hkv query rows that share a KV head are packed into the M dimension
 rows per CTA (more rows: more m-blocks); the keys are cut into `splits` chunks of whole `tile_n`
 tiles, one CTA per (split, m-block, KV head, batch). Head dim, dtype, tile_m and the stage count are
 compiled in; the split count, causality and every size are launch-time values.
+
+The KV-cache variants (rosekernels.attention_with_kvcache) are the same kernel with two more
+compile-time fields: `varlen` (each sequence's key count is read from device memory) and
+`page_rows` (a paged cache: each K/V tile is loaded as tile_n / page_rows boxes of page_rows rows,
+each inside one page; 0: a contiguous cache). Both are left out of the variant key at their
+defaults, so the keys of the dense variants are unchanged.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Iterable
 
 import torch
@@ -28,6 +35,7 @@ MAX_SEQLEN_Q = 16  # attention() sends S_q <= this here
 MMA_WARPS = 4
 TILE_M = (16, 32, 64)
 STAGES = (2, 3, 4, 5, 6)  # the legal K/V ring depths (6 x 32 KB: one CTA per SM still fits)
+PAGE_ROWS = 16  # the smallest page (block_size) of a paged KV cache: one TMA box of 16 rows
 
 # How many KV splits: a fluid model of the launch. Every CTA streams its chunk at the lesser of
 # what one CTA keeps in flight (CTA_GBPS) and its share of HBM (HBM_GBPS over the CTAs of its wave);
@@ -89,6 +97,10 @@ class DecodeConfig:
     # Launch policy, not compiled in (variant() leaves it out): the KV chunks wanted, at most one
     # per tile (`split_plan`); None: the split-count model's choice for each call's shape.
     splits: int | None = None
+    # KV-cache variants (kvcache_config_for): per-sequence key counts read on the device, and for a
+    # paged cache the rows of one TMA box (a power of two from PAGE_ROWS up to tile_n; 0: contiguous).
+    varlen: bool = False
+    page_rows: int = 0
 
     def __post_init__(self) -> None:
         if self.head_dim not in HEAD_DIMS:
@@ -101,20 +113,29 @@ class DecodeConfig:
             raise ValueError(f"num_stages must be in [2, 6], got {self.num_stages}")
         if self.splits is not None and self.splits < 1:
             raise ValueError(f"splits must be None or >= 1, got {self.splits}")
+        if self.page_rows and not (self.varlen and self.page_rows in _page_rows_choices(self.tile_n)):
+            raise ValueError(f"page_rows must be 0 or, with varlen, a power of two in [{PAGE_ROWS}, "
+                             f"{self.tile_n}] (tile_n), got {self.page_rows} (varlen={self.varlen})")
 
     @property
     def tile_n(self) -> int:
-        """Keys per K/V tile: 16 KB of K (and of V) per stage."""
-        return 8192 // self.head_dim
+        return tile_n_for(self.head_dim)
 
     @property
     def key_slices(self) -> int:
         """MMA warps sharing one 16-row block, each taking 1/key_slices of every tile's keys."""
         return MMA_WARPS // (self.tile_m // 16)
 
+    @property
+    def paged(self) -> bool:
+        return self.page_rows > 0
+
     def variant(self) -> Variant:
         params = dataclasses.asdict(self)
         del params["splits"]
+        for name, default in (("varlen", False), ("page_rows", 0)):  # the dense keys predate them
+            if params[name] == default:
+                del params[name]
         return Variant.of(OP, "decode", **params)
 
     @classmethod
@@ -122,6 +143,25 @@ class DecodeConfig:
         if variant.op != OP:
             raise ValueError(f"not an {OP} variant: {variant}")
         return cls(**dict(variant.params))
+
+
+def tile_n_for(head_dim: int) -> int:
+    """Keys per K/V tile: 16 KB of K (and of V) per stage."""
+    return 8192 // head_dim
+
+
+def _page_rows_choices(tile_n: int) -> tuple[int, ...]:
+    return tuple(r for r in (16, 32, 64, 128) if r <= tile_n)
+
+
+def page_rows_for(block_size: int, tile_n: int) -> int:
+    """The TMA box height for pages of `block_size` rows and key tiles of `tile_n`: the largest power
+    of two dividing both (each box then lies inside one page: one box per tile when the page is a
+    multiple of the tile); ValueError for a block size the kernel cannot take."""
+    if block_size < PAGE_ROWS or block_size % PAGE_ROWS:
+        raise ValueError(f"block_size must be a positive multiple of {PAGE_ROWS} (the kernel loads K/V pages "
+                         f"with TMA boxes of at least {PAGE_ROWS} rows), got {block_size}")
+    return math.gcd(block_size, tile_n)
 
 
 def tile_m_for(rows: int) -> int:
@@ -184,6 +224,20 @@ def config_for(shape: DecodeShape, sms: int | None = None) -> DecodeConfig:
     return dataclasses.replace(cfg, splits=split_plan(cfg, shape, sms)[0])
 
 
+def kvcache_config_for(shape: DecodeShape, block_size: int | None = None, sms: int | None = None) -> DecodeConfig:
+    """What attention_with_kvcache launches: config_for's row tile and split count for `shape`, whose
+    seqlen_kv is the cache's capacity per sequence (S_max, or max_blocks * block_size: the splits are
+    planned for a full cache, and a shorter sequence's surplus splits load nothing), with `varlen`,
+    and for a paged cache (`block_size` given) the box height page_rows_for(block_size, tile_n)."""
+    return _kvcache(config_for(shape, sms), block_size)
+
+
+def _kvcache(cfg: DecodeConfig, block_size: int | None) -> DecodeConfig:
+    """`cfg`'s KV-cache variant for a contiguous cache (block_size None) or pages of `block_size` rows."""
+    page_rows = 0 if block_size is None else page_rows_for(block_size, cfg.tile_n)
+    return dataclasses.replace(cfg, varlen=True, page_rows=page_rows)
+
+
 def candidates(shape: DecodeShape, sms: int | None = None) -> list[DecodeConfig]:
     """Every row tile that holds `shape`'s packed rows (or 64 rows) x every stage count x split
     counts: powers of two up to MAX_SPLITS, and the model's choice for the tile, as far as `shape`
@@ -227,3 +281,12 @@ def variants_for(models: Iterable[ModelDims] | None = None, modes: Iterable[str]
             for s_q in range(1, MAX_SEQLEN_Q + 1):
                 found[DecodeConfig(m.head_dim, m.dtype, tile_m_for(s_q * ratio))] = None
     return list(found)
+
+
+def kvcache_variants_for(models: Iterable[ModelDims] | None = None,
+                         block_size: int | None = None) -> list[DecodeConfig]:
+    """The configs attention_with_kvcache can launch for `models` (S_q = 1..MAX_SEQLEN_Q; a head dim or
+    dtype the kernel lacks needs none) on a contiguous cache (block_size None) or a paged one of
+    `block_size`-row pages; pass them to rosekernels.warmup(specs=...). models None: every head dim,
+    dtype and row tile."""
+    return [_kvcache(cfg, block_size) for cfg in variants_for(models, ("decode",))]

@@ -27,3 +27,47 @@ def sync(what, timeout_s=60.0):
             print(f"\nKERNEL HANG: {what} did not finish in {timeout_s:.0f} s", file=sys.stderr, flush=True)
             os._exit(3)
         time.sleep(0.001)
+
+
+def sequence_kv(k_cache, v_cache, lengths, b, block_table=None):
+    """Sequence b's keys and values as dense [1, lengths[b], Hkv, d] tensors, gathered from a contiguous
+    cache [B, S_max, Hkv, d] or through a block table from a paged one [num_blocks, block_size, Hkv, d]."""
+    n = int(lengths[b])
+    if block_table is None:
+        return k_cache[b:b + 1, :n], v_cache[b:b + 1, :n]
+    pos = torch.arange(n, device=k_cache.device)
+    pages, rows = block_table[b].long()[pos // k_cache.shape[1]], pos % k_cache.shape[1]
+    return k_cache[pages, rows][None], v_cache[pages, rows][None]
+
+
+def check_kvcache(out, lse, q, k_cache, v_cache, lengths, block_table, causal, scale, what):
+    """`check` of attention_with_kvcache's out and lse, sequence by sequence against the float64 reference
+    over the keys it holds (causal bottom-right to its length; length 0: out 0, lse -inf)."""
+    for b in range(q.shape[0]):
+        k, v = sequence_kv(k_cache, v_cache, lengths, b, block_table)
+        check(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k, v, causal, scale, f"{what}, sequence {b} of length {len(k[0])}")
+
+
+def paged_cache(k, v, lengths, block_size, spare_blocks, generator):
+    """A paged copy of the contiguous cache k, v [B, S_max, Hkv, d]: each sequence's ceil(length / block_size)
+    pages at random places among all the blocks (spare_blocks more than needed, holding noise, as
+    freed pages would), its ragged last page's tail noise too. Returns k_cache, v_cache [num_blocks,
+    block_size, Hkv, d] and block_table [B, max_blocks] int32 with the entries past each sequence's
+    pages set to garbage ids (-1, num_blocks, 2^31 - 1 in turn)."""
+    B, S_max, Hkv, d = k.shape
+    max_blocks = -(-S_max // block_size)
+    used = [-(-int(n) // block_size) for n in lengths]
+    num_blocks = sum(used) + spare_blocks
+    order = torch.randperm(num_blocks, generator=generator, device="cpu").tolist()
+    table = torch.tensor([[-1, num_blocks, 2**31 - 1][j % 3] for j in range(max_blocks)] * B,
+                         dtype=torch.int32).view(B, max_blocks)
+    noise = torch.randn(2, num_blocks, block_size, Hkv, d, generator=generator, device="cpu").to(k.dtype).to(k.device)
+    k_cache, v_cache = noise[0].clone(), noise[1].clone()
+    for b in range(B):
+        for j in range(used[b]):
+            page = order.pop()
+            table[b, j] = page
+            rows = min(block_size, int(lengths[b]) - j * block_size)
+            k_cache[page, :rows] = k[b, j * block_size:j * block_size + rows]
+            v_cache[page, :rows] = v[b, j * block_size:j * block_size + rows]
+    return k_cache, v_cache, table.to(k.device)

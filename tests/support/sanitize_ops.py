@@ -46,6 +46,18 @@ def main() -> None:
             attn_mask=torch.ones(sq, skv, dtype=torch.bool, device=dev).tril(skv - sq) if causal else None)
         close(o, ref.transpose(1, 2), f"attention {sq}x{skv}")
 
+    # Paged decode attention with garbage block ids past each length and a sequence of length 0:
+    # nothing outside the cache may be read.
+    from attention_reference import check_kvcache, paged_cache
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.tensor([0, 1, 97, 300], dtype=torch.int32)
+    kd = torch.randn(4, 300, 2, 128, device=dev, dtype=bf)
+    vd = torch.randn(4, 300, 2, 128, device=dev, dtype=bf)
+    kc, vc, table = paged_cache(kd, vd, lengths, 16, 3, g)
+    qd = torch.randn(4, 2, 8, 128, device=dev, dtype=bf)
+    o, lse = rosekernels.attention_with_kvcache(qd, kc, vc, lengths.to(dev), block_table=table, return_lse=True)
+    check_kvcache(o, lse, qd, kc, vc, lengths, table, True, 128 ** -0.5, "paged decode")
+
     for t in (3, 300):  # decode and prefill variants
         xs = torch.randn(t, 512, device=dev, dtype=bf)
         ids = torch.stack([torch.randperm(16)[:4] for _ in range(t)]).to(dev, torch.int32)  # distinct per token

@@ -1,0 +1,195 @@
+"""attention_with_kvcache(): decode attention over a KV cache, contiguous or paged, each sequence with
+its own key count held on the device (so a call never syncs and is CUDA-graph capturable).
+
+q [B, S_q, Hq, d] (S_q 1..16: decode, speculative decoding), bf16 or fp16, d in {64, 128}, Hq a multiple
+of Hkv; cache_seqlens [B] int32 on the device: sequence b attends to its first cache_seqlens[b] keys,
+causal aligned bottom-right to that count (query row s sees keys < cache_seqlens[b] - S_q + 1 + s).
+- Contiguous cache (block_table None): k_cache, v_cache [B, S_max, Hkv, d] (views strided along B, S and
+  H work, e.g. transformers' [B, Hkv, S_max, d] static cache transposed).
+- Paged cache: k_cache, v_cache [num_blocks, block_size, Hkv, d], block_table [B, max_blocks] int32; key p
+  of sequence b is row p % block_size of block block_table[b, p // block_size]. block_size: any multiple
+  of 16 (the kernel loads each K/V tile as boxes of gcd(block_size, tile_n) rows, each inside one page;
+  tile_n is 64 keys at d = 128 and 128 at d = 64); others are refused.
+Out [B, S_q, Hq, d]; lse [B, Hq, S_q] fp32, natural log; a row that sees no key (a sequence of length 0,
+or causal rows before its first key) gets out 0 and lse -inf.
+
+What the kernel does with bad device data, which eager calls cannot see without a sync: a length is
+clamped to [0, capacity] (S_max, or max_blocks * block_size); a block id outside [0, num_blocks) is never
+dereferenced: the keys of that block are masked (they get no weight). Table entries past a sequence's
+length are never read, and cache rows past it never reach the output (whatever they hold, NaN
+included). `check=True` syncs and raises on either instead (debugging).
+
+The kernel is the split-KV decode kernel (rosekernels/kernels/attention_decode.py) with its KV-cache
+variants; splits are planned for a full cache, and splits past a shorter sequence's end load nothing.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rosekernels import checks, launch
+from rosekernels.kernels import attention_decode as decode
+from rosekernels.kernels.attention_common import TORCH_DTYPES, tma_view
+from rosekernels.kernels.attention_decode_plan import page_rows_for, tile_n_for
+from rosekernels.kernels.attention_plan import HEAD_DIMS
+
+_plans = launch.PlanCache()
+_MAX_INDEX = 2**31  # the kernel indexes with 32 bits
+
+
+def _spans(t: torch.Tensor) -> int:
+    return sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+
+def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, out, softmax_scale,
+                     pointers: bool = True) -> float:
+    """Check every argument of attention_with_kvcache before any launch, without reading device data
+    (shapes first, then devices and memory layout); return the softmax scale. pointers=False (traced
+    calls: no data pointers yet) checks the strides' alignment only; the compiled launch checks the
+    pointers'."""
+    named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens),
+             ("block_table", block_table), ("out", out))
+    for name, t in named:
+        if t is None and name in ("block_table", "out"):
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if t is not None and t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D, got shape {list(t.shape)}")
+    checks.check_dtype("q", q, TORCH_DTYPES)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if t is not None:
+            checks.check_dtype(name, t, (q.dtype,))
+    checks.check_dtype("cache_seqlens", cache_seqlens, (torch.int32,))
+    B, S_q, Hq, d = q.shape
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be 64 or 128, got {d}")
+    if not 1 <= S_q <= decode.MAX_SEQLEN_Q:
+        raise ValueError(f"q must hold 1 to {decode.MAX_SEQLEN_Q} query tokens per sequence (decode, speculative "
+                         f"decoding), got {S_q}")
+    checks.check_shape("k_cache", k_cache, (None, None, None, d))
+    checks.check_shape("v_cache", v_cache, tuple(k_cache.shape))
+    checks.check_shape("cache_seqlens", cache_seqlens, (B,))
+    if out is not None:
+        checks.check_shape("out", out, tuple(q.shape))
+    blocks, rows, Hkv = k_cache.shape[:3]
+    if block_table is None:
+        checks.check_shape("k_cache", k_cache, (B, None, None, d))
+        if rows == 0:
+            raise ValueError("k_cache and v_cache must hold at least one key per sequence (S_max >= 1)")
+        capacity = rows
+    else:
+        checks.check_dtype("block_table", block_table, (torch.int32,))
+        checks.check_shape("block_table", block_table, (B, None))
+        if block_table.shape[1] == 0 or blocks == 0:
+            raise ValueError(f"a paged cache needs blocks and a block table with at least one column, got "
+                             f"{blocks} blocks and block_table {list(block_table.shape)}")
+        page_rows_for(rows, tile_n_for(d))  # raises for a block size the kernel cannot take
+        capacity = rows * block_table.shape[1]
+    if capacity >= _MAX_INDEX:
+        raise ValueError(f"the cache holds {capacity} keys per sequence; the kernel counts keys with 32 bits")
+    if B > 65535 or Hkv > 65535:
+        raise ValueError(f"batch ({B}) and KV heads ({Hkv}) must each be at most 65535 (grid limits)")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"the number of query heads ({Hq}) must be a multiple of the KV heads ({Hkv})")
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+    for name, t in named:
+        if t is None:
+            continue
+        checks.check_cuda(name, t)
+        if t.numel() == 0:
+            continue
+        checks.check_unit_last_stride(name, t)
+        if t.dtype != torch.int32:
+            if pointers:
+                checks.check_aligned(name, tma_view(t), 16)
+            elif any(s * t.element_size() % 16 for n, s in zip(t.shape[:-1], t.stride()[:-1]) if n > 1):
+                raise ValueError(f"{name} must be 16-byte aligned (row strides)")
+        if any(s == 0 for n, s in zip(t.shape, t.stride()) if n > 1):
+            raise ValueError(f"{name} has a zero stride (an expanded view); pass a materialized tensor")
+        if _spans(t) >= _MAX_INDEX:
+            raise ValueError(f"{name} spans 2^31 elements or more; the kernel indexes with 32 bits")
+    checks.check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
+                             block_table=block_table, out=out)
+    return scale
+
+
+def check_cache_tables(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, capacity: int,
+                       num_blocks: int) -> None:
+    """Raise ValueError unless every length is in [0, capacity] and every block id a sequence's keys
+    use is in [0, num_blocks). Reads the device tensors: a sync (attention_with_kvcache(check=True))."""
+    lengths = cache_seqlens.cpu()
+    wrong = ((lengths < 0) | (lengths > capacity)).nonzero()
+    if len(wrong):
+        b = int(wrong[0])
+        raise ValueError(f"cache_seqlens[{b}] = {int(lengths[b])} is outside [0, {capacity}] (the keys the cache "
+                         "holds per sequence)")
+    if block_table is None:
+        return
+    table = block_table.cpu()
+    block_size = capacity // table.shape[1]
+    used = torch.arange(table.shape[1])[None, :] < ((lengths + block_size - 1) // block_size)[:, None]
+    wrong = (used & ((table < 0) | (table >= num_blocks))).nonzero()
+    if len(wrong):
+        b, j = (int(i) for i in wrong[0])
+        raise ValueError(f"block_table[{b}, {j}] = {int(table[b, j])} is outside [0, {num_blocks}) and holds keys of "
+                         f"sequence {b} (length {int(lengths[b])})")
+
+
+def _new_plan(q, k_cache, v_cache, cache_seqlens, block_table, out, causal: bool, softmax_scale) -> launch.Launch:
+    """The slow path, once per argument signature: every check, then the kernel's plan."""
+    scale = validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, out, softmax_scale)
+    if not q.numel():
+        return launch.nothing(q.device.index)
+    return decode.plan_kvcache(q, k_cache, v_cache, out, cache_seqlens, block_table, causal, scale)
+
+
+def _signature(t: torch.Tensor | None):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
+
+
+def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,
+                           softmax_scale: float | None = None, causal: bool = True, out: torch.Tensor | None = None,
+                           return_lse: bool = False, check: bool = False):
+    """softmax(q k^T * softmax_scale [causal, bottom-right per sequence]) v over each sequence's first
+    cache_seqlens[b] cached keys; see the module docstring for the layouts.
+
+    Returns out [B, S_q, Hq, d], or (out, lse [B, Hq, S_q] fp32) with return_lse. Nothing syncs: the
+    lengths and the block table are read on the device (shapes, dtypes, devices and layouts are checked
+    on the host once per argument signature; what they hold is not, see the module docstring);
+    check=True reads them first and raises on a length outside the cache or a block id out of range
+    that a sequence uses (a sync per call: debugging). Eager calls on plain tensors skip the torch
+    dispatcher; under torch.compile the kernel runs through the op rosekernels::attention_with_kvcache.
+    """
+    causal = bool(causal)
+    eager = launch.eager(q, k_cache, v_cache, cache_seqlens, block_table, out)
+    if eager:
+        key = (_signature(q), _signature(k_cache), _signature(v_cache), _signature(cache_seqlens),
+               _signature(block_table), _signature(out), causal, softmax_scale)
+        plan = _plans.get(key)
+        # A cached plan still needs 16-byte aligned pointers (if not, the full checks say which is not).
+        if plan is None or (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()
+                            | (0 if out is None else out.data_ptr())) % 16:
+            plan = _plans.put(key, _new_plan(q, k_cache, v_cache, cache_seqlens, block_table, out, causal,
+                                             softmax_scale))
+    else:
+        scale = validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, out, softmax_scale, pointers=False)
+    if check:
+        if not eager:
+            raise ValueError("check=True reads the lengths and the block table on the host: eager calls only")
+        pages = 1 if block_table is None else block_table.shape[1]
+        check_cache_tables(cache_seqlens, block_table, k_cache.shape[1] * pages, k_cache.shape[0])
+    if out is None:
+        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
+    if eager:
+        plan.launch(q, k_cache, v_cache, out, lse, cache_seqlens, block_table)
+    elif q.numel():
+        torch.ops.rosekernels.attention_with_kvcache(*(tma_view(t) for t in (q, k_cache, v_cache)), cache_seqlens,
+                                                     block_table, tma_view(out), lse, causal, scale)
+    return (out, lse) if return_lse else out
