@@ -7,9 +7,13 @@ Layers, each in its own module:
   instruction offsets other sections refer to (pinned), arch check, in-place `.text` patching.
 * `sip.sass`   - nvdisasm-backed decoding: `Instruction` (128-bit word, control code, registers
   read/written), basic blocks.
-* `sip.deps`   - the dependency model of a kernel: which adjacent instructions may swap, and the
+* `sip.cfg`    - the control-flow graph of the basic blocks: dominators, natural loops, loop depth.
+* `sip.latency` - fixed-latency distances measured on the GPU (tools/sass_latency.py): the table
+  that lets stall counts go below what ptxas wrote.
+* `sip.deps`   - the dependency model of a kernel: which instructions may swap, and the
   fixed-latency distances a reordering must keep.
-* `sip.mutate` - immutable `Schedule` values, SIP's one-slot moves, control-code repair, `apply`.
+* `sip.mutate` - immutable `Schedule` values and the classes of changes to them (global / shared /
+  alu moves, control-code edits), hot blocks first; control-code repair; `apply`.
 * `sip.search` - simulated annealing over any state space (what the tuner runs on schedules).
 * `sip.cli`    - the `sip` command (disasm / inspect / mutate).
 

@@ -1,8 +1,14 @@
 """The `sip` command: look at a Hopper cubin's schedule and mutate it.
 
     sip disasm FILE.cubin [--kernel NAME]
-    sip inspect FILE.cubin
-    sip mutate IN.cubin -o OUT.cubin [--kernel NAME] --steps N --seed S [--include-shared]
+    sip inspect FILE.cubin [--moves CLASSES] [--latency-table FILE]
+    sip mutate IN.cubin -o OUT.cubin [--kernel NAME] --steps N --seed S [--moves CLASSES]
+               [--latency-table FILE] [--loop-weight W]
+
+CLASSES is a comma list of global, shared, alu, control (or its kinds control.yield, control.reuse,
+control.stall), or all; the default is global, the SIP paper's policy (sip.mutate). Exit codes: 0
+done, 1 an input SIP cannot work with, 2 bad arguments (an unknown class, control.stall without a
+latency table); nothing is written unless the exit code is 0.
 """
 from __future__ import annotations
 
@@ -13,14 +19,21 @@ from pathlib import Path
 from sip import SipError
 from sip.cubin import Cubin, load_cubin
 from sip.deps import DependencyModel
-from sip.mutate import Schedule, apply, movable, random_walk
+from sip.mutate import DEFAULT_MOVES, LOOP_WEIGHT, Schedule, apply, latencies_for, parse_moves, random_walk
 from sip.sass import Kernel, disassemble, disassemble_kernel
+
+
+class _Usage(SipError):
+    """Bad arguments: exit code 2."""
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.run(args)
+    except _Usage as e:
+        print(f"sip: error: {e}", file=sys.stderr)
+        return 2
     except (SipError, OSError) as e:
         print(f"sip: error: {e}", file=sys.stderr)
         return 1
@@ -35,20 +48,27 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--kernel", help="only this kernel (default: all)")
     d.set_defaults(run=_disasm)
 
-    i = sub.add_parser("inspect", help="per kernel: instructions, blocks, movable, legal moves")
+    moves_help = ("comma list of move classes: global, shared, alu, control (control.yield, control.reuse, "
+                  "control.stall), or all (default: global)")
+    table_help = ("latency table measured on the GPU (tools/sass_latency.py); control.stall needs one "
+                  "(default: bench/results/sass_latency.json when it exists)")
+    i = sub.add_parser("inspect", help="per kernel: instructions, blocks, pinned; per class: movable, legal moves")
     i.add_argument("cubin", type=Path)
-    i.add_argument("--include-shared", action="store_true",
-                   help="count LDS/STS/LDSM as movable too")
+    i.add_argument("--moves", default=",".join(sorted(DEFAULT_MOVES)), help=moves_help)
+    i.add_argument("--latency-table", type=Path, metavar="FILE", help=table_help)
     i.set_defaults(run=_inspect)
 
-    m = sub.add_parser("mutate", help="apply N random legal moves, reproducibly")
+    m = sub.add_parser("mutate", help="apply N random legal changes, reproducibly")
     m.add_argument("cubin", type=Path)
     m.add_argument("-o", "--output", type=Path, required=True)
     m.add_argument("--kernel", help="kernel to mutate (default: the only one, or the largest)")
-    m.add_argument("--steps", type=_steps, required=True, help="moves to try (>= 0)")
+    m.add_argument("--steps", type=_steps, required=True, help="changes to make (>= 0)")
     m.add_argument("--seed", type=int, required=True)
-    m.add_argument("--include-shared", action="store_true",
-                   help="also move shared-memory loads and stores (LDS, STS, LDSM)")
+    m.add_argument("--moves", default=",".join(sorted(DEFAULT_MOVES)), help=moves_help)
+    m.add_argument("--latency-table", type=Path, metavar="FILE", help=table_help)
+    m.add_argument("--loop-weight", type=float, default=LOOP_WEIGHT, metavar="W",
+                   help=f"an instruction at loop depth d is proposed W**d times as often (default {LOOP_WEIGHT:g}; "
+                   "1: uniform)")
     m.set_defaults(run=_mutate)
     return p
 
@@ -58,6 +78,22 @@ def _steps(text: str) -> int:
     if steps < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {steps}")
     return steps
+
+
+def _policy(args) -> tuple[frozenset[str], object]:
+    """The classes and latency table the arguments ask for; _Usage when they cannot run."""
+    try:
+        moves = parse_moves(args.moves)
+    except SipError as e:
+        raise _Usage(str(e)) from None
+    if not moves:
+        raise _Usage("--moves names no class")
+    if args.latency_table is None and "control.stall" in moves:
+        try:
+            return moves, latencies_for(moves)
+        except SipError as e:
+            raise _Usage(str(e)) from None
+    return moves, latencies_for(moves, args.latency_table)
 
 
 def _kernels(cubin: Cubin, name: str | None) -> list[Kernel]:
@@ -79,19 +115,24 @@ def _disasm(args) -> int:
 
 
 def _inspect(args) -> int:
+    moves, table = _policy(args)
     cubin = load_cubin(args.cubin)
     print(f"{args.cubin}: {cubin.arch}, {len(cubin.kernel_names)} kernel(s)")
     for kernel in disassemble(cubin).values():
-        model = DependencyModel(kernel)
-        schedule = Schedule.initial(model)
+        model = DependencyModel(kernel, table)
+        schedule = Schedule.initial(model, moves)
         pinned = sum(1 for f in model.facts if f.pin)
         print(f"{kernel.name}: {len(kernel.instructions)} instructions, {len(kernel.blocks)} blocks, "
-              f"{pinned} pinned, {len(movable(model, args.include_shared))} movable, "
-              f"{len(schedule.moves(args.include_shared))} legal moves now")
+              f"{pinned} pinned, {len(schedule.movable())} movable, {len(schedule.moves())} legal moves now")
+        for kind, xs in schedule.layout.candidates.items():
+            print(f"  {kind}: {len(xs)} movable, {len(schedule.moves(kind))} legal moves now")
     return 0
 
 
 def _mutate(args) -> int:
+    moves, table = _policy(args)
+    if not args.loop_weight > 0:
+        raise _Usage(f"--loop-weight must be > 0, got {args.loop_weight}")
     cubin = load_cubin(args.cubin)
     if args.kernel is None:
         names = cubin.kernel_names
@@ -100,12 +141,12 @@ def _mutate(args) -> int:
             raise SipError(f"{args.cubin} has no kernels")
     else:
         name = args.kernel
-    model = DependencyModel(disassemble_kernel(cubin, name))
-    initial = Schedule.initial(model)
-    if args.steps and not initial.moves(args.include_shared):
-        raise SipError(f"{name} has no legal move (of {len(movable(model, args.include_shared))} movable "
-                       "instructions none can swap with a neighbour); nothing written")
-    schedule, moves = random_walk(initial, args.steps, args.seed, args.include_shared)
+    model = DependencyModel(disassemble_kernel(cubin, name), table)
+    initial = Schedule.initial(model, moves, args.loop_weight)
+    schedule, changes = random_walk(initial, args.steps, args.seed)
+    if args.steps and not changes:
+        raise SipError(f"{name} has no legal move (of {len(initial.movable())} movable instructions in "
+                       f"{args.moves} none can change); nothing written")
     args.output.write_bytes(apply(schedule))
-    print(f"{name}: applied {len(moves)} of {args.steps} moves (seed {args.seed}) -> {args.output}")
+    print(f"{name}: applied {len(changes)} of {args.steps} moves (seed {args.seed}, {args.moves}) -> {args.output}")
     return 0

@@ -6,8 +6,8 @@ What SIP needs from the container, besides the code bytes:
   (EI_ABIVERSION < 8, what CuTeDSL emits), bits 8-15 in the new one); the `a` suffix is e_flags
   bit 0x800 in the old ABI and `.nv.compat` attribute 9 = 1 in the new one.
 * Which instruction offsets other parts of the file refer to. SIP PINS those instructions (they
-  never move) instead of rewriting the references: that is simple and safe by construction. The
-  references are
+  keep their address, word and control bits; sip.deps lets independent instructions pass them)
+  instead of rewriting the references: that is simple and safe by construction. The references are
     - `.nv.info` attributes (format: u8 format, u8 attribute id, then a u16 value, or a u16 size
       and that many payload bytes). Attributes known to hold no code offsets (register counts,
       parameter layout, ...) are skipped; in every other attribute - the *_INSTR_OFFSETS lists,
@@ -18,7 +18,8 @@ What SIP needs from the container, besides the code bytes:
     - relocations (anywhere) whose symbol is in the kernel's code - call targets, jump
       tables, `.debug_frame` FDEs - and function symbols inside the code: those are entry
       points, so they also become basic-block leaders;
-    - the `.debug_frame` CFA programs: the instructions where the frame rule changes.
+    - the `.debug_frame` CFA programs: the instructions where the frame rule changes (an advance
+      that no rule change follows changes nothing and pins nothing).
 * Writing back: `Cubin.with_text` splices same-length code into a copy of the original bytes, so
   an unmodified cubin is written back byte for byte and nothing else in the file ever changes.
 """
@@ -93,6 +94,13 @@ NO_CODE_OFFSETS = frozenset({
 })
 # Offsets in these attributes are places control may enter, not just annotated instructions.
 ENTRY_POINT_ATTRS = frozenset({0x34})
+# Attributes that annotate the instruction at an offset for tools and the driver (exits, CTA-id
+# reads, cache-modifier loads, cooperative-group and warp-wide operations, mbarrier records,
+# register reconfiguration) without standing for code that could be swapped in there. Any other
+# attribute (software workarounds, syscalls, emulated atomics, tool patch points, ids this module
+# does not know) may mark a place where the driver or a tool patches in different code, so its
+# instructions are fences too (sip.deps).
+ANNOTATION_ATTRS = frozenset({0x1C, 0x1D, 0x25, 0x28, 0x31, 0x39, 0x54})
 
 _EIFMT_SVAL = 4  # u16 size + payload; formats 1-3 carry at most a u16 inline value
 
@@ -160,6 +168,7 @@ class KernelText:
     entry: bool  # a __global__ kernel (STO_CUDA_ENTRY), not a device function
     pins: Mapping[int, str]  # instruction offset -> why it must not move
     entries: frozenset[int]  # offsets control can enter from outside the section's own branches
+    fenced: frozenset[int] = frozenset()  # pinned offsets that may be patch points: nothing crosses them
 
     @property
     def instruction_count(self) -> int:
@@ -347,7 +356,8 @@ def _kernel_texts(cubin: Cubin) -> Iterator[KernelText]:
             continue
         pins: dict[int, str] = {}
         entries: set[int] = {0}
-        _pin_nvinfo(cubin, sec, pins, entries)
+        fenced: set[int] = set()
+        _pin_nvinfo(cubin, sec, pins, entries, fenced)
         _pin_relocations(cubin, sec, pins, entries)
         _pin_debug_frame(cubin, sec, pins)
         for sym in cubin.symbols:
@@ -355,14 +365,14 @@ def _kernel_texts(cubin: Cubin) -> Iterator[KernelText]:
                 entries.add(sym.value)
         name = sec.name[len(".text."):]
         yield KernelText(name, sec, entries_by_name.get(name, False), MappingProxyType(pins),
-                         frozenset(entries))
+                         frozenset(entries), frozenset(fenced))
 
 
 def _code_offset(value: int, sec: Section) -> bool:
     return value % INSTRUCTION_BYTES == 0 and 0 <= value < sec.size
 
 
-def _pin_nvinfo(cubin: Cubin, sec: Section, pins: dict[int, str], entries: set[int]) -> None:
+def _pin_nvinfo(cubin: Cubin, sec: Section, pins: dict[int, str], entries: set[int], fenced: set[int]) -> None:
     for attr in cubin.nvinfo:
         info_sec = cubin.sections[attr.section]
         applies = info_sec.info == sec.index or info_sec.info == 0  # per-kernel or global .nv.info
@@ -371,6 +381,8 @@ def _pin_nvinfo(cubin: Cubin, sec: Section, pins: dict[int, str], entries: set[i
         for value in attr.candidate_values():
             if _code_offset(value, sec):
                 pins.setdefault(value, f"offset listed in {attr.name}")
+                if attr.attr not in ANNOTATION_ATTRS:
+                    fenced.add(value)
                 if attr.attr in ENTRY_POINT_ATTRS or attr.attr not in EIATTR_NAMES:
                     entries.add(value)
 
@@ -450,27 +462,36 @@ def _fdes(body: bytes) -> Iterator[_Fde]:
 
 
 def _cfa_locations(program: bytes, code_align: int) -> Iterator[int]:
-    """Code offsets (from the FDE start) where a DW_CFA program advances the location."""
+    """Code offsets (from the FDE start) where a DW_CFA program changes a rule. An advance that
+    only more advances or DW_CFA_nop padding follow changes nothing, and yields nothing."""
     loc, p = 0, 0
+    pending = None  # the location of the last advance, until a rule-changing op follows it
     while p < len(program):
         op = program[p]
         p += 1
         hi, lo = op & 0xC0, op & 0x3F
         if hi == 0x40:  # DW_CFA_advance_loc
             loc += lo * code_align
-            yield loc
-        elif hi == 0x80:  # DW_CFA_offset reg, ULEB
-            _, p = _uleb(program, p)
-        elif hi == 0xC0:  # DW_CFA_restore reg
-            pass
-        elif op in (0x02, 0x03, 0x04):  # DW_CFA_advance_loc1/2/4
+            pending = loc
+            continue
+        if op in (0x02, 0x03, 0x04):  # DW_CFA_advance_loc1/2/4
             n = {0x02: 1, 0x03: 2, 0x04: 4}[op]
             loc += int.from_bytes(program[p:p + n], "little") * code_align
             p += n
-            yield loc
-        elif op == 0x01:  # DW_CFA_set_loc: an absolute address we cannot relate; give up
+            pending = loc
+            continue
+        if op == 0x00:  # DW_CFA_nop
+            continue
+        if op == 0x01:  # DW_CFA_set_loc: an absolute address we cannot relate; give up
             raise ValueError("DW_CFA_set_loc")
-        elif op in (0x00, 0x0A, 0x0B):  # nop, remember_state, restore_state
+        if pending is not None:
+            yield pending
+            pending = None
+        if hi == 0x80:  # DW_CFA_offset reg, ULEB
+            _, p = _uleb(program, p)
+        elif hi == 0xC0:  # DW_CFA_restore reg
+            pass
+        elif op in (0x0A, 0x0B):  # remember_state, restore_state
             pass
         elif op in (0x06, 0x07, 0x08, 0x0D, 0x0E, 0x13, 0x2E):  # one ULEB/SLEB operand
             _, p = _uleb(program, p)

@@ -1,9 +1,10 @@
-"""The dependency model of one kernel: which adjacent instructions may trade places.
+"""The dependency model of one kernel: which instructions may trade places.
 
-SIP only ever swaps two adjacent instructions of one basic block, so legality is a property of
-the pair: `DependencyModel.conflict(a, b)` says why `a` and `b` must keep their relative order,
-or None. Because it only looks at the two instructions (never at their positions), a sequence of
-accepted swaps can never invert any dependent pair of the original order. A pair conflicts on
+SIP swaps two instructions of one basic block that are adjacent, or separated only by
+instructions pinned to their address (see below), so legality is a property of pairs:
+`DependencyModel.conflict(a, b)` says why `a` and `b` must keep their relative order, or None.
+Because it only looks at the two instructions (never at their positions), a sequence of accepted
+swaps can never invert any dependent pair of the original order. A pair conflicts on
 
 * registers: RAW / WAR / WAW on R, UR, P, UP (vectors, pairs and fragments already expanded);
 * scoreboards: one sets a scoreboard the other waits on, or both set the same one; and one waits
@@ -21,32 +22,54 @@ accepted swaps can never invert any dependent pair of the original order. A pair
   read-only): a store or atomic never passes another access of an aliasing space, loads pass
   loads, and strong (volatile) accesses are ordered against every access of their space.
 
-Instructions that never move (pinned): block terminators and all control flow; synchronisation
-(barriers, memory fences, DEPBAR / LDGDEPBAR, mbarrier SYNCS, TMA and bulk copies, WARPGROUP /
-HGMMA, WARPSYNC, ELECT, NANOSLEEP, the dependent-launch wait and trigger ACQBULK and PREEXIT,
-anything nvdisasm flags as an inter-warp barrier); clock reads; instructions the cubin refers to by
-offset (see sip.cubin); instructions predicated off (`@!PT`: ptxas placeholders); and every
-instruction whose operands the register model does not cover. A pinned instruction conflicts with
-everything, so nothing crosses it. Warp-collective register operations (SHFL, VOTE, MATCH, REDUX)
-are NOT fences: inside one basic block the participating threads and the values they exchange
-are fixed by the register dependencies alone, which the model keeps (the cubin pins the ones it
-lists in COOP_GROUP_INSTR_OFFSETS).
+Pins. Fences never move and nothing crosses them: block terminators and all control flow;
+synchronisation (barriers, memory fences, DEPBAR / LDGDEPBAR, mbarrier SYNCS, TMA and bulk copies,
+WARPGROUP / HGMMA, WARPSYNC, ELECT, NANOSLEEP, the dependent-launch wait and trigger ACQBULK and
+PREEXIT, anything nvdisasm flags as an inter-warp barrier); clock reads; NOPs (ptxas' own padding
+and hazard delays, whose reasons the model cannot see); instructions predicated off (`@!PT`: ptxas
+placeholders); and every instruction whose operands the register model does not cover. A fence
+conflicts with everything. Warp-collective register operations (SHFL, VOTE, MATCH, REDUX) are NOT
+fences: inside one basic block the participating threads and the values they exchange are fixed by
+the register dependencies alone, which the model keeps.
+
+Rules that relax what used to be pinned (each one is why a former pin is safe to drop):
+
+* Address pins are no fences. An instruction the cubin refers to by offset keeps its address,
+  word and control bits, so every reference stays true. Where the reference only annotates that
+  instruction (sip.cubin.ANNOTATION_ATTRS: .nv.info lists such as COOP_GROUP_INSTR_OFFSETS or
+  MBARRIER_INSTR_OFFSETS; relocations, which patch bits of the instruction itself; frame-rule
+  changes), what it needs is the instruction at that address, not the order of the others around
+  it: another instruction may pass it (a move hops over it, swapping the movable instructions on
+  either side) when the two are independent under every rule above. A frame rule stays true
+  because the instruction that changes the frame (writing the stack pointer R1, or saving a
+  register to the stack) is the pinned one, and an instruction touching R1 conflicts with it.
+  Offsets in any other .nv.info list may be places where the driver or a tool patches in other
+  code (software workarounds, syscalls, emulated atomics): those stay fences.
+* 64-bit uniform operands are modelled, not pinned (sip.sass): UIADD3.64 reads and writes UR
+  pairs; USHF.*.U64 / .S64 name both 32-bit halves as operands of their own, like SHF.
+* A frame-rule location after which the CFA program changes no rule (only further advances or
+  DW_CFA_nop padding) pins nothing (sip.cubin).
 
 Fixed-latency distances: a producer with no scoreboard has no hardware interlock, so moving its
 consumer closer would read a stale value. `incoming` / `outgoing` hold, for the original order,
 every (producer, consumer) register pair (RAW, WAR, WAW) and scoreboard (setter, waiter) pair,
-with the stall-cycle distance the original schedule kept between them, capped at a horizon
-longer than the latency it can cover: LATENCY_HORIZON per producer class, SCOREBOARD_SETUP for
+with the stall-cycle distance the original schedule kept between them, capped at a bound longer
+than the latency it can cover: LATENCY_HORIZON per producer class, SCOREBOARD_SETUP for
 scoreboard-protected pairs. Producers and consumers outside the block (and instructions with an
 unknown register model) are stood in for by the block start / end with the kernel's largest
-horizon. sip.mutate keeps every pair at least that far apart.
+horizon. sip.mutate keeps every pair at least that far apart. With a latency table measured on the
+GPU (sip.latency), the bound of a pair between two fixed-latency classes the table covers is the
+measured distance instead: a RAW pair uses the table's entry for (producer, consumer, register
+file); a WAW or WAR pair uses the largest distance measured out of the producer's class (by then
+its result is written and its operands were read). Pairs the table does not cover keep the horizon.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
-from sip.sass import NO_SCOREBOARD, Instruction, Kernel, format_regs
+from sip.latency import LatencyTable, opclass, register_file
+from sip.sass import NO_SCOREBOARD, Instruction, Kernel, format_regs, regs_in
 
 # Cycles after issue within which a fixed-latency result may still be in flight. Measured
 # latencies on Hopper are ~4-6 cycles for ALU/FMA work, ~8 for FP64 and ~30 for mma.sync; each
@@ -106,35 +129,39 @@ class Facts:
     stores: frozenset[str]
     ordered: bool  # strong access: ordered against every access of an aliasing space
     pin: str | None  # why it never moves
+    fence: bool  # pinned, and nothing crosses it either (an address pin is no fence)
     anchor: bool  # register effects unknown: latency pairs end and restart here
     horizon: int  # LATENCY_HORIZON of its class
     stall: int  # original stall count
     variable: bool  # variable latency: completion tracked by scoreboards
+    opclass: str  # latency class (sip.latency)
+    guards: frozenset[int]  # registers read as its guard predicate
 
 
 _NAMES_REGISTER = re.compile(r"(?<![\w.$])U?(R\d|P\d|PR\b)")
 
 
-def facts_of(ins: Instruction, cubin_pin: str | None) -> Facts:
+def facts_of(ins: Instruction, cubin_pin: str | None, patch_point: bool = False) -> Facts:
     base = ins.base
     mods = set(ins.modifiers)
     ctl = ins.control
     loads, stores = _ACCESS.get(base, (set(), set()))
-    pin = None
+    fence = None
     if ins.control_flow:
-        pin = f"control flow ({base}) never moves"
+        fence = f"control flow ({base}) never moves"
     elif base in FENCES or ins.inter_warp or (loads | stores and mods & _FENCE_MODIFIERS):
-        pin = f"synchronisation ({ins.opcode}): nothing moves across it"
+        fence = f"synchronisation ({ins.opcode}): nothing moves across it"
     elif base in ("S2R", "CS2R", "S2UR") and any(_CLOCK.search(op) for op in ins.operands):
-        pin = f"reads a clock ({ins.opcode})"
-    elif cubin_pin:
-        pin = cubin_pin
+        fence = f"reads a clock ({ins.opcode})"
     elif base == "NOP":
-        pin = "NOP keeps its slot"
+        fence = "NOP keeps its slot"
     elif ins.predicate in ("@!PT", "@!UPT"):
-        pin = "never executes: ptxas placed it for its side effect on timing"
+        fence = "never executes: ptxas placed it for its side effect on timing"
     elif ins.unknown:
-        pin = f"unknown operand semantics: {ins.unknown}"
+        fence = f"unknown operand semantics: {ins.unknown}"
+    elif patch_point:
+        fence = f"{cubin_pin}: a place the driver or a tool may patch"
+    pin = fence or cubin_pin
     anchor = bool(ins.unknown) and any(_NAMES_REGISTER.search(op) for op in ins.operands)
     waits = ctl.wait
     if base == "DEPBAR":  # DEPBAR.LE SBn, k waits on SBn through its operand
@@ -150,16 +177,20 @@ def facts_of(ins: Instruction, cubin_pin: str | None) -> Facts:
     return Facts(ins.reads, ins.writes, ctl.write_sb, ctl.read_sb, waits, ctl.sets,
                  frozenset(loads), frozenset(stores),
                  bool(mods & _ORDERED_MODIFIERS) and bool(loads | stores),
-                 pin, anchor, horizon, ctl.stall, base in VARIABLE_LATENCY or bool(ctl.sets))
+                 pin, fence is not None, anchor, horizon, ctl.stall,
+                 base in VARIABLE_LATENCY or bool(ctl.sets), opclass(ins),
+                 regs_in(ins.predicate) if ins.predicate else frozenset())
 
 
 class DependencyModel:
-    """Dependencies of one kernel, computed once from its original instruction order."""
+    """Dependencies of one kernel, computed once from its original instruction order; with
+    `latencies`, fixed-latency distances are bounded by the measured table (see the module doc)."""
 
-    def __init__(self, kernel: Kernel):
+    def __init__(self, kernel: Kernel, latencies: LatencyTable | None = None):
         self.kernel = kernel
-        pins = kernel.code.pins
-        self.facts = tuple(facts_of(i, pins.get(i.offset)) for i in kernel.instructions)
+        self.latencies = latencies
+        pins, fenced = kernel.code.pins, kernel.code.fenced
+        self.facts = tuple(facts_of(i, pins.get(i.offset), i.offset in fenced) for i in kernel.instructions)
         self.blocks = tuple(tuple(r) for r in kernel.blocks)
         self.self_covered = self._self_covered()
         self.guard = self._guards()
@@ -187,7 +218,7 @@ class DependencyModel:
     def _conflict(self, a: int, b: int) -> str | None:
         fa, fb = self.facts[a], self.facts[b]
         for i, f in ((a, fa), (b, fb)):
-            if f.pin:
+            if f.fence:
                 return f"instruction {i} is pinned: {f.pin}"
         raw = fa.writes & fb.reads
         if raw:
@@ -272,17 +303,31 @@ class DependencyModel:
         n = len(self.facts)
         incoming: list[dict[int, int]] = [dict() for _ in range(n + len(self.blocks))]
         outgoing: list[dict[int, int]] = [dict() for _ in range(n)]
-        facts = self.facts
         for b, block in enumerate(self.blocks):
             for p, c, required in self._block_pairs(b, block):
-                if required <= 0 or ((c >= n or facts[c].pin is not None)
-                                     and (p == START or facts[p].pin is not None)):
-                    continue  # neither end can move: the distance can only grow
                 if required > incoming[c].get(p, 0):
                     incoming[c][p] = required
                     if p != START:
                         outgoing[p][c] = required
         return tuple(incoming), tuple(outgoing)
+
+    def _bound(self, p: int, c: int | None, reg: int | None, raw: bool, guarded: bool) -> int:
+        """How far apart producer p and consumer c must stay at most (see the module doc): the
+        distance the original kept is capped at this. c None: a consumer the model cannot see."""
+        if guarded:
+            return SCOREBOARD_SETUP
+        facts = self.facts
+        if p == START or facts[p].anchor:
+            return self.anchor_horizon
+        fp = facts[p]
+        table = self.latencies
+        if table is None or c is None or fp.variable:
+            return fp.horizon
+        if raw:
+            measured = table.raw(fp.opclass, facts[c].opclass, register_file(reg, reg in facts[c].guards))
+        else:
+            measured = table.producer_bound(fp.opclass)
+        return fp.horizon if measured is None else min(measured, fp.horizon)
 
     def _block_pairs(self, b: int, block: tuple[int, ...]):
         """(producer, consumer, required) for the register and scoreboard pairs of one block."""
@@ -295,14 +340,7 @@ class DependencyModel:
         end = self.end(b)
         at[end] = total
         at[START] = 0
-        anchor_horizon = self.anchor_horizon
-
-        def horizon(p: int, guarded: bool) -> int:
-            if guarded:
-                return SCOREBOARD_SETUP
-            if p == START or facts[p].anchor:
-                return anchor_horizon
-            return facts[p].horizon
+        bound = self._bound
 
         origin = START  # stands for every producer not seen yet: block start, or the last anchor
         last_write: dict[int, int] = {}
@@ -312,10 +350,10 @@ class DependencyModel:
         def close(c: int):
             """Pairs from everything tracked so far into c (an anchor, or the block end)."""
             for p in set(last_write.values()):
-                yield p, c, min(at[c] - at[p], horizon(p, facts[p].write_sb != NO_SCOREBOARD))
+                yield p, c, min(at[c] - at[p], bound(p, None, None, True, facts[p].write_sb != NO_SCOREBOARD))
             for rs in readers.values():
                 for p in rs:
-                    yield p, c, min(at[c] - at[p], horizon(p, facts[p].read_sb != NO_SCOREBOARD))
+                    yield p, c, min(at[c] - at[p], bound(p, None, None, False, facts[p].read_sb != NO_SCOREBOARD))
             for p in last_setter.values():
                 yield p, c, min(at[c] - at[p], SCOREBOARD_SETUP)
 
@@ -329,10 +367,10 @@ class DependencyModel:
             for r in f.reads | f.writes:
                 p = last_write.get(r, origin)
                 guarded = p != origin and facts[p].write_sb != NO_SCOREBOARD
-                yield p, i, min(here - at[p], horizon(p, guarded))
+                yield p, i, min(here - at[p], bound(p, i, r, r in f.reads, guarded))
             for r in f.writes:
                 for rd in readers.get(r, ()):
-                    yield rd, i, min(here - at[rd], horizon(rd, facts[rd].read_sb != NO_SCOREBOARD))
+                    yield rd, i, min(here - at[rd], bound(rd, i, r, False, facts[rd].read_sb != NO_SCOREBOARD))
             if f.waits:
                 for sb in _each_bit(f.waits):
                     p = last_setter.get(sb, origin)

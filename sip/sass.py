@@ -166,8 +166,11 @@ class Kernel:
 
 # ---------------------------------------------------------------- nvdisasm
 
+TOOLKIT_NVDISASM = "/usr/local/cuda/bin/nvdisasm"  # the toolkit's default place, off PATH on some hosts
+
+
 def find_nvdisasm() -> str:
-    """nvdisasm from PATH, $CUDA_HOME/bin, or the nvidia-cuda-nvdisasm wheel."""
+    """nvdisasm from PATH, $CUDA_HOME/bin, /usr/local/cuda/bin, or the nvidia-cuda-nvdisasm wheel."""
     for candidate in _nvdisasm_candidates():
         if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return candidate
@@ -180,6 +183,7 @@ def _nvdisasm_candidates() -> list[str]:
     for var in ("CUDA_HOME", "CUDA_PATH"):
         if os.environ.get(var):
             found.append(os.path.join(os.environ[var], "bin", "nvdisasm"))
+    found.append(TOOLKIT_NVDISASM)
     spec = importlib.util.find_spec("nvidia")
     for root in (spec.submodule_search_locations or []) if spec else []:
         for sub in ("cu13", "cu12", "cuda_nvdisasm"):
@@ -458,8 +462,12 @@ def _widths(base: str, mods: list[str], modset: set[str],
         if wide - {"WIDE"}:
             return {}, f"{base} variant {'.'.join(mods)}"
         return {0: 2, n - 1: 2}, None
-    if base == "SHF":
-        return ({}, None) if wide <= {"U64", "S64"} else ({}, f"SHF variant {'.'.join(mods)}")
+    if base in ("SHF", "USHF"):
+        # Funnel shifts name both 32-bit halves of a 64-bit value as operands of their own.
+        return ({}, None) if wide <= {"U64", "S64"} else ({}, f"{base} variant {'.'.join(mods)}")
+    if base == "UIADD3" and wide == {"64"}:
+        # 64-bit uniform add (wgmma descriptor arithmetic): every UR operand is a register pair.
+        return {k: 2 for k in range(n)}, None
     if base == "CS2R":
         return ({0: 1} if "32" in modset else {0: 2}), None
     if base == "MATCH":

@@ -24,7 +24,7 @@ import rosekernels
 from rosekernels import tuned
 from rosekernels.models import ModelDims
 from rosekernels.variant import MODES
-from sip import SipError
+from sip import SipError, mutate
 from sip_tune import configs, model, tuning, workloads
 from sip_tune.runner import WorkerFailure, gpu_problem
 
@@ -83,6 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--min-speedup", type=float, default=1.01, help="cache only if at least this much faster")
     p.add_argument("--rtol", type=float, help="compare outputs with this tolerance instead of bitwise")
     p.add_argument("--atol", type=float, help="(with --rtol) absolute tolerance")
+    p.add_argument("--moves", metavar="CLASSES", help="SASS changes the 'sass' level may make: comma list of "
+                   "global, shared, alu, control, or all (default: global; sip.mutate)")
     p.add_argument("--t-max", type=float, default=0.02, help="initial temperature (relative time units)")
     p.add_argument("--t-min", type=float, default=2e-4, help="final temperature")
     p.add_argument("--cooling", type=float, help="cooling factor L (T <- T/L); default: derived from the budget")
@@ -194,6 +196,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--atol needs --rtol")
     if args.max_candidates < 0:
         parser.error("--max-candidates must be >= 0")
+    if args.moves is not None:
+        try:
+            mutate.latencies_for(mutate.parse_moves(args.moves))
+        except SipError as e:
+            parser.error(str(e))
     text = args.levels if args.levels is not None else ("config" if args.model else ",".join(LEVELS))
     levels = [s.strip() for s in text.split(",") if s.strip()]
     if not levels or any(lv not in LEVELS for lv in levels) or len(set(levels)) != len(levels):
@@ -228,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         budget_iters=args.budget_iters, budget_seconds=None if minutes is None else minutes * 60,
         runs=args.runs, seed=args.seed, samples=args.samples, search_samples=args.search_samples,
         t_max=args.t_max, t_min=args.t_min, cooling=args.cooling, min_speedup=args.min_speedup,
-        tolerance=None if args.rtol is None else (args.rtol, args.atol or 0.0))
+        tolerance=None if args.rtol is None else (args.rtol, args.atol or 0.0), moves=args.moves)
     reports: dict[str, Any] = {}
     try:
         if "config" in levels:

@@ -30,21 +30,23 @@ from typing import Any, Callable
 
 from rosekernels import tuned
 from rosekernels.workload import Workload
-from sip import cubin as elf, deps, mutate, sass, search
+from sip import cubin as elf, mutate, sass, search
 from sip_tune.runner import Evaluation, Options, Runner
 
 # ---------------------------------------------------------------------------------------------
 # The engine (sip.cubin / sip.sass / sip.deps / sip.mutate) behind four functions: what the loop
 # asks of a schedule, and where the CPU tests put a toy engine in.
 
-def engine_initial(cubin: bytes) -> mutate.Schedule:
-    """The schedule the cubin has (of its largest kernel: CuTeDSL cubins hold one)."""
+def engine_initial(cubin: bytes, moves: str | None = None) -> mutate.Schedule:
+    """The schedule the cubin has (of its largest kernel: CuTeDSL cubins hold one), under the move
+    classes `moves` (comma list, sip.mutate.parse_moves; None: the engine's default)."""
     parsed = elf.parse_cubin(cubin)
     kernels = [k for k in parsed.kernels() if k.entry] or parsed.kernels()
     if not kernels:
         raise ValueError("the cubin holds no kernel code")
     name = max(kernels, key=lambda k: k.instruction_count).name
-    return mutate.Schedule.initial(deps.DependencyModel(sass.disassemble_kernel(parsed, name)))
+    classes = mutate.DEFAULT_MOVES if moves is None else mutate.parse_moves(moves)
+    return mutate.initial_schedule(sass.disassemble_kernel(parsed, name), classes)
 
 
 def engine_neighbour(schedule: mutate.Schedule, rng: random.Random) -> mutate.Schedule | None:
@@ -58,8 +60,8 @@ def engine_apply(schedule: mutate.Schedule) -> bytes:
 
 
 def engine_stats(schedule: mutate.Schedule) -> tuple[int, int, int]:
-    """(instructions, movable instructions, legal moves) of a schedule, for the report."""
-    return len(schedule.model.instructions), len(mutate.movable(schedule.model)), len(schedule.moves())
+    """(instructions, movable instructions, legal moves) of a schedule under its classes, for the report."""
+    return len(schedule.model.instructions), len(schedule.movable()), len(schedule.moves())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,6 +83,7 @@ class TuneConfig:
     min_speedup: float = 1.01  # cache only a schedule at least this much faster (0: the best one that passes)
     exhausted_after: int = 500  # end a run when this many proposals in a row were measured before
     tolerance: tuple[float, float] | None = None
+    moves: str | None = None  # move classes of the engine (sip.mutate.parse_moves); None: its default
     options: Options = Options()
 
     def __post_init__(self) -> None:
@@ -188,7 +191,8 @@ def tune(factory: Callable[[], Workload], config: TuneConfig, *, kernel: str | N
     memo: dict[str, float] = {_digest(original): 1.0}
     costs: dict[str, list[float]] = {k: [] for k in ("apply", "load", "test", "time", "total")}
     t0 = time.perf_counter()
-    initial = engine_initial(original)  # CPU only: fails fast, before any GPU work, on a cubin SIP cannot read
+    # CPU only: fails fast, before any GPU work, on a cubin SIP cannot read
+    initial = engine_initial(original) if config.moves is None else engine_initial(original, config.moves)
     count, report.movable, report.legal_moves = engine_stats(initial)
     log(f"[sip-tune] {kernel}: {count} instructions, {report.movable} movable, "
         f"{report.legal_moves} legal moves at the start ({time.perf_counter() - t0:.1f} s to disassemble)")

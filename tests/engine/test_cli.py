@@ -2,12 +2,16 @@
 import re
 
 import pytest
+import json
+
 from sip_corpus import CORPUS_SOURCES, compile_cu, corpus, corpus_entry  # noqa: F401
 
+from sip import latency
 from sip.cli import main
 from sip.cubin import parse_cubin
 from sip.deps import DependencyModel
-from sip.sass import disassemble
+from sip.mutate import move_class
+from sip.sass import CONTROL_MASK, disassemble
 
 GEMM = "_Z15smem_tiled_gemmPfPKfS1_i"
 
@@ -49,7 +53,7 @@ def test_mutate_is_reproducible_and_writes_a_valid_cubin(gemm_cubin, tmp_path, c
     for k, seed in enumerate((7, 7, 8)):
         out = tmp_path / f"out{k}.cubin"
         assert main(["mutate", str(gemm_cubin), "-o", str(out), "--steps", "50", "--seed", str(seed),
-                     "--include-shared"]) == 0
+                     "--moves", "global,shared"]) == 0
         outs.append(out.read_bytes())
     assert "applied 50 of 50 moves" in capsys.readouterr().out
     original = gemm_cubin.read_bytes()
@@ -94,3 +98,60 @@ def test_mutate_of_a_kernel_without_a_legal_move_says_so_and_writes_nothing(corp
     out = tmp_path / "out.cubin"
     assert main(["mutate", str(path), "-o", str(out), "--steps", "50", "--seed", "1"]) == 1
     assert "has no legal move" in capsys.readouterr().err and not out.exists()
+
+
+def test_mutate_moves_only_the_named_classes(gemm_cubin, tmp_path, capsys):
+    before = disassemble(parse_cubin(gemm_cubin.read_bytes()))[GEMM]
+    out = tmp_path / "alu.cubin"
+    assert main(["mutate", str(gemm_cubin), "-o", str(out), "--steps", "60", "--seed", "3", "--moves", "alu"]) == 0
+    assert "applied 60 of 60 moves (seed 3, alu)" in capsys.readouterr().out
+    after = disassemble(parse_cubin(out.read_bytes()))[GEMM]
+    assert [_plain(i) for i in before.instructions] != [_plain(i) for i in after.instructions]
+    # every swap moves an alu instruction: the others keep their order among themselves
+    others = [[_plain(i) for i in k.instructions if move_class(i) != "alu"] for k in (before, after)]
+    assert others[0] == others[1]
+    out = tmp_path / "control.cubin"
+    assert main(["mutate", str(gemm_cubin), "-o", str(out), "--steps", "60", "--seed", "3",
+                 "--moves", "control.yield,control.reuse"]) == 0
+    edited = disassemble(parse_cubin(out.read_bytes()))[GEMM]
+    changed = 0
+    for i, j in zip(before.instructions, edited.instructions):
+        assert (i.word ^ j.word) & ~(CONTROL_MASK << 105) == 0  # control bits only
+        changed += i.word != j.word
+    assert changed > 10
+
+
+def test_mutate_refuses_unknown_classes_and_stall_lowering_without_a_table(gemm_cubin, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out.cubin"
+    args = ["mutate", str(gemm_cubin), "-o", str(out), "--steps", "5", "--seed", "1"]
+    assert main(args + ["--moves", "global,warp"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown move class 'warp'" in err
+    monkeypatch.setattr(latency, "DEFAULT_PATH", tmp_path / "no_table.json")
+    for moves in ("control", "all", "control.stall"):
+        assert main(args + ["--moves", moves]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "needs a latency table" in err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert main(args + ["--moves", "all", "--latency-table", str(bad)]) == 1
+    assert "not a SIP latency table" in capsys.readouterr().err
+    assert not out.exists()
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"format": latency.FORMAT, "pairs": [
+        {"producer": "FFMA", "consumer": "FFMA", "file": "R", "latency": 2}]}))
+    assert main(args + ["--moves", "all", "--latency-table", str(table)]) == 0 and out.exists()
+
+
+def test_inspect_counts_per_class(gemm_cubin, capsys):
+    assert main(["inspect", str(gemm_cubin), "--moves", "global,shared,alu,control.yield"]) == 0
+    out = capsys.readouterr().out
+    counts = {m.group(1): (int(m.group(2)), int(m.group(3)))
+              for m in re.finditer(r"  (\w+): (\d+) movable, (\d+) legal moves now", out)}
+    assert set(counts) == {"global", "shared", "alu", "control"}
+    assert all(0 < legal for _, legal in counts.values())
+    assert counts["control"][0] >= counts["alu"][0] + counts["shared"][0] + counts["global"][0]
+
+
+def _plain(ins):
+    return ins.predicate, ins.opcode, tuple(op.replace(".reuse", "") for op in ins.operands)

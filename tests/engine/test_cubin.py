@@ -206,3 +206,39 @@ def _nvinfo_attributes(listing: str):
         if m and current is not None:
             current[3].append(m.group(1))
     return {s: [tuple(a) for a in attrs] for s, attrs in out.items()}
+
+
+def test_a_frame_location_after_which_no_rule_changes_pins_nothing():
+    from sip.cubin import _cfa_locations
+    # advance_loc4 0x48c (x4), def_cfa, advance_loc4 0x35c (x4), nop padding: the nvcc / CuTeDSL kernel FDE
+    program = bytes.fromhex("048c0400000c8180802800045c03000000000000")
+    assert list(_cfa_locations(program, 4)) == [0x48c * 4]
+    # advance_loc 3, DW_CFA_offset r2 at 1, advance_loc 2, advance_loc 1, def_cfa_offset 16
+    program = bytes([0x43, 0x82, 0x01, 0x42, 0x41, 0x0E, 0x10])
+    assert list(_cfa_locations(program, 16)) == [48, 96]
+
+
+def test_kernels_keep_the_pins_of_their_frame_rule_changes(corpus):
+    kernel = parse_cubin(corpus_entry(corpus, "smem_tiled_gemm")).kernels()[0]
+    frame = sorted(off for off, why in kernel.pins.items() if "frame-rule" in why)
+    assert frame == [frame[0], frame[0] + 16]  # the one place the rule changes; none at the end
+
+
+def test_only_annotating_attributes_leave_their_instructions_crossable():
+    """Offsets in an annotation list (ANNOTATION_ATTRS) are pinned; in any other list (a software
+    workaround, an id this module does not know) they are fenced too."""
+    from types import SimpleNamespace
+
+    from sip.cubin import ANNOTATION_ATTRS, NvInfoAttribute, Section, _pin_nvinfo
+
+    text = Section(3, ".text.k", 1, 6, 0, 0x100, 0, 0)
+    info = Section(4, ".nv.info.k", 0x70000000, 0, 0, 0, 0, 3)
+    words = lambda *v: b"".join(x.to_bytes(4, "little") for x in v)  # noqa: E731
+    attrs = [NvInfoAttribute(4, 0, 4, 0x28, None, words(0x10, 0x20)),  # COOP_GROUP_INSTR_OFFSETS
+             NvInfoAttribute(4, 12, 4, 0x36, None, words(0x20, 0x40)),  # SW_WAR
+             NvInfoAttribute(4, 24, 4, 0x7E, None, words(0x50))]  # unknown id
+    cubin = SimpleNamespace(nvinfo=attrs, sections={3: text, 4: info})
+    pins, entries, fenced = {}, set(), set()
+    _pin_nvinfo(cubin, text, pins, entries, fenced)
+    assert set(pins) == {0x10, 0x20, 0x40, 0x50} and fenced == {0x20, 0x40, 0x50}
+    assert 0x28 in ANNOTATION_ATTRS and 0x36 not in ANNOTATION_ATTRS

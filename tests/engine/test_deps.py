@@ -148,7 +148,30 @@ def test_pinned_instructions_never_move():
     s = schedule_of(("FADD R1, R2, R3 ;", ctl(4)), ("FMUL R4, R5, R6 ;", ctl(4)),
                     ("FADD R7, R8, R9 ;", ctl(4)), EXIT, pins={16: "offset listed in EIATTR_X"})
     assert "pinned instruction: offset listed in EIATTR_X" in refusal(s, 1, +1)
-    assert "neighbour #1 is pinned" in refusal(s, 0, +1)
+    assert not s.model.facts[1].fence and s.model.facts[3].fence
+
+
+def test_an_address_pin_is_passed_by_independent_instructions_only():
+    """An instruction the cubin refers to by offset keeps its slot and control bits; independent
+    neighbours trade places across it (the move hops over it), dependent ones do not."""
+    rows = [FIRST, ("FADD R1, R2, R3 ;", ctl(1)), ("FMUL R4, R5, R6 ;", ctl(1)),
+            ("FADD R7, R8, R9 ;", ctl(1)), ("EXIT ;", ctl(15, yield_bit=0))]
+    s = schedule_of(*rows, pins={32: "offset listed in EIATTR_X"})
+    hopped = s.moved(Move(1, +1))
+    assert hopped.order() == (0, 3, 2, 1, 4) and hopped.slots[2] == 2
+    assert hopped.controls[2] == s.controls[2]
+    assert hopped.moved(Move(1, -1)) == s  # and back
+    assert s.moved(Move(3, -1)).order() == (0, 3, 2, 1, 4)
+    rows[2] = ("FMUL R4, R1, R6 ;", ctl(1))  # now reads what #1 writes
+    s = schedule_of(*rows, pins={32: "offset listed in EIATTR_X"})
+    assert "dependency between #1 and #2: RAW on R1" in refusal(s, 1, +1)
+    rows[2] = ("NOP ;", ctl(1))  # a fence: nothing passes it
+    s = schedule_of(*rows)
+    assert "neighbour #2 is pinned: NOP" in refusal(s, 1, +1)
+    rows[2] = ("FMUL R4, R5, R6 ;", ctl(1))  # listed where the driver may patch in other code: a fence
+    model = DependencyModel(synthetic_kernel(rows, {32: "offset listed in EIATTR_SW_WAR"}, fenced={32}))
+    assert model.facts[2].fence and "may patch" in model.facts[2].pin
+    assert "neighbour #2 is pinned" in refusal(Schedule.initial(model), 1, +1)
 
 
 def test_unknown_instructions_are_pinned():
@@ -201,7 +224,7 @@ def test_no_accepted_move_sequence_inverts_an_original_dependency(models, data):
     name, model = data.draw(st.sampled_from(models))
     schedule = Schedule.initial(model)
     everyone = [i for i, f in enumerate(model.facts) if f.pin is None]
-    policy = movable(model, include_shared=True)
+    policy = movable(model, frozenset({"global", "shared"}))
     steps = data.draw(st.lists(st.tuples(st.sampled_from(policy if data.draw(st.booleans()) else everyone),
                                          st.sampled_from([-1, 1])), max_size=300))
     for i, d in steps:

@@ -1,14 +1,15 @@
 """sip.mutate: schedules, moves, control-code repair, and the bytes they produce."""
 import pytest
+from sip_checks import assert_schedule_is_correct
 from sip_corpus import CORPUS_NAMES, corpus, synthetic_kernel  # noqa: F401
 
 from sip.cubin import parse_cubin
-from sip.deps import START, DependencyModel
+from sip.deps import DependencyModel
 from sip.mutate import IllegalMove, Move, Schedule, apply, movable, random_walk, with_extra_stalls
-from sip.sass import (CONTROL_MASK, NO_SCOREBOARD, Control, control_bits, disassemble, regs_in,
-                      with_control)
+from sip.sass import NO_SCOREBOARD, Control, control_bits, disassemble, with_control
 
 _STALL, _REUSE = 0xF, 0xF << 17
+MEMORY = frozenset({"global", "shared"})
 
 
 def ctl(stall=1, wsb=NO_SCOREBOARD, rsb=NO_SCOREBOARD, wait=(), reuse=0):
@@ -17,51 +18,14 @@ def ctl(stall=1, wsb=NO_SCOREBOARD, rsb=NO_SCOREBOARD, wait=(), reuse=0):
 
 @pytest.fixture(scope="module")
 def initial(corpus):
-    """(corpus name, cubin, initial schedule) of every corpus kernel."""
+    """(corpus name, cubin, initial schedule moving global and shared accesses) of every corpus kernel."""
     out = []
     for name in CORPUS_NAMES:
         if name in corpus:
             cubin = parse_cubin(corpus[name])
             for kernel in disassemble(cubin).values():
-                out.append((name, cubin, Schedule.initial(DependencyModel(kernel))))
+                out.append((name, cubin, Schedule.initial(DependencyModel(kernel), MEMORY)))
     return out
-
-
-def assert_schedule_is_correct(s: Schedule):
-    """Recompute every guarantee from scratch, independently of the incremental move code."""
-    model = s.model
-    ins = model.instructions
-    original = [control_bits(i.word) for i in ins]
-    flat = s.order()
-    for b, block in enumerate(s.blocks):
-        slot = {x: k for k, x in enumerate(block)}
-        assert sorted(block) == sorted(model.blocks[b])
-        for k, x in enumerate(block):
-            if model.facts[x].pin:
-                assert model.blocks[b][k] == x and s.controls[x] == original[x]
-        at = [0]
-        for x in block:
-            at.append(at[-1] + (s.controls[x] & _STALL))
-        for c in (*block, model.end(b)):
-            c_at = at[-1] if c == model.end(b) else at[slot[c]]
-            for p, required in model.incoming[c].items():
-                p_at = 0 if p == START else at[slot[p]]
-                assert c_at - p_at >= required, (p, c, required)
-    address = {x: k for k, x in enumerate(flat)}
-    for x in flat:
-        changed = s.controls[x] ^ original[x]
-        assert changed & ~(_STALL | _REUSE) == 0  # wait/scoreboards/yield travel unchanged
-        assert (s.controls[x] & _STALL) >= (original[x] & _STALL)
-        if s.controls[x] & _REUSE:  # kept: the code up to the register's next reader is original
-            cached = frozenset().union(*(regs_in(o) for o in ins[x].operands if ".reuse" in o))
-            y = x + 1
-            while y < len(ins) and address[y] == address[x] + (y - x) and not (
-                    ins[y].reads & cached or ins[y].base in ("BRA", "EXIT", "CALL", "RET", "BRX")):
-                y += 1
-            assert y == len(ins) or address[y] == address[x] + (y - x), x
-    text = b"".join(((ins[x].word & ~(CONTROL_MASK << 105)) | (s.controls[x] << 105)).to_bytes(16, "little")
-                    for x in flat)
-    assert text == s.text
 
 
 # ---------------------------------------------------------------- identity and round trip
@@ -77,7 +41,7 @@ def test_round_trip_after_thousands_of_moves(initial):
     """nvdisasm of the written cubin lists exactly the expected instructions and controls."""
     moved_somewhere = 0
     for name, cubin, s0 in initial:
-        s, done = random_walk(s0, 3000, seed=11, include_shared=True)
+        s, done = random_walk(s0, 3000, seed=11)
         assert_schedule_is_correct(s)
         data = apply(s)
         assert len(data) == len(cubin.data)
@@ -100,14 +64,14 @@ def test_round_trip_after_thousands_of_moves(initial):
 
 def test_moving_back_restores_the_original_exactly(initial):
     for name, cubin, s0 in initial:
-        s, done = random_walk(s0, 400, seed=5, include_shared=True)
+        s, done = random_walk(s0, 400, seed=5)
         for move in reversed(done):
             s = s.moved(Move(move.instruction, -move.direction))
         assert s == s0 and s.text == s0.text, name
 
 
 def test_random_walks_are_reproducible(initial):
-    [s0] = [s for name, _, s in initial if name == "isa_zoo"]
+    [s0] = [Schedule.initial(s.model) for name, _, s in initial if name == "isa_zoo"]
     a, moves_a = random_walk(s0, 200, seed=1)
     b, moves_b = random_walk(s0, 200, seed=1)
     c, moves_c = random_walk(s0, 200, seed=2)
@@ -119,8 +83,8 @@ def test_listed_moves_are_legal_and_the_rest_come_with_reasons(initial):
     import random
     rng = random.Random(0)
     for name, cubin, s in initial:
-        legal = set(s.moves(include_shared=True))
-        candidates = [Move(i, d) for i in movable(s.model, include_shared=True) for d in (-1, 1)]
+        legal = set(s.moves())
+        candidates = [Move(i, d) for i in movable(s.model, MEMORY) for d in (-1, 1)]
         for move in rng.sample(candidates, min(len(candidates), 60)):
             if move in legal:
                 assert_schedule_is_correct(s.moved(move))

@@ -101,6 +101,10 @@ def sem(opcode: str, operands: str):
     ("ULDC.64", "UR4,c[0x0][0x208]", "", "UR4..UR5"),
     ("LDC", "R3,c[0x0][R5+0x10]", "R5", "R3"),
     ("S2R", "R0,SR_TID.X", "", "R0"),
+    ("UIADD3.64", "UR18,UR50,0x2,URZ", "UR50..UR51", "UR18..UR19"),
+    ("UIADD3.64", "UR4,UR4,UR8,UR12", "UR4..UR5 UR8..UR9 UR12..UR13", "UR4..UR5"),
+    ("USHF.L.U64.HI", "UR5,UR4,0x3,UR5", "UR4..UR5", "UR5"),
+    ("USHF.R.S64", "UR6,UR6,0x2,UR7", "UR6..UR7", "UR6"),
 ])
 def test_register_model(opcode, operands, reads, writes):
     got_reads, got_writes, unknown = sem(opcode, operands)
@@ -111,7 +115,8 @@ def test_register_model(opcode, operands, reads, writes):
 
 @pytest.mark.parametrize("opcode, operands, why", [
     ("TEX.SCR.LL", "R4,R2,R0,0x0,2D", "no operand model for TEX"),
-    ("UIADD3.64", "UR4,UR4,0x10,URZ", "width modifier"),
+    ("IADD3.64", "R4,R4,0x10,RZ", "width modifier"),
+    ("USHF.L.W.128", "UR4,UR4,0x1,UR5", "USHF variant"),
     ("HMMA.884.F32.F16", "R8,R12,R18,R8", "fragment table"),
     ("LDG.E.ENL2.256", "R8,desc[UR4][R2.64]", "size"),
     ("DMMA.16x8x16", "R8,R12,R18,R8", "fragment table"),
@@ -151,6 +156,7 @@ def test_nvdisasm_is_found_under_cuda_home(monkeypatch, tmp_path):
 
 def test_nvdisasm_is_found_in_the_wheel(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr(sass, "TOOLKIT_NVDISASM", "/nonexistent/nvdisasm")
     monkeypatch.delenv("CUDA_HOME", raising=False)
     monkeypatch.delenv("CUDA_PATH", raising=False)
     found = sass.find_nvdisasm()

@@ -179,7 +179,7 @@ CORPUS: list[tuple[str, Callable[[Path], bytes]]] = [
     ("rosekernels_tma_wgmma_gemm", _needs("torch", "rosekernels.jit")(build_rosekernels_gemm)),
     *((stem, _nvcc_builder(stem)) for stem in (
         "smem_tiled_gemm", "cp_async_pipeline", "warp_reduce_atomics", "mma_sync_hmma",
-        "wgmma_tma", "control_mix", "isa_zoo", "unrolled_stencil")),
+        "wgmma_tma", "control_mix", "isa_zoo", "unrolled_stencil", "uniform64")),
 ]
 CORPUS_NAMES = [name for name, _ in CORPUS]
 
@@ -234,9 +234,10 @@ class SyntheticCubin:
         return text
 
 
-def synthetic_kernel(rows, pins: dict[int, str] | None = None):
+def synthetic_kernel(rows, pins: dict[int, str] | None = None, fenced=frozenset()):
     """A Kernel from (sass text, Control) rows, e.g. ("@P0 FADD R1, R2, R3 ;", Control(...)).
-    Instruction words hold the row number in their low bits and the control code on top."""
+    Instruction words hold the row number in their low bits and the control code on top; `pins`
+    and `fenced` are the cubin's references into the code (sip.cubin.KernelText)."""
     from types import MappingProxyType
 
     from sip.cubin import KernelText, Section
@@ -257,7 +258,8 @@ def synthetic_kernel(rows, pins: dict[int, str] | None = None):
     instructions = tuple(instructions)
     size = 16 * len(rows)
     section = Section(1, ".text.synthetic", 1, 6, 0, size, 0, 0)
-    code = KernelText("synthetic", section, True, MappingProxyType(dict(pins or {})), frozenset({0}))
+    code = KernelText("synthetic", section, True, MappingProxyType(dict(pins or {})), frozenset({0}),
+                      frozenset(fenced))
     blocks = basic_blocks(instructions, code.entries)
     block_of = tuple(b for b, r in enumerate(blocks) for _ in r)
     text = b"".join(i.word.to_bytes(16, "little") for i in instructions)
