@@ -62,8 +62,9 @@ def check_same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"tensors are on different devices: {devices}")
 
 
-def check_aligned(name: str, t: torch.Tensor, nbytes: int = 16) -> None:
-    """Vectorized kernels read 16-byte chunks: the base address and row strides must allow it."""
+def check_aligned(name: str, t: torch.Tensor, nbytes: int = 16, pointer: bool = True) -> None:
+    """Vectorized kernels read 16-byte chunks: the base address and row strides must allow it.
+    pointer=False checks the strides only (a traced tensor has no address yet)."""
     elem = t.element_size()
-    if t.data_ptr() % nbytes or any(s * elem % nbytes for s in t.stride()[:-1] if s):
+    if (pointer and t.data_ptr() % nbytes) or any(s * elem % nbytes for s in t.stride()[:-1] if s):
         raise ValueError(f"{name} must be {nbytes}-byte aligned (base pointer and row strides)")

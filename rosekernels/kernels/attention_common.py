@@ -68,9 +68,10 @@ def fake_qkv_out_lse(dtype: str, head_dim: int) -> tuple:
 # Host helpers.
 
 
-def validate(q, k, v, out, softmax_scale) -> float:
+def validate(q, k, v, out, softmax_scale, pointers: bool = True) -> float:
     """Check every argument of an attention call before any launch (shapes first, then devices and
-    memory layout); return the softmax scale."""
+    memory layout); return the softmax scale. pointers=False (traced calls: torch.compile cannot read
+    a data pointer) checks the strides' alignment only; the compiled launch checks the pointers'."""
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
         if t is None and name == "out":
             continue
@@ -106,7 +107,7 @@ def validate(q, k, v, out, softmax_scale) -> float:
         if t.numel() == 0:
             continue
         checks.check_unit_last_stride(name, t)
-        checks.check_aligned(name, tma_view(t), 16)
+        checks.check_aligned(name, tma_view(t), 16, pointer=pointers)
         if any(s == 0 for n, s in zip(t.shape, t.stride()) if n > 1):
             raise ValueError(f"{name} has a zero stride (an expanded view); pass a materialized tensor")
         if sum((n - 1) * s for n, s in zip(t.shape, t.stride())) >= 2**31:

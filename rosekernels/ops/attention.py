@@ -54,7 +54,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
                             | (0 if out is None else out.data_ptr())) % 16:
             plan = _plans.put(key, _new_plan(q, k, v, out, causal, softmax_scale))
     else:
-        scale = validate(q, k, v, out, softmax_scale)
+        scale = validate(q, k, v, out, softmax_scale, pointers=not torch.compiler.is_compiling())
     if out is None:
         out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
