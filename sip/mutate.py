@@ -82,6 +82,7 @@ CONTROL_KINDS = ("control.yield", "control.reuse", "control.stall")
 DEFAULT_MOVES = frozenset({"global"})
 LOOP_WEIGHT = 4.0
 _STALL_BITS = 0xF
+LINE_TABLES = frozenset({".debug_line", ".nv_debug_line_sass"})  # what nvcc -lineinfo adds
 _YIELD_BIT = 0x10
 _REUSE_SHIFT = 17
 _REUSE_BITS = 0xF << _REUSE_SHIFT
@@ -225,6 +226,13 @@ class Schedule:
             raise SipError(_NO_TABLE.format(latency.DEFAULT_PATH))
         if not loop_weight > 0:
             raise SipError(f"the loop weight must be > 0, got {loop_weight}")
+        lines = sorted({sec.name for sec in model.kernel.cubin.sections} & LINE_TABLES)
+        if lines and moves & set(MOVE_CLASSES):
+            # The tables map code offsets to source lines; a moved instruction would keep the old
+            # offset's line, so profilers and debuggers would point at the wrong source.
+            raise SipError(f"{model.kernel.name} has -lineinfo line tables ({', '.join(lines)}): moving "
+                           "instructions would leave them pointing at the wrong lines; recompile without "
+                           "-lineinfo, or edit control codes only (--moves control)")
         layout = _Layout.of(model, frozenset(moves), loop_weight)
         slots = [0] * len(model.facts)
         for block in model.blocks:

@@ -210,3 +210,21 @@ def test_controls_travel_with_their_instruction():
     s = Schedule.initial(model).moved(Move(2, -1))
     moved = Control.from_bits(s.controls[2])
     assert (moved.write_sb, moved.read_sb, moved.yield_bit, moved.stall) == (3, 4, 0, 1)
+
+
+def test_a_lineinfo_cubin_takes_control_edits_but_no_moves(tmp_path):
+    """nvcc -lineinfo adds line tables keyed by code offset: moving instructions would make them lie,
+    so any move class is refused with the reason; control edits keep every offset and go through."""
+    from sip_corpus import CORPUS_SOURCES, compile_cu
+
+    from sip import SipError
+
+    cubin = parse_cubin(compile_cu(CORPUS_SOURCES / "unrolled_stencil.cu", tmp_path, flags=("-lineinfo",)))
+    assert {s.name for s in cubin.sections} >= {".nv_debug_line_sass"}
+    model = DependencyModel(next(iter(disassemble(cubin).values())))
+    for moves in ({"global"}, {"alu", "control.yield"}):
+        with pytest.raises(SipError, match="-lineinfo line tables"):
+            Schedule.initial(model, frozenset(moves))
+    control = Schedule.initial(model, frozenset({"control.yield", "control.reuse"}))
+    walked, changes = random_walk(control, 50, seed=3)
+    assert changes and len(apply(walked)) == len(cubin.to_bytes())

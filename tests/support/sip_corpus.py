@@ -33,15 +33,17 @@ def nvcc_path() -> str | None:
     return candidate if os.access(candidate, os.X_OK) else None
 
 
-def compile_cu(source: Path, workdir: Path, arch: str = "sm_90a", defines: tuple[str, ...] = ()) -> bytes:
-    """nvcc -cubin for one architecture; `sm_90a` builds with the arch-specific PTX target."""
+def compile_cu(source: Path, workdir: Path, arch: str = "sm_90a", defines: tuple[str, ...] = (),
+               flags: tuple[str, ...] = ()) -> bytes:
+    """nvcc -cubin for one architecture (`flags`: more nvcc options); `sm_90a` builds with the
+    arch-specific PTX target."""
     nvcc = nvcc_path()
     if nvcc is None:
         pytest.skip("nvcc not found (PATH, $CUDA_HOME/bin): the CUDA part of the corpus needs it")
-    out = workdir / f"{source.stem}.{arch}.{'_'.join(defines) or 'default'}.cubin"
+    out = workdir / f"{source.stem}.{arch}.{'_'.join(defines + flags).replace('-', '') or 'default'}.cubin"
     gencode = (["-gencode", "arch=compute_90a,code=sm_90a"] if arch == "sm_90a"
                else [f"-arch={arch}"])
-    cmd = [nvcc, "-cubin", *gencode, *(f"-D{d}" for d in defines), str(source), "-o", str(out)]
+    cmd = [nvcc, "-cubin", *gencode, *flags, *(f"-D{d}" for d in defines), str(source), "-o", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{run.stderr}")
