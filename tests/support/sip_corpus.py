@@ -224,7 +224,9 @@ def corpus_entry(corpus: dict[str, bytes], name: str) -> bytes:
 # ---------------------------------------------------------------- hand-written kernels
 
 class SyntheticCubin:
-    """Just enough of sip.cubin.Cubin for a hand-written kernel: its code bytes."""
+    """Just enough of sip.cubin.Cubin for a hand-written kernel: its code bytes (and no other section)."""
+
+    sections = ()
 
     def __init__(self, text: bytes):
         self._text = text
