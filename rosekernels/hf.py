@@ -46,6 +46,7 @@ from rosekernels.kernels import (attention_decode_plan, attention_plan, moe_comb
 from rosekernels.models import QWEN3_8B, QWEN3_30B_A3B, ModelDims
 
 try:
+    import transformers
     from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config, Qwen3MoeConfig
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -54,7 +55,11 @@ try:
     from transformers.models.qwen3 import modeling_qwen3 as q3
     from transformers.models.qwen3_moe import modeling_qwen3_moe as q3m
 except ImportError as e:  # an optional extra
-    raise ImportError(f"rosekernels.hf needs transformers >= 5.17 (pip install 'rosekernels[hf]'): {e}") from e
+    raise ImportError(f"rosekernels.hf needs transformers 5.17 (pip install 'rosekernels[hf]'): {e}") from e
+
+# The patched forwards follow the decoder layer and attention code of this transformers release; under
+# 5.24 the patched model's cached decode no longer matched stock on the CPU, so other releases are refused.
+TRANSFORMERS = "5.17."
 
 IMPLEMENTATION = "rosekernels"  # its name in transformers' attention and experts registries
 MODEL_TYPES = ("qwen3", "qwen3_moe")
@@ -368,6 +373,9 @@ class Plan:
 def plan(model: nn.Module) -> Plan:
     """The modules apply() would replace in `model` (any device, meta included); modules already
     replaced are not listed again. Raises ValueError for a model that is not Qwen3 / Qwen3-MoE."""
+    if not transformers.__version__.startswith(TRANSFORMERS):
+        raise ValueError(f"rosekernels.hf follows transformers {TRANSFORMERS}x's Qwen3 code; this is transformers "
+                         f"{transformers.__version__} (pip install 'rosekernels[hf]')")
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in MODEL_TYPES:
         raise ValueError(f"rosekernels.hf serves Qwen3 and Qwen3-MoE models (model_type {' or '.join(MODEL_TYPES)}); "

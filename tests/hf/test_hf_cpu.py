@@ -67,6 +67,15 @@ def test_plan_refuses_other_models():
         hf.plan(torch.nn.Linear(2, 2))
 
 
+def test_plan_refuses_a_transformers_release_its_forwards_do_not_follow(monkeypatch):
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(Qwen3Config(**TINY, num_hidden_layers=1))
+    assert hf.plan(model).swaps["attention"]
+    monkeypatch.setattr(hf.transformers, "__version__", "5.24.0")
+    with pytest.raises(ValueError, match="follows transformers 5.17.x's Qwen3 code; this is transformers 5.24.0"):
+        hf.plan(model)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
 def test_apply_without_a_gpu_refuses_in_one_line_and_changes_nothing():
     model = _tiny(moe=True, layers=2)
