@@ -647,6 +647,24 @@ class _GemmLeakyReluSm90:
             for e in cutlass.range_constexpr(4):
                 vec[e] = acc[4 * j + e]
             cute.copy(store_atom, vec, vectors[(None, base + j * threads)])
+        is_last = self._arrive(mCounters, sLast, tile_idx, num_splits, t, slot)
+        if is_last:
+            acc.fill(0.0)
+            for s in cutlass.range(num_splits, unroll=2):
+                first = (s * tiles + tile_idx) * vecs * threads + t
+                for j in cutlass.range_constexpr(vecs):
+                    cute.copy(load_atom, vectors[(None, first + j * threads)], vec)
+                    for e in cutlass.range_constexpr(4):
+                        acc[4 * j + e] = acc[4 * j + e] + vec[e]
+            if t == 0:
+                mCounters[tile_idx] = Int32(0)
+        return is_last
+
+    @cute.jit
+    def _arrive(self, mCounters: cute.Tensor, sLast: cute.Tensor, tile_idx: Int32, num_splits: Int32,
+                t: Int32, slot: Int32):
+        """After the tile's threads stored this split's partials: count the split in the tile's
+        counter; True in every thread of the split that arrives last, which then sees all partials."""
         self._epi_sync(slot)
         if t == 0:
             cute.arch.fence_acq_rel_gpu()  # the tile's partial stores before the count
@@ -658,15 +676,6 @@ class _GemmLeakyReluSm90:
         is_last = sLast[slot] != 0
         if is_last:
             cute.arch.fence_acq_rel_gpu()
-            acc.fill(0.0)
-            for s in cutlass.range(num_splits, unroll=2):
-                first = (s * tiles + tile_idx) * vecs * threads + t
-                for j in cutlass.range_constexpr(vecs):
-                    cute.copy(load_atom, vectors[(None, first + j * threads)], vec)
-                    for e in cutlass.range_constexpr(4):
-                        acc[4 * j + e] = acc[4 * j + e] + vec[e]
-            if t == 0:
-                mCounters[tile_idx] = Int32(0)
         return is_last
 
     @cute.jit
@@ -713,18 +722,9 @@ class _GemmLeakyReluSm90:
                     for e in cutlass.range_constexpr(4):
                         vec[e] = acc[2 * h + 8 * v + e % 2 + 4 * (e // 2)]
                     cute.copy(store_atom, vec, vectors[(None, row_base + 4 * v)])
-        self._epi_sync(slot)
         tile_idx = tile_m * clusters_n + tile_n
-        if t == 0:
-            cute.arch.fence_acq_rel_gpu()  # the tile's partial stores before the count
-            arrived = cute.arch.atomic_add(
-                mCounters.iterator + tile_idx, Int32(1), sem="acq_rel", scope="gpu"
-            )
-            sLast[slot] = Int32(arrived == num_splits - 1)
-        self._epi_sync(slot)
-        is_last = sLast[slot] != 0
+        is_last = self._arrive(mCounters, sLast, tile_idx, num_splits, t, slot)
         if is_last:
-            cute.arch.fence_acq_rel_gpu()
             acc.fill(0.0)
             for h in cutlass.range_constexpr(2):
                 row = tile_m * cfg.tile_m + tCcD[2 * h][0]
