@@ -123,6 +123,37 @@ class _DecodeAttentionSm90:
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.d), self.dtype)
         return cute.tile_to_shape(atom, (self.tile_n, self.d, self.stages), order=(0, 1, 2))
 
+    # Set-up both kernels share (called while they are traced).
+
+    def _tiled_mma(self):
+        """One warp per tiled MMA; N permuted to 16 so ldmatrix.x4 feeds two n8 blocks at once."""
+        return cute.make_tiled_mma(warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)), (1, 1, 1),
+                                   permutation_mnk=(16, 16, 16))
+
+    @cute.jit  # traced like __call__: the struct's annotations are evaluated there
+    def _set_storage(self, sKV_layout):
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            last: cute.struct.MemRange[Int32, 1]
+            row_stats: cute.struct.MemRange[Float32, 2 * self.ks * self.tile_m]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+    def _storage_and_pipeline(self):
+        """The CTA's shared storage and its K/V ring (a stage holds one K and one V tile)."""
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(), num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_WARPS),  # lane 0 of each
+            tx_count=2 * self.tile_bytes, defer_sync=True)
+        pipeline.pipeline_init_arrive()
+        pipeline.pipeline_init_wait()
+        return storage, pipe
+
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, lse: cute.Tensor,
                  o_part: cute.Tensor, lse_part: cute.Tensor, counters: cute.Tensor, scale_log2: Float32,
@@ -135,19 +166,9 @@ class _DecodeAttentionSm90:
         tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(tma_load, mK, tile_layout, (self.tile_n, self.d))
         tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(tma_load, mV, tile_layout, (self.tile_n, self.d))
         self.tile_bytes = cute.size_in_bytes(self.dtype, tile_layout)
-        # One warp per tiled MMA; N permuted to 16 so ldmatrix.x4 feeds two n8 blocks at once.
-        tiled_mma = cute.make_tiled_mma(warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)), (1, 1, 1),
-                                        permutation_mnk=(16, 16, 16))
+        tiled_mma = self._tiled_mma()
 
-        @cute.struct
-        class SharedStorage:
-            mbar: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-            last: cute.struct.MemRange[Int32, 1]
-            row_stats: cute.struct.MemRange[Float32, 2 * self.ks * self.tile_m]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-
-        self.shared_storage = SharedStorage
+        self._set_storage(sKV_layout)
 
         rows = q.shape[1] * (q.shape[2] // k.shape[2])
         m_blocks = (rows + self.tile_m - 1) // self.tile_m
@@ -185,14 +206,7 @@ class _DecodeAttentionSm90:
             for atom in (tma_atom_k, tma_atom_v):
                 cpasync.prefetch_descriptor(atom)
 
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-        pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar.data_ptr(), num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_WARPS),  # lane 0 of each
-            tx_count=2 * self.tile_bytes, defer_sync=True)
-        pipeline.pipeline_init_arrive()
-        pipeline.pipeline_init_wait()
+        storage, pipe = self._storage_and_pipeline()
         # Programmatic dependent launch: the set-up above may overlap the previous kernel in the
         # stream; every global access below waits for it to complete.
         cute.arch.griddepcontrol_wait()
@@ -534,19 +548,9 @@ class _KVCacheDecodeSm90(_DecodeAttentionSm90):
         tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(tma_load, mK, box_layout, box)
         tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(tma_load, mV, box_layout, box)
         self.tile_bytes = cute.size_in_bytes(self.dtype, tile_layout)  # every box of a stage: one tx count
-        # The dense kernel's MMA and shared memory.
-        tiled_mma = cute.make_tiled_mma(warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)), (1, 1, 1),
-                                        permutation_mnk=(16, 16, 16))
+        tiled_mma = self._tiled_mma()
 
-        @cute.struct
-        class SharedStorage:
-            mbar: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-            last: cute.struct.MemRange[Int32, 1]
-            row_stats: cute.struct.MemRange[Float32, 2 * self.ks * self.tile_m]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-
-        self.shared_storage = SharedStorage
+        self._set_storage(sKV_layout)
 
         rows = q.shape[1] * (q.shape[2] // k.shape[2])
         m_blocks = (rows + self.tile_m - 1) // self.tile_m
@@ -584,14 +588,7 @@ class _KVCacheDecodeSm90(_DecodeAttentionSm90):
             for atom in (tma_atom_k, tma_atom_v):
                 cpasync.prefetch_descriptor(atom)
 
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-        pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar.data_ptr(), num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_WARPS),  # lane 0 of each
-            tx_count=2 * self.tile_bytes, defer_sync=True)
-        pipeline.pipeline_init_arrive()
-        pipeline.pipeline_init_wait()
+        storage, pipe = self._storage_and_pipeline()
         cute.arch.griddepcontrol_wait()
         # After the wait: the previous kernel in the stream may have written the lengths.
         seqlen_k = cutlass.max(cutlass.min(mSeqlens[batch], capacity), 0)
