@@ -10,6 +10,7 @@ against tokens, and tuning before/after.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import sys
@@ -18,6 +19,7 @@ from typing import Any, Callable
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from PIL import Image  # matplotlib depends on Pillow
 
 OURS = "rosekernels"
 PANEL = (5.2, 3.8)  # inches per panel
@@ -318,7 +320,12 @@ def draw(name: str, data: dict, out: str | Path) -> Path | None:
         return None
     fig = chart(data)  # built fully before anything is written: bad data leaves no file behind
     path = Path(out) / f"{name}.png"
-    fig.savefig(path, dpi=100)
+    # RGB (the figure is opaque: no alpha channel) and the smallest zlib encoding: the same picture,
+    # a tenth fewer bytes; committed charts travel to the GPU host with the tree.
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    buffer.seek(0)
+    Image.open(buffer).convert("RGB").save(path, optimize=True)
     return path
 
 

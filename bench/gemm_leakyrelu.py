@@ -16,7 +16,6 @@ Writes gemm_leakyrelu.json and gemm_leakyrelu.md into --out.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -181,8 +180,7 @@ def _sweep(shape, sets, flops, sm, splits=None):
         times = {cfg: _graph_ms(fn, sets) for cfg, fn in fns.items()}
         for cfg, row in rows.items():
             row.update(tile_m=cfg.tile_m, tile_n=cfg.tile_n, a_rows=cfg.a_rows, swap_ab=cfg.swap_ab,
-                       model_us=None if cfg.swap_ab else plan.decode_cost(m, n, k, cfg.tile_m, cfg.tile_n,
-                                                                          cfg.splits, sm))
+                       model_us=plan.decode_cost(cfg, m, n, k, sm))
     else:  # every trial timed in each round (timing.interleaved_time_us)
         steps = {cfg: _rotating(fn, sets) for cfg, fn in fns.items()}
         times = timing.interleaved_time_us(steps, _prefill_calls(flops), rounds=11)

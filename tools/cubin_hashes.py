@@ -3,11 +3,14 @@ sm_90a (no GPU needed), as JSON {variant key: sha256}; with --compare, the keys 
 from an earlier run's (a refactoring that must not change any kernel shows none).
 
     python tools/cubin_hashes.py -o hashes.json [--kernels qk_norm,rmsnorm] [--compare before.json] [-j 2]
+
+A path ending in .gz is read and written gzip-compressed (the committed lists in bench/results are).
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import gzip
 import importlib
 import json
 import multiprocessing
@@ -15,6 +18,10 @@ import os
 import sys
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+
+def _open(path: str, mode: str):
+    return gzip.open(path, mode + "t") if path.endswith(".gz") else open(path, mode)
 
 
 def _specs(kernels: list[str]) -> list[tuple[str, object]]:
@@ -44,12 +51,12 @@ def main() -> int:
     specs = _specs(args.kernels.split(","))
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         hashes = dict(pool.map(_hash, specs))
-    with open(args.output, "w") as f:
+    with _open(args.output, "w") as f:
         json.dump(hashes, f, indent=1, sort_keys=True)
     print(f"{len(hashes)} cubins -> {args.output}")
     if not args.compare:
         return 0
-    with open(args.compare) as f:
+    with _open(args.compare, "r") as f:
         before = {k: v for k, v in json.load(f).items() if k.split("-")[0] in args.kernels.split(",")}
     changed = sorted(k for k in hashes.keys() & before.keys() if hashes[k] != before[k])
     for label, keys in (("missing", sorted(before.keys() - hashes.keys())),

@@ -1,6 +1,6 @@
 """Fit the decode GEMM cost model (rosekernels.kernels.gemm_leakyrelu_plan.decode_cost) to a sweep.
 
-    python tools/fit_gemm_decode.py bench/results/gemm_leakyrelu_decode_broad.json
+    python tools/fit_gemm_decode.py bench/results/gemm_leakyrelu_decode_broad.json.gz
 
 The sweep is what `python bench/gemm_leakyrelu.py --sweep --sweep-splits 1,2,3,4,6,8 --shapes ...`
 writes: every decode config of each shape timed in a CUDA graph. The model's parameters are found by
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import json
 import math
 
@@ -50,10 +51,11 @@ def features(m: int, n: int, k: int, row: dict) -> list[float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("sweep", help="JSON written by bench/gemm_leakyrelu.py --sweep")
+    p.add_argument("sweep", help="JSON written by bench/gemm_leakyrelu.py --sweep (.gz: compressed)")
     p.add_argument("--restarts", type=int, default=10)
     args = p.parse_args()
-    data = json.load(open(args.sweep))
+    with (gzip.open(args.sweep, "rt") if args.sweep.endswith(".gz") else open(args.sweep)) as f:
+        data = json.load(f)
     shapes, rows = [], []
     for result in data["results"]:
         for row in result.get("sweep", []):
@@ -64,7 +66,6 @@ def main() -> None:
     fam = np.array([families.index(family(r)) for r in rows])
     x = np.array([features(*s, r) for s, r in zip(shapes, rows)])
     logy = np.log([r["ms"] * 1e3 for r in rows])
-    groups = [np.array(ix) for ix in collections.defaultdict(list, {}).values()]
     by_shape = collections.defaultdict(list)
     for i, s in enumerate(shapes):
         by_shape[s].append(i)

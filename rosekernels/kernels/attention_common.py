@@ -97,23 +97,36 @@ def validate(q, k, v, out, softmax_scale, pointers: bool = True) -> float:
         raise ValueError(f"the number of query heads ({Hq}) must be a multiple of the KV heads ({Hkv})")
     if k.shape[1] == 0 and q.numel():
         raise ValueError("k and v must hold at least one key")
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+    scale = scale_of(d, softmax_scale)
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
-        if t is None:
-            continue
-        checks.check_cuda(name, t)
-        if t.numel() == 0:
-            continue
-        checks.check_unit_last_stride(name, t)
-        checks.check_aligned(name, tma_view(t), 16, pointer=pointers)
-        if any(s == 0 for n, s in zip(t.shape, t.stride()) if n > 1):
-            raise ValueError(f"{name} has a zero stride (an expanded view); pass a materialized tensor")
-        if sum((n - 1) * s for n, s in zip(t.shape, t.stride())) >= 2**31:
-            raise ValueError(f"{name} spans 2^31 elements or more; the kernel indexes with 32 bits")
+        if t is not None:
+            check_operand(name, t, pointers)
     checks.check_same_device(q=q, k=k, v=v, out=out)
     return scale
+
+
+def scale_of(head_dim: int, softmax_scale) -> float:
+    """The softmax scale a call asks for (None: 1 / sqrt(head_dim)); ValueError unless positive, finite."""
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+    return scale
+
+
+def check_operand(name: str, t: torch.Tensor, pointers: bool = True, vectors: bool = True) -> None:
+    """The device and memory layout of one tensor argument: on CUDA, unit last stride, 16-byte aligned
+    (`vectors`: TMA and vector loads read it; pointers=False checks the strides only, for traced
+    calls), no zero stride, and a span the kernels' 32-bit indexing reaches."""
+    checks.check_cuda(name, t)
+    if t.numel() == 0:
+        return
+    checks.check_unit_last_stride(name, t)
+    if vectors:
+        checks.check_aligned(name, tma_view(t), 16, pointer=pointers)
+    if any(s == 0 for n, s in zip(t.shape, t.stride()) if n > 1):
+        raise ValueError(f"{name} has a zero stride (an expanded view); pass a materialized tensor")
+    if sum((n - 1) * s for n, s in zip(t.shape, t.stride())) >= 2**31:
+        raise ValueError(f"{name} spans 2^31 elements or more; the kernel indexes with 32 bits")
 
 
 def tma_view(t: torch.Tensor) -> torch.Tensor:

@@ -24,22 +24,17 @@ variants; splits are planned for a full cache, and splits past a shorter sequenc
 """
 from __future__ import annotations
 
-import math
 
 import torch
 
 from rosekernels import checks, launch
 from rosekernels.kernels import attention_decode as decode
-from rosekernels.kernels.attention_common import TORCH_DTYPES, tma_view
+from rosekernels.kernels.attention_common import TORCH_DTYPES, check_operand, scale_of, tma_view
 from rosekernels.kernels.attention_decode_plan import page_rows_for, tile_n_for
 from rosekernels.kernels.attention_plan import HEAD_DIMS
 
 _plans = launch.PlanCache()
 _MAX_INDEX = 2**31  # the kernel indexes with 32 bits
-
-
-def _spans(t: torch.Tensor) -> int:
-    return sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
 
 
 def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, out, softmax_scale,
@@ -94,25 +89,10 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, out, softm
         raise ValueError(f"batch ({B}) and KV heads ({Hkv}) must each be at most 65535 (grid limits)")
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"the number of query heads ({Hq}) must be a multiple of the KV heads ({Hkv})")
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+    scale = scale_of(d, softmax_scale)
     for name, t in named:
-        if t is None:
-            continue
-        checks.check_cuda(name, t)
-        if t.numel() == 0:
-            continue
-        checks.check_unit_last_stride(name, t)
-        if t.dtype != torch.int32:
-            if pointers:
-                checks.check_aligned(name, tma_view(t), 16)
-            elif any(s * t.element_size() % 16 for n, s in zip(t.shape[:-1], t.stride()[:-1]) if n > 1):
-                raise ValueError(f"{name} must be 16-byte aligned (row strides)")
-        if any(s == 0 for n, s in zip(t.shape, t.stride()) if n > 1):
-            raise ValueError(f"{name} has a zero stride (an expanded view); pass a materialized tensor")
-        if _spans(t) >= _MAX_INDEX:
-            raise ValueError(f"{name} spans 2^31 elements or more; the kernel indexes with 32 bits")
+        if t is not None:  # the int32 tables are read as scalars: no vector alignment
+            check_operand(name, t, pointers, vectors=t.dtype != torch.int32)
     checks.check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                              block_table=block_table, out=out)
     return scale

@@ -7,8 +7,7 @@ import re
 
 import pytest
 import torch
-from attention_reference import check, inputs, sync
-from kernel_sass import sass_of
+from attention_reference import decode_sass, check, inputs, sync
 
 import rosekernels
 from rosekernels import scratch
@@ -28,13 +27,7 @@ def kernels():
 
 def test_every_specialization_compiles_to_an_mma_sync_tma_kernel(kernels, tmp_path):
     for cfg, k in kernels.items():
-        assert int.from_bytes(k.cubin[0x30:0x34], "little") & 0xFF == 90, cfg  # e_flags: sm_90
-        sass = sass_of(k, tmp_path)
-        if sass is None:
-            pytest.skip("nvdisasm (nvidia-cuda-nvdisasm) is not installed")
-        ops = set(re.findall(r"\b(HMMA|UTMALDG|LDSM|ATOMG|LDL|STL)\b", sass))
-        assert {"HMMA", "UTMALDG", "LDSM", "ATOMG"} <= ops, (cfg, ops)
-        assert not {"LDL", "STL"} & ops, f"{cfg} spills registers to local memory"
+        sass = decode_sass(cfg, k, tmp_path)
         # One K/V tile per loop pass: each warp's S = Q K^T over its keys and O += P V.
         keys = cfg.tile_n // cfg.key_slices
         per_tile = keys // 8 * cfg.head_dim // 16 + cfg.head_dim // 8 * keys // 16

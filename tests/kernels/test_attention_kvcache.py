@@ -10,8 +10,7 @@ import re
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from attention_reference import check, check_kvcache, paged_cache, sequence_kv, sync
-from kernel_sass import sass_of
+from attention_reference import decode_sass, check, check_kvcache, paged_cache, sequence_kv, sync
 
 import rosekernels
 from rosekernels import scratch
@@ -49,13 +48,7 @@ def kernels():
 
 def test_kvcache_variants_compile_to_tma_kernels_with_one_box_per_page_slice(cpu_kernels, tmp_path):
     for cfg, k in cpu_kernels.items():
-        assert int.from_bytes(k.cubin[0x30:0x34], "little") & 0xFF == 90, cfg
-        sass = sass_of(k, tmp_path)
-        if sass is None:
-            pytest.skip("nvdisasm (nvidia-cuda-nvdisasm) is not installed")
-        ops = set(re.findall(r"\b(HMMA|UTMALDG|LDSM|ATOMG|LDL|STL)\b", sass))
-        assert {"HMMA", "UTMALDG", "LDSM", "ATOMG"} <= ops, (cfg, ops)
-        assert not {"LDL", "STL"} & ops, f"{cfg} spills registers to local memory"
+        sass = decode_sass(cfg, k, tmp_path)
         # K and V of a tile: one TMA per box and 64-column half (128-byte swizzle rows).
         boxes = cfg.tile_n // cfg.page_rows if cfg.paged else 1
         assert len(re.findall(r"\bUTMALDG\b", sass)) == 2 * boxes * (cfg.head_dim // 64), cfg

@@ -1,10 +1,14 @@
 """Shared by the attention tests: the result check against the float64 reference (the one the kernels'
 workloads check with), inputs, a hang-safe sync."""
 import os
+import re
 import sys
 import time
 
 import torch
+
+import pytest
+from kernel_sass import sass_of
 
 from rosekernels.kernels.attention_common import check  # noqa: F401
 
@@ -71,3 +75,17 @@ def paged_cache(k, v, lengths, block_size, spare_blocks, generator):
             k_cache[page, :rows] = k[b, j * block_size:j * block_size + rows]
             v_cache[page, :rows] = v[b, j * block_size:j * block_size + rows]
     return k_cache, v_cache, table.to(k.device)
+
+
+def decode_sass(cfg, kernel, tmp_path) -> str:
+    """The SASS of a split-KV decode kernel (dense or KV-cache), after what every one must have: built
+    for sm_90, mma.sync, TMA loads, ldmatrix, the combine's atomics, no register spills. Skips the
+    test without nvdisasm."""
+    assert int.from_bytes(kernel.cubin[0x30:0x34], "little") & 0xFF == 90, cfg  # e_flags: sm_90
+    sass = sass_of(kernel, tmp_path)
+    if sass is None:
+        pytest.skip("nvdisasm (nvidia-cuda-nvdisasm) is not installed")
+    ops = set(re.findall(r"\b(HMMA|UTMALDG|LDSM|ATOMG|LDL|STL)\b", sass))
+    assert {"HMMA", "UTMALDG", "LDSM", "ATOMG"} <= ops, (cfg, ops)
+    assert not {"LDL", "STL"} & ops, f"{cfg} spills registers to local memory"
+    return sass
