@@ -1,13 +1,14 @@
 """SIP benchmark: for every kernel sip-tune can tune, search, validate, then time untuned vs tuned.
 
     python bench/sip_tuning.py --out bench/results [--kernels qk_norm,rmsnorm] [--modes decode]
-                               [--budget-minutes 1.0] [--runs 2] [--samples 10000]
+                               [--budget-minutes 1.0] [--runs 2] [--moves all] [--samples N]
 
 Per kernel and mode:
 - the energy check: the original with every stall count raised to 11 must time slower (proves the
   measurement resolves a schedule difference), and the original against itself (the noise floor);
-- the search (`sip_tune.tuning.tune`, min_speedup 1.0: the best validated schedule is kept even at 1.00x,
-  so the table always shows what the search found), search time, candidates, samples tested;
+- the search (`sip_tune.tuning.tune` over the `--moves` classes), search time, candidates, samples tested;
+  its finalists re-timed with an A/A pair (original against a byte-identical copy) in 3 fresh workers:
+  a schedule is kept only past 1 + the A/A spread (the table shows the best finalist either way);
 - the final word: original and tuned cubin re-timed in a FRESH worker, interleaved, `--repeats`
   independent runs of `--reps` replay pairs each (CUDA graphs of many launches cycling over input
   sets larger than L2); the median of the per-run medians.
@@ -64,13 +65,15 @@ def bench_one(kernel: str, mode: str, args: argparse.Namespace, cache_dir: str) 
     row["variant"] = workload.kernel.variant.key()
     row.update(energy_check(factory, original))
     config = tuning.TuneConfig(budget_seconds=args.budget_minutes * 60, runs=args.runs, samples=args.samples,
-                               seed=args.seed, min_speedup=1.0)
+                               seed=args.seed, min_speedup=1.0, moves=args.moves)
     result = tuning.tune(factory, config, kernel=kernel, cache_root=cache_dir)
     print(result.text(), flush=True)
     row["report"] = result.to_dict()
     row.update(search_s=result.search_seconds, total_s=result.total_seconds, iterations=result.iterations,
                evaluated=result.evaluated, incorrect=result.incorrect, crashed=result.crashed,
-               samples_passed=result.samples_passed, outcome=result.outcome,
+               samples_passed=result.samples_passed, outcome=result.outcome, movable=result.movable,
+               legal_moves=result.legal_moves, aa_spread=result.aa_spread,
+               best_finalist=min((1 / f["rel"] for f in result.finalists), default=math.nan),
                cost_per_candidate_s=result.cost_s.get("total", math.nan))
     if result.cached:
         tuned = (Path(result.cached) / "tuned.cubin").read_bytes()
@@ -92,20 +95,23 @@ def has_mode(kernel: str, mode: str) -> bool:
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# SIP tuning ({meta['gpu']}, {meta['date']})", "",
              f"Search budget {meta['budget_minutes']} min per kernel and mode, {meta['runs']} runs, "
-             f"winner validated on {meta['samples']} fresh samples; final timing: {meta['repeats']} interleaved "
-             f"runs x {meta['reps']} graph-replay pairs in a fresh worker (median).", "",
-             "| kernel | mode | original us | tuned us | speedup | search s | iterations | cubins run | "
-             "incorrect | crashed | s/candidate | samples passed | stalls check | noise |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"moves {meta.get('moves') or 'global'}; winner validated on {meta['samples'] or 'the default'} "
+             f"fresh samples; final timing: {meta['repeats']} interleaved runs x {meta['reps']} graph-replay pairs "
+             "in a fresh worker (median). Best finalist: the fastest schedule of the search re-timed (median of 3 "
+             "fresh workers), kept only past 1 + A/A (the original against a byte-identical copy, same runs).", "",
+             "| kernel | mode | movable / legal moves | original us | tuned us | speedup | best finalist | A/A | "
+             "search s | iterations | cubins run | incorrect | crashed | s/candidate | samples passed | "
+             "stalls check |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['kernel']} | {r['mode']} | error: {r['error']} |" + " |" * 11)
+            lines.append(f"| {r['kernel']} | {r['mode']} | error: {r['error']} |" + " |" * 13)
             continue
         lines.append(
-            f"| {r['kernel']} | {r['mode']} | {r['original_us']:.3f} | {r['tuned_us']:.3f} | {r['speedup']:.3f}x | "
+            f"| {r['kernel']} | {r['mode']} | {r['movable']} / {r['legal_moves']} | {r['original_us']:.3f} | "
+            f"{r['tuned_us']:.3f} | {r['speedup']:.3f}x | {r['best_finalist']:.4f}x | {r['aa_spread'] * 100:.2f} % | "
             f"{r['search_s']:.0f} | {r['iterations']} | {r['evaluated']} | {r['incorrect']} | {r['crashed']} | "
-            f"{r['cost_per_candidate_s']:.3f} | {r['samples_passed']} | {r['stalled_rel']:.3f}x slower | "
-            f"{abs(r['noise_rel'] - 1) * 100:.2f} % |")
+            f"{r['cost_per_candidate_s']:.3f} | {r['samples_passed']} | {r['stalled_rel']:.3f}x slower |")
     lines += ["", "Outcomes:"] + [f"- {r['kernel']} {r['mode']}: {r.get('outcome', r.get('error'))}" for r in rows]
     return "\n".join(lines) + "\n"
 
@@ -117,7 +123,8 @@ def main() -> int:
     p.add_argument("--modes", default="decode,prefill")
     p.add_argument("--budget-minutes", type=float, default=1.0, help="search time per kernel and mode")
     p.add_argument("--runs", type=int, default=2)
-    p.add_argument("--samples", type=int, default=10_000)
+    p.add_argument("--samples", type=int, default=0, help="0: the tuner's default for the move classes")
+    p.add_argument("--moves", default=None, help="SASS move classes (sip.mutate; default: global)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--reps", type=int, default=60)
@@ -144,7 +151,7 @@ def main() -> int:
                 rows.append({"kernel": kernel, "mode": mode, "error": f"{type(e).__name__}: {e}"[:300]})
             print(f"=== {kernel} {mode}: {time.monotonic() - t0:.0f} s", flush=True)
     meta = {**report.environment(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "budget_minutes": args.budget_minutes, "runs": args.runs, "samples": args.samples,
+            "budget_minutes": args.budget_minutes, "runs": args.runs, "samples": args.samples, "moves": args.moves,
             "repeats": args.repeats, "reps": args.reps}
     report.write(args.out, "sip_tuning", {"meta": meta, "rows": rows}, markdown(rows, meta))
     return 0

@@ -74,8 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     budget.add_argument("--budget-minutes", type=float, metavar="M",
                         help="search time over all runs (default 10 when no budget is given)")
     p.add_argument("--runs", type=int, default=2, metavar="K", help="independent annealing runs (seeds S..S+K-1)")
-    p.add_argument("--samples", type=int, default=10_000, metavar="N",
-                   help="fresh random samples the winner must pass before it is cached (up to 1e7)")
+    p.add_argument("--samples", type=int, default=0, metavar="N",
+                   help="fresh random samples the winner must pass before it is cached (up to 1e7; default "
+                        "10^4, 10^5 when --moves goes past global)")
     p.add_argument("--search-samples", type=int, default=2, metavar="N", help="samples per candidate in the search")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache", metavar="DIR", help=f"tuned-cubin cache (default ${tuned.ENV_VAR} or "
@@ -188,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--budget-iters must be >= 1")
     if args.budget_minutes is not None and not args.budget_minutes > 0:
         parser.error("--budget-minutes must be > 0")
-    if not 1 <= args.samples <= 10**7:
-        parser.error("--samples must be in [1, 1e7]")
+    if not 0 <= args.samples <= 10**7:
+        parser.error("--samples must be in [1, 1e7] (0: the default)")
     if args.runs < 1 or args.search_samples < 1:
         parser.error("--runs and --search-samples must be >= 1")
     if (args.atol is not None) and args.rtol is None:

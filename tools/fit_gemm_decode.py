@@ -1,9 +1,12 @@
 """Fit the decode GEMM cost model (rosekernels.kernels.gemm_leakyrelu_plan.decode_cost) to a sweep.
 
-    python tools/fit_gemm_decode.py bench/results/gemm_leakyrelu_decode_broad.json.gz
+    python tools/fit_gemm_decode.py bench/results/gemm_leakyrelu_decode_broad.json.gz \
+        bench/results/gemm_leakyrelu_decode_fitted.json.gz
 
-The sweep is what `python bench/gemm_leakyrelu.py --sweep --sweep-splits 1,2,3,4,6,8 --shapes ...`
-writes: every decode config of each shape timed in a CUDA graph. The model's parameters are found by
+A sweep is what `python bench/gemm_leakyrelu.py --sweep --sweep-splits 1,2,3,4,6,8 --shapes ...`
+writes: every decode config of each shape timed in a CUDA graph (each file's shapes are fitted as
+timed there: ratios within one run). Plain tiles of widths between the anchor widths (ANCHORS) take
+the linear interpolation of the anchors' efficiencies, as decode_cost does. The model's parameters are found by
 minimising the time lost by its pick on each shape (a soft-min over the shape's configs, so the loss
 is smooth), plus a small weight on the log error of every prediction; each parameter is kept within
 physical bounds (per-SM bandwidth 30-90 GB/s, MMA rate 2.0-3.6 multiply-adds per ns per SM, ...).
@@ -26,11 +29,20 @@ DRAM_BW = 3.9e6  # bytes per us
 # (name, low, high) of each fitted constant, in decode_cost's units (bytes, us, multiply-adds).
 BOUNDS = [("_SM_BW", 3e4, 9e4), ("_MMA_RATE", 2.0e6, 3.6e6), ("_WAVE_US", 0.2, 6.0), ("_SPLIT_US", 0.0, 4.0),
           ("_SPLIT_US swapped", 0.0, 4.0), ("_PARTIALS_BW", 1e4, 2e5)]
-EFFICIENCY = (0.4, 1.6)
+EFFICIENCY = (0.3, 1.6)
+ANCHORS = {64: (64, 128, 256), 128: (32, 64, 128, 256)}  # plain tile widths with an efficiency of their own
 
 
-def family(row: dict) -> tuple:
-    return (row["swap_ab"], row["tile_m"], None if row["swap_ab"] else row["tile_n"])
+def families_of(row: dict) -> list[tuple[tuple, float]]:
+    """(efficiency family, weight) pairs whose weighted sum is the config's efficiency."""
+    if row["swap_ab"]:
+        return [((True, row["tile_m"], None), 1.0)]
+    widths = ANCHORS[row["tile_m"]]
+    w = min(max(row["tile_n"], widths[0]), widths[-1])
+    if w in widths:
+        return [((False, row["tile_m"], w), 1.0)]
+    w0, w1 = next((a, b) for a, b in zip(widths, widths[1:]) if a < w < b)
+    return [((False, row["tile_m"], w0), (w1 - w) / (w1 - w0)), ((False, row["tile_m"], w1), (w - w0) / (w1 - w0))]
 
 
 def features(m: int, n: int, k: int, row: dict) -> list[float]:
@@ -51,24 +63,29 @@ def features(m: int, n: int, k: int, row: dict) -> list[float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("sweep", help="JSON written by bench/gemm_leakyrelu.py --sweep (.gz: compressed)")
+    p.add_argument("sweeps", nargs="+", help="JSON written by bench/gemm_leakyrelu.py --sweep (.gz: compressed)")
     p.add_argument("--restarts", type=int, default=10)
     args = p.parse_args()
-    with (gzip.open(args.sweep, "rt") if args.sweep.endswith(".gz") else open(args.sweep)) as f:
-        data = json.load(f)
-    shapes, rows = [], []
-    for result in data["results"]:
-        for row in result.get("sweep", []):
-            if "ms" in row and "swap_ab" in row:
-                shapes.append((result["m"], result["n"], result["k"]))
-                rows.append(row)
-    families = sorted({family(r) for r in rows}, key=str)
-    fam = np.array([families.index(family(r)) for r in rows])
+    shapes, rows, runs = [], [], []
+    for i, path in enumerate(args.sweeps):
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+            data = json.load(f)
+        for result in data["results"]:
+            for row in result.get("sweep", []):
+                if "ms" in row and "swap_ab" in row:
+                    shapes.append((result["m"], result["n"], result["k"]))
+                    rows.append(row)
+                    runs.append(i)
+    families = sorted({f for r in rows for f, _ in families_of(r)}, key=str)
+    fam = np.zeros((len(rows), len(families)))
+    for i, r in enumerate(rows):
+        for f, weight in families_of(r):
+            fam[i, families.index(f)] = weight
     x = np.array([features(*s, r) for s, r in zip(shapes, rows)])
     logy = np.log([r["ms"] * 1e3 for r in rows])
     by_shape = collections.defaultdict(list)
-    for i, s in enumerate(shapes):
-        by_shape[s].append(i)
+    for i, (s, run) in enumerate(zip(shapes, runs)):
+        by_shape[(*s, run)].append(i)
     groups = [np.array(ix) for ix in by_shape.values()]
 
     def unpack(p):
@@ -78,7 +95,7 @@ def main() -> None:
 
     def predict(p):
         (sm_bw, mma, wave, split, split_swapped, partials_bw), eff = unpack(p)
-        stream = np.maximum(x[:, 2] / DRAM_BW, x[:, 1] / (sm_bw * eff[fam]))
+        stream = np.maximum(x[:, 2] / DRAM_BW, x[:, 1] / (sm_bw * (fam @ eff)))
         return (np.maximum(stream, x[:, 3] / mma) + x[:, 0] * wave
                 + x[:, 4] * np.where(x[:, 6] > 0, split_swapped, split) + x[:, 5] / partials_bw)
 
@@ -103,7 +120,7 @@ def main() -> None:
     for s, g in by_shape.items():
         pick = g[int(np.argmin(pred[g]))]
         lost.append(math.exp(logy[pick] - logy[g].min()))
-        print(f"{s[0]}x{s[1]}x{s[2]}: pick {math.exp(logy[pick]):.1f} us, best {math.exp(logy[g].min()):.1f} us, "
+        print(f"{s[0]}x{s[1]}x{s[2]} (file {s[3] + 1}): pick {math.exp(logy[pick]):.1f} us, best {math.exp(logy[g].min()):.1f} us, "
               f"{lost[-1]:.3f}")
     print(f"pick / best: mean {np.mean(lost):.4f}, worst {max(lost):.3f} over {len(lost)} shapes")
 

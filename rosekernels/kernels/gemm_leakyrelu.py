@@ -120,13 +120,14 @@ class _GemmLeakyReluSm90:
         acc_regs = cfg.tile_m * cfg.tile_n // self.epi_threads
         # Registers: the producer warpgroup gives its share to the MMA warpgroups.
         self.regs_load, self.regs_mma = (24, 240) if acc_regs >= 192 else (40, 232)
-        # Epilogue subtile: 32 columns; rows = the rows one pass of the tile's warpgroups covers.
-        self.epi_tile = (64 * self.wg_per_tile, 32)
         self.tile_slots = self.num_mma_wg // self.wg_per_tile  # tiles in flight per CTA
         self.mcast_a = cfg.cluster_n  # CTAs of a cluster row load the same A tile
         self.mcast_b = cfg.cluster_m
         # Output columns of a plain tile (gated: the products of its gate/up column pairs).
         self.out_n = cfg.tile_n // 2 if cfg.gated and not cfg.swap_ab else cfg.tile_n
+        # Epilogue subtile: 32 columns (16 where the tile is an odd multiple of 16 wide); rows = the
+        # rows one pass of the tile's warpgroups covers.
+        self.epi_tile = (64 * self.wg_per_tile, 32 if self.out_n % 32 == 0 else 16)
         self.ab_stage, self.epi_stage = self._stages()
 
     def _stages(self) -> tuple[int, int]:
@@ -487,7 +488,8 @@ class _GemmLeakyReluSm90:
                         col = t + j * self.epi_threads
                         n_idx = tile_n * cfg.tile_n + col
                         bias_regs[j] = Float32(0.0)
-                        if col < cfg.tile_n and n_idx < mD.shape[1]:
+                        # (gated: the bias is per weight row, twice as many as output columns)
+                        if col < cfg.tile_n and n_idx < mBias.shape[0]:
                             bias_regs[j] = mBias[n_idx].to(Float32)
 
                 # ------------------------------------------------ mainloop
@@ -612,15 +614,17 @@ class _GemmLeakyReluSm90:
                     n_idx = tile_m * cfg.tile_m + tCcD[i][0]
                     if n_idx < mBias.shape[0]:
                         acc[i] = acc[i] + mBias[n_idx].to(Float32)
+            # Fragment mode 0 is (2 columns, 2 row halves, tile_n / 8), indexed flat: at tile_n = 8
+            # its last mode is gone. Element c + 4 j is a gate, c + 2 + 4 j its up.
             for mm in cutlass.range_constexpr(cute.size(acc, mode=[1])):
                 for nn in cutlass.range_constexpr(cute.size(acc, mode=[2])):
-                    for j in cutlass.range_constexpr(cute.size(acc.shape[0][2])):
+                    for j in cutlass.range_constexpr(cute.size(acc, mode=[0]) // 4):
                         for c in cutlass.range_constexpr(2):
-                            coord = tCcD[((c, 0, j), mm, nn)]
+                            coord = tCcD[(c + 4 * j, mm, nn)]
                             n_idx = tile_m * (cfg.tile_m // 2) + coord[0] // 16 * 8 + coord[0] % 8
                             m_idx = tile_n * cfg.tile_n + coord[1]
                             if n_idx < mD.shape[0] and m_idx < mD.shape[1]:
-                                y = self._act(acc[((c, 0, j), mm, nn)]) * acc[((c, 1, j), mm, nn)]
+                                y = self._act(acc[(c + 4 * j, mm, nn)]) * acc[(c + 2 + 4 * j, mm, nn)]
                                 mD[n_idx, m_idx] = y.to(self.ab_dtype)
 
     @cute.jit

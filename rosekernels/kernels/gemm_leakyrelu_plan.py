@@ -57,6 +57,10 @@ PREFILL_RASTER_GROUPS = (RASTER_GROUP, 2)
 # Decode (M <= 128): weight-bandwidth bound. Plain tiles: tile_m rows of tokens (64: a_rows of
 # them loaded, 128) x tile_n weight rows; swapped tiles: tile_m weight rows x tile_n tokens.
 DECODE_TILE_N = (64, 128, 256)  # weight rows of plain tiles
+# Past 64 tokens, plain 128-row tiles may also take the width that fills the SMs with one wave of
+# tiles x K splits (`fitted_width`: a multiple of 16): at 18944 weight rows, 256-wide tiles leave 58
+# of 132 SMs idle and 128-wide ones make two waves.
+FIT_TILE_M = 128
 MAX_SPLITS = 16
 A_ROWS = (8, 16, 32, 64)  # rows of A a 64-row decode tile loads: the smallest that holds M
 # Swapped decode tiles: tokens per tile (the MMA's N side, the smallest that holds M) and weight
@@ -65,20 +69,23 @@ SWAP_TILE_N = (8, 16, 32, 64, 96, 128)
 SWAP_TILE_M = (64, 128)
 MIN_SPLIT_K_TILES = 4  # k-tiles per split at least: shorter splits are mostly pipeline fill
 COUNTER_SLOTS = 4096  # split-K tile counters per stream: a split launch has at most this many tiles
-# The decode cost model (`decode_cost`), fitted to an H200 sweep of 1,813 timed configs on 91
-# shapes (13 MLP and attention-projection N x K of Llama-3-8B, Qwen3-8B and Qwen2.5-7B, M = 1-128;
-# bench/results/gemm_leakyrelu_decode_broad.md, tools/fit_gemm_decode.py) by minimising the time
-# lost by the model's pick: its picks are within 1.7% of the sweep's best on average, 12% at worst.
+# The decode cost model (`decode_cost`), fitted (tools/fit_gemm_decode.py) to two H200 sweeps by
+# minimising the time lost by the model's pick: 1,813 timed configs on 91 shapes (13 MLP and
+# attention-projection N x K of Llama-3-8B, Qwen3-8B and Qwen2.5-7B, M = 1-128;
+# bench/results/gemm_leakyrelu_decode_broad.md) and 34 shapes at M = 96 and 128 with the fitted
+# widths (those 13 N x K and 4 others; gemm_leakyrelu_decode_fitted.md). Its picks are within 1.5%
+# of each sweep's best on average, 14.5% at worst (128 x 12288 x 4096 of the first sweep).
 _DRAM_BW = 3.9e6  # bytes per us: the whole GPU streaming weights (measured, not fitted)
-_SM_BW = 6.82e4  # bytes per us one SM streams, times the tile family's efficiency below
-_MMA_RATE = 3.6e6  # multiply-adds per us per SM
-_WAVE_US = 2.96  # fixed cost per unit a CTA runs in sequence (pipeline fill, epilogue)
-_SPLIT_US = 2.31  # fixed cost of a plain split-K launch (swapped ones measured none)
-_PARTIALS_BW = 3.09e4  # bytes per us the last split reads partials at
-_EFFICIENCY = {  # (swapped, tile_m, tile_n of plain tiles): weight-streaming efficiency
-    (False, 64, 64): 0.77, (False, 64, 128): 1.33, (False, 64, 256): 0.96,
-    (False, 128, 64): 0.42, (False, 128, 128): 0.92, (False, 128, 256): 1.12,
-    (True, 64, None): 0.65, (True, 128, None): 1.29,
+_SM_BW = 5.58e4  # bytes per us one SM streams, times the tile family's efficiency below
+_MMA_RATE = 2.48e6  # multiply-adds per us per SM
+_WAVE_US = 2.94  # fixed cost per unit a CTA runs in sequence (pipeline fill, epilogue)
+_SPLIT_US = 2.38  # fixed cost of a plain split-K launch
+_SPLIT_SWAPPED_US = 1.06  # and of a swapped one
+_PARTIALS_BW = 3.50e4  # bytes per us the last split reads partials at
+_EFFICIENCY = {  # (swapped, tile_m, tile_n of plain tiles): weight-streaming efficiency (_efficiency)
+    (False, 64, 64): 0.94, (False, 64, 128): 1.53, (False, 64, 256): 1.17,
+    (False, 128, 32): 0.41, (False, 128, 64): 0.49, (False, 128, 128): 0.69, (False, 128, 256): 1.22,
+    (True, 64, None): 0.93, (True, 128, None): 1.60,
 }
 
 # Token counts whose choices variants_for(models) collects: every decode M, a spread of prefill M.
@@ -139,8 +146,8 @@ class GemmConfig:
         if self.swap_ab:
             if not self.split_k or self.tile_n not in SWAP_TILE_N:
                 raise ValueError(f"swapped tiles are decode (split-K) tiles with tile_n in {SWAP_TILE_N}")
-        elif self.tile_n % 32 or not 32 <= self.tile_n <= 256:
-            raise ValueError("tile_n must be a multiple of 32 in [32, 256]")
+        elif self.tile_n % (32 if self.gated else 16) or not 32 <= self.tile_n <= 256:
+            raise ValueError("tile_n must be a multiple of 16 (gated: 32) in [32, 256]")
         if self.cluster_m * self.cluster_n > 2 or min(self.cluster_m, self.cluster_n) < 1:
             raise ValueError("clusters are 1x1, 2x1 or 1x2")
         if self.split_k and (self.cluster_m * self.cluster_n != 1 or self.pingpong):
@@ -258,6 +265,24 @@ def m_range(config: GemmConfig) -> tuple[int, int]:
 # Cost models.
 
 
+def fitted_width(n: int, splits: int, num_sms: int, step: int = 16) -> Optional[int]:
+    """The narrowest plain tile width (a multiple of `step`, at least 32) whose tiles of N times
+    `splits` fit in one wave on the SMs; None past 256 (the widest MMA)."""
+    width = max(32, step * math.ceil(n * splits / (step * num_sms)))
+    return width if width <= 256 else None
+
+
+def _efficiency(config: GemmConfig) -> float:
+    """The weight-streaming efficiency of a tile family (_EFFICIENCY); plain widths between the
+    fitted ones are interpolated linearly, those outside take the nearest fitted one."""
+    if config.swap_ab:
+        return _EFFICIENCY[(True, config.tile_m, None)]
+    fitted = sorted((w, e) for (swap, tm, w), e in _EFFICIENCY.items() if not swap and tm == config.tile_m)
+    w = min(max(config.tile_n, fitted[0][0]), fitted[-1][0])
+    (w0, e0), (w1, e1) = next((a, b) for a, b in zip(fitted, fitted[1:]) if w <= b[0])
+    return e0 + (e1 - e0) * (w - w0) / (w1 - w0)
+
+
 def decode_cost(config: GemmConfig, m: int, n: int, k: int, num_sms: int) -> float:
     """Modelled microseconds of a decode launch. Units (output tile x K split) are dealt round-robin
     to at most one CTA per SM, so the busiest CTA runs ceil(units / SMs) of them, streaming its
@@ -268,21 +293,21 @@ def decode_cost(config: GemmConfig, m: int, n: int, k: int, num_sms: int) -> flo
     weight_rows = config.tile_m if config.swap_ab else config.tile_n
     waves = math.ceil(output_tiles(config, m, n) * config.splits / num_sms)
     unit_k = math.ceil(k_tiles / config.splits) * TILE_K
-    family = (config.swap_ab, config.tile_m, None if config.swap_ab else config.tile_n)
-    stream = max(n * k * 2 / _DRAM_BW, waves * weight_rows * unit_k * 2 / (_SM_BW * _EFFICIENCY[family]))
+    stream = max(n * k * 2 / _DRAM_BW, waves * weight_rows * unit_k * 2 / (_SM_BW * _efficiency(config)))
     mma = waves * config.tile_m * config.tile_n * unit_k / _MMA_RATE
     cost = max(stream, mma) + waves * _WAVE_US
     if config.splits > 1:
         tile_rows = config.tile_m if config.swap_ab else min(m, config.tile_m)  # rows with partials
-        cost += (0 if config.swap_ab else _SPLIT_US) + tile_rows * config.tile_n * 4 * config.splits / _PARTIALS_BW
+        cost += (_SPLIT_SWAPPED_US if config.swap_ab else _SPLIT_US) + tile_rows * config.tile_n * 4 * config.splits / _PARTIALS_BW
     return cost
 
 
-def decode_configs(shape: GemmShape, splits: Iterable[int]) -> list[GemmConfig]:
+def decode_configs(shape: GemmShape, splits: Iterable[int], num_sms: int) -> list[GemmConfig]:
     """The decode configs of `shape` with each of `splits` that fits: plain tiles of every width
-    (one M tile: 64 rows, of which the fewest A_ROWS that hold M are loaded, or 128) and swapped
-    tiles of 64 and 128 weight rows with the fewest SWAP_TILE_N tokens that hold M."""
-    m = shape.m
+    (one M tile: 64 rows, of which the fewest A_ROWS that hold M are loaded, or 128; 128-row tiles
+    also at each split count's fitted_width) and swapped tiles of 64 and 128 weight rows with the
+    fewest SWAP_TILE_N tokens that hold M."""
+    m, splits = shape.m, list(splits)
     tile_m = 64 if m <= 64 else 128
     a_rows = next(r for r in A_ROWS if r >= m) if tile_m == 64 else tile_m
     swap_n = next(t for t in SWAP_TILE_N if t >= min(m, SWAP_TILE_N[-1]))
@@ -290,6 +315,10 @@ def decode_configs(shape: GemmShape, splits: Iterable[int]) -> list[GemmConfig]:
     kinds += [dict(tile_m=tile_m, tile_n=swap_n, swap_ab=True) for tile_m in SWAP_TILE_M]
     configs = [GemmConfig(**_base(shape), cluster_m=1, split_k=True, splits=s, **kind)
                for kind in kinds for s in splits]
+    if tile_m == FIT_TILE_M:
+        widths = {s: fitted_width(shape.n, s, num_sms, 32 if shape.gated else 16) for s in splits}
+        configs += [GemmConfig(**_base(shape), cluster_m=1, split_k=True, splits=s, tile_m=tile_m, tile_n=w)
+                    for s, w in widths.items() if w is not None and w not in DECODE_TILE_N]
     return [c for c in configs if _fits(c, m, shape.n)]
 
 
@@ -299,7 +328,7 @@ def decode_choice(shape: GemmShape, num_sms: int) -> GemmConfig:
     counts that leave each split MIN_SPLIT_K_TILES k-tiles; fewer splits unless more win by 1%."""
     max_splits = max(1, min(MAX_SPLITS, math.ceil(shape.k / TILE_K) // MIN_SPLIT_K_TILES))
     best = None
-    for config in decode_configs(shape, range(1, max_splits + 1)):
+    for config in decode_configs(shape, range(1, max_splits + 1), num_sms):
         cost = decode_cost(config, shape.m, shape.n, shape.k, num_sms)
         if best is None or cost < 0.99 * best[0]:
             best = (cost, config)
@@ -358,10 +387,11 @@ def candidates(shape: GemmShape, sms: int | None = None) -> list[GemmConfig]:
     count up to MAX_SPLITS that leaves every split a k-tile, plain 64-row tiles also with each
     larger a_rows (`stages` stays at as many as fit: not searched). Prefill: each tile of
     PREFILL_TILES on PREFILL_CLUSTERS, walked in PREFILL_RASTER_GROUPS."""
+    sms = sm_count() if sms is None else sms
     pick = config_for(shape, sms)
     if shape.m <= DECODE_MAX_M:
         splits = range(1, max(1, min(MAX_SPLITS, math.ceil(shape.k / TILE_K))) + 1)
-        found = decode_configs(shape, splits)
+        found = decode_configs(shape, splits, sms)
         found += [dataclasses.replace(c, a_rows=r) for c in found if not c.swap_ab and c.tile_m == 64
                   for r in A_ROWS if r > c.a_rows]
     else:
@@ -405,7 +435,7 @@ def _library_variants() -> list[GemmConfig]:
     tiles = [dict(tile_m=tm, tile_n=tn, pingpong=pp) for tm, tn, pp, _ in PREFILL_TILES]
     tiles += [dict(tile_m=64, tile_n=tn, cluster_m=1, split_k=True, a_rows=r)
               for tn in DECODE_TILE_N for r in A_ROWS]
-    tiles += [dict(tile_m=128, tile_n=tn, cluster_m=1, split_k=True) for tn in DECODE_TILE_N]
+    tiles += [dict(tile_m=FIT_TILE_M, tile_n=tn, cluster_m=1, split_k=True) for tn in range(32, 257, 16)]
     tiles += [dict(tile_m=tm, tile_n=tn, cluster_m=1, split_k=True, swap_ab=True)
               for tm in SWAP_TILE_M for tn in SWAP_TILE_N]
     return [GemmConfig(dtype=dt, b_major=bm, bias=bias, **t)

@@ -34,8 +34,10 @@ _QUICK += [glr.Config(b_major="n", bias="fp32"),
            glr.Config(tile_m=128, tile_n=128, pingpong=True, activation="gelu_tanh", gated=True),
            glr.Config(tile_m=64, tile_n=128, cluster_m=1, split_k=True, a_rows=16, activation="relu", gated=True),
            glr.Config(tile_m=128, tile_n=32, cluster_m=1, split_k=True, swap_ab=True, activation="silu", gated=True),
+           glr.Config(tile_m=128, tile_n=8, cluster_m=1, split_k=True, swap_ab=True, activation="silu", gated=True),
            glr.Config(dtype="fp16", bias="fp32", tile_m=128, tile_n=96, cluster_m=1, split_k=True,
-                      swap_ab=True, b_major="n")]
+                      swap_ab=True, b_major="n"),
+           glr.Config(tile_m=128, tile_n=144, cluster_m=1, split_k=True, bias="fp32")]
 
 
 def _compile_and_inspect(cfg, tmp_path):
@@ -302,6 +304,28 @@ def test_split_k(m, tile_m, tile_n, b_layout, bias):
             out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
             glr.run(a, b_nk, bias_t, out, dataclasses.replace(cfg, splits=splits))
             _assert_close(out, ref, torch.bfloat16, f"{cfg} m={m} splits={splits} run {rep}")
+
+
+_ODD_WIDTHS = [(100, 128, 144, "nk", None), (128, 128, 208, "kn", torch.float32), (65, 128, 48, "nk", torch.bfloat16),
+               (128, 128, 240, "nk", torch.float32), (7, 64, 80, "kn", None)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, tile_m, tile_n, b_layout, bias", _ODD_WIDTHS,
+                         ids=[f"m{c[0]}-{c[1]}x{c[2]}-{c[3]}" for c in _ODD_WIDTHS])
+def test_odd_multiple_of_16_widths(m, tile_m, tile_n, b_layout, bias):
+    """Tiles an odd multiple of 16 wide (fitted_width's; 16-column epilogue subtiles) on ragged N
+    and K, with K splits."""
+    n, k = 1000, 1000
+    cfg = glr.Config(tile_m=tile_m, tile_n=tile_n, cluster_m=1, split_k=True, b_major="k" if b_layout == "nk" else "n",
+                     bias=checks.DTYPE_NAME[bias] if bias is not None else "none")
+    a, b, bias_t = _inputs(m, n, k, torch.bfloat16, b_layout, bias, seed=tile_n)
+    b_nk = b if b_layout == "nk" else b.t()
+    ref = _reference(a, b_nk, bias_t, cfg.slope)
+    for splits in (1, 2, 5):
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        glr.run(a, b_nk, bias_t, out, dataclasses.replace(cfg, splits=splits))
+        _assert_close(out, ref, torch.bfloat16, f"{cfg} m={m} splits={splits}")
 
 
 _SWAP_CASES = [(1, 64, 8), (8, 64, 8), (9, 128, 16), (16, 64, 16), (17, 128, 32), (33, 64, 64),

@@ -151,12 +151,37 @@ def test_decode_heuristic_is_sensible(m, n, k):
     cost = plan.decode_cost(pick, m, n, k, 132)
     # Never worse than any alternative of its space (within the 1% hysteresis).
     max_splits = max(1, -(-k // plan.TILE_K) // plan.MIN_SPLIT_K_TILES)
-    for other in plan.decode_configs(shape, range(1, max_splits + 1)):
+    for other in plan.decode_configs(shape, range(1, max_splits + 1), 132):
         assert cost <= 1.0202 * plan.decode_cost(other, m, n, k, 132), other
     # The H200 sweeps: a CTA that runs two units in sequence always lost to one wave.
     assert plan.output_tiles(pick, m, n) * pick.splits <= 132 or pick.splits == 1, pick
     partial_mb = plan.partial_floats(pick, m, n) * 4 / 1e6 if pick.splits > 1 else 0
     assert partial_mb <= 0.25 * n * k * 2 / 1e6, (pick, partial_mb)
+
+
+def test_fitted_widths_fill_the_sms_in_one_wave():
+    for n in (512, 3584, 4096, 11008, 18944, 28672):
+        for splits in (1, 2, 3, 4):
+            w = plan.fitted_width(n, splits, 132)
+            if w is None:
+                assert -(-n * splits // 132) > 256
+                continue
+            assert w % 16 == 0 and 32 <= w <= 256
+            assert -(-n // w) * splits <= 132 or w == 32  # one wave ...
+            assert w == 32 or -(-n // (w - 16)) * splits > 132  # ... and no narrower width makes one
+    assert plan.fitted_width(18944, 1, 132) == 144 and plan.fitted_width(18944, 2, 132) is None
+    assert plan.fitted_width(3000, 1, 132, step=32) == 32 and plan.fitted_width(11008, 1, 132, step=32) == 96
+
+
+def test_efficiency_interpolates_between_fitted_widths():
+    def eff(tile_m, tile_n):
+        return plan._efficiency(Config(tile_m=tile_m, tile_n=tile_n, cluster_m=1, split_k=True))
+
+    fitted = sorted(w for swap, tm, w in plan._EFFICIENCY if not swap and tm == 128)
+    for w0, w1 in zip(fitted, fitted[1:]):
+        mid = (w0 + w1) // 2
+        assert eff(128, mid) == pytest.approx((eff(128, w0) + eff(128, w1)) / 2)
+    assert eff(64, 32) == eff(64, 64)  # below the narrowest fitted width: its efficiency
 
 
 def _pick(m, n, k):
@@ -221,7 +246,8 @@ def test_candidates_are_valid_distinct_and_hold_the_pick(m, n, k, options):
         k_tiles = -(-k // plan.TILE_K)
         plain = [c for c in found if not c.swap_ab]
         swapped = [c for c in found if c.swap_ab]
-        assert {c.tile_n for c in plain} == set(plan.DECODE_TILE_N)
+        fitted = {plan.fitted_width(n, s, 132) for s in range(1, plan.MAX_SPLITS + 1)} - {None} if m > 64 else set()
+        assert {c.tile_n for c in plain} == set(plan.DECODE_TILE_N) | fitted
         assert {c.tile_m for c in plain} == {64 if m <= 64 else 128}
         assert {c.a_rows for c in plain} == ({r for r in plan.A_ROWS if r >= m} if m <= 64 else {128})
         assert {c.tile_m for c in swapped} == set(plan.SWAP_TILE_M)
@@ -231,12 +257,12 @@ def test_candidates_are_valid_distinct_and_hold_the_pick(m, n, k, options):
 
 def test_default_variants_are_todays_warmup_set():
     configs = plan.variants_for()
-    assert len(configs) == 360 and len({c.variant() for c in configs}) == 360
+    assert len(configs) == 504 and len({c.variant() for c in configs}) == 504
     decode = plan.variants_for(modes=("decode",))
     prefill = plan.variants_for(modes=("prefill",))
-    # 2 dtypes x 2 b orders x 3 bias kinds, times 3 prefill tiles, or 3 widths x (4 a_rows + 1
-    # 128-row tile) plain and 2 x 6 swapped decode tiles.
-    assert (len(prefill), len(decode)) == (36, 324)
+    # 2 dtypes x 2 b orders x 3 bias kinds, times 3 prefill tiles, or plain decode tiles (3 widths x
+    # 4 a_rows of 64-row tiles, 15 widths of 128-row ones) and 2 x 6 swapped decode tiles.
+    assert (len(prefill), len(decode)) == (36, 468)
     assert {c.variant() for c in decode + prefill} == {c.variant() for c in configs}
     assert all(c.splits == 1 and c.raster_group == plan.RASTER_GROUP and c.slope == 0.01 for c in configs)
     keys = {c.variant().key() for c in configs}

@@ -26,7 +26,7 @@ def run(capsys, *argv):
     (["--mode", "decode"], "--kernel is required"),
     (["--kernel", "qk_norm", "--budget-iters", "0"], "--budget-iters must be >= 1"),
     (["--kernel", "qk_norm", "--budget-minutes", "-1"], "--budget-minutes must be > 0"),
-    (["--kernel", "qk_norm", "--samples", "0"], "--samples"),
+    (["--kernel", "qk_norm", "--samples", "-1"], "--samples"),
     (["--kernel", "qk_norm", "--runs", "0"], "--runs"),
     (["--kernel", "qk_norm", "--atol", "1e-3"], "--atol needs --rtol"),
     (["--kernel", "qk_norm", "--shape", "tokens"], "KEY=VALUE"),

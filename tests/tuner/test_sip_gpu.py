@@ -153,7 +153,7 @@ def test_a_broken_candidate_is_rejected_and_never_cached(env):
     # A search whose every proposal is broken ends with nothing cached. (The broken cubins are made
     # from the original: a few distinct ones, each proposal mapped to one of them.)
     variants = [store_before_its_data(with_extra_stalls(original, every=e)) for e in (10**6, 50, 20)]
-    report = tuning.tune(QK_DECODE, tuning.TuneConfig(budget_iters=10, runs=1, samples=100, min_speedup=0.0),
+    report = tuning.tune(QK_DECODE, tuning.TuneConfig(budget_iters=10, runs=1, samples=100, min_speedup=0.0, retimes=1),
                          kernel="qk_norm", candidate_hook=lambda c: variants[hash(c) % 3])
     print(report.text())
     assert report.evaluated > 0 and report.incorrect == report.evaluated
@@ -170,7 +170,7 @@ def test_crashing_candidates_do_not_stop_the_search(env):
         proposals.append(cubin)
         return crashing[len(proposals) // 7] if len(proposals) in (3, 7) else cubin
 
-    config = tuning.TuneConfig(budget_iters=14, runs=1, samples=300, min_speedup=0.0)
+    config = tuning.TuneConfig(budget_iters=14, runs=1, samples=300, min_speedup=0.0, retimes=1)
     report = tuning.tune(QK_DECODE, config, kernel="qk_norm", candidate_hook=hook)
     print(report.text())
     assert report.iterations == 14 and len(proposals) == 14
@@ -183,6 +183,8 @@ def test_tune_cache_then_warmup_in_a_fresh_process(env, tmp_path):
     report = tuning.tune(QK_DECODE, config, kernel="qk_norm")
     print(report.text())
     assert report.cached, report.outcome
+    # The A/A pair (the original against a byte-identical copy, 3 fresh workers) is near 1.
+    assert 0 <= report.aa_spread < 0.05 and all(len(f["rels"]) == 3 for f in report.finalists)
     workload = QK_DECODE()
     entry = tuned.lookup(None, "qk_norm", workload.kernel.variant, workload.kernel.cubin)
     assert entry is not None and entry.tuned != workload.kernel.cubin

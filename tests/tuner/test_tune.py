@@ -139,6 +139,38 @@ def test_tune_caches_nothing_below_the_required_speedup(toy):
     assert tuned.list_entries(root) == []
 
 
+class NoisyRunner(FakeRunner):
+    """Times the byte-identical copy of the original (the A/A pair) 1.4x off: a noise floor no toy
+    schedule beats."""
+
+    def compare(self, cubins, reps):
+        timing = super().compare(cubins, reps)
+        assert ToyEngine.perm(cubins[0]) == tuple(reversed(range(8)))  # the copy goes first
+        timing["rel"][1] = 1.4
+        return timing
+
+
+def test_a_finalist_must_beat_the_a_a_spread(toy, monkeypatch):
+    factory, root = toy
+    monkeypatch.setattr(tuning, "Runner", NoisyRunner)
+    config = tuning.TuneConfig(budget_iters=300, runs=1, samples=10, retimes=3)
+    report = tuning.tune(factory, config, cache_root=root, log=lambda m: None)
+    assert report.aa_spread == pytest.approx(0.4) and report.bar == pytest.approx(1.4)
+    assert max(1 / f["rel"] for f in report.finalists) > 1.01  # would have passed min_speedup alone
+    assert all("bar 1.4000x" in f["validation"] for f in report.finalists) and not report.cached
+    assert all(len(f["rels"]) == 3 for f in report.finalists)
+    assert NoisyRunner.instances[-1].starts == 1 + 3  # the search's worker, then one per re-time
+    assert "A/A" in report.text() and tuned.list_entries(root) == []
+
+
+@pytest.mark.parametrize("moves, samples, expected", [(None, 0, 10_000), ("global", 0, 10_000),
+                                                      ("global,alu", 0, 100_000), ("all", 0, 100_000),
+                                                      ("all", 7, 7)])
+def test_new_move_classes_validate_on_more_samples_by_default(moves, samples, expected):
+    config = tuning.TuneConfig(budget_iters=1, moves=moves, samples=samples)
+    assert config.validation_samples == expected
+
+
 # ---------------------------------------------------------------------------------------------
 # The worker process on the CPU: a stand-in for the GPU bench that can crash.
 
