@@ -17,17 +17,22 @@ What apply() replaces (the model on one sm_90 GPU):
   AttentionInterface (with sdpa's mask function in AttentionMaskInterface). transformers passes q as
   [B, Hq, S_q, d] and k/v as the KV cache holds them, [B, Hkv, S_kv, d]; the kernels take [B, S, H, d]
   with any 16-byte-aligned strides, so the transposed views go in without a copy.
+- the q, k, v and o projections -> rosekernels.gemm.
+- the dense MLP (SwiGLU) -> two rosekernels.gemm launches: the gated GEMM, silu(x @ gate^T) * (x @ up^T) in
+  one kernel, then the down projection. The gated GEMM takes the gate and up rows interleaved in blocks of 8
+  in one weight: apply() builds it (`gate_up_weight`) and removes gate_proj and up_proj, so the weights are
+  not held twice; state_dict() and load_state_dict() still read and write gate_proj.weight and
+  up_proj.weight (hooks convert), so checkpoints stay interchangeable with the stock model.
 - MoE experts -> moe_dispatch (block size 1: no padding rows, so the grouped GEMMs only compute routed
   rows) -> torch._grouped_mm on the experts' gate_up and down weights (bf16 on sm_90: torch's CUTLASS
   grouped GEMM, no host synchronisation, capturable) -> SiLU-and-mul in torch -> moe_combine;
   registered as experts_implementation "rosekernels" in transformers' ExpertsInterface.
-Left on torch: the linear projections and the dense MLP (until rosekernels has a general/gated GEMM:
-one more entry in SWAPS), rotary embedding, embedding and lm_head.
+Left on torch: rotary embedding, embedding, the MoE router and lm_head.
 
 A call rosekernels cannot serve runs the stock path instead and is counted in `stats()` as
 "fallback:<op>:<reason>": attention with a mask tensor (padding, or a static cache, whose keys past the
 current length are masked: the kernels have no per-sequence key lengths), dropout, another dtype or
-head dim; experts in a dtype other than bf16. Calls served are counted under the op's name. Calls
+head dim; experts in a dtype other than bf16; GEMMs in fp32. Calls served are counted under the op's name. Calls
 inside torch.compile are not counted (traced code would bake a Python counter in as a constant):
 check those with torch.profiler kernel names.
 """
@@ -39,10 +44,11 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import rosekernels
-from rosekernels.kernels import (attention_decode_plan, attention_plan, moe_combine_plan, moe_dispatch_plan,
-                                 qk_norm_plan, rmsnorm_plan)
+from rosekernels.kernels import (attention_decode_plan, attention_plan, gemm_leakyrelu_plan, moe_combine_plan,
+                                 moe_dispatch_plan, qk_norm_plan, rmsnorm_plan)
 from rosekernels.models import QWEN3_8B, QWEN3_30B_A3B, ModelDims
 
 try:
@@ -119,16 +125,78 @@ def _normed_qk(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, hidden_shape: 
     return attn.q_norm(q.view(hidden_shape)).transpose(1, 2), attn.k_norm(k.view(hidden_shape)).transpose(1, 2)
 
 
+def _gemm_refusal(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> str | None:
+    """Why rosekernels.gemm cannot compute x @ w^T + bias (None: it can)."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype or (
+            bias is not None and bias.dtype not in (x.dtype, torch.float32)):
+        return "dtype"
+    if not gemm_leakyrelu_plan.takes(*w.shape):
+        return "shape"
+    if not x.is_cuda:
+        return "device"
+    return None
+
+
+def _linear(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """lin(x) on rosekernels.gemm (x [..., K] -> [..., N])."""
+    w = lin.weight
+    reason = _gemm_refusal(x, w, lin.bias)
+    if reason is not None:
+        _count(f"fallback:gemm:{reason}")
+        return lin(x)
+    _count("gemm")
+    return rosekernels.gemm(x.reshape(-1, w.shape[1]), w, lin.bias).view(*x.shape[:-1], w.shape[0])
+
+
+def _split_gate_up(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up weights in a gated GEMM's weight (rosekernels.gate_up_rows undone)."""
+    pairs = w.unflatten(0, (-1, 2, gemm_leakyrelu_plan.GATE_BLOCK))
+    return pairs[:, 0].flatten(0, 1), pairs[:, 1].flatten(0, 1)
+
+
+class _MLP:
+    """The SwiGLU MLP on two GEMMs: silu(x @ gate^T) * (x @ up^T) in one gated GEMM over gate_up_weight
+    (see _patch_mlp), then the down projection."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, down = self.gate_up_weight, self.down_proj.weight
+        reason = _gemm_refusal(x, w) or _gemm_refusal(x, down)
+        if reason is not None:
+            _count(f"fallback:mlp:{reason}")
+            gate, up = _split_gate_up(w)
+            return self.down_proj(self.act_fn(F.linear(x, gate)) * F.linear(x, up))
+        _count("mlp")
+        h = rosekernels.gemm(x.reshape(-1, x.shape[-1]), w, activation="silu", gated=True)
+        return rosekernels.gemm(h, down).view(*x.shape[:-1], down.shape[0])
+
+
+def _mlp_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """state_dict() of a patched MLP as the stock one writes it: gate_proj.weight, up_proj.weight,
+    down_proj.weight."""
+    gate, up = _split_gate_up(state_dict.pop(prefix + "gate_up_weight"))
+    down = state_dict.pop(prefix + "down_proj.weight")
+    state_dict.update({prefix + "gate_proj.weight": gate, prefix + "up_proj.weight": up,
+                       prefix + "down_proj.weight": down})
+
+
+def _mlp_load_state_dict(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """load_state_dict() of a stock MLP's keys into a patched one: gate and up interleaved."""
+    gate, up = prefix + "gate_proj.weight", prefix + "up_proj.weight"
+    if gate in state_dict and up in state_dict:
+        state_dict[prefix + "gate_up_weight"] = rosekernels.gate_up_rows(state_dict.pop(gate), state_dict.pop(up))
+
+
 class _Attention:
-    """The stock Qwen3 attention forward (transformers 5.17) with q_norm + k_norm in one qk_norm launch."""
+    """The stock Qwen3 attention forward (transformers 5.17) with q_norm + k_norm in one qk_norm launch
+    and the projections on rosekernels.gemm."""
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple, attention_mask: torch.Tensor | None,
                 past_key_values: Any = None, **kwargs: Any) -> tuple:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        query_states, key_states = _normed_qk(self, self.q_proj(hidden_states), self.k_proj(hidden_states),
-                                              hidden_shape)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query_states, key_states = _normed_qk(self, _linear(self.q_proj, hidden_states),
+                                              _linear(self.k_proj, hidden_states), hidden_shape)
+        value_states = _linear(self.v_proj, hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         query_states, key_states = self._rope(query_states, key_states, cos, sin)
         if past_key_values is not None:
@@ -139,7 +207,7 @@ class _Attention:
             dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
             sliding_window=self.sliding_window, **kwargs)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        return self.o_proj(attn_output), attn_weights
+        return _linear(self.o_proj, attn_output), attn_weights
 
 
 class _DecoderLayer:
@@ -180,12 +248,21 @@ class RoseQwen3DecoderLayer(_DecoderLayer, q3.Qwen3DecoderLayer):
     pass
 
 
+class RoseQwen3MLP(_MLP, q3.Qwen3MLP):
+    pass
+
+
+class RoseQwen3MoeMLP(_MLP, q3m.Qwen3MoeMLP):
+    pass
+
+
 class RoseQwen3MoeDecoderLayer(_DecoderLayer, q3m.Qwen3MoeDecoderLayer):
     pass
 
 
 _PATCHED = {cls.__bases__[1]: cls for cls in (RoseQwen3RMSNorm, RoseQwen3MoeRMSNorm, RoseQwen3Attention,
-                                              RoseQwen3MoeAttention, RoseQwen3DecoderLayer, RoseQwen3MoeDecoderLayer)}
+                                              RoseQwen3MoeAttention, RoseQwen3DecoderLayer, RoseQwen3MoeDecoderLayer,
+                                              RoseQwen3MLP, RoseQwen3MoeMLP)}
 _RMSNORMS = (q3.Qwen3RMSNorm, q3m.Qwen3MoeRMSNorm)
 
 
@@ -313,6 +390,25 @@ def _serves_layer(m: nn.Module) -> bool:
     return type(m) in (q3.Qwen3DecoderLayer, q3m.Qwen3MoeDecoderLayer) and _is_rmsnorm(m.post_attention_layernorm)
 
 
+def _serves_mlp(m: nn.Module) -> bool:
+    return (type(m) in (q3.Qwen3MLP, q3m.Qwen3MoeMLP) and m.config.hidden_act == "silu"
+            and all(p.bias is None for p in (m.gate_proj, m.up_proj, m.down_proj))
+            and gemm_leakyrelu_plan.takes(2 * m.intermediate_size, m.hidden_size, gated=True)
+            and gemm_leakyrelu_plan.takes(m.hidden_size, m.intermediate_size))
+
+
+def _patch_mlp(m: nn.Module) -> None:
+    """gate_proj and up_proj -> gate_up_weight, their rows interleaved for the gated GEMM (the Linear
+    modules are removed: the weights are held once); hooks keep state_dict's keys the stock ones."""
+    with torch.no_grad():
+        w = rosekernels.gate_up_rows(m.gate_proj.weight, m.up_proj.weight)
+    m.gate_up_weight = nn.Parameter(w, requires_grad=m.gate_proj.weight.requires_grad)
+    del m.gate_proj, m.up_proj
+    m.register_state_dict_post_hook(_mlp_state_dict)
+    m.register_load_state_dict_pre_hook(_mlp_load_state_dict)
+    _swap_class(m)
+
+
 def _serves_experts(m: nn.Module) -> bool:
     if type(m) is not q3m.Qwen3MoeExperts:
         return False
@@ -345,15 +441,16 @@ class Swap:
 # rosekernels has a gated GEMM, is one more entry.
 SWAPS = (
     Swap("rmsnorm", "RMSNorm -> rosekernels.rmsnorm", _serves_rmsnorm, _swap_class),
-    Swap("attention", "q_norm + k_norm -> one rosekernels.qk_norm; attention -> rosekernels.attention",
-         _serves_attention, _swap_class),
+    Swap("attention", "q_norm + k_norm -> one rosekernels.qk_norm; attention -> rosekernels.attention; "
+         "q/k/v/o projections -> rosekernels.gemm", _serves_attention, _swap_class),
     Swap("decoder_layer", "residual add after attention -> fused into post_attention_layernorm's rmsnorm",
          _serves_layer, _swap_class),
+    Swap("mlp", "dense MLP -> rosekernels.gemm gated (SwiGLU) + rosekernels.gemm (down projection)", _serves_mlp,
+         _patch_mlp),
     Swap("experts", "MoE experts -> moe_dispatch, torch._grouped_mm x2, moe_combine", _serves_experts,
          _route_experts),
 )
-LEFT_ON_TORCH = ("linear projections and the dense MLP (no rosekernels GEMM with those epilogues yet)",
-                 "rotary embedding", "embedding and lm_head")
+LEFT_ON_TORCH = ("rotary embedding", "embedding, the MoE router and lm_head")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -414,7 +511,7 @@ def apply(model: nn.Module) -> nn.Module:
     p = plan(model)
     # Load the ops now (rosekernels imports them on first use), so that the patched forwards find
     # plain module attributes, which torch.compile traces without a module __getattr__.
-    for op in ("rmsnorm", "qk_norm", "attention", "moe_dispatch", "moe_combine"):
+    for op in ("rmsnorm", "qk_norm", "attention", "gemm", "gate_up_rows", "moe_dispatch", "moe_combine"):
         getattr(rosekernels, op)
     _swap(model, p)
     return model
@@ -426,8 +523,8 @@ def warmup_specs(model: nn.Module) -> list:
     config = model.config
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[next(model.parameters()).dtype]
     dims = dataclasses.replace(ModelDims.from_config(config), dtype=dtype)
-    configs = [c for m in (rmsnorm_plan, qk_norm_plan, attention_plan, attention_decode_plan, moe_dispatch_plan,
-                           moe_combine_plan) for c in m.variants_for([dims])]
+    configs = [c for m in (rmsnorm_plan, qk_norm_plan, attention_plan, attention_decode_plan, gemm_leakyrelu_plan,
+                           moe_dispatch_plan, moe_combine_plan) for c in m.variants_for([dims])]
     # Norm and router weights are in the model's dtype; the norms are specialised on eps.
     configs = [c for c in configs if getattr(c, "weight_dtype", dtype) == dtype]
     return [dataclasses.replace(c, eps=float(config.rms_norm_eps)) if hasattr(c, "eps") else c for c in configs]
@@ -435,7 +532,7 @@ def warmup_specs(model: nn.Module) -> list:
 
 def warmup(model: nn.Module, **kwargs: Any) -> Any:
     """rosekernels.warmup(warmup_specs(model), **kwargs): exactly the kernels the patched model launches
-    (rosekernels.warmup(model=config) would also compile the GEMMs apply() does not use yet)."""
+    (rosekernels.warmup(model=config) compiles the same, with the norms at the default eps)."""
     return rosekernels.warmup(warmup_specs(model), **kwargs)
 
 

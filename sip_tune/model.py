@@ -4,8 +4,9 @@ one forward pass of a model runs.
     shapes(ModelDims.from_config("config.json"), "decode")  -> ModelShapes   (CPU only)
     tune(shapes, "decode", ...)                              -> list[Row]     (GPU)
 
-The shapes are those of a Qwen3/Llama decoder block (plus the MoE routing kernels where the model has
-experts), one set per token count T of the mode's buckets:
+The shapes are those of a Qwen3/Llama decoder block as rosekernels.hf runs it (its GEMMs:
+gemm_leakyrelu_plan.model_gemms; the MoE routing kernels where the model has experts, whose GEMMs are
+torch._grouped_mm's), one set per token count T of the mode's buckets:
 
 - decode, DECODE_TOKENS = 1, 2, 4, ..., 128: T concurrent sequences, one new token each, up to
   gemm_leakyrelu's DECODE_MAX_M (beyond it the GEMM runs its prefill kernels); attention reads a
@@ -29,7 +30,7 @@ import math
 from typing import Any, Callable, Iterable
 
 from rosekernels import tuned
-from rosekernels.kernels.gemm_leakyrelu_plan import DECODE_MAX_M
+from rosekernels.kernels.gemm_leakyrelu_plan import DECODE_MAX_M, model_gemms
 from rosekernels.models import ModelDims
 from sip import SipError
 from sip_tune import configs, workloads
@@ -39,7 +40,6 @@ DECODE_TOKENS = tuple(2**i for i in range(DECODE_MAX_M.bit_length()))  # 1 .. 12
 PREFILL_TOKENS = tuple(2**i for i in range(9, 15))  # 512 .. 16384
 TOKENS = {"decode": DECODE_TOKENS, "prefill": PREFILL_TOKENS}
 DECODE_CONTEXT = 4096  # KV-cache tokens per sequence that decode attention is tuned at (bucket 2049..4096)
-GEMM_ALIGN = 8  # gemm_leakyrelu's TMA needs N and K in whole 16-byte rows of bf16/fp16
 
 # A shape the kernel cannot take fails in its plan module with one of these (as for --shape in cli).
 BAD_SHAPE = (ValueError, LookupError, TypeError)
@@ -77,16 +77,17 @@ def _job(kernel: str, role: str, **overrides: Any) -> Job:
 def _block(dims: ModelDims, mode: str, tokens: int) -> list[Job]:
     """The kernel calls of one decoder block at `tokens` tokens, in the order it runs them."""
     dt = dims.dtype
-    q_dim, kv_dim = dims.heads_q * dims.head_dim, dims.heads_kv * dims.head_dim
     heads = dict(heads_q=dims.heads_q, heads_kv=dims.heads_kv, head_dim=dims.head_dim, dtype=dt)
+    gemm = {role: _job("gemm_leakyrelu", role, m=tokens, n=n, k=k, dtype=dt, activation=activation, gated=gated)
+            for role, n, k, activation, gated in model_gemms(dims)}
 
-    def gemm(role: str, n: int, k: int) -> Job:
-        return _job("gemm_leakyrelu", role, m=tokens, n=n, k=k, dtype=dt)
+    def gemms(*roles: str) -> list[Job]:  # those of `roles` that run on rosekernels
+        return [gemm[r] for r in roles if r in gemm]
 
     # The first norm of a layer has no residual to add; every later one adds the previous sub-layer's output.
     jobs = [_job("rmsnorm", "norm", rows=tokens, hidden=dims.hidden, dtype=dt, residual=False),
             _job("rmsnorm", "norm + residual", rows=tokens, hidden=dims.hidden, dtype=dt, residual=True),
-            gemm("qkv", q_dim + 2 * kv_dim, dims.hidden),
+            *gemms("q", "k/v"),
             _job("qk_norm", "q/k norm", tokens=tokens, q_heads=dims.heads_q, k_heads=dims.heads_kv,
                  head_dim=dims.head_dim, dtype=dt)]
     if mode == "decode":
@@ -94,17 +95,13 @@ def _block(dims: ModelDims, mode: str, tokens: int) -> list[Job]:
                          **heads))
     else:
         jobs.append(_job("attention", "attention", batch=1, seqlen=tokens, causal=True, **heads))
-    jobs.append(gemm("o", dims.hidden, q_dim))
-    if dims.experts:
-        # Each expert runs on the tokens routed to it, 0..T of them: m=T is the largest, and the smaller
-        # counts fall in the buckets of the smaller token counts.
+    jobs += gemms("o")
+    if dims.experts:  # the experts' GEMMs between dispatch and combine are torch._grouped_mm's
         jobs += [_job("moe_dispatch", "moe dispatch", tokens=tokens, hidden=dims.hidden, experts=dims.experts,
                       topk=dims.topk, dtype=dt),
-                 gemm("expert gate/up", dims.moe_intermediate, dims.hidden),
-                 gemm("expert down", dims.hidden, dims.moe_intermediate),
                  _job("moe_combine", "moe combine", tokens=tokens, hidden=dims.hidden, topk=dims.topk, dtype=dt)]
     else:
-        jobs += [gemm("mlp gate/up", dims.intermediate, dims.hidden), gemm("mlp down", dims.hidden, dims.intermediate)]
+        jobs += gemms("mlp gate/up", "mlp down")
     return jobs
 
 
@@ -122,9 +119,6 @@ def shapes(dims: ModelDims, mode: str) -> ModelShapes:
                 continue
             seen.add((job.kernel, job.overrides))
             shape = job.shape
-            if job.kernel == "gemm_leakyrelu" and (shape["n"] % GEMM_ALIGN or shape["k"] % GEMM_ALIGN):
-                found.dropped.append((job, f"N and K must be multiples of {GEMM_ALIGN}"))
-                continue
             try:
                 workloads.resolve(job.kernel, mode, shape)
             except BAD_SHAPE as e:

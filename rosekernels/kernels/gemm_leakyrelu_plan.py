@@ -150,8 +150,10 @@ class GemmConfig:
             raise ValueError("tile_n must be a multiple of 16 (gated: 32) in [32, 256]")
         if self.cluster_m * self.cluster_n > 2 or min(self.cluster_m, self.cluster_n) < 1:
             raise ValueError("clusters are 1x1, 2x1 or 1x2")
-        if self.split_k and (self.cluster_m * self.cluster_n != 1 or self.pingpong):
-            raise ValueError("split-K variants are cooperative and do not use clusters")
+        if self.split_k and (self.pingpong or self.cluster_m != 1 or (
+                self.cluster_n != 1 and (self.swap_ab or self.tile_m != 128))):
+            raise ValueError("split-K variants are cooperative; their only cluster is 1x2 (A multicast along N) "
+                             "of 128-row plain tiles")
         if self.a_rows != self.tile_m and (self.a_rows not in (8, 16, 32) or self.tile_m != 64
                                            or not self.split_k or self.swap_ab):
             raise ValueError("a_rows < tile_m is 8, 16 or 32 and only for split-K tiles of 64 rows")
@@ -221,11 +223,17 @@ class GemmShape:
         return cls(m=16 if mode == "decode" else 8192)
 
 
+def tiles_n(config: GemmConfig, n: int) -> int:
+    """Plain tiles along N that the grid covers: whole clusters of them, the last maybe past N."""
+    return math.ceil(n / (config.tile_n * config.cluster_n)) * config.cluster_n
+
+
 def output_tiles(config: GemmConfig, m: int, n: int) -> int:
-    """Output tiles of an [m, K] x [n, K] problem (swapped: tile_m along N, tile_n along M)."""
+    """Output tiles of an [m, K] x [n, K] problem (swapped: tile_m along N, tile_n along M), those of
+    a 1x2 cluster past N included."""
     if config.swap_ab:
         return math.ceil(n / config.tile_m) * math.ceil(m / config.tile_n)
-    return math.ceil(m / config.tile_m) * math.ceil(n / config.tile_n)
+    return math.ceil(m / config.tile_m) * tiles_n(config, n)
 
 
 def partial_floats(config: GemmConfig, m: int, n: int) -> int:
@@ -233,7 +241,7 @@ def partial_floats(config: GemmConfig, m: int, n: int) -> int:
     whole tiles."""
     if config.swap_ab:
         return config.splits * output_tiles(config, m, n) * config.tile_m * config.tile_n
-    return config.splits * m * math.ceil(n / config.tile_n) * config.tile_n
+    return config.splits * m * tiles_n(config, n) * config.tile_n
 
 
 def check_fits(config: GemmConfig, m: int, n: int) -> None:
@@ -298,7 +306,8 @@ def decode_cost(config: GemmConfig, m: int, n: int, k: int, num_sms: int) -> flo
     cost = max(stream, mma) + waves * _WAVE_US
     if config.splits > 1:
         tile_rows = config.tile_m if config.swap_ab else min(m, config.tile_m)  # rows with partials
-        cost += (_SPLIT_SWAPPED_US if config.swap_ab else _SPLIT_US) + tile_rows * config.tile_n * 4 * config.splits / _PARTIALS_BW
+        cost += _SPLIT_SWAPPED_US if config.swap_ab else _SPLIT_US
+        cost += tile_rows * config.tile_n * 4 * config.splits / _PARTIALS_BW
     return cost
 
 
@@ -385,7 +394,9 @@ def config_for(shape: GemmShape, sms: int | None = None) -> GemmConfig:
 def candidates(shape: GemmShape, sms: int | None = None) -> list[GemmConfig]:
     """Every config that can run `shape`, config_for's first. Decode: decode_configs with each split
     count up to MAX_SPLITS that leaves every split a k-tile, plain 64-row tiles also with each
-    larger a_rows (`stages` stays at as many as fit: not searched). Prefill: each tile of
+    larger a_rows, plain 128-row tiles also on 1x2 clusters (A multicast to two N tiles: less L2
+    traffic where 128 tokens of A are read per k-tile; not in the cost model, so only the tuner
+    tries them) (`stages` stays at as many as fit: not searched). Prefill: each tile of
     PREFILL_TILES on PREFILL_CLUSTERS, walked in PREFILL_RASTER_GROUPS."""
     sms = sm_count() if sms is None else sms
     pick = config_for(shape, sms)
@@ -394,6 +405,8 @@ def candidates(shape: GemmShape, sms: int | None = None) -> list[GemmConfig]:
         found = decode_configs(shape, splits, sms)
         found += [dataclasses.replace(c, a_rows=r) for c in found if not c.swap_ab and c.tile_m == 64
                   for r in A_ROWS if r > c.a_rows]
+        found += [c for c in (dataclasses.replace(c, cluster_n=2) for c in found if not c.swap_ab and c.tile_m == 128)
+                  if _fits(c, shape.m, shape.n)]
     else:
         found = [GemmConfig(**_base(shape), tile_m=tile_m, tile_n=tile_n, pingpong=pingpong,
                             cluster_m=cluster_m, cluster_n=cluster_n, raster_group=group)
@@ -442,30 +455,43 @@ def _library_variants() -> list[GemmConfig]:
             for dt in DTYPES for bm in ("k", "n") for bias in ("none", dt, "fp32") for t in tiles]
 
 
-def _mlp_linears(model) -> list[tuple[int, int]]:
-    """(N, K) of the MLP projections of a model (dense and expert): where an activation follows."""
-    pairs = []
-    for inner in (model.intermediate, model.moe_intermediate):
-        if inner:
-            pairs += [(inner, model.hidden), (model.hidden, inner)]
-    return pairs
+def takes(n: int, k: int, gated: bool = False) -> bool:
+    """Whether the kernel takes an [M, K] x [N, K] problem: whole 16-byte rows for TMA (N and K
+    multiples of 8); gated, whole pairs of GATE_BLOCK gate and up rows."""
+    return n % (2 * GATE_BLOCK if gated else 8) == 0 and k % 8 == 0
+
+
+def model_gemms(model) -> list[tuple[str, int, int, str, bool]]:
+    """(role, N, K, activation, gated) of the GEMMs a decoder layer of `model` (a
+    rosekernels.models.ModelDims) runs on rosekernels (as rosekernels.hf.apply patches it): the q, k and
+    v projections (k and v alike), o, and a dense model's MLP: the gated gate/up GEMM (N = 2 x
+    intermediate, SwiGLU) and the down projection; the MLP whole or not at all. Projections the
+    kernel does not take (`takes`) stay on torch, and MoE experts run torch._grouped_mm."""
+    q, kv = model.heads_q * model.head_dim, model.heads_kv * model.head_dim
+    gemms = [("q", q, model.hidden, "none", False), ("k/v", kv, model.hidden, "none", False),
+             ("o", model.hidden, q, "none", False)]
+    mlp = [("mlp gate/up", 2 * model.intermediate, model.hidden, "silu", True),
+           ("mlp down", model.hidden, model.intermediate, "none", False)]
+    if model.intermediate and not model.experts and all(takes(n, k, gated) for _, n, k, _, gated in mlp):
+        gemms += mlp
+    return [g for g in gemms if takes(g[1], g[2], g[4])]
 
 
 def variants_for(models: Optional[Iterable] = None, modes: Iterable[str] = MODES,
                  max_tokens: Optional[int] = None) -> list[GemmConfig]:
     """The configs warm-up compiles, one per variant (launch policy at its defaults). models None:
     every variant the op can launch at the default slope; else, for each
-    `rosekernels.models.ModelDims`, the configs config_for picks for its MLP projections (bf16/fp16
-    models; b as nn.Linear stores it, no bias, the default slope) over WARMUP_TOKENS of each mode,
-    on the current device; with `max_tokens`, the counts up to it and max_tokens itself."""
+    `rosekernels.models.ModelDims`, the configs config_for picks for its `model_gemms` (bf16/fp16
+    models; b as nn.Linear stores it, no bias) over WARMUP_TOKENS of each mode, on the current device;
+    with `max_tokens`, the counts up to it and max_tokens itself."""
     modes = tuple(modes)
     if models is None:
         configs = _library_variants()
     else:
         tokens = {t for mode in modes for t in WARMUP_TOKENS[mode]
                   if max_tokens is None or t <= max_tokens} | ({max_tokens} if max_tokens else set())
-        configs = [config_for(GemmShape(m, n, k, dtype=model.dtype))
-                   for model in models if model.dtype in DTYPES for n, k in _mlp_linears(model)
+        configs = [config_for(GemmShape(m, n, k, dtype=model.dtype, activation=activation, gated=gated))
+                   for model in models if model.dtype in DTYPES for _, n, k, activation, gated in model_gemms(model)
                    for m in sorted(tokens)]
     unique = {c.variant(): dataclasses.replace(c, splits=1, raster_group=RASTER_GROUP) for c in configs}
     return [c for c in unique.values() if c.mode in modes]

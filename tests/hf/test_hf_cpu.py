@@ -42,14 +42,23 @@ def test_plan_of_the_released_geometries_lists_every_module_once(geometry, layer
     assert p.swaps["attention"] == tuple(f"model.layers.{i}.self_attn" for i in range(layers))
     assert p.swaps["decoder_layer"] == tuple(f"model.layers.{i}" for i in range(layers))
     assert p.swaps["experts"] == (tuple(f"model.layers.{i}.mlp.experts" for i in range(layers)) if moe else ())
+    assert p.swaps["mlp"] == (() if moe else tuple(f"model.layers.{i}.mlp" for i in range(layers)))
     assert "model.norm" in p.swaps["rmsnorm"] and "model.layers.0.self_attn.k_norm" in p.swaps["rmsnorm"]
     text = str(p)
     assert f"{layers:4d} x MoE experts" in text if moe else "   0 x MoE experts" in text
 
 
-def test_plan_leaves_the_dense_layers_of_a_moe_model_to_torch():
+def test_plan_gives_the_dense_layers_of_a_moe_model_the_gated_gemm():
     model = _tiny(moe=True, layers=4, device="meta", mlp_only_layers=[1, 2])
     assert hf.plan(model).swaps["experts"] == ("model.layers.0.mlp.experts", "model.layers.3.mlp.experts")
+    assert hf.plan(model).swaps["mlp"] == ("model.layers.1.mlp", "model.layers.2.mlp")
+
+
+def test_plan_leaves_an_mlp_the_gated_gemm_cannot_take_to_torch():
+    for change in (dict(intermediate_size=380), dict(hidden_act="gelu")):  # 380: not a multiple of 8
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(Qwen3Config(**{**TINY, **change}, num_hidden_layers=1))
+        assert hf.plan(model).swaps["mlp"] == () and hf.plan(model).swaps["attention"]
 
 
 def test_plan_skips_an_attention_whose_q_and_k_norms_differ():
@@ -115,9 +124,11 @@ def test_swapped_model_on_the_cpu_falls_back_to_exactly_the_stock_computation(mo
     calls = 2 + 3  # two forwards of the prompt (one inside generate), then three decode steps
     # per layer: input and post-attention norms, and the q and k norms the qk fallback calls; the final norm
     expected = {"fallback:rmsnorm:device": calls * (4 * 3 + 1), "fallback:qk_norm:device": calls * 3,
-                "fallback:attention:device": calls * 3}
+                "fallback:attention:device": calls * 3, "fallback:gemm:device": calls * 4 * 3}  # q, k, v, o
     if moe:
         expected["fallback:experts:device"] = calls * 3
+    else:
+        expected["fallback:mlp:device"] = calls * 3
     assert hf.stats() == expected
 
 
@@ -233,6 +244,54 @@ def test_experts_glue_groups_the_gemms_by_the_dispatch_offsets(monkeypatch):
     assert hf.stats() == {"experts": 1}
 
 
+def _gemm_standin(a, w, bias=None, activation=None, gated=False):
+    """rosekernels.gemm's contract: act(a @ w^T + bias), or gated act(gate) * up over w's rows interleaved
+    in blocks of 8 (the kernel module's own epilogue reference), fp32 accumulation, a's dtype out."""
+    from rosekernels.kernels.gemm_leakyrelu import epilogue_reference
+
+    y = a.float() @ w.float().t() + (0 if bias is None else bias.float())
+    return epilogue_reference(y, activation or "none", gated).to(a.dtype)
+
+
+def test_mlp_and_projection_glue_computes_the_stock_mlp_and_linears(monkeypatch):
+    """The patched MLP (one gated GEMM over the interleaved gate/up weight, then down) and the q/k/v/o
+    projections through a stand-in for rosekernels.gemm: the stock module's results."""
+    monkeypatch.setattr(rosekernels, "gemm", _gemm_standin, raising=False)
+    monkeypatch.setattr(hf, "_gemm_refusal", lambda *args: None)
+    stock = _tiny(moe=False, layers=1).to(torch.bfloat16)
+    ours = copy.deepcopy(stock)
+    hf._swap(ours, hf.plan(ours))
+    x = torch.randn(3, 5, TINY["hidden_size"], generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    hf.reset_stats()
+    with torch.inference_mode():
+        k_proj = ours.model.layers[0].self_attn.k_proj
+        for got, want in [(ours.model.layers[0].mlp(x), stock.model.layers[0].mlp(x)),
+                          (hf._linear(k_proj, x), stock.model.layers[0].self_attn.k_proj(x))]:
+            assert got.shape == want.shape and got.dtype == torch.bfloat16
+            err = (got.float() - want.float()).norm() / want.float().norm()
+            assert err < 1e-2, f"relative error {err:.3g}"
+    assert hf.stats() == {"mlp": 1, "gemm": 1}
+
+
+def test_a_patched_mlp_holds_its_weights_once_and_keeps_the_stock_state_dict():
+    stock = _tiny(moe=False, layers=2)
+    ours = copy.deepcopy(stock)
+    hf._swap(ours, hf.plan(ours))
+    mlp = ours.model.layers[0].mlp
+    assert not hasattr(mlp, "gate_proj") and not hasattr(mlp, "up_proj")
+    assert mlp.gate_up_weight.shape == (2 * TINY["intermediate_size"], TINY["hidden_size"])
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in stock.parameters())
+    want, got = stock.state_dict(), ours.state_dict()
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    # A stock checkpoint loads into the patched model (strictly), and the forward still matches.
+    fresh = _tiny(moe=False, layers=2)
+    hf._swap(fresh, hf.plan(fresh))
+    fresh.load_state_dict(want)
+    ids = torch.randint(0, TINY["vocab_size"], (1, 11), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        assert torch.equal(fresh(ids).logits, stock(ids).logits)
+
+
 def test_experts_refusals():
     experts = _tiny(moe=True, layers=1).model.layers[0].mlp.experts
     h = torch.zeros(3, TINY["hidden_size"], dtype=torch.bfloat16)
@@ -254,8 +313,11 @@ def test_warmup_specs_cover_the_models_kernels_in_its_dtype_and_eps(geometry):
     specs = hf.warmup_specs(model)
     ops = {s.variant().op for s in specs}
     moe = geometry == "qwen3-30b-a3b"
-    assert ops == {"rmsnorm", "qk_norm", "attention", "attention_decode"} | ({"moe_dispatch", "moe_combine"} if moe else set())
+    routing = {"moe_dispatch", "moe_combine"} if moe else set()
+    assert ops == {"rmsnorm", "qk_norm", "attention", "attention_decode", "gemm_leakyrelu"} | routing
     assert ops <= set(rosekernels.KERNELS)
+    gemms = {(s.activation, s.gated) for s in specs if s.variant().op == "gemm_leakyrelu"}
+    assert gemms == ({("none", False)} if moe else {("none", False), ("silu", True)})  # projections, SwiGLU
     g = hf.GEOMETRIES[geometry]
     for s in specs:
         assert getattr(s, "dtype") == "bf16" and getattr(s, "weight_dtype", "bf16") == "bf16"

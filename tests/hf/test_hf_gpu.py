@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 LAYERS = 4
 COS_MIN = 0.999
 AGREE_MIN = 0.99
-_OPS = re.compile(r"rosekernelskernels(attention_decode|attention|qk_norm|rmsnorm|moe_dispatch|moe_combine)")
+_OPS = re.compile(r"rosekernelskernels(attention_decode|attention|qk_norm|rmsnorm|moe_dispatch|moe_combine|gemm_leakyrelu)")
 
 
 @pytest.fixture(scope="module", params=sorted(hf.GEOMETRIES))
@@ -64,9 +64,12 @@ def _ops_run(fn):
 
 def _per_forward(geometry, forwards, attention):
     """The stats of `forwards` patched forwards whose attention calls all went to `attention`."""
-    counts = {"rmsnorm": LAYERS + 1, "rmsnorm+residual": LAYERS, "qk_norm": LAYERS, attention: LAYERS}
+    counts = {"rmsnorm": LAYERS + 1, "rmsnorm+residual": LAYERS, "qk_norm": LAYERS, attention: LAYERS,
+              "gemm": 4 * LAYERS}  # q, k, v, o
     if geometry == "qwen3-30b-a3b":
         counts["experts"] = LAYERS
+    else:
+        counts["mlp"] = LAYERS
     return {k: v * forwards for k, v in counts.items()}
 
 
@@ -81,7 +84,8 @@ def _merge(*counts):
 @torch.inference_mode()
 def test_prefill_logits_match_stock_at_every_position(pair):
     geometry, stock, ours = pair
-    ops = {"rmsnorm", "qk_norm", "attention"} | ({"moe_dispatch", "moe_combine"} if geometry == "qwen3-30b-a3b" else set())
+    ops = {"rmsnorm", "qk_norm", "attention", "gemm_leakyrelu"}
+    ops |= {"moe_dispatch", "moe_combine"} if geometry == "qwen3-30b-a3b" else set()
     for batch, length, seed in ((2, 333, 1), (1, 1100, 2)):
         ids = _ids(batch, length, seed)
         want = stock(input_ids=ids).logits
@@ -193,7 +197,8 @@ def test_torch_compile_reduce_overhead_decode_with_a_static_cache(pair):
 
     want, _ = run(stock)
     got, ran = run(ours)
-    expected = {"rmsnorm", "qk_norm"} | ({"moe_dispatch", "moe_combine"} if geometry == "qwen3-30b-a3b" else set())
+    expected = {"rmsnorm", "qk_norm", "gemm_leakyrelu"}
+    expected |= {"moe_dispatch", "moe_combine"} if geometry == "qwen3-30b-a3b" else set()
     assert ran == expected, f"kernels launched in the compiled step: {ran}"
     cos = _min_cos(got, want)
     agree, decisive, raw = _agreement(want, got)

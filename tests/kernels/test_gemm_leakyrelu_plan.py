@@ -36,7 +36,14 @@ def test_config_validation():
     with pytest.raises(ValueError):
         Config(dtype="bf16", bias="fp16")
     with pytest.raises(ValueError):
-        Config(split_k=True)  # clusters are not used with split-K
+        Config(split_k=True)  # split-K tiles cluster only 1x2
+    Config(split_k=True, cluster_m=1, cluster_n=2)  # 128-row plain tiles, A multicast along N
+    for bad in (dict(tile_m=64), dict(tile_n=8, swap_ab=True), dict(cluster_m=2, cluster_n=1)):
+        with pytest.raises(ValueError, match="only cluster is 1x2"):
+            Config(**{**dict(split_k=True, cluster_m=1, cluster_n=2), **bad})
+    Config(tile_n=144, **DECODE)  # odd multiples of 16 wide
+    with pytest.raises(ValueError, match="multiple of 16 .gated: 32."):
+        Config(tile_n=144, activation="silu", gated=True, **DECODE)
     assert Config(tile_m=64, **DECODE).a_rows == 64  # default: the whole tile
     assert Config(tile_m=64, a_rows=64, **DECODE) == Config(tile_m=64, **DECODE)
     for bad in (dict(tile_m=64, a_rows=24, **DECODE), dict(tile_m=128, a_rows=64, **DECODE),
@@ -249,6 +256,9 @@ def test_candidates_are_valid_distinct_and_hold_the_pick(m, n, k, options):
         fitted = {plan.fitted_width(n, s, 132) for s in range(1, plan.MAX_SPLITS + 1)} - {None} if m > 64 else set()
         assert {c.tile_n for c in plain} == set(plan.DECODE_TILE_N) | fitted
         assert {c.tile_m for c in plain} == {64 if m <= 64 else 128}
+        # 128-row plain tiles also on 1x2 clusters (A multicast), the heuristic's never
+        assert {(c.cluster_m, c.cluster_n) for c in plain} == ({(1, 1)} if m <= 64 else {(1, 1), (1, 2)})
+        assert (pick.cluster_m, pick.cluster_n) == (1, 1)
         assert {c.a_rows for c in plain} == ({r for r in plan.A_ROWS if r >= m} if m <= 64 else {128})
         assert {c.tile_m for c in swapped} == set(plan.SWAP_TILE_M)
         assert {c.tile_n for c in swapped} == {next(t for t in plan.SWAP_TILE_N if t >= min(m, 128))}
@@ -281,18 +291,37 @@ def test_model_variants(model):
     configs = plan.variants_for([model])
     keys = [c.variant().key() for c in configs]
     assert len(set(keys)) == len(keys)
-    assert set(keys) <= {c.variant().key() for c in plan.variants_for()}
-    # What the model's MLP projections select at every decode token count is in the set.
-    up = plan.config_for(Shape(1, model.intermediate, model.hidden))
-    down = plan.config_for(Shape(plan.DECODE_MAX_M, model.hidden, model.intermediate))
-    assert {up.variant().key(), down.variant().key()} <= set(keys)
+    # The same tiles as the op's own set: only the epilogue (none, or gated silu) differs.
+    leaky = {dataclasses.replace(c, activation="leaky_relu", gated=False).variant() for c in configs}
+    assert leaky <= {c.variant() for c in plan.variants_for()}
+    assert {(c.activation, c.gated) for c in configs} == (
+        {("none", False)} if model.experts else {("none", False), ("silu", True)})
+    # What the model's GEMMs select at every decode token count is in the set: q at one token, the
+    # widest one (the MLP's gated gate/up GEMM, or o) at the most.
+    gemms = plan.model_gemms(model)
+    _, n, k, act, gated = gemms[0]
+    _, wn, wk, wact, wgated = max(gemms, key=lambda g: g[1] * g[2])
+    picks = {plan.config_for(Shape(1, n, k, activation=act, gated=gated)).variant().key(),
+             plan.config_for(Shape(plan.DECODE_MAX_M, wn, wk, activation=wact, gated=wgated)).variant().key()}
+    assert picks <= set(keys)
     decode = plan.variants_for([model], modes=("decode",))
     assert decode and all(c.mode == "decode" for c in decode)
     assert {c.variant() for c in decode} < {c.variant() for c in configs}
     # Calls of at most 8 tokens: the choices of M = 1..8 only, a strict subset of the decode set.
     few = plan.variants_for([model], modes=("decode",), max_tokens=8)
-    assert {c.variant() for c in few} == {plan.config_for(Shape(m, n, k)).variant()
-                                          for m in range(1, 9) for n, k in plan._mlp_linears(model)}
+    assert {c.variant() for c in few} == {plan.config_for(Shape(m, n, k, activation=a, gated=g)).variant()
+                                          for m in range(1, 9) for _, n, k, a, g in gemms}
     assert {c.variant() for c in few} < {c.variant() for c in decode}
     assert plan.variants_for([dataclasses.replace(model, dtype="fp32")]) == []
-    assert plan.variants_for([ModelDims("no-mlp", 4096, 0, 32, 8, 128)]) == []
+
+
+def test_model_gemms_are_the_projections_and_a_dense_mlp_the_kernel_takes():
+    assert plan.model_gemms(QWEN3_8B) == [
+        ("q", 4096, 4096, "none", False), ("k/v", 1024, 4096, "none", False), ("o", 4096, 4096, "none", False),
+        ("mlp gate/up", 24576, 4096, "silu", True), ("mlp down", 4096, 12288, "none", False)]
+    assert [g[0] for g in plan.model_gemms(QWEN3_30B_A3B)] == ["q", "k/v", "o"]  # experts: torch._grouped_mm
+    # An MLP the gated GEMM cannot take (intermediate not a multiple of 8) stays whole on torch.
+    assert [g[0] for g in plan.model_gemms(dataclasses.replace(QWEN3_8B, intermediate=12300))] == ["q", "k/v", "o"]
+    # Projections the kernel does not take stay on torch (k/v: 100 rows; q and o, 3200 x 4096 and back, run).
+    assert [g[0] for g in plan.model_gemms(ModelDims("odd", 4096, 0, 32, 1, 100))] == ["q", "o"]
+    assert plan.takes(24576, 4096, gated=True) and not plan.takes(24, 4096, gated=True) and not plan.takes(12, 8)

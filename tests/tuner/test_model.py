@@ -54,8 +54,11 @@ def test_qwen3_8b_decode_runs_the_dense_block_at_every_decode_token_count(tmp_pa
     jobs = by_kernel(found)
     assert set(jobs) == {"rmsnorm", "qk_norm", "gemm_leakyrelu", "attention_decode"}
     gemms = jobs["gemm_leakyrelu"]
-    # qkv (32 + 2 * 8 heads of 128), o, MLP gate/up and down, at every token count.
-    assert {(s["n"], s["k"]) for s in gemms} == {(6144, 4096), (4096, 4096), (12288, 4096), (4096, 12288)}
+    # As rosekernels.hf runs them: q (32 heads of 128), k/v (8 heads), o, the gated MLP gate/up GEMM (2 x
+    # 12288 interleaved rows, SwiGLU) and down, at every token count (o is as wide as q: listed once).
+    assert {(s["n"], s["k"], s["activation"], s["gated"]) for s in gemms} == {
+        (4096, 4096, "none", False), (1024, 4096, "none", False), (24576, 4096, "silu", True),
+        (4096, 12288, "none", False)}
     assert sorted({s["m"] for s in gemms}) == list(model.DECODE_TOKENS) == [1, 2, 4, 8, 16, 32, 64, 128]
     assert len(gemms) == 4 * len(model.DECODE_TOKENS)
     attention = jobs["attention_decode"]
@@ -74,9 +77,9 @@ def test_qwen3_8b_decode_runs_the_dense_block_at_every_decode_token_count(tmp_pa
 def test_qwen3_30b_a3b_decode_runs_the_experts_and_the_moe_routing_instead_of_a_dense_mlp(tmp_path):
     jobs = by_kernel(model.shapes(dims(tmp_path, "qwen3-30b-a3b"), "decode"))
     assert set(jobs) == {"rmsnorm", "qk_norm", "gemm_leakyrelu", "attention_decode", "moe_dispatch", "moe_combine"}
-    # qkv (32 + 2 * 4 heads), o (n=hidden, k=32 * 128), the experts' gate/up and down; no 6144-wide dense MLP.
-    assert {(s["n"], s["k"]) for s in jobs["gemm_leakyrelu"]} == {(5120, 2048), (2048, 4096), (768, 2048),
-                                                                  (2048, 768)}
+    # q (32 heads of 128), k/v (4 heads), o (n=hidden, k=32 * 128); no dense MLP, and the experts' GEMMs are
+    # torch._grouped_mm's.
+    assert {(s["n"], s["k"]) for s in jobs["gemm_leakyrelu"]} == {(4096, 2048), (512, 2048), (2048, 4096)}
     assert [s["tokens"] for s in jobs["moe_dispatch"]] == list(model.DECODE_TOKENS)
     assert all((s["hidden"], s["experts"], s["topk"]) == (2048, 128, 8) for s in jobs["moe_dispatch"])
     assert all((s["hidden"], s["topk"]) == (2048, 8) for s in jobs["moe_combine"])
@@ -106,12 +109,14 @@ def test_every_listed_shape_resolves_to_a_config_of_the_mode(tmp_path, name, mod
         assert config in workloads.kernel_module(job.kernel).candidates(shape)
 
 
-def test_gemm_shapes_whose_n_or_k_is_not_a_multiple_of_8_are_dropped():
+def test_an_mlp_the_gemm_does_not_take_is_not_listed():
+    """An intermediate size that is not a multiple of 8: rosekernels.hf leaves the MLP on torch."""
     odd = dataclasses.replace(models.QWEN3_8B, intermediate=12300)  # 12300 = 8 * 1537 + 4
     found = model.shapes(odd, "decode")
-    assert not any(12300 in (j.shape.get("n"), j.shape.get("k")) for j in found.jobs)
-    dropped = [(j, why) for j, why in found.dropped if j.kernel == "gemm_leakyrelu"]
-    assert len(dropped) == 2 * len(model.DECODE_TOKENS) and all("multiples of 8" in why for _, why in dropped)
+    assert not any(role.startswith("mlp") for role in {j.role for j in found.jobs})
+    # q and o are both 4096 x 4096 (listed once), k/v 1024 x 4096
+    assert {(j.shape["n"], j.shape["k"]) for j in found.jobs if j.kernel == "gemm_leakyrelu"} == {
+        (4096, 4096), (1024, 4096)}
 
 
 # ---------------------------------------------------------------------------------------------

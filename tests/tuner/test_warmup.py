@@ -159,10 +159,10 @@ def test_max_tokens_bounds_the_token_counts_of_the_warmup_set():
     for max_tokens in (rng.randint(1, gemm_plan.DECODE_MAX_M), rng.randint(gemm_plan.DECODE_MAX_M + 1, 40000)):
         bounded = startup.model_specs(model, max_tokens=max_tokens)
         assert gemm_plan.WARMUP_TOKENS is table and set(bounded) <= set(everything)
-        pairs = [(dims.intermediate, dims.hidden), (dims.hidden, dims.intermediate)]
-        expected = {gemm_plan.config_for(gemm_plan.GemmShape(m, n, k, dtype=dims.dtype)).variant()
+        expected = {gemm_plan.config_for(gemm_plan.GemmShape(m, n, k, dtype=dims.dtype, activation=act,
+                                                            gated=gated)).variant()
                     for m in range(1, max_tokens + 1) if m <= gemm_plan.DECODE_MAX_M or m in table["prefill"]
-                    or m == max_tokens for n, k in pairs}
+                    or m == max_tokens for _, n, k, act, gated in gemm_plan.model_gemms(dims)}
         assert {c.variant() for c in bounded if c.variant().op == "gemm_leakyrelu"} == expected, (model, max_tokens)
         others = [c for c in everything if c.variant().op != "gemm_leakyrelu"]  # drawn from no token counts
         assert [c for c in bounded if c.variant().op != "gemm_leakyrelu"] == others
