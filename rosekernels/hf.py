@@ -22,7 +22,9 @@ What apply() replaces (the model on one sm_90 GPU):
   one kernel, then the down projection. The gated GEMM takes the gate and up rows interleaved in blocks of 8
   in one weight: apply() builds it (`gate_up_weight`) and removes gate_proj and up_proj, so the weights are
   not held twice; state_dict() and load_state_dict() still read and write gate_proj.weight and
-  up_proj.weight (hooks convert), so checkpoints stay interchangeable with the stock model.
+  up_proj.weight (hooks convert; state_dict's gate and up entries are host copies), so checkpoints stay
+  interchangeable with the stock model. Projections that are not plain nn.Linear modules (LoRA,
+  quantized layers, hooks) stay on their own forward.
 - MoE experts -> moe_dispatch (block size 1: no padding rows, so the grouped GEMMs only compute routed
   rows) -> torch._grouped_mm on the experts' gate_up and down weights (bf16 on sm_90: torch's CUTLASS
   grouped GEMM, no host synchronisation, capturable) -> SiLU-and-mul in torch -> moe_combine;
@@ -137,10 +139,17 @@ def _gemm_refusal(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     return None
 
 
+def _plain_linear(m: nn.Module) -> bool:
+    """An nn.Linear whose forward is F.linear of its own floating-point weight: not a subclass (LoRA,
+    quantized layers), no hooks."""
+    return (type(m) is nn.Linear and m.weight.is_floating_point() and not m._forward_hooks
+            and not m._forward_pre_hooks)
+
+
 def _linear(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """lin(x) on rosekernels.gemm (x [..., K] -> [..., N])."""
+    """lin(x) on rosekernels.gemm (x [..., K] -> [..., N]) where lin is a plain nn.Linear."""
     w = lin.weight
-    reason = _gemm_refusal(x, w, lin.bias)
+    reason = "module" if not _plain_linear(lin) else _gemm_refusal(x, w, lin.bias)
     if reason is not None:
         _count(f"fallback:gemm:{reason}")
         return lin(x)
@@ -172,8 +181,9 @@ class _MLP:
 
 def _mlp_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
     """state_dict() of a patched MLP as the stock one writes it: gate_proj.weight, up_proj.weight,
-    down_proj.weight."""
-    gate, up = _split_gate_up(state_dict.pop(prefix + "gate_up_weight"))
+    down_proj.weight. The gate and up rows are not views of the interleaved weight: they are copies, in
+    host memory (a whole model's worth on the GPU at once could run it out of memory)."""
+    gate, up = _split_gate_up(state_dict.pop(prefix + "gate_up_weight").detach().cpu())
     down = state_dict.pop(prefix + "down_proj.weight")
     state_dict.update({prefix + "gate_proj.weight": gate, prefix + "up_proj.weight": up,
                        prefix + "down_proj.weight": down})
@@ -391,8 +401,9 @@ def _serves_layer(m: nn.Module) -> bool:
 
 
 def _serves_mlp(m: nn.Module) -> bool:
-    return (type(m) in (q3.Qwen3MLP, q3m.Qwen3MoeMLP) and m.config.hidden_act == "silu"
-            and all(p.bias is None for p in (m.gate_proj, m.up_proj, m.down_proj))
+    projections = (m.gate_proj, m.up_proj, m.down_proj) if type(m) in (q3.Qwen3MLP, q3m.Qwen3MoeMLP) else ()
+    return (bool(projections) and m.config.hidden_act == "silu"
+            and all(_plain_linear(p) and p.bias is None for p in projections)
             and gemm_leakyrelu_plan.takes(2 * m.intermediate_size, m.hidden_size, gated=True)
             and gemm_leakyrelu_plan.takes(m.hidden_size, m.intermediate_size))
 
@@ -437,8 +448,7 @@ class Swap:
     patch: Callable[[nn.Module], None]
 
 
-# In order (a decoder layer's fused forward needs its norms patched). The dense MLP's swap, once
-# rosekernels has a gated GEMM, is one more entry.
+# In order (a decoder layer's fused forward needs its norms patched).
 SWAPS = (
     Swap("rmsnorm", "RMSNorm -> rosekernels.rmsnorm", _serves_rmsnorm, _swap_class),
     Swap("attention", "q_norm + k_norm -> one rosekernels.qk_norm; attention -> rosekernels.attention; "

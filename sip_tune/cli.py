@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.budget_minutes is not None and not args.budget_minutes > 0:
         parser.error("--budget-minutes must be > 0")
     if not 0 <= args.samples <= 10**7:
-        parser.error("--samples must be in [1, 1e7] (0: the default)")
+        parser.error("--samples must be in [0, 1e7] (0: the default for the move classes)")
     if args.runs < 1 or args.search_samples < 1:
         parser.error("--runs and --search-samples must be >= 1")
     if (args.atol is not None) and args.rtol is None:

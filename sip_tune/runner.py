@@ -370,8 +370,10 @@ class _Bench(_Graphs):
 
     # -- pieces
 
-    def _load(self, cubin: bytes) -> Callable[..., Any]:
-        if cubin == self.original:
+    def _load(self, cubin: bytes, fresh: bool = False) -> Callable[..., Any]:
+        """The kernel function of `cubin`; the original's own unless `fresh` (then loaded anew, as
+        candidates are: the A/A copy)."""
+        if cubin == self.original and not fresh:
             return self.base
         if len(cubin) != len(self.original):
             raise ValueError(f"candidate has {len(cubin)} bytes, the original {len(self.original)}")
@@ -467,7 +469,7 @@ class _Bench(_Graphs):
 
     def compare(self, cubins: list[bytes], reps: int) -> dict[str, Any]:
         """Per-launch median microseconds of the original and each cubin, all replayed interleaved."""
-        graphs = [self.base_graph] + [self._graph(self._load(c)) for c in cubins]
+        graphs = [self.base_graph] + [self._graph(self._load(c, fresh=True)) for c in cubins]
         times = self._replay(graphs, reps)
         us = [[t / self.launches * 1e3 for t in row] for row in times]
         ratios = [statistics.median(c / b for b, c in zip(times[0], row)) for row in times]

@@ -203,7 +203,7 @@ def tune(factory: Callable[[], Workload], config: TuneConfig, *, kernel: str | N
     original, variant = workload.kernel.cubin, workload.kernel.variant
     kernel = kernel or workload.name or variant.op
     report = TuneReport(kernel, variant.key(), variant.mode, original_sha256=_digest(original),
-                        cubin_bytes=len(original), config=_config_dict(config))
+                        cubin_bytes=len(original), config={**_config_dict(config), "samples": config.validation_samples})
     options = dataclasses.replace(config.options, tolerance=config.tolerance)
     memo: dict[str, float] = {_digest(original): 1.0}
     costs: dict[str, list[float]] = {k: [] for k in ("apply", "load", "test", "time", "total")}

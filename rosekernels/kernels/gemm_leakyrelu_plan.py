@@ -275,8 +275,10 @@ def m_range(config: GemmConfig) -> tuple[int, int]:
 
 def fitted_width(n: int, splits: int, num_sms: int, step: int = 16) -> Optional[int]:
     """The narrowest plain tile width (a multiple of `step`, at least 32) whose tiles of N times
-    `splits` fit in one wave on the SMs; None past 256 (the widest MMA)."""
-    width = max(32, step * math.ceil(n * splits / (step * num_sms)))
+    `splits` fit in one wave on the SMs; None past 256 (the widest MMA) or with more splits than SMs."""
+    if splits > num_sms:
+        return None
+    width = max(32, step * math.ceil(n / (step * (num_sms // splits))))
     return width if width <= 256 else None
 
 
@@ -394,9 +396,10 @@ def config_for(shape: GemmShape, sms: int | None = None) -> GemmConfig:
 def candidates(shape: GemmShape, sms: int | None = None) -> list[GemmConfig]:
     """Every config that can run `shape`, config_for's first. Decode: decode_configs with each split
     count up to MAX_SPLITS that leaves every split a k-tile, plain 64-row tiles also with each
-    larger a_rows, plain 128-row tiles also on 1x2 clusters (A multicast to two N tiles: less L2
-    traffic where 128 tokens of A are read per k-tile; not in the cost model, so only the tuner
-    tries them) (`stages` stays at as many as fit: not searched). Prefill: each tile of
+    larger a_rows, plain 128-row tiles of B contiguous along K, at most 128 wide and split at most
+    4 ways also on 1x2 clusters (A multicast to two N tiles: less L2 traffic where 128 tokens of A
+    are read per k-tile and the tile is narrow; not in the cost model, so only the tuner tries them)
+    (`stages` stays at as many as fit: not searched). Prefill: each tile of
     PREFILL_TILES on PREFILL_CLUSTERS, walked in PREFILL_RASTER_GROUPS."""
     sms = sm_count() if sms is None else sms
     pick = config_for(shape, sms)
@@ -405,7 +408,8 @@ def candidates(shape: GemmShape, sms: int | None = None) -> list[GemmConfig]:
         found = decode_configs(shape, splits, sms)
         found += [dataclasses.replace(c, a_rows=r) for c in found if not c.swap_ab and c.tile_m == 64
                   for r in A_ROWS if r > c.a_rows]
-        found += [c for c in (dataclasses.replace(c, cluster_n=2) for c in found if not c.swap_ab and c.tile_m == 128)
+        found += [c for c in (dataclasses.replace(c, cluster_n=2) for c in found if not c.swap_ab and c.tile_m == 128
+                              and c.b_major == "k" and c.tile_n <= 128 and c.splits <= 4)
                   if _fits(c, shape.m, shape.n)]
     else:
         found = [GemmConfig(**_base(shape), tile_m=tile_m, tile_n=tile_n, pingpong=pingpong,
@@ -466,7 +470,8 @@ def model_gemms(model) -> list[tuple[str, int, int, str, bool]]:
     rosekernels.models.ModelDims) runs on rosekernels (as rosekernels.hf.apply patches it): the q, k and
     v projections (k and v alike), o, and a dense model's MLP: the gated gate/up GEMM (N = 2 x
     intermediate, SwiGLU) and the down projection; the MLP whole or not at all. Projections the
-    kernel does not take (`takes`) stay on torch, and MoE experts run torch._grouped_mm."""
+    kernel does not take (`takes`) stay on torch, and MoE experts run torch._grouped_mm (the dense
+    layers a MoE config may name in mlp_only_layers are not listed: rare, compiled on first use)."""
     q, kv = model.heads_q * model.head_dim, model.heads_kv * model.head_dim
     gemms = [("q", q, model.hidden, "none", False), ("k/v", kv, model.hidden, "none", False),
              ("o", model.hidden, q, "none", False)]

@@ -273,6 +273,25 @@ def test_mlp_and_projection_glue_computes_the_stock_mlp_and_linears(monkeypatch)
     assert hf.stats() == {"mlp": 1, "gemm": 1}
 
 
+def test_projections_that_are_not_plain_linears_keep_their_own_forward(monkeypatch):
+    """A hooked (or subclassed: LoRA, quantized) projection is not replaced by the GEMM: its forward runs."""
+    monkeypatch.setattr(rosekernels, "gemm", _gemm_standin, raising=False)
+    monkeypatch.setattr(hf, "_gemm_refusal", lambda *args: None)
+    model = _tiny(moe=False, layers=2).to(torch.bfloat16)
+    seen = []
+    model.model.layers[0].self_attn.k_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    model.model.layers[1].mlp.up_proj.register_forward_pre_hook(lambda m, i: None)
+    p = hf.plan(model)
+    assert p.swaps["mlp"] == ("model.layers.0.mlp",)  # layer 1's MLP stays on torch, whole
+    hf._swap(model, p)
+    x = torch.randn(2, 3, TINY["hidden_size"]).to(torch.bfloat16)
+    hf.reset_stats()
+    hf._linear(model.model.layers[0].self_attn.k_proj, x)
+    hf._linear(model.model.layers[0].self_attn.q_proj, x)
+    assert seen == [torch.Size([2, 3, TINY["num_key_value_heads"] * TINY["head_dim"]])]
+    assert hf.stats() == {"fallback:gemm:module": 1, "gemm": 1}
+
+
 def test_a_patched_mlp_holds_its_weights_once_and_keeps_the_stock_state_dict():
     stock = _tiny(moe=False, layers=2)
     ours = copy.deepcopy(stock)
