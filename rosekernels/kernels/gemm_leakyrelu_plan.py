@@ -88,9 +88,6 @@ _EFFICIENCY = {  # (swapped, tile_m, tile_n of plain tiles): weight-streaming ef
     (True, 64, None): 0.93, (True, 128, None): 1.60,
 }
 
-# Token counts whose choices variants_for(models) collects: every decode M, a spread of prefill M.
-WARMUP_TOKENS = {"decode": range(1, DECODE_MAX_M + 1),
-                 "prefill": (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,17 +483,26 @@ def variants_for(models: Optional[Iterable] = None, modes: Iterable[str] = MODES
                  max_tokens: Optional[int] = None) -> list[GemmConfig]:
     """The configs warm-up compiles, one per variant (launch policy at its defaults). models None:
     every variant the op can launch at the default slope; else, for each
-    `rosekernels.models.ModelDims`, the configs config_for picks for its `model_gemms` (bf16/fp16
-    models; b as nn.Linear stores it, no bias) over WARMUP_TOKENS of each mode, on the current device;
-    with `max_tokens`, the counts up to it and max_tokens itself."""
+    `rosekernels.models.ModelDims`, those of its `model_gemms` (bf16/fp16 models; b as nn.Linear stores
+    it, no bias) that a call can launch on the current device: decode, config_for's pick at every
+    token count up to DECODE_MAX_M (or max_tokens); prefill (when max_tokens, if given, passes
+    DECODE_MAX_M), every PREFILL_TILES tile, so that no prefill length compiles anything."""
     modes = tuple(modes)
     if models is None:
         configs = _library_variants()
     else:
-        tokens = {t for mode in modes for t in WARMUP_TOKENS[mode]
-                  if max_tokens is None or t <= max_tokens} | ({max_tokens} if max_tokens else set())
-        configs = [config_for(GemmShape(m, n, k, dtype=model.dtype, activation=activation, gated=gated))
-                   for model in models if model.dtype in DTYPES for _, n, k, activation, gated in model_gemms(model)
-                   for m in sorted(tokens)]
+        last = DECODE_MAX_M if max_tokens is None else min(max_tokens, DECODE_MAX_M)
+        prefill = "prefill" in modes and (max_tokens is None or max_tokens > DECODE_MAX_M)
+        configs = []
+        for model in models:
+            if model.dtype not in DTYPES:
+                continue
+            for _, n, k, activation, gated in model_gemms(model):
+                shape = GemmShape(DECODE_MAX_M + 1, n, k, dtype=model.dtype, activation=activation, gated=gated)
+                if "decode" in modes:
+                    configs += [config_for(dataclasses.replace(shape, m=m)) for m in range(1, last + 1)]
+                if prefill:
+                    configs += [GemmConfig(**_base(shape), tile_m=tile_m, tile_n=tile_n, pingpong=pingpong)
+                                for tile_m, tile_n, pingpong, _ in PREFILL_TILES]
     unique = {c.variant(): dataclasses.replace(c, splits=1, raster_group=RASTER_GROUP) for c in configs}
     return [c for c in unique.values() if c.mode in modes]

@@ -154,20 +154,30 @@ def test_max_tokens_bounds_the_token_counts_of_the_warmup_set():
     rng = random.Random(os.urandom(8))
     model = random_model(rng)
     dims = ModelDims.from_config(model)
-    table = gemm_plan.WARMUP_TOKENS
     everything = startup.model_specs(model)
+    gemms = gemm_plan.model_gemms(dims)
+    prefill_tiles = {gemm_plan.GemmConfig(dtype=dims.dtype, activation=act, gated=gated, tile_m=tm, tile_n=tn,
+                                          pingpong=pp).variant()
+                     for _, n, k, act, gated in gemms for tm, tn, pp, _ in gemm_plan.PREFILL_TILES}
     for max_tokens in (rng.randint(1, gemm_plan.DECODE_MAX_M), rng.randint(gemm_plan.DECODE_MAX_M + 1, 40000)):
         bounded = startup.model_specs(model, max_tokens=max_tokens)
-        assert gemm_plan.WARMUP_TOKENS is table and set(bounded) <= set(everything)
+        assert set(bounded) <= set(everything)
+        # decode: the pick at every count up to max_tokens; prefill: every tile, whatever the length
         expected = {gemm_plan.config_for(gemm_plan.GemmShape(m, n, k, dtype=dims.dtype, activation=act,
                                                             gated=gated)).variant()
-                    for m in range(1, max_tokens + 1) if m <= gemm_plan.DECODE_MAX_M or m in table["prefill"]
-                    or m == max_tokens for _, n, k, act, gated in gemm_plan.model_gemms(dims)}
+                    for m in range(1, min(max_tokens, gemm_plan.DECODE_MAX_M) + 1) for _, n, k, act, gated in gemms}
+        if max_tokens > gemm_plan.DECODE_MAX_M:
+            expected |= prefill_tiles
         assert {c.variant() for c in bounded if c.variant().op == "gemm_leakyrelu"} == expected, (model, max_tokens)
         others = [c for c in everything if c.variant().op != "gemm_leakyrelu"]  # drawn from no token counts
         assert [c for c in bounded if c.variant().op != "gemm_leakyrelu"] == others
     assert not any(c.variant().mode == "prefill" and c.variant().op == "gemm_leakyrelu"
                    for c in startup.model_specs(model, ("prefill",), gemm_plan.DECODE_MAX_M))
+    # a prefill call of any length finds its pick in the set
+    m = rng.randint(gemm_plan.DECODE_MAX_M + 1, 100000)
+    _, n, k, act, gated = rng.choice(gemms)
+    pick = gemm_plan.config_for(gemm_plan.GemmShape(m, n, k, dtype=dims.dtype, activation=act, gated=gated))
+    assert pick.variant() in {c.variant() for c in everything}
 
 
 def test_bad_model_arguments_are_named(env, tmp_path):
