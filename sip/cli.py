@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     moves_help = ("comma list of move classes: global, shared, alu, control (control.yield, control.reuse, "
                   "control.stall), or all (default: global)")
     table_help = ("latency table measured on the GPU (tools/sass_latency.py); control.stall needs one "
-                  "(default: bench/results/sass_latency.json when it exists)")
+                  "(default: bench/results/sass_latency.json.gz when it exists)")
     i = sub.add_parser("inspect", help="per kernel: instructions, blocks, pinned; per class: movable, legal moves")
     i.add_argument("cubin", type=Path)
     i.add_argument("--moves", default=",".join(sorted(DEFAULT_MOVES)), help=moves_help)

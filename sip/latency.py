@@ -19,6 +19,7 @@ ptxas gives a predicated write more cycles). A consumer reads through a register
 """
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ from sip import SipError
 from sip.sass import P_BASE, UP_BASE, UR_BASE, Instruction
 
 FORMAT = "sip-latency-table/1"
-DEFAULT_PATH = Path(__file__).resolve().parents[1] / "bench" / "results" / "sass_latency.json"
+DEFAULT_PATH = Path(__file__).resolve().parents[1] / "bench" / "results" / "sass_latency.json.gz"
 FILES = ("R", "UR", "P", "UP", "@P", "@UP")
 
 _MMA = frozenset({"HMMA", "IMMA", "BMMA", "DMMA"})
@@ -80,10 +81,11 @@ class LatencyTable:
 
 
 def load(path: str | Path) -> LatencyTable:
-    """Read a table written by tools/sass_latency.py; SipError (one line) for anything else."""
+    """Read a table written by tools/sass_latency.py (.gz: gzip-compressed); SipError (one line) for
+    anything else."""
     path = Path(path)
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_text())
     except OSError as e:
         raise SipError(f"cannot read the latency table {path}: {e.strerror or e}") from None
     except json.JSONDecodeError as e:

@@ -1,7 +1,7 @@
 """Measure the read-after-write latencies of fixed-latency SASS on the GPU: the table that lets SIP
 lower stall counts (sip.latency, `sip mutate --moves control.stall --latency-table FILE`).
 
-    python3 tools/sass_latency.py --out bench/results/sass_latency.json     (on an H200)
+    python3 tools/sass_latency.py --out bench/results/sass_latency.json.gz  (on an H200; .gz: compressed)
     python3 tools/sass_latency.py --build DIR                               (no GPU: generate and check)
 
 Method. For every chain below, one PTX kernel runs a dependent chain A, B, A, B, ... (each
@@ -31,6 +31,7 @@ import argparse
 import ctypes
 import dataclasses
 import datetime
+import gzip
 import itertools
 import json
 import os
@@ -497,7 +498,11 @@ def main(argv: list[str] | None = None) -> int:
            "not_measured": {a.chain.name: a.problems for a in analyses if a.problems},
            "pairs": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    text = json.dumps(doc, indent=1) + "\n"
+    if args.out.suffix == ".gz":
+        args.out.write_bytes(gzip.compress(text.encode()))
+    else:
+        args.out.write_text(text)
     proven = sum(r["latency"] is not None for r in rows)
     print(f"{proven} of {len(rows)} pairs proven -> {args.out}")
     return 0

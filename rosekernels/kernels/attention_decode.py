@@ -154,6 +154,11 @@ class _DecodeAttentionSm90:
         pipeline.pipeline_init_wait()
         return storage, pipe
 
+    def _grid(self, q: cute.Tensor, k: cute.Tensor, num_splits: Int32, batches) -> list:
+        """One CTA per (split, m-block of the GQA-packed query rows), KV head and sequence."""
+        rows = q.shape[1] * (q.shape[2] // k.shape[2])
+        return [num_splits * ((rows + self.tile_m - 1) // self.tile_m), k.shape[2], batches]
+
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, lse: cute.Tensor,
                  o_part: cute.Tensor, lse_part: cute.Tensor, counters: cute.Tensor, scale_log2: Float32,
@@ -170,11 +175,9 @@ class _DecodeAttentionSm90:
 
         self._set_storage(sKV_layout)
 
-        rows = q.shape[1] * (q.shape[2] // k.shape[2])
-        m_blocks = (rows + self.tile_m - 1) // self.tile_m
         self.kernel(q, tma_atom_k, tma_k, tma_atom_v, tma_v, o, lse, o_part, lse_part, counters,
                     scale_log2, causal_shift, num_splits, tiles_per_split, sKV_layout, tiled_mma).launch(
-            grid=[num_splits * m_blocks, k.shape[2], k.shape[0]],
+            grid=self._grid(q, k, num_splits, k.shape[0]),
             block=[self.num_threads, 1, 1],
             stream=stream,
             use_pdl=True,
@@ -552,11 +555,9 @@ class _KVCacheDecodeSm90(_DecodeAttentionSm90):
 
         self._set_storage(sKV_layout)
 
-        rows = q.shape[1] * (q.shape[2] // k.shape[2])
-        m_blocks = (rows + self.tile_m - 1) // self.tile_m
         self.kernel(q, tma_atom_k, tma_k, tma_atom_v, tma_v, o, lse, o_part, lse_part, counters, seqlens, table,
                     scale_log2, causal_offset, num_splits, tiles_per_split, sKV_layout, tiled_mma).launch(
-            grid=[num_splits * m_blocks, k.shape[2], q.shape[0]],
+            grid=self._grid(q, k, num_splits, q.shape[0]),
             block=[self.num_threads, 1, 1],
             stream=stream,
             use_pdl=True,

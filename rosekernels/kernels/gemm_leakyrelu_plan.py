@@ -87,6 +87,8 @@ _EFFICIENCY = {  # (swapped, tile_m, tile_n of plain tiles): weight-streaming ef
     (False, 128, 32): 0.41, (False, 128, 64): 0.49, (False, 128, 128): 0.69, (False, 128, 256): 1.22,
     (True, 64, None): 0.93, (True, 128, None): 1.60,
 }
+_PLAIN_EFFICIENCY = {tile_m: sorted((w, e) for (swap, tm, w), e in _EFFICIENCY.items() if not swap and tm == tile_m)
+                     for tile_m in (64, 128)}  # (width, efficiency) anchors per tile height
 
 
 
@@ -284,7 +286,7 @@ def _efficiency(config: GemmConfig) -> float:
     fitted ones are interpolated linearly, those outside take the nearest fitted one."""
     if config.swap_ab:
         return _EFFICIENCY[(True, config.tile_m, None)]
-    fitted = sorted((w, e) for (swap, tm, w), e in _EFFICIENCY.items() if not swap and tm == config.tile_m)
+    fitted = _PLAIN_EFFICIENCY[config.tile_m]
     w = min(max(config.tile_n, fitted[0][0]), fitted[-1][0])
     (w0, e0), (w1, e1) = next((a, b) for a, b in zip(fitted, fitted[1:]) if w <= b[0])
     return e0 + (e1 - e0) * (w - w0) / (w1 - w0)
@@ -498,10 +500,10 @@ def variants_for(models: Optional[Iterable] = None, modes: Iterable[str] = MODES
             if model.dtype not in DTYPES:
                 continue
             for _, n, k, activation, gated in model_gemms(model):
-                shape = GemmShape(DECODE_MAX_M + 1, n, k, dtype=model.dtype, activation=activation, gated=gated)
+                shape = GemmShape(1, n, k, dtype=model.dtype, activation=activation, gated=gated)
                 if "decode" in modes:
                     configs += [config_for(dataclasses.replace(shape, m=m)) for m in range(1, last + 1)]
-                if prefill:
+                if prefill:  # config_for's prefill picks, whatever M
                     configs += [GemmConfig(**_base(shape), tile_m=tile_m, tile_n=tile_n, pingpong=pingpong)
                                 for tile_m, tile_n, pingpong, _ in PREFILL_TILES]
     unique = {c.variant(): dataclasses.replace(c, splits=1, raster_group=RASTER_GROUP) for c in configs}
