@@ -206,6 +206,11 @@ def markdown(env, args, results, errors):
             out += [f"| {g} | " + " | ".join(fmt(r["profile"][a]["groups"].get(g), 1) for a in parts) + " |"
                     for g in labels]
             out += ["| total | " + " | ".join(fmt(r["profile"][a]["total_us"], 1) for a in parts) + " |"]
+            eager = next((d["us"] for d in r["decode"] if d["mode"] == "eager" and d["batch"] == PROFILE_BATCH), {})
+            out += ["| eager step, wall | " + " | ".join(fmt(eager.get(a), 1) for a in parts) + " |", "",
+                    "Eager rows time the host too: where an arm's wall time per step is far above its device "
+                    "time, that arm is host-bound and the eager speedup measures host overhead, not kernels; "
+                    "the graph rows compare device work."]
         fallbacks = {k: v for k, v in r["stats"].items() if k.startswith("fallback")}
         out += ["", f"rosekernels calls over the run: {r['stats']}" if not fallbacks else
                 f"rosekernels calls over the run: {r['stats']} (fallbacks: {fallbacks})", ""]

@@ -16,7 +16,9 @@ What apply() replaces (the model on one sm_90 GPU):
 - attention -> rosekernels.attention, registered as attn_implementation "rosekernels" in transformers'
   AttentionInterface (with sdpa's mask function in AttentionMaskInterface). transformers passes q as
   [B, Hq, S_q, d] and k/v as the KV cache holds them, [B, Hkv, S_kv, d]; the kernels take [B, S, H, d]
-  with any 16-byte-aligned strides, so the transposed views go in without a copy.
+  with any 16-byte-aligned strides, so the transposed views go in without a copy. A static cache's
+  decode steps (its mask covers the whole cache) run rosekernels.attention_with_kvcache with each
+  sequence's key count taken from the mask on the device (`prefix_mask`), also inside CUDA graphs.
 - the q, k, v and o projections -> rosekernels.gemm.
 - the dense MLP (SwiGLU) -> two rosekernels.gemm launches: the gated GEMM, silu(x @ gate^T) * (x @ up^T) in
   one kernel, then the down projection. The gated GEMM takes the gate and up rows interleaved in blocks of 8
@@ -32,11 +34,11 @@ What apply() replaces (the model on one sm_90 GPU):
 Left on torch: rotary embedding, embedding, the MoE router and lm_head.
 
 A call rosekernels cannot serve runs the stock path instead and is counted in `stats()` as
-"fallback:<op>:<reason>": attention with a mask tensor (padding, or a static cache, whose keys past the
-current length are masked: the kernels have no per-sequence key lengths), dropout, another dtype or
-head dim; experts in a dtype other than bf16; GEMMs in fp32. Calls served are counted under the op's name. Calls
-inside torch.compile are not counted (traced code would bake a Python counter in as a constant):
-check those with torch.profiler kernel names.
+"fallback:<op>:<reason>": attention with a mask tensor other than a static cache's decode mask
+(padding; a static cache's prefill of more than 16 tokens; any mask under torch.compile), dropout,
+another dtype or head dim; experts in a dtype other than bf16; GEMMs in fp32. Calls served are counted
+under the op's name. Calls inside torch.compile are not counted (traced code would bake a Python
+counter in as a constant): check those with torch.profiler kernel names.
 """
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ try:
     from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config, Qwen3MoeConfig
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
     from transformers.models.qwen3 import modeling_qwen3 as q3
     from transformers.models.qwen3_moe import modeling_qwen3_moe as q3m
@@ -311,13 +313,47 @@ def _attention_refusal(query, key, value, attention_mask, dropout, kwargs) -> st
     return None
 
 
+def prefix_mask(**kwargs: Any) -> torch.Tensor | None:
+    """sdpa's mask (transformers' mask-function contract), marked when it is a causal mask over a
+    prefix of the keys per sequence (no padding, no other pattern), with each sequence's key count
+    computed on the device from its last row: a static cache hands attention its whole length,
+    the keys past the current one masked, and such a mask lets the decode kernel serve that call
+    with the counts (attention_with_kvcache) instead of falling back. Whether there is padding is
+    known on the host when no 2D mask is given; a given one is read (a sync, as sdpa's own mask
+    function reads it for a dynamic cache), except while capturing a graph, where the call falls
+    back. Not under torch.compile (traced code would keep the mark as a constant)."""
+    mask = sdpa_mask(**kwargs)
+    if mask is None or mask.dtype != torch.bool or torch.compiler.is_compiling():
+        return mask
+    padding = kwargs.get("attention_mask")
+    if (kwargs.get("mask_function") is not causal_mask_function or kwargs.get("local_size") is not None
+            or kwargs.get("kv_offset", 0) != 0):
+        return mask
+    if padding is not None and ((padding.is_cuda and torch.cuda.is_current_stream_capturing())
+                                or not bool(padding.all())):
+        return mask
+    mask._rosekernels_key_counts = mask[:, 0, -1].sum(-1, dtype=torch.int32)
+    return mask
+
+
 def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: query [B, Hq, S_q, d], key/value [B, Hkv, S_kv, d];
     returns ([B, S_q, Hq, d], None). Without a mask tensor the call means what it means to sdpa, and
     is computed the same way: causal (top-left) when S_q > 1, over the first S_q keys when a static
-    cache hands more (its prefill), and over all keys when S_q == 1."""
+    cache hands more (its prefill), and over all keys when S_q == 1. With a mask that `prefix_mask`
+    marked (a static cache's decode step: S_q <= 16 tokens after each sequence's earlier keys), the
+    KV-cache decode kernel reads each sequence's key count from the device: no sync, capturable."""
+    counts = getattr(attention_mask, "_rosekernels_key_counts", None)
+    if counts is not None and query.shape[2] <= attention_decode_plan.MAX_SEQLEN_Q:
+        reason = _attention_refusal(query, key, value, None, dropout, kwargs)
+        if reason is None:
+            _count("attention_decode")
+            counts = counts.expand(query.shape[0]).contiguous()
+            out = rosekernels.attention_with_kvcache(query.transpose(1, 2), key.transpose(1, 2),
+                                                     value.transpose(1, 2), counts, softmax_scale=scaling)
+            return out, None
     reason = _attention_refusal(query, key, value, attention_mask, dropout, kwargs)
     if reason is not None:
         _count(f"fallback:attention:{reason}")
@@ -372,7 +408,7 @@ def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index
 
 
 AttentionInterface.register(IMPLEMENTATION, attention_forward)
-AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)  # None where sdpa would rely on is_causal
+AttentionMaskInterface.register(IMPLEMENTATION, prefix_mask)  # sdpa's: None where sdpa would rely on is_causal
 ExpertsInterface.register(IMPLEMENTATION, experts_forward)
 
 
@@ -535,6 +571,7 @@ def warmup_specs(model: nn.Module) -> list:
     dims = dataclasses.replace(ModelDims.from_config(config), dtype=dtype)
     configs = [c for m in (rmsnorm_plan, qk_norm_plan, attention_plan, attention_decode_plan, gemm_leakyrelu_plan,
                            moe_dispatch_plan, moe_combine_plan) for c in m.variants_for([dims])]
+    configs += attention_decode_plan.kvcache_variants_for([dims])  # a static cache's decode steps
     # Norm and router weights are in the model's dtype; the norms are specialised on eps.
     configs = [c for c in configs if getattr(c, "weight_dtype", dtype) == dtype]
     return [dataclasses.replace(c, eps=float(config.rms_norm_eps)) if hasattr(c, "eps") else c for c in configs]

@@ -18,8 +18,7 @@ One persistent, warp-specialized kernel serves every specialization:
   instead of a mostly zero-filled 64-row one) and pack the A stages `a_rows` rows apart, which
   leaves room for more stages of weights in flight (see `_a_smem_layouts`);
 - a static persistent scheduler walks the output tiles in bands of `raster_group` cluster rows
-  (L2 reuse of both operands); decode shapes (M <= 128) may split K to fill the SMs (128-row plain
-  split-K tiles also on 1x2 clusters, which multicast the A tile to both N tiles): each split
+  (L2 reuse of both operands); decode shapes (M <= 128) may split K to fill the SMs: each split
   stores the fp32 partials of the tile's rows < M (16-byte vectors), and the last split to finish
   (a per-tile counter that it resets) sums them in split order (deterministic) and runs the
   epilogue. The K split count and raster group are launch arguments, not compiled in;
@@ -538,7 +537,7 @@ class _GemmLeakyReluSm90:
                         else:
                             run_epilogue = self._reduce_splits(
                                 acc, tCcD, mPartials, mCounters, sLast, tile_m, tile_n, split,
-                                num_splits, mD.shape[0], clusters_n * cfg.cluster_n, t, slot,
+                                num_splits, mD.shape[0], clusters_n, t, slot,
                             )
 
                 # ------------------------------------------------ epilogue
@@ -690,12 +689,11 @@ class _GemmLeakyReluSm90:
     @cute.jit
     def _reduce_splits(self, acc: cute.Tensor, tCcD: cute.Tensor, mPartials: cute.Tensor,
                        mCounters: cute.Tensor, sLast: cute.Tensor, tile_m: Int32, tile_n: Int32,
-                       split: Int32, num_splits: Int32, m: Int32, tiles_n: Int32, t: Int32,
+                       split: Int32, num_splits: Int32, m: Int32, clusters_n: Int32, t: Int32,
                        slot: Int32):
         """Store this split's fp32 partials of the tile's rows < M; the last split of the tile to
         arrive sums all partials in split order (run-to-run deterministic), resets the tile's
-        counter and returns True. tiles_n: the tiles along N the grid covers (with 1x2 clusters, a
-        last odd tile's partner past N too: its partials and counter exist, its store is clipped).
+        counter and returns True.
 
         Partials are [splits, M, n_tiles * tile_n] fp32, each row permuted so that every thread
         moves 16-byte vectors: the WGMMA accumulator gives thread t rows r and r + 8 (h = 0, 1)
@@ -707,7 +705,7 @@ class _GemmLeakyReluSm90:
         chunks = cfg.tile_n // 16
         # The accumulator layout this relies on: ((2 columns, 2 row halves, tile_n / 8), 1, 1).
         assert cute.size(acc) == cfg.tile_n // 2 and cute.size(acc.shape[0][2]) == cfg.tile_n // 8
-        row_vecs = tiles_n * (cfg.tile_n // 4)  # 16-byte vectors per partials row
+        row_vecs = clusters_n * (cfg.tile_n // 4)  # 16-byte vectors per partials row
         vectors = cute.make_tensor(  # (4 floats, vector): slices stay 16-byte aligned
             mPartials.iterator, cute.make_layout((4, num_splits * m * row_vecs), stride=(1, 4))
         )
@@ -728,7 +726,7 @@ class _GemmLeakyReluSm90:
                     for e in cutlass.range_constexpr(4):
                         vec[e] = acc[2 * h + 8 * v + e % 2 + 4 * (e // 2)]
                     cute.copy(store_atom, vec, vectors[(None, row_base + 4 * v)])
-        tile_idx = tile_m * tiles_n + tile_n
+        tile_idx = tile_m * clusters_n + tile_n
         is_last = self._arrive(mCounters, sLast, tile_idx, num_splits, t, slot)
         if is_last:
             acc.fill(0.0)
@@ -778,9 +776,9 @@ def _build(cfg: GemmConfig):
     return _GemmLeakyReluSm90(cfg), args
 
 
-@functools.lru_cache(maxsize=None)
 def compile(config: GemmConfig) -> jit.CompiledKernel:
-    """The loaded kernel of `config` (compiled once per variant and process, cached on disk). Its
+    """The loaded kernel of `config` (compiled once per variant and process, cached on disk; jit's
+    in-memory cache is the only one, so that jit.forget_loaded() and tuned cubins reach it). Its
     function takes (a, b_nk, out, bias, partials, counters, splits, raster_group, max_clusters),
     swapped configs (b_nk, a, out.t(), ...)."""
     return jit.compile_variant(config.variant(), lambda: _build(config))

@@ -149,10 +149,8 @@ class GemmConfig:
             raise ValueError("tile_n must be a multiple of 16 (gated: 32) in [32, 256]")
         if self.cluster_m * self.cluster_n > 2 or min(self.cluster_m, self.cluster_n) < 1:
             raise ValueError("clusters are 1x1, 2x1 or 1x2")
-        if self.split_k and (self.pingpong or self.cluster_m != 1 or (
-                self.cluster_n != 1 and (self.swap_ab or self.tile_m != 128))):
-            raise ValueError("split-K variants are cooperative; their only cluster is 1x2 (A multicast along N) "
-                             "of 128-row plain tiles")
+        if self.split_k and (self.cluster_m * self.cluster_n != 1 or self.pingpong):
+            raise ValueError("split-K variants are cooperative and do not use clusters")
         if self.a_rows != self.tile_m and (self.a_rows not in (8, 16, 32) or self.tile_m != 64
                                            or not self.split_k or self.swap_ab):
             raise ValueError("a_rows < tile_m is 8, 16 or 32 and only for split-K tiles of 64 rows")
@@ -395,10 +393,7 @@ def config_for(shape: GemmShape, sms: int | None = None) -> GemmConfig:
 def candidates(shape: GemmShape, sms: int | None = None) -> list[GemmConfig]:
     """Every config that can run `shape`, config_for's first. Decode: decode_configs with each split
     count up to MAX_SPLITS that leaves every split a k-tile, plain 64-row tiles also with each
-    larger a_rows, plain 128-row tiles of B contiguous along K, at most 128 wide and split at most
-    4 ways also on 1x2 clusters (A multicast to two N tiles: less L2 traffic where 128 tokens of A
-    are read per k-tile and the tile is narrow; not in the cost model, so only the tuner tries them)
-    (`stages` stays at as many as fit: not searched). Prefill: each tile of
+    larger a_rows (`stages` stays at as many as fit: not searched). Prefill: each tile of
     PREFILL_TILES on PREFILL_CLUSTERS, walked in PREFILL_RASTER_GROUPS."""
     sms = sm_count() if sms is None else sms
     pick = config_for(shape, sms)
@@ -407,9 +402,6 @@ def candidates(shape: GemmShape, sms: int | None = None) -> list[GemmConfig]:
         found = decode_configs(shape, splits, sms)
         found += [dataclasses.replace(c, a_rows=r) for c in found if not c.swap_ab and c.tile_m == 64
                   for r in A_ROWS if r > c.a_rows]
-        found += [c for c in (dataclasses.replace(c, cluster_n=2) for c in found if not c.swap_ab and c.tile_m == 128
-                              and c.b_major == "k" and c.tile_n <= 128 and c.splits <= 4)
-                  if _fits(c, shape.m, shape.n)]
     else:
         found = [GemmConfig(**_base(shape), tile_m=tile_m, tile_n=tile_n, pingpong=pingpong,
                             cluster_m=cluster_m, cluster_n=cluster_n, raster_group=group)

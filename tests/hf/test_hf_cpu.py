@@ -14,6 +14,8 @@ from rosekernels import hf  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig  # noqa: E402
 from transformers.integrations.moe import grouped_mm_experts_forward  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+from transformers.masking_utils import (causal_mask_function, sdpa_mask,  # noqa: E402
+                                        sliding_window_causal_mask_function)
 
 TINY = dict(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
             vocab_size=997, rms_norm_eps=1e-5)
@@ -187,6 +189,68 @@ def test_attention_function_falls_back_to_sdpa_for_a_mask_and_counts_it():
     got, _ = hf.attention_forward(module, query, key, value, mask, scaling=0.125)
     want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.125)
     assert torch.equal(got, want)
+    assert hf.stats() == {"fallback:attention:mask": 1}
+
+
+def _reference_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale=None):
+    """attention_with_kvcache's contract (contiguous cache): sequence b attends causally, aligned
+    bottom-right, to its first cache_seqlens[b] keys; rows past them are never read."""
+    outs = []
+    for b, n in enumerate(cache_seqlens.tolist()):
+        outs.append(_reference_attention(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n], True, softmax_scale))
+    return torch.cat(outs)
+
+
+def _static_decode_mask(s_q, offset, kv_length=20, batch=2, **kw):
+    """The mask transformers builds for a static cache's decode step of s_q tokens after `offset`."""
+    args = dict(batch_size=batch, q_length=s_q, kv_length=kv_length, q_offset=offset, kv_offset=0,
+                mask_function=causal_mask_function, attention_mask=None, allow_is_causal_skip=False, device="cpu")
+    return hf.prefix_mask(**(args | kw))
+
+
+@pytest.mark.parametrize("s_q, offset", [(1, 7), (3, 5), (16, 0)])
+def test_a_static_cache_decode_step_runs_the_kvcache_kernel_with_counts_from_its_mask(monkeypatch, s_q, offset):
+    """Stale keys past each sequence's count hold NaN: they must get no weight."""
+    seen = []
+
+    def op(q, k_cache, v_cache, cache_seqlens, softmax_scale=None):
+        seen.append((q, k_cache, cache_seqlens.clone()))
+        return _reference_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale)
+
+    monkeypatch.setattr(rosekernels, "attention_with_kvcache", op, raising=False)
+    real = hf._attention_refusal
+    monkeypatch.setattr(hf, "_attention_refusal", lambda *a: None if real(*a) == "device" else real(*a))
+    mask = _static_decode_mask(s_q, offset)
+    g = torch.Generator().manual_seed(s_q)
+    query = torch.randn(2, s_q, 8, 64, generator=g).to(torch.bfloat16).transpose(1, 2)
+    key, value = (torch.randn(2, 2, 20, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    key[:, :, offset + s_q:], value[:, :, offset + s_q:] = float("nan"), float("nan")
+    module = types.SimpleNamespace(is_causal=True, num_key_value_groups=4)
+    hf.reset_stats()
+    got, _ = hf.attention_forward(module, query, key, value, mask, scaling=0.1)
+    want, _ = sdpa_attention_forward(module, query.float(), key.float().nan_to_num(), value.float().nan_to_num(),
+                                     mask, scaling=0.1)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    (q, k_cache, counts), = seen
+    assert counts.tolist() == [offset + s_q] * 2 and counts.dtype == torch.int32
+    assert k_cache.untyped_storage().data_ptr() == key.untyped_storage().data_ptr()  # the cache, not a copy
+    assert hf.stats() == {"attention_decode": 1}
+
+
+def test_masks_with_padding_or_another_pattern_are_not_marked_and_fall_back():
+    ones, padded = torch.ones(2, 8, dtype=torch.bool), torch.ones(2, 8, dtype=torch.bool)
+    padded[1, :2] = False  # left padding: the visible keys are not a prefix
+    assert _static_decode_mask(1, 7, attention_mask=ones)._rosekernels_key_counts.tolist() == [8, 8]
+    assert not hasattr(_static_decode_mask(1, 7, attention_mask=padded), "_rosekernels_key_counts")
+    window = _static_decode_mask(1, 7, mask_function=sliding_window_causal_mask_function(4))
+    assert not hasattr(window, "_rosekernels_key_counts")
+    assert not hasattr(sdpa_mask(batch_size=2, q_length=1, kv_length=20, q_offset=7, allow_is_causal_skip=False),
+                       "_rosekernels_key_counts")
+    query = torch.zeros(2, 4, 1, 64, dtype=torch.bfloat16)
+    key = torch.zeros(2, 2, 20, 64, dtype=torch.bfloat16)
+    module = types.SimpleNamespace(is_causal=True, num_key_value_groups=2)
+    hf.reset_stats()
+    hf.attention_forward(module, query, key, key, _static_decode_mask(1, 7, attention_mask=padded))
     assert hf.stats() == {"fallback:attention:mask": 1}
 
 

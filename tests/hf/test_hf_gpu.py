@@ -18,6 +18,7 @@ from transformers import DynamicCache, Qwen3Config, StaticCache  # noqa: E402
 pytestmark = pytest.mark.gpu
 LAYERS = 4
 COS_MIN = 0.999
+MOE_COS_FLOOR = 0.995  # one flipped expert of eight at one position stays above it
 AGREE_MIN = 0.99
 _OPS = re.compile(r"rosekernelskernels(attention_decode|attention|qk_norm|rmsnorm|moe_dispatch|moe_combine|gemm_leakyrelu)")
 
@@ -32,6 +33,37 @@ def pair(request):
     yield request.param, stock, ours
     del stock, ours
     torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def fp32(pair):
+    """The MoE geometry's stock model in float32 (None for the dense one): the reference its check
+    measures both bf16 models against (see _check_cos)."""
+    geometry, stock, _ = pair
+    model = copy.deepcopy(stock).float() if geometry == "qwen3-30b-a3b" else None
+    yield model
+    del model
+    torch.cuda.empty_cache()
+
+
+def _check_cos(geometry, got, want, fp32_logits=None, where=""):
+    """Logits of the patched model (got) against stock (want): per-position cosine similarity >=
+    COS_MIN. Not for the MoE geometry: with random weights its router's top-8 has near-ties that bf16
+    rounding flips (a token then gets another expert), so at a few positions stock's own bf16 logits
+    are only ~0.998 from its float32 run's (measured on the H200) and no other summation order can be
+    held to 0.999 against stock there. The MoE check, against the float32 model: at the median
+    position the patched model is as close as stock (error 1 - cos at most 1.5x stock's), no position
+    is broken (cos >= MOE_COS_FLOOR), and the median position is within COS_MIN of stock."""
+    cos = torch.nn.functional.cosine_similarity(got.float(), want.float(), dim=-1)
+    if fp32_logits is None:
+        assert cos.min().item() >= COS_MIN, f"{geometry}{where}: min cosine similarity {cos.min().item():.6f}"
+        return
+    ours, stock = (torch.nn.functional.cosine_similarity(x.float(), fp32_logits.float(), dim=-1) for x in (got, want))
+    typical, typical_stock = (1 - ours).median().item(), (1 - stock).median().item()
+    assert typical <= 1.5 * typical_stock, (f"{geometry}{where}: median 1 - cos vs float32 {typical:.2e}, "
+                                            f"stock's {typical_stock:.2e}")
+    assert ours.min().item() >= MOE_COS_FLOOR, f"{geometry}{where}: min cosine vs float32 {ours.min().item():.6f}"
+    assert cos.median().item() >= COS_MIN, f"{geometry}{where}: median cosine vs stock {cos.median().item():.6f}"
 
 
 def _ids(batch, length, seed, vocab=151936):
@@ -82,7 +114,7 @@ def _merge(*counts):
 
 
 @torch.inference_mode()
-def test_prefill_logits_match_stock_at_every_position(pair):
+def test_prefill_logits_match_stock_at_every_position(pair, fp32):
     geometry, stock, ours = pair
     ops = {"rmsnorm", "qk_norm", "attention", "gemm_leakyrelu"}
     ops |= {"moe_dispatch", "moe_combine"} if geometry == "qwen3-30b-a3b" else set()
@@ -93,8 +125,8 @@ def test_prefill_logits_match_stock_at_every_position(pair):
         got, ran = _ops_run(lambda: ours(input_ids=ids).logits)
         assert hf.stats() == _per_forward(geometry, 1, "attention_prefill")
         assert ran == ops, f"kernels launched: {ran}"
-        cos = _min_cos(got, want)
-        assert cos >= COS_MIN, f"{geometry} B{batch} S{length}: min cosine similarity {cos:.6f}"
+        reference = fp32(input_ids=ids).logits if fp32 is not None else None
+        _check_cos(geometry, got, want, reference, f" B{batch} S{length}")
 
 
 def _decode(model, prompt, steps, feed=None):
@@ -105,42 +137,43 @@ def _decode(model, prompt, steps, feed=None):
     for i in range(steps):
         step = model(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         logits.append(step)
-        nxt = (step.argmax(-1) if feed is None else feed[:, i])[:, None]
+        if i + 1 < steps:
+            nxt = (step.argmax(-1) if feed is None else feed[:, i])[:, None]
     logits = torch.stack(logits, 1)
     return logits, logits.argmax(-1)
 
 
-def _check_decode(geometry, stock, ours, steps):
+def _check_decode(geometry, stock, ours, fp32, steps):
     prompt = _ids(2, 77, seed=steps)
     want, picks = _decode(stock, prompt, steps)
     hf.reset_stats()
     got, _ = _decode(ours, prompt, steps, feed=picks)  # the stock's prefix at every step
     assert hf.stats() == _merge(_per_forward(geometry, 1, "attention_prefill"),
                                 _per_forward(geometry, steps - 1, "attention_decode"))
-    cos = _min_cos(got, want)
+    reference = _decode(fp32, prompt, steps, feed=picks)[0] if fp32 is not None else None
+    _check_cos(geometry, got, want, reference, f" over {steps} steps")
     agree, decisive, raw = _agreement(want, got)
-    assert cos >= COS_MIN, f"{geometry}: min cosine similarity over {steps} steps {cos:.6f}"
     assert decisive >= 0.5, f"only {decisive:.0%} of the steps are decisive: the agreement says little"
     assert agree >= AGREE_MIN, f"{geometry}: greedy agreement {agree:.2%} on decisive steps ({decisive:.0%}), raw {raw:.2%}"
 
 
 @torch.inference_mode()
-def test_greedy_decode_agrees_with_stock(pair):
-    _check_decode(*pair, steps=32)
+def test_greedy_decode_agrees_with_stock(pair, fp32):
+    _check_decode(*pair, fp32, steps=32)
 
 
 @pytest.mark.slow
 @torch.inference_mode()
-def test_greedy_decode_agrees_with_stock_over_256_steps(pair):
-    _check_decode(*pair, steps=256)
+def test_greedy_decode_agrees_with_stock_over_256_steps(pair, fp32):
+    _check_decode(*pair, fp32, steps=256)
 
 
 @torch.inference_mode()
-def test_decode_step_in_a_cuda_graph_with_a_static_cache(pair):
+def test_decode_step_in_a_cuda_graph_with_a_static_cache(pair, fp32):
     """A static cache's decode step captured in a CUDA graph and replayed (what torch.compile's
     reduce-overhead does, without the compile). The prefill into the static cache takes rosekernels
-    attention on its first S_q keys; the decode steps carry a mask over the whole cache, so their
-    attention falls back to sdpa (counted): the kernels take no per-sequence key length yet."""
+    attention on its first S_q keys; the decode steps carry a mask over the whole cache, from which
+    attention_with_kvcache takes each sequence's key count on the device (inside the graph too)."""
     geometry, stock, ours = pair
     prompt, feed = _ids(4, 50, seed=5), _ids(4, 24, seed=6)
 
@@ -166,17 +199,18 @@ def test_decode_step_in_a_cuda_graph_with_a_static_cache(pair):
     want = run(stock)
     hf.reset_stats()
     got = run(ours)
-    decode = _per_forward(geometry, 2, "fallback:attention:mask")  # the eager step and the capture
+    decode = _per_forward(geometry, 2, "attention_decode")  # the eager step and the capture
     assert hf.stats() == _merge(_per_forward(geometry, 1, "attention_prefill"), decode)
-    cos = _min_cos(got, want)
+    # the float32 reference eagerly, the same tokens: the prompt, then each of feed
+    reference = _decode(fp32, prompt, feed.shape[1] + 1, feed=feed)[0] if fp32 is not None else None
+    _check_cos(geometry, got, want, reference)
     agree, decisive, raw = _agreement(want, got)
-    assert cos >= COS_MIN, f"{geometry}: min cosine similarity {cos:.6f}"
     assert decisive >= 0.5 and agree >= AGREE_MIN, f"agreement {agree:.2%} on {decisive:.0%} decisive, raw {raw:.2%}"
 
 
 @pytest.mark.slow
 @torch.no_grad()  # as generate() runs it
-def test_torch_compile_reduce_overhead_decode_with_a_static_cache(pair):
+def test_torch_compile_reduce_overhead_decode_with_a_static_cache(pair, fp32):
     """The decode step as generate() compiles it for a static cache (torch.compile, mode
     reduce-overhead: CUDA graphs), teacher-forced; the rosekernels kernels must run inside it."""
     geometry, stock, ours = pair
@@ -200,9 +234,9 @@ def test_torch_compile_reduce_overhead_decode_with_a_static_cache(pair):
     expected = {"rmsnorm", "qk_norm", "gemm_leakyrelu"}
     expected |= {"moe_dispatch", "moe_combine"} if geometry == "qwen3-30b-a3b" else set()
     assert ran == expected, f"kernels launched in the compiled step: {ran}"
-    cos = _min_cos(got, want)
+    reference = _decode(fp32, prompt, feed.shape[1] + 1, feed=feed)[0] if fp32 is not None else None
+    _check_cos(geometry, got, want, reference)
     agree, decisive, raw = _agreement(want, got)
-    assert cos >= COS_MIN, f"{geometry}: min cosine similarity {cos:.6f}"
     assert decisive >= 0.5 and agree >= AGREE_MIN, f"agreement {agree:.2%} on {decisive:.0%} decisive, raw {raw:.2%}"
 
 
@@ -219,6 +253,9 @@ def test_warmup_compiles_every_kernel_the_model_launches(pair, tmp_path):
         with jit.cached_only():
             _decode(ours, _ids(3, 300, seed=9), steps=4)
             ours(input_ids=_ids(1, 20, seed=10))  # a short prompt: the decode-mode norms
+            cache = StaticCache(config=ours.config, max_cache_len=48)  # its decode steps: the KV-cache kernel
+            for ids in (_ids(2, 20, seed=11), _ids(2, 1, seed=12), _ids(2, 3, seed=13)):
+                ours(input_ids=ids, past_key_values=cache, use_cache=True)
     finally:
         jit.use_cache_root(None)  # warmup(cache_dir=) kept the temporary root for this process
         jit.forget_loaded()
