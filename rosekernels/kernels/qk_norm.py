@@ -56,12 +56,14 @@ class QKNormKernel:
         grid = (cute.ceil_div(tokens * c.q_heads, c.heads_per_block)
                 + cute.ceil_div(tokens * c.k_heads, c.heads_per_block))
         self.kernel(mQ, mK, mWQ, mWK, mOQ, mOK).launch(
-            grid=[grid, 1, 1], block=[c.warps * 32, 1, 1], stream=stream)
+            grid=[grid, 1, 1], block=[c.warps * 32, 1, 1], stream=stream, use_pdl=c.pdl)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mWQ: cute.Tensor, mWK: cute.Tensor,
                mOQ: cute.Tensor, mOK: cute.Tensor):
         c = self.cfg
+        if cutlass.const_expr(c.pdl):
+            cute.arch.griddepcontrol_wait()  # q and k may come from the kernel before this one
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         tokens = mQ.shape[0]
@@ -98,6 +100,10 @@ class QKNormKernel:
             if cutlass.const_expr(c.weight_bias != 0.0):
                 w = w + Float32(c.weight_bias)
             ws.append(w)
+        if cutlass.const_expr(c.pdl):
+            # Every load is issued: the next kernel may launch and set up (its own wait still holds
+            # it until this grid has finished and its stores are visible).
+            cute.arch.griddepcontrol_launch_dependents()
 
         for r in cutlass.range_constexpr(c.rows_per_thread):
             x = [v.load().to(Float32) for v in xs[r]]
@@ -234,24 +240,25 @@ def _validate(q, k, q_weight, k_weight, out_q, out_k) -> None:
 _plans = launch.PlanCache()
 
 
-def _new_plan(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias) -> launch.Launch:
+def _new_plan(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias, enable_pdl) -> launch.Launch:
     """Slow path, once per signature: validate everything, pick and load the kernel."""
     _validate(q, k, q_weight, k_weight, out_q, out_k)
     tokens, q_heads, head_dim = q.shape
     if tokens == 0:
         return launch.nothing(q.device.index)
     shape = QKNormShape(tokens, q_heads, k.shape[1], head_dim, checks.DTYPE_NAME[q.dtype],
-                        checks.DTYPE_NAME[q_weight.dtype], eps, weight_bias)
+                        checks.DTYPE_NAME[q_weight.dtype], eps, weight_bias, enable_pdl)
     sms = modes.sm_count(q.device.index)
     return launch.Launch(compile(tuned.tuned_config(OP, shape, config_for(shape, sms), sms)).fn, q.device.index)
 
 
 def _run(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-         out_q: torch.Tensor, out_k: torch.Tensor, eps: float, weight_bias: float) -> None:
+         out_q: torch.Tensor, out_k: torch.Tensor, eps: float, weight_bias: float, enable_pdl: bool) -> None:
     # What the plan depends on (the compiled host code checks every other dtype, shape, stride,
     # alignment and device on each call): a microsecond cheaper than a key of all six tensors.
-    key = (q.shape, k.shape, q.dtype, q_weight.dtype, q.get_device(), eps, weight_bias)
-    plan = _plans.get(key) or _plans.put(key, _new_plan(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias))
+    key = (q.shape, k.shape, q.dtype, q_weight.dtype, q.get_device(), eps, weight_bias, enable_pdl)
+    plan = _plans.get(key) or _plans.put(key, _new_plan(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias,
+                                                        enable_pdl))
     try:
         plan.launch(q, k, q_weight, k_weight, out_q, out_k)
     except Exception:
@@ -265,13 +272,15 @@ launch.register_op(OP, _run, mutates_args=("out_q", "out_k"))  # the schema come
 
 def qk_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor | None = None,
             eps: float = 1e-6, weight_bias: float = 0.0, out_q: torch.Tensor | None = None,
-            out_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            out_k: torch.Tensor | None = None, enable_pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm of q [T, hq, d] and k [T, hk, d] (d in 64/128/256) in one launch.
 
     `y = x * rsqrt(mean(x^2) + eps) * (w + weight_bias)` with fp32 math; q/k may be strided views
     (e.g. of a fused qkv buffer); weights are [d] in the input dtype or fp32, one for both
     (`qk_norm(q, k, w)`) or one each. Results go to out_q/out_k (new tensors by default; out_q=q,
-    out_k=k normalizes in place).
+    out_k=k normalizes in place). enable_pdl: launch with programmatic dependent launch (the kernel
+    may start while the previous one in the stream finishes and waits for it before its loads; the
+    next kernel may launch early): a microsecond less per launch in CUDA graphs.
 
     Eager calls launch the kernel directly (torch.library dispatch would add several us of host
     time per call); under torch.compile the call goes through the custom op rosekernels::qk_norm.
@@ -285,9 +294,9 @@ def qk_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: 
     # The inputs decide (each tensor checked costs host time on every call): a tensor subclass given
     # only as a weight or an output is refused by the compiled host checks.
     if launch.eager(q, k):
-        _run(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias)
+        _run(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias, bool(enable_pdl))
     elif all(isinstance(t, torch.Tensor) for t in (q, k, q_weight, k_weight, out_q, out_k)):  # traced, fake, meta
-        torch.ops.rosekernels.qk_norm(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias)
+        torch.ops.rosekernels.qk_norm(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias, bool(enable_pdl))
     else:
         _validate(q, k, q_weight, k_weight, out_q, out_k)  # raises, naming the argument that is not a tensor
     return out_q, out_k

@@ -42,6 +42,7 @@ class QKNormShape:
     weight_dtype: str | None = None  # None: the input dtype
     eps: float = 1e-6
     weight_bias: float = 0.0
+    pdl: bool = True  # programmatic dependent launch (qk_norm(enable_pdl=...))
 
     def __post_init__(self) -> None:
         if self.weight_dtype == self.dtype:  # one spelling per problem: the tuned store keys on it
@@ -59,6 +60,7 @@ class QKNormShape:
 class QKNormConfig:
     """Everything a compiled variant is specialized on."""
 
+    POLICY_FIELDS = ()  # every field is compiled in (pdl too: its key names it only when off)
     dtype: str  # q, k and the outputs: "bf16" | "fp16" | "fp32"
     weight_dtype: str  # both weights: the input dtype or "fp32"
     head_dim: int
@@ -70,6 +72,9 @@ class QKNormConfig:
     warps: int  # warps per block
     rows_per_thread: int  # heads per thread group
     cache_hint: str  # for q/k loads and output stores: one of modes.CACHE_HINTS
+    # Programmatic dependent launch: the block waits for the previous kernel (griddepcontrol.wait)
+    # before its loads and lets the next one launch once they are issued.
+    pdl: bool = True
 
     @property
     def vec(self) -> int:
@@ -95,6 +100,8 @@ class QKNormConfig:
     def variant(self) -> Variant:
         params = dataclasses.asdict(self)
         mode = params.pop("mode")
+        if self.pdl:
+            del params["pdl"]  # the default: keys name it only when off
         return Variant.of(OP, mode, **params)
 
     @classmethod
@@ -151,4 +158,4 @@ def variants_for(models: Iterable[ModelDims] | None = None, modes: Iterable[str]
 def _config(shape: QKNormShape, mode: Mode) -> QKNormConfig:
     return QKNormConfig(shape.dtype, shape.weight_dtype or shape.dtype, int(shape.head_dim),
                         int(shape.q_heads), int(shape.k_heads), float(shape.eps), float(shape.weight_bias),
-                        mode.name, mode.warps, mode.rows_per_thread, mode.cache_hint)
+                        mode.name, mode.warps, mode.rows_per_thread, mode.cache_hint, bool(shape.pdl))

@@ -50,13 +50,15 @@ class RMSNormKernel:
         c = self.cfg
         grid = cute.ceil_div(mX.shape[0], c.rows_per_block)
         self.kernel(mX, mW, mR, mO, mRO).launch(
-            grid=[grid, 1, 1], block=[c.block_warps * 32, 1, 1], stream=stream)
+            grid=[grid, 1, 1], block=[c.block_warps * 32, 1, 1], stream=stream, use_pdl=c.pdl)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mR, mO: cute.Tensor, mRO):
         c = self.cfg
         tpr, vpt = c.threads_per_row, c.vecs_per_thread
         full = c.vecs // tpr  # vector columns every lane has; column `full` is ragged when vpt > full
+        if cutlass.const_expr(c.pdl):
+            cute.arch.griddepcontrol_wait()  # x and the residual may come from the kernel before this one
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         rows = mX.shape[0]
@@ -81,6 +83,10 @@ class RMSNormKernel:
             rs = [vec_load(gR[None, ch], c.cache_hint) for ch in chunks]
         gW = cute.zipped_divide(mW, (c.vec,))
         ws = [vec_load(gW[None, ch]) for ch in chunks]
+        if cutlass.const_expr(c.pdl):
+            # Every load is issued: the next kernel may launch and set up (its own wait still holds
+            # it until this grid has finished and its stores are visible).
+            cute.arch.griddepcontrol_launch_dependents()
 
         hs = [v.load().to(Float32) for v in xs]
         if cutlass.const_expr(c.residual):
@@ -248,23 +254,23 @@ def _validate(x, weight, residual, out, residual_out) -> None:
 _plans = launch.PlanCache()
 
 
-def _new_plan(x, weight, residual, out, residual_out, eps) -> launch.Launch:
+def _new_plan(x, weight, residual, out, residual_out, eps, enable_pdl) -> launch.Launch:
     """Slow path, once per signature: validate everything, pick and load the kernel."""
     _validate(x, weight, residual, out, residual_out)
     rows, hidden = x.shape
     if rows == 0:
         return launch.nothing(x.device.index)
     shape = RMSNormShape(rows, hidden, checks.DTYPE_NAME[x.dtype], checks.DTYPE_NAME[weight.dtype],
-                         residual is not None, eps)
+                         residual is not None, eps, enable_pdl)
     sms = modes.sm_count(x.device.index)
     return launch.Launch(compile(tuned.tuned_config(OP, shape, config_for(shape, sms), sms)).fn, x.device.index)
 
 
-def _run(x, weight, residual, out, residual_out, eps) -> None:
+def _run(x, weight, residual, out, residual_out, eps, enable_pdl) -> None:
     # What the plan depends on (the compiled host code checks every other dtype, shape, stride,
     # alignment and device on each call): a microsecond cheaper than a key of all five tensors.
-    key = (x.shape, x.dtype, weight.dtype, residual is None, x.get_device(), eps)
-    plan = _plans.get(key) or _plans.put(key, _new_plan(x, weight, residual, out, residual_out, eps))
+    key = (x.shape, x.dtype, weight.dtype, residual is None, x.get_device(), eps, enable_pdl)
+    plan = _plans.get(key) or _plans.put(key, _new_plan(x, weight, residual, out, residual_out, eps, enable_pdl))
     try:
         plan.launch(x, weight, residual, out, residual_out)
     except Exception:
@@ -275,17 +281,21 @@ def _run(x, weight, residual, out, residual_out, eps) -> None:
 
 launch.register_op(
     OP, _run, mutates_args=("out", "residual_out"),
-    schema="(Tensor x, Tensor weight, Tensor? residual, Tensor(a!) out, Tensor(b!)? residual_out, float eps) -> ()")
+    schema="(Tensor x, Tensor weight, Tensor? residual, Tensor(a!) out, Tensor(b!)? residual_out, float eps, "
+           "bool enable_pdl) -> ()")
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None,
-            out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None):
+            out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None, enable_pdl: bool = True):
     """RMSNorm of x [..., N] (N a multiple of 16 bytes, at most 16384) with weight [N], fp32 math.
 
     Without `residual`: returns out = x * rsqrt(mean(x^2) + eps) * weight.
     With `residual`: h = x + residual; returns (out, h) where out normalizes h (in fp32, before
     rounding h to the input dtype). out/residual_out may be given (e.g. residual_out=residual
     updates the residual stream in place). Rows may be strided (16-byte-aligned row stride).
+    enable_pdl: launch with programmatic dependent launch (the kernel may start while the previous
+    one in the stream finishes and waits for it before its loads; the next kernel may launch early):
+    a microsecond less per launch in CUDA graphs.
 
     Eager calls launch the kernel directly (torch.library dispatch would add several us of host
     time per call); under torch.compile the call goes through the custom op rosekernels::rmsnorm.
@@ -303,9 +313,9 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: 
     # The inputs decide (each tensor checked costs host time on every call): a tensor subclass given
     # only as the weight or an output is refused by the compiled host checks.
     if launch.eager(x, residual):
-        _run(x, weight, residual, out, residual_out, eps)
+        _run(x, weight, residual, out, residual_out, eps, bool(enable_pdl))
     elif all(t is None or isinstance(t, torch.Tensor) for t in (x, weight, residual, out, residual_out)):
-        torch.ops.rosekernels.rmsnorm(x, weight, residual, out, residual_out, eps)  # traced, fake or meta
+        torch.ops.rosekernels.rmsnorm(x, weight, residual, out, residual_out, eps, bool(enable_pdl))  # traced
     else:
         _validate(x, weight, residual, out, residual_out)  # raises, naming the argument that is not a tensor
     if len(shape) != 2:

@@ -48,6 +48,7 @@ class RMSNormShape:
     weight_dtype: str | None = None  # None: the input dtype
     residual: bool = False
     eps: float = 1e-6
+    pdl: bool = True  # programmatic dependent launch (rmsnorm(enable_pdl=...))
 
     def __post_init__(self) -> None:
         if self.weight_dtype == self.dtype:  # one spelling per problem: the tuned store keys on it
@@ -65,6 +66,7 @@ class RMSNormShape:
 class RMSNormConfig:
     """Everything a compiled variant is specialized on."""
 
+    POLICY_FIELDS = ()  # every field is compiled in (pdl too: its key names it only when off)
     dtype: str  # x, residual and outputs: "bf16" | "fp16" | "fp32"
     weight_dtype: str  # the input dtype or "fp32"
     hidden: int
@@ -73,6 +75,9 @@ class RMSNormConfig:
     mode: str  # "decode" | "prefill"
     warps: int  # warps per block asked by the mode (raised to cover a whole row)
     cache_hint: str  # for x/residual loads and output stores: one of modes.CACHE_HINTS
+    # Programmatic dependent launch: the block waits for the previous kernel (griddepcontrol.wait)
+    # before its loads and lets the next one launch once they are issued.
+    pdl: bool = True
 
     @property
     def vec(self) -> int:
@@ -108,6 +113,8 @@ class RMSNormConfig:
     def variant(self) -> Variant:
         params = dataclasses.asdict(self)
         mode = params.pop("mode")
+        if self.pdl:
+            del params["pdl"]  # the default: keys name it only when off
         return Variant.of(OP, mode, **params)
 
     @classmethod
@@ -162,4 +169,4 @@ def variants_for(models: Iterable[ModelDims] | None = None, modes: Iterable[str]
 
 def _config(shape: RMSNormShape, mode: Mode) -> RMSNormConfig:
     return RMSNormConfig(shape.dtype, shape.weight_dtype or shape.dtype, int(shape.hidden), bool(shape.residual),
-                         float(shape.eps), mode.name, mode.warps, mode.cache_hint)
+                         float(shape.eps), mode.name, mode.warps, mode.cache_hint, bool(shape.pdl))

@@ -1,6 +1,8 @@
 """qk_norm: specializations compile for sm_90a (CPU), argument checks (CPU), numerics (GPU).
 Configs and their selection: test_qk_norm_plan.py."""
+import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -37,6 +39,29 @@ def test_distinct_variants_get_distinct_kernels(fresh_cache):
     jit.forget_loaded()
     ka, kb = qkn.compile(a), qkn.compile(b)
     assert ka.cubin_sha256 != kb.cubin_sha256
+
+
+def test_pdl_switch(fresh_cache, tmp_path):
+    """With programmatic dependent launch the kernel waits for the previous one (ACQBULK) before its
+    first load and releases the next one (PREEXIT) after its loads, before its stores; without it,
+    neither. The key names the switch only when it is off."""
+    from kernel_sass import sass_of
+
+    on, off = qkn.config_for(qkn.Shape(1)), qkn.config_for(qkn.Shape(1, pdl=False))
+    assert on.pdl and not off.pdl and on == dataclasses.replace(off, pdl=True)
+    assert "pdl" not in on.variant().key() and "pdl=False" in off.variant().key()
+    for cfg in (on, off):
+        sass = sass_of(qkn.compile(cfg), tmp_path)
+        if sass is None:
+            pytest.skip("nvdisasm not found")
+        ops = re.findall(r"^\s*/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
+        memory = [(i, o[:3]) for i, o in enumerate(ops) if o.startswith(("LDG", "STG"))]
+        if cfg.pdl:  # one release per code path (q heads, k heads), each after that path's loads
+            releases = [i for i, o in enumerate(ops) if o == "PREEXIT"]
+            assert ops.count("ACQBULK") == 1 and ops.index("ACQBULK") < memory[0][0] and releases
+            assert all([o for j, o in memory if j < i][-1] == "LDG" for i in releases)
+        else:
+            assert "ACQBULK" not in ops and "PREEXIT" not in ops
 
 
 def test_contract():
@@ -309,6 +334,36 @@ def test_cuda_graph_capture(tokens):
         ref_q, ref_k = qkn.reference(q, k, wq, wk)
         _check(out_q, ref_q, BF16, f"graph replay {seed} q")
         _check(out_k, ref_k, BF16, f"graph replay {seed} k")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", (1, 4097))
+@pytest.mark.parametrize("enable_pdl", (True, False))
+def test_a_chain_of_launches_in_a_graph_reads_each_previous_result(tokens, enable_pdl):
+    """In-place norms back to back in a CUDA graph: each launch reads what the one before wrote, so a
+    dependent launch that read before its predecessor finished (PDL done wrong) gives stale heads."""
+    hq, hk = MODEL
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    q, k = _rand(tokens, hq, 128, dtype=BF16, scale=3.0, gen=gen), _rand(tokens, hk, 128, dtype=BF16, gen=gen)
+    ws = [(_rand(128, dtype=BF16, scale=0.5, shift=1.0, gen=gen), _rand(128, dtype=BF16, scale=0.5, shift=1.0, gen=gen))
+          for _ in range(6)]
+    start_q, start_k = q.clone(), k.clone()
+    qkn.qk_norm(q, k, *ws[0], out_q=q, out_k=k, enable_pdl=enable_pdl)  # compiled outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for wq, wk in ws:
+            qkn.qk_norm(q, k, wq, wk, out_q=q, out_k=k, enable_pdl=enable_pdl)
+    q.copy_(start_q)
+    k.copy_(start_k)
+    graph.replay()
+    torch.cuda.synchronize()
+    want_q, want_k = start_q, start_k
+    for i, (wq, wk) in enumerate(ws):
+        ref_q, ref_k = qkn.reference(want_q, want_k, wq, wk)
+        want_q, want_k = ref_q.to(BF16), ref_k.to(BF16)
+    _check(q, ref_q, BF16, f"after {len(ws)} launches, q")
+    _check(k, ref_k, BF16, f"after {len(ws)} launches, k")
 
 
 @pytest.mark.gpu

@@ -1,6 +1,8 @@
 """rmsnorm: specializations compile for sm_90a (CPU), argument checks (CPU), numerics (GPU).
 Configs and their selection: test_rmsnorm_plan.py."""
+import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -34,6 +36,31 @@ def test_config_compiles(fresh_cache, cfg):
     kernel = rms.compile(cfg)
     assert kernel.cubin[:4] == b"\x7fELF" and kernel.variant == cfg.variant()
     assert callable(kernel.fn)
+
+
+@pytest.mark.parametrize("residual", (False, True))
+def test_pdl_switch(fresh_cache, tmp_path, residual):
+    """With programmatic dependent launch the kernel waits for the previous one (ACQBULK) before its
+    first load and releases the next one (PREEXIT) after its loads, before its stores; without it,
+    neither. The key names the switch only when it is off."""
+    from kernel_sass import sass_of
+
+    on, off = (rms.config_for(rms.Shape(1, residual=residual, pdl=pdl)) for pdl in (True, False))
+    assert on.pdl and not off.pdl and on == dataclasses.replace(off, pdl=True)
+    assert "pdl" not in on.variant().key() and "pdl=False" in off.variant().key()
+    for cfg in (on, off):
+        sass = sass_of(rms.compile(cfg), tmp_path)
+        if sass is None:
+            pytest.skip("nvdisasm not found")
+        ops = re.findall(r"^\s*/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
+        memory = [(i, o[:3]) for i, o in enumerate(ops) if o.startswith(("LDG", "STG"))]
+        if cfg.pdl:
+            assert ops.count("ACQBULK") == 1 and ops.count("PREEXIT") == 1
+            release = ops.index("PREEXIT")
+            assert ops.index("ACQBULK") < memory[0][0]
+            assert {o for i, o in memory if i < release} == {"LDG"} and {o for i, o in memory if i > release} == {"STG"}
+        else:
+            assert "ACQBULK" not in ops and "PREEXIT" not in ops
 
 
 def test_contract():
@@ -214,6 +241,35 @@ def test_cuda_graph_and_compile():
     compiled = torch.compile(block, fullgraph=True)
     for got, want in zip(compiled(x, r, w), block(x, r, w)):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", (1, 4097))
+@pytest.mark.parametrize("enable_pdl", (True, False))
+def test_a_chain_of_launches_in_a_graph_reads_each_previous_result(rows, enable_pdl):
+    """Residual norms back to back in a CUDA graph, each reading the output and residual the one
+    before wrote in place: a dependent launch that read before its predecessor finished (PDL done
+    wrong) gives stale rows."""
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x, r = _rand(rows, 4096, dtype=BF16, scale=2.0, gen=gen), _rand(rows, 4096, dtype=BF16, gen=gen)
+    ws = [_rand(4096, dtype=BF16, scale=0.5, shift=1.0, gen=gen) for _ in range(6)]
+    start_x, start_r = x.clone(), r.clone()
+    rms.rmsnorm(x, ws[0], residual=r, out=x, residual_out=r, enable_pdl=enable_pdl)  # compiled outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in ws:
+            rms.rmsnorm(x, w, residual=r, out=x, residual_out=r, enable_pdl=enable_pdl)
+    x.copy_(start_x)
+    r.copy_(start_r)
+    graph.replay()
+    torch.cuda.synchronize()
+    want_x, want_r = start_x, start_r
+    for w in ws:
+        ref_out, ref_h = rms.reference(want_x, w, 1e-6, want_r)
+        want_x, want_r = ref_out.to(BF16), ref_h.to(BF16)
+    _check(x, ref_out, BF16, f"after {len(ws)} launches, out")
+    _check(r, ref_h, BF16, f"after {len(ws)} launches, residual")
 
 
 @pytest.mark.gpu
