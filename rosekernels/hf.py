@@ -14,11 +14,13 @@ What apply() replaces (the model on one sm_90 GPU):
 - q_norm + k_norm -> one rosekernels.qk_norm launch on [tokens, heads, head_dim] views of the q and k
   projections' outputs.
 - attention -> rosekernels.attention, registered as attn_implementation "rosekernels" in transformers'
-  AttentionInterface (with sdpa's mask function in AttentionMaskInterface). transformers passes q as
-  [B, Hq, S_q, d] and k/v as the KV cache holds them, [B, Hkv, S_kv, d]; the kernels take [B, S, H, d]
-  with any 16-byte-aligned strides, so the transposed views go in without a copy. A static cache's
+  AttentionInterface (with `prefix_mask`, sdpa's mask function, in AttentionMaskInterface).
+  transformers passes q as [B, Hq, S_q, d] and k/v as the KV cache holds them, [B, Hkv, S_kv, d]; the
+  kernels take [B, S, H, d] with any 16-byte-aligned strides, so the transposed views go in without a
+  copy. A static cache's
   decode steps (its mask covers the whole cache) run rosekernels.attention_with_kvcache with each
-  sequence's key count taken from the mask on the device (`prefix_mask`), also inside CUDA graphs.
+  sequence's key count taken from the mask on the device (`prefix_mask`), also inside CUDA graphs
+  and inside a compiled forward whose masks were built before it (generate() builds them eagerly).
 - the q, k, v and o projections -> rosekernels.gemm.
 - the dense MLP (SwiGLU) -> two rosekernels.gemm launches: the gated GEMM, silu(x @ gate^T) * (x @ up^T) in
   one kernel, then the down projection. The gated GEMM takes the gate and up rows interleaved in blocks of 8
@@ -35,9 +37,9 @@ Left on torch: rotary embedding, embedding, the MoE router and lm_head.
 
 A call rosekernels cannot serve runs the stock path instead and is counted in `stats()` as
 "fallback:<op>:<reason>": attention with a mask tensor other than a static cache's decode mask
-(padding; a static cache's prefill of more than 16 tokens; any mask under torch.compile), dropout,
-another dtype or head dim; experts in a dtype other than bf16; GEMMs in fp32. Calls served are counted
-under the op's name. Calls inside torch.compile are not counted (traced code would bake a Python
+(padding; a static cache's prefill of more than 16 tokens; a mask built inside a compiled forward),
+dropout, another dtype or head dim; experts in a dtype other than bf16; GEMMs in fp32. Calls served
+are counted under the op's name. Calls inside torch.compile are not counted (traced code would bake a Python
 counter in as a constant): check those with torch.profiler kernel names.
 """
 from __future__ import annotations
@@ -319,9 +321,11 @@ def prefix_mask(**kwargs: Any) -> torch.Tensor | None:
     computed on the device from its last row: a static cache hands attention its whole length,
     the keys past the current one masked, and such a mask lets the decode kernel serve that call
     with the counts (attention_with_kvcache) instead of falling back. Whether there is padding is
-    known on the host when no 2D mask is given; a given one is read (a sync, as sdpa's own mask
-    function reads it for a dynamic cache), except while capturing a graph, where the call falls
-    back. Not under torch.compile (traced code would keep the mark as a constant)."""
+    known on the host when no 2D mask is given; a given one (generate() always gives one) is read:
+    one sync per forward, which sdpa's own mask function skips for a static cache. While a graph is
+    captured that read cannot happen, and such a call falls back. A mask built inside a compiled
+    region is not marked (traced code would keep the mark as a constant); one built before it,
+    as generate() builds them, keeps its mark there."""
     mask = sdpa_mask(**kwargs)
     if mask is None or mask.dtype != torch.bool or torch.compiler.is_compiling():
         return mask
@@ -329,9 +333,14 @@ def prefix_mask(**kwargs: Any) -> torch.Tensor | None:
     if (kwargs.get("mask_function") is not causal_mask_function or kwargs.get("local_size") is not None
             or kwargs.get("kv_offset", 0) != 0):
         return mask
-    if padding is not None and ((padding.is_cuda and torch.cuda.is_current_stream_capturing())
-                                or not bool(padding.all())):
-        return mask
+    if padding is not None:
+        if padding.is_cuda and torch.cuda.is_current_stream_capturing():
+            return mask
+        # Every key up to the last query's is valid: all ones, and long enough (sdpa pads a short
+        # 2D mask with False, which would hide keys the causal rows see).
+        seen = kwargs.get("q_offset", 0) + kwargs["q_length"]
+        if not bool(padding.all() & (padding.shape[-1] >= torch.as_tensor(seen, device=padding.device))):
+            return mask
     mask._rosekernels_key_counts = mask[:, 0, -1].sum(-1, dtype=torch.int32)
     return mask
 
@@ -354,7 +363,8 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
             out = rosekernels.attention_with_kvcache(query.transpose(1, 2), key.transpose(1, 2),
                                                      value.transpose(1, 2), counts, softmax_scale=scaling)
             return out, None
-    reason = _attention_refusal(query, key, value, attention_mask, dropout, kwargs)
+    else:
+        reason = _attention_refusal(query, key, value, attention_mask, dropout, kwargs)
     if reason is not None:
         _count(f"fallback:attention:{reason}")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

@@ -14,8 +14,7 @@ from rosekernels import hf  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig  # noqa: E402
 from transformers.integrations.moe import grouped_mm_experts_forward  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
-from transformers.masking_utils import (causal_mask_function, sdpa_mask,  # noqa: E402
-                                        sliding_window_causal_mask_function)
+from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function  # noqa: E402
 
 TINY = dict(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
             vocab_size=997, rms_norm_eps=1e-5)
@@ -244,14 +243,53 @@ def test_masks_with_padding_or_another_pattern_are_not_marked_and_fall_back():
     assert not hasattr(_static_decode_mask(1, 7, attention_mask=padded), "_rosekernels_key_counts")
     window = _static_decode_mask(1, 7, mask_function=sliding_window_causal_mask_function(4))
     assert not hasattr(window, "_rosekernels_key_counts")
-    assert not hasattr(sdpa_mask(batch_size=2, q_length=1, kv_length=20, q_offset=7, allow_is_causal_skip=False),
-                       "_rosekernels_key_counts")
+    for other in (dict(local_size=4), dict(kv_offset=1)):
+        assert hasattr(_static_decode_mask(1, 7), "_rosekernels_key_counts")
+        assert not hasattr(_static_decode_mask(1, 7, **other), "_rosekernels_key_counts"), other
+    # A 2D mask shorter than the keys the last query sees: sdpa pads it with False, which hides keys
+    # from the earlier rows of a multi-token step; only one that covers them all is marked.
+    assert not hasattr(_static_decode_mask(3, 5, attention_mask=ones[:, :6]), "_rosekernels_key_counts")
+    assert _static_decode_mask(3, 5, attention_mask=ones)._rosekernels_key_counts.tolist() == [8, 8]
     query = torch.zeros(2, 4, 1, 64, dtype=torch.bfloat16)
     key = torch.zeros(2, 2, 20, 64, dtype=torch.bfloat16)
     module = types.SimpleNamespace(is_causal=True, num_key_value_groups=2)
     hf.reset_stats()
     hf.attention_forward(module, query, key, key, _static_decode_mask(1, 7, attention_mask=padded))
     assert hf.stats() == {"fallback:attention:mask": 1}
+
+
+def test_a_marked_mask_refused_for_another_reason_counts_that_reason():
+    query = torch.zeros(2, 4, 1, 64)  # float32: the kernels take bf16 and fp16
+    key = torch.zeros(2, 2, 20, 64)
+    module = types.SimpleNamespace(is_causal=True, num_key_value_groups=2)
+    hf.reset_stats()
+    hf.attention_forward(module, query, key, key, _static_decode_mask(1, 7))
+    assert hf.stats() == {"fallback:attention:dtype": 1}
+
+
+def test_a_mask_marked_before_a_compiled_forward_keeps_its_mark(monkeypatch):
+    """generate() builds the masks eagerly and calls the compiled forward with them: the mark crosses
+    into the traced code, and the KV-cache kernel serves the step there."""
+    calls = []
+
+    def op(q, k_cache, v_cache, cache_seqlens, softmax_scale=None):
+        calls.append(1)
+        return _reference_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale)
+
+    monkeypatch.setattr(rosekernels, "attention_with_kvcache", op, raising=False)
+    real = hf._attention_refusal
+    monkeypatch.setattr(hf, "_attention_refusal", lambda *a: None if real(*a) == "device" else real(*a))
+    g = torch.Generator().manual_seed(11)
+    query = torch.randn(2, 4, 2, 64, generator=g).to(torch.bfloat16)
+    key, value = (torch.randn(2, 2, 20, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    mask = _static_decode_mask(2, 9)
+    module = types.SimpleNamespace(is_causal=True, num_key_value_groups=2)
+    torch._dynamo.reset()
+    got, _ = torch.compile(hf.attention_forward, backend="eager")(module, query, key, value, mask, scaling=0.1)
+    torch._dynamo.reset()
+    want, _ = sdpa_attention_forward(module, query.float(), key.float(), value.float(), mask, scaling=0.1)
+    assert calls
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
 def test_attention_refusals():

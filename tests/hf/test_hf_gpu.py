@@ -208,6 +208,28 @@ def test_decode_step_in_a_cuda_graph_with_a_static_cache(pair, fp32):
     assert decisive >= 0.5 and agree >= AGREE_MIN, f"agreement {agree:.2%} on {decisive:.0%} decisive, raw {raw:.2%}"
 
 
+@torch.inference_mode()
+def test_multi_token_steps_on_a_static_cache(pair, fp32):
+    """Steps of 3 and 16 tokens after a prefill into a static cache (speculative decoding's shape): the
+    KV-cache kernel's causal rows aligned to each sequence's key count, every position's logits
+    against stock's."""
+    geometry, stock, ours = pair
+    prompt, steps = _ids(2, 30, seed=14), (_ids(2, 3, seed=15), _ids(2, 16, seed=16), _ids(2, 1, seed=17))
+
+    def run(model):
+        cache = StaticCache(config=model.config, max_cache_len=64)
+        logits = [model(input_ids=prompt, past_key_values=cache, use_cache=True).logits]
+        logits += [model(input_ids=ids, past_key_values=cache, use_cache=True).logits for ids in steps]
+        return torch.cat(logits, 1)
+
+    want = run(stock)
+    hf.reset_stats()
+    got = run(ours)
+    assert hf.stats() == _merge(_per_forward(geometry, 1, "attention_prefill"),
+                                _per_forward(geometry, len(steps), "attention_decode"))
+    _check_cos(geometry, got, want, run(fp32) if fp32 is not None else None)
+
+
 @pytest.mark.slow
 @torch.no_grad()  # as generate() runs it
 def test_torch_compile_reduce_overhead_decode_with_a_static_cache(pair, fp32):
