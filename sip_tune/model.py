@@ -19,7 +19,8 @@ power of two, `rosekernels.contract.bucket`): the entry tuned at T serves every 
 
 A shape whose config the kernel's heuristic (`config_for`, on this CPU) does not put in the mode
 asked for, or rejects, is dropped and reported (e.g. qk_norm at 64 decode tokens already runs its
-prefill kernel; `sip-tune --kernel qk_norm --mode prefill --shape tokens=64` tunes that one).
+prefill kernel; `sip-tune --kernel qk_norm --mode prefill --shape tokens=64` tunes that one), and so
+is one whose kernel has a single config there (the norms' decode mode): level 1 would only time it.
 Resuming: a shape whose bucket has a stored entry tuned against the heuristic's cubin as it compiles
 now is skipped; one where the heuristic stayed stores nothing, so it is searched again.
 """
@@ -118,11 +119,14 @@ def shapes(dims: ModelDims, mode: str) -> ModelShapes:
             if (job.kernel, job.overrides) in seen:
                 continue
             seen.add((job.kernel, job.overrides))
-            shape = job.shape
             try:
-                workloads.resolve(job.kernel, mode, shape)
+                _, shape = workloads.resolve(job.kernel, mode, job.shape)
             except BAD_SHAPE as e:
                 found.dropped.append((job, str(e)))
+                continue
+            if len(workloads.kernel_module(job.kernel).candidates(shape)) == 1:
+                found.dropped.append((job, f"one config in {mode} mode: nothing to search (its SASS: "
+                                           f"sip-tune --kernel {job.kernel} --levels sass)"))
                 continue
             found.jobs.append(job)
     return found
