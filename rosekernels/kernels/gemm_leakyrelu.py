@@ -247,7 +247,7 @@ class _GemmLeakyReluSm90:
             cluster=self.cluster_shape,
             min_blocks_per_mp=1,
             stream=stream,
-            use_pdl=True,
+            use_pdl=self.cfg.pdl,
         )
 
     # -----------------------------------------------------------------------------------------
@@ -993,7 +993,7 @@ def _b_as_nk(b: torch.Tensor, b_layout: str) -> torch.Tensor:
 _plans = launch.PlanCache()
 
 
-def _new_plan(a, b_nk, bias, out, activation: str, gated: bool, negative_slope: float):
+def _new_plan(a, b_nk, bias, out, activation: str, gated: bool, negative_slope: float, enable_pdl: bool):
     """Slow path, once per argument signature: every check, the heuristic, the compile."""
     _check_shapes(a, b_nk, bias, out, gated)
     _check_memory(a, b_nk, bias, out)
@@ -1003,36 +1003,39 @@ def _new_plan(a, b_nk, bias, out, activation: str, gated: bool, negative_slope: 
         return _NoProduct(activation, gated, negative_slope)
     name = checks.DTYPE_NAME
     shape = GemmShape(m, n, k, name[a.dtype], "k" if b_nk.stride(1) == 1 else "n",
-                      name[bias.dtype] if bias is not None else "none", negative_slope, activation, gated)
+                      name[bias.dtype] if bias is not None else "none", negative_slope, activation, gated,
+                      enable_pdl)
     sms = modes.sm_count(a.device.index)
     return _Plan(a, b_nk, bias, out, tuned.tuned_config(OP, shape, config_for(shape, sms), sms))
 
 
-def _run(a, b_nk, bias, out, activation: str, gated: bool, negative_slope: float,
+def _run(a, b_nk, bias, out, activation: str, gated: bool, negative_slope: float, enable_pdl: bool = True,
          private_scratch: bool = False) -> None:
     # The plan's signature, written out: a generic builder (a loop over the arguments) costs ~1 us more.
     key = (a.shape, a.stride(), b_nk.shape, b_nk.stride(), out.shape, out.stride(), a.dtype, b_nk.dtype,
            out.dtype, a.get_device(), b_nk.get_device(), out.get_device(), activation, gated, negative_slope,
-           None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device()))
-    plan = _plans.get(key) or _plans.put(key, _new_plan(a, b_nk, bias, out, activation, gated, negative_slope))
+           enable_pdl, None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device()))
+    plan = _plans.get(key) or _plans.put(key, _new_plan(a, b_nk, bias, out, activation, gated, negative_slope,
+                                                        enable_pdl))
     plan.launch(a, b_nk, bias, out, private_scratch)
 
 
 def _leaky_impl(a: torch.Tensor, b_nk: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
-                negative_slope: float) -> None:
-    _run(a, b_nk, bias, out, "leaky_relu", False, negative_slope, private_scratch=True)  # rosekernels.scratch
+                negative_slope: float, enable_pdl: bool) -> None:
+    # private_scratch: rosekernels.scratch
+    _run(a, b_nk, bias, out, "leaky_relu", False, negative_slope, enable_pdl, private_scratch=True)
 
 
-def _leaky_fake(a, b_nk, bias, out, negative_slope) -> None:
+def _leaky_fake(a, b_nk, bias, out, negative_slope, enable_pdl) -> None:
     _check_shapes(a, b_nk, bias, out)
 
 
 def _gemm_impl(a: torch.Tensor, b_nk: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
-               activation: str, gated: bool, negative_slope: float) -> None:
-    _run(a, b_nk, bias, out, activation, gated, negative_slope, private_scratch=True)
+               activation: str, gated: bool, negative_slope: float, enable_pdl: bool) -> None:
+    _run(a, b_nk, bias, out, activation, gated, negative_slope, enable_pdl, private_scratch=True)
 
 
-def _gemm_fake(a, b_nk, bias, out, activation, gated, negative_slope) -> None:
+def _gemm_fake(a, b_nk, bias, out, activation, gated, negative_slope, enable_pdl) -> None:
     _check_shapes(a, b_nk, bias, out, gated)
 
 
@@ -1040,7 +1043,8 @@ _leaky_op = launch.register_op(OP, _leaky_impl, mutates_args=("out",), fake=_lea
 _gemm_op = launch.register_op("gemm", _gemm_impl, mutates_args=("out",), fake=_gemm_fake)
 
 
-def _launch(a, b, bias, out, b_layout: str, activation: str, gated: bool, negative_slope: float) -> torch.Tensor:
+def _launch(a, b, bias, out, b_layout: str, activation: str, gated: bool, negative_slope: float,
+            enable_pdl: bool) -> torch.Tensor:
     b_nk = _b_as_nk(b, b_layout)
     if out is None:
         if not isinstance(a, torch.Tensor) or a.dim() != 2:
@@ -1048,17 +1052,17 @@ def _launch(a, b, bias, out, b_layout: str, activation: str, gated: bool, negati
         n = b_nk.shape[0]
         out = torch.empty((a.shape[0], n // 2 if gated else n), dtype=a.dtype, device=a.device)
     if launch.eager(a, b_nk, bias, out):
-        _run(a, b_nk, bias, out, activation, gated, negative_slope)
+        _run(a, b_nk, bias, out, activation, gated, negative_slope, enable_pdl)
     elif activation == "leaky_relu" and not gated:
-        _leaky_op(a, b_nk, bias, out, negative_slope)
+        _leaky_op(a, b_nk, bias, out, negative_slope, enable_pdl)
     else:
-        _gemm_op(a, b_nk, bias, out, activation, gated, negative_slope)
+        _gemm_op(a, b_nk, bias, out, activation, gated, negative_slope, enable_pdl)
     return out
 
 
 def gemm(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: Optional[str] = None,
          gated: bool = False, negative_slope: float = 0.01, out: Optional[torch.Tensor] = None,
-         b_layout: str = "nk") -> torch.Tensor:
+         b_layout: str = "nk", enable_pdl: bool = True) -> torch.Tensor:
     """act(a @ w^T + bias) with activation None, "relu", "leaky_relu" (negative_slope), "silu" or
     "gelu_tanh" (GELU, tanh approximation), in one kernel (prefill and decode variants, as
     gemm_leakyrelu).
@@ -1069,19 +1073,21 @@ def gemm(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, 
     likewise. N a multiple of 16.
 
     a: [M, K] bf16/fp16, unit stride along K; w: same dtype, contiguous along K or N (b_layout="kn":
-    w is [K, N]); bias: [N] in a's dtype or fp32. Registered as torch.ops.rosekernels.gemm (mutating
-    `out`) for torch.compile; eager calls skip the dispatcher.
+    w is [K, N]); bias: [N] in a's dtype or fp32. enable_pdl: launch with programmatic dependent
+    launch (set-up overlaps the previous kernel; the next one may launch during the epilogue).
+    Registered as torch.ops.rosekernels.gemm (mutating `out`) for torch.compile; eager calls skip the
+    dispatcher.
     """
     activation = "none" if activation is None else activation
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be None or one of {ACTIVATIONS[1:]}, got {activation!r}")
     return _launch(a, w, bias, out, b_layout, activation, bool(gated),
-                   float(negative_slope) if activation == "leaky_relu" else 0.01)
+                   float(negative_slope) if activation == "leaky_relu" else 0.01, bool(enable_pdl))
 
 
 def gemm_leakyrelu(a: torch.Tensor, b: torch.Tensor, negative_slope: float = 0.01,
                    bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-                   b_layout: str = "nk") -> torch.Tensor:
+                   b_layout: str = "nk", enable_pdl: bool = True) -> torch.Tensor:
     """leaky_relu(a @ b^T + bias) for b_layout="nk" (b: [N, K], the weight layout of nn.Linear),
     leaky_relu(a @ b + bias) for b_layout="kn" (b: [K, N]): gemm(..., activation="leaky_relu").
 
@@ -1092,7 +1098,7 @@ def gemm_leakyrelu(a: torch.Tensor, b: torch.Tensor, negative_slope: float = 0.0
     Registered as torch.ops.rosekernels.gemm_leakyrelu (mutating `out`) for torch.compile and fake
     tensors; eager calls skip the dispatcher (tens of microseconds), no autograd either way.
     """
-    return _launch(a, b, bias, out, b_layout, "leaky_relu", False, float(negative_slope))
+    return _launch(a, b, bias, out, b_layout, "leaky_relu", False, float(negative_slope), bool(enable_pdl))
 # ---------------------------------------------------------------------------------------------
 # Workloads: a config's kernel with inputs and a reference, for tests and SIP.
 

@@ -121,6 +121,9 @@ class GemmConfig:
     stages: int = 0  # A/B shared-memory stages; 0: as many as fit
     activation: str = "leaky_relu"  # one of ACTIVATIONS
     gated: bool = False  # out = act(gate) * up over GATE_BLOCK-interleaved weight rows: N / 2 columns
+    # Programmatic dependent launch (the kernel waits with griddepcontrol.wait before its loads and
+    # releases the next kernel after its last mainloop either way; this sets the launch attribute).
+    pdl: bool = True
     # Launch policy, not compiled in (left out of variant()):
     splits: int = 1  # K splits (split-K variants only)
     raster_group: int = RASTER_GROUP  # cluster rows per band of the persistent tile walk
@@ -173,7 +176,8 @@ class GemmConfig:
             del params[name]
         if self.a_rows == self.tile_m:
             del params["a_rows"]  # the keys of whole-tile variants predate a_rows
-        for name, default in (("swap_ab", False), ("stages", 0), ("activation", "leaky_relu"), ("gated", False)):
+        for name, default in (("swap_ab", False), ("stages", 0), ("activation", "leaky_relu"), ("gated", False),
+                              ("pdl", True)):
             if params[name] == default:  # nor did these
                 del params[name]
         if self.activation != "leaky_relu":
@@ -203,6 +207,7 @@ class GemmShape:
     slope: float = 0.01
     activation: str = "leaky_relu"
     gated: bool = False
+    pdl: bool = True  # programmatic dependent launch (gemm(enable_pdl=...))
 
     def __post_init__(self) -> None:
         if self.activation != "leaky_relu":
@@ -377,7 +382,7 @@ def prefill_choice(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, bool
 
 def _base(shape: GemmShape) -> dict:
     return dict(dtype=shape.dtype, b_major=shape.b_major, bias=shape.bias, slope=float(shape.slope),
-                activation=shape.activation, gated=shape.gated)
+                activation=shape.activation, gated=shape.gated, pdl=bool(shape.pdl))
 
 
 def config_for(shape: GemmShape, sms: int | None = None) -> GemmConfig:

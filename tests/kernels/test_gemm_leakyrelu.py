@@ -67,6 +67,18 @@ def test_every_specialization_compiles(cfg, tmp_path):
     _compile_and_inspect(cfg, tmp_path)
 
 
+def test_pdl_switch_is_a_launch_attribute(tmp_path):
+    """enable_pdl=False: its own variant (the key names it only when off), every candidate keeps it,
+    and the device code is the same cubin (the kernel waits and releases either way; only the launch
+    attribute differs)."""
+    on, off = (plan.config_for(plan.GemmShape(16, 4096, 4096, activation="none", pdl=pdl), 132)
+               for pdl in (True, False))
+    assert on.pdl and not off.pdl and dataclasses.replace(off, pdl=True) == on
+    assert "pdl" not in on.variant().key() and "pdl=False" in off.variant().key()
+    assert all(not c.pdl for c in plan.candidates(plan.GemmShape(16, 4096, 4096, pdl=False), 132))
+    assert glr.compile(on).cubin_sha256 == glr.compile(off).cubin_sha256
+
+
 def test_module_follows_the_contract():
     assert glr.Config is plan.GemmConfig and glr.Shape is plan.GemmShape
 
@@ -239,6 +251,15 @@ def _run(m, n, k, dtype=torch.bfloat16, b_layout="nk", bias=None, slope=0.01, se
 @pytest.mark.parametrize("k", [8, 72, 4104])
 def test_ragged_shapes(m, n, k):
     _run(m, n, k, bias=torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 96, 1000])
+def test_without_pdl_the_results_are_bitwise_the_same(m):
+    a, b, bias_t = _inputs(m, 4104, 4096, torch.bfloat16, "nk", torch.bfloat16, seed=m)
+    with_pdl = glr.gemm(a, b, bias_t, activation="silu")
+    without = glr.gemm(a, b, bias_t, activation="silu", enable_pdl=False)
+    assert torch.equal(with_pdl, without)
 
 
 @pytest.mark.gpu
