@@ -1021,21 +1021,21 @@ def _run(a, b_nk, bias, out, activation: str, gated: bool, negative_slope: float
 
 
 def _leaky_impl(a: torch.Tensor, b_nk: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
-                negative_slope: float, enable_pdl: bool) -> None:
+                negative_slope: float, enable_pdl: bool = True) -> None:
     # private_scratch: rosekernels.scratch
     _run(a, b_nk, bias, out, "leaky_relu", False, negative_slope, enable_pdl, private_scratch=True)
 
 
-def _leaky_fake(a, b_nk, bias, out, negative_slope, enable_pdl) -> None:
+def _leaky_fake(a, b_nk, bias, out, negative_slope, enable_pdl=True) -> None:
     _check_shapes(a, b_nk, bias, out)
 
 
 def _gemm_impl(a: torch.Tensor, b_nk: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
-               activation: str, gated: bool, negative_slope: float, enable_pdl: bool) -> None:
+               activation: str, gated: bool, negative_slope: float, enable_pdl: bool = True) -> None:
     _run(a, b_nk, bias, out, activation, gated, negative_slope, enable_pdl, private_scratch=True)
 
 
-def _gemm_fake(a, b_nk, bias, out, activation, gated, negative_slope, enable_pdl) -> None:
+def _gemm_fake(a, b_nk, bias, out, activation, gated, negative_slope, enable_pdl=True) -> None:
     _check_shapes(a, b_nk, bias, out, gated)
 
 

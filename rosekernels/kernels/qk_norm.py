@@ -253,7 +253,7 @@ def _new_plan(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias, enable_p
 
 
 def _run(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-         out_q: torch.Tensor, out_k: torch.Tensor, eps: float, weight_bias: float, enable_pdl: bool) -> None:
+         out_q: torch.Tensor, out_k: torch.Tensor, eps: float, weight_bias: float, enable_pdl: bool = True) -> None:
     # What the plan depends on (the compiled host code checks every other dtype, shape, stride,
     # alignment and device on each call): a microsecond cheaper than a key of all six tensors.
     key = (q.shape, k.shape, q.dtype, q_weight.dtype, q.get_device(), eps, weight_bias, enable_pdl)

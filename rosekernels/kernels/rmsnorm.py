@@ -266,7 +266,7 @@ def _new_plan(x, weight, residual, out, residual_out, eps, enable_pdl) -> launch
     return launch.Launch(compile(tuned.tuned_config(OP, shape, config_for(shape, sms), sms)).fn, x.device.index)
 
 
-def _run(x, weight, residual, out, residual_out, eps, enable_pdl) -> None:
+def _run(x, weight, residual, out, residual_out, eps, enable_pdl=True) -> None:
     # What the plan depends on (the compiled host code checks every other dtype, shape, stride,
     # alignment and device on each call): a microsecond cheaper than a key of all five tensors.
     key = (x.shape, x.dtype, weight.dtype, residual is None, x.get_device(), eps, enable_pdl)
@@ -282,7 +282,7 @@ def _run(x, weight, residual, out, residual_out, eps, enable_pdl) -> None:
 launch.register_op(
     OP, _run, mutates_args=("out", "residual_out"),
     schema="(Tensor x, Tensor weight, Tensor? residual, Tensor(a!) out, Tensor(b!)? residual_out, float eps, "
-           "bool enable_pdl) -> ()")
+           "bool enable_pdl=True) -> ()")
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None,
