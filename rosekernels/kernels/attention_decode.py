@@ -180,7 +180,7 @@ class _DecodeAttentionSm90:
             grid=self._grid(q, k, num_splits, k.shape[0]),
             block=[self.num_threads, 1, 1],
             stream=stream,
-            use_pdl=True,
+            use_pdl=self.cfg.pdl,
         )
 
     @cute.kernel
@@ -560,7 +560,7 @@ class _KVCacheDecodeSm90(_DecodeAttentionSm90):
             grid=self._grid(q, k, num_splits, q.shape[0]),
             block=[self.num_threads, 1, 1],
             stream=stream,
-            use_pdl=True,
+            use_pdl=self.cfg.pdl,
         )
 
     @cute.kernel
@@ -804,20 +804,22 @@ class Launch(launch.Launch):
 
 
 def plan(q, k, v, out, causal: bool, scale: float, splits: int | None = None,
-         private_scratch: bool = False) -> Launch:
+         private_scratch: bool = False, enable_pdl: bool = True) -> Launch:
     """The launch of validated arguments (q non-empty) with the heuristic's config (`config_for`);
     `splits` forces the number of KV chunks."""
     shape, sms = DecodeShape.of(q, k, causal), modes.sm_count(q.device.index)
     cfg = tuned.tuned_config(OP, shape, config_for(shape, sms), sms)
     if splits is not None:
         cfg = dataclasses.replace(cfg, splits=splits)
+    if not enable_pdl:
+        cfg = dataclasses.replace(cfg, pdl=False)
     return Launch(cfg, q, k, v, out, causal, scale, private_scratch)
 
 
 def _attention_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                         lse: torch.Tensor, causal: bool, softmax_scale: float) -> None:
+                         lse: torch.Tensor, causal: bool, softmax_scale: float, enable_pdl: bool = True) -> None:
     """The registered op (torch.compile, tensor subclasses): validated arguments, TMA views."""
-    plan(q, k, v, out, causal, softmax_scale, private_scratch=True).launch(q, k, v, out, lse)
+    plan(q, k, v, out, causal, softmax_scale, private_scratch=True, enable_pdl=enable_pdl).launch(q, k, v, out, lse)
 
 
 launch.register_op("attention_decode", _attention_decode_op, mutates_args=("out", "lse"))
@@ -825,9 +827,10 @@ launch.register_op("attention_decode", _attention_decode_op, mutates_args=("out"
 
 def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                      softmax_scale: float | None = None, out: torch.Tensor | None = None,
-                     return_lse: bool = False, splits: int | None = None):
+                     return_lse: bool = False, splits: int | None = None, enable_pdl: bool = True):
     """`rosekernels.attention` forced onto the split-KV kernel (any S_q; meant for S_q <= 16);
-    `splits` overrides the number of KV chunks of an eager call (tests and benchmarks)."""
+    `splits` overrides the number of KV chunks of an eager call (tests and benchmarks); enable_pdl as
+    attention's."""
     causal = bool(causal)
     scale = validate(q, k, v, out, softmax_scale)
     if out is None:
@@ -835,9 +838,10 @@ def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
     if q.numel():
         if launch.eager(q, k, v, out):
-            plan(q, k, v, out, causal, scale, splits).launch(q, k, v, out, lse)
+            plan(q, k, v, out, causal, scale, splits, enable_pdl=bool(enable_pdl)).launch(q, k, v, out, lse)
         else:
-            torch.ops.rosekernels.attention_decode(*(tma_view(t) for t in (q, k, v, out)), lse, causal, scale)
+            torch.ops.rosekernels.attention_decode(*(tma_view(t) for t in (q, k, v, out)), lse, causal, scale,
+                                                   bool(enable_pdl))
     return (out, lse) if return_lse else out
 
 
@@ -891,7 +895,7 @@ class KVCacheLaunch(launch.Launch):
 
 
 def plan_kvcache(q, k_cache, v_cache, out, cache_seqlens, block_table, causal: bool, scale: float,
-                 splits: int | None = None, private_scratch: bool = False) -> KVCacheLaunch:
+                 splits: int | None = None, private_scratch: bool = False, enable_pdl: bool = True) -> KVCacheLaunch:
     """The launch of validated attention_with_kvcache arguments (B >= 1) with kvcache_config_for's
     config, planned for a full cache (S_max, or max_blocks * block_size keys per sequence);
     `splits` forces the number of KV chunks."""
@@ -903,15 +907,17 @@ def plan_kvcache(q, k_cache, v_cache, out, cache_seqlens, block_table, causal: b
     cfg = kvcache_config_for(shape, block_size, modes.sm_count(q.device.index))
     if splits is not None:
         cfg = dataclasses.replace(cfg, splits=splits)
+    if not enable_pdl:
+        cfg = dataclasses.replace(cfg, pdl=False)
     return KVCacheLaunch(cfg, shape, q, k_cache, v_cache, out, cache_seqlens, block_table, scale, private_scratch)
 
 
 def _attention_with_kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, out: torch.Tensor,
-                               lse: torch.Tensor, causal: bool, softmax_scale: float) -> None:
+                               lse: torch.Tensor, causal: bool, softmax_scale: float, enable_pdl: bool = True) -> None:
     """The registered op (torch.compile, tensor subclasses): validated arguments, B >= 1, TMA views."""
     plan_kvcache(q, k_cache, v_cache, out, cache_seqlens, block_table, causal, softmax_scale,
-                 private_scratch=True).launch(
+                 private_scratch=True, enable_pdl=enable_pdl).launch(
         q, k_cache, v_cache, out, lse, cache_seqlens, block_table)
 
 

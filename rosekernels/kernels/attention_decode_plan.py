@@ -101,6 +101,9 @@ class DecodeConfig:
     # paged cache the rows of one TMA box (a power of two from PAGE_ROWS up to tile_n; 0: contiguous).
     varlen: bool = False
     page_rows: int = 0
+    # Programmatic dependent launch: the launch attribute (the kernel waits with griddepcontrol.wait
+    # before reading what the previous kernel writes either way); attention(enable_pdl=...).
+    pdl: bool = True
 
     def __post_init__(self) -> None:
         if self.head_dim not in HEAD_DIMS:
@@ -133,7 +136,7 @@ class DecodeConfig:
     def variant(self) -> Variant:
         params = dataclasses.asdict(self)
         del params["splits"]
-        for name, default in (("varlen", False), ("page_rows", 0)):  # the dense keys predate them
+        for name, default in (("varlen", False), ("page_rows", 0), ("pdl", True)):  # the dense keys predate them
             if params[name] == default:
                 del params[name]
         return Variant.of(OP, "decode", **params)

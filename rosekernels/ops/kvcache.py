@@ -120,12 +120,14 @@ def check_cache_tables(cache_seqlens: torch.Tensor, block_table: torch.Tensor | 
                          f"sequence {b} (length {int(lengths[b])})")
 
 
-def _new_plan(q, k_cache, v_cache, cache_seqlens, block_table, out, causal: bool, softmax_scale) -> launch.Launch:
+def _new_plan(q, k_cache, v_cache, cache_seqlens, block_table, out, causal: bool, softmax_scale,
+              enable_pdl: bool) -> launch.Launch:
     """The slow path, once per argument signature: every check, then the kernel's plan."""
     scale = validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, out, softmax_scale)
     if not q.numel():
         return launch.nothing(q.device.index)
-    return decode.plan_kvcache(q, k_cache, v_cache, out, cache_seqlens, block_table, causal, scale)
+    return decode.plan_kvcache(q, k_cache, v_cache, out, cache_seqlens, block_table, causal, scale,
+                               enable_pdl=enable_pdl)
 
 
 def _signature(t: torch.Tensor | None):
@@ -135,7 +137,7 @@ def _signature(t: torch.Tensor | None):
 def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,
                            softmax_scale: float | None = None, causal: bool = True, out: torch.Tensor | None = None,
-                           return_lse: bool = False, check: bool = False):
+                           return_lse: bool = False, check: bool = False, enable_pdl: bool = True):
     """softmax(q k^T * softmax_scale [causal, bottom-right per sequence]) v over each sequence's first
     cache_seqlens[b] cached keys; see the module docstring for the layouts.
 
@@ -145,18 +147,19 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     check=True reads them first and raises on a length outside the cache or a block id out of range
     that a sequence uses (a sync per call: debugging). Eager calls on plain tensors skip the torch
     dispatcher; under torch.compile the kernel runs through the op rosekernels::attention_with_kvcache.
+    enable_pdl: launch with programmatic dependent launch (as attention's).
     """
-    causal = bool(causal)
+    causal, enable_pdl = bool(causal), bool(enable_pdl)
     eager = launch.eager(q, k_cache, v_cache, cache_seqlens, block_table, out)
     if eager:
         key = (_signature(q), _signature(k_cache), _signature(v_cache), _signature(cache_seqlens),
-               _signature(block_table), _signature(out), causal, softmax_scale)
+               _signature(block_table), _signature(out), causal, softmax_scale, enable_pdl)
         plan = _plans.get(key)
         # A cached plan still needs 16-byte aligned pointers (if not, the full checks say which is not).
         if plan is None or (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()
                             | (0 if out is None else out.data_ptr())) % 16:
             plan = _plans.put(key, _new_plan(q, k_cache, v_cache, cache_seqlens, block_table, out, causal,
-                                             softmax_scale))
+                                             softmax_scale, enable_pdl))
     else:
         scale = validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, out, softmax_scale, pointers=False)
     if check:
@@ -171,5 +174,5 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         plan.launch(q, k_cache, v_cache, out, lse, cache_seqlens, block_table)
     elif q.numel():
         torch.ops.rosekernels.attention_with_kvcache(*(tma_view(t) for t in (q, k_cache, v_cache)), cache_seqlens,
-                                                     block_table, tma_view(out), lse, causal, scale)
+                                                     block_table, tma_view(out), lse, causal, scale, enable_pdl)
     return (out, lse) if return_lse else out

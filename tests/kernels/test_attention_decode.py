@@ -35,6 +35,15 @@ def test_every_specialization_compiles_to_an_mma_sync_tma_kernel(kernels, tmp_pa
         assert len(re.findall(r"\bLDSM\.16\.MT88", sass)) > 0, f"{cfg}: V is not read with ldmatrix.trans"
 
 
+def test_pdl_switch_is_a_launch_attribute(kernels):
+    """DecodeConfig(pdl=False): its own variant (the key names it only when off), the same cubin (the
+    kernel waits for the previous one either way; only the launch attribute differs)."""
+    on = D.DecodeConfig(128, "bf16", tile_m=16)
+    off = D.DecodeConfig(128, "bf16", tile_m=16, pdl=False)
+    assert "pdl" not in on.variant().key() and "pdl=False" in off.variant().key()
+    assert D.compile(off).cubin_sha256 == kernels[on].cubin_sha256
+
+
 def test_workload_runs_the_given_config_and_refuses_a_shape_it_does_not_serve(kernels):
     shape = D.Shape.defaults("decode")
     cfg = D.DecodeConfig(128, "bf16", tile_m=64, splits=2)  # not config_for's pick (16 rows hold the 4)
@@ -143,6 +152,19 @@ def test_attention_dispatches_short_queries_to_the_decode_kernel(kernels):
         sync("dispatch")
         assert torch.equal(out, ref) and torch.equal(lse, ref_lse), "attention() did not run the decode kernel"
         check(out, lse, q, k, v, causal, 1 / math.sqrt(128), f"attention() causal={causal}")
+
+
+@pytest.mark.gpu
+def test_without_pdl_the_results_are_bitwise_the_same(kernels):
+    q, k, v = inputs(3, 4, 3000, 16, 4, 128, torch.bfloat16, seed=12)
+    lengths = torch.tensor([3000, 1, 1777], dtype=torch.int32, device="cuda")
+    for causal in (False, True):
+        with_pdl = rosekernels.attention(q, k, v, causal=causal)
+        without = rosekernels.attention(q, k, v, causal=causal, enable_pdl=False)
+        cached = rosekernels.attention_with_kvcache(q, k, v, lengths, causal=causal)
+        cached_without = rosekernels.attention_with_kvcache(q, k, v, lengths, causal=causal, enable_pdl=False)
+        sync("pdl on and off")
+        assert torch.equal(with_pdl, without) and torch.equal(cached, cached_without)
 
 
 @pytest.mark.gpu
