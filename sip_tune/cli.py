@@ -73,7 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     budget.add_argument("--budget-iters", type=int, metavar="N", help="annealing iterations over all runs")
     budget.add_argument("--budget-minutes", type=float, metavar="M",
                         help="search time over all runs (default 10 when no budget is given)")
-    p.add_argument("--runs", type=int, default=2, metavar="K", help="independent annealing runs (seeds S..S+K-1)")
+    p.add_argument("--runs", type=int, default=2, metavar="K",
+                   help="independent annealing runs (seeds S..S+K-1); with several GPUs visible, one worker per GPU "
+                   "runs them at once")
     p.add_argument("--samples", type=int, default=0, metavar="N",
                    help="fresh random samples the winner must pass before it is cached (up to 1e7; default "
                         "10^4, 10^5 when --moves goes past global)")

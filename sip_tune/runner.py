@@ -52,6 +52,7 @@ class Options:
     eval_timeout_s: float = 120.0
     start_timeout_s: float = 900.0
     recycle_every: int = 3000  # restart the worker after this many loaded candidates (loaded modules pile up)
+    device: int = 0  # the CUDA device the worker runs on
 
 
 @dataclasses.dataclass
@@ -220,6 +221,10 @@ class Runner:
 def _worker_main(conn: Any, factory: Callable[[], Workload], options: Options,
                  bench_class: Callable[[Any, Options], Any]) -> None:
     try:
+        if options.device:  # before the workload allocates its tensors on the current device
+            import torch
+
+            torch.cuda.set_device(options.device)
         bench = bench_class(factory(), options)
         conn.send(("ready", bench.info()))
     except BaseException:  # noqa: BLE001 - report anything, then die

@@ -10,7 +10,9 @@ for the kernels of the package. The loop:
 2. K independent annealing runs (seeds seed, seed+1, ...) share the budget; each proposal is a legal
    move of the engine (sip.mutate), rendered to a cubin (`apply`) and sent to the GPU worker, which
    tests it on fresh random inputs against the original and times it against the original
-   (energy = relative time; failed or crashed candidates get +inf);
+   (energy = relative time; failed or crashed candidates get +inf). With more than one GPU visible,
+   the runs go to one worker per GPU at once (run r on GPU r mod #GPUs; a candidate is only ever
+   timed against the original on the same GPU);
 3. every distinct cubin seen is ranked by its search energy; the best few are re-timed, interleaved
    with the original and a byte-identical copy of it (the A/A pair: the pipeline's noise floor), in
    `retimes` fresh workers; each finalist's time is its median over those runs. They are taken
@@ -26,7 +28,9 @@ import math
 import os
 import random
 import statistics
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from rosekernels import tuned
@@ -123,6 +127,7 @@ class TuneReport:
     variant: str
     mode: str
     gpu: str = ""
+    gpus: int = 1  # workers searching at once, one per GPU
     original_sha256: str = ""
     cubin_bytes: int = 0
     movable: int = 0  # instructions the mutation policy may move
@@ -161,7 +166,8 @@ class TuneReport:
             f"  engine       {self.movable} movable instructions, {self.legal_moves} legal moves at the start",
             f"  timing       {self.worker.get('launches_per_graph', '?')} launches per CUDA graph over "
             f"{self.worker.get('input_sets', '?')} input sets ({self.worker.get('bytes_cycled', 0) / 2**20:.1f} MiB)",
-            f"  search       {self.iterations} iterations in {len(self.runs)} runs, {self.search_seconds:.1f} s; "
+            f"  search       {self.iterations} iterations in {len(self.runs)} runs"
+            + (f" on {self.gpus} GPUs" if self.gpus > 1 else "") + f", {self.search_seconds:.1f} s; "
             f"{self.evaluated} distinct cubins run: {self.incorrect} incorrect, {self.crashed} crashed, "
             f"{self.timeouts} hung; worker started {self.worker_starts}x",
             f"  per cubin    {c.get('total', math.nan):.3f} s = apply {c.get('apply', math.nan):.3f} + load "
@@ -218,77 +224,122 @@ def tune(factory: Callable[[], Workload], config: TuneConfig, *, kernel: str | N
                           "nothing to tune")
         report.total_seconds = time.monotonic() - t_start
         return report
-    runner = Runner(factory, options, log=lambda m: log(f"[sip-tune] {m}"))
+    gpus = max(1, min(_gpu_count(), config.runs))
+    runners = [Runner(factory, dataclasses.replace(options, device=d), log=lambda m: log(f"[sip-tune] {m}"))
+               for d in range(gpus)]
+    runner = runners[0]  # GPU 0's: the one the finalists are re-timed and validated with
     try:
         info = runner.start()
-        report.gpu, report.worker = info["gpu"], info
+        report.gpu, report.worker, report.gpus = info["gpu"], info, gpus
         log(f"[sip-tune] {kernel} {variant.key()} on {info['gpu']}: original {info['base_us']:.3f} us per launch, "
-            f"{info['launches_per_graph']} launches per graph over {info['input_sets']} input sets")
-
-        seen_in_a_row = [0]  # proposals in a row whose cubin was measured before
-
-        def neighbour(state: Candidate, rng: random.Random) -> Candidate | None:
-            if seen_in_a_row[0] >= config.exhausted_after:
-                return None  # the space around here is exhausted: end the run early
-            t0 = time.perf_counter()
-            schedule = engine_neighbour(state.schedule, rng)
-            if schedule is None:
-                return None
-            cubin = engine_apply(schedule)
-            if candidate_hook is not None:
-                cubin = candidate_hook(cubin)
-            costs["apply"].append(time.perf_counter() - t0)
-            return Candidate(schedule, cubin, _digest(cubin))
-
+            f"{info['launches_per_graph']} launches per graph over {info['input_sets']} input sets"
+            + (f"; {gpus} workers, one per GPU" if gpus > 1 else ""))
+        shared = threading.Lock()  # the memo, the counters, the sample seeds and the pool, across workers
+        inflight: dict[str, threading.Event] = {}  # digests being measured (set when their energy is known)
         sample_seeds = random.Random(f"sip-samples-{config.seed}")
-
-        def energy(c: Candidate) -> float:
-            if c.digest in memo:
-                seen_in_a_row[0] += 1
-                return memo[c.digest]
-            seen_in_a_row[0] = 0
-            ev: Evaluation = runner.evaluate(c.cubin, sample_seeds.getrandbits(63), config.search_samples)
-            report.evaluated += 1
-            if ev.status == "incorrect":
-                report.incorrect += 1
-            elif ev.status in ("crash", "timeout"):
-                log(f"[sip-tune] candidate {c.digest[:12]}: {ev.status}: {_last_line(ev.detail)}")
-            if ev.ok:
-                costs["load"].append(ev.load_s)
-                costs["test"].append(ev.test_s)
-                costs["time"].append(ev.time_s)
-                costs["total"].append(ev.wall_s + (costs["apply"][-1] if costs["apply"] else 0.0))
-            memo[c.digest] = ev.rel if ev.ok else math.inf
-            return memo[c.digest]
-
         pool: dict[str, tuple[float, bytes]] = {}
         acfg = config.anneal()
-        t_search = time.monotonic()
-        for r in range(config.runs):
+
+        def one_run(r: int, runner: Runner) -> dict[str, Any]:
+            seen_in_a_row = [0]  # proposals in a row whose cubin was measured before
+
+            def neighbour(state: Candidate, rng: random.Random) -> Candidate | None:
+                if seen_in_a_row[0] >= config.exhausted_after:
+                    return None  # the space around here is exhausted: end the run early
+                t0 = time.perf_counter()
+                schedule = engine_neighbour(state.schedule, rng)
+                if schedule is None:
+                    return None
+                cubin = engine_apply(schedule)
+                if candidate_hook is not None:
+                    cubin = candidate_hook(cubin)
+                with shared:
+                    costs["apply"].append(time.perf_counter() - t0)
+                return Candidate(schedule, cubin, _digest(cubin))
+
+            def energy(c: Candidate) -> float:
+                with shared:
+                    known = c.digest in memo
+                    running = inflight.get(c.digest)
+                    if not known and running is None:
+                        inflight[c.digest] = threading.Event()
+                        seed = sample_seeds.getrandbits(63)
+                if known or running is not None:  # measured, or being measured on another GPU
+                    if running is not None:
+                        running.wait()
+                    seen_in_a_row[0] += 1
+                    with shared:
+                        return memo.get(c.digest, math.inf)
+                seen_in_a_row[0] = 0
+                try:
+                    ev: Evaluation = runner.evaluate(c.cubin, seed, config.search_samples)
+                    with shared:
+                        report.evaluated += 1
+                        if ev.status == "incorrect":
+                            report.incorrect += 1
+                        elif ev.status in ("crash", "timeout"):
+                            log(f"[sip-tune] candidate {c.digest[:12]}: {ev.status}: {_last_line(ev.detail)}")
+                        if ev.ok:
+                            costs["load"].append(ev.load_s)
+                            costs["test"].append(ev.test_s)
+                            costs["time"].append(ev.time_s)
+                            costs["total"].append(ev.wall_s + (costs["apply"][-1] if costs["apply"] else 0.0))
+                        memo[c.digest] = ev.rel if ev.ok else math.inf
+                        return memo[c.digest]
+                finally:  # after the memo has the energy: whoever waits on this digest reads it
+                    with shared:
+                        inflight.pop(c.digest).set()
+
             seed = config.seed + r
-            seen_in_a_row[0] = 0
             start = Candidate(initial, original, _digest(original))
             progress = _Progress(log, f"run {r + 1}/{config.runs}", acfg)
             result = search.anneal(start, neighbour, energy, acfg, seed, key=lambda c: c.digest,
                                    keep=config.finalists, on_step=progress)
             progress.done(result)
-            report.runs.append({"seed": seed, "iterations": result.iterations, "accepted": result.accepted,
-                                "best_rel": result.best_energy, "seconds": result.seconds,
-                                "exhausted": seen_in_a_row[0] >= config.exhausted_after,
-                                "feedback": sum(s.reward for s in result.steps)})
-            report.iterations += result.iterations
-            for e, digest, cand in result.top:
-                if digest != report.original_sha256 and math.isfinite(e) and e < pool.get(digest, (math.inf,))[0]:
-                    pool[digest] = (e, cand.cubin)
+            with shared:
+                for e, digest, cand in result.top:
+                    new = digest != report.original_sha256 and math.isfinite(e)
+                    if new and e < pool.get(digest, (math.inf,))[0]:
+                        pool[digest] = (e, cand.cubin)
+            return {"seed": seed, "iterations": result.iterations, "accepted": result.accepted,
+                    "best_rel": result.best_energy, "seconds": result.seconds,
+                    "exhausted": seen_in_a_row[0] >= config.exhausted_after,
+                    "feedback": sum(s.reward for s in result.steps)}
+
+        def worker_runs(g: int) -> list[tuple[int, dict[str, Any]]]:  # GPU g's runs, one after another
+            return [(r, one_run(r, runners[g])) for r in range(g, config.runs, gpus)]
+
+        t_search = time.monotonic()
+        if gpus == 1:
+            done = worker_runs(0)
+        else:
+            with ThreadPoolExecutor(gpus) as threads:
+                done = [run for runs in threads.map(worker_runs, range(gpus)) for run in runs]
+        report.runs = [run for _, run in sorted(done, key=lambda x: x[0])]
+        report.iterations = sum(run["iterations"] for run in report.runs)
         report.search_seconds = time.monotonic() - t_search
-        report.crashed, report.timeouts = runner.crashes, runner.timeouts
+        for extra in runners[1:]:
+            extra.close()
+        report.crashed = sum(r.crashes for r in runners)
+        report.timeouts = sum(r.timeouts for r in runners)
         _fill_costs(report, costs)
         _finish(report, runner, pool, config, kernel, variant, original, cache_root, log)
-        report.worker_starts = runner.starts
+        report.worker_starts = sum(r.starts for r in runners)
     finally:
-        runner.close()
+        for r in runners:
+            r.close()
         report.total_seconds = time.monotonic() - t_start
     return report
+
+
+def _gpu_count() -> int:
+    """CUDA devices visible here (0 without torch or a driver); the workers do the GPU work."""
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no torch, no driver: one worker, which then says what is wrong
+        return 0
 
 
 def _finish(report: TuneReport, runner: Runner, pool: dict[str, tuple[float, bytes]], config: TuneConfig,

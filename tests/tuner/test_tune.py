@@ -42,6 +42,7 @@ class FakeRunner:
 
     def __init__(self, factory, options, log=None):
         self.crashes = self.timeouts = self.starts = 0
+        self.device = options.device
         self.evaluated = []
         FakeRunner.instances.append(self)
 
@@ -81,6 +82,7 @@ def toy(monkeypatch, tmp_path):
     original = ToyEngine.cubin(tuple(reversed(range(8))))
     monkeypatch.setattr(tuned, "current_toolchain", lambda: "test-toolchain")
     monkeypatch.setattr(tuning, "Runner", FakeRunner)
+    monkeypatch.setattr(tuning, "_gpu_count", lambda: 1)
     monkeypatch.setattr(tuning, "engine_initial", ToyEngine.perm)
     monkeypatch.setattr(tuning, "engine_apply", ToyEngine.cubin)
     monkeypatch.setattr(tuning, "engine_stats", lambda s: (8, 8, 14))
@@ -115,6 +117,20 @@ def test_tune_finds_validates_and_caches_the_best_schedule(toy):
     assert entry.meta["samples_passed"] == 500 and entry.meta["seed"] == 4 and entry.meta["gpu"] == "Fake H200"
     assert entry.meta["speedup"] == pytest.approx(report.speedup)
     assert "cached" in report.outcome and f"{report.crashed} crashed" in report.text()
+
+
+def test_with_more_gpus_the_runs_go_to_one_worker_per_gpu_at_once(toy, monkeypatch):
+    factory, root = toy
+    monkeypatch.setattr(tuning, "_gpu_count", lambda: 2)
+    config = tuning.TuneConfig(budget_iters=2000, runs=4, samples=50, seed=4, finalists=4, exhausted_after=10**6)
+    report = tuning.tune(factory, config, cache_root=root, log=lambda m: None)
+    searchers = FakeRunner.instances[:2]
+    assert report.gpus == 2 and [r.device for r in searchers] == [0, 1]
+    assert all(r.evaluated for r in searchers)  # both searched (runs 0, 2 on GPU 0; 1, 3 on GPU 1)
+    assert [r["seed"] for r in report.runs] == [4, 5, 6, 7] and report.iterations == 2000
+    ran = searchers[0].evaluated + searchers[1].evaluated
+    assert report.evaluated == len(ran) == len(set(ran))  # one memo: no cubin ran on both GPUs
+    assert report.cached and report.speedup > 1.2 and "on 2 GPUs" in report.text()
 
 
 def test_tune_is_reproducible_by_seed(toy):
