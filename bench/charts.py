@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
 from PIL import Image  # matplotlib depends on Pillow
 
 OURS = "rosekernels"
@@ -308,9 +309,33 @@ def sip_tuning(data: dict) -> Figure:
                          [r["tuned_us"] for r in rows], ("original", "SIP-tuned"))
 
 
+def e2e(data: dict) -> Figure:
+    """bench/e2e.py: per model, rosekernels' tokens/s over the faster stock arm, for each prefill and decode
+    row (bars from 1: above it faster than stock, below slower; a row without a speedup is left empty)."""
+    results = data["results"]
+    if not results:
+        raise ValueError("no model in the result")
+    fig, axes = _figure(f"transformers, stock vs rosekernels.hf.apply, on {data['env'].get('gpu', '?')}",
+                        1, len(results))
+    for ax, (name, r) in zip(axes[0], results.items()):
+        labels = [f"prefill B{p['batch']} S{p['seqlen'] // 1024}k" for p in r["prefill"]]
+        labels += [f"decode {d['mode']} B{d['batch']}" for d in r["decode"]]
+        speedups = [p.get("speedup") for p in r["prefill"]] + [d.get("speedup") for d in r["decode"]]
+        _bars(ax, labels, {OURS: [v if _finite(v) else math.nan for v in speedups]}, [OURS], base=1.0)
+        for i, v in enumerate(speedups):
+            if _finite(v):
+                ax.text(i, v, f"{v:.2f}x", ha="center", va="bottom" if v >= 1 else "top", fontsize=7)
+        ax.set_yscale("log", base=2)
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+        ax.tick_params(axis="x", labelrotation=60)
+        _axes(ax, f"{name} ({r.get('layers', '?')} layers)", "", "speedup over stock (tokens/s)", ceiling=1.0,
+              legend=False)
+    return fig
+
+
 CHARTS: dict[str, Callable[[dict], Figure]] = {
     "qk_norm": qk_norm, "rmsnorm": rmsnorm, "moe": moe, "gemm_leakyrelu": gemm_leakyrelu, "attention": attention,
-    "autotune": autotune, "sip_tuning": sip_tuning}
+    "autotune": autotune, "sip_tuning": sip_tuning, "e2e": e2e}
 
 
 def draw(name: str, data: dict, out: str | Path) -> Path | None:

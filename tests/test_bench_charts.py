@@ -119,8 +119,21 @@ def sip_tuning_data(rng):
     return {"meta": {"gpu": "test GPU"}, "rows": rows + [{"kernel": "moe_dispatch", "mode": "decode"}]}
 
 
+def e2e_data(rng):
+    """Two models, ragged rows: one decode row failed (no speedup), one prefill row slower than stock."""
+    results = {}
+    for name, layers in (("model-a", 4), ("model-b", 2)):
+        prefill = [{"batch": b, "seqlen": s, "speedup": rng.uniform(0.9, 2.0)} for b in (1, 8) for s in (2048, 8192)]
+        decode = [{"mode": m, "batch": b, "speedup": rng.uniform(1.0, 9.0)}
+                  for b in (1, 16, 64) for m in ("eager", "graph")]
+        results[name] = {"layers": layers, "prefill": prefill[:rng.randint(2, 4)], "decode": decode}
+    results["model-b"]["decode"][1]["speedup"] = None
+    results["model-a"]["prefill"][0]["speedup"] = 0.8
+    return {"env": {"gpu": "test GPU"}, "results": results}
+
+
 SYNTHETIC = {"qk_norm": qk_norm_data, "rmsnorm": rmsnorm_data, "moe": moe_data, "gemm_leakyrelu": gemm_data,
-             "attention": attention_data, "autotune": autotune_data, "sip_tuning": sip_tuning_data}
+             "attention": attention_data, "autotune": autotune_data, "sip_tuning": sip_tuning_data, "e2e": e2e_data}
 
 
 def assert_real_chart(path: Path):
@@ -194,6 +207,17 @@ def test_autotune_skips_failed_rows_and_shows_tuned_time_relative_to_the_heurist
         "qk_norm decode tokens=1,q_heads=32,k_heads=8,head_dim=128"]
     tuned = next(c for c in ax.containers if c.get_label() == "tuned")
     assert [bar.get_width() for bar in tuned] == pytest.approx([r["tuned_us"] / r["heuristic_us"] for r in good])
+
+
+def test_e2e_bars_are_speedups_over_stock_from_one():
+    data = e2e_data(random.Random(3))
+    ax = charts.e2e(data).axes[0]
+    r = data["results"]["model-a"]
+    want = [p["speedup"] for p in r["prefill"]] + [d["speedup"] for d in r["decode"]]
+    bars = ax.patches
+    assert len(bars) == len(want)
+    for bar, v in zip(bars, want):
+        assert bar.get_y() == 1.0 and bar.get_y() + bar.get_height() == pytest.approx(v)
 
 
 def test_bad_data_raises_and_writes_nothing(tmp_path):
