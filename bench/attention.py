@@ -5,6 +5,7 @@
     python bench/attention.py --decode-only                  # the decode table only (< 1 min)
     python bench/attention.py --decode-only --split-sweep    # + our kernel over forced KV split counts
     python bench/attention.py --sweep                        # candidate configs on the prefill problem shapes
+    python bench/attention.py --kvcache                      # decode over a KV cache: contiguous and paged
 
 TFLOP/s = 4 * B * Hq * S_q * S_kv * d / time, halved when causal. Each timing: warm-up, then one CUDA
 event pair per launch, median; the inputs rotate over enough copies to exceed the 50 MB L2. Every
@@ -382,6 +383,68 @@ def markdown_decode(rows, peer_names, split_sweep=()):
     return "\n".join(lines)
 
 
+KVCACHE_BLOCK_SIZES = (16, 64, 256)
+
+
+def kvcache_shapes(quick=False):
+    if quick:
+        return [dict(b=8, s_q=1, s_kv=8192, hq=32, hkv=8, d=128)]
+    return [dict(b=b, s_q=1, s_kv=s, hq=32, hkv=8, d=d) for d in (128, 64) for b in (1, 8, 32)
+            for s in (1024, 8192, 32768) if b * s <= 32 * 8192]
+
+
+def bench_kvcache(shape):
+    """One decode row over a KV cache: the dense decode kernel on [B, S, H, d] (the baseline), the same
+    keys as a contiguous cache with per-sequence lengths, and as paged caches of KVCACHE_BLOCK_SIZES
+    rows per page, pages in a random order (block_table a permutation). CUDA graphs replayed interleaved;
+    outputs compared with the dense kernel's."""
+    b, s_q, s_k, hq, hkv, d = (shape[x] for x in ("b", "s_q", "s_kv", "hq", "hkv", "d"))
+    g = torch.Generator(device="cuda").manual_seed(b * s_k + d)
+    q = torch.randn(b, s_q, hq, d, device="cuda", generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(b, s_k, hkv, d, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    lengths = torch.full((b,), s_k, dtype=torch.int32, device="cuda")
+    runs = {"dense decode": lambda: rosekernels.attention(q, k, v),
+            "cache, contiguous": lambda: rosekernels.attention_with_kvcache(q, k, v, lengths)}
+    for bs in KVCACHE_BLOCK_SIZES:
+        pages = b * s_k // bs
+        order = torch.randperm(pages, device="cuda", generator=g)
+        kp, vp = (torch.empty(pages, bs, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        kp[order], vp[order] = k.reshape(pages, bs, hkv, d), v.reshape(pages, bs, hkv, d)
+        table = order.view(b, s_k // bs).to(torch.int32)
+        runs[f"paged, {bs} rows"] = lambda kp=kp, vp=vp, table=table: rosekernels.attention_with_kvcache(
+            q, kp, vp, lengths, block_table=table)
+    ref = runs["dense decode"]().float()
+    row, errors = dict(shape), {}
+    for name, run in list(runs.items())[1:]:
+        diff = (run().float() - ref).abs().max().item()
+        row[f"{name} maxdiff"] = diff
+        if not diff <= 2e-2:
+            errors[name] = f"max |diff| {diff:.3g} against the dense kernel"
+    steps = {name: (lambda i, run=run: run()) for name, run in runs.items() if name not in errors}
+    row["us"] = timing.interleaved_graph_time_us(steps, calls=50, rounds=9, warmup=3, errors=errors)
+    row["vs dense"] = {name: us / row["us"]["dense decode"] for name, us in row["us"].items()
+                       if "dense decode" in row["us"]}
+    row["errors"] = errors
+    return row
+
+
+def markdown_kvcache(rows, gpu):
+    names = ["dense decode", "cache, contiguous", *(f"paged, {bs} rows" for bs in KVCACHE_BLOCK_SIZES)]
+    out = [f"# attention decode over a KV cache, {gpu}", "",
+           "bf16, S_q = 1, Hq/Hkv 32/8, every sequence at S_kv keys; pages in a random order. Device time per "
+           "launch in CUDA graphs replayed interleaved; (x) is the time over the dense decode kernel's "
+           "(issue 19's bar for paged: within 5% at 16 rows and more).", "",
+           "| d | B | S_kv | " + " | ".join(f"{n} us" for n in names) + " |", "|---" * (3 + len(names)) + "|"]
+    for r in rows:
+        cells = [str(r["d"]), str(r["b"]), str(r["s_kv"])]
+        for n in names:
+            us = r["us"].get(n)
+            cells.append("err" if us is None else f"{us:.1f} ({r['vs dense'].get(n, math.nan):.3f}x)")
+        out.append("| " + " | ".join(cells) + " |")
+    errs = [f"- d={r['d']} B={r['b']} S_kv={r['s_kv']} {n}: {e}" for r in rows for n, e in r["errors"].items()]
+    return "\n".join(out + ([""] + errs if errs else []))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     report.add_out(ap)
@@ -389,10 +452,22 @@ def main():
     ap.add_argument("--decode-only", action="store_true", help="only the decode table")
     ap.add_argument("--split-sweep", action="store_true", help="decode: also time forced KV split counts")
     ap.add_argument("--sweep", action="store_true", help="candidate configs (tiles, grid) on the prefill problem shapes")
+    ap.add_argument("--kvcache", action="store_true",
+                    help="decode over a KV cache only: the dense kernel, a contiguous cache and paged ones")
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args()
     report.require_gpu()
     torch.backends.cuda.matmul.allow_tf32 = False
+    if args.kvcache:
+        env = report.environment()
+        rows = []
+        for shape in kvcache_shapes(args.quick):
+            rows.append(bench_kvcache(shape))
+            torch.cuda.empty_cache()  # the row's caches are gone: the next, larger ones get the memory
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "errors"}), flush=True)
+        report.write(args.out, "attention_kvcache", {"environment": env, "rows": rows},
+                     markdown_kvcache(rows, env["gpu"]))
+        return
 
     t0 = time.time()
     if not args.decode_only:
