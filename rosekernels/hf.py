@@ -341,7 +341,7 @@ def prefix_mask(**kwargs: Any) -> torch.Tensor | None:
         seen = kwargs.get("q_offset", 0) + kwargs["q_length"]
         if not bool(padding.all() & (padding.shape[-1] >= torch.as_tensor(seen, device=padding.device))):
             return mask
-    mask._rosekernels_key_counts = mask[:, 0, -1].sum(-1, dtype=torch.int32)
+    mask._rosekernels_key_counts = mask[:, 0, -1].sum(-1, dtype=torch.int32)  # [B]: sdpa_mask expands to the batch
     return mask
 
 
@@ -359,7 +359,6 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         reason = _attention_refusal(query, key, value, None, dropout, kwargs)
         if reason is None:
             _count("attention_decode")
-            counts = counts.expand(query.shape[0]).contiguous()
             out = rosekernels.attention_with_kvcache(query.transpose(1, 2), key.transpose(1, 2),
                                                      value.transpose(1, 2), counts, softmax_scale=scaling)
             return out, None

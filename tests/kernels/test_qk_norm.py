@@ -2,7 +2,6 @@
 Configs and their selection: test_qk_norm_plan.py."""
 import dataclasses
 import math
-import re
 
 import pytest
 import torch
@@ -45,17 +44,16 @@ def test_pdl_switch(fresh_cache, tmp_path):
     """With programmatic dependent launch the kernel waits for the previous one (ACQBULK) before its
     first load and releases the next one (PREEXIT) after its loads, before its stores; without it,
     neither. The key names the switch only when it is off."""
-    from kernel_sass import sass_of
+    from kernel_sass import opcodes_and_global_memory
 
     on, off = qkn.config_for(qkn.Shape(1)), qkn.config_for(qkn.Shape(1, pdl=False))
     assert on.pdl and not off.pdl and on == dataclasses.replace(off, pdl=True)
     assert "pdl" not in on.variant().key() and "pdl=False" in off.variant().key()
     for cfg in (on, off):
-        sass = sass_of(qkn.compile(cfg), tmp_path)
-        if sass is None:
+        found = opcodes_and_global_memory(qkn.compile(cfg), tmp_path)
+        if found is None:
             pytest.skip("nvdisasm not found")
-        ops = re.findall(r"^\s*/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
-        memory = [(i, o[:3]) for i, o in enumerate(ops) if o.startswith(("LDG", "STG"))]
+        ops, memory = found
         if cfg.pdl:  # one release per code path (q heads, k heads), each after that path's loads
             releases = [i for i, o in enumerate(ops) if o == "PREEXIT"]
             assert ops.count("ACQBULK") == 1 and ops.index("ACQBULK") < memory[0][0] and releases

@@ -2,7 +2,6 @@
 Configs and their selection: test_rmsnorm_plan.py."""
 import dataclasses
 import math
-import re
 
 import pytest
 import torch
@@ -43,17 +42,16 @@ def test_pdl_switch(fresh_cache, tmp_path, residual):
     """With programmatic dependent launch the kernel waits for the previous one (ACQBULK) before its
     first load and releases the next one (PREEXIT) after its loads, before its stores; without it,
     neither. The key names the switch only when it is off."""
-    from kernel_sass import sass_of
+    from kernel_sass import opcodes_and_global_memory
 
     on, off = (rms.config_for(rms.Shape(1, residual=residual, pdl=pdl)) for pdl in (True, False))
     assert on.pdl and not off.pdl and on == dataclasses.replace(off, pdl=True)
     assert "pdl" not in on.variant().key() and "pdl=False" in off.variant().key()
     for cfg in (on, off):
-        sass = sass_of(rms.compile(cfg), tmp_path)
-        if sass is None:
+        found = opcodes_and_global_memory(rms.compile(cfg), tmp_path)
+        if found is None:
             pytest.skip("nvdisasm not found")
-        ops = re.findall(r"^\s*/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
-        memory = [(i, o[:3]) for i, o in enumerate(ops) if o.startswith(("LDG", "STG"))]
+        ops, memory = found
         if cfg.pdl:
             assert ops.count("ACQBULK") == 1 and ops.count("PREEXIT") == 1
             release = ops.index("PREEXIT")

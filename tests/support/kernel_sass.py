@@ -1,4 +1,5 @@
 """SASS of a compiled rosekernels kernel, for the tests that inspect its instructions."""
+import re
 import struct
 import subprocess
 
@@ -18,3 +19,13 @@ def sass_of(kernel, tmp_path) -> str | None:
     path = tmp_path / "k.cubin"
     path.write_bytes(kernel.object_bytes[start:start + max(len(kernel.cubin), phoff + phentsize * phnum)])
     return subprocess.run([tool, "-c", str(path)], capture_output=True, text=True, check=True).stdout
+
+
+def opcodes_and_global_memory(kernel, tmp_path) -> tuple[list[str], list[tuple[int, str]]] | None:
+    """The kernel's opcodes in program order (predicates dropped) and, for each global load or store,
+    (its index among them, "LDG" or "STG"); None when nvdisasm is not installed."""
+    text = sass_of(kernel, tmp_path)
+    if text is None:
+        return None
+    ops = re.findall(r"^\s*/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text, re.M)
+    return ops, [(i, o[:3]) for i, o in enumerate(ops) if o.startswith(("LDG", "STG"))]
