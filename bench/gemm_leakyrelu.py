@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import gemm_sweep  # noqa: E402  (bench/gemm_sweep.py: rotating inputs, the config sweep)
 import report  # noqa: E402  (bench/report.py: environment, peers and result files)
 import timing  # noqa: E402
 from rosekernels import checks  # noqa: E402
@@ -32,26 +33,6 @@ from rosekernels.kernels import gemm_leakyrelu_plan as plan  # noqa: E402
 
 MLP = [(m, n, k) for m in (1, 16, 128, 1024, 8192) for n, k in ((14336, 4096), (4096, 14336))]
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192)] + MLP
-
-
-def _rotating(fn, sets):
-    """fn on input set i % len(sets) for call i (bench/timing.py's step)."""
-    return lambda i: fn(*sets[i % len(sets)])
-
-
-def _graph_calls(sets) -> int:
-    """Calls per CUDA graph: about 200, whole rounds over the sets."""
-    return max(20, 200 // len(sets) * len(sets))
-
-
-def _graph_ms(fn, sets):
-    """Device ms per call of a CUDA graph of about 200 calls over the sets."""
-    return timing.graph_time_us(_rotating(fn, sets), _graph_calls(sets), reps=5, warmup=len(sets)) / 1e3
-
-
-def _prefill_calls(flops: int) -> int:
-    """Calls per method per interleaved round: about 100 ms of work at 700 TFLOP/s, 5 to 50."""
-    return max(5, min(50, int(100 / max(flops / 700e12 * 1e3, 1e-3))))
 
 
 def _quack():
@@ -116,21 +97,22 @@ def bench_shape(m, n, k, dtype, slope, bias, copy_gbs, quack, compile_peer, swee
     if decode and ready:
         # A CUDA graph per method, replays interleaved; a method that cannot be captured is timed eagerly.
         failed = {}
-        steps = {name: _rotating(fn, sets) for name, fn in ready.items()}
-        graph_us = timing.interleaved_graph_time_us(steps, _graph_calls(sets), rounds=7, warmup=len(sets),
+        steps = {name: gemm_sweep.rotating(fn, sets) for name, fn in ready.items()}
+        graph_us = timing.interleaved_graph_time_us(steps, gemm_sweep.graph_calls(sets), rounds=7, warmup=len(sets),
                                                     errors=failed)
         for name, fn in ready.items():
             if name in graph_us:
                 ms, how = graph_us[name] / 1e3, "graph"
             else:
                 print(f"  {name}: CUDA graph failed ({failed[name]}), timing eagerly")
-                ms, how = timing.event_time_us(_rotating(fn, sets), 200, reps=5) / 1e3, "events (graph failed)"
-            host = timing.enqueue_time_us(_rotating(fn, sets), calls=200, reps=1)
+                ms = timing.event_time_us(gemm_sweep.rotating(fn, sets), 200, reps=5) / 1e3
+                how = "events (graph failed)"
+            host = timing.enqueue_time_us(gemm_sweep.rotating(fn, sets), calls=200, reps=1)
             rows.append(dict(method=name, ms=ms, tflops=flops / ms / 1e9, host_us=host, timing=how,
                              weight_gbs=weight_bytes / ms / 1e6, pct_copy_ceiling=weight_bytes / ms / 1e4 / copy_gbs))
     elif ready:
-        steps = {name: _rotating(fn, sets) for name, fn in ready.items()}
-        for name, us in timing.interleaved_time_us(steps, _prefill_calls(flops), rounds=7).items():
+        steps = {name: gemm_sweep.rotating(fn, sets) for name, fn in ready.items()}
+        for name, us in timing.interleaved_time_us(steps, gemm_sweep.prefill_calls(flops), rounds=7).items():
             rows.append(dict(method=name, ms=us / 1e3, tflops=flops / us / 1e6, host_us=None, timing="events"))
     rows.sort(key=lambda r: list(methods).index(r["method"]))
     by = {r["method"]: r for r in rows if "ms" in r}
@@ -148,48 +130,8 @@ def bench_shape(m, n, k, dtype, slope, bias, copy_gbs, quack, compile_peer, swee
                   tile_n=cfg.tile_n, a_rows=cfg.a_rows, splits=cfg.splits, raster_group=cfg.raster_group,
                   methods=rows)
     if sweep:
-        result["sweep"] = _sweep(shape, sets, flops, sm, sweep_splits)
+        result["sweep"] = gemm_sweep.sweep(shape, sets, flops, sm, sweep_splits)
     return result
-
-
-def _sweep(shape, sets, flops, sm, splits=None):
-    """Every candidate config of the shape (glr.candidates: the tuner's search space), forced past
-    the heuristic; decode ones up to two waves of work units (more never won on the H200), with
-    split counts in `splits` (None: all) and only the fewest rows of A that hold M."""
-    m, n, k = shape.m, shape.n, shape.k
-    decode = shape.mode == "decode"
-    fewest = next((r for r in plan.A_ROWS if r >= m), None)
-    trials = [cfg for cfg in glr.candidates(shape, sm)
-              if not decode or (plan.output_tiles(cfg, m, n) * cfg.splits <= 2 * sm
-                                and (splits is None or cfg.splits in splits)
-                                and (cfg.tile_m != 64 or cfg.swap_ab or cfg.a_rows == fewest))]
-    glr.precompile(trials)
-    fns, rows = {}, {}
-    for cfg in trials:
-        rows[cfg] = dict(config=cfg.variant().key(), splits=cfg.splits, raster_group=cfg.raster_group)
-
-        def fn(a, w, b, o, cfg=cfg):
-            glr.run(a, w, b, o, cfg)
-        try:
-            fn(*sets[0])
-            torch.cuda.synchronize()
-            fns[cfg] = fn
-        except Exception as e:  # noqa: BLE001
-            rows[cfg]["error"] = f"{type(e).__name__}: {e}"[:300]
-    if decode:  # each in its own CUDA graph, next to the heuristic's cost model
-        times = {cfg: _graph_ms(fn, sets) for cfg, fn in fns.items()}
-        for cfg, row in rows.items():
-            row.update(tile_m=cfg.tile_m, tile_n=cfg.tile_n, a_rows=cfg.a_rows, swap_ab=cfg.swap_ab,
-                       model_us=plan.decode_cost(cfg, m, n, k, sm))
-    else:  # every trial timed in each round (timing.interleaved_time_us)
-        steps = {cfg: _rotating(fn, sets) for cfg, fn in fns.items()}
-        times = timing.interleaved_time_us(steps, _prefill_calls(flops), rounds=11)
-        times = {cfg: us / 1e3 for cfg, us in times.items()}
-    for cfg, ms in times.items():
-        rows[cfg].update(ms=ms, tflops=flops / ms / 1e9)
-    for row in rows.values():
-        print(f"    sweep {row}")
-    return list(rows.values())
 
 
 def _tile_name(key: str) -> str:

@@ -1,6 +1,6 @@
 """The gated GEMM (SwiGLU in one kernel) against what torch runs instead; writes gemm_swiglu.json + .md.
 
-    python bench/gemm_swiglu.py [--out bench/results] [--quick]
+    python bench/gemm_swiglu.py [--out bench/results] [--quick] [--sweep]
 
 out = silu(x @ gate^T) * (x @ up^T), bf16, on the MLP shapes (intermediate x hidden) of Qwen3-8B
 (12288 x 4096), Llama-3-8B and Mistral-7B (14336 x 4096) and Qwen2.5-7B (18944 x 3584), at
@@ -15,6 +15,8 @@ graphs replayed interleaved) and 1024, 8192 (prefill: CUDA events, methods inter
   on its two halves (what engines do without a fused kernel);
 - "stacked linear": that GEMM alone (the bar the epilogue is measured against).
 Every method's output is checked against a float32 computation of the same bf16 inputs.
+--sweep also times every decode config of the gated kernel (as bench/gemm_leakyrelu.py --sweep does),
+written as the JSON's "results" in the form tools/fit_gemm_decode.py fits (N counting gate and up rows).
 """
 from __future__ import annotations
 
@@ -28,10 +30,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import gemm_sweep  # noqa: E402
 import report  # noqa: E402
 import timing  # noqa: E402
 from report import fmt, measure  # noqa: E402
 import rosekernels  # noqa: E402
+from rosekernels.kernels import gemm_leakyrelu_plan as plan  # noqa: E402
 
 MODELS = {"qwen3-8b": (12288, 4096), "llama-3-8b / mistral-7b": (14336, 4096), "qwen2.5-7b": (18944, 3584)}
 DECODE_M = (1, 8, 16, 32, 64, 96, 128)
@@ -57,7 +61,19 @@ def methods(x, gate, up):
             "stacked linear": lambda: torch.matmul(x, stacked.t(), out=y)}
 
 
-def bench_shape(m, inter, hidden, rounds, errors):
+def sweep_shape(x, gate, up):
+    """Every decode config of the gated shape timed in a CUDA graph, the heuristic's marked."""
+    m, hidden = x.shape
+    shape = plan.GemmShape(m=m, n=2 * gate.shape[0], k=hidden, dtype="bf16", activation="silu", gated=True)
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    pick = plan.config_for(shape, sm)
+    out = torch.empty(m, gate.shape[0], device="cuda", dtype=x.dtype)
+    sets = [(x, rosekernels.gate_up_rows(gate, up), None, out)]
+    return {"m": m, "n": shape.n, "k": hidden, "gated": True, "config": pick.variant().key(), "splits": pick.splits,
+            "raster_group": pick.raster_group, "sweep": gemm_sweep.sweep(shape, sets, 2 * m * shape.n * hidden, sm)}
+
+
+def bench_shape(m, inter, hidden, rounds, errors, sweep=False):
     g = torch.Generator(device="cuda").manual_seed(m + inter)
     x = torch.randn(m, hidden, device="cuda", generator=g).to(torch.bfloat16)
     gate, up = ((torch.randn(inter, hidden, device="cuda", generator=g) * hidden ** -0.5).to(torch.bfloat16)
@@ -76,8 +92,11 @@ def bench_shape(m, inter, hidden, rounds, errors):
     else:
         us = timing.interleaved_time_us(steps, calls_per_round=5 if m > 2048 else 20, rounds=rounds)
     weights = 2 * inter * hidden * 2
-    return {"m": m, "inter": inter, "hidden": hidden, "us": us, "weight_gbs": weights / us["rosekernels"] / 1e3,
-            "speedup": {name: us[name] / us["rosekernels"] for name in METHODS[1:] if name in us}}
+    row = {"m": m, "inter": inter, "hidden": hidden, "us": us, "weight_gbs": weights / us["rosekernels"] / 1e3,
+           "speedup": {name: us[name] / us["rosekernels"] for name in METHODS[1:] if name in us}}
+    if sweep and m <= plan.DECODE_MAX_M:
+        row["sweep"] = sweep_shape(x, gate, up)
+    return row
 
 
 def markdown(env, rows, errors):
@@ -103,6 +122,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     report.add_out(ap)
     ap.add_argument("--quick", action="store_true", help="Qwen3-8B only, M = 1, 16, 128, 1024")
+    ap.add_argument("--sweep", action="store_true", help="also time every decode config of the gated kernel")
     args = ap.parse_args()
     report.require_gpu()
     t0 = time.time()
@@ -113,13 +133,17 @@ def main():
     errors, rows = [], []
     for inter, hidden in models.values():
         for m in ms:
-            row = measure(f"{m}x{inter}x{hidden}", lambda: bench_shape(m, inter, hidden, rounds, errors), errors)
+            row = measure(f"{m}x{inter}x{hidden}", lambda: bench_shape(m, inter, hidden, rounds, errors, args.sweep),
+                          errors)
             if row:
                 rows.append(row)
                 print(f"{m}x{inter}x{hidden}: " + ", ".join(f"{n} {fmt(s, 3)}x" for n, s in row["speedup"].items()),
                       flush=True)
             torch.cuda.empty_cache()
-    report.write(args.out, "gemm_swiglu", {"env": env, "rows": rows, "errors": errors}, markdown(env, rows, errors))
+    data = {"env": env, "rows": rows, "errors": errors}
+    if args.sweep:
+        data["results"] = [row.pop("sweep") for row in rows if "sweep" in row]
+    report.write(args.out, "gemm_swiglu", data, markdown(env, rows, errors))
     print(f"wrote gemm_swiglu.json and .md under {args.out} in {time.time() - t0:.0f} s")
 
 

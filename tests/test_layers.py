@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("sip", "rosekernels", "sip_tune", "bench")  # bottom up
-BENCH_SHARED = {"timing", "report", "charts"}
+BENCH_SHARED = {"timing", "report", "charts", "gemm_sweep"}
 
 
 def imports(path: Path) -> set[str]:

@@ -1,11 +1,13 @@
 """Fit the decode GEMM cost model (rosekernels.kernels.gemm_leakyrelu_plan.decode_cost) to a sweep.
 
-    python tools/fit_gemm_decode.py bench/results/gemm_leakyrelu_decode_broad.json.gz \
-        bench/results/gemm_leakyrelu_decode_fitted.json.gz
+    cd bench/results && python ../../tools/fit_gemm_decode.py gemm_leakyrelu_decode_broad.json.gz \
+        gemm_leakyrelu_decode_fitted.json.gz gemm_swiglu.json gemm_leakyrelu_decode_wide.json.gz \
+        gemm_leakyrelu_decode_wide_2.json.gz
+    python tools/fit_gemm_decode.py --current SWEEP...   # the plan module's picks as they stand
 
-A sweep is what `python bench/gemm_leakyrelu.py --sweep --sweep-splits 1,2,3,4,6,8 --shapes ...`
-writes: every decode config of each shape timed in a CUDA graph (each file's shapes are fitted as
-timed there: ratios within one run). Plain tiles of widths between the anchor widths (ANCHORS) take
+A sweep is what `python bench/gemm_leakyrelu.py --sweep --sweep-splits 1,2,3,4,6,8 --shapes ...` or
+`python bench/gemm_swiglu.py --sweep` (gated GEMMs) writes: every decode config of each shape timed
+in a CUDA graph (each file's shapes are fitted as timed there: ratios within one run). Plain tiles of widths between the anchor widths (ANCHORS) take
 the linear interpolation of the anchors' efficiencies, as decode_cost does. The model's parameters are found by
 minimising the time lost by its pick on each shape (a soft-min over the shape's configs, so the loss
 is smooth), plus a small weight on the log error of every prediction; each parameter is kept within
@@ -34,15 +36,19 @@ ANCHORS = {64: (64, 128, 256), 128: (32, 64, 128, 256)}  # plain tile widths wit
 
 
 def families_of(row: dict) -> list[tuple[tuple, float]]:
-    """(efficiency family, weight) pairs whose weighted sum is the config's efficiency."""
+    """(efficiency family, weight) pairs whose weighted sum is the config's efficiency. Families are
+    keyed as the plan module's _EFFICIENCY: (kind, tile_m, width of plain tiles), kind "swapped",
+    "plain" or "gated" (plain tiles of a gated GEMM: slower than plain ones of the same width in
+    every H200 sweep, 0.75x at 64 x 256)."""
     if row["swap_ab"]:
-        return [((True, row["tile_m"], None), 1.0)]
+        return [(("swapped", row["tile_m"], None), 1.0)]
+    kind = "gated" if row["gated"] else "plain"
     widths = ANCHORS[row["tile_m"]]
     w = min(max(row["tile_n"], widths[0]), widths[-1])
     if w in widths:
-        return [((False, row["tile_m"], w), 1.0)]
+        return [((kind, row["tile_m"], w), 1.0)]
     w0, w1 = next((a, b) for a, b in zip(widths, widths[1:]) if a < w < b)
-    return [((False, row["tile_m"], w0), (w1 - w) / (w1 - w0)), ((False, row["tile_m"], w1), (w - w0) / (w1 - w0))]
+    return [((kind, row["tile_m"], w0), (w1 - w) / (w1 - w0)), ((kind, row["tile_m"], w1), (w - w0) / (w1 - w0))]
 
 
 def features(m: int, n: int, k: int, row: dict) -> list[float]:
@@ -65,6 +71,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweeps", nargs="+", help="JSON written by bench/gemm_leakyrelu.py --sweep (.gz: compressed)")
     p.add_argument("--restarts", type=int, default=10)
+    p.add_argument("--current", action="store_true",
+                   help="fit nothing: print the picks of the plan module's decode_cost as it stands")
     args = p.parse_args()
     shapes, rows, runs = [], [], []
     for i, path in enumerate(args.sweeps):
@@ -74,7 +82,7 @@ def main() -> None:
             for row in result.get("sweep", []):
                 if "ms" in row and "swap_ab" in row:
                     shapes.append((result["m"], result["n"], result["k"]))
-                    rows.append(row)
+                    rows.append(dict(row, gated=result.get("gated", False)))
                     runs.append(i)
     families = sorted({f for r in rows for f, _ in families_of(r)}, key=str)
     fam = np.zeros((len(rows), len(families)))
@@ -107,6 +115,14 @@ def main() -> None:
             lost += np.dot(w / w.sum(), logy[g] - logy[g].min())
         return lost / len(groups) + 0.05 * np.mean((lp - logy) ** 2)
 
+    if args.current:
+        from rosekernels.kernels import gemm_leakyrelu_plan as plan
+        pred = np.array([plan.decode_cost(plan.GemmConfig(
+            tile_m=r["tile_m"], tile_n=r["tile_n"], a_rows=None if r["swap_ab"] else r["a_rows"], swap_ab=r["swap_ab"],
+            cluster_m=1, split_k=True, splits=r["splits"], gated=r["gated"], activation="silu" if r["gated"] else
+            "leaky_relu"), *s, SMS) for s, r in zip(shapes, rows)])
+        report_picks(pred, logy, by_shape)
+        return
     rng = np.random.default_rng(2)
     best = min((minimize(loss, rng.normal(0, 1, len(BOUNDS) + len(families)), method="Powell",
                          options=dict(maxiter=30000, xtol=1e-4, ftol=1e-7)) for _ in range(args.restarts)),
@@ -115,12 +131,18 @@ def main() -> None:
     for (name, _, _), v in zip(BOUNDS, vals):
         print(f"{name} = {v:.4g}")
     print("_EFFICIENCY = {" + ", ".join(f"{f}: {e:.2f}" for f, e in zip(families, eff)) + "}")
-    pred = predict(best.x)
+    report_picks(predict(best.x), logy, by_shape)
+
+
+def report_picks(pred, logy, by_shape) -> None:
+    """Per shape (and sweep file), the measured time of the config of least predicted time against
+    the fastest measured; then their mean and worst ratio."""
     lost = []
     for s, g in by_shape.items():
         pick = g[int(np.argmin(pred[g]))]
         lost.append(math.exp(logy[pick] - logy[g].min()))
-        print(f"{s[0]}x{s[1]}x{s[2]} (file {s[3] + 1}): pick {math.exp(logy[pick]):.1f} us, best {math.exp(logy[g].min()):.1f} us, "
+        print(f"{s[0]}x{s[1]}x{s[2]} (file {s[3] + 1}): pick {math.exp(logy[pick]):.1f} us, "
+              f"best {math.exp(logy[g].min()):.1f} us, "
               f"{lost[-1]:.3f}")
     print(f"pick / best: mean {np.mean(lost):.4f}, worst {max(lost):.3f} over {len(lost)} shapes")
 

@@ -30,8 +30,9 @@ the same kernel over a cache [B, S_max, Hkv, d] or a paged one [num_blocks, bloc
 block table, each sequence's key count read on the device after the PDL wait. A CTA loads only the
 tiles that hold keys of its sequence (none past its end: it still writes a neutral partial, lse -inf,
 which the combine weighs 0); a paged tile is loaded as boxes of page_rows rows, each inside one page
-(the page a TMA coordinate, its id read from the table once per box); the last tile's V rows past the
-length are zeroed in shared memory before P V (P is 0 there, but the cache may hold NaN).
+(the page a TMA coordinate; a tile's table entries are read while the previous tile loads); the last
+tile's V rows past the length are zeroed in shared memory before P V (P is 0 there, but the cache
+may hold NaN).
 
 Configs, the split-count model (`choose_splits`), the tuner's search space and the warm-up set are
 in attention_decode_plan.py (re-exported here). This module holds the device code, `compile(config)`,
@@ -293,12 +294,15 @@ class _DecodeAttentionSm90:
         row_sum.fill(0.0)
         O = _mn_view(acc_O)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        if cutlass.const_expr(self.cfg.paged):
+            # This warp's table entries of the next tile, read a tile ahead (as the producer does).
+            entries = cute.make_rmem_tensor(max(1, self.warp_keys // self.cfg.page_rows), Int32)
+            self.read_entries(entries, mTable, batch, t_begin * self.tile_n + ks * self.warp_keys, block_size)
         for i in cutlass.range(n_local, unroll=1):
             t = t_begin + i
             if cutlass.const_expr(self.cfg.paged):
-                # Read before the wait: the table entries' latency hides behind the K/V load.
-                bad = self.bad_boxes(mTable, batch, t * self.tile_n + ks * self.warp_keys, seqlen_k, block_size,
-                                     num_blocks)
+                bad = self.bad_boxes(entries, t * self.tile_n + ks * self.warp_keys, seqlen_k, num_blocks)
+                self.read_entries(entries, mTable, batch, (t + 1) * self.tile_n + ks * self.warp_keys, block_size)
             pipe.consumer_wait(state)
             if cutlass.const_expr(self.cfg.varlen):
                 self.clear_v_tail(sV, state.index, seqlen_k - t * self.tile_n, ks, lane)
@@ -363,17 +367,15 @@ class _DecodeAttentionSm90:
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
-    def bad_boxes(self, mTable, batch, first, seqlen_k, block_size, num_blocks) -> Int32:
-        """Paged: bit j set when box j of this warp's keys (from key `first` on, page_rows keys per box)
-        lies in a page whose block-table entry is outside [0, num_blocks); the producer loaded page 0
-        there instead and its keys are masked. Boxes past the sequence's keys read no entry."""
+    def bad_boxes(self, entries, first, seqlen_k, num_blocks) -> Int32:
+        """Paged: bit j set when box j of this warp's keys (from key `first` on, page_rows keys per box,
+        table entries `entries`) holds keys of the sequence and its entry is outside [0, num_blocks);
+        the producer loaded page 0 there instead and its keys are masked."""
         bad = Int32(0)
-        for j in cutlass.range_constexpr(max(1, self.warp_keys // self.cfg.page_rows)):
-            p = first + j * self.cfg.page_rows
-            if p < seqlen_k:
-                page = mTable[batch, p // block_size]
-                if page < 0 or page >= num_blocks:
-                    bad = bad | (1 << j)
+        for j in cutlass.range_constexpr(cute.size(entries)):
+            page = entries[j]
+            if first + j * self.cfg.page_rows < seqlen_k and (page < 0 or page >= num_blocks):
+                bad = bad | (1 << j)
         return bad
 
     @cute.jit
@@ -526,10 +528,10 @@ class _KVCacheDecodeSm90(_DecodeAttentionSm90):
     Paged (page_rows > 0): k/v [num_blocks, block_size, Hkv, d] (the TMA view (block_size, d, Hkv,
     num_blocks): a page is a coordinate, so any page stride TMA takes will do), key p of sequence b
     at row p % block_size of page table[b, p // block_size]. A tile is tile_n / page_rows boxes, each
-    inside one page (block_size is a multiple of page_rows), its page id read once per box. A box
-    past the sequence's keys reads no table entry, and one whose id is outside [0, num_blocks) is
-    not loaded from it: both load page 0 instead (memory of the cache, whatever the table holds)
-    and their keys are masked."""
+    inside one page (block_size is a multiple of page_rows), their page ids read a tile ahead. A box
+    past the sequence's keys, and one whose id is outside [0, num_blocks), is not loaded from its
+    page: both load page 0 instead (memory of the cache, whatever the table holds) and their keys
+    are masked."""
 
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, lse: cute.Tensor,
@@ -625,29 +627,42 @@ class _KVCacheDecodeSm90(_DecodeAttentionSm90):
         else:
             rows = self.cfg.page_rows
             box = (rows, self.d)
+            boxes = self.tile_n // rows
             # The ring as boxes: (rows, d, box of the tile, 1, stage).
             sKb, sVb = cute.flat_divide(sK, box), cute.flat_divide(sV, box)
+            # The table entries of the next tile, read one tile ahead: their latency hides behind the
+            # wait for a free stage instead of delaying each box's load.
+            entries = cute.make_rmem_tensor(boxes, Int32)
+            self.read_entries(entries, mTable, batch, t_begin * self.tile_n, block_size)
             for i in cutlass.range(n_local, unroll=1):
                 t = t_begin + i
+                pages, ats = [], []
+                for j in cutlass.range_constexpr(boxes):
+                    p = t * self.tile_n + j * rows  # the box's first key
+                    found = entries[j]
+                    ok = p < seqlen_k and found >= 0 and found < num_blocks
+                    pages.append(found if ok else 0)
+                    ats.append((p % block_size) // rows if ok else 0)  # the box's index in its page
+                self.read_entries(entries, mTable, batch, (t + 1) * self.tile_n, block_size)
                 pipe.producer_acquire(state)
                 bar = pipe.producer_get_barrier(state)
-                for j in cutlass.range_constexpr(self.tile_n // rows):
-                    p = t * self.tile_n + j * rows  # the box's first key
-                    page = Int32(0)
-                    at = Int32(0)  # the box's index in its page
-                    if p < seqlen_k:
-                        entry = p // block_size
-                        found = mTable[batch, entry]
-                        if found >= 0 and found < num_blocks:
-                            page = found
-                            at = (p - entry * block_size) // rows
-                    gK = cute.local_tile(mK[None, None, head_kv, page], box, (None, 0))
-                    gV = cute.local_tile(mV[None, None, head_kv, page], box, (None, 0))
+                for j in cutlass.range_constexpr(boxes):
+                    gK = cute.local_tile(mK[None, None, head_kv, pages[j]], box, (None, 0))
+                    gV = cute.local_tile(mV[None, None, head_kv, pages[j]], box, (None, 0))
                     tKsK, tKgK = tma_tiles(tma_atom_k, sKb, gK)
                     tVsV, tVgV = tma_tiles(tma_atom_v, sVb, gV)
-                    cute.copy(tma_atom_k, tKgK[None, at], tKsK[None, j, 0, state.index], tma_bar_ptr=bar)
-                    cute.copy(tma_atom_v, tVgV[None, at], tVsV[None, j, 0, state.index], tma_bar_ptr=bar)
+                    cute.copy(tma_atom_k, tKgK[None, ats[j]], tKsK[None, j, 0, state.index], tma_bar_ptr=bar)
+                    cute.copy(tma_atom_v, tVgV[None, ats[j]], tVsV[None, j, 0, state.index], tma_bar_ptr=bar)
                 state.advance()
+
+    @cute.jit
+    def read_entries(self, entries, mTable, batch, first, block_size):
+        """Paged: entries[j] = the block-table entry of the page holding key first + j * page_rows of
+        sequence `batch`, the column clamped to the table (keys past the sequence read a real entry,
+        which the caller ignores)."""
+        last = mTable.shape[1] - 1
+        for j in cutlass.range_constexpr(cute.size(entries)):
+            entries[j] = mTable[batch, cutlass.min((first + j * self.cfg.page_rows) // block_size, last)]
 
 
 # ---------------------------------------------------------------------------------------------

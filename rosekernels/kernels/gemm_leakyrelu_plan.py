@@ -69,26 +69,34 @@ SWAP_TILE_N = (8, 16, 32, 64, 96, 128)
 SWAP_TILE_M = (64, 128)
 MIN_SPLIT_K_TILES = 4  # k-tiles per split at least: shorter splits are mostly pipeline fill
 COUNTER_SLOTS = 4096  # split-K tile counters per stream: a split launch has at most this many tiles
-# The decode cost model (`decode_cost`), fitted (tools/fit_gemm_decode.py) to two H200 sweeps by
+# The decode cost model (`decode_cost`), fitted (tools/fit_gemm_decode.py) to five H200 sweeps by
 # minimising the time lost by the model's pick: 1,813 timed configs on 91 shapes (13 MLP and
 # attention-projection N x K of Llama-3-8B, Qwen3-8B and Qwen2.5-7B, M = 1-128;
-# bench/results/gemm_leakyrelu_decode_broad.md) and 34 shapes at M = 96 and 128 with the fitted
-# widths (those 13 N x K and 4 others; gemm_leakyrelu_decode_fitted.md). Its picks are within 1.5%
-# of each sweep's best on average, 14.5% at worst (128 x 12288 x 4096 of the first sweep).
+# bench/results/gemm_leakyrelu_decode_broad.md), 34 shapes at M = 96 and 128 with the fitted widths
+# (gemm_leakyrelu_decode_fitted.md), the gated (SwiGLU) GEMMs of those three models at M = 1-128
+# (21 shapes, gemm_swiglu.md) and 10 wide-N non-gated shapes (gemm_leakyrelu_decode_wide*.md). Its
+# picks are within 1.6% of each sweep's best on average (1.4% on the first two), 14% at worst; the
+# constants before the gated sweep lost 16% on average on the gated shapes (plain 64 x 256 tiles,
+# which stream 25% slower gated than not).
 _DRAM_BW = 3.9e6  # bytes per us: the whole GPU streaming weights (measured, not fitted)
-_SM_BW = 5.58e4  # bytes per us one SM streams, times the tile family's efficiency below
-_MMA_RATE = 2.48e6  # multiply-adds per us per SM
-_WAVE_US = 2.94  # fixed cost per unit a CTA runs in sequence (pipeline fill, epilogue)
-_SPLIT_US = 2.38  # fixed cost of a plain split-K launch
-_SPLIT_SWAPPED_US = 1.06  # and of a swapped one
-_PARTIALS_BW = 3.50e4  # bytes per us the last split reads partials at
-_EFFICIENCY = {  # (swapped, tile_m, tile_n of plain tiles): weight-streaming efficiency (_efficiency)
-    (False, 64, 64): 0.94, (False, 64, 128): 1.53, (False, 64, 256): 1.17,
-    (False, 128, 32): 0.41, (False, 128, 64): 0.49, (False, 128, 128): 0.69, (False, 128, 256): 1.22,
-    (True, 64, None): 0.93, (True, 128, None): 1.60,
+_SM_BW = 3.746e4  # bytes per us one SM streams, times the tile family's efficiency below
+_MMA_RATE = 2.388e6  # multiply-adds per us per SM
+_WAVE_US = 2.547  # fixed cost per unit a CTA runs in sequence (pipeline fill, epilogue)
+_SPLIT_US = 3.226  # fixed cost of a plain split-K launch
+_SPLIT_SWAPPED_US = 1.425  # and of a swapped one
+_PARTIALS_BW = 3.029e4  # bytes per us the last split reads partials at
+# Weight-streaming efficiency per tile family (_efficiency): (kind, tile_m, width of plain tiles),
+# kind "plain", "gated" (plain tiles of a gated GEMM) or "swapped" (gated or not: the same speed).
+_EFFICIENCY = {
+    ("plain", 64, 64): 1.33, ("plain", 64, 128): 1.60, ("plain", 64, 256): 1.60,
+    ("plain", 128, 32): 0.61, ("plain", 128, 64): 0.75, ("plain", 128, 128): 1.45, ("plain", 128, 256): 1.60,
+    ("gated", 64, 64): 0.97, ("gated", 64, 128): 0.77, ("gated", 64, 256): 0.75,
+    ("gated", 128, 64): 1.00, ("gated", 128, 128): 1.58, ("gated", 128, 256): 0.68,
+    ("swapped", 64, None): 1.33, ("swapped", 128, None): 1.53,
 }
-_PLAIN_EFFICIENCY = {tile_m: sorted((w, e) for (swap, tm, w), e in _EFFICIENCY.items() if not swap and tm == tile_m)
-                     for tile_m in (64, 128)}  # (width, efficiency) anchors per tile height
+_PLAIN_EFFICIENCY = {  # (kind, tile_m): the (width, efficiency) anchors of plain tiles
+    (kind, tile_m): sorted((w, e) for (k, tm, w), e in _EFFICIENCY.items() if (k, tm) == (kind, tile_m))
+    for kind in ("plain", "gated") for tile_m in (64, 128)}
 
 
 
@@ -288,8 +296,8 @@ def _efficiency(config: GemmConfig) -> float:
     """The weight-streaming efficiency of a tile family (_EFFICIENCY); plain widths between the
     fitted ones are interpolated linearly, those outside take the nearest fitted one."""
     if config.swap_ab:
-        return _EFFICIENCY[(True, config.tile_m, None)]
-    fitted = _PLAIN_EFFICIENCY[config.tile_m]
+        return _EFFICIENCY[("swapped", config.tile_m, None)]
+    fitted = _PLAIN_EFFICIENCY[("gated" if config.gated else "plain", config.tile_m)]
     w = min(max(config.tile_n, fitted[0][0]), fitted[-1][0])
     (w0, e0), (w1, e1) = next((a, b) for a, b in zip(fitted, fitted[1:]) if w <= b[0])
     return e0 + (e1 - e0) * (w - w0) / (w1 - w0)
