@@ -6,6 +6,7 @@
     python bench/attention.py --decode-only --split-sweep    # + our kernel over forced KV split counts
     python bench/attention.py --sweep                        # candidate configs on the prefill problem shapes
     python bench/attention.py --kvcache                      # decode over a KV cache: contiguous and paged
+    python bench/attention.py --varlen                       # packed sequences against the dense kernel and FA4
 
 TFLOP/s = 4 * B * Hq * S_q * S_kv * d / time, halved when causal. Each timing: warm-up, then one CUDA
 event pair per launch, median; the inputs rotate over enough copies to exceed the 50 MB L2. Every
@@ -213,7 +214,7 @@ def sweep(shapes, iters, peers):
 
             def run(i, kernel=kernel, launch=launch, lse=lse):
                 q, k, v, out = sets[i]
-                kernel.fn(q, k, v, out, lse, scale_log2, *launch)
+                kernel.fn(q, k, v, out, lse, scale_log2, *launch, *A.NOT_VARLEN)
                 return out
 
             name = _config_name(cfg)
@@ -445,6 +446,97 @@ def markdown_kvcache(rows, gpu):
     return "\n".join(out + ([""] + errs if errs else []))
 
 
+def varlen_shapes(quick=False):
+    if quick:
+        return [dict(b=8, s=2048, hq=32, hkv=8, d=128, causal=True)]
+    return [dict(b=b, s=s, hq=32, hkv=8, d=d, causal=c) for d in (128, 64) for c in (False, True)
+            for b in (1, 8, 32) for s in (1024, 4096, 16384) if b * s <= 65536]
+
+
+def _fa4_varlen():
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    from flash_attn.cute.interface import flash_attn_varlen_func
+
+    return lambda q, k, v, cu, s_max, causal: _first(flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=s_max, max_seqlen_k=s_max, causal=causal))
+
+
+def bench_varlen(shape, fa4):
+    """One varlen row: B sequences of S tokens through the dense kernel ([B, S, H, d]) and through
+    attention_varlen (the same tokens packed: issue 19's bar is within 3% of the dense kernel), then B
+    sequences of ragged lengths (uniform in [S/4, 7S/4], the same tokens in total) through
+    attention_varlen and FA4's varlen kernel. Timed interleaved with CUDA events, inputs rotated past
+    the L2; outputs compared (equal lengths: with the dense kernel's, bitwise; ragged: with FA4's)."""
+    b, s, hq, hkv, d, causal = (shape[x] for x in ("b", "s", "hq", "hkv", "d", "causal"))
+    g = torch.Generator(device="cuda").manual_seed(b * s + d + causal)
+    tokens = b * s
+    copies = max(1, math.ceil(60e6 / (tokens * (hq + 2 * hkv) * d * 2)))
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=g).to(torch.bfloat16)
+
+    sets = [(randn(tokens, hq, d), randn(tokens, hkv, d), randn(tokens, hkv, d)) for _ in range(copies)]
+    equal = torch.arange(0, tokens + 1, s, dtype=torch.int32, device="cuda")
+    # Ragged, the same tokens: weights uniform in [1/4, 7/4], scaled to the total; the last takes the rest.
+    w = torch.rand(b, generator=torch.Generator().manual_seed(b + s)) * 1.5 + 0.25
+    lengths = (w / w.sum() * tokens).long()
+    lengths[-1] += tokens - int(lengths.sum())
+    ragged = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(torch.int32).cuda()
+    r_max = int(lengths.max())
+    runs = {"dense": lambda q, k, v: rosekernels.attention(q.view(b, s, hq, d), k.view(b, s, hkv, d),
+                                                          v.view(b, s, hkv, d), causal=causal),
+            "varlen, equal": lambda q, k, v: rosekernels.attention_varlen(q, k, v, equal, equal, s, s,
+                                                                          causal=causal),
+            "varlen, ragged": lambda q, k, v: rosekernels.attention_varlen(q, k, v, ragged, ragged, r_max,
+                                                                           r_max, causal=causal)}
+    if fa4 is not None:
+        runs["fa4 varlen, ragged"] = lambda q, k, v: fa4(q, k, v, ragged, r_max, causal)
+    row, errors = dict(shape, lengths=lengths.tolist()), {}
+    first = sets[0]
+    dense = runs["dense"](*first).reshape(tokens, hq, d)
+    if not torch.equal(runs["varlen, equal"](*first), dense):
+        errors["varlen, equal"] = "differs from the dense kernel's output"
+    if fa4 is not None:
+        try:
+            diff = (runs["varlen, ragged"](*first).float() - runs["fa4 varlen, ragged"](*first).float()).abs().max()
+            row["ragged maxdiff vs fa4"] = diff.item()
+            if not diff <= 2e-2:
+                errors["varlen, ragged"] = f"max |diff| {diff.item():.3g} against FA4"
+        except Exception as e:  # noqa: BLE001 - a broken peer is recorded, not fatal
+            errors["fa4 varlen, ragged"] = f"{type(e).__name__}: {e}"[:300]
+    steps = {name: (lambda i, run=run: run(*sets[i % len(sets)]))
+             for name, run in runs.items() if name not in errors}
+    flops = 4 * hq * d * int((lengths ** 2).sum()) * (0.5 if causal else 1.0)
+    calls = max(3, min(50, int(50e-3 / max(flops / 600e12, 1e-6))))
+    row["us"] = timing.interleaved_time_us(steps, calls_per_round=calls, rounds=7)
+    if "dense" in row["us"] and "varlen, equal" in row["us"]:
+        row["equal vs dense"] = row["us"]["varlen, equal"] / row["us"]["dense"]
+    if "varlen, ragged" in row["us"] and "fa4 varlen, ragged" in row["us"]:
+        row["ragged speedup vs fa4"] = row["us"]["fa4 varlen, ragged"] / row["us"]["varlen, ragged"]
+    row["errors"] = errors
+    return row
+
+
+def markdown_varlen(rows, gpu, unavailable):
+    out = [f"# attention over packed sequences (varlen), {gpu}", "",
+           "bf16, Hq/Hkv 32/8. Equal: B sequences of S tokens, packed, against the dense kernel on "
+           "[B, S, H, d] (issue 19's bar: within 3%). Ragged: the same tokens in B sequences of about S/4 to "
+           "7S/4, against FA4's varlen kernel. us per call, CUDA events, methods interleaved, inputs "
+           "rotated past the L2.", "",
+           "| d | causal | B | S | dense us | varlen equal us | equal / dense | varlen ragged us | FA4 ragged us "
+           "| vs FA4 |", "|---" * 10 + "|"]
+    for r in rows:
+        us = r["us"]
+        cell = (lambda n: f"{us[n]:.1f}" if n in us else "err")
+        out.append(f"| {r['d']} | {r['causal']} | {r['b']} | {r['s']} | {cell('dense')} | "
+                   f"{cell('varlen, equal')} | {r.get('equal vs dense', math.nan):.3f} | {cell('varlen, ragged')} | "
+                   f"{cell('fa4 varlen, ragged')} | {r.get('ragged speedup vs fa4', math.nan):.3f}x |")
+    errs = [f"- d={r['d']} causal={r['causal']} B={r['b']} S={r['s']} {n}: {e}" for r in rows
+            for n, e in r["errors"].items()]
+    notes = [""] + [f"- {u}" for u in unavailable] if unavailable else []
+    return "\n".join(out + ([""] + errs if errs else []) + notes)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     report.add_out(ap)
@@ -454,10 +546,23 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="candidate configs (tiles, grid) on the prefill problem shapes")
     ap.add_argument("--kvcache", action="store_true",
                     help="decode over a KV cache only: the dense kernel, a contiguous cache and paged ones")
+    ap.add_argument("--varlen", action="store_true",
+                    help="packed sequences only: equal lengths against the dense kernel, ragged ones against FA4")
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args()
     report.require_gpu()
     torch.backends.cuda.matmul.allow_tf32 = False
+    if args.varlen:
+        env, unavailable = report.environment(("flash_attn",)), []
+        fa4 = report.try_peer("fa4", _fa4_varlen, unavailable)
+        A.precompile(A.varlen_variants_for() + A.variants_for())
+        rows = []
+        for shape in varlen_shapes(args.quick):
+            rows.append(bench_varlen(shape, fa4))
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "lengths"}), flush=True)
+        report.write(args.out, "attention_varlen", {"environment": env, "unavailable": unavailable,
+                                                    "rows": rows}, markdown_varlen(rows, env["gpu"], unavailable))
+        return
     if args.kvcache:
         env = report.environment()
         rows = []

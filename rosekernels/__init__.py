@@ -16,6 +16,9 @@ Ops (torch tensors in, torch tensors out; each JIT-specialized per shape, dtype 
     attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)
                                                    decode attention over a KV cache (contiguous or paged,
                                                    per-sequence lengths on the device; graph-capturable)
+    attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
+                                                   prefill attention over packed sequences of different
+                                                   lengths (cumulative lengths on the device)
     warmup(specs=(), model=None)                   compile what a model (or a list of specs) needs ahead of
                                                    the first call, and load SIP-tuned cubins
 
@@ -23,8 +26,8 @@ Ops (torch tensors in, torch tensors out; each JIT-specialized per shape, dtype 
 CuTeDSL takes seconds); `dir(rosekernels)` lists them without loading anything.
 
 torch.ops.rosekernels.* are the out-variant custom ops behind them (qk_norm, rmsnorm, moe_dispatch,
-moe_combine, gemm, gemm_leakyrelu, attention_fwd, attention_decode, attention_with_kvcache): they write into output tensors the
-caller passes and return nothing. torch.compile and CUDA-graph capture go through them; eager calls of
+moe_combine, gemm, gemm_leakyrelu, attention_fwd, attention_decode, attention_with_kvcache,
+attention_varlen_fwd): they write into output tensors the caller passes and return nothing. torch.compile and CUDA-graph capture go through them; eager calls of
 the functions above skip the torch dispatcher. Call the functions above, not the custom ops.
 """
 import importlib
@@ -41,7 +44,7 @@ KERNELS = {name: f"rosekernels.kernels.{name}" for name in (
 # function once imported.
 _EXPORTS = {**KERNELS, "attention": "rosekernels.ops.attention", "warmup": "rosekernels.startup",
             "gemm": KERNELS["gemm_leakyrelu"], "gate_up_rows": KERNELS["gemm_leakyrelu"],
-            "attention_with_kvcache": "rosekernels.ops.kvcache"}
+            "attention_with_kvcache": "rosekernels.ops.kvcache", "attention_varlen": "rosekernels.ops.varlen"}
 
 __all__ = sorted(_EXPORTS)
 

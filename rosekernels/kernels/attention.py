@@ -4,7 +4,10 @@
 
 q [B, S_q, Hq, d], k/v [B, S_kv, Hkv, d] (Hq a multiple of Hkv: GQA/MQA), bf16 or fp16, d in {64, 128}.
 Causal masking is aligned bottom-right (query i sees keys j <= i + S_kv - S_q); a query row that sees
-no key gets out = 0 and lse = -inf. The LSE output is [B, Hq, S_q] fp32, natural log. No varlen.
+no key gets out = 0 and lse = -inf. The LSE output is [B, Hq, S_q] fp32, natural log. Varlen configs
+(rosekernels.attention_varlen) take packed sequences instead: q/k/v [1, total, H, d], each sequence's
+rows from cumulative lengths read on the device, its tiles' loads offset to its first row and its O
+rows copied out of the slab one by one (a TMA store of 64 rows would run into the next sequence).
 `attention()` sends short queries (S_q <= 16) to the split-KV kernel of
 rosekernels/kernels/attention_decode.py; this kernel serves the rest.
 
@@ -194,7 +197,10 @@ class _FlashAttentionSm90:
 
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, lse: cute.Tensor,
-                 scale_log2: Float32, tile_counter: cute.Tensor, num_ctas: Int32, stream):
+                 scale_log2: Float32, tile_counter: cute.Tensor, num_ctas: Int32, cu_seqlens_q, cu_seqlens_k,
+                 max_seqlen_q, max_seqlen_k, stream):
+        """Dense: cu_seqlens_* and max_seqlen_* are None. Varlen: q/k/v/out are the packed tokens
+        [1, total, H, d], lse [1, Hq, total_q], cu_seqlens_* [B + 1] int32, max_seqlen_* Int32."""
         # [B, S, H, d] -> (S, d, H, B): the tile modes first, as TMA and local_tile want them.
         mQ, mK, mV, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
                           for t in (q, k, v, o)]
@@ -245,6 +251,8 @@ class _FlashAttentionSm90:
         self.kernel(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o, mLSE, tile_counter,
             scale_log2, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv, tiled_mma_o,
+            mO if cutlass.const_expr(self.cfg.varlen) else None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            max_seqlen_k,
         ).launch(
             grid=[num_ctas, 1, 1],
             block=[self.num_threads, 1, 1],
@@ -265,6 +273,7 @@ class _FlashAttentionSm90:
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tiled_mma_o: cute.TiledMma,
+        mOmem, mCuQ, mCuK, max_seqlen_q, max_seqlen_k,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -303,22 +312,42 @@ class _FlashAttentionSm90:
         sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         sNext = storage.next_tile.get_tensor(cute.make_layout(2))
 
-        tiles = _Tiles.make(self.cfg, mQ.shape[0], mK.shape[0], mQ.shape[2], mK.shape[2], mQ.shape[3])
+        if cutlass.const_expr(self.cfg.varlen):
+            tiles = _Tiles.make(self.cfg, max_seqlen_q, max_seqlen_k, mQ.shape[2], mK.shape[2], mCuQ.shape[0] - 1)
+        else:
+            tiles = _Tiles.make(self.cfg, mQ.shape[0], mK.shape[0], mQ.shape[2], mK.shape[2], mQ.shape[3])
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.load_regs)
             if warp_idx == 0:
                 self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
-                          pipe_q, pipe_k, pipe_v, pipe_tile, sNext, tile_counter, tiles, bidx, num_ctas)
+                          pipe_q, pipe_k, pipe_v, pipe_tile, sNext, tile_counter, tiles, bidx, num_ctas, mCuQ, mCuK)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.mma(tidx - 128, mO, mLSE, sQ, sK, sV, sO, tma_atom_o, pipe_q, pipe_k, pipe_v, pipe_tile, sNext,
                      tiled_mma_qk, tiled_mma_pv, tiled_mma_o, scale_log2, tiles, bidx,
-                     mQ.shape[0], mK.shape[0])
+                     mQ.shape[0], mK.shape[0], mOmem, mCuQ, mCuK)
+
+    @cute.jit
+    def sequence(self, batch, seqlen_q, seqlen_k, mCuQ, mCuK):
+        """(batch index of the views, first query row, S_q, first key row, S_kv) of a tile's sequence:
+        varlen, its slice of the packed tokens (the views hold one batch; seqlen_q / seqlen_k are
+        the token counts), each bound clamped into [0, tokens] so that no cumulative length,
+        whatever it holds, makes a load or a store leave the tensors; else the whole dims."""
+        if cutlass.const_expr(self.cfg.varlen):
+            first_q = cutlass.min(cutlass.max(mCuQ[batch], 0), seqlen_q)
+            end_q = cutlass.min(cutlass.max(mCuQ[batch + 1], first_q), seqlen_q)
+            first_k = cutlass.min(cutlass.max(mCuK[batch], 0), seqlen_k)
+            end_k = cutlass.min(cutlass.max(mCuK[batch + 1], first_k), seqlen_k)
+            return 0, first_q, end_q - first_q, first_k, end_k - first_k
+        return batch, 0, seqlen_q, 0, seqlen_k
 
     @cute.jit
     def n_blocks(self, m_block, seqlen_q, seqlen_k):
         """The number of KV tiles a query tile reads (0: causal, every row sees no key)."""
         n_block_max = (seqlen_k + self.tile_n - 1) // self.tile_n
+        if cutlass.const_expr(self.cfg.varlen):
+            # The grid has max_seqlen_q's m blocks per sequence: those past this one's queries idle.
+            n_block_max = 0 if m_block * self.tile_m >= seqlen_q else n_block_max
         if cutlass.const_expr(self.causal):
             # Keys past the diagonal of the tile's last valid row are never needed.
             last_row = cutlass.min((m_block + 1) * self.tile_m, seqlen_q)
@@ -328,7 +357,7 @@ class _FlashAttentionSm90:
 
     @cute.jit
     def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v,
-             pipe_q, pipe_k, pipe_v, pipe_tile, sNext, tile_counter, tiles, bidx, num_ctas):
+             pipe_q, pipe_k, pipe_v, pipe_tile, sNext, tile_counter, tiles, bidx, num_ctas, mCuQ, mCuK):
         head_ratio = mQ.shape[2] // mK.shape[2]
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
@@ -336,11 +365,12 @@ class _FlashAttentionSm90:
         tile = bidx
         while tile < tiles.total:
             m_block, head, batch = tiles.coords(tile)
-            n_block_max = self.n_blocks(m_block, mQ.shape[0], mK.shape[0])
+            view, first_q, seqlen_q, first_k, seqlen_k = self.sequence(batch, mQ.shape[0], mK.shape[0], mCuQ, mCuK)
+            n_block_max = self.n_blocks(m_block, seqlen_q, seqlen_k)
             if n_block_max > 0:
                 q_state, kv_state = self.load_tile(
                     mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v, pipe_q, pipe_k, pipe_v,
-                    q_state, kv_state, m_block, head, head // head_ratio, batch, n_block_max)
+                    q_state, kv_state, m_block, head, head // head_ratio, view, n_block_max, first_q, first_k)
             # The next tile: past the first one per CTA, claimed from the counter. The claim that
             # draws the launch's last number (every CTA draws one past the end) zeroes the counter
             # for the next launch.
@@ -361,11 +391,17 @@ class _FlashAttentionSm90:
 
     @cute.jit
     def load_tile(self, mQ, mK, mV, sQ, sK, sV, tma_atom_q, tma_atom_k, tma_atom_v, pipe_q, pipe_k, pipe_v,
-                  q_state, state, m_block, head, head_kv, batch, n_block_max):
-        """Issue one tile's loads; returns the advanced (Q, K/V) pipeline states."""
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.d), (m_block, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
+                  q_state, state, m_block, head, head_kv, batch, n_block_max, first_q, first_k):
+        """Issue one tile's loads; returns the advanced (Q, K/V) pipeline states. Varlen: the tiles
+        start at the sequence's first query and key row (rows past its end are the next sequence's
+        or zero-filled past the tokens: masked, or never stored)."""
+        mQh, mKh, mVh = mQ[None, None, head, batch], mK[None, None, head_kv, batch], mV[None, None, head_kv, batch]
+        if cutlass.const_expr(self.cfg.varlen):
+            mQh = cute.domain_offset((first_q, 0), mQh)
+            mKh, mVh = cute.domain_offset((first_k, 0), mKh), cute.domain_offset((first_k, 0), mVh)
+        gQ = cute.local_tile(mQh, (self.tile_m, self.d), (m_block, 0))
+        gK = cute.local_tile(mKh, (self.tile_n, self.d), (None, 0))
+        gV = cute.local_tile(mVh, (self.tile_n, self.d), (None, 0))
         tQsQ, tQgQ = tma_tiles(tma_atom_q, sQ, gQ)
         tKsK, tKgK = tma_tiles(tma_atom_k, sK, gK)
         tVsV, tVgV = tma_tiles(tma_atom_v, sV, gV)
@@ -414,7 +450,8 @@ class _FlashAttentionSm90:
 
     @cute.jit
     def mma(self, tidx, mO, mLSE, sQ, sK, sV, sO, tma_atom_o, pipe_q, pipe_k, pipe_v, pipe_tile, sNext,
-            tiled_mma_qk, tiled_mma_pv, tiled_mma_o, scale_log2, tiles, bidx, seqlen_q, seqlen_k):
+            tiled_mma_qk, tiled_mma_pv, tiled_mma_o, scale_log2, tiles, bidx, dense_seqlen_q, dense_seqlen_k,
+            mOmem, mCuQ, mCuK):
         wg = cute.arch.make_warp_uniform(tidx // 128)
         wg_mma_qk = tiled_mma_qk.get_slice(wg * 128)
         wg_mma_pv = tiled_mma_pv.get_slice(wg * 128)
@@ -455,6 +492,8 @@ class _FlashAttentionSm90:
         tile = bidx
         while tile < tiles.total:
             m_block, head, batch = tiles.coords(tile)
+            view, first_q, seqlen_q, first_k, seqlen_k = self.sequence(batch, dense_seqlen_q, dense_seqlen_k,
+                                                                       mCuQ, mCuK)
             n_block_max = self.n_blocks(m_block, seqlen_q, seqlen_k)
             row_max.fill(-Float32.inf)
             row_sum.fill(0.0)
@@ -469,7 +508,7 @@ class _FlashAttentionSm90:
                     q_state, kv_state = self.idle_mainloop(q_state, kv_state, n_block_max, pipe_q, pipe_k,
                                                            pipe_v, wg)
             self.epilogue(acc_O, row_max, row_sum, scale_log2, mO, mLSE, sO, tma_atom_o, tiled_mma_o,
-                          thr_mma_pv, tidx, wg, m_block, head, batch, seqlen_q)
+                          thr_mma_pv, tidx, wg, m_block, head, view, seqlen_q, mOmem, first_q)
             pipe_tile.consumer_wait(tile_state)
             tile = sNext[tile_state.index]
             pipe_tile.consumer_release(tile_state)
@@ -709,7 +748,10 @@ class _FlashAttentionSm90:
 
     @cute.jit
     def epilogue(self, acc_O, row_max, row_sum, scale_log2, mO, mLSE, sO, tma_atom_o, tiled_mma_o,
-                 thr_mma_pv, tidx, wg, m_block, head, batch, seqlen_q):
+                 thr_mma_pv, tidx, wg, m_block, head, batch, seqlen_q, mOmem, first_q):
+        """O / rowsum and the LSE of the rows < seqlen_q. Dense: O through this warpgroup's slab and a
+        TMA store (clipped at S_q). Varlen: the slab's rows < seqlen_q copied out in 16-byte vectors
+        (a TMA store of 64 rows would overwrite the next sequence's)."""
         O = _rows_view(acc_O)
         tOcO = _rows_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.d))))
         lse = cute.make_rmem_tensor(cute.size(O, mode=[0]), Float32)
@@ -728,7 +770,10 @@ class _FlashAttentionSm90:
             for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
                 row = m_block * self.tile_m + tOcO[r, 0][0]
                 if row < seqlen_q:
-                    mLSE[row, head, batch] = lse[r]
+                    if cutlass.const_expr(self.cfg.varlen):
+                        mLSE[first_q + row, head, batch] = lse[r]
+                    else:
+                        mLSE[row, head, batch] = lse[r]
 
         # O -> this warpgroup's shared-memory slab (stmatrix) -> one TMA store of its 64 rows, left
         # in flight: the slab is only rewritten by the next tile's epilogue, after waiting for it.
@@ -736,36 +781,70 @@ class _FlashAttentionSm90:
         _convert(acc_O, rO)
         sO_wg = sO[None, None, wg]
         store_warp = tidx % 128 < 32
-        if store_warp:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if cutlass.const_expr(not self.cfg.varlen):
+            if store_warp:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.barrier(barrier_id=_BAR_EPILOGUE + wg, number_of_threads=128)
         smem_copy = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
                                         self.dtype)
         thr_copy = cute.make_tiled_copy_C(smem_copy, tiled_mma_o).get_slice(tidx % 128)
         cute.copy(smem_copy, thr_copy.retile(rO), thr_copy.partition_D(sO_wg))
-        cute.arch.fence_view_async_shared()  # make the stores visible to the TMA (async proxy)
-        cute.arch.barrier(barrier_id=_BAR_EPILOGUE + wg, number_of_threads=128)
         row_block = m_block * self.num_mma_wg + wg
-        if store_warp and row_block * 64 < seqlen_q:
-            gO = cute.local_tile(mO[None, None, head, batch], (64, self.d), (row_block, 0))
-            tOsO, tOgO = tma_tiles(tma_atom_o, sO_wg, gO)
-            cute.copy(tma_atom_o, tOsO, tOgO)
-            cute.arch.cp_async_bulk_commit_group()
+        if cutlass.const_expr(self.cfg.varlen):
+            cute.arch.barrier(barrier_id=_BAR_EPILOGUE + wg, number_of_threads=128)
+            self.store_rows(sO_wg, mOmem, tidx % 128, head, first_q, row_block, seqlen_q)
+        else:
+            cute.arch.fence_view_async_shared()  # make the stores visible to the TMA (async proxy)
+            cute.arch.barrier(barrier_id=_BAR_EPILOGUE + wg, number_of_threads=128)
+            if store_warp and row_block * 64 < seqlen_q:
+                gO = cute.local_tile(mO[None, None, head, batch], (64, self.d), (row_block, 0))
+                tOsO, tOgO = tma_tiles(tma_atom_o, sO_wg, gO)
+                cute.copy(tma_atom_o, tOsO, tOgO)
+                cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def store_rows(self, sO_wg, mOmem, t, head, first_q, row_block, seqlen_q):
+        """Varlen: rows row_block * 64 + i < seqlen_q of a warpgroup's (64, d) slab to out, 16 bytes
+        per thread and copy, d / 8 threads per row."""
+        per_row = self.d // 8
+        copy = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
+            cute.make_ordered_layout((128 // per_row, per_row), order=(1, 0)), cute.make_layout((1, 8)))
+        thr = copy.get_slice(t)
+        gO = cute.local_tile(cute.domain_offset((first_q, 0), mOmem[None, None, head, 0]), (64, self.d),
+                             (row_block, 0))
+        tS = thr.partition_S(sO_wg)
+        tD = thr.partition_D(gO)
+        tC = thr.partition_D(cute.make_identity_tensor((64, self.d)))
+        for i in cutlass.range_constexpr(cute.size(tS, mode=[1])):
+            if row_block * 64 + tC[0, i, 0][0] < seqlen_q:
+                cute.copy(copy, tS[None, i, None], tD[None, i, None])
 
 
 # ---------------------------------------------------------------------------------------------
 # Host side.
 
 
+# What a dense launch passes for the varlen arguments (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+# max_seqlen_k): nothing, compiled in as such.
+NOT_VARLEN = (None, None, None, None)
+
+
 def _build(cfg: AttentionConfig):
     counter = make_fake_compact_tensor(Int32, (1,), stride_order=(0,), assumed_align=4)
-    args = (*fake_qkv_out_lse(cfg.dtype, cfg.head_dim), Float32(1.0), counter, Int32(1),
+    varlen = NOT_VARLEN
+    if cfg.varlen:
+        cu_q, cu_k = (make_fake_compact_tensor(Int32, (cute.sym_int(),), stride_order=(0,), assumed_align=4)
+                      for _ in range(2))
+        varlen = (cu_q, cu_k, Int32(1), Int32(1))
+    args = (*fake_qkv_out_lse(cfg.dtype, cfg.head_dim), Float32(1.0), counter, Int32(1), *varlen,
             make_fake_stream(use_tvm_ffi_env_stream=True))
     return _FlashAttentionSm90(cfg), args
 
 
 def compile(config: AttentionConfig) -> jit.CompiledKernel:  # noqa: A001 - the contract's name
-    """The loaded kernel of one config: fn(q, k, v, out, lse, scale_log2, *launch_args(...))."""
+    """The loaded kernel of one config: fn(q, k, v, out, lse, scale_log2, *launch_args(...), *NOT_VARLEN)
+    (varlen: the cumulative lengths and maxima instead: `VarlenLaunch`)."""
     return jit.compile_variant(config.variant(), lambda: _build(config))
 
 
@@ -804,7 +883,7 @@ def _inputs(cfg: AttentionConfig, batch: int, seqlen: int, heads_q: int, heads_k
     q, k, v = randn(batch, seqlen, heads_q, d), randn(batch, seqlen, heads_kv, d), randn(batch, seqlen, heads_kv, d)
     out = torch.full_like(q, math.nan)
     lse = torch.full((batch, heads_q, seqlen), math.nan, device=device)
-    return (q, k, v, out, lse, (1.0 / math.sqrt(d)) * LOG2_E, *launch_args(cfg, q))
+    return (q, k, v, out, lse, (1.0 / math.sqrt(d)) * LOG2_E, *launch_args(cfg, q), *NOT_VARLEN)
 
 
 def workload(config: AttentionConfig, shape: AttentionShape) -> Workload:
@@ -844,7 +923,7 @@ class Launch(launch.Launch):
         if self.views:
             q, k, v, out = (tma_view(t) for t in (q, k, v, out))
         launch.on_device(self.device, self.fn, q, k, v, out, lse, self.scale_log2,
-                         scratch.zeroed_int32(self.device, 1), self.num_ctas)
+                         scratch.zeroed_int32(self.device, 1), self.num_ctas, *NOT_VARLEN)
 
 
 def choose_config(q, k, causal: bool) -> AttentionConfig:
@@ -868,7 +947,56 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     tile counter per call (CUDA-graph trees keep no tensor across calls)."""
     cfg = choose_config(q, k, causal)  # as eager calls plan it: both give the same results
     launch.on_device(q.device.index, compile(cfg).fn, q, k, v, out, lse, softmax_scale * LOG2_E,
-                     *launch_args(cfg, q))
+                     *launch_args(cfg, q), *NOT_VARLEN)
 
 
 launch.register_op("attention_fwd", _attention_fwd, mutates_args=("out", "lse"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed variable-length sequences (rosekernels.attention_varlen, rosekernels/ops/varlen.py).
+
+
+def varlen_config(head_dim: int, dtype: str, causal: bool, max_seqlen_k: int) -> AttentionConfig:
+    """The varlen launch: the dense heuristic's tiles for the longest sequence, `varlen` compiled in
+    (the tuned store, keyed by one sequence length, is not consulted)."""
+    return dataclasses.replace(default_config(head_dim, dtype, causal, max_seqlen_k), varlen=True)
+
+
+def varlen_variants_for(models=None) -> list[AttentionConfig]:
+    """The configs attention_varlen can launch for `models` (as variants_for; pass them to
+    rosekernels.warmup(specs=...))."""
+    return [dataclasses.replace(c, varlen=True) for c in variants_for(models, ("prefill",))]
+
+
+class VarlenLaunch(launch.Launch):
+    """One varlen launch planned for an argument signature and its max_seqlen_q / max_seqlen_k: the
+    grid covers max_seqlen_q's query tiles for every sequence and head (those past a sequence's
+    queries idle)."""
+
+    def __init__(self, cfg: AttentionConfig, q: torch.Tensor, batch: int, max_seqlen_q: int, max_seqlen_k: int,
+                 scale: float):
+        super().__init__(compile(cfg).fn, q.device.index)
+        self.num_ctas = grid_size(cfg, batch, max_seqlen_q, q.shape[1], modes.sm_count(q.device.index))
+        self.scalars = (max_seqlen_q, max_seqlen_k)
+        self.scale_log2 = scale * LOG2_E
+
+    def launch(self, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, private_scratch: bool = False) -> None:
+        """q/k/v/out [total, H, d], lse [Hq, total_q]: the kernel sees them as one batch."""
+        q, k, v, out = (tma_view(t.unsqueeze(0)) for t in (q, k, v, out))
+        launch.on_device(self.device, self.fn, q, k, v, out, lse.unsqueeze(0), self.scale_log2,
+                         scratch.zeroed_int32(self.device, 1, private_scratch), self.num_ctas, cu_seqlens_q,
+                         cu_seqlens_k, *self.scalars)
+
+
+def _attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                          cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                          max_seqlen_k: int, causal: bool, softmax_scale: float) -> None:
+    """The registered op (torch.compile): validated arguments; a tile counter of its own per call
+    (CUDA-graph trees keep no tensor across calls)."""
+    cfg = varlen_config(q.shape[-1], TORCH_DTYPES[q.dtype], causal, max_seqlen_k)
+    VarlenLaunch(cfg, q, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, softmax_scale).launch(
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, private_scratch=True)
+
+
+launch.register_op("attention_varlen_fwd", _attention_varlen_fwd, mutates_args=("out", "lse"))

@@ -62,6 +62,9 @@ class AttentionConfig:
     tile_n: int = 128  # keys per K/V tile (the N of the S GEMM, the K of the P V GEMM)
     num_stages: int = 2  # K/V buffers in flight
     overlap: bool = True  # intra-WG softmax/GEMM overlap + inter-WG ping-pong
+    # Packed variable-length sequences (rosekernels.attention_varlen): q/k/v [total, H, d] sliced by
+    # cumulative lengths, O stored row by row within each sequence.
+    varlen: bool = False
     # Launch policy, not compiled in (variant() leaves it out): one CTA per SM walking the tiles,
     # else one CTA per tile.
     persistent: bool = True
@@ -94,6 +97,8 @@ class AttentionConfig:
     def variant(self) -> Variant:
         params = dataclasses.asdict(self)
         del params["persistent"]
+        if not self.varlen:
+            del params["varlen"]  # the dense keys predate it
         return Variant.of(OP, "prefill", **params)
 
     @classmethod

@@ -128,7 +128,7 @@ def _run_poisoned(kernel, cfg, q, k, v, scale, num_ctas=None):
     out = torch.full_like(q, float("nan"))
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device="cuda")
     counter, ctas = A.launch_args(cfg, q, num_ctas)
-    kernel.fn(q, k, v, out, lse, scale * A.LOG2_E, counter, ctas)
+    kernel.fn(q, k, v, out, lse, scale * A.LOG2_E, counter, ctas, *A.NOT_VARLEN)
     sync(f"{cfg} on q{list(q.shape)} k{list(k.shape)} with {ctas} CTAs")
     assert counter.item() == 0 or ctas >= A.num_tiles(cfg, q.shape[0], q.shape[1], q.shape[2]), \
         "the tile counter was not re-zeroed"
@@ -202,7 +202,7 @@ def test_a_reused_counter_serves_back_to_back_launches(kernels):
     for _ in range(3):
         out = torch.full_like(q, float("nan"))
         lse = torch.full((2, 8, 700), float("nan"), device="cuda")
-        kernels[cfg].fn(q, k, v, out, lse, scale * A.LOG2_E, counter, ctas)
+        kernels[cfg].fn(q, k, v, out, lse, scale * A.LOG2_E, counter, ctas, *A.NOT_VARLEN)
         outs.append((out, lse))
     sync("back-to-back launches")
     assert counter.item() == 0

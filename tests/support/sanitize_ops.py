@@ -58,6 +58,22 @@ def main() -> None:
     o, lse = rosekernels.attention_with_kvcache(qd, kc, vc, lengths.to(dev), block_table=table, return_lse=True)
     check_kvcache(o, lse, qd, kc, vc, lengths, table, True, 128 ** -0.5, "paged decode")
 
+    # Packed sequences of lengths 0, 1, 130 and 257 with spare rows past the last one: no load or
+    # store may leave q, k, v or out.
+    cu = torch.tensor([0, 0, 1, 131, 388], dtype=torch.int32, device=dev)
+    qv = torch.randn(400, 8, 128, device=dev, dtype=bf)
+    kv = torch.randn(388, 2, 128, device=dev, dtype=bf)
+    o, lse = rosekernels.attention_varlen(qv, kv, kv, cu, cu, 257, 257, causal=True, return_lse=True)
+    for b in range(1, 4):
+        s, e = int(cu[b]), int(cu[b + 1])
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            qv[s:e].transpose(0, 1).float()[None], kv[s:e].transpose(0, 1).float()[None],
+            kv[s:e].transpose(0, 1).float()[None], is_causal=True, enable_gqa=True)
+        close(o[s:e], ref[0].transpose(0, 1), f"varlen attention sequence {b}")
+    # Garbage cumulative lengths (decreasing, past the tokens, overflowing): clamped, never followed.
+    bad = torch.tensor([0, 2**31 - 1, -2**31, 500, 100], dtype=torch.int32, device=dev)
+    rosekernels.attention_varlen(qv, kv, kv, bad, bad, 257, 257, causal=False)
+
     for t in (3, 300):  # decode and prefill variants
         xs = torch.randn(t, 512, device=dev, dtype=bf)
         ids = torch.stack([torch.randperm(16)[:4] for _ in range(t)]).to(dev, torch.int32)  # distinct per token
