@@ -891,6 +891,8 @@ def workload(config: AttentionConfig, shape: AttentionShape) -> Workload:
     size, so test_args draw 1-2 batches and 1 to 3 tiles + 7 query rows (ragged last tiles)."""
     if (config.head_dim, config.dtype, config.causal) != (shape.head_dim, shape.dtype, bool(shape.causal)):
         raise ValueError(f"{config} does not serve {shape}")
+    if config.varlen:
+        raise ValueError(f"{config}: varlen configs take packed sequences, not an {OP} shape (no workload)")
     scale = 1.0 / math.sqrt(config.head_dim)
 
     def test_args(seed: int) -> tuple:

@@ -16,8 +16,14 @@ layouts are checked on the host once per argument signature. What the kernel doe
 each cumulative length is clamped into [0, tokens] (a decreasing one gives an empty sequence), so no
 load or store leaves the tensors; query rows of a sequence past max_seqlen_q are not computed (their
 out and lse are left as they were). check=True reads the lengths first (a sync) and raises instead.
+The lengths must not change while the kernel runs (written from another stream, say): its loading
+warp and its math warps read them apart, and a disagreement stalls the kernel. Rows of k and v past
+cu_seqlens_k[-1] must be finite: a sequence's last key tile reaches into them (with zero weight,
+but 0 * NaN is NaN), as the next sequence's rows, which are real tokens.
 
-The kernel is the prefill kernel (rosekernels/kernels/attention.py) with `varlen` compiled in.
+The kernel is the prefill kernel (rosekernels/kernels/attention.py) with `varlen` compiled in; its
+variants are not in a model's warm-up set: pass rosekernels.kernels.attention.varlen_variants_for(...)
+to rosekernels.warmup(specs=...) to compile them ahead of the first call.
 """
 from __future__ import annotations
 
@@ -117,6 +123,11 @@ def _new_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, o
     return prefill.VarlenLaunch(cfg, q, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, scale)
 
 
+def _at_most(n, tokens: int):
+    """min(n, tokens) for a valid length bound, n as it is otherwise (the checks then say what is wrong)."""
+    return min(n, tokens) if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else n
+
+
 def _signature(t: torch.Tensor | None):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
 
@@ -135,6 +146,10 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     signature; under torch.compile the kernel runs through the op rosekernels::attention_varlen_fwd.
     """
     causal = bool(causal)
+    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == k.dim() == 3:
+        # No sequence is longer than the tokens (the kernel clamps each to them): a looser bound
+        # would only add idle tiles, or overflow the kernel's 32-bit tile count.
+        max_seqlen_q, max_seqlen_k = _at_most(max_seqlen_q, q.shape[0]), _at_most(max_seqlen_k, k.shape[0])
     eager = launch.eager(q, k, v, cu_seqlens_q, cu_seqlens_k, out)
     if eager:
         key = (_signature(q), _signature(k), _signature(v), _signature(cu_seqlens_q), _signature(cu_seqlens_k),

@@ -61,6 +61,8 @@ def test_varlen_keys_and_dense_keys():
     assert A.varlen_config(128, "bf16", False, A.LONG_KV).tile_n == 144
     assert {c.varlen for c in A.varlen_variants_for()} == {True}
     assert len(A.varlen_variants_for()) == len(A.variants_for())
+    with pytest.raises(ValueError, match="no workload"):
+        A.workload(varlen, A.AttentionShape(causal=True))
 
 
 def test_registered_op_schema():
@@ -231,12 +233,30 @@ def test_garbage_lengths_stay_inside_the_tensors(kernels):
     k = torch.randn(300, 2, d, generator=g).to(torch.bfloat16).cuda()
     out_buf = torch.full_like(q_buf, math.nan)
     q, out = q_buf[128:128 + total], out_buf[128:128 + total]
-    cu_k = torch.tensor([0, 100, 200, 300], dtype=torch.int32, device="cuda")
-    for cu_q in ([0, 300, 100, 5000], [-50, 10, 390, 400], [0, 2**31 - 1, -2**31, 400]):
-        cu = torch.tensor(cu_q, dtype=torch.int32, device="cuda")
-        rosekernels.attention_varlen(q, k, k, cu, cu_k, 128, 100, out=out)
-        sync(f"cu_seqlens_q {cu_q}")
+    cases = (([0, 300, 100, 5000], [0, 100, 200, 300]),  # decreasing, then past the tokens
+             ([0, 350, 5000, 5000], [0, 100, 200, 300]),  # a sequence from row 350 through 256 rows
+             ([-50, 10, 390, 400], [-7, 100, 9999, 250]),  # negative starts; keys past k and decreasing
+             ([0, 2**31 - 1, -2**31, 400], [0, 2**31 - 1, -2**31, 300]))  # lengths that overflow
+    for cu_q, cu_k in cases:
+        rosekernels.attention_varlen(q, k, k, torch.tensor(cu_q, dtype=torch.int32, device="cuda"),
+                                     torch.tensor(cu_k, dtype=torch.int32, device="cuda"), 256, 300, out=out)
+        sync(f"cu_seqlens_q {cu_q}, cu_seqlens_k {cu_k}")
         assert out_buf[:128].isnan().all() and out_buf[128 + total:].isnan().all(), f"{cu_q}: out margin written"
+    # Without the clamps, the second case alone would write rows 400-605 of out: into the margin and past it.
+
+
+@pytest.mark.gpu
+def test_long_keys_take_the_144_key_tiles(kernels):
+    """d = 128 non-causal from LONG_KV keys on: the dense heuristic's 144-key tiles, ragged ends."""
+    g = torch.Generator().manual_seed(17)
+    len_q, len_k = [100, 5, 300], [A.LONG_KV + 77, 9000, 1]
+    assert A.varlen_config(128, "bf16", False, max(len_k)).tile_n == 144
+    q, cu_q = _packed(len_q, 8, 128, torch.bfloat16, g)
+    k, cu_k = _packed(len_k, 2, 128, torch.bfloat16, g)
+    v, _ = _packed(len_k, 2, 128, torch.bfloat16, g)
+    out, lse = rosekernels.attention_varlen(q, k, v, cu_q, cu_k, max(len_q), max(len_k), return_lse=True)
+    sync("144-key tiles")
+    _check(out, lse, q, k, v, cu_q.cpu(), cu_k.cpu(), False, 1 / math.sqrt(128), "144-key tiles")
 
 
 @pytest.mark.gpu
