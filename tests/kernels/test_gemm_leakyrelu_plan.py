@@ -226,8 +226,8 @@ def test_decode_heuristic_known_gated_shapes():
 
 
 # The decode sweeps the cost model is fitted to (tools/fit_gemm_decode.py), as committed.
-DECODE_SWEEPS = ("gemm_leakyrelu_decode_broad.json.gz", "gemm_leakyrelu_decode_fitted.json.gz", "gemm_swiglu.json",
-                 "gemm_leakyrelu_decode_wide.json.gz", "gemm_leakyrelu_decode_wide_2.json.gz")
+DECODE_SWEEPS = ("gemm_leakyrelu_decode_broad.json.gz", "gemm_leakyrelu_decode_fitted.json.gz",
+                 "gemm_swiglu.json.gz", "gemm_leakyrelu_decode_wide.json.gz", "gemm_leakyrelu_decode_wide_2.json.gz")
 
 
 def _sweep_picks():
