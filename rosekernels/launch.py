@@ -47,6 +47,11 @@ def forget_plans() -> None:
         cache._plans.clear()
 
 
+def signature(t: torch.Tensor | None) -> tuple | None:
+    """One tensor's part of a plan key (None for an absent optional tensor)."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
+
+
 def eager(*tensors: Any) -> bool:
     """Whether a call may skip the dispatcher: every argument given is a plain tensor (None skipped),
     none is a meta tensor, and nothing is being traced."""

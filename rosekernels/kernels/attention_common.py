@@ -24,7 +24,7 @@ LN_2 = math.log(2.0)
 
 CUTE_DTYPES = {name: checks.cute_dtype(name) for name in DTYPES}
 TORCH_DTYPES = {checks.TORCH_DTYPE[name]: name for name in DTYPES}
-
+MAX_INDEX = 2**31  # the attention kernels index elements, keys and tiles with 32 bits
 
 # ---------------------------------------------------------------------------------------------
 # Device helpers.
@@ -125,7 +125,7 @@ def check_operand(name: str, t: torch.Tensor, pointers: bool = True, vectors: bo
         checks.check_aligned(name, tma_view(t), 16, pointer=pointers)
     if any(s == 0 for n, s in zip(t.shape, t.stride()) if n > 1):
         raise ValueError(f"{name} has a zero stride (an expanded view); pass a materialized tensor")
-    if sum((n - 1) * s for n, s in zip(t.shape, t.stride())) >= 2**31:
+    if sum((n - 1) * s for n, s in zip(t.shape, t.stride())) >= MAX_INDEX:
         raise ValueError(f"{name} spans 2^31 elements or more; the kernel indexes with 32 bits")
 
 

@@ -29,12 +29,11 @@ import torch
 
 from rosekernels import checks, launch
 from rosekernels.kernels import attention_decode as decode
-from rosekernels.kernels.attention_common import TORCH_DTYPES, check_operand, scale_of, tma_view
+from rosekernels.kernels.attention_common import MAX_INDEX, TORCH_DTYPES, check_operand, scale_of, tma_view
 from rosekernels.kernels.attention_decode_plan import page_rows_for, tile_n_for
 from rosekernels.kernels.attention_plan import HEAD_DIMS
 
 _plans = launch.PlanCache()
-_MAX_INDEX = 2**31  # the kernel indexes with 32 bits
 
 
 def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, out, softmax_scale,
@@ -83,7 +82,7 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, out, softm
                              f"{blocks} blocks and block_table {list(block_table.shape)}")
         page_rows_for(rows, tile_n_for(d))  # raises for a block size the kernel cannot take
         capacity = rows * block_table.shape[1]
-    if capacity >= _MAX_INDEX:
+    if capacity >= MAX_INDEX:
         raise ValueError(f"the cache holds {capacity} keys per sequence; the kernel counts keys with 32 bits")
     if B > 65535 or Hkv > 65535:
         raise ValueError(f"batch ({B}) and KV heads ({Hkv}) must each be at most 65535 (grid limits)")
@@ -130,10 +129,6 @@ def _new_plan(q, k_cache, v_cache, cache_seqlens, block_table, out, causal: bool
                                enable_pdl=enable_pdl)
 
 
-def _signature(t: torch.Tensor | None):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
-
-
 def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,
                            softmax_scale: float | None = None, causal: bool = True, out: torch.Tensor | None = None,
@@ -152,8 +147,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     causal, enable_pdl = bool(causal), bool(enable_pdl)
     eager = launch.eager(q, k_cache, v_cache, cache_seqlens, block_table, out)
     if eager:
-        key = (_signature(q), _signature(k_cache), _signature(v_cache), _signature(cache_seqlens),
-               _signature(block_table), _signature(out), causal, softmax_scale, enable_pdl)
+        sig = launch.signature
+        key = (sig(q), sig(k_cache), sig(v_cache), sig(cache_seqlens), sig(block_table), sig(out), causal,
+               softmax_scale, enable_pdl)
         plan = _plans.get(key)
         # A cached plan still needs 16-byte aligned pointers (if not, the full checks say which is not).
         if plan is None or (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()

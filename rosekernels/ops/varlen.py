@@ -31,17 +31,18 @@ import torch
 
 from rosekernels import checks, launch
 from rosekernels.kernels import attention as prefill
-from rosekernels.kernels.attention_common import TORCH_DTYPES, check_operand, scale_of
+from rosekernels.kernels.attention_common import MAX_INDEX, TORCH_DTYPES, check_operand, scale_of
 from rosekernels.kernels.attention_plan import HEAD_DIMS
 
 _plans = launch.PlanCache()
-_MAX_INDEX = 2**31  # the kernel indexes with 32 bits
 
 
 def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, softmax_scale,
-                    pointers: bool = True) -> float:
+                    pointers: bool = True) -> tuple[float, int, int]:
     """Check every argument of attention_varlen before any launch, without reading device data;
-    return the softmax scale. pointers=False (traced calls) checks the strides' alignment only."""
+    return the softmax scale and max_seqlen_q / max_seqlen_k bounded by the tokens (no sequence is
+    longer: the kernel clamps each to them, and a looser bound would only add idle tiles or overflow
+    the 32-bit tile count). pointers=False (traced calls) checks the strides' alignment only."""
     named = (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
              ("out", out))
     for name, t in named:
@@ -83,16 +84,17 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
             raise ValueError(f"{name} must be a non-negative int, got {n!r}")
         if total and not n:
             raise ValueError(f"{name} is 0 but there are {total} tokens: it must be the longest sequence's length")
+    max_seqlen_q, max_seqlen_k = min(max_seqlen_q, total_q), min(max_seqlen_k, k.shape[0])
     batch = cu_seqlens_q.shape[0] - 1
     tiles = batch * Hq * -(-max_seqlen_q // 128)
-    if max(total_q, k.shape[0], tiles) >= _MAX_INDEX:
+    if max(total_q, k.shape[0], tiles) >= MAX_INDEX:
         raise ValueError("the kernel counts tokens and tiles with 32 bits: too many tokens or query tiles")
     scale = scale_of(d, softmax_scale)
     for name, t in named:
         if t is not None:
             check_operand(name, t, pointers, vectors=t.dtype != torch.int32)
     checks.check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, out=out)
-    return scale
+    return scale, max_seqlen_q, max_seqlen_k
 
 
 def check_lengths(cu_seqlens: torch.Tensor, tokens: int, max_seqlen: int, name: str) -> None:
@@ -116,20 +118,12 @@ def check_lengths(cu_seqlens: torch.Tensor, tokens: int, max_seqlen: int, name: 
 def _new_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, causal: bool,
               softmax_scale) -> launch.Launch:
     """The slow path, once per argument signature: every check, then the kernel's plan."""
-    scale = validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, softmax_scale)
+    scale, max_q, max_k = validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
+                                          softmax_scale)
     if not q.numel():
         return launch.nothing(q.device.index)
-    cfg = prefill.varlen_config(q.shape[-1], TORCH_DTYPES[q.dtype], causal, max_seqlen_k)
-    return prefill.VarlenLaunch(cfg, q, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, scale)
-
-
-def _at_most(n, tokens: int):
-    """min(n, tokens) for a valid length bound, n as it is otherwise (the checks then say what is wrong)."""
-    return min(n, tokens) if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else n
-
-
-def _signature(t: torch.Tensor | None):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
+    cfg = prefill.varlen_config(q.shape[-1], TORCH_DTYPES[q.dtype], causal, max_k)
+    return prefill.VarlenLaunch(cfg, q, cu_seqlens_q.shape[0] - 1, max_q, max_k, scale)
 
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -146,22 +140,19 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     signature; under torch.compile the kernel runs through the op rosekernels::attention_varlen_fwd.
     """
     causal = bool(causal)
-    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == k.dim() == 3:
-        # No sequence is longer than the tokens (the kernel clamps each to them): a looser bound
-        # would only add idle tiles, or overflow the kernel's 32-bit tile count.
-        max_seqlen_q, max_seqlen_k = _at_most(max_seqlen_q, q.shape[0]), _at_most(max_seqlen_k, k.shape[0])
     eager = launch.eager(q, k, v, cu_seqlens_q, cu_seqlens_k, out)
     if eager:
-        key = (_signature(q), _signature(k), _signature(v), _signature(cu_seqlens_q), _signature(cu_seqlens_k),
-               _signature(out), max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+        sig = launch.signature
+        key = (sig(q), sig(k), sig(v), sig(cu_seqlens_q), sig(cu_seqlens_k), sig(out), max_seqlen_q, max_seqlen_k,
+               causal, softmax_scale)
         plan = _plans.get(key)
         # A cached plan still needs 16-byte aligned pointers (if not, the full checks say which is not).
         if plan is None or (q.data_ptr() | k.data_ptr() | v.data_ptr() | (0 if out is None else out.data_ptr())) % 16:
             plan = _plans.put(key, _new_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out,
                                              causal, softmax_scale))
     else:
-        scale = validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, softmax_scale,
-                                pointers=False)
+        scale, max_q, max_k = validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                              out, softmax_scale, pointers=False)
     if check:
         if not eager:
             raise ValueError("check=True reads cu_seqlens_q/k on the host: eager calls only")
@@ -173,6 +164,6 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if eager:
         plan.launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
     elif q.numel():
-        torch.ops.rosekernels.attention_varlen_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                   max_seqlen_k, causal, scale)
+        torch.ops.rosekernels.attention_varlen_fwd(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
+                                                   causal, scale)
     return (out, lse) if return_lse else out
