@@ -4,7 +4,8 @@ Ops (torch tensors in, torch tensors out; each JIT-specialized per shape, dtype 
 
     qk_norm(q, k, q_weight, k_weight=None, eps)   Qwen3 per-head RMSNorm of q and k in one launch
     rmsnorm(x, weight, eps, residual=None)         RMSNorm of rows, optionally fused with a residual add
-    moe_dispatch(x, topk_ids, num_experts)         group tokens by expert for a grouped GEMM (MoE, one GPU)
+    moe_dispatch(x, topk_ids, num_experts)         group tokens by expert for a grouped GEMM (MoE, one GPU;
+                                                   local_experts=(first, count): a tensor-parallel rank's share)
     moe_combine(expert_out, topk_weights, slot_map)
                                                    weighted sum of each token's expert outputs
     gemm(a, w, bias, activation, gated)            act(a @ w.T + bias), act none/relu/leaky_relu/silu/gelu_tanh;

@@ -1,7 +1,7 @@
 """Fit the decode GEMM cost model (rosekernels.kernels.gemm_leakyrelu_plan.decode_cost) to a sweep.
 
     cd bench/results && python ../../tools/fit_gemm_decode.py gemm_leakyrelu_decode_broad.json.gz \
-        gemm_leakyrelu_decode_fitted.json.gz gemm_swiglu.json.gz gemm_leakyrelu_decode_wide.json.gz \
+        gemm_leakyrelu_decode_fitted.json.gz gemm_swiglu_sweep.json.gz gemm_leakyrelu_decode_wide.json.gz \
         gemm_leakyrelu_decode_wide_2.json.gz
     python tools/fit_gemm_decode.py --current SWEEP...   # the plan module's picks as they stand
 

@@ -74,7 +74,7 @@ COUNTER_SLOTS = 4096  # split-K tile counters per stream: a split launch has at 
 # attention-projection N x K of Llama-3-8B, Qwen3-8B and Qwen2.5-7B, M = 1-128;
 # bench/results/gemm_leakyrelu_decode_broad.md), 34 shapes at M = 96 and 128 with the fitted widths
 # (gemm_leakyrelu_decode_fitted.md), the gated (SwiGLU) GEMMs of those three models at M = 1-128
-# (21 shapes, gemm_swiglu.md) and 10 wide-N non-gated shapes (gemm_leakyrelu_decode_wide*.md). Its
+# (21 shapes, gemm_swiglu_sweep.md) and 10 wide-N non-gated shapes (gemm_leakyrelu_decode_wide*.md). Its
 # picks are within 1.6% of each sweep's best on average (1.4% on the first two), 14% at worst; the
 # constants before the gated sweep lost 16% on average on the gated shapes (plain 64 x 256 tiles,
 # which stream 25% slower gated than not).

@@ -1,4 +1,4 @@
-"""MoE dispatch on one GPU (TP=1): group the tokens by expert for a grouped GEMM, in one launch.
+"""MoE dispatch on one GPU: group the tokens by expert for a grouped GEMM, in one launch.
 
 `moe_dispatch(x, topk_ids, num_experts)` gives every routed (token, choice) pair a row ("slot") of an
 expert-grouped buffer and copies the token there. Expert e owns the rows
@@ -8,6 +8,11 @@ read by `moe_combine`): zeroing them would cost up to E*(block_size-1) row write
 decode variant the tokens of an expert are in (token, choice) order; in the prefill variant their order
 is not deterministic. slot_map[t, j] (the row of pair (t, j), -1 if the pair is dropped) always agrees
 with the buffer.
+
+Tensor parallel (every rank holds all tokens and E/n experts): `local_experts=(first, count)` compiles
+the kernel for experts first .. first + count - 1; pairs routed elsewhere get slot -1 (not dropped,
+not invalid), so the rank's moe_combine is its partial sum and an all-reduce over the ranks (NCCL, say)
+completes the layer.
 
 Everything happens on the device, with no host synchronisation, so the op can be captured in a CUDA
 graph: the buffer has a capacity fixed up front; pairs that do not fit are not written, get slot -1
@@ -78,6 +83,7 @@ class _Dispatch:
         self.vec, self.hv = cfg.vec, cfg.hidden // cfg.vec  # 16-byte vectors per row
         self.decode = cfg.mode == "decode"
         self.m = meta_layout(cfg.num_experts)
+        self.ranged, self.first, self.total = cfg.ranged, cfg.expert_first, cfg.experts_total
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mIds: cute.Tensor, mBuf: cute.Tensor, mSlot: cute.Tensor,
@@ -266,7 +272,7 @@ class _Dispatch:
         for i in cutlass.range_constexpr(DECODE_PAIRS_PER_THREAD):
             if i * 32 < per_warp:  # uniform across the warp: match.any needs every lane
                 p = first + i * 32 + lane
-                e = ids[i]
+                e = self.local(ids[i])
                 inside = p < num_pairs
                 valid = inside & (e >= 0) & (e < E)
                 peers = cute.arch.match_sync(_FULL, cutlass.select_(valid, e, Int32(E) + lane))
@@ -280,7 +286,7 @@ class _Dispatch:
                 cute.arch.sync_warp()  # this step's counts before the next step reads them
                 if inside:
                     s_pair[p] = cutlass.select_(valid, (e << 16) | (before + rank), -1)
-                    if (e != -1) & ~valid:
+                    if self.invalid(ids[i], e, valid):
                         cute.arch.atomic_add(s_misc.iterator, Int32(1), scope="cta")
         cute.arch.sync_threads()
         # Warp w scans columns w, w + nw, ... (lane = table row), unrolled so that the scans of
@@ -300,6 +306,20 @@ class _Dispatch:
                     s_cnt[e] = incl
         cute.arch.sync_threads()
         return per_warp
+
+    @cute.jit
+    def local(self, e: Int32) -> Int32:
+        """An expert id as this kernel's expert index (ranged: another rank's expert falls outside [0, E))."""
+        if const_expr(self.ranged):
+            return e - self.first
+        return e
+
+    @cute.jit
+    def invalid(self, raw: Int32, e: Int32, valid: cutlass.Boolean) -> cutlass.Boolean:
+        """Whether id `raw` (e = local(raw), `valid`: routed here) is outside [-1, experts_total)."""
+        if const_expr(self.ranged):
+            return (raw < -1) | (raw >= self.total)
+        return (e != -1) & ~valid
 
     @cute.jit
     def finalize_decode(self, mSlot: cute.Tensor, s_pair: cute.Tensor, s_tab: cute.Tensor, s_off: cute.Tensor,
@@ -337,9 +357,10 @@ class _Dispatch:
             p = base + tid
             t = p // k
             j = p - t * k
-            e = Int32(-1)
+            raw = Int32(-1)
             if p < p1:
-                e = mIds[t, j]
+                raw = mIds[t, j]
+            e = self.local(raw)
             valid = (p < p1) & (e >= 0) & (e < E)
             peers = cute.arch.match_sync(_FULL, cutlass.select_(valid, e, Int32(E) + lane))
             rank = cute.arch.popc(peers & lower)
@@ -350,7 +371,7 @@ class _Dispatch:
             first = cute.arch.shuffle_sync(first, leader)
             if p < p1:
                 mSlot[t, j] = cutlass.select_(valid, first + Int32(rank), -1)
-            if (p < p1) & (e != -1) & ~valid:
+            if (p < p1) & self.invalid(raw, e, valid):
                 cute.arch.atomic_add(s_misc.iterator, Int32(1), scope="cta")
 
     @cute.jit
@@ -366,7 +387,7 @@ class _Dispatch:
                 r = mSlot[t, j]
                 s = Int32(-1)
                 if (r >= 0) & (n_invalid == 0):
-                    e = mIds[t, j]
+                    e = self.local(mIds[t, j])
                     r = r + s_base[e]
                     if r < s_stored[e]:
                         s = s_off[e] + r
@@ -470,15 +491,17 @@ class MoeDispatch:
 
     buffer   [capacity, H], x.dtype: expert e's tokens in rows offsets[e] .. +counts[e]-1
     slot_map [T, k] int32: buffer row of each (token, choice), -1 = dropped
-    counts   [E] int32: tokens of each expert stored in the buffer
+    counts   [E] int32: tokens of each expert stored in the buffer (local_experts: E = its count)
     offsets  [E+1] int32: first row of each expert's segment, offsets[E] = rows in use
     overflow [1] int32: routed pairs not stored for lack of capacity
     invalid  [1] int32: ids outside [-1, E); when > 0 nothing was dispatched
     The last four are views of one int32 tensor `meta`, made on access (a view costs host time).
     """
 
-    def __init__(self, buffer: torch.Tensor, slot_map: torch.Tensor, meta: torch.Tensor):
+    def __init__(self, buffer: torch.Tensor, slot_map: torch.Tensor, meta: torch.Tensor,
+                 num_experts: int | None = None):
         self.buffer, self.slot_map, self.meta = buffer, slot_map, meta
+        self.num_experts = self._experts() if num_experts is None else num_experts  # all ranks' (tensor parallel)
 
     @property
     def counts(self) -> torch.Tensor:
@@ -504,7 +527,7 @@ class MoeDispatch:
         """Raise if the dispatch dropped pairs for lack of capacity or saw invalid ids (synchronises)."""
         invalid, overflow = int(self.invalid.item()), int(self.overflow.item())
         if invalid:
-            raise ValueError(f"moe_dispatch: {invalid} expert ids outside [-1, {self.counts.numel()}); "
+            raise ValueError(f"moe_dispatch: {invalid} expert ids outside [-1, {self.num_experts}); "
                              "nothing was dispatched")
         if overflow:
             raise RuntimeError(f"moe_dispatch: {overflow} routed pairs did not fit the buffer capacity "
@@ -513,7 +536,8 @@ class MoeDispatch:
 
 def moe_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, capacity: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, *, buffer: torch.Tensor | None = None,
-                 mode: str | None = None, check: bool = False) -> MoeDispatch:
+                 mode: str | None = None, check: bool = False,
+                 local_experts: tuple[int, int] | None = None) -> MoeDispatch:
     """Group the tokens of x [T, H] by expert: see the module docstring for the layout.
 
     topk_ids [T, k] int32 (-1 = not routed). `capacity` (rows of the buffer) defaults to the worst case
@@ -525,16 +549,21 @@ def moe_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, capa
     `.check()` on the result to turn either into an exception, or pass `check=True` (a debug switch:
     it synchronises with the device on every call, so not inside CUDA graphs).
 
+    local_experts=(first, count) (tensor parallel: this rank's experts) groups only the pairs routed to
+    experts first .. first + count - 1 of the num_experts: the buffer, counts and offsets hold those
+    `count` experts (index e - first), the other pairs get slot -1 and are neither dropped nor invalid.
+
     Registered as torch.ops.rosekernels.moe_dispatch (mutating `buffer`) for torch.compile and fake
     tensors; eager calls skip the torch dispatcher and reuse the launch plan validated for the same
     shapes, strides, dtypes and devices (tens of microseconds less per call).
     """
+    count = expert_range(num_experts, local_experts)[1]
     if buffer is None:
         if not (isinstance(topk_ids, torch.Tensor) and topk_ids.dim() == 2):
             raise ValueError("topk_ids must be a 2-D tensor [tokens, k]")
         num_tokens, topk = topk_ids.shape
         if capacity is None:
-            capacity = default_capacity(num_tokens, topk, num_experts, block_size)
+            capacity = default_capacity(num_tokens, topk, count, block_size)
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise ValueError("x must be a 2-D tensor [tokens, hidden]")
         if capacity < 0:
@@ -543,23 +572,36 @@ def moe_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, capa
     elif capacity is not None and capacity != buffer.shape[0]:
         raise ValueError(f"capacity {capacity} disagrees with the buffer's {buffer.shape[0]} rows")
     if launch.eager(x, topk_ids, buffer):
-        slot_map, meta = _run(x, topk_ids, buffer, num_experts, block_size, mode)
+        slot_map, meta = _run(x, topk_ids, buffer, num_experts, block_size, mode, local_experts)
     else:
-        slot_map, meta = _call_op(x, topk_ids, buffer, num_experts, block_size, mode)
-    result = MoeDispatch(buffer, slot_map, meta)
+        slot_map, meta = _call_op(x, topk_ids, buffer, num_experts, block_size, mode, local_experts)
+    result = MoeDispatch(buffer, slot_map, meta, num_experts)
     if check:
         result.check()
     return result
 
 
+def expert_range(num_experts: Any, local_experts: tuple[int, int] | None) -> tuple[int, int]:
+    """(first, count) of local_experts, checked against num_experts; (0, num_experts) for None."""
+    if local_experts is None:
+        return 0, num_experts
+    first, count = local_experts
+    if any(isinstance(n, bool) or not isinstance(n, (int, torch.SymInt)) for n in (first, count)) or \
+            not (count >= 1 and 0 <= first and first + count <= num_experts):
+        raise ValueError(f"local_experts must be (first, count) with 0 <= first, count >= 1 and first + count <= "
+                         f"num_experts = {num_experts}, got {local_experts!r}")
+    return first, count
+
+
 def _call_op(x: Any, topk_ids: Any, buffer: Any, num_experts: int, block_size: int,
-             mode: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+             mode: str | None, local_experts: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Through the registered op: traced (torch.compile), fake/meta tensors, tensor subclasses."""
     if mode is None:
         if not (isinstance(topk_ids, torch.Tensor) and topk_ids.dim() == 2):
             raise ValueError("topk_ids must be a 2-D tensor [tokens, k]")
         mode = choose_mode(*topk_ids.shape)
-    return torch.ops.rosekernels.moe_dispatch(x, topk_ids, buffer, num_experts, block_size, mode)
+    first, count = local_experts or (0, 0)  # the op's count 0: every expert
+    return torch.ops.rosekernels.moe_dispatch(x, topk_ids, buffer, num_experts, block_size, mode, first, count)
 
 
 class _Plan(launch.Launch):
@@ -597,14 +639,16 @@ _plans = launch.PlanCache()
 
 
 def _run(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_experts: int, block_size: int,
-         mode: str | None, private_scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+         mode: str | None, local_experts: tuple[int, int] | None = None,
+         private_scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch on plain tensors. Per call: the plan's key, two pointer checks, the two outputs, the
     launch; the first call with a key validates everything and compiles or loads the kernel."""
     # The plan's signature, written out: a generic builder (a loop over the arguments) costs ~1 us more.
     key = (x.shape, x.stride(), x.dtype, x.get_device(), topk_ids.shape, topk_ids.stride(), topk_ids.dtype,
            topk_ids.get_device(), buffer.shape, buffer.stride(), buffer.dtype, buffer.get_device(),
-           num_experts, block_size, mode)
-    plan = _plans.get(key) or _plans.put(key, _new_plan(x, topk_ids, buffer, num_experts, block_size, mode))
+           num_experts, block_size, mode, local_experts)
+    plan = _plans.get(key) or _plans.put(key, _new_plan(x, topk_ids, buffer, num_experts, block_size, mode,
+                                                        local_experts))
     if x.data_ptr() % 16 or buffer.data_ptr() % 16:  # the only property the key does not cover
         checks.check_aligned("x", x)
         checks.check_aligned("buffer", buffer)
@@ -612,18 +656,21 @@ def _run(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_expe
 
 
 def _new_plan(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_experts: int,
-              block_size: int, mode: str | None) -> _Plan:
+              block_size: int, mode: str | None, local_experts: tuple[int, int] | None) -> _Plan:
     """The slow path, once per signature: every check, the config, the kernel compiled or loaded, the grid."""
     views = rows_view(x), rows_view(topk_ids), rows_view(buffer)
-    cfg = validate(*views, num_experts, block_size, mode or choose_mode(*topk_ids.shape))
-    cfg = tuned.tuned_config(OP, DispatchShape(x.shape[0], cfg.hidden, cfg.num_experts, cfg.topk, cfg.dtype), cfg)
+    cfg = validate(*views, num_experts, block_size, mode or choose_mode(*topk_ids.shape), local_experts)
+    if not cfg.ranged:  # the tuned store holds whole-range dispatches only
+        cfg = tuned.tuned_config(OP, DispatchShape(x.shape[0], cfg.hidden, cfg.num_experts, cfg.topk, cfg.dtype),
+                                 cfg)
     canonical = any(v.stride() != t.stride() for v, t in zip(views, (x, topk_ids, buffer)))
     grid = num_ctas(cfg, x.shape[0], modes.sm_count(x.device.index))
     return _Plan(compile(cfg).fn, x.device, cfg, block_size, grid, canonical)
 
 
 def validate(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_experts: int,
-             block_size: int, mode: str, *, on_device: bool = True) -> DispatchConfig:
+             block_size: int, mode: str, local_experts: tuple[int, int] | None = None, *,
+             on_device: bool = True) -> DispatchConfig:
     """Every argument check, in the order shapes/types -> device -> alignment, so that each one can be
     exercised with CPU or meta tensors; returns the kernel's config."""
     for name, t in (("x", x), ("topk_ids", topk_ids), ("buffer", buffer)):
@@ -637,14 +684,16 @@ def validate(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_
     checks.check_shape("buffer", buffer, (None, x.shape[1]))
     if not isinstance(num_experts, (int, torch.SymInt)) or isinstance(num_experts, bool):
         raise ValueError(f"num_experts must be an int, got {num_experts!r}")
-    cfg = DispatchConfig(checks.DTYPE_NAME[x.dtype], x.shape[1], num_experts, topk_ids.shape[1], mode)
+    first, count = expert_range(num_experts, local_experts)
+    cfg = DispatchConfig(checks.DTYPE_NAME[x.dtype], x.shape[1], count, topk_ids.shape[1], mode,
+                         expert_first=first, experts_total=num_experts if count != num_experts else 0)
     if not isinstance(block_size, (int, torch.SymInt)) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     tokens, topk, capacity = x.shape[0], topk_ids.shape[1], buffer.shape[0]
     if mode == "decode" and tokens * topk > cfg.decode_pairs_limit:
         raise ValueError(f"the decode variant routes at most {cfg.decode_pairs_limit} (token, choice) pairs, "
                          f"got {tokens} x {topk}; use mode='prefill'")
-    worst = tokens * topk + min(num_experts, tokens * topk) * (block_size - 1)
+    worst = tokens * topk + min(count, tokens * topk) * (block_size - 1)
     if max(worst, capacity, tokens * (x.shape[1] // cfg.vec)) >= 2**31:
         raise ValueError("sizes exceed the kernel's 32-bit row/element indexing: "
                          f"T={tokens}, k={topk}, E={num_experts}, block_size={block_size}, capacity={capacity}")
@@ -681,16 +730,18 @@ def rows_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def _impl(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_experts: int, block_size: int,
-          variant_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+          variant_mode: str, expert_first: int, expert_count: int) -> tuple[torch.Tensor, torch.Tensor]:
     # (not `mode`: torch's functionalization of mutating ops passes a `mode` keyword of its own)
-    # A private scratch per launch: compiled graphs (see rosekernels.scratch).
-    return _run(x, topk_ids, buffer, num_experts, block_size, variant_mode, private_scratch=True)
+    # A private scratch per launch: compiled graphs (see rosekernels.scratch). expert_count 0: every expert.
+    local = (expert_first, expert_count) if expert_count else None
+    return _run(x, topk_ids, buffer, num_experts, block_size, variant_mode, local, private_scratch=True)
 
 
-def _fake(x, topk_ids, buffer, num_experts, block_size, variant_mode):
-    validate(x, topk_ids, buffer, num_experts, block_size, variant_mode, on_device=False)
+def _fake(x, topk_ids, buffer, num_experts, block_size, variant_mode, expert_first, expert_count):
+    cfg = validate(x, topk_ids, buffer, num_experts, block_size, variant_mode,
+                   (expert_first, expert_count) if expert_count else None, on_device=False)
     return (topk_ids.new_empty(topk_ids.shape, dtype=torch.int32),
-            topk_ids.new_empty((meta_layout(num_experts)["size"],), dtype=torch.int32))
+            topk_ids.new_empty((meta_layout(cfg.num_experts)["size"],), dtype=torch.int32))
 
 
 launch.register_op(OP, _impl, mutates_args=("buffer",), fake=_fake)
@@ -713,7 +764,7 @@ def workload(config: DispatchConfig, shape: DispatchShape) -> Workload:
     poisoned (the kernel writes them all). `launch` zeroes the workspace first: a kernel leaves it
     zero, but a broken candidate of the SIP tuner must not poison the launches after it."""
     if (shape.hidden, shape.experts, shape.topk, shape.dtype) != \
-            (config.hidden, config.num_experts, config.topk, config.dtype):
+            (config.hidden, config.experts_total or config.num_experts, config.topk, config.dtype):
         raise ValueError(f"{shape} does not have the sizes of {config}")
 
     def zero_then_launch(fn: Any, args: tuple) -> None:
@@ -723,7 +774,8 @@ def workload(config: DispatchConfig, shape: DispatchShape) -> Workload:
 
     def check(args: tuple) -> float:
         x, ids, buffer, slot_map, meta, ws, block_size = args[:7]
-        check_dispatch(x, ids, config.num_experts, block_size, MoeDispatch(buffer, slot_map, meta))
+        check_dispatch(x, ids, config.experts_total or config.num_experts, block_size,
+                       MoeDispatch(buffer, slot_map, meta), (config.expert_first, config.num_experts))
         assert ws is None or not ws.any(), "the workspace was not returned to zero"
         return 0.0  # exact
 
@@ -735,7 +787,7 @@ def workload(config: DispatchConfig, shape: DispatchShape) -> Workload:
 def _args(cfg: DispatchConfig, tokens: int, seed: int) -> tuple:
     g = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(tokens, cfg.hidden, generator=g).to(device="cuda", dtype=checks.TORCH_DTYPE[cfg.dtype])
-    ids = random_topk_ids(tokens, cfg.num_experts, cfg.topk, g, "cuda")
+    ids = random_topk_ids(tokens, cfg.experts_total or cfg.num_experts, cfg.topk, g, "cuda")
     capacity = default_capacity(tokens, cfg.topk, cfg.num_experts, DEFAULT_BLOCK_SIZE)
     buffer = torch.full((capacity, cfg.hidden), float("nan"), dtype=x.dtype, device="cuda")
     slot_map = torch.full(ids.shape, -7, dtype=torch.int32, device="cuda")
@@ -756,17 +808,20 @@ def _outputs(args: tuple) -> list[torch.Tensor]:
 
 
 def check_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, block_size: int,
-                   result: MoeDispatch) -> None:
-    """Raise AssertionError unless `result` is a correct dispatch of (x, topk_ids) (synchronises)."""
-    E, C = num_experts, result.buffer.shape[0]
-    ids = topk_ids.reshape(-1).long()
+                   result: MoeDispatch, local_experts: tuple[int, int] | None = None) -> None:
+    """Raise AssertionError unless `result` is a correct dispatch of (x, topk_ids) (synchronises);
+    local_experts as moe_dispatch's."""
+    first, E = expert_range(num_experts, local_experts)
+    C = result.buffer.shape[0]
+    raw = topk_ids.reshape(-1).long()
     slots = result.slot_map.reshape(-1).long()
-    n_invalid = int(((ids < -1) | (ids >= E)).sum())
+    n_invalid = int(((raw < -1) | (raw >= num_experts)).sum())
     assert int(result.invalid) == n_invalid, f"invalid: {int(result.invalid)} != {n_invalid}"
     if n_invalid:
         assert not result.counts.any() and not result.offsets.any() and int(result.overflow) == 0
         assert (slots == -1).all(), "slots written for an invalid routing"
         return
+    ids = torch.where((raw >= first) & (raw < first + E), raw - first, -1)  # other ranks' experts: not routed
     routed = ids >= 0
     cnt = torch.bincount(ids[routed], minlength=E)
     pad = (cnt + block_size - 1) // block_size * block_size

@@ -50,6 +50,11 @@ class DispatchConfig:
     mode: str  # "prefill" | "decode"
     threads: int = THREADS
     unroll: int = UNROLL
+    # Tensor parallel: this kernel routes only to experts expert_first .. expert_first + num_experts - 1
+    # of experts_total (0: num_experts, the whole range); ids of the other ranks' experts are skipped
+    # (slot -1), ids outside [-1, experts_total) are invalid.
+    expert_first: int = 0
+    experts_total: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:
@@ -65,6 +70,11 @@ class DispatchConfig:
             raise ValueError(f"mode must be 'prefill' or 'decode', got {self.mode!r}")
         if self.threads % 32 or not 32 <= self.threads <= 1024 or self.unroll < 1:
             raise ValueError(f"bad launch shape: threads={self.threads}, unroll={self.unroll}")
+        if self.experts_total and not 0 <= self.expert_first <= self.experts_total - self.num_experts:
+            raise ValueError(f"experts {self.expert_first} .. {self.expert_first + self.num_experts - 1} are not "
+                             f"within the {self.experts_total} experts")
+        if not self.experts_total and self.expert_first:
+            raise ValueError("expert_first needs experts_total")
 
     @property
     def vec(self) -> int:
@@ -74,14 +84,22 @@ class DispatchConfig:
     def decode_pairs_limit(self) -> int:
         return DECODE_PAIRS_PER_THREAD * self.threads
 
+    @property
+    def ranged(self) -> bool:
+        """Whether the kernel routes to a part of the experts only (tensor parallel)."""
+        return bool(self.experts_total) and self.experts_total != self.num_experts
+
     def variant(self) -> Variant:
+        # The range only where there is one: whole-range keys (compile caches, tuned store) stay as they were.
+        ranged = {"first": self.expert_first, "total": self.experts_total} if self.ranged else {}
         return Variant.of(OP, self.mode, dtype=self.dtype, hidden=self.hidden, experts=self.num_experts,
-                          topk=self.topk, threads=self.threads, unroll=self.unroll)
+                          topk=self.topk, threads=self.threads, unroll=self.unroll, **ranged)
 
     @classmethod
     def from_variant(cls, variant: Variant) -> "DispatchConfig":
         p = dict(variant.params)
-        return cls(p["dtype"], p["hidden"], p["experts"], p["topk"], variant.mode, p["threads"], p["unroll"])
+        return cls(p["dtype"], p["hidden"], p["experts"], p["topk"], variant.mode, p["threads"], p["unroll"],
+                   p.get("first", 0), p.get("total", 0))
 
 
 @dataclasses.dataclass(frozen=True)

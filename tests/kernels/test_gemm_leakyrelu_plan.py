@@ -216,7 +216,7 @@ def test_decode_heuristic_known_shapes():
 
 
 def test_decode_heuristic_known_gated_shapes():
-    # The gated sweep (bench/results/gemm_swiglu.md, N counting gate and up rows): swapped 128-row
+    # The gated sweep (bench/results/gemm_swiglu_sweep.md, N counting gate and up rows): swapped 128-row
     # weight tiles up to 64 tokens, within 1-3% of the fastest there; plain 64 x 256 tiles, the
     # choice before that sweep, ran 1.15-1.35x slower.
     for n, k in ((24576, 4096), (28672, 4096), (37888, 3584)):
@@ -227,7 +227,7 @@ def test_decode_heuristic_known_gated_shapes():
 
 # The decode sweeps the cost model is fitted to (tools/fit_gemm_decode.py), as committed.
 DECODE_SWEEPS = ("gemm_leakyrelu_decode_broad.json.gz", "gemm_leakyrelu_decode_fitted.json.gz",
-                 "gemm_swiglu.json.gz", "gemm_leakyrelu_decode_wide.json.gz", "gemm_leakyrelu_decode_wide_2.json.gz")
+                 "gemm_swiglu_sweep.json.gz", "gemm_leakyrelu_decode_wide.json.gz", "gemm_leakyrelu_decode_wide_2.json.gz")
 
 
 def _sweep_picks():

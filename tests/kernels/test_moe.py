@@ -28,7 +28,10 @@ def _cpu_configs():
             md.Config("fp32", 1028, 1024, 1, "decode"),
             md.Config("bf16", 64, 1, 3, "prefill"),
             mc.Config("fp16", "fp16", 2880, 6, "prefill"),
-            mc.Config("fp32", "fp32", 1028, 1, "decode")]
+            mc.Config("fp32", "fp32", 1028, 1, "decode"),
+            # Tensor parallel (local_experts): a rank's quarter of 128 experts, and the first of 256 in fp16.
+            md.Config("bf16", 2048, 32, 8, "decode", expert_first=96, experts_total=128),
+            md.Config("fp16", 2880, 64, 6, "prefill", expert_first=0, experts_total=256)]
     return out
 
 
@@ -55,6 +58,28 @@ def test_variant_compiles(fresh_cache, tmp_path, cfg):
         k = cfg.topk
         first_ffma = ops.index("FFMA") if "FFMA" in ops else len(ops)
         assert ops[:first_ffma].count("LDG.E.128") == k, ops[:first_ffma]
+
+
+def test_local_experts_keys():
+    """A whole-range config keeps the key it always had (compile caches, tuned store); a ranged one
+    names its range and round-trips."""
+    whole = md.Config("bf16", 2048, 128, 8, "decode")
+    assert whole.variant() == md.Config("bf16", 2048, 128, 8, "decode", experts_total=128).variant()
+    assert "first" not in whole.variant().key()
+    ranged = md.Config("bf16", 2048, 64, 8, "prefill", expert_first=64, experts_total=128)
+    assert ranged.ranged and "first=64" in ranged.variant().key() and "total=128" in ranged.variant().key()
+    assert md.Config.from_variant(ranged.variant()) == ranged
+    for bad in (dict(expert_first=65, experts_total=128), dict(expert_first=-1, experts_total=128),
+                dict(expert_first=1)):
+        with pytest.raises(ValueError):
+            md.Config("bf16", 2048, 64, 8, "prefill", **bad)
+
+
+@pytest.mark.parametrize("local", [(0, 0), (-1, 4), (6, 4), (0, 9), (True, 2), (1.0, 2)])
+def test_bad_local_experts_rejected(local):
+    x, ids = torch.zeros(4, 64, dtype=BF16), torch.zeros(4, 2, dtype=I32)
+    with pytest.raises(ValueError, match="local_experts"):
+        md.moe_dispatch(x, ids, 8, local_experts=local)
 
 
 def test_custom_ops_registered():
@@ -391,6 +416,45 @@ def test_dispatch_invalid_ids(mode, bad):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_dispatch_local_experts(mode, ranks):
+    """Each rank's dispatch (local_experts) is the whole-range dispatch of its share of the routing
+    (other ranks' ids as -1, expert e as e - first); ids outside [-1, E) are invalid on every rank;
+    the ranks' combines add up to the single-GPU combine (tensor parallel)."""
+    gen = torch.Generator().manual_seed(_seed(mode, ranks))
+    E, k, H, B = 16, 4, 264, 16  # 33 vectors per row: ragged copies
+    n = E // ranks
+    for T, kind in ((1, "uniform"), (37, "hot"), (300, "dropped"), (500, "one_expert")):
+        x = torch.randn(T, H, generator=gen).to(device="cuda", dtype=BF16)
+        ids = _routing(kind, T, E, k, gen)
+        w = torch.rand(T, k, generator=gen).softmax(1).cuda()
+        total = torch.zeros(T, H, dtype=torch.float64, device="cuda")
+        bound = torch.zeros(T, H, dtype=torch.float64, device="cuda")
+        for r in range(ranks):
+            first = r * n
+            mine = torch.where((ids >= first) & (ids < first + n), ids - first, -1)
+            poison = _poisoned(md.default_capacity(T, k, n, B), H, BF16)
+            res = md.moe_dispatch(x, ids, E, block_size=B, buffer=poison.clone(), mode=mode,
+                                  local_experts=(first, n))
+            assert_dispatch(x, mine, n, B, res, poison)
+            md.check_dispatch(x, ids, E, B, res, (first, n))
+            if mode == "decode":
+                assert_pair_order(mine, res)
+            total += mc.moe_combine(res.buffer, w, res.slot_map).double()
+            bound += mc.error_bound(res.buffer, w, res.slot_map)
+        whole = md.moe_dispatch(x, ids, E, block_size=B, mode=mode)
+        ref = mc.reference(whole.buffer, w, whole.slot_map)
+        assert ((total - ref).abs() <= bound).all(), f"T={T} {kind}"  # each rank's combine within its bound
+        bad = ids.clone()
+        bad[T // 2, 0] = E  # outside every rank's range and the whole one: invalid everywhere
+        for r in range(ranks):
+            res = md.moe_dispatch(x, bad, E, block_size=B, mode=mode, local_experts=(r * n, n))
+            with pytest.raises(ValueError, match=f"outside \\[-1, {E}\\)"):
+                res.check()
+
+
+@pytest.mark.gpu
 def test_dispatch_edge_inputs():
     gen = torch.Generator().manual_seed(17)
     # no tokens
@@ -708,7 +772,7 @@ def test_torch_compile_and_opcheck():
                           (x, w, torch.randint(-1, T, (T, k), dtype=I32, device="cuda"),
                            torch.empty_like(x), "decode"))
     buffer = torch.empty(md.default_capacity(T, k, E, 16), H, dtype=BF16, device="cuda")
-    torch.library.opcheck(torch.ops.rosekernels.moe_dispatch.default, (x, ids, buffer, E, 16, "prefill"),
+    torch.library.opcheck(torch.ops.rosekernels.moe_dispatch.default, (x, ids, buffer, E, 16, "prefill", 0, 0),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
