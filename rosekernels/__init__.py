@@ -17,6 +17,9 @@ Ops (torch tensors in, torch tensors out; each JIT-specialized per shape, dtype 
     attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)
                                                    decode attention over a KV cache (contiguous or paged,
                                                    per-sequence lengths on the device; graph-capturable)
+    append_kvcache(k_cache, v_cache, k, v, cache_seqlens, block_table)
+                                                   write a step's new keys and values into that cache at each
+                                                   sequence's length (in place, no sync; plain torch)
     attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
                                                    prefill attention over packed sequences of different
                                                    lengths (cumulative lengths on the device)
@@ -45,7 +48,8 @@ KERNELS = {name: f"rosekernels.kernels.{name}" for name in (
 # function once imported.
 _EXPORTS = {**KERNELS, "attention": "rosekernels.ops.attention", "warmup": "rosekernels.startup",
             "gemm": KERNELS["gemm_leakyrelu"], "gate_up_rows": KERNELS["gemm_leakyrelu"],
-            "attention_with_kvcache": "rosekernels.ops.kvcache", "attention_varlen": "rosekernels.ops.varlen"}
+            "attention_with_kvcache": "rosekernels.ops.kvcache", "attention_varlen": "rosekernels.ops.varlen",
+            "append_kvcache": "rosekernels.ops.kvcache_append"}
 
 __all__ = sorted(_EXPORTS)
 
