@@ -13,6 +13,9 @@ deeper loops more often (hot blocks first).
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
+
 from sip.cubin import INSTRUCTION_BYTES
 from sip.sass import Kernel
 
@@ -137,3 +140,31 @@ def loop_depth(kernel: Kernel) -> tuple[int, ...]:
         for b in body:
             depth[b] += 1
     return tuple(depth)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSummary:
+    """One natural loop, as `sip loops` prints it."""
+
+    header: int  # block number
+    offset: int  # of the header's first instruction
+    depth: int  # loops containing the header (1: an outermost loop)
+    blocks: int
+    instructions: int
+    stall_cycles: int  # the sum of the loop's stall counts: what one pass takes to issue, before any wait
+    opcodes: tuple[tuple[str, int], ...]  # (base opcode, count), most frequent first
+
+
+def loop_summaries(kernel: Kernel) -> list[LoopSummary]:
+    """Every natural loop of `kernel`, innermost first (then by offset): where a kernel spends its
+    issue slots, and where two schedules of the same loop differ (e.g. the same source compiled with
+    another option: the stall sums of the loop say by how much before anything is timed)."""
+    depth = loop_depth(kernel)
+    out = []
+    for header, body in loops(kernel).items():
+        members = [i for b in body for i in kernel.blocks[b]]
+        ops = collections.Counter(kernel.instructions[i].base for i in members)
+        out.append(LoopSummary(header, kernel.instructions[kernel.blocks[header].start].offset, depth[header],
+                               len(body), len(members), sum(kernel.instructions[i].control.stall for i in members),
+                               tuple(sorted(ops.items(), key=lambda kv: (-kv[1], kv[0])))))
+    return sorted(out, key=lambda s: (-s.depth, s.offset))

@@ -2,6 +2,7 @@
 
     sip disasm FILE.cubin [--kernel NAME]
     sip inspect FILE.cubin [--moves CLASSES] [--latency-table FILE]
+    sip loops FILE.cubin [--kernel NAME] [--opcodes N]
     sip mutate IN.cubin -o OUT.cubin [--kernel NAME] --steps N --seed S [--moves CLASSES]
                [--latency-table FILE] [--loop-weight W]
 
@@ -17,6 +18,7 @@ import sys
 from pathlib import Path
 
 from sip import SipError
+from sip.cfg import loop_summaries
 from sip.cubin import Cubin, load_cubin
 from sip.deps import DependencyModel
 from sip.mutate import DEFAULT_MOVES, LOOP_WEIGHT, Schedule, apply, latencies_for, parse_moves, random_walk
@@ -57,6 +59,12 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--moves", default=",".join(sorted(DEFAULT_MOVES)), help=moves_help)
     i.add_argument("--latency-table", type=Path, metavar="FILE", help=table_help)
     i.set_defaults(run=_inspect)
+
+    lp = sub.add_parser("loops", help="per kernel, its loops innermost first: size, stall cycles, opcodes")
+    lp.add_argument("cubin", type=Path)
+    lp.add_argument("--kernel", help="only this kernel (default: all)")
+    lp.add_argument("--opcodes", type=int, default=8, metavar="N", help="the N most frequent opcodes (default 8)")
+    lp.set_defaults(run=_loops)
 
     m = sub.add_parser("mutate", help="apply N random legal changes, reproducibly")
     m.add_argument("cubin", type=Path)
@@ -111,6 +119,18 @@ def _disasm(args) -> int:
             if ins.index in starts:
                 print(f"  // block {kernel.block_of[ins.index]}")
             print(f"  /*{ins.offset:04x}*/ {ins.control} {ins.text}")
+    return 0
+
+
+def _loops(args) -> int:
+    cubin = load_cubin(args.cubin)
+    for kernel in _kernels(cubin, args.kernel):
+        summaries = loop_summaries(kernel)
+        print(f"{kernel.name}: {len(summaries)} loop(s)")
+        for s in summaries:
+            ops = ", ".join(f"{op} {n}" for op, n in s.opcodes[:max(args.opcodes, 0)])
+            print(f"  loop at {s.offset:#06x} (block {s.header}), depth {s.depth}: {s.blocks} blocks, "
+                  f"{s.instructions} instructions, {s.stall_cycles} stall cycles; {ops}")
     return 0
 
 

@@ -35,6 +35,16 @@ def test_nested_loops_and_their_depths():
     assert cfg.loop_depth(k) == (0, 1, 2, 1, 0, 0, 0)
 
 
+def test_loop_summaries_innermost_first():
+    k = kernel("FADD R1, R2, R3 ;", "FADD R4, R5, R6 ;", "FADD R7, R8, R9 ;", "@P0 BRA 0x20 ;",
+               "FADD R10, R11, R12 ;", "@P1 BRA 0x10 ;", "EXIT ;")
+    inner, outer = cfg.loop_summaries(k)
+    assert (inner.header, inner.offset, inner.depth, inner.blocks, inner.instructions) == (2, 0x20, 2, 1, 2)
+    assert (outer.header, outer.offset, outer.depth, outer.blocks, outer.instructions) == (1, 0x10, 1, 3, 5)
+    assert outer.stall_cycles == 5 * C.stall and dict(outer.opcodes) == {"FADD": 3, "BRA": 2}
+    assert outer.opcodes[0] == ("FADD", 3)
+
+
 def test_unconditional_transfers_do_not_fall_through():
     k = kernel("FADD R1, R2, R3 ;", "BRA 0x30 ;", "FADD R4, R5, R6 ;", "@P0 EXIT ;", "EXIT ;")
     succ = cfg.successors(k)

@@ -35,6 +35,18 @@ def test_disasm_prints_offsets_control_codes_and_text(gemm_cubin, capsys):
     assert "LDG.E.CONSTANT" in out and "BAR.SYNC" in out
 
 
+def test_loops_lists_the_unrolled_gemm_loop(gemm_cubin, capsys):
+    assert main(["loops", str(gemm_cubin), "--kernel", GEMM, "--opcodes", "2"]) == 0
+    out = capsys.readouterr().out
+    (line,) = re.findall(r"  loop at 0x[0-9a-f]+ \(block \d+\), depth 1: .*", out)
+    # ptxas unrolled the tile loop into one block (test_cfg): its instructions, stalls and top two opcodes.
+    kernel = disassemble(parse_cubin(gemm_cubin.read_bytes()))[GEMM]
+    body = [kernel.instructions[i] for i in kernel.blocks[int(re.search(r"block (\d+)", line).group(1))]]
+    top = sorted({i.base for i in body}, key=lambda op: (-sum(i.base == op for i in body), op))[:2]
+    assert f"1 blocks, {len(body)} instructions, {sum(i.control.stall for i in body)} stall cycles; " in line
+    assert line.endswith(", ".join(f"{op} {sum(i.base == op for i in body)}" for op in top)) and "FFMA 64" in line
+
+
 def test_inspect_reports_each_kernel(gemm_cubin, capsys):
     assert main(["inspect", str(gemm_cubin)]) == 0
     out = capsys.readouterr().out
