@@ -1,4 +1,5 @@
-"""The gated GEMM (SwiGLU in one kernel) against what torch runs instead; writes gemm_swiglu.json + .md.
+"""The gated GEMM (SwiGLU in one kernel) against what torch runs instead; writes gemm_swiglu.json + .md
+(with --sweep: gemm_swiglu_sweep.json + .md, the data tools/fit_gemm_decode.py fits, committed gzipped).
 
     python bench/gemm_swiglu.py [--out bench/results] [--quick] [--sweep]
 
@@ -143,8 +144,9 @@ def main():
     data = {"env": env, "rows": rows, "errors": errors}
     if args.sweep:
         data["results"] = [row.pop("sweep") for row in rows if "sweep" in row]
-    report.write(args.out, "gemm_swiglu", data, markdown(env, rows, errors))
-    print(f"wrote gemm_swiglu.json and .md under {args.out} in {time.time() - t0:.0f} s")
+    stem = "gemm_swiglu_sweep" if args.sweep else "gemm_swiglu"
+    report.write(args.out, stem, data, markdown(env, rows, errors))
+    print(f"wrote {stem}.json and .md under {args.out} in {time.time() - t0:.0f} s")
 
 
 if __name__ == "__main__":

@@ -156,7 +156,7 @@ class LoopSummary:
 
 
 def loop_summaries(kernel: Kernel) -> list[LoopSummary]:
-    """Every natural loop of `kernel`, innermost first (then by offset): where a kernel spends its
+    """Every natural loop of `kernel`, deepest first (then by offset): where a kernel spends its
     issue slots, and where two schedules of the same loop differ (e.g. the same source compiled with
     another option: the stall sums of the loop say by how much before anything is timed)."""
     depth = loop_depth(kernel)

@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--latency-table", type=Path, metavar="FILE", help=table_help)
     i.set_defaults(run=_inspect)
 
-    lp = sub.add_parser("loops", help="per kernel, its loops innermost first: size, stall cycles, opcodes")
+    lp = sub.add_parser("loops", help="per kernel, its loops deepest first: size, stall cycles, opcodes")
     lp.add_argument("cubin", type=Path)
     lp.add_argument("--kernel", help="only this kernel (default: all)")
     lp.add_argument("--opcodes", type=int, default=8, metavar="N", help="the N most frequent opcodes (default 8)")

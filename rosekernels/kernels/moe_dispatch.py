@@ -494,7 +494,7 @@ class MoeDispatch:
     counts   [E] int32: tokens of each expert stored in the buffer (local_experts: E = its count)
     offsets  [E+1] int32: first row of each expert's segment, offsets[E] = rows in use
     overflow [1] int32: routed pairs not stored for lack of capacity
-    invalid  [1] int32: ids outside [-1, E); when > 0 nothing was dispatched
+    invalid  [1] int32: ids outside [-1, num_experts) (all ranks' experts); when > 0 nothing was dispatched
     The last four are views of one int32 tensor `meta`, made on access (a view costs host time).
     """
 
@@ -557,6 +557,8 @@ def moe_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, capa
     tensors; eager calls skip the torch dispatcher and reuse the launch plan validated for the same
     shapes, strides, dtypes and devices (tens of microseconds less per call).
     """
+    if local_experts is not None:
+        local_experts = expert_range(num_experts, local_experts)  # a checked tuple: part of the plan's key
     count = expert_range(num_experts, local_experts)[1]
     if buffer is None:
         if not (isinstance(topk_ids, torch.Tensor) and topk_ids.dim() == 2):

@@ -10,7 +10,7 @@ S_new once the step's attention has run (attention_with_kvcache takes the length
 A token whose position falls outside the cache (negative, past S_max or past the table) or whose block id
 is outside [0, num_blocks) is not written: nothing outside the cache is ever touched, whatever the
 lengths and the table hold. Two tokens that the tables send to the same row (two sequences sharing a
-block) leave one of the two there.
+block) leave that row's contents unspecified (on the GPU, possibly a mix of both).
 
 Plain torch (index_put_ on the cache's own strides, about ten small launches): no kernel to compile, and
 it runs in CUDA graphs and under torch.compile as is. A skipped token still needs an index (index_put_

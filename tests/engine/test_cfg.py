@@ -35,7 +35,7 @@ def test_nested_loops_and_their_depths():
     assert cfg.loop_depth(k) == (0, 1, 2, 1, 0, 0, 0)
 
 
-def test_loop_summaries_innermost_first():
+def test_loop_summaries_deepest_first():
     k = kernel("FADD R1, R2, R3 ;", "FADD R4, R5, R6 ;", "FADD R7, R8, R9 ;", "@P0 BRA 0x20 ;",
                "FADD R10, R11, R12 ;", "@P1 BRA 0x10 ;", "EXIT ;")
     inner, outer = cfg.loop_summaries(k)

@@ -98,7 +98,7 @@ def test_a_skipped_token_never_undoes_a_written_one():
     caches = [torch.zeros(2, 4, 1, 8, dtype=BF16) for _ in range(2)]
     k, v = torch.ones(2, 1, 1, 8, dtype=BF16), torch.full((2, 1, 1, 8), 2.0, dtype=BF16)
     table = torch.tensor([[0], [0]], dtype=I32)
-    append_kvcache(*caches, k, v, torch.tensor([0, -5], dtype=I32), table)  # writes (0, 0), then skips
+    append_kvcache(*caches, k, v, torch.tensor([0, -4], dtype=I32), table)  # writes (0, 0), then skips (0, 0)
     assert torch.equal(caches[0][0, 0], k[0, 0]) and torch.equal(caches[1][0, 0], v[0, 0])
     assert not caches[0][0, 1:].any() and not caches[0][1].any()
 

@@ -75,6 +75,14 @@ def test_local_experts_keys():
             md.Config("bf16", 2048, 64, 8, "prefill", **bad)
 
 
+def test_local_experts_on_meta_tensors_as_a_list_too():
+    x = torch.empty(5, 64, dtype=BF16, device="meta")
+    ids = torch.empty(5, 2, dtype=I32, device="meta")
+    res = md.moe_dispatch(x, ids, 8, local_experts=[4, 4])
+    assert res.counts.shape == (4,) and res.offsets.shape == (5,) and res.num_experts == 8
+    assert res.buffer.shape == (md.default_capacity(5, 2, 4, md.DEFAULT_BLOCK_SIZE), 64)
+
+
 @pytest.mark.parametrize("local", [(0, 0), (-1, 4), (6, 4), (0, 9), (True, 2), (1.0, 2)])
 def test_bad_local_experts_rejected(local):
     x, ids = torch.zeros(4, 64, dtype=BF16), torch.zeros(4, 2, dtype=I32)
@@ -446,12 +454,13 @@ def test_dispatch_local_experts(mode, ranks):
         whole = md.moe_dispatch(x, ids, E, block_size=B, mode=mode)
         ref = mc.reference(whole.buffer, w, whole.slot_map)
         assert ((total - ref).abs() <= bound).all(), f"T={T} {kind}"  # each rank's combine within its bound
-        bad = ids.clone()
-        bad[T // 2, 0] = E  # outside every rank's range and the whole one: invalid everywhere
-        for r in range(ranks):
-            res = md.moe_dispatch(x, bad, E, block_size=B, mode=mode, local_experts=(r * n, n))
-            with pytest.raises(ValueError, match=f"outside \\[-1, {E}\\)"):
-                res.check()
+        for wrong in (E, -2, -2**31):  # outside [-1, E): invalid on every rank, ranks with first > 0 too
+            bad = ids.clone()
+            bad[T // 2, 0] = wrong
+            for r in range(ranks):
+                res = md.moe_dispatch(x, bad, E, block_size=B, mode=mode, local_experts=(r * n, n))
+                with pytest.raises(ValueError, match=f"outside \\[-1, {E}\\)"):
+                    res.check()
 
 
 @pytest.mark.gpu
@@ -772,8 +781,10 @@ def test_torch_compile_and_opcheck():
                           (x, w, torch.randint(-1, T, (T, k), dtype=I32, device="cuda"),
                            torch.empty_like(x), "decode"))
     buffer = torch.empty(md.default_capacity(T, k, E, 16), H, dtype=BF16, device="cuda")
-    torch.library.opcheck(torch.ops.rosekernels.moe_dispatch.default, (x, ids, buffer, E, 16, "prefill", 0, 0),
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    for first, count in ((0, 0), (E // 2, E // 2)):  # every expert; the second half's (local_experts)
+        torch.library.opcheck(torch.ops.rosekernels.moe_dispatch.default,
+                              (x, ids, buffer, E, 16, "prefill", first, count),
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
 def _shape_of(cfg, tokens):
