@@ -42,6 +42,14 @@ def calls() -> dict:
     aq = torch.randn(16, 1, 32, 128, device=dev, dtype=bf)
     ak, av = (torch.randn(16, 1024, 8, 128, device=dev, dtype=bf) for _ in range(2))
     ao = torch.empty_like(aq)
+    # Serving shapes: 16 sequences over a cache of 64 pages of 16 rows (4 per sequence); 4 packed prompts of 256.
+    kc, vc = (torch.randn(64, 16, 8, 128, device=dev, dtype=bf) for _ in range(2))
+    table = torch.arange(64, device=dev, dtype=torch.int32).view(16, 4)
+    lengths = torch.full((16,), 50, device=dev, dtype=torch.int32)
+    kn, vn = (torch.randn(16, 1, 8, 128, device=dev, dtype=bf) for _ in range(2))
+    qv, ov = torch.randn(1024, 32, 128, device=dev, dtype=bf), torch.empty(1024, 32, 128, device=dev, dtype=bf)
+    kv, vv = (torch.randn(1024, 8, 128, device=dev, dtype=bf) for _ in range(2))
+    cu = torch.arange(0, 1025, 256, device=dev, dtype=torch.int32)
     return {
         "qk_norm T=1": lambda: rosekernels.qk_norm(q, k, wq, wk, out_q=oq, out_k=ok),
         "rmsnorm 4x4096 +residual": lambda: rosekernels.rmsnorm(x, w, residual=r, out=y, residual_out=ro),
@@ -49,6 +57,11 @@ def calls() -> dict:
         "moe_combine T=128": lambda: rosekernels.moe_combine(d.buffer, wts, d.slot_map, out=om),
         "gemm_leakyrelu 16x4096x4096": lambda: rosekernels.gemm_leakyrelu(a, b, out=og),
         "attention decode B16 S1k": lambda: rosekernels.attention(aq, ak, av, out=ao),
+        "attention_with_kvcache B16 paged": lambda: rosekernels.attention_with_kvcache(aq, kc, vc, lengths, table,
+                                                                                      out=ao),
+        "append_kvcache B16 paged": lambda: rosekernels.append_kvcache(kc, vc, kn, vn, lengths, table),
+        "attention_varlen 4 x 256": lambda: rosekernels.attention_varlen(qv, kv, vv, cu, cu, 256, 256, causal=True,
+                                                                          out=ov),
     }
 
 
