@@ -83,7 +83,7 @@ class _Dispatch:
         self.vec, self.hv = cfg.vec, cfg.hidden // cfg.vec  # 16-byte vectors per row
         self.decode = cfg.mode == "decode"
         self.m = meta_layout(cfg.num_experts)
-        self.ranged, self.first, self.total = cfg.ranged, cfg.expert_first, cfg.experts_total
+        self.ranged, self.first, self.total = cfg.ranged, cfg.expert_first, cfg.total_experts
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mIds: cute.Tensor, mBuf: cute.Tensor, mSlot: cute.Tensor,
@@ -557,9 +557,9 @@ def moe_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, capa
     tensors; eager calls skip the torch dispatcher and reuse the launch plan validated for the same
     shapes, strides, dtypes and devices (tens of microseconds less per call).
     """
+    first, count = expert_range(num_experts, local_experts)
     if local_experts is not None:
-        local_experts = expert_range(num_experts, local_experts)  # a checked tuple: part of the plan's key
-    count = expert_range(num_experts, local_experts)[1]
+        local_experts = (first, count)  # a checked tuple: part of the plan's key
     if buffer is None:
         if not (isinstance(topk_ids, torch.Tensor) and topk_ids.dim() == 2):
             raise ValueError("topk_ids must be a 2-D tensor [tokens, k]")
@@ -766,7 +766,7 @@ def workload(config: DispatchConfig, shape: DispatchShape) -> Workload:
     poisoned (the kernel writes them all). `launch` zeroes the workspace first: a kernel leaves it
     zero, but a broken candidate of the SIP tuner must not poison the launches after it."""
     if (shape.hidden, shape.experts, shape.topk, shape.dtype) != \
-            (config.hidden, config.experts_total or config.num_experts, config.topk, config.dtype):
+            (config.hidden, config.total_experts, config.topk, config.dtype):
         raise ValueError(f"{shape} does not have the sizes of {config}")
 
     def zero_then_launch(fn: Any, args: tuple) -> None:
@@ -776,7 +776,7 @@ def workload(config: DispatchConfig, shape: DispatchShape) -> Workload:
 
     def check(args: tuple) -> float:
         x, ids, buffer, slot_map, meta, ws, block_size = args[:7]
-        check_dispatch(x, ids, config.experts_total or config.num_experts, block_size,
+        check_dispatch(x, ids, config.total_experts, block_size,
                        MoeDispatch(buffer, slot_map, meta), (config.expert_first, config.num_experts))
         assert ws is None or not ws.any(), "the workspace was not returned to zero"
         return 0.0  # exact
@@ -789,7 +789,7 @@ def workload(config: DispatchConfig, shape: DispatchShape) -> Workload:
 def _args(cfg: DispatchConfig, tokens: int, seed: int) -> tuple:
     g = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(tokens, cfg.hidden, generator=g).to(device="cuda", dtype=checks.TORCH_DTYPE[cfg.dtype])
-    ids = random_topk_ids(tokens, cfg.experts_total or cfg.num_experts, cfg.topk, g, "cuda")
+    ids = random_topk_ids(tokens, cfg.total_experts, cfg.topk, g, "cuda")
     capacity = default_capacity(tokens, cfg.topk, cfg.num_experts, DEFAULT_BLOCK_SIZE)
     buffer = torch.full((capacity, cfg.hidden), float("nan"), dtype=x.dtype, device="cuda")
     slot_map = torch.full(ids.shape, -7, dtype=torch.int32, device="cuda")

@@ -85,9 +85,14 @@ class DispatchConfig:
         return DECODE_PAIRS_PER_THREAD * self.threads
 
     @property
+    def total_experts(self) -> int:
+        """Every rank's experts: the range the ids come from."""
+        return self.experts_total or self.num_experts
+
+    @property
     def ranged(self) -> bool:
         """Whether the kernel routes to a part of the experts only (tensor parallel)."""
-        return bool(self.experts_total) and self.experts_total != self.num_experts
+        return self.total_experts != self.num_experts
 
     def variant(self) -> Variant:
         # The range only where there is one: whole-range keys (compile caches, tuned store) stay as they were.
