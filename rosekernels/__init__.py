@@ -19,7 +19,7 @@ Ops (torch tensors in, torch tensors out; each JIT-specialized per shape, dtype 
                                                    per-sequence lengths on the device; graph-capturable)
     append_kvcache(k_cache, v_cache, k, v, cache_seqlens, block_table)
                                                    write a step's new keys and values into that cache at each
-                                                   sequence's length (in place, no sync; plain torch)
+                                                   sequence's length (in place, one launch, no sync)
     attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
                                                    prefill attention over packed sequences of different
                                                    lengths (cumulative lengths on the device)
@@ -31,7 +31,7 @@ CuTeDSL takes seconds); `dir(rosekernels)` lists them without loading anything.
 
 torch.ops.rosekernels.* are the out-variant custom ops behind them (qk_norm, rmsnorm, moe_dispatch,
 moe_combine, gemm, gemm_leakyrelu, attention_fwd, attention_decode, attention_with_kvcache,
-attention_varlen_fwd): they write into output tensors the caller passes and return nothing. torch.compile and CUDA-graph capture go through them; eager calls of
+attention_varlen_fwd, append_kvcache): they write into output tensors the caller passes and return nothing. torch.compile and CUDA-graph capture go through them; eager calls of
 the functions above skip the torch dispatcher. Call the functions above, not the custom ops.
 """
 import importlib
@@ -42,14 +42,14 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 # The kernel modules, each following the contract of rosekernels.contract (warm-up and sip-tune use it).
 KERNELS = {name: f"rosekernels.kernels.{name}" for name in (
-    "qk_norm", "rmsnorm", "moe_dispatch", "moe_combine", "gemm_leakyrelu", "attention", "attention_decode")}
+    "qk_norm", "rmsnorm", "moe_dispatch", "moe_combine", "gemm_leakyrelu", "attention", "attention_decode",
+    "append_kvcache")}
 # The public ops and where each is defined: a kernel's own module, or rosekernels.ops where an op
 # chooses between kernels. warmup lives in `startup`: a submodule named `warmup` would shadow the
 # function once imported.
 _EXPORTS = {**KERNELS, "attention": "rosekernels.ops.attention", "warmup": "rosekernels.startup",
             "gemm": KERNELS["gemm_leakyrelu"], "gate_up_rows": KERNELS["gemm_leakyrelu"],
-            "attention_with_kvcache": "rosekernels.ops.kvcache", "attention_varlen": "rosekernels.ops.varlen",
-            "append_kvcache": "rosekernels.ops.kvcache_append"}
+            "attention_with_kvcache": "rosekernels.ops.kvcache", "attention_varlen": "rosekernels.ops.varlen"}
 
 __all__ = sorted(_EXPORTS)
 

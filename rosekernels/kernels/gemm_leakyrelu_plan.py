@@ -67,6 +67,13 @@ A_ROWS = (8, 16, 32, 64)  # rows of A a 64-row decode tile loads: the smallest t
 # rows per tile (64: one warpgroup, 128: two).
 SWAP_TILE_N = (8, 16, 32, 64, 96, 128)
 SWAP_TILE_M = (64, 128)
+# The tuner also searches swapped tiles of 64 tokens past 64 tokens (two token tiles: twice the CTAs
+# without splitting K; cuBLAS runs 64 x 64 tiles at M = 128): on the H200 sweep of M = 96 and 128
+# (bench/results/gemm_leakyrelu_decode_m64x2.md) they were the fastest config on 6 of 34 shapes
+# (128 x 3584 x 3584: 1.05x the next, 128 x 768 x 2048: 1.07x), a few % behind elsewhere; the cost
+# model does not rate them (not fitted), so the heuristic does not pick them. Plain 64-row tiles
+# past 64 tokens won on no shape there and are not searched.
+TWO_TOKEN_TILES = 64
 MIN_SPLIT_K_TILES = 4  # k-tiles per split at least: shorter splits are mostly pipeline fill
 COUNTER_SLOTS = 4096  # split-K tile counters per stream: a split launch has at most this many tiles
 # The decode cost model (`decode_cost`), fitted (tools/fit_gemm_decode.py) to five H200 sweeps by
@@ -270,9 +277,9 @@ def m_range(config: GemmConfig) -> tuple[int, int]:
     decode range; small ones keep samples cheap and exercise the ragged tails."""
     if not config.split_k:
         return DECODE_MAX_M + 1, 4 * DECODE_MAX_M + 64
-    if config.swap_ab:
+    if config.swap_ab:  # the tuner's TWO_TOKEN_TILES also serve M up to 128
         smaller = [t for t in SWAP_TILE_N if t < config.tile_n]
-        return (smaller[-1] + 1 if smaller else 1), config.tile_n
+        return (smaller[-1] + 1 if smaller else 1), DECODE_MAX_M if config.tile_n == TWO_TOKEN_TILES else config.tile_n
     if config.tile_m == 128:
         return 65, DECODE_MAX_M
     smaller = [r for r in A_ROWS if r < config.a_rows]
@@ -406,7 +413,8 @@ def config_for(shape: GemmShape, sms: int | None = None) -> GemmConfig:
 def candidates(shape: GemmShape, sms: int | None = None) -> list[GemmConfig]:
     """Every config that can run `shape`, config_for's first. Decode: decode_configs with each split
     count up to MAX_SPLITS that leaves every split a k-tile, plain 64-row tiles also with each
-    larger a_rows (`stages` stays at as many as fit: not searched). Prefill: each tile of
+    larger a_rows, past 64 tokens also TWO_TOKEN_TILES (`stages` stays at as many as fit: not
+    searched). Prefill: each tile of
     PREFILL_TILES on PREFILL_CLUSTERS, walked in PREFILL_RASTER_GROUPS."""
     sms = sm_count() if sms is None else sms
     pick = config_for(shape, sms)
@@ -415,6 +423,10 @@ def candidates(shape: GemmShape, sms: int | None = None) -> list[GemmConfig]:
         found = decode_configs(shape, splits, sms)
         found += [dataclasses.replace(c, a_rows=r) for c in found if not c.swap_ab and c.tile_m == 64
                   for r in A_ROWS if r > c.a_rows]
+        if shape.m > TWO_TOKEN_TILES:  # see TWO_TOKEN_TILES
+            found += [c for c in (GemmConfig(**_base(shape), cluster_m=1, split_k=True, splits=s, tile_m=tile_m,
+                                             tile_n=TWO_TOKEN_TILES, swap_ab=True) for tile_m in SWAP_TILE_M for s in splits)
+                      if _fits(c, shape.m, shape.n)]
     else:
         found = [GemmConfig(**_base(shape), tile_m=tile_m, tile_n=tile_n, pingpong=pingpong,
                             cluster_m=cluster_m, cluster_n=cluster_n, raster_group=group)

@@ -312,7 +312,9 @@ def test_candidates_are_valid_distinct_and_hold_the_pick(m, n, k, options):
         assert {(c.cluster_m, c.cluster_n) for c in found} == {(1, 1)}
         assert {c.a_rows for c in plain} == ({r for r in plan.A_ROWS if r >= m} if m <= 64 else {128})
         assert {c.tile_m for c in swapped} == set(plan.SWAP_TILE_M)
-        assert {c.tile_n for c in swapped} == {next(t for t in plan.SWAP_TILE_N if t >= min(m, 128))}
+        fewest = next(t for t in plan.SWAP_TILE_N if t >= min(m, 128))
+        assert {c.tile_n for c in swapped} == ({fewest, plan.TWO_TOKEN_TILES} if m > 64 else {fewest})
+        assert all(c not in plan.decode_configs(shape, [c.splits], 132) for c in swapped if c.tile_n < min(m, 128))
         assert max(c.splits for c in found) == min(plan.MAX_SPLITS, k_tiles)
 
 

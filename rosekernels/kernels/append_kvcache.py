@@ -1,0 +1,297 @@
+"""append_kvcache(): write a step's new keys and values into a KV cache, contiguous or paged, at each
+sequence's own position (held on the device), in one launch and without a sync: the companion of
+attention_with_kvcache.
+
+k, v [B, S_new, Hkv, d]; token i of sequence b goes to position p = cache_seqlens[b] + i: row p % block_size
+of block block_table[b, p // block_size] (paged: k_cache, v_cache [num_blocks, block_size, Hkv, d],
+block_table [B, max_blocks] int32), or row p of sequence b (contiguous: [B, S_max, Hkv, d], strided views
+such as transformers' transposed static cache included). cache_seqlens is not advanced: the caller adds
+S_new once the step's attention has run (attention_with_kvcache takes the lengths with the new tokens).
+
+A token whose position falls outside the cache (negative, past S_max or past the table) or whose block id
+is outside [0, num_blocks) is not written: nothing outside the cache is ever touched, whatever the
+lengths and the table hold. Two tokens that the tables send to the same row (two sequences sharing a
+block) leave that row holding one of them.
+
+Design: one thread per 128-bit vector of a (sequence, token, head) row, the same vector of k and of v
+(both loaded before either store). The thread reads its sequence's length and, paged, the one table
+entry of its position (the column clamped into the table, so the read stays in bounds), then stores
+only when the row lies inside the cache. dtype, head dim and the layout are compiled in; every count,
+length and stride is a runtime value. The config and its choice live in append_kvcache_plan.
+"""
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Int32
+
+from rosekernels import checks, jit, launch, modes, tuned
+from rosekernels.kernels.append_kvcache_plan import (  # noqa: F401  (candidates, variants_for: the contract)
+    DECODE_MAX_TOKENS, DTYPES, HEAD_DIMS, OP, TORCH_DTYPE, AppendConfig, AppendShape, candidates, config_for,
+    variants_for)
+from rosekernels.vector_copy import vec_load, vec_store
+from rosekernels.workload import Workload
+
+Config, Shape = AppendConfig, AppendShape
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel.
+
+class AppendKernel:
+    def __init__(self, cfg: AppendConfig):
+        cfg.validate()
+        self.cfg = cfg
+
+    @cute.jit
+    def __call__(self, mKC: cute.Tensor, mVC: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mLens: cute.Tensor,
+                 mTable: cute.Tensor, stream):
+        c = self.cfg
+        vectors = mK.shape[0] * mK.shape[1] * mK.shape[2] * (c.head_dim // c.vec)
+        self.kernel(mKC, mVC, mK, mV, mLens, mTable).launch(
+            grid=[cute.ceil_div(vectors, c.threads), 1, 1], block=[c.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mKC: cute.Tensor, mVC: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mLens: cute.Tensor,
+               mTable: cute.Tensor):
+        c = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        batch, new_tokens, heads = mK.shape[0], mK.shape[1], mK.shape[2]
+        per_row = c.head_dim // c.vec
+        i = bidx * c.threads + tidx
+        if i < batch * new_tokens * heads * per_row:
+            row = i // per_row
+            v = i - row * per_row
+            h = row % heads
+            token = row // heads
+            s = token % new_tokens
+            b = token // new_tokens
+            pos = mLens[b] + s
+            inside = pos >= 0
+            first, second = b, pos
+            if cutlass.const_expr(c.paged):
+                block_size, max_blocks = mKC.shape[1], mTable.shape[1]
+                p = cutlass.max(pos, Int32(0))
+                column = p // block_size
+                inside = inside & (column < max_blocks)
+                block = mTable[b, cutlass.min(column, max_blocks - 1)]
+                inside = inside & (block >= 0) & (block < mKC.shape[0])
+                first, second = block, p - column * block_size
+            else:
+                inside = inside & (pos < mKC.shape[1])
+            if inside:
+                k = vec_load(cute.zipped_divide(mK[b, s, h, None], (c.vec,))[None, v])
+                vv = vec_load(cute.zipped_divide(mV[b, s, h, None], (c.vec,))[None, v])
+                vec_store(k, cute.zipped_divide(mKC[first, second, h, None], (c.vec,))[None, v])
+                vec_store(vv, cute.zipped_divide(mVC[first, second, h, None], (c.vec,))[None, v])
+
+
+def _build(cfg: AppendConfig) -> Callable[[], tuple]:
+    def build():
+        dt = checks.cute_dtype(cfg.dtype)
+        batch, heads = cute.sym_int32(), cute.sym_int32()
+
+        def rows(n0, n1) -> cute.Tensor:  # [n0, n1, heads, d], any 16-byte-aligned strides but the last
+            strides = tuple(cute.sym_int64(divisibility=cfg.vec) for _ in range(3)) + (1,)
+            return cute.runtime.make_fake_tensor(dt, (n0, n1, heads, cfg.head_dim), strides, assumed_align=16)
+
+        cache_rows, cache_cols, new_tokens = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+        lens = cute.runtime.make_fake_tensor(cutlass.Int32, (batch,), (cute.sym_int64(),), assumed_align=4)
+        # Paged: one row per sequence (the host code checks it on every call); contiguous: a placeholder.
+        table = cute.runtime.make_fake_tensor(cutlass.Int32, (batch if cfg.paged else cute.sym_int32(), cute.sym_int32()),
+                                              (cute.sym_int64(), cute.sym_int64()), assumed_align=4)
+        args = (rows(cache_rows, cache_cols), rows(cache_rows, cache_cols), rows(batch, new_tokens),
+                rows(batch, new_tokens), lens, table, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
+        return AppendKernel(cfg), args
+    return build
+
+
+def compile(config: AppendConfig) -> jit.CompiledKernel:
+    """The loaded kernel of `config`; call `.fn(k_cache, v_cache, k, v, cache_seqlens, block_table)`
+    (contiguous: any int32 [1, 1] table, unread)."""
+    config.validate()
+    return jit.compile_variant(config.variant(), _build(config))
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference, and inputs for a config (tests, SIP tuner).
+
+def reference(k_cache, v_cache, k, v, cache_seqlens, block_table):
+    """The caches after the append, one token at a time in Python on the host (skipped tokens skipped)."""
+    k_cache, v_cache = k_cache.cpu().clone(), v_cache.cpu().clone()
+    k, v, lengths = k.cpu(), v.cpu(), cache_seqlens.cpu()
+    table = None if block_table is None else block_table.cpu()
+    B, S_new = k.shape[:2]
+    for b in range(B):
+        for i in range(S_new):
+            p = int(lengths[b]) + i
+            if table is None:
+                if 0 <= p < k_cache.shape[1]:
+                    k_cache[b, p], v_cache[b, p] = k[b, i], v[b, i]
+                continue
+            column = p // k_cache.shape[1] if p >= 0 else -1
+            if not 0 <= column < table.shape[1]:
+                continue
+            block = int(table[b, column])
+            if 0 <= block < k_cache.shape[0]:
+                k_cache[block, p % k_cache.shape[1]], v_cache[block, p % k_cache.shape[1]] = k[b, i], v[b, i]
+    return k_cache, v_cache
+
+
+def random_case(g: torch.Generator, batch: int, new_tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                paged: bool, block_size: int = 16, max_blocks: int = 5, device: str = "cuda") -> tuple:
+    """(k_cache, v_cache, k, v, cache_seqlens, block_table) drawn from `g`: paged, blocks in random order
+    with garbage ids (-1, num_blocks, 2^31 - 1) in a fifth of the table; lengths from -2 to past the
+    cache, so that some tokens are skipped."""
+    rows = max_blocks * block_size
+    num_blocks = batch * max_blocks + 3
+    if paged:
+        cache_shape = (num_blocks, block_size, kv_heads, head_dim)
+        order = torch.randperm(num_blocks, generator=g)[:batch * max_blocks].view(batch, max_blocks).to(torch.int32)
+        garbage = torch.tensor([-1, num_blocks, 2**31 - 1], dtype=torch.int32)[
+            torch.randint(0, 3, (batch, max_blocks), generator=g)]
+        table = torch.where(torch.rand(batch, max_blocks, generator=g) < 0.2, garbage, order).to(device)
+    else:
+        cache_shape, table = (batch, rows, kv_heads, head_dim), None
+    caches = [torch.randn(*cache_shape, generator=g).to(dtype).to(device) for _ in range(2)]
+    k, v = (torch.randn(batch, new_tokens, kv_heads, head_dim, generator=g).to(dtype).to(device) for _ in range(2))
+    lengths = torch.randint(-2, rows + 3, (batch,), generator=g, dtype=torch.int32).to(device)
+    return (*caches, k, v, lengths, table)
+
+
+def workload(config: AppendConfig, shape: AppendShape) -> Workload:
+    """`compile(config)` with its inputs: make_args(seed) at `shape`, test_args(seed) at random sizes of
+    config's mode. args are compile's six arguments followed by the reference caches (computed from the
+    caches before any launch; an append is idempotent, so they hold after any number of launches); the
+    caches are the outputs, and check compares every byte of them with the reference."""
+    lo, hi = (1, DECODE_MAX_TOKENS) if config.mode == "decode" else (DECODE_MAX_TOKENS + 1, 300)
+    dt = TORCH_DTYPE[config.dtype]
+
+    def args(batch: int, new_tokens: int, kv_heads: int, seed: int) -> tuple:
+        g = torch.Generator().manual_seed(seed)
+        max_blocks = -(-(new_tokens + 40) // 16)
+        case = random_case(g, batch, new_tokens, kv_heads, config.head_dim, dt, config.paged, 16, max_blocks)
+        table = case[5] if config.paged else torch.zeros(1, 1, dtype=torch.int32, device="cuda")
+        return (*case[:5], table, *reference(*case))
+
+    def check(a: tuple) -> float:
+        for name, got, want in (("k_cache", a[0], a[6]), ("v_cache", a[1], a[7])):
+            if not torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)):
+                raise AssertionError(f"{name}: a written row differs from the reference, or another row changed")
+        return 0.0
+
+    def test_args(seed: int) -> tuple:
+        r = random.Random(seed)
+        return args(r.randint(1, 40 if config.mode == "decode" else 3), r.randint(lo, hi), r.randint(1, 8), seed)
+
+    return Workload(compile(config), lambda seed: args(shape.batch, shape.new_tokens, shape.kv_heads, seed),
+                    outputs=lambda a: a[:2], check=check, test_args=test_args, launch=lambda fn, a: fn(*a[:6]),
+                    name=OP)
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks (the slow path: first call per signature, and after any launch failure).
+
+def _validate(k_cache, v_cache, k, v, cache_seqlens, block_table) -> None:
+    named = dict(k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table)
+    for name, t in named.items():
+        if not (t is None and name == "block_table") and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name in ("k_cache", "v_cache", "k", "v"):
+        if named[name].dim() != 4:
+            raise ValueError(f"{name} must be 4-D, got shape {list(named[name].shape)}")
+    checks.check_dtype("k_cache", k_cache, DTYPES)
+    for name in ("v_cache", "k", "v"):
+        checks.check_dtype(name, named[name], (k_cache.dtype,))
+    checks.check_dtype("cache_seqlens", cache_seqlens, (torch.int32,))
+    B, _, Hkv, d = k.shape
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head dim {d} is not supported; expected one of {HEAD_DIMS}")
+    checks.check_shape("v", v, tuple(k.shape))
+    checks.check_shape("k_cache", k_cache, (None, None, Hkv, d))
+    checks.check_shape("v_cache", v_cache, tuple(k_cache.shape))
+    checks.check_shape("cache_seqlens", cache_seqlens, (B,))
+    if block_table is None:
+        checks.check_shape("k_cache", k_cache, (B, None, Hkv, d))
+    else:
+        checks.check_dtype("block_table", block_table, (torch.int32,))
+        checks.check_shape("block_table", block_table, (B, None))
+        if block_table.shape[1] == 0 and k.numel():
+            raise ValueError("block_table must have at least one column")
+    if k_cache.shape[0] * k_cache.shape[1] == 0 and k.numel():
+        raise ValueError(f"the cache holds no rows: k_cache {list(k_cache.shape)}")
+    if k.numel() >= 2**31 or max(k_cache.shape[:2]) >= 2**31:
+        raise ValueError("too many rows for 32-bit indexing")
+    for name in ("k_cache", "v_cache", "k", "v"):
+        checks.check_unit_last_stride(name, named[name])
+        checks.check_aligned(name, named[name])
+    for name, t in named.items():
+        if t is not None:
+            checks.check_cuda(name, t)
+    checks.check_same_device(**named)
+
+
+# ---------------------------------------------------------------------------------------------
+# The op.
+
+_plans = launch.PlanCache()
+
+
+class _Plan(launch.Launch):
+    """The kernel of one signature; contiguous caches pass a placeholder table of their own."""
+
+    def __init__(self, fn, device: int, paged: bool):
+        super().__init__(fn, device)
+        self.unused_table = None if paged else torch.zeros(1, 1, dtype=torch.int32, device=f"cuda:{device}")
+
+    def launch(self, k_cache, v_cache, k, v, cache_seqlens, block_table) -> None:
+        launch.on_device(self.device, self.fn, k_cache, v_cache, k, v, cache_seqlens,
+                         self.unused_table if block_table is None else block_table)
+
+
+def _new_plan(k_cache, v_cache, k, v, cache_seqlens, block_table) -> launch.Launch:
+    """Slow path, once per signature: validate everything, pick and load the kernel."""
+    _validate(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    B, S_new, Hkv, d = k.shape
+    device = k.device.index
+    if not k.numel():
+        return launch.nothing(device)
+    shape = AppendShape(B, S_new, Hkv, d, checks.DTYPE_NAME[k.dtype], block_table is not None)
+    sms = modes.sm_count(device)
+    return _Plan(compile(tuned.tuned_config(OP, shape, config_for(shape, sms), sms)).fn, device, shape.paged)
+
+
+def _run(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_seqlens: torch.Tensor,
+         block_table: torch.Tensor | None) -> None:
+    # What the plan depends on (the compiled host code checks the strides, alignment and the
+    # agreement of sizes on each call).
+    key = (k_cache.shape, k.shape, k.dtype, k.get_device(), block_table is None)
+    plan = _plans.get(key) or _plans.put(key, _new_plan(k_cache, v_cache, k, v, cache_seqlens, block_table))
+    try:
+        plan.launch(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    except Exception:
+        # The compiled host code raises before launching; the full checks say what is wrong.
+        _validate(k_cache, v_cache, k, v, cache_seqlens, block_table)
+        raise
+
+
+launch.register_op(OP, _run, mutates_args=("k_cache", "v_cache"))
+
+
+def append_kvcache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None) -> None:
+    """Write k, v [B, S_new, Hkv, d] (d in 64/128/256) into k_cache, v_cache at positions
+    cache_seqlens[b] + i, in place, in one launch (see the module docstring for the layouts and what
+    is skipped). Nothing syncs; cache_seqlens is not changed. Graph-capturable; under torch.compile
+    the call goes through the custom op rosekernels::append_kvcache."""
+    if launch.eager(k_cache, v_cache, k, v, cache_seqlens, block_table):
+        _run(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    elif all(isinstance(t, torch.Tensor) for t in (k_cache, v_cache, k, v, cache_seqlens)):  # traced, fake, meta
+        torch.ops.rosekernels.append_kvcache(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    else:
+        _validate(k_cache, v_cache, k, v, cache_seqlens, block_table)  # raises, naming the argument

@@ -1,0 +1,112 @@
+"""KV-cache append planning: what a launch of the append kernel (rosekernels.kernels.append_kvcache) is
+specialized on, which config a call gets, what the tuner may try and what warm-up compiles.
+
+No CuTeDSL here: configs are chosen, listed and tested on a CPU without compiling.
+
+A call moves batch x new_tokens x kv_heads rows of head_dim elements for each of k and v, one 128-bit
+vector per thread. Only the dtype, the head dim and the cache layout (paged or contiguous) are
+compiled in; every count, length and stride is a runtime value. Decode steps (up to
+DECODE_MAX_TOKENS new tokens per sequence, speculative decoding included) and prefill chunks differ
+only in the block size.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+import torch
+
+from rosekernels import checks
+from rosekernels.models import ModelDims
+from rosekernels.variant import MODES, Variant
+
+OP = "append_kvcache"
+HEAD_DIMS = (64, 128, 256)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+TORCH_DTYPE = {checks.DTYPE_NAME[d]: d for d in DTYPES}
+THREADS = (64, 128, 256, 512)  # threads per block the tuner tries
+DEFAULT_THREADS = {"decode": 128, "prefill": 256}
+DECODE_MAX_TOKENS = 16  # new tokens per sequence up to which a call is a decode step (attention_with_kvcache's S_q)
+
+
+@dataclasses.dataclass(frozen=True)
+class AppendShape:
+    """The sizes and options of a call (the keys of `sip-tune --kernel append_kvcache --shape`)."""
+
+    SIZE_FIELDS = ("batch", "new_tokens")  # vary per call: bucketed by the tuned-config store
+    batch: int
+    new_tokens: int = 1
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bf16"
+    paged: bool = True
+
+    @property
+    def mode(self) -> str:
+        return "decode" if self.new_tokens <= DECODE_MAX_TOKENS else "prefill"
+
+    @classmethod
+    def defaults(cls, mode: str) -> "AppendShape":
+        """Qwen3-8B KV heads, bf16, a paged cache: a decode step of 16 sequences, or one 4096-token chunk."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
+        return cls(batch=16, new_tokens=1) if mode == "decode" else cls(batch=1, new_tokens=4096)
+
+
+@dataclasses.dataclass(frozen=True)
+class AppendConfig:
+    """Everything a compiled variant is specialized on."""
+
+    POLICY_FIELDS = ()
+    dtype: str  # caches and new tokens: "bf16" | "fp16" | "fp32"
+    head_dim: int
+    paged: bool  # [num_blocks, block_size, Hkv, d] with a block table, else [B, S_max, Hkv, d]
+    mode: str  # "decode" | "prefill"
+    threads: int  # per block: one 128-bit vector of k and one of v each
+
+    @property
+    def vec(self) -> int:
+        """Elements per 128-bit access."""
+        return checks.vector_elems(self.dtype)
+
+    def variant(self) -> Variant:
+        params = dataclasses.asdict(self)
+        return Variant.of(OP, params.pop("mode"), **params)
+
+    @classmethod
+    def from_variant(cls, variant: Variant) -> "AppendConfig":
+        if variant.op != OP:
+            raise ValueError(f"not a {OP} variant: {variant}")
+        return cls(mode=variant.mode, **dict(variant.params))
+
+    def validate(self) -> None:
+        if self.dtype not in TORCH_DTYPE or self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"unsupported dtype {self.dtype} or head dim {self.head_dim}")
+        if self.mode not in MODES or self.threads not in THREADS:
+            raise ValueError(f"unsupported mode {self.mode!r} or {self.threads} threads per block")
+
+
+def config_for(shape: AppendShape, sms: int | None = None) -> AppendConfig:
+    """What append_kvcache() launches for `shape` (the block size of its mode; `sms` is not read:
+    the grid covers the rows whatever the GPU)."""
+    return AppendConfig(shape.dtype, int(shape.head_dim), bool(shape.paged), shape.mode, DEFAULT_THREADS[shape.mode])
+
+
+def candidates(shape: AppendShape, sms: int | None = None) -> list[AppendConfig]:
+    """config_for(shape) with every block size of THREADS."""
+    pick = config_for(shape, sms)
+    return list(dict.fromkeys([pick, *(dataclasses.replace(pick, threads=t) for t in THREADS)]))
+
+
+def variants_for(models: Iterable[ModelDims] | None = None, modes: Iterable[str] = MODES,
+                 max_tokens: int | None = None) -> list[AppendConfig]:
+    """The configs append_kvcache() can launch in `modes` for `models` (their KV head dim and dtype,
+    paged and contiguous caches; a head dim the kernel lacks needs none). None: every dtype and head
+    dim. `max_tokens` does not change the set."""
+    if models is None:
+        keys = [(dt, d) for dt in TORCH_DTYPE for d in HEAD_DIMS]
+    else:
+        keys = [(m.dtype, m.head_dim) for m in models if m.head_dim in HEAD_DIMS and m.dtype in TORCH_DTYPE]
+    modes = [m for m in MODES if m in set(modes)]
+    return list(dict.fromkeys(AppendConfig(dt, d, paged, mode, DEFAULT_THREADS[mode])
+                              for dt, d in keys for paged in (True, False) for mode in modes))
