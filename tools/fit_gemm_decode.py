@@ -2,8 +2,9 @@
 
     cd bench/results && python ../../tools/fit_gemm_decode.py gemm_leakyrelu_decode_broad.json.gz \
         gemm_leakyrelu_decode_fitted.json.gz gemm_swiglu_sweep.json.gz gemm_leakyrelu_decode_wide.json.gz \
-        gemm_leakyrelu_decode_wide_2.json.gz gemm_leakyrelu_decode_m64x2.json.gz
+        gemm_leakyrelu_decode_wide_2.json.gz
     python tools/fit_gemm_decode.py --current SWEEP...   # the plan module's picks as they stand
+                                                         # (also on gemm_leakyrelu_decode_m64x2.json.gz)
 
 A sweep is what `python bench/gemm_leakyrelu.py --sweep --sweep-splits 1,2,3,4,6,8 --shapes ...` or
 `python bench/gemm_swiglu.py --sweep` (gated GEMMs) writes: every decode config of each shape timed
@@ -80,8 +81,8 @@ def main() -> None:
             data = json.load(f)
         for result in data["results"]:
             for row in result.get("sweep", []):
-                # Two M tiles (64-row plain, 64-token swapped past 64 tokens): timed in one sweep,
-                # not among the heuristic's decode_configs, so not fitted.
+                # Two M tiles (64-row plain, 64-token swapped past 64 tokens: the plan module's
+                # TWO_TOKEN_TILES): timed in one sweep, not among the heuristic's decode_configs.
                 two_tiles = row.get("tile_n" if row.get("swap_ab") else "tile_m") == 64 and result["m"] > 64
                 if "ms" in row and "swap_ab" in row and not two_tiles:
                     shapes.append((result["m"], result["n"], result["k"]))

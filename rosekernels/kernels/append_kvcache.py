@@ -9,14 +9,15 @@ such as transformers' transposed static cache included). cache_seqlens is not ad
 S_new once the step's attention has run (attention_with_kvcache takes the lengths with the new tokens).
 
 A token whose position falls outside the cache (negative, past S_max or past the table) or whose block id
-is outside [0, num_blocks) is not written: nothing outside the cache is ever touched, whatever the
-lengths and the table hold. Two tokens that the tables send to the same row (two sequences sharing a
-block) leave that row holding one of them.
+is outside [0, num_blocks) is not written: nothing outside the cache (nor outside the table) is ever
+touched, whatever the lengths and the table hold. Two tokens that the tables send to the same row (two
+sequences sharing a block) leave that row unspecified: each 16-byte piece of its k and v comes from
+one of them.
 
 Design: one thread per 128-bit vector of a (sequence, token, head) row, the same vector of k and of v
 (both loaded before either store). The thread reads its sequence's length and, paged, the one table
-entry of its position (the column clamped into the table, so the read stays in bounds), then stores
-only when the row lies inside the cache. dtype, head dim and the layout are compiled in; every count,
+entry of its position when that column lies inside the table, then stores only when the row lies
+inside the cache. dtype, head dim and the layout are compiled in; every count,
 length and stride is a runtime value. The config and its choice live in append_kvcache_plan.
 """
 from __future__ import annotations
@@ -79,7 +80,9 @@ class AppendKernel:
                 p = cutlass.max(pos, Int32(0))
                 column = p // block_size
                 inside = inside & (column < max_blocks)
-                block = mTable[b, cutlass.min(column, max_blocks - 1)]
+                block = Int32(-1)
+                if inside:  # a table of no columns passes the compiled checks: read nothing then
+                    block = mTable[b, column]
                 inside = inside & (block >= 0) & (block < mKC.shape[0])
                 first, second = block, p - column * block_size
             else:
@@ -169,6 +172,9 @@ def workload(config: AppendConfig, shape: AppendShape) -> Workload:
     config's mode. args are compile's six arguments followed by the reference caches (computed from the
     caches before any launch; an append is idempotent, so they hold after any number of launches); the
     caches are the outputs, and check compares every byte of them with the reference."""
+    if (shape.dtype, shape.head_dim, shape.paged, shape.mode) != (config.dtype, config.head_dim, config.paged,
+                                                                   config.mode):
+        raise ValueError(f"{config} does not serve {shape}: dtype, head dim, layout and mode must match")
     lo, hi = (1, DECODE_MAX_TOKENS) if config.mode == "decode" else (DECODE_MAX_TOKENS + 1, 300)
     dt = TORCH_DTYPE[config.dtype]
 

@@ -67,12 +67,13 @@ A_ROWS = (8, 16, 32, 64)  # rows of A a 64-row decode tile loads: the smallest t
 # rows per tile (64: one warpgroup, 128: two).
 SWAP_TILE_N = (8, 16, 32, 64, 96, 128)
 SWAP_TILE_M = (64, 128)
-# The tuner also searches swapped tiles of 64 tokens past 64 tokens (two token tiles: twice the CTAs
+# The tuner also searches swapped 64 x 64 tiles past 64 tokens (two token tiles: twice the CTAs
 # without splitting K; cuBLAS runs 64 x 64 tiles at M = 128): on the H200 sweep of M = 96 and 128
 # (bench/results/gemm_leakyrelu_decode_m64x2.md) they were the fastest config on 6 of 34 shapes
-# (128 x 3584 x 3584: 1.05x the next, 128 x 768 x 2048: 1.07x), a few % behind elsewhere; the cost
-# model does not rate them (not fitted), so the heuristic does not pick them. Plain 64-row tiles
-# past 64 tokens won on no shape there and are not searched.
+# (128 x 3584 x 3584: 1.05x the next, 128 x 768 x 2048: 1.07x), a few % behind elsewhere. The cost
+# model was not fitted to them and rates them too well at M = 96 (its pick would lose 1.47x at
+# 96 x 4096 x 4096), so the heuristic does not consider them. 128-row swapped and plain 64-row
+# tiles on two M tiles won on no shape there and are not searched.
 TWO_TOKEN_TILES = 64
 MIN_SPLIT_K_TILES = 4  # k-tiles per split at least: shorter splits are mostly pipeline fill
 COUNTER_SLOTS = 4096  # split-K tile counters per stream: a split launch has at most this many tiles
@@ -272,8 +273,8 @@ def check_fits(config: GemmConfig, m: int, n: int) -> None:
 
 
 def m_range(config: GemmConfig) -> tuple[int, int]:
-    """The token counts (M) that config_for gives `config`'s tiling along M (tile_m, a_rows), at
-    any N and K: what tests of the config sample. Prefill: the same code serves every M past the
+    """The token counts (M) that config_for (or, for TWO_TOKEN_TILES, the tuner) gives `config`'s
+    tiling along M (tile_m, a_rows), at any N and K: what tests of the config sample. Prefill: the same code serves every M past the
     decode range; small ones keep samples cheap and exercise the ragged tails."""
     if not config.split_k:
         return DECODE_MAX_M + 1, 4 * DECODE_MAX_M + 64
@@ -423,9 +424,9 @@ def candidates(shape: GemmShape, sms: int | None = None) -> list[GemmConfig]:
         found = decode_configs(shape, splits, sms)
         found += [dataclasses.replace(c, a_rows=r) for c in found if not c.swap_ab and c.tile_m == 64
                   for r in A_ROWS if r > c.a_rows]
-        if shape.m > TWO_TOKEN_TILES:  # see TWO_TOKEN_TILES
-            found += [c for c in (GemmConfig(**_base(shape), cluster_m=1, split_k=True, splits=s, tile_m=tile_m,
-                                             tile_n=TWO_TOKEN_TILES, swap_ab=True) for tile_m in SWAP_TILE_M for s in splits)
+        if shape.m > TWO_TOKEN_TILES:  # M takes two token tiles: see TWO_TOKEN_TILES
+            found += [c for c in (GemmConfig(**_base(shape), cluster_m=1, split_k=True, splits=s, tile_m=64,
+                                             tile_n=TWO_TOKEN_TILES, swap_ab=True) for s in splits)
                       if _fits(c, shape.m, shape.n)]
     else:
         found = [GemmConfig(**_base(shape), tile_m=tile_m, tile_n=tile_n, pingpong=pingpong,

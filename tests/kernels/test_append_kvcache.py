@@ -108,11 +108,29 @@ def test_exported():
 # ---------------------------------------------------------------------------------------------
 # GPU
 
+def _guarded(cache):
+    """`cache` copied into the middle of a buffer one row and one block (or sequence) larger on each
+    side: a strided view whose guard rows show any write past its edges."""
+    n0, n1 = cache.shape[:2]
+    buffer = torch.randn(n0 + 2, n1 + 2, *cache.shape[2:], dtype=cache.dtype, device=cache.device)
+    view = buffer[1:-1, 1:-1]
+    view.copy_(cache)
+    return buffer, view
+
+
 def _check(case):
+    """Append `case` into guarded copies of its caches: the caches equal the per-token reference and
+    every guard byte is unchanged."""
+    (kb, kc), (vb, vc) = _guarded(case[0]), _guarded(case[1])
+    case = (kc, vc, *case[2:])
+    before = (kb.clone(), vb.clone())
     want = ka.reference(*case)
     rosekernels.append_kvcache(*case)
     for got, ref in zip(case[:2], want):
         assert torch.equal(_bits(got.cpu()), _bits(ref)), "a written row differs, or another row changed"
+    for buffer, old in zip((kb, vb), before):
+        buffer[1:-1, 1:-1] = old[1:-1, 1:-1]
+        assert torch.equal(_bits(buffer), _bits(old)), "a write left the cache"
 
 
 @pytest.mark.gpu
@@ -145,8 +163,9 @@ def test_no_token_written_leaves_the_cache_as_it_was():
     caches = [torch.randn(3, 4, 1, 64, generator=g).to(BF16).cuda() for _ in range(2)]
     before = [c.clone() for c in caches]
     table = torch.tensor([[-1, 3], [2, 2**31 - 1]], dtype=I32).cuda()
-    k, v = (torch.randn(2, 2, 1, 64, generator=g).to(BF16).cuda() for _ in range(2))
-    rosekernels.append_kvcache(*caches, k, v, torch.tensor([1, 4], dtype=I32).cuda(), table)  # block -1, 2^31 - 1
+    k, v = (torch.randn(2, 5, 1, 64, generator=g).to(BF16).cuda() for _ in range(2))
+    # Sequence 0: columns 0 and 1 (blocks -1 and 3 = num_blocks); sequence 1: column 1 (2^31 - 1), then past the table.
+    rosekernels.append_kvcache(*caches, k, v, torch.tensor([1, 4], dtype=I32).cuda(), table)
     for got, ref in zip(caches, before):
         assert torch.equal(_bits(got), _bits(ref))
 
@@ -199,6 +218,49 @@ def test_workloads_check_their_kernels(mode, paged):
             args = w.sample(seed)
             w.run(w.kernel.fn, args)
             w.check(args)
+
+
+@pytest.mark.gpu
+def test_strided_views_and_extreme_lengths():
+    """k and v as slices of a fused projection buffer (the caches are strided views in _check),
+    lengths of -2^31 and 2^31 - 1 (their positions wrap or run past the table: skipped); the plan of
+    one call serves calls of other strides with the same shapes."""
+    g = torch.Generator().manual_seed(12)
+    B, S_new, Hkv, d, bs, max_blocks = 5, 3, 4, 128, 16, 3
+    k_cache, v_cache, k, v, lengths, table = ka.random_case(g, B, S_new, Hkv, d, BF16, True, bs, max_blocks)
+    fused = torch.randn(B, S_new, 3 * Hkv, d, generator=g).to(BF16).cuda()
+    lengths[:2] = torch.tensor([-2**31, 2**31 - 1], dtype=I32)
+    _check((k_cache, v_cache, fused[:, :, :Hkv], fused[:, :, Hkv:2 * Hkv], lengths, table))
+    _check((k_cache, v_cache, k, v, lengths, table))
+    _check((k_cache, v_cache, fused[:, :, Hkv:2 * Hkv], fused[:, :, 2 * Hkv:], lengths, table))
+
+
+@pytest.mark.gpu
+def test_bad_arguments_on_a_planned_signature_raise_and_write_nothing():
+    """After a good call has planned the signature, calls with the same shapes but bad tensors go
+    through the fast path: the compiled host code or the kernel's own guards must refuse them."""
+    g = torch.Generator().manual_seed(13)
+    case = ka.random_case(g, 4, 1, 2, 64, BF16, True, 16, 3)
+    rosekernels.append_kvcache(*case)
+    caches = [c.clone() for c in case[:2]]
+    k_cache, v_cache, k, v, lengths, table = case
+    misaligned = torch.empty(k.numel() + 8, dtype=BF16, device="cuda")[1:k.numel() + 1].view(k.shape)
+    for bad, match in ((dict(cache_seqlens=lengths.cpu()), "CUDA device|device"),
+                       (dict(cache_seqlens=lengths.long()), "int64|dtype"),
+                       (dict(k=misaligned), "aligned"),
+                       (dict(block_table=table[:3]), "block_table has shape")):
+        args = dict(k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=lengths, block_table=table, **bad)
+        with pytest.raises((ValueError, TypeError), match=match):
+            rosekernels.append_kvcache(**args)
+    # A table of no columns: refused by the compiled host code, or else the kernel reads no table
+    # entry and writes nothing (the full checks do not run on the fast path).
+    try:
+        rosekernels.append_kvcache(k_cache, v_cache, k, v, lengths, table[:, :0])
+    except ValueError as e:
+        assert "at least one column" in str(e)
+    torch.cuda.synchronize()
+    for got, ref in zip((k_cache, v_cache), caches):
+        assert torch.equal(_bits(got), _bits(ref)), "written by a refused call"
 
 
 @pytest.mark.gpu

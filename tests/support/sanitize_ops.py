@@ -74,6 +74,17 @@ def main() -> None:
     bad = torch.tensor([0, 2**31 - 1, -2**31, 500, 100], dtype=torch.int32, device=dev)
     rosekernels.attention_varlen(qv, kv, kv, bad, bad, 257, 257, causal=False)
 
+    # Appends into a paged cache with garbage lengths (-2^31, 2^31 - 1, past the table) and block ids
+    # (-1, num_blocks, 2^31 - 1), and into a contiguous one: written rows checked, nothing outside touched.
+    from rosekernels.kernels.append_kvcache import random_case, reference
+    for paged in (True, False):
+        case = random_case(g, 9, 3, 2, 128, bf, paged, 16, 4)
+        case[4][:2] = torch.tensor([-2**31, 2**31 - 1], dtype=torch.int32)
+        want = reference(*case)
+        rosekernels.append_kvcache(*case)
+        for got, ref in zip(case[:2], want):
+            assert torch.equal(got.cpu(), ref), f"append_kvcache paged={paged}"
+
     for t in (3, 300):  # decode and prefill variants
         xs = torch.randn(t, 512, device=dev, dtype=bf)
         ids = torch.stack([torch.randperm(16)[:4] for _ in range(t)]).to(dev, torch.int32)  # distinct per token
