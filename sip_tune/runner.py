@@ -260,9 +260,12 @@ def _clone(args: tuple) -> tuple:
 
 
 def _set_bytes(args: tuple) -> int:
+    """Device bytes of one input set, each storage once: what must rotate past L2 (host tensors, such
+    as a reference a workload keeps beside its arguments, take none)."""
     seen = {}
     for t in _tensors(args):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if t.is_cuda:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return max(1, sum(seen.values()))
 
 

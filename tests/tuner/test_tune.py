@@ -10,7 +10,7 @@ from store_samples import FakeVariant, make_cubin
 
 from rosekernels import tuned
 from sip_tune import tuning
-from sip_tune.runner import Evaluation, Options, Runner, WorkerFailure
+from sip_tune.runner import Evaluation, Options, Runner, WorkerFailure, _set_bytes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,3 +277,11 @@ def test_tune_config_needs_exactly_one_budget():
         tuning.TuneConfig(budget_iters=5, budget_seconds=5.0)
     split = tuning.TuneConfig(budget_iters=100, runs=4).anneal()
     assert split.max_iters == 25 and split.max_seconds is None
+
+
+def test_input_set_bytes_count_device_tensors_only():
+    """The ring of input sets is sized by the bytes that pass through L2: a workload's host-side
+    reference tensors (append_kvcache keeps its expected caches there) count for nothing."""
+    import torch
+
+    assert _set_bytes((torch.zeros(1000), 3, torch.zeros(5, dtype=torch.int32))) == 1
