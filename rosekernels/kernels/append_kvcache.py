@@ -116,9 +116,14 @@ def _build(cfg: AppendConfig) -> Callable[[], tuple]:
 
 def compile(config: AppendConfig) -> jit.CompiledKernel:
     """The loaded kernel of `config`; call `.fn(k_cache, v_cache, k, v, cache_seqlens, block_table)`
-    (contiguous: any int32 [1, 1] table, unread)."""
+    (contiguous: `unread_table(device)`)."""
     config.validate()
     return jit.compile_variant(config.variant(), _build(config))
+
+
+def unread_table(device) -> torch.Tensor:
+    """The block_table argument of a contiguous-cache kernel, which never reads it."""
+    return torch.zeros(1, 1, dtype=torch.int32, device=device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,7 +187,7 @@ def workload(config: AppendConfig, shape: AppendShape) -> Workload:
         g = torch.Generator().manual_seed(seed)
         max_blocks = -(-(new_tokens + 40) // 16)
         case = random_case(g, batch, new_tokens, kv_heads, config.head_dim, dt, config.paged, 16, max_blocks)
-        table = case[5] if config.paged else torch.zeros(1, 1, dtype=torch.int32, device="cuda")
+        table = case[5] if config.paged else unread_table("cuda")
         return (*case[:5], table, *reference(*case))
 
     def check(a: tuple) -> float:
@@ -253,7 +258,7 @@ class _Plan(launch.Launch):
 
     def __init__(self, fn, device: int, paged: bool):
         super().__init__(fn, device)
-        self.unused_table = None if paged else torch.zeros(1, 1, dtype=torch.int32, device=f"cuda:{device}")
+        self.unused_table = None if paged else unread_table(f"cuda:{device}")
 
     def launch(self, k_cache, v_cache, k, v, cache_seqlens, block_table) -> None:
         launch.on_device(self.device, self.fn, k_cache, v_cache, k, v, cache_seqlens,

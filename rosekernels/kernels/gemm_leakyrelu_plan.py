@@ -274,13 +274,15 @@ def check_fits(config: GemmConfig, m: int, n: int) -> None:
 
 def m_range(config: GemmConfig) -> tuple[int, int]:
     """The token counts (M) that config_for (or, for TWO_TOKEN_TILES, the tuner) gives `config`'s
-    tiling along M (tile_m, a_rows), at any N and K: what tests of the config sample. Prefill: the same code serves every M past the
-    decode range; small ones keep samples cheap and exercise the ragged tails."""
+    tiling along M (tile_m, a_rows), at any N and K: what tests of the config sample. Prefill: the
+    same code serves every M past the decode range; small ones keep samples cheap and exercise the
+    ragged tails."""
     if not config.split_k:
         return DECODE_MAX_M + 1, 4 * DECODE_MAX_M + 64
     if config.swap_ab:  # the tuner's TWO_TOKEN_TILES also serve M up to 128
         smaller = [t for t in SWAP_TILE_N if t < config.tile_n]
-        return (smaller[-1] + 1 if smaller else 1), DECODE_MAX_M if config.tile_n == TWO_TOKEN_TILES else config.tile_n
+        largest = DECODE_MAX_M if config.tile_n == TWO_TOKEN_TILES else config.tile_n
+        return (smaller[-1] + 1 if smaller else 1), largest
     if config.tile_m == 128:
         return 65, DECODE_MAX_M
     smaller = [r for r in A_ROWS if r < config.a_rows]
@@ -415,8 +417,8 @@ def candidates(shape: GemmShape, sms: int | None = None) -> list[GemmConfig]:
     """Every config that can run `shape`, config_for's first. Decode: decode_configs with each split
     count up to MAX_SPLITS that leaves every split a k-tile, plain 64-row tiles also with each
     larger a_rows, past 64 tokens also TWO_TOKEN_TILES (`stages` stays at as many as fit: not
-    searched). Prefill: each tile of
-    PREFILL_TILES on PREFILL_CLUSTERS, walked in PREFILL_RASTER_GROUPS."""
+    searched). Prefill: each tile of PREFILL_TILES on PREFILL_CLUSTERS, walked in
+    PREFILL_RASTER_GROUPS."""
     sms = sm_count() if sms is None else sms
     pick = config_for(shape, sms)
     if shape.m <= DECODE_MAX_M:
@@ -425,9 +427,8 @@ def candidates(shape: GemmShape, sms: int | None = None) -> list[GemmConfig]:
         found += [dataclasses.replace(c, a_rows=r) for c in found if not c.swap_ab and c.tile_m == 64
                   for r in A_ROWS if r > c.a_rows]
         if shape.m > TWO_TOKEN_TILES:  # M takes two token tiles: see TWO_TOKEN_TILES
-            found += [c for c in (GemmConfig(**_base(shape), cluster_m=1, split_k=True, splits=s, tile_m=64,
-                                             tile_n=TWO_TOKEN_TILES, swap_ab=True) for s in splits)
-                      if _fits(c, shape.m, shape.n)]
+            two = [dataclasses.replace(c, tile_n=TWO_TOKEN_TILES) for c in found if c.swap_ab and c.tile_m == 64]
+            found += [c for c in two if _fits(c, shape.m, shape.n)]
     else:
         found = [GemmConfig(**_base(shape), tile_m=tile_m, tile_n=tile_n, pingpong=pingpong,
                             cluster_m=cluster_m, cluster_n=cluster_n, raster_group=group)
