@@ -7,6 +7,7 @@
     python bench/attention.py --sweep                        # candidate configs on the prefill problem shapes
     python bench/attention.py --kvcache                      # decode over a KV cache: contiguous and paged
     python bench/attention.py --varlen                       # packed sequences against the dense kernel and FA4
+    python bench/attention.py --grid                         # dense prefill on B {1,8,32} x S 1k-32k vs FA4, cuDNN
 
 TFLOP/s = 4 * B * Hq * S_q * S_kv * d / time, halved when causal. Each timing: warm-up, then one CUDA
 event pair per launch, median; the inputs rotate over enough copies to exceed the 50 MB L2. Every
@@ -43,6 +44,15 @@ def prefill_shapes():
             for causal in (False, True):
                 for b, s in ((16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384)):
                     yield dict(b=b, s=s, hq=hq, hkv=hkv, d=d, causal=causal)
+
+
+def grid_shapes():
+    """Issue 19's parity grid: B in {1, 8, 32} x S in 1k..32k, d 64/128, causal and not (Hq/Hkv 32/8)."""
+    for d in (64, 128):
+        for causal in (False, True):
+            for b in (1, 8, 32):
+                for s in (1024, 2048, 4096, 8192, 16384, 32768):
+                    yield dict(b=b, s=s, hq=32, hkv=8, d=d, causal=causal)
 
 
 def tflops(shape, s_q, s_k, ms):
@@ -124,7 +134,10 @@ def _first(x):
     return x[0] if isinstance(x, tuple) else x
 
 
-def bench_shape(shape, peers, s_q=None, iters=10):
+def bench_shape(shape, peers, s_q=None, iters=10, graphs=False):
+    """One prefill row: every implementation's output against ours, then their times, interleaved:
+    eager launches between CUDA events, or (`graphs`) each method's calls in a CUDA graph of its own
+    (device time only: short launches are otherwise timed with their host path)."""
     s_q = shape["s"] if s_q is None else s_q
     s_k = shape["s"]
     sets = make_sets(shape, s_q, s_k)
@@ -149,12 +162,23 @@ def bench_shape(shape, peers, s_q=None, iters=10):
                 ready[name] = run  # timed below, interleaved with the others
         except Exception as e:  # noqa: BLE001 - a backend refusing a shape is a result, not a crash
             row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    if ready and graphs:
+        errors = {}
+        seconds = tflops(shape, s_q, s_k, 1.0) * 1e9 / 600e12  # a call at 600 TFLOP/s
+        calls = max(1, min(50, int(20e-3 / seconds)))  # ~20 ms a graph
+        steps = {name: (lambda i, run=run: run(i % len(sets))) for name, run in ready.items()}
+        times = timing.interleaved_graph_time_us(steps, calls=calls, rounds=iters, errors=errors)
+        row.update({f"{name}_error": e for name, e in errors.items()})
+        ready = {}
+        for name, us in times.items():
+            row[f"{name}_ms"] = us / 1e3
+            row[f"{name}_TFLOPs"] = tflops(shape, s_q, s_k, us / 1e3)
     if ready:
         for name, ms in interleaved_ms(ready, len(sets), iters).items():
             row[f"{name}_ms"] = ms
             row[f"{name}_TFLOPs"] = tflops(shape, s_q, s_k, ms)
     for peer in ("sdpa_cudnn", "sdpa_flash", "fa4"):
-        if f"{peer}_ms" in row:
+        if f"{peer}_ms" in row and "rosekernels_ms" in row:
             row[f"vs_{peer}"] = row[f"{peer}_ms"] / row["rosekernels_ms"]
     del sets
     torch.cuda.empty_cache()
@@ -564,6 +588,10 @@ def main():
                     help="decode over a KV cache only: the dense kernel, a contiguous cache and paged ones")
     ap.add_argument("--varlen", action="store_true",
                     help="packed sequences only: equal lengths against the dense kernel, ragged ones against FA4")
+    ap.add_argument("--grid", action="store_true",
+                    help="dense prefill on the B x S parity grid against FA4 and cuDNN only, in CUDA graphs")
+    ap.add_argument("--where", default="", metavar="K=V,...",
+                    help="only the prefill rows whose fields match, e.g. d=128,causal=1")
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args()
     report.require_gpu()
@@ -593,13 +621,15 @@ def main():
     t0 = time.time()
     if not args.decode_only:
         A.precompile()
-    D.precompile([D.config_for(decode_shape(s)) for s in decode_shapes(args.quick)])
+    D.precompile([D.config_for(decode_shape(s)) for s in (() if args.grid else decode_shapes(args.quick))])
     result = {"environment": report.environment(("flash_attn",)), "compile_s": round(time.time() - t0, 1),
               "ceilings": ceilings()}
     print(json.dumps(result), flush=True)
     gpu = result["environment"]["gpu"]
 
     peers = Peers()
+    if args.grid:
+        peers.impls = {n: f for n, f in peers.impls.items() if n in ("sdpa_cudnn", "fa4")}
     if args.sweep:
         result["unavailable"] = peers.unavailable
         result["sweep"] = sweep(SWEEP_SHAPES, args.iters, peers)
@@ -609,11 +639,16 @@ def main():
 
     result["unavailable"] = peers.unavailable
     names = ["rosekernels", *peers.impls]
-    shapes = [] if args.decode_only else [REFERENCE] if args.quick else list(prefill_shapes())
+    shapes = ([] if args.decode_only else [REFERENCE] if args.quick else
+              list(grid_shapes()) if args.grid else list(prefill_shapes()))
+    where = [kv.split("=") for kv in args.where.split(",") if kv]
+    if any(len(kv) != 2 or kv[0] not in REFERENCE for kv in where):
+        ap.error(f"--where takes K=V,... with K among {sorted(REFERENCE)}, got {args.where!r}")
+    shapes = [sh for sh in shapes if all(str(int(sh[k])) == v for k, v in where)]
     rows = []
     for shape in shapes:
         t = time.time()
-        rows.append(bench_shape(shape, peers, iters=args.iters))
+        rows.append(bench_shape(shape, peers, iters=args.iters, graphs=args.grid))
         r = rows[-1]
         print(f"B={r['b']:<2} S={r['s']:<5} H={r['hq']}/{r['hkv']} d={r['d']} causal={r['causal']:d}  " +
               "  ".join(f"{n}={r[n + '_TFLOPs']:.0f}" if f"{n}_TFLOPs" in r else f"{n}=ERR" for n in names) +
@@ -623,7 +658,7 @@ def main():
             print("   ", errs, flush=True)
     decode = []
     split_counts = (1, 2, 4, 8, 16, 32, 64) if args.split_sweep else ()
-    for shape in decode_shapes(args.quick):
+    for shape in (() if args.grid else decode_shapes(args.quick)):
         t = time.time()
         decode.append(bench_decode(shape, peers, result["ceilings"]["copy_GBps"], split_counts))
         r = decode[-1]
@@ -637,6 +672,9 @@ def main():
     md = [f"# attention forward, {gpu}", "",
           f"ceilings: copy {result['ceilings']['copy_GBps']:.0f} GB/s, "
           f"bf16 GEMM {result['ceilings']['bf16_gemm_8192_TFLOPs']:.0f} TFLOP/s; unavailable: {'; '.join(peers.unavailable) or 'none'}"]
+    if args.grid:
+        md += ["", "Dense prefill on issue 19's B x S grid (Hq/Hkv 32/8, bf16): each method's calls in a CUDA graph "
+               "of its own, replays interleaved (device time only), inputs rotated past the L2."]
     if rows:
         md += ["", markdown(rows, names)]
     if decode:
@@ -644,7 +682,7 @@ def main():
                "replays interleaved across methods, per launch; "
                "eager us = wall time per back-to-back eager call; % copy = K/V read GB/s over the copy ceiling; "
                "peer columns: peer us (peer time / ours)):", "", markdown_decode(decode, list(peers.impls), split_counts)]
-    report.write(args.out, "attention", result, "\n".join(md))
+    report.write(args.out, "attention_grid" if args.grid else "attention", result, "\n".join(md))
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def parse_spec(text: str) -> tuple[str, str, dict[str, Any]]:
     return parts[0], parts[1], parse_shape(parts[2] if len(parts) == 3 else "")
 
 
-def _gemm_peers(shape: Any) -> dict[str, float]:
+def _gemm_peers(shape: Any, result: configs.ConfigReport) -> dict[str, float]:
     """Microseconds per call of cuBLAS + leaky_relu and of cuBLAS alone at `shape` (interleaved,
     CUDA graphs over input sets past L2)."""
     import torch
@@ -83,11 +83,73 @@ def _gemm_peers(shape: Any) -> dict[str, float]:
     return timing.interleaved_graph_time_us({"cublas+leaky_relu": cublas_act, "cublas": cublas}, calls, rounds=15)
 
 
-PEERS = {"gemm_leakyrelu": _gemm_peers}
+def _attention_peers(shape: Any, result: configs.ConfigReport) -> dict[str, float]:
+    """Microseconds per call of FA4 and cuDNN (SDPA) at `shape`, interleaved (CUDA graphs over input
+    sets past L2) with our heuristic's and the winner's kernels, so that ours vs the peers is one
+    run's ratio (the tuner's worker times ours in another process)."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import timing  # bench/timing.py
+    from rosekernels.kernels import attention as A
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[shape.dtype]
+    b, s, hq, hkv, d, causal = shape.batch, shape.seqlen, shape.heads_q, shape.heads_kv, shape.head_dim, shape.causal
+    count = timing.input_sets(2 * b * s * (2 * hq + 2 * hkv) * d, least=1, most=8)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sets = [tuple(torch.randn(b, s, h, d, device="cuda", generator=g).to(dtype) for h in (hq, hkv, hkv))
+            for _ in range(count)]
+    out = torch.empty(b, s, hq, d, device="cuda", dtype=dtype)
+    lse = torch.empty(b, hq, s, device="cuda")
+
+    def ours(config):
+        cfg = A.AttentionConfig(**config)
+        fn, launch = A.compile(cfg).fn, A.launch_args(cfg, out)
+        return lambda i: fn(*sets[i % count], out, lse, A.LOG2_E / math.sqrt(d), *launch, *A.NOT_VARLEN)
+
+    def cudnn(i):
+        q, k, v = (t.transpose(1, 2) for t in sets[i % count])
+        if not gqa:  # this backend has no GQA here: expanded K/V (then part of its cost)
+            k, v = (t.repeat_interleave(hq // hkv, dim=1) for t in (k, v))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa and hq != hkv)
+
+    gqa = True
+    try:
+        cudnn(0)
+    except RuntimeError:
+        gqa = False
+
+    steps = {"ours: heuristic": ours(result.heuristic), "cudnn": cudnn}
+    if result.winner:
+        steps["ours: tuned"] = ours(result.winner)
+    try:
+        from flash_attn.cute.interface import flash_attn_func
+    except ImportError:
+        pass
+    else:
+        steps["fa4"] = lambda i: flash_attn_func(*sets[i % count], causal=causal)
+    seconds = 4 * b * hq * s * s * d / (2 if causal else 1) / 600e12
+    errors: dict[str, str] = {}
+    times = timing.interleaved_graph_time_us(steps, calls=max(1, min(50, int(20e-3 / seconds))), rounds=9,
+                                             errors=errors)
+    for name, e in errors.items():
+        print(f"  peer {name}: {e}", flush=True)
+    return times
+
+
+PEERS = {"gemm_leakyrelu": _gemm_peers, "attention": _attention_peers}
+OURS = "ours: "  # peers' keys that time our own kernels in the peers' run
 
 
 def _row(report: configs.ConfigReport, peers: dict[str, float], errors: list[str]) -> dict[str, Any]:
-    best_peer = min(peers.items(), key=lambda kv: kv[1]) if peers else None
+    others = {k: v for k, v in peers.items() if not k.startswith(OURS)}
+    best_peer = min(others.items(), key=lambda kv: kv[1]) if others else None
+    # ours against the peer from the peers' own run where it timed ours, else from the tuner's re-time
+    ours_us = peers.get(OURS + ("tuned" if report.winner else "heuristic"), report.tuned_us)
     return {
         "kernel": report.kernel, "mode": report.mode, "shape": report.shape,
         "heuristic_us": report.heuristic_us, "tuned_us": report.tuned_us, "speedup": report.speedup,
@@ -97,7 +159,7 @@ def _row(report: configs.ConfigReport, peers: dict[str, float], errors: list[str
         "statuses": dict(collections.Counter(r["status"] for r in report.candidates)),
         "shares": report.shares, "seconds": report.seconds.get("total"),
         "peers_us": peers, "best_peer": best_peer[0] if best_peer else None,
-        "tuned_vs_best_peer": best_peer[1] / report.tuned_us if best_peer else None,
+        "tuned_vs_best_peer": best_peer[1] / ours_us if best_peer else None,
         "errors": errors,
     }
 
@@ -169,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         peers = {}
         if kernel in PEERS and not args.no_peers:
             shape = configs.plan(kernel, mode, keys, 0).shape
-            peers = report.measure(f"peers of {kernel}", lambda: PEERS[kernel](shape), errors) or {}
+            peers = report.measure(f"peers of {kernel}", lambda: PEERS[kernel](shape, result), errors) or {}
         rows.append(_row(result, peers, errors))
     meta = dict(env, store=cache, max_candidates=args.max_candidates, samples=args.samples, seconds=time.time() - t0)
     report.write(args.out, "autotune", {"meta": meta, "results": rows}, _markdown(rows, specs, env))

@@ -25,6 +25,7 @@ LN_2 = math.log(2.0)
 CUTE_DTYPES = {name: checks.cute_dtype(name) for name in DTYPES}
 TORCH_DTYPES = {checks.TORCH_DTYPE[name]: name for name in DTYPES}
 MAX_INDEX = 2**31  # the attention kernels index elements, keys and tiles with 32 bits
+GRID_BATCH = 65535  # batch entries in one launch: the decode kernel's grid has a batch dimension
 
 # ---------------------------------------------------------------------------------------------
 # Device helpers.
@@ -68,10 +69,12 @@ def fake_qkv_out_lse(dtype: str, head_dim: int) -> tuple:
 # Host helpers.
 
 
-def validate(q, k, v, out, softmax_scale, pointers: bool = True) -> float:
+def validate(q, k, v, out, softmax_scale, pointers: bool = True, sliced: bool = False) -> float:
     """Check every argument of an attention call before any launch (shapes first, then devices and
     memory layout); return the softmax scale. pointers=False (traced calls: torch.compile cannot read
-    a data pointer) checks the strides' alignment only; the compiled launch checks the pointers'."""
+    a data pointer) checks the strides' alignment only; the compiled launch checks the pointers'.
+    sliced: the caller launches the batch in slices of `batch_per_launch` entries, so the grid and
+    32-bit span limits apply to one slice."""
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
         if t is None and name == "out":
             continue
@@ -90,8 +93,10 @@ def validate(q, k, v, out, softmax_scale, pointers: bool = True) -> float:
     checks.check_shape("v", v, tuple(k.shape))
     if out is not None:
         checks.check_shape("out", out, tuple(q.shape))
-    if B > 65535 or Hq > 65535:  # the prefill grid is 1-D, the decode kernel's is not
+    if Hq > 65535 or (B > GRID_BATCH and not sliced):  # the prefill grid is 1-D, the decode kernel's is not
         raise ValueError(f"batch ({B}) and heads ({Hq}) must each be at most 65535 (grid limits)")
+    # Sliced: the span limit holds per launch (out, when the op allocates it, is contiguous like q's).
+    per = min(batch_per_launch(q, k, v, out), B) if sliced else B
     Hkv = k.shape[2]
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"the number of query heads ({Hq}) must be a multiple of the KV heads ({Hkv})")
@@ -100,9 +105,21 @@ def validate(q, k, v, out, softmax_scale, pointers: bool = True) -> float:
     scale = scale_of(d, softmax_scale)
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
         if t is not None:
-            check_operand(name, t, pointers)
+            check_operand(name, t, pointers, entries=per)
     checks.check_same_device(q=q, k=k, v=v, out=out)
     return scale
+
+
+def batch_per_launch(*tensors) -> int:
+    """The most batch entries one launch takes: the grid's GRID_BATCH and, for each operand (4-D, None
+    skipped), a span under MAX_INDEX elements (the kernels index with 32 bits). At least 1: one entry
+    that reaches further is refused by validate()."""
+    most = GRID_BATCH
+    for t in tensors:
+        if t is not None and t.shape[0] > 1 and t.stride(0) > 0:
+            inner = sum((n - 1) * s for n, s in zip(t.shape[1:], t.stride()[1:]))
+            most = min(most, (MAX_INDEX - 1 - inner) // t.stride(0) + 1)
+    return max(1, most)
 
 
 def scale_of(head_dim: int, softmax_scale) -> float:
@@ -113,10 +130,12 @@ def scale_of(head_dim: int, softmax_scale) -> float:
     return scale
 
 
-def check_operand(name: str, t: torch.Tensor, pointers: bool = True, vectors: bool = True) -> None:
+def check_operand(name: str, t: torch.Tensor, pointers: bool = True, vectors: bool = True,
+                  entries: int | None = None) -> None:
     """The device and memory layout of one tensor argument: on CUDA, unit last stride, 16-byte aligned
     (`vectors`: TMA and vector loads read it; pointers=False checks the strides only, for traced
-    calls), no zero stride, and a span the kernels' 32-bit indexing reaches."""
+    calls), no zero stride, and a span the kernels' 32-bit indexing reaches (over its first `entries`
+    entries of dim 0, where a launch takes no more)."""
     checks.check_cuda(name, t)
     if t.numel() == 0:
         return
@@ -125,7 +144,8 @@ def check_operand(name: str, t: torch.Tensor, pointers: bool = True, vectors: bo
         checks.check_aligned(name, tma_view(t), 16, pointer=pointers)
     if any(s == 0 for n, s in zip(t.shape, t.stride()) if n > 1):
         raise ValueError(f"{name} has a zero stride (an expanded view); pass a materialized tensor")
-    if sum((n - 1) * s for n, s in zip(t.shape, t.stride())) >= MAX_INDEX:
+    shape = t.shape if entries is None else (min(entries, t.shape[0]), *t.shape[1:])
+    if sum((n - 1) * s for n, s in zip(shape, t.stride())) >= MAX_INDEX:
         raise ValueError(f"{name} spans 2^31 elements or more; the kernel indexes with 32 bits")
 
 
@@ -144,43 +164,60 @@ def views_needed(*tensors) -> bool:
     return any(tma_view(t) is not t for t in tensors if t is not None)
 
 
-def reference(q, k, v, causal, scale, lowp=False):
-    """(out, lse) in float64; lowp: the kernels' rounding (P and out in the input dtype, fp32 math).
+def reference(q, k, v, causal, scale, lowp=False, rows=None):
+    """(out, lse) in float64; lowp: the kernels' rounding (P and out in the input dtype, fp32 math);
+    rows: only these query rows (a 1-D index tensor), out [B, len(rows), Hq, d], lse [B, Hq, len(rows)].
 
     Causal is bottom-right aligned; a row that sees no key gets out = 0, lse = -inf."""
-    ratio = q.shape[2] // k.shape[2]
+    b, _, hq, d = q.shape
+    hkv = k.shape[2]
+    ratio = hq // hkv
     acc = torch.float32 if lowp else torch.float64
-    qh, kh, vh = (t.transpose(1, 2).to(acc) for t in (q, k, v))  # [B, H, S, d]
-    kh, vh = kh.repeat_interleave(ratio, dim=1), vh.repeat_interleave(ratio, dim=1)
-    s = qh @ kh.transpose(-1, -2) * scale
     s_q, s_k = q.shape[1], k.shape[1]
+    i = torch.arange(s_q, device=q.device) if rows is None else rows.to(q.device)
+    n = i.numel()
+    # Query head h reads KV head h // ratio: each KV head's query heads as one [ratio * rows] block of rows.
+    qh = q[:, i].to(acc).view(b, n, hkv, ratio, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, ratio * n, d)
+    kh, vh = (t.transpose(1, 2).to(acc) for t in (k, v))  # [B, Hkv, S_kv, d]
+    s = qh @ kh.transpose(-1, -2) * scale
     if causal:
-        i = torch.arange(s_q, device=q.device)[:, None]
         j = torch.arange(s_k, device=q.device)[None, :]
-        s = s.masked_fill(j > i + s_k - s_q, float("-inf"))
+        s = s.masked_fill(j > i.repeat(ratio)[:, None] + s_k - s_q, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
     if lowp:
         p = p.to(q.dtype).to(acc)
-    out = (p @ vh).transpose(1, 2)
+    out = (p @ vh).view(b, hkv, ratio, n, d).permute(0, 3, 1, 2, 4).reshape(b, n, hq, d)
     if lowp:
         out = out.to(q.dtype)
-    return out.double(), lse.double()
+    return out.double(), lse.view(b, hq, n).double()
+
+
+CHECK_SCORES = 2**26  # float64 scores a check computes at most (512 MiB); larger calls check sampled rows
 
 
 def check(out, lse, q, k, v, causal, scale, what) -> float:
     """Raise AssertionError unless out is within 2x the error of a same-precision reference (+1e-3)
     and every element is written; with lse: lse within 1e-3, -inf exactly on the rows that see no
-    key, and those rows of out 0. Returns the largest |out - reference|."""
-    ref, ref_lse = reference(q, k, v, causal, scale)
-    lowp, _ = reference(q, k, v, causal, scale, lowp=True)
+    key, and those rows of out 0. Returns the largest |out - reference|. Where the scores of every
+    row would exceed CHECK_SCORES, the references cover query rows drawn at random (the first and
+    last among them) against every key; the unwritten-element check still covers all of out."""
     assert not out.isnan().any(), f"{what}: {out.isnan().sum().item()} output elements unwritten (NaN)"
+    assert lse is None or not lse.isnan().any(), f"{what}: {lse.isnan().sum().item()} lse elements unwritten (NaN)"
+    b, s_q, h = q.shape[:3]
+    rows = None
+    if b * h * s_q * k.shape[1] > CHECK_SCORES:
+        count = min(s_q, max(16, CHECK_SCORES // (b * h * k.shape[1])))
+        g = torch.Generator().manual_seed(s_q * 7919 + k.shape[1])
+        rows = torch.cat([torch.tensor([0, s_q - 1]), torch.randperm(s_q, generator=g)[:count - 2]]).unique()
+        out, lse = out[:, rows.to(out.device)], None if lse is None else lse[:, :, rows.to(lse.device)]
+    ref, ref_lse = reference(q, k, v, causal, scale, rows=rows)
+    lowp, _ = reference(q, k, v, causal, scale, lowp=True, rows=rows)
     err = (out.double() - ref).abs().max().item()
     err_lowp = (lowp - ref).abs().max().item()
     assert err <= 2 * err_lowp + 1e-3, f"{what}: max |out - ref| = {err:.3g}, same-precision reference {err_lowp:.3g}"
     if lse is None:
         return err
-    assert not lse.isnan().any(), f"{what}: {lse.isnan().sum().item()} lse elements unwritten (NaN)"
     empty = ref_lse == float("-inf")
     assert torch.equal(lse == float("-inf"), empty), f"{what}: -inf lse rows differ from the reference"
     assert (out.double()[empty.transpose(1, 2)] == 0).all(), f"{what}: a row that sees no key is not 0"

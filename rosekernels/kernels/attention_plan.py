@@ -15,6 +15,7 @@ import itertools
 from typing import Iterable
 
 from rosekernels.models import ModelDims
+from rosekernels.modes import sm_count
 from rosekernels.variant import MODES, Variant
 
 OP = "attention"
@@ -141,6 +142,24 @@ def candidates(shape: AttentionShape, sms: int | None = None) -> list[AttentionC
             continue
         found += [dataclasses.replace(tiles, overlap=o, persistent=p) for o in (True, False) for p in (True, False)]
     return found
+
+
+def rank(shape: AttentionShape, configs: Iterable[AttentionConfig], sms: int | None = None) -> list[AttentionConfig]:
+    """`configs` (candidates of `shape`) nearest the heuristic's first, for the tuner's pruning: the
+    kernel has no cost model that rates tile shapes against each other (their MMA efficiencies are
+    only measured), so the search stays local. Distance: one per field changed (row tile, stages,
+    overlap, persistence), one per 32 keys of key-tile width. Equal distances go by a wave model:
+    rounds of one tile per SM times one tile's padded work (its rows by its keys rounded up to whole
+    key tiles), which sees wave quantization and ragged last tiles, not the tiles' speeds."""
+    sms = sm_count() if sms is None else sms
+    home = config_for(shape, sms)
+
+    def key(c: AttentionConfig) -> tuple[float, float]:
+        changed = sum(getattr(c, f) != getattr(home, f) for f in ("tile_m", "num_stages", "overlap", "persistent"))
+        rounds = -(-num_tiles(c, shape.batch, shape.seqlen, shape.heads_q) // sms)
+        work = rounds * c.tile_m * -(-shape.seqlen // c.tile_n) * c.tile_n
+        return changed + abs(c.tile_n - home.tile_n) / 32, work
+    return sorted(configs, key=key)
 
 
 def variants_for(models: Iterable[ModelDims] | None = None, modes: Iterable[str] = MODES,

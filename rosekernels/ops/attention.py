@@ -8,7 +8,8 @@ steps) take the split-KV kernel (rosekernels/kernels/attention_decode.py), since
 rows of the prefill kernel would leave most SMs idle; longer ones take the prefill kernel
 (rosekernels/kernels/attention.py). Eager calls keep the launch of each argument signature in a plan
 (checks and kernel choice once); traced calls go through the kernel's registered op
-(rosekernels::attention_decode or rosekernels::attention_fwd).
+(rosekernels::attention_decode or rosekernels::attention_fwd). A batch that one launch cannot take
+(operands spanning 2^31 elements or more, or more than 65535 entries) runs in slices of the batch.
 """
 from __future__ import annotations
 
@@ -17,19 +18,42 @@ import torch
 from rosekernels import launch
 from rosekernels.kernels import attention as prefill
 from rosekernels.kernels import attention_decode as decode
-from rosekernels.kernels.attention_common import tma_view, validate
+from rosekernels.kernels.attention_common import batch_per_launch, tma_view, validate
 
 _plans = launch.PlanCache()
 
 
 def _new_plan(q, k, v, out, causal: bool, softmax_scale, enable_pdl: bool) -> launch.Launch:
-    """The slow path, once per argument signature: every check, then the kernel for the query length."""
-    scale = validate(q, k, v, out, softmax_scale)
+    """The slow path, once per argument signature: every check, then the kernel for the query length,
+    one launch per slice of the batch where a single launch would exceed the kernels' reach."""
+    scale = validate(q, k, v, out, softmax_scale, sliced=True)
     if not q.numel():
         return launch.nothing(q.device.index)
+    per = batch_per_launch(q, k, v, torch.empty(q.shape, device="meta") if out is None else out)
+    if per < q.shape[0]:
+        return _Sliced([(b, min(b + per, q.shape[0])) for b in range(0, q.shape[0], per)], q, k, v, out, causal,
+                       scale, enable_pdl)
+    return _plan(q, k, v, out, causal, scale, enable_pdl)
+
+
+def _plan(q, k, v, out, causal: bool, scale: float, enable_pdl: bool) -> launch.Launch:
     if q.shape[1] <= decode.MAX_SEQLEN_Q:
         return decode.plan(q, k, v, out, causal, scale, enable_pdl=enable_pdl)
     return prefill.plan(q, k, v, out, causal, scale)
+
+
+class _Sliced:
+    """A batch too large for one launch (attention_common.batch_per_launch): the launches of its
+    slices, in order."""
+
+    def __init__(self, ranges, q, k, v, out, causal: bool, scale: float, enable_pdl: bool):
+        cut = lambda t, r: None if t is None else t.narrow(0, r[0], r[1] - r[0])  # noqa: E731
+        self.parts = [(r, _plan(cut(q, r), cut(k, r), cut(v, r), cut(out, r), causal, scale, enable_pdl))
+                      for r in ranges]
+
+    def launch(self, q, k, v, out, lse) -> None:
+        for (b0, b1), part in self.parts:
+            part.launch(*(t.narrow(0, b0, b1 - b0) for t in (q, k, v, out, lse)))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -58,16 +82,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
                             | (0 if out is None else out.data_ptr())) % 16:
             plan = _plans.put(key, _new_plan(q, k, v, out, causal, softmax_scale, enable_pdl))
     else:
-        scale = validate(q, k, v, out, softmax_scale, pointers=not torch.compiler.is_compiling())
+        scale = validate(q, k, v, out, softmax_scale, pointers=not torch.compiler.is_compiling(), sliced=True)
     if out is None:
         out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
     if eager:
         plan.launch(q, k, v, out, lse)
     elif q.numel():
-        views = [tma_view(t) for t in (q, k, v, out)]
-        if q.shape[1] <= decode.MAX_SEQLEN_Q:
-            torch.ops.rosekernels.attention_decode(*views, lse, causal, scale, enable_pdl)
-        else:
-            torch.ops.rosekernels.attention_fwd(*views, lse, causal, scale)
+        per = batch_per_launch(q, k, v, out)
+        # One launch, as long as it can take the batch: no slicing, which would make a traced batch size static.
+        slices = [(0, q.shape[0])] if per >= q.shape[0] else [(b, min(per, q.shape[0] - b))
+                                                                for b in range(0, q.shape[0], per)]
+        for b, n in slices:
+            views = [tma_view(t if n == q.shape[0] else t.narrow(0, b, n)) for t in (q, k, v, out)]
+            part = lse if n == q.shape[0] else lse.narrow(0, b, n)
+            if q.shape[1] <= decode.MAX_SEQLEN_Q:
+                torch.ops.rosekernels.attention_decode(*views, part, causal, scale, enable_pdl)
+            else:
+                torch.ops.rosekernels.attention_fwd(*views, part, causal, scale)
     return (out, lse) if return_lse else out

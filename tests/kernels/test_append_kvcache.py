@@ -110,9 +110,11 @@ def test_exported():
 
 def _guarded(cache):
     """`cache` copied into the middle of a buffer one row and one block (or sequence) larger on each
-    side: a strided view whose guard rows show any write past its edges."""
-    n0, n1 = cache.shape[:2]
-    buffer = torch.randn(n0 + 2, n1 + 2, *cache.shape[2:], dtype=cache.dtype, device=cache.device)
+    side, in the same dimension order: a strided view whose guard rows show any write past its edges."""
+    order = sorted(range(cache.dim()), key=lambda i: -cache.stride(i))  # keep its layout (a transposed view)
+    size = [n + 2 if i < 2 else n for i, n in enumerate(cache.shape)]
+    buffer = torch.randn([size[i] for i in order], dtype=cache.dtype, device=cache.device)
+    buffer = buffer.permute([order.index(i) for i in range(cache.dim())])
     view = buffer[1:-1, 1:-1]
     view.copy_(cache)
     return buffer, view
@@ -120,7 +122,7 @@ def _guarded(cache):
 
 def _check(case):
     """Append `case` into guarded copies of its caches: the caches equal the per-token reference and
-    every guard byte is unchanged."""
+    every guard byte is unchanged. Returns the copies the op wrote."""
     (kb, kc), (vb, vc) = _guarded(case[0]), _guarded(case[1])
     case = (kc, vc, *case[2:])
     before = (kb.clone(), vb.clone())
@@ -128,9 +130,11 @@ def _check(case):
     rosekernels.append_kvcache(*case)
     for got, ref in zip(case[:2], want):
         assert torch.equal(_bits(got.cpu()), _bits(ref)), "a written row differs, or another row changed"
+    written = [c.clone() for c in case[:2]]  # the guard check below puts the old rows back
     for buffer, old in zip((kb, vb), before):
         buffer[1:-1, 1:-1] = old[1:-1, 1:-1]
         assert torch.equal(_bits(buffer), _bits(old)), "a write left the cache"
+    return written
 
 
 @pytest.mark.gpu
@@ -153,8 +157,8 @@ def test_contiguous_append_into_a_transposed_cache_view():
     k, v = (torch.randn(B, S_new, Hkv, d, generator=g).to(BF16).cuda() for _ in range(2))
     # transformers' static cache is [B, Hkv, S_max, d]: its transpose is a strided [B, S_max, Hkv, d] view.
     caches = [torch.randn(B, Hkv, S_max, d, generator=g).to(BF16).cuda().transpose(1, 2) for _ in range(2)]
-    _check((*caches, k, v, lengths, None))
-    assert torch.equal(caches[0][1, 7:], k[1, :2]) and torch.equal(caches[0][0, :3], k[0])
+    written = _check((*caches, k, v, lengths, None))[0]
+    assert torch.equal(written[1, 7:], k[1, :2]) and torch.equal(written[0, :3], k[0])
 
 
 @pytest.mark.gpu
@@ -249,7 +253,7 @@ def test_bad_arguments_on_a_planned_signature_raise_and_write_nothing():
                        (dict(cache_seqlens=lengths.long()), "int64|dtype"),
                        (dict(k=misaligned), "aligned"),
                        (dict(block_table=table[:3]), "block_table has shape")):
-        args = dict(k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=lengths, block_table=table, **bad)
+        args = {**dict(k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=lengths, block_table=table), **bad}
         with pytest.raises((ValueError, TypeError), match=match):
             rosekernels.append_kvcache(**args)
     # A table of no columns: refused by the compiled host code, or else the kernel reads no table

@@ -13,6 +13,7 @@ from kernel_sass import sass_of
 import rosekernels
 from rosekernels import scratch
 from rosekernels.kernels import attention as A
+from rosekernels.kernels import attention_common as AC
 
 # The in-order pipeline (no softmax/GEMM overlap, no ping-pong) is kept as the reference schedule.
 IN_ORDER = (
@@ -252,6 +253,29 @@ def test_strided_views_in_and_out(kernels):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("s_q", [1, 300], ids=["decode", "prefill"])
+def test_a_batch_beyond_32_bit_indexing_runs_in_slices(kernels, s_q):
+    """q, k and v as views 2^30 elements apart per batch entry in one 4.3 GB buffer: one launch would
+    index past 2^31 elements, so the op launches the batch in slices (entries 0-1, then 2); the result
+    is bitwise that of the same slices as contiguous copies, and nothing outside out is written."""
+    b, s_k, hq, hkv, d = 3, 700, 8, 2, 128
+    apart = 2**30
+    buf = torch.empty(apart * (b - 1) + 2**22, device="cuda", dtype=torch.bfloat16).normal_()
+    view = lambda offset, s, h: buf.as_strided((b, s, h, d), (apart, h * d, d, 1), offset)  # noqa: E731
+    q, k, v = view(0, s_q, hq), view(2**20, s_k, hkv), view(2**21, s_k, hkv)
+    assert AC.batch_per_launch(q, k, v) == 2
+    big = torch.full((b, s_q, hq, 2 * d), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out, lse = rosekernels.attention(q, k, v, causal=True, out=big[..., :d], return_lse=True)
+    parts = [rosekernels.attention(*(t[b0:b1].contiguous() for t in (q, k, v)), causal=True, return_lse=True)
+             for b0, b1 in ((0, 2), (2, 3))]
+    want, want_lse = (torch.cat(t) for t in zip(*parts))
+    sync("sliced batch")
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    assert big[..., d:].isnan().all(), "wrote outside out"
+    check(out[2:], lse[2:], q[2:], k[2:], v[2:], True, 1 / math.sqrt(d), "the last slice")
+
+
+@pytest.mark.gpu
 def test_fully_masked_rows_and_empty_query(kernels):
     q, k, v = inputs(1, 300, 40, 2, 2, 64, torch.bfloat16, seed=7)
     out, lse = rosekernels.attention(q, k, v, causal=True, return_lse=True)
@@ -306,6 +330,130 @@ def test_cached_plans_serve_new_data_and_still_check_pointers(kernels):
     with pytest.raises(ValueError, match="align"):
         rosekernels.attention(q, k, v, causal=causal, out=out)
     assert bool((out == 1.0).all()), "the refused call wrote to out"
+
+
+def test_batch_per_launch_keeps_every_operand_within_32_bit_indexing():
+    meta = lambda shape, stride: torch.empty_strided(shape, stride, device="meta")  # noqa: E731
+    small = meta((4, 300, 16, 128), (300 * 16 * 128, 16 * 128, 128, 1))
+    assert AC.batch_per_launch(small, None) == 2**31 // (300 * 16 * 128)  # many more than its 4 entries
+    for stride in (2**29, 2**30, 2**31 - 2**20, 2**31):
+        far = meta((5, 300, 16, 128), (stride, 16 * 128, 128, 1))
+        per = AC.batch_per_launch(small, far)
+        inner = 299 * 16 * 128 + 15 * 128 + 127
+        assert (per - 1) * stride + inner < 2**31 and (per == 1 or per * stride + inner >= 2**31), stride
+    many = meta((70000, 1, 1, 64), (64, 64, 64, 1))
+    assert AC.batch_per_launch(many) == AC.GRID_BATCH
+
+
+def _naive_reference(q, k, v, causal, scale):
+    """float64, K/V expanded per query head: the textbook form the grouped reference must match."""
+    ratio = q.shape[2] // k.shape[2]
+    qh, kh, vh = (t.transpose(1, 2).double() for t in (q, k, v))
+    kh, vh = kh.repeat_interleave(ratio, 1), vh.repeat_interleave(ratio, 1)
+    s = qh @ kh.transpose(-1, -2) * scale
+    s_q, s_k = q.shape[1], k.shape[1]
+    if causal:
+        s = s.masked_fill(torch.arange(s_k)[None, :] > torch.arange(s_q)[:, None] + s_k - s_q, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return (torch.exp(s - lse[..., None]).nan_to_num(0.0) @ vh).transpose(1, 2), lse
+
+
+@pytest.mark.parametrize("b, s_q, s_k, hq, hkv, causal", [(2, 37, 50, 8, 2, True), (1, 60, 40, 4, 4, True),
+                                                          (3, 9, 9, 6, 3, False)])
+def test_the_grouped_reference_and_the_sampled_check(monkeypatch, b, s_q, s_k, hq, hkv, causal):
+    """The reference groups query heads per KV head instead of expanding K/V: the same numbers as the
+    textbook form, also for a subset of rows. Past CHECK_SCORES the check compares sampled rows
+    (the first and last among them): a wrong value there fails, unwritten elements fail anywhere."""
+    g = torch.Generator().manual_seed(b * s_q + s_k)
+    q, k, v = (torch.randn(b, s, h, 16, generator=g).to(torch.bfloat16) for s, h in ((s_q, hq), (s_k, hkv), (s_k, hkv)))
+    want, want_lse = _naive_reference(q, k, v, causal, 0.3)
+    got, got_lse = AC.reference(q, k, v, causal, 0.3)
+    assert torch.allclose(got, want, atol=1e-12) and torch.equal(got_lse.isinf(), want_lse.isinf())
+    rows = torch.tensor([0, 5, s_q - 1])
+    some, some_lse = AC.reference(q, k, v, causal, 0.3, rows=rows)
+    assert torch.allclose(some, want[:, rows], atol=1e-12)
+    assert torch.allclose(some_lse[~some_lse.isinf()], want_lse[:, :, rows][~some_lse.isinf()], atol=1e-12)
+    monkeypatch.setattr(AC, "CHECK_SCORES", 1)  # every check samples rows
+    out, lse = want.to(torch.bfloat16), want_lse.float()
+    AC.check(out, lse, q, k, v, causal, 0.3, "sampled")
+    for row in (0, s_q - 1):  # always sampled
+        bad = out.clone()
+        bad[0, row, 0, 0] += 1.0
+        with pytest.raises(AssertionError, match="max"):
+            AC.check(bad, lse, q, k, v, causal, 0.3, "a wrong sampled row")
+    unwritten = out.clone()
+    unwritten[-1, s_q // 2, -1, -1] = float("nan")
+    with pytest.raises(AssertionError, match="unwritten"):
+        AC.check(unwritten, lse, q, k, v, causal, 0.3, "an unwritten element")
+
+
+def test_sliced_validation_still_checks_the_batch_stride():
+    """A batch launched in slices of one entry: the batch stride still has to be 16-byte aligned and
+    nonzero, or slice 1 would start misaligned or every slice would write the same rows."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        def fake(shape, stride):
+            return torch.empty_strided(shape, stride, device="cuda", dtype=torch.bfloat16)
+        kv = fake((2, 64, 4, 128), (2**31 - 2**14, 512, 128, 1))  # one entry per launch
+        q = fake((2, 64, 16, 128), (2**31 - 3, 2048, 128, 1))
+        with pytest.raises(ValueError, match="align"):
+            AC.validate(q, kv, kv, None, None, pointers=False, sliced=True)
+        q = fake((2, 64, 16, 128), (64 * 2048, 2048, 128, 1))
+        assert AC.batch_per_launch(q, kv, kv) == 1
+        AC.validate(q, kv, kv, None, None, pointers=False, sliced=True)
+        with pytest.raises(ValueError, match="span"):
+            AC.validate(q, kv, kv, None, None, pointers=False)
+        with pytest.raises(ValueError, match="zero stride"):
+            AC.validate(q, kv, kv, fake((2, 64, 16, 128), (0, 2048, 128, 1)), None, pointers=False, sliced=True)
+
+
+def test_a_dynamic_batch_traces_once():
+    """Slicing must not make a traced batch size static: a batch marked dynamic traces one graph for
+    every size that one launch takes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    torch._dynamo.reset()
+    step = torch.compile(lambda q, k, v: rosekernels.attention(q, k, v, causal=True), backend=backend,
+                         fullgraph=True)
+    mode = FakeTensorMode()
+    for b in (2, 3, 5):
+        with mode:
+            q = torch.empty(b, 300, 16, 128, device="cuda", dtype=torch.bfloat16)
+            kv = torch.empty(b, 512, 4, 128, device="cuda", dtype=torch.bfloat16)
+        for t in (q, kv):
+            torch._dynamo.mark_dynamic(t, 0)
+        with mode:
+            step(q, kv, kv)
+    assert len(graphs) == 1 and graphs[0].count("rosekernels.attention_fwd") == 1
+
+
+@pytest.mark.parametrize("s_q", [1, 300], ids=["decode", "prefill"])
+def test_traces_a_batch_beyond_32_bit_indexing_into_one_op_call_per_slice(s_q):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    with mode:
+        q = torch.empty_strided((3, s_q, 16, 128), (2**30, 2048, 128, 1), device="cuda", dtype=torch.bfloat16)
+        kv = torch.empty_strided((3, 512, 4, 128), (2**30, 512, 128, 1), device="cuda", dtype=torch.bfloat16)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    step = torch.compile(lambda q, k, v: rosekernels.attention(q, k, v, causal=True), backend=backend,
+                         fullgraph=True)
+    with mode:
+        step(q, kv, kv)
+    op = "attention_decode" if s_q == 1 else "attention_fwd"
+    assert graphs[0].count(f"rosekernels.{op}") == 2
 
 
 @pytest.mark.parametrize("s_q", [1, 300], ids=["decode", "prefill"])

@@ -17,7 +17,7 @@ import pytest
 
 import rosekernels
 from rosekernels import modes, tuned
-from rosekernels.kernels import attention_decode_plan, gemm_leakyrelu_plan, qk_norm_plan
+from rosekernels.kernels import attention_decode_plan, attention_plan, gemm_leakyrelu_plan, qk_norm_plan
 from rosekernels.variant import Variant
 from rosekernels.workload import Workload
 from sip_tune import cli, configs, tuning, workloads
@@ -91,6 +91,30 @@ def test_attention_decode_rank_orders_by_the_split_model():
     assert [us(c) for c in ranked] == sorted(us(c) for c in found)
     # the heuristic's split count is the model's best for its tile (within the 3% a split must win by)
     assert us(ranked[0]) >= attention_decode_plan.SPLIT_GAIN * us(attention_decode_plan.config_for(shape, 132))
+
+
+@pytest.mark.parametrize("shape", [attention_plan.AttentionShape(1, 4096, 32, 8, 64, "bf16", False),
+                                   attention_plan.AttentionShape(8, 8192, 32, 8, 128, "fp16", True)])
+def test_attention_prefill_space_stays_near_the_heuristic(shape):
+    space = configs.plan("attention", "prefill", dataclasses.asdict(shape))
+    home = attention_plan.config_for(shape)
+    assert space.ranked_by.endswith("attention_plan.rank") and space.candidates[0] == home
+    assert space.total == len(attention_plan.candidates(shape)) > len(space.candidates)
+
+    def distance(c):
+        return sum(getattr(c, f) != getattr(home, f) for f in ("tile_m", "num_stages", "overlap", "persistent")) \
+            + abs(c.tile_n - home.tile_n) / 32
+    kept = [distance(c) for c in space.candidates]
+    assert kept == sorted(kept) and max(kept) <= min(map(distance, set(attention_plan.candidates(shape)) -
+                                                         set(space.candidates)))
+    # every one-field change of the heuristic that fits shared memory is searched
+    for change in (dict(tile_m=320 - home.tile_m), dict(overlap=False), dict(persistent=False),
+                   dict(num_stages=home.num_stages + 1), dict(tile_n=home.tile_n - 32)):
+        try:
+            near = dataclasses.replace(home, **change)
+        except ValueError:  # more shared memory than a block gets
+            continue
+        assert near in space.candidates, change
 
 
 def test_a_kernel_without_a_cost_model_keeps_its_own_order():
