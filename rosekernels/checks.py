@@ -9,6 +9,9 @@ DTYPE_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp3
               torch.int32: "i32", torch.int64: "i64"}
 TORCH_DTYPE = {name: dtype for dtype, name in DTYPE_NAME.items()}
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "i32": 4, "i64": 8}
+# Kernels form a 32-bit index up to one block's work (threads x unrolled steps, a grid's CTAs past a
+# tile count) beyond the bound they test it against: sizes must leave this much below 2^31.
+INDEX_SLACK = 1 << 16
 
 
 def cute_dtype(name: str):
@@ -60,6 +63,13 @@ def check_same_device(**tensors: torch.Tensor) -> None:
     devices = {n: t.device for n, t in tensors.items() if t is not None}
     if len(set(devices.values())) > 1:
         raise ValueError(f"tensors are on different devices: {devices}")
+
+
+def check_not_expanded(name: str, t: torch.Tensor) -> None:
+    """An output must not be an expanded view: a zero stride on a dim of size > 1 makes several
+    elements one memory location, and the kernel's writes race."""
+    if any(s == 0 and n > 1 for n, s in zip(t.shape, t.stride())):
+        raise ValueError(f"{name} has a zero stride (an expanded view); an output must be materialized")
 
 
 def check_aligned(name: str, t: torch.Tensor, nbytes: int = 16, pointer: bool = True) -> None:

@@ -241,6 +241,8 @@ def _validate(k_cache, v_cache, k, v, cache_seqlens, block_table) -> None:
     for name in ("k_cache", "v_cache", "k", "v"):
         checks.check_unit_last_stride(name, named[name])
         checks.check_aligned(name, named[name])
+    for name in ("k_cache", "v_cache"):
+        checks.check_not_expanded(name, named[name])
     for name, t in named.items():
         if t is not None:
             checks.check_cuda(name, t)
@@ -281,7 +283,8 @@ def _run(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch
          block_table: torch.Tensor | None) -> None:
     # What the plan depends on (the compiled host code checks the strides, alignment and the
     # agreement of sizes on each call).
-    key = (k_cache.shape, k.shape, k.dtype, k.get_device(), block_table is None)
+    key = (k_cache.shape, k.shape, k.dtype, k.get_device(), cache_seqlens.dtype,
+           None if block_table is None else block_table.dtype)
     plan = _plans.get(key) or _plans.put(key, _new_plan(k_cache, v_cache, k, v, cache_seqlens, block_table))
     try:
         plan.launch(k_cache, v_cache, k, v, cache_seqlens, block_table)

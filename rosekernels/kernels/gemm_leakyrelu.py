@@ -962,6 +962,7 @@ def _check_memory(a, b_nk, bias, out) -> None:
     for name, t in (("a", a), ("b", b_nk), ("bias", bias)):
         if t is not None and _overlap(out, t):
             raise ValueError(f"out must not overlap {name}")
+    checks.check_not_expanded("out", out)
     checks.check_same_device(a=a, b=b_nk, bias=bias, out=out)
     checks.check_cuda("a", a)
 

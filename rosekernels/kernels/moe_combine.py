@@ -205,7 +205,7 @@ def validate(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: tor
     checks.check_shape("out", out, (slot_map.shape[0], expert_out.shape[1]))
     cfg = CombineConfig(checks.DTYPE_NAME[expert_out.dtype], checks.DTYPE_NAME[topk_weights.dtype],
                         expert_out.shape[1], slot_map.shape[1], mode)
-    if max(expert_out.shape[0], out.shape[0] * (out.shape[1] // cfg.vec)) >= 2**31:
+    if max(expert_out.shape[0], out.shape[0] * (out.shape[1] // cfg.vec)) + checks.INDEX_SLACK >= 2**31:
         raise ValueError(f"sizes exceed the kernel's 32-bit indexing: expert_out {list(expert_out.shape)}, "
                          f"out {list(out.shape)}")
     if on_device:
@@ -219,6 +219,7 @@ def validate(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: tor
             checks.check_unit_last_stride(name, t)
         checks.check_aligned("expert_out", expert_out)
         checks.check_aligned("out", out)
+        checks.check_not_expanded("out", out)
     return cfg
 
 

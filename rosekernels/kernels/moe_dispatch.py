@@ -696,7 +696,7 @@ def validate(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_
         raise ValueError(f"the decode variant routes at most {cfg.decode_pairs_limit} (token, choice) pairs, "
                          f"got {tokens} x {topk}; use mode='prefill'")
     worst = tokens * topk + min(count, tokens * topk) * (block_size - 1)
-    if max(worst, capacity, tokens * (x.shape[1] // cfg.vec)) >= 2**31:
+    if max(worst, capacity, tokens * (x.shape[1] // cfg.vec)) + checks.INDEX_SLACK >= 2**31:
         raise ValueError("sizes exceed the kernel's 32-bit row/element indexing: "
                          f"T={tokens}, k={topk}, E={num_experts}, block_size={block_size}, capacity={capacity}")
     if on_device:
@@ -708,6 +708,7 @@ def validate(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_
             checks.check_unit_last_stride(name, t)
         checks.check_aligned("x", x)
         checks.check_aligned("buffer", buffer)
+        checks.check_not_expanded("buffer", buffer)
     return cfg
 
 

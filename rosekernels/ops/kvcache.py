@@ -82,7 +82,7 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, out, softm
                              f"{blocks} blocks and block_table {list(block_table.shape)}")
         page_rows_for(rows, tile_n_for(d))  # raises for a block size the kernel cannot take
         capacity = rows * block_table.shape[1]
-    if capacity >= MAX_INDEX:
+    if capacity + checks.INDEX_SLACK >= MAX_INDEX:  # the table look-ahead reads past the last tile
         raise ValueError(f"the cache holds {capacity} keys per sequence; the kernel counts keys with 32 bits")
     if B > 65535 or Hkv > 65535:
         raise ValueError(f"batch ({B}) and KV heads ({Hkv}) must each be at most 65535 (grid limits)")

@@ -87,7 +87,7 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     max_seqlen_q, max_seqlen_k = min(max_seqlen_q, total_q), min(max_seqlen_k, k.shape[0])
     batch = cu_seqlens_q.shape[0] - 1
     tiles = batch * Hq * -(-max_seqlen_q // 128)
-    if max(total_q, k.shape[0], tiles) >= MAX_INDEX:
+    if max(total_q, k.shape[0], tiles) + checks.INDEX_SLACK >= MAX_INDEX:
         raise ValueError("the kernel counts tokens and tiles with 32 bits: too many tokens or query tiles")
     scale = scale_of(d, softmax_scale)
     for name, t in named:

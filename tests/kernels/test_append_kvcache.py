@@ -83,6 +83,7 @@ _BAD = [
     (lambda a: a.update(v=None), TypeError, "v must be a torch.Tensor"),
     (lambda a: a.update(k_cache=a["k_cache"].transpose(2, 3).contiguous().transpose(2, 3)), ValueError, "unit stride"),
     (lambda a: a.update(k=torch.ones(300, dtype=BF16)[1:257].view(2, 1, 2, 64)), ValueError, "aligned"),
+    (lambda a: a.update(v_cache=torch.zeros(1, 16, 2, 64, dtype=BF16).expand(4, 16, 2, 64)), ValueError, "expanded"),
 ]
 
 

@@ -186,6 +186,11 @@ def test_out_overlapping_an_input_is_rejected():
         glr.gemm_leakyrelu(buf[:4], _cpu(8, 16), out=buf[2:6, :8])
 
 
+def test_an_expanded_out_is_rejected():
+    with pytest.raises(ValueError, match="expanded"):
+        glr.gemm_leakyrelu(_cpu(4, 16), _cpu(8, 16), out=torch.zeros(1, 8, dtype=torch.bfloat16).expand(4, 8))
+
+
 def test_meta_tensors_infer_shapes_and_check_them():
     """Meta (and torch.compile's fake) tensors take the op's fake path: shapes are checked too."""
     a = torch.empty(4, 16, dtype=torch.bfloat16, device="meta")

@@ -142,6 +142,11 @@ def test_dispatch_rejects_32bit_overflow_and_misalignment(no_launch):
         md.moe_dispatch(**meta, capacity=2**31)
     with pytest.raises(ValueError, match="decode variant routes at most 8192"):
         md.moe_dispatch(**_dispatch_args(device="meta", T=1025, k=8), mode="decode")
+    # The kernel's loops step a block's worth past their bound before testing it: sizes within that
+    # much of 2^31 would wrap (T * H / 8 = 2^31 - 128 here, the audit's DeepSeek-V3 case).
+    near = _dispatch_args(device="meta", T=2_396_745, H=7168, k=8, E=256)
+    with pytest.raises(ValueError, match="32-bit"):
+        md.moe_dispatch(**near, capacity=1024)
     x = torch.randn(3, 72).to(BF16)[:, 4:68]  # row stride 72: fine; base misaligned by 8 bytes
     assert x.data_ptr() % 16
     with pytest.raises(ValueError, match="16-byte aligned|CUDA device"):
@@ -237,6 +242,12 @@ def test_combine_rejects(no_launch, change, error, match):
     change(args)
     with pytest.raises(error, match=match):
         mc.moe_combine(**args)
+
+
+def test_combine_rejects_sizes_whose_grid_would_wrap(no_launch):
+    """T * H / 8 = 2^31 - 128: the grid's vector count rounded up to whole CTAs passes 2^31."""
+    with pytest.raises(ValueError, match="32-bit"):
+        mc.moe_combine(**_combine_args(device="meta", T=268_435_440, H=64))
 
 
 def test_combine_fake_impl():

@@ -105,6 +105,14 @@ def test_rejects_cpu_tensors(no_launch):
     _expect(ValueError, "CUDA", *_cpu_inputs())
 
 
+def test_rejects_expanded_outputs(no_launch):
+    q, k, wq, wk = _cpu_inputs()
+    _expect(ValueError, "out_q has a zero stride", q, k, wq, wk, out_q=torch.zeros_like(q[:1]).expand(q.shape),
+            out_k=torch.zeros_like(k))
+    _expect(ValueError, "out_k has a zero stride", q, k, wq, wk, out_q=torch.zeros_like(q),
+            out_k=torch.zeros_like(k[:, :1]).expand(k.shape))
+
+
 def test_rejects_dtype_mismatch(no_launch):
     q, k, wq, wk = _cpu_inputs()
     _expect(TypeError, "k has dtype", q, k.half(), wq, wk)

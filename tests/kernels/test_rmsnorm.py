@@ -114,6 +114,9 @@ def test_rejects_strides_and_alignment(no_launch):
     _expect(ValueError, "unit stride", torch.randn(4, 512).to(BF16)[:, ::2], w)
     _expect(ValueError, "aligned", torch.randn(4, 260).to(BF16)[:, :256], w)  # row stride 520 bytes
     _expect(ValueError, "aligned", torch.randn(4 * 256 + 1).to(BF16)[1:].view(4, 256), w)
+    x = torch.randn(4, 256).to(BF16)
+    _expect(ValueError, "expanded", x, w, out=torch.zeros(1, 256, dtype=BF16).expand(4, 256))  # rows race
+    _expect(ValueError, "expanded", x, w, residual=x.clone(), residual_out=torch.zeros(1, 256, dtype=BF16).expand(4, 256))
 
 
 def test_meta_tensors_take_the_registered_op(no_launch):
