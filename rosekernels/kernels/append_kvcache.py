@@ -286,6 +286,8 @@ def _run(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch
     key = (k_cache.shape, k.shape, k.dtype, k.get_device(), cache_seqlens.dtype,
            None if block_table is None else block_table.dtype)
     plan = _plans.get(key) or _plans.put(key, _new_plan(k_cache, v_cache, k, v, cache_seqlens, block_table))
+    if 0 in k_cache.stride() or 0 in v_cache.stride():  # maybe expanded, which the compiled checks let through
+        _validate(k_cache, v_cache, k, v, cache_seqlens, block_table)
     try:
         plan.launch(k_cache, v_cache, k, v, cache_seqlens, block_table)
     except Exception:

@@ -262,6 +262,8 @@ def _run(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: tor
     key = (q.shape, k.shape, q.dtype, q_weight.dtype, q.get_device(), eps, weight_bias, enable_pdl)
     plan = _plans.get(key) or _plans.put(key, _new_plan(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias,
                                                         enable_pdl))
+    if 0 in out_q.stride() or 0 in out_k.stride():  # maybe expanded, which the compiled checks let through
+        _validate(q, k, q_weight, k_weight, out_q, out_k)
     try:
         plan.launch(q, k, q_weight, k_weight, out_q, out_k)
     except Exception:

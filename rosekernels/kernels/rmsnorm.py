@@ -274,6 +274,9 @@ def _run(x, weight, residual, out, residual_out, eps, enable_pdl=True) -> None:
     # alignment and device on each call): a microsecond cheaper than a key of all five tensors.
     key = (x.shape, x.dtype, weight.dtype, residual is None, x.get_device(), eps, enable_pdl)
     plan = _plans.get(key) or _plans.put(key, _new_plan(x, weight, residual, out, residual_out, eps, enable_pdl))
+    # A zero stride may be an expanded output, which the compiled checks let through.
+    if 0 in out.stride() or (residual_out is not None and 0 in residual_out.stride()):
+        _validate(x, weight, residual, out, residual_out)
     try:
         plan.launch(x, weight, residual, out, residual_out)
     except Exception:

@@ -251,6 +251,7 @@ def test_bad_arguments_on_a_planned_signature_raise_and_write_nothing():
     k_cache, v_cache, k, v, lengths, table = case
     misaligned = torch.empty(k.numel() + 8, dtype=BF16, device="cuda")[1:k.numel() + 1].view(k.shape)
     for bad, match in ((dict(cache_seqlens=lengths.cpu()), "CUDA device|device"),
+                       (dict(v_cache=v_cache[:1].expand(v_cache.shape)), "expanded"),
                        (dict(cache_seqlens=lengths.long()), "int64|dtype"),
                        (dict(k=misaligned), "aligned"),
                        (dict(block_table=table[:3]), "block_table has shape")):

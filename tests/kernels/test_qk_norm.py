@@ -313,6 +313,8 @@ def test_errors_on_gpu_after_a_good_call():
         qkn.qk_norm(q, k, w, w.float(), out_q=out_q, out_k=out_k)
     with pytest.raises(ValueError, match="CUDA"):
         qkn.qk_norm(q, k.cpu(), w, w, out_q=out_q, out_k=out_k)
+    with pytest.raises(ValueError, match="expanded"):  # the compiled checks let a zero stride through
+        qkn.qk_norm(q, k, w, w, out_q=out_q, out_k=out_k[:1].expand(k.shape))
     torch.cuda.synchronize()
     assert (out_q == 7.0).all() and (out_k == 7.0).all()
 
