@@ -5,6 +5,7 @@
     python bench/attention.py --decode-only                  # the decode table only (< 1 min)
     python bench/attention.py --decode-only --split-sweep    # + our kernel over forced KV split counts
     python bench/attention.py --sweep                        # candidate configs on the prefill problem shapes
+    python bench/attention.py --sweep --grid --where b=1,s=1024   # ... on rows of the parity grid
     python bench/attention.py --kvcache                      # decode over a KV cache: contiguous and paged
     python bench/attention.py --varlen                       # packed sequences against the dense kernel and FA4
     python bench/attention.py --grid                         # dense prefill on B {1,8,32} x S 1k-32k vs FA4, cuDNN
@@ -211,7 +212,8 @@ def sweep_candidates(d, causal):
 
 def sweep(shapes, iters, peers):
     """Time candidate configs of our kernel (compiled directly, the launch's counter reused: the
-    kernel re-zeroes it) next to cuDNN and FA4 on the given shapes."""
+    kernel re-zeroes it) next to cuDNN and FA4 on the given shapes, each in CUDA graphs of its own
+    replayed interleaved (device time: FA4's host path would dominate the short shapes)."""
     A.precompile([c for shape in shapes for c in sweep_candidates(shape["d"], shape["causal"])])
     rows = []
     for shape in shapes:
@@ -248,7 +250,11 @@ def sweep(shapes, iters, peers):
                 launches[name] = (diff, launch[1])
             except Exception as e:  # noqa: BLE001
                 row["configs"][name] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
-        for name, ms in interleaved_ms(fns, len(sets), iters).items():
+        seconds = tflops(shape, shape["s"], shape["s"], 1.0) * 1e9 / 600e12  # a call at 600 TFLOP/s
+        steps = {name: (lambda i, fn=fn: fn(i % len(sets))) for name, fn in fns.items()}
+        timed = timing.interleaved_graph_time_us(steps, calls=max(1, min(50, int(20e-3 / seconds))), rounds=iters,
+                                                 errors=row.setdefault("graph_errors", {}))
+        for name, ms in ((name, us / 1e3) for name, us in timed.items()):
             if name in peer_fns:
                 row[f"{name}_TFLOPs"] = tflops(shape, shape["s"], shape["s"], ms)
             else:
@@ -630,21 +636,24 @@ def main():
     peers = Peers()
     if args.grid:
         peers.impls = {n: f for n, f in peers.impls.items() if n in ("sdpa_cudnn", "fa4")}
+    where = [kv.split("=") for kv in args.where.split(",") if kv]
+    if any(len(kv) != 2 or kv[0] not in REFERENCE for kv in where):
+        ap.error(f"--where takes K=V,... with K among {sorted(REFERENCE)}, got {args.where!r}")
+
+    def chosen(shapes):
+        return [sh for sh in shapes if all(str(int(sh[k])) == v for k, v in where)]
+
     if args.sweep:
         result["unavailable"] = peers.unavailable
-        result["sweep"] = sweep(SWEEP_SHAPES, args.iters, peers)
+        result["sweep"] = sweep(chosen(grid_shapes() if args.grid else SWEEP_SHAPES), args.iters, peers)
         md = [f"# attention prefill sweep (TFLOP/s), {gpu}", "", sweep_markdown(result["sweep"])]
-        report.write(args.out, "attention_sweep", result, "\n".join(md))
+        report.write(args.out, "attention_sweep_grid" if args.grid else "attention_sweep", result, "\n".join(md))
         return
 
     result["unavailable"] = peers.unavailable
     names = ["rosekernels", *peers.impls]
-    shapes = ([] if args.decode_only else [REFERENCE] if args.quick else
-              list(grid_shapes()) if args.grid else list(prefill_shapes()))
-    where = [kv.split("=") for kv in args.where.split(",") if kv]
-    if any(len(kv) != 2 or kv[0] not in REFERENCE for kv in where):
-        ap.error(f"--where takes K=V,... with K among {sorted(REFERENCE)}, got {args.where!r}")
-    shapes = [sh for sh in shapes if all(str(int(sh[k])) == v for k, v in where)]
+    shapes = chosen([] if args.decode_only else [REFERENCE] if args.quick else
+                    grid_shapes() if args.grid else prefill_shapes())
     rows = []
     for shape in shapes:
         t = time.time()
