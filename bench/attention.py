@@ -61,6 +61,16 @@ def tflops(shape, s_q, s_k, ms):
     return flops / ms / 1e9
 
 
+def prefill_graph_us(steps, shape, n_sets, rounds, errors):
+    """{name: device us per call}: each step(i) (i cycling over n_sets input sets) captured ~20 ms
+    worth of calls at 600 TFLOP/s in a CUDA graph of its own, replays interleaved; `errors` gets the
+    steps that could not be captured."""
+    seconds = tflops(shape, shape["s"], shape["s"], 1.0) * 1e9 / 600e12
+    steps = {name: (lambda i, step=step: step(i % n_sets)) for name, step in steps.items()}
+    return timing.interleaved_graph_time_us(steps, calls=max(1, min(50, int(20e-3 / seconds))), rounds=rounds,
+                                            errors=errors)
+
+
 def interleaved_ms(runs, n_sets, iters):
     """{name: median per-launch device ms}, every run(i) launched once per round (timing.interleaved_time_us)."""
     steps = {name: (lambda i, run=run: run(i % n_sets)) for name, run in runs.items()}
@@ -165,10 +175,7 @@ def bench_shape(shape, peers, s_q=None, iters=10, graphs=False):
             row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     if ready and graphs:
         errors = {}
-        seconds = tflops(shape, s_q, s_k, 1.0) * 1e9 / 600e12  # a call at 600 TFLOP/s
-        calls = max(1, min(50, int(20e-3 / seconds)))  # ~20 ms a graph
-        steps = {name: (lambda i, run=run: run(i % len(sets))) for name, run in ready.items()}
-        times = timing.interleaved_graph_time_us(steps, calls=calls, rounds=iters, errors=errors)
+        times = prefill_graph_us(ready, shape, len(sets), iters, errors)  # the grid: s_q = s_kv = s
         row.update({f"{name}_error": e for name, e in errors.items()})
         ready = {}
         for name, us in times.items():
@@ -250,10 +257,7 @@ def sweep(shapes, iters, peers):
                 launches[name] = (diff, launch[1])
             except Exception as e:  # noqa: BLE001
                 row["configs"][name] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
-        seconds = tflops(shape, shape["s"], shape["s"], 1.0) * 1e9 / 600e12  # a call at 600 TFLOP/s
-        steps = {name: (lambda i, fn=fn: fn(i % len(sets))) for name, fn in fns.items()}
-        timed = timing.interleaved_graph_time_us(steps, calls=max(1, min(50, int(20e-3 / seconds))), rounds=iters,
-                                                 errors=row.setdefault("graph_errors", {}))
+        timed = prefill_graph_us(fns, shape, len(sets), iters, row.setdefault("graph_errors", {}))
         for name, ms in ((name, us / 1e3) for name, us in timed.items()):
             if name in peer_fns:
                 row[f"{name}_TFLOPs"] = tflops(shape, shape["s"], shape["s"], ms)

@@ -29,11 +29,19 @@ def _new_plan(q, k, v, out, causal: bool, softmax_scale, enable_pdl: bool) -> la
     scale = validate(q, k, v, out, softmax_scale, sliced=True)
     if not q.numel():
         return launch.nothing(q.device.index)
-    per = batch_per_launch(q, k, v, torch.empty(q.shape, device="meta") if out is None else out)
-    if per < q.shape[0]:
-        return _Sliced([(b, min(b + per, q.shape[0])) for b in range(0, q.shape[0], per)], q, k, v, out, causal,
-                       scale, enable_pdl)
+    out_like = torch.empty(q.shape, device="meta") if out is None else out  # the op allocates out contiguous
+    slices = _slices(q.shape[0], batch_per_launch(q, k, v, out_like))
+    if len(slices) > 1:
+        return _Sliced(slices, q, k, v, out, causal, scale, enable_pdl)
     return _plan(q, k, v, out, causal, scale, enable_pdl)
+
+
+def _slices(batch, per: int) -> list[tuple]:
+    """(first entry, entries) of each launch: one launch while it takes the whole batch (a traced batch
+    size stays symbolic), else slices of `per` entries."""
+    if per >= batch:
+        return [(0, batch)]
+    return [(b, min(per, batch - b)) for b in range(0, batch, per)]
 
 
 def _plan(q, k, v, out, causal: bool, scale: float, enable_pdl: bool) -> launch.Launch:
@@ -46,14 +54,14 @@ class _Sliced:
     """A batch too large for one launch (attention_common.batch_per_launch): the launches of its
     slices, in order."""
 
-    def __init__(self, ranges, q, k, v, out, causal: bool, scale: float, enable_pdl: bool):
-        cut = lambda t, r: None if t is None else t.narrow(0, r[0], r[1] - r[0])  # noqa: E731
-        self.parts = [(r, _plan(cut(q, r), cut(k, r), cut(v, r), cut(out, r), causal, scale, enable_pdl))
-                      for r in ranges]
+    def __init__(self, slices, q, k, v, out, causal: bool, scale: float, enable_pdl: bool):
+        cut = lambda t, b, n: None if t is None else t.narrow(0, b, n)  # noqa: E731
+        self.parts = [(b, n, _plan(cut(q, b, n), cut(k, b, n), cut(v, b, n), cut(out, b, n), causal, scale,
+                                   enable_pdl)) for b, n in slices]
 
     def launch(self, q, k, v, out, lse) -> None:
-        for (b0, b1), part in self.parts:
-            part.launch(*(t.narrow(0, b0, b1 - b0) for t in (q, k, v, out, lse)))
+        for b, n, part in self.parts:
+            part.launch(*(t.narrow(0, b, n) for t in (q, k, v, out, lse)))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -89,11 +97,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     if eager:
         plan.launch(q, k, v, out, lse)
     elif q.numel():
-        per = batch_per_launch(q, k, v, out)
-        # One launch, as long as it can take the batch: no slicing, which would make a traced batch size static.
-        slices = [(0, q.shape[0])] if per >= q.shape[0] else [(b, min(per, q.shape[0] - b))
-                                                                for b in range(0, q.shape[0], per)]
-        for b, n in slices:
+        for b, n in _slices(q.shape[0], batch_per_launch(q, k, v, out)):
             views = [tma_view(t if n == q.shape[0] else t.narrow(0, b, n)) for t in (q, k, v, out)]
             part = lse if n == q.shape[0] else lse.narrow(0, b, n)
             if q.shape[1] <= decode.MAX_SEQLEN_Q:
