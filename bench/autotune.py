@@ -86,34 +86,56 @@ def _gemm_peers(shape: Any, result: configs.ConfigReport) -> dict[str, float]:
 def _attention_peers(shape: Any, result: configs.ConfigReport) -> dict[str, float]:
     """Microseconds per call of FA4 and cuDNN (SDPA) at `shape`, interleaved (CUDA graphs over input
     sets past L2) with our heuristic's and the winner's kernels, so that ours vs the peers is one
-    run's ratio (the tuner's worker times ours in another process). The peers and the timing are
-    bench/attention.py's."""
+    run's ratio (the tuner's worker times ours in another process)."""
     import math
 
     import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    import attention as bench  # bench/attention.py
+    import timing  # bench/timing.py
     from rosekernels.kernels import attention as A
 
-    row = dict(b=shape.batch, s=shape.seqlen, hq=shape.heads_q, hkv=shape.heads_kv, d=shape.head_dim,
-               causal=shape.causal)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[shape.dtype]
-    sets = bench.make_sets(row, shape.seqlen, shape.seqlen, dtype)
-    lse = torch.empty(shape.batch, shape.heads_q, shape.seqlen, device="cuda")
+    b, s, hq, hkv, d, causal = shape.batch, shape.seqlen, shape.heads_q, shape.heads_kv, shape.head_dim, shape.causal
+    count = timing.input_sets(2 * b * s * (2 * hq + 2 * hkv) * d, least=1, most=8)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sets = [tuple(torch.randn(b, s, h, d, device="cuda", generator=g).to(dtype) for h in (hq, hkv, hkv))
+            for _ in range(count)]
+    out = torch.empty(b, s, hq, d, device="cuda", dtype=dtype)
+    lse = torch.empty(b, hq, s, device="cuda")
 
     def ours(config):
         cfg = A.AttentionConfig(**config)
-        fn, launch = A.compile(cfg).fn, A.launch_args(cfg, sets[0][3])
-        return lambda i: fn(*sets[i], lse, A.LOG2_E / math.sqrt(shape.head_dim), *launch, *A.NOT_VARLEN)
+        fn, launch = A.compile(cfg).fn, A.launch_args(cfg, out)
+        return lambda i: fn(*sets[i % count], out, lse, A.LOG2_E / math.sqrt(d), *launch, *A.NOT_VARLEN)
 
-    steps = {"ours: heuristic": ours(result.heuristic)}
+    def cudnn(i):
+        q, k, v = (t.transpose(1, 2) for t in sets[i % count])
+        if not gqa:  # this backend has no GQA here: expanded K/V (then part of its cost)
+            k, v = (t.repeat_interleave(hq // hkv, dim=1) for t in (k, v))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa and hq != hkv)
+
+    gqa = True
+    try:
+        cudnn(0)
+    except RuntimeError:
+        gqa = False
+
+    steps = {"ours: heuristic": ours(result.heuristic), "cudnn": cudnn}
     if result.winner:
         steps["ours: tuned"] = ours(result.winner)
-    impls = bench.Peers().impls
-    steps.update({name: (lambda i, fn=impls[name]: fn(*sets[i][:3], shape.causal))
-                  for name in ("sdpa_cudnn", "fa4") if name in impls})
+    try:
+        from flash_attn.cute.interface import flash_attn_func
+    except ImportError:
+        pass
+    else:
+        steps["fa4"] = lambda i: flash_attn_func(*sets[i % count], causal=causal)
+    seconds = 4 * b * hq * s * s * d / (2 if causal else 1) / 600e12
     errors: dict[str, str] = {}
-    times = bench.prefill_graph_us(steps, row, len(sets), 9, errors)
+    times = timing.interleaved_graph_time_us(steps, calls=max(1, min(50, int(20e-3 / seconds))), rounds=9,
+                                             errors=errors)
     for name, e in errors.items():
         print(f"  peer {name}: {e}", flush=True)
     return times
