@@ -205,12 +205,14 @@ SWEEP_SHAPES = [
 
 
 def sweep_candidates(d, causal):
-    """The default config, the same kernel launched one CTA per tile, and other tile shapes."""
+    """The default config, the same kernel launched one CTA per tile, and other tile shapes; O
+    stored from registers (direct_o) at the default tiles and, d=128, with the key tiles only it fits."""
     base = A.default_config(d, "bf16", causal)
-    cands = [base, dataclasses.replace(base, persistent=False)]
+    cands = [base, dataclasses.replace(base, persistent=False), dataclasses.replace(base, direct_o=True)]
     if d == 128:
         cands += [dataclasses.replace(base, tile_n=n) for n in (112, 144)]
         cands += [dataclasses.replace(base, overlap=False)]
+        cands += [dataclasses.replace(base, tile_n=n, direct_o=True) for n in (144, 160, 176, 192)]
     else:
         cands += [A.AttentionConfig(64, "bf16", causal, tile_m=m, tile_n=n, num_stages=st)
                   for m, n, st in ((192, 128, 2), (192, 112, 3), (128, 128, 3), (128, 176, 3))]
@@ -280,7 +282,7 @@ def sweep(shapes, iters, peers):
 
 def _config_name(cfg):
     return (f"m{cfg.tile_m}n{cfg.tile_n}s{cfg.num_stages}" + ("" if cfg.overlap else "-inorder") +
-            ("" if cfg.persistent else "-per_tile"))
+            ("" if cfg.persistent else "-per_tile") + ("-direct_o" if cfg.direct_o else ""))
 
 
 def sweep_markdown(rows):

@@ -7,7 +7,8 @@ Causal masking is aligned bottom-right (query i sees keys j <= i + S_kv - S_q); 
 no key gets out = 0 and lse = -inf. The LSE output is [B, Hq, S_q] fp32, natural log. Varlen configs
 (rosekernels.attention_varlen) take packed sequences instead: q/k/v [1, total, H, d], each sequence's
 rows from cumulative lengths read on the device, its tiles' loads offset to its first row and its O
-rows copied out of the slab one by one (a TMA store of 64 rows would run into the next sequence).
+rows stored one by one, from the slab or from registers (a TMA store of 64 rows would run into the
+next sequence).
 `attention()` sends short queries (S_q <= 16) to the split-KV kernel of
 rosekernels/kernels/attention_decode.py; this kernel serves the rest.
 
@@ -40,7 +41,10 @@ one GQA group adjacent. `persistent=False` launches one CTA per tile in the same
   GEMMs (ping-pong). `overlap=False` is the plain in-order pipeline (kept as the reference path).
 - Epilogue, per warpgroup: O / rowsum -> bf16/fp16 -> its own shared-memory slab (stmatrix) -> one
   TMA store of its 64 rows (clipped past S_q) that completes while the next tile runs; the LSE is
-  stored straight from registers.
+  stored straight from registers. `direct_o` configs store O from registers too (a column pair per
+  store, rows past S_q skipped) and have no O buffer: its shared memory takes wider K/V tiles
+  (d=128: 192 keys x 2 stages), which pay on long keys; on short ones the slab's TMA store, which
+  overlaps the next tile, is faster.
 
 Configs, the tile heuristic, the tuner's search space and the warm-up set are in attention_plan.py
 (re-exported here). This module holds the device code, `compile(config)`, `workload(config, shape)`,
@@ -222,43 +226,50 @@ class _FlashAttentionSm90:
         sQ_layout = self._smem_layout(self.tile_m, None)
         sK_layout = self._smem_layout(self.tile_n, self.stages)
         sV_layout = self._smem_layout(self.tile_n, self.stages)
-        sO_layout = self._smem_layout(64, self.num_mma_wg)  # one (64, d) slab per consumer warpgroup
+        # One (64, d) O slab per consumer warpgroup, unless O goes from registers to global memory.
+        sO_layout = None if cutlass.const_expr(self.cfg.direct_o) else self._smem_layout(64, self.num_mma_wg)
 
         tma_load, tma_store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(tma_load, mQ, sQ_layout, (self.tile_m, self.d))
         kv_tile_layout = cute.select(sK_layout, mode=[0, 1])
         tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(tma_load, mK, kv_tile_layout, (self.tile_n, self.d))
         tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(tma_load, mV, kv_tile_layout, (self.tile_n, self.d))
-        tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(tma_store, mO, cute.select(sO_layout, mode=[0, 1]),
-                                                        (64, self.d))
+        tma_atom_o = tma_o = None
+        if cutlass.const_expr(not self.cfg.direct_o):
+            tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(tma_store, mO, cute.select(sO_layout, mode=[0, 1]),
+                                                            (64, self.d))
         self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
         self.kv_bytes = cute.size_in_bytes(self.dtype, kv_tile_layout)
-
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-            mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * 2]
-            next_tile: cute.struct.MemRange[Int32, 2]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = self._shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout)
 
         self.kernel(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o, mLSE, tile_counter,
             scale_log2, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv, tiled_mma_o,
-            mO if cutlass.const_expr(self.cfg.varlen) else None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-            max_seqlen_k,
+            mO if cutlass.const_expr(self.cfg.varlen or self.cfg.direct_o) else None, cu_seqlens_q, cu_seqlens_k,
+            max_seqlen_q, max_seqlen_k,
         ).launch(
             grid=[num_ctas, 1, 1],
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
         )
+
+    def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
+        """The block's shared memory: mbarriers, the tile mailbox, then Q, the K and V rings and,
+        unless O is stored directly, the O slabs (each buffer 1 KiB-aligned for the 128-byte swizzle)."""
+        def buffer(layout):
+            return cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], 1024]
+        fields = {
+            "mbar_q": cute.struct.MemRange[cutlass.Int64, 2],
+            "mbar_k": cute.struct.MemRange[cutlass.Int64, 2 * self.stages],
+            "mbar_v": cute.struct.MemRange[cutlass.Int64, 2 * self.stages],
+            "mbar_tile": cute.struct.MemRange[cutlass.Int64, 2 * 2],
+            "next_tile": cute.struct.MemRange[Int32, 2],
+            "sQ": buffer(sQ_layout), "sK": buffer(sK_layout), "sV": buffer(sV_layout),
+        }
+        if sO_layout is not None:
+            fields["sO"] = buffer(sO_layout)
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     @cute.kernel
     def kernel(
@@ -282,7 +293,8 @@ class _FlashAttentionSm90:
 
         if warp_idx == 0:
             for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o):
-                cpasync.prefetch_descriptor(atom)
+                if cutlass.const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
@@ -309,7 +321,9 @@ class _FlashAttentionSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sO = None
+        if cutlass.const_expr(not self.cfg.direct_o):
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         sNext = storage.next_tile.get_tensor(cute.make_layout(2))
 
         if cutlass.const_expr(self.cfg.varlen):
@@ -513,8 +527,9 @@ class _FlashAttentionSm90:
             tile = sNext[tile_state.index]
             pipe_tile.consumer_release(tile_state)
             tile_state.advance()
-        if tidx % 128 < 32:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last O store has left shared memory
+        if cutlass.const_expr(not self.cfg.direct_o):
+            if tidx % 128 < 32:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last O store has left shared memory
 
     @cute.jit
     def wg_n_blocks(self, m_block, wg, n_block_max, seqlen_q, seqlen_k):
@@ -749,9 +764,10 @@ class _FlashAttentionSm90:
     @cute.jit
     def epilogue(self, acc_O, row_max, row_sum, scale_log2, mO, mLSE, sO, tma_atom_o, tiled_mma_o,
                  thr_mma_pv, tidx, wg, m_block, head, batch, seqlen_q, mOmem, first_q):
-        """O / rowsum and the LSE of the rows < seqlen_q. Dense: O through this warpgroup's slab and a
-        TMA store (clipped at S_q). Varlen: the slab's rows < seqlen_q copied out in 16-byte vectors
-        (a TMA store of 64 rows would overwrite the next sequence's)."""
+        """O / rowsum and the LSE of the rows < seqlen_q. Direct O: from registers to out (`store_direct`).
+        Else dense: O through this warpgroup's slab and a TMA store (clipped at S_q); varlen: the slab's
+        rows < seqlen_q copied out in 16-byte vectors (a TMA store of 64 rows would overwrite the next
+        sequence's)."""
         O = _rows_view(acc_O)
         tOcO = _rows_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.d))))
         lse = cute.make_rmem_tensor(cute.size(O, mode=[0]), Float32)
@@ -775,32 +791,56 @@ class _FlashAttentionSm90:
                     else:
                         mLSE[row, head, batch] = lse[r]
 
-        # O -> this warpgroup's shared-memory slab (stmatrix) -> one TMA store of its 64 rows, left
-        # in flight: the slab is only rewritten by the next tile's epilogue, after waiting for it.
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         _convert(acc_O, rO)
-        sO_wg = sO[None, None, wg]
-        store_warp = tidx % 128 < 32
-        if cutlass.const_expr(not self.cfg.varlen):
-            if store_warp:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.barrier(barrier_id=_BAR_EPILOGUE + wg, number_of_threads=128)
-        smem_copy = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
-                                        self.dtype)
-        thr_copy = cute.make_tiled_copy_C(smem_copy, tiled_mma_o).get_slice(tidx % 128)
-        cute.copy(smem_copy, thr_copy.retile(rO), thr_copy.partition_D(sO_wg))
-        row_block = m_block * self.num_mma_wg + wg
-        if cutlass.const_expr(self.cfg.varlen):
-            cute.arch.barrier(barrier_id=_BAR_EPILOGUE + wg, number_of_threads=128)
-            self.store_rows(sO_wg, mOmem, tidx % 128, head, first_q, row_block, seqlen_q)
+        if cutlass.const_expr(self.cfg.direct_o):
+            self.store_direct(rO, tiled_mma_o, mOmem, tidx % 128, head, batch, first_q,
+                              m_block * self.num_mma_wg + wg, seqlen_q)
         else:
-            cute.arch.fence_view_async_shared()  # make the stores visible to the TMA (async proxy)
+            # O -> this warpgroup's shared-memory slab (stmatrix) -> one TMA store of its 64 rows, left
+            # in flight: the slab is only rewritten by the next tile's epilogue, after waiting for it.
+            sO_wg = sO[None, None, wg]
+            store_warp = tidx % 128 < 32
+            if cutlass.const_expr(not self.cfg.varlen):
+                if store_warp:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.barrier(barrier_id=_BAR_EPILOGUE + wg, number_of_threads=128)
-            if store_warp and row_block * 64 < seqlen_q:
-                gO = cute.local_tile(mO[None, None, head, batch], (64, self.d), (row_block, 0))
-                tOsO, tOgO = tma_tiles(tma_atom_o, sO_wg, gO)
-                cute.copy(tma_atom_o, tOsO, tOgO)
-                cute.arch.cp_async_bulk_commit_group()
+            smem_copy = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                            self.dtype)
+            thr_copy = cute.make_tiled_copy_C(smem_copy, tiled_mma_o).get_slice(tidx % 128)
+            cute.copy(smem_copy, thr_copy.retile(rO), thr_copy.partition_D(sO_wg))
+            row_block = m_block * self.num_mma_wg + wg
+            if cutlass.const_expr(self.cfg.varlen):
+                cute.arch.barrier(barrier_id=_BAR_EPILOGUE + wg, number_of_threads=128)
+                self.store_rows(sO_wg, mOmem, tidx % 128, head, first_q, row_block, seqlen_q)
+            else:
+                cute.arch.fence_view_async_shared()  # make the stores visible to the TMA (async proxy)
+                cute.arch.barrier(barrier_id=_BAR_EPILOGUE + wg, number_of_threads=128)
+                if store_warp and row_block * 64 < seqlen_q:
+                    gO = cute.local_tile(mO[None, None, head, batch], (64, self.d), (row_block, 0))
+                    tOsO, tOgO = tma_tiles(tma_atom_o, sO_wg, gO)
+                    cute.copy(tma_atom_o, tOsO, tOgO)
+                    cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def store_direct(self, rO, tiled_mma_o, mO, t, head, batch, first_q, row_block, seqlen_q):
+        """Direct O: this thread's elements of the warpgroup's 64 rows from registers to out, a column
+        pair (4 bytes) per store, rows row_block * 64 + i < seqlen_q only (varlen: from the sequence's
+        first row). A warp's stores write whole 16-byte row segments, merged in L2."""
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32)
+        thr = cute.make_tiled_copy_C(atom, tiled_mma_o).get_slice(t)
+        mOh = mO[None, None, head, batch]
+        if cutlass.const_expr(self.cfg.varlen):
+            mOh = cute.domain_offset((first_q, 0), mOh)
+        gO = cute.local_tile(mOh, (64, self.d), (row_block, 0))
+        parts = (thr.retile(rO), thr.partition_D(gO), thr.partition_D(cute.make_identity_tensor((64, self.d))))
+        # The copy's tile is the warpgroup's (64, d): a thread's values all sit in mode 0, which is
+        # cut into its column pairs (the thread's two rows alternate among them).
+        assert all(cute.size(part, mode=[1]) * cute.size(part, mode=[2]) == 1 for part in parts)
+        tS, tD, tC = (cute.logical_divide(part[None, 0, 0], cute.make_layout(2)) for part in parts)
+        for k in cutlass.range_constexpr(cute.size(tD, mode=[1])):
+            if row_block * 64 + tC[0, k][0] < seqlen_q:
+                cute.copy(atom, tS[None, k], tD[None, k])
 
     @cute.jit
     def store_rows(self, sO_wg, mOmem, t, head, first_q, row_block, seqlen_q):
@@ -931,7 +971,8 @@ class Launch(launch.Launch):
 def choose_config(q, k, causal: bool) -> AttentionConfig:
     """The heuristic's config, or the tuned store's for the call's shape. The shape the tuner
     measures (AttentionShape) has one sequence length, so a call with S_q != S_kv keeps the heuristic."""
-    cfg = default_config(q.shape[-1], TORCH_DTYPES[q.dtype], causal, k.shape[1])
+    cfg = default_config(q.shape[-1], TORCH_DTYPES[q.dtype], causal, k.shape[1], q.shape[1], q.shape[0] * q.shape[2],
+                         modes.sm_count(q.device.index))
     if q.shape[1] != k.shape[1]:
         return cfg
     return tuned.tuned_config(OP, AttentionShape(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3],
@@ -961,14 +1002,16 @@ launch.register_op("attention_fwd", _attention_fwd, mutates_args=("out", "lse"))
 
 def varlen_config(head_dim: int, dtype: str, causal: bool, max_seqlen_k: int) -> AttentionConfig:
     """The varlen launch: the dense heuristic's tiles for the longest sequence, `varlen` compiled in
-    (the tuned store, keyed by one sequence length, is not consulted)."""
+    (the tuned store, keyed by one sequence length, is not consulted; without the grid's size d=64
+    keeps 192-row tiles)."""
     return dataclasses.replace(default_config(head_dim, dtype, causal, max_seqlen_k), varlen=True)
 
 
 def varlen_variants_for(models=None) -> list[AttentionConfig]:
     """The configs attention_varlen can launch for `models` (as variants_for; pass them to
     rosekernels.warmup(specs=...))."""
-    return [dataclasses.replace(c, varlen=True) for c in variants_for(models, ("prefill",))]
+    return list(dict.fromkeys(varlen_config(c.head_dim, c.dtype, c.causal, keys)
+                              for c in variants_for(models, ("prefill",)) for keys in (0, 2 * LONG_KV)))
 
 
 class VarlenLaunch(launch.Launch):

@@ -23,8 +23,12 @@ OP = "attention"
 HEAD_DIMS = (64, 128)
 DTYPES = ("bf16", "fp16")
 SMEM_BYTES = 227 * 1024  # sm_90 opt-in shared memory per block
-# Keys from which d=128 non-causal attention takes 144-key tiles.
+# Keys from which d=128 takes 192-key tiles with O stored from registers (non-causal; causal from
+# twice as many).
 LONG_KV = 8192
+# d=64 non-causal: the per-row speed of 128-row tiles (2 consumer warpgroups) relative to 192-row
+# ones (3), H200 sweep at B1 S 8k-32k: 0.76-0.80.
+ROWS_128_SPEED = 0.8
 # The K/V ring depths the tuner tries: one stage leaves no load in flight while the math runs; the
 # defaults take two (d=128) and three (d=64), and a deeper ring mostly takes shared memory.
 STAGES = (2, 3, 4)
@@ -63,6 +67,10 @@ class AttentionConfig:
     tile_n: int = 128  # keys per K/V tile (the N of the S GEMM, the K of the P V GEMM)
     num_stages: int = 2  # K/V buffers in flight
     overlap: bool = True  # intra-WG softmax/GEMM overlap + inter-WG ping-pong
+    # O stored from registers straight to global memory (a column pair per store, rows past the
+    # sequence skipped) instead of through a shared-memory slab and a TMA store: no O buffer, so
+    # d=128 fits 176- and 192-key tiles x 2 stages.
+    direct_o: bool = False
     # Packed variable-length sequences (rosekernels.attention_varlen): q/k/v [total, H, d] sliced by
     # cumulative lengths, O stored row by row within each sequence.
     varlen: bool = False
@@ -90,16 +98,19 @@ class AttentionConfig:
 
     def smem_bytes(self) -> int:
         elem = 2
-        q = o = self.tile_m * self.head_dim * elem
+        q = self.tile_m * self.head_dim * elem
+        o = 0 if self.direct_o else q
         kv = 2 * self.num_stages * self.tile_n * self.head_dim * elem
-        # + up to 1 KiB of alignment before each of the 4 buffers, the mbarriers, the tile mailbox
-        return q + o + kv + 1024 * 4 + 8 * 2 * (1 + 2 * self.num_stages + 2) + 4 * 2
+        # The mbarriers and the tile mailbox (under 1 KiB), then the buffers, each 1 KiB-aligned: up to
+        # 1 KiB of padding before the first, none between them (their sizes are multiples of 1 KiB).
+        return 2048 + q + o + kv
 
     def variant(self) -> Variant:
         params = dataclasses.asdict(self)
         del params["persistent"]
-        if not self.varlen:
-            del params["varlen"]  # the dense keys predate it
+        for field in ("varlen", "direct_o"):
+            if not params[field]:
+                del params[field]  # the keys predate it
         return Variant.of(OP, "prefill", **params)
 
     @classmethod
@@ -109,35 +120,66 @@ class AttentionConfig:
         return cls(**dict(variant.params))
 
 
-def default_config(head_dim: int, dtype: str, causal: bool, seqlen_k: int = 0) -> AttentionConfig:
-    """The tile shape the op uses: FA3's choices for Hopper (d=64 takes 3 consumer WGs, 192 rows).
-    The warpgroups of a last tile that hold no row skip its math (`idle_mainloop`), which made the
-    192-row tile as fast as 128 rows even at S_q = 1024 causal. d=128 non-causal with at least
-    LONG_KV keys takes 144-key tiles (one softmax round per 144 keys, not 128): 2% faster from
-    8k keys on the H200; at 4k even, below that the ragged last tile costs more, and causal gains
-    at most 0.6% (bench/results/attention_sweep.md, attention_tile_n.md). The grid is sized per
-    call from the shape (`grid_size`): min(tiles, SMs) CTAs."""
+def default_config(head_dim: int, dtype: str, causal: bool, seqlen_k: int = 0, seqlen_q: int = 0,
+                   query_heads: int = 0, sms: int | None = None) -> AttentionConfig:
+    """The tile shape the op uses (bench/results/attention_sweep_long.md has the sweep behind it).
+
+    d=64: 192-row tiles (3 consumer warpgroups), FA3's choice; the warpgroups of a last tile that
+    hold no row skip its math (`idle_mainloop`). Non-causal, 128-row tiles where they finish first
+    by a wave model (`_d64_rows`), which needs the call's S_q and query heads (batch x Hq; 0: not
+    known, 192 rows): at B1 S1k Hq 32 they were 1.17x faster, from S2k or B8 on 0.84-0.90x.
+    d=128: 128 x 128 tiles; from LONG_KV keys non-causal and 2 x LONG_KV causal, 192-key tiles
+    with O stored from registers (the O buffer's shared memory holds the wider K/V stages): one
+    softmax round per 192 keys, 1-2.6% faster there, 2-10% slower at 1k-4k keys (direct O stores
+    do not overlap the next tile as a TMA store does). The grid is sized per call (`grid_size`)."""
     if head_dim == 64:
-        return AttentionConfig(64, dtype, causal, tile_m=192, tile_n=128, num_stages=3)
-    tile_n = 144 if not causal and seqlen_k >= LONG_KV else 128
-    return AttentionConfig(head_dim, dtype, causal, tile_m=128, tile_n=tile_n, num_stages=2)
+        return AttentionConfig(64, dtype, causal, tile_m=_d64_rows(causal, seqlen_q, query_heads, sms), tile_n=128,
+                               num_stages=3)
+    if seqlen_k >= (2 if causal else 1) * LONG_KV:
+        return AttentionConfig(head_dim, dtype, causal, tile_m=128, tile_n=192, num_stages=2, direct_o=True)
+    return AttentionConfig(head_dim, dtype, causal, tile_m=128, tile_n=128, num_stages=2)
+
+
+def _d64_rows(causal: bool, seqlen_q: int, query_heads: int, sms: int | None) -> int:
+    """192, unless 128-row tiles take less time by the wave model: rounds of one tile per SM times
+    a tile's rows over their per-row speed (ROWS_128_SPEED). It sees grids of under two rounds, as
+    B1 S1k Hq 32 (192 tiles of 192 rows on 132 SMs: two rounds; 256 of 128 rows: two shorter ones).
+    Not causal: causal tiles differ in length (the scheduler balances them), and at B1 S1k both
+    row tiles measured the same."""
+    if causal or seqlen_q <= 0 or query_heads <= 0:
+        return 192
+    sms = sm_count() if sms is None else sms
+
+    def time(rows: int, speed: float) -> float:
+        return -(-(-(-seqlen_q // rows) * query_heads) // sms) * rows / speed
+    return 128 if time(128, ROWS_128_SPEED) < time(192, 1.0) else 192
+
+
+def heuristic_configs(head_dim: int, dtype: str, causal: bool) -> list[AttentionConfig]:
+    """Every config default_config returns for a head dim, dtype and causality (the warm-up set)."""
+    if head_dim == 64:
+        return [default_config(64, dtype, causal)] + ([] if causal else [
+            AttentionConfig(64, dtype, causal, tile_m=128, tile_n=128, num_stages=3)])
+    return [default_config(head_dim, dtype, causal), default_config(head_dim, dtype, causal, 2 * LONG_KV)]
 
 
 def config_for(shape: AttentionShape, sms: int | None = None) -> AttentionConfig:
     """What attention() launches for `shape` (with S_q > attention_decode.MAX_SEQLEN_Q; shorter
     queries take the split-KV kernel). The grid is not part of it: `grid_size` sizes it per call."""
-    return default_config(shape.head_dim, shape.dtype, bool(shape.causal), shape.seqlen)
+    return default_config(shape.head_dim, shape.dtype, bool(shape.causal), shape.seqlen, shape.seqlen,
+                          shape.batch * shape.heads_q, sms)
 
 
 def candidates(shape: AttentionShape, sms: int | None = None) -> list[AttentionConfig]:
     """Every config that serves `shape`'s head dim, dtype and causality: 128- or 192-row tiles x
-    every legal key tile x STAGES x overlapped or in-order, as far as shared memory holds them,
-    each launched persistent or one CTA per tile. config_for(shape) is among them."""
+    every legal key tile x STAGES x O through shared memory or direct, as far as shared memory
+    holds them, x overlapped or in-order, each launched persistent or one CTA per tile.
+    config_for(shape) is among them."""
     base = config_for(shape)
     found = []
-    for tile_m, tile_n, stages in itertools.product((128, 192), range(64, 257, 16), STAGES):
+    for tile_m, tile_n, stages, direct_o in itertools.product((128, 192), range(64, 257, 16), STAGES, (False, True)):
         try:
-            tiles = dataclasses.replace(base, tile_m=tile_m, tile_n=tile_n, num_stages=stages)
+            tiles = dataclasses.replace(base, tile_m=tile_m, tile_n=tile_n, num_stages=stages, direct_o=direct_o)
         except ValueError:  # more shared memory than a block gets
             continue
         found += [dataclasses.replace(tiles, overlap=o, persistent=p) for o in (True, False) for p in (True, False)]
@@ -148,14 +190,15 @@ def rank(shape: AttentionShape, configs: Iterable[AttentionConfig], sms: int | N
     """`configs` (candidates of `shape`) nearest the heuristic's first, for the tuner's pruning: the
     kernel has no cost model that rates tile shapes against each other (their MMA efficiencies are
     only measured), so the search stays local. Distance: one per field changed (row tile, stages,
-    overlap, persistence), one per 32 keys of key-tile width. Equal distances go by a wave model:
-    rounds of one tile per SM times one tile's padded work (its rows by its keys rounded up to whole
-    key tiles), which sees wave quantization and ragged last tiles, not the tiles' speeds."""
+    overlap, persistence, direct O), one per 32 keys of key-tile width. Equal distances go by a wave
+    model: rounds of one tile per SM times one tile's padded work (its rows by its keys rounded up to
+    whole key tiles), which sees wave quantization and ragged last tiles, not the tiles' speeds."""
     sms = sm_count() if sms is None else sms
     home = config_for(shape, sms)
 
     def key(c: AttentionConfig) -> tuple[float, float]:
-        changed = sum(getattr(c, f) != getattr(home, f) for f in ("tile_m", "num_stages", "overlap", "persistent"))
+        fields = ("tile_m", "num_stages", "overlap", "persistent", "direct_o")
+        changed = sum(getattr(c, f) != getattr(home, f) for f in fields)
         rounds = -(-num_tiles(c, shape.batch, shape.seqlen, shape.heads_q) // sms)
         work = rounds * c.tile_m * -(-shape.seqlen // c.tile_n) * c.tile_n
         return changed + abs(c.tile_n - home.tile_n) / 32, work
@@ -173,8 +216,7 @@ def variants_for(models: Iterable[ModelDims] | None = None, modes: Iterable[str]
         kinds = [(d, dt) for d in HEAD_DIMS for dt in DTYPES]
     else:
         kinds = [(m.head_dim, m.dtype) for m in models if m.head_dim in HEAD_DIMS and m.dtype in DTYPES]
-    return list(dict.fromkeys(default_config(d, dt, c, s) for d, dt in kinds for c in (False, True)
-                              for s in (0, LONG_KV)))
+    return list(dict.fromkeys(cfg for d, dt in kinds for c in (False, True) for cfg in heuristic_configs(d, dt, c)))
 
 
 def num_tiles(cfg: AttentionConfig, batch: int, seqlen_q: int, heads_q: int) -> int:

@@ -11,7 +11,7 @@ from attention_reference import check, inputs, sync
 from kernel_sass import sass_of
 
 import rosekernels
-from rosekernels import scratch
+from rosekernels import modes, scratch
 from rosekernels.kernels import attention as A
 from rosekernels.kernels import attention_common as AC
 
@@ -23,7 +23,15 @@ IN_ORDER = (
 )
 # One CTA per tile instead of persistent CTAs: the same compiled kernel, another grid.
 PER_TILE = (dataclasses.replace(A.default_config(128, "bf16", True), persistent=False),)
-ALL_CONFIGS = tuple(A.variants_for()) + IN_ORDER + PER_TILE
+# O stored from registers instead of through shared memory (the long-key d=128 defaults, 192-key
+# tiles, take the most shared memory of any config); the last three have slab twins among the variants.
+DIRECT_O = (
+    A.AttentionConfig(128, "bf16", False, tile_n=176, direct_o=True),
+    A.AttentionConfig(64, "bf16", False, tile_m=192, num_stages=3, direct_o=True),
+    A.AttentionConfig(128, "bf16", False, tile_n=128, direct_o=True),
+    A.AttentionConfig(128, "fp16", True, tile_n=128, direct_o=True),
+)
+ALL_CONFIGS = tuple(A.variants_for()) + IN_ORDER + PER_TILE + DIRECT_O
 CPU_CONFIGS = tuple(A.variants_for()) + IN_ORDER[1:2]  # what CI compiles
 
 
@@ -49,7 +57,12 @@ def test_every_specialization_compiles_to_a_warp_specialized_wgmma_kernel(cpu_ke
         if sass is None:
             pytest.skip("nvdisasm (nvidia-cuda-nvdisasm) is not installed")
         ops = set(re.findall(r"\b(HGMMA|UTMALDG|UTMASTG|USETMAXREG|STSM|ATOMG|LDL|STL)\b", sass))
-        assert {"HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "STSM", "ATOMG"} <= ops, (cfg, ops)
+        # O through a shared-memory slab (stmatrix) and a TMA store, or from registers (column pairs).
+        o_path = {"UTMASTG", "STSM"}
+        assert {"HGMMA", "UTMALDG", "USETMAXREG", "ATOMG"} <= ops and (o_path & ops == set() if cfg.direct_o
+                                                                       else o_path <= ops), (cfg, ops)
+        if cfg.direct_o:
+            assert len(re.findall(r"\bSTG\.E\s", sass)) >= 64 * cfg.head_dim // 2 // 128, cfg
         assert not {"LDL", "STL"} & ops, f"{cfg} spills registers to local memory"
         gemm_n = {int(n) for n in re.findall(r"HGMMA\.64x(\d+)x16", sass)}
         assert gemm_n == {cfg.tile_n, cfg.head_dim}, (cfg, gemm_n)  # S = Q K^T and O += P V
@@ -155,6 +168,25 @@ def test_matches_float64_reference(kernels, cfg):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("direct", DIRECT_O[1:], ids=_ids)
+def test_direct_o_stores_the_slab_paths_bytes_and_no_row_past_s_q(kernels, direct):
+    """O from registers: bitwise what the same tiles store through shared memory, and rows past S_q
+    (a ragged last 64-row slab) never written: out is a view with NaN rows after each entry's S_q."""
+    slab = dataclasses.replace(direct, direct_o=False)
+    q, k, v = inputs(2, 1000, 1200, 8, 2, direct.head_dim, TORCH_DTYPE[direct.dtype], seed=3)
+    scale = 1.0 / math.sqrt(direct.head_dim)
+    outs = []
+    for cfg in (slab, direct):
+        buf = torch.full((2, 1100, 8, direct.head_dim), float("nan"), dtype=q.dtype, device="cuda")
+        out, lse = buf[:, :1000], torch.empty(2, 8, 1000, device="cuda")
+        A.compile(cfg).fn(q, k, v, out, lse, scale * A.LOG2_E, *A.launch_args(cfg, q), *A.NOT_VARLEN)
+        sync(str(cfg))
+        assert buf[:, 1000:].isnan().all(), f"{cfg} wrote a row past S_q"
+        outs.append((out, lse))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [A.default_config(64, "fp16", True), IN_ORDER[0]], ids=_ids)
 def test_workload_samples_pass_their_check(kernels, cfg):
     """What sip-tune runs: the shape's arguments and ragged test samples, checked by the workload."""
@@ -224,12 +256,25 @@ def test_public_op_long_sequence_custom_scale_and_lse(kernels, causal, d):
 
 
 @pytest.mark.gpu
-def test_long_keys_take_144_key_tiles_through_the_public_op(kernels):
-    q, k, v = inputs(1, 300, A.LONG_KV + 77, 4, 2, 128, torch.bfloat16, seed=21)
-    assert A.default_config(128, "bf16", False, k.shape[1]).tile_n == 144
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_keys_take_192_key_tiles_with_direct_o_through_the_public_op(kernels, causal):
+    q, k, v = inputs(1, 300, 2 * A.LONG_KV + 77, 4, 2, 128, torch.bfloat16, seed=21)
+    cfg = A.default_config(128, "bf16", causal, k.shape[1])
+    assert (cfg.tile_n, cfg.direct_o) == (192, True)
+    out, lse = rosekernels.attention(q, k, v, causal=causal, out=torch.full_like(q, float("nan")), return_lse=True)
+    sync("public op, 192-key tiles")
+    check(out, lse, q, k, v, causal, 1 / math.sqrt(128), "S_kv past 2 x LONG_KV")
+
+
+@pytest.mark.gpu
+def test_a_small_d64_grid_takes_128_row_tiles_through_the_public_op(kernels):
+    if modes.sm_count() < 128:
+        pytest.skip("256 tiles of 128 rows make two rounds only from 128 SMs on")
+    q, k, v = inputs(1, 1024, 1024, 32, 8, 64, torch.bfloat16, seed=22)
+    assert A.choose_config(q, k, False).tile_m == 128 and A.choose_config(q, k, True).tile_m == 192
     out, lse = rosekernels.attention(q, k, v, out=torch.full_like(q, float("nan")), return_lse=True)
-    sync("public op, 144-key tiles")
-    check(out, lse, q, k, v, False, 1 / math.sqrt(128), "S_kv past LONG_KV")
+    sync("public op, 128-row d=64 tiles")
+    check(out, lse, q, k, v, False, 1 / math.sqrt(64), "B1 S1k d64")
 
 
 @pytest.mark.gpu

@@ -23,11 +23,14 @@ def test_default_variants_are_the_warm_up_set_with_unchanged_keys():
     prefill = {f"attention-prefill-sm_90a-causal={c}-dtype={dt}-head_dim={d}-num_stages={st}-overlap=True-"
                f"tile_m={m}-tile_n={n}"
                for dt in DTYPES for c in (False, True)
-               for d, m, n, st in ((64, 192, 128, 3), (128, 128, 128, 2), (128, 128, 144, 2))
-               if n == 128 or not c}
+               for d, m, n, st in ((64, 192, 128, 3), (64, 128, 128, 3), (128, 128, 128, 2))
+               if m == 192 or d == 128 or not c}
+    # d=128 with long keys: O stored from registers (a key of its own; the others are unchanged)
+    prefill |= {f"attention-prefill-sm_90a-causal={c}-direct_o=True-dtype={dt}-head_dim=128-num_stages=2-"
+                f"overlap=True-tile_m=128-tile_n=192" for dt in DTYPES for c in (False, True)}
     decode = {f"attention_decode-decode-sm_90a-dtype={dt}-head_dim={d}-num_stages=3-tile_m={m}"
               for dt in DTYPES for d in (64, 128) for m in (16, 32, 64)}
-    assert len(P.variants_for()) == len(prefill) == 10
+    assert len(P.variants_for()) == len(prefill) == 14
     assert {c.variant().key() for c in P.variants_for()} == prefill
     assert len(D.variants_for()) == len(decode) == 12
     assert {c.variant().key() for c in D.variants_for()} == decode
@@ -51,11 +54,19 @@ def test_launch_policy_stays_out_of_the_variant_and_from_variant_inverts_it():
     (dict(tile_n=100), "tile_n"),
     (dict(num_stages=0), "num_stages"),
     (dict(num_stages=6), "shared memory"),
-    (dict(tile_n=160), "shared memory"),  # Q, O and 2 stages of 160-key K/V tiles: 80 bytes over
+    (dict(tile_n=176), "shared memory"),  # Q, O and 2 stages of 176-key K/V tiles
+    (dict(tile_n=208, direct_o=True), "shared memory"),
 ])
 def test_prefill_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         P.AttentionConfig(**{**dict(head_dim=128, dtype="bf16", causal=False), **kwargs})
+
+
+def test_direct_o_stays_out_of_existing_keys():
+    slab = P.AttentionConfig(128, "bf16", False, tile_n=160)
+    direct = dataclasses.replace(slab, direct_o=True)
+    assert "direct_o" not in slab.variant().key() and "direct_o=True" in direct.variant().key()
+    assert P.AttentionConfig.from_variant(direct.variant()) == direct
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -83,13 +94,30 @@ def test_prefill_config_for_stays_in_the_warm_up_set():
     for d in (64, 128):
         for dt in DTYPES:
             for causal in (False, True):
-                for seqlen in (1, P.LONG_KV - 1, P.LONG_KV, 10**6):
-                    cfg = P.config_for(P.AttentionShape(seqlen=seqlen, head_dim=d, dtype=dt, causal=causal))
-                    assert cfg == P.default_config(d, dt, causal, seqlen)
-                    assert cfg in P.variants_for()
-    assert P.config_for(P.AttentionShape(seqlen=P.LONG_KV)).tile_n == 144
-    assert P.config_for(P.AttentionShape(seqlen=P.LONG_KV, causal=True)).tile_n == 128
+                for seqlen in (1, 1024, P.LONG_KV - 1, P.LONG_KV, 2 * P.LONG_KV, 10**6):
+                    for batch, heads in ((1, 32), (8, 32), (1, 1), (64, 64)):
+                        shape = P.AttentionShape(batch, seqlen, heads, heads, d, dt, causal)
+                        cfg = P.config_for(shape, sms=132)
+                        assert cfg == P.default_config(d, dt, causal, seqlen, seqlen, batch * heads, 132)
+                        assert cfg in P.variants_for() and cfg in P.heuristic_configs(d, dt, causal)
+    long_nc, long_c = (P.config_for(P.AttentionShape(seqlen=P.LONG_KV, causal=c)) for c in (False, True))
+    assert (long_nc.tile_n, long_nc.direct_o) == (192, True) and (long_c.tile_n, long_c.direct_o) == (128, False)
+    assert P.config_for(P.AttentionShape(seqlen=2 * P.LONG_KV, causal=True)).tile_n == 192
     assert P.config_for(P.AttentionShape(seqlen=P.LONG_KV - 1)).tile_n == 128
+
+
+@pytest.mark.parametrize("batch, seqlen, heads, causal, rows", [
+    (1, 1024, 32, False, 128),  # 192 tiles of 192 rows: two rounds on 132 SMs; 256 of 128 rows: two shorter ones
+    (1, 1024, 32, True, 192),  # causal tiles differ in length: the wave model does not apply
+    (1, 2048, 32, False, 192),  # 352 tiles of 192 rows: 3 rounds; 512 of 128: 4
+    (8, 1024, 32, False, 192),
+    (1, 512, 16, False, 128),  # one round either way: the shorter tile
+    (4, 32768, 32, False, 192),
+])
+def test_d64_row_tiles_follow_the_wave_model(batch, seqlen, heads, causal, rows):
+    shape = P.AttentionShape(batch, seqlen, heads, heads // 4 or 1, 64, "bf16", causal)
+    assert P.config_for(shape, sms=132).tile_m == rows
+    assert P.default_config(64, "bf16", causal).tile_m == 192  # S_q and heads not known
 
 
 def test_prefill_grid():
@@ -115,7 +143,7 @@ def test_prefill_candidates_are_distinct_configs_of_the_shape_with_the_heuristic
 
 def test_variants_for_models():
     assert P.variants_for([QWEN3_8B]) == [P.default_config(128, "bf16", c, s) for c, s in
-                                          ((False, 0), (False, P.LONG_KV), (True, 0))]
+                                          ((False, 0), (False, P.LONG_KV), (True, 0), (True, 2 * P.LONG_KV))]
     assert P.variants_for([QWEN3_8B], modes=("decode",)) == []
     # GQA 4 (Qwen3-8B) and 8 (Qwen3-30B-A3B): S_q = 1..16 packs 4..128 rows, every row tile.
     assert D.variants_for([QWEN3_8B, QWEN3_30B_A3B]) == [D.DecodeConfig(128, "bf16", m) for m in (16, 32, 64)]

@@ -20,6 +20,9 @@ from rosekernels.ops.varlen import check_lengths
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CPU_CONFIGS = [A.varlen_config(128, "bf16", True, 4096), A.varlen_config(64, "fp16", False, 4096)]
+# O from registers (direct_o), against the same tiles through the slab.
+DIRECT_PAIRS = [(dataclasses.replace(c, direct_o=True), c) for c in (
+    A.AttentionConfig(128, "bf16", False, tile_n=144, varlen=True), A.varlen_config(64, "bf16", True, 1))]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +35,8 @@ def kernels():
     """What the GPU tests launch: every head dim, dtype, causality and key-tile choice, varlen and
     dense (for the bitwise comparison), compiled in parallel."""
     varlen = A.varlen_variants_for()
-    return A.precompile(varlen + [dataclasses.replace(c, varlen=False) for c in varlen])
+    return A.precompile(varlen + [dataclasses.replace(c, varlen=False) for c in varlen] +
+                        [c for pair in DIRECT_PAIRS for c in pair])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -58,9 +62,11 @@ def test_varlen_keys_and_dense_keys():
     assert A.AttentionConfig.from_variant(varlen.variant()) == varlen
     assert A.AttentionConfig.from_variant(dense.variant()) == dense
     # d = 128 non-causal takes the long key tiles from the longest sequence on, as the dense kernel.
-    assert A.varlen_config(128, "bf16", False, A.LONG_KV).tile_n == 144
+    assert A.varlen_config(128, "bf16", False, A.LONG_KV).tile_n == 192
     assert {c.varlen for c in A.varlen_variants_for()} == {True}
-    assert len(A.varlen_variants_for()) == len(A.variants_for())
+    # The dense set less the 128-row d=64 tiles (a varlen launch does not size its grid by the wave model).
+    assert {dataclasses.replace(c, varlen=False) for c in A.varlen_variants_for()} == \
+        {c for c in A.variants_for() if c.tile_m == 192 or c.head_dim == 128}
     with pytest.raises(ValueError, match="no workload"):
         A.workload(varlen, A.AttentionShape(causal=True))
 
@@ -225,6 +231,27 @@ def test_equal_lengths_match_the_dense_kernel_bitwise(kernels, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pair", DIRECT_PAIRS, ids=lambda p: p[0].variant().key().split("sm_90a-")[1])
+def test_direct_o_stores_the_slab_paths_bytes_and_nothing_outside_the_sequences(kernels, pair):
+    """O from registers, row-predicated per sequence: bitwise what the slab path stores, on ragged
+    lengths (0, 1, and ends inside a 64-row slab), and the spare rows past the last sequence stay NaN."""
+    g = torch.Generator().manual_seed(11)
+    len_q, len_k = [70, 0, 1, 333, 129], [90, 5, 1, 400, 129]
+    q, cu_q = _packed(len_q, 8, pair[0].head_dim, torch.bfloat16, g, spare=41)
+    k, cu_k = _packed(len_k, 2, pair[0].head_dim, torch.bfloat16, g)
+    v, _ = _packed(len_k, 2, pair[0].head_dim, torch.bfloat16, g)
+    results = []
+    for cfg in pair:
+        out, lse = torch.full_like(q, math.nan), torch.full((8, q.shape[0]), math.nan, device="cuda")
+        A.VarlenLaunch(cfg, q, len(len_q), max(len_q), max(len_k), 0.1).launch(q, k, v, out, lse, cu_q, cu_k)
+        sync(str(cfg))
+        total = sum(len_q)
+        assert out[total:].isnan().all(), f"{cfg} wrote a row outside every sequence"
+        results.append((out[:total], lse[:, :total]))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.gpu
 def test_garbage_lengths_stay_inside_the_tensors(kernels):
     """Cumulative lengths that decrease, run past the tokens, go negative or overflow a length
     (2^31 - 1 then -2^31), with max_seqlen_q shorter than what they claim: q and out are views inside
@@ -249,17 +276,19 @@ def test_garbage_lengths_stay_inside_the_tensors(kernels):
 
 
 @pytest.mark.gpu
-def test_long_keys_take_the_144_key_tiles(kernels):
-    """d = 128 non-causal from LONG_KV keys on: the dense heuristic's 144-key tiles, ragged ends."""
+def test_long_keys_take_the_192_key_tiles_with_direct_o(kernels):
+    """d = 128 non-causal from LONG_KV keys on: the dense heuristic's 192-key tiles with O stored from
+    registers, row by row within each sequence, ragged ends."""
     g = torch.Generator().manual_seed(17)
     len_q, len_k = [100, 5, 300], [A.LONG_KV + 77, 9000, 1]
-    assert A.varlen_config(128, "bf16", False, max(len_k)).tile_n == 144
+    cfg = A.varlen_config(128, "bf16", False, max(len_k))
+    assert (cfg.tile_n, cfg.direct_o) == (192, True)
     q, cu_q = _packed(len_q, 8, 128, torch.bfloat16, g)
     k, cu_k = _packed(len_k, 2, 128, torch.bfloat16, g)
     v, _ = _packed(len_k, 2, 128, torch.bfloat16, g)
     out, lse = rosekernels.attention_varlen(q, k, v, cu_q, cu_k, max(len_q), max(len_k), return_lse=True)
-    sync("144-key tiles")
-    _check(out, lse, q, k, v, cu_q.cpu(), cu_k.cpu(), False, 1 / math.sqrt(128), "144-key tiles")
+    sync("192-key tiles")
+    _check(out, lse, q, k, v, cu_q.cpu(), cu_k.cpu(), False, 1 / math.sqrt(128), "192-key tiles")
 
 
 @pytest.mark.gpu

@@ -35,10 +35,11 @@ def main() -> None:
         out = rosekernels.gemm_leakyrelu(a, b, 0.1)
         close(out, torch.nn.functional.leaky_relu(a.float() @ b.float().t(), 0.1), f"gemm m={m}")
 
-    for sq, skv, causal in ((200, 333, True), (3, 1500, False), (1, 777, True)):
-        qa = torch.randn(2, sq, 8, 64, device=dev, dtype=bf)
-        ka = torch.randn(2, skv, 2, 64, device=dev, dtype=bf)
-        va = torch.randn(2, skv, 2, 64, device=dev, dtype=bf)
+    # (S_q, S_kv, causal, d): the last takes 192-key tiles with O stored from registers (row-predicated).
+    for sq, skv, causal, d in ((200, 333, True, 64), (3, 1500, False, 64), (1, 777, True, 64), (200, 8269, False, 128)):
+        qa = torch.randn(2, sq, 8, d, device=dev, dtype=bf)
+        ka = torch.randn(2, skv, 2, d, device=dev, dtype=bf)
+        va = torch.randn(2, skv, 2, d, device=dev, dtype=bf)
         o = rosekernels.attention(qa, ka, va, causal=causal)
         ref = torch.nn.functional.scaled_dot_product_attention(
             qa.transpose(1, 2).float(), ka.transpose(1, 2).float(), va.transpose(1, 2).float(),

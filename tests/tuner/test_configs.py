@@ -102,14 +102,14 @@ def test_attention_prefill_space_stays_near_the_heuristic(shape):
     assert space.total == len(attention_plan.candidates(shape)) > len(space.candidates)
 
     def distance(c):
-        return sum(getattr(c, f) != getattr(home, f) for f in ("tile_m", "num_stages", "overlap", "persistent")) \
-            + abs(c.tile_n - home.tile_n) / 32
+        fields = ("tile_m", "num_stages", "overlap", "persistent", "direct_o")
+        return sum(getattr(c, f) != getattr(home, f) for f in fields) + abs(c.tile_n - home.tile_n) / 32
     kept = [distance(c) for c in space.candidates]
     assert kept == sorted(kept) and max(kept) <= min(map(distance, set(attention_plan.candidates(shape)) -
                                                          set(space.candidates)))
     # every one-field change of the heuristic that fits shared memory is searched
     for change in (dict(tile_m=320 - home.tile_m), dict(overlap=False), dict(persistent=False),
-                   dict(num_stages=home.num_stages + 1), dict(tile_n=home.tile_n - 32)):
+                   dict(num_stages=home.num_stages + 1), dict(tile_n=home.tile_n - 32), dict(direct_o=True)):
         try:
             near = dataclasses.replace(home, **change)
         except ValueError:  # more shared memory than a block gets
