@@ -158,8 +158,8 @@ def _d64_rows(causal: bool, seqlen_q: int, query_heads: int, sms: int | None) ->
 def heuristic_configs(head_dim: int, dtype: str, causal: bool) -> list[AttentionConfig]:
     """Every config default_config returns for a head dim, dtype and causality (the warm-up set)."""
     if head_dim == 64:
-        return [default_config(64, dtype, causal)] + ([] if causal else [
-            AttentionConfig(64, dtype, causal, tile_m=128, tile_n=128, num_stages=3)])
+        rows_192 = default_config(64, dtype, causal)
+        return [rows_192] + ([] if causal else [dataclasses.replace(rows_192, tile_m=128)])
     return [default_config(head_dim, dtype, causal), default_config(head_dim, dtype, causal, 2 * LONG_KV)]
 
 
@@ -195,9 +195,9 @@ def rank(shape: AttentionShape, configs: Iterable[AttentionConfig], sms: int | N
     whole key tiles), which sees wave quantization and ragged last tiles, not the tiles' speeds."""
     sms = sm_count() if sms is None else sms
     home = config_for(shape, sms)
+    fields = ("tile_m", "num_stages", "overlap", "persistent", "direct_o")
 
     def key(c: AttentionConfig) -> tuple[float, float]:
-        fields = ("tile_m", "num_stages", "overlap", "persistent", "direct_o")
         changed = sum(getattr(c, f) != getattr(home, f) for f in fields)
         rounds = -(-num_tiles(c, shape.batch, shape.seqlen, shape.heads_q) // sms)
         work = rounds * c.tile_m * -(-shape.seqlen // c.tile_n) * c.tile_n
