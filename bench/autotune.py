@@ -205,13 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-peers", action="store_true")
     p.add_argument("--plan", action="store_true", help="print each shape's search space and exit (no GPU)")
     args = p.parse_args(argv)
-    try:
+    try:  # every shape resolved before any GPU work: a bad key is a one-line usage error
         specs = [parse_spec(s) for s in args.shape] if args.shape else SHAPES
-    except ValueError as e:
+        spaces = [configs.plan(kernel, mode, keys, args.max_candidates) for kernel, mode, keys in specs]
+    except (ValueError, LookupError, TypeError) as e:
         p.error(str(e))
     if args.plan:
-        for kernel, mode, keys in specs:
-            space = configs.plan(kernel, mode, keys, args.max_candidates)
+        for (kernel, mode, keys), space in zip(specs, spaces):
             print(f"{kernel} {mode} {_shape_text(dataclasses.asdict(space.shape), keys)}: {space.lines()[-1]}")
         return 0
     report.require_gpu()

@@ -306,7 +306,8 @@ def sip_tuning(data: dict) -> Figure:
     """bench/sip_tuning.py: each kernel's original cubin against its SASS-tuned one."""
     rows = [r for r in data["rows"] if _finite(r.get("original_us")) and _finite(r.get("tuned_us"))]
     return _before_after(f"SIP (SASS schedule) tuning on {data['meta'].get('gpu', '?')}",
-                         [f"{r['kernel']} {r['mode']}" for r in rows], [r["original_us"] for r in rows],
+                         [f"{r['kernel']} {r['mode']}" + (f" {r['moves']}" if r.get("moves") else "") for r in rows],
+                         [r["original_us"] for r in rows],
                          [r["tuned_us"] for r in rows], ("original", "SIP-tuned"))
 
 

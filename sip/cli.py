@@ -3,10 +3,11 @@
     sip disasm FILE.cubin [--kernel NAME]
     sip inspect FILE.cubin [--moves CLASSES] [--latency-table FILE]
     sip loops FILE.cubin [--kernel NAME] [--opcodes N]
+    sip hot FILE.cubin --profile LISTING.csv [--kernel NAME] [--top N]
     sip mutate IN.cubin -o OUT.cubin [--kernel NAME] --steps N --seed S [--moves CLASSES]
-               [--latency-table FILE] [--loop-weight W]
+               [--latency-table FILE] [--loop-weight W | --profile LISTING.csv]
 
-CLASSES is a comma list of global, shared, alu, control (or its kinds control.yield, control.reuse,
+LISTING.csv is Nsight Compute's PC-sampling listing of the kernel (sip.profile). CLASSES is a comma list of global, shared, alu, control (or its kinds control.yield, control.reuse,
 control.stall), or all; the default is global, the SIP paper's policy (sip.mutate). Exit codes: 0
 done, 1 an input SIP cannot work with, 2 bad arguments (an unknown class, control.stall without a
 latency table); nothing is written unless the exit code is 0.
@@ -18,7 +19,8 @@ import sys
 from pathlib import Path
 
 from sip import SipError
-from sip.cfg import loop_summaries
+from sip import profile
+from sip.cfg import loop_depth, loop_summaries
 from sip.cubin import Cubin, load_cubin
 from sip.deps import DependencyModel
 from sip.mutate import DEFAULT_MOVES, LOOP_WEIGHT, Schedule, apply, latencies_for, parse_moves, random_walk
@@ -66,6 +68,15 @@ def _parser() -> argparse.ArgumentParser:
     lp.add_argument("--opcodes", type=int, default=8, metavar="N", help="the N most frequent opcodes (default 8)")
     lp.set_defaults(run=_loops)
 
+    profile_help = ("ncu source listing of this kernel (ncu --import REPORT --page source --print-source sass "
+                    "--csv, profiled with --section SourceCounters)")
+    h = sub.add_parser("hot", help="basic blocks by PC samples: where the kernel's warps spend their time")
+    h.add_argument("cubin", type=Path)
+    h.add_argument("--profile", type=Path, required=True, metavar="LISTING.csv", help=profile_help)
+    h.add_argument("--kernel", help="kernel the listing profiles (default: the only one, or the largest)")
+    h.add_argument("--top", type=int, default=10, metavar="N", help="the N hottest blocks (default 10)")
+    h.set_defaults(run=_hot)
+
     m = sub.add_parser("mutate", help="apply N random legal changes, reproducibly")
     m.add_argument("cubin", type=Path)
     m.add_argument("-o", "--output", type=Path, required=True)
@@ -74,9 +85,12 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, required=True)
     m.add_argument("--moves", default=",".join(sorted(DEFAULT_MOVES)), help=moves_help)
     m.add_argument("--latency-table", type=Path, metavar="FILE", help=table_help)
-    m.add_argument("--loop-weight", type=float, default=LOOP_WEIGHT, metavar="W",
-                   help=f"an instruction at loop depth d is proposed W**d times as often (default {LOOP_WEIGHT:g}; "
-                   "1: uniform)")
+    hot = m.add_mutually_exclusive_group()
+    hot.add_argument("--loop-weight", type=float, default=LOOP_WEIGHT, metavar="W",
+                     help=f"an instruction at loop depth d is proposed W**d times as often (default "
+                     f"{LOOP_WEIGHT:g}; 1: uniform)")
+    hot.add_argument("--profile", type=Path, metavar="LISTING.csv",
+                     help=profile_help + ": propose changes in proportion to each block's samples")
     m.set_defaults(run=_mutate)
     return p
 
@@ -149,20 +163,42 @@ def _inspect(args) -> int:
     return 0
 
 
+def _main_kernel(args) -> Kernel:
+    """--kernel, or the cubin's only (largest) kernel."""
+    cubin = load_cubin(args.cubin)
+    if args.kernel is None:
+        names = cubin.kernel_names
+        if not names:
+            raise SipError(f"{args.cubin} has no kernels")
+        return disassemble_kernel(cubin, max(names, key=lambda n: cubin.kernel(n).instruction_count))
+    return disassemble_kernel(cubin, args.kernel)
+
+
+def _samples(args, kernel: Kernel) -> tuple[int, ...]:
+    return profile.stall_samples(args.profile.read_text(), kernel)
+
+
+def _hot(args) -> int:
+    kernel = _main_kernel(args)
+    samples = _samples(args, kernel)
+    depth = loop_depth(kernel)
+    print(f"{kernel.name}: {sum(samples)} samples over {len(kernel.blocks)} blocks")
+    for share, b in profile.hot_blocks(kernel, samples)[:max(args.top, 0)]:
+        r = kernel.blocks[b]
+        print(f"  block {b} at {kernel.instructions[r.start].offset:#06x}: {share:6.1%} of the samples, "
+              f"{len(r)} instructions, loop depth {depth[b]}")
+    return 0
+
+
 def _mutate(args) -> int:
     moves, table = _policy(args)
     if not args.loop_weight > 0:
         raise _Usage(f"--loop-weight must be > 0, got {args.loop_weight}")
-    cubin = load_cubin(args.cubin)
-    if args.kernel is None:
-        names = cubin.kernel_names
-        name = max(names, key=lambda n: cubin.kernel(n).instruction_count) if names else None
-        if name is None:
-            raise SipError(f"{args.cubin} has no kernels")
-    else:
-        name = args.kernel
-    model = DependencyModel(disassemble_kernel(cubin, name), table)
-    initial = Schedule.initial(model, moves, args.loop_weight)
+    kernel = _main_kernel(args)
+    name = kernel.name
+    weights = profile.block_weights(kernel, _samples(args, kernel)) if args.profile else None
+    model = DependencyModel(kernel, table)
+    initial = Schedule.initial(model, moves, args.loop_weight, weights)
     schedule, changes = random_walk(initial, args.steps, args.seed)
     if args.steps and not changes:
         raise SipError(f"{name} has no legal move (of {len(initial.movable())} movable instructions in "

@@ -33,7 +33,9 @@ Classes of changes (`--moves`, `parse_moves`), each switchable:
 Proposals, hot blocks first: a step picks one enabled class uniformly among those with a legal
 change, then an instruction of the class with weight `loop_weight ** depth`, where depth is its
 block's loop depth (sip.cfg): with the default 4, an instruction in a loop body is proposed 4 times
-as often as one outside every loop, 16 times in a nested loop. A move goes up or down with equal
+as often as one outside every loop, 16 times in a nested loop. Measured weights replace that rule
+when given (`weights`: sip.profile.block_weights of the GPU's PC samples, proportional to the time
+spent in each block). A move goes up or down with equal
 odds; an edit picks uniformly among the kinds that apply. Refused proposals are redrawn (rejection
 sampling keeps those weights over the legal changes); after `attempts` refusals in a row (at most
 4 per instruction of the class) the step draws from the class's full list of legal changes with
@@ -64,7 +66,7 @@ import itertools
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Union
+from typing import Mapping, Sequence, Union
 
 from sip import SipError, cfg, latency
 from sip.cubin import INSTRUCTION_BYTES, parse_cubin
@@ -168,12 +170,13 @@ class _Layout:
     reuse_end: Mapping[int, int]  # reuse-flagged instruction -> last instruction of its window
     in_windows: Mapping[int, tuple[int, ...]]  # instruction -> reuse-flagged windows holding it
     depth: tuple[int, ...]  # loop depth of each instruction's block (sip.cfg)
-    weight: tuple[float, ...]  # proposal weight of each instruction (loop_weight ** depth)
+    weight: tuple[float, ...]  # proposal weight of each instruction (loop_weight ** depth, or measured)
     candidates: Mapping[str, tuple[int, ...]]  # class ('control' for edits) -> instructions
     cum_weights: Mapping[str, tuple[float, ...]]  # class -> running sum of its candidates' weights
 
     @classmethod
-    def of(cls, model: DependencyModel, moves: frozenset[str], loop_weight: float) -> _Layout:
+    def of(cls, model: DependencyModel, moves: frozenset[str], loop_weight: float,
+           weights: tuple[float, ...] | None) -> _Layout:
         free, prev_free = [], []
         for block in model.blocks:
             flags = tuple(model.facts[i].pin is None for i in block)
@@ -192,7 +195,7 @@ class _Layout:
                 in_windows.setdefault(t, []).append(x)
         kernel = model.kernel
         depth = tuple(cfg.loop_depth(kernel)[b] for b in kernel.block_of)
-        weight = tuple(loop_weight ** d for d in depth)
+        weight = weights if weights is not None else tuple(loop_weight ** d for d in depth)
         candidates = {c: tuple(movable(model, frozenset({c}))) for c in MOVE_CLASSES if c in moves}
         if moves & set(CONTROL_KINDS):
             candidates["control"] = tuple(i for i, f in enumerate(model.facts) if f.pin is None)
@@ -217,8 +220,9 @@ class Schedule:
 
     @classmethod
     def initial(cls, model: DependencyModel, moves: frozenset[str] = DEFAULT_MOVES,
-                loop_weight: float = LOOP_WEIGHT) -> Schedule:
-        """The schedule the cubin already has, under a policy of change classes."""
+                loop_weight: float = LOOP_WEIGHT, weights: Sequence[float] | None = None) -> Schedule:
+        """The schedule the cubin already has, under a policy of change classes; proposals weighted by
+        loop depth, or by `weights` (one per instruction, > 0) where given."""
         unknown = moves - {*MOVE_CLASSES, *CONTROL_KINDS}
         if unknown:
             raise SipError(f"unknown move class {sorted(unknown)[0]!r} (see sip.mutate.parse_moves)")
@@ -226,6 +230,11 @@ class Schedule:
             raise SipError(_NO_TABLE.format(latency.DEFAULT_PATH))
         if not loop_weight > 0:
             raise SipError(f"the loop weight must be > 0, got {loop_weight}")
+        if weights is not None:
+            weights = tuple(float(w) for w in weights)
+            if len(weights) != len(model.instructions) or not all(w > 0 for w in weights):
+                raise SipError(f"need one weight > 0 per instruction ({len(model.instructions)}), "
+                               f"got {len(weights)}")
         lines = sorted({sec.name for sec in model.kernel.cubin.sections} & LINE_TABLES)
         if lines and moves & set(MOVE_CLASSES):
             # The tables map code offsets to source lines; a moved instruction would keep the old
@@ -233,7 +242,7 @@ class Schedule:
             raise SipError(f"{model.kernel.name} has -lineinfo line tables ({', '.join(lines)}): moving "
                            "instructions would leave them pointing at the wrong lines; recompile without "
                            "-lineinfo, or edit control codes only (--moves control)")
-        layout = _Layout.of(model, frozenset(moves), loop_weight)
+        layout = _Layout.of(model, frozenset(moves), loop_weight, weights)
         slots = [0] * len(model.facts)
         for block in model.blocks:
             for k, i in enumerate(block):
@@ -669,10 +678,12 @@ def latencies_for(moves: frozenset[str], path: str | Path | None = None) -> late
 
 
 def initial_schedule(kernel: Kernel, moves: frozenset[str] = DEFAULT_MOVES,
-                     latency_table: str | Path | None = None, loop_weight: float = LOOP_WEIGHT) -> Schedule:
+                     latency_table: str | Path | None = None, loop_weight: float = LOOP_WEIGHT,
+                     weights: Sequence[float] | None = None) -> Schedule:
     """The kernel's schedule under a policy, with its dependency model (latency table: see
     latencies_for)."""
-    return Schedule.initial(DependencyModel(kernel, latencies_for(moves, latency_table)), moves, loop_weight)
+    return Schedule.initial(DependencyModel(kernel, latencies_for(moves, latency_table)), moves, loop_weight,
+                            weights)
 
 
 def apply(schedule: Schedule) -> bytes:

@@ -25,7 +25,7 @@ from rosekernels import tuned
 from rosekernels.models import ModelDims
 from rosekernels.variant import MODES
 from sip import SipError, mutate
-from sip_tune import configs, model, tuning, workloads
+from sip_tune import configs, model, probe, tuning, workloads
 from sip_tune.runner import WorkerFailure, gpu_problem
 
 
@@ -88,6 +88,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--atol", type=float, help="(with --rtol) absolute tolerance")
     p.add_argument("--moves", metavar="CLASSES", help="SASS changes the 'sass' level may make: comma list of "
                    "global, shared, alu, control, or all (default: global; sip.mutate)")
+    p.add_argument("--hot", choices=tuning.HOT_SOURCES, default="loops",
+                   help="where the 'sass' level proposes changes: loops (by loop depth, the default) or ncu "
+                   "(in proportion to Nsight Compute's PC samples of the kernel's blocks; needs ncu)")
+    p.add_argument("--no-sanitize", action="store_true",
+                   help="store a tuned cubin without running it under compute-sanitizer memcheck, racecheck and "
+                   "synccheck first (the entry records that it was not run)")
     p.add_argument("--t-max", type=float, default=0.02, help="initial temperature (relative time units)")
     p.add_argument("--t-min", type=float, default=2e-4, help="final temperature")
     p.add_argument("--cooling", type=float, help="cooling factor L (T <- T/L); default: derived from the budget")
@@ -238,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         budget_iters=args.budget_iters, budget_seconds=None if minutes is None else minutes * 60,
         runs=args.runs, seed=args.seed, samples=args.samples, search_samples=args.search_samples,
         t_max=args.t_max, t_min=args.t_min, cooling=args.cooling, min_speedup=args.min_speedup,
-        tolerance=None if args.rtol is None else (args.rtol, args.atol or 0.0), moves=args.moves)
+        tolerance=None if args.rtol is None else (args.rtol, args.atol or 0.0), moves=args.moves, hot=args.hot,
+        sanitize=not args.no_sanitize)
     reports: dict[str, Any] = {}
     try:
         if "config" in levels:
@@ -253,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                 factory = workloads.factory(args.kernel, args.mode, shape)
             reports["sass"] = tuning.tune(factory, config, kernel=args.kernel, cache_root=args.cache)
             print(reports["sass"].text())
-    except (*_BAD_REQUEST, SipError, WorkerFailure) as e:
+    except (*_BAD_REQUEST, SipError, WorkerFailure, probe.ProbeError) as e:
         print(f"sip-tune: {_reason(e)}", file=sys.stderr)
         return 1
     if args.json:

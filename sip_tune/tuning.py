@@ -6,7 +6,8 @@
 compiled kernel and its input generator); `sip_tune.workloads.factory(kernel, mode, shape)` makes one
 for the kernels of the package. The loop:
 
-1. the parent compiles the kernel (CPU only) and reads its cubin into an engine Schedule;
+1. the parent compiles the kernel (CPU only) and reads its cubin into an engine Schedule (with
+   hot="ncu", its proposals weighted by Nsight Compute's PC samples of the original: sip_tune.probe);
 2. K independent annealing runs (seeds seed, seed+1, ...) share the budget; each proposal is a legal
    move of the engine (sip.mutate), rendered to a cubin (`apply`) and sent to the GPU worker, which
    tests it on fresh random inputs against the original and times it against the original
@@ -16,8 +17,9 @@ for the kernels of the package. The loop:
 3. every distinct cubin seen is ranked by its search energy; the best few are re-timed, interleaved
    with the original and a byte-identical copy of it (the A/A pair: the pipeline's noise floor), in
    `retimes` fresh workers; each finalist's time is its median over those runs. They are taken
-   greedily, fastest first: the first one that beats both `min_speedup` and 1 + the A/A spread and
-   passes `samples` fresh random samples is stored (`rosekernels.tuned`).
+   greedily, fastest first: the first one that beats both `min_speedup` and 1 + the A/A spread,
+   passes `samples` fresh random samples and runs clean under compute-sanitizer memcheck, racecheck
+   and synccheck (`sanitize`) is stored (`rosekernels.tuned`).
 """
 from __future__ import annotations
 
@@ -35,23 +37,36 @@ from typing import Any, Callable
 
 from rosekernels import tuned
 from rosekernels.workload import Workload
-from sip import cubin as elf, mutate, sass, search
+from sip import cfg, cubin as elf, mutate, profile, sass, search
+from sip_tune import probe
 from sip_tune.runner import Evaluation, Options, Runner
 
 # ---------------------------------------------------------------------------------------------
 # The engine (sip.cubin / sip.sass / sip.deps / sip.mutate) behind four functions: what the loop
 # asks of a schedule, and where the CPU tests put a toy engine in.
 
-def engine_initial(cubin: bytes, moves: str | None = None) -> mutate.Schedule:
+def engine_initial(cubin: bytes, moves: str | None = None, listing: str | None = None) -> mutate.Schedule:
     """The schedule the cubin has (of its largest kernel: CuTeDSL cubins hold one), under the move
-    classes `moves` (comma list, sip.mutate.parse_moves; None: the engine's default)."""
+    classes `moves` (comma list, sip.mutate.parse_moves; None: the engine's default); proposals
+    weighted by loop depth, or by the PC samples of an ncu `listing` of this cubin (sip.profile)."""
     parsed = elf.parse_cubin(cubin)
     kernels = [k for k in parsed.kernels() if k.entry] or parsed.kernels()
     if not kernels:
         raise ValueError("the cubin holds no kernel code")
-    name = max(kernels, key=lambda k: k.instruction_count).name
+    kernel = sass.disassemble_kernel(parsed, max(kernels, key=lambda k: k.instruction_count).name)
     classes = mutate.DEFAULT_MOVES if moves is None else mutate.parse_moves(moves)
-    return mutate.initial_schedule(sass.disassemble_kernel(parsed, name), classes)
+    weights = None if listing is None else profile.block_weights(kernel, profile.stall_samples(listing, kernel))
+    return mutate.initial_schedule(kernel, classes, weights=weights)
+
+
+def engine_hot(schedule: mutate.Schedule, listing: str, top: int = 3) -> list[dict[str, Any]]:
+    """The `top` blocks of the listing's samples, for the report."""
+    kernel = schedule.model.kernel
+    samples = profile.stall_samples(listing, kernel)
+    depth = cfg.loop_depth(kernel)
+    return [{"offset": kernel.instructions[kernel.blocks[b].start].offset, "share": share,
+             "instructions": len(kernel.blocks[b]), "loop_depth": depth[b]}
+            for share, b in profile.hot_blocks(kernel, samples)[:top]]
 
 
 def engine_neighbour(schedule: mutate.Schedule, rng: random.Random) -> mutate.Schedule | None:
@@ -71,6 +86,9 @@ def engine_stats(schedule: mutate.Schedule) -> tuple[int, int, int]:
 
 # ---------------------------------------------------------------------------------------------
 # The tune loop.
+
+HOT_SOURCES = ("loops", "ncu")
+
 
 @dataclasses.dataclass(frozen=True)
 class TuneConfig:
@@ -92,6 +110,8 @@ class TuneConfig:
     exhausted_after: int = 500  # end a run when this many proposals in a row were measured before
     tolerance: tuple[float, float] | None = None
     moves: str | None = None  # move classes of the engine (sip.mutate.parse_moves); None: its default
+    hot: str = "loops"  # where proposals go: "loops" (loop depth) or "ncu" (PC samples of the original)
+    sanitize: bool = True  # a cubin is stored only if compute-sanitizer finds it clean (sip_tune.probe)
     options: Options = Options()
 
     def __post_init__(self) -> None:
@@ -99,6 +119,8 @@ class TuneConfig:
             raise ValueError("give exactly one budget: iterations or seconds")
         if self.runs < 1 or self.samples < 0 or self.search_samples < 1 or self.finalists < 1 or self.retimes < 1:
             raise ValueError("runs, search_samples, finalists and retimes must be >= 1, samples >= 0")
+        if self.hot not in HOT_SOURCES:
+            raise ValueError(f"hot must be one of {HOT_SOURCES}, got {self.hot!r}")
 
     @property
     def validation_samples(self) -> int:
@@ -132,6 +154,7 @@ class TuneReport:
     cubin_bytes: int = 0
     movable: int = 0  # instructions the mutation policy may move
     legal_moves: int = 0  # at the start
+    hot_blocks: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # with hot="ncu": the top blocks
     worker: dict[str, Any] = dataclasses.field(default_factory=dict)
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
     runs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -164,6 +187,9 @@ class TuneReport:
             f"  variant      {self.variant}",
             f"  gpu          {self.gpu}   original cubin {self.cubin_bytes} B, sha256 {self.original_sha256[:16]}",
             f"  engine       {self.movable} movable instructions, {self.legal_moves} legal moves at the start",
+            *([f"  hot blocks   " + ", ".join(f"{h['offset']:#06x} ({h['instructions']} instructions, loop depth "
+                                              f"{h['loop_depth']}): {h['share']:.0%}" for h in self.hot_blocks)
+               + " of the ncu PC samples"] if self.hot_blocks else []),
             f"  timing       {self.worker.get('launches_per_graph', '?')} launches per CUDA graph over "
             f"{self.worker.get('input_sets', '?')} input sets ({self.worker.get('bytes_cycled', 0) / 2**20:.1f} MiB)",
             f"  search       {self.iterations} iterations in {len(self.runs)} runs"
@@ -214,8 +240,15 @@ def tune(factory: Callable[[], Workload], config: TuneConfig, *, kernel: str | N
     memo: dict[str, float] = {_digest(original): 1.0}
     costs: dict[str, list[float]] = {k: [] for k in ("apply", "load", "test", "time", "total")}
     t0 = time.perf_counter()
-    # CPU only: fails fast, before any GPU work, on a cubin SIP cannot read
-    initial = engine_initial(original) if config.moves is None else engine_initial(original, config.moves)
+    # CPU only: fails fast, before any GPU work, on a cubin SIP cannot read (the profile needs the GPU)
+    engine_args: dict[str, Any] = {} if config.moves is None else {"moves": config.moves}
+    if config.hot == "ncu":
+        engine_args["listing"] = probe.profile(factory, original)
+    initial = engine_initial(original, **engine_args)
+    if config.hot == "ncu":
+        report.hot_blocks = engine_hot(initial, engine_args["listing"])
+        log("[sip-tune] hottest blocks (ncu PC samples): " + ", ".join(
+            f"{h['offset']:#06x} {h['share']:.0%}" for h in report.hot_blocks))
     count, report.movable, report.legal_moves = engine_stats(initial)
     log(f"[sip-tune] {kernel}: {count} instructions, {report.movable} movable, "
         f"{report.legal_moves} legal moves at the start ({time.perf_counter() - t0:.1f} s to disassemble)")
@@ -323,7 +356,7 @@ def tune(factory: Callable[[], Workload], config: TuneConfig, *, kernel: str | N
         report.crashed = sum(r.crashes for r in runners)
         report.timeouts = sum(r.timeouts for r in runners)
         _fill_costs(report, costs)
-        _finish(report, runner, pool, config, kernel, variant, original, cache_root, log)
+        _finish(report, runner, pool, config, factory, kernel, variant, original, cache_root, log)
         report.worker_starts = sum(r.starts for r in runners)
     finally:
         for r in runners:
@@ -343,10 +376,11 @@ def _gpu_count() -> int:
 
 
 def _finish(report: TuneReport, runner: Runner, pool: dict[str, tuple[float, bytes]], config: TuneConfig,
-            kernel: str, variant: Any, original: bytes, cache_root: Any, log: Callable[[str], None]) -> None:
+            factory: Callable[[], Workload], kernel: str, variant: Any, original: bytes, cache_root: Any,
+            log: Callable[[str], None]) -> None:
     """Greedy pick: re-time the best few, the original and a copy of it interleaved, in
     `config.retimes` fresh workers; then validate fastest first; cache the first that beats the bar
-    (min_speedup and the A/A spread) and passes."""
+    (min_speedup and the A/A spread), passes and (config.sanitize) is clean under compute-sanitizer."""
     ranked = sorted(pool.items(), key=lambda kv: kv[1][0])[:config.finalists]
     if not ranked:
         report.outcome = "no candidate passed testing; nothing cached"
@@ -378,10 +412,17 @@ def _finish(report: TuneReport, runner: Runner, pool: dict[str, tuple[float, byt
             f" ({_last_line(v['detail'])})" if v.get("detail") else "")
         if v["status"] != "ok":
             continue
+        if config.sanitize:
+            log(f"[sip-tune] compute-sanitizer {', '.join(probe.SANITIZER_TOOLS)} on {f['digest'][:12]}")
+            f["sanitizer"] = probe.sanitize(factory, f["cubin"])
+            if any(verdict != "clean" for verdict in f["sanitizer"].values()):
+                f["validation"] += "; compute-sanitizer: " + "; ".join(
+                    f"{tool} {verdict}" for tool, verdict in f["sanitizer"].items() if verdict != "clean")
+                continue
         report.tuned_us, report.speedup, report.samples_passed = f["median_us"], speedup, v["passed"]
         meta = {"baseline_median_us": report.baseline_us, "tuned_median_us": f["median_us"],
                 "speedup": speedup, "aa_spread": report.aa_spread, "retimed": f["rels"],
-                "samples_passed": v["passed"], "search": report.config,
+                "samples_passed": v["passed"], "sanitizer": f.get("sanitizer", "not run"), "search": report.config,
                 "seed": config.seed, "gpu": report.gpu, "iterations": report.iterations,
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         path, written = tuned.store(cache_root, kernel, variant, original, f["cubin"], meta)
@@ -390,8 +431,8 @@ def _finish(report: TuneReport, runner: Runner, pool: dict[str, tuple[float, byt
                           f"kept the existing, faster entry at {path} (this run: {speedup:.3f}x)")
         break
     else:
-        report.outcome = ("no finalist beat the bar (min_speedup and the A/A spread) and passed every sample; "
-                          "nothing cached (the untuned kernel stays)")
+        report.outcome = ("no finalist beat the bar (min_speedup and the A/A spread), passed every sample and "
+                          "compute-sanitizer; nothing cached (the untuned kernel stays)")
     for f in report.finalists:
         del f["cubin"]
 

@@ -167,3 +167,28 @@ def test_inspect_counts_per_class(gemm_cubin, capsys):
 
 def _plain(ins):
     return ins.predicate, ins.opcode, tuple(op.replace(".reuse", "") for op in ins.operands)
+
+
+def test_hot_and_mutate_read_a_profilers_listing(gemm_cubin, tmp_path, capsys):
+    """`sip hot` ranks the blocks by their PC samples; `sip mutate --profile` changes only the sampled
+    block when every sample lies there (the floor weight of the other blocks is 1% of the mean)."""
+    from sip_corpus import ncu_listing as listing
+
+    kernel = disassemble(parse_cubin(gemm_cubin.read_bytes()))[GEMM]
+    hot = max(range(len(kernel.blocks)), key=lambda b: len(kernel.blocks[b]))
+    counts = [50 if kernel.block_of[i] == hot else 0 for i in range(len(kernel.instructions))]
+    csv_path = tmp_path / "listing.csv"
+    csv_path.write_text(listing(kernel, counts))
+    assert main(["hot", str(gemm_cubin), "--profile", str(csv_path), "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    start = kernel.instructions[kernel.blocks[hot].start].offset
+    assert f"block {hot} at {start:#06x}: 100.0% of the samples" in out and out.count("block ") == 2
+    out_cubin = tmp_path / "hot.cubin"
+    assert main(["mutate", str(gemm_cubin), "-o", str(out_cubin), "--steps", "5", "--seed", "2", "--moves", "alu",
+                 "--profile", str(csv_path)]) == 0
+    after = disassemble(parse_cubin(out_cubin.read_bytes()))[GEMM]
+    moved = {kernel.block_of[i.index] for i, j in zip(kernel.instructions, after.instructions) if i.word != j.word}
+    assert moved == {hot}
+    csv_path.write_text(listing(kernel, counts).replace("FFMA", "FMUL", 1))
+    assert main(["hot", str(gemm_cubin), "--profile", str(csv_path)]) == 1
+    assert "another build" in capsys.readouterr().err

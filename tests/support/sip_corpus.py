@@ -8,7 +8,9 @@ missing. Add entries by appending to CORPUS.
 per session (nvcc runs in parallel).
 """
 
+import csv
 import functools
+import io
 import importlib
 import os
 import shutil
@@ -268,3 +270,20 @@ def synthetic_kernel(rows, pins: dict[int, str] | None = None, fenced=frozenset(
     block_of = tuple(b for b, r in enumerate(blocks) for _ in r)
     text = b"".join(i.word.to_bytes(16, "little") for i in instructions)
     return Kernel("synthetic", "sm_90a", code, instructions, blocks, block_of, SyntheticCubin(text))
+
+
+BASE = 0x7F3A_0000_1000  # ncu lists absolute addresses (ncu_listing)
+
+
+def ncu_listing(kernel, samples, base=BASE, preamble=True):
+    """An ncu `--page source --print-source sass --csv` listing of `kernel` with these sample counts."""
+    out = io.StringIO()
+    if preamble:
+        out.write('==PROF== Connected to process 123\n')
+    w = csv.writer(out, quoting=csv.QUOTE_ALL, lineterminator="\n")
+    w.writerow(["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
+                "Instructions Executed"])
+    for ins, n in zip(kernel.instructions, samples):
+        text = f"{ins.predicate} {ins.opcode} {', '.join(ins.operands)}".strip()
+        w.writerow([f"{base + ins.offset:#x}", text, f"{n:,}", str(n // 2), "64"])
+    return out.getvalue()

@@ -15,7 +15,8 @@ import pytest
 from rosekernels import tuned
 from rosekernels.workload import Workload
 from sip.mutate import with_extra_stalls
-from sip_tune import tuning, workloads
+from sip import profile
+from sip_tune import probe, tuning, workloads
 from sip_tune.runner import Runner
 
 pytestmark = pytest.mark.gpu
@@ -173,7 +174,7 @@ def test_crashing_candidates_do_not_stop_the_search(env):
         proposals.append(cubin)
         return crashing[len(proposals) // 7] if len(proposals) in (3, 7) else cubin
 
-    config = tuning.TuneConfig(budget_iters=14, runs=1, samples=300, min_speedup=0.0, retimes=1)
+    config = tuning.TuneConfig(budget_iters=14, runs=1, samples=300, min_speedup=0.0, retimes=1, sanitize=False)
     report = tuning.tune(QK_DECODE, config, kernel="qk_norm", candidate_hook=hook)
     print(report.text())
     assert report.iterations == 14 and len(proposals) == 14
@@ -192,6 +193,7 @@ def test_tune_cache_then_warmup_in_a_fresh_process(env, tmp_path):
     entry = tuned.lookup(None, "qk_norm", workload.kernel.variant, workload.kernel.cubin)
     assert entry is not None and entry.tuned != workload.kernel.cubin
     assert entry.meta["samples_passed"] == 2000 and entry.meta["gpu"] == report.gpu
+    assert entry.meta["sanitizer"] == dict.fromkeys(probe.SANITIZER_TOOLS, "clean")  # run before it was stored
     v = workload.kernel.variant
     script = textwrap.dedent(f"""
         import dataclasses
@@ -232,3 +234,21 @@ def test_tune_cache_then_warmup_in_a_fresh_process(env, tmp_path):
                          env={**os.environ, tuned.ENV_VAR: str(env)})
     print(out.stdout[-3000:], out.stderr[-3000:])
     assert out.returncode == 0 and "IDENTICAL" in out.stdout
+
+
+@pytest.mark.parametrize("kernel", ["qk_norm", "attention_decode"])
+def test_the_profilers_samples_land_on_the_kernels_instructions(kernel):
+    """ncu's PC samples of the original read back onto its disassembly (every listed instruction is
+    the kernel's at that offset); attention_decode spends most of its samples in its KV loop."""
+    factory = workloads.factory(kernel, "decode")
+    original = factory().kernel.cubin
+    listing = probe.profile(factory, original)
+    schedule = tuning.engine_initial(original, "alu", listing)
+    k = schedule.model.kernel
+    samples = profile.stall_samples(listing, k)
+    hot = tuning.engine_hot(schedule, listing)
+    print(f"\n{kernel}: {sum(samples)} samples; hottest blocks {hot}")
+    assert sum(samples) > 50 and len(schedule.layout.weight) == len(k.instructions)
+    if kernel == "attention_decode":
+        assert sum(h["share"] for h in hot if h["loop_depth"] > 0) > 0.5
+

@@ -1,5 +1,6 @@
 """The tuner on the CPU: the tune loop (sip_tune.tuning.tune) end to end with a toy engine and a fake
 GPU worker, and the worker process (sip_tune.runner.Runner) with a stand-in bench that crashes and hangs."""
+import dataclasses
 import math
 import os
 import time
@@ -87,6 +88,8 @@ def toy(monkeypatch, tmp_path):
     monkeypatch.setattr(tuning, "engine_apply", ToyEngine.cubin)
     monkeypatch.setattr(tuning, "engine_stats", lambda s: (8, 8, 14))
     monkeypatch.setattr(tuning, "engine_neighbour", lambda s, rng: swap_neighbour_8(s, rng))
+    monkeypatch.setattr(tuning.probe, "sanitize", lambda factory, cubin: dict.fromkeys(tuning.probe.SANITIZER_TOOLS,
+                                                                                        "clean"))
     kernel = SimpleNamespace(cubin=original, variant=FakeVariant("toy", hidden=8))
     FakeRunner.instances = []
     return lambda: SimpleNamespace(kernel=kernel, name="toy"), tmp_path
@@ -153,6 +156,54 @@ def test_tune_caches_nothing_below_the_required_speedup(toy):
     assert not report.cached and "nothing cached" in report.outcome
     assert all(f["validation"].startswith("skipped") for f in report.finalists)
     assert tuned.list_entries(root) == []
+
+
+def test_a_finalist_compute_sanitizer_flags_is_not_stored(toy, monkeypatch):
+    factory, root = toy
+    checked = []
+
+    def sanitize(f, cubin):
+        checked.append(ToyEngine.perm(cubin))
+        verdicts = dict.fromkeys(tuning.probe.SANITIZER_TOOLS, "clean")
+        if len(checked) == 1:  # the first finalist that passes validation races
+            verdicts["racecheck"] = "exit 99: ========= Error: Race reported between Write access ..."
+        return verdicts
+
+    monkeypatch.setattr(tuning.probe, "sanitize", sanitize)
+    config = tuning.TuneConfig(budget_iters=3000, runs=2, samples=50, seed=4, exhausted_after=10**6)
+    report = tuning.tune(factory, config, cache_root=root, log=lambda m: None)
+    assert len(checked) == 2 and report.cached
+    entry = tuned.lookup(root, "toy", factory().kernel.variant, factory().kernel.cubin)
+    assert ToyEngine.perm(entry.tuned) == checked[1] != checked[0]
+    assert entry.meta["sanitizer"] == dict.fromkeys(tuning.probe.SANITIZER_TOOLS, "clean")
+    assert sum("racecheck exit 99" in f.get("validation", "") for f in report.finalists) == 1
+    # without the check nothing is run and the entry says so
+    monkeypatch.setattr(tuning.probe, "sanitize", lambda f, c: pytest.fail("sanitizer ran"))
+    report = tuning.tune(factory, dataclasses.replace(config, sanitize=False), cache_root=root / "unchecked",
+                         log=lambda m: None)
+    entry = tuned.lookup(root / "unchecked", "toy", factory().kernel.variant, factory().kernel.cubin)
+    assert report.cached and entry.meta["sanitizer"] == "not run"
+
+
+def test_proposals_can_follow_the_profilers_samples(toy, monkeypatch):
+    """hot="ncu": the original is profiled once and its listing weights the engine's proposals."""
+    factory, root = toy
+    seen = {}
+
+    def initial(cubin, **kw):
+        seen.update(kw)
+        return ToyEngine.perm(cubin)
+
+    monkeypatch.setattr(tuning, "engine_initial", initial)
+    monkeypatch.setattr(tuning.probe, "profile", lambda f, cubin: f"listing of {len(cubin)} bytes")
+    monkeypatch.setattr(tuning, "engine_hot", lambda schedule, text: [
+        {"offset": 0x1a0, "share": 0.83, "instructions": 40, "loop_depth": 1}])
+    config = tuning.TuneConfig(budget_iters=50, runs=1, samples=10, hot="ncu", moves="alu")
+    report = tuning.tune(factory, config, cache_root=root, log=lambda m: None)
+    assert seen == {"moves": "alu", "listing": f"listing of {len(factory().kernel.cubin)} bytes"}
+    assert report.hot_blocks[0]["share"] == 0.83 and "0x01a0 (40 instructions, loop depth 1): 83%" in report.text()
+    with pytest.raises(ValueError, match="hot must be one of"):
+        tuning.TuneConfig(budget_iters=1, hot="nsys")
 
 
 class NoisyRunner(FakeRunner):
