@@ -109,10 +109,12 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['kernel']} | {r['mode']} | {r.get('moves', '')} | error: {r['error']} |" + " |" * 13)
+            lines.append(f"| {r['kernel']} | {r['mode']} | {r.get('moves', '')} | error: {r['error']} |"
+                         + " |" * 13)
             continue
         lines.append(
-            f"| {r['kernel']} | {r['mode']} | {r.get('moves', 'global')} | {r['movable']} / {r['legal_moves']} | {r['original_us']:.3f} | "
+            f"| {r['kernel']} | {r['mode']} | {r.get('moves', 'global')} | {r['movable']} / {r['legal_moves']} | "
+            f"{r['original_us']:.3f} | "
             f"{r['tuned_us']:.3f} | {r['speedup']:.3f}x | {r['best_finalist']:.4f}x | {r['aa_spread'] * 100:.2f} % | "
             f"{r['search_s']:.0f} | {r['iterations']} | {r['evaluated']} | {r['incorrect']} | {r['crashed']} | "
             f"{r['cost_per_candidate_s']:.3f} | {r['samples_passed']} | {r['stalled_rel']:.3f}x slower |")

@@ -7,10 +7,11 @@
     sip mutate IN.cubin -o OUT.cubin [--kernel NAME] --steps N --seed S [--moves CLASSES]
                [--latency-table FILE] [--loop-weight W | --profile LISTING.csv]
 
-LISTING.csv is Nsight Compute's PC-sampling listing of the kernel (sip.profile). CLASSES is a comma list of global, shared, alu, control (or its kinds control.yield, control.reuse,
-control.stall), or all; the default is global, the SIP paper's policy (sip.mutate). Exit codes: 0
-done, 1 an input SIP cannot work with, 2 bad arguments (an unknown class, control.stall without a
-latency table); nothing is written unless the exit code is 0.
+LISTING.csv is Nsight Compute's PC-sampling listing of the kernel (sip.profile). CLASSES is a comma
+list of global, shared, alu, control (or its kinds control.yield, control.reuse, control.stall), or
+all; the default is global, the SIP paper's policy (sip.mutate). Exit codes: 0 done, 1 an input SIP
+cannot work with, 2 bad arguments (an unknown class, control.stall without a latency table); nothing
+is written unless the exit code is 0.
 """
 from __future__ import annotations
 

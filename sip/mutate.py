@@ -34,9 +34,8 @@ Proposals, hot blocks first: a step picks one enabled class uniformly among thos
 change, then an instruction of the class with weight `loop_weight ** depth`, where depth is its
 block's loop depth (sip.cfg): with the default 4, an instruction in a loop body is proposed 4 times
 as often as one outside every loop, 16 times in a nested loop. Measured weights replace that rule
-when given (`weights`: sip.profile.block_weights of the GPU's PC samples, proportional to the time
-spent in each block). A move goes up or down with equal
-odds; an edit picks uniformly among the kinds that apply. Refused proposals are redrawn (rejection
+when given (`weights`: sip.profile.block_weights of the GPU's PC samples). A move goes up or down
+with equal odds; an edit picks uniformly among the kinds that apply. Refused proposals are redrawn (rejection
 sampling keeps those weights over the legal changes); after `attempts` refusals in a row (at most
 4 per instruction of the class) the step draws from the class's full list of legal changes with
 the same weights.
@@ -63,6 +62,7 @@ Instructions that are pinned never change their control bits (tools may patch th
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -232,9 +232,10 @@ class Schedule:
             raise SipError(f"the loop weight must be > 0, got {loop_weight}")
         if weights is not None:
             weights = tuple(float(w) for w in weights)
-            if len(weights) != len(model.instructions) or not all(w > 0 for w in weights):
-                raise SipError(f"need one weight > 0 per instruction ({len(model.instructions)}), "
-                               f"got {len(weights)}")
+            if len(weights) != len(model.instructions):
+                raise SipError(f"need one weight per instruction: {len(model.instructions)}, got {len(weights)}")
+            if not all(0 < w < math.inf for w in weights):
+                raise SipError("every weight must be finite and > 0")
         lines = sorted({sec.name for sec in model.kernel.cubin.sections} & LINE_TABLES)
         if lines and moves & set(MOVE_CLASSES):
             # The tables map code offsets to source lines; a moved instruction would keep the old

@@ -2,13 +2,18 @@
 
 Nsight Compute samples the program counter of resident warps (its SourceCounters section) and
 attributes each sample to one SASS instruction. `ncu --import REPORT --page source --print-source sass
---csv` lists the profiled function's instructions in code order with their sample counts;
-`stall_samples` reads that listing back onto a disassembled kernel (every listed instruction must be
-the kernel's instruction at that offset, else the listing is of another build: SipError).
+--csv` lists, per profiled launch, a `"Kernel Name",NAME` line, a header, and the function's
+instructions in code order (absolute addresses) with their sample counts. `stall_samples` reads the
+sections of a listing that profile `kernel` back onto its disassembly, adding up the sections of
+several launches: every listed address must be an instruction of the kernel with the same base opcode
+(else the listing is of another build: SipError; modifiers, reuse flags and branch targets are
+printed differently by ncu and nvdisasm, so they are not compared).
 
-`block_weights` turns the samples into one weight per instruction: a block's samples spread evenly
-over its instructions, so the proposals a search makes in a block are proportional to the time spent
-there. Blocks nobody sampled keep `floor` times the mean weight: rarely proposed, never unreachable.
+`block_weights` turns the samples into one weight per instruction: a block's samples spread evenly over
+its instructions, so a block is proposed in proportion to its samples times the share of its
+instructions a move class can change. Blocks nobody sampled keep `floor` times the mean weight: rarely
+proposed, never unreachable. Too few samples (under `min_samples`) say nothing about where the time
+goes: SipError, rather than weights drawn from noise.
 """
 from __future__ import annotations
 
@@ -20,41 +25,34 @@ from sip.cubin import INSTRUCTION_BYTES
 from sip.sass import Kernel
 
 SAMPLES_COLUMN = "Warp Stall Sampling (All Samples)"
+MIN_SAMPLES = 100
 
 
 def stall_samples(listing: str, kernel: Kernel) -> tuple[int, ...]:
-    """Per instruction of `kernel`, the PC samples an ncu source-page CSV listing attributes to it."""
-    lines = listing.splitlines()
-    start = next((k for k, line in enumerate(lines) if '"Address"' in line and '"Source"' in line), None)
-    if start is None:
+    """Per instruction of `kernel`, the PC samples the listing's sections of this kernel attribute to it."""
+    sections = _sections(listing)
+    if not sections:
         raise SipError("not an ncu source listing: no header with Address and Source columns "
                        "(export it with: ncu --import REPORT --page source --print-source sass --csv)")
-    rows = list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
-    column = next((c for c in rows[0] if c.startswith(SAMPLES_COLUMN)), None) if rows else None
-    if column is None:
-        raise SipError(f"the listing has no {SAMPLES_COLUMN!r} column: profile with --section SourceCounters")
-    try:
-        listed = [(int(r["Address"], 16), r["Source"].strip(), _count(r[column])) for r in rows]
-    except (TypeError, ValueError) as e:
-        raise SipError(f"unreadable row in the ncu listing: {e}") from None
-    base = min(address for address, _, _ in listed)
+    named = [rows for name, rows in sections if name == kernel.name]
+    if not named and all(name is not None for name, _ in sections):
+        raise SipError(f"the listing profiles {sorted({n for n, _ in sections})}, not {kernel.name}")
     samples = [0] * len(kernel.instructions)
-    for address, source, count in listed:
-        index, rest = divmod(address - base, INSTRUCTION_BYTES)
-        ins = kernel.instructions[index] if not rest and index < len(kernel.instructions) else None
-        if ins is None or _opcode(source) != ins.base:
-            raise SipError(f"the listing's instruction at +{address - base:#x} ({source!r}) is not "
-                           f"{kernel.name}'s there: it profiles another build of the kernel")
-        samples[index] += count
+    for rows in named or [rows for _, rows in sections]:
+        _add(rows, kernel, samples)
     return tuple(samples)
 
 
-def block_weights(kernel: Kernel, samples: tuple[int, ...], floor: float = 0.01) -> tuple[float, ...]:
+def block_weights(kernel: Kernel, samples: tuple[int, ...], floor: float = 0.01,
+                  min_samples: int = MIN_SAMPLES) -> tuple[float, ...]:
     """Per instruction: its block's samples / the block's length, at least `floor` x the mean."""
     if len(samples) != len(kernel.instructions):
         raise SipError(f"{len(samples)} sample counts for {len(kernel.instructions)} instructions")
+    if sum(samples) < min_samples:
+        raise SipError(f"{sum(samples)} PC samples of {kernel.name}: too few to say where its time goes "
+                       f"(at least {min_samples}; profile with a shorter warp-sampling interval or a longer run)")
     per = [sum(samples[i] for i in block) / len(block) for block in kernel.blocks]
-    least = floor * max(sum(samples) / len(samples), 1e-12)
+    least = floor * sum(samples) / len(samples)
     return tuple(max(per[b], least) for b in kernel.block_of)
 
 
@@ -63,6 +61,49 @@ def hot_blocks(kernel: Kernel, samples: tuple[int, ...]) -> list[tuple[float, in
     total = sum(samples) or 1
     return sorted(((sum(samples[i] for i in r) / total, b) for b, r in enumerate(kernel.blocks)),
                   key=lambda x: (-x[0], x[1]))
+
+
+def _sections(listing: str) -> list[tuple[str | None, list[dict]]]:
+    """(kernel name or None, rows) of each header-led section of the listing."""
+    out: list[tuple[str | None, list[dict]]] = []
+    name, lines = None, listing.splitlines()
+    k = 0
+    while k < len(lines):
+        line = lines[k]
+        if line.startswith('"Kernel Name"'):
+            fields = next(csv.reader([line]))
+            name = fields[1] if len(fields) > 1 else None
+        elif '"Address"' in line and '"Source"' in line:
+            end = next((j for j in range(k + 1, len(lines)) if lines[j].startswith('"Kernel Name"')), len(lines))
+            reader = csv.DictReader(io.StringIO("\n".join(lines[k:end])))
+            column = next((c for c in reader.fieldnames or () if c.startswith(SAMPLES_COLUMN)), None)
+            if column is None:
+                raise SipError(f"the listing has no {SAMPLES_COLUMN!r} column: profile with --section SourceCounters")
+            out.append((name, [{"address": r["Address"], "source": r["Source"], "count": r[column]} for r in reader]))
+            name, k = None, end
+            continue
+        k += 1
+    return out
+
+
+def _add(rows: list[dict], kernel: Kernel, samples: list[int]) -> None:
+    """Add one section's counts onto `samples`, checking that it lists this kernel's code."""
+    try:
+        listed = [(int(r["address"], 16), r["source"].strip(), _count(r["count"])) for r in rows]
+    except (TypeError, ValueError, AttributeError) as e:  # a short row has None fields
+        raise SipError(f"unreadable row in the ncu listing: {e}") from None
+    if not listed:
+        raise SipError("the ncu listing lists no instructions")
+    base = min(address for address, _, _ in listed)
+    seen = set()
+    for address, source, count in listed:
+        index, rest = divmod(address - base, INSTRUCTION_BYTES)
+        ins = kernel.instructions[index] if not rest and index < len(kernel.instructions) else None
+        if ins is None or _opcode(source) != ins.base or index in seen:
+            raise SipError(f"the listing's instruction at +{address - base:#x} ({source!r}) is not "
+                           f"{kernel.name}'s there: it profiles another build of the kernel")
+        seen.add(index)
+        samples[index] += count
 
 
 def _count(text: str) -> int:

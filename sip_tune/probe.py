@@ -15,18 +15,20 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
+_DONE = "probe: launches done"
 
 
 class ProbeError(RuntimeError):
-    """The profiler could not run or export."""
-_DONE = "probe: launches done"
+    """A tool the tuner needs is missing, or the profiler could not run or export."""
 
 
 def sanitizer_problem() -> str | None:
@@ -35,8 +37,10 @@ def sanitizer_problem() -> str | None:
 
 
 def sanitize(factory: Callable[[], Any], cubin: bytes | None, tools: tuple[str, ...] = SANITIZER_TOOLS,
-             samples: int = 4, timeout_s: float = 1800.0) -> dict[str, str]:
-    """Per tool, "clean" or why not (the tool's last lines), for `cubin` in the workload's kernel."""
+             samples: int = 4, timeout_s: float = 600.0) -> dict[str, str]:
+    """Per tool, "clean" or why not (the tool's last lines), for `cubin` in the workload's kernel.
+    torch's caching allocator is off in the probe: memcheck then sees each tensor as an allocation
+    of its own, so a write past one into its neighbour is an error, not a write inside a block."""
     problem = sanitizer_problem()
     if problem:
         return dict.fromkeys(tools, problem)
@@ -45,7 +49,7 @@ def sanitize(factory: Callable[[], Any], cubin: bytes | None, tools: tuple[str, 
         for tool in tools:
             cmd = ["compute-sanitizer", "--tool", tool, "--report-api-errors", "no", "--error-exitcode", "99",
                    sys.executable, "-m", "sip_tune.probe", payload]
-            out, code = _run(cmd, timeout_s)
+            out, code = _run(cmd, timeout_s, env={"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
             # memcheck and synccheck end in "ERROR SUMMARY: 0 errors", racecheck in "... 0 hazards".
             summary = "RACECHECK SUMMARY: 0 hazards" if tool == "racecheck" else "ERROR SUMMARY: 0 errors"
             clean = code == 0 and _DONE in out and summary in out
@@ -62,9 +66,10 @@ def profile(factory: Callable[[], Any], cubin: bytes, timeout_s: float = 900.0) 
     name = _kernel_name(cubin)
     with _payload(factory, cubin, samples=0, skip=2) as payload, tempfile.TemporaryDirectory() as tmp:
         report = str(Path(tmp) / "probe")
-        out, code = _run(["ncu", "--section", "SourceCounters", "--warp-sampling-interval", "0", "--kernel-name-base", "mangled",
-                          "--kernel-name", name, "--launch-skip", "2", "--launch-count", "1",
-                          "--export", report, "--force-overwrite",
+        # Warp-sampling interval 0 (every 2^5 cycles): the default gave 19 samples of a 1 us launch.
+        out, code = _run(["ncu", "--section", "SourceCounters", "--warp-sampling-interval", "0",
+                          "--kernel-name-base", "mangled", "--kernel-name", name, "--launch-skip", "2",
+                          "--launch-count", "1", "--export", report, "--force-overwrite",
                           sys.executable, "-m", "sip_tune.probe", payload], timeout_s)
         if code != 0 or not Path(report + ".ncu-rep").is_file():
             raise ProbeError("ncu could not profile the kernel: " + " | ".join(out.strip().splitlines()[-6:]))
@@ -92,24 +97,35 @@ class _payload:
 
     def __enter__(self) -> str:
         fd, self.path = tempfile.mkstemp(suffix=".pkl", prefix="sip-probe-")
-        with os.fdopen(fd, "wb") as f:
-            pickle.dump(self.data, f)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                pickle.dump(self.data, f)
+        except BaseException:
+            os.unlink(self.path)
+            raise
         return self.path
 
     def __exit__(self, *exc: Any) -> None:
         os.unlink(self.path)
 
 
-def _run(cmd: list[str], timeout_s: float, merge: bool = True) -> tuple[str, int]:
-    """Output (stdout, + stderr if `merge`) and exit code; the probe sees this process's import path,
-    so a factory defined anywhere this process can import unpickles there too."""
-    path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
-    env = dict(os.environ, PYTHONPATH=path)
+def _run(cmd: list[str], timeout_s: float, merge: bool = True, env: dict[str, str] | None = None) -> tuple[str, int]:
+    """Output (stdout, + stderr if `merge`) and exit code. The probe also finds what this process
+    added to its import path (a factory defined in a test or bench module unpickles there too); the
+    interpreter's own directories it has anyway. On a timeout the whole process group goes (the tool
+    and the python process under it, which holds the GPU)."""
+    own = tuple(os.path.realpath(sysconfig.get_path(k)) for k in ("stdlib", "platstdlib", "purelib", "platlib"))
+    added = [p for p in sys.path if p and os.path.isdir(p) and not os.path.realpath(p).startswith(own)]
+    path = os.pathsep.join(added + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=path, **(env or {})), start_new_session=True)
     try:
-        run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+        stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return f"timed out after {timeout_s:.0f} s", -1
-    return (run.stdout + run.stderr if merge else run.stdout), run.returncode
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        return f"{stdout}{stderr}\ntimed out after {timeout_s:.0f} s", -1
+    return (stdout + stderr if merge else stdout), proc.returncode
 
 
 def main(argv: list[str]) -> int:

@@ -45,28 +45,29 @@ from sip_tune.runner import Evaluation, Options, Runner
 # The engine (sip.cubin / sip.sass / sip.deps / sip.mutate) behind four functions: what the loop
 # asks of a schedule, and where the CPU tests put a toy engine in.
 
-def engine_initial(cubin: bytes, moves: str | None = None, listing: str | None = None) -> mutate.Schedule:
+def engine_initial(cubin: bytes, moves: str | None = None) -> mutate.Schedule:
     """The schedule the cubin has (of its largest kernel: CuTeDSL cubins hold one), under the move
-    classes `moves` (comma list, sip.mutate.parse_moves; None: the engine's default); proposals
-    weighted by loop depth, or by the PC samples of an ncu `listing` of this cubin (sip.profile)."""
+    classes `moves` (comma list, sip.mutate.parse_moves; None: the engine's default)."""
     parsed = elf.parse_cubin(cubin)
     kernels = [k for k in parsed.kernels() if k.entry] or parsed.kernels()
     if not kernels:
         raise ValueError("the cubin holds no kernel code")
-    kernel = sass.disassemble_kernel(parsed, max(kernels, key=lambda k: k.instruction_count).name)
+    name = max(kernels, key=lambda k: k.instruction_count).name
     classes = mutate.DEFAULT_MOVES if moves is None else mutate.parse_moves(moves)
-    weights = None if listing is None else profile.block_weights(kernel, profile.stall_samples(listing, kernel))
-    return mutate.initial_schedule(kernel, classes, weights=weights)
+    return mutate.initial_schedule(sass.disassemble_kernel(parsed, name), classes)
 
 
-def engine_hot(schedule: mutate.Schedule, listing: str, top: int = 3) -> list[dict[str, Any]]:
-    """The `top` blocks of the listing's samples, for the report."""
+def engine_weighted(schedule: mutate.Schedule, listing: str, top: int = 3) -> tuple[mutate.Schedule, list[dict]]:
+    """The same schedule with its proposals weighted by the PC samples of an ncu `listing` of its
+    cubin (sip.profile), and the `top` blocks of those samples, for the report."""
     kernel = schedule.model.kernel
     samples = profile.stall_samples(listing, kernel)
+    weights = profile.block_weights(kernel, samples)
+    weighted = mutate.Schedule.initial(schedule.model, schedule.layout.moves, weights=weights)
     depth = cfg.loop_depth(kernel)
-    return [{"offset": kernel.instructions[kernel.blocks[b].start].offset, "share": share,
-             "instructions": len(kernel.blocks[b]), "loop_depth": depth[b]}
-            for share, b in profile.hot_blocks(kernel, samples)[:top]]
+    return weighted, [{"offset": kernel.instructions[kernel.blocks[b].start].offset, "share": share,
+                       "instructions": len(kernel.blocks[b]), "loop_depth": depth[b]}
+                      for share, b in profile.hot_blocks(kernel, samples)[:top]]
 
 
 def engine_neighbour(schedule: mutate.Schedule, rng: random.Random) -> mutate.Schedule | None:
@@ -111,7 +112,9 @@ class TuneConfig:
     tolerance: tuple[float, float] | None = None
     moves: str | None = None  # move classes of the engine (sip.mutate.parse_moves); None: its default
     hot: str = "loops"  # where proposals go: "loops" (loop depth) or "ncu" (PC samples of the original)
-    sanitize: bool = True  # a cubin is stored only if compute-sanitizer finds it clean (sip_tune.probe)
+    # A cubin is stored only if compute-sanitizer finds it clean (sip_tune.probe; a few minutes per
+    # finalist that gets that far, outside the search budget).
+    sanitize: bool = True
     options: Options = Options()
 
     def __post_init__(self) -> None:
@@ -240,15 +243,11 @@ def tune(factory: Callable[[], Workload], config: TuneConfig, *, kernel: str | N
     memo: dict[str, float] = {_digest(original): 1.0}
     costs: dict[str, list[float]] = {k: [] for k in ("apply", "load", "test", "time", "total")}
     t0 = time.perf_counter()
-    # CPU only: fails fast, before any GPU work, on a cubin SIP cannot read (the profile needs the GPU)
-    engine_args: dict[str, Any] = {} if config.moves is None else {"moves": config.moves}
-    if config.hot == "ncu":
-        engine_args["listing"] = probe.profile(factory, original)
-    initial = engine_initial(original, **engine_args)
-    if config.hot == "ncu":
-        report.hot_blocks = engine_hot(initial, engine_args["listing"])
-        log("[sip-tune] hottest blocks (ncu PC samples): " + ", ".join(
-            f"{h['offset']:#06x} {h['share']:.0%}" for h in report.hot_blocks))
+    if config.sanitize and probe.sanitizer_problem():  # found out now, not after the search
+        raise probe.ProbeError(f"{probe.sanitizer_problem()}: a tuned cubin is stored only once compute-sanitizer "
+                               "has run it (sanitize=False / sip-tune --no-sanitize stores it unchecked)")
+    # CPU only: fails fast, before any GPU work, on a cubin SIP cannot read
+    initial = engine_initial(original) if config.moves is None else engine_initial(original, config.moves)
     count, report.movable, report.legal_moves = engine_stats(initial)
     log(f"[sip-tune] {kernel}: {count} instructions, {report.movable} movable, "
         f"{report.legal_moves} legal moves at the start ({time.perf_counter() - t0:.1f} s to disassemble)")
@@ -257,6 +256,10 @@ def tune(factory: Callable[[], Workload], config: TuneConfig, *, kernel: str | N
                           "nothing to tune")
         report.total_seconds = time.monotonic() - t_start
         return report
+    if config.hot == "ncu":
+        initial, report.hot_blocks = engine_weighted(initial, probe.profile(factory, original))
+        log("[sip-tune] hottest blocks (ncu PC samples): " + ", ".join(
+            f"{h['offset']:#06x} {h['share']:.0%}" for h in report.hot_blocks))
     gpus = max(1, min(_gpu_count(), config.runs))
     runners = [Runner(factory, dataclasses.replace(options, device=d), log=lambda m: log(f"[sip-tune] {m}"))
                for d in range(gpus)]

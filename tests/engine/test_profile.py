@@ -35,7 +35,7 @@ def test_samples_land_on_their_instructions_and_weights_follow_the_blocks():
     assert hot[0] == (pytest.approx(1500 / 1520), 1) and [b for _, b in hot] == [1, 0, 2]
 
 
-def test_a_listing_of_another_build_or_format_is_refused():
+def test_a_listing_of_another_build_kernel_or_format_is_refused():
     k = loop_kernel()
     good = listing(k, (1,) * 6)
     other = good.replace("FMUL", "FFMA")  # another build: not this kernel's instruction there
@@ -44,13 +44,32 @@ def test_a_listing_of_another_build_or_format_is_refused():
     shifted = listing(k, (1,) * 6, base=BASE + 8)  # an address between two instructions
     with pytest.raises(SipError, match="another build"):
         profile.stall_samples(shifted.replace(f"{BASE + 8:#x}", f"{BASE:#x}", 1), k)
+    twice = good.replace(f"{BASE + 0x10:#x}", f"{BASE + 0x20:#x}", 1)  # one address listed twice
+    with pytest.raises(SipError, match="another build"):
+        profile.stall_samples(twice, k)
     with pytest.raises(SipError, match="not an ncu source listing"):
         profile.stall_samples("ID,Kernel Name\n1,foo\n", k)
     no_samples = good.replace("Warp Stall Sampling (All Samples)", "Instructions Issued")
     with pytest.raises(SipError, match="SourceCounters"):
         profile.stall_samples(no_samples, k)
+    with pytest.raises(SipError, match="lists no instructions"):
+        profile.stall_samples("\n".join(good.splitlines()[:2]), k)
+    truncated = good.rsplit("\n", 2)[0] + '\n"0x7f3a00001050"\n'  # a row cut short
+    with pytest.raises(SipError, match="unreadable row"):
+        profile.stall_samples(truncated, k)
+    with pytest.raises(SipError, match="profiles .*other_kernel.*, not synthetic"):
+        profile.stall_samples(listing(k, (1,) * 6, name="other_kernel"), k)
     with pytest.raises(SipError, match="sample counts for"):
         profile.block_weights(k, (1, 2))
+    with pytest.raises(SipError, match="99 PC samples of synthetic: too few"):
+        profile.block_weights(k, (0, 99, 0, 0, 0, 0))
+
+
+def test_the_sections_of_several_launches_add_up_and_other_kernels_are_skipped():
+    k = loop_kernel()
+    other = synthetic_kernel([("IADD3 R1, R2, R3, RZ ;", C), ("EXIT ;", C)])
+    text = listing(k, (1, 2, 3, 4, 5, 6)) + listing(other, (50, 50), name="other_kernel") + listing(k, (10,) * 6)
+    assert profile.stall_samples(text, k) == (11, 12, 13, 14, 15, 16)
 
 
 def test_measured_weights_steer_the_proposals(corpus):
@@ -65,10 +84,15 @@ def test_measured_weights_steer_the_proposals(corpus):
     p = sum(weights[c.instruction] for c in legal if k.block_of[c.instruction] == hot) / sum(
         weights[c.instruction] for c in legal)
     assert p > 0.9
+    by_depth = Schedule.initial(DependencyModel(k), frozenset({"alu"}))  # loop depth alone
+    w = by_depth.layout.weight
+    assert sum(w[c.instruction] for c in legal if k.block_of[c.instruction] == hot) / sum(
+        w[c.instruction] for c in legal) < p - 0.3
     n = 600
     hits = sum(k.block_of[step(s0, random.Random(seed))[1].instruction] == hot for seed in range(n))
     assert abs(hits / n - p) < 4 * math.sqrt(p * (1 - p) / n) + 1 / n, (hits / n, p)
-    with pytest.raises(SipError, match="one weight > 0 per instruction"):
+    with pytest.raises(SipError, match="one weight per instruction"):
         Schedule.initial(DependencyModel(k), frozenset({"alu"}), weights=weights[:-1])
-    with pytest.raises(SipError, match="one weight > 0 per instruction"):
-        Schedule.initial(DependencyModel(k), frozenset({"alu"}), weights=(0.0,) * len(weights))
+    for bad in (0.0, math.inf):
+        with pytest.raises(SipError, match="finite and > 0"):
+            Schedule.initial(DependencyModel(k), frozenset({"alu"}), weights=(bad,) + weights[1:])

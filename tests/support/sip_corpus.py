@@ -275,15 +275,15 @@ def synthetic_kernel(rows, pins: dict[int, str] | None = None, fenced=frozenset(
 BASE = 0x7F3A_0000_1000  # ncu lists absolute addresses (ncu_listing)
 
 
-def ncu_listing(kernel, samples, base=BASE, preamble=True):
-    """An ncu `--page source --print-source sass --csv` listing of `kernel` with these sample counts."""
+def ncu_listing(kernel, samples, base=BASE, name=None):
+    """An ncu `--page source --print-source sass --csv` listing of `kernel` with these sample counts, in
+    the layout the H200's ncu writes: a "Kernel Name" line, the header, then one row per instruction."""
     out = io.StringIO()
-    if preamble:
-        out.write('==PROF== Connected to process 123\n')
     w = csv.writer(out, quoting=csv.QUOTE_ALL, lineterminator="\n")
+    out.write(f'"Kernel Name","{name or kernel.name}",\n')
     w.writerow(["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
-                "Instructions Executed"])
+                "# Samples", "Instructions Executed"])
     for ins, n in zip(kernel.instructions, samples):
         text = f"{ins.predicate} {ins.opcode} {', '.join(ins.operands)}".strip()
-        w.writerow([f"{base + ins.offset:#x}", text, f"{n:,}", str(n // 2), "64"])
+        w.writerow([f"{base + ins.offset:#x}", "      " + text, f"{n:,}", str(n // 2), str(n), "64"])
     return out.getvalue()

@@ -7,6 +7,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from sip_corpus import corpus  # noqa: F401
 from store_samples import FakeVariant, make_cubin
 
 from rosekernels import tuned
@@ -88,6 +89,7 @@ def toy(monkeypatch, tmp_path):
     monkeypatch.setattr(tuning, "engine_apply", ToyEngine.cubin)
     monkeypatch.setattr(tuning, "engine_stats", lambda s: (8, 8, 14))
     monkeypatch.setattr(tuning, "engine_neighbour", lambda s, rng: swap_neighbour_8(s, rng))
+    monkeypatch.setattr(tuning.probe, "sanitizer_problem", lambda: None)
     monkeypatch.setattr(tuning.probe, "sanitize", lambda factory, cubin: dict.fromkeys(tuning.probe.SANITIZER_TOOLS,
                                                                                         "clean"))
     kernel = SimpleNamespace(cubin=original, variant=FakeVariant("toy", hidden=8))
@@ -186,24 +188,53 @@ def test_a_finalist_compute_sanitizer_flags_is_not_stored(toy, monkeypatch):
 
 
 def test_proposals_can_follow_the_profilers_samples(toy, monkeypatch):
-    """hot="ncu": the original is profiled once and its listing weights the engine's proposals."""
+    """hot="ncu": the original is profiled once (after the CPU-side checks) and its listing weights
+    the engine's proposals."""
     factory, root = toy
-    seen = {}
+    seen = []
 
-    def initial(cubin, **kw):
-        seen.update(kw)
-        return ToyEngine.perm(cubin)
+    def weighted(schedule, listing):
+        seen.append((schedule, listing))
+        return schedule, [{"offset": 0x1a0, "share": 0.83, "instructions": 40, "loop_depth": 1}]
 
-    monkeypatch.setattr(tuning, "engine_initial", initial)
     monkeypatch.setattr(tuning.probe, "profile", lambda f, cubin: f"listing of {len(cubin)} bytes")
-    monkeypatch.setattr(tuning, "engine_hot", lambda schedule, text: [
-        {"offset": 0x1a0, "share": 0.83, "instructions": 40, "loop_depth": 1}])
-    config = tuning.TuneConfig(budget_iters=50, runs=1, samples=10, hot="ncu", moves="alu")
+    monkeypatch.setattr(tuning, "engine_weighted", weighted)
+    config = tuning.TuneConfig(budget_iters=50, runs=1, samples=10, hot="ncu")
     report = tuning.tune(factory, config, cache_root=root, log=lambda m: None)
-    assert seen == {"moves": "alu", "listing": f"listing of {len(factory().kernel.cubin)} bytes"}
+    assert seen == [(ToyEngine.perm(factory().kernel.cubin), f"listing of {len(factory().kernel.cubin)} bytes")]
     assert report.hot_blocks[0]["share"] == 0.83 and "0x01a0 (40 instructions, loop depth 1): 83%" in report.text()
     with pytest.raises(ValueError, match="hot must be one of"):
         tuning.TuneConfig(budget_iters=1, hot="nsys")
+    monkeypatch.setattr(tuning, "engine_stats", lambda s: (8, 0, 0))  # nothing to tune: nothing profiled
+    seen.clear()
+    assert "no legal move" in tuning.tune(factory, config, cache_root=root, log=lambda m: None).outcome and not seen
+
+
+def test_without_compute_sanitizer_tuning_refuses_before_the_search(toy, monkeypatch):
+    factory, root = toy
+    monkeypatch.setattr(tuning.probe, "sanitizer_problem", lambda: "compute-sanitizer not found on PATH")
+    with pytest.raises(tuning.probe.ProbeError, match="not found on PATH.*--no-sanitize"):
+        tuning.tune(factory, tuning.TuneConfig(budget_iters=50), cache_root=root, log=lambda m: None)
+    assert not FakeRunner.instances
+    report = tuning.tune(factory, tuning.TuneConfig(budget_iters=50, samples=10, sanitize=False), cache_root=root,
+                         log=lambda m: None)
+    assert report.iterations == 50
+
+
+def test_the_engine_weights_a_real_kernel_by_a_listing(corpus):
+    """engine_weighted on a corpus cubin: the listing's hot block gets the proposals' weight."""
+    from sip_corpus import corpus_entry, ncu_listing
+
+    cubin = corpus_entry(corpus, "smem_tiled_gemm")
+    schedule = tuning.engine_initial(cubin, "alu")
+    k = schedule.model.kernel
+    hot = max(range(len(k.blocks)), key=lambda b: len(k.blocks[b]))
+    counts = [100 if k.block_of[i] == hot else 0 for i in range(len(k.instructions))]
+    weighted, top = tuning.engine_weighted(schedule, ncu_listing(k, counts))
+    assert top[0]["share"] == 1.0 and top[0]["offset"] == k.instructions[k.blocks[hot].start].offset
+    assert weighted.layout.moves == schedule.layout.moves and weighted.layout.weight != schedule.layout.weight
+    assert min(w for i, w in enumerate(weighted.layout.weight) if k.block_of[i] == hot) > 50 * max(
+        w for i, w in enumerate(weighted.layout.weight) if k.block_of[i] != hot)
 
 
 class NoisyRunner(FakeRunner):
