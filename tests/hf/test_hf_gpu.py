@@ -19,6 +19,7 @@ pytestmark = pytest.mark.gpu
 LAYERS = 4
 COS_MIN = 0.999
 MOE_COS_FLOOR = 0.995  # one flipped expert of eight at one position stays above it
+MOE_BLOCK_COS_MIN = 0.9999  # an MoE block against stock's on the same input: same routing
 AGREE_MIN = 0.99
 _OPS = re.compile(r"rosekernelskernels(attention_decode|attention|qk_norm|rmsnorm|moe_dispatch|moe_combine|gemm_leakyrelu)")
 
@@ -131,10 +132,11 @@ def test_prefill_logits_match_stock_at_every_position(pair, fp32):
 
 @torch.inference_mode()
 def test_moe_blocks_match_stock_on_the_same_input(pair):
-    """Where the routing is the same, the MoE path is held to the 0.999 bar at every token. Each
-    layer's MoE block of the patched model gets the stock model's input to that block; the router
-    stays on torch, so both pick the same experts with the same weights, and what differs is the
-    expert computation (moe_dispatch -> grouped GEMMs -> moe_combine against stock's grouped_mm).
+    """Where the routing is the same, the MoE path is held to 0.9999 at every token (0.999996 measured
+    on the H200 in every layer; the logits' bar is 0.999). Each layer's MoE block of the patched model
+    gets the stock model's input to that block; the router stays on torch, so both pick the same
+    experts with the same weights, and what differs is the expert computation (moe_dispatch ->
+    grouped GEMMs -> moe_combine against stock's grouped_mm).
     (The whole model's logits cannot be held to 0.999 against stock: see _check_cos.)"""
     geometry, stock, ours = pair
     if geometry != "qwen3-30b-a3b":
@@ -153,7 +155,8 @@ def test_moe_blocks_match_stock_on_the_same_input(pair):
         want = stock.model.layers[i].mlp(x)
         got = ours.model.layers[i].mlp(x)
         cos = torch.nn.functional.cosine_similarity(got.float(), want.float(), dim=-1)
-        assert cos.min().item() >= COS_MIN, f"layer {i}: min cosine {cos.min().item():.6f} over {cos.numel()} tokens"
+        print(f"layer {i}: min cosine {cos.min().item():.6f}, median {cos.median().item():.6f} over {cos.numel()} tokens")
+        assert cos.min().item() >= MOE_BLOCK_COS_MIN, f"layer {i}: min cosine {cos.min().item():.6f}"
     assert hf.stats() == {"experts": LAYERS}
 
 
