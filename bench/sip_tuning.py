@@ -69,7 +69,8 @@ def bench_one(kernel: str, mode: str, moves: str | None, args: argparse.Namespac
     row.update(energy)
     config = tuning.TuneConfig(budget_seconds=args.budget_minutes * 60, runs=args.runs, samples=args.samples,
                                seed=args.seed, min_speedup=1.0, moves=moves, hot=args.hot)
-    result = tuning.tune(factory, config, kernel=kernel, cache_root=cache_dir)
+    # a store per policy: an earlier policy's (faster) entry would otherwise be kept and re-timed as this one's
+    result = tuning.tune(factory, config, kernel=kernel, cache_root=str(Path(cache_dir) / (moves or "global")))
     print(result.text(), flush=True)
     row["report"] = result.to_dict()
     row.update(search_s=result.search_seconds, total_s=result.total_seconds, iterations=result.iterations,

@@ -183,7 +183,9 @@ def _hot(args) -> int:
     kernel = _main_kernel(args)
     samples = _samples(args, kernel)
     depth = loop_depth(kernel)
-    print(f"{kernel.name}: {sum(samples)} samples over {len(kernel.blocks)} blocks")
+    print(f"{kernel.name}: {sum(samples)} samples over {len(kernel.blocks)} blocks"
+          + (f" (fewer than {profile.MIN_SAMPLES}: shares this small say little)" if sum(samples) < profile.MIN_SAMPLES
+             else ""))
     for share, b in profile.hot_blocks(kernel, samples)[:max(args.top, 0)]:
         r = kernel.blocks[b]
         print(f"  block {b} at {kernel.instructions[r.start].offset:#06x}: {share:6.1%} of the samples, "

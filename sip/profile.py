@@ -29,17 +29,26 @@ MIN_SAMPLES = 100
 
 
 def stall_samples(listing: str, kernel: Kernel) -> tuple[int, ...]:
-    """Per instruction of `kernel`, the PC samples the listing's sections of this kernel attribute to it."""
+    """Per instruction of `kernel`, the PC samples the listing's sections of this kernel attribute to it
+    (sections under this kernel's name, or unnamed ones; a same-named section of another build is
+    skipped as long as one section matches)."""
     sections = _sections(listing)
     if not sections:
         raise SipError("not an ncu source listing: no header with Address and Source columns "
                        "(export it with: ncu --import REPORT --page source --print-source sass --csv)")
-    named = [rows for name, rows in sections if name == kernel.name]
-    if not named and all(name is not None for name, _ in sections):
-        raise SipError(f"the listing profiles {sorted({n for n, _ in sections})}, not {kernel.name}")
-    samples = [0] * len(kernel.instructions)
-    for rows in named or [rows for _, rows in sections]:
-        _add(rows, kernel, samples)
+    ours = [rows for name, rows in sections if _names(name, kernel.name)]
+    if not ours:
+        raise SipError(f"the listing profiles {sorted({str(n) for n, _ in sections})}, not {kernel.name}")
+    samples, errors = [0] * len(kernel.instructions), []
+    for rows in ours:
+        try:
+            counts = _counts(rows, kernel)
+        except SipError as e:
+            errors.append(e)
+            continue
+        samples = [a + b for a, b in zip(samples, counts)]
+    if len(errors) == len(ours):
+        raise errors[0]
     return tuple(samples)
 
 
@@ -63,6 +72,19 @@ def hot_blocks(kernel: Kernel, samples: tuple[int, ...]) -> list[tuple[float, in
                   key=lambda x: (-x[0], x[1]))
 
 
+def _names(listed: str | None, name: str) -> bool:
+    """Whether a section's kernel name is `name`: unnamed sections count; ncu may print a mangled C++
+    name demangled (`_Z15smem_tiled_gemmPfPKfS1_i` as `smem_tiled_gemm(float *, ...)`)."""
+    if listed is None or listed == name:
+        return True
+    base = listed.split("(", 1)[0].rsplit("::", 1)[-1]
+    return name.startswith("_Z") and bool(base) and f"{len(base)}{base}" in name
+
+
+def _is_header(line: str) -> bool:
+    return '"Address"' in line and '"Source"' in line
+
+
 def _sections(listing: str) -> list[tuple[str | None, list[dict]]]:
     """(kernel name or None, rows) of each header-led section of the listing."""
     out: list[tuple[str | None, list[dict]]] = []
@@ -73,8 +95,9 @@ def _sections(listing: str) -> list[tuple[str | None, list[dict]]]:
         if line.startswith('"Kernel Name"'):
             fields = next(csv.reader([line]))
             name = fields[1] if len(fields) > 1 else None
-        elif '"Address"' in line and '"Source"' in line:
-            end = next((j for j in range(k + 1, len(lines)) if lines[j].startswith('"Kernel Name"')), len(lines))
+        elif _is_header(line):
+            end = next((j for j in range(k + 1, len(lines))
+                        if lines[j].startswith('"Kernel Name"') or _is_header(lines[j])), len(lines))
             reader = csv.DictReader(io.StringIO("\n".join(lines[k:end])))
             column = next((c for c in reader.fieldnames or () if c.startswith(SAMPLES_COLUMN)), None)
             if column is None:
@@ -86,8 +109,8 @@ def _sections(listing: str) -> list[tuple[str | None, list[dict]]]:
     return out
 
 
-def _add(rows: list[dict], kernel: Kernel, samples: list[int]) -> None:
-    """Add one section's counts onto `samples`, checking that it lists this kernel's code."""
+def _counts(rows: list[dict], kernel: Kernel) -> list[int]:
+    """One section's counts per instruction, checking that it lists this kernel's code."""
     try:
         listed = [(int(r["address"], 16), r["source"].strip(), _count(r["count"])) for r in rows]
     except (TypeError, ValueError, AttributeError) as e:  # a short row has None fields
@@ -95,15 +118,17 @@ def _add(rows: list[dict], kernel: Kernel, samples: list[int]) -> None:
     if not listed:
         raise SipError("the ncu listing lists no instructions")
     base = min(address for address, _, _ in listed)
-    seen = set()
+    samples: list[int | None] = [None] * len(kernel.instructions)
     for address, source, count in listed:
         index, rest = divmod(address - base, INSTRUCTION_BYTES)
         ins = kernel.instructions[index] if not rest and index < len(kernel.instructions) else None
-        if ins is None or _opcode(source) != ins.base or index in seen:
+        if ins is None or _opcode(source) != ins.base:
             raise SipError(f"the listing's instruction at +{address - base:#x} ({source!r}) is not "
                            f"{kernel.name}'s there: it profiles another build of the kernel")
-        seen.add(index)
-        samples[index] += count
+        if samples[index] is not None:
+            raise SipError(f"the listing lists the instruction at +{address - base:#x} twice")
+        samples[index] = count
+    return [n or 0 for n in samples]
 
 
 def _count(text: str) -> int:

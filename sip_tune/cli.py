@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 from typing import Any
 
@@ -237,6 +238,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sip-tune: needs a CUDA sm_90 GPU (H100/H200) to run and time candidates: {problem}.",
               file=sys.stderr)
         return 2
+    if "sass" in levels:  # tools the sass level needs, checked before level 1 spends GPU time
+        missing = ([probe.sanitizer_problem()] if not args.no_sanitize and probe.sanitizer_problem() else []) + (
+            ["ncu not found on PATH"] if args.hot == "ncu" and not shutil.which("ncu") else [])
+        if missing:
+            print(f"sip-tune: {'; '.join(missing)} (the sass level needs it: see --no-sanitize, --hot)", file=sys.stderr)
+            return 2
     minutes = args.budget_minutes  # (the two budgets exclude each other)
     if args.budget_iters is None and minutes is None:
         minutes = 10.0

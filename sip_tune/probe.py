@@ -4,7 +4,8 @@ Nsight Compute. Both need a process of their own, which this module starts:
     sanitize(factory, cubin)  ->  {"memcheck": "clean", "racecheck": "clean", "synccheck": "clean"}
     profile(factory, cubin)   ->  the ncu PC-sampling listing of the kernel (sip.profile reads it)
 
-The wrapped process is `python -m sip_tune.probe PAYLOAD`: it builds the workload from the pickled
+The wrapped process is a python that takes this process's import path (so a factory defined in a test
+or bench module unpickles there too) and runs `main(PAYLOAD)`: it builds the workload from the pickled
 factory (as the tuner's GPU worker does), swaps `cubin` into the kernel's object (None: the original),
 and launches it on the tuned shape's arguments (more than once when profiled: the profiler samples a
 steady-state launch) and on `samples` test argument sets (the ragged sizes the workload draws), then
@@ -12,13 +13,13 @@ synchronises.
 """
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -48,7 +49,7 @@ def sanitize(factory: Callable[[], Any], cubin: bytes | None, tools: tuple[str, 
     with _payload(factory, cubin, samples, skip=0) as payload:
         for tool in tools:
             cmd = ["compute-sanitizer", "--tool", tool, "--report-api-errors", "no", "--error-exitcode", "99",
-                   sys.executable, "-m", "sip_tune.probe", payload]
+                   *_probe(payload)]
             out, code = _run(cmd, timeout_s, env={"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
             # memcheck and synccheck end in "ERROR SUMMARY: 0 errors", racecheck in "... 0 hazards".
             summary = "RACECHECK SUMMARY: 0 hazards" if tool == "racecheck" else "ERROR SUMMARY: 0 errors"
@@ -69,8 +70,8 @@ def profile(factory: Callable[[], Any], cubin: bytes, timeout_s: float = 900.0) 
         # Warp-sampling interval 0 (every 2^5 cycles): the default gave 19 samples of a 1 us launch.
         out, code = _run(["ncu", "--section", "SourceCounters", "--warp-sampling-interval", "0",
                           "--kernel-name-base", "mangled", "--kernel-name", name, "--launch-skip", "2",
-                          "--launch-count", "1", "--export", report, "--force-overwrite",
-                          sys.executable, "-m", "sip_tune.probe", payload], timeout_s)
+                          "--launch-count", "1", "--export", report, "--force-overwrite", *_probe(payload)],
+                         timeout_s)
         if code != 0 or not Path(report + ".ncu-rep").is_file():
             raise ProbeError("ncu could not profile the kernel: " + " | ".join(out.strip().splitlines()[-6:]))
         listing, code = _run(["ncu", "--import", report + ".ncu-rep", "--page", "source", "--print-source", "sass",
@@ -109,23 +110,36 @@ class _payload:
         os.unlink(self.path)
 
 
+def _probe(payload: str) -> list[str]:
+    """The probe process's command: this interpreter, with this process's import path first."""
+    boot = ("import json, os, sys; sys.path[:0] = json.loads(os.environ['SIP_PROBE_PATH']); "
+            "from sip_tune.probe import main; sys.exit(main(sys.argv[1:]))")
+    return [sys.executable, "-c", boot, payload]
+
+
 def _run(cmd: list[str], timeout_s: float, merge: bool = True, env: dict[str, str] | None = None) -> tuple[str, int]:
-    """Output (stdout, + stderr if `merge`) and exit code. The probe also finds what this process
-    added to its import path (a factory defined in a test or bench module unpickles there too); the
-    interpreter's own directories it has anyway. On a timeout the whole process group goes (the tool
-    and the python process under it, which holds the GPU)."""
-    own = tuple(os.path.realpath(sysconfig.get_path(k)) for k in ("stdlib", "platstdlib", "purelib", "platlib"))
-    added = [p for p in sys.path if p and os.path.isdir(p) and not os.path.realpath(p).startswith(own)]
-    path = os.pathsep.join(added + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=path, **(env or {})), start_new_session=True)
+    """Output (stdout, + stderr if `merge`) and exit code. The command runs in a process group of
+    its own, which goes whole on a timeout or if this process is interrupted (the tool and the
+    python under it, which holds the GPU)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
+                            env=dict(os.environ, SIP_PROBE_PATH=json.dumps(sys.path), **(env or {})),
+                            start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        return f"{stdout}{stderr}\ntimed out after {timeout_s:.0f} s", -1
+    except BaseException as e:
+        _kill_group(proc)
+        if not isinstance(e, subprocess.TimeoutExpired):
+            raise
+        return f"timed out after {timeout_s:.0f} s", -1
     return (stdout + stderr if merge else stdout), proc.returncode
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # already gone and reaped
+        pass
+    proc.wait()
 
 
 def main(argv: list[str]) -> int:
@@ -150,6 +164,3 @@ def main(argv: list[str]) -> int:
     print(f"{_DONE} ({data['warm'] + 1 + data['samples']})", flush=True)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -418,9 +418,14 @@ def _finish(report: TuneReport, runner: Runner, pool: dict[str, tuple[float, byt
         if config.sanitize:
             log(f"[sip-tune] compute-sanitizer {', '.join(probe.SANITIZER_TOOLS)} on {f['digest'][:12]}")
             f["sanitizer"] = probe.sanitize(factory, f["cubin"])
-            if any(verdict != "clean" for verdict in f["sanitizer"].values()):
-                f["validation"] += "; compute-sanitizer: " + "; ".join(
-                    f"{tool} {verdict}" for tool, verdict in f["sanitizer"].items() if verdict != "clean")
+            unclean = {tool: verdict for tool, verdict in f["sanitizer"].items() if verdict != "clean"}
+            if unclean:
+                f["validation"] += "; compute-sanitizer: " + "; ".join(f"{t} {v}" for t, v in unclean.items())
+                original_verdicts = probe.sanitize(factory, None, tools=tuple(unclean))
+                if any(v != "clean" for v in original_verdicts.values()):  # not the candidate's doing
+                    found = "; ".join(f"{t} {v}" for t, v in original_verdicts.items())
+                    report.outcome = f"compute-sanitizer does not pass the original kernel either ({found}); nothing cached"
+                    break
                 continue
         report.tuned_us, report.speedup, report.samples_passed = f["median_us"], speedup, v["passed"]
         meta = {"baseline_median_us": report.baseline_us, "tuned_median_us": f["median_us"],

@@ -44,8 +44,9 @@ def test_a_listing_of_another_build_kernel_or_format_is_refused():
     shifted = listing(k, (1,) * 6, base=BASE + 8)  # an address between two instructions
     with pytest.raises(SipError, match="another build"):
         profile.stall_samples(shifted.replace(f"{BASE + 8:#x}", f"{BASE:#x}", 1), k)
-    twice = good.replace(f"{BASE + 0x10:#x}", f"{BASE + 0x20:#x}", 1)  # one address listed twice
-    with pytest.raises(SipError, match="another build"):
+    rows = good.splitlines()
+    twice = "\n".join(rows[:3] + rows[2:]) + "\n"  # the first instruction's row listed twice
+    with pytest.raises(SipError, match="lists the instruction at \\+0x0 twice"):
         profile.stall_samples(twice, k)
     with pytest.raises(SipError, match="not an ncu source listing"):
         profile.stall_samples("ID,Kernel Name\n1,foo\n", k)
@@ -70,6 +71,23 @@ def test_the_sections_of_several_launches_add_up_and_other_kernels_are_skipped()
     other = synthetic_kernel([("IADD3 R1, R2, R3, RZ ;", C), ("EXIT ;", C)])
     text = listing(k, (1, 2, 3, 4, 5, 6)) + listing(other, (50, 50), name="other_kernel") + listing(k, (10,) * 6)
     assert profile.stall_samples(text, k) == (11, 12, 13, 14, 15, 16)
+    # another build under the same name (CuTeDSL names are truncated) is skipped while one section matches
+    same_name = listing(other, (50, 50), name=k.name)
+    assert profile.stall_samples(same_name + listing(k, (1,) * 6), k) == (1,) * 6
+    with pytest.raises(SipError, match="another build"):
+        profile.stall_samples(same_name, k)
+    # sections without a name line: each header starts one
+    unnamed = "".join(t.split("\n", 1)[1] for t in (listing(k, (1,) * 6), listing(k, (2,) * 6)))
+    assert profile.stall_samples(unnamed, k) == (3,) * 6
+
+
+def test_a_demangled_name_matches_its_mangled_kernel(corpus):
+    k = disassemble(parse_cubin(corpus_entry(corpus, "smem_tiled_gemm")))["_Z15smem_tiled_gemmPfPKfS1_i"]
+    n = len(k.instructions)
+    named = listing(k, (1,) * n, name="smem_tiled_gemm(float *, const float *, const float *, int)")
+    assert profile.stall_samples(named, k) == (1,) * n
+    with pytest.raises(SipError, match="the listing profiles .*tiled_gemm_v2"):
+        profile.stall_samples(listing(k, (1,) * n, name="tiled_gemm_v2(float *)"), k)
 
 
 def test_measured_weights_steer_the_proposals(corpus):

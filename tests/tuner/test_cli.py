@@ -52,6 +52,35 @@ def test_without_a_gpu_exit_2_with_a_clear_message(capsys):
     assert code == 2 and "needs a CUDA sm_90 GPU" in err
 
 
+class ReachedLevelOne(Exception):
+    pass
+
+
+@pytest.fixture
+def gpu_without_tools(monkeypatch):
+    """A GPU host as the command sees it, with neither compute-sanitizer nor ncu; level 1 raises when reached."""
+    monkeypatch.setattr(cli, "gpu_problem", lambda: None)
+    monkeypatch.setattr(cli.probe, "sanitizer_problem", lambda: "compute-sanitizer not found on PATH")
+    monkeypatch.setattr(cli.shutil, "which", lambda name: None)
+
+    def level_one(*args, **kwargs):
+        raise ReachedLevelOne
+
+    monkeypatch.setattr(cli.configs, "tune_configs", level_one)
+
+
+@pytest.mark.parametrize("argv, message", [([], "compute-sanitizer not found"),
+                                           (["--no-sanitize", "--hot", "ncu"], "ncu not found")])
+def test_a_missing_tool_of_the_sass_level_is_reported_before_any_gpu_work(capsys, gpu_without_tools, argv, message):
+    code, _, err = run(capsys, "--kernel", "qk_norm", "--budget-iters", "5", *argv)
+    assert code == 2 and message in err
+
+
+def test_level_one_alone_needs_neither_tool(capsys, gpu_without_tools):
+    with pytest.raises(ReachedLevelOne):
+        cli.main(["--kernel", "qk_norm", "--budget-iters", "5", "--levels", "config"])
+
+
 @pytest.mark.skipif(HAS_SM90, reason="checks the message shown without an sm_90 GPU")
 def test_the_command_exits_2_without_a_gpu(tmp_path):
     out = subprocess.run([sys.executable, "-m", "sip_tune.cli", "--kernel", "qk_norm", "--budget-minutes", "1",

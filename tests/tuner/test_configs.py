@@ -339,6 +339,7 @@ def cli_toy(toy, monkeypatch):
         return tuning.TuneReport(kernel, "v", "decode", outcome="fake")
 
     monkeypatch.setattr(cli, "gpu_problem", lambda: None)
+    monkeypatch.setattr(cli.probe, "sanitizer_problem", lambda: None)  # a GPU host has compute-sanitizer
     monkeypatch.setattr(configs, "tune_configs", fake_tune_configs)
     monkeypatch.setattr(tuning, "tune", fake_tune)
     return calls

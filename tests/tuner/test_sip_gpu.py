@@ -157,7 +157,8 @@ def test_a_broken_candidate_is_rejected_and_never_cached(env):
     # A search whose every proposal is broken ends with nothing cached. (The broken cubins are made
     # from the original: a few distinct ones, each proposal mapped to one of them.)
     variants = [store_before_its_data(with_extra_stalls(original, every=e)) for e in (10**6, 50, 20)]
-    report = tuning.tune(QK_DECODE, tuning.TuneConfig(budget_iters=10, runs=1, samples=100, min_speedup=0.0, retimes=1),
+    report = tuning.tune(QK_DECODE, tuning.TuneConfig(budget_iters=10, runs=1, samples=100, min_speedup=0.0, retimes=1,
+                                                      sanitize=False),
                          kernel="qk_norm", candidate_hook=lambda c: variants[hash(c) % 3])
     print(report.text())
     assert report.evaluated > 0 and report.incorrect == report.evaluated
@@ -183,6 +184,8 @@ def test_crashing_candidates_do_not_stop_the_search(env):
 
 
 def test_tune_cache_then_warmup_in_a_fresh_process(env, tmp_path):
+    if probe.sanitizer_problem():
+        pytest.skip(probe.sanitizer_problem())  # a cubin is stored only once compute-sanitizer ran it
     config = tuning.TuneConfig(budget_iters=60, runs=2, samples=2000, min_speedup=0.0, seed=1)
     report = tuning.tune(QK_DECODE, config, kernel="qk_norm")
     print(report.text())

@@ -164,9 +164,11 @@ def test_a_finalist_compute_sanitizer_flags_is_not_stored(toy, monkeypatch):
     factory, root = toy
     checked = []
 
-    def sanitize(f, cubin):
+    def sanitize(f, cubin, tools=tuning.probe.SANITIZER_TOOLS):
+        verdicts = dict.fromkeys(tools, "clean")
+        if cubin is None:  # the original, checked once a finalist is flagged
+            return verdicts
         checked.append(ToyEngine.perm(cubin))
-        verdicts = dict.fromkeys(tuning.probe.SANITIZER_TOOLS, "clean")
         if len(checked) == 1:  # the first finalist that passes validation races
             verdicts["racecheck"] = "exit 99: ========= Error: Race reported between Write access ..."
         return verdicts
@@ -185,6 +187,22 @@ def test_a_finalist_compute_sanitizer_flags_is_not_stored(toy, monkeypatch):
                          log=lambda m: None)
     entry = tuned.lookup(root / "unchecked", "toy", factory().kernel.variant, factory().kernel.cubin)
     assert report.cached and entry.meta["sanitizer"] == "not run"
+
+
+def test_when_the_original_fails_the_sanitizer_too_no_finalist_is_blamed(toy, monkeypatch):
+    factory, root = toy
+    calls = []
+
+    def sanitize(f, cubin, tools=tuning.probe.SANITIZER_TOOLS):
+        calls.append((cubin is None, tools))
+        return dict.fromkeys(tools, "exit 99: ========= Invalid __global__ read of size 4")
+
+    monkeypatch.setattr(tuning.probe, "sanitize", sanitize)
+    config = tuning.TuneConfig(budget_iters=3000, runs=2, samples=50, seed=4, exhausted_after=10**6)
+    report = tuning.tune(factory, config, cache_root=root, log=lambda m: None)
+    assert calls == [(False, tuning.probe.SANITIZER_TOOLS), (True, tuning.probe.SANITIZER_TOOLS)]
+    assert "does not pass the original kernel either" in report.outcome and not report.cached
+    assert tuned.list_entries(root) == []
 
 
 def test_proposals_can_follow_the_profilers_samples(toy, monkeypatch):
