@@ -96,3 +96,20 @@ def test_without_the_tool_every_verdict_says_why(monkeypatch, tmp_path):
     assert probe.sanitize(factory, b"cubin") == dict.fromkeys(probe.SANITIZER_TOOLS, "compute-sanitizer not found on PATH")
     with pytest.raises(probe.ProbeError, match="ncu"):
         probe.profile(factory, b"cubin")
+
+
+def test_the_probe_process_imports_what_this_process_can(tmp_path, monkeypatch):
+    """The probe's own command (what the tools wrap) takes this process's sys.path: a factory from a
+    module only this process's runtime path reaches unpickles there and runs (here it raises before
+    any GPU work)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "probe_factory_mod.py").write_text(
+        "def factory():\n    raise RuntimeError('the probe process unpickled and called the factory')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "mods"))
+    import probe_factory_mod
+
+    with probe._payload(probe_factory_mod.factory, None, samples=0, skip=0) as payload:
+        out, code = probe._run(probe._probe(payload), 120)
+    assert code != 0 and "the probe process unpickled and called the factory" in out, out[-2000:]
+    assert not list(tmp_path.glob("sip-probe-*"))
