@@ -10,6 +10,7 @@ against tokens, and tuning before/after.
 from __future__ import annotations
 
 import argparse
+import gzip
 import io
 import json
 import math
@@ -358,20 +359,37 @@ def draw(name: str, data: dict, out: str | Path) -> Path | None:
     return path
 
 
+def results(folder: Path) -> dict[str, Path]:
+    """Each charted result in `folder`: NAME.json, or NAME.json.gz (committed results are kept small)."""
+    found = {}
+    for name in CHARTS:
+        for path in (folder / f"{name}.json", folder / f"{name}.json.gz"):
+            if path.is_file():
+                found[name] = path
+                break
+    return found
+
+
+def load(path: Path) -> Any:
+    """A result file's data, gzipped or not."""
+    raw = path.read_bytes()
+    return json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("folder", help="a folder of NAME.json results, e.g. bench/results")
+    p.add_argument("folder", help="a folder of NAME.json (or NAME.json.gz) results, e.g. bench/results")
     args = p.parse_args(argv)
     folder = Path(args.folder)
     if not folder.is_dir():
         p.error(f"{folder} is not a folder")
-    found = [folder / f"{name}.json" for name in CHARTS if (folder / f"{name}.json").is_file()]
+    found = results(folder)
     if not found:
         p.error(f"{folder} holds none of " + ", ".join(f"{name}.json" for name in CHARTS))
     failed = 0
-    for path in found:
+    for name, path in found.items():
         try:
-            print(draw(path.stem, json.loads(path.read_text()), folder))
+            print(draw(name, load(path), folder))
         except Exception as e:  # noqa: BLE001 - one bad file does not stop the others
             failed += 1
             print(f"{path}: no chart ({type(e).__name__}: {e})", file=sys.stderr)

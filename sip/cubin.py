@@ -192,6 +192,14 @@ class Cubin:
     def kernels(self) -> list[KernelText]:
         return list(self._kernels.values())
 
+    def main_kernel(self) -> KernelText:
+        """The kernel a tuner works on: the largest entry (CuTeDSL cubins hold one), else the largest
+        function; SipError when there is no code."""
+        candidates = [k for k in self.kernels() if k.entry] or self.kernels()
+        if not candidates:
+            raise SipError("the cubin holds no kernel code")
+        return max(candidates, key=lambda k: k.instruction_count)
+
     def kernel(self, name: str) -> KernelText:
         try:
             return self._kernels[name]

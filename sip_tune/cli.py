@@ -239,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     if "sass" in levels:  # tools the sass level needs, checked before level 1 spends GPU time
-        missing = ([probe.sanitizer_problem()] if not args.no_sanitize and probe.sanitizer_problem() else []) + (
-            ["ncu not found on PATH"] if args.hot == "ncu" and not shutil.which("ncu") else [])
+        missing = [] if args.no_sanitize else [p for p in [probe.sanitizer_problem()] if p]
+        if args.hot == "ncu" and not shutil.which("ncu"):
+            missing.append("ncu not found on PATH")
         if missing:
             print(f"sip-tune: {'; '.join(missing)} (the sass level needs it: see --no-sanitize, --hot)", file=sys.stderr)
             return 2

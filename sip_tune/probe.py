@@ -13,6 +13,7 @@ synchronises.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
 _DONE = "probe: launches done"
@@ -64,7 +65,9 @@ def profile(factory: Callable[[], Any], cubin: bytes, timeout_s: float = 900.0) 
     ncu cannot profile."""
     if not shutil.which("ncu"):
         raise ProbeError("ncu (Nsight Compute) not found on PATH")
-    name = _kernel_name(cubin)
+    from sip import cubin as elf
+
+    name = elf.parse_cubin(cubin).main_kernel().name
     with _payload(factory, cubin, samples=0, skip=2) as payload, tempfile.TemporaryDirectory() as tmp:
         report = str(Path(tmp) / "probe")
         # Warp-sampling interval 0 (every 2^5 cycles): the default gave 19 samples of a 1 us launch.
@@ -81,33 +84,16 @@ def profile(factory: Callable[[], Any], cubin: bytes, timeout_s: float = 900.0) 
     return listing
 
 
-def _kernel_name(cubin: bytes) -> str:
-    """The kernel SIP tunes in `cubin`: its largest entry (CuTeDSL cubins hold one)."""
-    from sip import cubin as elf
-
-    parsed = elf.parse_cubin(cubin)
-    kernels = [k for k in parsed.kernels() if k.entry] or parsed.kernels()
-    return max(kernels, key=lambda k: k.instruction_count).name
-
-
-class _payload:
+@contextlib.contextmanager
+def _payload(factory: Callable[[], Any], cubin: bytes | None, samples: int, skip: int) -> Iterator[str]:
     """A temporary pickle of what the probe process runs; its path while the context lasts."""
-
-    def __init__(self, factory: Callable[[], Any], cubin: bytes | None, samples: int, skip: int):
-        self.data = {"factory": factory, "cubin": cubin, "samples": samples, "warm": skip}
-
-    def __enter__(self) -> str:
-        fd, self.path = tempfile.mkstemp(suffix=".pkl", prefix="sip-probe-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                pickle.dump(self.data, f)
-        except BaseException:
-            os.unlink(self.path)
-            raise
-        return self.path
-
-    def __exit__(self, *exc: Any) -> None:
-        os.unlink(self.path)
+    fd, path = tempfile.mkstemp(suffix=".pkl", prefix="sip-probe-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump({"factory": factory, "cubin": cubin, "samples": samples, "warm": skip}, f)
+        yield path
+    finally:
+        os.unlink(path)
 
 
 def _probe(payload: str) -> list[str]:

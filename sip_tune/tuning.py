@@ -49,10 +49,7 @@ def engine_initial(cubin: bytes, moves: str | None = None) -> mutate.Schedule:
     """The schedule the cubin has (of its largest kernel: CuTeDSL cubins hold one), under the move
     classes `moves` (comma list, sip.mutate.parse_moves; None: the engine's default)."""
     parsed = elf.parse_cubin(cubin)
-    kernels = [k for k in parsed.kernels() if k.entry] or parsed.kernels()
-    if not kernels:
-        raise ValueError("the cubin holds no kernel code")
-    name = max(kernels, key=lambda k: k.instruction_count).name
+    name = parsed.main_kernel().name
     classes = mutate.DEFAULT_MOVES if moves is None else mutate.parse_moves(moves)
     return mutate.initial_schedule(sass.disassemble_kernel(parsed, name), classes)
 
@@ -243,9 +240,10 @@ def tune(factory: Callable[[], Workload], config: TuneConfig, *, kernel: str | N
     memo: dict[str, float] = {_digest(original): 1.0}
     costs: dict[str, list[float]] = {k: [] for k in ("apply", "load", "test", "time", "total")}
     t0 = time.perf_counter()
-    if config.sanitize and probe.sanitizer_problem():  # found out now, not after the search
-        raise probe.ProbeError(f"{probe.sanitizer_problem()}: a tuned cubin is stored only once compute-sanitizer "
-                               "has run it (sanitize=False / sip-tune --no-sanitize stores it unchecked)")
+    missing = config.sanitize and probe.sanitizer_problem()
+    if missing:  # found out now, not after the search
+        raise probe.ProbeError(f"{missing}: a tuned cubin is stored only once compute-sanitizer has run it "
+                               "(sanitize=False / sip-tune --no-sanitize stores it unchecked)")
     # CPU only: fails fast, before any GPU work, on a cubin SIP cannot read
     initial = engine_initial(original) if config.moves is None else engine_initial(original, config.moves)
     count, report.movable, report.legal_moves = engine_stats(initial)
@@ -403,6 +401,7 @@ def _finish(report: TuneReport, runner: Runner, pool: dict[str, tuple[float, byt
                                  "cubin": cubin})
     report.finalists.sort(key=lambda f: f["rel"])
     samples = config.validation_samples
+    original_clean = None  # the original under the sanitizer, asked once a finalist is flagged
     for f in report.finalists:
         speedup = 1.0 / f["rel"]
         if speedup < report.bar:
@@ -421,9 +420,11 @@ def _finish(report: TuneReport, runner: Runner, pool: dict[str, tuple[float, byt
             unclean = {tool: verdict for tool, verdict in f["sanitizer"].items() if verdict != "clean"}
             if unclean:
                 f["validation"] += "; compute-sanitizer: " + "; ".join(f"{t} {v}" for t, v in unclean.items())
-                original_verdicts = probe.sanitize(factory, None, tools=tuple(unclean))
-                if any(v != "clean" for v in original_verdicts.values()):  # not the candidate's doing
-                    found = "; ".join(f"{t} {v}" for t, v in original_verdicts.items())
+                if original_clean is None:
+                    verdicts = probe.sanitize(factory, None)
+                    original_clean = all(v == "clean" for v in verdicts.values())
+                if not original_clean:  # not the candidate's doing
+                    found = "; ".join(f"{t} {v}" for t, v in verdicts.items())
                     report.outcome = f"compute-sanitizer does not pass the original kernel either ({found}); nothing cached"
                     break
                 continue
