@@ -16,7 +16,9 @@
    says how far apart two identical kernels measure) in one interleaved replay of CUDA graphs.
 5. The fastest few are re-timed against the heuristic in a fresh worker; the fastest of those is the
    winner if it beats the heuristic by more than max(min_speedup, 1 + A/A spread) there, and goes into
-   the tuned store (`rosekernels.tuned.store_config`), which ops consult when they plan a call.
+   the tuned store (`rosekernels.tuned.store_config`), which ops consult when they plan a call. When
+   the heuristic measures fastest, the store records that (its own config at 1.0x), so the bucket
+   counts as tuned (`sip-tune --model` resumes past it); a failed run records nothing.
 
 Level 2 (`sip_tune.tuning.tune`, SASS annealing) then runs on the winner's config:
 `workload_factory(kernel, winner, shape)` is its factory.
@@ -184,6 +186,7 @@ class ConfigReport:
     finalists: list = dataclasses.field(default_factory=list)  # the re-timed ones
     retime_aa_spread: float = math.nan
     winner: dict | None = None  # asdict of the stored config; None: the heuristic stays
+    settled: bool = False  # the heuristic stays because it measured fastest (not because a run failed)
     winner_key: str = ""
     tuned_us: float = math.nan
     speedup: float = 1.0  # of the winner over the heuristic, in the re-time
@@ -300,16 +303,19 @@ def tune_configs(kernel: str, mode: str, overrides: Mapping[str, Any] | None = N
         seconds["retime"] = time.perf_counter() - t0
     finally:
         runner.close()
-    if winner is not None:
+    if winner is not None or report.settled:
+        # A search that kept the heuristic is recorded too (its config, 1.0x): a resumed
+        # `sip-tune --model` skips the bucket, and a later, better result still replaces it.
         from rosekernels import tuned
 
         meta = {"heuristic_median_us": report.heuristic_us, "tuned_median_us": report.tuned_us,
                 "speedup": report.speedup, "aa_spread": max(report.aa_spread, report.retime_aa_spread),
+                "outcome": report.outcome,
                 "samples": samples, "searched": len(rows), "candidates": space.total, "gpu": report.gpu,
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-        report.stored = str(tuned.store_config(cache_root, kernel, space.shape, winner, space.heuristic,
-                                               original_sha256, meta))
-        report.outcome += f"; stored at {report.stored}"
+        report.stored = str(tuned.store_config(cache_root, kernel, space.shape, winner or space.heuristic,
+                                               space.heuristic, original_sha256, meta))
+        report.outcome += f"; {'stored' if winner is not None else 'recorded'} at {report.stored}"
     seconds["total"] = time.perf_counter() - t_start
     # Re-timing is timing: the shares say where a level-1 run's wall time goes.
     report.shares = {"compile": seconds["compile"] / seconds["total"], "test": seconds["test"] / seconds["total"],
@@ -347,6 +353,7 @@ def _pick(report: ConfigReport, runner: Runner, space: SearchSpace, rows: list[d
     if not ranked:
         report.tuned_us = report.heuristic_us
         report.outcome = "no candidate timed faster than the heuristic; the heuristic stays"
+        report.settled = True
         return None
     runner.restart()  # nothing the search ran can leak into the re-time
     kind, answer = runner.request("time", (ranked, retime_reps), options.eval_timeout_s * (2 + len(ranked)))
@@ -364,6 +371,7 @@ def _pick(report: ConfigReport, runner: Runner, space: SearchSpace, rows: list[d
         report.tuned_us = report.heuristic_us
         report.outcome = (f"the fastest candidate re-timed {best['speedup']:.4f}x, not above {bar:.4f}x "
                           "(max of min_speedup and the A/A spread); the heuristic stays")
+        report.settled = True
         return None
     winner = space.candidates[best["index"]]
     report.winner, report.winner_key = dataclasses.asdict(winner), best["key"]

@@ -308,11 +308,20 @@ def test_tune_configs_end_to_end_with_a_cpu_bench(toy):
     assert "crash" in report.text() and "12 candidates" in report.text()
 
 
-def test_nothing_is_stored_below_the_bar(toy):
+def test_below_the_bar_the_heuristic_is_recorded_as_the_buckets_config(toy):
     report = configs.tune_configs(OP, "decode", max_candidates=3, processes=1, cache_root=toy, log=lambda m: None,
                                   bench=CpuConfigBench, min_speedup=1.2)
     assert report.winner is None and report.finalists and "the heuristic stays" in report.outcome
-    assert not report.stored and tuned.config_entries(toy, OP) == []
+    assert report.settled and "recorded at" in report.outcome
+    [entry] = tuned.config_entries(toy, OP)
+    assert str(entry.path) == report.stored and entry.config == entry.heuristic == Config(2, 1)
+    assert entry.speedup == 1.0 and "the heuristic stays" in entry.meta["outcome"]
+    # a later, better result replaces the record
+    better = configs.tune_configs(OP, "decode", max_candidates=3, processes=1, cache_root=toy, log=lambda m: None,
+                                  bench=CpuConfigBench)
+    assert better.winner is not None and better.stored == report.stored
+    [entry] = tuned.config_entries(toy, OP)
+    assert entry.config == Config(**better.winner) and entry.speedup > 1
     assert configs.chosen(report) == (Config(2, 1), Shape())
 
 

@@ -72,7 +72,9 @@ def test_qk_norm_decode_level_one_times_the_heuristic_against_itself(store):
     report = configs.tune_configs("qk_norm", "decode", {"tokens": 1}, samples=4, reps=10, cache_root=store)
     assert len(report.candidates) == 1 and report.total == 1 and report.candidates[0]["status"] == "ok"
     assert report.heuristic_us > 0 and 0 <= report.aa_spread < 0.05
-    assert report.winner is None and "the heuristic stays" in report.outcome and not report.stored
+    assert report.winner is None and "the heuristic stays" in report.outcome
+    [entry] = tuned.config_entries(store, "qk_norm")  # recorded: the bucket counts as tuned
+    assert str(entry.path) == report.stored and entry.config == entry.heuristic and entry.speedup == 1.0
     assert set(report.shares) == {"compile", "test", "time"} and sum(report.shares.values()) <= 1
     assert "qk_norm" in report.text()
 
@@ -100,7 +102,7 @@ def test_gemm_decode_level_one_then_level_two_on_the_chosen_config(store):
         assert entry is not None and dataclasses.asdict(entry.config) == report.winner
         assert report.speedup > max(1.01, 1 + report.aa_spread)
     else:
-        assert tuned.config_entries(store, "gemm_leakyrelu") == []
+        assert [e.config for e in tuned.config_entries(store, "gemm_leakyrelu")] == [heuristic]
     config, shape = configs.chosen(report)
     sass = tuning.tune(configs.workload_factory("gemm_leakyrelu", config, shape),
                        tuning.TuneConfig(budget_iters=20, runs=1, samples=50, retimes=1, sanitize=False),
