@@ -1,0 +1,410 @@
+"""MoE across the GPUs of one node: expert parallel and tensor parallel over NVLink.
+
+    ep = ExpertParallel(num_experts=256, hidden=7168, max_tokens=128, topk=8, group=dist.group.WORLD)
+    got = ep.dispatch(x, topk_ids, topk_weights)   # MoeDispatch of this rank's experts, from every rank's tokens
+    ep.combine(grouped_gemm(got.buffer, got.offsets)) -> [T, H]: this rank's tokens, weighted sums
+
+    tp = TensorParallel(num_experts=128, hidden=2048, max_tokens=4096, topk=8, group=...)
+    got = tp.dispatch(x, topk_ids)                 # the same x on every rank; this rank's experts
+    tp.combine(grouped_gemm(got.buffer, got.offsets), topk_weights, got.slot_map) -> [T, H] summed over ranks
+
+Both keep their cross-rank state in a per-rank arena mapped into every rank (`Peers`: torch
+SymmetricMemory over a process group, or `Peers.emulated`: n arenas on one GPU, for testing a
+protocol where one GPU is all there is; SymmetricMemory refuses two ranks on one device). The kernels
+and the flag protocol (step counters, no reset, a timeout instead of a hang) are described in
+rosekernels/kernels/moe_peer.py. Nothing synchronises with the host: every call can be captured in a
+CUDA graph, and `check()` (which does synchronise) turns a timed-out wait, a dropped pair or an
+invalid id into an exception.
+
+Expert parallel (DP = n): rank r owns experts r*E/n .. (r+1)*E/n - 1. dispatch sends each token once
+to every rank owning one of its experts (16-byte vectors into a per-sender receive region, then a
+per-token release flag), waits for every sender's flags, and groups what arrived with the local
+`moe_dispatch` (ranged to this rank's experts) for the grouped GEMM. combine sends each expert output
+row back to its token's pair row on the source rank (flag per token), waits, and reduces with the
+routing weights there (`moe_combine`): bitwise what one GPU's dispatch + combine of the same rows give.
+Ids outside [-1, E) reach every rank, so every rank's dispatch refuses the step (see moe_dispatch).
+
+Tensor parallel (TP = n): every rank holds all tokens; dispatch is `moe_dispatch` ranged to this
+rank's experts; combine is the local weighted sum followed by a sum over the ranks: for decode (up to
+moe_combine's decode token count) one launch that pushes each CTA's partial to every rank and adds
+the n partials (`tp_reduce`); for prefill `moe_combine` then the same reduce of its output. Each
+rank's partial is rounded once to the dtype, then the n partials are added in rank order in fp32, so
+every rank gets the same bits.
+
+Emulated ranks share one GPU: run each rank's calls on its own `stream` (their kernels wait for each
+other, so one host thread must launch all ranks' work before waiting on any).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from rosekernels import checks, launch
+from rosekernels.kernels import moe_peer
+from rosekernels.kernels.moe_combine import moe_combine
+from rosekernels.kernels.moe_combine_plan import DECODE_MAX_TOKENS
+from rosekernels.kernels.moe_combine_plan import choose_mode as combine_mode
+from rosekernels.kernels.moe_dispatch import DEFAULT_BLOCK_SIZE, DTYPES, MoeDispatch, check_sm90, moe_dispatch
+from rosekernels.kernels.moe_dispatch_plan import DECODE_MAX_PAIRS
+
+ALIGN = 256  # arena regions start on 256-byte boundaries
+DEFAULT_TIMEOUT_MS = 10_000
+
+
+class Peers:
+    """The arenas of `world` ranks as seen from `rank`: this rank's own (`arena`, uint8) and every
+    rank's base address in this process (`bases`)."""
+
+    def __init__(self, rank: int, world: int, arena: torch.Tensor, bases: list[int], group: Any = None):
+        self.rank, self.world, self.arena, self.bases, self.group = rank, world, arena, bases, group
+        self.device = arena.device
+        self.stream = torch.cuda.Stream(self.device) if group is None else None
+
+    @classmethod
+    def symmetric(cls, nbytes: int, group: Any = None, device: Any = None) -> "Peers":
+        """One arena per rank of `group` (default: the world) in torch SymmetricMemory, zeroed."""
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        group = group or dist.group.WORLD
+        device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        arena = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(arena, group)
+        arena.zero_()
+        torch.cuda.synchronize(device)
+        dist.barrier(group)  # every flag is zero before any rank's first step
+        peers = cls(handle.rank, handle.world_size, arena, list(handle.buffer_ptrs), group)
+        peers.handle = handle  # keeps the mapping alive
+        return peers
+
+    @classmethod
+    def emulated(cls, world: int, nbytes: int, device: Any = None) -> list["Peers"]:
+        """`world` ranks on one GPU: one zeroed arena each, every rank seeing all of them."""
+        device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        arenas = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(world)]
+        bases = [a.data_ptr() for a in arenas]
+        return [cls(r, world, arenas[r], bases) for r in range(world)]
+
+    def addresses(self, offsets: list[int]) -> torch.Tensor:
+        """[world, regions] int64: where each region of each rank's arena is, for the kernels."""
+        return torch.tensor([[b + o for o in offsets] for b in self.bases], dtype=torch.int64, device=self.device)
+
+    def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A region of this rank's own arena as a tensor."""
+        n = math.prod(shape) * dtype.itemsize
+        return self.arena[offset:offset + n].view(dtype).view(shape)
+
+
+def _layout(sizes: list[int]) -> tuple[list[int], int]:
+    offsets, end = [], 0
+    for size in sizes:
+        offsets.append(end)
+        end += -(-size // ALIGN) * ALIGN
+    return offsets, end
+
+
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class _Parallel:
+    """What both forms share: sizes, the arena, the step state, the timeout, check()."""
+
+    def __init__(self, num_experts: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype,
+                 weight_dtype: torch.dtype, group: Any, peers: Peers | None, timeout_ms: float, regions: list[int]):
+        if dtype not in DTYPES:
+            raise TypeError(f"dtype must be one of {[str(d) for d in DTYPES]}, got {dtype}")
+        if weight_dtype not in (torch.float32, dtype):
+            raise TypeError(f"weight_dtype must be float32 or {dtype}, got {weight_dtype}")
+        self.weight_dtype = weight_dtype
+        world = peers.world if peers is not None else _world(group)
+        for name, v in (("num_experts", num_experts), ("hidden", hidden), ("max_tokens", max_tokens),
+                        ("topk", topk)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if num_experts % world:
+            raise ValueError(f"num_experts {num_experts} must split evenly over {world} ranks")
+        if hidden % checks.vector_width(dtype):
+            raise ValueError(f"hidden {hidden} must be a multiple of {checks.vector_width(dtype)} (16 bytes)")
+        if not 0 < timeout_ms < 2**63 / 1e6:
+            raise ValueError(f"timeout_ms must be positive, got {timeout_ms}")
+        self.num_experts, self.hidden, self.max_tokens, self.topk, self.dtype = (
+            num_experts, hidden, max_tokens, topk, dtype)
+        self.experts_per_rank = num_experts // world
+        self.timeout_ns = int(timeout_ms * 1e6)
+        self.offsets, nbytes = _layout(regions)
+        self.arena_bytes = nbytes
+        if peers is None:
+            peers = Peers.symmetric(nbytes, group)
+        elif peers.arena.numel() < nbytes:
+            raise ValueError(f"the peers' arenas hold {peers.arena.numel()} bytes; this needs {nbytes}")
+        check_sm90(peers.device)
+        self.peers, self.rank, self.world, self.device = peers, peers.rank, peers.world, peers.device
+        self.addr = peers.addresses(self.offsets)
+        self.state = torch.zeros(4, dtype=torch.int32, device=self.device)  # see moe_peer: step, error, arrivals
+        self.sms = _sms(self.device)
+        self.dtype_name = checks.DTYPE_NAME[dtype]
+
+    @property
+    def local_experts(self) -> tuple[int, int]:
+        """(first, count) of this rank's experts."""
+        return self.rank * self.experts_per_rank, self.experts_per_rank
+
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The stream an emulated rank runs on (None for real ranks)."""
+        return self.peers.stream
+
+    def _check_timeout(self) -> None:
+        late = int(self.state[moe_peer.STATE_ERROR].item())
+        if late:
+            raise TimeoutError(f"rank {self.rank}: rank {late - 1} did not signal within "
+                               f"{self.timeout_ns / 1e6:g} ms; the ranks are out of step (rebuild them)")
+
+    def _check_rows(self, name: str, t: Any, rows: int | None = None) -> None:
+        checks.check_cuda(name, t)
+        checks.check_dtype(name, t, (self.dtype,))
+        checks.check_shape(name, t, (rows, self.hidden))
+        if t.device != self.device:
+            raise ValueError(f"{name} is on {t.device}; this rank runs on {self.device}")
+        checks.check_unit_last_stride(name, t)
+        checks.check_aligned(name, t)
+
+    def _check_routing(self, name: str, t: Any, tokens: int, dtypes: tuple[torch.dtype, ...]) -> None:
+        checks.check_cuda(name, t)
+        checks.check_dtype(name, t, dtypes)
+        checks.check_shape(name, t, (tokens, self.topk))
+        if t.device != self.device:
+            raise ValueError(f"{name} is on {t.device}; this rank runs on {self.device}")
+        checks.check_unit_last_stride(name, t)
+
+    def _kernel(self, op: str, **params: Any):
+        return moe_peer.compile(moe_peer.PeerConfig(op, self.world, **params)).fn
+
+    def _scratch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(state, addr) for launches on nothing: every region of every rank in one private buffer
+        (large enough for a reduce's CTA flags), a private step state."""
+        buf = torch.zeros(self.world * moe_peer.MAX_CTAS, dtype=torch.int32, device=self.device)
+        self._scratch_buf = buf  # alive until the launches ran
+        addr = torch.full((self.world, len(self.offsets)), buf.data_ptr(), dtype=torch.int64, device=self.device)
+        return torch.zeros(4, dtype=torch.int32, device=self.device), addr
+
+    def _preloaded(self) -> None:
+        # CUDA loads a kernel at its first launch and, to do so, waits for the device to idle, which
+        # a spinning wait for a peer does not allow (with ranks emulated on one GPU it never would;
+        # across GPUs a first step could outlast the timeout): so every kernel a step launches was
+        # launched once, on nothing, before the first step.
+        torch.cuda.synchronize(self.device)
+        self._scratch_buf = None
+
+    def _wait(self, region: int, rows: int, bump: bool, state: torch.Tensor | None = None,
+              addr: torch.Tensor | None = None) -> None:
+        fn = self._kernel("wait", region=region, bump=bump)
+        grid = max(1, -(-self.world * rows // moe_peer.THREADS))
+        launch.on_device(self.device.index, fn, self.addr if addr is None else addr,
+                         self.state if state is None else state, self.rank, rows, self.max_tokens,
+                         self.timeout_ns, grid)
+
+
+def _world(group: Any) -> int:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError("no process group: call torch.distributed.init_process_group (torchrun), or pass "
+                           "peers=Peers.emulated(...)[rank]")
+    return dist.get_world_size(group)
+
+
+class ExpertParallel(_Parallel):
+    """Expert-parallel dispatch/combine over the ranks of a node (see the module docstring)."""
+
+    def __init__(self, num_experts: int, hidden: int, max_tokens: int, topk: int,
+                 dtype: torch.dtype = torch.bfloat16, *, weight_dtype: torch.dtype = torch.float32,
+                 group: Any = None, peers: Peers | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                 timeout_ms: float = DEFAULT_TIMEOUT_MS):
+        world = peers.world if peers is not None else _world(group)
+        super().__init__(num_experts, hidden, max_tokens, topk, dtype, weight_dtype, group, peers, timeout_ms,
+                         self.regions(world, hidden, max_tokens, topk, dtype))
+        self.block_size = block_size
+        p, m = self.peers, max_tokens
+        self.recv_x = p.view(self.offsets[moe_peer.EP_X], (world * m, hidden), dtype)
+        self.recv_ids = p.view(self.offsets[moe_peer.EP_IDS], (world * m, topk), torch.int32)
+        self.returned = p.view(self.offsets[moe_peer.EP_RET], (m * topk, hidden), dtype)
+        self.src_slot = torch.empty(m, topk, dtype=torch.int32, device=self.device)
+        self._received: MoeDispatch | None = None
+        self._weights: torch.Tensor | None = None
+        self._tokens = 0
+        self._preload()
+
+    def _kernels(self) -> tuple[Any, Any]:
+        params = dict(dtype=self.dtype_name, hidden=self.hidden, topk=self.topk, experts=self.experts_per_rank)
+        return self._kernel("ep_send", **params), self._kernel("ep_return", **params)
+
+    def _receive(self, buffer: torch.Tensor | None) -> MoeDispatch:
+        return moe_dispatch(self.recv_x, self.recv_ids, self.num_experts, block_size=self.block_size,
+                            local_experts=self.local_experts, buffer=buffer)
+
+    def _preload(self) -> None:
+        """Every kernel of a step launched once on nothing (see _Parallel._preloaded); the receive
+        grouping reads the arena (never writes it: a peer may already be sending)."""
+        state, addr = self._scratch()
+        send, ret = self._kernels()
+        on = self.device.index
+        launch.on_device(on, send, self.recv_x[:0], self.recv_ids[:0], addr, self.src_slot, state, self.rank, 0, 1)
+        launch.on_device(on, ret, self.recv_x[:0], self.recv_ids[:0], addr, state, self.rank, 0, 1)
+        for region, bump in ((moe_peer.EP_FLAG, False), (moe_peer.EP_RFLAG, True)):
+            self._wait(region, 0, bump, state, addr)
+        self._buffer = self._receive(None).buffer
+        for tokens in {1, min(self.max_tokens, DECODE_MAX_TOKENS + 1)}:  # both combine variants a step may use
+            moe_combine(self.returned, torch.zeros(tokens, self.topk, dtype=self.weight_dtype, device=self.device),
+                        torch.full((tokens, self.topk), -1, dtype=torch.int32, device=self.device))
+        self._preloaded()
+
+    @staticmethod
+    def regions(world: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype) -> list[int]:
+        m, row = max_tokens, hidden * dtype.itemsize
+        # receive rows and ids (per sender), their flags, the return rows (per pair), their flags
+        return [world * m * row, world * m * topk * 4, world * m * 4, m * topk * row, world * m * 4]
+
+    @classmethod
+    def emulated(cls, world: int, num_experts: int, hidden: int, max_tokens: int, topk: int,
+                 dtype: torch.dtype = torch.bfloat16, **kw: Any) -> list["ExpertParallel"]:
+        """`world` ranks on the current GPU, each with its own stream (`.stream`)."""
+        _, nbytes = _layout(cls.regions(world, hidden, max_tokens, topk, dtype))
+        return [cls(num_experts, hidden, max_tokens, topk, dtype, peers=p, **kw)
+                for p in Peers.emulated(world, nbytes)]
+
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> MoeDispatch:
+        """Send this rank's tokens x [T, H] (T <= max_tokens) to the ranks of their experts and group
+        every rank's tokens for this rank's experts: a MoeDispatch whose counts/offsets index the
+        local experts (expert e of the model is local e - first). Keeps topk_weights for combine."""
+        self._check_rows("x", x)
+        tokens = x.shape[0]
+        if tokens > self.max_tokens:
+            raise ValueError(f"x has {tokens} tokens; this ExpertParallel holds at most {self.max_tokens}")
+        self._check_routing("topk_ids", topk_ids, tokens, (torch.int32,))
+        self._check_routing("topk_weights", topk_weights, tokens, (self.weight_dtype,))
+        send, _ = self._kernels()
+        launch.on_device(self.device.index, send, x, topk_ids, self.addr, self.src_slot, self.state, self.rank,
+                         self.max_tokens, min(self.max_tokens, 8 * self.sms))
+        self._wait(moe_peer.EP_FLAG, self.max_tokens, bump=False)
+        self._received = self._receive(self._buffer)
+        self._weights, self._tokens = topk_weights, tokens
+        return self._received
+
+    def combine(self, expert_out: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """expert_out: the grouped GEMM's output over the last dispatch's buffer (same rows). Returns
+        out [T, H]: for each of this rank's tokens, sum_j w[t, j] * its expert rows (dropped pairs 0)."""
+        if self._received is None:
+            raise RuntimeError("combine needs a dispatch first")
+        self._check_rows("expert_out", expert_out, self._received.buffer.shape[0])
+        if out is None:
+            out = expert_out.new_empty(self._tokens, self.hidden)
+        self._check_rows("out", out, self._tokens)
+        checks.check_not_expanded("out", out)
+        _, ret = self._kernels()
+        launch.on_device(self.device.index, ret, expert_out, self._received.slot_map, self.addr, self.state,
+                         self.rank, self.max_tokens, min(self.world * self.max_tokens, 8 * self.sms))
+        self._wait(moe_peer.EP_RFLAG, self._tokens, bump=True)
+        return moe_combine(self.returned, self._weights, self.src_slot[:self._tokens], out)
+
+    def check(self) -> None:
+        """Raise on a timed-out wait, or on the last dispatch's dropped pairs or invalid ids (synchronises)."""
+        self._check_timeout()
+        if self._received is not None:
+            self._received.check()
+
+
+class TensorParallel(_Parallel):
+    """Tensor-parallel MoE over the ranks of a node (see the module docstring)."""
+
+    def __init__(self, num_experts: int, hidden: int, max_tokens: int, topk: int,
+                 dtype: torch.dtype = torch.bfloat16, *, weight_dtype: torch.dtype = torch.float32,
+                 group: Any = None, peers: Peers | None = None, timeout_ms: float = DEFAULT_TIMEOUT_MS):
+        world = peers.world if peers is not None else _world(group)
+        super().__init__(num_experts, hidden, max_tokens, topk, dtype, weight_dtype, group, peers, timeout_ms,
+                         self.regions(world, hidden, max_tokens, dtype))
+        self._preload()
+
+    def _preload(self) -> None:
+        """Every kernel a step may launch, once on nothing (see _Parallel._preloaded)."""
+        state, addr = self._scratch()
+        dev, k, m = self.device, self.topk, self.max_tokens
+        rows = torch.zeros(0, self.hidden, dtype=self.dtype, device=dev)
+        for topk in (0, k):
+            self._reduce(rows, torch.zeros(0, k, dtype=self.weight_dtype, device=dev) if topk else None,
+                         torch.zeros(0, k, dtype=torch.int32, device=dev) if topk else None, rows, 0,
+                         state=state, addr=addr)
+        for tokens in {1, min(m, DECODE_MAX_PAIRS // k + 1)}:  # both dispatch variants a step may use
+            self.dispatch(torch.zeros(tokens, self.hidden, dtype=self.dtype, device=dev),
+                          torch.full((tokens, k), -1, dtype=torch.int32, device=dev))
+        if m > DECODE_MAX_TOKENS:  # the prefill combine
+            moe_combine(rows[:0].new_zeros(1, self.hidden), torch.zeros(m, k, dtype=self.weight_dtype, device=dev),
+                        torch.full((m, k), -1, dtype=torch.int32, device=dev))
+        self._preloaded()
+
+    @staticmethod
+    def regions(world: int, hidden: int, max_tokens: int, dtype: torch.dtype) -> list[int]:
+        inbox = world * max_tokens * hidden * dtype.itemsize
+        return [inbox, inbox, world * moe_peer.MAX_CTAS * 4]  # two inboxes (step parity), CTA flags
+
+    @classmethod
+    def emulated(cls, world: int, num_experts: int, hidden: int, max_tokens: int, topk: int,
+                 dtype: torch.dtype = torch.bfloat16, **kw: Any) -> list["TensorParallel"]:
+        """`world` ranks on the current GPU, each with its own stream (`.stream`)."""
+        _, nbytes = _layout(cls.regions(world, hidden, max_tokens, dtype))
+        return [cls(num_experts, hidden, max_tokens, topk, dtype, peers=p, **kw)
+                for p in Peers.emulated(world, nbytes)]
+
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, **kw: Any) -> MoeDispatch:
+        """`moe_dispatch` of x [T, H] (the same on every rank) for this rank's experts."""
+        return moe_dispatch(x, topk_ids, self.num_experts, local_experts=self.local_experts, **kw)
+
+    def combine(self, expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """out [T, H] = sum over ranks of each rank's moe_combine(expert_out, topk_weights, slot_map)."""
+        tokens = slot_map.shape[0] if isinstance(slot_map, torch.Tensor) and slot_map.dim() == 2 else -1
+        self._check_rows("expert_out", expert_out)
+        self._check_routing("slot_map", slot_map, tokens, (torch.int32,))
+        self._check_routing("topk_weights", topk_weights, tokens, (self.weight_dtype,))
+        if out is None:
+            out = expert_out.new_empty(tokens, self.hidden)
+        self._check_rows("out", out, tokens)
+        if combine_mode(tokens) == "prefill":
+            return self.all_reduce(moe_combine(expert_out, topk_weights, slot_map), out)
+        self._check_tokens(tokens)
+        self._reduce(expert_out, topk_weights, slot_map, out, tokens)
+        return out
+
+    def all_reduce(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """out [T, H] = the sum of every rank's x [T, H] (T the same on every rank)."""
+        self._check_rows("x", x)
+        if out is None:
+            out = torch.empty_like(x)
+        self._check_rows("out", out, x.shape[0])
+        self._check_tokens(x.shape[0])
+        self._reduce(x, None, None, out, x.shape[0])
+        return out
+
+    def _check_tokens(self, tokens: int) -> None:
+        if tokens > self.max_tokens:
+            raise ValueError(f"{tokens} tokens; this TensorParallel holds at most {self.max_tokens}")
+
+    def _reduce(self, rows: torch.Tensor, weights: torch.Tensor | None, slot_map: torch.Tensor | None,
+                out: torch.Tensor, tokens: int, state: torch.Tensor | None = None,
+                addr: torch.Tensor | None = None) -> None:
+        checks.check_not_expanded("out", out)
+        topk = 0 if slot_map is None else self.topk
+        fn = self._kernel("tp_reduce", dtype=self.dtype_name, hidden=self.hidden, topk=topk,
+                          weight_dtype=checks.DTYPE_NAME[self.weight_dtype])
+        vectors = tokens * self.hidden // checks.vector_width(self.dtype)
+        grid = max(1, min(-(-vectors // moe_peer.TP_THREADS), self.sms, moe_peer.MAX_CTAS))
+        launch.on_device(self.device.index, fn, rows, weights, slot_map, out,
+                         self.addr if addr is None else addr, self.state if state is None else state, self.rank,
+                         self.max_tokens, 0 if state is not None else self.timeout_ns, grid)
+
+    def check(self) -> None:
+        """Raise on a timed-out wait (synchronises)."""
+        self._check_timeout()
