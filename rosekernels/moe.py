@@ -31,8 +31,11 @@ the n partials (`tp_reduce`); for prefill `moe_combine` then the same reduce of 
 rank's partial is rounded once to the dtype, then the n partials are added in rank order in fp32, so
 every rank gets the same bits.
 
-Emulated ranks share one GPU: run each rank's calls on its own `stream` (their kernels wait for each
-other, so one host thread must launch all ranks' work before waiting on any).
+Every rank makes the same calls in the same order (expert parallel: dispatch, combine, dispatch, ...;
+a call out of turn raises); tensor parallel also needs the same token count on every rank, which no rank
+can check without a round trip (a rank with another count would sum rows its peers did not write this
+step). Emulated ranks share one GPU: run each rank's calls on its own `stream` (their kernels wait for
+each other, so one host thread must launch all ranks' work before waiting on any).
 """
 from __future__ import annotations
 
@@ -50,6 +53,8 @@ from rosekernels.kernels.moe_dispatch import DEFAULT_BLOCK_SIZE, DTYPES, MoeDisp
 from rosekernels.kernels.moe_dispatch_plan import DECODE_MAX_PAIRS
 
 ALIGN = 256  # arena regions start on 256-byte boundaries
+MAX_WORLD = 32  # ranks: a bit each in the send kernel's destination mask
+MAX_TOPK = 64  # moe_combine's limit; the send kernel writes the ids with one thread each
 DEFAULT_TIMEOUT_MS = 10_000
 
 
@@ -57,10 +62,14 @@ class Peers:
     """The arenas of `world` ranks as seen from `rank`: this rank's own (`arena`, uint8) and every
     rank's base address in this process (`bases`)."""
 
-    def __init__(self, rank: int, world: int, arena: torch.Tensor, bases: list[int], group: Any = None):
+    def __init__(self, rank: int, world: int, arena: torch.Tensor, bases: list[int], group: Any = None,
+                 sms: int | None = None, keep: Any = None):
         self.rank, self.world, self.arena, self.bases, self.group = rank, world, arena, bases, group
         self.device = arena.device
         self.stream = torch.cuda.Stream(self.device) if group is None else None
+        # Grids that wait for each other's CTAs must match on every rank: the fewest SMs of any.
+        self.sms = _sms(self.device) if sms is None else sms
+        self._keep = keep  # what keeps every arena mapped (all of them, for emulated ranks)
 
     @classmethod
     def symmetric(cls, nbytes: int, group: Any = None, device: Any = None) -> "Peers":
@@ -73,11 +82,10 @@ class Peers:
         arena = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(arena, group)
         arena.zero_()
+        sms = torch.tensor([_sms(device)], dtype=torch.int32, device=device)
+        dist.all_reduce(sms, dist.ReduceOp.MIN, group)  # also orders the zeroing before any rank's first step
         torch.cuda.synchronize(device)
-        dist.barrier(group)  # every flag is zero before any rank's first step
-        peers = cls(handle.rank, handle.world_size, arena, list(handle.buffer_ptrs), group)
-        peers.handle = handle  # keeps the mapping alive
-        return peers
+        return cls(handle.rank, handle.world_size, arena, list(handle.buffer_ptrs), group, int(sms.item()), handle)
 
     @classmethod
     def emulated(cls, world: int, nbytes: int, device: Any = None) -> list["Peers"]:
@@ -85,7 +93,7 @@ class Peers:
         device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         arenas = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(world)]
         bases = [a.data_ptr() for a in arenas]
-        return [cls(r, world, arenas[r], bases) for r in range(world)]
+        return [cls(r, world, arenas[r], bases, keep=arenas) for r in range(world)]
 
     def addresses(self, offsets: list[int]) -> torch.Tensor:
         """[world, regions] int64: where each region of each rank's arena is, for the kernels."""
@@ -113,28 +121,14 @@ class _Parallel:
     """What both forms share: sizes, the arena, the step state, the timeout, check()."""
 
     def __init__(self, num_experts: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype,
-                 weight_dtype: torch.dtype, group: Any, peers: Peers | None, timeout_ms: float, regions: list[int]):
-        if dtype not in DTYPES:
-            raise TypeError(f"dtype must be one of {[str(d) for d in DTYPES]}, got {dtype}")
-        if weight_dtype not in (torch.float32, dtype):
-            raise TypeError(f"weight_dtype must be float32 or {dtype}, got {weight_dtype}")
-        self.weight_dtype = weight_dtype
+                 weight_dtype: torch.dtype, group: Any, peers: Peers | None, timeout_ms: float):
         world = peers.world if peers is not None else _world(group)
-        for name, v in (("num_experts", num_experts), ("hidden", hidden), ("max_tokens", max_tokens),
-                        ("topk", topk)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if num_experts % world:
-            raise ValueError(f"num_experts {num_experts} must split evenly over {world} ranks")
-        if hidden % checks.vector_width(dtype):
-            raise ValueError(f"hidden {hidden} must be a multiple of {checks.vector_width(dtype)} (16 bytes)")
-        if not 0 < timeout_ms < 2**63 / 1e6:
-            raise ValueError(f"timeout_ms must be positive, got {timeout_ms}")
-        self.num_experts, self.hidden, self.max_tokens, self.topk, self.dtype = (
-            num_experts, hidden, max_tokens, topk, dtype)
+        _check_args(world, num_experts, hidden, max_tokens, topk, dtype, weight_dtype, timeout_ms)
+        self.num_experts, self.hidden, self.max_tokens, self.topk, self.dtype, self.weight_dtype = (
+            num_experts, hidden, max_tokens, topk, dtype, weight_dtype)
         self.experts_per_rank = num_experts // world
         self.timeout_ns = int(timeout_ms * 1e6)
-        self.offsets, nbytes = _layout(regions)
+        self.offsets, nbytes = _layout(self.regions(world, hidden, max_tokens, topk, dtype))
         self.arena_bytes = nbytes
         if peers is None:
             peers = Peers.symmetric(nbytes, group)
@@ -144,8 +138,18 @@ class _Parallel:
         self.peers, self.rank, self.world, self.device = peers, peers.rank, peers.world, peers.device
         self.addr = peers.addresses(self.offsets)
         self.state = torch.zeros(4, dtype=torch.int32, device=self.device)  # see moe_peer: step, error, arrivals
-        self.sms = _sms(self.device)
+        self.sms = peers.sms
         self.dtype_name = checks.DTYPE_NAME[dtype]
+
+    @classmethod
+    def emulated(cls, world: int, num_experts: int, hidden: int, max_tokens: int, topk: int,
+                 dtype: torch.dtype = torch.bfloat16, **kw: Any) -> list:
+        """`world` ranks on the current GPU, each with its own stream (`.stream`)."""
+        _check_args(world, num_experts, hidden, max_tokens, topk, dtype, kw.get("weight_dtype", torch.float32),
+                    kw.get("timeout_ms", DEFAULT_TIMEOUT_MS))
+        _, nbytes = _layout(cls.regions(world, hidden, max_tokens, topk, dtype))
+        return [cls(num_experts, hidden, max_tokens, topk, dtype, peers=p, **kw)
+                for p in Peers.emulated(world, nbytes)]
 
     @property
     def local_experts(self) -> tuple[int, int]:
@@ -195,9 +199,13 @@ class _Parallel:
         # CUDA loads a kernel at its first launch and, to do so, waits for the device to idle, which
         # a spinning wait for a peer does not allow (with ranks emulated on one GPU it never would;
         # across GPUs a first step could outlast the timeout): so every kernel a step launches was
-        # launched once, on nothing, before the first step.
+        # launched once, on nothing, before the first step, and no rank starts one before all are ready.
         torch.cuda.synchronize(self.device)
         self._scratch_buf = None
+        if self.peers.group is not None:
+            import torch.distributed as dist
+
+            dist.barrier(self.peers.group)
 
     def _wait(self, region: int, rows: int, bump: bool, state: torch.Tensor | None = None,
               addr: torch.Tensor | None = None) -> None:
@@ -217,6 +225,29 @@ def _world(group: Any) -> int:
     return dist.get_world_size(group)
 
 
+def _check_args(world: int, num_experts: Any, hidden: Any, max_tokens: Any, topk: Any, dtype: Any,
+                weight_dtype: Any, timeout_ms: Any) -> None:
+    """Every constructor argument, before anything is allocated."""
+    if dtype not in DTYPES:
+        raise TypeError(f"dtype must be one of {[str(d) for d in DTYPES]}, got {dtype!r}")
+    if weight_dtype not in (torch.float32, dtype):
+        raise TypeError(f"weight_dtype must be float32 or {dtype}, got {weight_dtype!r}")
+    for name, v in (("world", world), ("num_experts", num_experts), ("hidden", hidden), ("max_tokens", max_tokens),
+                    ("topk", topk)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if world > MAX_WORLD:
+        raise ValueError(f"at most {MAX_WORLD} ranks, got {world}")
+    if num_experts % world:
+        raise ValueError(f"num_experts {num_experts} must split evenly over {world} ranks")
+    if topk > MAX_TOPK:
+        raise ValueError(f"topk must be at most {MAX_TOPK}, got {topk}")
+    if hidden % checks.vector_width(dtype):
+        raise ValueError(f"hidden {hidden} must be a multiple of {checks.vector_width(dtype)} (16 bytes)")
+    if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, (int, float)) or not 0 < timeout_ms < 1e9:
+        raise ValueError(f"timeout_ms must be a positive number of milliseconds (under 1e9), got {timeout_ms!r}")
+
+
 class ExpertParallel(_Parallel):
     """Expert-parallel dispatch/combine over the ranks of a node (see the module docstring)."""
 
@@ -224,11 +255,9 @@ class ExpertParallel(_Parallel):
                  dtype: torch.dtype = torch.bfloat16, *, weight_dtype: torch.dtype = torch.float32,
                  group: Any = None, peers: Peers | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  timeout_ms: float = DEFAULT_TIMEOUT_MS):
-        world = peers.world if peers is not None else _world(group)
-        super().__init__(num_experts, hidden, max_tokens, topk, dtype, weight_dtype, group, peers, timeout_ms,
-                         self.regions(world, hidden, max_tokens, topk, dtype))
+        super().__init__(num_experts, hidden, max_tokens, topk, dtype, weight_dtype, group, peers, timeout_ms)
         self.block_size = block_size
-        p, m = self.peers, max_tokens
+        p, world, m = self.peers, self.world, max_tokens
         self.recv_x = p.view(self.offsets[moe_peer.EP_X], (world * m, hidden), dtype)
         self.recv_ids = p.view(self.offsets[moe_peer.EP_IDS], (world * m, topk), torch.int32)
         self.returned = p.view(self.offsets[moe_peer.EP_RET], (m * topk, hidden), dtype)
@@ -236,6 +265,7 @@ class ExpertParallel(_Parallel):
         self._received: MoeDispatch | None = None
         self._weights: torch.Tensor | None = None
         self._tokens = 0
+        self._pending = False  # a dispatch whose combine has not been issued
         self._preload()
 
     def _kernels(self) -> tuple[Any, Any]:
@@ -268,18 +298,13 @@ class ExpertParallel(_Parallel):
         # receive rows and ids (per sender), their flags, the return rows (per pair), their flags
         return [world * m * row, world * m * topk * 4, world * m * 4, m * topk * row, world * m * 4]
 
-    @classmethod
-    def emulated(cls, world: int, num_experts: int, hidden: int, max_tokens: int, topk: int,
-                 dtype: torch.dtype = torch.bfloat16, **kw: Any) -> list["ExpertParallel"]:
-        """`world` ranks on the current GPU, each with its own stream (`.stream`)."""
-        _, nbytes = _layout(cls.regions(world, hidden, max_tokens, topk, dtype))
-        return [cls(num_experts, hidden, max_tokens, topk, dtype, peers=p, **kw)
-                for p in Peers.emulated(world, nbytes)]
-
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> MoeDispatch:
         """Send this rank's tokens x [T, H] (T <= max_tokens) to the ranks of their experts and group
         every rank's tokens for this rank's experts: a MoeDispatch whose counts/offsets index the
         local experts (expert e of the model is local e - first). Keeps topk_weights for combine."""
+        if self._pending:
+            raise RuntimeError("dispatch called twice: combine the last dispatch first (every rank runs "
+                               "dispatch, combine, dispatch, ... in that order)")
         self._check_rows("x", x)
         tokens = x.shape[0]
         if tokens > self.max_tokens:
@@ -291,14 +316,15 @@ class ExpertParallel(_Parallel):
                          self.max_tokens, min(self.max_tokens, 8 * self.sms))
         self._wait(moe_peer.EP_FLAG, self.max_tokens, bump=False)
         self._received = self._receive(self._buffer)
-        self._weights, self._tokens = topk_weights, tokens
+        self._weights, self._tokens, self._pending = topk_weights, tokens, True
         return self._received
 
     def combine(self, expert_out: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """expert_out: the grouped GEMM's output over the last dispatch's buffer (same rows). Returns
         out [T, H]: for each of this rank's tokens, sum_j w[t, j] * its expert rows (dropped pairs 0)."""
-        if self._received is None:
-            raise RuntimeError("combine needs a dispatch first")
+        if not self._pending:
+            raise RuntimeError("combine needs a dispatch first (every rank runs dispatch, combine, dispatch, "
+                               "... in that order)")
         self._check_rows("expert_out", expert_out, self._received.buffer.shape[0])
         if out is None:
             out = expert_out.new_empty(self._tokens, self.hidden)
@@ -307,7 +333,10 @@ class ExpertParallel(_Parallel):
         _, ret = self._kernels()
         launch.on_device(self.device.index, ret, expert_out, self._received.slot_map, self.addr, self.state,
                          self.rank, self.max_tokens, min(self.world * self.max_tokens, 8 * self.sms))
-        self._wait(moe_peer.EP_RFLAG, self._tokens, bump=True)
+        # At least one row: a rank without tokens must still hear from every peer before its next step
+        # sends into their receive regions (ep_return flags every row).
+        self._wait(moe_peer.EP_RFLAG, max(self._tokens, 1), bump=True)
+        self._pending = False
         return moe_combine(self.returned, self._weights, self.src_slot[:self._tokens], out)
 
     def check(self) -> None:
@@ -323,9 +352,7 @@ class TensorParallel(_Parallel):
     def __init__(self, num_experts: int, hidden: int, max_tokens: int, topk: int,
                  dtype: torch.dtype = torch.bfloat16, *, weight_dtype: torch.dtype = torch.float32,
                  group: Any = None, peers: Peers | None = None, timeout_ms: float = DEFAULT_TIMEOUT_MS):
-        world = peers.world if peers is not None else _world(group)
-        super().__init__(num_experts, hidden, max_tokens, topk, dtype, weight_dtype, group, peers, timeout_ms,
-                         self.regions(world, hidden, max_tokens, dtype))
+        super().__init__(num_experts, hidden, max_tokens, topk, dtype, weight_dtype, group, peers, timeout_ms)
         self._preload()
 
     def _preload(self) -> None:
@@ -346,17 +373,9 @@ class TensorParallel(_Parallel):
         self._preloaded()
 
     @staticmethod
-    def regions(world: int, hidden: int, max_tokens: int, dtype: torch.dtype) -> list[int]:
+    def regions(world: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype) -> list[int]:
         inbox = world * max_tokens * hidden * dtype.itemsize
         return [inbox, inbox, world * moe_peer.MAX_CTAS * 4]  # two inboxes (step parity), CTA flags
-
-    @classmethod
-    def emulated(cls, world: int, num_experts: int, hidden: int, max_tokens: int, topk: int,
-                 dtype: torch.dtype = torch.bfloat16, **kw: Any) -> list["TensorParallel"]:
-        """`world` ranks on the current GPU, each with its own stream (`.stream`)."""
-        _, nbytes = _layout(cls.regions(world, hidden, max_tokens, dtype))
-        return [cls(num_experts, hidden, max_tokens, topk, dtype, peers=p, **kw)
-                for p in Peers.emulated(world, nbytes)]
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, **kw: Any) -> MoeDispatch:
         """`moe_dispatch` of x [T, H] (the same on every rank) for this rank's experts."""
@@ -372,9 +391,9 @@ class TensorParallel(_Parallel):
         if out is None:
             out = expert_out.new_empty(tokens, self.hidden)
         self._check_rows("out", out, tokens)
+        self._check_tokens(tokens)
         if combine_mode(tokens) == "prefill":
             return self.all_reduce(moe_combine(expert_out, topk_weights, slot_map), out)
-        self._check_tokens(tokens)
         self._reduce(expert_out, topk_weights, slot_map, out, tokens)
         return out
 

@@ -63,6 +63,18 @@ def test_arena_regions_are_aligned_and_disjoint():
     assert offsets[-1] + sizes[-1] <= total
 
 
+@pytest.mark.parametrize("kw,error", [
+    (dict(dtype="bf16"), TypeError), (dict(max_tokens=None), ValueError), (dict(world=33), ValueError),
+    (dict(topk=65), ValueError), (dict(hidden=100), ValueError), (dict(timeout_ms=0), ValueError),
+    (dict(weight_dtype=torch.float16), TypeError)])
+def test_constructor_arguments_are_checked_before_anything_is_allocated(kw, error):
+    args = dict(world=2, num_experts=16, hidden=256, max_tokens=8, topk=2, dtype=BF16, weight_dtype=torch.float32,
+                timeout_ms=100)
+    args.update(kw)
+    with pytest.raises(error):
+        moe._check_args(*args.values())
+
+
 def test_without_a_process_group_construction_says_how():
     with pytest.raises(RuntimeError, match="init_process_group"):
         moe.ExpertParallel(8, 256, 16, 2)
@@ -294,8 +306,63 @@ def test_tensor_parallel_all_reduce_steps_and_graphs():
 
 
 @pytest.mark.gpu
+def test_ranks_running_ahead_of_each_other():
+    """Ten steps queued on both ranks without a synchronisation, one rank's stream held back at the
+    start, one rank without tokens on some steps: a fast rank may publish a step before a slow one has
+    read the last (flags at or past the step are accepted; inboxes alternate by parity)."""
+    gen = torch.Generator().manual_seed(11)
+    ranks = moe.ExpertParallel.emulated(2, 32, 1024, 64, 4, BF16)
+    scale = _scale(32, BF16)
+    steps = []
+    for i in range(10):
+        tokens = (64, 0 if i % 3 == 0 else 17)
+        xs = [torch.randn(t, 1024, generator=gen).to("cuda", BF16) for t in tokens]
+        routing = [_routing(t, 32, 4, gen) for t in tokens]
+        steps.append((xs, [r[0] for r in routing], [r[1] for r in routing]))
+    torch.cuda.synchronize()
+    with torch.cuda.stream(ranks[0].stream):
+        torch.cuda._sleep(50_000_000)  # tens of milliseconds
+    outs = []
+    for xs, ids, ws in steps:
+        got = []
+        for r, ep in enumerate(ranks):
+            with torch.cuda.stream(ep.stream):
+                got.append(ep.dispatch(xs[r], ids[r], ws[r]))
+        step_outs = []
+        for r, ep in enumerate(ranks):
+            with torch.cuda.stream(ep.stream):
+                step_outs.append(ep.combine(_experts_apply(got[r], ep.local_experts[0], scale)))
+        outs.append(step_outs)
+    torch.cuda.synchronize()
+    for ep in ranks:
+        ep.check()
+    for (xs, ids, ws), step_outs in zip(steps, outs):
+        for r in range(2):
+            assert torch.equal(step_outs[r], _single_gpu(xs[r], ids[r], ws[r], scale))
+    tps = moe.TensorParallel.emulated(2, 8, 2048, 64, 2, BF16)
+    xs = [[torch.randn(64, 2048, generator=gen).to("cuda", BF16) for _ in tps] for _ in range(10)]
+    torch.cuda.synchronize()
+    with torch.cuda.stream(tps[1].stream):
+        torch.cuda._sleep(50_000_000)
+    outs = []
+    for pair in xs:
+        step_outs = []
+        for tp, x in zip(tps, pair):
+            with torch.cuda.stream(tp.stream):
+                step_outs.append(tp.all_reduce(x))
+        outs.append(step_outs)
+    torch.cuda.synchronize()
+    for tp in tps:
+        tp.check()
+    for pair, step_outs in zip(xs, outs):
+        want = (pair[0].float() + pair[1].float()).to(BF16)
+        assert all(torch.equal(o, want) for o in step_outs)
+
+
+@pytest.mark.gpu
 def test_bad_input_is_refused_before_any_launch():
-    ep = moe.ExpertParallel.emulated(2, 16, 512, 8, 2, BF16)[0]
+    ranks = moe.ExpertParallel.emulated(2, 16, 512, 8, 2, BF16, timeout_ms=50)
+    ep = ranks[0]
     x = torch.randn(8, 512, device="cuda").to(BF16)
     ids, w = _routing(8, 16, 2, torch.Generator().manual_seed(1))
     with pytest.raises(ValueError, match="at most 8"):
@@ -308,4 +375,16 @@ def test_bad_input_is_refused_before_any_launch():
         ep.combine(x)
     with pytest.raises(ValueError, match="split evenly"):
         moe.ExpertParallel.emulated(3, 16, 512, 8, 2, BF16)
-    assert int(ep.state[0]) == 0  # no step ran
+    torch.cuda.synchronize()
+    assert all(int(r.peers.arena.count_nonzero()) == 0 for r in ranks)  # nothing was sent anywhere
+    assert int(ep.state.count_nonzero()) == 0
+    with torch.cuda.stream(ep.stream):  # out of turn (rank 1 never answers: the waits time out)
+        got = ep.dispatch(x, ids, w)
+        with pytest.raises(RuntimeError, match="dispatch called twice"):
+            ep.dispatch(x, ids, w)
+        ep.combine(got.buffer)
+        with pytest.raises(RuntimeError, match="dispatch first"):
+            ep.combine(got.buffer)
+    torch.cuda.synchronize()
+    with pytest.raises(TimeoutError):
+        ep.check()
