@@ -56,25 +56,32 @@ class _Combine:
             v = i - t * hv
             gY = cute.zipped_divide(mY, (1, self.vec))  # ((1, vec), (rows, hv))
             gOut = cute.zipped_divide(mOut, (1, self.vec))
-            # Phase 1: the k loads, none waited for (predicated, no branches): each vector as 4 x b32,
-            # zero when its slot is skipped (its weight too).
-            raw = cute.make_rmem_tensor((4, k), Int32)
-            weights = cute.make_rmem_tensor((k,), Float32)
-            for j in cutlass.range_constexpr(k):
-                s = mSlot[t, j]
-                ok = (s >= 0) & (s < rows)
-                weights[j] = cutlass.select_(ok, Float32(mW[t, j]), Float32(0.0))
-                b = _load_16b_or_zero(gY[(None, None), (s, v)].iterator, ok)
-                for q in cutlass.range_constexpr(4):
-                    raw[q, j] = b[q]
-            # Phase 2: accumulate in fp32, j = 0..k-1, store once.
-            vals = cute.recast_tensor(raw, mY.element_type)  # (vec, k)
-            acc = cute.full((self.vec,), 0.0, Float32)
-            for j in cutlass.range_constexpr(k):
-                acc = acc + vals[None, j].load().to(Float32) * weights[j]
+            acc = weighted_sum(gY, mW, mSlot, t, v, rows, k, self.vec, mY.element_type)
             out = cute.make_rmem_tensor((1, self.vec), mOut.element_type)
             out.store(acc.to(mOut.element_type).reshape((1, self.vec)))
             cute.autovec_copy(out, gOut[(None, None), (t, v)])
+
+
+@cute.jit
+def weighted_sum(gY: cute.Tensor, mW: cute.Tensor, mSlot: cute.Tensor, t: Int32, v: Int32, rows: Int32,
+                 k: cutlass.Constexpr[int], vec: cutlass.Constexpr[int], dtype: cutlass.Constexpr):
+    """sum_j mW[t, j] * vector v of row mSlot[t, j] of gY ((1, vec), (rows, vectors)), in fp32 (vec,),
+    slots outside [0, rows) skipped. First the k loads, none waited for (predicated, no branches): each vector as 4 x b32, zero when its
+    slot is skipped (its weight too); then the sum in the order j = 0..k-1."""
+    raw = cute.make_rmem_tensor((4, k), Int32)
+    weights = cute.make_rmem_tensor((k,), Float32)
+    for j in cutlass.range_constexpr(k):
+        s = mSlot[t, j]
+        ok = (s >= 0) & (s < rows)
+        weights[j] = cutlass.select_(ok, Float32(mW[t, j]), Float32(0.0))
+        b = _load_16b_or_zero(gY[(None, None), (s, v)].iterator, ok)
+        for q in cutlass.range_constexpr(4):
+            raw[q, j] = b[q]
+    vals = cute.recast_tensor(raw, dtype)  # (vec, k)
+    acc = cute.full((vec,), 0.0, Float32)
+    for j in cutlass.range_constexpr(k):
+        acc = acc + vals[None, j].load().to(Float32) * weights[j]
+    return acc
 
 
 @cute.jit

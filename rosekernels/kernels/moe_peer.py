@@ -45,7 +45,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from rosekernels import checks, jit
-from rosekernels.kernels.moe_combine import _load_16b_or_zero
+from rosekernels.kernels.moe_combine import _load_16b_or_zero, weighted_sum
 from rosekernels.variant import Variant
 
 # Regions of an expert-parallel arena (index into `addr`'s second dim).
@@ -154,11 +154,16 @@ def _finish_step(mState: cute.Tensor, step: Int32, tid: Int32):
             mState[STATE_STEP] = step
 
 
-class _EpSend:
+class _Rows:
+    """What the kernels that move rows know at compile time."""
+
     def __init__(self, cfg: PeerConfig):
         self.cfg, self.n, self.k, self.er = cfg, cfg.world, cfg.topk, cfg.experts
         self.vec, self.hv = cfg.vec, cfg.hidden // cfg.vec
         self.row_bytes = cfg.hidden * checks.ELEM_BYTES[cfg.dtype]
+
+
+class _EpSend(_Rows):
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mIds: cute.Tensor, mAddr: cute.Tensor, mSrcSlot: cute.Tensor,
@@ -206,11 +211,7 @@ class _EpSend:
             t += cute.arch.grid_dim()[0]
 
 
-class _EpReturn:
-    def __init__(self, cfg: PeerConfig):
-        self.cfg, self.n, self.k, self.er = cfg, cfg.world, cfg.topk, cfg.experts
-        self.vec, self.hv = cfg.vec, cfg.hidden // cfg.vec
-        self.row_bytes = cfg.hidden * checks.ELEM_BYTES[cfg.dtype]
+class _EpReturn(_Rows):
 
     @cute.jit
     def __call__(self, mY: cute.Tensor, mSlot: cute.Tensor, mAddr: cute.Tensor, mState: cute.Tensor,
@@ -275,11 +276,7 @@ class _Wait:
             _finish_step(mState, step, tid)
 
 
-class _TpReduce:
-    def __init__(self, cfg: PeerConfig):
-        self.cfg, self.n, self.k = cfg, cfg.world, cfg.topk
-        self.vec, self.hv = cfg.vec, cfg.hidden // cfg.vec
-        self.row_bytes = cfg.hidden * checks.ELEM_BYTES[cfg.dtype]
+class _TpReduce(_Rows):
 
     @cute.jit
     def __call__(self, mY: cute.Tensor, mW: Optional[cute.Tensor], mSlot: Optional[cute.Tensor], mOut: cute.Tensor,
@@ -312,19 +309,7 @@ class _TpReduce:
                 for q in cutlass.range_constexpr(4):
                     words[q] = w[q]
             else:
-                raw = cute.make_rmem_tensor((4, k), Int32)
-                weights = cute.make_rmem_tensor((k,), Float32)
-                for j in cutlass.range_constexpr(k):
-                    s = mSlot[t, j]
-                    ok = (s >= 0) & (s < rows)
-                    weights[j] = cutlass.select_(ok, Float32(mW[t, j]), Float32(0.0))
-                    b = _load_16b_or_zero(gY[(None, None), (cutlass.select_(ok, s, Int32(0)), v)].iterator, ok)
-                    for q in cutlass.range_constexpr(4):
-                        raw[q, j] = b[q]
-                vals = cute.recast_tensor(raw, mY.element_type)  # (vec, k)
-                acc = cute.full((self.vec,), 0.0, Float32)
-                for j in cutlass.range_constexpr(k):
-                    acc = acc + vals[None, j].load().to(Float32) * weights[j]
+                acc = weighted_sum(gY, mW, mSlot, t, v, rows, k, self.vec, mY.element_type)
                 part = cute.make_rmem_tensor((self.vec,), mOut.element_type)
                 part.store(acc.to(mOut.element_type))
                 packed = cute.recast_tensor(part, Int32)

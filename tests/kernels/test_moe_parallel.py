@@ -114,7 +114,7 @@ def _single_gpu(x, ids, w, scale):
     return mc.moe_combine(rows, w, slot.to(torch.int32))
 
 
-def _ep_step(ranks, xs, ids, ws, scale):
+def _ep_step(ranks, xs, ids, ws, scale, sync=True):
     """One dispatch + expert + combine on every emulated rank, each on its stream; outputs per rank."""
     got = []
     for r, ep in enumerate(ranks):
@@ -124,7 +124,8 @@ def _ep_step(ranks, xs, ids, ws, scale):
     for r, ep in enumerate(ranks):
         with torch.cuda.stream(ep.stream):
             outs.append(ep.combine(_experts_apply(got[r], ep.local_experts[0], scale)))
-    torch.cuda.synchronize()
+    if sync:
+        torch.cuda.synchronize()
     return got, outs
 
 
@@ -322,17 +323,7 @@ def test_ranks_running_ahead_of_each_other():
     torch.cuda.synchronize()
     with torch.cuda.stream(ranks[0].stream):
         torch.cuda._sleep(50_000_000)  # tens of milliseconds
-    outs = []
-    for xs, ids, ws in steps:
-        got = []
-        for r, ep in enumerate(ranks):
-            with torch.cuda.stream(ep.stream):
-                got.append(ep.dispatch(xs[r], ids[r], ws[r]))
-        step_outs = []
-        for r, ep in enumerate(ranks):
-            with torch.cuda.stream(ep.stream):
-                step_outs.append(ep.combine(_experts_apply(got[r], ep.local_experts[0], scale)))
-        outs.append(step_outs)
+    outs = [_ep_step(ranks, xs, ids, ws, scale, sync=False)[1] for xs, ids, ws in steps]
     torch.cuda.synchronize()
     for ep in ranks:
         ep.check()
