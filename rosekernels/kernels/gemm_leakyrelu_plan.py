@@ -62,6 +62,10 @@ DECODE_TILE_N = (64, 128, 256)  # weight rows of plain tiles
 # of 132 SMs idle and 128-wide ones make two waves.
 FIT_TILE_M = 128
 MAX_SPLITS = 16
+# The split counts the decode cost model was fitted on (the sweeps' --sweep-splits): the heuristic picks
+# among these only. Between them the model was guessing: at 1024 x 4096 and M = 1-16 it picked 5 splits,
+# which sip-tune level 1 measured 1.038-1.045x slower than 6 on the H200; the tuner still searches all.
+FITTED_SPLITS = (1, 2, 3, 4, 6, 8)
 A_ROWS = (8, 16, 32, 64)  # rows of A a 64-row decode tile loads: the smallest that holds M
 # Swapped decode tiles: tokens per tile (the MMA's N side, the smallest that holds M) and weight
 # rows per tile (64: one warpgroup, 128: two).
@@ -355,11 +359,12 @@ def decode_configs(shape: GemmShape, splits: Iterable[int], num_sms: int) -> lis
 
 @functools.lru_cache(maxsize=4096)
 def decode_choice(shape: GemmShape, num_sms: int) -> GemmConfig:
-    """The decode config of least modelled cost (`decode_cost`): over decode_configs with split
-    counts that leave each split MIN_SPLIT_K_TILES k-tiles; fewer splits unless more win by 1%."""
+    """The decode config of least modelled cost (`decode_cost`): over decode_configs with the split
+    counts of FITTED_SPLITS that leave each split MIN_SPLIT_K_TILES k-tiles; fewer splits unless more
+    win by 1%."""
     max_splits = max(1, min(MAX_SPLITS, math.ceil(shape.k / TILE_K) // MIN_SPLIT_K_TILES))
     best = None
-    for config in decode_configs(shape, range(1, max_splits + 1), num_sms):
+    for config in decode_configs(shape, [s for s in FITTED_SPLITS if s <= max_splits], num_sms):
         cost = decode_cost(config, shape.m, shape.n, shape.k, num_sms)
         if best is None or cost < 0.99 * best[0]:
             best = (cost, config)

@@ -213,6 +213,13 @@ def test_decode_heuristic_known_shapes():
     assert _pick(96, 4096, 4096)[:3] == ("swap", 64, 96)
     # Large N: the tiles fill the GPU without splitting.
     assert _pick(1, 128256, 4096)[3] == 1
+    # Only split counts the model was fitted on: at 1024 x 4096 it picked 5 (never timed in a sweep),
+    # which sip-tune level 1 measured 1.038-1.045x slower than 6 at M = 1-16 and 1.023x slower than
+    # 4 at M = 32 (bench/results/sip_tune_model_qwen3_8b_decode.md); these are its picks now.
+    assert [_pick(m, 1024, 4096) for m in (1, 16, 32)] == [("swap", 64, 8, 6), ("swap", 64, 16, 6),
+                                                           ("swap", 64, 32, 4)]
+    assert all(_pick(m, n, k)[3] in plan.FITTED_SPLITS for m in (1, 8, 64, 128)
+               for n, k in ((768, 2048), (512, 3584), (4096, 14336), (2048, 8192)))
 
 
 def test_decode_heuristic_known_gated_shapes():
