@@ -187,13 +187,12 @@ class _Parallel:
     def _kernel(self, op: str, **params: Any):
         return moe_peer.compile(moe_peer.PeerConfig(op, self.world, **params)).fn
 
-    def _scratch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(state, addr) for launches on nothing: every region of every rank in one private buffer
-        (large enough for a reduce's CTA flags), a private step state."""
+    def _scratch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(state, addr, buffer) for launches on nothing: a private step state, and every region of every
+        rank in one private buffer (large enough for a reduce's CTA flags; keep it until they ran)."""
         buf = torch.zeros(self.world * moe_peer.MAX_CTAS, dtype=torch.int32, device=self.device)
-        self._scratch_buf = buf  # alive until the launches ran
         addr = torch.full((self.world, len(self.offsets)), buf.data_ptr(), dtype=torch.int64, device=self.device)
-        return torch.zeros(4, dtype=torch.int32, device=self.device), addr
+        return torch.zeros(4, dtype=torch.int32, device=self.device), addr, buf
 
     def _preloaded(self) -> None:
         # CUDA loads a kernel at its first launch and, to do so, waits for the device to idle, which
@@ -201,15 +200,13 @@ class _Parallel:
         # across GPUs a first step could outlast the timeout): so every kernel a step launches was
         # launched once, on nothing, before the first step, and no rank starts one before all are ready.
         torch.cuda.synchronize(self.device)
-        self._scratch_buf = None
         if self.peers.group is not None:
             import torch.distributed as dist
 
             dist.barrier(self.peers.group)
 
-    def _wait(self, region: int, rows: int, bump: bool, state: torch.Tensor | None = None,
-              addr: torch.Tensor | None = None) -> None:
-        fn = self._kernel("wait", region=region, bump=bump)
+    def _wait(self, fn: Any, rows: int, state: torch.Tensor | None = None, addr: torch.Tensor | None = None) -> None:
+        """Launch a `wait` kernel on the first `rows` flags of each sender."""
         grid = max(1, -(-self.world * rows // moe_peer.THREADS))
         launch.on_device(self.device.index, fn, self.addr if addr is None else addr,
                          self.state if state is None else state, self.rank, rows, self.max_tokens,
@@ -266,11 +263,13 @@ class ExpertParallel(_Parallel):
         self._weights: torch.Tensor | None = None
         self._tokens = 0
         self._pending = False  # a dispatch whose combine has not been issued
-        self._preload()
-
-    def _kernels(self) -> tuple[Any, Any]:
         params = dict(dtype=self.dtype_name, hidden=self.hidden, topk=self.topk, experts=self.experts_per_rank)
-        return self._kernel("ep_send", **params), self._kernel("ep_return", **params)
+        self._send, self._return = self._kernel("ep_send", **params), self._kernel("ep_return", **params)
+        self._wait_sent = self._kernel("wait", region=moe_peer.EP_FLAG, bump=False)
+        self._wait_returned = self._kernel("wait", region=moe_peer.EP_RFLAG, bump=True)  # the step's last
+        self._send_grid = min(max_tokens, 8 * self.sms)
+        self._return_grid = min(world * max_tokens, 8 * self.sms)
+        self._preload()
 
     def _receive(self, buffer: torch.Tensor | None) -> MoeDispatch:
         return moe_dispatch(self.recv_x, self.recv_ids, self.num_experts, block_size=self.block_size,
@@ -279,13 +278,13 @@ class ExpertParallel(_Parallel):
     def _preload(self) -> None:
         """Every kernel of a step launched once on nothing (see _Parallel._preloaded); the receive
         grouping reads the arena (never writes it: a peer may already be sending)."""
-        state, addr = self._scratch()
-        send, ret = self._kernels()
+        state, addr, _keep = self._scratch()
         on = self.device.index
-        launch.on_device(on, send, self.recv_x[:0], self.recv_ids[:0], addr, self.src_slot, state, self.rank, 0, 1)
-        launch.on_device(on, ret, self.recv_x[:0], self.recv_ids[:0], addr, state, self.rank, 0, 1)
-        for region, bump in ((moe_peer.EP_FLAG, False), (moe_peer.EP_RFLAG, True)):
-            self._wait(region, 0, bump, state, addr)
+        launch.on_device(on, self._send, self.recv_x[:0], self.recv_ids[:0], addr, self.src_slot, state, self.rank,
+                         0, 1)
+        launch.on_device(on, self._return, self.recv_x[:0], self.recv_ids[:0], addr, state, self.rank, 0, 1)
+        for fn in (self._wait_sent, self._wait_returned):
+            self._wait(fn, 0, state, addr)
         self._buffer = self._receive(None).buffer
         for tokens in {1, min(self.max_tokens, DECODE_MAX_TOKENS + 1)}:  # both combine variants a step may use
             moe_combine(self.returned, torch.zeros(tokens, self.topk, dtype=self.weight_dtype, device=self.device),
@@ -311,10 +310,9 @@ class ExpertParallel(_Parallel):
             raise ValueError(f"x has {tokens} tokens; this ExpertParallel holds at most {self.max_tokens}")
         self._check_routing("topk_ids", topk_ids, tokens, (torch.int32,))
         self._check_routing("topk_weights", topk_weights, tokens, (self.weight_dtype,))
-        send, _ = self._kernels()
-        launch.on_device(self.device.index, send, x, topk_ids, self.addr, self.src_slot, self.state, self.rank,
-                         self.max_tokens, min(self.max_tokens, 8 * self.sms))
-        self._wait(moe_peer.EP_FLAG, self.max_tokens, bump=False)
+        launch.on_device(self.device.index, self._send, x, topk_ids, self.addr, self.src_slot, self.state, self.rank,
+                         self.max_tokens, self._send_grid)
+        self._wait(self._wait_sent, self.max_tokens)
         self._received = self._receive(self._buffer)
         self._weights, self._tokens, self._pending = topk_weights, tokens, True
         return self._received
@@ -330,12 +328,11 @@ class ExpertParallel(_Parallel):
             out = expert_out.new_empty(self._tokens, self.hidden)
         self._check_rows("out", out, self._tokens)
         checks.check_not_expanded("out", out)
-        _, ret = self._kernels()
-        launch.on_device(self.device.index, ret, expert_out, self._received.slot_map, self.addr, self.state,
-                         self.rank, self.max_tokens, min(self.world * self.max_tokens, 8 * self.sms))
+        launch.on_device(self.device.index, self._return, expert_out, self._received.slot_map, self.addr, self.state,
+                         self.rank, self.max_tokens, self._return_grid)
         # At least one row: a rank without tokens must still hear from every peer before its next step
         # sends into their receive regions (ep_return flags every row).
-        self._wait(moe_peer.EP_RFLAG, max(self._tokens, 1), bump=True)
+        self._wait(self._wait_returned, max(self._tokens, 1))
         self._pending = False
         return moe_combine(self.returned, self._weights, self.src_slot[:self._tokens], out)
 
@@ -353,11 +350,14 @@ class TensorParallel(_Parallel):
                  dtype: torch.dtype = torch.bfloat16, *, weight_dtype: torch.dtype = torch.float32,
                  group: Any = None, peers: Peers | None = None, timeout_ms: float = DEFAULT_TIMEOUT_MS):
         super().__init__(num_experts, hidden, max_tokens, topk, dtype, weight_dtype, group, peers, timeout_ms)
+        # by top-k: 0 reduces a tensor, topk fuses the combine
+        self._reducers = {k: self._kernel("tp_reduce", dtype=self.dtype_name, hidden=hidden, topk=k,
+                                          weight_dtype=checks.DTYPE_NAME[weight_dtype]) for k in (0, topk)}
         self._preload()
 
     def _preload(self) -> None:
         """Every kernel a step may launch, once on nothing (see _Parallel._preloaded)."""
-        state, addr = self._scratch()
+        state, addr, _keep = self._scratch()
         dev, k, m = self.device, self.topk, self.max_tokens
         rows = torch.zeros(0, self.hidden, dtype=self.dtype, device=dev)
         for topk in (0, k):
@@ -368,7 +368,7 @@ class TensorParallel(_Parallel):
             self.dispatch(torch.zeros(tokens, self.hidden, dtype=self.dtype, device=dev),
                           torch.full((tokens, k), -1, dtype=torch.int32, device=dev))
         if m > DECODE_MAX_TOKENS:  # the prefill combine
-            moe_combine(rows[:0].new_zeros(1, self.hidden), torch.zeros(m, k, dtype=self.weight_dtype, device=dev),
+            moe_combine(rows.new_zeros(1, self.hidden), torch.zeros(m, k, dtype=self.weight_dtype, device=dev),
                         torch.full((m, k), -1, dtype=torch.int32, device=dev))
         self._preloaded()
 
@@ -415,9 +415,7 @@ class TensorParallel(_Parallel):
                 out: torch.Tensor, tokens: int, state: torch.Tensor | None = None,
                 addr: torch.Tensor | None = None) -> None:
         checks.check_not_expanded("out", out)
-        topk = 0 if slot_map is None else self.topk
-        fn = self._kernel("tp_reduce", dtype=self.dtype_name, hidden=self.hidden, topk=topk,
-                          weight_dtype=checks.DTYPE_NAME[self.weight_dtype])
+        fn = self._reducers[0 if slot_map is None else self.topk]
         vectors = tokens * self.hidden // checks.vector_width(self.dtype)
         grid = max(1, min(-(-vectors // moe_peer.TP_THREADS), self.sms, moe_peer.MAX_CTAS))
         launch.on_device(self.device.index, fn, rows, weights, slot_map, out,
