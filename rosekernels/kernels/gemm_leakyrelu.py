@@ -530,9 +530,10 @@ class _GemmLeakyReluSm90:
                 if const_expr(cfg.split_k):
                     if num_splits > 1:
                         if const_expr(self.swap):
+                            tiles_n = clusters_n * cfg.cluster_n  # tiles, not clusters
                             run_epilogue = self._reduce_splits_whole(
-                                acc, mPartials, mCounters, sLast, tile_m * clusters_n + tile_n, split,
-                                num_splits, clusters_m * clusters_n, t, slot,
+                                acc, mPartials, mCounters, sLast, tile_m * tiles_n + tile_n, split,
+                                num_splits, clusters_m * cfg.cluster_m * tiles_n, t, slot,
                             )
                         else:
                             run_epilogue = self._reduce_splits(

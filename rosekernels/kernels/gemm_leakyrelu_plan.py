@@ -79,6 +79,12 @@ SWAP_TILE_M = (64, 128)
 # 96 x 4096 x 4096), so the heuristic does not consider them. 128-row swapped and plain 64-row
 # tiles on two M tiles won on no shape there and are not searched.
 TWO_TOKEN_TILES = 64
+# The tuner also searches swapped 64-row tiles on clusters: 1x2, M's tokens in two tiles of the fewest
+# SWAP_TILE_N that hold half of them, one per CTA of a cluster, the weight tile multicast to both
+# (read from L2 once; cuBLAS's choice at M = 128: nvjet 64 x 64 tiles on clusters); 2x2, the same with
+# each token tile also multicast to two weight tiles; 2x1, one token tile multicast to two weight
+# tiles. Not in a sweep the cost model was fitted to, so the heuristic does not consider them.
+MULTICAST_MIN_M = 9  # two token tiles of at least 8
 MIN_SPLIT_K_TILES = 4  # k-tiles per split at least: shorter splits are mostly pipeline fill
 COUNTER_SLOTS = 4096  # split-K tile counters per stream: a split launch has at most this many tiles
 # The decode cost model (`decode_cost`), fitted (tools/fit_gemm_decode.py) to five H200 sweeps by
@@ -170,10 +176,12 @@ class GemmConfig:
                 raise ValueError(f"swapped tiles are decode (split-K) tiles with tile_n in {SWAP_TILE_N}")
         elif self.tile_n % (32 if self.gated else 16) or not 32 <= self.tile_n <= 256:
             raise ValueError("tile_n must be a multiple of 16 (gated: 32) in [32, 256]")
-        if self.cluster_m * self.cluster_n > 2 or min(self.cluster_m, self.cluster_n) < 1:
-            raise ValueError("clusters are 1x1, 2x1 or 1x2")
-        if self.split_k and (self.cluster_m * self.cluster_n != 1 or self.pingpong):
-            raise ValueError("split-K variants are cooperative and do not use clusters")
+        if self.cluster_m not in (1, 2) or self.cluster_n not in (1, 2):
+            raise ValueError("clusters are 1x1, 2x1, 1x2 or (swapped decode tiles) 2x2")
+        if self.cluster_m * self.cluster_n > 2 and not self.swap_ab:
+            raise ValueError("clusters are 1x1, 2x1, 1x2 or (swapped decode tiles) 2x2")
+        if self.split_k and (self.pingpong or (self.cluster_m * self.cluster_n > 1 and not self.swap_ab)):
+            raise ValueError("split-K variants are cooperative, and only swapped ones take clusters")
         if self.a_rows != self.tile_m and (self.a_rows not in (8, 16, 32) or self.tile_m != 64
                                            or not self.split_k or self.swap_ab):
             raise ValueError("a_rows < tile_m is 8, 16 or 32 and only for split-K tiles of 64 rows")
@@ -252,9 +260,10 @@ def tiles_n(config: GemmConfig, n: int) -> int:
 
 def output_tiles(config: GemmConfig, m: int, n: int) -> int:
     """Output tiles of an [m, K] x [n, K] problem (swapped: tile_m along N, tile_n along M), those of
-    a 1x2 cluster past N included."""
+    a 1x2 cluster past N (swapped: past M) included."""
     if config.swap_ab:
-        return math.ceil(n / config.tile_m) * math.ceil(m / config.tile_n)
+        return (math.ceil(n / (config.tile_m * config.cluster_m)) * config.cluster_m
+                * math.ceil(m / (config.tile_n * config.cluster_n)) * config.cluster_n)
     return math.ceil(m / config.tile_m) * tiles_n(config, n)
 
 
@@ -283,6 +292,9 @@ def m_range(config: GemmConfig) -> tuple[int, int]:
     ragged tails."""
     if not config.split_k:
         return DECODE_MAX_M + 1, 4 * DECODE_MAX_M + 64
+    if config.swap_ab and config.cluster_n == 2:  # half of M's tokens per CTA (MULTICAST_MIN_M)
+        smaller = [t for t in SWAP_TILE_N if t < config.tile_n]
+        return (2 * smaller[-1] + 1 if smaller else MULTICAST_MIN_M), 2 * config.tile_n
     if config.swap_ab:  # the tuner's TWO_TOKEN_TILES also serve M up to 128
         smaller = [t for t in SWAP_TILE_N if t < config.tile_n]
         largest = DECODE_MAX_M if config.tile_n == TWO_TOKEN_TILES else config.tile_n
@@ -421,8 +433,8 @@ def config_for(shape: GemmShape, sms: int | None = None) -> GemmConfig:
 def candidates(shape: GemmShape, sms: int | None = None) -> list[GemmConfig]:
     """Every config that can run `shape`, config_for's first. Decode: decode_configs with each split
     count up to MAX_SPLITS that leaves every split a k-tile, plain 64-row tiles also with each
-    larger a_rows, past 64 tokens also TWO_TOKEN_TILES (`stages` stays at as many as fit: not
-    searched). Prefill: each tile of PREFILL_TILES on PREFILL_CLUSTERS, walked in
+    larger a_rows, past 64 tokens also TWO_TOKEN_TILES, swapped 64-row tiles on 2x1 clusters and from
+    MULTICAST_MIN_M tokens on 1x2 and 2x2 (`stages` stays at as many as fit: not searched). Prefill: each tile of PREFILL_TILES on PREFILL_CLUSTERS, walked in
     PREFILL_RASTER_GROUPS."""
     sms = sm_count() if sms is None else sms
     pick = config_for(shape, sms)
@@ -431,9 +443,16 @@ def candidates(shape: GemmShape, sms: int | None = None) -> list[GemmConfig]:
         found = decode_configs(shape, splits, sms)
         found += [dataclasses.replace(c, a_rows=r) for c in found if not c.swap_ab and c.tile_m == 64
                   for r in A_ROWS if r > c.a_rows]
+        swapped = [c for c in found if c.swap_ab and c.tile_m == 64]
+        two = []  # the multicast ones first: rank() ties them with the unicast two-token tiles
+        if shape.m >= MULTICAST_MIN_M:  # on 1x2 and 2x2 clusters (MULTICAST_MIN_M)
+            half = next(t for t in SWAP_TILE_N if 2 * t >= shape.m)
+            two += [dataclasses.replace(c, tile_n=half, cluster_n=2) for c in swapped]
+            two += [dataclasses.replace(c, tile_n=half, cluster_m=2, cluster_n=2) for c in swapped]
+        two += [dataclasses.replace(c, cluster_m=2) for c in swapped]  # the token tile multicast
         if shape.m > TWO_TOKEN_TILES:  # M takes two token tiles: see TWO_TOKEN_TILES
-            two = [dataclasses.replace(c, tile_n=TWO_TOKEN_TILES) for c in found if c.swap_ab and c.tile_m == 64]
-            found += [c for c in two if _fits(c, shape.m, shape.n)]
+            two += [dataclasses.replace(c, tile_n=TWO_TOKEN_TILES) for c in swapped]
+        found += [c for c in two if _fits(c, shape.m, shape.n)]
     else:
         found = [GemmConfig(**_base(shape), tile_m=tile_m, tile_n=tile_n, pingpong=pingpong,
                             cluster_m=cluster_m, cluster_n=cluster_n, raster_group=group)

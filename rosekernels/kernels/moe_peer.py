@@ -19,9 +19,9 @@ gives up, so a peer that never signals ends the launch instead of hanging it; th
 
 Kernels:
 - `ep_send`: expert parallel, the sender's half of dispatch. CTA per token (grid-stride over
-  max_tokens rows): the token's row goes, once per destination rank that owns one of its experts,
-  into row (sender, token) of that rank's receive region; its k expert ids go to every rank (-1 for
-  rows past the batch), then the row's flag. It also writes the source slot map of the combine.
+  max_tokens rows): the token's row, read once, goes to every destination rank that owns one of its
+  experts, into row (sender, token) of that rank's receive region; its k expert ids go to every rank
+  (-1 for rows past the batch), then the row's flag. It also writes the source slot map of the combine.
 - `ep_return`: the receiver's half of combine: every pair of a received row that this rank's
   experts own goes back into pair row (token, j) of the sender's return region (zeros where the
   local dispatch dropped it), then the row's flag on the sender.
@@ -54,8 +54,12 @@ EP_X, EP_IDS, EP_FLAG, EP_RET, EP_RFLAG = range(5)
 TP_INBOX, TP_FLAG = 0, 2
 MAX_CTAS = 1024  # flags per rank in a tensor-parallel arena: grids never exceed it
 STATE_STEP, STATE_ERROR, STATE_ARRIVED = 0, 1, 2
-THREADS = 128
+THREADS = 128  # wait
 TP_THREADS = 256
+# ep_send / ep_return: a CTA moves a row in chunks of UNROLL * ROW_THREADS 16-byte vectors, each
+# thread issuing its UNROLL loads before its stores, so UNROLL round trips to memory overlap.
+ROW_THREADS = 256
+UNROLL = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +104,15 @@ def _ld16(addr):  # an Int64 address or a cute pointer
 def _st16(addr: Int64, w0: Int32, w1: Int32, w2: Int32, w3: Int32):
     cute.arch.inline_ptx("st.global.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
                          read_only_args=[addr, w0, w1, w2, w3])
+
+
+@cute.jit
+def _st16_if(pred: cutlass.Boolean, addr: Int64, w0: Int32, w1: Int32, w2: Int32, w3: Int32):
+    """_st16 when `pred`: a predicated st.global.v4, no branch. (The predicate is set in the PTX:
+    inline_ptx's own `predicate=` prints a folded constant as `@0`, which ptxas rejects.)"""
+    cute.arch.inline_ptx("{\n.reg .pred p;\nsetp.ne.b32 p, {$r0}, 0;\n"
+                         "@p st.global.v4.b32 [{$r1}], {{$r2}, {$r3}, {$r4}, {$r5}};\n}",
+                         read_only_args=[Int32(pred), addr, w0, w1, w2, w3])
 
 
 @cute.jit
@@ -162,6 +175,24 @@ class _Rows:
         self.vec, self.hv = cfg.vec, cfg.hidden // cfg.vec
         self.row_bytes = cfg.hidden * checks.ELEM_BYTES[cfg.dtype]
 
+    @cute.jit
+    def load_chunk(self, words: cute.Tensor, gRows: cute.Tensor, row: Int32, c: Int32, ok: cutlass.Boolean):
+        """words[u, :] = this thread's vector c + u * ROW_THREADS + tid of row `row` (zeros unless ok)."""
+        tid = cute.arch.thread_idx()[0]
+        for u in cutlass.range_constexpr(UNROLL):
+            v = c + u * ROW_THREADS + tid
+            w = _load_16b_or_zero(gRows[(None, None), (row, v)].iterator, ok & (v < self.hv))
+            for q in cutlass.range_constexpr(4):
+                words[u, q] = w[q]
+
+    @cute.jit
+    def store_chunk(self, dst: Int64, words: cute.Tensor, c: Int32):
+        """The same vectors of `words` into the row at address `dst`."""
+        tid = cute.arch.thread_idx()[0]
+        for u in cutlass.range_constexpr(UNROLL):
+            v = c + u * ROW_THREADS + tid
+            _st16_if(v < self.hv, dst + Int64(v) * 16, words[u, 0], words[u, 1], words[u, 2], words[u, 3])
+
 
 class _EpSend(_Rows):
 
@@ -169,7 +200,7 @@ class _EpSend(_Rows):
     def __call__(self, mX: cute.Tensor, mIds: cute.Tensor, mAddr: cute.Tensor, mSrcSlot: cute.Tensor,
                  mState: cute.Tensor, rank: Int32, max_tokens: Int32, num_ctas: Int32, stream):
         self.kernel(mX, mIds, mAddr, mSrcSlot, mState, rank, max_tokens).launch(
-            grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+            grid=[num_ctas, 1, 1], block=[ROW_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mIds: cute.Tensor, mAddr: cute.Tensor, mSrcSlot: cute.Tensor,
@@ -189,14 +220,14 @@ class _EpSend(_Rows):
                     eid = mIds[t, j]
                     if (eid >= 0) & (eid < num_experts):
                         need = need | (Int32(1) << (eid // self.er))
+            if need != 0:  # each chunk of the row read once, stored to every rank that needs it
+                for c in cutlass.range(0, hv, UNROLL * ROW_THREADS):
+                    words = cute.make_rmem_tensor((UNROLL, 4), Int32)
+                    self.load_chunk(words, gX, t, c, True)
+                    for r in cutlass.range_constexpr(n):
+                        if (need >> r) & 1 != 0:
+                            self.store_chunk(mAddr[r, EP_X] + row * self.row_bytes, words, c)
             for r in cutlass.range_constexpr(n):
-                if (need >> r) & 1 != 0:
-                    dst = mAddr[r, EP_X] + row * self.row_bytes
-                    v = tid
-                    while v < hv:
-                        w = _ld16(gX[(None, None), (t, v)].iterator)
-                        _st16(dst + Int64(v) * 16, w[0], w[1], w[2], w[3])
-                        v += THREADS
                 if tid < k:
                     eid = Int32(-1)
                     if t < tokens:
@@ -217,7 +248,7 @@ class _EpReturn(_Rows):
     def __call__(self, mY: cute.Tensor, mSlot: cute.Tensor, mAddr: cute.Tensor, mState: cute.Tensor,
                  rank: Int32, max_tokens: Int32, num_ctas: Int32, stream):
         self.kernel(mY, mSlot, mAddr, mState, rank, max_tokens).launch(
-            grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+            grid=[num_ctas, 1, 1], block=[ROW_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mY: cute.Tensor, mSlot: cute.Tensor, mAddr: cute.Tensor, mState: cute.Tensor,
@@ -240,11 +271,10 @@ class _EpReturn(_Rows):
                     ok = (slot >= 0) & (slot < rows)
                     slot = cutlass.select_(ok, slot, Int32(0))
                     dst = mAddr[s, EP_RET] + Int64(t * k + j) * self.row_bytes
-                    v = tid
-                    while v < hv:
-                        w = _load_16b_or_zero(gY[(None, None), (slot, v)].iterator, ok)
-                        _st16(dst + Int64(v) * 16, w[0], w[1], w[2], w[3])
-                        v += THREADS
+                    for c in cutlass.range(0, hv, UNROLL * ROW_THREADS):
+                        words = cute.make_rmem_tensor((UNROLL, 4), Int32)
+                        self.load_chunk(words, gY, slot, c, ok)
+                        self.store_chunk(dst, words, c)
             _publish()
             if tid == 0:
                 _release(mAddr[s, EP_RFLAG] + Int64(rank * max_tokens + t) * 4, step)

@@ -37,7 +37,12 @@ _QUICK += [glr.Config(b_major="n", bias="fp32"),
            glr.Config(tile_m=128, tile_n=8, cluster_m=1, split_k=True, swap_ab=True, activation="silu", gated=True),
            glr.Config(dtype="fp16", bias="fp32", tile_m=128, tile_n=96, cluster_m=1, split_k=True,
                       swap_ab=True, b_major="n"),
-           glr.Config(tile_m=128, tile_n=144, cluster_m=1, split_k=True, bias="fp32")]
+           glr.Config(tile_m=128, tile_n=144, cluster_m=1, split_k=True, bias="fp32"),
+           glr.Config(tile_m=64, tile_n=64, cluster_m=1, cluster_n=2, split_k=True, swap_ab=True),
+           glr.Config(tile_m=64, tile_n=16, cluster_m=1, cluster_n=2, split_k=True, swap_ab=True, bias="fp32",
+                      activation="silu", gated=True),
+           glr.Config(tile_m=64, tile_n=32, cluster_m=2, cluster_n=2, split_k=True, swap_ab=True),
+           glr.Config(tile_m=64, tile_n=64, cluster_m=2, cluster_n=1, split_k=True, swap_ab=True)]
 
 
 def _compile_and_inspect(cfg, tmp_path):
@@ -381,6 +386,39 @@ def test_swapped_tiles(m, tile_m, tile_n, b_layout, bias):
             _assert_close(out, ref, torch.bfloat16, f"{cfg} m={m} splits={splits} run {rep}")
             outs.append(out)
         assert torch.equal(outs[-1], outs[-2]), f"splits={splits}: two runs differ"
+
+
+_MULTICAST_CASES = [(9, 8, 1, 2), (16, 8, 2, 2), (17, 16, 1, 2), (33, 32, 2, 2), (64, 32, 1, 2), (65, 64, 2, 2),
+                    (100, 64, 1, 2), (128, 64, 2, 2), (200, 64, 1, 2), (200, 64, 2, 2), (5, 8, 2, 1), (64, 64, 2, 1),
+                    (128, 128, 2, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, tile_n, cluster_m, cluster_n", _MULTICAST_CASES,
+                         ids=[f"m{m}-64x{tn}-{cm}x{cn}" for m, tn, cm, cn in _MULTICAST_CASES])
+@pytest.mark.parametrize("gated", [False, True])
+def test_multicast_swapped_tiles(m, tile_n, cluster_m, cluster_n, gated):
+    """Swapped tiles on clusters (1x2: the weight tile multicast to two token tiles; 2x1: the token
+    tile to two weight tiles; 2x2: both): bitwise the same tiles without a cluster, on ragged N (13
+    weight tiles: the last 2x1 cluster has a CTA past N) and K with every split count; the second CTA
+    holds 1 token at M = 9, M = 200 takes two clusters of token tiles. The output starts NaN, so a
+    skipped element shows."""
+    n, k = 784 if gated else 776, 1000
+    fields = dict(tile_m=64, tile_n=tile_n, split_k=True, swap_ab=True, bias="fp32",
+                  activation="silu" if gated else "leaky_relu", gated=gated)
+    cfg = glr.Config(cluster_m=cluster_m, cluster_n=cluster_n, **fields)
+    unicast = glr.Config(cluster_m=1, cluster_n=1, **fields)
+    a, b, bias_t = _inputs(m, n, k, torch.bfloat16, "nk", torch.float32, seed=m + 7 * tile_n)
+    width = n // 2 if gated else n
+    ref = glr.epilogue_reference(a.double() @ b.double().t() + bias_t.double(), cfg.activation, gated, cfg.slope)
+    for splits in (1, 2, 3, 7, 16):
+        outs = []
+        for c in (cfg, cfg, unicast):  # twice: the tile counters must be back at zero
+            out = torch.full((m, width), float("nan"), dtype=torch.bfloat16, device="cuda")
+            glr.run(a, b, bias_t, out, dataclasses.replace(c, splits=splits))
+            outs.append(out)
+        _assert_close(outs[0], ref, torch.bfloat16, f"{cfg} m={m} splits={splits}")
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), f"splits={splits}"
 
 
 @pytest.mark.gpu

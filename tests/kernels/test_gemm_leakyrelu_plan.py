@@ -39,9 +39,15 @@ def test_config_validation():
     with pytest.raises(ValueError):
         Config(dtype="bf16", bias="fp16")
     with pytest.raises(ValueError):
-        Config(split_k=True)  # clusters are not used with split-K
-    with pytest.raises(ValueError, match="do not use clusters"):
+        Config(split_k=True)  # 2x1 clusters are not used with split-K
+    with pytest.raises(ValueError, match="only swapped ones take clusters"):
         Config(split_k=True, cluster_m=1, cluster_n=2)
+    with pytest.raises(ValueError, match="swapped decode tiles. 2x2"):
+        Config(cluster_m=2, cluster_n=2)
+    with pytest.raises(ValueError, match="clusters are"):
+        Config(split_k=True, cluster_m=1, cluster_n=4, swap_ab=True, tile_m=64, tile_n=64)
+    for cluster_m, cluster_n in ((1, 2), (2, 1), (2, 2)):  # multicast weights, tokens, or both
+        Config(split_k=True, cluster_m=cluster_m, cluster_n=cluster_n, swap_ab=True, tile_m=64, tile_n=64)
     Config(tile_n=144, **DECODE)  # odd multiples of 16 wide
     with pytest.raises(ValueError, match="multiple of 16 .gated: 32."):
         Config(tile_n=144, activation="silu", gated=True, **DECODE)
@@ -316,11 +322,23 @@ def test_candidates_are_valid_distinct_and_hold_the_pick(m, n, k, options):
         fitted = {plan.fitted_width(n, s, 132) for s in range(1, plan.MAX_SPLITS + 1)} - {None} if m > 64 else set()
         assert {c.tile_n for c in plain} == set(plan.DECODE_TILE_N) | fitted
         assert {c.tile_m for c in plain} == {64 if m <= 64 else 128}
-        assert {(c.cluster_m, c.cluster_n) for c in found} == {(1, 1)}
+        assert {(c.cluster_m, c.cluster_n) for c in found} == (
+            {(1, 1), (2, 1), (1, 2), (2, 2)} if m >= 9 else {(1, 1), (2, 1)})
+        assert all(c.swap_ab and c.tile_m == 64 for c in found if c.cluster_m * c.cluster_n > 1)
         assert {c.a_rows for c in plain} == ({r for r in plan.A_ROWS if r >= m} if m <= 64 else {128})
         assert {c.tile_m for c in swapped} == set(plan.SWAP_TILE_M)
+        multicast = [c for c in swapped if c.cluster_n == 2]
+        swapped = [c for c in swapped if c.cluster_n == 1]
+        # 2x1 clusters: the token tile multicast to two weight tiles, the same tiles as without.
+        assert {dataclasses.replace(c, cluster_m=1) for c in swapped if c.cluster_m == 2} <= set(swapped)
         fewest = next(t for t in plan.SWAP_TILE_N if t >= min(m, 128))
         assert {c.tile_n for c in swapped} == ({fewest, plan.TWO_TOKEN_TILES} if m > 64 else {fewest})
+        # 1x2 clusters: two token tiles, each the fewest that hold half of M, of 64 weight rows.
+        half = next(t for t in plan.SWAP_TILE_N if 2 * t >= m)
+        assert {(c.tile_m, c.tile_n) for c in multicast} == ({(64, half)} if m >= 9 else set())
+        assert {c.cluster_m for c in multicast} == ({1, 2} if m >= 9 else set())
+        assert all(plan.m_range(c)[0] <= m <= plan.m_range(c)[1] for c in multicast)
+        assert all(plan.output_tiles(c, m, n) % 2 == 0 for c in multicast)
         assert all(c not in plan.decode_configs(shape, [c.splits], 132) for c in swapped if c.tile_n < min(m, 128))
         assert max(c.splits for c in found) == min(plan.MAX_SPLITS, k_tiles)
 
@@ -331,7 +349,8 @@ def test_default_variants_are_todays_warmup_set():
     decode = plan.variants_for(modes=("decode",))
     prefill = plan.variants_for(modes=("prefill",))
     # 2 dtypes x 2 b orders x 3 bias kinds, times 3 prefill tiles, or plain decode tiles (3 widths x
-    # 4 a_rows of 64-row tiles, 15 widths of 128-row ones) and 2 x 6 swapped decode tiles.
+    # 4 a_rows of 64-row tiles, 15 widths of 128-row ones) and 2 x 6 swapped decode tiles (the tuner's
+    # clusters of swapped tiles are not in it: the heuristic never picks them).
     assert (len(prefill), len(decode)) == (36, 468)
     assert {c.variant() for c in decode + prefill} == {c.variant() for c in configs}
     assert all(c.splits == 1 and c.raster_group == plan.RASTER_GROUP and c.slope == 0.01 for c in configs)

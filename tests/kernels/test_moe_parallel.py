@@ -46,6 +46,21 @@ def test_peer_kernels_compile_with_the_flag_protocol(fresh_cache, tmp_path, cfg)
         assert "LDG.E.128" in sass or "LDG.E.ENL2.128" in sass or re.search(r"LDG\.E\.\S*128", sass)
 
 
+@pytest.mark.parametrize("op", ["ep_send", "ep_return"])
+def test_row_copies_issue_their_loads_before_their_stores(fresh_cache, tmp_path, op):
+    """DeepSeek-V3 widths (896 vectors a row: one chunk, UNROLL vectors a thread): each copy issues
+    its UNROLL 16-byte loads back to back, then its stores; ep_send reads the row once for both ranks."""
+    cfg = mp.PeerConfig(op, 2, "bf16", 7168, 8, 128)
+    sass = sass_of(mp.compile(cfg), tmp_path)
+    if sass is None:
+        return
+    order = "".join(m[0] for m in re.findall(r"\b(LDG|STG)\.E[.\w]*128\b", sass))
+    if op == "ep_send":
+        assert order == "L" * mp.UNROLL + "S" * mp.UNROLL * cfg.world
+    else:  # one copy per owned pair
+        assert order == ("L" * mp.UNROLL + "S" * mp.UNROLL) * cfg.topk
+
+
 def test_peer_config_refuses_bad_sizes():
     with pytest.raises(ValueError, match="world"):
         mp.PeerConfig("wait", 0)
