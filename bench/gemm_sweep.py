@@ -58,7 +58,7 @@ def sweep(shape, sets, flops, sm, splits=None):
         times = {cfg: graph_ms(fn, sets) for cfg, fn in fns.items()}
         for cfg, row in rows.items():
             row.update(tile_m=cfg.tile_m, tile_n=cfg.tile_n, a_rows=cfg.a_rows, swap_ab=cfg.swap_ab,
-                       model_us=plan.decode_cost(cfg, m, n, k, sm))
+                       cluster_m=cfg.cluster_m, cluster_n=cfg.cluster_n, model_us=plan.decode_cost(cfg, m, n, k, sm))
     else:  # every trial timed in each round (timing.interleaved_time_us)
         steps = {cfg: rotating(fn, sets) for cfg, fn in fns.items()}
         times = timing.interleaved_time_us(steps, prefill_calls(flops), rounds=11)

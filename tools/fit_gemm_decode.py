@@ -2,9 +2,10 @@
 
     cd bench/results && python ../../tools/fit_gemm_decode.py gemm_leakyrelu_decode_broad.json.gz \
         gemm_leakyrelu_decode_fitted.json.gz gemm_swiglu_sweep.json.gz gemm_leakyrelu_decode_wide.json.gz \
-        gemm_leakyrelu_decode_wide_2.json.gz
+        gemm_leakyrelu_decode_wide_2.json.gz gemm_leakyrelu_decode_clusters_m16-64.json.gz \
+        gemm_leakyrelu_decode_clusters_m96-128.json.gz gemm_leakyrelu_decode_clusters_plain.json.gz
     python tools/fit_gemm_decode.py --current SWEEP...   # the plan module's picks as they stand
-                                                         # (also on gemm_leakyrelu_decode_m64x2.json.gz)
+                                                         # (held out: gemm_leakyrelu_decode_clusters_unseen.json.gz)
 
 A sweep is what `python bench/gemm_leakyrelu.py --sweep --sweep-splits 1,2,3,4,6,8 --shapes ...` or
 `python bench/gemm_swiglu.py --sweep` (gated GEMMs) writes: every decode config of each shape timed
@@ -31,8 +32,9 @@ SMS = 132
 DRAM_BW = 3.9e6  # bytes per us
 # (name, low, high) of each fitted constant, in decode_cost's units (bytes, us, multiply-adds).
 BOUNDS = [("_SM_BW", 3e4, 9e4), ("_MMA_RATE", 2.0e6, 3.6e6), ("_WAVE_US", 0.2, 6.0), ("_SPLIT_US", 0.0, 4.0),
-          ("_SPLIT_US swapped", 0.0, 4.0), ("_PARTIALS_BW", 1e4, 2e5)]
-EFFICIENCY = (0.3, 1.6)
+          ("_SPLIT_US swapped", 0.0, 4.0), ("_PARTIALS_BW", 1e4, 2e5), ("_L2_BW", 4e6, 3e7)]
+EFFICIENCY = (0.3, 2.5)
+MULTICAST = (0.5, 2.0)  # bounds of a cluster shape's factor on its tile family's efficiency
 ANCHORS = {64: (64, 128, 256), 128: (32, 64, 128, 256)}  # plain tile widths with an efficiency of their own
 
 
@@ -52,26 +54,41 @@ def families_of(row: dict) -> list[tuple[tuple, float]]:
     return [((kind, row["tile_m"], w0), (w1 - w) / (w1 - w0)), ((kind, row["tile_m"], w1), (w - w0) / (w1 - w0))]
 
 
+def config_of(row: dict):
+    """The plan module's GemmConfig of a sweep row (sweeps before clusters have no cluster fields)."""
+    from rosekernels.kernels import gemm_leakyrelu_plan as plan
+    return plan.GemmConfig(
+        tile_m=row["tile_m"], tile_n=row["tile_n"], a_rows=None if row["swap_ab"] else row["a_rows"],
+        swap_ab=row["swap_ab"], cluster_m=row.get("cluster_m", 1), cluster_n=row.get("cluster_n", 1), split_k=True,
+        splits=row["splits"], gated=row["gated"], activation="silu" if row["gated"] else "leaky_relu")
+
+
+def multicast_of(row: dict):
+    """The cluster factor's key of a row (decode_cost's _MULTICAST), None without a cluster."""
+    shape = (row.get("cluster_m", 1), row.get("cluster_n", 1))
+    return None if shape == (1, 1) else ("swapped" if row["swap_ab"] else "plain", *shape)
+
+
 def features(m: int, n: int, k: int, row: dict) -> list[float]:
     """What decode_cost reads of one config: waves, weight bytes of the busiest CTA, MMA work,
     split or not, partials bytes the last split reads."""
+    from rosekernels.kernels import gemm_leakyrelu_plan as plan
     k_tiles, splits = math.ceil(k / 64), row["splits"]
-    if row["swap_ab"]:
-        weight_rows, tiles = row["tile_m"], math.ceil(n / row["tile_m"]) * math.ceil(m / row["tile_n"])
-        partial_rows = row["tile_m"]
-    else:
-        weight_rows, tiles = row["tile_n"], math.ceil(n / row["tile_n"]) * math.ceil(m / row["tile_m"])
-        partial_rows = min(m, row["tile_m"])
-    waves = math.ceil(tiles * splits / SMS)
+    config = config_of(row)
+    tiles = plan.output_tiles(config, m, n)
+    weight_rows = row["tile_m"] if row["swap_ab"] else row["tile_n"]
+    partial_rows = row["tile_m"] if row["swap_ab"] else min(m, row["tile_m"])
+    waves = math.ceil(tiles * splits / plan.resident_ctas(config, SMS))
     unit_k = math.ceil(k_tiles / splits) * 64
     return [waves, waves * weight_rows * unit_k * 2, n * k * 2, waves * row["tile_m"] * row["tile_n"] * unit_k,
-            float(splits > 1), partial_rows * row["tile_n"] * 4 * splits if splits > 1 else 0.0, float(row["swap_ab"])]
+            float(splits > 1), partial_rows * row["tile_n"] * 4 * splits if splits > 1 else 0.0, float(row["swap_ab"]),
+            plan.l2_bytes(config, m, n, k)]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweeps", nargs="+", help="JSON written by bench/gemm_leakyrelu.py --sweep (.gz: compressed)")
-    p.add_argument("--restarts", type=int, default=10)
+    p.add_argument("--restarts", type=int, default=4, help="fits from the current constants and perturbations")
     p.add_argument("--current", action="store_true",
                    help="fit nothing: print the picks of the plan module's decode_cost as it stands")
     args = p.parse_args()
@@ -83,7 +100,9 @@ def main() -> None:
             for row in result.get("sweep", []):
                 # Two M tiles (64-row plain, 64-token swapped past 64 tokens: the plan module's
                 # TWO_TOKEN_TILES): timed in one sweep, not among the heuristic's decode_configs.
-                two_tiles = row.get("tile_n" if row.get("swap_ab") else "tile_m") == 64 and result["m"] > 64
+                # So are plain 64-row tiles on two M tiles with the weight tile multicast (2xC clusters).
+                two_tiles = result["m"] > 64 and (row["tile_m"] == 64 if not row.get("swap_ab") else
+                                                  row.get("tile_n") == 64 and row.get("cluster_n", 1) == 1)
                 if "ms" in row and "swap_ab" in row and not two_tiles:
                     shapes.append((result["m"], result["n"], result["k"]))
                     rows.append(dict(row, gated=result.get("gated", False)))
@@ -93,6 +112,11 @@ def main() -> None:
     for i, r in enumerate(rows):
         for f, weight in families_of(r):
             fam[i, families.index(f)] = weight
+    multicasts = sorted({multicast_of(r) for r in rows} - {None})
+    mc = np.zeros((len(rows), len(multicasts)))
+    for i, r in enumerate(rows):
+        if multicast_of(r) is not None:
+            mc[i, multicasts.index(multicast_of(r))] = 1.0
     x = np.array([features(*s, r) for s, r in zip(shapes, rows)])
     logy = np.log([r["ms"] * 1e3 for r in rows])
     by_shape = collections.defaultdict(list)
@@ -103,11 +127,14 @@ def main() -> None:
     def unpack(p):
         vals = [lo + (hi - lo) / (1 + np.exp(-v)) for v, (_, lo, hi) in zip(p, BOUNDS)]
         lo, hi = EFFICIENCY
-        return vals, lo + (hi - lo) / (1 + np.exp(-p[len(BOUNDS):]))
+        eff = lo + (hi - lo) / (1 + np.exp(-p[len(BOUNDS):len(BOUNDS) + len(families)]))
+        lo, hi = MULTICAST
+        return vals, eff, lo + (hi - lo) / (1 + np.exp(-p[len(BOUNDS) + len(families):]))
 
     def predict(p):
-        (sm_bw, mma, wave, split, split_swapped, partials_bw), eff = unpack(p)
-        stream = np.maximum(x[:, 2] / DRAM_BW, x[:, 1] / (sm_bw * (fam @ eff)))
+        (sm_bw, mma, wave, split, split_swapped, partials_bw, l2_bw), eff, factor = unpack(p)
+        stream = np.maximum(x[:, 2] / DRAM_BW, x[:, 1] / (sm_bw * (fam @ eff) * (1 + mc @ (factor - 1))))
+        stream = np.maximum(stream, x[:, 7] / l2_bw)
         return (np.maximum(stream, x[:, 3] / mma) + x[:, 0] * wave
                 + x[:, 4] * np.where(x[:, 6] > 0, split_swapped, split) + x[:, 5] / partials_bw)
 
@@ -121,20 +148,29 @@ def main() -> None:
 
     if args.current:
         from rosekernels.kernels import gemm_leakyrelu_plan as plan
-        pred = np.array([plan.decode_cost(plan.GemmConfig(
-            tile_m=r["tile_m"], tile_n=r["tile_n"], a_rows=None if r["swap_ab"] else r["a_rows"], swap_ab=r["swap_ab"],
-            cluster_m=1, split_k=True, splits=r["splits"], gated=r["gated"], activation="silu" if r["gated"] else
-            "leaky_relu"), *s, SMS) for s, r in zip(shapes, rows)])
+        pred = np.array([plan.decode_cost(config_of(r), *s, SMS) for s, r in zip(shapes, rows)])
         report_picks(pred, logy, by_shape)
         return
+    # Start from the plan module's constants (a cluster shape it has no factor for at 1), then from
+    # random perturbations of them.
+    from rosekernels.kernels import gemm_leakyrelu_plan as plan
+
+    def logit(v, lo, hi):
+        f = min(max((v - lo) / (hi - lo), 1e-3), 1 - 1e-3)
+        return math.log(f / (1 - f))
+    names = {"_SPLIT_US swapped": "_SPLIT_SWAPPED_US"}
+    start = [logit(getattr(plan, names.get(name, name)), lo, hi) for name, lo, hi in BOUNDS]
+    start += [logit(plan._EFFICIENCY.get(f, 1.0), *EFFICIENCY) for f in families]
+    start += [logit(plan._MULTICAST.get(f, 1.0), *MULTICAST) for f in multicasts]
     rng = np.random.default_rng(2)
-    best = min((minimize(loss, rng.normal(0, 1, len(BOUNDS) + len(families)), method="Powell",
-                         options=dict(maxiter=30000, xtol=1e-4, ftol=1e-7)) for _ in range(args.restarts)),
-               key=lambda r: r.fun)
-    vals, eff = unpack(best.x)
+    starts = [np.array(start)] + [np.array(start) + rng.normal(0, 0.5, len(start)) for _ in range(args.restarts - 1)]
+    best = min((minimize(loss, x0, method="Powell", options=dict(maxiter=30000, xtol=1e-4, ftol=1e-7))
+                for x0 in starts), key=lambda r: r.fun)
+    vals, eff, factor = unpack(best.x)
     for (name, _, _), v in zip(BOUNDS, vals):
         print(f"{name} = {v:.4g}")
     print("_EFFICIENCY = {" + ", ".join(f"{f}: {e:.2f}" for f, e in zip(families, eff)) + "}")
+    print("_MULTICAST = {" + ", ".join(f"{f}: {e:.2f}" for f, e in zip(multicasts, factor)) + "}")
     report_picks(predict(best.x), logy, by_shape)
 
 

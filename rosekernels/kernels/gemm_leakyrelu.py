@@ -4,7 +4,8 @@ leaky_relu, silu, gelu_tanh; gated (SwiGLU): out = act(a @ b_gate^T) * (a @ b_up
 One persistent, warp-specialized kernel serves every specialization:
 
 - a producer warp streams A/B k-tiles with TMA into a `stages`-deep shared-memory ring guarded by
-  mbarriers (PipelineTmaAsync); with a 2-CTA cluster the shared operand is multicast to both CTAs;
+  mbarriers (PipelineTmaAsync); on a cluster (prefill: 2 CTAs; decode: up to 4 x 2) a tile that
+  several CTAs of a cluster row or column share is multicast to them, each loading a slice of it;
 - consumer warpgroups run WGMMA (bf16/fp16 in, fp32 accumulate). "Cooperative" tiles split one
   tile across 2 warpgroups (64 rows each); "pingpong" tiles give each warpgroup a whole tile and
   alternate mainloops (an ordering barrier), so one warpgroup's epilogue hides under the other's MMAs;
@@ -538,7 +539,7 @@ class _GemmLeakyReluSm90:
                         else:
                             run_epilogue = self._reduce_splits(
                                 acc, tCcD, mPartials, mCounters, sLast, tile_m, tile_n, split,
-                                num_splits, mD.shape[0], clusters_n, t, slot,
+                                num_splits, mD.shape[0], clusters_n * cfg.cluster_n, t, slot,
                             )
 
                 # ------------------------------------------------ epilogue
@@ -690,7 +691,7 @@ class _GemmLeakyReluSm90:
     @cute.jit
     def _reduce_splits(self, acc: cute.Tensor, tCcD: cute.Tensor, mPartials: cute.Tensor,
                        mCounters: cute.Tensor, sLast: cute.Tensor, tile_m: Int32, tile_n: Int32,
-                       split: Int32, num_splits: Int32, m: Int32, clusters_n: Int32, t: Int32,
+                       split: Int32, num_splits: Int32, m: Int32, tiles_n: Int32, t: Int32,
                        slot: Int32):
         """Store this split's fp32 partials of the tile's rows < M; the last split of the tile to
         arrive sums all partials in split order (run-to-run deterministic), resets the tile's
@@ -706,7 +707,7 @@ class _GemmLeakyReluSm90:
         chunks = cfg.tile_n // 16
         # The accumulator layout this relies on: ((2 columns, 2 row halves, tile_n / 8), 1, 1).
         assert cute.size(acc) == cfg.tile_n // 2 and cute.size(acc.shape[0][2]) == cfg.tile_n // 8
-        row_vecs = clusters_n * (cfg.tile_n // 4)  # 16-byte vectors per partials row
+        row_vecs = tiles_n * (cfg.tile_n // 4)  # 16-byte vectors per partials row
         vectors = cute.make_tensor(  # (4 floats, vector): slices stay 16-byte aligned
             mPartials.iterator, cute.make_layout((4, num_splits * m * row_vecs), stride=(1, 4))
         )
@@ -727,7 +728,7 @@ class _GemmLeakyReluSm90:
                     for e in cutlass.range_constexpr(4):
                         vec[e] = acc[2 * h + 8 * v + e % 2 + 4 * (e // 2)]
                     cute.copy(store_atom, vec, vectors[(None, row_base + 4 * v)])
-        tile_idx = tile_m * clusters_n + tile_n
+        tile_idx = tile_m * tiles_n + tile_n
         is_last = self._arrive(mCounters, sLast, tile_idx, num_splits, t, slot)
         if is_last:
             acc.fill(0.0)

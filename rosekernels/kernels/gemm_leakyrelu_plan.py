@@ -79,38 +79,68 @@ SWAP_TILE_M = (64, 128)
 # 96 x 4096 x 4096), so the heuristic does not consider them. 128-row swapped and plain 64-row
 # tiles on two M tiles won on no shape there and are not searched.
 TWO_TOKEN_TILES = 64
-# The tuner also searches swapped 64-row tiles on clusters: 1x2, M's tokens in two tiles of the fewest
-# SWAP_TILE_N that hold half of them, one per CTA of a cluster, the weight tile multicast to both
-# (read from L2 once; cuBLAS's choice at M = 128: nvjet 64 x 64 tiles on clusters); 2x2, the same with
-# each token tile also multicast to two weight tiles; 2x1, one token tile multicast to two weight
-# tiles. Not in a sweep the cost model was fitted to, so the heuristic does not consider them.
-MULTICAST_MIN_M = 9  # two token tiles of at least 8
+# The tuner also searches swapped 64-row tiles on clusters of cluster_m x cluster_n CTAs: cluster_n
+# token tiles (M's tokens split into the fewest SWAP_TILE_N that hold 1/cluster_n of them, the last
+# holding at least one token) share each weight tile, which is multicast to them (read from L2 once;
+# cuBLAS's choice at M = 128: nvjet 64 x 64 tiles on clusters); cluster_m weight tiles share each
+# token tile the same way (cuBLAS's most common choice at every M: 4 weight tiles, TNT 64 x 8 on 4x1).
+CLUSTERS = ((1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4), (4, 2), (2, 4))  # (cluster_m, cluster_n)
+SWAP_CLUSTERS = CLUSTERS[1:]
+SWAP128_CLUSTERS = ((2, 1), (4, 1), (1, 2), (2, 2))  # swapped 128-row tiles (cuBLAS: 128 x 96 on 4x1)
+# The heuristic takes clusters from this many tokens (the sweeps its cost model was fitted to timed
+# clusters from 16 tokens, and on four shapes at 8), not for gated GEMMs (no sweep timed them on
+# clusters), and only the cluster shapes its fitted model picks on some model shape (28 N x K,
+# M = 16-128); the rest are the tuner's.
+CLUSTER_MIN_M = 16
+HEURISTIC_CLUSTERS = {("swapped", 64): ((4, 1), (1, 2), (2, 1)), ("swapped", 128): (), ("plain", 64): (),
+                      ("plain", 128): ()}
+# Plain tiles whose A tile is whole (a_rows = tile_m, from 33 tokens) on clusters: the token tile
+# multicast to 2 or 4 weight tiles. The tuner also searches, past 64 tokens, two 64-token tiles
+# sharing each weight tile (2xC: cuBLAS's nvjet 96 x 64 kernels at M = 128 on N = 4608-6144); on the
+# H200 they won on none of 51 shapes (bench/results/gemm_leakyrelu_decode_clusters.md).
+PLAIN_CLUSTERS = ((1, 2), (1, 4))
+TWO_TOKEN_CLUSTERS = ((2, 1), (2, 2), (2, 4))
 MIN_SPLIT_K_TILES = 4  # k-tiles per split at least: shorter splits are mostly pipeline fill
+# The sweeps time configs of at most this many waves of work units (more never won on the H200), so
+# the heuristic prefers them: past them its cost model extrapolates (it rated 5 waves of gated
+# 64 x 64 tiles best at 37888 x 3584, a config no sweep timed).
+FITTED_WAVES = 3
 COUNTER_SLOTS = 4096  # split-K tile counters per stream: a split launch has at most this many tiles
-# The decode cost model (`decode_cost`), fitted (tools/fit_gemm_decode.py) to five H200 sweeps by
+# The decode cost model (`decode_cost`), fitted (tools/fit_gemm_decode.py) to nine H200 sweeps by
 # minimising the time lost by the model's pick: 1,813 timed configs on 91 shapes (13 MLP and
 # attention-projection N x K of Llama-3-8B, Qwen3-8B and Qwen2.5-7B, M = 1-128;
 # bench/results/gemm_leakyrelu_decode_broad.md), 34 shapes at M = 96 and 128 with the fitted widths
 # (gemm_leakyrelu_decode_fitted.md), the gated (SwiGLU) GEMMs of those three models at M = 1-128
-# (21 shapes, gemm_swiglu_sweep.md) and 10 wide-N non-gated shapes (gemm_leakyrelu_decode_wide*.md). Its
-# picks are within 1.6% of each sweep's best on average (1.4% on the first two), 14% at worst; the
-# constants before the gated sweep lost 16% on average on the gated shapes (plain 64 x 256 tiles,
-# which stream 25% slower gated than not).
+# (21 shapes, gemm_swiglu_sweep.md), 10 wide-N non-gated shapes (gemm_leakyrelu_decode_wide*.md) and
+# three sweeps with clusters (7,170 configs on 136 shapes of 17 N x K, M = 16-128:
+# gemm_leakyrelu_decode_clusters.md). Its picks lose 2.9% on average to each shape's fastest config,
+# 20% at worst (96 x 37888 x 3584, gated); on a fourth cluster sweep of 16 shapes it was not fitted to
+# (gemm_leakyrelu_decode_clusters_unseen), 2.2% (the model before clusters: 4.8%). The L2 term is
+# what makes clusters pay at M = 64-128: there the token tiles that every CTA along N re-reads from
+# L2 outweigh the weights, and multicast reads them once per cluster.
 _DRAM_BW = 3.9e6  # bytes per us: the whole GPU streaming weights (measured, not fitted)
-_SM_BW = 3.746e4  # bytes per us one SM streams, times the tile family's efficiency below
-_MMA_RATE = 2.388e6  # multiply-adds per us per SM
-_WAVE_US = 2.547  # fixed cost per unit a CTA runs in sequence (pipeline fill, epilogue)
-_SPLIT_US = 3.226  # fixed cost of a plain split-K launch
-_SPLIT_SWAPPED_US = 1.425  # and of a swapped one
-_PARTIALS_BW = 3.029e4  # bytes per us the last split reads partials at
+_SM_BW = 4.102e4  # bytes per us one SM streams, times the tile family's efficiency below
+_MMA_RATE = 3.046e6  # multiply-adds per us per SM
+_WAVE_US = 2.431  # fixed cost per unit a CTA runs in sequence (pipeline fill, epilogue)
+_SPLIT_US = 4.0  # fixed cost of a plain split-K launch
+_SPLIT_SWAPPED_US = 1.369  # and of a swapped one
+_PARTIALS_BW = 4.416e4  # bytes per us the last split reads partials at
+_L2_BW = 1.107e7  # bytes per us the SMs read from L2 together
 # Weight-streaming efficiency per tile family (_efficiency): (kind, tile_m, width of plain tiles),
 # kind "plain", "gated" (plain tiles of a gated GEMM) or "swapped" (gated or not: the same speed).
 _EFFICIENCY = {
-    ("plain", 64, 64): 1.33, ("plain", 64, 128): 1.60, ("plain", 64, 256): 1.60,
-    ("plain", 128, 32): 0.61, ("plain", 128, 64): 0.75, ("plain", 128, 128): 1.45, ("plain", 128, 256): 1.60,
-    ("gated", 64, 64): 0.97, ("gated", 64, 128): 0.77, ("gated", 64, 256): 0.75,
-    ("gated", 128, 64): 1.00, ("gated", 128, 128): 1.58, ("gated", 128, 256): 0.68,
-    ("swapped", 64, None): 1.33, ("swapped", 128, None): 1.53,
+    ("plain", 64, 64): 1.09, ("plain", 64, 128): 1.98, ("plain", 64, 256): 1.56,
+    ("plain", 128, 32): 0.59, ("plain", 128, 64): 0.75, ("plain", 128, 128): 2.30, ("plain", 128, 256): 1.72,
+    ("gated", 64, 64): 0.90, ("gated", 64, 128): 0.67, ("gated", 64, 256): 0.65,
+    ("gated", 128, 64): 0.87, ("gated", 128, 128): 1.78, ("gated", 128, 256): 0.61,
+    ("swapped", 64, None): 1.03, ("swapped", 128, None): 0.80,
+}
+# A cluster shape's factor on its tile family's efficiency (kind "plain" or "swapped", cluster_m,
+# cluster_n; 1 without a cluster).
+_MULTICAST = {
+    ("plain", 1, 2): 0.89, ("plain", 1, 4): 0.96,
+    ("swapped", 1, 2): 1.38, ("swapped", 1, 4): 0.77, ("swapped", 2, 1): 0.76, ("swapped", 2, 2): 0.96,
+    ("swapped", 2, 4): 0.80, ("swapped", 4, 1): 1.45, ("swapped", 4, 2): 0.91,
 }
 _PLAIN_EFFICIENCY = {  # (kind, tile_m): the (width, efficiency) anchors of plain tiles
     (kind, tile_m): sorted((w, e) for (k, tm, w), e in _EFFICIENCY.items() if (k, tm) == (kind, tile_m))
@@ -176,12 +206,16 @@ class GemmConfig:
                 raise ValueError(f"swapped tiles are decode (split-K) tiles with tile_n in {SWAP_TILE_N}")
         elif self.tile_n % (32 if self.gated else 16) or not 32 <= self.tile_n <= 256:
             raise ValueError("tile_n must be a multiple of 16 (gated: 32) in [32, 256]")
-        if self.cluster_m not in (1, 2) or self.cluster_n not in (1, 2):
-            raise ValueError("clusters are 1x1, 2x1, 1x2 or (swapped decode tiles) 2x2")
-        if self.cluster_m * self.cluster_n > 2 and not self.swap_ab:
-            raise ValueError("clusters are 1x1, 2x1, 1x2 or (swapped decode tiles) 2x2")
-        if self.split_k and (self.pingpong or (self.cluster_m * self.cluster_n > 1 and not self.swap_ab)):
-            raise ValueError("split-K variants are cooperative, and only swapped ones take clusters")
+        if (self.cluster_m, self.cluster_n) not in CLUSTERS:
+            raise ValueError(f"clusters are {CLUSTERS}, got {self.cluster_m}x{self.cluster_n}")
+        if self.cluster_m * self.cluster_n > 2 and not self.split_k:
+            raise ValueError("clusters of more than 2 CTAs are for decode tiles only")
+        if self.split_k and self.pingpong:
+            raise ValueError("split-K variants are cooperative")
+        if self.split_k and self.cluster_m * self.cluster_n > 1 and self.a_rows not in (None, self.tile_m):
+            raise ValueError("decode tiles that load a_rows < tile_m rows of A take no cluster")
+        if self.split_k and not self.swap_ab and self.cluster_m > 1 and self.tile_m != 64:
+            raise ValueError("plain decode tiles share weight tiles only between two 64-token tiles")
         if self.a_rows != self.tile_m and (self.a_rows not in (8, 16, 32) or self.tile_m != 64
                                            or not self.split_k or self.swap_ab):
             raise ValueError("a_rows < tile_m is 8, 16 or 32 and only for split-K tiles of 64 rows")
@@ -275,6 +309,13 @@ def partial_floats(config: GemmConfig, m: int, n: int) -> int:
     return config.splits * m * tiles_n(config, n) * config.tile_n
 
 
+def cluster_tokens(m: int, cluster_n: int) -> Optional[int]:
+    """Tokens per CTA (tile_n) of a swapped tile whose M tokens are split over `cluster_n` CTAs: the
+    fewest SWAP_TILE_N that hold 1/cluster_n of them; None where the last CTA would hold none."""
+    tokens = next((t for t in SWAP_TILE_N if cluster_n * t >= m), None)
+    return tokens if tokens is not None and (cluster_n - 1) * tokens < m else None
+
+
 def check_fits(config: GemmConfig, m: int, n: int) -> None:
     """Raise ValueError unless `config` can run an [m, K] x [n, K] problem: its K splits fit the tile
     counters and 32-bit partials indexing, and a tile that loads a_rows rows of A holds M."""
@@ -292,14 +333,14 @@ def m_range(config: GemmConfig) -> tuple[int, int]:
     ragged tails."""
     if not config.split_k:
         return DECODE_MAX_M + 1, 4 * DECODE_MAX_M + 64
-    if config.swap_ab and config.cluster_n == 2:  # half of M's tokens per CTA (MULTICAST_MIN_M)
-        smaller = [t for t in SWAP_TILE_N if t < config.tile_n]
-        return (2 * smaller[-1] + 1 if smaller else MULTICAST_MIN_M), 2 * config.tile_n
+    if config.swap_ab and config.cluster_n > 1:  # 1/cluster_n of M's tokens per CTA (cluster_tokens)
+        c, smaller = config.cluster_n, [t for t in SWAP_TILE_N if t < config.tile_n]
+        return max(c * smaller[-1] if smaller else 0, (c - 1) * config.tile_n) + 1, c * config.tile_n
     if config.swap_ab:  # the tuner's TWO_TOKEN_TILES also serve M up to 128
         smaller = [t for t in SWAP_TILE_N if t < config.tile_n]
         largest = DECODE_MAX_M if config.tile_n == TWO_TOKEN_TILES else config.tile_n
         return (smaller[-1] + 1 if smaller else 1), largest
-    if config.tile_m == 128:
+    if config.tile_m == 128 or config.cluster_m > 1:  # one 128-row or two 64-row token tiles
         return 65, DECODE_MAX_M
     smaller = [r for r in A_ROWS if r < config.a_rows]
     return (smaller[-1] + 1 if smaller else 1), config.a_rows
@@ -318,9 +359,22 @@ def fitted_width(n: int, splits: int, num_sms: int, step: int = 16) -> Optional[
     return width if width <= 256 else None
 
 
+def resident_ctas(config: GemmConfig, num_sms: int) -> int:
+    """CTAs of `config`'s clusters resident at once, one per SM: whole clusters (the kernel's
+    persistent grid asks the device; this is the estimate the cost model plans with)."""
+    size = config.cluster_m * config.cluster_n
+    return num_sms // size * size
+
+
 def _efficiency(config: GemmConfig) -> float:
-    """The weight-streaming efficiency of a tile family (_EFFICIENCY); plain widths between the
-    fitted ones are interpolated linearly, those outside take the nearest fitted one."""
+    """The weight-streaming efficiency of a tile family (_EFFICIENCY) times its cluster shape's
+    factor (_MULTICAST); plain widths between the fitted ones are interpolated linearly, those
+    outside take the nearest fitted one."""
+    factor = _MULTICAST.get(("swapped" if config.swap_ab else "plain", config.cluster_m, config.cluster_n), 1.0)
+    return factor * _tile_efficiency(config)
+
+
+def _tile_efficiency(config: GemmConfig) -> float:
     if config.swap_ab:
         return _EFFICIENCY[("swapped", config.tile_m, None)]
     fitted = _PLAIN_EFFICIENCY[("gated" if config.gated else "plain", config.tile_m)]
@@ -329,17 +383,30 @@ def _efficiency(config: GemmConfig) -> float:
     return e0 + (e1 - e0) * (w - w0) / (w1 - w0)
 
 
+def l2_bytes(config: GemmConfig, m: int, n: int, k: int) -> int:
+    """Bytes a decode launch reads from L2: every output tile's weight and token tiles over the whole
+    K, a tile multicast to the CTAs of a cluster row or column read once for them. At M = 128 the
+    token tiles dominate for narrow plain tiles (128 x 48: 2.7 bytes of tokens per weight byte)."""
+    if config.swap_ab:
+        weights, tokens, weights_shared, tokens_shared = config.tile_m, config.tile_n, config.cluster_n, config.cluster_m
+    else:
+        weights, tokens, weights_shared, tokens_shared = config.tile_n, config.a_rows, config.cluster_m, config.cluster_n
+    k_padded = math.ceil(k / TILE_K) * TILE_K
+    return output_tiles(config, m, n) * (weights / weights_shared + tokens / tokens_shared) * k_padded * 2
+
+
 def decode_cost(config: GemmConfig, m: int, n: int, k: int, num_sms: int) -> float:
     """Modelled microseconds of a decode launch. Units (output tile x K split) are dealt round-robin
     to at most one CTA per SM, so the busiest CTA runs ceil(units / SMs) of them, streaming its
     weight slice (bounded by the whole GPU's bandwidth) or running its MMAs, whichever is longer;
     each unit in sequence adds a fixed cost; with splits, the last split of a tile reads every
-    split's partials alone."""
+    split's partials alone; and the whole GPU reads both operands' tiles from L2 (`l2_bytes`)."""
     k_tiles = math.ceil(k / TILE_K)
     weight_rows = config.tile_m if config.swap_ab else config.tile_n
-    waves = math.ceil(output_tiles(config, m, n) * config.splits / num_sms)
+    waves = math.ceil(output_tiles(config, m, n) * config.splits / resident_ctas(config, num_sms))
     unit_k = math.ceil(k_tiles / config.splits) * TILE_K
-    stream = max(n * k * 2 / _DRAM_BW, waves * weight_rows * unit_k * 2 / (_SM_BW * _efficiency(config)))
+    stream = max(n * k * 2 / _DRAM_BW, waves * weight_rows * unit_k * 2 / (_SM_BW * _efficiency(config)),
+                 l2_bytes(config, m, n, k) / _L2_BW)
     mma = waves * config.tile_m * config.tile_n * unit_k / _MMA_RATE
     cost = max(stream, mma) + waves * _WAVE_US
     if config.splits > 1:
@@ -353,7 +420,8 @@ def decode_configs(shape: GemmShape, splits: Iterable[int], num_sms: int) -> lis
     """The decode configs of `shape` with each of `splits` that fits: plain tiles of every width
     (one M tile: 64 rows, of which the fewest A_ROWS that hold M are loaded, or 128; 128-row tiles
     also at each split count's fitted_width) and swapped tiles of 64 and 128 weight rows with the
-    fewest SWAP_TILE_N tokens that hold M."""
+    fewest SWAP_TILE_N tokens that hold M; not gated, from CLUSTER_MIN_M tokens, each also on the
+    HEURISTIC_CLUSTERS `on_clusters` gives it."""
     m, splits = shape.m, list(splits)
     tile_m = 64 if m <= 64 else 128
     a_rows = next(r for r in A_ROWS if r >= m) if tile_m == 64 else tile_m
@@ -366,17 +434,44 @@ def decode_configs(shape: GemmShape, splits: Iterable[int], num_sms: int) -> lis
         widths = {s: fitted_width(shape.n, s, num_sms, 32 if shape.gated else 16) for s in splits}
         configs += [GemmConfig(**_base(shape), cluster_m=1, split_k=True, splits=s, tile_m=tile_m, tile_n=w)
                     for s, w in widths.items() if w is not None and w not in DECODE_TILE_N]
+    if m >= CLUSTER_MIN_M and not shape.gated:
+        configs += on_clusters(m, configs, HEURISTIC_CLUSTERS)
     return [c for c in configs if _fits(c, m, shape.n)]
+
+
+def on_clusters(m: int, configs: Iterable[GemmConfig], families: Optional[dict] = None) -> list[GemmConfig]:
+    """The unclustered decode `configs` of an M-token problem on clusters: swapped tiles on
+    SWAP_CLUSTERS (64 rows) or SWAP128_CLUSTERS (128 rows), their tokens the `cluster_tokens` of a
+    cluster row; plain tiles whose A tile is whole, from 33 tokens, on PLAIN_CLUSTERS. `families`
+    ({(kind, tile_m): cluster shapes}) narrows the shapes (HEURISTIC_CLUSTERS)."""
+    out = []
+    for c in configs:
+        if c.swap_ab:
+            shapes = SWAP_CLUSTERS if c.tile_m == 64 else SWAP128_CLUSTERS
+        elif c.a_rows == c.tile_m and m > 32:
+            shapes = PLAIN_CLUSTERS
+        else:
+            continue
+        if families is not None:
+            shapes = [s for s in shapes if s in families[("swapped" if c.swap_ab else "plain", c.tile_m)]]
+        for cluster_m, cluster_n in shapes:
+            tokens = cluster_tokens(m, cluster_n) if c.swap_ab else c.tile_n
+            if tokens is not None:
+                out.append(dataclasses.replace(c, tile_n=tokens, cluster_m=cluster_m, cluster_n=cluster_n))
+    return out
 
 
 @functools.lru_cache(maxsize=4096)
 def decode_choice(shape: GemmShape, num_sms: int) -> GemmConfig:
     """The decode config of least modelled cost (`decode_cost`): over decode_configs with the split
-    counts of FITTED_SPLITS that leave each split MIN_SPLIT_K_TILES k-tiles; fewer splits unless more
-    win by 1%."""
+    counts of FITTED_SPLITS that leave each split MIN_SPLIT_K_TILES k-tiles and, where any has, at
+    most FITTED_WAVES waves of work units; fewer splits unless more win by 1%."""
     max_splits = max(1, min(MAX_SPLITS, math.ceil(shape.k / TILE_K) // MIN_SPLIT_K_TILES))
+    configs = decode_configs(shape, [s for s in FITTED_SPLITS if s <= max_splits], num_sms)
+    fitted = [c for c in configs
+              if output_tiles(c, shape.m, shape.n) * c.splits <= FITTED_WAVES * resident_ctas(c, num_sms)]
     best = None
-    for config in decode_configs(shape, [s for s in FITTED_SPLITS if s <= max_splits], num_sms):
+    for config in fitted or configs:
         cost = decode_cost(config, shape.m, shape.n, shape.k, num_sms)
         if best is None or cost < 0.99 * best[0]:
             best = (cost, config)
@@ -433,8 +528,9 @@ def config_for(shape: GemmShape, sms: int | None = None) -> GemmConfig:
 def candidates(shape: GemmShape, sms: int | None = None) -> list[GemmConfig]:
     """Every config that can run `shape`, config_for's first. Decode: decode_configs with each split
     count up to MAX_SPLITS that leaves every split a k-tile, plain 64-row tiles also with each
-    larger a_rows, past 64 tokens also TWO_TOKEN_TILES, swapped 64-row tiles on 2x1 clusters and from
-    MULTICAST_MIN_M tokens on 1x2 and 2x2 (`stages` stays at as many as fit: not searched). Prefill: each tile of PREFILL_TILES on PREFILL_CLUSTERS, walked in
+    larger a_rows, every unclustered one on each cluster shape `on_clusters` gives it (swapped tiles
+    where each token tile holds a token: `cluster_tokens`), and past 64 tokens TWO_TOKEN_TILES and two
+    64-token plain tiles on TWO_TOKEN_CLUSTERS (`stages` stays at as many as fit: not searched). Prefill: each tile of PREFILL_TILES on PREFILL_CLUSTERS, walked in
     PREFILL_RASTER_GROUPS."""
     sms = sm_count() if sms is None else sms
     pick = config_for(shape, sms)
@@ -443,15 +539,14 @@ def candidates(shape: GemmShape, sms: int | None = None) -> list[GemmConfig]:
         found = decode_configs(shape, splits, sms)
         found += [dataclasses.replace(c, a_rows=r) for c in found if not c.swap_ab and c.tile_m == 64
                   for r in A_ROWS if r > c.a_rows]
-        swapped = [c for c in found if c.swap_ab and c.tile_m == 64]
-        two = []  # the multicast ones first: rank() ties them with the unicast two-token tiles
-        if shape.m >= MULTICAST_MIN_M:  # on 1x2 and 2x2 clusters (MULTICAST_MIN_M)
-            half = next(t for t in SWAP_TILE_N if 2 * t >= shape.m)
-            two += [dataclasses.replace(c, tile_n=half, cluster_n=2) for c in swapped]
-            two += [dataclasses.replace(c, tile_n=half, cluster_m=2, cluster_n=2) for c in swapped]
-        two += [dataclasses.replace(c, cluster_m=2) for c in swapped]  # the token tile multicast
-        if shape.m > TWO_TOKEN_TILES:  # M takes two token tiles: see TWO_TOKEN_TILES
-            two += [dataclasses.replace(c, tile_n=TWO_TOKEN_TILES) for c in swapped]
+        two = on_clusters(shape.m, [c for c in found if c.cluster_m * c.cluster_n == 1])
+        if shape.m > TWO_TOKEN_TILES:  # M takes two token tiles: see TWO_TOKEN_TILES and TWO_TOKEN_CLUSTERS
+            two += [dataclasses.replace(c, tile_n=TWO_TOKEN_TILES) for c in found
+                    if c.swap_ab and c.tile_m == 64 and c.cluster_m * c.cluster_n == 1]
+            step = 32 if shape.gated else 16
+            widths = set(DECODE_TILE_N) | {fitted_width(shape.n, 2 * s, sms, step) for s in splits} - {None}
+            two += [GemmConfig(**_base(shape), tile_m=64, tile_n=w, cluster_m=cm, cluster_n=cn, split_k=True,
+                               splits=s) for w in sorted(widths) for s in splits for cm, cn in TWO_TOKEN_CLUSTERS]
         found += [c for c in two if _fits(c, shape.m, shape.n)]
     else:
         found = [GemmConfig(**_base(shape), tile_m=tile_m, tile_n=tile_n, pingpong=pingpong,
@@ -497,8 +592,12 @@ def _library_variants() -> list[GemmConfig]:
     tiles += [dict(tile_m=FIT_TILE_M, tile_n=tn, cluster_m=1, split_k=True) for tn in range(32, 257, 16)]
     tiles += [dict(tile_m=tm, tile_n=tn, cluster_m=1, split_k=True, swap_ab=True)
               for tm in SWAP_TILE_M for tn in SWAP_TILE_N]
-    return [GemmConfig(dtype=dt, b_major=bm, bias=bias, **t)
-            for dt in DTYPES for bm in ("k", "n") for bias in ("none", dt, "fp32") for t in tiles]
+    configs = [GemmConfig(dtype=dt, b_major=bm, bias=bias, **t)
+               for dt in DTYPES for bm in ("k", "n") for bias in ("none", dt, "fp32") for t in tiles]
+    decode = [c for c in configs if c.split_k]
+    clustered = {c: None for m in range(CLUSTER_MIN_M, DECODE_MAX_M + 1)
+                 for c in on_clusters(m, decode, HEURISTIC_CLUSTERS)}
+    return configs + list(clustered)
 
 
 def takes(n: int, k: int, gated: bool = False) -> bool:

@@ -42,7 +42,13 @@ _QUICK += [glr.Config(b_major="n", bias="fp32"),
            glr.Config(tile_m=64, tile_n=16, cluster_m=1, cluster_n=2, split_k=True, swap_ab=True, bias="fp32",
                       activation="silu", gated=True),
            glr.Config(tile_m=64, tile_n=32, cluster_m=2, cluster_n=2, split_k=True, swap_ab=True),
-           glr.Config(tile_m=64, tile_n=64, cluster_m=2, cluster_n=1, split_k=True, swap_ab=True)]
+           glr.Config(tile_m=64, tile_n=64, cluster_m=2, cluster_n=1, split_k=True, swap_ab=True),
+           glr.Config(tile_m=64, tile_n=8, cluster_m=4, cluster_n=1, split_k=True, swap_ab=True),
+           glr.Config(tile_m=64, tile_n=32, cluster_m=2, cluster_n=4, split_k=True, swap_ab=True, bias="bf16",
+                      activation="silu", gated=True),
+           glr.Config(tile_m=64, tile_n=96, cluster_m=2, cluster_n=2, split_k=True),
+           glr.Config(tile_m=128, tile_n=112, cluster_m=1, cluster_n=4, split_k=True, bias="bf16"),
+           glr.Config(tile_m=128, tile_n=96, cluster_m=4, cluster_n=1, split_k=True, swap_ab=True)]
 
 
 def _compile_and_inspect(cfg, tmp_path):
@@ -388,23 +394,36 @@ def test_swapped_tiles(m, tile_m, tile_n, b_layout, bias):
         assert torch.equal(outs[-1], outs[-2]), f"splits={splits}: two runs differ"
 
 
-_MULTICAST_CASES = [(9, 8, 1, 2), (16, 8, 2, 2), (17, 16, 1, 2), (33, 32, 2, 2), (64, 32, 1, 2), (65, 64, 2, 2),
-                    (100, 64, 1, 2), (128, 64, 2, 2), (200, 64, 1, 2), (200, 64, 2, 2), (5, 8, 2, 1), (64, 64, 2, 1),
-                    (128, 128, 2, 1)]
+# (M, tile_m, tile_n, cluster_m, cluster_n, swapped)
+_CLUSTER_CASES = [(m, 64, tn, cm, cn, True) for m, tn, cm, cn in (
+    (9, 8, 1, 2), (16, 8, 2, 2), (17, 16, 1, 2), (33, 32, 2, 2), (64, 32, 1, 2), (65, 64, 2, 2), (100, 64, 1, 2),
+    (128, 64, 2, 2), (200, 64, 1, 2), (200, 64, 2, 2), (5, 8, 2, 1), (64, 64, 2, 1), (128, 128, 2, 1), (25, 8, 1, 4),
+    (128, 32, 1, 4), (200, 32, 1, 4), (100, 32, 2, 4), (7, 8, 4, 1), (64, 64, 4, 1), (128, 128, 4, 1), (33, 32, 4, 2),
+    (128, 64, 4, 2))]
+_CLUSTER_CASES += [(96, 128, 96, 4, 1, True), (128, 128, 64, 2, 2, True)]
+_CLUSTER_CASES += [(m, tm, tn, cm, cn, False) for m, tm, tn, cm, cn in (
+    (100, 64, 96, 2, 1), (65, 64, 96, 2, 2), (128, 64, 80, 2, 4), (128, 64, 256, 2, 1), (40, 64, 128, 1, 2),
+    (64, 64, 64, 1, 4), (100, 128, 48, 1, 2), (128, 128, 112, 1, 4))]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m, tile_n, cluster_m, cluster_n", _MULTICAST_CASES,
-                         ids=[f"m{m}-64x{tn}-{cm}x{cn}" for m, tn, cm, cn in _MULTICAST_CASES])
+@pytest.mark.parametrize("case", _CLUSTER_CASES,
+                         ids=[f"m{m}-{tm}x{tn}-{cm}x{cn}-{'swapped' if sw else 'plain'}"
+                              for m, tm, tn, cm, cn, sw in _CLUSTER_CASES])
 @pytest.mark.parametrize("gated", [False, True])
-def test_multicast_swapped_tiles(m, tile_n, cluster_m, cluster_n, gated):
-    """Swapped tiles on clusters (1x2: the weight tile multicast to two token tiles; 2x1: the token
-    tile to two weight tiles; 2x2: both): bitwise the same tiles without a cluster, on ragged N (13
-    weight tiles: the last 2x1 cluster has a CTA past N) and K with every split count; the second CTA
-    holds 1 token at M = 9, M = 200 takes two clusters of token tiles. The output starts NaN, so a
+def test_decode_tiles_on_clusters(case, gated):
+    """Decode tiles on clusters, bitwise the same tile without one: swapped (1xC: the weight tile
+    multicast to C token tiles; Cx1: the token tile to C weight tiles; both at once; 64 or 128 weight
+    rows) and plain (1xC: the token tile multicast to C weight tiles; 2xC: two 64-token tiles sharing
+    each weight tile too). Ragged N (13 weight tiles of 64: the last 2x1 and 4x1 clusters have CTAs
+    past N) and K, every split count; the last CTA holds 1 token at M = 9, 25 and 65, M = 200 takes
+    two clusters of token tiles (on 1x4, the last CTA lies past M). The output starts NaN, so a
     skipped element shows."""
+    m, tile_m, tile_n, cluster_m, cluster_n, swap = case
+    if gated and not swap and tile_n % 32:
+        pytest.skip("gated plain tiles are multiples of 32 wide")
     n, k = 784 if gated else 776, 1000
-    fields = dict(tile_m=64, tile_n=tile_n, split_k=True, swap_ab=True, bias="fp32",
+    fields = dict(tile_m=tile_m, tile_n=tile_n, split_k=True, swap_ab=swap, bias="fp32",
                   activation="silu" if gated else "leaky_relu", gated=gated)
     cfg = glr.Config(cluster_m=cluster_m, cluster_n=cluster_n, **fields)
     unicast = glr.Config(cluster_m=1, cluster_n=1, **fields)
@@ -419,6 +438,19 @@ def test_multicast_swapped_tiles(m, tile_n, cluster_m, cluster_n, gated):
             outs.append(out)
         _assert_close(outs[0], ref, torch.bfloat16, f"{cfg} m={m} splits={splits}")
         assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), f"splits={splits}"
+
+
+def test_cluster_cases_cover_the_tuners_clusters():
+    """The GPU cases above take every cluster shape the tuner searches, and tokens the shapes' m_range
+    gives them (M = 200 lies past the decode range on purpose: two clusters of token tiles)."""
+    swapped = {(cm, cn) for m, tm, tn, cm, cn, sw in _CLUSTER_CASES if sw and tm == 64}
+    plain = {(cm, cn) for m, tm, tn, cm, cn, sw in _CLUSTER_CASES if not sw}
+    assert swapped == set(plan.SWAP_CLUSTERS)
+    assert {(cm, cn) for m, tm, tn, cm, cn, sw in _CLUSTER_CASES if sw and tm == 128} <= set(plan.SWAP128_CLUSTERS)
+    assert plain == set(plan.PLAIN_CLUSTERS) | set(plan.TWO_TOKEN_CLUSTERS)
+    for m, tm, tn, cm, cn, sw in _CLUSTER_CASES:
+        lo, hi = plan.m_range(glr.Config(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, split_k=True, swap_ab=sw))
+        assert lo <= min(m, hi) and (m <= hi or m == 200), (m, tm, tn, cm, cn, sw)
 
 
 @pytest.mark.gpu

@@ -38,15 +38,19 @@ def test_config_validation():
         Config(pingpong=True, tile_n=256)
     with pytest.raises(ValueError):
         Config(dtype="bf16", bias="fp16")
-    with pytest.raises(ValueError):
-        Config(split_k=True)  # 2x1 clusters are not used with split-K
-    with pytest.raises(ValueError, match="only swapped ones take clusters"):
-        Config(split_k=True, cluster_m=1, cluster_n=2)
-    with pytest.raises(ValueError, match="swapped decode tiles. 2x2"):
+    with pytest.raises(ValueError, match="two 64-token tiles"):
+        Config(split_k=True)  # a 128-row token tile past M on a 2x1 cluster
+    with pytest.raises(ValueError, match="take no cluster"):
+        Config(split_k=True, tile_m=64, a_rows=8, cluster_m=1, cluster_n=2)
+    for cluster_m, cluster_n in plan.CLUSTERS:  # plain decode tiles of two 64-token tiles
+        Config(split_k=True, tile_m=64, tile_n=96, cluster_m=cluster_m, cluster_n=cluster_n)
+    Config(split_k=True, cluster_m=1, cluster_n=4)  # a 128-token tile multicast to 4 weight tiles
+    with pytest.raises(ValueError, match="for decode tiles only"):
         Config(cluster_m=2, cluster_n=2)
-    with pytest.raises(ValueError, match="clusters are"):
-        Config(split_k=True, cluster_m=1, cluster_n=4, swap_ab=True, tile_m=64, tile_n=64)
-    for cluster_m, cluster_n in ((1, 2), (2, 1), (2, 2)):  # multicast weights, tokens, or both
+    for bad in ((4, 4), (3, 1), (1, 8), (0, 1)):
+        with pytest.raises(ValueError, match="clusters are"):
+            Config(split_k=True, cluster_m=bad[0], cluster_n=bad[1], swap_ab=True, tile_m=64, tile_n=64)
+    for cluster_m, cluster_n in plan.SWAP_CLUSTERS:  # multicast weights, tokens, or both
         Config(split_k=True, cluster_m=cluster_m, cluster_n=cluster_n, swap_ab=True, tile_m=64, tile_n=64)
     Config(tile_n=144, **DECODE)  # odd multiples of 16 wide
     with pytest.raises(ValueError, match="multiple of 16 .gated: 32."):
@@ -140,10 +144,10 @@ def test_variants_are_distinct_and_cover_the_heuristic():
             assert cfg.variant().key() in keys and cfg.splits >= 1
             assert cfg.split_k == (m <= plan.DECODE_MAX_M)
             # Decode loads the fewest rows of A that hold M: 8, 16, 32 or the whole 64-row tile;
-            # swapped tiles take the fewest tokens that hold M.
+            # swapped tiles take the fewest tokens that hold M (on 1xC clusters, 1/C of M).
             fit = [r for r in plan.A_ROWS if r >= m]
             if cfg.swap_ab:
-                assert cfg.tile_n == next(t for t in plan.SWAP_TILE_N if t >= min(m, 128)) and cfg.a_rows == cfg.tile_m
+                assert cfg.tile_n == plan.cluster_tokens(min(m, 128), cfg.cluster_n) and cfg.a_rows == cfg.tile_m
             else:
                 assert cfg.a_rows == (fit[0] if cfg.split_k and cfg.tile_m == 64 else cfg.tile_m), (m, cfg)
             if cfg.split_k:
@@ -222,57 +226,78 @@ def test_decode_heuristic_known_shapes():
     # Only split counts the model was fitted on: at 1024 x 4096 it picked 5 (never timed in a sweep),
     # which sip-tune level 1 measured 1.038-1.045x slower than 6 at M = 1-16 and 1.023x slower than
     # 4 at M = 32 (bench/results/sip_tune_model_qwen3_8b_decode.md); these are its picks now.
-    assert [_pick(m, 1024, 4096) for m in (1, 16, 32)] == [("swap", 64, 8, 6), ("swap", 64, 16, 6),
-                                                           ("swap", 64, 32, 4)]
+    assert _pick(1, 1024, 4096) == ("swap", 64, 8, 6)
+    # From 16 tokens on clusters (the sweeps' times: bench/results/gemm_leakyrelu_decode_clusters.md):
+    # at M = 16-64 on 3584-4096 weight rows the token tile multicast to 4 weight tiles (4x1), at
+    # M = 128 on 3584 x 3584 two token tiles sharing each weight tile (1x2); under 16 tokens none.
+    for m, n, k in ((16, 3584, 3584), (32, 4096, 4096), (64, 3584, 3584)):
+        c = plan.config_for(Shape(m, n, k), 132)
+        assert (c.swap_ab, c.tile_m, c.cluster_m, c.cluster_n) == (True, 64, 4, 1), (m, n, k, c)
+    c = plan.config_for(Shape(128, 3584, 3584), 132)
+    assert (c.swap_ab, c.tile_n, c.cluster_m, c.cluster_n) == (True, 64, 1, 2), c
+    assert (plan.config_for(Shape(8, 3584, 3584), 132).cluster_m, plan.config_for(Shape(8, 3584, 3584), 132).cluster_n) == (1, 1)
     assert all(_pick(m, n, k)[3] in plan.FITTED_SPLITS for m in (1, 8, 64, 128)
                for n, k in ((768, 2048), (512, 3584), (4096, 14336), (2048, 8192)))
 
 
 def test_decode_heuristic_known_gated_shapes():
-    # The gated sweep (bench/results/gemm_swiglu_sweep.md, N counting gate and up rows): swapped 128-row
-    # weight tiles up to 64 tokens, within 1-3% of the fastest there; plain 64 x 256 tiles, the
-    # choice before that sweep, ran 1.15-1.35x slower.
-    for n, k in ((24576, 4096), (28672, 4096), (37888, 3584)):
-        for m in (1, 8, 16, 32, 64):
-            c = plan.config_for(Shape(m, n, k, activation="silu", gated=True), 132)
-            assert (c.swap_ab, c.tile_m, c.splits) == (True, 128, 1), (m, n, k, c)
+    # The gated sweep (bench/results/gemm_swiglu_sweep.md, N counting gate and up rows): up to 64
+    # tokens the model's pick ran within 3% of the fastest config there; plain 64 x 256 tiles, the
+    # choice before that sweep, ran 1.15-1.35x slower. No cluster: no sweep timed gated ones.
+    picks = {shape[1:]: pick / best for shape, pick, best in _sweep_picks(("gemm_swiglu_sweep.json.gz",))}
+    for (m, n, k), lost in picks.items():
+        c = plan.config_for(Shape(m, n, k, activation="silu", gated=True), 132)
+        assert (c.cluster_m, c.cluster_n) == (1, 1) and not (c.tile_n == 256 and not c.swap_ab), (m, n, k, c)
+        if m <= 64:
+            assert lost <= 1.03, (m, n, k, lost)
 
 
 # The decode sweeps the cost model is fitted to (tools/fit_gemm_decode.py), as committed.
 DECODE_SWEEPS = ("gemm_leakyrelu_decode_broad.json.gz", "gemm_leakyrelu_decode_fitted.json.gz",
-                 "gemm_swiglu_sweep.json.gz", "gemm_leakyrelu_decode_wide.json.gz", "gemm_leakyrelu_decode_wide_2.json.gz")
+                 "gemm_swiglu_sweep.json.gz", "gemm_leakyrelu_decode_wide.json.gz", "gemm_leakyrelu_decode_wide_2.json.gz",
+                 "gemm_leakyrelu_decode_clusters_m16-64.json.gz", "gemm_leakyrelu_decode_clusters_m96-128.json.gz",
+                 "gemm_leakyrelu_decode_clusters_plain.json.gz")
+HELD_OUT_SWEEP = "gemm_leakyrelu_decode_clusters_unseen.json.gz"  # shapes the model was not fitted to
 
 
-def _sweep_picks():
+def _sweep_picks(names=DECODE_SWEEPS):
     """((sweep, M, N, K), measured time of the config decode_cost ranks first among the shape's timed
-    ones, fastest measured time) for every shape of every committed decode sweep."""
+    ones, fastest measured time) for every shape of the committed decode sweeps `names`. Two M tiles
+    past 64 tokens (unclustered 64-token swapped tiles, 64-row plain tiles) are the tuner's only, not
+    the heuristic's: left out, as the fit leaves them out."""
     results = Path(__file__).resolve().parents[2] / "bench" / "results"
-    for name in DECODE_SWEEPS:
+    for name in names:
         with (gzip.open if name.endswith(".gz") else open)(results / name, "rt") as f:
             data = json.load(f)
         for r in data["results"]:
-            timed = [row for row in r.get("sweep", []) if "ms" in row and "swap_ab" in row]
+            two = [row for row in r.get("sweep", []) if r["m"] > 64 and (
+                row.get("tile_n") == 64 and row.get("cluster_n", 1) == 1 if row.get("swap_ab") else row.get("tile_m") == 64)]
+            timed = [row for row in r.get("sweep", []) if "ms" in row and "swap_ab" in row and row not in two]
             if not timed:
                 continue
             gated = r.get("gated", False)
 
             def cost(row):
                 c = Config(tile_m=row["tile_m"], tile_n=row["tile_n"], a_rows=None if row["swap_ab"] else row["a_rows"],
-                           swap_ab=row["swap_ab"], splits=row["splits"], gated=gated,
-                           activation="silu" if gated else "leaky_relu", **DECODE)
+                           swap_ab=row["swap_ab"], splits=row["splits"], gated=gated, split_k=True,
+                           cluster_m=row.get("cluster_m", 1), cluster_n=row.get("cluster_n", 1),
+                           activation="silu" if gated else "leaky_relu")
                 return plan.decode_cost(c, r["m"], r["n"], r["k"], 132)
             yield (name, r["m"], r["n"], r["k"]), min(timed, key=cost)["ms"], min(row["ms"] for row in timed)
 
 
 def test_decode_cost_model_fits_the_committed_sweeps():
     """The constants in the plan module are the fit to the sweeps: the config the model ranks first
-    on each shape ran within 2% of the shape's fastest on average and 15% at worst (the fit: 1.6%,
-    14%). A constant changed without a refit, or a refit without its sweep committed, fails here."""
+    on each shape ran within 3% of the shape's fastest on average and 21% at worst (the fit: 2.9%,
+    20%), and within 3% on average on the sweep it was not fitted to (2.2%). A constant changed
+    without a refit, or a refit without its sweep committed, fails here."""
     lost = {shape: pick / best for shape, pick, best in _sweep_picks()}
-    assert len(lost) >= 140
+    assert len(lost) >= 290
     mean = sum(lost.values()) / len(lost)
     worst = max(lost, key=lost.get)
-    assert mean <= 1.02 and lost[worst] <= 1.15, (mean, worst, lost[worst])
+    assert mean <= 1.03 and lost[worst] <= 1.21, (mean, worst, lost[worst])
+    held_out = [pick / best for _, pick, best in _sweep_picks((HELD_OUT_SWEEP,))]
+    assert len(held_out) == 16 and sum(held_out) / len(held_out) <= 1.03
 
 
 def test_prefill_heuristic_known_shapes():
@@ -317,41 +342,50 @@ def test_candidates_are_valid_distinct_and_hold_the_pick(m, n, k, options):
             (2, 1, 8), (2, 1, 2), (1, 2, 8), (1, 2, 2)}
     else:
         k_tiles = -(-k // plan.TILE_K)
-        plain = [c for c in found if not c.swap_ab]
-        swapped = [c for c in found if c.swap_ab]
+        unclustered = [c for c in found if c.cluster_m * c.cluster_n == 1]
+        plain = [c for c in unclustered if not c.swap_ab]
+        swapped = [c for c in unclustered if c.swap_ab]
         fitted = {plan.fitted_width(n, s, 132) for s in range(1, plan.MAX_SPLITS + 1)} - {None} if m > 64 else set()
         assert {c.tile_n for c in plain} == set(plan.DECODE_TILE_N) | fitted
         assert {c.tile_m for c in plain} == {64 if m <= 64 else 128}
-        assert {(c.cluster_m, c.cluster_n) for c in found} == (
-            {(1, 1), (2, 1), (1, 2), (2, 2)} if m >= 9 else {(1, 1), (2, 1)})
-        assert all(c.swap_ab and c.tile_m == 64 for c in found if c.cluster_m * c.cluster_n > 1)
         assert {c.a_rows for c in plain} == ({r for r in plan.A_ROWS if r >= m} if m <= 64 else {128})
         assert {c.tile_m for c in swapped} == set(plan.SWAP_TILE_M)
-        multicast = [c for c in swapped if c.cluster_n == 2]
-        swapped = [c for c in swapped if c.cluster_n == 1]
-        # 2x1 clusters: the token tile multicast to two weight tiles, the same tiles as without.
-        assert {dataclasses.replace(c, cluster_m=1) for c in swapped if c.cluster_m == 2} <= set(swapped)
         fewest = next(t for t in plan.SWAP_TILE_N if t >= min(m, 128))
         assert {c.tile_n for c in swapped} == ({fewest, plan.TWO_TOKEN_TILES} if m > 64 else {fewest})
-        # 1x2 clusters: two token tiles, each the fewest that hold half of M, of 64 weight rows.
-        half = next(t for t in plan.SWAP_TILE_N if 2 * t >= m)
-        assert {(c.tile_m, c.tile_n) for c in multicast} == ({(64, half)} if m >= 9 else set())
-        assert {c.cluster_m for c in multicast} == ({1, 2} if m >= 9 else set())
-        assert all(plan.m_range(c)[0] <= m <= plan.m_range(c)[1] for c in multicast)
-        assert all(plan.output_tiles(c, m, n) % 2 == 0 for c in multicast)
         assert all(c not in plan.decode_configs(shape, [c.splits], 132) for c in swapped if c.tile_n < min(m, 128))
+        for c in found:
+            if c.cluster_m * c.cluster_n == 1:
+                continue
+            assert plan.m_range(c)[0] <= m <= plan.m_range(c)[1], c
+            assert plan.output_tiles(c, m, n) % (c.cluster_m * c.cluster_n) == 0
+            if c.swap_ab:  # cluster_n token tiles, each the fewest that hold 1/cluster_n of M (the last one
+                # holds a token); cluster_m weight tiles share each
+                shapes = plan.SWAP_CLUSTERS if c.tile_m == 64 else plan.SWAP128_CLUSTERS
+                assert (c.cluster_m, c.cluster_n) in shapes and c.tile_n == plan.cluster_tokens(m, c.cluster_n)
+                assert (c.cluster_n - 1) * c.tile_n < m <= c.cluster_n * c.tile_n
+                assert dataclasses.replace(c, cluster_m=1) in found or c.cluster_n > 1
+            else:  # plain tiles with the whole A tile, from 33 tokens
+                assert m > 32 and c.a_rows == c.tile_m
+                two = m > 64 and c.tile_m == 64  # the tuner's two 64-token tiles
+                assert (c.cluster_m, c.cluster_n) in (plan.TWO_TOKEN_CLUSTERS if two else plan.PLAIN_CLUSTERS)
+        swap64 = {(c.cluster_m, c.cluster_n) for c in found if c.swap_ab and c.tile_m == 64}
+        assert swap64 == {(cm, cn) for cm, cn in plan.CLUSTERS
+                          if any((cn - 1) * t < m <= cn * t for t in plan.SWAP_TILE_N)}
         assert max(c.splits for c in found) == min(plan.MAX_SPLITS, k_tiles)
 
 
 def test_default_variants_are_todays_warmup_set():
     configs = plan.variants_for()
-    assert len(configs) == 504 and len({c.variant() for c in configs}) == 504
+    assert len(configs) == 672 and len({c.variant() for c in configs}) == 672
     decode = plan.variants_for(modes=("decode",))
     prefill = plan.variants_for(modes=("prefill",))
     # 2 dtypes x 2 b orders x 3 bias kinds, times 3 prefill tiles, or plain decode tiles (3 widths x
-    # 4 a_rows of 64-row tiles, 15 widths of 128-row ones) and 2 x 6 swapped decode tiles (the tuner's
-    # clusters of swapped tiles are not in it: the heuristic never picks them).
-    assert (len(prefill), len(decode)) == (36, 468)
+    # 4 a_rows of 64-row tiles, 15 widths of 128-row ones), 2 x 6 swapped decode tiles and the
+    # heuristic's clusters of swapped 64-row tiles from 16 tokens: 16-128 tokens on 4x1 and 2x1, half
+    # of 16-128 (8-64) on 1x2 (the tuner's other clusters are not in it: the heuristic never picks them).
+    assert (len(prefill), len(decode)) == (36, 468 + 12 * (5 + 5 + 4))
+    clustered = {(c.cluster_m, c.cluster_n, c.tile_n) for c in decode if c.cluster_m * c.cluster_n > 1}
+    assert clustered == {(cm, 1, t) for cm in (4, 2) for t in (16, 32, 64, 96, 128)} | {(1, 2, t) for t in (8, 16, 32, 64)}
     assert {c.variant() for c in decode + prefill} == {c.variant() for c in configs}
     assert all(c.splits == 1 and c.raster_group == plan.RASTER_GROUP and c.slope == 0.01 for c in configs)
     keys = {c.variant().key() for c in configs}
