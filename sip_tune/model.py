@@ -22,7 +22,8 @@ asked for, or rejects, is dropped and reported (e.g. qk_norm at 64 decode tokens
 prefill kernel; `sip-tune --kernel qk_norm --mode prefill --shape tokens=64` tunes that one), and so
 is one whose kernel has a single config there (the norms' decode mode): level 1 would only time it.
 Resuming: a shape whose bucket has a stored entry tuned against the heuristic's cubin as it compiles
-now is skipped; one where the heuristic stayed stores nothing, so it is searched again.
+now is skipped, one where the heuristic stayed included (its search is recorded as the bucket's config
+at 1.0x; a later, better result replaces it).
 """
 from __future__ import annotations
 

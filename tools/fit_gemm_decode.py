@@ -28,6 +28,8 @@ import math
 import numpy as np
 from scipy.optimize import minimize
 
+from rosekernels.kernels import gemm_leakyrelu_plan as plan
+
 SMS = 132
 DRAM_BW = 3.9e6  # bytes per us
 # (name, low, high) of each fitted constant, in decode_cost's units (bytes, us, multiply-adds).
@@ -56,7 +58,6 @@ def families_of(row: dict) -> list[tuple[tuple, float]]:
 
 def config_of(row: dict):
     """The plan module's GemmConfig of a sweep row (sweeps before clusters have no cluster fields)."""
-    from rosekernels.kernels import gemm_leakyrelu_plan as plan
     return plan.GemmConfig(
         tile_m=row["tile_m"], tile_n=row["tile_n"], a_rows=None if row["swap_ab"] else row["a_rows"],
         swap_ab=row["swap_ab"], cluster_m=row.get("cluster_m", 1), cluster_n=row.get("cluster_n", 1), split_k=True,
@@ -72,7 +73,6 @@ def multicast_of(row: dict):
 def features(m: int, n: int, k: int, row: dict) -> list[float]:
     """What decode_cost reads of one config: waves, weight bytes of the busiest CTA, MMA work,
     split or not, partials bytes the last split reads."""
-    from rosekernels.kernels import gemm_leakyrelu_plan as plan
     k_tiles, splits = math.ceil(k / 64), row["splits"]
     config = config_of(row)
     tiles = plan.output_tiles(config, m, n)
@@ -98,14 +98,12 @@ def main() -> None:
             data = json.load(f)
         for result in data["results"]:
             for row in result.get("sweep", []):
-                # Two M tiles (64-row plain, 64-token swapped past 64 tokens: the plan module's
-                # TWO_TOKEN_TILES): timed in one sweep, not among the heuristic's decode_configs.
-                # So are plain 64-row tiles on two M tiles with the weight tile multicast (2xC clusters).
-                two_tiles = result["m"] > 64 and (row["tile_m"] == 64 if not row.get("swap_ab") else
-                                                  row.get("tile_n") == 64 and row.get("cluster_n", 1) == 1)
-                if "ms" in row and "swap_ab" in row and not two_tiles:
+                if "ms" not in row or "swap_ab" not in row:
+                    continue
+                row = dict(row, gated=result.get("gated", False))
+                if not plan.two_m_tiles(config_of(row), result["m"]):  # the tuner's only: not fitted
                     shapes.append((result["m"], result["n"], result["k"]))
-                    rows.append(dict(row, gated=result.get("gated", False)))
+                    rows.append(row)
                     runs.append(i)
     families = sorted({f for r in rows for f, _ in families_of(r)}, key=str)
     fam = np.zeros((len(rows), len(families)))
@@ -147,13 +145,11 @@ def main() -> None:
         return lost / len(groups) + 0.05 * np.mean((lp - logy) ** 2)
 
     if args.current:
-        from rosekernels.kernels import gemm_leakyrelu_plan as plan
         pred = np.array([plan.decode_cost(config_of(r), *s, SMS) for s, r in zip(shapes, rows)])
         report_picks(pred, logy, by_shape)
         return
     # Start from the plan module's constants (a cluster shape it has no factor for at 1), then from
     # random perturbations of them.
-    from rosekernels.kernels import gemm_leakyrelu_plan as plan
 
     def logit(v, lo, hi):
         f = min(max((v - lo) / (hi - lo), 1e-3), 1 - 1e-3)

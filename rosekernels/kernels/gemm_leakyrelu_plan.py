@@ -92,8 +92,7 @@ SWAP128_CLUSTERS = ((2, 1), (4, 1), (1, 2), (2, 2))  # swapped 128-row tiles (cu
 # clusters), and only the cluster shapes its fitted model picks on some model shape (28 N x K,
 # M = 16-128); the rest are the tuner's.
 CLUSTER_MIN_M = 16
-HEURISTIC_CLUSTERS = {("swapped", 64): ((4, 1), (1, 2), (2, 1)), ("swapped", 128): (), ("plain", 64): (),
-                      ("plain", 128): ()}
+HEURISTIC_CLUSTERS = {("swapped", 64): ((4, 1), (1, 2), (2, 1))}  # (kind, tile_m): cluster shapes
 # Plain tiles whose A tile is whole (a_rows = tile_m, from 33 tokens) on clusters: the token tile
 # multicast to 2 or 4 weight tiles. The tuner also searches, past 64 tokens, two 64-token tiles
 # sharing each weight tile (2xC: cuBLAS's nvjet 96 x 64 kernels at M = 128 on N = 4608-6144); on the
@@ -316,6 +315,15 @@ def cluster_tokens(m: int, cluster_n: int) -> Optional[int]:
     return tokens if tokens is not None and (cluster_n - 1) * tokens < m else None
 
 
+def two_m_tiles(config: GemmConfig, m: int) -> bool:
+    """Whether a decode config covers M's tokens with two M tiles (past 64 tokens: plain 64-row tiles,
+    TWO_TOKEN_TILES-token swapped tiles off clusters): the tuner's, never decode_configs', so the
+    cost model is not fitted to them."""
+    if m <= 64:
+        return False
+    return config.tile_n == TWO_TOKEN_TILES and config.cluster_n == 1 if config.swap_ab else config.tile_m == 64
+
+
 def check_fits(config: GemmConfig, m: int, n: int) -> None:
     """Raise ValueError unless `config` can run an [m, K] x [n, K] problem: its K splits fit the tile
     counters and 32-bit partials indexing, and a tile that loads a_rows rows of A holds M."""
@@ -443,7 +451,8 @@ def on_clusters(m: int, configs: Iterable[GemmConfig], families: Optional[dict] 
     """The unclustered decode `configs` of an M-token problem on clusters: swapped tiles on
     SWAP_CLUSTERS (64 rows) or SWAP128_CLUSTERS (128 rows), their tokens the `cluster_tokens` of a
     cluster row; plain tiles whose A tile is whole, from 33 tokens, on PLAIN_CLUSTERS. `families`
-    ({(kind, tile_m): cluster shapes}) narrows the shapes (HEURISTIC_CLUSTERS)."""
+    ({(kind, tile_m): cluster shapes}, a family it does not name on none) narrows the shapes
+    (HEURISTIC_CLUSTERS)."""
     out = []
     for c in configs:
         if c.swap_ab:
@@ -453,11 +462,11 @@ def on_clusters(m: int, configs: Iterable[GemmConfig], families: Optional[dict] 
         else:
             continue
         if families is not None:
-            shapes = [s for s in shapes if s in families[("swapped" if c.swap_ab else "plain", c.tile_m)]]
+            shapes = [s for s in shapes if s in families.get(("swapped" if c.swap_ab else "plain", c.tile_m), ())]
         for cluster_m, cluster_n in shapes:
-            tokens = cluster_tokens(m, cluster_n) if c.swap_ab else c.tile_n
-            if tokens is not None:
-                out.append(dataclasses.replace(c, tile_n=tokens, cluster_m=cluster_m, cluster_n=cluster_n))
+            tile_n = cluster_tokens(m, cluster_n) if c.swap_ab else c.tile_n
+            if tile_n is not None:
+                out.append(dataclasses.replace(c, tile_n=tile_n, cluster_m=cluster_m, cluster_n=cluster_n))
     return out
 
 
@@ -539,15 +548,15 @@ def candidates(shape: GemmShape, sms: int | None = None) -> list[GemmConfig]:
         found = decode_configs(shape, splits, sms)
         found += [dataclasses.replace(c, a_rows=r) for c in found if not c.swap_ab and c.tile_m == 64
                   for r in A_ROWS if r > c.a_rows]
-        two = on_clusters(shape.m, [c for c in found if c.cluster_m * c.cluster_n == 1])
+        wider = on_clusters(shape.m, [c for c in found if c.cluster_m * c.cluster_n == 1])
         if shape.m > TWO_TOKEN_TILES:  # M takes two token tiles: see TWO_TOKEN_TILES and TWO_TOKEN_CLUSTERS
-            two += [dataclasses.replace(c, tile_n=TWO_TOKEN_TILES) for c in found
+            wider += [dataclasses.replace(c, tile_n=TWO_TOKEN_TILES) for c in found
                     if c.swap_ab and c.tile_m == 64 and c.cluster_m * c.cluster_n == 1]
             step = 32 if shape.gated else 16
             widths = set(DECODE_TILE_N) | {fitted_width(shape.n, 2 * s, sms, step) for s in splits} - {None}
-            two += [GemmConfig(**_base(shape), tile_m=64, tile_n=w, cluster_m=cm, cluster_n=cn, split_k=True,
+            wider += [GemmConfig(**_base(shape), tile_m=64, tile_n=w, cluster_m=cm, cluster_n=cn, split_k=True,
                                splits=s) for w in sorted(widths) for s in splits for cm, cn in TWO_TOKEN_CLUSTERS]
-        found += [c for c in two if _fits(c, shape.m, shape.n)]
+        found += [c for c in wider if _fits(c, shape.m, shape.n)]
     else:
         found = [GemmConfig(**_base(shape), tile_m=tile_m, tile_n=tile_n, pingpong=pingpong,
                             cluster_m=cluster_m, cluster_n=cluster_n, raster_group=group)
@@ -594,7 +603,8 @@ def _library_variants() -> list[GemmConfig]:
               for tm in SWAP_TILE_M for tn in SWAP_TILE_N]
     configs = [GemmConfig(dtype=dt, b_major=bm, bias=bias, **t)
                for dt in DTYPES for bm in ("k", "n") for bias in ("none", dt, "fp32") for t in tiles]
-    decode = [c for c in configs if c.split_k]
+    # on_clusters sets a swapped tile's tile_n (from M): one of each other field does for all
+    decode = {dataclasses.replace(c, tile_n=SWAP_TILE_N[0]) if c.swap_ab else c: None for c in configs if c.split_k}
     clustered = {c: None for m in range(CLUSTER_MIN_M, DECODE_MAX_M + 1)
                  for c in on_clusters(m, decode, HEURISTIC_CLUSTERS)}
     return configs + list(clustered)

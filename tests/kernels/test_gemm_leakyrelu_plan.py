@@ -263,27 +263,23 @@ HELD_OUT_SWEEP = "gemm_leakyrelu_decode_clusters_unseen.json.gz"  # shapes the m
 def _sweep_picks(names=DECODE_SWEEPS):
     """((sweep, M, N, K), measured time of the config decode_cost ranks first among the shape's timed
     ones, fastest measured time) for every shape of the committed decode sweeps `names`. Two M tiles
-    past 64 tokens (unclustered 64-token swapped tiles, 64-row plain tiles) are the tuner's only, not
-    the heuristic's: left out, as the fit leaves them out."""
+    (`two_m_tiles`) are the tuner's only, not the heuristic's: left out, as the fit leaves them out."""
     results = Path(__file__).resolve().parents[2] / "bench" / "results"
     for name in names:
         with (gzip.open if name.endswith(".gz") else open)(results / name, "rt") as f:
             data = json.load(f)
         for r in data["results"]:
-            two = [row for row in r.get("sweep", []) if r["m"] > 64 and (
-                row.get("tile_n") == 64 and row.get("cluster_n", 1) == 1 if row.get("swap_ab") else row.get("tile_m") == 64)]
-            timed = [row for row in r.get("sweep", []) if "ms" in row and "swap_ab" in row and row not in two]
-            if not timed:
-                continue
             gated = r.get("gated", False)
-
-            def cost(row):
-                c = Config(tile_m=row["tile_m"], tile_n=row["tile_n"], a_rows=None if row["swap_ab"] else row["a_rows"],
-                           swap_ab=row["swap_ab"], splits=row["splits"], gated=gated, split_k=True,
-                           cluster_m=row.get("cluster_m", 1), cluster_n=row.get("cluster_n", 1),
-                           activation="silu" if gated else "leaky_relu")
-                return plan.decode_cost(c, r["m"], r["n"], r["k"], 132)
-            yield (name, r["m"], r["n"], r["k"]), min(timed, key=cost)["ms"], min(row["ms"] for row in timed)
+            timed = [(row["ms"], Config(
+                tile_m=row["tile_m"], tile_n=row["tile_n"], a_rows=None if row["swap_ab"] else row["a_rows"],
+                swap_ab=row["swap_ab"], splits=row["splits"], gated=gated, split_k=True,
+                cluster_m=row.get("cluster_m", 1), cluster_n=row.get("cluster_n", 1),
+                activation="silu" if gated else "leaky_relu"))
+                for row in r.get("sweep", []) if "ms" in row and "swap_ab" in row]
+            timed = [(ms, c) for ms, c in timed if not plan.two_m_tiles(c, r["m"])]
+            if timed:
+                pick = min(timed, key=lambda t: plan.decode_cost(t[1], r["m"], r["n"], r["k"], 132))
+                yield (name, r["m"], r["n"], r["k"]), pick[0], min(ms for ms, _ in timed)
 
 
 def test_decode_cost_model_fits_the_committed_sweeps():
