@@ -9,6 +9,7 @@ import pytest
 
 from rosekernels import jit
 from sip import fatbin
+from sip.cubin import parse_cubin
 
 import jit_demo_kernel as demo
 
@@ -37,8 +38,7 @@ def test_compile_captures_an_sm90_cubin_and_writes_the_disk_cache(cache):
     k = jit.compile_variant(VARIANT, demo.build)
     assert k.cubin[:4] == b"\x7fELF" and not k.tuned
     assert k.cubin in k.object_bytes  # the exported object embeds it verbatim
-    arch = int.from_bytes(k.cubin[0x30:0x34], "little") & 0xFF  # e_flags low byte: SM version
-    assert arch == 90
+    assert parse_cubin(k.cubin).arch == "sm_90a"  # the engine reads both ELF ABIs (cu12 and cu13 ptxas)
     phoff = int.from_bytes(k.cubin[0x20:0x28], "little")
     phentsize, phnum = (int.from_bytes(k.cubin[o:o + 2], "little") for o in (0x36, 0x38))
     assert phnum and phoff + phentsize * phnum <= len(k.cubin)  # the whole image, program headers too

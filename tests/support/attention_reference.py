@@ -9,6 +9,7 @@ import torch
 
 import pytest
 from kernel_sass import sass_of
+from sip.cubin import parse_cubin
 
 from rosekernels.kernels.attention_common import check  # noqa: F401
 
@@ -81,7 +82,7 @@ def decode_sass(cfg, kernel, tmp_path) -> str:
     """The SASS of a split-KV decode kernel (dense or KV-cache), after what every one must have: built
     for sm_90, mma.sync, TMA loads, ldmatrix, the combine's atomics, no register spills. Skips the
     test without nvdisasm."""
-    assert int.from_bytes(kernel.cubin[0x30:0x34], "little") & 0xFF == 90, cfg  # e_flags: sm_90
+    assert parse_cubin(kernel.cubin).arch == "sm_90a", cfg
     sass = sass_of(kernel, tmp_path)
     if sass is None:
         pytest.skip("nvdisasm (nvidia-cuda-nvdisasm) is not installed")
