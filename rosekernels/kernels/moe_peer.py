@@ -5,8 +5,9 @@ Every rank owns an *arena*, one byte buffer of the same layout on each rank, map
 rank's address space (torch SymmetricMemory, or n buffers on one GPU when the ranks are emulated).
 A kernel gets `addr` [world, regions] int64: the address of each region of each rank's arena as
 this process sees it, so one kernel serves any number of ranks. Every access to an arena is
-explicit PTX: 16-byte vectors for rows, `st.release.sys` for a flag after the data it publishes
-(every thread fences at system scope, the CTA synchronises, then one thread stores the flag), and
+explicit PTX: 16-byte vectors for rows, a system-scope release for a flag after the data it
+publishes (every thread fences at system scope, the CTA synchronises, then a thread stores the flag
+with `st.release.sys`, or, storing several, fences once and stores them `st.relaxed.sys`), and
 `ld.acquire.sys` to poll one.
 
 Step state. The arena's first region (`STATE`, the same place in every layout, so the step stays
@@ -163,9 +164,19 @@ def _st32(addr: Int64, v: Int32):
 
 
 @cute.jit
-def _release(addr: Int64, flag: Int64, fence: cutlass.Constexpr[str]):
+def _release(addr: Int64, flag: Int64, fence: cutlass.Constexpr[str], sem: cutlass.Constexpr[str] = "release"):
+    """st.release of a flag; sem="relaxed" after this thread's own release fence (`_release_fence`),
+    for a thread storing several (one fence instead of one per store)."""
     scope = "gpu" if fence == "gpu" else "sys"
-    cute.arch.inline_ptx("st.release." + scope + ".global.b64 [{$r0}], {$r1};", read_only_args=[addr, flag])
+    cute.arch.inline_ptx("st." + sem + "." + scope + ".global.b64 [{$r0}], {$r1};", read_only_args=[addr, flag])
+
+
+@cute.jit
+def _release_fence(fence: cutlass.Constexpr[str]):
+    if const_expr(fence == "gpu"):
+        cute.arch.fence_acq_rel_gpu()
+    else:
+        cute.arch.fence_acq_rel_sys()
 
 
 @cute.jit
@@ -442,12 +453,16 @@ class _TpReduce(_Rows):
         _publish(self.cfg.fence)
         # Every one of the `slots` flags on every rank, also those of CTAs this grid lacks (this CTA
         # takes slots bid, bid + grid, ...): no flag is ever more than a step old (module docstring).
+        # One release fence per thread, then its stores (a small grid gives a thread several).
         flag = _flag(step, tokens)
+        flags = n * ((slots - bid + grid - 1) // grid)
+        if tid < flags:
+            _release_fence(self.cfg.fence)
         j = tid
-        while j < n * ((slots - bid + grid - 1) // grid):
+        while j < flags:
             c = j // n
             _release(mAddr[j - c * n, TP_FLAG] + Int64(rank * MAX_CTAS + bid + c * grid) * FLAG_BYTES, flag,
-                     self.cfg.fence)
+                     self.cfg.fence, "relaxed")
             j += TP_THREADS
         if tid < n:
             _await(mAddr[rank, TP_FLAG] + Int64(tid * MAX_CTAS + bid) * FLAG_BYTES, step, tokens, rank, tid, mAddr,
