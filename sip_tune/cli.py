@@ -181,7 +181,8 @@ def _config_rows(folder: Path) -> list[dict[str, Any]]:
             rows.append({k: meta[k] for k in ("kernel", "mode", "bucket", "config_key", "heuristic_key")}
                         | {k: meta[k] for k in ("speedup", "gpu", "date") if k in meta})
         except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
-            rows.append({"kernel": path.parents[1].name, "path": str(path), "error": str(e) or type(e).__name__})
+            error = f"no {e} field" if isinstance(e, KeyError) else str(e) or type(e).__name__
+            rows.append({"kernel": path.parents[1].name, "path": str(path), "error": error})
     return rows
 
 
@@ -190,7 +191,7 @@ def _writable_file(option: str, path: str) -> str | None:
     target = Path(path)
     if target.is_dir():
         return f"{option} {path} is a folder"
-    parent = target.parent if str(target.parent) else Path(".")
+    parent = target.parent
     if not parent.is_dir():
         return f"{option} {path}: the folder {parent} does not exist"
     if not os.access(parent, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
