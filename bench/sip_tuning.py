@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import report  # noqa: E402  (bench/report.py: environment and result files)
 from sip.mutate import with_extra_stalls  # noqa: E402
 from sip_tune import tuning, workloads  # noqa: E402
-from sip_tune.runner import Runner, gpu_problem  # noqa: E402
+from sip_tune.runner import Runner  # noqa: E402
 
 
 def energy_check(factory, original: bytes) -> dict:
@@ -148,10 +148,6 @@ def main() -> int:
     p.add_argument("--cache", help="tuned-cubin cache (default: <out>/sip-cache)")
     args = p.parse_args()
     report.require_gpu()
-    problem = gpu_problem()
-    if problem:
-        print(f"sip_tuning bench: needs a CUDA sm_90 GPU: {problem}", file=sys.stderr)
-        return 2
     cache_dir = args.cache or str(Path(args.out) / "sip-cache")
     kernels = [k for k in args.kernels.split(",") if k] or sorted(workloads.KERNELS)
     rows = []

@@ -34,11 +34,11 @@ moe_combine, gemm, gemm_leakyrelu, attention_fwd, attention_decode, attention_wi
 attention_varlen_fwd, append_kvcache): they write into output tensors the caller passes and return nothing. torch.compile and CUDA-graph capture go through them; eager calls of
 the functions above skip the torch dispatcher. Call the functions above, not the custom ops.
 """
-import importlib
 import os
 
 # Before anything imports cutlass: unset, CuTeDSL silently targets sm_100a.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+del os  # dir(rosekernels) lists the package's own names only
 
 # The kernel modules, each following the contract of rosekernels.contract (warm-up and sip-tune use it).
 KERNELS = {name: f"rosekernels.kernels.{name}" for name in (
@@ -55,6 +55,8 @@ __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
+    import importlib  # here, not at the top: dir(rosekernels) lists the package's own names only
+
     if name not in _EXPORTS:
         raise AttributeError(f"module 'rosekernels' has no attribute {name!r}")
     value = getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -41,8 +41,8 @@ def missing(module: ModuleType) -> list[str]:
 
 
 def shape_with(shape: Any, overrides: Mapping[str, Any]) -> Any:
-    """`shape` with some fields replaced (e.g. from `sip-tune --shape k=v,...`); unknown keys are an
-    error that lists the known ones."""
+    """`shape` with some fields replaced (e.g. from `sip-tune --shape k=v,...`); unknown keys, values
+    of another kind and sizes below 1 are errors that name the key."""
     known = {f.name for f in dataclasses.fields(shape)}
     unknown = sorted(set(overrides) - known)
     if unknown:
@@ -51,6 +51,8 @@ def shape_with(shape: Any, overrides: Mapping[str, Any]) -> Any:
         current = getattr(shape, name)
         if current is not None and not _same_kind(value, current):
             raise ValueError(f"shape key {name}={value!r}: expected a {type(current).__name__}")
+        if type(current) is int and value < 1:  # every int field of a Shape is a size or a count
+            raise ValueError(f"shape key {name}={value!r}: sizes are at least 1")
     return dataclasses.replace(shape, **overrides)
 
 

@@ -40,6 +40,7 @@ from cutlass.base_dsl import compiler as _dsl_compiler  # noqa: E402
 from rosekernels.paths import cache_dir  # noqa: E402,F401  (re-exported: jit.cache_dir)
 from rosekernels.variant import ARCH, Variant  # noqa: E402,F401  (re-exported: jit.Variant)
 from sip import fatbin  # noqa: E402
+from sip.fatbin import embedded_cubins  # noqa: E402
 
 
 def _cuda_flavor() -> str:
@@ -101,20 +102,6 @@ def swap_cubins(blob: bytes, replacements: dict[str, bytes] | None = None) -> tu
             out[offset:offset + len(cubin)] = tuned
             changed = True
     return bytes(out), changed
-
-
-def embedded_cubins(blob: bytes) -> list[tuple[int, bytes]]:
-    """(absolute offset, bytes) of every cubin in every fatbin embedded in `blob`."""
-    magic = fatbin.FATBIN_MAGIC.to_bytes(4, "little")
-    found = []
-    start = blob.find(magic)
-    while start >= 0:
-        try:
-            found += [(start + off, c) for off, c in fatbin.cubins(blob[start:])]
-        except fatbin.FatbinError:
-            pass  # the magic number occurred by chance
-        start = blob.find(magic, start + 4)
-    return found
 
 
 def _binary_globals(module: ir.Module) -> list[bytes]:

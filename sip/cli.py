@@ -7,7 +7,8 @@
     sip mutate IN.cubin -o OUT.cubin [--kernel NAME] --steps N --seed S [--moves CLASSES]
                [--latency-table FILE] [--loop-weight W | --profile LISTING.csv]
 
-LISTING.csv is Nsight Compute's PC-sampling listing of the kernel (sip.profile). CLASSES is a comma
+FILE.cubin may also be a host object that embeds exactly one cubin (a rosekernels compile-cache
+entry's .o): its cubin is read. LISTING.csv is Nsight Compute's PC-sampling listing of the kernel (sip.profile). CLASSES is a comma
 list of global, shared, alu, control (or its kinds control.yield, control.reuse, control.stall), or
 all; the default is global, the SIP paper's policy (sip.mutate). Exit codes: 0 done, 1 an input SIP
 cannot work with, 2 bad arguments (an unknown class, control.stall without a latency table); nothing
@@ -22,7 +23,8 @@ from pathlib import Path
 from sip import SipError
 from sip import profile
 from sip.cfg import loop_depth, loop_summaries
-from sip.cubin import Cubin, load_cubin
+from sip.cubin import EM_CUDA, Cubin, parse_cubin
+from sip.fatbin import embedded_cubins
 from sip.deps import DependencyModel
 from sip.mutate import DEFAULT_MOVES, LOOP_WEIGHT, Schedule, apply, latencies_for, parse_moves, random_walk
 from sip.sass import Kernel, disassemble, disassemble_kernel
@@ -119,6 +121,21 @@ def _policy(args) -> tuple[frozenset[str], object]:
     return moves, latencies_for(moves, args.latency_table)
 
 
+def _read_cubin(path: Path) -> Cubin:
+    """The cubin at `path`, or the one cubin a host object at `path` embeds (said on stderr)."""
+    data = path.read_bytes()
+    if data[:4] != b"\x7fELF" or len(data) < 20 or int.from_bytes(data[18:20], "little") == EM_CUDA:
+        return parse_cubin(data)  # a cubin, or an error that says what the file is
+    found = embedded_cubins(data)
+    if len(found) != 1:
+        what = "no cubin" if not found else f"{len(found)} cubins"
+        raise SipError(f"{path} is a host object (ELF machine {int.from_bytes(data[18:20], 'little')}) that embeds "
+                       f"{what}: give a cubin (a rosekernels compile-cache entry's: "
+                       "rosekernels-cache cubin ENTRY.o -o kernel.cubin)")
+    print(f"sip: {path} is a host object: reading the cubin it embeds", file=sys.stderr)
+    return parse_cubin(found[0][1])
+
+
 def _kernels(cubin: Cubin, name: str | None) -> list[Kernel]:
     if name is not None:
         return [disassemble_kernel(cubin, name)]
@@ -126,7 +143,7 @@ def _kernels(cubin: Cubin, name: str | None) -> list[Kernel]:
 
 
 def _disasm(args) -> int:
-    cubin = load_cubin(args.cubin)
+    cubin = _read_cubin(args.cubin)
     for kernel in _kernels(cubin, args.kernel):
         print(f"// {kernel.name} ({cubin.arch}, {len(kernel.instructions)} instructions)")
         starts = {r.start for r in kernel.blocks}
@@ -138,7 +155,7 @@ def _disasm(args) -> int:
 
 
 def _loops(args) -> int:
-    cubin = load_cubin(args.cubin)
+    cubin = _read_cubin(args.cubin)
     for kernel in _kernels(cubin, args.kernel):
         summaries = loop_summaries(kernel)
         print(f"{kernel.name}: {len(summaries)} loop(s)")
@@ -151,7 +168,7 @@ def _loops(args) -> int:
 
 def _inspect(args) -> int:
     moves, table = _policy(args)
-    cubin = load_cubin(args.cubin)
+    cubin = _read_cubin(args.cubin)
     print(f"{args.cubin}: {cubin.arch}, {len(cubin.kernel_names)} kernel(s)")
     for kernel in disassemble(cubin).values():
         model = DependencyModel(kernel, table)
@@ -166,7 +183,7 @@ def _inspect(args) -> int:
 
 def _main_kernel(args) -> Kernel:
     """--kernel, or the cubin's only (largest) kernel."""
-    cubin = load_cubin(args.cubin)
+    cubin = _read_cubin(args.cubin)
     if args.kernel is None:
         names = cubin.kernel_names
         if not names:
@@ -209,3 +226,7 @@ def _mutate(args) -> int:
     args.output.write_bytes(apply(schedule))
     print(f"{name}: applied {len(changes)} of {args.steps} moves (seed {args.seed}, {args.moves}) -> {args.output}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,7 +2,8 @@
 one forward pass of a model runs.
 
     shapes(ModelDims.from_config("config.json"), "decode")  -> ModelShapes   (CPU only)
-    tune(shapes, "decode", ...)                              -> list[Row]     (GPU)
+    tune(shapes, budget_s=600, ...)                          -> list[Row]     (GPU)
+    gains(rows, "decode")                                    -> Gains         (what the store now holds)
 
 The shapes are those of a Qwen3/Llama decoder block as rosekernels.hf runs it (its GEMMs:
 gemm_leakyrelu_plan.model_gemms; the MoE routing kernels where the model has experts, whose GEMMs are
@@ -24,11 +25,16 @@ is one whose kernel has a single config there (the norms' decode mode): level 1 
 Resuming: a shape whose bucket has a stored entry tuned against the heuristic's cubin as it compiles
 now is skipped, one where the heuristic stayed included (its search is recorded as the bucket's config
 at 1.0x; a later, better result replaces it).
+
+The budget: shapes run in order (token count by token count, smallest first: the batches a server
+sees most), and a shape is started only if the longest search so far (SHAPE_ESTIMATE_S before the
+first) fits in what is left; the rest are reported as not reached, and the next run resumes there.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Any, Callable, Iterable
 
 from rosekernels import tuned
@@ -45,6 +51,10 @@ DECODE_CONTEXT = 4096  # KV-cache tokens per sequence that decode attention is t
 
 # A shape the kernel cannot take fails in its plan module with one of these (as for --shape in cli).
 BAD_SHAPE = (ValueError, LookupError, TypeError)
+# What one shape's search is assumed to take before any has run: decode GEMM shapes took 13-28 s on
+# the H200 host, Qwen3-8B's 40 decode shapes about 17 minutes in all.
+SHAPE_ESTIMATE_S = 30.0
+NOT_REACHED = "not reached: budget spent"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +64,7 @@ class Job:
     kernel: str
     role: str  # which part of the block runs it, for the table ("qkv", "mlp down", "residual", ...)
     overrides: tuple[tuple[str, Any], ...]
+    tokens: int = 0  # the token count of the block it belongs to
 
     @property
     def shape(self) -> dict[str, Any]:
@@ -72,36 +83,39 @@ class ModelShapes:
     dropped: list[tuple[Job, str]]  # and why each of the others was left out
 
 
-def _job(kernel: str, role: str, **overrides: Any) -> Job:
-    return Job(kernel, role, tuple(overrides.items()))
+def _job(kernel: str, role: str, block_tokens: int, **overrides: Any) -> Job:
+    return Job(kernel, role, tuple(overrides.items()), block_tokens)
 
 
 def _block(dims: ModelDims, mode: str, tokens: int) -> list[Job]:
     """The kernel calls of one decoder block at `tokens` tokens, in the order it runs them."""
     dt = dims.dtype
     heads = dict(heads_q=dims.heads_q, heads_kv=dims.heads_kv, head_dim=dims.head_dim, dtype=dt)
-    gemm = {role: _job("gemm_leakyrelu", role, m=tokens, n=n, k=k, dtype=dt, activation=activation, gated=gated)
+    gemm = {role: _job("gemm_leakyrelu", role, tokens, m=tokens, n=n, k=k, dtype=dt, activation=activation,
+                       gated=gated)
             for role, n, k, activation, gated in model_gemms(dims)}
 
     def gemms(*roles: str) -> list[Job]:  # those of `roles` that run on rosekernels
         return [gemm[r] for r in roles if r in gemm]
 
     # The first norm of a layer has no residual to add; every later one adds the previous sub-layer's output.
-    jobs = [_job("rmsnorm", "norm", rows=tokens, hidden=dims.hidden, dtype=dt, residual=False),
-            _job("rmsnorm", "norm + residual", rows=tokens, hidden=dims.hidden, dtype=dt, residual=True),
-            *gemms("q", "k/v"),
-            _job("qk_norm", "q/k norm", tokens=tokens, q_heads=dims.heads_q, k_heads=dims.heads_kv,
-                 head_dim=dims.head_dim, dtype=dt)]
+    jobs = [_job("rmsnorm", "norm", tokens, rows=tokens, hidden=dims.hidden, dtype=dt, residual=False),
+            _job("rmsnorm", "norm + residual", tokens, rows=tokens, hidden=dims.hidden, dtype=dt, residual=True),
+            *gemms("q", "k/v")]
+    if dims.qk_norm:  # Qwen3's per-head norms; Llama and most others have none
+        jobs.append(_job("qk_norm", "q/k norm", tokens, tokens=tokens, q_heads=dims.heads_q,
+                         k_heads=dims.heads_kv, head_dim=dims.head_dim, dtype=dt))
     if mode == "decode":
-        jobs.append(_job("attention_decode", "attention", batch=tokens, seqlen_q=1, seqlen_kv=DECODE_CONTEXT,
-                         **heads))
+        jobs.append(_job("attention_decode", "attention", tokens, batch=tokens, seqlen_q=1,
+                         seqlen_kv=DECODE_CONTEXT, **heads))
     else:
-        jobs.append(_job("attention", "attention", batch=1, seqlen=tokens, causal=True, **heads))
+        jobs.append(_job("attention", "attention", tokens, batch=1, seqlen=tokens, causal=True, **heads))
     jobs += gemms("o")
     if dims.experts:  # the experts' GEMMs between dispatch and combine are torch._grouped_mm's
-        jobs += [_job("moe_dispatch", "moe dispatch", tokens=tokens, hidden=dims.hidden, experts=dims.experts,
-                      topk=dims.topk, dtype=dt),
-                 _job("moe_combine", "moe combine", tokens=tokens, hidden=dims.hidden, topk=dims.topk, dtype=dt)]
+        jobs += [_job("moe_dispatch", "moe dispatch", tokens, tokens=tokens, hidden=dims.hidden,
+                      experts=dims.experts, topk=dims.topk, dtype=dt),
+                 _job("moe_combine", "moe combine", tokens, tokens=tokens, hidden=dims.hidden, topk=dims.topk,
+                      dtype=dt)]
     else:
         jobs += gemms("mlp gate/up", "mlp down")
     return jobs
@@ -172,12 +186,22 @@ def _progress(jobs: list[Job]) -> tuple[Iterable[Job], Callable[[str], None]]:
 
 
 def tune(found: ModelShapes, *, cache_root: Any = None, max_candidates: int = configs.MAX_CANDIDATES,
-         min_speedup: float = 1.01, seed: int = 0) -> list[Row]:
-    """Level 1 (`configs.tune_configs`) for every job of `found` in turn, skipping those already tuned;
-    a job that fails is reported in its row and the next one runs."""
-    rows = []
+         min_speedup: float = 1.01, seed: int = 0, budget_s: float | None = None,
+         clock: Callable[[], float] = time.monotonic) -> list[Row]:
+    """Level 1 (`configs.tune_configs`) for every job of `found` in turn, skipping those already tuned,
+    within `budget_s` seconds (None: no limit; see the module docstring); a job that fails is
+    reported in its row and the next one runs."""
+    rows: list[Row] = []
+    start, searches = clock(), []  # the seconds each search took
     jobs, write = _progress(found.jobs)
     for i, job in enumerate(jobs, 1):
+        if budget_s is not None:
+            left = budget_s - (clock() - start)
+            if left < (max(searches) if searches else SHAPE_ESTIMATE_S):
+                rest = found.jobs[i - 1:]
+                write(f"budget: {left:.0f} s left, less than a shape's search: {len(rest)} shapes not reached")
+                rows += [Row(j, NOT_REACHED) for j in rest]
+                break
         write(f"[{i}/{len(found.jobs)}] {job.kernel} {job.label()}")
         try:
             entry = stored_entry(job, found.mode, cache_root)
@@ -187,8 +211,12 @@ def tune(found: ModelShapes, *, cache_root: Any = None, max_candidates: int = co
                                 meta.get("tuned_median_us", math.nan), entry.speedup, meta.get("aa_spread", math.nan)))
                 write(f"  skipped: {entry.path} holds {entry.config.variant().key()} ({entry.speedup:.3f}x)")
                 continue
-            report = configs.tune_configs(job.kernel, found.mode, job.shape, max_candidates=max_candidates,
-                                          min_speedup=min_speedup, seed=seed, cache_root=cache_root, log=write)
+            t0 = clock()
+            try:
+                report = configs.tune_configs(job.kernel, found.mode, job.shape, max_candidates=max_candidates,
+                                              min_speedup=min_speedup, seed=seed, cache_root=cache_root, log=write)
+            finally:
+                searches.append(clock() - t0)
         except (*BAD_SHAPE, SipError, WorkerFailure) as e:
             rows.append(Row(job, f"failed: {e}"))
             write(f"  failed: {e}")
@@ -197,6 +225,73 @@ def tune(found: ModelShapes, *, cache_root: Any = None, max_candidates: int = co
         rows.append(Row(job, "tuned" if report.winner is not None else "heuristic stays", report.heuristic_us,
                         report.tuned_us, report.speedup, report.aa_spread, report))
     return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# What it gained: read back from the store, so that the summary says what the ops will launch.
+
+# The speedup the summary reports for a stored entry, and what it measures. Level 1 re-times its winner
+# against the heuristic in a fresh worker, each kernel alone in a CUDA graph, and stores that ratio; an
+# op-level re-time recorded in the entry (issue 41) is read here, in this one place.
+GAIN_LABEL = "kernel time in a CUDA graph, heuristic / tuned config, as level 1 re-timed and stored it"
+
+
+def stored_gain(entry: tuned.ConfigEntry) -> tuple[float, float]:
+    """(the heuristic's time in us, the speedup over it) that the store records for `entry`."""
+    return float(entry.meta.get("heuristic_median_us", math.nan)), entry.speedup
+
+
+@dataclasses.dataclass
+class Gains:
+    mode: str
+    label: str
+    # per shape with a stored entry: kernel, shape (label), tokens, heuristic_us, speedup, config (its
+    # variant key; None where the heuristic stays)
+    shapes: list[dict[str, Any]]
+    not_tuned: int  # shapes with no entry: not reached within the budget, or failed
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def text(self) -> str:
+        faster = [g for g in self.shapes if g["config"] is not None and g["speedup"] > 1]
+        lines = [f"What the tuned store gives this model in {self.mode} (speedup: {self.label}):"]
+        if faster:
+            ups = sorted(g["speedup"] for g in faster)
+            mean = math.exp(sum(map(math.log, ups)) / len(ups))
+            lines.append(f"  {len(faster)} of {len(self.shapes)} tuned shapes launch a faster config: "
+                         f"{ups[0]:.3f}-{ups[-1]:.3f}x (geometric mean {mean:.3f}x); the others keep the heuristic")
+        else:
+            lines.append(f"  none of the {len(self.shapes)} tuned shapes found a config faster than the heuristic "
+                         "past the A/A spread: the heuristic stays for all")
+        timed = [g for g in self.shapes if g["heuristic_us"] > 0 and g["speedup"] > 0]
+        if timed:
+            lines.append("  kernel time of the tuned shapes per decoder block (each distinct shape once):")
+            lines.append(f"    {'tokens':>6}  {'shapes':>6}  {'heuristic us':>12}  {'tuned us':>9}  speedup")
+            for tokens in sorted({g["tokens"] for g in timed}):
+                at = [g for g in timed if g["tokens"] == tokens]
+                before = sum(g["heuristic_us"] for g in at)
+                after = sum(g["heuristic_us"] / g["speedup"] for g in at)
+                lines.append(f"    {tokens:>6}  {len(at):>6}  {before:>12.2f}  {after:>9.2f}  {before / after:.3f}x")
+        if self.not_tuned:
+            lines.append(f"  {self.not_tuned} shapes have no entry (not reached within the budget, or failed): "
+                         "the same command resumes with them")
+        return "\n".join(lines)
+
+
+def gains(rows: list[Row], mode: str, cache_root: Any = None) -> Gains:
+    """What the store now holds for the jobs of `rows` (entries of earlier runs included)."""
+    shapes, not_tuned = [], 0
+    for row in rows:
+        entry = None if row.status.startswith("failed") else stored_entry(row.job, mode, cache_root)
+        if entry is None:
+            not_tuned += 1
+            continue
+        heuristic_us, speedup = stored_gain(entry)
+        shapes.append({"kernel": row.job.kernel, "shape": row.job.label(), "tokens": row.job.tokens,
+                       "heuristic_us": heuristic_us, "speedup": speedup,
+                       "config": None if entry.config == entry.heuristic else entry.config.variant().key()})
+    return Gains(mode, GAIN_LABEL, shapes, not_tuned)
 
 
 def table(rows: list[Row]) -> str:

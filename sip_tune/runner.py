@@ -76,20 +76,6 @@ class WorkerFailure(RuntimeError):
     """The worker died, hung or could not start."""
 
 
-def gpu_problem() -> str | None:
-    """Why this machine cannot tune (None: it can)."""
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
-    if not torch.cuda.is_available():
-        return "no CUDA device is visible"
-    cap = torch.cuda.get_device_capability(0)
-    if cap != (9, 0):
-        return f"device 0 is sm_{cap[0]}{cap[1]} ({torch.cuda.get_device_name(0)})"
-    return None
-
-
 # ---------------------------------------------------------------------------------------------
 # Parent side.
 

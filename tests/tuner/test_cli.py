@@ -8,6 +8,7 @@ from store_samples import META, ORIGINAL, TUNED, FakeVariant
 
 import rosekernels
 from rosekernels import tuned
+from rosekernels.device import NO_GPU_EXIT
 from sip_tune import cli
 
 
@@ -47,9 +48,9 @@ def test_every_kernel_of_the_package_can_be_asked_for(capsys):
 
 
 @pytest.mark.skipif(HAS_SM90, reason="checks the message shown without an sm_90 GPU")
-def test_without_a_gpu_exit_2_with_a_clear_message(capsys):
+def test_without_a_gpu_exit_3_with_a_clear_message(capsys):
     code, _, err = run(capsys, "--kernel", "qk_norm", "--budget-iters", "5")
-    assert code == 2 and "needs a CUDA sm_90 GPU" in err
+    assert code == NO_GPU_EXIT == 3 and "needs a CUDA sm_90 GPU" in err
 
 
 class ReachedLevelOne(Exception):
@@ -82,29 +83,32 @@ def test_level_one_alone_needs_neither_tool(capsys, gpu_without_tools):
 
 
 @pytest.mark.skipif(HAS_SM90, reason="checks the message shown without an sm_90 GPU")
-def test_the_command_exits_2_without_a_gpu(tmp_path):
+def test_the_command_exits_3_without_a_gpu(tmp_path):
     out = subprocess.run([sys.executable, "-m", "sip_tune.cli", "--kernel", "qk_norm", "--budget-minutes", "1",
                           "--cache", str(tmp_path)], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2, out.stderr
+    assert out.returncode == NO_GPU_EXIT, out.stderr
     assert "sm_90" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_list_shows_valid_and_broken_entries(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(tuned, "current_toolchain", lambda: "test-toolchain")
     code, out, _ = run(capsys, "--list", "--cache", str(tmp_path))
-    assert code == 0 and "0 entries" in out
+    assert code == 0 and "0 tuned configs, 0 tuned cubins" in out
     tuned.store(tmp_path, "qk_norm", FakeVariant(d=128), ORIGINAL, TUNED, META)
     path, _ = tuned.store(tmp_path, "rmsnorm", FakeVariant("rmsnorm", hidden=4096), ORIGINAL, TUNED, META)
     (path / "meta.json").write_text("{")
     code, out, _ = run(capsys, "--list", "--cache", str(tmp_path))
-    assert code == 0 and "2 entries" in out
+    assert code == 0 and "2 tuned cubins" in out
     assert f"{META['speedup']:.3f}x" in out and "NVIDIA H200" in out and FakeVariant(d=128).key() in out
     assert "rmsnorm" in out and "BROKEN" in out
 
 
-def test_list_of_a_folder_that_does_not_exist_says_so(capsys, tmp_path):
+def test_list_of_a_folder_that_does_not_exist_or_of_a_file_says_so(capsys, tmp_path):
     code, _, err = run(capsys, "--list", "--cache", str(tmp_path / "typo"))
-    assert code == 1 and "does not exist" in err
+    assert code == 2 and "does not exist" in err
+    (tmp_path / "store.json").write_text("{}")
+    code, _, err = run(capsys, "--list", "--cache", str(tmp_path / "store.json"))
+    assert code == 2 and "is a file, not a folder" in err and "does not exist" not in err
 
 
 def test_list_follows_the_environment_variable(capsys, tmp_path, monkeypatch):

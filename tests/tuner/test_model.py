@@ -8,6 +8,7 @@ import pytest
 from devices import HAS_SM90
 
 from rosekernels import models, tuned
+from rosekernels.device import NO_GPU_EXIT
 from sip_tune import cli, configs, model, workloads
 
 QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
@@ -155,9 +156,9 @@ def test_an_unreadable_model_config_exits_2(capsys, tmp_path):
 
 
 @pytest.mark.skipif(HAS_SM90, reason="checks the message shown without an sm_90 GPU")
-def test_without_a_gpu_tuning_a_model_exits_2_with_one_line(capsys, tmp_path):
+def test_without_a_gpu_tuning_a_model_exits_3_with_one_line(capsys, tmp_path):
     code, out, err = run(capsys, "--model", config_file(tmp_path, "qwen3-8b"), "--mode", "decode")
-    assert code == 2 and out == ""
+    assert code == NO_GPU_EXIT == 3 and out == ""
     assert len(err.strip().splitlines()) == 1 and "needs a CUDA sm_90 GPU" in err
 
 
