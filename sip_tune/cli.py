@@ -100,7 +100,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cooling", type=float, help="cooling factor L (T <- T/L); default: derived from the budget")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON (with both levels: "
                    "{\"config\": ..., \"sass\": ...})")
-    p.add_argument("--list", action="store_true", help="list the cache entries and exit")
+    p.add_argument("--list", action="store_true",
+                   help="list the tuned store's entries (tuned cubins and configs) and exit, each entry below the "
+                   "default bar with the reason")
     return p
 
 
@@ -129,18 +131,24 @@ def _print_entries(root: str | None) -> int:
     """The --list output; 1 when the folder --cache names does not exist (a mistyped path)."""
     folder = tuned.resolve_root(root)
     if not folder.is_dir():
-        print(f"tuned-cubin cache {folder}: the folder does not exist (nothing tuned there yet)",
+        print(f"tuned store {folder}: the folder does not exist (nothing tuned there yet)",
               file=sys.stderr if root is not None else sys.stdout)
         return 1 if root is not None else 0
     rows = tuned.list_entries(root)
-    print(f"tuned-cubin cache {folder}: {len(rows)} entries" + ("" if rows else " (nothing tuned there yet)"))
+    below = sum(1 for r in rows if r["valid"] and r["problems"])
+    print(f"tuned store {folder}: {len(rows)} entries" + ("" if rows else " (nothing tuned there yet)")
+          + (f", {below} below the default bar (not loaded unless {tuned.ALLOW_ENV}=1)" if below else ""))
     for r in rows:
-        if r["valid"]:
-            print(f"  {r['kernel']:<15} {r['mode']:<8} {r.get('speedup', math.nan):.3f}x  "
-                  f"{r.get('samples_passed', '?'):>8} samples  {r.get('gpu', '?')}  {r.get('date', '?')}  "
-                  f"{r['spec_key']}")
-        else:
+        if not r["valid"]:
             print(f"  {r['kernel']:<15} BROKEN: {r['error']}  ({r['path']})")
+            continue
+        checks = r.get("checks") if isinstance(r.get("checks"), dict) else {}
+        samples = (checks.get("samples") or {}).get("passed", r.get("samples_passed", "?"))
+        what = r["spec_key"] if r["kind"] == "cubin" else f"{r.get('heuristic_key', '?')} -> {r.get('config_key', '?')}"
+        print(f"  {r['kernel']:<15} {r['kind']:<6} {r.get('mode', '?'):<8} {r.get('speedup', math.nan):.3f}x  "
+              f"{samples:>8} samples  {r.get('gpu', '?')}  {r.get('date', '?')}  {what}")
+        if r["problems"]:
+            print(f"    below the bar: {'; '.join(r['problems'])}")
     return 0
 
 
