@@ -269,7 +269,7 @@ def _set_bytes(args: tuple) -> int:
     return max(1, sum(seen.values()))
 
 
-def _device() -> tuple[str, int]:
+def device_info() -> tuple[str, int]:
     """(name, L2 bytes) of the current CUDA device."""
     import torch
 
@@ -284,14 +284,14 @@ def _ring_sets(set_bytes: int, l2: int, options: Options) -> int:
     return max(1, min(want, options.max_ring_sets, options.memory_cap_bytes // set_bytes))
 
 
-def _launches_per_graph(ms_per_launch: float, ring: int, options: Options) -> int:
+def launches_per_graph(ms_per_launch: float, ring: int, options: Options) -> int:
     """Launches per graph, from the per-launch time of the original: the whole ring once and at
     least graph_ms, but at most max_graph_ms of work."""
     t = max(ms_per_launch, 1e-4)
     return max(1, min(options.max_launches, round(options.max_graph_ms / t), max(ring, round(options.graph_ms / t))))
 
 
-class _Graphs:
+class GraphTimer:
     """CUDA graph capture, interleaved replay and output comparison, for the benches below."""
 
     torch: Any
@@ -344,7 +344,7 @@ class _Graphs:
         return (a != b).any()
 
 
-class _Bench(_Graphs):
+class _Bench(GraphTimer):
     """Everything the worker does, on the GPU."""
 
     def __init__(self, workload: Workload, options: Options):
@@ -360,12 +360,12 @@ class _Bench(_Graphs):
         probe = workload.make_args(0x5EED)
         self.set_bytes = _set_bytes(probe)
         self._check_deterministic()
-        self.gpu, self.l2 = _device()
+        self.gpu, self.l2 = device_info()
         n_ring = _ring_sets(self.set_bytes, self.l2, self.o)
         self.ring = [probe] + [workload.make_args(0x5EED + i) for i in range(1, n_ring)]
         self.launches = min(len(self.ring), 32)
         t = statistics.median(self._replay([self._graph(self.base)], 5)[0]) / self.launches
-        self.launches = _launches_per_graph(t, len(self.ring), self.o)
+        self.launches = launches_per_graph(t, len(self.ring), self.o)
         self.base_graph = self._graph(self.base)
         self.base_us = statistics.median(self._replay([self.base_graph], 5)[0]) / self.launches * 1e3
 
@@ -485,7 +485,7 @@ class _Bench(_Graphs):
                 "min_us": [min(row) for row in us], "reps": reps, "launches_per_graph": self.launches}
 
 
-class ConfigBench(_Graphs):
+class ConfigBench(GraphTimer):
     """The worker of level 1 (`sip_tune.configs`): several configurations of one kernel for one
     shape. `space` has `configs` (the heuristic's first) and `workload(i)`, the Workload of
     configs[i] at the shape; workloads are built (loaded from the disk cache) when first asked for,
@@ -508,7 +508,7 @@ class ConfigBench(_Graphs):
         self.stream = torch.cuda.Stream()
         self.workloads: dict[int, Workload] = {}
         self.rings: dict[int, list[tuple]] = {}
-        self.gpu, self.l2 = _device()
+        self.gpu, self.l2 = device_info()
         heuristic = self._workload(0)
         probe = heuristic.make_args(self.RING_SEED)
         self.set_bytes = _set_bytes(probe)
@@ -516,7 +516,7 @@ class ConfigBench(_Graphs):
         self._check_deterministic()
         self.launches = min(self.n_ring, 32)
         t = statistics.median(self._replay([self._graph(0)], 5)[0]) / self.launches
-        self.launches = _launches_per_graph(t, self.n_ring, self.o)
+        self.launches = launches_per_graph(t, self.n_ring, self.o)
         self.base_us = statistics.median(self._replay([self._graph(0)], 5)[0]) / self.launches * 1e3
 
     def info(self) -> dict[str, Any]:
