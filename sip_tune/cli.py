@@ -7,6 +7,13 @@ and `rosekernels.warmup`. Two levels: `config` searches the kernel's configurati
     sip-tune --model config.json --mode decode [--plan]   (level 1 for every kernel and shape of a model)
     sip-tune --list [--cache DIR]
 
+What is stored must meet the tuned store's default bar, or ops and warmup do not load it: outputs
+bitwise equal (or within the kernel's own float64 tolerance) on >= 10^4 fresh samples and at the tuned
+shape (configs: at their bucket's edges too), compute-sanitizer clean (cubins), and a gain past the A/A
+spread through the public op, re-timed in a fresh process over inputs rotated past L2. Entries made
+with weaker checks (--samples below 10^4, --rtol, --no-sanitize) are stored but not loaded unless the
+user opts in (warmup(allow_unverified=True) or SIP_ALLOW_UNVERIFIED=1); `--list` says why.
+
 Exit codes: 0 done (whether or not a faster schedule was stored), 1 the tuning failed (bad shape, a
 kernel the engine cannot read, a worker that cannot start; --model: any of its shapes), 2 bad arguments
 or no sm_90 GPU.
@@ -51,7 +58,13 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="sip-tune", description="Tune a rosekernels kernel on this GPU: search its configurations "
                 "for the shape (level 'config'), then the SASS schedule of the chosen one (level 'sass': simulated "
-                "annealing + probabilistic testing); the results go into the tuned store the ops read.")
+                "annealing + probabilistic testing); the results go into the tuned store the ops read. A result is "
+                "stored only after it has been re-timed through the public op in a fresh process (over inputs "
+                "rotated past L2, against the heuristic and the best peer) and beaten max(--min-speedup, 1 + the "
+                "A/A spread) there; ops and warmup load only entries that meet the store's default bar (bitwise or "
+                "the kernel's tolerance on >= 10^4 samples and at the tuned shape, compute-sanitizer clean, that "
+                f"op-level gain), unless {tuned.ALLOW_ENV}=1 or warmup(allow_unverified=True) opts in to weaker "
+                "ones. --list shows every entry and why one is below the bar.")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--kernel", choices=sorted(rosekernels.KERNELS), help="the kernel to tune")
     what.add_argument("--model", metavar="CONFIG.json",
@@ -78,14 +91,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="independent annealing runs (seeds S..S+K-1); with several GPUs visible, one worker per GPU "
                    "runs them at once")
     p.add_argument("--samples", type=int, default=0, metavar="N",
-                   help="fresh random samples the winner must pass before it is cached (up to 1e7; default "
-                        "10^4, 10^5 when --moves goes past global)")
+                   help="fresh random samples (the kernel's test sizes) a winner of either level must pass before "
+                        "it is stored (up to 1e7; default 10^4, 10^5 when --moves goes past global; below 10^4 the "
+                        "entry is below the store's bar)")
     p.add_argument("--search-samples", type=int, default=2, metavar="N", help="samples per candidate in the search")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache", metavar="DIR", help=f"tuned-cubin cache (default ${tuned.ENV_VAR} or "
                    "<rosekernels cache>/sip)")
-    p.add_argument("--min-speedup", type=float, default=1.01, help="cache only if at least this much faster")
-    p.add_argument("--rtol", type=float, help="compare outputs with this tolerance instead of bitwise")
+    p.add_argument("--min-speedup", type=float, default=1.01,
+                   help="store only if at least this much faster (and past 1 + the A/A spread), in the worker and "
+                   "through the public op")
+    p.add_argument("--rtol", type=float, help="(level 'sass') compare outputs with this tolerance instead of bitwise; "
+                   "the entry is then below the store's bar")
     p.add_argument("--atol", type=float, help="(with --rtol) absolute tolerance")
     p.add_argument("--moves", metavar="CLASSES", help="SASS changes the 'sass' level may make: comma list of "
                    "global, shared, alu, control, or all (default: global; sip.mutate)")
@@ -267,14 +284,16 @@ def main(argv: list[str] | None = None) -> int:
         if "config" in levels:
             reports["config"] = configs.tune_configs(
                 args.kernel, args.mode, shape, max_candidates=args.max_candidates, min_speedup=args.min_speedup,
-                seed=args.seed, cache_root=args.cache)
+                seed=args.seed, validation_samples=args.samples or tuned.BAR_SAMPLES, cache_root=args.cache)
             print(reports["config"].text())
         if "sass" in levels:
             if "config" in reports and reports["config"].winner is not None:
-                factory = configs.workload_factory(args.kernel, *configs.chosen(reports["config"]))
+                chosen, full = configs.chosen(reports["config"])
+                factory = configs.workload_factory(args.kernel, chosen, full)
             else:  # the heuristic's config: what the op runs for the shape
                 factory = workloads.factory(args.kernel, args.mode, shape)
-            reports["sass"] = tuning.tune(factory, config, kernel=args.kernel, cache_root=args.cache)
+                full = workloads.resolve(args.kernel, args.mode, shape)[1]
+            reports["sass"] = tuning.tune(factory, config, kernel=args.kernel, shape=full, cache_root=args.cache)
             print(reports["sass"].text())
     except (*_BAD_REQUEST, SipError, WorkerFailure, probe.ProbeError) as e:
         print(f"sip-tune: {_reason(e)}", file=sys.stderr)
