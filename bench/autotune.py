@@ -9,7 +9,8 @@ Each shape runs `sip_tune.configs.tune_configs` (compile in parallel, test and t
 crash-isolated worker, re-time the fastest in a fresh one, verify a winner at its bucket's edges and
 through the public op in a fresh process); the heuristic and tuned times and the speedup are the op
 level's (`sip_tune.oplevel`: the public op, CUDA graphs over inputs rotated past L2, its own A/A
-spread and best peer) where a winner was verified there, else the worker's re-time. Peers (GEMM: cuBLAS + leaky_relu and cuBLAS alone) are timed
+spread and best peer) where a winner was verified there, else the worker's re-time. Peers (GEMM:
+cuBLAS + leaky_relu and cuBLAS alone) are timed
 in this process in CUDA graphs over input sets rotated past L2. Winners go into the tuned store at
 --cache (default: a temporary directory, so that a benchmark run changes no installed entry).
 Writes autotune.json and autotune.md into --out.

@@ -27,7 +27,8 @@ kernel's own tolerance on >= 10^4 samples, compute-sanitizer clean, an op-level 
 spread: `tuned.bar_problems`) load; `allow_unverified=True` (or $SIP_ALLOW_UNVERIFIED=1) loads weaker
 ones too, for this process from then on (ops included). Entries below the bar are listed in the
 report with the reason, and warned about once. Each entry stores the original cubin it was tuned
-from, so it is installed (`jit.install_tuned_cubin`) BEFORE compiling and swapped in when the kernel loads; the swap is keyed
+from, so it is installed (`jit.install_tuned_cubin`) BEFORE compiling and swapped in when the kernel
+loads; the swap is keyed
 by the original's SHA-256, so a tuned cubin never replaces a different original (a kernel whose source
 or toolchain changed simply loads untuned, and the report says the entry is stale).
 

@@ -77,8 +77,8 @@ def profile(factory: Callable[[], Any], cubin: bytes, timeout_s: float = 900.0) 
                          timeout_s)
         if code != 0 or not Path(report + ".ncu-rep").is_file():
             raise ProbeError("ncu could not profile the kernel: " + " | ".join(out.strip().splitlines()[-6:]))
-        listing, code = run_isolated(["ncu", "--import", report + ".ncu-rep", "--page", "source", "--print-source", "sass",
-                              "--csv"], timeout_s, merge=False)
+        listing, code = run_isolated(["ncu", "--import", report + ".ncu-rep", "--page", "source", "--print-source",
+                                      "sass", "--csv"], timeout_s, merge=False)
         if code != 0:
             raise ProbeError(f"ncu could not export the source listing (exit {code})")
     return listing

@@ -508,7 +508,9 @@ class ConfigBench(GraphTimer):
     the tuned config is for this shape) and compares the outputs bitwise; where they differ, the
     candidate's float64 check must pass. time(indices, ...) replays graphs of the heuristic (twice:
     the A/A pair) and of each candidate interleaved, every graph cycling over its own input sets
-    (the configs' arguments differ, e.g. split-K workspaces) that together exceed L2."""
+    (the configs' arguments differ, e.g. split-K workspaces) that together exceed L2. validate(i,
+    ...) tests a winner before it is stored: as `test` at the tuned shape and at its bucket's edges
+    (`space.workload_at(i, shape)`), then its float64 check on many samples of its test sizes."""
 
     RING_SEED = 0x5EED
 

@@ -473,8 +473,10 @@ def _finish(report: TuneReport, runner: Runner, pool: dict[str, tuple[float, byt
         report.cached = str(path)
         problems = tuned.bar_problems(meta, "cubin")
         report.outcome = (f"cached {report.speedup:.3f}x at {path}" if written else
-                          f"kept the existing, stronger or faster entry at {path} (this run: {report.speedup:.3f}x)") + (
-            f"; below the store's bar, not loaded by default ({'; '.join(problems)})" if problems and written else "")
+                          f"kept the existing, stronger or faster entry at {path} (this run: "
+                          f"{report.speedup:.3f}x)")
+        if problems and written:
+            report.outcome += f"; below the store's bar, not loaded by default ({'; '.join(problems)})"
         break
     else:
         report.outcome = ("no finalist beat the bar (min_speedup and the A/A spread), passed every sample and "

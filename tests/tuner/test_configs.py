@@ -533,8 +533,8 @@ def test_the_config_worker_validates_at_the_tuned_shape_the_edges_and_the_test_s
         bad = {2: 0.5 if shape == "largest" else 0.0, 4: 1e-3 if shape == "smallest" else 0.0}.get(i, 0.0)
         return _cpu_workload(bad, size=3 if shape == "smallest" else 61)
 
-    bench = cpu_config_bench(_cpu_workload(0.0), _cpu_workload(0.0), _cpu_workload(0.0), _cpu_workload(0.0, test_offset=0.2),
-                             _cpu_workload(0.0), at=at)
+    bench = cpu_config_bench(_cpu_workload(0.0), _cpu_workload(0.0), _cpu_workload(0.0),
+                             _cpu_workload(0.0, test_offset=0.2), _cpu_workload(0.0), at=at)
     ok = bench.validate(1, 9, 300, ["smallest", "largest"], 3)
     assert ok["status"] == "ok" and ok["bitwise"] and ok["passed"] == 300 and ok["shape_passed"] == 9
     edge = bench.validate(2, 9, 300, ["smallest", "largest"], 3)

@@ -49,16 +49,14 @@ def test_every_kernel_has_a_public_op_case_at_its_shape(kernel, shape):
     assert tensors and case.input_bytes(a) == sum(t.nbytes for t in a[:len(a) - case.outputs]
                                                   if isinstance(t, torch.Tensor))
     assert not torch.equal(a[0], b[0])  # every set its own data: a replay cycle reads distinct bytes
-    dims = dataclasses.asdict(shape)
-    first = tuple(a[0].shape)
-    expected = {"gemm_leakyrelu": (dims.get("m"), dims.get("k")), "qk_norm": (dims.get("tokens"), dims.get("q_heads"),
-                                                                               dims.get("head_dim")),
-                "rmsnorm": (dims.get("rows"), dims.get("hidden")), "moe_dispatch": (dims.get("tokens"), dims.get("hidden")),
-                "moe_combine": (dims.get("tokens", 0) * dims.get("topk", 0), dims.get("hidden")),
-                "attention": (dims.get("batch"), dims.get("seqlen"), dims.get("heads_q"), dims.get("head_dim")),
-                "attention_decode": (dims.get("batch"), dims.get("seqlen_q"), dims.get("heads_q"), dims.get("head_dim"))}
-    if kernel in expected:
-        assert first == expected[kernel]
+    first = {  # the first argument of the op, from the shape's sizes
+        "gemm_leakyrelu": lambda s: (s.m, s.k), "qk_norm": lambda s: (s.tokens, s.q_heads, s.head_dim),
+        "rmsnorm": lambda s: (s.rows, s.hidden), "moe_dispatch": lambda s: (s.tokens, s.hidden),
+        "moe_combine": lambda s: (s.tokens * s.topk, s.hidden),
+        "attention": lambda s: (s.batch, s.seqlen, s.heads_q, s.head_dim),
+        "attention_decode": lambda s: (s.batch, s.seqlen_q, s.heads_q, s.head_dim),
+        "append_kvcache": lambda s: (s.batch * -(-(s.new_tokens + 64) // 16), 16, s.kv_heads, s.head_dim)}
+    assert tuple(a[0].shape) == first[kernel](shape)
     if kernel == "gemm_leakyrelu":
         assert tuple(a[1].shape) == (shape.n, shape.k) and tuple(a[-1].shape) == (shape.m, shape.n)
         assert "cublas+leaky_relu" in case.peers
