@@ -177,7 +177,6 @@ def prepare(kernel: str, shape: Any, candidate: ConfigCandidate | CubinCandidate
                 target = store / entry.path.relative_to(entry.path.parents[3])
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(entry.path, target)
-        tuned.forget_configs()
     request = work / "request.pkl"
     request.write_bytes(pickle.dumps(_Request(kernel, shape, candidate, str(store), str(empty), rounds, dry_run)))
     return request
