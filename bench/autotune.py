@@ -6,8 +6,11 @@ each kernel's heuristic, next to the A/A spread and, where the bench has them, t
     python bench/autotune.py --plan                                   # the search spaces only (no GPU)
 
 Each shape runs `sip_tune.configs.tune_configs` (compile in parallel, test and time in the
-crash-isolated worker, re-time the fastest in a fresh one); the heuristic and tuned times are the
-medians of that re-time (interleaved). Peers (GEMM: cuBLAS + leaky_relu and cuBLAS alone) are timed
+crash-isolated worker, re-time the fastest in a fresh one, verify a winner at its bucket's edges and
+through the public op in a fresh process); the heuristic and tuned times and the speedup are the op
+level's (`sip_tune.oplevel`: the public op, CUDA graphs over inputs rotated past L2, its own A/A
+spread and best peer) where a winner was verified there, else the worker's re-time. Peers (GEMM:
+cuBLAS + leaky_relu and cuBLAS alone) are timed
 in this process in CUDA graphs over input sets rotated past L2. Winners go into the tuned store at
 --cache (default: a temporary directory, so that a benchmark run changes no installed entry).
 Writes autotune.json and autotune.md into --out.
@@ -150,10 +153,13 @@ def _row(report: configs.ConfigReport, peers: dict[str, float], errors: list[str
     best_peer = min(others.items(), key=lambda kv: kv[1]) if others else None
     # ours against the peer from the peers' own run where it timed ours, else from the tuner's re-time
     ours_us = peers.get(OURS + ("tuned" if report.winner else "heuristic"), report.tuned_us)
+    op = report.op_level
     return {
         "kernel": report.kernel, "mode": report.mode, "shape": report.shape,
         "heuristic_us": report.heuristic_us, "tuned_us": report.tuned_us, "speedup": report.speedup,
-        "aa_spread": max(report.aa_spread, report.retime_aa_spread) if report.finalists else report.aa_spread,
+        "aa_spread": op["aa_spread"] if op.get("speedup") else
+        max(report.aa_spread, report.retime_aa_spread) if report.finalists else report.aa_spread,
+        "op_level": op or None,
         "winner": report.winner_key or None, "outcome": report.outcome,
         "searched": len(report.candidates), "candidates": report.total, "pruned_by": report.ranked_by,
         "statuses": dict(collections.Counter(r["status"] for r in report.candidates)),
@@ -171,9 +177,11 @@ def _shape_text(shape: dict, keys: dict) -> str:
 def _markdown(rows: list[dict], specs: list, env: dict) -> str:
 
     lines = [f"# sip-tune level 1 (configuration search) on {env.get('gpu')}", "",
-             "Heuristic and tuned: per-launch medians of the final re-time (interleaved, fresh worker). A/A: "
-             "how far the heuristic measured from itself in the same pipeline; a winner must beat "
-             "max(1.01, 1 + A/A). Shares: of each shape's wall time.", "",
+             "Heuristic and tuned: per call of the public op, re-timed in a fresh process (sip_tune.oplevel: "
+             "CUDA graphs over inputs rotated past L2) where a winner was verified there; else per launch in the "
+             "worker's final re-time. A/A: how far the heuristic measured from itself in that same run; a winner "
+             "must beat max(1.01, 1 + A/A) in the worker and at the op level. Shares: of each shape's wall time.",
+             "",
              "| kernel | mode | shape | heuristic us | tuned us | speedup | A/A | searched / all | best peer us | "
              "tuned vs peer | compile / test / time | s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]

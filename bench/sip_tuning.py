@@ -10,7 +10,9 @@ one row each):
   measurement resolves a schedule difference; the noise floor is the search's A/A pair, below);
 - the search (`sip_tune.tuning.tune` over the `--moves` classes), search time, candidates, samples tested;
   its finalists re-timed with an A/A pair (original against a byte-identical copy) in 3 fresh workers:
-  a schedule is kept only past 1 + the A/A spread (the table shows the best finalist either way);
+  a schedule is kept only past 1 + the A/A spread (the table shows the best finalist either way), and
+  past 1 + the A/A spread of its op-level re-time (the public op in a fresh process, the tuned cubin
+  installed as warmup does: `sip_tune.oplevel`; the row's `op_level`);
 - the final word: original and tuned cubin re-timed in a FRESH worker, interleaved, `--repeats`
   independent runs of `--reps` replay pairs each (CUDA graphs of many launches cycling over input
   sets larger than L2); the median of the per-run medians.
@@ -70,7 +72,8 @@ def bench_one(kernel: str, mode: str, moves: str | None, args: argparse.Namespac
     config = tuning.TuneConfig(budget_seconds=args.budget_minutes * 60, runs=args.runs, samples=args.samples,
                                seed=args.seed, min_speedup=1.0, moves=moves, hot=args.hot)
     # a store per policy: an earlier policy's (faster) entry would otherwise be kept and re-timed as this one's
-    result = tuning.tune(factory, config, kernel=kernel, cache_root=str(Path(cache_dir) / (moves or "global")))
+    result = tuning.tune(factory, config, kernel=kernel, shape=workloads.resolve(kernel, mode)[1],
+                         cache_root=str(Path(cache_dir) / (moves or "global")))
     print(result.text(), flush=True)
     row["report"] = result.to_dict()
     row.update(search_s=result.search_seconds, total_s=result.total_seconds, iterations=result.iterations,
@@ -78,6 +81,7 @@ def bench_one(kernel: str, mode: str, moves: str | None, args: argparse.Namespac
                samples_passed=result.samples_passed, outcome=result.outcome, movable=result.movable,
                legal_moves=result.legal_moves, aa_spread=result.aa_spread,
                best_finalist=max((1 / f["rel"] for f in result.finalists), default=math.nan),
+               op_level=result.op_level or None,
                hot_blocks=result.hot_blocks,
                cost_per_candidate_s=result.cost_s.get("total", math.nan))
     if result.cached:

@@ -22,8 +22,13 @@ A spec is one specialization, given as any of
 - a zero-argument callable returning a `jit.CompiledKernel` (any other CuTeDSL kernel).
 
 Tuned cubins come from the tuned store (`rosekernels.tuned`; `tuned_dir`, else $SIP_CACHE_DIR, else
-<compile cache root>/sip). Each entry stores the original cubin it was tuned from, so it is installed
-(`jit.install_tuned_cubin`) BEFORE compiling and swapped in when the kernel loads; the swap is keyed
+<compile cache root>/sip), and only entries that meet the store's default bar (bitwise or the
+kernel's own tolerance on >= 10^4 samples, compute-sanitizer clean, an op-level gain past the A/A
+spread: `tuned.bar_problems`) load; `allow_unverified=True` (or $SIP_ALLOW_UNVERIFIED=1) loads weaker
+ones too, for this process from then on (ops included). Entries below the bar are listed in the
+report with the reason, and warned about once. Each entry stores the original cubin it was tuned
+from, so it is installed (`jit.install_tuned_cubin`) BEFORE compiling and swapped in when the kernel
+loads; the swap is keyed
 by the original's SHA-256, so a tuned cubin never replaces a different original (a kernel whose source
 or toolchain changed simply loads untuned, and the report says the entry is stale).
 
@@ -62,6 +67,9 @@ class WarmupReport:
     compiled: list[str] = dataclasses.field(default_factory=list)  # variant keys this call compiled
     from_disk: list[str] = dataclasses.field(default_factory=list)  # loaded from the disk cache
     # The rest of `kernels` were loaded in this process before the call.
+    # Entries below the default bar: "<entry>: <reasons>", and whether they were loaded (opted in).
+    unverified: list[str] = dataclasses.field(default_factory=list)
+    loaded_unverified: bool = False
 
     def __str__(self) -> str:
         before = len(self.kernels) - len(self.compiled) - len(self.from_disk)
@@ -74,6 +82,8 @@ class WarmupReport:
         lines += [f"  config   {c}" for c in self.configs]
         lines += [f"  config   {c}  (stale: tuned against another build of its heuristic kernel: re-tune)"
                   for c in self.stale_configs]
+        state = "loaded: allow_unverified" if self.loaded_unverified else "not loaded"
+        lines += [f"  below the bar ({state})  {u}" for u in self.unverified]
         return "\n".join(lines)
 
 
@@ -127,14 +137,15 @@ def _tuned_root(cache_dir: str | os.PathLike | None, tuned_dir: str | os.PathLik
 def warmup(specs: Iterable[Any] = (), *, model: Any = None, modes: Iterable[str] = MODES,
            max_tokens: int | None = None, cache_dir: str | os.PathLike | None = None,
            tuned_dir: str | os.PathLike | None = None, processes: int | None = None,
-           progress: bool = True) -> WarmupReport:
+           progress: bool = True, allow_unverified: bool | None = None) -> WarmupReport:
     """Compile (or load from the disk cache) every spec, and what `model` needs in `modes` for calls
     of at most `max_tokens` tokens (`model_specs`), with the SIP-tuned cubins found in the store.
 
     cache_dir: the compile cache's root from now on (None: $ROSEKERNELS_CACHE_DIR, else the user
     cache dir). tuned_dir: the tuned store's (None: $SIP_CACHE_DIR, else <cache root>/sip).
     processes: compile workers for the cold specializations (None: one per core, memory allowing).
-    progress: a progress bar on a terminal while compiling."""
+    progress: a progress bar on a terminal while compiling. allow_unverified: also load tuned entries
+    below the store's default bar, from now on in this process (None: $SIP_ALLOW_UNVERIFIED decides)."""
     t0 = time.perf_counter()
     specs = list(specs)
     if model is not None:
@@ -144,6 +155,9 @@ def warmup(specs: Iterable[Any] = (), *, model: Any = None, modes: Iterable[str]
     jit.use_cache_root(cache_dir)
     root = _tuned_root(cache_dir, tuned_dir)
     tuned.use_config_root(root)
+    if allow_unverified is not None:
+        tuned.allow_unverified(allow_unverified)
+    below_bar: list[str] = []  # for the report: entries found below the bar
     launch.forget_plans()  # a plan made before now would keep the config it chose without the store
     resolved = [_resolve(s) for s in specs]
     n_specs = len(resolved)
@@ -151,16 +165,23 @@ def warmup(specs: Iterable[Any] = (), *, model: Any = None, modes: Iterable[str]
     for r in resolved:
         if r.variant is not None:
             op_modes.setdefault(r.variant.op, set()).add(r.variant.mode)
+    def admitted(entry: tuned.Entry | tuned.ConfigEntry, name: str) -> bool:
+        if entry.problems:
+            below_bar.append(f"{name}: {'; '.join(entry.problems)}")
+        return tuned.admitted(entry)
+
     # Each tuned config follows the specs, after the heuristic config it was tuned against.
-    configs = [e for op in sorted(op_modes) for e in tuned.config_entries(root, op) if e.meta["mode"] in op_modes[op]]
+    configs = [e for op in sorted(op_modes) for e in tuned.config_entries(root, op)
+               if e.meta["mode"] in op_modes[op] and admitted(e, f"config {e.meta['kernel']} {e.path.stem}")]
     resolved += [_resolve(c) for e in configs for c in (e.heuristic, e.config)]
-    entries: dict[str, list[tuned.Entry]] = {}
+    entries: dict[str, list[tuned.Entry]] = {}  # variant key -> the entries it may load
 
     def install_for(variant: jit.Variant) -> None:
         if variant.key() not in entries:
-            found = tuned.entries_for_variant(root, variant)
+            found = [e for e in tuned.entries_for_variant(root, variant) if admitted(e, variant.key())]
             entries[variant.key()] = found
-            for e in sorted(found, key=lambda e: e.speedup):  # the best entry for an original wins
+            # the strongest, then fastest entry for an original wins (installed last)
+            for e in sorted(found, key=lambda e: (tuned.strength(e.meta, "cubin"), e.speedup)):
                 jit.install_tuned_cubin(e.original, e.tuned)
 
     for r in resolved:
@@ -186,7 +207,8 @@ def warmup(specs: Iterable[Any] = (), *, model: Any = None, modes: Iterable[str]
     if reload:
         jit.forget_loaded()
         kernels = [r.build() for r in resolved]
-    report = WarmupReport([], [], [], 0.0, kernels[:n_specs])
+    report = WarmupReport([], [], [], 0.0, kernels[:n_specs], unverified=below_bar,
+                          loaded_unverified=tuned.unverified_allowed())
     for i, e in enumerate(configs):
         heuristic, config = kernels[n_specs + 2 * i: n_specs + 2 * i + 2]
         line = f"{e.meta['kernel']} {e.path.stem}: {heuristic.variant.key()} -> {config.variant.key()}"

@@ -8,10 +8,18 @@ ops and `rosekernels.warmup`. Two levels: `config` searches a kernel's configura
     sip-tune --kernel gemm_leakyrelu --mode decode --shape m=8 --plan    (the config search space; no GPU)
     sip-tune --list [--cache DIR]
 
+What is stored must meet the tuned store's default bar, or ops and warmup do not load it: outputs
+bitwise equal (or within the kernel's own float64 tolerance) on >= 10^4 fresh samples and at the tuned
+shape (configs: at their bucket's edges too), compute-sanitizer clean (cubins), and a gain past the A/A
+spread through the public op, re-timed in a fresh process over inputs rotated past L2. Entries made
+with weaker checks (--samples below 10^4, --rtol, --no-sanitize) are stored but not loaded unless the
+user opts in (warmup(allow_unverified=True) or SIP_ALLOW_UNVERIFIED=1); `--list` says why.
+
 Exit codes: 0 done (whether or not anything faster was stored), 1 the tuning failed (a kernel the
 engine cannot read, a worker that cannot start; --model: any of its shapes, or a model with nothing to
 tune), 2 bad arguments (refused before any work, nothing written), 3 (rosekernels.device.NO_GPU_EXIT)
 no sm_90 GPU.
+
 Nothing here imports torch or CuTeDSL before a tuning or `--plan` starts: `--list` reads the store only.
 """
 from __future__ import annotations
@@ -57,7 +65,13 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="sip-tune", description="Tune a rosekernels kernel on this GPU: search its configurations "
                 "for the shape (level 'config'), then the SASS schedule of the chosen one (level 'sass': simulated "
-                "annealing + probabilistic testing); the results go into the tuned store the ops read.")
+                "annealing + probabilistic testing); the results go into the tuned store the ops read. A result is "
+                "stored only after it has been re-timed through the public op in a fresh process (over inputs "
+                "rotated past L2, against the heuristic and the best peer) and beaten max(--min-speedup, 1 + the "
+                "A/A spread) there; ops and warmup load only entries that meet the store's default bar (bitwise or "
+                "the kernel's tolerance on >= 10^4 samples and at the tuned shape, compute-sanitizer clean, that "
+                f"op-level gain), unless {tuned.ALLOW_ENV}=1 or warmup(allow_unverified=True) opts in to weaker "
+                "ones. --list shows every entry and why one is below the bar.")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--kernel", choices=sorted(rosekernels.KERNELS), help="the kernel to tune")
     what.add_argument("--model", metavar="CONFIG.json",
@@ -87,14 +101,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="independent annealing runs (seeds S..S+K-1); with several GPUs visible, one worker per GPU "
                    "runs them at once")
     p.add_argument("--samples", type=int, default=0, metavar="N",
-                   help="fresh random samples the winner must pass before it is cached (up to 1e7; default "
-                        "10^4, 10^5 when --moves goes past global)")
+                   help="fresh random samples (the kernel's test sizes) a winner of either level must pass before "
+                        "it is stored (up to 1e7; default 10^4, 10^5 when --moves goes past global; below 10^4 the "
+                        "entry is below the store's bar)")
     p.add_argument("--search-samples", type=int, default=2, metavar="N", help="samples per candidate in the search")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache", metavar="DIR", help=f"the tuned store's folder (default ${tuned.ENV_VAR} or "
                    "<rosekernels cache>/sip)")
-    p.add_argument("--min-speedup", type=float, default=1.01, help="cache only if at least this much faster")
-    p.add_argument("--rtol", type=float, help="compare outputs with this tolerance instead of bitwise")
+    p.add_argument("--min-speedup", type=float, default=1.01,
+                   help="store only if at least this much faster (and past 1 + the A/A spread), in the worker and "
+                   "through the public op")
+    p.add_argument("--rtol", type=float, help="(level 'sass') compare outputs with this tolerance instead of bitwise; "
+                   "the entry is then below the store's bar")
     p.add_argument("--atol", type=float, help="(with --rtol) absolute tolerance")
     p.add_argument("--moves", metavar="CLASSES", help="SASS changes the 'sass' level may make: comma list of "
                    "global, shared, alu, control, or all (default: global; sip.mutate)")
@@ -109,7 +127,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cooling", type=float, help="cooling factor L (T <- T/L); default: derived from the budget")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON (with both levels: "
                    "{\"config\": ..., \"sass\": ...}; with --plan, the plan)")
-    p.add_argument("--list", action="store_true", help="list the tuned store's entries (configs and cubins) and exit")
+    p.add_argument("--list", action="store_true",
+                   help="list the tuned store's entries (configs and cubins) and exit, each entry below the "
+                   "default bar with the reason")
     return p
 
 
@@ -143,47 +163,29 @@ def _list_store(root: str | None) -> int:
         print(f"sip-tune: --cache {folder} {why}: give the tuned store's folder (default ${tuned.ENV_VAR} or "
               "<rosekernels cache>/sip)", file=sys.stderr)
         return 2
-    configs_found = _config_rows(folder) if folder.is_dir() else []
-    cubins = tuned.list_entries(root) if folder.is_dir() else []
-    print(f"tuned store {folder}: {len(configs_found)} tuned configs, {len(cubins)} tuned cubins"
-          + ("" if configs_found or cubins else " (nothing tuned there yet)"))
-    if configs_found:
-        print("configs (level 1: which config a shape bucket launches):")
-    for r in configs_found:
-        if "error" in r:
+    rows = tuned.list_entries(root) if folder.is_dir() else []
+    kinds = [r.get("kind") for r in rows]
+    below = sum(1 for r in rows if r["valid"] and r["problems"])
+    print(f"tuned store {folder}: {kinds.count('config')} tuned configs, {kinds.count('cubin')} tuned cubins"
+          + ("" if rows else " (nothing tuned there yet)")
+          + (f", {below} below the default bar (not loaded unless {tuned.ALLOW_ENV}=1)" if below else ""))
+    for r in rows:
+        if not r["valid"]:
             print(f"  {r['kernel']:<15} BROKEN: {r['error']}  ({r['path']})")
             continue
-        chosen = "the heuristic stays" if r["config_key"] == r["heuristic_key"] else r["config_key"]
-        sizes = ",".join(f"{k}={v}" for k, v in r["bucket"].items() if k != "dtype")
-        print(f"  {r['kernel']:<15} {r['mode']:<8} {r.get('speedup', math.nan):.3f}x  {sizes}  {chosen}  "
-              f"{r.get('gpu', '?')}  {r.get('date', '?')}")
-    if cubins:
-        print("cubins (level 2: SASS schedules):")
-    for r in cubins:
-        if r["valid"]:
-            print(f"  {r['kernel']:<15} {r['mode']:<8} {r.get('speedup', math.nan):.3f}x  "
-                  f"{r.get('samples_passed', '?'):>8} samples  {r.get('gpu', '?')}  {r.get('date', '?')}  "
-                  f"{r['spec_key']}")
+        checks = r.get("checks") if isinstance(r.get("checks"), dict) else {}
+        samples = (checks.get("samples") or {}).get("passed", r.get("samples_passed", "?"))
+        if r["kind"] == "cubin":
+            what = r["spec_key"]
+        elif r.get("config_key") == r.get("heuristic_key"):
+            what = f"the heuristic stays: {r.get('config_key', '?')}"
         else:
-            print(f"  {r['kernel']:<15} BROKEN: {r['error']}  ({r['path']})")
+            what = f"{r.get('heuristic_key', '?')} -> {r.get('config_key', '?')}"
+        print(f"  {r['kernel']:<15} {r['kind']:<6} {r.get('mode', '?'):<8} {r.get('speedup', math.nan):.3f}x  "
+              f"{samples:>8} samples  {r.get('gpu', '?')}  {r.get('date', '?')}  {what}")
+        if r["problems"]:
+            print(f"    below the bar: {'; '.join(r['problems'])}")
     return 0
-
-
-def _config_rows(folder: Path) -> list[dict[str, Any]]:
-    """The tuned-config entries under `folder` (every toolchain), read as plain JSON: listing needs
-    neither torch nor the kernel modules that `tuned.config_entries` rebuilds configs with."""
-    rows = []
-    for path in sorted(folder.glob(f"*/*/{tuned.CONFIGS_DIR}/*.json")):
-        try:
-            meta = json.loads(path.read_text())
-            if meta.get("format") != tuned.CONFIG_FORMAT:
-                raise ValueError(f"not a format-{tuned.CONFIG_FORMAT} entry")
-            rows.append({k: meta[k] for k in ("kernel", "mode", "bucket", "config_key", "heuristic_key")}
-                        | {k: meta[k] for k in ("speedup", "gpu", "date") if k in meta})
-        except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
-            error = f"no {e} field" if isinstance(e, KeyError) else str(e) or type(e).__name__
-            rows.append({"kernel": path.parents[1].name, "path": str(path), "error": error})
-    return rows
 
 
 def _writable_file(option: str, path: str) -> str | None:
@@ -369,14 +371,16 @@ def main(argv: list[str] | None = None) -> int:
         if "config" in levels:
             reports["config"] = configs.tune_configs(
                 args.kernel, args.mode, shape, max_candidates=args.max_candidates, min_speedup=args.min_speedup,
-                seed=args.seed, cache_root=args.cache)
+                seed=args.seed, validation_samples=args.samples or tuned.BAR_SAMPLES, cache_root=args.cache)
             print(reports["config"].text())
         if "sass" in levels:
             if "config" in reports and reports["config"].winner is not None:
-                factory = configs.workload_factory(args.kernel, *configs.chosen(reports["config"]))
+                chosen, full = configs.chosen(reports["config"])
+                factory = configs.workload_factory(args.kernel, chosen, full)
             else:  # the heuristic's config: what the op runs for the shape
                 factory = workloads.factory(args.kernel, args.mode, shape)
-            reports["sass"] = tuning.tune(factory, config, kernel=args.kernel, cache_root=args.cache)
+                full = workloads.resolve(args.kernel, args.mode, shape)[1]
+            reports["sass"] = tuning.tune(factory, config, kernel=args.kernel, shape=full, cache_root=args.cache)
             print(reports["sass"].text())
     except (*_BAD_REQUEST, SipError, WorkerFailure, probe.ProbeError) as e:
         print(f"sip-tune: {_reason(e)}", file=sys.stderr)

@@ -23,8 +23,9 @@ asked for, or rejects, is dropped and reported (e.g. qk_norm at 64 decode tokens
 prefill kernel; `sip-tune --kernel qk_norm --mode prefill --shape tokens=64` tunes that one), and so
 is one whose kernel has a single config there (the norms' decode mode): level 1 would only time it.
 Resuming: a shape whose bucket has a stored entry tuned against the heuristic's cubin as it compiles
-now is skipped, one where the heuristic stayed included (its search is recorded as the bucket's config
-at 1.0x; a later, better result replaces it).
+now, meeting the tuned store's bar, is skipped, one where the heuristic stayed included (its search is
+recorded as the bucket's config at 1.0x; a later, better result replaces it); an entry below the bar
+(written before entries recorded their checks, or with weaker ones) is tuned again.
 
 The budget: shapes run in order (token count by token count, smallest first: the batches a server
 sees most), and a shape is started only if the longest search so far (SHAPE_ESTIMATE_S before the
@@ -165,15 +166,17 @@ class Row:
 
 def stored_entry(job: Job, mode: str, cache_root: Any = None) -> tuned.ConfigEntry | None:
     """The tuned-store entry for `job`'s bucket tuned against its heuristic's cubin as it compiles
-    now, if any. The heuristic is compiled only when the store holds an entry for this bucket and
-    heuristic config at all (compiling costs seconds; most shapes have none on a first run)."""
+    now, if one meets the store's bar. The heuristic is compiled only when the store holds an entry
+    for this bucket and heuristic config at all (compiling costs seconds; most shapes have none on a
+    first run)."""
     heuristic, shape = workloads.resolve(job.kernel, mode, job.shape)
     bkey = tuned.bucket_key(shape)
     m = workloads.kernel_module(job.kernel)
     if not any(tuned.bucket_key(m.Shape(**e.meta["bucket"])) == bkey and e.heuristic == heuristic
                for e in tuned.config_entries(cache_root, job.kernel)):
         return None
-    return tuned.lookup_config(cache_root, job.kernel, shape, m.compile(heuristic).cubin_sha256)
+    entry = tuned.lookup_config(cache_root, job.kernel, shape, m.compile(heuristic).cubin_sha256)
+    return entry if entry is not None and not entry.problems else None
 
 
 def _progress(jobs: list[Job]) -> tuple[Iterable[Job], Callable[[str], None]]:

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 from devices import HAS_SM90
-from store_samples import META, ORIGINAL, TUNED, FakeVariant
+from store_samples import META, ORIGINAL, TUNED, FakeVariant, checks
 
 import rosekernels
 from rosekernels import tuned
@@ -98,9 +98,26 @@ def test_list_shows_valid_and_broken_entries(capsys, tmp_path, monkeypatch):
     path, _ = tuned.store(tmp_path, "rmsnorm", FakeVariant("rmsnorm", hidden=4096), ORIGINAL, TUNED, META)
     (path / "meta.json").write_text("{")
     code, out, _ = run(capsys, "--list", "--cache", str(tmp_path))
-    assert code == 0 and "2 tuned cubins" in out
+    assert code == 0 and "2 tuned cubins" in out and "below the default bar" not in out
     assert f"{META['speedup']:.3f}x" in out and "NVIDIA H200" in out and FakeVariant(d=128).key() in out
     assert "rmsnorm" in out and "BROKEN" in out
+    # entries below the bar, each with its reason: a cubin checked on 50 samples, a config from before checks
+    tuned.store(tmp_path, "qk_norm", FakeVariant(d=64), ORIGINAL, TUNED, {**META, "checks": checks(samples=50)})
+    from rosekernels.kernels import qk_norm_plan as plan
+
+    shape = plan.QKNormShape(3000)
+    heuristic = plan.config_for(shape, 132)
+    other = next(c for c in plan.candidates(shape, 132) if c.variant() != heuristic.variant())
+    tuned.store_config(tmp_path, "qk_norm", shape, other, heuristic, "ab" * 32, {"speedup": 1.3})
+    tuned.forget_configs()
+    code, out, _ = run(capsys, "--list", "--cache", str(tmp_path))
+    lines = out.splitlines()
+    assert code == 0 and "1 tuned configs, 3 tuned cubins, 2 below the default bar (not loaded unless SIP_ALLOW_UNVERIFIED=1)" in lines[0]
+    config_line = next(i for i, line in enumerate(lines) if " config " in line)
+    assert f"{heuristic.variant().key()} -> {other.variant().key()}" in lines[config_line]
+    assert lines[config_line + 1].strip().startswith("below the bar: unverified: written before entries recorded")
+    cubin_line = next(i for i, line in enumerate(lines) if FakeVariant(d=64).key() in line)
+    assert "50 samples" in lines[cubin_line] and "50 of 50 samples passed" in lines[cubin_line + 1]
 
 
 def test_list_of_a_folder_that_does_not_exist_or_of_a_file_says_so(capsys, tmp_path):

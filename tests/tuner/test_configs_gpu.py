@@ -66,6 +66,13 @@ def test_the_config_worker_tells_equal_correct_and_wrong_apart(store):
         kind, timing = runner.request("time", ([2], 10), 300)
         assert kind == "ok" and len(timing["median_us"]) == 3 and all(t > 0 for t in timing["median_us"])
         assert abs(timing["rel"][1] - 1) < 0.05  # the A/A pair: one kernel measured twice
+        # Before it is stored: at the tuned shape, the bucket's edge (3 tokens) and the test sizes.
+        edge = [dataclasses.replace(space.shape, tokens=3)]
+        kind, wrong = runner.request("validate", (1, 8, 50, edge, 2), 300)
+        assert kind == "ok" and wrong["status"] == "incorrect" and wrong["detail"].startswith("at the tuned shape")
+        kind, same = runner.request("validate", (0, 8, 50, edge, 2), 300)
+        assert kind == "ok" and same["status"] == "ok" and same["bitwise"]
+        assert same["passed"] == 50 and same["shape_passed"] == 4
 
 
 def test_qk_norm_decode_level_one_times_the_heuristic_against_itself(store):
@@ -75,13 +82,14 @@ def test_qk_norm_decode_level_one_times_the_heuristic_against_itself(store):
     assert report.winner is None and "the heuristic stays" in report.outcome
     [entry] = tuned.config_entries(store, "qk_norm")  # recorded: the bucket counts as tuned
     assert str(entry.path) == report.stored and entry.config == entry.heuristic and entry.speedup == 1.0
-    assert set(report.shares) == {"compile", "test", "time"} and sum(report.shares.values()) <= 1
+    assert set(report.shares) == {"compile", "test", "time", "verify"} and sum(report.shares.values()) <= 1
     assert "qk_norm" in report.text()
 
 
 def test_gemm_decode_level_one_then_level_two_on_the_chosen_config(store):
+    # (few validation samples and op-level rounds: a winner's entry then stays below the store's bar)
     report = configs.tune_configs("gemm_leakyrelu", "decode", GEMM_DECODE, max_candidates=6, samples=4, reps=20,
-                                  retime_reps=40, cache_root=store)
+                                  retime_reps=40, validation_samples=300, op_rounds=10, cache_root=store)
     rows = report.candidates
     assert len(rows) == 7 and report.pruned == report.total - 7
     assert all(r["status"] in ("ok", "incorrect", "crash", "timeout") for r in rows[1:])
@@ -100,7 +108,9 @@ def test_gemm_decode_level_one_then_level_two_on_the_chosen_config(store):
         entry = tuned.lookup_config(store, "gemm_leakyrelu", configs.chosen(report)[1],
                                     gemm_leakyrelu.compile(heuristic).cubin_sha256)
         assert entry is not None and dataclasses.asdict(entry.config) == report.winner
-        assert report.speedup > max(1.01, 1 + report.aa_spread)
+        op = entry.meta["checks"]["op_level"]  # the speedup stored is the public op's, past its A/A
+        assert report.speedup == op["speedup"] > max(1.01, 1 + op["aa_spread"]) and op["peer"] == "cublas+leaky_relu"
+        assert entry.problems == ["300 of 300 samples passed (the bar: all of at least 10000)"]
     else:
         assert [e.config for e in tuned.config_entries(store, "gemm_leakyrelu")] == [heuristic]
     config, shape = configs.chosen(report)

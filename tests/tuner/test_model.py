@@ -175,8 +175,11 @@ def test_shapes_with_a_stored_entry_for_the_current_heuristic_are_skipped(capsys
     heuristic, shape = workloads.resolve(norm.kernel, "prefill", norm.shape)
     original = workloads.kernel_module("qk_norm").compile(heuristic).cubin_sha256
     meta = {"heuristic_median_us": 3.0, "tuned_median_us": 2.5, "speedup": 1.2, "aa_spread": 0.01}
-    tuned.store_config(root, "qk_norm", shape, heuristic, heuristic, original, meta)
-    assert model.stored_entry(norm, "prefill", root) is not None
+    other = next(c for c in workloads.kernel_module("qk_norm").candidates(shape) if c != heuristic)
+    tuned.store_config(root, "qk_norm", shape, other, heuristic, original, meta)  # no checks: below the bar
+    assert model.stored_entry(norm, "prefill", root) is None  # tuned again
+    tuned.store_config(root, "qk_norm", shape, heuristic, heuristic, original, meta, keep_better=False)
+    assert model.stored_entry(norm, "prefill", root) is not None  # the heuristic stayed: nothing to check
     assert model.stored_entry(gemm, "prefill", root) is None
 
     calls = []

@@ -11,7 +11,7 @@ from sip_corpus import corpus  # noqa: F401
 from store_samples import FakeVariant, make_cubin
 
 from rosekernels import tuned
-from sip_tune import tuning
+from sip_tune import oplevel, tuning
 from sip_tune.runner import Evaluation, Options, Runner, WorkerFailure, _set_bytes
 
 
@@ -73,10 +73,10 @@ class FakeRunner:
         rels = [1.0] + [ToyEngine.rel(ToyEngine.perm(c)) for c in cubins]
         return {"median_us": [2.0 * r for r in rels], "rel": rels}
 
-    def validate(self, cubin, seed, samples):
+    def validate(self, cubin, seed, samples, shape_samples=0):
         bad = ToyEngine.perm(cubin) == tuple(range(8))  # the best-looking schedule fails a rare case
         return {"status": "incorrect" if bad else "ok", "passed": 17 if bad else samples, "failed": bad,
-                "seconds": 0.1, "detail": ""}
+                "shape_passed": shape_samples, "seconds": 0.1, "detail": ""}
 
 
 @pytest.fixture
@@ -122,6 +122,57 @@ def test_tune_finds_validates_and_caches_the_best_schedule(toy):
     assert entry.meta["samples_passed"] == 500 and entry.meta["seed"] == 4 and entry.meta["gpu"] == "Fake H200"
     assert entry.meta["speedup"] == pytest.approx(report.speedup)
     assert "cached" in report.outcome and f"{report.crashed} crashed" in report.text()
+
+
+def test_the_op_level_speedup_is_stored_and_a_finalist_that_does_not_hold_there_is_passed_over(toy, monkeypatch):
+    """With the tuned shape given, each finalist that passes validation and the sanitizer is re-timed
+    through the public op (faked here): the first holds only 1.002x there (inside its A/A spread of
+    0.004) and is passed over; the next, 1.15x there, is stored with that speedup and its checks."""
+    factory, root = toy
+    calls = []
+
+    def retime(kernel, shape, candidate, config_root=None, **kw):
+        calls.append((kernel, shape, candidate, config_root))
+        speedup = 1.002 if len(calls) == 1 else 1.15
+        return oplevel.OpTiming(kernel, "rosekernels.toy", dataclasses.asdict(shape), "cubin", "Fake H200",
+                                heuristic_us=2.0, tuned_us=2.0 / speedup, speedup=speedup, aa_spread=0.004, rounds=60)
+
+    monkeypatch.setattr(tuning.oplevel, "retime", retime)
+    config = tuning.TuneConfig(budget_iters=3000, runs=2, seed=4, exhausted_after=10**6)
+    report = tuning.tune(factory, config, shape=ToyShape(8), cache_root=root, log=lambda m: None)
+    kernel = factory().kernel
+    assert len(calls) == 2 and all(c[0] == "toy" and c[1] == ToyShape(8) and c[3] == root for c in calls)
+    assert all(c[2].variant == kernel.variant and c[2].original == kernel.cubin for c in calls)
+    first, second = (ToyEngine.perm(c[2].tuned) for c in calls)
+    assert first != second and "1.0020x" in report.finalists[1]["validation"] and "not past the bar" in \
+        report.finalists[1]["validation"]
+    assert report.speedup == 1.15 and report.op_level["speedup"] == 1.15 and "(the public op" in report.text()
+    entry = tuned.lookup(root, "toy", kernel.variant, kernel.cubin)
+    assert ToyEngine.perm(entry.tuned) == second and entry.speedup == 1.15
+    assert entry.meta["worker_speedup"] == pytest.approx(1 / report.finalists[2]["rel"])
+    checks = entry.meta["checks"]
+    assert checks["samples"] == {"run": 10_000, "passed": 10_000} and checks["compare"] == "bitwise"
+    assert checks["shapes"]["tuned"] == {"n": 8} and checks["shapes"]["tuned_samples"] == config.shape_samples
+    assert checks["sanitizer"] == dict.fromkeys(tuning.probe.SANITIZER_TOOLS, "clean")
+    assert entry.problems == []  # meets the store's bar
+    # With a tolerance, the entry records it and stays below the bar (stored, not loaded by default).
+    calls.clear()
+    loose = tuning.tune(factory, dataclasses.replace(config, tolerance=(1e-2, 0.0)), shape=ToyShape(8),
+                        cache_root=root / "loose", log=lambda m: None)
+    entry = tuned.lookup(root / "loose", "toy", kernel.variant, kernel.cubin)
+    assert entry.meta["checks"]["tolerance"] == {"rtol": 1e-2, "atol": 0.0}
+    assert entry.problems == ["compared at rtol=0.01, atol=0.0, not bitwise or at the kernel's own tolerance"]
+    assert "below the store's bar" in loose.outcome
+    # Without a shape there is no op-level re-time: the entry says so and is below the bar.
+    plain = tuning.tune(factory, config, cache_root=root / "plain", log=lambda m: None)
+    entry = tuned.lookup(root / "plain", "toy", kernel.variant, kernel.cubin)
+    assert plain.cached and entry.meta["checks"]["op_level"] == "not run (no shape given)"
+    assert any(p.startswith("no op-level re-time") for p in entry.problems)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyShape:
+    n: int
 
 
 def test_with_more_gpus_the_runs_go_to_one_worker_per_gpu_at_once(toy, monkeypatch):

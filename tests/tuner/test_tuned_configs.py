@@ -5,14 +5,14 @@ import importlib
 import math
 
 import pytest
+from store_samples import CONFIG_META, checks
 
 import rosekernels
 from rosekernels import contract, jit, tuned
 from rosekernels.kernels import qk_norm_plan
 from rosekernels.startup import warmup
 
-META = {"heuristic_median_us": 3.0, "tuned_median_us": 2.5, "speedup": 1.2, "aa_spread": 0.01,
-        "gpu": "NVIDIA H200", "date": "2026-12-01T00:00:00Z"}
+META = CONFIG_META  # meets the store's bar
 SMS = 132
 SHAPE = qk_norm_plan.QKNormShape(3000)  # prefill on 132 SMs; bucket tokens=4096
 
@@ -21,10 +21,12 @@ SHAPE = qk_norm_plan.QKNormShape(3000)  # prefill on 132 SMs; bucket tokens=4096
 def store(tmp_path, monkeypatch):
     """An empty default tuned store, nothing read or chosen yet."""
     monkeypatch.setenv(tuned.ENV_VAR, str(tmp_path / "sip"))
+    monkeypatch.delenv(tuned.ALLOW_ENV, raising=False)
     tuned.use_config_root(None)
     tuned.forget_configs()
     yield tmp_path / "sip"
     tuned.use_config_root(None)
+    tuned.allow_unverified(None)
     tuned.forget_configs()
 
 
@@ -109,6 +111,25 @@ def test_the_root_warmup_was_given_is_where_ops_look(store, tmp_path):
     assert len(report.configs) == 1 and other.variant().key() in report.configs[0]
     assert other.variant() in [k.variant for k in report.kernels]  # compiled now: no JIT when an op plans it
     assert "config   qk_norm prefill-" in str(report)
+
+
+def test_an_entry_below_the_bar_gives_the_heuristic_unless_the_user_opts_in(store, monkeypatch):
+    heuristic, other = heuristic_and_other()
+    original = qk_norm().compile(heuristic).cubin_sha256
+    weak = {**META, "checks": checks("config", samples=64)}  # level 1's per-candidate test alone
+    tuned.store_config(None, "qk_norm", SHAPE, other, heuristic, original, weak)
+    with pytest.warns(UserWarning, match="below the default bar.*64 of 64 samples"):
+        assert tuned.tuned_config("qk_norm", SHAPE, heuristic, SMS) is heuristic
+    monkeypatch.setenv(tuned.ALLOW_ENV, "1")
+    tuned.forget_configs()
+    with pytest.warns(UserWarning, match="loading it anyway"):
+        assert tuned.tuned_config("qk_norm", SHAPE, heuristic, SMS) == other
+    monkeypatch.delenv(tuned.ALLOW_ENV)
+    tuned.forget_configs()
+    report = warmup([heuristic], allow_unverified=True)  # the argument: from now on, ops included
+    assert tuned.tuned_config("qk_norm", SHAPE, heuristic, SMS) == other and len(report.configs) == 1
+    tuned.allow_unverified(False)
+    assert tuned.tuned_config("qk_norm", SHAPE, heuristic, SMS) is heuristic
 
 
 def test_an_entry_not_legal_for_the_exact_shape_is_ignored(store):

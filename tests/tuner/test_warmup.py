@@ -7,7 +7,7 @@ import shutil
 import axpb_kernel
 import jit_demo_kernel as demo
 import pytest
-from store_samples import META
+from store_samples import META, checks
 
 import rosekernels
 from rosekernels import jit, startup, tuned
@@ -32,6 +32,7 @@ def env(tmp_path, monkeypatch):
     jit.uninstall_tuned_cubins()
     jit.use_cache_root(None)  # warmup(cache_dir=...) moves it for the process
     tuned.use_config_root(None)
+    tuned.allow_unverified(None)  # warmup(allow_unverified=...) sets it for the process
 
 
 def compile_demo() -> jit.CompiledKernel:
@@ -67,6 +68,46 @@ def test_warmup_of_a_corrupt_entry_warns_and_loads_untuned(env):
     (path / "tuned.cubin").write_bytes(with_extra_stalls(k.cubin)[:500])
     jit.forget_loaded()
     with pytest.warns(UserWarning, match="untuned"):
+        report = warmup([compile_demo])
+    assert report.untuned == [VARIANT.key()] and not report.kernels[0].tuned
+
+
+def test_warmup_loads_an_entry_below_the_bar_only_when_the_user_opts_in(env, monkeypatch):
+    monkeypatch.delenv(tuned.ALLOW_ENV, raising=False)
+    k = compile_demo()
+    weak = {**META, "checks": checks(speedup=1.002, aa=0.004)}  # an op-level gain inside its A/A spread
+    tuned.store(None, "axpb", VARIANT, k.cubin, with_extra_stalls(k.cubin), weak)
+    jit.forget_loaded()
+    with pytest.warns(UserWarning, match="below the default bar.*not loaded"):
+        report = warmup([compile_demo])
+    assert report.untuned == [VARIANT.key()] and report.stale == [] and not report.kernels[0].tuned
+    assert report.unverified == [f"{VARIANT.key()}: op-level 1.0020x the original, not past 1 + its A/A spread "
+                                 "0.0040"]
+    assert "below the bar (not loaded)" in str(report)
+    jit.forget_loaded()
+    with pytest.warns(UserWarning, match="loading it anyway"):
+        report = warmup([compile_demo], allow_unverified=True)
+    assert report.tuned == [VARIANT.key()] and report.kernels[0].tuned and report.loaded_unverified
+    assert "below the bar (loaded: allow_unverified)" in str(report)
+
+
+def test_warmup_refuses_a_tuned_cubin_changed_outside_its_code(env):
+    """Written past the store (an older sip-tune, a hand edit): one byte of the symbol table differs."""
+    import json
+
+    from sip import cubin
+
+    k = compile_demo()
+    faster = with_extra_stalls(k.cubin)
+    path, _ = tuned.store(None, "axpb", VARIANT, k.cubin, faster, META)
+    symtab = next(sec for sec in cubin.parse_cubin(faster).sections if sec.name == ".symtab")
+    bad = bytearray(faster)
+    bad[symtab.offset + 24 + 16] ^= 1  # a symbol's size
+    (path / "tuned.cubin").write_bytes(bytes(bad))
+    meta = json.loads((path / "meta.json").read_text())
+    (path / "meta.json").write_text(json.dumps({**meta, "tuned_sha256": tuned.sha256(bytes(bad))}))
+    jit.forget_loaded()
+    with pytest.warns(UserWarning, match="outside .*'s code.*section .symtab"):
         report = warmup([compile_demo])
     assert report.untuned == [VARIANT.key()] and not report.kernels[0].tuned
 
