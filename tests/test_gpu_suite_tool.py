@@ -25,13 +25,13 @@ def _load():
 suite = _load()
 
 
-def test_pieces_keep_to_one_file_are_even_and_put_the_timing_files_first():
-    tests = [f"tests/a.py::t[{i}]" for i in range(10)] + ["tests/b.py::t"] + \
-            [f"tests/tuner/test_sip_gpu.py::t{i}" for i in range(3)]
-    pieces = suite.plan_pieces(tests, 4)
+def test_pieces_keep_to_one_file_are_even_and_put_the_timing_files_then_the_slow_tests_first():
+    tests = [f"tests/a.py::t[{i}]" for i in range(10)] + ["tests/b.py::t", "tests/c.py::slow1", "tests/c.py::slow2"] \
+        + [f"tests/tuner/test_sip_gpu.py::t{i}" for i in range(3)]
+    pieces = suite.plan_pieces(tests, 4, single=frozenset({"tests/c.py::slow1", "tests/c.py::slow2"}))
     assert [(p.file, len(p.tests), p.alone) for p in pieces] == [
-        ("tests/tuner/test_sip_gpu.py", 3, True), ("tests/a.py", 4, False), ("tests/a.py", 3, False),
-        ("tests/a.py", 3, False), ("tests/b.py", 1, False)]
+        ("tests/tuner/test_sip_gpu.py", 3, True), ("tests/c.py", 1, False), ("tests/c.py", 1, False),
+        ("tests/a.py", 4, False), ("tests/a.py", 3, False), ("tests/a.py", 3, False), ("tests/b.py", 1, False)]
     assert sorted(t for p in pieces for t in p.tests) == sorted(tests)
 
 
@@ -157,6 +157,7 @@ def test_crash():
         os._exit(7)
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_slow():
     if os.environ.get("FAKE_SLOW"):
         time.sleep(60)
@@ -180,6 +181,7 @@ def project(tmp_path):
         markers =
             gpu: gpu
             grid: grid
+            slow: slow
         pythonpath = support
         """))
     (root / "support").mkdir()

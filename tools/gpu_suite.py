@@ -68,13 +68,16 @@ def file_of(nodeid: str) -> str:
     return nodeid.split("::")[0]
 
 
-def plan_pieces(tests: list[str], size: int, alone: tuple[str, ...] = ALONE) -> list[Piece]:
-    """Each file's tests in pieces of at most `size` (as even as possible), in the given order, the
-    files that must run alone first."""
+def plan_pieces(tests: list[str], size: int, alone: tuple[str, ...] = ALONE, single: frozenset = frozenset()
+                ) -> list[Piece]:
+    """Each file's tests in pieces of at most `size` (as even as possible), in the given order; first
+    the files that must run alone, then the tests of `single` (slow GPU tests: minutes each under the
+    sanitizer) in a piece each, so that they start early and side by side."""
+    pieces = [Piece(file_of(t), [t], file_of(t).startswith(alone)) for t in tests if t in single]
     by_file: dict[str, list[str]] = {}
     for t in tests:
-        by_file.setdefault(file_of(t), []).append(t)
-    pieces = []
+        if t not in single:
+            by_file.setdefault(file_of(t), []).append(t)
     for f, ts in by_file.items():
         per, extra = divmod(len(ts), -(-len(ts) // size))  # pieces of per or per + 1 tests
         start = 0
@@ -364,6 +367,7 @@ def new_state(args, root: Path, digest: str, gpus: int) -> dict:
     return {"version": 1, "commit": args.commit or head_commit(root), "digest": digest,
             "mode": "sample" if args.sample else "full",
             "plan": {"tests": [t["nodeid"] for t in tests], "gpu_tests": [t["nodeid"] for t in tests if t["gpu"]],
+                     "slow_gpu_tests": [t["nodeid"] for t in tests if t["gpu"] and t["slow"]],
                      "two_gpu": {"tests": two, "visible_gpus": gpus, "note": note}},
             "results": {}, "calls": []}
 
@@ -420,7 +424,8 @@ def run(args) -> int:
     todo = pending(state)
     cut = [t for t in todo if t in state.get("cut", {})]
     pieces = [Piece(file_of(t), [t], file_of(t).startswith(ALONE)) for t in cut]
-    pieces += plan_pieces([t for t in todo if t not in cut], args.piece)
+    pieces += plan_pieces([t for t in todo if t not in cut], args.piece,
+                          single=frozenset(state["plan"]["slow_gpu_tests"]))
     schedule(pieces, args.jobs, deadline, launch, finish, args.min_start)
     call["wall_s"] = round(time.time() - t0, 1)
     save_state(state, here / STATE_FILE, out / "gpu_suite_state.json.gz")

@@ -1,7 +1,7 @@
 """pytest plugin of tools/gpu_suite.py (loaded with `-p gpu_suite_plugin`, tools/ on PYTHONPATH).
 
 GPU_SUITE_COLLECT=FILE (with --collect-only): write the collected tests to FILE as JSON,
-    [{"nodeid": ..., "gpu": bool}], gpu telling the `gpu`-marked ones from the others.
+    [{"nodeid": ..., "gpu": bool, "slow": bool}]: whether each carries the `gpu` and `slow` marks.
 GPU_SUITE_LOG=FILE: append one JSON line per test as it starts ({"event": "start", "nodeid"}) and as
     it finishes ({"event": "result", "nodeid", "outcome", "duration", "message"}), flushed at once, so
     that a process killed at its deadline or by a crash has recorded every test it finished.
@@ -24,8 +24,8 @@ def _append(record: dict) -> None:
 def pytest_collection_finish(session):
     if _COLLECT:
         with open(_COLLECT, "w") as f:
-            json.dump([{"nodeid": item.nodeid, "gpu": item.get_closest_marker("gpu") is not None}
-                       for item in session.items], f)
+            json.dump([{"nodeid": item.nodeid, "gpu": item.get_closest_marker("gpu") is not None,
+                        "slow": item.get_closest_marker("slow") is not None} for item in session.items], f)
 
 
 def pytest_runtest_logstart(nodeid, location):
