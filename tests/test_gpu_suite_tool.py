@@ -106,9 +106,12 @@ def test_merge_records_results_and_tells_a_crash_from_a_deadline():
     assert rest == ["a.py::t3", "a.py::t4"]
     assert state["results"]["a.py::t2"]["outcome"] == "error" and "code -11" in state["results"]["a.py::t2"]["message"]
     state = {"results": {}}
-    assert suite.merge(state, piece, [], 4, killed=False, output_tail="ERROR: not found") == []
-    assert all(r["outcome"] == "error" and "not found" in r["message"] for r in state["results"].values())
+    assert suite.merge(state, piece, [], 2, killed=False, output_tail="ImportError: no module x") == []
+    assert all(r["outcome"] == "error" and "no module x" in r["message"] for r in state["results"].values())
     assert len(state["results"]) == 4
+    state = {"results": {}}  # pytest ended on its own before t3 and t4: they were not collected
+    assert suite.merge(state, piece, records[:2], 0, killed=False) == []
+    assert [state["results"][t]["outcome"] for t in piece.tests] == ["passed", "error", "error", "error"]
 
 
 def test_summary_counts_per_file_and_says_why_two_gpu_tests_did_not_run(tmp_path):
@@ -141,6 +144,11 @@ from grid import sample
 @pytest.mark.gpu
 @pytest.mark.parametrize("i", range(5))
 def test_pass(i):
+    pass
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s", ["a b", "x::y", "[z]"])
+def test_odd_ids(s):
     pass
 
 @pytest.mark.gpu
@@ -213,10 +221,10 @@ def test_a_call_cut_by_its_deadline_resumes_and_the_report_counts_everything(pro
     assert _call(project, out, "--budget", "120", "--resume", str(carried)) == 1  # done, red: a failure
     s = json.loads((out / "gpu_suite.json").read_text())
     assert s["commit"] == "c0ffee" and len(s["calls"]) == 2 and s["status"] == "red"
-    # 5 + fail + skip + crash + slow + the whole grid of 6
-    assert s["total"] == {"tests": 15, "passed": 12, "failed": 1, "skipped": 1, "error": 1, "xfailed": 0, "xpassed": 0,
+    # 5 + 3 odd ids + fail + skip + crash + slow + the whole grid of 6
+    assert s["total"] == {"tests": 18, "passed": 15, "failed": 1, "skipped": 1, "error": 1, "xfailed": 0, "xpassed": 0,
                           "pending": 0}
-    assert s["gpu_tests"] == {"collected": 9, "run": 8}
+    assert s["gpu_tests"] == {"collected": 12, "run": 11}
     assert s["not_passed"]["tests/test_fake.py::test_crash"]["outcome"] == "error"
     assert "exited with code 7" in s["not_passed"]["tests/test_fake.py::test_crash"]["message"]
     assert "wrong on purpose" in s["not_passed"]["tests/test_fake.py::test_fail"]["message"]
@@ -235,7 +243,7 @@ def test_sample_takes_the_grids_ci_sample_and_two_gpus_bring_the_two_gpu_tests(p
             "--min-start", "1", "--budget", "120", "--two-gpu-files", "tests/test_two.py", "--sample"]
     assert suite.main(argv) == 1  # red: test_fail
     s = json.loads((out / "gpu_suite.json").read_text())
-    assert s["mode"] == "sample" and s["files"]["tests/test_fake.py"]["tests"] == 9 + 2  # one per family of two
+    assert s["mode"] == "sample" and s["files"]["tests/test_fake.py"]["tests"] == 12 + 2  # one per family of two
     assert s["files"]["tests/test_two.py"]["passed"] == 1 and s["two_gpu"]["note"].startswith("in the plan")
 
 

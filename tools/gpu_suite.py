@@ -148,10 +148,12 @@ def merge(state: dict, piece: Piece, records: list[dict], exit_code: int | None,
     for t in in_flight:
         results[t] = {"outcome": "error", "duration": 0.0, "message": f"{died} during this test"}
     rest = [t for t in piece.tests if t not in results]
-    if rest and not any(r.get("event") == "start" for r in records):
+    # pytest's own ends (0 passed, 1 failed, 5 none collected) and a death before any test leave the
+    # rest never to run (not collected, an import error): errors, not tests to try again.
+    if rest and (exit_code in (0, 1, 5) or not any(r.get("event") == "start" for r in records)):
         for t in rest:
             results[t] = {"outcome": "error", "duration": 0.0,
-                          "message": f"{died} before running a test: {output_tail[-1500:]}"}
+                          "message": f"{died} without running this test: {output_tail[-1500:]}"}
         return []
     return rest
 
@@ -407,8 +409,10 @@ def run(args) -> int:
         sip = here / "tmp" / f"sip-{tag}"  # a tuned store per process: a test's entries never steer another's
         env = pytest_env(root, state["mode"], {"GPU_SUITE_LOG": str(logs / f"{tag}.jsonl"), "SIP_CACHE_DIR": str(sip),
                                                "ROSEKERNELS_CACHE_DIR": str(here / "cache")})
+        (logs / f"{tag}.select.json").write_text(json.dumps(piece.tests))
+        env["GPU_SUITE_SELECT"] = str(logs / f"{tag}.select.json")
         argv = [args.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "gpu_suite_plugin",
-                "--tb=short", *piece.tests]
+                "--tb=short", piece.file]
         return Process(argv, root, env, logs / f"{tag}.txt", logs / f"{tag}.jsonl")
 
     def finish(piece: Piece, process: Process, killed: bool) -> list[str]:

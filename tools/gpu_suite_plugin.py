@@ -2,6 +2,8 @@
 
 GPU_SUITE_COLLECT=FILE (with --collect-only): write the collected tests to FILE as JSON,
     [{"nodeid": ..., "gpu": bool, "slow": bool}]: whether each carries the `gpu` and `slow` marks.
+GPU_SUITE_SELECT=FILE: run only the tests whose node ids FILE lists (JSON), of the paths given: node ids
+    on the command line would be parsed again, and parameter ids can hold anything.
 GPU_SUITE_LOG=FILE: append one JSON line per test as it starts ({"event": "start", "nodeid"}) and as
     it finishes ({"event": "result", "nodeid", "outcome", "duration", "message"}), flushed at once, so
     that a process killed at its deadline or by a crash has recorded every test it finished.
@@ -12,6 +14,7 @@ import json
 import os
 
 _COLLECT = os.environ.get("GPU_SUITE_COLLECT")
+_SELECT = os.environ.get("GPU_SUITE_SELECT")
 _LOG = os.environ.get("GPU_SUITE_LOG")
 _phases: dict[str, list] = {}
 
@@ -19,6 +22,14 @@ _phases: dict[str, list] = {}
 def _append(record: dict) -> None:
     with open(_LOG, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def pytest_collection_modifyitems(config, items):
+    if _SELECT:
+        with open(_SELECT) as f:
+            wanted = set(json.load(f))
+        config.hook.pytest_deselected(items=[i for i in items if i.nodeid not in wanted])
+        items[:] = [i for i in items if i.nodeid in wanted]
 
 
 def pytest_collection_finish(session):
