@@ -209,7 +209,7 @@ def test_a_call_cut_by_its_deadline_resumes_and_the_report_counts_everything(pro
     out = tmp_path / "out"
     monkeypatch.setenv("FAKE_SLOW", "1")
     monkeypatch.setenv("FAKE_CRASH", "1")
-    assert _call(project, out, "--budget", "12") == 3  # partial: test_slow outlives the deadline
+    assert _call(project, out, "--budget", "12") == 4  # partial: test_slow outlives the deadline
     first = json.loads((out / "gpu_suite.json").read_text())
     assert first["status"] == "partial" and first["total"]["pending"] >= 1
     assert "test_fake.py::test_slow" not in json.dumps(first["not_passed"])

@@ -19,6 +19,7 @@ State: .gpu_suite/state.json.gz in the tree (it stays while the host is warm), c
 gpu_suite_state.json.gz: on a fresh host, carry that file back in and pass it as --resume.
 
     tools/gpu_suite.sh --out "$OUT" [--resume FILE] [--sample] [--jobs N] [--budget SECONDS]
+        exit status: 0 green, 1 red, 2 the state is of another tree, 4 partial (call again)
     python3 tools/gpu_suite.py report STATE --out bench/results   # the report again, from a state
 """
 from __future__ import annotations
@@ -439,7 +440,7 @@ def run(args) -> int:
     print(f"gpu_suite: {s['status']}: {t['tests'] - t['pending']} of {t['tests']} done ({call['finished']} in this "
           f"call, {call['wall_s']:.0f} s); {t['failed']} failed, {t['error']} errors, {t['skipped']} skipped"
           + ("; run again to resume" if t["pending"] else ""))
-    return 0 if s["status"] == "green" else (3 if s["status"] == "partial" else 1)
+    return 0 if s["status"] == "green" else (4 if s["status"] == "partial" else 1)  # 3: gpu_env.sh found no CuTeDSL
 
 
 def main(argv: list[str] | None = None) -> int:
