@@ -4,7 +4,7 @@ import dataclasses
 import importlib
 
 import pytest
-from store_samples import CONFIG_META, checks
+from store_samples import CONFIG_META, checks as entry_checks
 
 import rosekernels
 from rosekernels import checks, contract, jit, tuned
@@ -115,7 +115,7 @@ def test_the_root_warmup_was_given_is_where_ops_look(store, tmp_path):
 def test_an_entry_below_the_bar_gives_the_heuristic_unless_the_user_opts_in(store, monkeypatch):
     heuristic, other = heuristic_and_other()
     original = qk_norm().compile(heuristic).cubin_sha256
-    weak = {**META, "checks": checks("config", samples=64)}  # level 1's per-candidate test alone
+    weak = {**META, "checks": entry_checks("config", samples=64)}  # level 1's per-candidate test alone
     tuned.store_config(None, "qk_norm", SHAPE, other, heuristic, original, weak)
     with pytest.warns(UserWarning, match="below the default bar.*64 of 64 samples"):
         assert tuned.tuned_config("qk_norm", SHAPE, heuristic, SMS) is heuristic
