@@ -14,7 +14,9 @@ where this one stopped (a killed call loses only the step it was in):
 
 1. profile: per kernel, Nsight Compute's PC samples and stall reasons of the original
    (sip_tune.probe.profile, kept in DIR/profiles and reused by every search of the kernel): its hot
-   blocks, their stall breakdown and the schedule-sensitive share (sip.profile.headroom);
+   blocks, their stall breakdown and the schedule-sensitive share (sip.profile.headroom); then the
+   floor: every stall count lowered as far as the latency table proves (sip.mutate.lowered), timed
+   against the original and its A/A, checked on 10^4 fresh samples;
 2. search: per (kernel, class), sip_tune.tuning.tune runs of at most the time left, each with new
    seeds and proposals weighted by the ncu samples, until the cell has had BASE_SECONDS of search or
    BASE_CANDIDATES distinct cubins run (or its runs ended with no new schedule nearby); a run keeps its
@@ -61,6 +63,7 @@ PROMISING = 2  # cells that get EXTENDED_SECONDS
 MIN_RUN_SECONDS = 60.0  # a search run shorter than this is not worth its start-up
 FINISH_SECONDS = 150.0  # what a run takes past its search budget: re-time workers, 10^5 samples
 PROFILE_SECONDS = 150.0
+FLOOR_SECONDS = 150.0
 JUDGE_SECONDS = {"retime": 90.0, "op_level": 240.0, "sanitizer": 420.0}
 NOT_RUN = "not run"  # a GPU column not measured yet
 
@@ -77,11 +80,12 @@ def static_row(cubin: bytes, moves: str) -> dict[str, Any]:
             "legal_moves": len(schedule.moves())}
 
 
-def loop_rows(cubin: bytes, top: int = 2) -> list[dict[str, Any]]:
-    """The `top` largest loops of the cubin's main kernel (sip loops): where its issue slots go."""
+def loop_rows(cubin: bytes, top: int = 4, least: int = 30) -> list[dict[str, Any]]:
+    """Up to `top` loops of the cubin's main kernel with at least `least` instructions (no spin-wait
+    loops), deepest first (sip loops): where a pass of the mainloop spends its issue slots."""
     parsed = elf.parse_cubin(cubin)
     kernel = sass.disassemble_kernel(parsed, parsed.main_kernel().name)
-    loops = sorted(cfg.loop_summaries(kernel), key=lambda s: -s.instructions)[:top]
+    loops = [s for s in cfg.loop_summaries(kernel) if s.instructions >= least][:top]  # deepest first already
     return [{"offset": s.offset, "depth": s.depth, "instructions": s.instructions, "stall_cycles": s.stall_cycles,
              "opcodes": dict(s.opcodes[:6])} for s in loops]
 
@@ -96,7 +100,7 @@ def static_state(cells: dict[str, compute.Cell], classes: tuple[str, ...],
         original = workload.kernel.cubin
         state["kernels"][name] = {"about": cell.about, "variant": workload.kernel.variant.key(),
                                   "cubin_sha256": hashlib.sha256(original).hexdigest(),
-                                  "loops": loop_rows(original)}
+                                  "loops": loop_rows(original), "floor_loops": loop_rows(floor_cubin(original))}
         for moves in classes:
             row = static_row(original, moves)
             state["cells"][cell_key(name, moves)] = {"kernel": name, "moves": moves, "static": row, "runs": []}
@@ -140,12 +144,20 @@ def best_margin(cell: dict[str, Any]) -> float:
     return max(margins, default=math.nan)
 
 
+def skipped(state: dict[str, Any], kernel: str) -> bool:
+    """Whether the kernel's searches are skipped: its schedule-sensitive share (ncu) is under the
+    campaign's --min-headroom."""
+    share = state.get("profiles", {}).get(kernel, {}).get("headroom", math.inf)
+    return share < state.get("meta", {}).get("min_headroom", 0.0)
+
+
 def extend_promising(state: dict[str, Any], count: int = PROMISING) -> list[str]:
-    """Once every cell has had its base search, give the `count` cells with the largest best margin
-    (ties: the earlier kernel in priority order) EXTENDED_SECONDS; their keys (already extended ones
-    count)."""
+    """Once every cell has had its base search (or is skipped), give the `count` cells with the largest
+    best margin (ties: the earlier kernel in priority order) EXTENDED_SECONDS; their keys (already
+    extended ones count)."""
     cells = state["cells"]
-    if not all(search_done(c) for c in cells.values() if c.get("budget_seconds", BASE_SECONDS) == BASE_SECONDS):
+    if not all(search_done(c) or skipped(state, c["kernel"]) for c in cells.values()
+               if c.get("budget_seconds", BASE_SECONDS) == BASE_SECONDS):
         return []
     extended = [k for k, c in cells.items() if c.get("budget_seconds", BASE_SECONDS) > BASE_SECONDS]
     ranked = sorted((k for k, c in cells.items() if math.isfinite(best_margin(c)) and k not in extended
@@ -158,18 +170,23 @@ def extend_promising(state: dict[str, Any], count: int = PROMISING) -> list[str]
 
 
 def next_step(state: dict[str, Any], order: list[str]) -> tuple[str, str] | None:
-    """(what, key) to do next: a kernel's profile, a cell's search, a cell's judge step; None: done.
-    Kernels go in `order` (priority), each one's profile before its searches; once every base search
-    is done, the promising cells are extended (in the state) and searched on; judging comes last."""
+    """(what, key) to do next; None: done. First every kernel's profile and floor (where its cycles
+    go, cheaply), in `order` (priority); then the searches, kernel by kernel, except skipped kernels;
+    once every base search is done, the promising cells are extended (in the state) and searched on;
+    judging comes last."""
     for kernel in order:
-        if kernel not in state.get("profiles", {}):
-            return "profile", kernel
+        for what, done in (("profile", "profiles"), ("floor", "floors")):
+            if kernel not in state.get(done, {}):
+                return what, kernel
+    for kernel in order:
+        if skipped(state, kernel):
+            continue
         for key, cell in state["cells"].items():
             if cell["kernel"] == kernel and not search_done(cell):
                 return "search", key
     extend_promising(state)
     for key, cell in state["cells"].items():
-        if not search_done(cell):
+        if cell.get("budget_seconds", BASE_SECONDS) > BASE_SECONDS and not search_done(cell):
             return "search", key
     for key, cell in state["cells"].items():
         if winner(cell):
@@ -240,10 +257,11 @@ def run_record(result: Any, seed: int) -> dict[str, Any]:
             "gpu": result.gpu}
 
 
-def retime_fresh(factory: Callable[[], Any], original: bytes, tuned: bytes, repeats: int = 5,
-                 reps: int = 60) -> dict[str, Any]:
+def retime_fresh(factory: Callable[[], Any], original: bytes, tuned: bytes, repeats: int = 5, reps: int = 60,
+                 samples: int = 0) -> dict[str, Any]:
     """(a) In a fresh worker: the original, a byte-identical copy of it and the tuned cubin, interleaved;
-    per run the copy's and the tuned one's time relative to the original; medians over `repeats` runs."""
+    per run the copy's and the tuned one's time relative to the original; medians over `repeats` runs;
+    with `samples`, the tuned cubin then checked on that many fresh random samples too."""
     from sip_tune.runner import Runner
 
     copies, tuned_rel = [], []
@@ -253,8 +271,29 @@ def retime_fresh(factory: Callable[[], Any], original: bytes, tuned: bytes, repe
             t = runner.compare([bytes(original), tuned], reps)
             copies.append(t["rel"][1])
             tuned_rel.append(t["rel"][2])
-    return {"speedup": 1 / statistics.median(tuned_rel), "aa_spread": max(abs(1 - r) for r in copies),
-            "runs": [1 / r for r in tuned_rel]}
+        checked = runner.validate(tuned, 0x5A17, samples) if samples else None
+    out = {"speedup": 1 / statistics.median(tuned_rel), "aa_spread": max(abs(1 - r) for r in copies),
+           "runs": [1 / r for r in tuned_rel]}
+    if checked is not None:
+        out["validation"] = f"{checked['status']}: {checked['passed']} of {samples} samples"
+    return out
+
+
+def run_floor(state: dict[str, Any], kernel: str, cell: compute.Cell, samples: int = 10_000) -> None:
+    """The original with every stall count lowered as far as the latency table proves (sip floor): its
+    loops' stall sums, then re-timed in a fresh worker against the A/A and checked on fresh samples.
+    A static saving that does not show in time says the loop waits on something else than stall
+    counts (a pipe's throughput, the tensor core, a barrier)."""
+    original = cell.factory().kernel.cubin
+    state.setdefault("floors", {})[kernel] = retime_fresh(cell.factory, original, floor_cubin(original),
+                                                          samples=samples)
+
+
+def floor_cubin(cubin: bytes) -> bytes:
+    """The cubin with its main kernel's stall counts at their floor (sip.mutate.lowered)."""
+    parsed = elf.parse_cubin(cubin)
+    kernel = sass.disassemble_kernel(parsed, parsed.main_kernel().name)
+    return mutate.apply(mutate.lowered(mutate.initial_schedule(kernel, frozenset({"control.stall"}))))
 
 
 def op_level(cell: compute.Cell, variant: Any, original: bytes, tuned: bytes) -> dict[str, Any]:
@@ -312,13 +351,16 @@ def rows(state: dict[str, Any]) -> list[dict[str, Any]]:
                     "best_retimed": best if c["runs"] else None, "aa_spread": aa if c["runs"] else None,
                     "stored": bool(win), "fresh_retime": judge.get("retime"), "op_level": judge.get("op_level"),
                     "sanitizer": judge.get("sanitizer"),
-                    "status": status(c)})
+                    "status": status(c, state)})
     return out
 
 
-def status(cell: dict[str, Any]) -> str:
+def status(cell: dict[str, Any], state: dict[str, Any]) -> str:
     if cell["static"]["legal_moves"] == 0:
         return "no legal move: nothing to search"
+    if not cell["runs"] and skipped(state, cell["kernel"]):
+        return (f"skipped: schedule-sensitive share {state['profiles'][cell['kernel']]['headroom']:.2%} < "
+                f"{state['meta']['min_headroom']:.2%}")
     if not cell["runs"]:
         return NOT_RUN
     if not search_done(cell):
@@ -352,24 +394,44 @@ def markdown(state: dict[str, Any]) -> str:
                     f"{j['vs_peer']:.3f}x)"),
             _judged(r["sanitizer"], lambda j: ", ".join(f"{t} {v if v == 'clean' else 'FAILED'}" for t, v in j.items())),
             r["status"]]) + " |")
-    lines += ["", "Stall reasons of the hot blocks (ncu PC samples of the original; schedule-sensitive: "
-              f"{', '.join(sorted(profile.SCHEDULE_SENSITIVE))}; their share of all samples bounds what any "
-              "schedule change can save):"]
+    lines += ["", "Per kernel: its largest loops (static stall cycles per pass, `sip loops`); the stall counts at their "
+              "floor (`sip floor`: every stall count lowered as far as the measured latency table proves, timed "
+              "against the original); the stall reasons of its hot blocks (ncu PC samples of the original; "
+              f"schedule-sensitive: {', '.join(sorted(profile.SCHEDULE_SENSITIVE))}, whose share of all samples "
+              "bounds what any schedule change can save):"]
     for name, k in state["kernels"].items():
         p = state.get("profiles", {}).get(name)
         loops = "; ".join(f"loop {lp['offset']:#06x}: {lp['instructions']} instructions, {lp['stall_cycles']} stall "
                           "cycles" for lp in k["loops"])
+        lines.append(f"- {name} ({k['about']}): {loops}")
+        lines.append(f"  - floor: {floor_text(state.get('floors', {}).get(name), k)}")
         if p is None:
-            lines.append(f"- {name} ({k['about']}; {loops}): ncu {NOT_RUN} yet")
+            lines.append(f"  - ncu: {NOT_RUN} yet")
             continue
-        head = f"{p['headroom']:.1%} schedule-sensitive" if "headroom" in p else p.get("reasons_error", "")
-        lines.append(f"- {name} ({k['about']}; {loops}): {p['samples']} samples, {head}")
+        if "error" in p:
+            lines.append(f"  - ncu: error: {p['error']}")
+            continue
+        head = f"{p['headroom']:.1%} of them schedule-sensitive" if "headroom" in p else p.get("reasons_error", "")
+        lines.append(f"  - ncu: {p['samples']} samples, {head}")
         for b in p["hot_blocks"]:
             total = sum(b["stalls"].values()) or 1
             top = ", ".join(f"{r} {n / total:.0%}" for r, n in list(b["stalls"].items())[:6])
             lines.append(f"  - block {b['offset']:#06x} ({b['instructions']} instructions, loop depth "
                          f"{b['loop_depth']}): {b['share']:.0%} of the samples; {top or 'no reasons listed'}")
     return "\n".join(lines) + "\n"
+
+
+def floor_text(floor: dict[str, Any] | None, kernel: dict[str, Any]) -> str:
+    """A kernel's floor: its largest loops' stall sums before -> after (CPU), then what it timed at."""
+    after = {lp["offset"]: lp["stall_cycles"] for lp in kernel.get("floor_loops", [])}
+    text = ", ".join(f"loop {lp['offset']:#06x} {lp['stall_cycles']} -> {after[lp['offset']]} stall cycles"
+                     for lp in kernel["loops"] if lp["offset"] in after)
+    if floor is None:
+        return f"{text}; timing {NOT_RUN}"
+    if "error" in floor:
+        return f"{text}; error: {floor['error']}"
+    return (f"{text}; re-timed {floor['speedup']:.4f}x (A/A {floor['aa_spread']:.2%}), "
+            f"{floor.get('validation', 'not validated')}")
 
 
 def _n(x: Any, form: str = "{}") -> str:
@@ -412,12 +474,13 @@ def load_or_start(state_dir: Path, cells: dict[str, compute.Cell], classes: tupl
 
 
 def campaign(state_dir: Path, deadline: float, cells: dict[str, compute.Cell], classes: tuple[str, ...],
-             log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Do the next steps that fit before `deadline` (time.monotonic()); the state, saved after each."""
+             min_headroom: float = 0.0, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Do the next steps that fit before `deadline` (time.monotonic()); the state, saved after each.
+    Kernels whose schedule-sensitive share is under `min_headroom` are not searched."""
     previous = os.environ.get(probe.PROFILE_CACHE_ENV)
     os.environ[probe.PROFILE_CACHE_ENV] = str(state_dir / "profiles")  # every tune() of a kernel reuses its listing
     try:
-        return _steps(state_dir, deadline, cells, classes, log)
+        return _steps(state_dir, deadline, cells, classes, min_headroom, log)
     finally:
         if previous is None:
             os.environ.pop(probe.PROFILE_CACHE_ENV, None)
@@ -426,10 +489,11 @@ def campaign(state_dir: Path, deadline: float, cells: dict[str, compute.Cell], c
 
 
 def _steps(state_dir: Path, deadline: float, cells: dict[str, compute.Cell], classes: tuple[str, ...],
-           log: Callable[[str], None]) -> dict[str, Any]:
+           min_headroom: float, log: Callable[[str], None]) -> dict[str, Any]:
     state = load_or_start(state_dir, cells, classes)
     path = state_dir / "state.json"
     state.setdefault("meta", {}).update({k: v for k, v in report.environment().items() if k in ("gpu", "toolchain")})
+    state["meta"]["min_headroom"] = min_headroom
     while True:
         step = next_step(state, list(cells))
         if step is None:
@@ -437,9 +501,11 @@ def _steps(state_dir: Path, deadline: float, cells: dict[str, compute.Cell], cla
             break
         what, key = step
         left = deadline - time.monotonic()
-        cell = cells[state["cells"][key]["kernel"]] if what != "profile" else cells[key]
+        cell = cells[key] if what in ("profile", "floor") else cells[state["cells"][key]["kernel"]]
         if what == "profile":
             need = PROFILE_SECONDS
+        elif what == "floor":
+            need = FLOOR_SECONDS
         elif what == "search":
             done_s = searched(state["cells"][key])[0]
             need = min(MIN_RUN_SECONDS, budget(state["cells"][key]) - done_s) + FINISH_SECONDS
@@ -453,6 +519,8 @@ def _steps(state_dir: Path, deadline: float, cells: dict[str, compute.Cell], cla
         try:
             if what == "profile":
                 run_profile(state, key, cell)
+            elif what == "floor":
+                run_floor(state, key, cell)
             elif what == "search":
                 remaining = budget(state["cells"][key]) - searched(state["cells"][key])[0]
                 run_search(state, key, cell, max(MIN_RUN_SECONDS, min(remaining, left - FINISH_SECONDS)),
@@ -470,10 +538,12 @@ def _steps(state_dir: Path, deadline: float, cells: dict[str, compute.Cell], cla
 
 def record_failure(state: dict[str, Any], what: str, key: str, error: str) -> None:
     """A step that raised: a profile records the error (the kernel's searches then place proposals by
-    loop depth); a search records a run of no time with the error (the third in a row ends the cell);
+    loop depth), so does a floor; a search records a run of no time with the error (the third in a row ends the cell);
     a judge part records it as its result."""
     if what == "profile":
         state.setdefault("profiles", {})[key] = {"samples": 0, "hot_blocks": [], "error": error}
+    elif what == "floor":
+        state.setdefault("floors", {})[key] = {"error": error}
     elif what == "search":
         runs = state["cells"][key]["runs"]
         runs.append({"seed": None, "search_seconds": 0.0, "total_seconds": 0.0, "iterations": 0, "evaluated": 0,
@@ -493,6 +563,9 @@ def main() -> int:
     p.add_argument("--minutes", type=float, default=8.5, help="this call's time (default 8.5)")
     p.add_argument("--kernels", default="", help=f"comma list (default: all, in priority order: {', '.join(compute.cells())})")
     p.add_argument("--classes", default=";".join(CLASSES), help="move classes separated by ';'")
+    p.add_argument("--min-headroom", type=float, default=0.0, metavar="SHARE",
+                   help="search no kernel whose schedule-sensitive share of ncu samples is under SHARE (e.g. the "
+                   "A/A spread, 0.005: no schedule change could show); default 0: search every kernel")
     args = p.parse_args()
     cells = compute.cells()
     if args.kernels:
@@ -513,7 +586,7 @@ def main() -> int:
         return 0
     report.require_gpu()
     deadline = time.monotonic() + args.minutes * 60
-    write(campaign(args.state, deadline, cells, classes), args.out)
+    write(campaign(args.state, deadline, cells, classes, args.min_headroom), args.out)
     return 0
 
 

@@ -4,6 +4,7 @@
     sip inspect FILE.cubin [--moves CLASSES] [--latency-table FILE]
     sip loops FILE.cubin [--kernel NAME] [--opcodes N]
     sip hot FILE.cubin --profile LISTING.csv [--kernel NAME] [--top N]
+    sip floor IN.cubin -o OUT.cubin [--kernel NAME] [--latency-table FILE]
     sip mutate IN.cubin -o OUT.cubin [--kernel NAME] --steps N --seed S [--moves CLASSES]
                [--latency-table FILE] [--loop-weight W | --profile LISTING.csv]
 
@@ -21,10 +22,11 @@ from pathlib import Path
 
 from sip import SipError
 from sip import profile
-from sip.cfg import loop_depth, loop_summaries
+from sip.cfg import loop_depth, loop_summaries, loops as cfg_loops
 from sip.cubin import Cubin, load_cubin
 from sip.deps import RELAXATIONS, DependencyModel
-from sip.mutate import DEFAULT_MOVES, LOOP_WEIGHT, Schedule, apply, latencies_for, parse_moves, random_walk
+from sip.mutate import (DEFAULT_MOVES, LOOP_WEIGHT, Schedule, apply, latencies_for, lowered, parse_moves,
+                         random_walk)
 from sip.sass import Kernel, disassemble, disassemble_kernel
 
 
@@ -78,6 +80,13 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--kernel", help="kernel the listing profiles (default: the only one, or the largest)")
     h.add_argument("--top", type=int, default=10, metavar="N", help="the N hottest blocks (default 10)")
     h.set_defaults(run=_hot)
+
+    f = sub.add_parser("floor", help="every stall count lowered as far as the latency table proves; loops before/after")
+    f.add_argument("cubin", type=Path)
+    f.add_argument("-o", "--output", type=Path, required=True)
+    f.add_argument("--kernel", help="kernel to lower (default: the only one, or the largest)")
+    f.add_argument("--latency-table", type=Path, metavar="FILE", help=table_help)
+    f.set_defaults(run=_floor)
 
     m = sub.add_parser("mutate", help="apply N random legal changes, reproducibly")
     m.add_argument("cubin", type=Path)
@@ -213,6 +222,21 @@ def _stall_line(by_reason: dict[str, int], top: int = 6) -> str:
     parts = [f"{r} {n / total:.0%}" for r, n in list(by_reason.items())[:top]]
     sensitive = sum(n for r, n in by_reason.items() if r in profile.SCHEDULE_SENSITIVE) / total
     return ", ".join(parts) + f" (schedule-sensitive {sensitive:.0%})"
+
+
+def _floor(args) -> int:
+    args.moves = "control.stall"
+    moves, table = _policy(args)
+    kernel = _main_kernel(args)
+    schedule = lowered(Schedule.initial(DependencyModel(kernel, table), moves))
+    args.output.write_bytes(apply(schedule))
+    edited = sum(schedule.own[x] != schedule.layout.stall[x] for x in range(len(kernel.instructions)))
+    print(f"{kernel.name}: {edited} stall counts lowered -> {args.output}")
+    bodies = cfg_loops(kernel)
+    for s in loop_summaries(kernel):
+        after = sum(schedule.controls[i] & 0xF for b in bodies[s.header] for i in kernel.blocks[b])
+        print(f"  loop at {s.offset:#06x} (block {s.header}), depth {s.depth}: {s.stall_cycles} -> {after} stall cycles")
+    return 0
 
 
 def _mutate(args) -> int:

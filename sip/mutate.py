@@ -685,6 +685,29 @@ def random_walk(schedule: Schedule, steps: int, seed: int, attempts: int = 64) -
     return schedule, done
 
 
+def lowered(schedule: Schedule, instructions: Sequence[int] | None = None) -> Schedule:
+    """Every stall count of `instructions` (default: every unpinned one) lowered to its floor, in code
+    order, again until none goes lower: each step a legal control.stall edit, so the result keeps every
+    guarantee a walk does. What stall counts alone can take off statically (the GPU says what that is
+    worth: a pipe's throughput, not a stall count, may be what spaced them)."""
+    if "control.stall" not in schedule.layout.moves:
+        raise SipError("lowering stall counts needs control.stall in the schedule's classes")
+    xs = [x for x in (schedule.order() if instructions is None else instructions)
+          if schedule.model.facts[x].pin is None]
+    changed = True
+    while changed:
+        changed = False
+        for x in xs:
+            floor = schedule.stall_floor(x)
+            if floor < schedule.own[x]:
+                try:
+                    schedule = schedule.moved(Edit(x, "control.stall", floor))
+                except IllegalMove:
+                    continue
+                changed = True
+    return schedule
+
+
 def latencies_for(moves: frozenset[str], path: str | Path | None = None) -> latency.LatencyTable | None:
     """The latency table a policy runs with: `path` if given, else (when control.stall needs one)
     the repository's measured table, sip.latency.DEFAULT_PATH; SipError when control.stall has

@@ -24,7 +24,10 @@ CLASSES = ("alu", "global")
 def fresh_state(legal=None):
     """A static state: three kernels x two classes; `legal` {cell key: legal moves} (default 5)."""
     legal = legal or {}
-    state = {"kernels": {k: {"about": k, "variant": k, "cubin_sha256": "0" * 64, "loops": []} for k in KERNELS},
+    loops = [{"offset": 0x4860, "depth": 2, "instructions": 450, "stall_cycles": 1033, "opcodes": {}}]
+    floor = [dict(loops[0], stall_cycles=735)]
+    state = {"kernels": {k: {"about": k, "variant": k, "cubin_sha256": "0" * 64, "loops": loops, "floor_loops": floor}
+                         for k in KERNELS},
              "cells": {}}
     for k in KERNELS:
         for m in CLASSES:
@@ -45,6 +48,8 @@ def do(state, step, margins):
     what, key = step
     if what == "profile":
         state.setdefault("profiles", {})[key] = {"samples": 1000, "hot_blocks": [], "headroom": 0.1, "stalls": {}}
+    elif what == "floor":
+        state.setdefault("floors", {})[key] = {"speedup": 0.999, "aa_spread": 0.002, "runs": [], "validation": "ok"}
     elif what == "search":
         cell = state["cells"][key]
         best = margins.get(key, 0.0) + 1.004
@@ -63,10 +68,9 @@ def test_the_steps_go_kernel_by_kernel_then_extend_the_promising_then_judge():
         steps.append(step)
         do(state, step, margins)
         assert len(steps) < 100
-    assert steps[:3] == [("profile", "k_varlen"), ("search", C.cell_key("k_varlen", "alu")),
-                         ("search", C.cell_key("k_varlen", "global"))]
+    assert steps[:6] == [(what, k) for k in KERNELS for what in ("profile", "floor")]  # where the cycles go, first
+    assert steps[6:8] == [("search", C.cell_key("k_varlen", "alu")), ("search", C.cell_key("k_varlen", "global"))]
     assert ("search", C.cell_key("k_dense", "global")) not in steps  # no legal move: never sent to the GPU
-    assert [s for s in steps if s[0] == "profile"] == [("profile", k) for k in KERNELS]
     # base searches: one run each (the whole base budget); then the two best margins get extended
     extended = [k for k, c in state["cells"].items() if C.budget(c) == C.EXTENDED_SECONDS]
     assert sorted(extended) == sorted([C.cell_key("k_varlen", "alu"), C.cell_key("k_gemm", "alu")])
@@ -79,6 +83,22 @@ def test_the_steps_go_kernel_by_kernel_then_extend_the_promising_then_judge():
     assert sum(s[0] == "sanitizer" for s in steps) == len(judged)
     assert {r["status"] for r in C.rows(state)} == {"judged", "searched: no finalist past 1 + A/A and 10^5 samples",
                                                      "no legal move: nothing to search"}
+
+
+def test_kernels_under_the_minimum_headroom_are_profiled_but_not_searched():
+    state = fresh_state()
+    state["meta"] = {"min_headroom": 0.05}
+    steps = []
+    while (step := C.next_step(state, list(KERNELS))) is not None:
+        steps.append(step)
+        do(state, step, {})
+        if step == ("profile", "k_dense"):
+            state["profiles"]["k_dense"]["headroom"] = 0.01  # measured: under the minimum
+    assert ("profile", "k_dense") in steps and ("floor", "k_dense") in steps
+    assert not [s for s in steps if s[0] == "search" and s[1].startswith("k_dense")]
+    assert {r["status"] for r in C.rows(state) if r["kernel"] == "k_dense"} == {
+        "skipped: schedule-sensitive share 1.00% < 5.00%"}
+    assert all(C.search_done(c) for c in state["cells"].values() if c["kernel"] != "k_dense")
 
 
 def test_a_cell_is_searched_until_its_time_its_candidates_or_its_space_runs_out():
@@ -133,11 +153,12 @@ def test_calls_that_run_out_of_time_resume_where_they_stopped(tmp_path, monkeypa
                 cell["runs"].append(a_run(seconds=min(args[1], C.budget(cell) - C.searched(cell)[0]),
                                           best=1.02 if "varlen" in key else 1.0,
                                           cached=f"/s/{key}" if "varlen" in key else ""))
-            elif what == "profile":
-                do(state, ("profile", key), {})
+            else:
+                do(state, (what, key), {})
         return step
 
     monkeypatch.setattr(C, "run_profile", fake("profile", 100))
+    monkeypatch.setattr(C, "run_floor", fake("floor", 100))
     monkeypatch.setattr(C, "run_search", fake("search", C.BASE_SECONDS + 100))
     monkeypatch.setattr(C, "run_judge", lambda state, part, key, cell: (
         done.append((part, key)), state["cells"][key].setdefault("judge", {}).__setitem__(part, {"ok": 1}),
@@ -155,7 +176,7 @@ def test_calls_that_run_out_of_time_resume_where_they_stopped(tmp_path, monkeypa
         assert calls < 40
     assert calls > 3  # the deadline cut the campaign into several calls
     assert all(what == "search" for what, _ in {s for s in done if done.count(s) > 1})  # only searches go on
-    assert [w for w, _ in done].count("profile") == len(KERNELS)  # never profiled twice
+    assert [w for w, _ in done].count("profile") == [w for w, _ in done].count("floor") == len(KERNELS)
     assert state["meta"]["gpu"] == "FakeGPU"
     assert all(state["cells"][C.cell_key("k_varlen", m)]["judge"].keys() == C.JUDGE_SECONDS.keys() for m in CLASSES)
 
@@ -213,7 +234,11 @@ def test_the_table_marks_what_no_gpu_has_measured():
     row = next(line for line in text.splitlines() if line.startswith("| k_varlen | `alu`"))
     cols = [c.strip() for c in row.strip("|").split("|")]
     assert cols[2:4] == ["7", "5"] and cols[4:11] == [C.NOT_RUN] * 7
-    assert "no legal move: nothing to search" in text and "ncu not run yet" in text
+    assert "no legal move: nothing to search" in text and "ncu: not run yet" in text
+    assert "floor: loop 0x4860 1033 -> 735 stall cycles; timing not run" in text
+    state["floors"] = {"k_varlen": {"speedup": 0.9987, "aa_spread": 0.0021, "validation": "ok: 10000 of 10000 samples"}}
+    assert "loop 0x4860 1033 -> 735 stall cycles; re-timed 0.9987x (A/A 0.21%), ok: 10000 of 10000 samples" \
+        in C.markdown(state)
     cell = state["cells"][C.cell_key("k_varlen", "alu")]
     cell["runs"].append(a_run(evaluated=4321, best=1.0123, aa=0.0031, cached="/s"))
     cell["judge"] = {"retime": {"speedup": 1.011, "aa_spread": 0.002, "runs": []},
@@ -226,6 +251,6 @@ def test_the_table_marks_what_no_gpu_has_measured():
     row = next(line for line in text.splitlines() if line.startswith("| k_varlen | `alu`"))
     assert "| 4321 | 300 | 1.0123x | 0.31% | 1.0110x (A/A 0.20%) | error: not run: sip_tune.oplevel" in row
     assert "memcheck clean, racecheck FAILED, synccheck clean | judged |" in row
-    assert "7.1% schedule-sensitive" in text
+    assert "5000 samples, 7.1% of them schedule-sensitive" in text
     assert "block 0x4b80 (388 instructions, loop depth 2): 41% of the samples; math 60%, short_sb 20%, selected 20%" \
         in text
