@@ -36,12 +36,12 @@ stall breakdown of its hot blocks. Columns not measured yet say so.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import hashlib
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -52,7 +52,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import report  # noqa: E402  (bench/report.py: environment and result files)
-from sip import cfg, cubin as elf, mutate, profile, sass  # noqa: E402
+from sip import cfg, cubin as elf, deps, mutate, profile, sass  # noqa: E402
 from sip_tune import compute, probe, tuning  # noqa: E402
 
 CLASSES = ("all,scoreboard,sync", "alu,scoreboard,sync", "alu", "control", "shared", "all", "global")
@@ -90,6 +90,58 @@ def loop_rows(cubin: bytes, top: int = 4, least: int = 30) -> list[dict[str, Any
              "opcodes": dict(s.opcodes[:6])} for s in loops]
 
 
+def main_loop(kernel: sass.Kernel) -> tuple[int, list[int]] | None:
+    """(header block, its blocks) of the deepest loop that issues wgmma instructions and holds at least
+    60 instructions (the largest such at that depth): the mainloop of these kernels."""
+    depth = cfg.loop_depth(kernel)
+    found = []
+    for header, body in cfg.loops(kernel).items():
+        members = [i for b in body for i in kernel.blocks[b]]
+        if len(members) >= 60 and any(kernel.instructions[i].base in deps.WGMMA for i in members):
+            found.append((depth[header], len(members), header, sorted(body)))
+    if not found:
+        return None
+    _, _, header, body = max(found)
+    return header, body
+
+
+def _reason_kind(reason: str | None) -> str:
+    """A conflict reason of sip.deps, by kind."""
+    if reason is None:
+        return "free"
+    for prefix, kind in (("RAW", "registers"), ("WAR", "registers"), ("WAW", "registers"),
+                         ("memory order", "memory"), ("in-order", "in-order completion"), ("wgmma", "wgmma registers"),
+                         ("synchronisation:", "two synchronisations")):
+        if reason.startswith(prefix):
+            return kind
+    if reason.startswith("scoreboard"):
+        return "scoreboard set -> wait" if "sets" in reason else "scoreboard guard"
+    pinned = re.search(r"pinned: (?:synchronisation|control flow) \((\w+)", reason)
+    return f"fence {pinned.group(1)}" if pinned else "pinned"
+
+
+def mainloop_pairs(cubin: bytes) -> dict[str, Any] | None:
+    """Why adjacent instructions of the mainloop may not swap, trusted model vs the relaxations:
+    {"offset", "instructions", "pairs", "trusted": {kind: n}, "relaxed": {kind: n}}."""
+    parsed = elf.parse_cubin(cubin)
+    kernel = sass.disassemble_kernel(parsed, parsed.main_kernel().name)
+    loop = main_loop(kernel)
+    if loop is None:
+        return None
+    header, body = loop
+    pairs = [(x, y) for b in body for x, y in zip(kernel.blocks[b], kernel.blocks[b][1:])]
+    out: dict[str, Any] = {"offset": kernel.instructions[kernel.blocks[header].start].offset,
+                           "instructions": sum(len(kernel.blocks[b]) for b in body), "pairs": len(pairs)}
+    for label, relax in (("trusted", frozenset()), ("relaxed", frozenset(deps.RELAXATIONS))):
+        model = deps.DependencyModel(kernel, relax=relax)
+        kinds: dict[str, int] = {}
+        for x, y in pairs:
+            kind = _reason_kind(model.conflict(x, y))
+            kinds[kind] = kinds.get(kind, 0) + 1
+        out[label] = dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
+    return out
+
+
 def static_state(cells: dict[str, compute.Cell], classes: tuple[str, ...],
                  log: Callable[[str], None] = print) -> dict[str, Any]:
     """The CPU part of the campaign: per kernel its variant, cubin hash and loops; per (kernel, class)
@@ -100,7 +152,8 @@ def static_state(cells: dict[str, compute.Cell], classes: tuple[str, ...],
         original = workload.kernel.cubin
         state["kernels"][name] = {"about": cell.about, "variant": workload.kernel.variant.key(),
                                   "cubin_sha256": hashlib.sha256(original).hexdigest(),
-                                  "loops": loop_rows(original), "floor_loops": loop_rows(floor_cubin(original))}
+                                  "loops": loop_rows(original), "floor_loops": loop_rows(floor_cubin(original)),
+                                  "mainloop_pairs": mainloop_pairs(original)}
         for moves in classes:
             row = static_row(original, moves)
             state["cells"][cell_key(name, moves)] = {"kernel": name, "moves": moves, "static": row, "runs": []}
@@ -404,6 +457,12 @@ def markdown(state: dict[str, Any]) -> str:
         loops = "; ".join(f"loop {lp['offset']:#06x}: {lp['instructions']} instructions, {lp['stall_cycles']} stall "
                           "cycles" for lp in k["loops"])
         lines.append(f"- {name} ({k['about']}): {loops}")
+        pairs = k.get("mainloop_pairs")
+        if pairs:
+            kinds = sorted(set(pairs["trusted"]) | set(pairs["relaxed"]), key=lambda x: -pairs["trusted"].get(x, 0))
+            lines.append(f"  - mainloop {pairs['offset']:#06x}, {pairs['pairs']} adjacent pairs, trusted -> relaxed "
+                         "(scoreboard, sync): " + ", ".join(
+                             f"{kind} {pairs['trusted'].get(kind, 0)} -> {pairs['relaxed'].get(kind, 0)}" for kind in kinds))
         lines.append(f"  - floor: {floor_text(state.get('floors', {}).get(name), k)}")
         if p is None:
             lines.append(f"  - ncu: {NOT_RUN} yet")
@@ -561,7 +620,8 @@ def main() -> int:
     what.add_argument("--state", type=Path, help="the campaign's directory (state.json, profiles, store)")
     p.add_argument("--report", action="store_true", help="with --state: rewrite the results, run nothing")
     p.add_argument("--minutes", type=float, default=8.5, help="this call's time (default 8.5)")
-    p.add_argument("--kernels", default="", help=f"comma list (default: all, in priority order: {', '.join(compute.cells())})")
+    p.add_argument("--kernels", default="", help="comma list of sip_tune.compute.cells() names (default: all, in "
+                   "their priority order)")
     p.add_argument("--classes", default=";".join(CLASSES), help="move classes separated by ';'")
     p.add_argument("--min-headroom", type=float, default=0.0, metavar="SHARE",
                    help="search no kernel whose schedule-sensitive share of ncu samples is under SHARE (e.g. the "

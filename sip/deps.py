@@ -70,9 +70,11 @@ untrusted (sip.mutate.UNTRUSTED) until it has passed the GPU campaign:
 * `scoreboard`: a wait on SB s only guards the registers that may be in flight on s where it
   stands. Walking each block in the original order, those are the registers of the setters of s
   since the last full wait on s (a wait-mask bit: the hardware counter of s is zero, so every
-  earlier setter has completed), plus, before the block's first full wait on s, the whole guard
-  of s (setters in other blocks), plus always the results of variable-latency instructions that
-  are not self-covered (they may ride on any scoreboard), and every register at all after a setter
+  earlier setter has completed), plus, before the block's first full wait on s, what its CFG
+  predecessors may leave in flight on s (a dataflow over sip.cfg to a fixed point; the whole guard
+  of s where the CFG cannot see every edge: a kernel with CALL, RET, BREAK or an indirect branch,
+  or a block it never reaches), plus always the results of variable-latency instructions that are
+  not self-covered (they may ride on any scoreboard), and every register at all after a setter
   whose register effects the model does not know. DEPBAR.LE SBn, k (a count, not zero) clears
   nothing. A later instruction that touches none of them may pass the wait; a wait passing an
   earlier instruction upward only waits sooner, which is always safe. Two setters of one
@@ -230,7 +232,8 @@ def facts_of(ins: Instruction, cubin_pin: str | None, patch_point: bool = False,
         if regs is not None:
             return Facts(regs, regs, ctl.write_sb, ctl.read_sb, ctl.wait, ctl.sets, frozenset(), frozenset(), False,
                          f"synchronisation ({ins.opcode}): nothing moves across it", True, False, UNKNOWN_HORIZON,
-                         ctl.stall, bool(ctl.sets), opclass(ins), regs_in(ins.predicate) if ins.predicate else frozenset())
+                         ctl.stall, bool(ctl.sets), opclass(ins),
+                         regs_in(ins.predicate) if ins.predicate else frozenset())
     if kind:
         # Its registers are the operands it names (no destination: BAR and WARPGROUP write none,
         # the arrive writes RZ); it keeps its slot, other instructions may pass it (module doc).

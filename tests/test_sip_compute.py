@@ -9,6 +9,7 @@ import types
 from pathlib import Path
 
 import pytest
+from sip_corpus import corpus  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))  # the benchmark scripts import report as a top-level module
@@ -236,6 +237,10 @@ def test_the_table_marks_what_no_gpu_has_measured():
     assert cols[2:4] == ["7", "5"] and cols[4:11] == [C.NOT_RUN] * 7
     assert "no legal move: nothing to search" in text and "ncu: not run yet" in text
     assert "floor: loop 0x4860 1033 -> 735 stall cycles; timing not run" in text
+    state["kernels"]["k_varlen"]["mainloop_pairs"] = {"offset": 0x4860, "instructions": 450, "pairs": 441, "trusted": {
+        "free": 285, "scoreboard guard": 54, "fence WARPGROUP": 7}, "relaxed": {"free": 318, "scoreboard guard": 30}}
+    assert ("mainloop 0x4860, 441 adjacent pairs, trusted -> relaxed (scoreboard, sync): free 285 -> 318, "
+            "scoreboard guard 54 -> 30, fence WARPGROUP 7 -> 0") in C.markdown(state)
     state["floors"] = {"k_varlen": {"speedup": 0.9987, "aa_spread": 0.0021, "validation": "ok: 10000 of 10000 samples"}}
     assert "loop 0x4860 1033 -> 735 stall cycles; re-timed 0.9987x (A/A 0.21%), ok: 10000 of 10000 samples" \
         in C.markdown(state)
@@ -254,3 +259,18 @@ def test_the_table_marks_what_no_gpu_has_measured():
     assert "5000 samples, 7.1% of them schedule-sensitive" in text
     assert "block 0x4b80 (388 instructions, loop depth 2): 41% of the samples; math 60%, short_sb 20%, selected 20%" \
         in text
+
+
+def test_mainloop_pairs_count_every_adjacent_pair_of_the_wgmma_loop(corpus):
+    """On the package's GEMM (corpus): the mainloop is the deepest loop issuing HGMMA, every adjacent
+    pair of it gets one kind under each model, and the relaxations only free pairs."""
+    from sip_corpus import corpus_entry
+
+    pairs = C.mainloop_pairs(corpus_entry(corpus, "rosekernels_tma_wgmma_gemm"))
+    assert pairs is not None and pairs["instructions"] >= 60
+    for label in ("trusted", "relaxed"):
+        assert sum(pairs[label].values()) == pairs["pairs"]
+    assert pairs["relaxed"]["free"] >= pairs["trusted"]["free"] > 0
+    assert pairs["trusted"].get("fence HGMMA", 0) > 0 and "fence WARPGROUP" not in pairs["relaxed"]
+    assert C._reason_kind(None) == "free" and C._reason_kind("RAW on R1") == "registers"
+    assert C._reason_kind("instruction 7 is pinned: control flow (BRA) never moves") == "fence BRA"

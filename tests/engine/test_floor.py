@@ -42,7 +42,8 @@ def test_sip_floor_writes_the_lowered_cubin_and_its_loops(corpus, tmp_path, caps
     before_loops, after_loops = loop_summaries(kernel), loop_summaries(after)
     assert before_loops and [s.offset for s in before_loops] == [s.offset for s in after_loops]
     for b, a in zip(before_loops, after_loops):
-        assert f"loop at {b.offset:#06x} (block {b.header}), depth {b.depth}: {b.stall_cycles} -> {a.stall_cycles}" in text
+        line = f"loop at {b.offset:#06x} (block {b.header}), depth {b.depth}: {b.stall_cycles} -> {a.stall_cycles}"
+        assert line in text
         assert a.stall_cycles <= b.stall_cycles
     assert sum(a.stall_cycles for a in after_loops) < sum(b.stall_cycles for b in before_loops)
     assert main(["floor", str(src), "-o", str(out), "--latency-table", str(tmp_path / "missing.json")]) == 1
