@@ -14,6 +14,7 @@ synchronises.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import pickle
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
+PROFILE_CACHE_ENV = "SIP_PROFILE_CACHE"
 _DONE = "probe: launches done"
 
 
@@ -60,9 +62,28 @@ def sanitize(factory: Callable[[], Any], cubin: bytes | None, tools: tuple[str, 
 
 
 def profile(factory: Callable[[], Any], cubin: bytes, timeout_s: float = 900.0) -> str:
-    """Nsight Compute's per-instruction PC samples of one steady-state launch of `cubin` in the
-    workload's kernel, as the CSV source listing sip.profile.stall_samples reads; ProbeError when
-    ncu cannot profile."""
+    """Nsight Compute's per-instruction PC samples (and their stall reasons) of one steady-state launch
+    of `cubin` in the workload's kernel, as the CSV source listing sip.profile reads; ProbeError when
+    ncu cannot profile. With $SIP_PROFILE_CACHE naming a directory, the listing of each (workload,
+    cubin) is kept there and read back instead of profiling again (a campaign of many searches of one
+    kernel profiles it once)."""
+    cache = os.environ.get(PROFILE_CACHE_ENV)
+    if not cache:
+        return _profile(factory, cubin, timeout_s)
+    key = hashlib.sha256(pickle.dumps(factory)).hexdigest()[:16] + "-" + hashlib.sha256(cubin).hexdigest()[:16]
+    path = Path(cache) / f"{key}.csv"
+    if path.is_file():
+        return path.read_text()
+    listing = _profile(factory, cubin, timeout_s)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(listing)
+    os.replace(partial, path)  # a reader never sees half a listing
+    return listing
+
+
+def _profile(factory: Callable[[], Any], cubin: bytes, timeout_s: float) -> str:
+    """One ncu run of `profile`."""
     if not shutil.which("ncu"):
         raise ProbeError("ncu (Nsight Compute) not found on PATH")
     from sip import cubin as elf

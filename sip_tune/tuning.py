@@ -130,9 +130,9 @@ class TuneConfig:
 
     @property
     def validation_samples(self) -> int:
-        if self.samples:
-            return self.samples
         classes = mutate.DEFAULT_MOVES if self.moves is None else mutate.parse_moves(self.moves)
+        if self.samples:  # never fewer than an untrusted relaxation needs (sip.mutate.UNTRUSTED)
+            return max(self.samples, mutate.UNTRUSTED_SAMPLES) if classes & mutate.UNTRUSTED else self.samples
         return 10_000 if classes <= mutate.DEFAULT_MOVES else 100_000
 
     def anneal(self) -> search.AnnealConfig:
