@@ -19,7 +19,7 @@ import random
 from typing import Any, Callable
 
 from rosekernels.workload import Workload
-from sip_tune import workloads
+from sip_tune import oplevel, workloads
 
 VARLEN = "attention_varlen"
 TIMING_LENGTHS = (1536, 2048, 2560, 1024)  # the packed sequences timed: ragged, 7168 tokens
@@ -94,7 +94,7 @@ class Cell:
     name: str
     factory: Callable[[], Workload]
     op: str  # the kernel name sip_tune.oplevel knows the public op by
-    shape: Any  # the kernel module's Shape the workload is at (None: no op-level case)
+    shape: Any  # the shape sip_tune.oplevel times the op at (a kernel module's Shape, or oplevel.VarlenShape)
     about: str
 
 
@@ -106,7 +106,7 @@ def _dense(name: str, kernel: str, shape: dict[str, Any], about: str) -> Cell:
 def cells() -> dict[str, Cell]:
     """The campaign's kernels, in its priority order (issue 40: the varlen d=64 loop first)."""
     out = [
-        Cell("attention_varlen_d64", varlen_factory(64, False), VARLEN, None,
+        Cell("attention_varlen_d64", varlen_factory(64, False), VARLEN, oplevel.VarlenShape(64, False, TIMING_LENGTHS),
              "varlen attention prefill d=64 non-causal, 4 packed sequences (7168 tokens), 16 heads"),
         _dense("attention_d64", "attention", {"head_dim": 64, "causal": False},
                "attention prefill d=64 non-causal, B=2 S=2048 H=16"),

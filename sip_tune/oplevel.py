@@ -171,8 +171,10 @@ def prepare(kernel: str, shape: Any, candidate: ConfigCandidate | CubinCandidate
         tuned.store_config(store, kernel, shape, candidate.config, candidate.heuristic, candidate.original_sha256,
                            meta, keep_better=False)
     else:
-        tuned.store(store, kernel, candidate.variant, candidate.original, candidate.tuned, meta, keep_better=False)
-        for entry in tuned.config_entries(config_root, kernel):
+        # stored under the variant's kernel, where warmup looks (attention_varlen's is attention's)
+        tuned.store(store, candidate.variant.op, candidate.variant, candidate.original, candidate.tuned, meta,
+                    keep_better=False)
+        for entry in tuned.config_entries(config_root, candidate.variant.op):
             if not entry.problems:  # what a user's op follows to the tuned cubin's config
                 target = store / entry.path.relative_to(entry.path.parents[3])
                 target.parent.mkdir(parents=True, exist_ok=True)
@@ -327,6 +329,46 @@ def _attention_decode(shape: Any) -> Case:
                                                   shape.causal))
 
 
+@dataclasses.dataclass(frozen=True)
+class VarlenShape:
+    """Packed self-attention sequences for `rosekernels.attention_varlen` (its kernel has no Shape of
+    the kernel contract: a launch takes cumulative lengths, not sizes)."""
+    head_dim: int
+    causal: bool
+    lengths: tuple[int, ...]
+    heads: int = 16
+    dtype: str = "bf16"
+
+
+def _attention_varlen(shape: VarlenShape) -> Case:
+    import itertools
+
+    import torch
+
+    import rosekernels
+
+    total, longest = sum(shape.lengths), max(shape.lengths)
+
+    def make_set(seed: int, device: str) -> tuple:
+        g = _gen(seed, device)
+        q, k, v = (torch.randn(total, shape.heads, shape.head_dim, generator=g, device=device).to(_dtype(shape.dtype))
+                   for _ in "qkv")
+        cu = torch.tensor([0, *itertools.accumulate(shape.lengths)], dtype=torch.int32, device=device)
+        return q, k, v, cu, torch.empty_like(q)
+
+    def call(s: tuple) -> None:
+        rosekernels.attention_varlen(*s[:3], s[3], s[3], longest, longest, shape.causal, out=s[4])
+
+    def fa4() -> Callable[[tuple], Any]:
+        os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+        from flash_attn.cute.interface import flash_attn_varlen_func
+
+        return lambda s: flash_attn_varlen_func(*s[:3], cu_seqlens_q=s[3], cu_seqlens_k=s[3], max_seqlen_q=longest,
+                                                max_seqlen_k=longest, causal=shape.causal)
+
+    return Case("rosekernels.attention_varlen", make_set, call, outputs=1, peers={"fa4": fa4})
+
+
 def _qk_norm(shape: Any) -> Case:
     import torch
 
@@ -441,7 +483,7 @@ def _append_kvcache(shape: Any) -> Case:
 CASES: dict[str, Callable[[Any], Case]] = {
     "gemm_leakyrelu": _gemm, "attention": _attention, "attention_decode": _attention_decode, "qk_norm": _qk_norm,
     "rmsnorm": _rmsnorm, "moe_dispatch": _moe_dispatch, "moe_combine": _moe_combine,
-    "append_kvcache": _append_kvcache}
+    "append_kvcache": _append_kvcache, "attention_varlen": _attention_varlen}
 
 
 def ring_sets(set_bytes: int, l2_bytes: int) -> int:
