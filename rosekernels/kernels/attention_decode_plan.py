@@ -218,6 +218,11 @@ def split_plan(cfg: DecodeConfig, shape: DecodeShape, sms: int | None = None) ->
     return splits, per, groups
 
 
+def causal_shift_for(causal: bool, seqlen_q: int, seqlen_kv: int) -> int:
+    """Keys row s sees: [0, s + causal_shift]; without causal S_kv, which never binds."""
+    return seqlen_kv - seqlen_q if causal else seqlen_kv
+
+
 @functools.lru_cache(maxsize=4096)
 def config_for(shape: DecodeShape, sms: int | None = None) -> DecodeConfig:
     """What attention() launches for `shape` (S_q <= MAX_SEQLEN_Q) on a GPU of `sms` SMs (None: the

@@ -219,6 +219,20 @@ def variants_for(models: Iterable[ModelDims] | None = None, modes: Iterable[str]
     return list(dict.fromkeys(cfg for d, dt in kinds for c in (False, True) for cfg in heuristic_configs(d, dt, c)))
 
 
+def varlen_config(head_dim: int, dtype: str, causal: bool, max_seqlen_k: int) -> AttentionConfig:
+    """The varlen launch: the dense heuristic's tiles for the longest sequence, `varlen` compiled in
+    (the tuned store, keyed by one sequence length, is not consulted; without the grid's size d=64
+    keeps 192-row tiles)."""
+    return dataclasses.replace(default_config(head_dim, dtype, causal, max_seqlen_k), varlen=True)
+
+
+def varlen_variants_for(models=None) -> list[AttentionConfig]:
+    """The configs attention_varlen can launch for `models` (as variants_for; pass them to
+    rosekernels.warmup(specs=...))."""
+    return list(dict.fromkeys(varlen_config(c.head_dim, c.dtype, c.causal, keys)
+                              for c in variants_for(models, ("prefill",)) for keys in (0, 2 * LONG_KV)))
+
+
 def num_tiles(cfg: AttentionConfig, batch: int, seqlen_q: int, heads_q: int) -> int:
     return -(-seqlen_q // cfg.tile_m) * heads_q * batch
 

@@ -14,6 +14,9 @@ DECODE_VECS_PER_CTA 16-byte vectors.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+import torch
 
 from rosekernels import checks
 from rosekernels.models import ModelDims
@@ -185,3 +188,15 @@ def default_capacity(num_tokens: int, topk: int, num_experts: int, block_size: i
     (at most min(E, T*k) experts are; an empty expert takes no rows)."""
     pairs = num_tokens * topk
     return pairs + min(num_experts, pairs) * (block_size - 1)  # builtin min: dynamo traces it on SymInts
+
+
+def expert_range(num_experts: Any, local_experts: tuple[int, int] | None) -> tuple[int, int]:
+    """(first, count) of local_experts, checked against num_experts; (0, num_experts) for None."""
+    if local_experts is None:
+        return 0, num_experts
+    first, count = local_experts
+    if any(isinstance(n, bool) or not isinstance(n, (int, torch.SymInt)) for n in (first, count)) or \
+            not (count >= 1 and 0 <= first and first + count <= num_experts):
+        raise ValueError(f"local_experts must be (first, count) with 0 <= first, count >= 1 and first + count <= "
+                         f"num_experts = {num_experts}, got {local_experts!r}")
+    return first, count
