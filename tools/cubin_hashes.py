@@ -25,6 +25,8 @@ import re
 import sys
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+# The kernels of this checkout, not those of an installed copy (an editable install points elsewhere).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 PEER = "rosekernels.kernels.moe_peer"
 
@@ -34,9 +36,9 @@ def _open(path: str, mode: str):
 
 
 def _module(name: str):
-    import rosekernels
+    from rosekernels import contract
 
-    return importlib.import_module(rosekernels.KERNELS[name])
+    return contract.kernel_module(name)
 
 
 def _extras(kernels: list[str]) -> list[tuple[str, object]]:

@@ -32,8 +32,8 @@ import torch
 from cutlass import Int32
 
 from rosekernels import checks, jit
-from rosekernels.kernels.append_kvcache_plan import (  # noqa: F401  (candidates, variants_for: the contract)
-    DECODE_MAX_TOKENS, OP, TORCH_DTYPE, AppendConfig, AppendShape, candidates, config_for, variants_for)
+from rosekernels.kernels.append_kvcache_plan import (  # noqa: F401  (the plan's names are the kernel's: the contract)
+    DECODE_MAX_TOKENS, OP, TORCH_DTYPE, AppendConfig, AppendShape, candidates, config_for, rank, variants_for)
 from rosekernels.vector_copy import vec_load, vec_store
 from rosekernels.workload import Workload
 
@@ -45,7 +45,6 @@ Config, Shape = AppendConfig, AppendShape
 
 class AppendKernel:
     def __init__(self, cfg: AppendConfig):
-        cfg.validate()
         self.cfg = cfg
 
     @cute.jit
@@ -117,8 +116,13 @@ def _build(cfg: AppendConfig) -> Callable[[], tuple]:
 def compile(config: AppendConfig) -> jit.CompiledKernel:
     """The loaded kernel of `config`; call `.fn(k_cache, v_cache, k, v, cache_seqlens, block_table)`
     (contiguous: `unread_table(device)`)."""
-    config.validate()
     return jit.compile_variant(config.variant(), _build(config))
+
+
+def precompile(configs=None, processes: int | None = None) -> list[jit.CompiledKernel]:
+    """compile() of each config (default: variants_for()), the cold ones first compiled in parallel
+    processes into the disk cache (jit.precompile)."""
+    return jit.precompile(__name__, variants_for() if configs is None else configs, processes)
 
 
 def unread_table(device) -> torch.Tensor:

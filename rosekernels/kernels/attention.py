@@ -66,7 +66,7 @@ from rosekernels.kernels.attention_common import (
     CUTE_DTYPES, LN_2, LOG2_E, check, fake_qkv_out_lse, quad_max, quad_sum, tma_tiles)
 from rosekernels.kernels.attention_plan import (  # noqa: F401 - the plan's names are this kernel's
     LONG_KV, OP, AttentionConfig, AttentionShape, candidates, config_for, default_config, grid_size, num_tiles,
-    variants_for, varlen_config, varlen_variants_for)
+    rank, variants_for, varlen_config, varlen_variants_for)
 from rosekernels.workload import Workload
 
 import cutlass
@@ -888,8 +888,8 @@ def compile(config: AttentionConfig) -> jit.CompiledKernel:  # noqa: A001 - the 
 
 
 def precompile(configs=None, processes: int | None = None) -> list[jit.CompiledKernel]:
-    """Compile `configs` (default: variants_for()) in parallel processes into the disk cache, then
-    load them here."""
+    """compile() of each config (default: variants_for()), the cold ones first compiled in parallel
+    processes into the disk cache (jit.precompile)."""
     return jit.precompile(__name__, variants_for() if configs is None else configs, processes)
 
 

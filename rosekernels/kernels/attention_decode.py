@@ -55,7 +55,7 @@ from rosekernels.kernels.attention_common import (
     CUTE_DTYPES, LN_2, LOG2_E, check, fake_qkv_out_lse, quad_max, quad_sum, tma_tiles)
 from rosekernels.kernels.attention_decode_plan import (  # noqa: F401 - the plan's names are this kernel's
     MAX_SEQLEN_Q, MMA_WARPS, OP, DecodeConfig, DecodeShape, candidates, causal_shift_for, config_for,
-    kvcache_config_for, kvcache_variants_for, split_plan, variants_for)
+    kvcache_config_for, kvcache_variants_for, rank, split_plan, variants_for)
 from rosekernels.workload import Workload
 
 import cutlass
@@ -716,8 +716,8 @@ def compile(config: DecodeConfig) -> jit.CompiledKernel:  # noqa: A001 - the con
 
 
 def precompile(configs=None, processes: int | None = None) -> list[jit.CompiledKernel]:
-    """Compile `configs` (default: variants_for()) in parallel processes into the disk cache, then
-    load them here."""
+    """compile() of each config (default: variants_for()), the cold ones first compiled in parallel
+    processes into the disk cache (jit.precompile)."""
     return jit.precompile(__name__, variants_for() if configs is None else configs, processes)
 
 

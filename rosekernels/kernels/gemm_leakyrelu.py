@@ -56,7 +56,7 @@ from cutlass.tensor_utils import LayoutEnum
 from rosekernels import checks, modes
 from rosekernels.kernels.gemm_leakyrelu_plan import (  # noqa: F401  (candidates, variants_for: the contract)
     COUNTER_SLOTS, GATE_BLOCK, MAX_SPLITS, OP, TILE_K, GemmConfig, GemmShape, candidates, check_fits,
-    config_for, m_range, partial_floats, variants_for)
+    config_for, m_range, partial_floats, rank, variants_for)
 from rosekernels.workload import Workload
 
 Config, Shape = GemmConfig, GemmShape
@@ -782,9 +782,10 @@ def compile(config: GemmConfig) -> jit.CompiledKernel:
     return jit.compile_variant(config.variant(), lambda: _build(config))
 
 
-def precompile(configs, processes: int | None = None) -> list[jit.CompiledKernel]:
-    """compile() of each config, cold ones compiled in parallel processes (jit.precompile)."""
-    return jit.precompile(__name__, configs, processes)
+def precompile(configs=None, processes: int | None = None) -> list[jit.CompiledKernel]:
+    """compile() of each config (default: variants_for()), the cold ones first compiled in parallel
+    processes into the disk cache (jit.precompile)."""
+    return jit.precompile(__name__, variants_for() if configs is None else configs, processes)
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,7 +26,7 @@ from cutlass import Int32
 
 from rosekernels import checks, jit
 from rosekernels.kernels.moe_combine_plan import (  # noqa: F401  (re-exported: the kernel's contract)
-    OP, CombineConfig, CombineShape, candidates, choose_mode, config_for, token_range, variants_for)
+    OP, CombineConfig, CombineShape, candidates, choose_mode, config_for, rank, token_range, variants_for)
 from rosekernels.kernels.moe_common import weighted_sum
 from rosekernels.workload import Workload
 
@@ -78,6 +78,12 @@ def _fake_args(cfg: CombineConfig) -> tuple:
 def compile(config: CombineConfig) -> jit.CompiledKernel:
     """The loaded kernel of `config`: fn(expert_out, topk_weights, slot_map, out)."""
     return jit.compile_variant(config.variant(), lambda: (_Combine(config), _fake_args(config)))
+
+
+def precompile(configs=None, processes: int | None = None) -> list[jit.CompiledKernel]:
+    """compile() of each config (default: variants_for()), the cold ones first compiled in parallel
+    processes into the disk cache (jit.precompile)."""
+    return jit.precompile(__name__, variants_for() if configs is None else configs, processes)
 
 
 # ---------------------------------------------------------------------------------------------

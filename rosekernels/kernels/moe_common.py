@@ -90,8 +90,8 @@ class MoeDispatch:
 def weighted_sum(gY: cute.Tensor, mW: cute.Tensor, mSlot: cute.Tensor, t: Int32, v: Int32, rows: Int32,
                  k: cutlass.Constexpr[int], vec: cutlass.Constexpr[int], dtype: cutlass.Constexpr):
     """sum_j mW[t, j] * vector v of row mSlot[t, j] of gY ((1, vec), (rows, vectors)), in fp32 (vec,),
-    slots outside [0, rows) skipped. First the k loads, none waited for (predicated, no branches): each vector as 4 x b32, zero when its
-    slot is skipped (its weight too); then the sum in the order j = 0..k-1."""
+    slots outside [0, rows) skipped. First the k loads, none waited for (predicated, no branches): each
+    vector as 4 x b32, zero when its slot is skipped (its weight too); then the sum in the order j = 0..k-1."""
     raw = cute.make_rmem_tensor((4, k), Int32)
     weights = cute.make_rmem_tensor((k,), Float32)
     for j in cutlass.range_constexpr(k):

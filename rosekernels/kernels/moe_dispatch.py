@@ -61,7 +61,7 @@ from rosekernels import checks, jit, modes
 from rosekernels.kernels.moe_common import MoeDispatch
 from rosekernels.kernels.moe_dispatch_plan import (  # noqa: F401  (re-exported: the kernel's contract)
     DECODE_PAIRS_LIMIT, DECODE_PAIRS_PER_THREAD, DEFAULT_BLOCK_SIZE, MODELS, OP, THREADS, DispatchConfig,
-    DispatchShape, candidates, choose_mode, config_for, default_capacity, expert_range, meta_layout, num_ctas,
+    DispatchShape, candidates, choose_mode, config_for, default_capacity, expert_range, meta_layout, num_ctas, rank,
     token_range, variants_for)
 from rosekernels.workload import Workload
 
@@ -481,6 +481,12 @@ def compile(config: DispatchConfig) -> jit.CompiledKernel:
     num_ctas); workspace: None for decode, an int32 [WS_INTS] tensor of zeros for prefill (the kernel
     leaves it zero)."""
     return jit.compile_variant(config.variant(), lambda: (_Dispatch(config), _fake_args(config)))
+
+
+def precompile(configs=None, processes: int | None = None) -> list[jit.CompiledKernel]:
+    """compile() of each config (default: variants_for()), the cold ones first compiled in parallel
+    processes into the disk cache (jit.precompile)."""
+    return jit.precompile(__name__, variants_for() if configs is None else configs, processes)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,8 +33,8 @@ import torch
 from cutlass import Float32, Int32
 
 from rosekernels import checks, jit, modes
-from rosekernels.kernels.qk_norm_plan import (  # noqa: F401  (candidates, variants_for: the contract)
-    HEAD_DIMS, OP, TORCH_DTYPE, QKNormConfig, QKNormShape, candidates, config_for, variants_for)
+from rosekernels.kernels.qk_norm_plan import (  # noqa: F401  (the plan's names are the kernel's: the contract)
+    HEAD_DIMS, OP, TORCH_DTYPE, QKNormConfig, QKNormShape, candidates, config_for, rank, variants_for)
 from rosekernels.vector_copy import vec_load, vec_store
 from rosekernels.workload import Workload
 
@@ -46,7 +46,6 @@ Config, Shape = QKNormConfig, QKNormShape
 
 class QKNormKernel:
     def __init__(self, cfg: QKNormConfig):
-        cfg.validate()
         self.cfg = cfg
 
     @cute.jit
@@ -142,8 +141,13 @@ def _build(cfg: QKNormConfig) -> Callable[[], tuple]:
 
 def compile(config: QKNormConfig) -> jit.CompiledKernel:
     """The loaded kernel of `config`; call `.fn(q, k, q_weight, k_weight, out_q, out_k)`."""
-    config.validate()
     return jit.compile_variant(config.variant(), _build(config))
+
+
+def precompile(configs=None, processes: int | None = None) -> list[jit.CompiledKernel]:
+    """compile() of each config (default: variants_for()), the cold ones first compiled in parallel
+    processes into the disk cache (jit.precompile)."""
+    return jit.precompile(__name__, variants_for() if configs is None else configs, processes)
 
 
 # ---------------------------------------------------------------------------------------------

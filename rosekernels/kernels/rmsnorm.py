@@ -30,8 +30,8 @@ from cutlass import Float32
 from cutlass.memory import SmemAllocator
 
 from rosekernels import checks, jit, modes
-from rosekernels.kernels.rmsnorm_plan import (  # noqa: F401  (candidates, variants_for: the contract)
-    OP, TORCH_DTYPE, RMSNormConfig, RMSNormShape, candidates, config_for, variants_for)
+from rosekernels.kernels.rmsnorm_plan import (  # noqa: F401  (the plan's names are the kernel's: the contract)
+    OP, TORCH_DTYPE, RMSNormConfig, RMSNormShape, candidates, config_for, rank, variants_for)
 from rosekernels.vector_copy import vec_load, vec_store
 from rosekernels.workload import Workload
 
@@ -43,7 +43,6 @@ Config, Shape = RMSNormConfig, RMSNormShape
 
 class RMSNormKernel:
     def __init__(self, cfg: RMSNormConfig):
-        cfg.validate()
         self.cfg = cfg
 
     @cute.jit
@@ -157,8 +156,13 @@ def _build(cfg: RMSNormConfig) -> Callable[[], tuple]:
 def compile(config: RMSNormConfig) -> jit.CompiledKernel:
     """The loaded kernel of `config`; call `.fn(x, weight, residual, out, residual_out)`
     (residual and residual_out are None for configs without a residual)."""
-    config.validate()
     return jit.compile_variant(config.variant(), _build(config))
+
+
+def precompile(configs=None, processes: int | None = None) -> list[jit.CompiledKernel]:
+    """compile() of each config (default: variants_for()), the cold ones first compiled in parallel
+    processes into the disk cache (jit.precompile)."""
+    return jit.precompile(__name__, variants_for() if configs is None else configs, processes)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -78,11 +78,10 @@ class _Plan(launch.Launch):
 def _new_plan(k_cache, v_cache, k, v, cache_seqlens, block_table) -> launch.Launch:
     """Slow path, once per signature: validate everything, pick and load the kernel."""
     _validate(k_cache, v_cache, k, v, cache_seqlens, block_table)
-    B, S_new, Hkv, d = k.shape
     device = k.device.index
     if not k.numel():
         return launch.nothing(device)
-    shape = AppendShape(B, S_new, Hkv, d, checks.DTYPE_NAME[k.dtype], block_table is not None)
+    shape = AppendShape.of(k, block_table)
     sms = modes.sm_count(device)
     return _Plan(kernel.compile(tuned.tuned_config(OP, shape, config_for(shape, sms), sms)).fn, device, shape.paged)
 

@@ -56,8 +56,7 @@ def prefill_config(q, k, causal: bool) -> AttentionConfig:
                          modes.sm_count(q.device.index))
     if q.shape[1] != k.shape[1]:
         return cfg
-    return tuned.tuned_config(prefill.OP, AttentionShape(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3],
-                                                         TORCH_DTYPES[q.dtype], causal), cfg)
+    return tuned.tuned_config(prefill.OP, AttentionShape.of(q, k, causal), cfg)
 
 
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -111,11 +110,10 @@ class SplitLaunch(launch.Launch):
 class DecodeLaunch(SplitLaunch):
     """One launch of the split-KV kernel on q/k/v [B, S, H, d], planned for an argument signature."""
 
-    def __init__(self, cfg: DecodeConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 out: torch.Tensor | None, causal: bool, scale: float, private_scratch: bool = False):
-        shape = DecodeShape.of(q, k, causal)
+    def __init__(self, cfg: DecodeConfig, shape: DecodeShape, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor | None, scale: float, private_scratch: bool = False):
         super().__init__(cfg, shape, (q, k, v, out), scale, private_scratch)
-        self.causal_shift = decode.causal_shift_for(causal, q.shape[1], k.shape[1])
+        self.causal_shift = decode.causal_shift_for(shape.causal, shape.seqlen_q, shape.seqlen_kv)
 
     def launch(self, q, k, v, out, lse) -> None:
         if self.views:
@@ -128,13 +126,11 @@ def plan_decode(q, k, v, out, causal: bool, scale: float, splits: int | None = N
                 private_scratch: bool = False, enable_pdl: bool = True) -> DecodeLaunch:
     """The launch of validated arguments (q non-empty) with the heuristic's config (`config_for`);
     `splits` forces the number of KV chunks."""
-    shape, sms = DecodeShape.of(q, k, causal), modes.sm_count(q.device.index)
+    shape, sms = DecodeShape.of(q, k, causal, enable_pdl), modes.sm_count(q.device.index)
     cfg = tuned.tuned_config(decode.OP, shape, decode.config_for(shape, sms), sms)
     if splits is not None:
         cfg = dataclasses.replace(cfg, splits=splits)
-    if not enable_pdl:
-        cfg = dataclasses.replace(cfg, pdl=False)
-    return DecodeLaunch(cfg, q, k, v, out, causal, scale, private_scratch)
+    return DecodeLaunch(cfg, shape, q, k, v, out, scale, private_scratch)
 
 
 def _attention_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

@@ -189,14 +189,9 @@ def _new_plan(a, b_nk, bias, out, activation: str, gated: bool, negative_slope: 
     """Slow path, once per argument signature: every check, the heuristic, the compile."""
     _check_shapes(a, b_nk, bias, out, gated)
     _check_memory(a, b_nk, bias, out)
-    m, k = a.shape
-    n = b_nk.shape[0]
-    if m == 0 or n == 0 or k == 0:
+    if 0 in (*a.shape, b_nk.shape[0]):
         return _NoProduct(activation, gated, negative_slope)
-    name = checks.DTYPE_NAME
-    shape = GemmShape(m, n, k, name[a.dtype], "k" if b_nk.stride(1) == 1 else "n",
-                      name[bias.dtype] if bias is not None else "none", negative_slope, activation, gated,
-                      enable_pdl)
+    shape = GemmShape.of(a, b_nk, bias, activation, gated, negative_slope, enable_pdl)
     sms = modes.sm_count(a.device.index)
     return _Plan(a, b_nk, bias, out, tuned.tuned_config(OP, shape, config_for(shape, sms), sms))
 

@@ -162,16 +162,11 @@ def plan_kvcache(q, k_cache, v_cache, out, cache_seqlens, block_table, causal: b
     """The launch of validated attention_with_kvcache arguments (B >= 1) with kvcache_config_for's
     config, planned for a full cache (S_max, or max_blocks * block_size keys per sequence);
     `splits` forces the number of KV chunks."""
+    shape = DecodeShape.of_cache(q, k_cache, block_table, causal, enable_pdl)
     block_size = None if block_table is None else k_cache.shape[1]
-    capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    shape = DecodeShape(batch, seqlen_q, capacity, heads_q, k_cache.shape[2], head_dim,
-                        checks.DTYPE_NAME[q.dtype], causal)
     cfg = kvcache_config_for(shape, block_size, modes.sm_count(q.device.index))
     if splits is not None:
         cfg = dataclasses.replace(cfg, splits=splits)
-    if not enable_pdl:
-        cfg = dataclasses.replace(cfg, pdl=False)
     return KVCacheLaunch(cfg, shape, q, k_cache, v_cache, out, cache_seqlens, block_table, scale, private_scratch)
 
 
@@ -215,9 +210,14 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     causal, enable_pdl = bool(causal), bool(enable_pdl)
     eager = launch.eager(q, k_cache, v_cache, cache_seqlens, block_table, out)
     if eager:
-        sig = launch.signature
-        key = (sig(q), sig(k_cache), sig(v_cache), sig(cache_seqlens), sig(block_table), sig(out), causal,
-               softmax_scale, enable_pdl)
+        # The plan's signature, written out: a generic builder (a loop over the arguments) costs ~1 us more.
+        key = (q.shape, q.stride(), q.dtype, q.get_device(), k_cache.shape, k_cache.stride(), k_cache.dtype,
+               k_cache.get_device(), v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.get_device(),
+               cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.get_device(),
+               None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype,
+                                                 block_table.get_device()),
+               None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()), causal, softmax_scale,
+               enable_pdl)
         plan = _plans.get(key)
         # A cached plan still needs 16-byte aligned pointers (if not, the full checks say which is not).
         if plan is None or (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()

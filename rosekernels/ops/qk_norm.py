@@ -64,11 +64,9 @@ _plans = launch.PlanCache()
 def _new_plan(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias, enable_pdl) -> launch.Launch:
     """Slow path, once per signature: validate everything, pick and load the kernel."""
     _validate(q, k, q_weight, k_weight, out_q, out_k)
-    tokens, q_heads, head_dim = q.shape
-    if tokens == 0:
+    if q.shape[0] == 0:
         return launch.nothing(q.device.index)
-    shape = QKNormShape(tokens, q_heads, k.shape[1], head_dim, checks.DTYPE_NAME[q.dtype],
-                        checks.DTYPE_NAME[q_weight.dtype], eps, weight_bias, enable_pdl)
+    shape = QKNormShape.of(q, k, q_weight, eps, weight_bias, enable_pdl)
     sms = modes.sm_count(q.device.index)
     return launch.Launch(kernel.compile(tuned.tuned_config(OP, shape, config_for(shape, sms), sms)).fn, q.device.index)
 

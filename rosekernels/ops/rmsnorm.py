@@ -60,11 +60,9 @@ _plans = launch.PlanCache()
 def _new_plan(x, weight, residual, out, residual_out, eps, enable_pdl) -> launch.Launch:
     """Slow path, once per signature: validate everything, pick and load the kernel."""
     _validate(x, weight, residual, out, residual_out)
-    rows, hidden = x.shape
-    if rows == 0:
+    if x.shape[0] == 0:
         return launch.nothing(x.device.index)
-    shape = RMSNormShape(rows, hidden, checks.DTYPE_NAME[x.dtype], checks.DTYPE_NAME[weight.dtype],
-                         residual is not None, eps, enable_pdl)
+    shape = RMSNormShape.of(x, weight, residual, eps, enable_pdl)
     sms = modes.sm_count(x.device.index)
     return launch.Launch(kernel.compile(tuned.tuned_config(OP, shape, config_for(shape, sms), sms)).fn, x.device.index)
 
