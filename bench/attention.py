@@ -392,7 +392,7 @@ def bench_decode(shape, peers, copy_gbps, split_sweep=()):
     for splits in split_sweep:
         try:
             ms = graph_ms(
-                lambda i, n=splits: D.attention_decode(*sets[i][:3], out=sets[i][3], splits=n), len(sets))
+                lambda i, n=splits: rosekernels.attention_decode(*sets[i][:3], out=sets[i][3], splits=n), len(sets))
             row[f"splits{splits}_us"] = ms * 1e3
         except Exception as e:  # noqa: BLE001
             row[f"splits{splits}_error"] = f"{type(e).__name__}: {e}"

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import gemm_sweep  # noqa: E402  (bench/gemm_sweep.py: rotating inputs, the config sweep)
 import report  # noqa: E402  (bench/report.py: environment, peers and result files)
 import timing  # noqa: E402
+import rosekernels  # noqa: E402
 from rosekernels import checks  # noqa: E402
 from rosekernels.kernels import gemm_leakyrelu as glr  # noqa: E402
 from rosekernels.kernels import gemm_leakyrelu_plan as plan  # noqa: E402
@@ -61,7 +62,7 @@ def bench_shape(m, n, k, dtype, slope, bias, copy_gbs, quack, compile_peer, swee
     weight_bytes = n * k * torch.finfo(dtype).bits // 8
 
     def ours(a, w, b, out):
-        glr.gemm_leakyrelu(a, w, slope, bias=b, out=out)
+        rosekernels.gemm_leakyrelu(a, w, slope, bias=b, out=out)
 
     def cublas_act(a, w, b, out):
         F.leaky_relu(F.linear(a, w, b), slope, inplace=True)

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import report  # noqa: E402
 import timing  # noqa: E402
 from report import fmt  # noqa: E402
+import rosekernels  # noqa: E402
 from rosekernels.kernels import moe_combine as mc  # noqa: E402
 from rosekernels.kernels import moe_dispatch as md  # noqa: E402
 
@@ -153,11 +154,11 @@ def bench_shape(model, T, compile_peer, log):
     # Our results per set: the combine reads the dispatch buffer as its "expert output".
     def ours_dispatch(i, mode=None):
         s = sets[i]
-        s["res"] = md.moe_dispatch(s["x"], s["ids"], E, block_size=BLOCK, buffer=s["rbuf"], mode=mode)
+        s["res"] = rosekernels.moe_dispatch(s["x"], s["ids"], E, block_size=BLOCK, buffer=s["rbuf"], mode=mode)
 
     def ours_combine(i):
         s = sets[i]
-        mc.moe_combine(s["res"].buffer, s["w"], s["res"].slot_map, s["out"])
+        rosekernels.moe_combine(s["res"].buffer, s["w"], s["res"].slot_map, s["out"])
 
     def ours_both(i):
         ours_dispatch(i)

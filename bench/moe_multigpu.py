@@ -37,9 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import report  # noqa: E402
 from report import fmt  # noqa: E402
+import rosekernels  # noqa: E402
 from rosekernels import moe  # noqa: E402
-from rosekernels.kernels import moe_combine as mc  # noqa: E402
-from rosekernels.kernels import moe_dispatch as md  # noqa: E402
 
 MODELS = {"deepseek-v3": (7168, 256, 8), "qwen3-30b-a3b": (2048, 128, 8)}
 TOKENS = {"decode": 128, "prefill": 4096}
@@ -172,7 +171,7 @@ def _nccl_expert_parallel(ep, inputs, experts: int, topk: int) -> dict:
         dist.all_to_all_single(recv_x, x[tok], rc, s)
         recv_ids = ids.new_empty(sum(rc), topk)
         dist.all_to_all_single(recv_ids, ids[tok], rc, s)
-        got = md.moe_dispatch(recv_x, recv_ids, experts, local_experts=ep.local_experts)
+        got = rosekernels.moe_dispatch(recv_x, recv_ids, experts, local_experts=ep.local_experts)
         t1.record()
         # combine: each pair's expert row back to its source, then the weighted sum there
         rows = got.buffer[got.slot_map.clamp(min=0)] * (got.slot_map >= 0)[..., None]
@@ -182,7 +181,7 @@ def _nccl_expert_parallel(ep, inputs, experts: int, topk: int) -> dict:
         mine = (dest[tok] == rank[:, None])
         out.index_put_((tok,), torch.where(mine[..., None], back, 0), accumulate=True)
         slot = torch.where(ids >= 0, torch.arange(tokens * topk, device="cuda").view(tokens, topk), -1)
-        mc.moe_combine(out.view(tokens * topk, hidden), w, slot.to(torch.int32))
+        rosekernels.moe_combine(out.view(tokens * topk, hidden), w, slot.to(torch.int32))
         t2.record()
         t2.synchronize()
         return t0.elapsed_time(t1) * 1e3, t1.elapsed_time(t2) * 1e3
@@ -212,7 +211,7 @@ def tensor_parallel(ranks: _Ranks, model: str, gen: torch.Generator) -> dict:
 
         def nccl(r):
             for _ in range(calls):
-                dist.all_reduce(mc.moe_combine(ys[r], w, got[r].slot_map))
+                dist.all_reduce(rosekernels.moe_combine(ys[r], w, got[r].slot_map))
         arms["moe_combine + nccl all_reduce"] = nccl
         symm = getattr(torch.ops.symm_mem, "one_shot_all_reduce", None)
         if symm is not None:
@@ -223,7 +222,7 @@ def tensor_parallel(ranks: _Ranks, model: str, gen: torch.Generator) -> dict:
 
             def one_shot(r):
                 for _ in range(calls):
-                    buf.copy_(mc.moe_combine(ys[r], w, got[r].slot_map))
+                    buf.copy_(rosekernels.moe_combine(ys[r], w, got[r].slot_map))
                     symm(buf, "sum", dist.group.WORLD.group_name)
             arms["moe_combine + symm_mem one_shot_all_reduce"] = one_shot
     for arm in arms.values():  # warm outside the capture

@@ -35,9 +35,9 @@ import report  # noqa: E402
 import timing  # noqa: E402
 from report import fmt, measure, ratio  # noqa: E402
 from timing import auto_event_time_us, copy_gbs, copy_time_us, graph_time_us, host_time_us  # noqa: E402
+import rosekernels  # noqa: E402
 from rosekernels import checks, modes  # noqa: E402
 from rosekernels.kernels import qk_norm as qkn  # noqa: E402
-from rosekernels.kernels import rmsnorm as rms  # noqa: E402
 from rosekernels.kernels.qk_norm_plan import ROWS_PER_THREAD  # noqa: E402
 
 import cutlass  # noqa: E402  (after rosekernels, which pins CUTE_DSL_ARCH=sm_90a)
@@ -93,7 +93,7 @@ def peer_factories(d):
                                      rmsnorm_fwd(k.view(-1, d), wk, eps=EPS)[0])
 
     def rk_rmsnorm():
-        return lambda q, k, wq, wk: (rms.rmsnorm(q.view(-1, d), wq, EPS), rms.rmsnorm(k.view(-1, d), wk, EPS))
+        return lambda q, k, wq, wk: (rosekernels.rmsnorm(q.view(-1, d), wq, EPS), rosekernels.rmsnorm(k.view(-1, d), wk, EPS))
 
     return {"torch_eager": torch_eager, "torch_compile": torch_compiled, "liger": liger,
             "quack": quack, "rk_rmsnorm": rk_rmsnorm}
@@ -141,7 +141,7 @@ def bench_model(model, hq, hk, tokens_list, peers, empty_fn, sweep, log):
 
         def ours(i):
             q, k, oq, ok = sets[i % count]
-            qkn.qk_norm(q, k, wq, wk, EPS, out_q=oq, out_k=ok)
+            rosekernels.qk_norm(q, k, wq, wk, EPS, out_q=oq, out_k=ok)
 
         def peer_step(fn):
             return lambda i: fn(*sets[i % count][:2], wq, wk)
@@ -171,7 +171,7 @@ def bench_model(model, hq, hk, tokens_list, peers, empty_fn, sweep, log):
                     r[f"{name}_graph_us"] = measure(f"{name} graph", lambda: graph_time_us(lambda _: fn(q, k, wq, wk), GRAPH_CALLS), errors)
             r["host_us"] = {
                 "qk_norm(out given)": measure("host", lambda: host_time_us(lambda _: ours(0)), errors),
-                "qk_norm(allocating)": measure("host", lambda: host_time_us(lambda _: qkn.qk_norm(q, k, wq, wk, EPS)), errors),
+                "qk_norm(allocating)": measure("host", lambda: host_time_us(lambda _: rosekernels.qk_norm(q, k, wq, wk, EPS)), errors),
                 "CompiledKernel.fn": measure("host", lambda: host_time_us(lambda _: raw(q, k, wq, wk, oq, ok)), errors),
                 "torch.ops.rosekernels.qk_norm": measure("host", lambda: host_time_us(
                     lambda _: torch.ops.rosekernels.qk_norm(q, k, wq, wk, oq, ok, EPS, 0.0)), errors),
@@ -186,7 +186,7 @@ def bench_model(model, hq, hk, tokens_list, peers, empty_fn, sweep, log):
             r["copy_us"] = measure("copy", lambda: copy_time_us(nbytes), errors)
             views = qkv_sets(tokens, hq, hk, d, count)
             r["ours_qkv_views_us"] = measure("ours qkv views", lambda: auto_event_time_us(
-                lambda i: qkn.qk_norm(*views[i % count][:2], wq, wk, EPS, out_q=views[i % count][2],
+                lambda i: rosekernels.qk_norm(*views[i % count][:2], wq, wk, EPS, out_q=views[i % count][2],
                                       out_k=views[i % count][3])), errors)
             del views
             for name in PEERS:

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import report  # noqa: E402
 import timing  # noqa: E402
 from report import fmt, measure, ratio  # noqa: E402
+import rosekernels  # noqa: E402
 from rosekernels import checks, modes  # noqa: E402
 from rosekernels.kernels import rmsnorm as rms  # noqa: E402
 
@@ -90,7 +91,7 @@ def bench_case(hidden, rows, residual, peers, sweep, log):
 
     def ours(i):
         x, r, out, ro = sets[i % count]
-        rms.rmsnorm(x, w, EPS, residual=r, out=out, residual_out=ro)
+        rosekernels.rmsnorm(x, w, EPS, residual=r, out=out, residual_out=ro)
 
     x, r, out, ro = sets[0]
     ours(0)

@@ -44,12 +44,15 @@ del os  # dir(rosekernels) lists the package's own names only
 KERNELS = {name: f"rosekernels.kernels.{name}" for name in (
     "qk_norm", "rmsnorm", "moe_dispatch", "moe_combine", "gemm_leakyrelu", "attention", "attention_decode",
     "append_kvcache")}
-# The public ops and where each is defined: a kernel's own module, or rosekernels.ops where an op
-# chooses between kernels. warmup lives in `startup`: a submodule named `warmup` would shadow the
-# function once imported.
-_EXPORTS = {**KERNELS, "attention": "rosekernels.ops.attention", "warmup": "rosekernels.startup",
-            "gemm": KERNELS["gemm_leakyrelu"], "gate_up_rows": KERNELS["gemm_leakyrelu"],
-            "attention_with_kvcache": "rosekernels.ops.kvcache", "attention_varlen": "rosekernels.ops.varlen"}
+# The public ops and the module of rosekernels.ops that defines each. warmup lives in `startup`: a
+# submodule named `warmup` would shadow the function once imported.
+_OP_MODULES = {"qk_norm": "qk_norm", "rmsnorm": "rmsnorm", "moe_dispatch": "moe_dispatch",
+               "moe_combine": "moe_combine", "gemm": "gemm", "gemm_leakyrelu": "gemm", "gate_up_rows": "gemm",
+               "attention": "attention", "attention_decode": "attention", "attention_with_kvcache": "kvcache",
+               "attention_varlen": "varlen", "append_kvcache": "append_kvcache"}
+_EXPORTS = {**{name: f"rosekernels.ops.{module}" for name, module in _OP_MODULES.items()},
+            "warmup": "rosekernels.startup"}
+_MODULES = {"moe": "rosekernels.ops.moe"}  # multi-GPU MoE (ExpertParallel, TensorParallel): a module
 
 __all__ = sorted(_EXPORTS)
 
@@ -57,13 +60,16 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str):
     import importlib  # here, not at the top: dir(rosekernels) lists the package's own names only
 
-    if name not in _EXPORTS:
+    if name in _MODULES:
+        value = importlib.import_module(_MODULES[name])
+    elif name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    else:
         raise AttributeError(f"module 'rosekernels' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
     globals()[name] = value
     return value
 
 
 def __dir__():
     # The lazy ops are not module attributes until first used: list them anyway.
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | set(_MODULES))

@@ -19,10 +19,13 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)  # subclasses (fake, functional) tak
 
 
 class PlanCache:
-    """Launch plans by argument signature: a tuple of what the op's plan depends on (each tensor's
-    shape, strides, dtype and device index, and the scalar options), written out by the op, since a
-    generic builder looping over the arguments costs about a microsecond more per call. Bounded: past
-    `size` signatures (many distinct token counts) it starts over rather than grow without bound."""
+    """Launch plans by argument signature. Every op builds its key the same way: one flat tuple written
+    out in the op (a generic builder looping over the arguments costs about a microsecond more per
+    call) of what its plan depends on: each tensor's shape, strides, dtype and device index (None for
+    an absent optional tensor), then the scalar options. Where the kernel's compiled host code checks
+    strides, alignment and the agreement of sizes on every call, the key leaves out what those checks
+    cover (qk_norm, rmsnorm, append_kvcache). Bounded: past `size` signatures (many distinct token
+    counts) it starts over rather than grow without bound."""
 
     def __init__(self, size: int = PLAN_CACHE_SIZE):
         self.size = size
@@ -45,11 +48,6 @@ def forget_plans() -> None:
     tuned configs, which plans made before it do not see."""
     for cache in _caches:
         cache._plans.clear()
-
-
-def signature(t: torch.Tensor | None) -> tuple | None:
-    """One tensor's part of a plan key (None for an absent optional tensor)."""
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
 
 
 def eager(*tensors: Any) -> bool:

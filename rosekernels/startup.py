@@ -41,16 +41,14 @@ tuned against is reported stale and not used.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 import time
 import warnings
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable, Iterable
 
 import rosekernels
-from rosekernels import jit, launch, tuned
+from rosekernels import contract, jit, launch, tuned
 from rosekernels.models import ModelDims
 from rosekernels.variant import MODES
 
@@ -87,12 +85,6 @@ class WarmupReport:
         return "\n".join(lines)
 
 
-def _module(op: str) -> ModuleType:
-    if op not in rosekernels.KERNELS:
-        raise ValueError(f"no kernel module for op {op!r}; the kernels are {sorted(rosekernels.KERNELS)}")
-    return importlib.import_module(rosekernels.KERNELS[op])
-
-
 @dataclasses.dataclass(frozen=True)
 class _Spec:
     variant: jit.Variant | None  # known before compiling, except for a callable spec
@@ -102,10 +94,10 @@ class _Spec:
 
 def _resolve(spec: Any) -> _Spec:
     if isinstance(spec, jit.Variant):
-        spec = _module(spec.op).Config.from_variant(spec)
+        spec = contract.kernel_module(spec.op).Config.from_variant(spec)
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):  # a kernel Config
         variant = spec.variant()
-        m = _module(variant.op)
+        m = contract.kernel_module(variant.op)
         return _Spec(variant, lambda: m.compile(spec), (m.__name__, spec))
     if callable(spec):
         return _Spec(None, spec, None)
@@ -122,7 +114,8 @@ def model_specs(model: Any, modes: Iterable[str] = MODES, max_tokens: int | None
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
     dims = model if isinstance(model, ModelDims) else ModelDims.from_config(model)
-    return [c for op in rosekernels.KERNELS for c in _module(op).variants_for([dims], modes, max_tokens)]
+    return [c for op in rosekernels.KERNELS
+            for c in contract.kernel_module(op).variants_for([dims], modes, max_tokens)]
 
 
 def _tuned_root(cache_dir: str | os.PathLike | None, tuned_dir: str | os.PathLike | None) -> Path | None:

@@ -520,13 +520,7 @@ def config_path(root: str | os.PathLike | None, kernel: str, mode: str, shape: A
 
 
 def _kernel_module(kernel: str) -> Any:
-    import importlib
-
-    import rosekernels
-
-    if kernel not in rosekernels.KERNELS:
-        raise ValueError(f"no kernel module for {kernel!r}; the kernels are {sorted(rosekernels.KERNELS)}")
-    return importlib.import_module(rosekernels.KERNELS[kernel])
+    return contract.kernel_module(kernel)
 
 
 def _read_config(path: Path, kernel: str, toolchain: str) -> ConfigEntry:

@@ -9,6 +9,12 @@ ARCH = "sm_90a"
 MODES = ("prefill", "decode")
 
 
+def check_mode(mode: str) -> None:
+    """ValueError unless `mode` is one of MODES."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """What identifies one compiled kernel: op, prefill|decode, and every compile-time parameter."""
@@ -20,8 +26,7 @@ class Variant:
 
     @classmethod
     def of(cls, op: str, mode: str, **params: Any) -> "Variant":
-        if mode not in MODES:
-            raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
+        check_mode(mode)
         return cls(op, mode, tuple(sorted(params.items())))
 
     def key(self) -> str:

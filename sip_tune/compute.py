@@ -65,15 +65,16 @@ def _varlen_args(config: Any, lengths: tuple[int, ...], heads: int, seed: int, s
 
     from rosekernels import checks, modes
     from rosekernels.kernels import attention as A
+    from rosekernels.kernels import attention_common as AC
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     total, dt, d = sum(lengths), checks.TORCH_DTYPE[config.dtype], config.head_dim
 
     def randn() -> torch.Tensor:
-        return A.tma_view(torch.randn(1, total, heads, d, generator=g, device="cuda").to(dt))
+        return AC.tma_view(torch.randn(1, total, heads, d, generator=g, device="cuda").to(dt))
 
     q, k, v = randn(), randn(), randn()
-    out = A.tma_view(torch.full((1, total, heads, d), math.nan, device="cuda", dtype=dt))
+    out = AC.tma_view(torch.full((1, total, heads, d), math.nan, device="cuda", dtype=dt))
     lse = torch.full((1, heads, total), math.nan, device="cuda")
     cu = torch.tensor([0, *itertools.accumulate(lengths)], device="cuda", dtype=torch.int32)
     grid = A.grid_size(config, len(lengths), max(lengths), heads, modes.sm_count(q.device.index))

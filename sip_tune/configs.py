@@ -4,8 +4,8 @@
     tune_configs("gemm_leakyrelu", "decode", {"m": 8})  -> ConfigReport    (GPU)
 
 1. The space: the kernel module's `candidates(shape)`. Where there are more than `max_candidates`
-   besides the heuristic's, the kernel's cost model prunes them: a module (or its plan module) may
-   define `rank(shape, configs)`, best first; without one the candidates' own order is kept. The
+   besides the heuristic's, the kernel's cost model prunes them: its `rank(shape, configs)`, best first
+   (`contract.keep_order` where the kernel has no cost model: the candidates' own order). The
    heuristic's config is always kept.
 2. Compile: every distinct variant in parallel processes, into the disk cache (CPU); each row gets
    the seconds its variant took (a disk hit shows as the load time).
@@ -44,14 +44,12 @@ import dataclasses
 import datetime
 import functools
 import importlib
-import importlib.util
 import itertools
 import math
 import multiprocessing
 import os
 import random
 import time
-from types import ModuleType
 from typing import Any, Callable, Mapping
 
 from rosekernels import contract
@@ -91,28 +89,10 @@ class SearchSpace:
 
 
 def describe(config: Any) -> str:
-    """The config's variant key, then its launch policy (K splits, split counts, raster groups),
-    which one compiled kernel takes at run time: the Config's POLICY_FIELDS where it names them
-    (a key may also leave out compiled fields at their defaults), else every field beyond the key."""
-    variant = config.variant()
-    fields = dataclasses.asdict(config)
-    names = getattr(type(config), "POLICY_FIELDS", None)
-    if names is None:
-        names = set(fields) - {k for k, _ in variant.params} - {"mode"}
-    policy = {k: v for k, v in fields.items() if k in names}
-    return " ".join([variant.key()] + [f"{k}={v}" for k, v in policy.items()])
-
-
-def _rank_function(m: ModuleType) -> tuple[Callable[[Any, list], list] | None, str]:
-    """The kernel's `rank(shape, configs)`: in the kernel module, or in its plan module."""
-    if hasattr(m, "rank"):
-        return m.rank, f"{m.__name__}.rank"
-    plan_name = f"{m.__name__}_plan"
-    if importlib.util.find_spec(plan_name) is not None:
-        plan_module = importlib.import_module(plan_name)
-        if hasattr(plan_module, "rank"):
-            return plan_module.rank, f"{plan_name}.rank"
-    return None, "candidates order"
+    """The config's variant key, then its launch policy (the Config's POLICY_FIELDS: K splits, split
+    counts, raster groups), which one compiled kernel takes at run time."""
+    policy = [f"{name}={getattr(config, name)}" for name in type(config).POLICY_FIELDS]
+    return " ".join([config.variant().key(), *policy])
 
 
 def plan(kernel: str, mode: str, overrides: Mapping[str, Any] | None = None,
@@ -126,8 +106,8 @@ def plan(kernel: str, mode: str, overrides: Mapping[str, Any] | None = None,
     found = list(m.candidates(shape))
     if heuristic not in found:
         raise ValueError(f"{kernel}: the heuristic's config is not among candidates({shape}): {heuristic}")
-    rank, ranked_by = _rank_function(m)
-    ordered = rank(shape, found) if rank is not None else found
+    ranked_by = "candidates order" if m.rank is contract.keep_order else f"{m.rank.__module__}.rank"
+    ordered = m.rank(shape, found)
     if sorted(map(repr, ordered)) != sorted(map(repr, found)):
         raise ValueError(f"{ranked_by} did not return a permutation of the candidates")
     others = [c for c in ordered if c != heuristic][:max_candidates]

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
-from types import ModuleType
 from typing import Any, Callable, Mapping
 
 import rosekernels
@@ -20,12 +18,7 @@ from rosekernels import contract
 from rosekernels.workload import Workload
 
 KERNELS = rosekernels.KERNELS  # name -> module: what sip-tune --kernel accepts
-
-
-def kernel_module(kernel: str) -> ModuleType:
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown kernel {kernel!r}; sip-tune knows {sorted(KERNELS)}")
-    return importlib.import_module(KERNELS[kernel])
+kernel_module = contract.kernel_module
 
 
 def resolve(kernel: str, mode: str, shape: Mapping[str, Any] | None = None) -> tuple[Any, Any]:

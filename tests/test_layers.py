@@ -3,7 +3,9 @@
     bench/  ->  sip_tune/  ->  rosekernels/  ->  sip/ (the SASS engine)
 
 no import runs back up, the engine needs neither torch nor CuTeDSL, plan modules import no device
-code, and a benchmark script imports no other script (only the shared timing, report and charts modules)."""
+code, kernel modules import no op (the ops in rosekernels/ops are built on the kernels, not the other way),
+no module imports another's private names, and a benchmark script imports no other script (only the
+shared timing, report and charts modules)."""
 import ast
 from pathlib import Path
 
@@ -58,6 +60,26 @@ def test_plan_modules_import_no_device_code():
                      or n.startswith("rosekernels.jit") or (n.startswith("rosekernels.kernels.")
                                                             and not n.split(".")[2].endswith("_plan")))
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_kernel_modules_import_no_op():
+    for path in sorted((ROOT / "rosekernels" / "kernels").glob("*.py")):
+        bad = sorted(n for n in imports(path) if n == "rosekernels.ops" or n.startswith("rosekernels.ops."))
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+@pytest.mark.parametrize("name", sorted(set(rosekernels.__all__) - {"warmup"}))
+def test_every_public_op_lives_in_the_ops_layer(name):
+    assert getattr(rosekernels, name).__module__.startswith("rosekernels.ops."), name
+
+
+def test_no_module_imports_private_names_of_another():
+    for layer in LAYERS:
+        for path in sources(layer):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom):
+                    private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                    assert not private, f"{path.relative_to(ROOT)} imports {private} from {node.module}"
 
 
 def test_a_benchmark_script_imports_no_other_script():

@@ -3,7 +3,13 @@ sm_90a (no GPU needed), as JSON {variant key: sha256}; with --compare, the keys 
 from an earlier run's (a refactoring that must not change any kernel shows none).
 
     python tools/cubin_hashes.py -o hashes.json [--kernels qk_norm,rmsnorm] [--compare before.json] [-j 2]
+    python tools/cubin_hashes.py -o keys.json --keys-only [--extras]        # every key, nothing compiled
+    python tools/cubin_hashes.py -o sample.json --only REGEX [--extras]     # the keys REGEX finds in
 
+--extras adds the kernels warm-up does not list by default: the KV-cache variants of the split-KV kernel
+(contiguous and 16-row pages), the varlen prefill variants and the MoE peer kernels. --keys-only writes
+null for every hash; --compare then compares the key lists. With --only, --compare looks only at the
+earlier run's keys that REGEX finds in (compare runs made with the same --kernels and --extras).
 A path ending in .gz is read and written gzip-compressed (the committed lists in bench/results are).
 """
 from __future__ import annotations
@@ -15,27 +21,54 @@ import importlib
 import json
 import multiprocessing
 import os
+import re
 import sys
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+# The kernels of this checkout, not those of an installed copy (an editable install points elsewhere).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+PEER = "rosekernels.kernels.moe_peer"
 
 
 def _open(path: str, mode: str):
     return gzip.open(path, mode + "t") if path.endswith(".gz") else open(path, mode)
 
 
-def _specs(kernels: list[str]) -> list[tuple[str, object]]:
-    import rosekernels
+def _module(name: str):
+    from rosekernels import contract
 
-    return [(name, cfg) for name in kernels
-            for cfg in importlib.import_module(rosekernels.KERNELS[name]).variants_for()]
+    return contract.kernel_module(name)
+
+
+def _extras(kernels: list[str]) -> list[tuple[str, object]]:
+    """(module, config) of the variants that no `variants_for()` lists."""
+    specs = []
+    if "attention_decode" in kernels:
+        m = _module("attention_decode")
+        specs += [(m.__name__, c) for block_size in (None, 16) for c in m.kvcache_variants_for(block_size=block_size)]
+    if "attention" in kernels:
+        m = _module("attention")
+        specs += [(m.__name__, c) for c in m.varlen_variants_for()]
+    if "moe_dispatch" in kernels or "moe_combine" in kernels:
+        peer = importlib.import_module(PEER)
+        configs = [peer.PeerConfig("ep_send", 4, hidden=2048, topk=8, experts=32),
+                   peer.PeerConfig("ep_return", 4, hidden=2048, topk=8, experts=32),
+                   peer.PeerConfig("wait", 4, region=peer.EP_FLAG, bump=True),
+                   peer.PeerConfig("tp_reduce", 4, hidden=2048),
+                   peer.PeerConfig("tp_reduce", 4, hidden=2048, topk=8)]
+        specs += [(PEER, c) for c in configs]
+    return specs
+
+
+def _specs(kernels: list[str], extras: bool) -> list[tuple[str, object]]:
+    specs = [(_module(name).__name__, cfg) for name in kernels for cfg in _module(name).variants_for()]
+    return specs + (_extras(kernels) if extras else [])
 
 
 def _hash(spec: tuple[str, object]) -> tuple[str, str]:
-    import rosekernels
-
-    name, cfg = spec
-    kernel = importlib.import_module(rosekernels.KERNELS[name]).compile(cfg)
+    module, cfg = spec
+    kernel = importlib.import_module(module).compile(cfg)
     return kernel.variant.key(), kernel.cubin_sha256
 
 
@@ -46,19 +79,32 @@ def main() -> int:
     p.add_argument("-o", "--output", required=True)
     p.add_argument("--kernels", default=",".join(rosekernels.KERNELS))
     p.add_argument("--compare", help="an earlier run's JSON: report keys missing, added or changed")
+    p.add_argument("--keys-only", action="store_true", help="list the variant keys, compile nothing")
+    p.add_argument("--only", metavar="REGEX", help="compile only the keys this regular expression finds in")
+    p.add_argument("--extras", action="store_true", help="also the KV-cache, varlen and MoE peer variants")
     p.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
     args = p.parse_args()
-    specs = _specs(args.kernels.split(","))
-    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        hashes = dict(pool.map(_hash, specs))
+    specs = _specs(args.kernels.split(","), args.extras)
+    ops = {cfg.variant().op for _, cfg in specs}
+    selected = re.compile(args.only) if args.only else None
+    if selected is not None:
+        specs = [s for s in specs if selected.search(s[1].variant().key())]
+    if args.keys_only:
+        hashes = {cfg.variant().key(): None for _, cfg in specs}
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
+            hashes = dict(pool.map(_hash, specs))
     with _open(args.output, "w") as f:
         json.dump(hashes, f, indent=1, sort_keys=True)
-    print(f"{len(hashes)} cubins -> {args.output}")
+    print(f"{len(hashes)} {'keys' if args.keys_only else 'cubins'} -> {args.output}")
     if not args.compare:
         return 0
     with _open(args.compare, "r") as f:
-        before = {k: v for k, v in json.load(f).items() if k.split("-")[0] in args.kernels.split(",")}
-    changed = sorted(k for k in hashes.keys() & before.keys() if hashes[k] != before[k])
+        before = {k: v for k, v in json.load(f).items()
+                  if k.split("-")[0] in ops and (selected is None or selected.search(k))}
+    changed = sorted(k for k in hashes.keys() & before.keys()
+                     if None not in (hashes[k], before[k]) and hashes[k] != before[k])
     for label, keys in (("missing", sorted(before.keys() - hashes.keys())),
                         ("added", sorted(hashes.keys() - before.keys())), ("changed", changed)):
         for k in keys:

@@ -1,6 +1,6 @@
-"""append_kvcache(): write a step's new keys and values into a KV cache, contiguous or paged, at each
-sequence's own position (held on the device), in one launch and without a sync: the companion of
-attention_with_kvcache.
+"""The kernel of append_kvcache(): write a step's new keys and values into a KV cache, contiguous or
+paged, at each sequence's own position (held on the device), in one launch and without a sync: the
+companion of attention_with_kvcache.
 
 k, v [B, S_new, Hkv, d]; token i of sequence b goes to position p = cache_seqlens[b] + i: row p % block_size
 of block block_table[b, p // block_size] (paged: k_cache, v_cache [num_blocks, block_size, Hkv, d],
@@ -18,7 +18,8 @@ Design: one thread per 128-bit vector of a (sequence, token, head) row, the same
 (both loaded before either store). The thread reads its sequence's length and, paged, the one table
 entry of its position when that column lies inside the table, then stores only when the row lies
 inside the cache. dtype, head dim and the layout are compiled in; every count,
-length and stride is a runtime value. The config and its choice live in append_kvcache_plan.
+length and stride is a runtime value. The config and its choice live in append_kvcache_plan, the op
+(argument checks, launch plans, eager and traced calls) in rosekernels/ops/append_kvcache.py.
 """
 from __future__ import annotations
 
@@ -30,10 +31,9 @@ import cutlass.cute as cute
 import torch
 from cutlass import Int32
 
-from rosekernels import checks, jit, launch, modes, tuned
-from rosekernels.kernels.append_kvcache_plan import (  # noqa: F401  (candidates, variants_for: the contract)
-    DECODE_MAX_TOKENS, DTYPES, HEAD_DIMS, OP, TORCH_DTYPE, AppendConfig, AppendShape, candidates, config_for,
-    variants_for)
+from rosekernels import checks, jit
+from rosekernels.kernels.append_kvcache_plan import (  # noqa: F401  (the plan's names are the kernel's: the contract)
+    DECODE_MAX_TOKENS, OP, TORCH_DTYPE, AppendConfig, AppendShape, candidates, config_for, rank, variants_for)
 from rosekernels.vector_copy import vec_load, vec_store
 from rosekernels.workload import Workload
 
@@ -45,7 +45,6 @@ Config, Shape = AppendConfig, AppendShape
 
 class AppendKernel:
     def __init__(self, cfg: AppendConfig):
-        cfg.validate()
         self.cfg = cfg
 
     @cute.jit
@@ -117,8 +116,13 @@ def _build(cfg: AppendConfig) -> Callable[[], tuple]:
 def compile(config: AppendConfig) -> jit.CompiledKernel:
     """The loaded kernel of `config`; call `.fn(k_cache, v_cache, k, v, cache_seqlens, block_table)`
     (contiguous: `unread_table(device)`)."""
-    config.validate()
     return jit.compile_variant(config.variant(), _build(config))
+
+
+def precompile(configs=None, processes: int | None = None) -> list[jit.CompiledKernel]:
+    """compile() of each config (default: variants_for()), the cold ones first compiled in parallel
+    processes into the disk cache (jit.precompile)."""
+    return jit.precompile(__name__, variants_for() if configs is None else configs, processes)
 
 
 def unread_table(device) -> torch.Tensor:
@@ -203,111 +207,3 @@ def workload(config: AppendConfig, shape: AppendShape) -> Workload:
     return Workload(compile(config), lambda seed: args(shape.batch, shape.new_tokens, shape.kv_heads, seed),
                     outputs=lambda a: a[:2], check=check, test_args=test_args, launch=lambda fn, a: fn(*a[:6]),
                     name=OP)
-
-
-# ---------------------------------------------------------------------------------------------
-# Argument checks (the slow path: first call per signature, and after any launch failure).
-
-def _validate(k_cache, v_cache, k, v, cache_seqlens, block_table) -> None:
-    named = dict(k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table)
-    for name, t in named.items():
-        if not (t is None and name == "block_table") and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    for name in ("k_cache", "v_cache", "k", "v"):
-        if named[name].dim() != 4:
-            raise ValueError(f"{name} must be 4-D, got shape {list(named[name].shape)}")
-    checks.check_dtype("k_cache", k_cache, DTYPES)
-    for name in ("v_cache", "k", "v"):
-        checks.check_dtype(name, named[name], (k_cache.dtype,))
-    checks.check_dtype("cache_seqlens", cache_seqlens, (torch.int32,))
-    B, _, Hkv, d = k.shape
-    if d not in HEAD_DIMS:
-        raise ValueError(f"head dim {d} is not supported; expected one of {HEAD_DIMS}")
-    checks.check_shape("v", v, tuple(k.shape))
-    checks.check_shape("k_cache", k_cache, (None, None, Hkv, d))
-    checks.check_shape("v_cache", v_cache, tuple(k_cache.shape))
-    checks.check_shape("cache_seqlens", cache_seqlens, (B,))
-    if block_table is None:
-        checks.check_shape("k_cache", k_cache, (B, None, Hkv, d))
-    else:
-        checks.check_dtype("block_table", block_table, (torch.int32,))
-        checks.check_shape("block_table", block_table, (B, None))
-        if block_table.shape[1] == 0 and k.numel():
-            raise ValueError("block_table must have at least one column")
-    if k_cache.shape[0] * k_cache.shape[1] == 0 and k.numel():
-        raise ValueError(f"the cache holds no rows: k_cache {list(k_cache.shape)}")
-    if k.numel() >= 2**31 or max(k_cache.shape[:2]) >= 2**31:
-        raise ValueError("too many rows for 32-bit indexing")
-    for name in ("k_cache", "v_cache", "k", "v"):
-        checks.check_unit_last_stride(name, named[name])
-        checks.check_aligned(name, named[name])
-    for name in ("k_cache", "v_cache"):
-        checks.check_not_expanded(name, named[name])
-    for name, t in named.items():
-        if t is not None:
-            checks.check_cuda(name, t)
-    checks.check_same_device(**named)
-
-
-# ---------------------------------------------------------------------------------------------
-# The op.
-
-_plans = launch.PlanCache()
-
-
-class _Plan(launch.Launch):
-    """The kernel of one signature; contiguous caches pass a placeholder table of their own."""
-
-    def __init__(self, fn, device: int, paged: bool):
-        super().__init__(fn, device)
-        self.unused_table = None if paged else unread_table(f"cuda:{device}")
-
-    def launch(self, k_cache, v_cache, k, v, cache_seqlens, block_table) -> None:
-        launch.on_device(self.device, self.fn, k_cache, v_cache, k, v, cache_seqlens,
-                         self.unused_table if block_table is None else block_table)
-
-
-def _new_plan(k_cache, v_cache, k, v, cache_seqlens, block_table) -> launch.Launch:
-    """Slow path, once per signature: validate everything, pick and load the kernel."""
-    _validate(k_cache, v_cache, k, v, cache_seqlens, block_table)
-    B, S_new, Hkv, d = k.shape
-    device = k.device.index
-    if not k.numel():
-        return launch.nothing(device)
-    shape = AppendShape(B, S_new, Hkv, d, checks.DTYPE_NAME[k.dtype], block_table is not None)
-    sms = modes.sm_count(device)
-    return _Plan(compile(tuned.tuned_config(OP, shape, config_for(shape, sms), sms)).fn, device, shape.paged)
-
-
-def _run(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_seqlens: torch.Tensor,
-         block_table: torch.Tensor | None) -> None:
-    # What the plan depends on (the compiled host code checks the strides, alignment and the
-    # agreement of sizes on each call).
-    key = (k_cache.shape, k.shape, k.dtype, k.get_device(), cache_seqlens.dtype,
-           None if block_table is None else block_table.dtype)
-    plan = _plans.get(key) or _plans.put(key, _new_plan(k_cache, v_cache, k, v, cache_seqlens, block_table))
-    if 0 in k_cache.stride() or 0 in v_cache.stride():  # maybe expanded, which the compiled checks let through
-        _validate(k_cache, v_cache, k, v, cache_seqlens, block_table)
-    try:
-        plan.launch(k_cache, v_cache, k, v, cache_seqlens, block_table)
-    except Exception:
-        # The compiled host code raises before launching; the full checks say what is wrong.
-        _validate(k_cache, v_cache, k, v, cache_seqlens, block_table)
-        raise
-
-
-launch.register_op(OP, _run, mutates_args=("k_cache", "v_cache"))
-
-
-def append_kvcache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None) -> None:
-    """Write k, v [B, S_new, Hkv, d] (d in 64/128/256) into k_cache, v_cache at positions
-    cache_seqlens[b] + i, in place, in one launch (see the module docstring for the layouts and what
-    is skipped). Nothing syncs; cache_seqlens is not changed. Graph-capturable; under torch.compile
-    the call goes through the custom op rosekernels::append_kvcache."""
-    if launch.eager(k_cache, v_cache, k, v, cache_seqlens, block_table):
-        _run(k_cache, v_cache, k, v, cache_seqlens, block_table)
-    elif all(isinstance(t, torch.Tensor) for t in (k_cache, v_cache, k, v, cache_seqlens)):  # traced, fake, meta
-        torch.ops.rosekernels.append_kvcache(k_cache, v_cache, k, v, cache_seqlens, block_table)
-    else:
-        _validate(k_cache, v_cache, k, v, cache_seqlens, block_table)  # raises, naming the argument

@@ -17,8 +17,9 @@ from typing import Iterable
 import torch
 
 from rosekernels import checks
+from rosekernels.contract import KernelConfig, keep_order
 from rosekernels.models import ModelDims
-from rosekernels.variant import MODES, Variant
+from rosekernels.variant import MODES, check_mode
 
 OP = "append_kvcache"
 HEAD_DIMS = (64, 128, 256)
@@ -48,16 +49,22 @@ class AppendShape:
     @classmethod
     def defaults(cls, mode: str) -> "AppendShape":
         """Qwen3-8B KV heads, bf16, a paged cache: a decode step of 16 sequences, or one 4096-token chunk."""
-        if mode not in MODES:
-            raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
+        check_mode(mode)
         return cls(batch=16, new_tokens=1) if mode == "decode" else cls(batch=1, new_tokens=4096)
+
+    @classmethod
+    def of(cls, k: torch.Tensor, block_table: torch.Tensor | None) -> "AppendShape":
+        """The shape of an append_kvcache call of k [B, S_new, Hkv, d] (paged: with a block table)."""
+        batch, new_tokens, kv_heads, head_dim = k.shape
+        return cls(batch, new_tokens, kv_heads, head_dim, checks.DTYPE_NAME[k.dtype], block_table is not None)
 
 
 @dataclasses.dataclass(frozen=True)
-class AppendConfig:
-    """Everything a compiled variant is specialized on."""
+class AppendConfig(KernelConfig):
+    """Everything a compiled variant is specialized on: every field is compiled in."""
 
-    POLICY_FIELDS = ()
+    OP = OP
+
     dtype: str  # caches and new tokens: "bf16" | "fp16" | "fp32"
     head_dim: int
     paged: bool  # [num_blocks, block_size, Hkv, d] with a block table, else [B, S_max, Hkv, d]
@@ -69,21 +76,12 @@ class AppendConfig:
         """Elements per 128-bit access."""
         return checks.vector_elems(self.dtype)
 
-    def variant(self) -> Variant:
-        params = dataclasses.asdict(self)
-        return Variant.of(OP, params.pop("mode"), **params)
-
-    @classmethod
-    def from_variant(cls, variant: Variant) -> "AppendConfig":
-        if variant.op != OP:
-            raise ValueError(f"not a {OP} variant: {variant}")
-        return cls(mode=variant.mode, **dict(variant.params))
-
     def validate(self) -> None:
+        check_mode(self.mode)
         if self.dtype not in TORCH_DTYPE or self.head_dim not in HEAD_DIMS:
             raise ValueError(f"unsupported dtype {self.dtype} or head dim {self.head_dim}")
-        if self.mode not in MODES or self.threads not in THREADS:
-            raise ValueError(f"unsupported mode {self.mode!r} or {self.threads} threads per block")
+        if self.threads not in THREADS:
+            raise ValueError(f"unsupported block size: {self.threads} threads")
 
 
 def config_for(shape: AppendShape, sms: int | None = None) -> AppendConfig:
@@ -96,6 +94,9 @@ def candidates(shape: AppendShape, sms: int | None = None) -> list[AppendConfig]
     """config_for(shape) with every block size of THREADS."""
     pick = config_for(shape, sms)
     return list(dict.fromkeys([pick, *(dataclasses.replace(pick, threads=t) for t in THREADS)]))
+
+
+rank = keep_order  # no cost model rates the candidates against each other
 
 
 def variants_for(models: Iterable[ModelDims] | None = None, modes: Iterable[str] = MODES,

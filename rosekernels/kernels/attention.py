@@ -47,10 +47,10 @@ one GQA group adjacent. `persistent=False` launches one CTA per tile in the same
   overlaps the next tile, is faster.
 
 Configs, the tile heuristic, the tuner's search space and the warm-up set are in attention_plan.py
-(re-exported here). This module holds the device code, `compile(config)`, `workload(config, shape)`,
-the launch plan of a call (`plan`, `Launch`) and the registered op rosekernels::attention_fwd;
-`rosekernels.attention()` (rosekernels/ops/attention.py) chooses between this kernel and the
-split-KV one.
+(re-exported here). This module holds the device code, `compile(config)`, `launch_args` and
+`workload(config, shape)`; `rosekernels.attention()` (rosekernels/ops/attention.py, with the launch of a
+call and the registered op rosekernels::attention_fwd) chooses between this kernel and the split-KV one,
+and rosekernels/ops/varlen.py launches its varlen variants.
 """
 from __future__ import annotations
 
@@ -61,13 +61,12 @@ import random
 import torch
 
 from rosekernels import jit  # first: it pins CUTE_DSL_ARCH=sm_90a before cutlass loads
-from rosekernels import checks, launch, modes, scratch, tuned
+from rosekernels import checks, modes
 from rosekernels.kernels.attention_common import (
-    CUTE_DTYPES, LN_2, LOG2_E, TORCH_DTYPES, check, fake_qkv_out_lse, quad_max, quad_sum, tma_tiles, tma_view,
-    views_needed)
+    CUTE_DTYPES, LN_2, LOG2_E, check, fake_qkv_out_lse, quad_max, quad_sum, tma_tiles)
 from rosekernels.kernels.attention_plan import (  # noqa: F401 - the plan's names are this kernel's
     LONG_KV, OP, AttentionConfig, AttentionShape, candidates, config_for, default_config, grid_size, num_tiles,
-    variants_for)
+    rank, variants_for, varlen_config, varlen_variants_for)
 from rosekernels.workload import Workload
 
 import cutlass
@@ -889,8 +888,8 @@ def compile(config: AttentionConfig) -> jit.CompiledKernel:  # noqa: A001 - the 
 
 
 def precompile(configs=None, processes: int | None = None) -> list[jit.CompiledKernel]:
-    """Compile `configs` (default: variants_for()) in parallel processes into the disk cache, then
-    load them here."""
+    """compile() of each config (default: variants_for()), the cold ones first compiled in parallel
+    processes into the disk cache (jit.precompile)."""
     return jit.precompile(__name__, variants_for() if configs is None else configs, processes)
 
 
@@ -947,101 +946,3 @@ def workload(config: AttentionConfig, shape: AttentionShape) -> Workload:
     return Workload(compile(config),
                     lambda seed: _inputs(config, shape.batch, shape.seqlen, shape.heads_q, shape.heads_kv, seed),
                     outputs=lambda args: args[3:5], check=verify, test_args=test_args, name=OP)
-
-
-class Launch(launch.Launch):
-    """One launch of `cfg` planned for an argument signature (validated arguments, q non-empty): the
-    loaded kernel, its grid, the scale and whether TMA needs views of the tensors; a call only takes
-    the stream's tile counter (the kernel re-zeroes it: one per stream serves every eager call)."""
-
-    def __init__(self, cfg: AttentionConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 out: torch.Tensor | None, scale: float):
-        super().__init__(compile(cfg).fn, q.device.index)
-        self.num_ctas = grid_size(cfg, q.shape[0], q.shape[1], q.shape[2], modes.sm_count(q.device.index))
-        self.scale_log2 = scale * LOG2_E
-        self.views = views_needed(q, k, v, out)
-
-    def launch(self, q, k, v, out, lse) -> None:
-        if self.views:
-            q, k, v, out = (tma_view(t) for t in (q, k, v, out))
-        launch.on_device(self.device, self.fn, q, k, v, out, lse, self.scale_log2,
-                         scratch.zeroed_int32(self.device, 1), self.num_ctas, *NOT_VARLEN)
-
-
-def choose_config(q, k, causal: bool) -> AttentionConfig:
-    """The heuristic's config, or the tuned store's for the call's shape. The shape the tuner
-    measures (AttentionShape) has one sequence length, so a call with S_q != S_kv keeps the heuristic."""
-    cfg = default_config(q.shape[-1], TORCH_DTYPES[q.dtype], causal, k.shape[1], q.shape[1], q.shape[0] * q.shape[2],
-                         modes.sm_count(q.device.index))
-    if q.shape[1] != k.shape[1]:
-        return cfg
-    return tuned.tuned_config(OP, AttentionShape(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3],
-                                                 TORCH_DTYPES[q.dtype], causal), cfg)
-
-
-def plan(q, k, v, out, causal: bool, scale: float) -> Launch:
-    """The launch of validated arguments (q non-empty) with `choose_config`'s config."""
-    return Launch(choose_config(q, k, causal), q, k, v, out, scale)
-
-
-def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                   causal: bool, softmax_scale: float) -> None:
-    """The registered op (torch.compile, tensor subclasses): validated arguments, TMA views; a fresh
-    tile counter per call (CUDA-graph trees keep no tensor across calls)."""
-    cfg = choose_config(q, k, causal)  # as eager calls plan it: both give the same results
-    launch.on_device(q.device.index, compile(cfg).fn, q, k, v, out, lse, softmax_scale * LOG2_E,
-                     *launch_args(cfg, q), *NOT_VARLEN)
-
-
-launch.register_op("attention_fwd", _attention_fwd, mutates_args=("out", "lse"))
-
-
-# ---------------------------------------------------------------------------------------------
-# Packed variable-length sequences (rosekernels.attention_varlen, rosekernels/ops/varlen.py).
-
-
-def varlen_config(head_dim: int, dtype: str, causal: bool, max_seqlen_k: int) -> AttentionConfig:
-    """The varlen launch: the dense heuristic's tiles for the longest sequence, `varlen` compiled in
-    (the tuned store, keyed by one sequence length, is not consulted; without the grid's size d=64
-    keeps 192-row tiles)."""
-    return dataclasses.replace(default_config(head_dim, dtype, causal, max_seqlen_k), varlen=True)
-
-
-def varlen_variants_for(models=None) -> list[AttentionConfig]:
-    """The configs attention_varlen can launch for `models` (as variants_for; pass them to
-    rosekernels.warmup(specs=...))."""
-    return list(dict.fromkeys(varlen_config(c.head_dim, c.dtype, c.causal, keys)
-                              for c in variants_for(models, ("prefill",)) for keys in (0, 2 * LONG_KV)))
-
-
-class VarlenLaunch(launch.Launch):
-    """One varlen launch planned for an argument signature and its max_seqlen_q / max_seqlen_k: the
-    grid covers max_seqlen_q's query tiles for every sequence and head (those past a sequence's
-    queries idle)."""
-
-    def __init__(self, cfg: AttentionConfig, q: torch.Tensor, batch: int, max_seqlen_q: int, max_seqlen_k: int,
-                 scale: float):
-        super().__init__(compile(cfg).fn, q.device.index)
-        self.num_ctas = grid_size(cfg, batch, max_seqlen_q, q.shape[1], modes.sm_count(q.device.index))
-        self.scalars = (max_seqlen_q, max_seqlen_k)
-        self.scale_log2 = scale * LOG2_E
-
-    def launch(self, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, private_scratch: bool = False) -> None:
-        """q/k/v/out [total, H, d], lse [Hq, total_q]: the kernel sees them as one batch."""
-        q, k, v, out = (tma_view(t.unsqueeze(0)) for t in (q, k, v, out))
-        launch.on_device(self.device, self.fn, q, k, v, out, lse.unsqueeze(0), self.scale_log2,
-                         scratch.zeroed_int32(self.device, 1, private_scratch), self.num_ctas, cu_seqlens_q,
-                         cu_seqlens_k, *self.scalars)
-
-
-def _attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                          cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-                          max_seqlen_k: int, causal: bool, softmax_scale: float) -> None:
-    """The registered op (torch.compile): validated arguments; a tile counter of its own per call
-    (CUDA-graph trees keep no tensor across calls)."""
-    cfg = varlen_config(q.shape[-1], TORCH_DTYPES[q.dtype], causal, max_seqlen_k)
-    VarlenLaunch(cfg, q, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, softmax_scale).launch(
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, private_scratch=True)
-
-
-launch.register_op("attention_varlen_fwd", _attention_varlen_fwd, mutates_args=("out", "lse"))

@@ -35,10 +35,10 @@ tile's V rows past the length are zeroed in shared memory before P V (P is 0 the
 may hold NaN).
 
 Configs, the split-count model (`choose_splits`), the tuner's search space and the warm-up set are
-in attention_decode_plan.py (re-exported here). This module holds the device code, `compile(config)`,
-`workload(config, shape)`, the launch plan of a call (`plan`, `Launch`; `plan_kvcache`, `KVCacheLaunch`),
-the registered ops rosekernels::attention_decode and rosekernels::attention_with_kvcache and
-`attention_decode()`, the split-KV kernel for any S_q.
+in attention_decode_plan.py (re-exported here). This module holds the device code, `compile(config)`
+and `workload(config, shape)`; the launches of a call and the registered ops are in
+rosekernels/ops/attention.py (`attention_decode()`, the split-KV kernel for any S_q) and
+rosekernels/ops/kvcache.py.
 """
 from __future__ import annotations
 
@@ -50,13 +50,12 @@ import random
 import torch
 
 from rosekernels import jit  # first: it pins CUTE_DSL_ARCH=sm_90a before cutlass loads
-from rosekernels import checks, launch, modes, scratch, tuned
+from rosekernels import checks, modes
 from rosekernels.kernels.attention_common import (
-    CUTE_DTYPES, LN_2, LOG2_E, check, fake_qkv_out_lse, quad_max, quad_sum, tma_tiles, tma_view, validate,
-    views_needed)
+    CUTE_DTYPES, LN_2, LOG2_E, check, fake_qkv_out_lse, quad_max, quad_sum, tma_tiles)
 from rosekernels.kernels.attention_decode_plan import (  # noqa: F401 - the plan's names are this kernel's
-    MAX_SEQLEN_Q, MMA_WARPS, OP, DecodeConfig, DecodeShape, candidates, config_for, kvcache_config_for,
-    kvcache_variants_for, split_plan, variants_for)
+    MAX_SEQLEN_Q, MMA_WARPS, OP, DecodeConfig, DecodeShape, candidates, causal_shift_for, config_for,
+    kvcache_config_for, kvcache_variants_for, rank, split_plan, variants_for)
 from rosekernels.workload import Workload
 
 import cutlass
@@ -717,14 +716,9 @@ def compile(config: DecodeConfig) -> jit.CompiledKernel:  # noqa: A001 - the con
 
 
 def precompile(configs=None, processes: int | None = None) -> list[jit.CompiledKernel]:
-    """Compile `configs` (default: variants_for()) in parallel processes into the disk cache, then
-    load them here."""
+    """compile() of each config (default: variants_for()), the cold ones first compiled in parallel
+    processes into the disk cache (jit.precompile)."""
     return jit.precompile(__name__, variants_for() if configs is None else configs, processes)
-
-
-def _causal_shift(causal: bool, seqlen_q: int, seqlen_kv: int) -> int:
-    """Keys row s sees: [0, s + causal_shift]; without causal S_kv, which never binds."""
-    return seqlen_kv - seqlen_q if causal else seqlen_kv
 
 
 def _inputs(cfg: DecodeConfig, shape: DecodeShape, seed: int, device: str = "cuda") -> tuple:
@@ -747,7 +741,7 @@ def _inputs(cfg: DecodeConfig, shape: DecodeShape, seed: int, device: str = "cud
     lse_part = torch.empty(max(rows, 4), device=device)
     counters = torch.zeros(max(groups, 4), dtype=torch.int32, device=device)
     return (q, k, v, out, lse, o_part, lse_part, counters, (1.0 / math.sqrt(d)) * LOG2_E,
-            _causal_shift(bool(shape.causal), shape.seqlen_q, shape.seqlen_kv), splits, per)
+            causal_shift_for(bool(shape.causal), shape.seqlen_q, shape.seqlen_kv), splits, per)
 
 
 def workload(config: DecodeConfig, shape: DecodeShape) -> Workload:
@@ -773,167 +767,3 @@ def workload(config: DecodeConfig, shape: DecodeShape) -> Workload:
 
     return Workload(compile(config), lambda seed: _inputs(config, shape, seed), outputs=lambda args: args[3:5],
                     check=verify, test_args=test_args, name=OP)
-
-
-def _workspace(device: torch.device, groups: int, rows: int, head_dim: int, private_scratch: bool):
-    """(o_part, lse_part, counters) of a split launch on the current stream: the partials from the
-    caching allocator per call (inside a CUDA graph capture: the graph's pool, alive as long as the
-    graph); counters that the kernel returns to zero (rosekernels.scratch), sized in powers of two
-    so that few shared buffers serve every shape."""
-    counters = scratch.zeroed_int32(device.index, max(4096, 1 << (groups - 1).bit_length()), private_scratch)
-    o_part = torch.empty(rows * head_dim, dtype=torch.float32, device=device)
-    lse_part = torch.empty(rows, dtype=torch.float32, device=device)
-    return o_part, lse_part, counters
-
-
-class Launch(launch.Launch):
-    """One launch of `cfg` planned for an argument signature (validated arguments, q non-empty):
-    split count, loaded kernel, TMA views and scalars fixed up front, so that a call only allocates
-    the split workspace and launches. `private_scratch`: a fresh split counter per call (the
-    registered op: CUDA-graph trees keep no tensor across calls)."""
-
-    def __init__(self, cfg: DecodeConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 out: torch.Tensor | None, causal: bool, scale: float, private_scratch: bool = False):
-        super().__init__(compile(cfg).fn, q.device.index)
-        self.cfg = cfg
-        self.num_splits, self.per, self.groups = split_plan(cfg, DecodeShape.of(q, k, causal),
-                                                            modes.sm_count(q.device.index))
-        self.torch_device = q.device
-        self.views = views_needed(q, k, v, out)
-        self.scale_log2 = scale * LOG2_E
-        self.causal_shift = _causal_shift(causal, q.shape[1], k.shape[1])
-        self.private_scratch = private_scratch
-
-    def launch(self, q, k, v, out, lse) -> None:
-        if self.views:
-            q, k, v, out = (tma_view(t) for t in (q, k, v, out))
-        if self.num_splits > 1:
-            rows = self.num_splits * self.groups * self.cfg.tile_m
-            o_part, lse_part, counters = _workspace(self.torch_device, self.groups, rows, self.cfg.head_dim,
-                                                    self.private_scratch)
-        else:
-            o_part = lse_part = scratch.unread_float32(self.device)
-            counters = o_part.view(torch.int32)
-        launch.on_device(self.device, self.fn, q, k, v, out, lse, o_part, lse_part, counters, self.scale_log2,
-                         self.causal_shift, self.num_splits, self.per)
-
-
-def plan(q, k, v, out, causal: bool, scale: float, splits: int | None = None,
-         private_scratch: bool = False, enable_pdl: bool = True) -> Launch:
-    """The launch of validated arguments (q non-empty) with the heuristic's config (`config_for`);
-    `splits` forces the number of KV chunks."""
-    shape, sms = DecodeShape.of(q, k, causal), modes.sm_count(q.device.index)
-    cfg = tuned.tuned_config(OP, shape, config_for(shape, sms), sms)
-    if splits is not None:
-        cfg = dataclasses.replace(cfg, splits=splits)
-    if not enable_pdl:
-        cfg = dataclasses.replace(cfg, pdl=False)
-    return Launch(cfg, q, k, v, out, causal, scale, private_scratch)
-
-
-def _attention_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                         lse: torch.Tensor, causal: bool, softmax_scale: float, enable_pdl: bool = True) -> None:
-    """The registered op (torch.compile, tensor subclasses): validated arguments, TMA views."""
-    plan(q, k, v, out, causal, softmax_scale, private_scratch=True, enable_pdl=enable_pdl).launch(q, k, v, out, lse)
-
-
-launch.register_op("attention_decode", _attention_decode_op, mutates_args=("out", "lse"))
-
-
-def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                     softmax_scale: float | None = None, out: torch.Tensor | None = None,
-                     return_lse: bool = False, splits: int | None = None, enable_pdl: bool = True):
-    """`rosekernels.attention` forced onto the split-KV kernel (any S_q; meant for S_q <= 16);
-    `splits` overrides the number of KV chunks of an eager call (tests and benchmarks); enable_pdl as
-    attention's."""
-    causal = bool(causal)
-    scale = validate(q, k, v, out, softmax_scale)
-    if out is None:
-        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
-    if q.numel():
-        if launch.eager(q, k, v, out):
-            plan(q, k, v, out, causal, scale, splits, enable_pdl=bool(enable_pdl)).launch(q, k, v, out, lse)
-        else:
-            torch.ops.rosekernels.attention_decode(*(tma_view(t) for t in (q, k, v, out)), lse, causal, scale,
-                                                   bool(enable_pdl))
-    return (out, lse) if return_lse else out
-
-
-# ---------------------------------------------------------------------------------------------
-# The KV-cache kernel's host side (rosekernels.attention_with_kvcache validates; rosekernels/ops/kvcache.py).
-
-
-def _unit_strides(t: torch.Tensor) -> torch.Tensor:
-    """An int32 index tensor whose last stride is 1 (size-1 dims: any stride, which never addresses
-    memory) as the kernel's compiled layout wants it."""
-    if t.dim() and t.shape[-1] == 1 and t.stride(-1) != 1:
-        return t.as_strided(t.shape, (*t.stride()[:-1], 1))
-    return t
-
-
-class KVCacheLaunch(launch.Launch):
-    """One launch of a KV-cache config (`varlen`) planned for an argument signature (validated
-    arguments, B >= 1): split count for the cache's capacity, loaded kernel, views and scalars fixed
-    up front. `private_scratch`: as Launch's."""
-
-    def __init__(self, cfg: DecodeConfig, shape: DecodeShape, q, k_cache, v_cache, out, cache_seqlens, block_table,
-                 scale: float, private_scratch: bool = False):
-        super().__init__(compile(cfg).fn, q.device.index)
-        self.cfg = cfg
-        self.num_splits, self.per, self.groups = split_plan(cfg, shape, modes.sm_count(q.device.index))
-        self.torch_device = q.device
-        self.views = views_needed(q, k_cache, v_cache, out)
-        self.int_views = any(_unit_strides(t) is not t for t in (cache_seqlens, block_table) if t is not None)
-        # A contiguous cache reads no table: any int32 [*, 1] stands in.
-        self.no_table = None if cfg.paged else scratch.unread_float32(self.device).view(torch.int32)[:1].view(1, 1)
-        self.scale_log2 = scale * LOG2_E
-        self.causal_offset = -shape.seqlen_q if shape.causal else 0  # row s sees keys < len - S_q + 1 + s
-        self.private_scratch = private_scratch
-
-    def launch(self, q, k_cache, v_cache, out, lse, cache_seqlens, block_table) -> None:
-        if self.views:
-            q, k_cache, v_cache, out = (tma_view(t) for t in (q, k_cache, v_cache, out))
-        if self.no_table is not None:
-            block_table = self.no_table
-        if self.int_views:
-            cache_seqlens, block_table = _unit_strides(cache_seqlens), _unit_strides(block_table)
-        if self.num_splits > 1:
-            rows = self.num_splits * self.groups * self.cfg.tile_m
-            o_part, lse_part, counters = _workspace(self.torch_device, self.groups, rows, self.cfg.head_dim,
-                                                    self.private_scratch)
-        else:
-            o_part = lse_part = scratch.unread_float32(self.device)
-            counters = o_part.view(torch.int32)
-        launch.on_device(self.device, self.fn, q, k_cache, v_cache, out, lse, o_part, lse_part, counters,
-                         cache_seqlens, block_table, self.scale_log2, self.causal_offset, self.num_splits, self.per)
-
-
-def plan_kvcache(q, k_cache, v_cache, out, cache_seqlens, block_table, causal: bool, scale: float,
-                 splits: int | None = None, private_scratch: bool = False, enable_pdl: bool = True) -> KVCacheLaunch:
-    """The launch of validated attention_with_kvcache arguments (B >= 1) with kvcache_config_for's
-    config, planned for a full cache (S_max, or max_blocks * block_size keys per sequence);
-    `splits` forces the number of KV chunks."""
-    block_size = None if block_table is None else k_cache.shape[1]
-    capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    shape = DecodeShape(batch, seqlen_q, capacity, heads_q, k_cache.shape[2], head_dim,
-                        checks.DTYPE_NAME[q.dtype], causal)
-    cfg = kvcache_config_for(shape, block_size, modes.sm_count(q.device.index))
-    if splits is not None:
-        cfg = dataclasses.replace(cfg, splits=splits)
-    if not enable_pdl:
-        cfg = dataclasses.replace(cfg, pdl=False)
-    return KVCacheLaunch(cfg, shape, q, k_cache, v_cache, out, cache_seqlens, block_table, scale, private_scratch)
-
-
-def _attention_with_kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, out: torch.Tensor,
-                               lse: torch.Tensor, causal: bool, softmax_scale: float, enable_pdl: bool = True) -> None:
-    """The registered op (torch.compile, tensor subclasses): validated arguments, B >= 1, TMA views."""
-    plan_kvcache(q, k_cache, v_cache, out, cache_seqlens, block_table, causal, softmax_scale,
-                 private_scratch=True, enable_pdl=enable_pdl).launch(
-        q, k_cache, v_cache, out, lse, cache_seqlens, block_table)
-
-
-launch.register_op("attention_with_kvcache", _attention_with_kvcache_op, mutates_args=("out", "lse"))

@@ -20,15 +20,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Iterable
+from typing import ClassVar, Iterable
 
 import torch
 
 from rosekernels import checks
+from rosekernels.contract import KernelConfig
 from rosekernels.kernels.attention_plan import DTYPES, HEAD_DIMS
 from rosekernels.models import ModelDims
 from rosekernels.modes import sm_count
-from rosekernels.variant import MODES, Variant
+from rosekernels.variant import MODES
 
 OP = "attention_decode"
 MAX_SEQLEN_Q = 16  # attention() sends S_q <= this here
@@ -67,6 +68,7 @@ class DecodeShape:
     head_dim: int = 128
     dtype: str = "bf16"
     causal: bool = False
+    pdl: bool = True  # programmatic dependent launch (attention(enable_pdl=...))
 
     @classmethod
     def defaults(cls, mode: str) -> "DecodeShape":
@@ -75,10 +77,22 @@ class DecodeShape:
         return cls()
 
     @classmethod
-    def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool = False) -> "DecodeShape":
+    def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool = False, pdl: bool = True) -> "DecodeShape":
         """The shape of a call on q [B, S_q, Hq, d] and k [B, S_kv, Hkv, d]."""
         batch, seqlen_q, heads_q, head_dim = q.shape
-        return cls(batch, seqlen_q, k.shape[1], heads_q, k.shape[2], head_dim, checks.DTYPE_NAME[q.dtype], causal)
+        return cls(batch, seqlen_q, k.shape[1], heads_q, k.shape[2], head_dim, checks.DTYPE_NAME[q.dtype], causal,
+                   pdl)
+
+    @classmethod
+    def of_cache(cls, q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor | None, causal: bool,
+                 pdl: bool = True) -> "DecodeShape":
+        """The shape of an attention_with_kvcache call on q [B, S_q, Hq, d] and a cache [B, S_max, Hkv, d]
+        (or pages [num_blocks, block_size, Hkv, d] with a block table [B, max_blocks]): seqlen_kv is the
+        cache's capacity per sequence."""
+        capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+        batch, seqlen_q, heads_q, head_dim = q.shape
+        return cls(batch, seqlen_q, capacity, heads_q, k_cache.shape[2], head_dim, checks.DTYPE_NAME[q.dtype], causal,
+                   pdl)
 
     @property
     def rows(self) -> int:
@@ -87,8 +101,13 @@ class DecodeShape:
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeConfig:
+class DecodeConfig(KernelConfig):
     """One compiled specialization, and how it is launched."""
+
+    OP = OP
+    mode: ClassVar[str] = "decode"
+    POLICY_FIELDS = ("splits",)
+    KEY_DEFAULTS = {"varlen": False, "page_rows": 0, "pdl": True}  # the keys of the dense variants predate them
 
     head_dim: int  # 64 or 128
     dtype: str  # "bf16" or "fp16"
@@ -105,7 +124,7 @@ class DecodeConfig:
     # before reading what the previous kernel writes either way); attention(enable_pdl=...).
     pdl: bool = True
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
         if self.dtype not in DTYPES:
@@ -133,19 +152,6 @@ class DecodeConfig:
     def paged(self) -> bool:
         return self.page_rows > 0
 
-    def variant(self) -> Variant:
-        params = dataclasses.asdict(self)
-        del params["splits"]
-        for name, default in (("varlen", False), ("page_rows", 0), ("pdl", True)):  # the dense keys predate them
-            if params[name] == default:
-                del params[name]
-        return Variant.of(OP, "decode", **params)
-
-    @classmethod
-    def from_variant(cls, variant: Variant) -> "DecodeConfig":
-        if variant.op != OP:
-            raise ValueError(f"not an {OP} variant: {variant}")
-        return cls(**dict(variant.params))
 
 
 def tile_n_for(head_dim: int) -> int:
@@ -218,12 +224,17 @@ def split_plan(cfg: DecodeConfig, shape: DecodeShape, sms: int | None = None) ->
     return splits, per, groups
 
 
+def causal_shift_for(causal: bool, seqlen_q: int, seqlen_kv: int) -> int:
+    """Keys row s sees: [0, s + causal_shift]; without causal S_kv, which never binds."""
+    return seqlen_kv - seqlen_q if causal else seqlen_kv
+
+
 @functools.lru_cache(maxsize=4096)
 def config_for(shape: DecodeShape, sms: int | None = None) -> DecodeConfig:
     """What attention() launches for `shape` (S_q <= MAX_SEQLEN_Q) on a GPU of `sms` SMs (None: the
     current device's): the smallest row tile that holds the packed rows, and the split count of
     the model."""
-    cfg = DecodeConfig(shape.head_dim, shape.dtype, tile_m_for(shape.rows))
+    cfg = DecodeConfig(shape.head_dim, shape.dtype, tile_m_for(shape.rows), pdl=shape.pdl)
     return dataclasses.replace(cfg, splits=split_plan(cfg, shape, sms)[0])
 
 
@@ -248,7 +259,7 @@ def candidates(shape: DecodeShape, sms: int | None = None) -> list[DecodeConfig]
     found = []
     for tile_m in TILE_M[TILE_M.index(tile_m_for(shape.rows)):]:
         for stages in STAGES:
-            cfg = DecodeConfig(shape.head_dim, shape.dtype, tile_m, stages)
+            cfg = DecodeConfig(shape.head_dim, shape.dtype, tile_m, stages, pdl=shape.pdl)
             wanted = (None, *(2**i for i in range(MAX_SPLITS.bit_length())))
             counts = {split_plan(dataclasses.replace(cfg, splits=s), shape, sms)[0] for s in wanted}
             found += [dataclasses.replace(cfg, splits=s) for s in sorted(counts)]

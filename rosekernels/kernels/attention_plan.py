@@ -14,9 +14,15 @@ import dataclasses
 import itertools
 from typing import Iterable
 
+from typing import TYPE_CHECKING, ClassVar
+
+from rosekernels.contract import KernelConfig
 from rosekernels.models import ModelDims
 from rosekernels.modes import sm_count
-from rosekernels.variant import MODES, Variant
+from rosekernels.variant import MODES
+
+if TYPE_CHECKING:
+    import torch
 
 OP = "attention"
 # What both attention kernels take (q, k, v, out): the head dims and dtypes they are compiled for.
@@ -55,10 +61,26 @@ class AttentionShape:
                              "prefill (the split-KV kernel of short queries is --kernel attention_decode --mode decode)")
         return cls()
 
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool) -> "AttentionShape":
+        """The shape of an attention call on q [B, S, Hq, d] and k [B, S, Hkv, d]: the tuner's shapes have
+        one sequence length, so a call with S_q != S_kv has none (ValueError)."""
+        from rosekernels import checks  # not at the top: this module loads without torch
+
+        batch, seqlen, heads_q, head_dim = q.shape
+        if k.shape[1] != seqlen:
+            raise ValueError(f"no {OP} shape has S_q = {seqlen} != S_kv = {k.shape[1]}")
+        return cls(batch, seqlen, heads_q, k.shape[2], head_dim, checks.DTYPE_NAME[q.dtype], causal)
+
 
 @dataclasses.dataclass(frozen=True)
-class AttentionConfig:
+class AttentionConfig(KernelConfig):
     """One compiled specialization, and how it is launched."""
+
+    OP = OP
+    mode: ClassVar[str] = "prefill"
+    POLICY_FIELDS = ("persistent",)
+    KEY_DEFAULTS = {"varlen": False, "direct_o": False}  # the keys predate them
 
     head_dim: int  # 64 or 128
     dtype: str  # "bf16" or "fp16"
@@ -78,7 +100,7 @@ class AttentionConfig:
     # else one CTA per tile.
     persistent: bool = True
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
         if self.dtype not in DTYPES:
@@ -104,20 +126,6 @@ class AttentionConfig:
         # The mbarriers and the tile mailbox (under 1 KiB), then the buffers, each 1 KiB-aligned: up to
         # 1 KiB of padding before the first, none between them (their sizes are multiples of 1 KiB).
         return 2048 + q + o + kv
-
-    def variant(self) -> Variant:
-        params = dataclasses.asdict(self)
-        del params["persistent"]
-        for field in ("varlen", "direct_o"):
-            if not params[field]:
-                del params[field]  # the keys predate it
-        return Variant.of(OP, "prefill", **params)
-
-    @classmethod
-    def from_variant(cls, variant: Variant) -> "AttentionConfig":
-        if variant.op != OP:
-            raise ValueError(f"not an {OP} variant: {variant}")
-        return cls(**dict(variant.params))
 
 
 def default_config(head_dim: int, dtype: str, causal: bool, seqlen_k: int = 0, seqlen_q: int = 0,
@@ -217,6 +225,20 @@ def variants_for(models: Iterable[ModelDims] | None = None, modes: Iterable[str]
     else:
         kinds = [(m.head_dim, m.dtype) for m in models if m.head_dim in HEAD_DIMS and m.dtype in DTYPES]
     return list(dict.fromkeys(cfg for d, dt in kinds for c in (False, True) for cfg in heuristic_configs(d, dt, c)))
+
+
+def varlen_config(head_dim: int, dtype: str, causal: bool, max_seqlen_k: int) -> AttentionConfig:
+    """The varlen launch: the dense heuristic's tiles for the longest sequence, `varlen` compiled in
+    (the tuned store, keyed by one sequence length, is not consulted; without the grid's size d=64
+    keeps 192-row tiles)."""
+    return dataclasses.replace(default_config(head_dim, dtype, causal, max_seqlen_k), varlen=True)
+
+
+def varlen_variants_for(models=None) -> list[AttentionConfig]:
+    """The configs attention_varlen can launch for `models` (as variants_for; pass them to
+    rosekernels.warmup(specs=...))."""
+    return list(dict.fromkeys(varlen_config(c.head_dim, c.dtype, c.causal, keys)
+                              for c in variants_for(models, ("prefill",)) for keys in (0, 2 * LONG_KV)))
 
 
 def num_tiles(cfg: AttentionConfig, batch: int, seqlen_q: int, heads_q: int) -> int:

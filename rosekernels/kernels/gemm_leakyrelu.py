@@ -28,12 +28,8 @@ One persistent, warp-specialized kernel serves every specialization:
   mainloop is done lets the next kernel launch while it reduces and stores.
 
 Configs, shapes and the cost models that choose a tile shape and split count are in
-`gemm_leakyrelu_plan`. Eager calls keep a launch plan per argument signature (rosekernels.launch),
-so a repeated call only checks pointers (alignment, overlap) and launches.
-
-Public entry points: `gemm(a, w, bias=None, activation=None, gated=False, ...)`, `gemm_leakyrelu(a, b,
-negative_slope=0.01, bias=None, out=None, b_layout="nk")` and `gate_up_rows(w_gate, w_up)`;
-`run(a, b_nk, bias, out, config)` launches a given config. The kernel-module contract
+`gemm_leakyrelu_plan`; the ops `gemm`, `gemm_leakyrelu` and `gate_up_rows`, and `run(a, b_nk, bias,
+out, config)`, which launches a given config, in rosekernels/ops/gemm.py. The kernel-module contract
 (rosekernels.contract) exposes every variant to warm-up, tests and SIP.
 """
 from __future__ import annotations
@@ -57,10 +53,10 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.tensor_utils import LayoutEnum
 
-from rosekernels import checks, launch, modes, scratch, tuned
+from rosekernels import checks, modes
 from rosekernels.kernels.gemm_leakyrelu_plan import (  # noqa: F401  (candidates, variants_for: the contract)
-    ACTIVATIONS, COUNTER_SLOTS, GATE_BLOCK, MAX_SPLITS, OP, TILE_K, GemmConfig, GemmShape, candidates, check_fits,
-    config_for, m_range, partial_floats, variants_for)
+    COUNTER_SLOTS, GATE_BLOCK, MAX_SPLITS, OP, TILE_K, GemmConfig, GemmShape, candidates, check_fits,
+    config_for, m_range, partial_floats, rank, variants_for)
 from rosekernels.workload import Workload
 
 Config, Shape = GemmConfig, GemmShape
@@ -786,13 +782,14 @@ def compile(config: GemmConfig) -> jit.CompiledKernel:
     return jit.compile_variant(config.variant(), lambda: _build(config))
 
 
-def precompile(configs, processes: int | None = None) -> list[jit.CompiledKernel]:
-    """compile() of each config, cold ones compiled in parallel processes (jit.precompile)."""
-    return jit.precompile(__name__, configs, processes)
+def precompile(configs=None, processes: int | None = None) -> list[jit.CompiledKernel]:
+    """compile() of each config (default: variants_for()), the cold ones first compiled in parallel
+    processes into the disk cache (jit.precompile)."""
+    return jit.precompile(__name__, variants_for() if configs is None else configs, processes)
 
 
 @functools.lru_cache(maxsize=None)
-def _max_active_clusters(device_index: int, cluster_size: int) -> int:
+def max_active_clusters(device_index: int, cluster_size: int) -> int:
     """Clusters of `cluster_size` CTAs (one per SM) that can be resident at once: the persistent
     grid's size."""
     sms = modes.sm_count(device_index)
@@ -807,69 +804,7 @@ def _max_active_clusters(device_index: int, cluster_size: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Launching.
-
-
-def _row_stride_ok(t: torch.Tensor) -> torch.Tensor:
-    """`t` with a 16-byte multiple row stride: a size-1 leading dim may carry any stride."""
-    return t.as_strided(t.shape, (8 * math.ceil(t.shape[1] / 8), t.stride(1)))
-
-
-def _extent(t: Optional[torch.Tensor]) -> int:
-    """Bytes from t's first to one past its last element (0 when empty or None)."""
-    if t is None or t.numel() == 0:
-        return 0
-    return (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
-
-
-class _Plan(launch.Launch):
-    """One config launched on one argument signature (shapes, strides, dtypes, device): everything
-    derived from the signature is computed once; a launch only checks what depends on the data
-    pointers (16-byte alignment, out overlapping an input), fetches the split-K workspace and
-    launches."""
-
-    def __init__(self, a, b_nk, bias, out, config: GemmConfig):
-        m = a.shape[0]
-        n = b_nk.shape[0]
-        check_fits(config, m, n)
-        super().__init__(compile(config).fn, a.device.index)
-        self.split_k = config.split_k
-        self.swap = config.swap_ab
-        self.partial_floats = partial_floats(config, m, n) if config.splits > 1 else 0
-        self.scalars = (config.splits, config.raster_group,
-                        _max_active_clusters(self.device, config.cluster_m * config.cluster_n))
-        self.fix_a = m == 1 and a.stride(0) % 8 != 0
-        self.fix_out = m == 1 and out.stride(0) % 8 != 0
-        self.extents = (_extent(a), _extent(b_nk), _extent(bias), _extent(out))
-
-    def launch(self, a, b_nk, bias, out, private_scratch: bool = False) -> None:
-        pa, pb, po = a.data_ptr(), b_nk.data_ptr(), out.data_ptr()
-        ea, eb, ebias, eo = self.extents
-        pbias = bias.data_ptr() if bias is not None else 0
-        if ((pa | pb | po) % 16 or (pa < po + eo and po < pa + ea) or (pb < po + eo and po < pb + eb)
-                or (ebias and pbias < po + eo and po < pbias + ebias)):
-            _check_memory(a, b_nk, bias, out)  # raises, saying which
-        partials = counters = None
-        if self.split_k:
-            # Tile counters that the last split of each tile returns to zero (see rosekernels.scratch).
-            counters = scratch.zeroed_int32(self.device, COUNTER_SLOTS, private_scratch)
-            if self.partial_floats:
-                partials = torch.empty(self.partial_floats, dtype=torch.float32, device=a.device)
-            else:
-                partials = scratch.unread_float32(self.device)
-        a = _row_stride_ok(a) if self.fix_a else a
-        try:
-            if self.swap:
-                launch.on_device(self.device, self.fn, b_nk, a, out.t(), bias, partials, counters, *self.scalars)
-            else:
-                launch.on_device(self.device, self.fn, a, b_nk, _row_stride_ok(out) if self.fix_out else out, bias,
-                                 partials, counters, *self.scalars)
-        except Exception:
-            # The compiled host code checks its arguments and raises before launching; the full
-            # checks say what is wrong in this op's terms.
-            _check_shapes(a, b_nk, bias, out)
-            _check_memory(a, b_nk, bias, out)
-            raise
+# The reference, and workloads: a config's kernel with its inputs, for tests and SIP.
 
 
 def epilogue_reference(y: torch.Tensor, activation: str = "leaky_relu", gated: bool = False,
@@ -884,226 +819,6 @@ def epilogue_reference(y: torch.Tensor, activation: str = "leaky_relu", gated: b
     pairs = y.unflatten(-1, (-1, 2, GATE_BLOCK))
     return (act(pairs[..., 0, :]) * pairs[..., 1, :]).flatten(-2)
 
-
-def gate_up_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The weight of a gated `gemm` from the gate and up projections' weights (each [N, K], as
-    nn.Linear stores them; N a multiple of 8): their rows interleaved in blocks of GATE_BLOCK
-    ([2N, K]), so that gemm(a, gate_up_rows(g, u), activation="silu", gated=True) is
-    silu(a @ g^T) * (a @ u^T). A bias of the gated GEMM is interleaved the same way
-    (gate_up_rows(bias_g[:, None], bias_u[:, None])[:, 0])."""
-    if gate.shape != up.shape or gate.dim() != 2 or gate.shape[0] % GATE_BLOCK:
-        raise ValueError(f"gate and up must be [N, K] alike with N a multiple of {GATE_BLOCK}, got "
-                         f"{list(gate.shape)} and {list(up.shape)}")
-    k = gate.shape[1]
-    return torch.stack([gate.reshape(-1, GATE_BLOCK, k), up.reshape(-1, GATE_BLOCK, k)], 1).reshape(-1, k)
-
-
-class _NoProduct:
-    """The plan of a problem without K tiles or without outputs: out = act(bias) for K = 0 (no K
-    tiles for TMA to describe), nothing to write for M = 0 or N = 0."""
-
-    def __init__(self, activation: str, gated: bool, negative_slope: float):
-        self.epilogue = (activation, gated, negative_slope)
-
-    def launch(self, a, b_nk, bias, out, private_scratch: bool = False) -> None:
-        if out.numel() == 0:
-            return
-        _check_memory(a, b_nk, bias, out)
-        n = b_nk.shape[0]
-        y = bias.float() if bias is not None else out.new_zeros(n, dtype=torch.float32)
-        out.copy_(epilogue_reference(y, *self.epilogue).expand(out.shape))
-
-
-def run(a: torch.Tensor, b_nk: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
-        config: GemmConfig) -> None:
-    """Launch `config` (its tile shape, K splits and raster group) on arguments that gemm_leakyrelu
-    accepts (b_nk: b seen as [N, K]; M, N, K > 0), whatever config_for would pick: for tests, the
-    benchmark's sweep and the tuner. Plans anew on every call."""
-    _Plan(a, b_nk, bias, out, config).launch(a, b_nk, bias, out)
-
-
-def _check_shapes(a, b_nk, bias, out, gated: bool = False) -> None:
-    """Dtypes and shapes (also checked on fake tensors, when torch.compile traces the op)."""
-    checks.check_dtype("a", a, (torch.bfloat16, torch.float16))
-    if b_nk.dtype != a.dtype:
-        raise TypeError(f"b has dtype {b_nk.dtype}, a has {a.dtype}: they must match")
-    if a.dim() != 2 or b_nk.dim() != 2:
-        raise ValueError(f"a and b must be 2-D, got shapes {list(a.shape)} and {list(b_nk.shape)}")
-    m, k = a.shape
-    n = b_nk.shape[0]
-    if b_nk.shape[1] != k:
-        raise ValueError(f"a is [M, K] = {list(a.shape)} but b gives K = {b_nk.shape[1]}")
-    if n % 8 or k % 8:
-        raise ValueError(f"N and K must be multiples of 8 (16-byte rows for TMA), got N={n}, K={k}")
-    if gated and n % (2 * GATE_BLOCK):
-        raise ValueError(f"a gated GEMM takes gate and up rows in blocks of {GATE_BLOCK}: N must be a multiple "
-                         f"of {2 * GATE_BLOCK}, got {n}")
-    if bias is not None:
-        checks.check_dtype("bias", bias, (a.dtype, torch.float32))
-        checks.check_shape("bias", bias, (n,))
-        if n > 1 and bias.stride(0) != 1:
-            raise ValueError("bias must be contiguous")
-    checks.check_dtype("out", out, (a.dtype,))
-    checks.check_shape("out", out, (m, n // 2 if gated else n))
-
-
-def _check_memory(a, b_nk, bias, out) -> None:
-    """Strides, alignment, aliasing and the device (last, so that every other error shows on CPU
-    tensors too)."""
-    for name, t in (("a", a), ("out", out)):
-        if t.numel():
-            checks.check_unit_last_stride(name, t)
-            if t.shape[0] > 1:
-                checks.check_aligned(name, t)
-            elif t.data_ptr() % 16:
-                raise ValueError(f"{name} must be 16-byte aligned")
-    if b_nk.numel():
-        if b_nk.stride(1) != 1 and b_nk.stride(0) != 1:
-            raise ValueError(f"b must be contiguous along N or K, got strides {b_nk.stride()}")
-        checks.check_aligned("b", b_nk if b_nk.stride(1) == 1 else b_nk.t())
-    for name, t in (("a", a), ("b", b_nk), ("bias", bias)):
-        if t is not None and _overlap(out, t):
-            raise ValueError(f"out must not overlap {name}")
-    checks.check_not_expanded("out", out)
-    checks.check_same_device(a=a, b=b_nk, bias=bias, out=out)
-    checks.check_cuda("a", a)
-
-
-def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Whether the byte ranges spanned by x and y intersect."""
-    if x.numel() == 0 or y.numel() == 0:
-        return False
-
-    def span(t):
-        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-    (x0, x1), (y0, y1) = span(x), span(y)
-    return x0 < y1 and y0 < x1
-
-
-def _b_as_nk(b: torch.Tensor, b_layout: str) -> torch.Tensor:
-    if b_layout not in ("nk", "kn"):
-        raise ValueError(f"b_layout must be 'nk' (b is [N, K]) or 'kn' (b is [K, N]), got {b_layout!r}")
-    if not isinstance(b, torch.Tensor) or b.dim() != 2:
-        raise ValueError("b must be a 2-D tensor")
-    return b if b_layout == "nk" else b.t()
-
-
-# ---------------------------------------------------------------------------------------------
-# The op.
-
-_plans = launch.PlanCache()
-
-
-def _new_plan(a, b_nk, bias, out, activation: str, gated: bool, negative_slope: float, enable_pdl: bool):
-    """Slow path, once per argument signature: every check, the heuristic, the compile."""
-    _check_shapes(a, b_nk, bias, out, gated)
-    _check_memory(a, b_nk, bias, out)
-    m, k = a.shape
-    n = b_nk.shape[0]
-    if m == 0 or n == 0 or k == 0:
-        return _NoProduct(activation, gated, negative_slope)
-    name = checks.DTYPE_NAME
-    shape = GemmShape(m, n, k, name[a.dtype], "k" if b_nk.stride(1) == 1 else "n",
-                      name[bias.dtype] if bias is not None else "none", negative_slope, activation, gated,
-                      enable_pdl)
-    sms = modes.sm_count(a.device.index)
-    return _Plan(a, b_nk, bias, out, tuned.tuned_config(OP, shape, config_for(shape, sms), sms))
-
-
-def _run(a, b_nk, bias, out, activation: str, gated: bool, negative_slope: float, enable_pdl: bool = True,
-         private_scratch: bool = False) -> None:
-    # The plan's signature, written out: a generic builder (a loop over the arguments) costs ~1 us more.
-    key = (a.shape, a.stride(), b_nk.shape, b_nk.stride(), out.shape, out.stride(), a.dtype, b_nk.dtype,
-           out.dtype, a.get_device(), b_nk.get_device(), out.get_device(), activation, gated, negative_slope,
-           enable_pdl, None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device()))
-    plan = _plans.get(key) or _plans.put(key, _new_plan(a, b_nk, bias, out, activation, gated, negative_slope,
-                                                        enable_pdl))
-    plan.launch(a, b_nk, bias, out, private_scratch)
-
-
-def _leaky_impl(a: torch.Tensor, b_nk: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
-                negative_slope: float, enable_pdl: bool = True) -> None:
-    # private_scratch: rosekernels.scratch
-    _run(a, b_nk, bias, out, "leaky_relu", False, negative_slope, enable_pdl, private_scratch=True)
-
-
-def _leaky_fake(a, b_nk, bias, out, negative_slope, enable_pdl=True) -> None:
-    _check_shapes(a, b_nk, bias, out)
-
-
-def _gemm_impl(a: torch.Tensor, b_nk: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
-               activation: str, gated: bool, negative_slope: float, enable_pdl: bool = True) -> None:
-    _run(a, b_nk, bias, out, activation, gated, negative_slope, enable_pdl, private_scratch=True)
-
-
-def _gemm_fake(a, b_nk, bias, out, activation, gated, negative_slope, enable_pdl=True) -> None:
-    _check_shapes(a, b_nk, bias, out, gated)
-
-
-_leaky_op = launch.register_op(OP, _leaky_impl, mutates_args=("out",), fake=_leaky_fake)
-_gemm_op = launch.register_op("gemm", _gemm_impl, mutates_args=("out",), fake=_gemm_fake)
-
-
-def _launch(a, b, bias, out, b_layout: str, activation: str, gated: bool, negative_slope: float,
-            enable_pdl: bool) -> torch.Tensor:
-    b_nk = _b_as_nk(b, b_layout)
-    if out is None:
-        if not isinstance(a, torch.Tensor) or a.dim() != 2:
-            raise ValueError("a must be a 2-D tensor")
-        n = b_nk.shape[0]
-        out = torch.empty((a.shape[0], n // 2 if gated else n), dtype=a.dtype, device=a.device)
-    if launch.eager(a, b_nk, bias, out):
-        _run(a, b_nk, bias, out, activation, gated, negative_slope, enable_pdl)
-    elif activation == "leaky_relu" and not gated:
-        _leaky_op(a, b_nk, bias, out, negative_slope, enable_pdl)
-    else:
-        _gemm_op(a, b_nk, bias, out, activation, gated, negative_slope, enable_pdl)
-    return out
-
-
-def gemm(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: Optional[str] = None,
-         gated: bool = False, negative_slope: float = 0.01, out: Optional[torch.Tensor] = None,
-         b_layout: str = "nk", enable_pdl: bool = True) -> torch.Tensor:
-    """act(a @ w^T + bias) with activation None, "relu", "leaky_relu" (negative_slope), "silu" or
-    "gelu_tanh" (GELU, tanh approximation), in one kernel (prefill and decode variants, as
-    gemm_leakyrelu).
-
-    gated=True: out = act(a @ w_gate^T + b_gate) * (a @ w_up^T + b_up) (SwiGLU with "silu"), one kernel,
-    out [M, N / 2]; w [N, K] holds the gate and up rows interleaved in blocks of 8 (w[16 i + j] is gate
-    row 8 i + j, w[16 i + 8 + j] up row 8 i + j): `gate_up_rows(w_gate, w_up)` builds it, the bias
-    likewise. N a multiple of 16.
-
-    a: [M, K] bf16/fp16, unit stride along K; w: same dtype, contiguous along K or N (b_layout="kn":
-    w is [K, N]); bias: [N] in a's dtype or fp32. enable_pdl: launch with programmatic dependent
-    launch (set-up overlaps the previous kernel; the next one may launch during the epilogue).
-    Registered as torch.ops.rosekernels.gemm (mutating `out`) for torch.compile; eager calls skip the
-    dispatcher.
-    """
-    activation = "none" if activation is None else activation
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be None or one of {ACTIVATIONS[1:]}, got {activation!r}")
-    return _launch(a, w, bias, out, b_layout, activation, bool(gated),
-                   float(negative_slope) if activation == "leaky_relu" else 0.01, bool(enable_pdl))
-
-
-def gemm_leakyrelu(a: torch.Tensor, b: torch.Tensor, negative_slope: float = 0.01,
-                   bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-                   b_layout: str = "nk", enable_pdl: bool = True) -> torch.Tensor:
-    """leaky_relu(a @ b^T + bias) for b_layout="nk" (b: [N, K], the weight layout of nn.Linear),
-    leaky_relu(a @ b + bias) for b_layout="kn" (b: [K, N]): gemm(..., activation="leaky_relu").
-
-    a: [M, K] bf16/fp16, unit stride along K; b: same dtype, contiguous along K or along N (a
-    transposed view works: b_layout only says which dim is N); bias: [N] in a's dtype or fp32;
-    out: [M, N] in a's dtype (allocated when None). Any M; N and K multiples of 8; rows 16-byte
-    aligned. fp32 accumulation; the slope is compiled into the kernel (one variant per value).
-    Registered as torch.ops.rosekernels.gemm_leakyrelu (mutating `out`) for torch.compile and fake
-    tensors; eager calls skip the dispatcher (tens of microseconds), no autograd either way.
-    """
-    return _launch(a, b, bias, out, b_layout, "leaky_relu", False, float(negative_slope), bool(enable_pdl))
-# ---------------------------------------------------------------------------------------------
-# Workloads: a config's kernel with inputs and a reference, for tests and SIP.
 
 
 def _args(config: GemmConfig, m: int, n: int, k: int, seed: int) -> tuple:
@@ -1124,7 +839,7 @@ def _args(config: GemmConfig, m: int, n: int, k: int, seed: int) -> tuple:
     if config.split_k:
         counters = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device="cuda")
         partials = torch.empty(max(4, partial_floats(config, m, n)), dtype=torch.float32, device="cuda")
-    clusters = _max_active_clusters(torch.cuda.current_device(), config.cluster_m * config.cluster_n)
+    clusters = max_active_clusters(torch.cuda.current_device(), config.cluster_m * config.cluster_n)
     if config.swap_ab:
         return (b, a, out.t(), bias, partials, counters, config.splits, config.raster_group, clusters)
     return (a, b, out, bias, partials, counters, config.splits, config.raster_group, clusters)

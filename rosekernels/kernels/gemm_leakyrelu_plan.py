@@ -17,10 +17,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
+from rosekernels.contract import KernelConfig
 from rosekernels.modes import sm_count
-from rosekernels.variant import MODES, Variant
+from rosekernels.variant import MODES, check_mode
+
+if TYPE_CHECKING:
+    import torch
 
 OP = "gemm_leakyrelu"
 # Epilogue activations: act(x) after the bias. "gelu_tanh" is GELU's tanh approximation.
@@ -152,11 +156,16 @@ _PLAIN_EFFICIENCY = {  # (kind, tile_m): the (width, efficiency) anchors of plai
 
 
 @dataclasses.dataclass(frozen=True)
-class GemmConfig:
+class GemmConfig(KernelConfig):
     """One launch: the compile-time choices of a specialization (its `variant()`), then the launch
     policy the same compiled kernel takes at run time (K splits, raster group)."""
 
+    OP = OP
     POLICY_FIELDS = ("splits", "raster_group")  # not compiled in: left out of variant()
+    # The keys predate these fields (a_rows: of whole A tiles); slope is left out where the activation
+    # does not read it.
+    KEY_DEFAULTS = {"a_rows": lambda c: c.tile_m, "swap_ab": False, "stages": 0, "activation": "leaky_relu",
+                    "gated": False, "pdl": True, "slope": lambda c: None if c.activation == "leaky_relu" else c.slope}
 
     dtype: str = "bf16"  # a, b and out: "bf16" | "fp16"
     b_major: str = "k"  # memory order of b seen as [N, K]: "k" (row-major [N, K]) | "n" ([K, N])
@@ -188,6 +197,9 @@ class GemmConfig:
             object.__setattr__(self, "a_rows", self.tile_m)
         if self.activation != "leaky_relu":
             object.__setattr__(self, "slope", 0.01)  # unread: one spelling per kernel
+        super().__post_init__()
+
+    def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be bf16 or fp16, got {self.dtype!r}")
         if self.b_major not in ("k", "n"):
@@ -231,27 +243,6 @@ class GemmConfig:
     def mode(self) -> str:
         return "decode" if self.split_k else "prefill"
 
-    def variant(self) -> Variant:
-        params = dataclasses.asdict(self)
-        for name in self.POLICY_FIELDS:  # one compile serves every value
-            del params[name]
-        if self.a_rows == self.tile_m:
-            del params["a_rows"]  # the keys of whole-tile variants predate a_rows
-        for name, default in (("swap_ab", False), ("stages", 0), ("activation", "leaky_relu"), ("gated", False),
-                              ("pdl", True)):
-            if params[name] == default:  # nor did these
-                del params[name]
-        if self.activation != "leaky_relu":
-            del params["slope"]  # only leaky_relu reads it
-        return Variant.of(OP, self.mode, **params)
-
-    @classmethod
-    def from_variant(cls, variant: Variant) -> "GemmConfig":
-        """The config of `variant` with the default launch policy (one K split, RASTER_GROUP)."""
-        if variant.op != OP:
-            raise ValueError(f"not a {OP} variant: {variant.key()}")
-        return cls(**dict(variant.params))
-
 
 @dataclasses.dataclass(frozen=True)
 class GemmShape:
@@ -281,9 +272,19 @@ class GemmShape:
     @classmethod
     def defaults(cls, mode: str) -> "GemmShape":
         """What `sip-tune --mode` tunes without --shape: an MLP up projection (Llama-3-8B sizes)."""
-        if mode not in MODES:
-            raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
+        check_mode(mode)
         return cls(m=16 if mode == "decode" else 8192)
+
+    @classmethod
+    def of(cls, a: torch.Tensor, b_nk: torch.Tensor, bias: torch.Tensor | None, activation: str, gated: bool,
+           slope: float, pdl: bool) -> "GemmShape":
+        """The shape of a gemm call on a [M, K], b seen as [N, K] and a bias [N] or None."""
+        from rosekernels import checks  # not at the top: sip-tune --list reads this module without torch
+
+        (m, k), n = a.shape, b_nk.shape[0]
+        name = checks.DTYPE_NAME
+        return cls(m, n, k, name[a.dtype], "k" if b_nk.stride(1) == 1 else "n",
+                   name[bias.dtype] if bias is not None else "none", slope, activation, gated, pdl)
 
 
 def tiles_n(config: GemmConfig, n: int) -> int:

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from rosekernels import checks
+from rosekernels.contract import KernelConfig, keep_order
 from rosekernels.kernels.moe_dispatch_plan import DEFAULT_TOKENS, DTYPE_NAMES, MODELS
 from rosekernels.models import ModelDims
-from rosekernels.variant import MODES, Variant
+from rosekernels.variant import MODES, check_mode
 
 OP = "moe_combine"
 THREADS = {"decode": 128, "prefill": 256}  # per CTA: small CTAs spread few tokens over more SMs
@@ -20,7 +23,12 @@ THREAD_CHOICES = (64, 128, 256, 512, 1024)  # the tuner's search space
 
 
 @dataclasses.dataclass(frozen=True)
-class CombineConfig:
+class CombineConfig(KernelConfig):
+    """Everything a compiled combine kernel is specialised on (all runtime sizes stay dynamic)."""
+
+    OP = OP
+    KEY_NAMES = {"weight_dtype": "wdtype"}
+
     dtype: str  # of expert_out and out
     weight_dtype: str  # of topk_weights: "fp32" or `dtype`
     hidden: int
@@ -29,6 +37,12 @@ class CombineConfig:
     threads: int = 0  # per CTA; 0: THREADS[mode]
 
     def __post_init__(self) -> None:
+        if not self.threads and self.mode in THREADS:
+            object.__setattr__(self, "threads", THREADS[self.mode])
+        super().__post_init__()
+
+    def validate(self) -> None:
+        check_mode(self.mode)
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
         if self.weight_dtype not in ("fp32", self.dtype):
@@ -38,24 +52,12 @@ class CombineConfig:
                              f"for {self.dtype}, got {self.hidden}")
         if not 1 <= self.topk <= 64:
             raise ValueError(f"top-k must be in [1, 64], got {self.topk}")
-        if self.mode not in THREADS:
-            raise ValueError(f"mode must be 'prefill' or 'decode', got {self.mode!r}")
-        object.__setattr__(self, "threads", self.threads or THREADS[self.mode])
         if self.threads % 32 or not 32 <= self.threads <= 1024:
             raise ValueError(f"threads per CTA must be a multiple of 32 in [32, 1024], got {self.threads}")
 
     @property
     def vec(self) -> int:
         return checks.vector_elems(self.dtype)
-
-    def variant(self) -> Variant:
-        return Variant.of(OP, self.mode, dtype=self.dtype, wdtype=self.weight_dtype,
-                          hidden=self.hidden, topk=self.topk, threads=self.threads)
-
-    @classmethod
-    def from_variant(cls, variant: Variant) -> "CombineConfig":
-        p = dict(variant.params)
-        return cls(p["dtype"], p["wdtype"], p["hidden"], p["topk"], variant.mode, p["threads"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,24 +74,32 @@ class CombineShape:
     @classmethod
     def defaults(cls, mode: str) -> "CombineShape":
         """Qwen3-30B-A3B's MoE layer at 128 tokens (decode) or 4096 (prefill)."""
-        if mode not in MODES:
-            raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
+        check_mode(mode)
         return cls(DEFAULT_TOKENS[mode])
+
+    @classmethod
+    def of(cls, expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor) -> "CombineShape":
+        """The shape of a moe_combine call on expert_out [rows, H] and topk_weights, slot_map [T, k]."""
+        return cls(slot_map.shape[0], expert_out.shape[1], slot_map.shape[1], checks.DTYPE_NAME[expert_out.dtype],
+                   checks.DTYPE_NAME[topk_weights.dtype])
 
 
 def choose_mode(num_tokens: int) -> str:
     return "decode" if num_tokens <= DECODE_MAX_TOKENS else "prefill"
 
 
-def config_for(shape: CombineShape) -> CombineConfig:
-    """What moe_combine() launches for `shape`."""
+def config_for(shape: CombineShape, sms: int | None = None) -> CombineConfig:
+    """What moe_combine() launches for `shape` (on any GPU)."""
     return CombineConfig(shape.dtype, shape.weight_dtype, shape.hidden, shape.topk, choose_mode(shape.tokens))
 
 
-def candidates(shape: CombineShape) -> list[CombineConfig]:
+def candidates(shape: CombineShape, sms: int | None = None) -> list[CombineConfig]:
     """Every CTA size of the tuner's search space, in the mode of `shape`."""
     base = config_for(shape)
     return [dataclasses.replace(base, threads=t) for t in THREAD_CHOICES]
+
+
+rank = keep_order  # no cost model rates the candidates against each other
 
 
 def variants_for(models: list[ModelDims] | None = None, modes: tuple[str, ...] = MODES,

@@ -44,11 +44,11 @@ before a launch, and the last CTA to leave it returns it to zero before it exits
 so eager launches in stream order share one buffer and none is zeroed per call.
 
 The config, the mode rule, the grid, the tuner's search space and the warm-up set are planned in
-moe_dispatch_plan.py (no CuTeDSL there).
+moe_dispatch_plan.py (no CuTeDSL there); the op (argument checks, launch plans, eager and traced calls)
+is rosekernels/ops/moe_dispatch.py.
 """
 from __future__ import annotations
 
-import functools
 import random
 from typing import Any, Optional
 
@@ -57,15 +57,15 @@ import cutlass.cute as cute
 import torch
 from cutlass import Int32, Int64, Uint32, const_expr
 
-from rosekernels import checks, jit, launch, modes, scratch, tuned
+from rosekernels import checks, jit, modes
+from rosekernels.kernels.moe_common import MoeDispatch
 from rosekernels.kernels.moe_dispatch_plan import (  # noqa: F401  (re-exported: the kernel's contract)
     DECODE_PAIRS_LIMIT, DECODE_PAIRS_PER_THREAD, DEFAULT_BLOCK_SIZE, MODELS, OP, THREADS, DispatchConfig,
-    DispatchShape, candidates, choose_mode, config_for, default_capacity, meta_layout, num_ctas, token_range,
-    variants_for)
+    DispatchShape, candidates, choose_mode, config_for, default_capacity, expert_range, meta_layout, num_ctas, rank,
+    token_range, variants_for)
 from rosekernels.workload import Workload
 
 Config, Shape = DispatchConfig, DispatchShape
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Prefill workspace (int32): the barrier counter and the invalid count on 128-byte lines of their own
 # (the barrier is polled while the per-expert counters take atomics), then one counter per expert.
 WS_SYNC, WS_INVALID, WS_RAW = 0, 32, 64
@@ -483,271 +483,10 @@ def compile(config: DispatchConfig) -> jit.CompiledKernel:
     return jit.compile_variant(config.variant(), lambda: (_Dispatch(config), _fake_args(config)))
 
 
-# ---------------------------------------------------------------------------------------------
-# The op.
-
-class MoeDispatch:
-    """What `moe_dispatch` returns; every tensor is on x's device, written in the same stream.
-
-    buffer   [capacity, H], x.dtype: expert e's tokens in rows offsets[e] .. +counts[e]-1
-    slot_map [T, k] int32: buffer row of each (token, choice), -1 = dropped
-    counts   [E] int32: tokens of each expert stored in the buffer (local_experts: E = its count)
-    offsets  [E+1] int32: first row of each expert's segment, offsets[E] = rows in use
-    overflow [1] int32: routed pairs not stored for lack of capacity
-    invalid  [1] int32: ids outside [-1, num_experts) (all ranks' experts); when > 0 nothing was dispatched
-    The last four are views of one int32 tensor `meta`, made on access (a view costs host time).
-    """
-
-    def __init__(self, buffer: torch.Tensor, slot_map: torch.Tensor, meta: torch.Tensor,
-                 num_experts: int | None = None):
-        self.buffer, self.slot_map, self.meta = buffer, slot_map, meta
-        self.num_experts = self._experts() if num_experts is None else num_experts  # all ranks' (tensor parallel)
-
-    @property
-    def counts(self) -> torch.Tensor:
-        return self.meta[:self._experts()]
-
-    @property
-    def offsets(self) -> torch.Tensor:
-        e = self._experts()
-        return self.meta[e:2 * e + 1]
-
-    @property
-    def overflow(self) -> torch.Tensor:
-        return self.meta[-2:-1]
-
-    @property
-    def invalid(self) -> torch.Tensor:
-        return self.meta[-1:]
-
-    def _experts(self) -> int:
-        return (self.meta.shape[0] - 3) // 2
-
-    def check(self) -> None:
-        """Raise if the dispatch dropped pairs for lack of capacity or saw invalid ids (synchronises)."""
-        invalid, overflow = int(self.invalid.item()), int(self.overflow.item())
-        if invalid:
-            raise ValueError(f"moe_dispatch: {invalid} expert ids outside [-1, {self.num_experts}); "
-                             "nothing was dispatched")
-        if overflow:
-            raise RuntimeError(f"moe_dispatch: {overflow} routed pairs did not fit the buffer capacity "
-                               f"{self.buffer.shape[0]} and were dropped")
-
-
-def moe_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, capacity: int | None = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE, *, buffer: torch.Tensor | None = None,
-                 mode: str | None = None, check: bool = False,
-                 local_experts: tuple[int, int] | None = None) -> MoeDispatch:
-    """Group the tokens of x [T, H] by expert: see the module docstring for the layout.
-
-    topk_ids [T, k] int32 (-1 = not routed). `capacity` (rows of the buffer) defaults to the worst case
-    `default_capacity(...)`; pass `buffer` [capacity, H] to reuse one (its rows outside the experts'
-    stored tokens are left as they were). `mode` forces "prefill" or "decode" (default: by T*k).
-
-    Nothing is raised on the device: ids outside [-1, E) make the whole dispatch a no-op (counted in
-    `.invalid`), and pairs past the capacity are dropped (slot -1, counted in `.overflow`). Call
-    `.check()` on the result to turn either into an exception, or pass `check=True` (a debug switch:
-    it synchronises with the device on every call, so not inside CUDA graphs).
-
-    local_experts=(first, count) (tensor parallel: this rank's experts) groups only the pairs routed to
-    experts first .. first + count - 1 of the num_experts: the buffer, counts and offsets hold those
-    `count` experts (index e - first), the other pairs get slot -1 and are neither dropped nor invalid.
-
-    Registered as torch.ops.rosekernels.moe_dispatch (mutating `buffer`) for torch.compile and fake
-    tensors; eager calls skip the torch dispatcher and reuse the launch plan validated for the same
-    shapes, strides, dtypes and devices (tens of microseconds less per call).
-    """
-    first, count = expert_range(num_experts, local_experts)
-    if local_experts is not None:
-        local_experts = (first, count)  # a checked tuple: part of the plan's key
-    if buffer is None:
-        if not (isinstance(topk_ids, torch.Tensor) and topk_ids.dim() == 2):
-            raise ValueError("topk_ids must be a 2-D tensor [tokens, k]")
-        num_tokens, topk = topk_ids.shape
-        if capacity is None:
-            capacity = default_capacity(num_tokens, topk, count, block_size)
-        if not isinstance(x, torch.Tensor) or x.dim() != 2:
-            raise ValueError("x must be a 2-D tensor [tokens, hidden]")
-        if capacity < 0:
-            raise ValueError(f"capacity must be >= 0, got {capacity}")
-        buffer = x.new_empty((capacity, x.shape[1]))
-    elif capacity is not None and capacity != buffer.shape[0]:
-        raise ValueError(f"capacity {capacity} disagrees with the buffer's {buffer.shape[0]} rows")
-    if launch.eager(x, topk_ids, buffer):
-        slot_map, meta = _run(x, topk_ids, buffer, num_experts, block_size, mode, local_experts)
-    else:
-        slot_map, meta = _call_op(x, topk_ids, buffer, num_experts, block_size, mode, local_experts)
-    result = MoeDispatch(buffer, slot_map, meta, num_experts)
-    if check:
-        result.check()
-    return result
-
-
-def expert_range(num_experts: Any, local_experts: tuple[int, int] | None) -> tuple[int, int]:
-    """(first, count) of local_experts, checked against num_experts; (0, num_experts) for None."""
-    if local_experts is None:
-        return 0, num_experts
-    first, count = local_experts
-    if any(isinstance(n, bool) or not isinstance(n, (int, torch.SymInt)) for n in (first, count)) or \
-            not (count >= 1 and 0 <= first and first + count <= num_experts):
-        raise ValueError(f"local_experts must be (first, count) with 0 <= first, count >= 1 and first + count <= "
-                         f"num_experts = {num_experts}, got {local_experts!r}")
-    return first, count
-
-
-def _call_op(x: Any, topk_ids: Any, buffer: Any, num_experts: int, block_size: int,
-             mode: str | None, local_experts: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Through the registered op: traced (torch.compile), fake/meta tensors, tensor subclasses."""
-    if mode is None:
-        if not (isinstance(topk_ids, torch.Tensor) and topk_ids.dim() == 2):
-            raise ValueError("topk_ids must be a 2-D tensor [tokens, k]")
-        mode = choose_mode(*topk_ids.shape)
-    first, count = local_experts or (0, 0)  # the op's count 0: every expert
-    return torch.ops.rosekernels.moe_dispatch(x, topk_ids, buffer, num_experts, block_size, mode, first, count)
-
-
-class _Plan(launch.Launch):
-    """A dispatch validated for one signature: beyond the kernel and its device, the block size, the
-    grid, the size of `meta`, whether it takes the prefill scratch, and whether some tensor needs
-    `rows_view` (a size-1 dim with an odd stride)."""
-
-    def __init__(self, fn: Any, device: torch.device, cfg: DispatchConfig, block_size: int, grid: int,
-                 canonical: bool):
-        super().__init__(fn, device.index)
-        self.torch_device = device
-        self.prefill = cfg.mode == "prefill"
-        self.block_size = block_size
-        self.grid = grid
-        self.meta_size = meta_layout(cfg.num_experts)["size"]
-        self.canonical = canonical
-
-    def launch(self, x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor,
-               private_scratch: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slot_map, meta): the outputs, the scratch and the launch on the plan's device and its stream."""
-        return launch.on_device(self.device, self._launch, x, topk_ids, buffer, private_scratch)
-
-    def _launch(self, x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor,
-                private_scratch: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.canonical:
-            x, topk_ids, buffer = rows_view(x), rows_view(topk_ids), rows_view(buffer)
-        slot_map = torch.empty(topk_ids.shape, dtype=torch.int32, device=self.torch_device)
-        meta = torch.empty(self.meta_size, dtype=torch.int32, device=self.torch_device)
-        ws = scratch.zeroed_int32(self.device, WS_INTS, private_scratch) if self.prefill else None
-        self.fn(x, topk_ids, buffer, slot_map, meta, ws, self.block_size, self.grid)
-        return slot_map, meta
-
-
-_plans = launch.PlanCache()
-
-
-def _run(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_experts: int, block_size: int,
-         mode: str | None, local_experts: tuple[int, int] | None = None,
-         private_scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch on plain tensors. Per call: the plan's key, two pointer checks, the two outputs, the
-    launch; the first call with a key validates everything and compiles or loads the kernel."""
-    # The plan's signature, written out: a generic builder (a loop over the arguments) costs ~1 us more.
-    key = (x.shape, x.stride(), x.dtype, x.get_device(), topk_ids.shape, topk_ids.stride(), topk_ids.dtype,
-           topk_ids.get_device(), buffer.shape, buffer.stride(), buffer.dtype, buffer.get_device(),
-           num_experts, block_size, mode, local_experts)
-    plan = _plans.get(key) or _plans.put(key, _new_plan(x, topk_ids, buffer, num_experts, block_size, mode,
-                                                        local_experts))
-    if x.data_ptr() % 16 or buffer.data_ptr() % 16:  # the only property the key does not cover
-        checks.check_aligned("x", x)
-        checks.check_aligned("buffer", buffer)
-    return plan.launch(x, topk_ids, buffer, private_scratch)
-
-
-def _new_plan(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_experts: int,
-              block_size: int, mode: str | None, local_experts: tuple[int, int] | None) -> _Plan:
-    """The slow path, once per signature: every check, the config, the kernel compiled or loaded, the grid."""
-    views = rows_view(x), rows_view(topk_ids), rows_view(buffer)
-    cfg = validate(*views, num_experts, block_size, mode or choose_mode(*topk_ids.shape), local_experts)
-    if not cfg.ranged:  # the tuned store holds whole-range dispatches only
-        cfg = tuned.tuned_config(OP, DispatchShape(x.shape[0], cfg.hidden, cfg.num_experts, cfg.topk, cfg.dtype),
-                                 cfg)
-    canonical = any(v.stride() != t.stride() for v, t in zip(views, (x, topk_ids, buffer)))
-    grid = num_ctas(cfg, x.shape[0], modes.sm_count(x.device.index))
-    return _Plan(compile(cfg).fn, x.device, cfg, block_size, grid, canonical)
-
-
-def validate(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_experts: int,
-             block_size: int, mode: str, local_experts: tuple[int, int] | None = None, *,
-             on_device: bool = True) -> DispatchConfig:
-    """Every argument check, in the order shapes/types -> device -> alignment, so that each one can be
-    exercised with CPU or meta tensors; returns the kernel's config."""
-    for name, t in (("x", x), ("topk_ids", topk_ids), ("buffer", buffer)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    checks.check_dtype("x", x, DTYPES)
-    checks.check_dtype("topk_ids", topk_ids, (torch.int32,))
-    checks.check_dtype("buffer", buffer, (x.dtype,))
-    checks.check_shape("x", x, (None, None))
-    checks.check_shape("topk_ids", topk_ids, (x.shape[0], None))
-    checks.check_shape("buffer", buffer, (None, x.shape[1]))
-    if not isinstance(num_experts, (int, torch.SymInt)) or isinstance(num_experts, bool):
-        raise ValueError(f"num_experts must be an int, got {num_experts!r}")
-    first, count = expert_range(num_experts, local_experts)
-    cfg = DispatchConfig(checks.DTYPE_NAME[x.dtype], x.shape[1], count, topk_ids.shape[1], mode,
-                         expert_first=first, experts_total=num_experts if count != num_experts else 0)
-    if not isinstance(block_size, (int, torch.SymInt)) or isinstance(block_size, bool) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    tokens, topk, capacity = x.shape[0], topk_ids.shape[1], buffer.shape[0]
-    if mode == "decode" and tokens * topk > cfg.decode_pairs_limit:
-        raise ValueError(f"the decode variant routes at most {cfg.decode_pairs_limit} (token, choice) pairs, "
-                         f"got {tokens} x {topk}; use mode='prefill'")
-    worst = tokens * topk + min(count, tokens * topk) * (block_size - 1)
-    if max(worst, capacity, tokens * (x.shape[1] // cfg.vec)) + checks.INDEX_SLACK >= 2**31:
-        raise ValueError("sizes exceed the kernel's 32-bit row/element indexing: "
-                         f"T={tokens}, k={topk}, E={num_experts}, block_size={block_size}, capacity={capacity}")
-    if on_device:
-        for name, t in (("x", x), ("topk_ids", topk_ids), ("buffer", buffer)):
-            checks.check_cuda(name, t)
-        checks.check_same_device(x=x, topk_ids=topk_ids, buffer=buffer)
-        check_sm90(x.device)
-        for name, t in (("x", x), ("topk_ids", topk_ids), ("buffer", buffer)):
-            checks.check_unit_last_stride(name, t)
-        checks.check_aligned("x", x)
-        checks.check_aligned("buffer", buffer)
-        checks.check_not_expanded("buffer", buffer)
-    return cfg
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def check_sm90(device: torch.device) -> None:
-    cc = _capability(device.index if device.index is not None else torch.cuda.current_device())
-    if cc != (9, 0):
-        raise RuntimeError(f"rosekernels MoE kernels are compiled for sm_90a (H100/H200); "
-                           f"{device} is sm_{cc[0]}{cc[1]}")
-
-
-def rows_view(t: torch.Tensor) -> torch.Tensor:
-    """`t` with canonical strides on its size-1 dims (any stride is legal there; the kernel's
-    signature wants the last one unit and the row stride a multiple of 16 bytes)."""
-    if isinstance(t, torch.Tensor) and t.dim() == 2 and 1 in t.shape:
-        return t.as_strided(t.shape, (t.shape[1] if t.shape[0] == 1 else t.stride(0), 1))
-    return t
-
-
-def _impl(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_experts: int, block_size: int,
-          variant_mode: str, expert_first: int, expert_count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # (not `mode`: torch's functionalization of mutating ops passes a `mode` keyword of its own)
-    # A private scratch per launch: compiled graphs (see rosekernels.scratch). expert_count 0: every expert.
-    local = (expert_first, expert_count) if expert_count else None
-    return _run(x, topk_ids, buffer, num_experts, block_size, variant_mode, local, private_scratch=True)
-
-
-def _fake(x, topk_ids, buffer, num_experts, block_size, variant_mode, expert_first, expert_count):
-    cfg = validate(x, topk_ids, buffer, num_experts, block_size, variant_mode,
-                   (expert_first, expert_count) if expert_count else None, on_device=False)
-    return (topk_ids.new_empty(topk_ids.shape, dtype=torch.int32),
-            topk_ids.new_empty((meta_layout(cfg.num_experts)["size"],), dtype=torch.int32))
-
-
-launch.register_op(OP, _impl, mutates_args=("buffer",), fake=_fake)
+def precompile(configs=None, processes: int | None = None) -> list[jit.CompiledKernel]:
+    """compile() of each config (default: variants_for()), the cold ones first compiled in parallel
+    processes into the disk cache (jit.precompile)."""
+    return jit.precompile(__name__, variants_for() if configs is None else configs, processes)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,10 +14,14 @@ DECODE_VECS_PER_CTA 16-byte vectors.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+import torch
 
 from rosekernels import checks
+from rosekernels.contract import KernelConfig, keep_order
 from rosekernels.models import ModelDims
-from rosekernels.variant import MODES, Variant
+from rosekernels.variant import MODES, check_mode
 
 OP = "moe_dispatch"
 DTYPE_NAMES = ("bf16", "fp16", "fp32")  # of the tokens and the buffer (moe_combine: of the rows)
@@ -40,8 +44,13 @@ MAX_VECS_PER_CTA = 4096
 
 
 @dataclasses.dataclass(frozen=True)
-class DispatchConfig:
+class DispatchConfig(KernelConfig):
     """Everything a compiled dispatch kernel is specialised on (all runtime sizes stay dynamic)."""
+
+    OP = OP
+    KEY_NAMES = {"num_experts": "experts", "expert_first": "first", "experts_total": "total"}
+    # The range only where there is one: whole-range keys (compile caches, tuned store) stay as they were.
+    KEY_DEFAULTS = {"experts_total": 0, "expert_first": lambda c: None if c.ranged else 0}
 
     dtype: str  # "bf16" | "fp16" | "fp32", of x and the buffer
     hidden: int
@@ -57,6 +66,12 @@ class DispatchConfig:
     experts_total: int = 0
 
     def __post_init__(self) -> None:
+        if self.experts_total == self.num_experts and not self.expert_first:
+            object.__setattr__(self, "experts_total", 0)  # the whole range: one spelling per kernel
+        super().__post_init__()
+
+    def validate(self) -> None:
+        check_mode(self.mode)
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
         if self.hidden <= 0 or self.hidden % self.vec:
@@ -66,8 +81,6 @@ class DispatchConfig:
             raise ValueError(f"num_experts must be in [1, {self.threads}], got {self.num_experts}")
         if not 1 <= self.topk <= 64:
             raise ValueError(f"top-k must be in [1, 64], got {self.topk}")
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be 'prefill' or 'decode', got {self.mode!r}")
         if self.threads % 32 or not 32 <= self.threads <= 1024 or self.unroll < 1:
             raise ValueError(f"bad launch shape: threads={self.threads}, unroll={self.unroll}")
         if self.experts_total and not 0 <= self.expert_first <= self.experts_total - self.num_experts:
@@ -94,18 +107,6 @@ class DispatchConfig:
         """Whether the kernel routes to a part of the experts only (tensor parallel)."""
         return self.total_experts != self.num_experts
 
-    def variant(self) -> Variant:
-        # The range only where there is one: whole-range keys (compile caches, tuned store) stay as they were.
-        ranged = {"first": self.expert_first, "total": self.experts_total} if self.ranged else {}
-        return Variant.of(OP, self.mode, dtype=self.dtype, hidden=self.hidden, experts=self.num_experts,
-                          topk=self.topk, threads=self.threads, unroll=self.unroll, **ranged)
-
-    @classmethod
-    def from_variant(cls, variant: Variant) -> "DispatchConfig":
-        p = dict(variant.params)
-        return cls(p["dtype"], p["hidden"], p["experts"], p["topk"], variant.mode, p["threads"], p["unroll"],
-                   p.get("first", 0), p.get("total", 0))
-
 
 @dataclasses.dataclass(frozen=True)
 class DispatchShape:
@@ -121,27 +122,34 @@ class DispatchShape:
     @classmethod
     def defaults(cls, mode: str) -> "DispatchShape":
         """Qwen3-30B-A3B's MoE layer at 128 tokens (decode) or 4096 (prefill)."""
-        if mode not in MODES:
-            raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
+        check_mode(mode)
         return cls(DEFAULT_TOKENS[mode])
+
+    @classmethod
+    def of(cls, x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> "DispatchShape":
+        """The shape of a moe_dispatch call on x [T, H] and topk_ids [T, k]."""
+        return cls(x.shape[0], x.shape[1], num_experts, topk_ids.shape[1], checks.DTYPE_NAME[x.dtype])
 
 
 def choose_mode(num_tokens: int, topk: int) -> str:
     return "decode" if num_tokens * topk <= DECODE_MAX_PAIRS else "prefill"
 
 
-def config_for(shape: DispatchShape) -> DispatchConfig:
-    """What moe_dispatch() launches for `shape`."""
+def config_for(shape: DispatchShape, sms: int | None = None) -> DispatchConfig:
+    """What moe_dispatch() launches for `shape` (on any GPU: the grid follows the SM count, not the config)."""
     return DispatchConfig(shape.dtype, shape.hidden, shape.experts, shape.topk, choose_mode(shape.tokens, shape.topk))
 
 
-def candidates(shape: DispatchShape) -> list[DispatchConfig]:
+def candidates(shape: DispatchShape, sms: int | None = None) -> list[DispatchConfig]:
     """Every config of the tuner's search space that serves `shape` in its mode: threads per CTA x
     unroll, with a thread per expert; a decode config must route every pair count of the decode mode."""
     base = config_for(shape)
     return [dataclasses.replace(base, threads=t, unroll=u) for t in THREAD_CHOICES for u in UNROLL_CHOICES
             if t >= shape.experts and t * u <= MAX_VECS_PER_CTA
             and (base.mode == "prefill" or DECODE_PAIRS_PER_THREAD * t >= DECODE_MAX_PAIRS)]
+
+
+rank = keep_order  # no cost model rates the candidates against each other
 
 
 def variants_for(models: list[ModelDims] | None = None, modes: tuple[str, ...] = MODES,
@@ -185,3 +193,15 @@ def default_capacity(num_tokens: int, topk: int, num_experts: int, block_size: i
     (at most min(E, T*k) experts are; an empty expert takes no rows)."""
     pairs = num_tokens * topk
     return pairs + min(num_experts, pairs) * (block_size - 1)  # builtin min: dynamo traces it on SymInts
+
+
+def expert_range(num_experts: Any, local_experts: tuple[int, int] | None) -> tuple[int, int]:
+    """(first, count) of local_experts, checked against num_experts; (0, num_experts) for None."""
+    if local_experts is None:
+        return 0, num_experts
+    first, count = local_experts
+    if any(isinstance(n, bool) or not isinstance(n, (int, torch.SymInt)) for n in (first, count)) or \
+            not (count >= 1 and 0 <= first and first + count <= num_experts):
+        raise ValueError(f"local_experts must be (first, count) with 0 <= first, count >= 1 and first + count <= "
+                         f"num_experts = {num_experts}, got {local_experts!r}")
+    return first, count

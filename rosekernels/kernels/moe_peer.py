@@ -64,7 +64,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from rosekernels import checks, jit
-from rosekernels.kernels.moe_combine import _load_16b_or_zero, weighted_sum
+from rosekernels.kernels.moe_common import load_16b_or_zero, weighted_sum
 from rosekernels.variant import Variant
 
 # Regions of an arena (index into `addr`'s second dim): the step state first in every layout, then
@@ -279,7 +279,7 @@ class _Rows:
         tid = cute.arch.thread_idx()[0]
         for u in cutlass.range_constexpr(UNROLL):
             v = c + u * ROW_THREADS + tid
-            w = _load_16b_or_zero(gRows[(None, None), (row, v)].iterator, ok & (v < self.hv))
+            w = load_16b_or_zero(gRows[(None, None), (row, v)].iterator, ok & (v < self.hv))
             for q in cutlass.range_constexpr(4):
                 words[u, q] = w[q]
 

@@ -17,7 +17,8 @@ divergence around the shuffles) and masked for storing.
 
 Modes (rosekernels.modes): decode = one warp per block, a tiny grid of one-warp blocks;
 prefill = 8/16/32-warp blocks and several heads per thread group, from the benchmarked table.
-The config, the call's shape and the choice between them live in qk_norm_plan (no CuTeDSL).
+The config, the call's shape and the choice between them live in qk_norm_plan (no CuTeDSL), the op
+(argument checks, launch plans, eager and traced calls) in rosekernels/ops/qk_norm.py.
 """
 from __future__ import annotations
 
@@ -31,9 +32,9 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32
 
-from rosekernels import checks, jit, launch, modes, tuned
-from rosekernels.kernels.qk_norm_plan import (  # noqa: F401  (candidates, variants_for: the contract)
-    DTYPES, HEAD_DIMS, OP, TORCH_DTYPE, QKNormConfig, QKNormShape, candidates, config_for, variants_for)
+from rosekernels import checks, jit, modes
+from rosekernels.kernels.qk_norm_plan import (  # noqa: F401  (the plan's names are the kernel's: the contract)
+    HEAD_DIMS, OP, TORCH_DTYPE, QKNormConfig, QKNormShape, candidates, config_for, rank, variants_for)
 from rosekernels.vector_copy import vec_load, vec_store
 from rosekernels.workload import Workload
 
@@ -45,7 +46,6 @@ Config, Shape = QKNormConfig, QKNormShape
 
 class QKNormKernel:
     def __init__(self, cfg: QKNormConfig):
-        cfg.validate()
         self.cfg = cfg
 
     @cute.jit
@@ -141,8 +141,13 @@ def _build(cfg: QKNormConfig) -> Callable[[], tuple]:
 
 def compile(config: QKNormConfig) -> jit.CompiledKernel:
     """The loaded kernel of `config`; call `.fn(q, k, q_weight, k_weight, out_q, out_k)`."""
-    config.validate()
     return jit.compile_variant(config.variant(), _build(config))
+
+
+def precompile(configs=None, processes: int | None = None) -> list[jit.CompiledKernel]:
+    """compile() of each config (default: variants_for()), the cold ones first compiled in parallel
+    processes into the disk cache (jit.precompile)."""
+    return jit.precompile(__name__, variants_for() if configs is None else configs, processes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,116 +195,3 @@ def workload(config: QKNormConfig, shape: QKNormShape) -> Workload:
 
     return Workload(compile(config), lambda seed: args(shape.tokens, seed), outputs=lambda a: a[4:6], check=check,
                     test_args=lambda seed: args(random.Random(seed).randint(lo, hi), seed), name=OP)
-
-
-# ---------------------------------------------------------------------------------------------
-# Argument checks (the slow path: first call per shape, and after any launch failure).
-
-def _validate(q, k, q_weight, k_weight, out_q, out_k) -> None:
-    named = {"q": q, "k": k, "q_weight": q_weight, "k_weight": k_weight}
-    if out_q is not None:
-        named["out_q"] = out_q
-    if out_k is not None:
-        named["out_k"] = out_k
-    for name, t in named.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    checks.check_dtype("q", q, DTYPES)
-    for name in ("k", "out_q", "out_k"):
-        if name in named:
-            checks.check_dtype(name, named[name], (q.dtype,))
-    checks.check_dtype("q_weight", q_weight, dict.fromkeys((q.dtype, torch.float32)))
-    checks.check_dtype("k_weight", k_weight, (q_weight.dtype,))
-    checks.check_shape("q", q, (None, None, None))
-    tokens, q_heads, head_dim = q.shape
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head dim {head_dim} is not supported; expected one of {HEAD_DIMS}")
-    checks.check_shape("k", k, (tokens, None, head_dim))
-    if q_heads < 1 or k.shape[1] < 1:
-        raise ValueError(f"q and k need at least one head, got shapes {list(q.shape)} and {list(k.shape)}")
-    checks.check_shape("q_weight", q_weight, (head_dim,))
-    checks.check_shape("k_weight", k_weight, (head_dim,))
-    if out_q is not None:
-        checks.check_shape("out_q", out_q, tuple(q.shape))
-    if out_k is not None:
-        checks.check_shape("out_k", out_k, tuple(k.shape))
-    for name, t in named.items():
-        checks.check_unit_last_stride(name, t)
-    for name, t in named.items():
-        checks.check_aligned(name, t)
-    for name in ("out_q", "out_k"):
-        if name in named:
-            checks.check_not_expanded(name, named[name])
-    for name, t in named.items():
-        checks.check_cuda(name, t)
-    checks.check_same_device(**named)
-
-
-# ---------------------------------------------------------------------------------------------
-# The op.
-
-_plans = launch.PlanCache()
-
-
-def _new_plan(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias, enable_pdl) -> launch.Launch:
-    """Slow path, once per signature: validate everything, pick and load the kernel."""
-    _validate(q, k, q_weight, k_weight, out_q, out_k)
-    tokens, q_heads, head_dim = q.shape
-    if tokens == 0:
-        return launch.nothing(q.device.index)
-    shape = QKNormShape(tokens, q_heads, k.shape[1], head_dim, checks.DTYPE_NAME[q.dtype],
-                        checks.DTYPE_NAME[q_weight.dtype], eps, weight_bias, enable_pdl)
-    sms = modes.sm_count(q.device.index)
-    return launch.Launch(compile(tuned.tuned_config(OP, shape, config_for(shape, sms), sms)).fn, q.device.index)
-
-
-def _run(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-         out_q: torch.Tensor, out_k: torch.Tensor, eps: float, weight_bias: float, enable_pdl: bool = True) -> None:
-    # What the plan depends on (the compiled host code checks every other dtype, shape, stride,
-    # alignment and device on each call): a microsecond cheaper than a key of all six tensors.
-    key = (q.shape, k.shape, q.dtype, q_weight.dtype, q.get_device(), eps, weight_bias, enable_pdl)
-    plan = _plans.get(key) or _plans.put(key, _new_plan(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias,
-                                                        enable_pdl))
-    if 0 in out_q.stride() or 0 in out_k.stride():  # maybe expanded, which the compiled checks let through
-        _validate(q, k, q_weight, k_weight, out_q, out_k)
-    try:
-        plan.launch(q, k, q_weight, k_weight, out_q, out_k)
-    except Exception:
-        # The compiled host code raises before launching; the full checks say what is wrong.
-        _validate(q, k, q_weight, k_weight, out_q, out_k)
-        raise
-
-
-launch.register_op(OP, _run, mutates_args=("out_q", "out_k"))  # the schema comes from _run's annotations
-
-
-def qk_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor | None = None,
-            eps: float = 1e-6, weight_bias: float = 0.0, out_q: torch.Tensor | None = None,
-            out_k: torch.Tensor | None = None, enable_pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head RMSNorm of q [T, hq, d] and k [T, hk, d] (d in 64/128/256) in one launch.
-
-    `y = x * rsqrt(mean(x^2) + eps) * (w + weight_bias)` with fp32 math; q/k may be strided views
-    (e.g. of a fused qkv buffer); weights are [d] in the input dtype or fp32, one for both
-    (`qk_norm(q, k, w)`) or one each. Results go to out_q/out_k (new tensors by default; out_q=q,
-    out_k=k normalizes in place). enable_pdl: launch with programmatic dependent launch (the kernel
-    may start while the previous one in the stream finishes and waits for it before its loads; the
-    next kernel may launch early): a microsecond less per launch in CUDA graphs.
-
-    Eager calls launch the kernel directly (torch.library dispatch would add several us of host
-    time per call); under torch.compile the call goes through the custom op rosekernels::qk_norm.
-    """
-    if k_weight is None:
-        k_weight = q_weight
-    if out_q is None:
-        out_q = torch.empty_like(q)
-    if out_k is None:
-        out_k = torch.empty_like(k)
-    # The inputs decide (each tensor checked costs host time on every call): a tensor subclass given
-    # only as a weight or an output is refused by the compiled host checks.
-    if launch.eager(q, k):
-        _run(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias, bool(enable_pdl))
-    elif all(isinstance(t, torch.Tensor) for t in (q, k, q_weight, k_weight, out_q, out_k)):  # traced, fake, meta
-        torch.ops.rosekernels.qk_norm(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias, bool(enable_pdl))
-    else:
-        _validate(q, k, q_weight, k_weight, out_q, out_k)  # raises, naming the argument that is not a tensor
-    return out_q, out_k

@@ -16,9 +16,10 @@ from typing import Iterable
 import torch
 
 from rosekernels import checks
+from rosekernels.contract import KernelConfig, keep_order
 from rosekernels.models import ModelDims
 from rosekernels.modes import CACHE_HINTS, PREFILL_WARPS, Mode, all_modes, select, warps_needed
-from rosekernels.variant import MODES, Variant
+from rosekernels.variant import MODES, check_mode
 
 OP = "qk_norm"
 HEAD_DIMS = (64, 128, 256)
@@ -51,16 +52,25 @@ class QKNormShape:
     @classmethod
     def defaults(cls, mode: str) -> "QKNormShape":
         """Qwen3-8B heads, bf16: one token (decode) or 4096 (prefill)."""
-        if mode not in MODES:
-            raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
+        check_mode(mode)
         return cls(tokens=1 if mode == "decode" else 4096)
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, eps: float, weight_bias: float,
+           pdl: bool) -> "QKNormShape":
+        """The shape of a qk_norm call on q [T, hq, d], k [T, hk, d] and weights like q_weight."""
+        tokens, q_heads, head_dim = q.shape
+        return cls(tokens, q_heads, k.shape[1], head_dim, checks.DTYPE_NAME[q.dtype], checks.DTYPE_NAME[q_weight.dtype],
+                   eps, weight_bias, pdl)
 
 
 @dataclasses.dataclass(frozen=True)
-class QKNormConfig:
-    """Everything a compiled variant is specialized on."""
+class QKNormConfig(KernelConfig):
+    """Everything a compiled variant is specialized on: every field is compiled in."""
 
-    POLICY_FIELDS = ()  # every field is compiled in (pdl too: its key names it only when off)
+    OP = OP
+    KEY_DEFAULTS = {"pdl": True}  # the keys predate it
+
     dtype: str  # q, k and the outputs: "bf16" | "fp16" | "fp32"
     weight_dtype: str  # both weights: the input dtype or "fp32"
     head_dim: int
@@ -97,20 +107,8 @@ class QKNormConfig:
     def heads_per_block(self) -> int:
         return self.groups_per_block * self.rows_per_thread
 
-    def variant(self) -> Variant:
-        params = dataclasses.asdict(self)
-        mode = params.pop("mode")
-        if self.pdl:
-            del params["pdl"]  # the default: keys name it only when off
-        return Variant.of(OP, mode, **params)
-
-    @classmethod
-    def from_variant(cls, variant: Variant) -> "QKNormConfig":
-        if variant.op != OP:
-            raise ValueError(f"not a {OP} variant: {variant}")
-        return cls(mode=variant.mode, **dict(variant.params))
-
     def validate(self) -> None:
+        check_mode(self.mode)
         if self.dtype not in TORCH_DTYPE or self.weight_dtype not in (self.dtype, "fp32"):
             raise ValueError(f"unsupported dtypes {self.dtype}/{self.weight_dtype}")
         if self.head_dim not in HEAD_DIMS or min(self.q_heads, self.k_heads) < 1:
@@ -137,6 +135,9 @@ def candidates(shape: QKNormShape, sms: int | None = None) -> list[QKNormConfig]
         return [cfg]
     return [dataclasses.replace(cfg, warps=w, rows_per_thread=r, cache_hint=h)
             for w in PREFILL_WARPS for r in ROWS_PER_THREAD for h in CACHE_HINTS]
+
+
+rank = keep_order  # no cost model rates the candidates against each other
 
 
 def variants_for(models: Iterable[ModelDims] | None = None, modes: Iterable[str] = MODES,

@@ -16,9 +16,10 @@ from typing import Iterable
 import torch
 
 from rosekernels import checks
+from rosekernels.contract import KernelConfig, keep_order
 from rosekernels.models import ModelDims
 from rosekernels.modes import CACHE_HINTS, PREFILL_WARPS, Mode, all_modes, select, warps_needed
-from rosekernels.variant import MODES, Variant
+from rosekernels.variant import MODES, check_mode
 
 OP = "rmsnorm"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -57,16 +58,25 @@ class RMSNormShape:
     @classmethod
     def defaults(cls, mode: str) -> "RMSNormShape":
         """Hidden 4096, bf16, no residual: one row (decode) or 4096 (prefill)."""
-        if mode not in MODES:
-            raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
+        check_mode(mode)
         return cls(rows=1 if mode == "decode" else 4096)
+
+    @classmethod
+    def of(cls, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, eps: float,
+           pdl: bool) -> "RMSNormShape":
+        """The shape of an rmsnorm call on x [M, N]."""
+        rows, hidden = x.shape
+        return cls(rows, hidden, checks.DTYPE_NAME[x.dtype], checks.DTYPE_NAME[weight.dtype], residual is not None, eps,
+                   pdl)
 
 
 @dataclasses.dataclass(frozen=True)
-class RMSNormConfig:
-    """Everything a compiled variant is specialized on."""
+class RMSNormConfig(KernelConfig):
+    """Everything a compiled variant is specialized on: every field is compiled in."""
 
-    POLICY_FIELDS = ()  # every field is compiled in (pdl too: its key names it only when off)
+    OP = OP
+    KEY_DEFAULTS = {"pdl": True}  # the keys predate it
+
     dtype: str  # x, residual and outputs: "bf16" | "fp16" | "fp32"
     weight_dtype: str  # the input dtype or "fp32"
     hidden: int
@@ -110,20 +120,8 @@ class RMSNormConfig:
     def rows_per_block(self) -> int:
         return self.block_warps * 32 // self.threads_per_row
 
-    def variant(self) -> Variant:
-        params = dataclasses.asdict(self)
-        mode = params.pop("mode")
-        if self.pdl:
-            del params["pdl"]  # the default: keys name it only when off
-        return Variant.of(OP, mode, **params)
-
-    @classmethod
-    def from_variant(cls, variant: Variant) -> "RMSNormConfig":
-        if variant.op != OP:
-            raise ValueError(f"not an {OP} variant: {variant}")
-        return cls(mode=variant.mode, **dict(variant.params))
-
     def validate(self) -> None:
+        check_mode(self.mode)
         if self.dtype not in TORCH_DTYPE or self.weight_dtype not in (self.dtype, "fp32"):
             raise ValueError(f"unsupported dtypes {self.dtype}/{self.weight_dtype}")
         if not (0 < self.hidden <= MAX_HIDDEN) or self.hidden % self.vec:
@@ -148,6 +146,9 @@ def candidates(shape: RMSNormShape, sms: int | None = None) -> list[RMSNormConfi
     if cfg.mode == "decode":
         return [cfg]
     return [dataclasses.replace(cfg, warps=w, cache_hint=h) for w in PREFILL_WARPS for h in CACHE_HINTS]
+
+
+rank = keep_order  # no cost model rates the candidates against each other
 
 
 def variants_for(models: Iterable[ModelDims] | None = None, modes: Iterable[str] = MODES,

@@ -1,11 +1,12 @@
-"""attention(): softmax(q k^T * scale [+ causal mask]) v over the two attention kernels.
+"""attention(): softmax(q k^T * scale [+ causal mask]) v over the two attention kernels, and
+attention_decode(), the split-KV kernel for any query length.
 
 q [B, S_q, Hq, d], k/v [B, S_kv, Hkv, d] (Hq a multiple of Hkv), bf16 or fp16, d in {64, 128}; causal
 aligned bottom-right; lse [B, Hq, S_q] fp32, natural log; a row that sees no key gets out 0, lse -inf.
 
-The kernel follows from the query length: short queries (S_q <= attention_decode.MAX_SEQLEN_Q, decode
-steps) take the split-KV kernel (rosekernels/kernels/attention_decode.py), since one CTA per 128 query
-rows of the prefill kernel would leave most SMs idle; longer ones take the prefill kernel
+The kernel follows from the query length: short queries (S_q <= attention_decode_plan.MAX_SEQLEN_Q,
+decode steps) take the split-KV kernel (rosekernels/kernels/attention_decode.py), since one CTA per 128
+query rows of the prefill kernel would leave most SMs idle; longer ones take the prefill kernel
 (rosekernels/kernels/attention.py). Eager calls keep the launch of each argument signature in a plan
 (checks and kernel choice once); traced calls go through the kernel's registered op
 (rosekernels::attention_decode or rosekernels::attention_fwd). A batch that one launch cannot take
@@ -13,12 +14,157 @@ rows of the prefill kernel would leave most SMs idle; longer ones take the prefi
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from rosekernels import launch
+from rosekernels import launch, modes, scratch, tuned
 from rosekernels.kernels import attention as prefill
 from rosekernels.kernels import attention_decode as decode
-from rosekernels.kernels.attention_common import batch_per_launch, tma_view, validate
+from rosekernels.kernels.attention_common import (
+    LOG2_E, TORCH_DTYPES, batch_per_launch, tma_view, validate, views_needed)
+from rosekernels.kernels.attention_decode_plan import MAX_SEQLEN_Q, DecodeConfig, DecodeShape, split_plan
+from rosekernels.kernels.attention_plan import AttentionConfig, AttentionShape, default_config, grid_size
+
+# ---------------------------------------------------------------------------------------------
+# The prefill kernel's launch.
+
+
+class PrefillLaunch(launch.Launch):
+    """One launch of `cfg` planned for an argument signature (validated arguments, q non-empty): the
+    loaded kernel, its grid, the scale and whether TMA needs views of the tensors; a call only takes
+    the stream's tile counter (the kernel re-zeroes it: one per stream serves every eager call)."""
+
+    def __init__(self, cfg: AttentionConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor | None, scale: float):
+        super().__init__(prefill.compile(cfg).fn, q.device.index)
+        self.num_ctas = grid_size(cfg, q.shape[0], q.shape[1], q.shape[2], modes.sm_count(q.device.index))
+        self.scale_log2 = scale * LOG2_E
+        self.views = views_needed(q, k, v, out)
+
+    def launch(self, q, k, v, out, lse) -> None:
+        if self.views:
+            q, k, v, out = (tma_view(t) for t in (q, k, v, out))
+        launch.on_device(self.device, self.fn, q, k, v, out, lse, self.scale_log2,
+                         scratch.zeroed_int32(self.device, 1), self.num_ctas, *prefill.NOT_VARLEN)
+
+
+def prefill_config(q, k, causal: bool) -> AttentionConfig:
+    """The heuristic's config, or the tuned store's for the call's shape. The shape the tuner
+    measures (AttentionShape) has one sequence length, so a call with S_q != S_kv keeps the heuristic."""
+    cfg = default_config(q.shape[-1], TORCH_DTYPES[q.dtype], causal, k.shape[1], q.shape[1], q.shape[0] * q.shape[2],
+                         modes.sm_count(q.device.index))
+    if q.shape[1] != k.shape[1]:
+        return cfg
+    return tuned.tuned_config(prefill.OP, AttentionShape.of(q, k, causal), cfg)
+
+
+def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   causal: bool, softmax_scale: float) -> None:
+    """The registered op (torch.compile, tensor subclasses): validated arguments, TMA views; a fresh
+    tile counter per call (CUDA-graph trees keep no tensor across calls)."""
+    cfg = prefill_config(q, k, causal)  # as eager calls plan it: both give the same results
+    launch.on_device(q.device.index, prefill.compile(cfg).fn, q, k, v, out, lse, softmax_scale * LOG2_E,
+                     *prefill.launch_args(cfg, q), *prefill.NOT_VARLEN)
+
+
+launch.register_op("attention_fwd", _attention_fwd, mutates_args=("out", "lse"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The split-KV kernel's launches (rosekernels/ops/kvcache.py launches its KV-cache variants).
+
+
+class SplitLaunch(launch.Launch):
+    """What a launch of the split-KV kernel fixes for an argument signature (validated arguments,
+    B >= 1): the loaded kernel, the split count, whether TMA needs views, the scale; each call takes
+    the split workspace (`workspace`). `private_scratch`: a fresh split counter per call (the
+    registered ops: CUDA-graph trees keep no tensor across calls)."""
+
+    def __init__(self, cfg: DecodeConfig, shape: DecodeShape, tensors: tuple, scale: float,
+                 private_scratch: bool = False):
+        super().__init__(decode.compile(cfg).fn, tensors[0].device.index)
+        self.cfg = cfg
+        self.num_splits, self.per, self.groups = split_plan(cfg, shape, modes.sm_count(self.device))
+        self.torch_device = tensors[0].device
+        self.views = views_needed(*tensors)
+        self.scale_log2 = scale * LOG2_E
+        self.private_scratch = private_scratch
+
+    def workspace(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(o_part, lse_part, counters) of one launch on the current stream. Split: the partials from
+        the caching allocator per call (inside a CUDA graph capture: the graph's pool, alive as long
+        as the graph); counters that the kernel returns to zero (rosekernels.scratch), sized in powers
+        of two so that few shared buffers serve every shape. One split reads none of them."""
+        if self.num_splits == 1:
+            unread = scratch.unread_float32(self.device)
+            return unread, unread, unread.view(torch.int32)
+        rows = self.num_splits * self.groups * self.cfg.tile_m
+        counters = scratch.zeroed_int32(self.device, max(4096, 1 << (self.groups - 1).bit_length()),
+                                        self.private_scratch)
+        o_part = torch.empty(rows * self.cfg.head_dim, dtype=torch.float32, device=self.torch_device)
+        lse_part = torch.empty(rows, dtype=torch.float32, device=self.torch_device)
+        return o_part, lse_part, counters
+
+
+class DecodeLaunch(SplitLaunch):
+    """One launch of the split-KV kernel on q/k/v [B, S, H, d], planned for an argument signature."""
+
+    def __init__(self, cfg: DecodeConfig, shape: DecodeShape, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor | None, scale: float, private_scratch: bool = False):
+        super().__init__(cfg, shape, (q, k, v, out), scale, private_scratch)
+        self.causal_shift = decode.causal_shift_for(shape.causal, shape.seqlen_q, shape.seqlen_kv)
+
+    def launch(self, q, k, v, out, lse) -> None:
+        if self.views:
+            q, k, v, out = (tma_view(t) for t in (q, k, v, out))
+        launch.on_device(self.device, self.fn, q, k, v, out, lse, *self.workspace(), self.scale_log2,
+                         self.causal_shift, self.num_splits, self.per)
+
+
+def plan_decode(q, k, v, out, causal: bool, scale: float, splits: int | None = None,
+                private_scratch: bool = False, enable_pdl: bool = True) -> DecodeLaunch:
+    """The launch of validated arguments (q non-empty) with the heuristic's config (`config_for`);
+    `splits` forces the number of KV chunks."""
+    shape, sms = DecodeShape.of(q, k, causal, enable_pdl), modes.sm_count(q.device.index)
+    cfg = tuned.tuned_config(decode.OP, shape, decode.config_for(shape, sms), sms)
+    if splits is not None:
+        cfg = dataclasses.replace(cfg, splits=splits)
+    return DecodeLaunch(cfg, shape, q, k, v, out, scale, private_scratch)
+
+
+def _attention_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                         lse: torch.Tensor, causal: bool, softmax_scale: float, enable_pdl: bool = True) -> None:
+    """The registered op (torch.compile, tensor subclasses): validated arguments, TMA views."""
+    plan_decode(q, k, v, out, causal, softmax_scale, private_scratch=True, enable_pdl=enable_pdl).launch(
+        q, k, v, out, lse)
+
+
+launch.register_op("attention_decode", _attention_decode_op, mutates_args=("out", "lse"))
+
+
+def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                     softmax_scale: float | None = None, out: torch.Tensor | None = None,
+                     return_lse: bool = False, splits: int | None = None, enable_pdl: bool = True):
+    """`rosekernels.attention` forced onto the split-KV kernel (any S_q; meant for S_q <= 16);
+    `splits` overrides the number of KV chunks of an eager call (tests and benchmarks); enable_pdl as
+    attention's."""
+    causal = bool(causal)
+    scale = validate(q, k, v, out, softmax_scale)
+    if out is None:
+        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
+    if q.numel():
+        if launch.eager(q, k, v, out):
+            plan_decode(q, k, v, out, causal, scale, splits, enable_pdl=bool(enable_pdl)).launch(q, k, v, out, lse)
+        else:
+            torch.ops.rosekernels.attention_decode(*(tma_view(t) for t in (q, k, v, out)), lse, causal, scale,
+                                                   bool(enable_pdl))
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# attention(): the kernel for the query length.
 
 _plans = launch.PlanCache()
 
@@ -45,9 +191,9 @@ def _slices(batch, per: int) -> list[tuple]:
 
 
 def _plan(q, k, v, out, causal: bool, scale: float, enable_pdl: bool) -> launch.Launch:
-    if q.shape[1] <= decode.MAX_SEQLEN_Q:
-        return decode.plan(q, k, v, out, causal, scale, enable_pdl=enable_pdl)
-    return prefill.plan(q, k, v, out, causal, scale)
+    if q.shape[1] <= MAX_SEQLEN_Q:
+        return plan_decode(q, k, v, out, causal, scale, enable_pdl=enable_pdl)
+    return PrefillLaunch(prefill_config(q, k, causal), q, k, v, out, scale)
 
 
 class _Sliced:
@@ -100,7 +246,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         for b, n in _slices(q.shape[0], batch_per_launch(q, k, v, out)):
             views = [tma_view(t if n == q.shape[0] else t.narrow(0, b, n)) for t in (q, k, v, out)]
             part = lse if n == q.shape[0] else lse.narrow(0, b, n)
-            if q.shape[1] <= decode.MAX_SEQLEN_Q:
+            if q.shape[1] <= MAX_SEQLEN_Q:
                 torch.ops.rosekernels.attention_decode(*views, part, causal, scale, enable_pdl)
             else:
                 torch.ops.rosekernels.attention_fwd(*views, part, causal, scale)

@@ -24,14 +24,16 @@ variants; splits are planned for a full cache, and splits past a shorter sequenc
 """
 from __future__ import annotations
 
+import dataclasses
 
 import torch
 
-from rosekernels import checks, launch
-from rosekernels.kernels import attention_decode as decode
+from rosekernels import checks, launch, modes, scratch
 from rosekernels.kernels.attention_common import MAX_INDEX, TORCH_DTYPES, check_operand, scale_of, tma_view
-from rosekernels.kernels.attention_decode_plan import page_rows_for, tile_n_for
+from rosekernels.kernels.attention_decode_plan import (
+    MAX_SEQLEN_Q, DecodeConfig, DecodeShape, kvcache_config_for, page_rows_for, tile_n_for)
 from rosekernels.kernels.attention_plan import HEAD_DIMS
+from rosekernels.ops.attention import SplitLaunch
 
 _plans = launch.PlanCache()
 
@@ -60,8 +62,8 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, out, softm
     B, S_q, Hq, d = q.shape
     if d not in HEAD_DIMS:
         raise ValueError(f"head_dim must be 64 or 128, got {d}")
-    if not 1 <= S_q <= decode.MAX_SEQLEN_Q:
-        raise ValueError(f"q must hold 1 to {decode.MAX_SEQLEN_Q} query tokens per sequence (decode, speculative "
+    if not 1 <= S_q <= MAX_SEQLEN_Q:
+        raise ValueError(f"q must hold 1 to {MAX_SEQLEN_Q} query tokens per sequence (decode, speculative "
                          f"decoding), got {S_q}")
     checks.check_shape("k_cache", k_cache, (None, None, None, d))
     checks.check_shape("v_cache", v_cache, tuple(k_cache.shape))
@@ -119,14 +121,75 @@ def check_cache_tables(cache_seqlens: torch.Tensor, block_table: torch.Tensor | 
                          f"sequence {b} (length {int(lengths[b])})")
 
 
+# ---------------------------------------------------------------------------------------------
+# The launch: the split-KV kernel's KV-cache variants.
+
+
+def _unit_strides(t: torch.Tensor) -> torch.Tensor:
+    """An int32 index tensor whose last stride is 1 (size-1 dims: any stride, which never addresses
+    memory) as the kernel's compiled layout wants it."""
+    if t.dim() and t.shape[-1] == 1 and t.stride(-1) != 1:
+        return t.as_strided(t.shape, (*t.stride()[:-1], 1))
+    return t
+
+
+class KVCacheLaunch(SplitLaunch):
+    """One launch of a KV-cache config (`varlen`) planned for an argument signature (validated
+    arguments, B >= 1): split count for the cache's capacity, loaded kernel, views and scalars fixed
+    up front."""
+
+    def __init__(self, cfg: DecodeConfig, shape: DecodeShape, q, k_cache, v_cache, out, cache_seqlens, block_table,
+                 scale: float, private_scratch: bool = False):
+        super().__init__(cfg, shape, (q, k_cache, v_cache, out), scale, private_scratch)
+        self.int_views = any(_unit_strides(t) is not t for t in (cache_seqlens, block_table) if t is not None)
+        # A contiguous cache reads no table: any int32 [*, 1] stands in.
+        self.no_table = None if cfg.paged else scratch.unread_float32(self.device).view(torch.int32)[:1].view(1, 1)
+        self.causal_offset = -shape.seqlen_q if shape.causal else 0  # row s sees keys < len - S_q + 1 + s
+
+    def launch(self, q, k_cache, v_cache, out, lse, cache_seqlens, block_table) -> None:
+        if self.views:
+            q, k_cache, v_cache, out = (tma_view(t) for t in (q, k_cache, v_cache, out))
+        if self.no_table is not None:
+            block_table = self.no_table
+        if self.int_views:
+            cache_seqlens, block_table = _unit_strides(cache_seqlens), _unit_strides(block_table)
+        launch.on_device(self.device, self.fn, q, k_cache, v_cache, out, lse, *self.workspace(), cache_seqlens,
+                         block_table, self.scale_log2, self.causal_offset, self.num_splits, self.per)
+
+
+def plan_kvcache(q, k_cache, v_cache, out, cache_seqlens, block_table, causal: bool, scale: float,
+                 splits: int | None = None, private_scratch: bool = False, enable_pdl: bool = True) -> KVCacheLaunch:
+    """The launch of validated attention_with_kvcache arguments (B >= 1) with kvcache_config_for's
+    config, planned for a full cache (S_max, or max_blocks * block_size keys per sequence);
+    `splits` forces the number of KV chunks."""
+    shape = DecodeShape.of_cache(q, k_cache, block_table, causal, enable_pdl)
+    block_size = None if block_table is None else k_cache.shape[1]
+    cfg = kvcache_config_for(shape, block_size, modes.sm_count(q.device.index))
+    if splits is not None:
+        cfg = dataclasses.replace(cfg, splits=splits)
+    return KVCacheLaunch(cfg, shape, q, k_cache, v_cache, out, cache_seqlens, block_table, scale, private_scratch)
+
+
+def _attention_with_kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, out: torch.Tensor,
+                               lse: torch.Tensor, causal: bool, softmax_scale: float, enable_pdl: bool = True) -> None:
+    """The registered op (torch.compile, tensor subclasses): validated arguments, B >= 1, TMA views."""
+    plan_kvcache(q, k_cache, v_cache, out, cache_seqlens, block_table, causal, softmax_scale,
+                 private_scratch=True, enable_pdl=enable_pdl).launch(
+        q, k_cache, v_cache, out, lse, cache_seqlens, block_table)
+
+
+launch.register_op("attention_with_kvcache", _attention_with_kvcache_op, mutates_args=("out", "lse"))
+
+
 def _new_plan(q, k_cache, v_cache, cache_seqlens, block_table, out, causal: bool, softmax_scale,
               enable_pdl: bool) -> launch.Launch:
     """The slow path, once per argument signature: every check, then the kernel's plan."""
     scale = validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, out, softmax_scale)
     if not q.numel():
         return launch.nothing(q.device.index)
-    return decode.plan_kvcache(q, k_cache, v_cache, out, cache_seqlens, block_table, causal, scale,
-                               enable_pdl=enable_pdl)
+    return plan_kvcache(q, k_cache, v_cache, out, cache_seqlens, block_table, causal, scale,
+                        enable_pdl=enable_pdl)
 
 
 def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -147,9 +210,14 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     causal, enable_pdl = bool(causal), bool(enable_pdl)
     eager = launch.eager(q, k_cache, v_cache, cache_seqlens, block_table, out)
     if eager:
-        sig = launch.signature
-        key = (sig(q), sig(k_cache), sig(v_cache), sig(cache_seqlens), sig(block_table), sig(out), causal,
-               softmax_scale, enable_pdl)
+        # The plan's signature, written out: a generic builder (a loop over the arguments) costs ~1 us more.
+        key = (q.shape, q.stride(), q.dtype, q.get_device(), k_cache.shape, k_cache.stride(), k_cache.dtype,
+               k_cache.get_device(), v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.get_device(),
+               cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.get_device(),
+               None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype,
+                                                 block_table.get_device()),
+               None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()), causal, softmax_scale,
+               enable_pdl)
         plan = _plans.get(key)
         # A cached plan still needs 16-byte aligned pointers (if not, the full checks say which is not).
         if plan is None or (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()

@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import torch
 
-from rosekernels import checks, launch
+from rosekernels import checks, launch, modes, scratch
 from rosekernels.kernels import attention as prefill
-from rosekernels.kernels.attention_common import MAX_INDEX, TORCH_DTYPES, check_operand, scale_of
-from rosekernels.kernels.attention_plan import HEAD_DIMS
+from rosekernels.kernels.attention_common import LOG2_E, MAX_INDEX, TORCH_DTYPES, check_operand, scale_of, tma_view
+from rosekernels.kernels.attention_plan import HEAD_DIMS, AttentionConfig, grid_size, varlen_config
 
 _plans = launch.PlanCache()
 
@@ -115,6 +115,43 @@ def check_lengths(cu_seqlens: torch.Tensor, tokens: int, max_seqlen: int, name: 
                          f"{'q' if name.endswith('q') else 'k'} = {max_seqlen}")
 
 
+# ---------------------------------------------------------------------------------------------
+# The launch: the prefill kernel's varlen variants.
+
+
+class VarlenLaunch(launch.Launch):
+    """One varlen launch planned for an argument signature and its max_seqlen_q / max_seqlen_k: the
+    grid covers max_seqlen_q's query tiles for every sequence and head (those past a sequence's
+    queries idle)."""
+
+    def __init__(self, cfg: AttentionConfig, q: torch.Tensor, batch: int, max_seqlen_q: int, max_seqlen_k: int,
+                 scale: float):
+        super().__init__(prefill.compile(cfg).fn, q.device.index)
+        self.num_ctas = grid_size(cfg, batch, max_seqlen_q, q.shape[1], modes.sm_count(q.device.index))
+        self.scalars = (max_seqlen_q, max_seqlen_k)
+        self.scale_log2 = scale * LOG2_E
+
+    def launch(self, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, private_scratch: bool = False) -> None:
+        """q/k/v/out [total, H, d], lse [Hq, total_q]: the kernel sees them as one batch."""
+        q, k, v, out = (tma_view(t.unsqueeze(0)) for t in (q, k, v, out))
+        launch.on_device(self.device, self.fn, q, k, v, out, lse.unsqueeze(0), self.scale_log2,
+                         scratch.zeroed_int32(self.device, 1, private_scratch), self.num_ctas, cu_seqlens_q,
+                         cu_seqlens_k, *self.scalars)
+
+
+def _attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                          cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                          max_seqlen_k: int, causal: bool, softmax_scale: float) -> None:
+    """The registered op (torch.compile): validated arguments; a tile counter of its own per call
+    (CUDA-graph trees keep no tensor across calls)."""
+    cfg = varlen_config(q.shape[-1], TORCH_DTYPES[q.dtype], causal, max_seqlen_k)
+    VarlenLaunch(cfg, q, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, softmax_scale).launch(
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, private_scratch=True)
+
+
+launch.register_op("attention_varlen_fwd", _attention_varlen_fwd, mutates_args=("out", "lse"))
+
+
 def _new_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, causal: bool,
               softmax_scale) -> launch.Launch:
     """The slow path, once per argument signature: every check, then the kernel's plan."""
@@ -122,8 +159,8 @@ def _new_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, o
                                           softmax_scale)
     if not q.numel():
         return launch.nothing(q.device.index)
-    cfg = prefill.varlen_config(q.shape[-1], TORCH_DTYPES[q.dtype], causal, max_k)
-    return prefill.VarlenLaunch(cfg, q, cu_seqlens_q.shape[0] - 1, max_q, max_k, scale)
+    cfg = varlen_config(q.shape[-1], TORCH_DTYPES[q.dtype], causal, max_k)
+    return VarlenLaunch(cfg, q, cu_seqlens_q.shape[0] - 1, max_q, max_k, scale)
 
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -142,9 +179,13 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     causal = bool(causal)
     eager = launch.eager(q, k, v, cu_seqlens_q, cu_seqlens_k, out)
     if eager:
-        sig = launch.signature
-        key = (sig(q), sig(k), sig(v), sig(cu_seqlens_q), sig(cu_seqlens_k), sig(out), max_seqlen_q, max_seqlen_k,
-               causal, softmax_scale)
+        # The plan's signature, written out: a generic builder (a loop over the arguments) costs ~1 us more.
+        key = (q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype, k.get_device(),
+               v.shape, v.stride(), v.dtype, v.get_device(), cu_seqlens_q.shape, cu_seqlens_q.stride(),
+               cu_seqlens_q.dtype, cu_seqlens_q.get_device(), cu_seqlens_k.shape, cu_seqlens_k.stride(),
+               cu_seqlens_k.dtype, cu_seqlens_k.get_device(),
+               None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()), max_seqlen_q,
+               max_seqlen_k, causal, softmax_scale)
         plan = _plans.get(key)
         # A cached plan still needs 16-byte aligned pointers (if not, the full checks say which is not).
         if plan is None or (q.data_ptr() | k.data_ptr() | v.data_ptr() | (0 if out is None else out.data_ptr())) % 16:

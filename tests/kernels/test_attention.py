@@ -15,6 +15,7 @@ import rosekernels
 from rosekernels import modes, scratch
 from rosekernels.kernels import attention as A
 from rosekernels.kernels import attention_common as AC
+from rosekernels.ops import attention as attention_op
 
 # The in-order pipeline (no softmax/GEMM overlap, no ping-pong) is kept as the reference schedule.
 IN_ORDER = (
@@ -272,7 +273,7 @@ def test_a_small_d64_grid_takes_128_row_tiles_through_the_public_op(kernels):
     if modes.sm_count() < 128:
         pytest.skip("256 tiles of 128 rows make two rounds only from 128 SMs on")
     q, k, v = inputs(1, 1024, 1024, 32, 8, 64, torch.bfloat16, seed=22)
-    assert A.choose_config(q, k, False).tile_m == 128 and A.choose_config(q, k, True).tile_m == 192
+    assert attention_op.prefill_config(q, k, False).tile_m == 128 and attention_op.prefill_config(q, k, True).tile_m == 192
     out, lse = rosekernels.attention(q, k, v, out=torch.full_like(q, float("nan")), return_lse=True)
     sync("public op, 128-row d=64 tiles")
     check(out, lse, q, k, v, False, 1 / math.sqrt(64), "B1 S1k d64")

@@ -12,6 +12,7 @@ from attention_reference import decode_sass, check, inputs, sync
 import rosekernels
 from rosekernels import scratch
 from rosekernels.kernels import attention_decode as D
+import rosekernels.ops.attention  # noqa: F401  (registers torch.ops.rosekernels.attention_decode)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ def test_invalid_arguments_raise_before_anything_is_written(make, exc, match, en
     q, k, v, kwargs = make()
     out = kwargs.setdefault("out", torch.full(q.shape if q.dim() == 4 else (1, 1, 1, 64), 7.0).to(q.dtype))
     before = out.clone()
-    fn = rosekernels.attention if entry == "attention" else D.attention_decode
+    fn = rosekernels.attention if entry == "attention" else rosekernels.attention_decode
     with pytest.raises(exc, match=match):
         fn(q, k, v, **kwargs)
     assert torch.equal(out, before)
@@ -87,7 +88,7 @@ HEADS = ((4, 4), (8, 2), (16, 2))  # GQA ratios 1, 4, 8 (S_q = 16 at ratio 8: tw
 
 def _run(q, k, v, causal, scale, splits=None):
     out = torch.full_like(q, float("nan"))
-    res, lse = D.attention_decode(q, k, v, causal=causal, softmax_scale=scale, out=out, return_lse=True,
+    res, lse = rosekernels.attention_decode(q, k, v, causal=causal, softmax_scale=scale, out=out, return_lse=True,
                                   splits=splits)
     what = f"q{list(q.shape)} k{list(k.shape)} causal={causal} splits={splits}"
     sync(what)
@@ -148,7 +149,7 @@ def test_attention_dispatches_short_queries_to_the_decode_kernel(kernels):
     q, k, v = inputs(3, 4, 3000, 16, 4, 128, torch.bfloat16, seed=11)
     for causal in (False, True):
         out, lse = rosekernels.attention(q, k, v, causal=causal, return_lse=True)
-        ref, ref_lse = D.attention_decode(q, k, v, causal=causal, return_lse=True)
+        ref, ref_lse = rosekernels.attention_decode(q, k, v, causal=causal, return_lse=True)
         sync("dispatch")
         assert torch.equal(out, ref) and torch.equal(lse, ref_lse), "attention() did not run the decode kernel"
         check(out, lse, q, k, v, causal, 1 / math.sqrt(128), f"attention() causal={causal}")

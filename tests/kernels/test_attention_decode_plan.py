@@ -77,3 +77,15 @@ def test_kvcache_variants_for_a_model_cover_its_decode_row_tiles():
     assert len(everything) == 12 and {c.page_rows for c in everything} == {32}
     with pytest.raises(ValueError, match="block_size"):
         D.kvcache_variants_for([QWEN3_8B], block_size=20)
+
+
+def test_pdl_comes_with_the_shape():
+    """attention(enable_pdl=False) plans a shape with pdl off: the heuristic's config, every candidate
+    and the KV-cache config launch without it, so a tuned entry of one never serves the other."""
+    on = D.DecodeShape(batch=8, seqlen_q=2, seqlen_kv=4096)
+    off = dataclasses.replace(on, pdl=False)
+    assert D.config_for(on, 132).pdl
+    assert D.config_for(off, 132) == dataclasses.replace(D.config_for(on, 132), pdl=False)
+    assert all(not c.pdl for c in D.candidates(off, 132)) and D.config_for(off, 132) in D.candidates(off, 132)
+    assert not D.kvcache_config_for(off, 16, 132).pdl
+    assert "-pdl=False-" in D.config_for(off, 132).variant().key()

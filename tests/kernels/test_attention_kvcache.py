@@ -17,7 +17,7 @@ import lying_tables
 import rosekernels
 from rosekernels import scratch
 from rosekernels.kernels import attention_decode as D
-from rosekernels.ops.kvcache import check_cache_tables
+from rosekernels.ops.kvcache import check_cache_tables, plan_kvcache
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -205,7 +205,7 @@ def _call(q, k_cache, v_cache, lengths, table, causal, scale, splits=None):
         assert res is out
     else:
         lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), math.nan, device="cuda")
-        D.plan_kvcache(q, k_cache, v_cache, out, lengths, table, causal, scale, splits).launch(
+        plan_kvcache(q, k_cache, v_cache, out, lengths, table, causal, scale, splits).launch(
             q, k_cache, v_cache, out, lse, lengths, table)
     sync(f"q{list(q.shape)} cache{list(k_cache.shape)} paged={table is not None} causal={causal} splits={splits}")
     return out, lse
@@ -345,8 +345,8 @@ def test_captures_in_a_cuda_graph_and_replays_with_new_lengths(kernels):
     q2 = _randn(48, 1, 8, 64, dtype=torch.float16, g=g)
     k2, v2 = _randn(2, 48, 300, 8, 64, dtype=torch.float16, g=g)
     lengths2 = torch.zeros(48, dtype=torch.int32, device="cuda")
-    assert D.plan_kvcache(q, k_cache, v_cache, None, lengths, table, True, 0.1).num_splits > 1
-    assert D.plan_kvcache(q2, k2, v2, None, lengths2, None, False, 0.1).num_splits == 1
+    assert plan_kvcache(q, k_cache, v_cache, None, lengths, table, True, 0.1).num_splits > 1
+    assert plan_kvcache(q2, k2, v2, None, lengths2, None, False, 0.1).num_splits == 1
     out, out2 = torch.empty_like(q), torch.empty_like(q2)
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):

@@ -16,7 +16,7 @@ from kernel_sass import sass_of
 
 import rosekernels
 from rosekernels.kernels import attention as A
-from rosekernels.ops.varlen import check_lengths
+from rosekernels.ops.varlen import VarlenLaunch, check_lengths
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CPU_CONFIGS = [A.varlen_config(128, "bf16", True, 4096), A.varlen_config(64, "fp16", False, 4096)]
@@ -243,7 +243,7 @@ def test_direct_o_stores_the_slab_paths_bytes_and_nothing_outside_the_sequences(
     results = []
     for cfg in pair:
         out, lse = torch.full_like(q, math.nan), torch.full((8, q.shape[0]), math.nan, device="cuda")
-        A.VarlenLaunch(cfg, q, len(len_q), max(len_q), max(len_k), 0.1).launch(q, k, v, out, lse, cu_q, cu_k)
+        VarlenLaunch(cfg, q, len(len_q), max(len_q), max(len_k), 0.1).launch(q, k, v, out, lse, cu_q, cu_k)
         sync(str(cfg))
         total = sum(len_q)
         assert out[total:].isnan().all(), f"{cfg} wrote a row outside every sequence"

@@ -9,9 +9,11 @@ import torch
 
 from grid import sample
 from kernel_sass import sass_of
+import rosekernels
 from rosekernels import checks, modes
 from rosekernels.kernels import gemm_leakyrelu as glr
 from rosekernels.kernels import gemm_leakyrelu_plan as plan
+from rosekernels.ops import gemm as gemm_op
 
 # ---------------------------------------------------------------------------------------------
 # CPU: compilation.
@@ -151,7 +153,7 @@ def test_a_smem_layouts(a_rows, tile_n):
 def test_a_rows_variant_refuses_larger_m():
     cfg = glr.Config(tile_m=64, tile_n=128, cluster_m=1, split_k=True, a_rows=8)
     with pytest.raises(ValueError, match="loads 8 rows of A: M = 9"):
-        glr.run(_cpu(9, 64), _cpu(128, 64), None, _cpu(9, 128), cfg)
+        gemm_op.run(_cpu(9, 64), _cpu(128, 64), None, _cpu(9, 128), cfg)
     with pytest.raises(ValueError, match="loads 8 rows of A: M = 9"):
         glr.workload(cfg, glr.Shape(9, 128, 64))
 
@@ -195,7 +197,7 @@ def _cpu(*shape, dtype=torch.bfloat16):
 ])
 def test_argument_errors(case, error, match):
     with pytest.raises(error, match=match):
-        glr.gemm_leakyrelu(**case)
+        rosekernels.gemm_leakyrelu(**case)
 
 
 def test_registered_op_checks_too():
@@ -209,21 +211,21 @@ def test_registered_op_checks_too():
 def test_out_overlapping_an_input_is_rejected():
     buf = _cpu(64, 16)
     with pytest.raises(ValueError, match="overlap a"):
-        glr.gemm_leakyrelu(buf[:4], _cpu(8, 16), out=buf[2:6, :8])
+        rosekernels.gemm_leakyrelu(buf[:4], _cpu(8, 16), out=buf[2:6, :8])
 
 
 def test_an_expanded_out_is_rejected():
     with pytest.raises(ValueError, match="expanded"):
-        glr.gemm_leakyrelu(_cpu(4, 16), _cpu(8, 16), out=torch.zeros(1, 8, dtype=torch.bfloat16).expand(4, 8))
+        rosekernels.gemm_leakyrelu(_cpu(4, 16), _cpu(8, 16), out=torch.zeros(1, 8, dtype=torch.bfloat16).expand(4, 8))
 
 
 def test_meta_tensors_infer_shapes_and_check_them():
     """Meta (and torch.compile's fake) tensors take the op's fake path: shapes are checked too."""
     a = torch.empty(4, 16, dtype=torch.bfloat16, device="meta")
-    out = glr.gemm_leakyrelu(a, torch.empty(16, 8, dtype=torch.bfloat16, device="meta"), b_layout="kn")
+    out = rosekernels.gemm_leakyrelu(a, torch.empty(16, 8, dtype=torch.bfloat16, device="meta"), b_layout="kn")
     assert out.shape == (4, 8) and out.device.type == "meta"
     with pytest.raises(ValueError, match="multiples of 8"):
-        glr.gemm_leakyrelu(a, torch.empty(12, 16, dtype=torch.bfloat16, device="meta"))
+        rosekernels.gemm_leakyrelu(a, torch.empty(12, 16, dtype=torch.bfloat16, device="meta"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,7 +271,7 @@ def _assert_close(out, ref, dtype, what=""):
 def _run(m, n, k, dtype=torch.bfloat16, b_layout="nk", bias=None, slope=0.01, seed=0):
     a, b, bias_t = _inputs(m, n, k, dtype, b_layout, bias, seed)
     out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
-    res = glr.gemm_leakyrelu(a, b, slope, bias=bias_t, out=out, b_layout=b_layout)
+    res = rosekernels.gemm_leakyrelu(a, b, slope, bias=bias_t, out=out, b_layout=b_layout)
     assert res is out
     _assert_close(out, _reference(a, b, bias_t, slope, b_layout), dtype,
                   f"m={m} n={n} k={k} {dtype} {b_layout} bias={bias} slope={slope}")
@@ -288,8 +290,8 @@ def test_ragged_shapes(m, n, k):
 @pytest.mark.parametrize("m", [1, 96, 1000])
 def test_without_pdl_the_results_are_bitwise_the_same(m):
     a, b, bias_t = _inputs(m, 4104, 4096, torch.bfloat16, "nk", torch.bfloat16, seed=m)
-    with_pdl = glr.gemm(a, b, bias_t, activation="silu")
-    without = glr.gemm(a, b, bias_t, activation="silu", enable_pdl=False)
+    with_pdl = rosekernels.gemm(a, b, bias_t, activation="silu")
+    without = rosekernels.gemm(a, b, bias_t, activation="silu", enable_pdl=False)
     assert torch.equal(with_pdl, without)
 
 
@@ -343,7 +345,7 @@ def test_every_tile_config(cfg, m, n, k):
             continue
         for rep in range(2):  # the split counters must be back at zero for the second run
             out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
-            glr.run(a, b_nk, bias, out, dataclasses.replace(cfg, splits=splits))
+            gemm_op.run(a, b_nk, bias, out, dataclasses.replace(cfg, splits=splits))
             _assert_close(out, ref, dtype, f"{cfg} m={m} n={n} k={k} splits={splits} run {rep}")
 
 
@@ -364,7 +366,7 @@ def test_split_k(m, tile_m, tile_n, b_layout, bias):
     for splits in (1, 2, 3, 5, 7, 16):
         for rep in range(2):  # the tile counters must be back at zero for the second run
             out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-            glr.run(a, b_nk, bias_t, out, dataclasses.replace(cfg, splits=splits))
+            gemm_op.run(a, b_nk, bias_t, out, dataclasses.replace(cfg, splits=splits))
             _assert_close(out, ref, torch.bfloat16, f"{cfg} m={m} splits={splits} run {rep}")
 
 
@@ -386,7 +388,7 @@ def test_odd_multiple_of_16_widths(m, tile_m, tile_n, b_layout, bias):
     ref = _reference(a, b_nk, bias_t, cfg.slope)
     for splits in (1, 2, 5):
         out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        glr.run(a, b_nk, bias_t, out, dataclasses.replace(cfg, splits=splits))
+        gemm_op.run(a, b_nk, bias_t, out, dataclasses.replace(cfg, splits=splits))
         _assert_close(out, ref, torch.bfloat16, f"{cfg} m={m} splits={splits}")
 
 
@@ -413,7 +415,7 @@ def test_swapped_tiles(m, tile_m, tile_n, b_layout, bias):
     for splits in (1, 2, 3, 7, 16):
         for rep in range(2):  # the tile counters must be back at zero for the second run
             out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-            glr.run(a, b_nk, bias_t, out, dataclasses.replace(cfg, splits=splits))
+            gemm_op.run(a, b_nk, bias_t, out, dataclasses.replace(cfg, splits=splits))
             _assert_close(out, ref, torch.bfloat16, f"{cfg} m={m} splits={splits} run {rep}")
             outs.append(out)
         assert torch.equal(outs[-1], outs[-2]), f"splits={splits}: two runs differ"
@@ -459,7 +461,7 @@ def test_decode_tiles_on_clusters(case, gated):
         outs = []
         for c in (cfg, cfg, unicast):  # twice: the tile counters must be back at zero
             out = torch.full((m, width), float("nan"), dtype=torch.bfloat16, device="cuda")
-            glr.run(a, b, bias_t, out, dataclasses.replace(c, splits=splits))
+            gemm_op.run(a, b, bias_t, out, dataclasses.replace(c, splits=splits))
             outs.append(out)
         _assert_close(outs[0], ref, torch.bfloat16, f"{cfg} m={m} splits={splits}")
         assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), f"splits={splits}"
@@ -488,7 +490,7 @@ def test_stage_counts(stages):
                 glr.Config(tile_m=128, tile_n=64, cluster_m=1, split_k=True, swap_ab=True, splits=3)):
         for s in (0, stages):
             out = torch.full((33, 1032), float("nan"), dtype=torch.bfloat16, device="cuda")
-            glr.run(a, b, None, out, dataclasses.replace(cfg, stages=s))
+            gemm_op.run(a, b, None, out, dataclasses.replace(cfg, stages=s))
             outs.append(out)
         assert torch.equal(outs[-2], outs[-1]), cfg
     _assert_close(outs[0], _reference(a, b, None, 0.01), torch.bfloat16, "stages")
@@ -497,20 +499,20 @@ def test_stage_counts(stages):
 def test_gemm_arguments_and_gate_up_rows():
     a = torch.empty(4, 16, dtype=torch.bfloat16, device="meta")
     with pytest.raises(ValueError, match="activation must be"):
-        glr.gemm(a, torch.empty(32, 16, dtype=torch.bfloat16, device="meta"), activation="tanh")
+        rosekernels.gemm(a, torch.empty(32, 16, dtype=torch.bfloat16, device="meta"), activation="tanh")
     with pytest.raises(ValueError, match="multiple of 16"):
-        glr.gemm(a, torch.empty(24, 16, dtype=torch.bfloat16, device="meta"), gated=True)
-    out = glr.gemm(a, torch.empty(32, 16, dtype=torch.bfloat16, device="meta"), activation="silu", gated=True)
+        rosekernels.gemm(a, torch.empty(24, 16, dtype=torch.bfloat16, device="meta"), gated=True)
+    out = rosekernels.gemm(a, torch.empty(32, 16, dtype=torch.bfloat16, device="meta"), activation="silu", gated=True)
     assert out.shape == (4, 16)
     # gate_up_rows interleaves blocks of 8 rows; the epilogue's torch definition undoes it.
     g, u = torch.randn(24, 5, dtype=torch.float64), torch.randn(24, 5, dtype=torch.float64)
-    w = glr.gate_up_rows(g, u)
+    w = rosekernels.gate_up_rows(g, u)
     assert torch.equal(w[:8], g[:8]) and torch.equal(w[8:16], u[:8]) and torch.equal(w[16:24], g[8:16])
     x = torch.randn(3, 5, dtype=torch.float64)
     ref = torch.nn.functional.silu(x @ g.t()) * (x @ u.t())
     assert torch.allclose(glr.epilogue_reference(x @ w.t(), "silu", True), ref)
     with pytest.raises(ValueError, match="multiple of 8"):
-        glr.gate_up_rows(g[:12], u[:12])
+        rosekernels.gate_up_rows(g[:12], u[:12])
 
 
 _TILE_KINDS = {  # (m, config fields): plain and swapped decode tiles, cooperative and pingpong prefill tiles
@@ -549,7 +551,7 @@ def test_activations_and_gating(activation, gated, kind, epilogue_kernels):
     ref = glr.epilogue_reference(a.double() @ b.double().t() + bias.double(), activation, gated)
     for splits in (1, 3) if cfg.split_k else (1,):
         out = torch.full((m, n // 2 if gated else n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        glr.run(a, b, bias, out, dataclasses.replace(cfg, splits=splits))
+        gemm_op.run(a, b, bias, out, dataclasses.replace(cfg, splits=splits))
         _assert_close(out, ref, torch.bfloat16, f"{cfg} splits={splits}")
 
 
@@ -560,8 +562,8 @@ def test_swiglu_through_the_op(m):
     Qwen3-like MLP: silu(a @ w_gate^T) * (a @ w_up^T); the registered op agrees (torch.compile path)."""
     a, wg, _ = _inputs(m, 1536, 1024, torch.bfloat16, seed=m)
     _, wu, _ = _inputs(m, 1536, 1024, torch.bfloat16, seed=m + 1)
-    w = glr.gate_up_rows(wg, wu)
-    out = glr.gemm(a, w, activation="silu", gated=True)
+    w = rosekernels.gate_up_rows(wg, wu)
+    out = rosekernels.gemm(a, w, activation="silu", gated=True)
     ref = torch.nn.functional.silu(a.double() @ wg.double().t()) * (a.double() @ wu.double().t())
     _assert_close(out, ref, torch.bfloat16, f"swiglu m={m}")
     via_op = torch.empty_like(out)
@@ -596,9 +598,9 @@ def test_split_k_a_rows(m, a_rows, tile_n, b_layout, bias):
     sink = torch.empty(64, n, dtype=torch.bfloat16, device="cuda")
     for splits in (1, 2, 3, 7, 16):
         for rep in range(2):  # the tile counters must be back at zero for the second run
-            glr.run(nan_a, nan_b, bias_t, sink, poison_cfg)
+            gemm_op.run(nan_a, nan_b, bias_t, sink, poison_cfg)
             out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-            glr.run(a, b_nk, bias_t, out, dataclasses.replace(cfg, splits=splits))
+            gemm_op.run(a, b_nk, bias_t, out, dataclasses.replace(cfg, splits=splits))
             _assert_close(out, ref, torch.bfloat16, f"{cfg} m={m} splits={splits} run {rep}")
 
 
@@ -612,7 +614,7 @@ def test_split_k_a_rows_matches_whole_tile_bitwise():
         for rows in (a_rows, 64):
             cfg = glr.Config(tile_m=64, tile_n=128, cluster_m=1, split_k=True, a_rows=rows, splits=2)
             out = torch.full((m, 14336), float("nan"), dtype=torch.bfloat16, device="cuda")
-            glr.run(a, b, None, out, cfg)
+            gemm_op.run(a, b, None, out, cfg)
             outs.append(out)
         assert torch.equal(outs[0], outs[1]), f"m={m} a_rows={a_rows}"
         _assert_close(outs[0], _reference(a, b, None, 0.01), torch.bfloat16, f"m={m}")
@@ -622,9 +624,9 @@ def test_split_k_a_rows_matches_whole_tile_bitwise():
 def test_split_k_is_deterministic():
     a, b, bias = _inputs(16, 4096, 14336, torch.bfloat16, bias=torch.float32)
     assert glr.config_for(glr.Shape(16, 4096, 14336, bias="fp32"), modes.sm_count(0)).splits > 1
-    first = glr.gemm_leakyrelu(a, b, bias=bias)
+    first = rosekernels.gemm_leakyrelu(a, b, bias=bias)
     for _ in range(3):
-        assert torch.equal(glr.gemm_leakyrelu(a, b, bias=bias), first)
+        assert torch.equal(rosekernels.gemm_leakyrelu(a, b, bias=bias), first)
     _assert_close(first, _reference(a, b, bias, 0.01), torch.bfloat16, "split-K decode shape")
 
 
@@ -640,16 +642,16 @@ def test_split_k_graph_survives_later_launches(warm_capture_stream):
     ref = _reference(a, b, None, 0.01)
     out = torch.full((16, 4096), float("nan"), dtype=torch.bfloat16, device="cuda")
     stream = torch.cuda.Stream()
-    glr.gemm_leakyrelu(a, b, out=out)  # compile and load outside the capture
+    rosekernels.gemm_leakyrelu(a, b, out=out)  # compile and load outside the capture
     if warm_capture_stream:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            glr.gemm_leakyrelu(a, b, out=out)
+            rosekernels.gemm_leakyrelu(a, b, out=out)
         torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        glr.gemm_leakyrelu(a, b, out=out)
+        rosekernels.gemm_leakyrelu(a, b, out=out)
     # Larger split launches, on the default and on the capture stream, then churn the allocator.
     for m, n, k in [(64, 4096, 14336), (128, 2048, 14336)]:
         a2, b2, _ = _inputs(m, n, k, torch.bfloat16, seed=2)
@@ -657,7 +659,7 @@ def test_split_k_graph_survives_later_launches(warm_capture_stream):
         for s in (torch.cuda.current_stream(), stream):
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
-                out2 = glr.gemm_leakyrelu(a2, b2)
+                out2 = rosekernels.gemm_leakyrelu(a2, b2)
             torch.cuda.current_stream().wait_stream(s)
             _assert_close(out2, _reference(a2, b2, None, 0.01), torch.bfloat16,
                           f"eager {m}x{n}x{k}")
@@ -680,20 +682,20 @@ def test_strided_views_and_large_problem():
     w_kn = (torch.randn(k, n, generator=g, device="cuda") / k ** 0.5).to(torch.bfloat16)
     wide = torch.full((m, n + 8), float("nan"), dtype=torch.bfloat16, device="cuda")
     out = wide[:, 8:]
-    glr.gemm_leakyrelu(a, w_kn.t(), 0.1, out=out)
+    rosekernels.gemm_leakyrelu(a, w_kn.t(), 0.1, out=out)
     _assert_close(out, _reference(a, w_kn.t(), None, 0.1), torch.bfloat16, "strided views")
     assert torch.isnan(wide[:, :8]).all(), "wrote outside out"
-    glr.gemm_leakyrelu(a, w_kn, 0.1, out=out, b_layout="kn")
+    rosekernels.gemm_leakyrelu(a, w_kn, 0.1, out=out, b_layout="kn")
     _assert_close(out, _reference(a, w_kn.t(), None, 0.1), torch.bfloat16, "b_layout=kn")
 
 
 @pytest.mark.gpu
 def test_empty_and_k_zero():
     a = torch.randn(0, 64, device="cuda", dtype=torch.bfloat16)
-    assert glr.gemm_leakyrelu(a, torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)).shape == (0, 16)
+    assert rosekernels.gemm_leakyrelu(a, torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)).shape == (0, 16)
     a = torch.randn(5, 0, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(16, device="cuda")
-    out = glr.gemm_leakyrelu(a, torch.randn(16, 0, device="cuda", dtype=torch.bfloat16), 0.1, bias=bias)
+    out = rosekernels.gemm_leakyrelu(a, torch.randn(16, 0, device="cuda", dtype=torch.bfloat16), 0.1, bias=bias)
     torch.testing.assert_close(out, torch.nn.functional.leaky_relu(bias, 0.1).expand(5, 16).bfloat16())
 
 
@@ -710,17 +712,17 @@ def test_eager_calls_reuse_the_launch_plan(monkeypatch):
     monkeypatch.setattr(glr, "config_for", config_for)
     a, b, _ = _inputs(3, 24, 40, torch.bfloat16)  # a signature no other test uses
     for _ in range(3):
-        glr.gemm_leakyrelu(a, b, 0.125, out=torch.empty(3, 24, dtype=torch.bfloat16, device="cuda"))
-    glr.gemm_leakyrelu(a, b, 0.25)
-    glr.gemm_leakyrelu(a[:2], b, 0.25)
+        rosekernels.gemm_leakyrelu(a, b, 0.125, out=torch.empty(3, 24, dtype=torch.bfloat16, device="cuda"))
+    rosekernels.gemm_leakyrelu(a, b, 0.25)
+    rosekernels.gemm_leakyrelu(a[:2], b, 0.25)
     assert picked == [0.125, 0.25, 0.25]
     # Same signature, data pointers the plan must still reject: a misaligned a, out overlapping a.
     flat = torch.zeros(3 * 40 + 1, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="aligned"):
-        glr.gemm_leakyrelu(flat[1:].view(3, 40), b, 0.125)
+        rosekernels.gemm_leakyrelu(flat[1:].view(3, 40), b, 0.125)
     buf = torch.zeros(6, 40, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="overlap a"):
-        glr.gemm_leakyrelu(buf[:3], b, 0.125, out=buf[2:5, :24].as_strided((3, 24), (24, 1)))
+        rosekernels.gemm_leakyrelu(buf[:3], b, 0.125, out=buf[2:5, :24].as_strided((3, 24), (24, 1)))
     assert picked == [0.125, 0.25, 0.25]
 
 
@@ -755,13 +757,13 @@ def test_opcheck():
 def test_torch_compile_and_cuda_graph():
     a, b, bias = _inputs(64, 512, 256, torch.bfloat16, bias=torch.bfloat16)
     ref = _reference(a, b, bias, 0.01)
-    fn = torch.compile(lambda x: glr.gemm_leakyrelu(x, b, bias=bias) * 2, fullgraph=True)
+    fn = torch.compile(lambda x: rosekernels.gemm_leakyrelu(x, b, bias=bias) * 2, fullgraph=True)
     _assert_close(fn(a) / 2, ref, torch.bfloat16, "torch.compile")
     out = torch.full((64, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-    glr.gemm_leakyrelu(a, b, bias=bias, out=out)  # compile + warm up outside the capture
+    rosekernels.gemm_leakyrelu(a, b, bias=bias, out=out)  # compile + warm up outside the capture
     out.fill_(float("nan"))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        glr.gemm_leakyrelu(a, b, bias=bias, out=out)
+        rosekernels.gemm_leakyrelu(a, b, bias=bias, out=out)
     graph.replay()
     _assert_close(out, ref, torch.bfloat16, "CUDA graph")

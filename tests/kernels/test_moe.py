@@ -10,9 +10,12 @@ import pytest
 import torch
 
 from kernel_sass import sass_of
+import rosekernels
 from rosekernels import checks, launch, scratch
 from rosekernels.kernels import moe_combine as mc
 from rosekernels.kernels import moe_dispatch as md
+from rosekernels.ops import moe_combine as combine_op
+from rosekernels.ops import moe_dispatch as dispatch_op
 from sip import cubin as sip_cubin
 
 BF16, FP16, FP32, I32 = torch.bfloat16, torch.float16, torch.float32, torch.int32
@@ -78,7 +81,7 @@ def test_local_experts_keys():
 def test_local_experts_on_meta_tensors_as_a_list_too():
     x = torch.empty(5, 64, dtype=BF16, device="meta")
     ids = torch.empty(5, 2, dtype=I32, device="meta")
-    res = md.moe_dispatch(x, ids, 8, local_experts=[4, 4])
+    res = rosekernels.moe_dispatch(x, ids, 8, local_experts=[4, 4])
     assert res.counts.shape == (4,) and res.offsets.shape == (5,) and res.num_experts == 8
     assert res.buffer.shape == (md.default_capacity(5, 2, 4, md.DEFAULT_BLOCK_SIZE), 64)
 
@@ -87,7 +90,7 @@ def test_local_experts_on_meta_tensors_as_a_list_too():
 def test_bad_local_experts_rejected(local):
     x, ids = torch.zeros(4, 64, dtype=BF16), torch.zeros(4, 2, dtype=I32)
     with pytest.raises(ValueError, match="local_experts"):
-        md.moe_dispatch(x, ids, 8, local_experts=local)
+        rosekernels.moe_dispatch(x, ids, 8, local_experts=local)
 
 
 def test_custom_ops_registered():
@@ -133,35 +136,35 @@ def test_dispatch_rejects(no_launch, change, error, match):
     args = _dispatch_args()
     change(args)
     with pytest.raises(error, match=match):
-        md.moe_dispatch(**args)
+        rosekernels.moe_dispatch(**args)
 
 
 def test_dispatch_rejects_32bit_overflow_and_misalignment(no_launch):
     meta = _dispatch_args(device="meta", T=2**20, H=4096, k=8)
     with pytest.raises(ValueError, match="32-bit"):
-        md.moe_dispatch(**meta, capacity=2**31)
+        rosekernels.moe_dispatch(**meta, capacity=2**31)
     with pytest.raises(ValueError, match="decode variant routes at most 8192"):
-        md.moe_dispatch(**_dispatch_args(device="meta", T=1025, k=8), mode="decode")
+        rosekernels.moe_dispatch(**_dispatch_args(device="meta", T=1025, k=8), mode="decode")
     # The kernel's loops step a block's worth past their bound before testing it: sizes within that
     # much of 2^31 would wrap (T * H / 8 = 2^31 - 128 here, the audit's DeepSeek-V3 case).
     near = _dispatch_args(device="meta", T=2_396_745, H=7168, k=8, E=256)
     with pytest.raises(ValueError, match="32-bit"):
-        md.moe_dispatch(**near, capacity=1024)
+        rosekernels.moe_dispatch(**near, capacity=1024)
     x = torch.randn(3, 72).to(BF16)[:, 4:68]  # row stride 72: fine; base misaligned by 8 bytes
     assert x.data_ptr() % 16
     with pytest.raises(ValueError, match="16-byte aligned|CUDA device"):
-        md.validate(x, torch.zeros(3, 2, dtype=I32), torch.empty(8, 64, dtype=BF16), 8, 4, "decode")
+        dispatch_op.validate(x, torch.zeros(3, 2, dtype=I32), torch.empty(8, 64, dtype=BF16), 8, 4, "decode")
 
 
 def test_dispatch_fake_impl_shapes():
     a = _dispatch_args(device="meta", T=5, H=128, E=16, k=3)
-    res = md.moe_dispatch(**a, block_size=32)
+    res = rosekernels.moe_dispatch(**a, block_size=32)
     assert res.buffer.shape == (md.default_capacity(5, 3, 16, 32), 128) and res.buffer.dtype == BF16
     assert res.slot_map.shape == (5, 3) and res.slot_map.dtype == I32
     assert res.counts.shape == (16,) and res.offsets.shape == (17,)
     assert res.overflow.shape == (1,) and res.invalid.shape == (1,)
     with pytest.raises(ValueError, match="multiple of 8"):
-        md.moe_dispatch(**_dispatch_args(device="meta", H=100))
+        rosekernels.moe_dispatch(**_dispatch_args(device="meta", H=100))
 
 
 @pytest.fixture
@@ -171,9 +174,9 @@ def cpu_kernels(monkeypatch):
     made stay cached after the test: its sizes are its own."""
     calls = []
     kernel = types.SimpleNamespace(fn=lambda *args: calls.append(args))
-    for module in (md, mc):
-        monkeypatch.setattr(module, "compile", lambda cfg: kernel)
-        monkeypatch.setattr(module, "check_sm90", lambda device: None)
+    for kernel_module, op_module in ((md, dispatch_op), (mc, combine_op)):
+        monkeypatch.setattr(kernel_module, "compile", lambda cfg: kernel)
+        monkeypatch.setattr(op_module, "check_sm90", lambda device: None)
     monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)
     monkeypatch.setattr(launch, "on_device", lambda device, fn, *args: fn(*args))
     return calls
@@ -187,26 +190,26 @@ def test_cached_plan_still_rejects_before_launch(cpu_kernels):
     ids = torch.randint(0, E, (T, k), dtype=I32)
     buffer = torch.full((16, H), float("nan"), dtype=BF16)
     calls = cpu_kernels
-    res = md.moe_dispatch(x, ids, E, block_size=16, buffer=buffer)  # a new plan: fn called, outputs made
+    res = rosekernels.moe_dispatch(x, ids, E, block_size=16, buffer=buffer)  # a new plan: fn called, outputs made
     assert len(calls) == 1 and res.slot_map.shape == (T, k) and res.meta.shape == (2 * E + 3,)
     assert calls[0][:3] == (x, ids, buffer) and calls[0][5] is None  # decode: no workspace
     misaligned = torch.randn(T * H + 8).to(BF16)[4:4 + T * H].view(T, H)  # same key, 8-byte offset
     with pytest.raises(ValueError, match="x must be 16-byte aligned"):
-        md.moe_dispatch(misaligned, ids, E, block_size=16, buffer=buffer)
+        rosekernels.moe_dispatch(misaligned, ids, E, block_size=16, buffer=buffer)
     wide = torch.randn(T, 2 * H).to(BF16)[:, ::2]  # same shape, stride 2: a new key, validated
     with pytest.raises(ValueError, match="unit stride"):
-        md.moe_dispatch(wide, ids, E, block_size=16, buffer=buffer)
+        rosekernels.moe_dispatch(wide, ids, E, block_size=16, buffer=buffer)
     assert len(calls) == 1 and buffer.isnan().all()
 
     w = torch.rand(T, k)
     out = torch.full((T, H), float("nan"), dtype=BF16)
-    assert mc.moe_combine(buffer, w, res.slot_map, out) is out and len(calls) == 2
+    assert rosekernels.moe_combine(buffer, w, res.slot_map, out) is out and len(calls) == 2
     assert calls[1] == (buffer, w, res.slot_map, out)
     bad_out = torch.randn(T * H + 8).to(BF16)[4:4 + T * H].view(T, H)
     with pytest.raises(ValueError, match="out must be 16-byte aligned"):
-        mc.moe_combine(buffer, w, res.slot_map, bad_out)
+        rosekernels.moe_combine(buffer, w, res.slot_map, bad_out)
     with pytest.raises(TypeError, match="topk_weights has dtype float16"):  # a new key: validated
-        mc.moe_combine(buffer, w.half(), res.slot_map, out)
+        rosekernels.moe_combine(buffer, w.half(), res.slot_map, out)
     assert len(calls) == 2 and out.isnan().all()
 
 
@@ -241,21 +244,21 @@ def test_combine_rejects(no_launch, change, error, match):
     args = _combine_args()
     change(args)
     with pytest.raises(error, match=match):
-        mc.moe_combine(**args)
+        rosekernels.moe_combine(**args)
 
 
 def test_combine_rejects_sizes_whose_grid_would_wrap(no_launch):
     """T * H / 8 = 2^31 - 128: the grid's vector count rounded up to whole CTAs passes 2^31."""
     with pytest.raises(ValueError, match="32-bit"):
-        mc.moe_combine(**_combine_args(device="meta", T=268_435_440, H=64))
+        rosekernels.moe_combine(**_combine_args(device="meta", T=268_435_440, H=64))
 
 
 def test_combine_fake_impl():
-    out = mc.moe_combine(**_combine_args(device="meta", T=7, H=256, k=3, dtype=FP16, wdtype=FP16))
+    out = rosekernels.moe_combine(**_combine_args(device="meta", T=7, H=256, k=3, dtype=FP16, wdtype=FP16))
     assert out.shape == (7, 256) and out.dtype == FP16 and out.device.type == "meta"
     with pytest.raises(ValueError, match=r"topk_weights has shape"):
         a = _combine_args(device="meta")
-        mc.moe_combine(a["expert_out"], a["topk_weights"][:2], a["slot_map"])
+        rosekernels.moe_combine(a["expert_out"], a["topk_weights"][:2], a["slot_map"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,9 +378,9 @@ def test_dispatch(cfg, kind, mode):
         poison = _poisoned(C, H, dtype)
         if mode == "decode" and T * k > md.DECODE_PAIRS_LIMIT:
             with pytest.raises(ValueError, match="decode variant routes at most"):
-                md.moe_dispatch(x, ids, E, block_size=B, buffer=poison, mode=mode)
+                rosekernels.moe_dispatch(x, ids, E, block_size=B, buffer=poison, mode=mode)
             continue
-        res = md.moe_dispatch(x, ids, E, block_size=B, buffer=poison.clone(), mode=mode)
+        res = rosekernels.moe_dispatch(x, ids, E, block_size=B, buffer=poison.clone(), mode=mode)
         assert_dispatch(x, ids, E, B, res, poison)
         res.check()  # nothing dropped, nothing invalid: no exception
         if (mode or md.choose_mode(T, k)) == "decode":
@@ -394,7 +397,7 @@ def test_dispatch_many_tokens(mode):
         x = torch.randn(T, 2048, generator=gen).to(device="cuda", dtype=BF16)
         ids = _routing(kind, T, 128, 8, gen)
         poison = _poisoned(md.default_capacity(T, 8, 128, 128), 2048, BF16)
-        assert_dispatch(x, ids, 128, 128, md.moe_dispatch(x, ids, 128, buffer=poison.clone(), mode=mode), poison)
+        assert_dispatch(x, ids, 128, 128, rosekernels.moe_dispatch(x, ids, 128, buffer=poison.clone(), mode=mode), poison)
 
 
 @pytest.mark.gpu
@@ -406,13 +409,13 @@ def test_dispatch_overflow(mode):
         x = torch.randn(T, H, generator=gen).to(device="cuda", dtype=BF16)
         ids = _routing("hot", T, E, k, gen)
         poison = _poisoned(capacity, H, BF16)
-        res = md.moe_dispatch(x, ids, E, capacity, B, buffer=poison.clone(), mode=mode)
+        res = rosekernels.moe_dispatch(x, ids, E, capacity, B, buffer=poison.clone(), mode=mode)
         assert_dispatch(x, ids, E, B, res, poison)
         assert int(res.overflow) > 0
         with pytest.raises(RuntimeError, match="did not fit"):
             res.check()
         with pytest.raises(RuntimeError, match="did not fit"):  # the debug switch checks every call
-            md.moe_dispatch(x, ids, E, capacity, B, buffer=poison.clone(), mode=mode, check=True)
+            rosekernels.moe_dispatch(x, ids, E, capacity, B, buffer=poison.clone(), mode=mode, check=True)
 
 
 @pytest.mark.gpu
@@ -426,12 +429,12 @@ def test_dispatch_invalid_ids(mode, bad):
         ids = _routing("uniform", T, E, k, gen)
         ids.view(-1)[torch.randint(0, T * k, (1 + T // 100,), generator=gen)] = bad
         poison = _poisoned(md.default_capacity(T, k, E, 16), H, BF16)
-        res = md.moe_dispatch(x, ids, E, block_size=16, buffer=poison.clone(), mode=mode)
+        res = rosekernels.moe_dispatch(x, ids, E, block_size=16, buffer=poison.clone(), mode=mode)
         assert_dispatch(x, ids, E, 16, res, poison)
         with pytest.raises(ValueError, match="outside"):
             res.check()
         with pytest.raises(ValueError, match="outside"):
-            md.moe_dispatch(x, ids, E, block_size=16, buffer=poison.clone(), mode=mode, check=True)
+            rosekernels.moe_dispatch(x, ids, E, block_size=16, buffer=poison.clone(), mode=mode, check=True)
 
 
 @pytest.mark.gpu
@@ -454,22 +457,22 @@ def test_dispatch_local_experts(mode, ranks):
             first = r * n
             mine = torch.where((ids >= first) & (ids < first + n), ids - first, -1)
             poison = _poisoned(md.default_capacity(T, k, n, B), H, BF16)
-            res = md.moe_dispatch(x, ids, E, block_size=B, buffer=poison.clone(), mode=mode,
+            res = rosekernels.moe_dispatch(x, ids, E, block_size=B, buffer=poison.clone(), mode=mode,
                                   local_experts=(first, n))
             assert_dispatch(x, mine, n, B, res, poison)
             md.check_dispatch(x, ids, E, B, res, (first, n))
             if mode == "decode":
                 assert_pair_order(mine, res)
-            total += mc.moe_combine(res.buffer, w, res.slot_map).double()
+            total += rosekernels.moe_combine(res.buffer, w, res.slot_map).double()
             bound += mc.error_bound(res.buffer, w, res.slot_map)
-        whole = md.moe_dispatch(x, ids, E, block_size=B, mode=mode)
+        whole = rosekernels.moe_dispatch(x, ids, E, block_size=B, mode=mode)
         ref = mc.reference(whole.buffer, w, whole.slot_map)
         assert ((total - ref).abs() <= bound).all(), f"T={T} {kind}"  # each rank's combine within its bound
         for wrong in (E, -2, -2**31):  # outside [-1, E): invalid on every rank, ranks with first > 0 too
             bad = ids.clone()
             bad[T // 2, 0] = wrong
             for r in range(ranks):
-                res = md.moe_dispatch(x, bad, E, block_size=B, mode=mode, local_experts=(r * n, n))
+                res = rosekernels.moe_dispatch(x, bad, E, block_size=B, mode=mode, local_experts=(r * n, n))
                 with pytest.raises(ValueError, match=f"outside \\[-1, {E}\\)"):
                     res.check()
 
@@ -479,14 +482,14 @@ def test_dispatch_edge_inputs():
     gen = torch.Generator().manual_seed(17)
     # no tokens
     empty_x, empty_ids = torch.empty(0, 256, dtype=BF16, device="cuda"), torch.empty(0, 4, dtype=I32, device="cuda")
-    res = md.moe_dispatch(empty_x, empty_ids, 8)
+    res = rosekernels.moe_dispatch(empty_x, empty_ids, 8)
     assert res.buffer.shape == (0, 256) and not res.counts.any() and not res.offsets.any()
     # strided x and ids (views into wider tensors), every mode
     for mode, T in (("decode", 5), ("prefill", 700)):
         x = torch.randn(T, 264, generator=gen).to(device="cuda", dtype=BF16)[:, 8:264]
         ids = _routing("uniform", T, 32, 6, gen).repeat(1, 2)[:, 3:9]
         poison = _poisoned(md.default_capacity(T, 6, 32, 128), 256, BF16)
-        assert_dispatch(x, ids, 32, 128, md.moe_dispatch(x, ids, 32, buffer=poison.clone(), mode=mode), poison)
+        assert_dispatch(x, ids, 32, 128, rosekernels.moe_dispatch(x, ids, 32, buffer=poison.clone(), mode=mode), poison)
     # the module's own checker agrees
     w = md.workload(md.Config("bf16", 2048, 128, 8, "prefill"), md.Shape(600))
     args = w.make_args(0)
@@ -513,15 +516,15 @@ def test_dispatch_back_to_back():
         x = torch.randn(T, 256, generator=gen).to(device="cuda", dtype=BF16)
         ids = _routing(("uniform", "hot")[i % 3 == 0], T, 64, 4, gen)
         poison = _poisoned(md.default_capacity(T, 4, 64, 32), 256, BF16)
-        cases.append((x, ids, poison, md.moe_dispatch(x, ids, 64, block_size=32, buffer=poison.clone(), mode=mode)))
+        cases.append((x, ids, poison, rosekernels.moe_dispatch(x, ids, 64, block_size=32, buffer=poison.clone(), mode=mode)))
     for x, ids, poison, res in cases:
         assert_dispatch(x, ids, 64, 32, res, poison)
     _assert_workspaces_zero()
 
 
 def _count_validations(monkeypatch):
-    """{module: calls of its validate()}: one per new plan."""
-    counts = {md: 0, mc: 0}
+    """{op module: calls of its validate()}: one per new plan."""
+    counts = {dispatch_op: 0, combine_op: 0}
     for module in counts:
         def counted(*args, _module=module, _validate=module.validate, **kwargs):
             counts[_module] += 1
@@ -543,20 +546,20 @@ def test_plans_reused_across_shapes(monkeypatch):
         x = torch.randn(T, H, generator=gen).to(device="cuda", dtype=BF16)
         ids = _routing("dropped", T, E, k, gen)
         poison = _poisoned(md.default_capacity(T, k, E, B), H, BF16)
-        res = md.moe_dispatch(x, ids, E, block_size=B, buffer=poison.clone())
+        res = rosekernels.moe_dispatch(x, ids, E, block_size=B, buffer=poison.clone())
         assert_dispatch(x, ids, E, B, res, poison)
         w = torch.rand(T, k, generator=gen).cuda()
         out = torch.full((T, H), float("nan"), dtype=BF16, device="cuda")
-        mc.moe_combine(res.buffer, w, res.slot_map, out)
+        rosekernels.moe_combine(res.buffer, w, res.slot_map, out)
         _assert_combine(out, res.buffer, w, res.slot_map)
-    assert validations == {md: len(set(sequence)), mc: len(set(sequence))}
+    assert validations == {dispatch_op: len(set(sequence)), combine_op: len(set(sequence))}
     # A cached plan does not cover the pointer: a misaligned x of a cached shape is still rejected.
     T = 128
     x = torch.randn(T * H + 8, generator=gen).to(device="cuda", dtype=BF16)[4:4 + T * H].view(T, H)
     poison = _poisoned(md.default_capacity(T, k, E, B), H, BF16)
     buffer = poison.clone()
     with pytest.raises(ValueError, match="16-byte aligned"):
-        md.moe_dispatch(x, _routing("uniform", T, E, k, gen), E, block_size=B, buffer=buffer)
+        rosekernels.moe_dispatch(x, _routing("uniform", T, E, k, gen), E, block_size=B, buffer=buffer)
     torch.cuda.synchronize()
     assert torch.equal(_bits(buffer), _bits(poison))
     _assert_workspaces_zero()
@@ -575,8 +578,8 @@ def test_graph_then_eager_other_shapes_then_replay(T):
     buffer = torch.empty(md.default_capacity(T, k, E, B), H, dtype=BF16, device="cuda")
 
     def step():
-        res = md.moe_dispatch(x, ids, E, block_size=B, buffer=buffer)
-        return res, mc.moe_combine(res.buffer, w, res.slot_map)
+        res = rosekernels.moe_dispatch(x, ids, E, block_size=B, buffer=buffer)
+        return res, rosekernels.moe_combine(res.buffer, w, res.slot_map)
 
     def fill():
         x.copy_(torch.randn(T, H, generator=gen))
@@ -595,7 +598,7 @@ def test_graph_then_eager_other_shapes_then_replay(T):
         x2 = torch.randn(T2, H, generator=gen).to(device="cuda", dtype=BF16)
         ids2 = _routing("uniform", T2, E, k, gen)
         poison = _poisoned(md.default_capacity(T2, k, E, B), H, BF16)
-        assert_dispatch(x2, ids2, E, B, md.moe_dispatch(x2, ids2, E, block_size=B, buffer=poison.clone()), poison)
+        assert_dispatch(x2, ids2, E, B, rosekernels.moe_dispatch(x2, ids2, E, block_size=B, buffer=poison.clone()), poison)
         for _ in range(2):
             poison = fill()
             graph.replay()
@@ -629,7 +632,7 @@ def test_dispatch_two_streams():
     results = []
     for i, (x, ids, poison) in enumerate(cases):
         with torch.cuda.stream(streams[i % 2]):
-            results.append(md.moe_dispatch(x, ids, E, block_size=16, buffer=poison.clone()))
+            results.append(rosekernels.moe_dispatch(x, ids, E, block_size=16, buffer=poison.clone()))
     for s in streams:
         torch.cuda.current_stream().wait_stream(s)
     for (x, ids, poison), res in zip(cases, results):
@@ -645,13 +648,13 @@ def test_two_graphs_replayed_concurrently():
     E = 128
     groups = [_small_grid_prefill_inputs(gen, 4) for _ in range(3)]
     for x, ids, poison in groups[0]:
-        md.moe_dispatch(x, ids, E, block_size=16, buffer=poison.clone())  # compile, plan
+        rosekernels.moe_dispatch(x, ids, E, block_size=16, buffer=poison.clone())  # compile, plan
     torch.cuda.synchronize()
     graphs, captured = [], []
     for cases in groups[:2]:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            captured.append([md.moe_dispatch(x, ids, E, block_size=16, buffer=p.clone()) for x, ids, p in cases])
+            captured.append([rosekernels.moe_dispatch(x, ids, E, block_size=16, buffer=p.clone()) for x, ids, p in cases])
         graphs.append(g)
     streams = [torch.cuda.Stream() for _ in range(3)]
     for s in streams:
@@ -662,7 +665,7 @@ def test_two_graphs_replayed_concurrently():
             with torch.cuda.stream(s):
                 g.replay()
         with torch.cuda.stream(streams[2]):
-            eager.append([md.moe_dispatch(x, ids, E, block_size=16, buffer=p.clone()) for x, ids, p in groups[2]])
+            eager.append([rosekernels.moe_dispatch(x, ids, E, block_size=16, buffer=p.clone()) for x, ids, p in groups[2]])
     for s in streams:
         torch.cuda.current_stream().wait_stream(s)
     for cases, results in zip(groups[:2] + [groups[2]] * len(eager), captured + eager):
@@ -687,13 +690,13 @@ def test_combine(cfg, mode):
     for T in TOKENS:
         for wdtype in dict.fromkeys((FP32, dtype)):
             ids = _routing("dropped", T, E, k, gen)
-            res = md.moe_dispatch(_randn((T, H), dtype, T), ids, E, block_size=B)
+            res = rosekernels.moe_dispatch(_randn((T, H), dtype, T), ids, E, block_size=B)
             expert_out = _randn(res.buffer.shape, dtype, _seed(cfg, mode, T)) * 3
             w = torch.rand(T, k, generator=gen).to(device="cuda", dtype=wdtype)
             slot_map = res.slot_map.clone()
             slot_map[T // 2:T // 2 + 1] = -1  # one token with no slot at all
             out = torch.full((T, H), float("nan"), dtype=dtype, device="cuda")
-            assert mc.moe_combine(expert_out, w, slot_map, out, mode=mode) is out
+            assert rosekernels.moe_combine(expert_out, w, slot_map, out, mode=mode) is out
             _assert_combine(out, expert_out, w, slot_map)
 
 
@@ -706,9 +709,9 @@ def test_combine_foreign_slots_and_strides():
     w = torch.randn(T, k + 1, generator=gen).to(device="cuda")[:, 1:]
     out = torch.full((T, H + 16), float("nan"), dtype=BF16, device="cuda")[:, 16:]
     for mode in ("decode", "prefill"):
-        mc.moe_combine(expert_out, w, slot_map, out, mode=mode)
+        rosekernels.moe_combine(expert_out, w, slot_map, out, mode=mode)
         _assert_combine(out, expert_out, w, slot_map)
-    assert mc.moe_combine(expert_out, w[:0], slot_map[:0]).shape == (0, H)
+    assert rosekernels.moe_combine(expert_out, w[:0], slot_map[:0]).shape == (0, H)
 
 
 @pytest.mark.gpu
@@ -723,8 +726,8 @@ def test_cuda_graph_replay_with_new_routing(T):
     buffer = torch.empty(md.default_capacity(T, k, E, B), H, dtype=BF16, device="cuda")
 
     def step():
-        res = md.moe_dispatch(x, ids, E, block_size=B, buffer=buffer)
-        return res, mc.moe_combine(res.buffer * 2, w, res.slot_map)
+        res = rosekernels.moe_dispatch(x, ids, E, block_size=B, buffer=buffer)
+        return res, rosekernels.moe_combine(res.buffer * 2, w, res.slot_map)
 
     x.copy_(torch.randn(T, H, generator=gen))
     ids.copy_(_routing("uniform", T, E, k, gen))
@@ -758,11 +761,11 @@ def test_graph_of_many_launches():
     cases = [(T, torch.randn(T, 256, generator=gen).to(device="cuda", dtype=BF16),
               _routing("uniform", T, 32, 4, gen)) for T in (1, 100, 700, 1500) * 5]
     for _, x, ids in cases:
-        md.moe_dispatch(x, ids, 32)
+        rosekernels.moe_dispatch(x, ids, 32)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        results = [md.moe_dispatch(x, ids, 32) for _, x, ids in cases]
+        results = [rosekernels.moe_dispatch(x, ids, 32) for _, x, ids in cases]
     for _ in range(2):
         for r in results:
             r.buffer.fill_(float("nan"))
@@ -781,8 +784,8 @@ def test_torch_compile_and_opcheck():
     w = torch.rand(T, k, generator=gen, device="cpu").cuda()
 
     def f(x, ids, w):
-        res = md.moe_dispatch(x, ids, E, block_size=16)
-        return mc.moe_combine(res.buffer, w, res.slot_map), res.counts
+        res = rosekernels.moe_dispatch(x, ids, E, block_size=16)
+        return rosekernels.moe_combine(res.buffer, w, res.slot_map), res.counts
 
     out, counts = torch.compile(f, fullgraph=True)(x, ids, w)
     ref = x.double() * (w.double() * (ids >= 0)).sum(1, keepdim=True)
@@ -838,8 +841,8 @@ def test_both_ops_trace_under_torch_compile_with_functionalization():
     w = torch.empty(T, k, device="meta")
 
     def f(x, ids, w):
-        res = md.moe_dispatch(x, ids, E, block_size=16)
-        return mc.moe_combine(res.buffer, w, res.slot_map), res.counts
+        res = rosekernels.moe_dispatch(x, ids, E, block_size=16)
+        return rosekernels.moe_combine(res.buffer, w, res.slot_map), res.counts
 
     out, counts = torch.compile(f, fullgraph=True, backend="aot_eager")(x, ids, w)
     assert out.shape == (T, H) and counts.shape == (E,)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from kernel_sass import sass_of
+import rosekernels
 from rosekernels import moe
 from rosekernels.kernels import moe_combine as mc
 from rosekernels.kernels import moe_peer as mp
@@ -247,7 +248,7 @@ def _single_gpu(x, ids, w, scale):
     valid = (ids >= 0) & (ids < scale.shape[0])
     rows = (x[:, None, :] * scale[ids.clamp(0, scale.shape[0] - 1).long()][..., None]).reshape(tokens * topk, x.shape[1])
     slot = torch.where(valid, torch.arange(tokens * topk, device="cuda", dtype=torch.int32).view(tokens, topk), -1)
-    return mc.moe_combine(rows, w, slot.to(torch.int32))
+    return rosekernels.moe_combine(rows, w, slot.to(torch.int32))
 
 
 def _ep_step(ranks, xs, ids, ws, scale, sync=True):

@@ -1,6 +1,6 @@
 """The public names of the package resolve to the ops, every kernel module follows the contract, and
 CuTeDSL is pinned to sm_90a first."""
-import importlib
+import dataclasses
 import os
 
 import pytest
@@ -16,7 +16,31 @@ def test_every_export_is_a_callable(name):
 
 @pytest.mark.parametrize("kernel", sorted(rosekernels.KERNELS))
 def test_every_kernel_module_follows_the_contract(kernel):
-    assert contract.missing(importlib.import_module(rosekernels.KERNELS[kernel])) == []
+    assert contract.missing(contract.kernel_module(kernel)) == []
+
+
+@pytest.mark.parametrize("kernel", sorted(rosekernels.KERNELS))
+def test_variant_keys_round_trip(kernel):
+    """Every listed config comes back from its variant with its launch policy at the defaults; a key
+    leaves a KEY_DEFAULTS field out only at its dataclass default (from_variant restores that); a
+    variant of another op is refused."""
+    m = contract.kernel_module(kernel)
+    fields = {f.name: f for f in dataclasses.fields(m.Config)}
+    assert m.Config.OP == m.OP and set(m.Config.POLICY_FIELDS) <= set(fields)
+    for name, default in m.Config.KEY_DEFAULTS.items():
+        assert callable(default) or fields[name].default == default, name
+    for cfg in m.variants_for():
+        back = m.Config.from_variant(cfg.variant())
+        assert back.variant() == cfg.variant()
+        assert back == dataclasses.replace(cfg, **{f: fields[f].default for f in m.Config.POLICY_FIELDS})
+    other = dataclasses.replace(cfg.variant(), op="another_op")
+    with pytest.raises(ValueError, match="another_op"):
+        m.Config.from_variant(other)
+
+
+def test_kernel_module_names_the_kernels():
+    with pytest.raises(ValueError, match="no kernel module for 'nope'; the kernels are"):
+        contract.kernel_module("nope")
 
 
 @pytest.mark.parametrize("kernel", sorted(rosekernels.KERNELS))
@@ -25,7 +49,7 @@ def test_compile_keeps_no_cache_of_its_own(kernel, monkeypatch):
     jit.forget_loaded() (warm-up after a reset, tuned cubins loaded afresh) and hand back stale kernels."""
     from rosekernels import jit
 
-    m = importlib.import_module(rosekernels.KERNELS[kernel])
+    m = contract.kernel_module(kernel)
     calls = []
     monkeypatch.setattr(jit, "compile_variant", lambda variant, build: calls.append(variant) or variant)
     config = m.variants_for()[0]

@@ -6,9 +6,11 @@ import math
 import pytest
 import torch
 
+import rosekernels
 from rosekernels import checks, jit
 from rosekernels.kernels import qk_norm as qkn
 from rosekernels.kernels import qk_norm_plan as plan
+import rosekernels.ops.qk_norm  # noqa: F401  (registers torch.ops.rosekernels.qk_norm)
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -96,7 +98,7 @@ def _expect(exc, match, *args, **kwargs):
         kwargs["out_q"] = outs["q"] = torch.full(q.shape, 7.0, dtype=q.dtype, device=q.device)
         kwargs["out_k"] = outs["k"] = torch.full(k.shape, 7.0, dtype=k.dtype, device=k.device)
     with pytest.raises(exc, match=match):
-        qkn.qk_norm(*args, **kwargs)
+        rosekernels.qk_norm(*args, **kwargs)
     for t in outs.values():
         assert (t == 7.0).all(), "an output was written although the call failed"
 
@@ -153,12 +155,12 @@ def test_rejects_misaligned_views(no_launch):
 def test_rejects_non_tensors(no_launch):
     q, k, wq, wk = _cpu_inputs()
     with pytest.raises(TypeError, match="k_weight must be a torch.Tensor"):
-        qkn.qk_norm(q, k, wq, [1.0] * 128, out_q=torch.empty_like(q), out_k=torch.empty_like(k))
+        rosekernels.qk_norm(q, k, wq, [1.0] * 128, out_q=torch.empty_like(q), out_k=torch.empty_like(k))
 
 
 def test_meta_tensors_take_the_registered_op(no_launch):
     q, k, wq, wk = (t.to("meta") for t in _cpu_inputs())
-    out_q, out_k = qkn.qk_norm(q, k, wq, wk)
+    out_q, out_k = rosekernels.qk_norm(q, k, wq, wk)
     assert out_q.is_meta and out_q.shape == q.shape and out_k.shape == k.shape
 
 
@@ -188,7 +190,7 @@ def _run_case(tokens, hq, hk, d, dtype, wdtype, eps=1e-6, bias=0.0, seed=0):
     wk = _rand(d, dtype=wdtype, scale=0.3, shift=1.0 - bias, gen=gen)
     out_q, out_k = torch.full_like(q, math.nan), torch.full_like(k, math.nan)
     q0, k0 = q.clone(), k.clone()
-    res = qkn.qk_norm(q, k, wq, wk, eps=eps, weight_bias=bias, out_q=out_q, out_k=out_k)
+    res = rosekernels.qk_norm(q, k, wq, wk, eps=eps, weight_bias=bias, out_q=out_q, out_k=out_k)
     assert res[0] is out_q and res[1] is out_k
     ref_q, ref_k = qkn.reference(q, k, wq, wk, eps, bias)
     what = f"T={tokens} heads={hq}/{hk} d={d} {dtype}/{wdtype} eps={eps} bias={bias}"
@@ -234,7 +236,7 @@ def test_one_weight_for_both(tokens):
     q = _rand(tokens, 32, 128, dtype=BF16, scale=3.0, gen=gen)
     k = _rand(tokens, 8, 128, dtype=BF16, scale=0.5, shift=0.2, gen=gen)
     w = _rand(128, dtype=BF16, scale=0.3, shift=1.0, gen=gen)
-    out_q, out_k = qkn.qk_norm(q, k, w)
+    out_q, out_k = rosekernels.qk_norm(q, k, w)
     ref_q, ref_k = qkn.reference(q, k, w, w)
     _check(out_q, ref_q, BF16, f"q T={tokens}, one weight")
     _check(out_k, ref_k, BF16, f"k T={tokens}, one weight")
@@ -257,7 +259,7 @@ def test_strided_qkv_views(tokens, d, dtype, pad):
     qkv, q, k = _qkv(tokens, hq, hk, d, dtype, pad, seed=tokens)
     before = qkv.clone()
     wq, wk = _rand(d, dtype=dtype, shift=1.0), _rand(d, dtype=dtype, shift=1.0)
-    out_q, out_k = qkn.qk_norm(q, k, wq, wk)
+    out_q, out_k = rosekernels.qk_norm(q, k, wq, wk)
     ref_q, ref_k = qkn.reference(q, k, wq, wk)
     _check(out_q, ref_q, dtype, "q")
     _check(out_k, ref_k, dtype, "k")
@@ -265,7 +267,7 @@ def test_strided_qkv_views(tokens, d, dtype, pad):
     # outputs may be strided too: write into another fused buffer
     qkv2, oq, ok = _qkv(tokens, hq, hk, d, dtype, pad, seed=tokens + 1)
     v_before = qkv2[:, (hq + hk) * d:].clone()
-    qkn.qk_norm(q, k, wq, wk, out_q=oq, out_k=ok)
+    rosekernels.qk_norm(q, k, wq, wk, out_q=oq, out_k=ok)
     _check(oq, ref_q, dtype, "strided out_q")
     _check(ok, ref_k, dtype, "strided out_k")
     assert torch.equal(qkv2[:, (hq + hk) * d:], v_before), "v or the padding was written"
@@ -280,7 +282,7 @@ def test_in_place(tokens, dtype):
     wq, wk = _rand(128, dtype=dtype, shift=1.0), _rand(128, dtype=dtype, shift=1.0)
     ref_q, ref_k = qkn.reference(q, k, wq, wk)
     v_before = qkv[:, (hq + hk) * 128:].clone()
-    out_q, out_k = qkn.qk_norm(q, k, wq, wk, out_q=q, out_k=k)
+    out_q, out_k = rosekernels.qk_norm(q, k, wq, wk, out_q=q, out_k=k)
     assert out_q is q and out_k is k
     _check(q, ref_q, dtype, "in-place q")
     _check(k, ref_k, dtype, "in-place k")
@@ -291,7 +293,7 @@ def test_in_place(tokens, dtype):
 def test_zero_tokens():
     q, k = torch.empty(0, 32, 128, device="cuda", dtype=BF16), torch.empty(0, 8, 128, device="cuda", dtype=BF16)
     w = torch.ones(128, device="cuda", dtype=BF16)
-    out_q, out_k = qkn.qk_norm(q, k, w, w)
+    out_q, out_k = rosekernels.qk_norm(q, k, w, w)
     assert out_q.shape == q.shape and out_k.shape == k.shape
 
 
@@ -302,19 +304,19 @@ def test_errors_on_gpu_after_a_good_call():
     tokens = 9
     qkv, q, k = _qkv(tokens, hq, hk, 128, BF16)
     w = _rand(128, dtype=BF16, shift=1.0)
-    qkn.qk_norm(q, k, w, w)  # plans this shape: the calls below take the fast path
+    rosekernels.qk_norm(q, k, w, w)  # plans this shape: the calls below take the fast path
     out_q = torch.full_like(q, 7.0)
     out_k = torch.full_like(k, 7.0)
     rows = torch.randn(tokens, hq * 128 + 4, device="cuda").to(BF16)
     bad_q = rows[:, :hq * 128].view(tokens, hq, 128)  # row stride not a multiple of 16 bytes
     with pytest.raises(ValueError, match="aligned"):
-        qkn.qk_norm(bad_q, k, w, w, out_q=out_q, out_k=out_k)
+        rosekernels.qk_norm(bad_q, k, w, w, out_q=out_q, out_k=out_k)
     with pytest.raises(TypeError, match="k_weight has dtype"):
-        qkn.qk_norm(q, k, w, w.float(), out_q=out_q, out_k=out_k)
+        rosekernels.qk_norm(q, k, w, w.float(), out_q=out_q, out_k=out_k)
     with pytest.raises(ValueError, match="CUDA"):
-        qkn.qk_norm(q, k.cpu(), w, w, out_q=out_q, out_k=out_k)
+        rosekernels.qk_norm(q, k.cpu(), w, w, out_q=out_q, out_k=out_k)
     with pytest.raises(ValueError, match="expanded"):  # the compiled checks let a zero stride through
-        qkn.qk_norm(q, k, w, w, out_q=out_q, out_k=out_k[:1].expand(k.shape))
+        rosekernels.qk_norm(q, k, w, w, out_q=out_q, out_k=out_k[:1].expand(k.shape))
     torch.cuda.synchronize()
     assert (out_q == 7.0).all() and (out_k == 7.0).all()
 
@@ -326,11 +328,11 @@ def test_cuda_graph_capture(tokens):
     q, k = _rand(tokens, hq, 128, dtype=BF16), _rand(tokens, hk, 128, dtype=BF16)
     wq, wk = _rand(128, dtype=BF16, shift=1.0), _rand(128, dtype=BF16, shift=1.0)
     out_q, out_k = torch.empty_like(q), torch.empty_like(k)
-    qkn.qk_norm(q, k, wq, wk, out_q=out_q, out_k=out_k)  # compile outside the capture
+    rosekernels.qk_norm(q, k, wq, wk, out_q=out_q, out_k=out_k)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        qkn.qk_norm(q, k, wq, wk, out_q=out_q, out_k=out_k)
+        rosekernels.qk_norm(q, k, wq, wk, out_q=out_q, out_k=out_k)
     for seed in range(3):
         gen = torch.Generator(device="cuda").manual_seed(100 + seed)
         q.copy_(_rand(*q.shape, dtype=BF16, scale=2.0, gen=gen))
@@ -358,12 +360,12 @@ def test_a_chain_of_launches_in_a_graph_reads_each_previous_result(tokens, enabl
     ws = [(_rand(128, dtype=BF16, scale=0.5, shift=1.0, gen=gen), _rand(128, dtype=BF16, scale=0.5, shift=1.0, gen=gen))
           for _ in range(6)]
     start_q, start_k = q.clone(), k.clone()
-    qkn.qk_norm(q, k, *ws[0], out_q=q, out_k=k, enable_pdl=enable_pdl)  # compiled outside the capture
+    rosekernels.qk_norm(q, k, *ws[0], out_q=q, out_k=k, enable_pdl=enable_pdl)  # compiled outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for wq, wk in ws:
-            qkn.qk_norm(q, k, wq, wk, out_q=q, out_k=k, enable_pdl=enable_pdl)
+            rosekernels.qk_norm(q, k, wq, wk, out_q=q, out_k=k, enable_pdl=enable_pdl)
     q.copy_(start_q)
     k.copy_(start_k)
     graph.replay()
@@ -371,7 +373,7 @@ def test_a_chain_of_launches_in_a_graph_reads_each_previous_result(tokens, enabl
     want_q, want_k = start_q, start_k
     for i, (wq, wk) in enumerate(ws):
         ref_q, ref_k = qkn.reference(want_q, want_k, wq, wk)
-        qkn.qk_norm(want_q, want_k, wq, wk, out_q=want_q, out_k=want_k, enable_pdl=enable_pdl)
+        rosekernels.qk_norm(want_q, want_k, wq, wk, out_q=want_q, out_k=want_k, enable_pdl=enable_pdl)
         torch.cuda.synchronize()
         _check(want_q, ref_q, BF16, f"launch {i} alone, q")
         _check(want_k, ref_k, BF16, f"launch {i} alone, k")
@@ -388,9 +390,9 @@ def test_torch_compile(in_place):
         k = qkv[:, hq * 128:(hq + hk) * 128].view(-1, hk, 128)
         # Scaled by powers of two after the norm: exact, so the float64 check still sees one rounding.
         if in_place:
-            qkn.qk_norm(q, k, wq, wk, out_q=q, out_k=k)
+            rosekernels.qk_norm(q, k, wq, wk, out_q=q, out_k=k)
             return q * 2.0, k * 0.5
-        nq, nk = qkn.qk_norm(q, k, wq, wk, weight_bias=0.5)
+        nq, nk = rosekernels.qk_norm(q, k, wq, wk, weight_bias=0.5)
         return nq * 2.0, nk * 0.5
 
     compiled = torch.compile(attention_prologue, fullgraph=True)

@@ -6,10 +6,12 @@ import math
 import pytest
 import torch
 
+import rosekernels
 from rosekernels import checks
 from rosekernels.kernels import rmsnorm as rms
 from rosekernels.kernels import rmsnorm_plan as plan
 from rosekernels.models import ModelDims
+import rosekernels.ops.rmsnorm  # noqa: F401  (registers torch.ops.rosekernels.rmsnorm)
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -86,7 +88,7 @@ def _expect(exc, match, x, weight, **kwargs):
     if isinstance(x, torch.Tensor) and x.dim() == 2 and "out" not in kwargs:
         out = kwargs["out"] = torch.full(x.shape, 7.0, dtype=x.dtype)
     with pytest.raises(exc, match=match):
-        rms.rmsnorm(x, weight, **kwargs)
+        rosekernels.rmsnorm(x, weight, **kwargs)
     if out is not None:
         assert (out == 7.0).all(), "an output was written although the call failed"
 
@@ -122,7 +124,7 @@ def test_rejects_strides_and_alignment(no_launch):
 
 def test_meta_tensors_take_the_registered_op(no_launch):
     x, r = torch.empty(2, 3, 256, device="meta"), torch.empty(2, 3, 256, device="meta")
-    out, h = rms.rmsnorm(x, torch.empty(256, device="meta"), residual=r)
+    out, h = rosekernels.rmsnorm(x, torch.empty(256, device="meta"), residual=r)
     assert out.is_meta and out.shape == h.shape == x.shape
 
 
@@ -152,7 +154,7 @@ def _case(rows, hidden, dtype, wdtype, residual, eps=1e-6, seed=0, row_pad=0):
     out = torch.full((rows, hidden), math.nan, device="cuda", dtype=dtype)
     res_out = torch.full_like(out, math.nan) if residual else None
     x0 = x.clone()
-    got = rms.rmsnorm(x, w, eps=eps, residual=r, out=out, residual_out=res_out)
+    got = rosekernels.rmsnorm(x, w, eps=eps, residual=r, out=out, residual_out=res_out)
     ref_out, ref_h = rms.reference(x, w, eps, r)
     what = f"rows={rows} hidden={hidden} {dtype}/{wdtype} residual={residual} pad={row_pad}"
     if residual:
@@ -194,12 +196,12 @@ def test_in_place_residual_and_3d():
     r = _rand(2, 33, 4096, dtype=BF16)
     w = _rand(4096, dtype=BF16, shift=1.0)
     ref_out, ref_h = rms.reference(x.view(-1, 4096), w, 1e-6, r.view(-1, 4096))
-    out, h = rms.rmsnorm(x, w, residual=r, residual_out=r)
+    out, h = rosekernels.rmsnorm(x, w, residual=r, residual_out=r)
     assert h is r and out.shape == x.shape
     _check(out.view(-1, 4096), ref_out, BF16, "3d out")
     _check(r.view(-1, 4096), ref_h, BF16, "in-place residual")
     ref_y = rms.reference(x.view(-1, 4096), w)[0]
-    y = rms.rmsnorm(x, w, out=x)  # in place on x
+    y = rosekernels.rmsnorm(x, w, out=x)  # in place on x
     assert y.data_ptr() == x.data_ptr()
     _check(x.view(-1, 4096), ref_y, BF16, "in-place x")
 
@@ -207,13 +209,13 @@ def test_in_place_residual_and_3d():
 @pytest.mark.gpu
 def test_errors_on_gpu_after_a_good_call():
     x, w = _rand(6, 4096, dtype=BF16), _rand(4096, dtype=BF16, shift=1.0)
-    rms.rmsnorm(x, w)
+    rosekernels.rmsnorm(x, w)
     out = torch.full_like(x, 7.0)
     bad = torch.randn(6, 4096 + 4, device="cuda").to(BF16)[:, :4096]
     with pytest.raises(ValueError, match="aligned"):
-        rms.rmsnorm(bad, w, out=out)
+        rosekernels.rmsnorm(bad, w, out=out)
     with pytest.raises(TypeError, match="weight has dtype"):
-        rms.rmsnorm(x, w.half(), out=out)
+        rosekernels.rmsnorm(x, w.half(), out=out)
     torch.cuda.synchronize()
     assert (out == 7.0).all()
 
@@ -223,11 +225,11 @@ def test_cuda_graph_and_compile():
     x, r = _rand(64, 4096, dtype=BF16), _rand(64, 4096, dtype=BF16)
     w = _rand(4096, dtype=BF16, shift=1.0)
     out, res_out = torch.empty_like(x), torch.empty_like(x)
-    rms.rmsnorm(x, w, residual=r, out=out, residual_out=res_out)
+    rosekernels.rmsnorm(x, w, residual=r, out=out, residual_out=res_out)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        rms.rmsnorm(x, w, residual=r, out=out, residual_out=res_out)
+        rosekernels.rmsnorm(x, w, residual=r, out=out, residual_out=res_out)
     x.copy_(_rand(64, 4096, dtype=BF16, scale=3.0))
     out.fill_(math.nan)
     res_out.fill_(math.nan)
@@ -238,7 +240,7 @@ def test_cuda_graph_and_compile():
     _check(res_out, ref_h, BF16, "graph residual")
 
     def block(x, r, w):
-        return rms.rmsnorm(x * 0.5, w, residual=r)  # x * 0.5 is exact: both paths feed the kernel equal bits
+        return rosekernels.rmsnorm(x * 0.5, w, residual=r)  # x * 0.5 is exact: both paths feed the kernel equal bits
 
     compiled = torch.compile(block, fullgraph=True)
     for got, want in zip(compiled(x, r, w), block(x, r, w)):
@@ -257,12 +259,12 @@ def test_a_chain_of_launches_in_a_graph_reads_each_previous_result(rows, enable_
     x, r = _rand(rows, 4096, dtype=BF16, scale=2.0, gen=gen), _rand(rows, 4096, dtype=BF16, gen=gen)
     ws = [_rand(4096, dtype=BF16, scale=0.5, shift=1.0, gen=gen) for _ in range(6)]
     start_x, start_r = x.clone(), r.clone()
-    rms.rmsnorm(x, ws[0], residual=r, out=x, residual_out=r, enable_pdl=enable_pdl)  # compiled outside the capture
+    rosekernels.rmsnorm(x, ws[0], residual=r, out=x, residual_out=r, enable_pdl=enable_pdl)  # compiled outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for w in ws:
-            rms.rmsnorm(x, w, residual=r, out=x, residual_out=r, enable_pdl=enable_pdl)
+            rosekernels.rmsnorm(x, w, residual=r, out=x, residual_out=r, enable_pdl=enable_pdl)
     x.copy_(start_x)
     r.copy_(start_r)
     graph.replay()
@@ -270,7 +272,7 @@ def test_a_chain_of_launches_in_a_graph_reads_each_previous_result(rows, enable_
     want_x, want_r = start_x, start_r
     for i, w in enumerate(ws):
         ref_out, ref_h = rms.reference(want_x, w, 1e-6, want_r)
-        rms.rmsnorm(want_x, w, residual=want_r, out=want_x, residual_out=want_r, enable_pdl=enable_pdl)
+        rosekernels.rmsnorm(want_x, w, residual=want_r, out=want_x, residual_out=want_r, enable_pdl=enable_pdl)
         torch.cuda.synchronize()
         _check(want_x, ref_out, BF16, f"launch {i} alone, out")
         _check(want_r, ref_h, BF16, f"launch {i} alone, residual")

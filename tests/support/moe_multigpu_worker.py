@@ -19,6 +19,7 @@ import random
 import torch
 import torch.distributed as dist
 
+import rosekernels
 from rosekernels import moe
 from rosekernels.kernels import moe_combine as mc
 from rosekernels.kernels.moe_dispatch import moe_dispatch
@@ -44,7 +45,7 @@ def _expected(x, ids, w, scale):
     tokens, topk = ids.shape
     rows = (x[:, None, :] * scale[ids.clamp(0).long()][..., None]).reshape(tokens * topk, x.shape[1])
     slot = torch.where(ids >= 0, torch.arange(tokens * topk, device="cuda", dtype=torch.int32).view(tokens, topk), -1)
-    return mc.moe_combine(rows, w, slot.to(torch.int32))
+    return rosekernels.moe_combine(rows, w, slot.to(torch.int32))
 
 
 def _experts(got, first, scale):

@@ -241,6 +241,7 @@ OP = "toy"
 
 @dataclasses.dataclass(frozen=True)
 class Config:
+    POLICY_FIELDS = ("splits",)
     block: int = 2  # compiled in
     splits: int = 1  # launch policy
 

@@ -209,6 +209,7 @@ def test_tune_cache_then_warmup_in_a_fresh_process(env, tmp_path):
         import torch
         import cutlass.cute as cute
         from rosekernels import jit
+        import rosekernels
         from rosekernels.kernels import qk_norm
         from rosekernels.startup import warmup
         variant = jit.Variant.of({v.op!r}, {v.mode!r}, **{dict(v.params)!r})
@@ -234,7 +235,7 @@ def test_tune_cache_then_warmup_in_a_fresh_process(env, tmp_path):
                     assert torch.equal(x.view(torch.int16), y.view(torch.int16)), (tokens, seed)
                 w.check(a)
             q, k, wq, wk = a[:4]
-            oq, ok = qk_norm.qk_norm(q, k, wq, wk, eps=1e-6)  # the op: served by the tuned kernel
+            oq, ok = rosekernels.qk_norm(q, k, wq, wk, eps=1e-6)  # the op: served by the tuned kernel
             assert torch.equal(oq.view(torch.int16), w.outputs(b)[0].view(torch.int16))
         torch.cuda.synchronize()
         print("IDENTICAL")

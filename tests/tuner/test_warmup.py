@@ -124,7 +124,7 @@ def test_variants_and_configs_compile_through_their_kernel_module(env, spec):
 def test_bad_specs_are_named(env):
     with pytest.raises(TypeError, match="warmup spec"):
         warmup([42])
-    with pytest.raises(ValueError, match="no kernel module for op 'nope'"):
+    with pytest.raises(ValueError, match="no kernel module for 'nope'"):
         warmup([jit.Variant.of("nope", "decode")])
 
 

@@ -36,7 +36,7 @@ def test_shape_errors_name_the_keys_and_the_mode_to_pass(axpb):
         workloads.resolve("axpb", "decode", {"tokens": 4})
     with pytest.raises(ValueError, match="selects the prefill variant, not decode; pass --mode prefill"):
         workloads.resolve("axpb", "decode", {"n": 10**6})
-    with pytest.raises(ValueError, match="unknown kernel 'nope'"):
+    with pytest.raises(ValueError, match="no kernel module for 'nope'"):
         workloads.resolve("nope", "decode")
 
 

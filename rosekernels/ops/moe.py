@@ -66,11 +66,12 @@ import torch
 
 from rosekernels import checks, launch
 from rosekernels.kernels import moe_peer
-from rosekernels.kernels.moe_combine import moe_combine
 from rosekernels.kernels.moe_combine_plan import DECODE_MAX_TOKENS
 from rosekernels.kernels.moe_combine_plan import choose_mode as combine_mode
-from rosekernels.kernels.moe_dispatch import DEFAULT_BLOCK_SIZE, DTYPES, MoeDispatch, check_sm90, moe_dispatch
-from rosekernels.kernels.moe_dispatch_plan import DECODE_MAX_PAIRS
+from rosekernels.kernels.moe_common import DTYPES, MoeDispatch, check_sm90
+from rosekernels.kernels.moe_dispatch_plan import DECODE_MAX_PAIRS, DEFAULT_BLOCK_SIZE
+from rosekernels.ops.moe_combine import moe_combine
+from rosekernels.ops.moe_dispatch import moe_dispatch
 
 ALIGN = 256  # arena regions start on 256-byte boundaries
 MAX_WORLD = 32  # ranks: a bit each in the send kernel's destination mask

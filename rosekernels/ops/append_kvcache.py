@@ -1,0 +1,120 @@
+"""append_kvcache(): a step's new keys and values into a KV cache at each sequence's length (the kernel,
+its layouts and what it skips: rosekernels/kernels/append_kvcache.py).
+
+validate -> config (append_kvcache_plan.config_for, or the tuned store's) -> compile -> plan -> launch:
+the first call with an argument signature does all of it; later ones only launch.
+"""
+from __future__ import annotations
+
+import torch
+
+from rosekernels import checks, launch, modes, tuned
+from rosekernels.kernels import append_kvcache as kernel
+from rosekernels.kernels.append_kvcache_plan import DTYPES, HEAD_DIMS, OP, AppendShape, config_for
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks (the slow path: first call per signature, and after any launch failure).
+
+def _validate(k_cache, v_cache, k, v, cache_seqlens, block_table) -> None:
+    named = dict(k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table)
+    for name, t in named.items():
+        if not (t is None and name == "block_table") and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name in ("k_cache", "v_cache", "k", "v"):
+        if named[name].dim() != 4:
+            raise ValueError(f"{name} must be 4-D, got shape {list(named[name].shape)}")
+    checks.check_dtype("k_cache", k_cache, DTYPES)
+    for name in ("v_cache", "k", "v"):
+        checks.check_dtype(name, named[name], (k_cache.dtype,))
+    checks.check_dtype("cache_seqlens", cache_seqlens, (torch.int32,))
+    B, _, Hkv, d = k.shape
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head dim {d} is not supported; expected one of {HEAD_DIMS}")
+    checks.check_shape("v", v, tuple(k.shape))
+    checks.check_shape("k_cache", k_cache, (None, None, Hkv, d))
+    checks.check_shape("v_cache", v_cache, tuple(k_cache.shape))
+    checks.check_shape("cache_seqlens", cache_seqlens, (B,))
+    if block_table is None:
+        checks.check_shape("k_cache", k_cache, (B, None, Hkv, d))
+    else:
+        checks.check_dtype("block_table", block_table, (torch.int32,))
+        checks.check_shape("block_table", block_table, (B, None))
+        if block_table.shape[1] == 0 and k.numel():
+            raise ValueError("block_table must have at least one column")
+    if k_cache.shape[0] * k_cache.shape[1] == 0 and k.numel():
+        raise ValueError(f"the cache holds no rows: k_cache {list(k_cache.shape)}")
+    if k.numel() >= 2**31 or max(k_cache.shape[:2]) >= 2**31:
+        raise ValueError("too many rows for 32-bit indexing")
+    for name in ("k_cache", "v_cache", "k", "v"):
+        checks.check_unit_last_stride(name, named[name])
+        checks.check_aligned(name, named[name])
+    for name in ("k_cache", "v_cache"):
+        checks.check_not_expanded(name, named[name])
+    for name, t in named.items():
+        if t is not None:
+            checks.check_cuda(name, t)
+    checks.check_same_device(**named)
+
+
+# ---------------------------------------------------------------------------------------------
+# The op.
+
+_plans = launch.PlanCache()
+
+
+class _Plan(launch.Launch):
+    """The kernel of one signature; contiguous caches pass a placeholder table of their own."""
+
+    def __init__(self, fn, device: int, paged: bool):
+        super().__init__(fn, device)
+        self.unused_table = None if paged else kernel.unread_table(f"cuda:{device}")
+
+    def launch(self, k_cache, v_cache, k, v, cache_seqlens, block_table) -> None:
+        launch.on_device(self.device, self.fn, k_cache, v_cache, k, v, cache_seqlens,
+                         self.unused_table if block_table is None else block_table)
+
+
+def _new_plan(k_cache, v_cache, k, v, cache_seqlens, block_table) -> launch.Launch:
+    """Slow path, once per signature: validate everything, pick and load the kernel."""
+    _validate(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    device = k.device.index
+    if not k.numel():
+        return launch.nothing(device)
+    shape = AppendShape.of(k, block_table)
+    sms = modes.sm_count(device)
+    return _Plan(kernel.compile(tuned.tuned_config(OP, shape, config_for(shape, sms), sms)).fn, device, shape.paged)
+
+
+def _run(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_seqlens: torch.Tensor,
+         block_table: torch.Tensor | None) -> None:
+    # What the plan depends on (the compiled host code checks the strides, alignment and the
+    # agreement of sizes on each call).
+    key = (k_cache.shape, k.shape, k.dtype, k.get_device(), cache_seqlens.dtype,
+           None if block_table is None else block_table.dtype)
+    plan = _plans.get(key) or _plans.put(key, _new_plan(k_cache, v_cache, k, v, cache_seqlens, block_table))
+    if 0 in k_cache.stride() or 0 in v_cache.stride():  # maybe expanded, which the compiled checks let through
+        _validate(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    try:
+        plan.launch(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    except Exception:
+        # The compiled host code raises before launching; the full checks say what is wrong.
+        _validate(k_cache, v_cache, k, v, cache_seqlens, block_table)
+        raise
+
+
+launch.register_op(OP, _run, mutates_args=("k_cache", "v_cache"))
+
+
+def append_kvcache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None) -> None:
+    """Write k, v [B, S_new, Hkv, d] (d in 64/128/256) into k_cache, v_cache at positions
+    cache_seqlens[b] + i, in place, in one launch (see the module docstring for the layouts and what
+    is skipped). Nothing syncs; cache_seqlens is not changed. Graph-capturable; under torch.compile
+    the call goes through the custom op rosekernels::append_kvcache."""
+    if launch.eager(k_cache, v_cache, k, v, cache_seqlens, block_table):
+        _run(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    elif all(isinstance(t, torch.Tensor) for t in (k_cache, v_cache, k, v, cache_seqlens)):  # traced, fake, meta
+        torch.ops.rosekernels.append_kvcache(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    else:
+        _validate(k_cache, v_cache, k, v, cache_seqlens, block_table)  # raises, naming the argument
