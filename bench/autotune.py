@@ -12,7 +12,7 @@ level's (`sip_tune.oplevel`: the public op, CUDA graphs over inputs rotated past
 spread and best peer) where a winner was verified there, else the worker's re-time. Peers (GEMM:
 cuBLAS + leaky_relu and cuBLAS alone) are timed
 in this process in CUDA graphs over input sets rotated past L2. Winners go into the tuned store at
---cache (default: a temporary directory, so that a benchmark run changes no installed entry).
+--store-root (default: a temporary directory, so that a benchmark run changes no installed entry).
 Writes autotune.json and autotune.md into --out.
 """
 from __future__ import annotations
@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a shape to tune (repeatable; default: the standard list)")
     p.add_argument("--max-candidates", type=int, default=configs.MAX_CANDIDATES)
     p.add_argument("--samples", type=int, default=8, help="input sets each candidate is tested on")
-    p.add_argument("--cache", help="tuned store the winners go into (default: a temporary directory)")
+    p.add_argument("--store-root", "--cache",
+                   help="tuned store the winners go into (default: a temporary directory); --cache: its former name")
     p.add_argument("--no-peers", action="store_true")
     p.add_argument("--plan", action="store_true", help="print each shape's search space and exit (no GPU)")
     args = p.parse_args(argv)
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{kernel} {mode} {_shape_text(dataclasses.asdict(space.shape), keys)}: {space.lines()[-1]}")
         return 0
     report.require_gpu()
-    cache = args.cache or tempfile.mkdtemp(prefix="autotune-store-")
+    store_root = args.store_root or tempfile.mkdtemp(prefix="autotune-store-")
     env = report.environment()
     rows = []
     t0 = time.time()
@@ -231,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{kernel} {mode} {keys} ...", flush=True)
         errors: list[str] = []
         result = report.measure(f"{kernel} {mode} {keys}", lambda: configs.tune_configs(
-            kernel, mode, keys, max_candidates=args.max_candidates, samples=args.samples, cache_root=cache), errors)
+            kernel, mode, keys, max_candidates=args.max_candidates, samples=args.samples, store_root=store_root),
+            errors)
         if result is None:
             rows.append({"kernel": kernel, "mode": mode, "shape": keys, "error": errors[-1]})
             continue
@@ -241,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
             shape = configs.plan(kernel, mode, keys, 0).shape
             peers = report.measure(f"peers of {kernel}", lambda: PEERS[kernel](shape, result), errors) or {}
         rows.append(_row(result, peers, errors))
-    meta = dict(env, store=cache, max_candidates=args.max_candidates, samples=args.samples, seconds=time.time() - t0)
+    meta = dict(env, store=store_root, max_candidates=args.max_candidates, samples=args.samples,
+                seconds=time.time() - t0)
     report.write(args.out, "autotune", {"meta": meta, "results": rows}, _markdown(rows, specs, env))
     print(f"wrote {args.out}/autotune.json and .md in {time.time() - t0:.0f} s")
     return 0

@@ -294,7 +294,7 @@ def run_search(state: dict[str, Any], key: str, cell: compute.Cell, seconds: flo
     config = tuning.TuneConfig(budget_seconds=seconds, runs=2, seed=seed, moves=entry["moves"],
                                hot="ncu" if profiled else "loops",
                                sanitize=False)  # the judge runs compute-sanitizer once, on the winner
-    result = tune(cell.factory, config, kernel=cell.name, cache_root=str(store))
+    result = tune(cell.factory, config, kernel=cell.name, store_root=str(store))
     entry["runs"].append(run_record(result, seed))
 
 

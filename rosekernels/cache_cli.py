@@ -127,8 +127,8 @@ def _build(args: argparse.Namespace) -> int:
         raise BadInput(f"-o {out}: exists and is not a rosekernels cache (no jit/ folder): give a new or empty folder")
     import torch
 
-    import rosekernels
-    from rosekernels import jit, modes, startup
+    from rosekernels import jit, modes, paths, startup
+    from rosekernels.kernels import kernel_module
 
     if torch.cuda.is_available() and modes.sm_count() != args.sms:
         raise BadInput(f"--sms {args.sms}: the GPU visible here has {modes.sm_count()} SMs; build on a machine "
@@ -145,8 +145,8 @@ def _build(args: argparse.Namespace) -> int:
         return 1
     _writable_folder(out, out / "jit" / jit.TOOLCHAIN)
     t0 = time.perf_counter()
-    jit.use_cache_root(out)
-    jobs = [(rosekernels.KERNELS[c.variant().op], c) for c in configs]
+    paths.use_compile_cache_root(out)
+    jobs = [(kernel_module(c.variant().op).compile, c) for c in configs]
     compiled = jit.compile_cold(jobs, args.jobs, progress=True)
     keys = {c.variant().key() for c in configs}
     written = {e.key for e in jit.disk_entries(out)
@@ -261,13 +261,13 @@ def _cubin(args: argparse.Namespace) -> int:
 
 def _entry(spec: str, folder: str | None) -> Any:
     """The cache entry `spec` names: an entry's .o (or .json) file, or a variant key in `folder`."""
-    from rosekernels import jit
+    from rosekernels import jit, paths
 
     path = Path(spec)
     if path.suffix in (".o", ".json") and path.exists():
         stem = path.with_name(path.name[:-len(path.suffix)])
         return jit.DiskEntry(stem.with_name(stem.name + ".o"), stem.with_name(stem.name + ".json"))
-    root = Path(folder) if folder is not None else jit.cache_dir()
+    root = Path(folder) if folder is not None else paths.compile_cache_root()
     found = [e for e in jit.disk_entries(root) if e.key == spec]
     here = [e for e in found if e.toolchain == jit.TOOLCHAIN and e.digest == jit.package_digest()]
     if len(here) == 1 or len(found) == 1:

@@ -39,9 +39,13 @@ from a broken one. Anything wrong with an entry (truncated cubin, bad JSON, hash
 not an sm_90 cubin, bytes changed outside the tuned kernel's code) gives a warning and no tuned
 cubin: the untuned kernel runs.
 
-It lives with the code that loads it; the tuner (`sip_tune`) writes through it. The default root and
-the current toolchain come from `rosekernels.jit` (which imports CuTeDSL), imported only when needed:
-listing a given root imports neither CuTeDSL nor torch.
+It lives with the code that loads it; the tuner (`sip_tune`) writes through it. Its root is
+`paths.tuned_store_root(store_root)`: the folder a caller names as `store_root`, else the process's
+or the environment's. The current toolchain comes from `rosekernels.jit` (which imports CuTeDSL),
+imported only when needed: listing a store imports neither CuTeDSL nor torch. Reading a tuned
+config needs the kernel's Config and Shape, and choosing one its `compile` and `candidates`: the
+caller passes the kernel module (an op its own; warm-up and sip-tune the one
+`rosekernels.kernels.kernel_module` finds), so the store never imports a kernel.
 """
 from __future__ import annotations
 
@@ -55,34 +59,20 @@ import struct
 import tempfile
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import filelock
 
-from rosekernels import contract
+from rosekernels import contract, paths
 from sip import SipError, cubin, fatbin
 
-ENV_VAR = "SIP_CACHE_DIR"
 FORMAT = 1
 _LOCK_TIMEOUT_S = 60.0
 
 
 class CacheError(ValueError):
     """An entry that must not be used."""
-
-
-def default_root() -> Path:
-    """$SIP_CACHE_DIR, else <rosekernels cache dir>/sip."""
-    env = os.environ.get(ENV_VAR)
-    if env:
-        return Path(env)
-    from rosekernels import paths  # not jit: listing the store needs neither CuTeDSL nor torch
-
-    return paths.cache_dir() / "sip"
-
-
-def resolve_root(root: str | os.PathLike | None) -> Path:
-    return Path(root) if root is not None else default_root()
 
 
 def sha256(data: bytes) -> str:
@@ -281,10 +271,11 @@ def _check_key(parts: tuple[str, ...], original_sha256: str) -> None:
         raise ValueError("original_sha256 must be a full SHA-256 hex digest")
 
 
-def entry_dir(root: Path, kernel: str, variant_key: str, original_sha256: str, toolchain: str | None = None) -> Path:
+def entry_dir(store_root: str | os.PathLike | None, kernel: str, variant_key: str, original_sha256: str,
+              toolchain: str | None = None) -> Path:
     toolchain = toolchain or current_toolchain()
     _check_key((kernel, variant_key, toolchain), original_sha256)
-    return root / toolchain / kernel / variant_key / original_sha256
+    return paths.tuned_store_root(store_root) / toolchain / kernel / variant_key / original_sha256
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -341,7 +332,7 @@ def _read_locked(directory: Path) -> Entry:
         return _read_entry(directory)
 
 
-def store(root: str | os.PathLike | None, kernel: str, variant: Any, original: bytes, tuned: bytes,
+def store(store_root: str | os.PathLike | None, kernel: str, variant: Any, original: bytes, tuned: bytes,
           meta: dict[str, Any], *, keep_better: bool = True, toolchain: str | None = None) -> tuple[Path, bool]:
     """Write an entry for `variant` (a jit.Variant); return (its directory, written?). `meta` holds
     the measurements and "checks" (the module docstring); CacheError for a tuned cubin that is not an
@@ -355,8 +346,7 @@ def store(root: str | os.PathLike | None, kernel: str, variant: Any, original: b
         raise ValueError(f"tuned cubin has {len(tuned)} bytes, the original {len(original)}")
     check_sm90_cubin(tuned)
     check_only_code_differs(original, tuned)
-    root = resolve_root(root)
-    directory = entry_dir(root, kernel, variant.key(), sha256(original), toolchain)
+    directory = entry_dir(store_root, kernel, variant.key(), sha256(original), toolchain)
     directory.mkdir(parents=True, exist_ok=True)
     full = {
         **meta,
@@ -385,11 +375,11 @@ def store(root: str | os.PathLike | None, kernel: str, variant: Any, original: b
     return directory, True
 
 
-def lookup(root: str | os.PathLike | None, kernel: str, variant: Any, original: bytes,
+def lookup(store_root: str | os.PathLike | None, kernel: str, variant: Any, original: bytes,
            toolchain: str | None = None) -> Entry | None:
     """The entry for exactly this original cubin, its integrity verified (whether it meets the bar
     is `admitted`'s question), or None (with a warning if it is broken)."""
-    directory = entry_dir(resolve_root(root), kernel, variant.key(), sha256(original), toolchain)
+    directory = entry_dir(store_root, kernel, variant.key(), sha256(original), toolchain)
     if not directory.is_dir():
         return None
     try:
@@ -403,11 +393,12 @@ def lookup(root: str | os.PathLike | None, kernel: str, variant: Any, original: 
     return entry
 
 
-def entries_for_variant(root: str | os.PathLike | None, variant: Any, toolchain: str | None = None) -> list[Entry]:
+def entries_for_variant(store_root: str | os.PathLike | None, variant: Any,
+                        toolchain: str | None = None) -> list[Entry]:
     """Every valid entry for this variant under the toolchain (default: the current one; any kernel
     name, any original), below the bar or not (warmup installs the `admitted` ones); broken entries
     give a warning and are skipped."""
-    base = resolve_root(root) / (toolchain or current_toolchain())
+    base = paths.tuned_store_root(store_root) / (toolchain or current_toolchain())
     found = []
     for directory in sorted(base.glob(f"*/{_glob_escape(variant.key())}/*")):
         if not directory.is_dir():
@@ -420,11 +411,11 @@ def entries_for_variant(root: str | os.PathLike | None, variant: Any, toolchain:
     return found
 
 
-def list_entries(root: str | os.PathLike | None) -> list[dict[str, Any]]:
-    """One row per entry under `root` (all toolchains), valid or not, for `sip-tune --list`: cubin
+def list_entries(store_root: str | os.PathLike | None) -> list[dict[str, Any]]:
+    """One row per entry of the store (all toolchains), valid or not, for `sip-tune --list`: cubin
     entries (kind "cubin") and tuned configs (kind "config", read from their JSON alone: listing
     imports no kernel module); each valid row says whether it meets the bar ("problems": [] if so)."""
-    root = resolve_root(root)
+    root = paths.tuned_store_root(store_root)
     rows = []
     for meta_dir in sorted({p.parent for p in root.glob("*/*/*/*/*") if p.name in ("meta.json", "tuned.cubin")}):
         row: dict[str, Any] = {"path": str(meta_dir), "kind": "cubin"}
@@ -502,7 +493,6 @@ _indexes: dict[tuple[str, str], _Index] = {}  # (root, kernel) -> entries read f
 _chosen: dict[tuple, Any] = {}  # (root, kernel, shape, heuristic, sms) -> the config tuned_config gave
 _original_hashes: dict[Any, str] = {}  # heuristic variant -> sha256 of its compiled cubin
 _warned: set[Path] = set()  # stale entries already warned about in this process
-_config_root: Path | None = None  # where tuned_config looks (None: default_root()); set by warmup
 
 
 def bucket_key(shape: Any) -> str:
@@ -511,78 +501,74 @@ def bucket_key(shape: Any) -> str:
     return ",".join(f"{f.name}={getattr(b, f.name)}" for f in dataclasses.fields(b)).replace("/", "_").replace(" ", "")
 
 
-def config_path(root: str | os.PathLike | None, kernel: str, mode: str, shape: Any, original_sha256: str,
+def config_path(store_root: str | os.PathLike | None, kernel: str, mode: str, shape: Any, original_sha256: str,
                 toolchain: str | None = None) -> Path:
     toolchain = toolchain or current_toolchain()
     _check_key((kernel, mode, toolchain), original_sha256)
     name = f"{mode}-{bucket_key(shape)}-{original_sha256[:16]}.json"
-    return resolve_root(root) / toolchain / kernel / CONFIGS_DIR / name
+    return paths.tuned_store_root(store_root) / toolchain / kernel / CONFIGS_DIR / name
 
 
-def _kernel_module(kernel: str) -> Any:
-    return contract.kernel_module(kernel)
-
-
-def _read_config(path: Path, kernel: str, toolchain: str) -> ConfigEntry:
-    """The entry in `path`, checked against its place in the store; CacheError on any defect."""
+def _read_config(path: Path, module: ModuleType, toolchain: str) -> ConfigEntry:
+    """The entry in `path` (of `module`'s kernel), checked against its place in the store; CacheError
+    on any defect."""
     try:
         meta = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CacheError(f"unreadable: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != CONFIG_FORMAT:
         raise CacheError(f"not a format-{CONFIG_FORMAT} tuned-config entry")
-    if meta.get("kernel") != kernel or meta.get("toolchain") != toolchain:
+    if meta.get("kernel") != module.OP or meta.get("toolchain") != toolchain:
         raise CacheError(f"written for {meta.get('kernel')!r} under toolchain {meta.get('toolchain')!r}")
-    m = _kernel_module(kernel)
     try:
-        config, heuristic = m.Config(**meta["config"]), m.Config(**meta["heuristic"])
-        shape = m.Shape(**meta["bucket"])
-        name = config_path(path.parents[3], kernel, heuristic.variant().mode, shape, meta["original_sha256"],
+        config, heuristic = module.Config(**meta["config"]), module.Config(**meta["heuristic"])
+        shape = module.Shape(**meta["bucket"])
+        name = config_path(path.parents[3], module.OP, heuristic.variant().mode, shape, meta["original_sha256"],
                            toolchain).name
     except (KeyError, TypeError, ValueError) as e:
-        raise CacheError(f"does not describe a {kernel} config: {e!r}") from None
+        raise CacheError(f"does not describe a {module.OP} config: {e!r}") from None
     if name != path.name:  # copied or edited by hand: the name is what lookups find it by
         raise CacheError(f"its contents belong in {name}")
     return ConfigEntry(path, meta, config, heuristic)
 
 
-def _index(root: Path, kernel: str) -> _Index:
-    """The entries of `kernel` under `root`, read from disk on first use in this process."""
-    key = (str(root), kernel)
+def _index(root: Path, module: ModuleType) -> _Index:
+    """The entries of `module`'s kernel under `root`, read from disk on first use in this process."""
+    key = (str(root), module.OP)
     found = _indexes.get(key)
     if found is not None:
         return found
     toolchain = current_toolchain()
     found = _Index({}, {})
-    for path in sorted(root.glob(f"*/{_glob_escape(kernel)}/{CONFIGS_DIR}/*.json")):
+    for path in sorted(root.glob(f"*/{_glob_escape(module.OP)}/{CONFIGS_DIR}/*.json")):
         ours = path.parents[2].name == toolchain
         try:
-            entry = _read_config(path, kernel, path.parents[2].name)
+            entry = _read_config(path, module, path.parents[2].name)
         except CacheError as e:
             if ours:  # another toolchain's broken entry could not have been used anyway
                 warnings.warn(f"sip: ignoring tuned-config entry {path}: {e}; using the heuristic's config",
                               stacklevel=3)
             continue
-        bkey = bucket_key(_kernel_module(kernel).Shape(**entry.meta["bucket"]))
+        bkey = bucket_key(module.Shape(**entry.meta["bucket"]))
         (found.current if ours else found.other).setdefault(bkey, []).append(entry)
     _indexes[key] = found
     return found
 
 
-def store_config(root: str | os.PathLike | None, kernel: str, shape: Any, config: Any, heuristic: Any,
+def store_config(store_root: str | os.PathLike | None, module: ModuleType, shape: Any, config: Any, heuristic: Any,
                  original_sha256: str, meta: dict[str, Any], *, keep_better: bool = True,
                  toolchain: str | None = None) -> Path:
-    """Write the entry: `config` serves bucket(shape) where the heuristic picks `heuristic`, whose
-    cubin hashes to `original_sha256`; `meta` adds the measurements and "checks". Returns the entry's
-    file. With `keep_better`, an existing valid entry that is stronger, or as strong and faster, is
-    kept (as for cubins)."""
+    """Write the entry of `module`'s kernel: `config` serves bucket(shape) where the heuristic picks
+    `heuristic`, whose cubin hashes to `original_sha256`; `meta` adds the measurements and "checks".
+    Returns the entry's file. With `keep_better`, an existing valid entry that is stronger, or as
+    strong and faster, is kept (as for cubins)."""
     toolchain = toolchain or current_toolchain()
     variant = heuristic.variant()
-    path = config_path(root, kernel, variant.mode, shape, original_sha256, toolchain)
+    path = config_path(store_root, module.OP, variant.mode, shape, original_sha256, toolchain)
     full = {
         **meta,
         "format": CONFIG_FORMAT,
-        "kernel": kernel,
+        "kernel": module.OP,
         "mode": variant.mode,
         "arch": variant.arch,
         "toolchain": toolchain,
@@ -598,7 +584,7 @@ def store_config(root: str | os.PathLike | None, kernel: str, shape: Any, config
     with _lock(path.parent):
         if keep_better and path.exists():
             try:
-                old = _read_config(path, kernel, toolchain)
+                old = _read_config(path, module, toolchain)
             except CacheError:
                 old = None
             if old is not None and _keep_old(old.meta, full, "config"):
@@ -608,25 +594,20 @@ def store_config(root: str | os.PathLike | None, kernel: str, shape: Any, config
     return path
 
 
-def config_entries(root: str | os.PathLike | None, kernel: str) -> list[ConfigEntry]:
-    """Every valid entry of `kernel` under the current toolchain, below the bar or not (warmup
-    compiles the `admitted` ones)."""
-    return [e for found in _index(resolve_root(root), kernel).current.values() for e in found]
+def config_entries(store_root: str | os.PathLike | None, module: ModuleType) -> list[ConfigEntry]:
+    """Every valid entry of `module`'s kernel under the current toolchain, below the bar or not
+    (warmup compiles the `admitted` ones)."""
+    return [e for found in _index(paths.tuned_store_root(store_root), module).current.values() for e in found]
 
 
-def lookup_config(root: str | os.PathLike | None, kernel: str, shape: Any, original_sha256: str) -> ConfigEntry | None:
-    """The entry for bucket(shape) tuned against the heuristic cubin `original_sha256` (below the bar
-    or not), or None."""
-    for entry in _index(resolve_root(root), kernel).current.get(bucket_key(shape), ()):
+def lookup_config(store_root: str | os.PathLike | None, module: ModuleType, shape: Any,
+                  original_sha256: str) -> ConfigEntry | None:
+    """The entry of `module`'s kernel for bucket(shape) tuned against the heuristic cubin
+    `original_sha256` (below the bar or not), or None."""
+    for entry in _index(paths.tuned_store_root(store_root), module).current.get(bucket_key(shape), ()):
         if entry.original_sha256 == original_sha256:
             return entry
     return None
-
-
-def use_config_root(root: str | os.PathLike | None) -> None:
-    """Where tuned_config looks from now on (None: default_root()); warmup calls it with its root."""
-    global _config_root
-    _config_root = Path(root) if root is not None else None
 
 
 def forget_configs() -> None:
@@ -636,38 +617,38 @@ def forget_configs() -> None:
     _original_hashes.clear()
 
 
-def tuned_config(kernel: str, shape: Any, heuristic: Any, sms: int | None = None) -> Any:
-    """The config an op launches for `shape`, where the heuristic picked `heuristic` (for a GPU of
-    `sms` SMs where the kernel's candidates depend on it): the stored entry's config for
-    bucket(shape) if it was tuned against this heuristic's cubin as compiled now and is legal for
-    this exact shape, else `heuristic`. Called once per plan; a shape already seen costs one dict
-    lookup, a bucket with no entries two. An entry below the bar gives the heuristic (and a warning
-    once) unless the user opted in (`allow_unverified`)."""
-    root = _config_root if _config_root is not None else default_root()
-    key = (str(root), kernel, shape, heuristic, sms)
+def tuned_config(module: ModuleType, shape: Any, heuristic: Any, sms: int | None = None) -> Any:
+    """The config an op launches for `shape` with `module`'s kernel, where the heuristic picked
+    `heuristic` (for a GPU of `sms` SMs where the kernel's candidates depend on it): the stored
+    entry's config for bucket(shape) if it was tuned against this heuristic's cubin as compiled now
+    and is legal for this exact shape, else `heuristic`. The store is `paths.tuned_store_root()`.
+    Called once per plan; a shape already seen costs one dict lookup, a bucket with no entries two.
+    An entry below the bar gives the heuristic (and a warning once) unless the user opted in
+    (`allow_unverified`)."""
+    root = paths.tuned_store_root()
+    key = (str(root), module.OP, shape, heuristic, sms)
     chosen = _chosen.get(key)
     if chosen is None:
-        chosen = _choose(root, kernel, shape, heuristic, sms)
+        chosen = _choose(root, module, shape, heuristic, sms)
         if len(_chosen) >= _MEMO_SIZE:
             _chosen.clear()
         _chosen[key] = chosen
     return chosen
 
 
-def _choose(root: Path, kernel: str, shape: Any, heuristic: Any, sms: int | None) -> Any:
-    index = _index(root, kernel)
+def _choose(root: Path, module: ModuleType, shape: Any, heuristic: Any, sms: int | None) -> Any:
+    index = _index(root, module)
     bkey = bucket_key(shape)
     here = index.current.get(bkey, [])
     if here:
-        m = _kernel_module(kernel)
         original = _original_hashes.get(heuristic.variant())
         if original is None:  # compiled (or loaded) anyway when the heuristic wins: the op needs it then
-            original = _original_hashes[heuristic.variant()] = m.compile(heuristic).cubin_sha256
+            original = _original_hashes[heuristic.variant()] = module.compile(heuristic).cubin_sha256
         for entry in here:
             if entry.original_sha256 == original:
                 if not admitted(entry):
                     return heuristic
-                legal = m.candidates(shape) if sms is None else m.candidates(shape, sms)
+                legal = module.candidates(shape) if sms is None else module.candidates(shape, sms)
                 return entry.config if entry.config in legal else heuristic
     # Entries of this bucket tuned against this same heuristic config, but for a kernel that no
     # longer compiles to the same cubin (source or toolchain changed): say so, once per entry.

@@ -6,7 +6,7 @@ ops and `rosekernels.warmup`. Two levels: `config` searches a kernel's configura
                                        every kernel and shape of a model, within M minutes; then what it gained)
     sip-tune --kernel qk_norm --mode decode [--shape tokens=4,...] [--levels config,sass] [--budget-minutes 10] ...
     sip-tune --kernel gemm_leakyrelu --mode decode --shape m=8 --plan    (the config search space; no GPU)
-    sip-tune --list [--cache DIR]
+    sip-tune --list [--store-root DIR]         (--cache DIR: its former name, still taken)
 
 What is stored must meet the tuned store's default bar, or ops and warmup do not load it: outputs
 bitwise equal (or within the kernel's own float64 tolerance) on >= 10^4 fresh samples and at the tuned
@@ -34,9 +34,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import rosekernels
-from rosekernels import tuned
+from rosekernels import paths, tuned
 from rosekernels.device import NO_GPU_EXIT, gpu_problem
+from rosekernels.kernels import KERNELS
 from rosekernels.models import FP32_NOTE, ModelDims
 from rosekernels.variant import MODES
 from sip import SipError, mutate
@@ -73,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
                 f"op-level gain), unless {tuned.ALLOW_ENV}=1 or warmup(allow_unverified=True) opts in to weaker "
                 "ones. --list shows every entry and why one is below the bar.")
     what = p.add_mutually_exclusive_group()
-    what.add_argument("--kernel", choices=sorted(rosekernels.KERNELS), help="the kernel to tune")
+    what.add_argument("--kernel", choices=sorted(KERNELS), help="the kernel to tune")
     what.add_argument("--model", metavar="CONFIG.json",
                       help="tune every kernel and shape a forward pass of this Hugging Face model config runs in "
                       "--mode, over the mode's token buckets (smallest first), level 'config' only (SASS annealing "
@@ -106,8 +106,9 @@ def _parser() -> argparse.ArgumentParser:
                         "entry is below the store's bar)")
     p.add_argument("--search-samples", type=int, default=2, metavar="N", help="samples per candidate in the search")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache", metavar="DIR", help=f"the tuned store's folder (default ${tuned.ENV_VAR} or "
-                   "<rosekernels cache>/sip)")
+    p.add_argument("--store-root", "--cache", metavar="DIR",
+                   help=f"the tuned store's folder (default ${paths.TUNED_STORE_ENV} or <rosekernels cache>/sip); "
+                   "--cache is its former name")
     p.add_argument("--min-speedup", type=float, default=1.01,
                    help="store only if at least this much faster (and past 1 + the A/A spread), in the worker and "
                    "through the public op")
@@ -154,16 +155,16 @@ def parse_shape(text: str) -> dict[str, Any]:
     return out
 
 
-def _list_store(root: str | None) -> int:
-    """The --list output. A --cache that does not name a folder is a bad argument (2); the default
+def _list_store(store_root: str | None) -> int:
+    """The --list output. A --store-root that does not name a folder is a bad argument (2); the default
     store not existing yet is not."""
-    folder = tuned.resolve_root(root)
-    if root is not None and not folder.is_dir():
+    folder = paths.tuned_store_root(store_root)
+    if store_root is not None and not folder.is_dir():
         why = "is a file, not a folder" if folder.exists() else "does not exist"
-        print(f"sip-tune: --cache {folder} {why}: give the tuned store's folder (default ${tuned.ENV_VAR} or "
-              "<rosekernels cache>/sip)", file=sys.stderr)
+        print(f"sip-tune: --store-root {folder} {why}: give the tuned store's folder (default "
+              f"${paths.TUNED_STORE_ENV} or <rosekernels cache>/sip)", file=sys.stderr)
         return 2
-    rows = tuned.list_entries(root) if folder.is_dir() else []
+    rows = tuned.list_entries(folder) if folder.is_dir() else []
     kinds = [r.get("kind") for r in rows]
     below = sum(1 for r in rows if r["valid"] and r["problems"])
     print(f"tuned store {folder}: {kinds.count('config')} tuned configs, {kinds.count('cubin')} tuned cubins"
@@ -242,10 +243,10 @@ def _main_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     if args.plan:
         return _model_plan(args, found)
     budget_s = None if args.budget_minutes is None else args.budget_minutes * 60
-    rows = model.tune(found, cache_root=args.cache, max_candidates=args.max_candidates,
+    rows = model.tune(found, store_root=args.store_root, max_candidates=args.max_candidates,
                       min_speedup=args.min_speedup, seed=args.seed, budget_s=budget_s)
     print(model.table(rows))
-    gains = model.gains(rows, args.mode, args.cache)
+    gains = model.gains(rows, args.mode, args.store_root)
     print(gains.text())
     if args.json:
         _write_json(args.json, {"rows": [{"kernel": r.job.kernel, "role": r.job.role, "shape": r.job.shape,
@@ -312,8 +313,8 @@ def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             mutate.latencies_for(mutate.parse_moves(args.moves))
         except SipError as e:
             parser.error(str(e))
-    if args.cache is not None and Path(args.cache).exists() and not Path(args.cache).is_dir():
-        parser.error(f"--cache {args.cache} is a file: give the tuned store's folder")
+    if args.store_root is not None and Path(args.store_root).exists() and not Path(args.store_root).is_dir():
+        parser.error(f"--store-root {args.store_root} is a file: give the tuned store's folder")
     if args.json is not None:
         problem = _writable_file("--json", args.json)
         if problem:
@@ -336,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.list:
-        return _list_store(args.cache)
+        return _list_store(args.store_root)
     levels = _check_arguments(parser, args)
     if args.model is not None:
         return _main_model(parser, args)
@@ -371,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         if "config" in levels:
             reports["config"] = configs.tune_configs(
                 args.kernel, args.mode, shape, max_candidates=args.max_candidates, min_speedup=args.min_speedup,
-                seed=args.seed, validation_samples=args.samples or tuned.BAR_SAMPLES, cache_root=args.cache)
+                seed=args.seed, validation_samples=args.samples or tuned.BAR_SAMPLES, store_root=args.store_root)
             print(reports["config"].text())
         if "sass" in levels:
             if "config" in reports and reports["config"].winner is not None:
@@ -380,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
             else:  # the heuristic's config: what the op runs for the shape
                 factory = workloads.factory(args.kernel, args.mode, shape)
                 full = workloads.resolve(args.kernel, args.mode, shape)[1]
-            reports["sass"] = tuning.tune(factory, config, kernel=args.kernel, shape=full, cache_root=args.cache)
+            reports["sass"] = tuning.tune(factory, config, kernel=args.kernel, shape=full, store_root=args.store_root)
             print(reports["sass"].text())
     except (*_BAD_REQUEST, SipError, WorkerFailure, probe.ProbeError) as e:
         print(f"sip-tune: {_reason(e)}", file=sys.stderr)

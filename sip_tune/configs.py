@@ -43,16 +43,17 @@ import concurrent.futures
 import dataclasses
 import datetime
 import functools
-import importlib
 import itertools
 import math
 import multiprocessing
 import os
 import random
 import time
+from types import ModuleType
 from typing import Any, Callable, Mapping
 
 from rosekernels import contract
+from rosekernels.kernels import kernel_module
 from rosekernels.workload import Workload
 from sip_tune import oplevel, workloads
 from sip_tune.runner import ConfigBench, Options, Runner, WorkerFailure
@@ -69,7 +70,7 @@ MAX_CANDIDATES = 36
 @dataclasses.dataclass
 class SearchSpace:
     kernel: str
-    module: str  # the kernel module's import name (what the worker imports)
+    module: ModuleType  # the kernel module
     shape: Any
     heuristic: Any
     candidates: list  # what is searched: the heuristic's config first, then the kept ones best first
@@ -101,7 +102,7 @@ def plan(kernel: str, mode: str, overrides: Mapping[str, Any] | None = None,
     heuristic's, then the first `max_candidates` others in the cost model's order. No GPU needed."""
     if max_candidates < 0:
         raise ValueError(f"max_candidates must be >= 0, got {max_candidates}")
-    m = workloads.kernel_module(kernel)
+    m = kernel_module(kernel)
     heuristic, shape = workloads.resolve(kernel, mode, overrides)
     found = list(m.candidates(shape))
     if heuristic not in found:
@@ -111,20 +112,22 @@ def plan(kernel: str, mode: str, overrides: Mapping[str, Any] | None = None,
     if sorted(map(repr, ordered)) != sorted(map(repr, found)):
         raise ValueError(f"{ranked_by} did not return a permutation of the candidates")
     others = [c for c in ordered if c != heuristic][:max_candidates]
-    return SearchSpace(kernel, m.__name__, shape, heuristic, [heuristic, *others], len(found), ranked_by)
+    return SearchSpace(kernel, m, shape, heuristic, [heuristic, *others], len(found), ranked_by)
 
 
 # ---------------------------------------------------------------------------------------------
 # Compile (CPU, parallel).
 
-def _timed_compile(module: str, config: Any) -> float:
+def _timed_compile(compile_config: Callable[[Any], Any], config: Any) -> float:
     t0 = time.perf_counter()
-    importlib.import_module(module).compile(config)
+    compile_config(config)
     return time.perf_counter() - t0
 
 
-def compile_configs(module: str, configs: list, processes: int | None = None) -> dict[str, float]:
-    """Compile every distinct variant of `configs` into the disk cache, in `processes` spawned
+def compile_configs(compile_config: Callable[[Any], Any], configs: list, processes: int | None = None
+                    ) -> dict[str, float]:
+    """Compile every distinct variant of `configs` with `compile_config` (a kernel module's `compile`,
+    which a spawned process unpickles by its module and name) into the disk cache, in `processes`
     processes (None: one per CPU core, at most one per variant); seconds per variant key, as each
     process saw it (the worker loads them from disk)."""
     todo = {c.variant().key(): c for c in configs}
@@ -132,9 +135,9 @@ def compile_configs(module: str, configs: list, processes: int | None = None) ->
     if processes > 1:
         ctx = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx) as pool:
-            seconds = list(pool.map(functools.partial(_timed_compile, module), todo.values()))
+            seconds = list(pool.map(functools.partial(_timed_compile, compile_config), todo.values()))
     else:
-        seconds = [_timed_compile(module, c) for c in todo.values()]
+        seconds = [_timed_compile(compile_config, c) for c in todo.values()]
     return dict(zip(todo, seconds))
 
 
@@ -145,7 +148,7 @@ def compile_configs(module: str, configs: list, processes: int | None = None) ->
 class ConfigSpace:
     """Picklable: the worker's view of a search (`runner.ConfigBench` takes it)."""
 
-    module: str
+    build: Callable[[Any, Any], Workload]  # the kernel module's workload(config, shape)
     shape: Any
     configs: tuple
 
@@ -154,11 +157,11 @@ class ConfigSpace:
 
     def workload_at(self, i: int, shape: Any) -> Workload:
         """configs[i]'s workload at another shape of the bucket (its edges)."""
-        return importlib.import_module(self.module).workload(self.configs[i], shape)
+        return self.build(self.configs[i], shape)
 
 
 def _config_workload(kernel: str, config: Any, shape: Any) -> Workload:
-    workload = workloads.kernel_module(kernel).workload(config, shape)
+    workload = kernel_module(kernel).workload(config, shape)
     return dataclasses.replace(workload, name=kernel)  # the tuned store files entries by kernel name
 
 
@@ -178,7 +181,7 @@ def bucket_edges(kernel: str, shape: Any, config: Any, heuristic: Any, seed: int
     serves (the heuristic picks `heuristic` there and `config` is among the candidates): per size
     field the smallest and the largest such size (the other fields as in `shape`), every combination
     of those that the entry serves, and a ragged shape strictly between; `shape` itself left out."""
-    m = workloads.kernel_module(kernel)
+    m = kernel_module(kernel)
 
     def serves(s: Any) -> bool:
         try:
@@ -291,7 +294,7 @@ class ConfigReport:
 
 def chosen(report: ConfigReport) -> tuple[Any, Any]:
     """(config, shape) that level 2 anneals after `report`: the winner's config, else the heuristic's."""
-    m = workloads.kernel_module(report.kernel)
+    m = kernel_module(report.kernel)
     return m.Config(**(report.winner or report.heuristic)), m.Shape(**report.shape)
 
 
@@ -305,11 +308,11 @@ def tune_configs(kernel: str, mode: str, overrides: Mapping[str, Any] | None = N
                  max_candidates: int = MAX_CANDIDATES, samples: int = 8, reps: int = 30, finalists: int = 3,
                  retime_reps: int = 60, min_speedup: float = 1.01, seed: int = 0, processes: int | None = None,
                  validation_samples: int = 10_000, edge_samples: int = 4, op_rounds: int = oplevel.ROUNDS,
-                 options: Options = Options(), cache_root: str | os.PathLike | None = None,
+                 options: Options = Options(), store_root: str | os.PathLike | None = None,
                  log: Callable[[str], None] = print, bench: Callable[[Any, Options], Any] | None = None,
                  ) -> ConfigReport:
     """Level 1 for `kernel` at Shape.defaults(mode) + overrides (see the module docstring); the
-    winner, if any, is stored in the tuned store at `cache_root` (None: the default root).
+    winner, if any, is stored in the tuned store at `store_root` (None: `paths.tuned_store_root()`).
     samples: input sets each candidate is tested on; validation_samples: fresh sets of its test
     sizes a winner must pass (the store's bar asks for 10^4); edge_samples: sets compared at the
     tuned shape and at each bucket edge; op_rounds: interleaved rounds of the op-level re-time.
@@ -325,15 +328,15 @@ def tune_configs(kernel: str, mode: str, overrides: Mapping[str, Any] | None = N
         f"({space.pruned} pruned by {space.ranked_by})")
 
     t0 = time.perf_counter()
-    compiled = compile_configs(space.module, space.candidates, processes)
-    original_sha256 = importlib.import_module(space.module).compile(space.heuristic).cubin_sha256
+    compiled = compile_configs(space.module.compile, space.candidates, processes)
+    original_sha256 = space.module.compile(space.heuristic).cubin_sha256
     seconds["compile"] = time.perf_counter() - t0
     say(f"compiled {len(compiled)} variants in {seconds['compile']:.1f} s")
     rows = [_row(c, compiled[c.variant().key()]) for c in space.candidates]
     report.candidates = rows
     rows[0].update(status="ok", bitwise=True, rel=1.0)
 
-    factory = functools.partial(ConfigSpace, space.module, space.shape, tuple(space.candidates))
+    factory = functools.partial(ConfigSpace, space.module.workload, space.shape, tuple(space.candidates))
     runner = Runner(factory, options, log=say, bench=bench or ConfigBench)
     try:
         t0 = time.perf_counter()
@@ -381,7 +384,7 @@ def tune_configs(kernel: str, mode: str, overrides: Mapping[str, Any] | None = N
                 "outcome": report.outcome, "checks": report.checks,
                 "samples": samples, "searched": len(rows), "candidates": space.total, "gpu": report.gpu,
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-        report.stored = str(tuned.store_config(cache_root, kernel, space.shape, winner or space.heuristic,
+        report.stored = str(tuned.store_config(store_root, space.module, space.shape, winner or space.heuristic,
                                                space.heuristic, original_sha256, meta))
         report.outcome += f"; {'stored' if winner is not None else 'recorded'} at {report.stored}"
     seconds["total"] = time.perf_counter() - t_start

@@ -39,6 +39,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from rosekernels import tuned
+from rosekernels.kernels import kernel_module
 from rosekernels.kernels.gemm_leakyrelu_plan import DECODE_MAX_M, model_gemms
 from rosekernels.models import ModelDims
 from sip import SipError
@@ -140,7 +141,7 @@ def shapes(dims: ModelDims, mode: str) -> ModelShapes:
             except BAD_SHAPE as e:
                 found.dropped.append((job, str(e)))
                 continue
-            if len(workloads.kernel_module(job.kernel).candidates(shape)) == 1:
+            if len(kernel_module(job.kernel).candidates(shape)) == 1:
                 found.dropped.append((job, f"one config in {mode} mode: nothing to search (its SASS: "
                                            f"sip-tune --kernel {job.kernel} --levels sass)"))
                 continue
@@ -164,18 +165,18 @@ class Row:
     report: configs.ConfigReport | None = None
 
 
-def stored_entry(job: Job, mode: str, cache_root: Any = None) -> tuned.ConfigEntry | None:
+def stored_entry(job: Job, mode: str, store_root: Any = None) -> tuned.ConfigEntry | None:
     """The tuned-store entry for `job`'s bucket tuned against its heuristic's cubin as it compiles
     now, if one meets the store's bar. The heuristic is compiled only when the store holds an entry
     for this bucket and heuristic config at all (compiling costs seconds; most shapes have none on a
     first run)."""
     heuristic, shape = workloads.resolve(job.kernel, mode, job.shape)
     bkey = tuned.bucket_key(shape)
-    m = workloads.kernel_module(job.kernel)
+    m = kernel_module(job.kernel)
     if not any(tuned.bucket_key(m.Shape(**e.meta["bucket"])) == bkey and e.heuristic == heuristic
-               for e in tuned.config_entries(cache_root, job.kernel)):
+               for e in tuned.config_entries(store_root, m)):
         return None
-    entry = tuned.lookup_config(cache_root, job.kernel, shape, m.compile(heuristic).cubin_sha256)
+    entry = tuned.lookup_config(store_root, m, shape, m.compile(heuristic).cubin_sha256)
     return entry if entry is not None and not entry.problems else None
 
 
@@ -188,7 +189,7 @@ def _progress(jobs: list[Job]) -> tuple[Iterable[Job], Callable[[str], None]]:
     return tqdm(jobs, desc="sip-tune --model", unit="shape"), tqdm.write
 
 
-def tune(found: ModelShapes, *, cache_root: Any = None, max_candidates: int = configs.MAX_CANDIDATES,
+def tune(found: ModelShapes, *, store_root: Any = None, max_candidates: int = configs.MAX_CANDIDATES,
          min_speedup: float = 1.01, seed: int = 0, budget_s: float | None = None,
          clock: Callable[[], float] = time.monotonic) -> list[Row]:
     """Level 1 (`configs.tune_configs`) for every job of `found` in turn, skipping those already tuned,
@@ -207,7 +208,7 @@ def tune(found: ModelShapes, *, cache_root: Any = None, max_candidates: int = co
                 break
         write(f"[{i}/{len(found.jobs)}] {job.kernel} {job.label()}")
         try:
-            entry = stored_entry(job, found.mode, cache_root)
+            entry = stored_entry(job, found.mode, store_root)
             if entry is not None:
                 meta = entry.meta
                 rows.append(Row(job, "skipped: already tuned", meta.get("heuristic_median_us", math.nan),
@@ -217,7 +218,7 @@ def tune(found: ModelShapes, *, cache_root: Any = None, max_candidates: int = co
             t0 = clock()
             try:
                 report = configs.tune_configs(job.kernel, found.mode, job.shape, max_candidates=max_candidates,
-                                              min_speedup=min_speedup, seed=seed, cache_root=cache_root, log=write)
+                                              min_speedup=min_speedup, seed=seed, store_root=store_root, log=write)
             finally:
                 searches.append(clock() - t0)
         except (*BAD_SHAPE, SipError, WorkerFailure) as e:
@@ -287,11 +288,11 @@ class Gains:
         return "\n".join(lines)
 
 
-def gains(rows: list[Row], mode: str, cache_root: Any = None) -> Gains:
+def gains(rows: list[Row], mode: str, store_root: Any = None) -> Gains:
     """What the store now holds for the jobs of `rows` (entries of earlier runs included)."""
     shapes, not_tuned = [], 0
     for row in rows:
-        entry = None if row.status.startswith("failed") else stored_entry(row.job, mode, cache_root)
+        entry = None if row.status.startswith("failed") else stored_entry(row.job, mode, store_root)
         if entry is None:
             not_tuned += 1
             continue

@@ -8,12 +8,12 @@ user reaches it, before sip-tune stores it (and by benchmarks that report what t
 process (this module's `main`, started by `retime`), on the GPU:
 
 1. A tuned store of its own (a temporary root) holds the candidate: the config entry, or the cubin
-   entry beside the config entries of `config_root` that meet the store's bar (those a user's op
+   entry beside the config entries of `store_root` that meet the store's bar (those a user's op
    would follow to the tuned cubin's config). The process's environment points the store there and
    the compile cache at this process's (nothing compiles twice).
 2. The op as it runs without the candidate (the heuristic's config; the original cubin) is captured
    twice: the A/A pair, whose ratio says how far two identical arms measure apart.
-3. The candidate is loaded as a user loads it: `rosekernels.warmup(..., tuned_dir=<that root>,
+3. The candidate is loaded as a user loads it: `rosekernels.warmup(..., store_root=<that root>,
    allow_unverified=True)` (the entry cannot meet the bar before this measurement). The process then
    checks that the op reaches it: `tuned.tuned_config` gives the candidate's config at the shape, or
    the op's call loads the tuned cubin for the candidate's variant. Otherwise it reports an error.
@@ -31,7 +31,6 @@ reported is the fastest one, its ratio peer time / candidate time.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import math
 import os
@@ -111,30 +110,30 @@ class OpTiming:
 
 
 def retime(kernel: str, shape: Any, candidate: ConfigCandidate | CubinCandidate, *,
-           config_root: str | os.PathLike | None = None, rounds: int = ROUNDS,
+           store_root: str | os.PathLike | None = None, rounds: int = ROUNDS,
            timeout_s: float = TIMEOUT_S) -> OpTiming:
     """Time `kernel`'s public op at `shape` with and without `candidate` in a fresh process (the
-    module docstring). config_root: the tuned store whose verified config entries the op follows
-    to a cubin candidate's config (None: the default root)."""
+    module docstring). store_root: the tuned store whose verified config entries the op follows
+    to a cubin candidate's config (None: `paths.tuned_store_root()`)."""
     if kernel not in CASES:
         return OpTiming(kernel, shape=_asdict(shape), error=f"no op-level case for {kernel!r}")
-    result = _in_fresh_process(kernel, shape, candidate, config_root, rounds, False, timeout_s)
+    result = _in_fresh_process(kernel, shape, candidate, store_root, rounds, False, timeout_s)
     return OpTiming(**result) if "kernel" in result else OpTiming(kernel, shape=_asdict(shape), **result)
 
 
 def check_setup(kernel: str, shape: Any, candidate: ConfigCandidate | CubinCandidate, *,
-                config_root: str | os.PathLike | None = None, timeout_s: float = TIMEOUT_S) -> dict[str, Any]:
+                store_root: str | os.PathLike | None = None, timeout_s: float = TIMEOUT_S) -> dict[str, Any]:
     """The fresh process's set-up alone, no launch (no GPU needed): {"store", "compile_cache",
     "allow_env": what its environment held, "reached": whether the op's store lookup gives it the
     candidate, "problem": why not}, or {"error"} if the process failed."""
-    return _in_fresh_process(kernel, shape, candidate, config_root, ROUNDS, True, timeout_s)
+    return _in_fresh_process(kernel, shape, candidate, store_root, ROUNDS, True, timeout_s)
 
 
-def _in_fresh_process(kernel: str, shape: Any, candidate: ConfigCandidate | CubinCandidate, config_root: Any,
+def _in_fresh_process(kernel: str, shape: Any, candidate: ConfigCandidate | CubinCandidate, store_root: Any,
                       rounds: int, dry_run: bool, timeout_s: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="sip-oplevel-") as tmp:
         work = Path(tmp)
-        request = prepare(kernel, shape, candidate, work, config_root, rounds, dry_run)
+        request = prepare(kernel, shape, candidate, work, store_root, rounds, dry_run)
         out = work / "result.json"
         text, code = probe.run_isolated(probe.python_command(__name__, str(request), str(out)), timeout_s,
                                         env=child_env(work))
@@ -159,22 +158,23 @@ class _Request:
 
 
 def prepare(kernel: str, shape: Any, candidate: ConfigCandidate | CubinCandidate, work: Path,
-            config_root: str | os.PathLike | None = None, rounds: int = ROUNDS, dry_run: bool = False) -> Path:
+            store_root: str | os.PathLike | None = None, rounds: int = ROUNDS, dry_run: bool = False) -> Path:
     """Write the fresh process's tuned store (under work/store) and request (work/request.pkl); the
     request's path. The candidate's entry records what it is; it has no checks yet."""
     from rosekernels import tuned
+    from rosekernels.kernels import kernel_module
 
     store, empty = work / "store", work / "empty"
     empty.mkdir(parents=True, exist_ok=True)
     meta = {"speedup": 0.0, "purpose": "an op-level candidate of sip_tune.oplevel, not yet verified"}
     if isinstance(candidate, ConfigCandidate):
-        tuned.store_config(store, kernel, shape, candidate.config, candidate.heuristic, candidate.original_sha256,
-                           meta, keep_better=False)
+        tuned.store_config(store, kernel_module(kernel), shape, candidate.config, candidate.heuristic,
+                           candidate.original_sha256, meta, keep_better=False)
     else:
         # stored under the variant's kernel, where warmup looks (attention_varlen's is attention's)
         tuned.store(store, candidate.variant.op, candidate.variant, candidate.original, candidate.tuned, meta,
                     keep_better=False)
-        for entry in tuned.config_entries(config_root, candidate.variant.op):
+        for entry in tuned.config_entries(store_root, kernel_module(candidate.variant.op)):
             if not entry.problems:  # what a user's op follows to the tuned cubin's config
                 target = store / entry.path.relative_to(entry.path.parents[3])
                 target.parent.mkdir(parents=True, exist_ok=True)
@@ -187,9 +187,9 @@ def prepare(kernel: str, shape: Any, candidate: ConfigCandidate | CubinCandidate
 def child_env(work: Path) -> dict[str, str | None]:
     """What the fresh process's environment changes: the store is the temporary one, the compile
     cache this process's; entries below the bar stay refused until the candidate is loaded."""
-    from rosekernels import jit, tuned
+    from rosekernels import paths, tuned
 
-    return {tuned.ENV_VAR: str(work / "store"), "ROSEKERNELS_CACHE_DIR": str(jit.cache_root()),
+    return {paths.TUNED_STORE_ENV: str(work / "store"), paths.COMPILE_CACHE_ENV: str(paths.compile_cache_root()),
             tuned.ALLOW_ENV: None}
 
 
@@ -503,35 +503,31 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _module(kernel: str) -> Any:
-    import rosekernels
-
-    return importlib.import_module(rosekernels.KERNELS[kernel])
-
-
 def _load_candidate(request: _Request) -> str:
     """Load the candidate from the temporary store as a user would (warmup, opted in: it cannot meet
     the bar yet); '' if the op's store lookup reaches it, else why not."""
     import rosekernels
     from rosekernels import tuned
+    from rosekernels.kernels import kernel_module
 
     cand = request.candidate
     if isinstance(cand, ConfigCandidate):
-        rosekernels.warmup([cand.heuristic], tuned_dir=request.store, allow_unverified=True, progress=False)
-        if _module(request.kernel).config_for(request.shape) != cand.heuristic:
+        rosekernels.warmup([cand.heuristic], store_root=request.store, allow_unverified=True, progress=False)
+        module = kernel_module(request.kernel)
+        if module.config_for(request.shape) != cand.heuristic:
             return "the op's heuristic at this shape is not the config the candidate was tuned against"
-        got = tuned.tuned_config(request.kernel, request.shape, cand.heuristic)
+        got = tuned.tuned_config(module, request.shape, cand.heuristic)
         return "" if got == cand.config else f"the tuned store gives the op {got}, not the candidate"
-    report = rosekernels.warmup([cand.variant], tuned_dir=request.store, allow_unverified=True, progress=False)
+    report = rosekernels.warmup([cand.variant], store_root=request.store, allow_unverified=True, progress=False)
     return "" if cand.variant.key() in report.tuned else f"warmup did not load the tuned cubin: {report}"
 
 
 def _dry_run(request: _Request) -> dict[str, Any]:
     """The set-up without a launch (CPU tests): where the store is, and whether the candidate is reached."""
-    from rosekernels import jit, tuned
+    from rosekernels import paths, tuned
 
     problem = _load_candidate(request)
-    return {"store": os.environ.get(tuned.ENV_VAR), "compile_cache": str(jit.cache_root()),
+    return {"store": os.environ.get(paths.TUNED_STORE_ENV), "compile_cache": str(paths.compile_cache_root()),
             "allow_env": os.environ.get(tuned.ALLOW_ENV), "reached": not problem, "problem": problem}
 
 
@@ -584,7 +580,7 @@ def _planned(call: Callable[[], Any]) -> list[Any]:
 def _measure(request: _Request) -> dict[str, Any]:
     import torch
 
-    from rosekernels import jit, tuned
+    from rosekernels import jit, paths
 
     case, cand = CASES[request.kernel](request.shape), request.candidate
     cubin = isinstance(cand, CubinCandidate)
@@ -592,7 +588,7 @@ def _measure(request: _Request) -> dict[str, Any]:
                    rounds=request.rounds)
     # The op without the candidate: no tuned config (a config candidate), or the store's verified
     # configs with the original cubin (a cubin candidate: no tuned cubin is installed yet).
-    tuned.use_config_root(request.store if cubin else request.empty)
+    paths.use_tuned_store_root(request.store if cubin else request.empty)
     bench = _OpBench(case)
     out.gpu, out.input_sets = bench.gpu, len(bench.ring)
     out.launches_per_graph, out.bytes_per_cycle = bench.launches, len(bench.ring) * bench.set_bytes

@@ -233,7 +233,7 @@ def _digest(cubin: bytes) -> str:
 
 
 def tune(factory: Callable[[], Workload], config: TuneConfig, *, kernel: str | None = None,
-         shape: Any = None, cache_root: str | os.PathLike | None = None, log: Callable[[str], None] = print,
+         shape: Any = None, store_root: str | os.PathLike | None = None, log: Callable[[str], None] = print,
          candidate_hook: Callable[[bytes], bytes] | None = None) -> TuneReport:
     """Search, validate and (if it pays) cache a tuned cubin for the workload `factory` builds.
 
@@ -367,7 +367,7 @@ def tune(factory: Callable[[], Workload], config: TuneConfig, *, kernel: str | N
         report.crashed = sum(r.crashes for r in runners)
         report.timeouts = sum(r.timeouts for r in runners)
         _fill_costs(report, costs)
-        _finish(report, runner, pool, config, factory, kernel, variant, original, shape, cache_root, log)
+        _finish(report, runner, pool, config, factory, kernel, variant, original, shape, store_root, log)
         report.worker_starts = sum(r.starts for r in runners)
     finally:
         for r in runners:
@@ -388,7 +388,7 @@ def _gpu_count() -> int:
 
 def _finish(report: TuneReport, runner: Runner, pool: dict[str, tuple[float, bytes]], config: TuneConfig,
             factory: Callable[[], Workload], kernel: str, variant: Any, original: bytes, shape: Any,
-            cache_root: Any, log: Callable[[str], None]) -> None:
+            store_root: Any, log: Callable[[str], None]) -> None:
     """Greedy pick: re-time the best few, the original and a copy of it interleaved, in
     `config.retimes` fresh workers; then verify fastest first (the tuned shape and the samples,
     compute-sanitizer, the public op) and cache the first that passes everything past the bar."""
@@ -445,7 +445,7 @@ def _finish(report: TuneReport, runner: Runner, pool: dict[str, tuple[float, byt
         if shape is not None:
             log(f"[sip-tune] the public op with {f['digest'][:12]}, in a fresh process")
             timing = oplevel.retime(kernel, shape, oplevel.CubinCandidate(variant, original, f["cubin"]),
-                                    config_root=cache_root)
+                                    store_root=store_root)
             log(f"[sip-tune] {timing.text()}")
             f["validation"] += f"; {timing.text()}"
             if config.min_speedup >= 1 and not timing.passes(config.min_speedup):
@@ -469,7 +469,7 @@ def _finish(report: TuneReport, runner: Runner, pool: dict[str, tuple[float, byt
                 "checks": checks, "search": report.config, "seed": config.seed, "gpu": report.gpu,
                 "iterations": report.iterations,
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-        path, written = tuned.store(cache_root, kernel, variant, original, f["cubin"], meta)
+        path, written = tuned.store(store_root, kernel, variant, original, f["cubin"], meta)
         report.cached = str(path)
         problems = tuned.bar_problems(meta, "cubin")
         report.outcome = (f"cached {report.speedup:.3f}x at {path}" if written else

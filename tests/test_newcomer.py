@@ -19,6 +19,7 @@ from sip_corpus import CORPUS_SOURCES, compile_cu
 import rosekernels
 from rosekernels import cache_cli, device, jit, models, startup, tuned
 from rosekernels.device import NO_GPU_EXIT
+from rosekernels.kernels import kernel_module
 from sip import cli as sip_cli
 from sip_tune import cli, configs, model, workloads
 
@@ -264,7 +265,7 @@ def test_list_counts_the_tuned_configs_and_names_a_file_given_as_the_store(capsy
     heuristic = workloads.resolve("gemm_leakyrelu", "decode", {"m": 8})[0]
     for m in (8, 64):  # two buckets; a level-1 run stores configs, not cubins
         bucket_shape = dataclasses.replace(shape, m=m)
-        tuned.store_config(tmp_path, "gemm_leakyrelu", bucket_shape, heuristic, heuristic, "ab" * 32,
+        tuned.store_config(tmp_path, kernel_module("gemm_leakyrelu"), bucket_shape, heuristic, heuristic, "ab" * 32,
                            {"speedup": 1.0, "gpu": "NVIDIA H200"}, toolchain="some-toolchain")
     code, out, err = run(capsys, cli.main, "--list", "--cache", tmp_path)
     assert code == 0 and "2 tuned configs, 0 tuned cubins" in out and "the heuristic stays" in out

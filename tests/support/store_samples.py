@@ -1,6 +1,7 @@
 """Sample entries for the tuned store: a minimal sm_90 cubin builder, a stand-in for jit.Variant
-(no CuTeDSL import) and the metadata sip-tune writes."""
+(no CuTeDSL import) and for a kernel module, and the metadata sip-tune writes."""
 import struct
+import types
 
 TOOLCHAIN = "test-toolchain"
 
@@ -18,6 +19,14 @@ class FakeVariant:
 
     def as_dict(self):
         return {"op": self.op, "mode": self.mode, "arch": self.arch, "params": dict(self.params)}
+
+
+def qk_norm_kernel():
+    """What the config half of the store takes of a kernel module (OP, Config, Shape), from qk_norm's
+    plan module (no CuTeDSL import)."""
+    from rosekernels.kernels import qk_norm_plan as plan
+
+    return types.SimpleNamespace(OP=plan.OP, Config=plan.QKNormConfig, Shape=plan.QKNormShape)
 
 
 def make_cubin(arch=90, text=b"\x00" * 64) -> bytes:

@@ -4,10 +4,10 @@ import sys
 
 import pytest
 from devices import HAS_SM90
-from store_samples import META, ORIGINAL, TUNED, FakeVariant, checks
+from store_samples import META, ORIGINAL, TUNED, FakeVariant, checks, qk_norm_kernel
 
 import rosekernels
-from rosekernels import tuned
+from rosekernels import paths, tuned
 from rosekernels.device import NO_GPU_EXIT
 from sip_tune import cli
 
@@ -92,12 +92,12 @@ def test_the_command_exits_3_without_a_gpu(tmp_path):
 
 def test_list_shows_valid_and_broken_entries(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(tuned, "current_toolchain", lambda: "test-toolchain")
-    code, out, _ = run(capsys, "--list", "--cache", str(tmp_path))
+    code, out, _ = run(capsys, "--list", "--store-root", str(tmp_path))
     assert code == 0 and "0 tuned configs, 0 tuned cubins" in out
     tuned.store(tmp_path, "qk_norm", FakeVariant(d=128), ORIGINAL, TUNED, META)
     path, _ = tuned.store(tmp_path, "rmsnorm", FakeVariant("rmsnorm", hidden=4096), ORIGINAL, TUNED, META)
     (path / "meta.json").write_text("{")
-    code, out, _ = run(capsys, "--list", "--cache", str(tmp_path))
+    code, out, _ = run(capsys, "--list", "--store-root", str(tmp_path))
     assert code == 0 and "2 tuned cubins" in out and "below the default bar" not in out
     assert f"{META['speedup']:.3f}x" in out and "NVIDIA H200" in out and FakeVariant(d=128).key() in out
     assert "rmsnorm" in out and "BROKEN" in out
@@ -108,9 +108,9 @@ def test_list_shows_valid_and_broken_entries(capsys, tmp_path, monkeypatch):
     shape = plan.QKNormShape(3000)
     heuristic = plan.config_for(shape, 132)
     other = next(c for c in plan.candidates(shape, 132) if c.variant() != heuristic.variant())
-    tuned.store_config(tmp_path, "qk_norm", shape, other, heuristic, "ab" * 32, {"speedup": 1.3})
+    tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, "ab" * 32, {"speedup": 1.3})
     tuned.forget_configs()
-    code, out, _ = run(capsys, "--list", "--cache", str(tmp_path))
+    code, out, _ = run(capsys, "--list", "--cache", str(tmp_path))  # --store-root's former name
     lines = out.splitlines()
     assert code == 0 and "1 tuned configs, 3 tuned cubins, 2 below the default bar (not loaded unless SIP_ALLOW_UNVERIFIED=1)" in lines[0]
     config_line = next(i for i, line in enumerate(lines) if " config " in line)
@@ -121,15 +121,15 @@ def test_list_shows_valid_and_broken_entries(capsys, tmp_path, monkeypatch):
 
 
 def test_list_of_a_folder_that_does_not_exist_or_of_a_file_says_so(capsys, tmp_path):
-    code, _, err = run(capsys, "--list", "--cache", str(tmp_path / "typo"))
-    assert code == 2 and "does not exist" in err
+    code, _, err = run(capsys, "--list", "--store-root", str(tmp_path / "typo"))
+    assert code == 2 and f"--store-root {tmp_path / 'typo'} does not exist" in err
     (tmp_path / "store.json").write_text("{}")
     code, _, err = run(capsys, "--list", "--cache", str(tmp_path / "store.json"))
     assert code == 2 and "is a file, not a folder" in err and "does not exist" not in err
 
 
 def test_list_follows_the_environment_variable(capsys, tmp_path, monkeypatch):
-    monkeypatch.setenv(tuned.ENV_VAR, str(tmp_path / "c"))
+    monkeypatch.setenv(paths.TUNED_STORE_ENV, str(tmp_path / "c"))
     code, out, _ = run(capsys, "--list")
     assert code == 0 and str(tmp_path / "c") in out
 

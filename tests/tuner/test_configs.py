@@ -17,6 +17,7 @@ import pytest
 
 import rosekernels
 from rosekernels import contract, modes, tuned
+from rosekernels.kernels import kernel_module
 from rosekernels.kernels import attention_decode_plan, attention_plan, gemm_leakyrelu_plan, qk_norm_plan
 from rosekernels.variant import Variant
 from rosekernels.workload import Workload
@@ -359,7 +360,7 @@ def test_toy_plan_prunes_by_its_rank(toy):
 
 def test_tune_configs_end_to_end_with_a_cpu_bench(toy):
     logs = []
-    report = configs.tune_configs(OP, "decode", max_candidates=100, processes=1, cache_root=toy, log=logs.append,
+    report = configs.tune_configs(OP, "decode", max_candidates=100, processes=1, store_root=toy, log=logs.append,
                                   bench=CpuConfigBench, options=Options(eval_timeout_s=60, start_timeout_s=120))
     rows = {(r["config"]["block"], r["config"]["splits"]): r for r in report.candidates}
     assert len(rows) == 12 and report.candidates[0]["config"] == {"block": 2, "splits": 1}
@@ -387,7 +388,7 @@ def test_tune_configs_end_to_end_with_a_cpu_bench(toy):
     assert "through rosekernels.toy" in report.outcome and "(the public op, fresh process)" in report.text()
     assert set(report.shares) == {"compile", "test", "time", "verify"} and 0 < sum(report.shares.values()) <= 1
     # the store has it, keyed by the heuristic's cubin, and the op-side lookup gives it back
-    entry = tuned.lookup_config(toy, OP, Shape(), compile(Config(2, 1)).cubin_sha256)
+    entry = tuned.lookup_config(toy, kernel_module(OP), Shape(), compile(Config(2, 1)).cubin_sha256)
     assert entry is not None and str(entry.path) == report.stored and entry.config == Config(8, 1)
     assert entry.meta["speedup"] == 1.02 and entry.meta["aa_spread"] == pytest.approx(0.003)
     # with how it was checked, meeting the store's bar
@@ -395,40 +396,40 @@ def test_tune_configs_end_to_end_with_a_cpu_bench(toy):
     assert entry.problems == [] and checks["samples"] == {"run": 10_000, "passed": 10_000}
     assert checks["compare"] == "reference" and checks["op_level"]["speedup"] == 1.02
     assert checks["shapes"]["tuned"] == {"n": 48} and [e["n"] for e in checks["shapes"]["edges"]][:2] == [33, 64]
-    assert tuned.lookup_config(toy, OP, Shape(), compile(Config(4, 3)).cubin_sha256) is None
+    assert tuned.lookup_config(toy, kernel_module(OP), Shape(), compile(Config(4, 3)).cubin_sha256) is None
     assert configs.chosen(report) == (Config(8, 1), Shape())
     assert "crash" in report.text() and "12 candidates" in report.text()
 
 
 def test_when_no_finalist_holds_where_it_serves_the_heuristic_stays(toy, monkeypatch):
     monkeypatch.setitem(OP_LEVEL, (8, 1), 0.99)
-    report = configs.tune_configs(OP, "decode", max_candidates=100, processes=1, cache_root=toy, log=lambda m: None,
+    report = configs.tune_configs(OP, "decode", max_candidates=100, processes=1, store_root=toy, log=lambda m: None,
                                   bench=CpuConfigBench, options=Options(eval_timeout_s=60, start_timeout_s=120))
     assert report.winner is None and report.settled and report.speedup == 1.0
     assert "no candidate past the bar held" in report.outcome and "0.9900x" in report.outcome
-    [entry] = tuned.config_entries(toy, OP)  # recorded: the heuristic stays
+    [entry] = tuned.config_entries(toy, kernel_module(OP))  # recorded: the heuristic stays
     assert entry.config == entry.heuristic == Config(2, 1) and entry.problems == []
 
 
 def test_below_the_bar_the_heuristic_is_recorded_as_the_buckets_config(toy):
-    report = configs.tune_configs(OP, "decode", max_candidates=3, processes=1, cache_root=toy, log=lambda m: None,
+    report = configs.tune_configs(OP, "decode", max_candidates=3, processes=1, store_root=toy, log=lambda m: None,
                                   bench=CpuConfigBench, min_speedup=1.2)
     assert report.winner is None and report.finalists and "the heuristic stays" in report.outcome
     assert report.settled and "recorded at" in report.outcome
-    [entry] = tuned.config_entries(toy, OP)
+    [entry] = tuned.config_entries(toy, kernel_module(OP))
     assert str(entry.path) == report.stored and entry.config == entry.heuristic == Config(2, 1)
     assert entry.speedup == 1.0 and "the heuristic stays" in entry.meta["outcome"]
     # a later, better result replaces the record
-    better = configs.tune_configs(OP, "decode", max_candidates=100, processes=1, cache_root=toy,
+    better = configs.tune_configs(OP, "decode", max_candidates=100, processes=1, store_root=toy,
                                   log=lambda m: None, bench=CpuConfigBench)
     assert better.winner is not None and better.stored == report.stored
-    [entry] = tuned.config_entries(toy, OP)
+    [entry] = tuned.config_entries(toy, kernel_module(OP))
     assert entry.config == Config(**better.winner) and entry.speedup > 1
     assert configs.chosen(report) == (Config(2, 1), Shape())
 
 
 def test_compile_configs_compiles_each_variant_once_in_parallel(toy):
-    seconds = configs.compile_configs(__name__, candidates(Shape()), processes=2)
+    seconds = configs.compile_configs(compile, candidates(Shape()), processes=2)  # the workers unpickle it
     assert sorted(seconds) == sorted({c.variant().key() for c in candidates(Shape())})
     assert all(s >= 0 for s in seconds.values())
 
@@ -445,8 +446,8 @@ def cli_toy(toy, monkeypatch):
         return configs.ConfigReport(kernel, mode, {"n": 48}, {"block": 2, "splits": 1},
                                     winner={"block": 4, "splits": 3})
 
-    def fake_tune(factory, config, kernel=None, shape=None, cache_root=None):
-        calls["sass"] = (factory, config, kernel, cache_root)
+    def fake_tune(factory, config, kernel=None, shape=None, store_root=None):
+        calls["sass"] = (factory, config, kernel, store_root)
         calls["shape"] = shape
         return tuning.TuneReport(kernel, "v", "decode", outcome="fake")
 
@@ -458,12 +459,13 @@ def cli_toy(toy, monkeypatch):
 
 
 def test_level_two_anneals_the_winners_config(cli_toy, capsys, toy):
-    code, out, _ = run(capsys, "--kernel", OP, "--budget-iters", "5", "--cache", str(toy), "--json",
+    code, out, _ = run(capsys, "--kernel", OP, "--budget-iters", "5", "--store-root", str(toy), "--json",
                        str(toy / "r.json"))
     assert code == 0 and "level 1" in out and "fake" in out
     kernel, mode, shape, kw = cli_toy["configs"]
-    assert (kernel, mode, shape, kw["cache_root"]) == (OP, "decode", {}, str(toy))
+    assert (kernel, mode, shape, kw["store_root"]) == (OP, "decode", {}, str(toy))
     factory, config, kernel, root = cli_toy["sass"]
+    assert root == str(toy)  # both levels write into the store --store-root names
     built = factory()
     assert built.kernel.config == Config(4, 3) and built.name == OP and config.budget_iters == 5
     assert cli_toy["shape"] == Shape() and kw["validation_samples"] == 10_000  # the op-level re-time's shape

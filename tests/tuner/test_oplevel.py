@@ -12,15 +12,15 @@ import pytest
 from store_samples import CONFIG_META
 
 import rosekernels
-from rosekernels import contract, jit, tuned
-from rosekernels.kernels import qk_norm_plan
+from rosekernels import contract, paths, tuned
+from rosekernels.kernels import KERNELS, kernel_module, qk_norm_plan
 from sip.mutate import with_extra_stalls
 from sip_tune import oplevel, workloads
 
 
 @pytest.fixture
 def store(tmp_path, monkeypatch):
-    monkeypatch.setenv(tuned.ENV_VAR, str(tmp_path / "sip"))
+    monkeypatch.setenv(paths.TUNED_STORE_ENV, str(tmp_path / "sip"))
     tuned.forget_configs()
     yield tmp_path / "sip"
     tuned.forget_configs()
@@ -28,8 +28,8 @@ def store(tmp_path, monkeypatch):
 
 def _shapes():
     """Each kernel's default shape of its first mode."""
-    for kernel in sorted(rosekernels.KERNELS):
-        m = workloads.kernel_module(kernel)
+    for kernel in sorted(KERNELS):
+        m = kernel_module(kernel)
         for mode in ("decode", "prefill"):
             try:
                 yield kernel, m.Shape.defaults(mode)
@@ -110,8 +110,8 @@ def test_the_fresh_process_reaches_a_config_candidate_through_its_own_store(stor
     setup = oplevel.check_setup("qk_norm", shape, oplevel.ConfigCandidate(other, heuristic, original))
     assert setup["reached"], setup
     assert setup["store"] != str(store) and "sip-oplevel-" in setup["store"]  # never the user's store
-    assert setup["compile_cache"] == str(jit.cache_root()) and setup["allow_env"] is None
-    assert tuned.config_entries(store, "qk_norm") == []  # nothing written to the real store
+    assert setup["compile_cache"] == str(paths.compile_cache_root()) and setup["allow_env"] is None
+    assert tuned.config_entries(store, qk_norm) == []  # nothing written to the real store
     # a candidate tuned against another heuristic than the op picks at the shape is not reached
     wrong = oplevel.check_setup("qk_norm", shape, oplevel.ConfigCandidate(other, other, original))
     assert not wrong["reached"] and "heuristic" in wrong["problem"]
@@ -135,9 +135,10 @@ def test_a_cubin_candidate_sees_only_the_verified_config_entries(store, tmp_path
     """The op reaches a tuned cubin's config through the store's config entries, as a user's op would:
     those below the bar (a user's op ignores them) stay out of the process's store."""
     shape, heuristic, other = qk_candidates()
-    verified = tuned.store_config(store, "qk_norm", shape, other, heuristic, "ab" * 32, CONFIG_META)
+    qk_norm = kernel_module("qk_norm")
+    verified = tuned.store_config(store, qk_norm, shape, other, heuristic, "ab" * 32, CONFIG_META)
     big = dataclasses.replace(shape, tokens=9000)
-    tuned.store_config(store, "qk_norm", big, other, qk_norm_plan.config_for(big, 132), "cd" * 32, {"speedup": 2.0})
+    tuned.store_config(store, qk_norm, big, other, qk_norm_plan.config_for(big, 132), "cd" * 32, {"speedup": 2.0})
     w = workloads.build("qk_norm", "decode", {"tokens": 2})
     work = tmp_path / "work"
     oplevel.prepare("qk_norm", shape, oplevel.CubinCandidate(w.kernel.variant, w.kernel.cubin,
@@ -146,7 +147,8 @@ def test_a_cubin_candidate_sees_only_the_verified_config_entries(store, tmp_path
     assert copied == [verified.name]
     assert list((work / "store").rglob("tuned.cubin"))
     env = oplevel.child_env(work)
-    assert env[tuned.ENV_VAR] == str(work / "store") and env[tuned.ALLOW_ENV] is None
+    assert env[paths.TUNED_STORE_ENV] == str(work / "store") and env[tuned.ALLOW_ENV] is None
+    assert env[paths.COMPILE_CACHE_ENV] == str(paths.compile_cache_root())
 
 
 def test_a_kernel_without_a_case_is_an_error_not_a_measurement():

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from rosekernels import tuned
+from rosekernels import paths, tuned
 from rosekernels.workload import Workload
 from sip import profile
 from sip.mutate import with_extra_stalls
@@ -27,7 +27,7 @@ QK_DECODE = workloads.factory("qk_norm", "decode")
 @pytest.fixture
 def env(tmp_path, monkeypatch):
     """A private tuned store; the compile cache stays shared (workers reuse the parent's compiles)."""
-    monkeypatch.setenv(tuned.ENV_VAR, str(tmp_path / "sip"))
+    monkeypatch.setenv(paths.TUNED_STORE_ENV, str(tmp_path / "sip"))
     return tmp_path / "sip"
 
 
@@ -241,7 +241,7 @@ def test_tune_cache_then_warmup_in_a_fresh_process(env, tmp_path):
         print("IDENTICAL")
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, tuned.ENV_VAR: str(env)})
+                         env={**os.environ, paths.TUNED_STORE_ENV: str(env)})
     print(out.stdout[-3000:], out.stderr[-3000:])
     assert out.returncode == 0 and "IDENTICAL" in out.stdout
 

@@ -5,13 +5,15 @@ import json
 import subprocess
 import sys
 import textwrap
+import types
 import warnings
 from pathlib import Path
 
 import pytest
-from store_samples import CONFIG_META, META, ORIGINAL, TOOLCHAIN, TUNED, VARIANT, FakeVariant, checks, make_cubin
+from store_samples import (CONFIG_META, META, ORIGINAL, TOOLCHAIN, TUNED, VARIANT, FakeVariant, checks, make_cubin,
+                           qk_norm_kernel)
 
-from rosekernels import tuned
+from rosekernels import paths, tuned
 
 
 def put(root, cubin=TUNED, meta=META, **kw):
@@ -126,14 +128,31 @@ def test_a_broken_entry_is_overwritten_by_the_next_store(tmp_path):
     assert written and get(tmp_path).tuned == TUNED
 
 
-def test_default_root_follows_the_environment(tmp_path, monkeypatch):
-    monkeypatch.setenv(tuned.ENV_VAR, str(tmp_path / "sipcache"))
-    assert tuned.default_root() == tmp_path / "sipcache"
-    assert tuned.resolve_root(None) == tmp_path / "sipcache"
-    assert tuned.resolve_root(tmp_path) == tmp_path
-    monkeypatch.delenv(tuned.ENV_VAR)
-    monkeypatch.setenv("ROSEKERNELS_CACHE_DIR", str(tmp_path / "rk"))
-    assert tuned.default_root() == tmp_path / "rk" / "sip"
+def test_paths_decide_both_roots(tmp_path, monkeypatch):
+    """The tuned store: a folder named, else the process's choice, else $SIP_CACHE_DIR, else sip/ in the
+    compile cache, whose root is the process's choice, else $ROSEKERNELS_CACHE_DIR, else the user's."""
+    monkeypatch.setattr(paths, "_compile_cache", None)  # restored afterwards, whatever the test sets
+    monkeypatch.setattr(paths, "_tuned_store", None)
+    monkeypatch.delenv(paths.COMPILE_CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv(paths.TUNED_STORE_ENV, str(tmp_path / "sipcache"))
+    assert paths.compile_cache_root() == tmp_path / "xdg" / "rosekernels"
+    assert paths.tuned_store_root() == tmp_path / "sipcache"
+    assert paths.tuned_store_root(tmp_path / "named") == tmp_path / "named"
+    monkeypatch.delenv(paths.TUNED_STORE_ENV)
+    monkeypatch.setenv(paths.COMPILE_CACHE_ENV, str(tmp_path / "rk"))
+    assert paths.compile_cache_root() == tmp_path / "rk" and paths.tuned_store_root() == tmp_path / "rk" / "sip"
+    paths.use_compile_cache_root(tmp_path / "prebuilt")
+    assert paths.compile_cache_root() == tmp_path / "prebuilt"
+    assert paths.tuned_store_root() == tmp_path / "prebuilt" / "sip"
+    paths.use_tuned_store_root(str(tmp_path / "chosen"))
+    assert paths.tuned_store_root() == tmp_path / "chosen" and paths.tuned_store_root("x") == Path("x")
+    paths.use_compile_cache_root(None)
+    paths.use_tuned_store_root(None)
+    assert paths.compile_cache_root() == tmp_path / "rk" and paths.tuned_store_root() == tmp_path / "rk" / "sip"
+    # the store's functions take the same root
+    put(None)
+    assert get(tmp_path / "rk" / "sip") is not None
 
 
 WRITER = textwrap.dedent("""
@@ -192,7 +211,7 @@ def configs_fresh():
 
 def test_config_entry_layout_and_round_trip(tmp_path, configs_fresh):
     shape, heuristic, other = qk_configs(3000)
-    path = tuned.store_config(tmp_path, "qk_norm", shape, other, heuristic, SHA, CONFIG_META)
+    path = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
     toolchain = tuned.current_toolchain()
     assert path.parent == tmp_path / toolchain / "qk_norm" / "configs"
     assert path.name == f"prefill-{tuned.bucket_key(shape)}-{SHA[:16]}.json" and "tokens=4096" in path.name
@@ -203,35 +222,36 @@ def test_config_entry_layout_and_round_trip(tmp_path, configs_fresh):
     assert meta["shape"]["tokens"] == 3000 and meta["bucket"]["tokens"] == 4096
     assert meta["config_key"] == other.variant().key() and meta["heuristic_key"] == heuristic.variant().key()
     # Any shape of the bucket finds it, for that original only; the config comes back as a Config.
-    entry = tuned.lookup_config(tmp_path, "qk_norm", dataclasses.replace(shape, tokens=2049), SHA)
+    entry = tuned.lookup_config(tmp_path, qk_norm_kernel(), dataclasses.replace(shape, tokens=2049), SHA)
     assert entry.path == path and entry.config == other and entry.heuristic == heuristic
     assert entry.speedup == 1.2 and entry.original_sha256 == SHA
-    assert tuned.lookup_config(tmp_path, "qk_norm", dataclasses.replace(shape, tokens=2048), SHA) is None
-    assert tuned.lookup_config(tmp_path, "qk_norm", dataclasses.replace(shape, tokens=4096, k_heads=4), SHA) is None
-    assert tuned.lookup_config(tmp_path, "qk_norm", shape, "cd" * 32) is None
-    assert [e.path for e in tuned.config_entries(tmp_path, "qk_norm")] == [path]
-    assert tuned.config_entries(tmp_path, "rmsnorm") == []
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), dataclasses.replace(shape, tokens=2048), SHA) is None
+    other_heads = dataclasses.replace(shape, tokens=4096, k_heads=4)
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), other_heads, SHA) is None
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, "cd" * 32) is None
+    assert [e.path for e in tuned.config_entries(tmp_path, qk_norm_kernel())] == [path]
+    assert tuned.config_entries(tmp_path, types.SimpleNamespace(OP="rmsnorm")) == []
 
 
 def test_config_entries_are_read_once_per_root_and_kernel(tmp_path, configs_fresh):
     shape, heuristic, other = qk_configs()
-    path = tuned.store_config(tmp_path, "qk_norm", shape, other, heuristic, SHA, CONFIG_META)
-    assert tuned.lookup_config(tmp_path, "qk_norm", shape, SHA) is not None
+    path = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA) is not None
     path.unlink()  # what this process read stays in memory ...
-    assert tuned.lookup_config(tmp_path, "qk_norm", shape, SHA).config == other
-    tuned.store_config(tmp_path, "qk_norm", shape, heuristic, heuristic, "cd" * 32, CONFIG_META)
-    assert tuned.lookup_config(tmp_path, "qk_norm", shape, SHA) is None  # ... until a store re-reads
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == other
+    tuned.store_config(tmp_path, qk_norm_kernel(), shape, heuristic, heuristic, "cd" * 32, CONFIG_META)
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA) is None  # ... until a store re-reads
 
 
 def test_the_better_config_entry_is_kept(tmp_path, configs_fresh):
     shape, heuristic, other = qk_configs()
-    path = tuned.store_config(tmp_path, "qk_norm", shape, other, heuristic, SHA, CONFIG_META)
-    assert tuned.store_config(tmp_path, "qk_norm", shape, heuristic, heuristic, SHA,
+    path = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
+    assert tuned.store_config(tmp_path, qk_norm_kernel(), shape, heuristic, heuristic, SHA,
                               {**CONFIG_META, "speedup": 1.1}) == path
-    assert tuned.lookup_config(tmp_path, "qk_norm", shape, SHA).config == other
-    tuned.store_config(tmp_path, "qk_norm", shape, heuristic, heuristic, SHA, {**CONFIG_META, "speedup": 1.1},
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == other
+    tuned.store_config(tmp_path, qk_norm_kernel(), shape, heuristic, heuristic, SHA, {**CONFIG_META, "speedup": 1.1},
                        keep_better=False)
-    assert tuned.lookup_config(tmp_path, "qk_norm", shape, SHA).config == heuristic
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == heuristic
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".") and p.name != ".lock"]  # no temp files
 
 
@@ -258,16 +278,16 @@ def _config_other_format(path):
 @pytest.mark.parametrize("corrupt", [_config_json, _config_moved, _config_bad_field, _config_other_format])
 def test_a_broken_config_entry_warns_and_is_ignored(tmp_path, configs_fresh, corrupt):
     shape, heuristic, other = qk_configs()
-    path = tuned.store_config(tmp_path, "qk_norm", shape, other, heuristic, SHA, CONFIG_META)
+    path = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
     corrupt(path)
     tuned.forget_configs()
     with pytest.warns(UserWarning, match="ignoring tuned-config entry.*heuristic"):
-        assert tuned.lookup_config(tmp_path, "qk_norm", shape, SHA) is None
-    assert tuned.config_entries(tmp_path, "qk_norm") == []
+        assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA) is None
+    assert tuned.config_entries(tmp_path, qk_norm_kernel()) == []
     # The next store replaces a broken entry in place.
     if corrupt is not _config_moved:
-        tuned.store_config(tmp_path, "qk_norm", shape, other, heuristic, SHA, CONFIG_META)
-        assert tuned.lookup_config(tmp_path, "qk_norm", shape, SHA).config == other
+        tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
+        assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == other
 
 
 # ---------------------------------------------------------------------------------------------
@@ -369,20 +389,21 @@ def test_a_weaker_cubin_entry_never_replaces_a_stronger_one(tmp_path):
 def test_a_weaker_config_entry_never_replaces_a_stronger_one(tmp_path):
     shape, heuristic, other = qk_configs()
     tuned.forget_configs()
-    path = tuned.store_config(tmp_path, "qk_norm", shape, other, heuristic, SHA, CONFIG_META)
+    path = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
     weak = {**CONFIG_META, "speedup": 1.6, "checks": checks("config", samples=100, speedup=1.6)}
-    tuned.store_config(tmp_path, "qk_norm", shape, heuristic, heuristic, SHA, {**CONFIG_META, "speedup": 1.0})
-    assert tuned.lookup_config(tmp_path, "qk_norm", shape, SHA).config == other  # the heuristic record is slower
+    tuned.store_config(tmp_path, qk_norm_kernel(), shape, heuristic, heuristic, SHA, {**CONFIG_META, "speedup": 1.0})
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == other  # the heuristic record is slower
     third = next(c for c in qk_norm_plan().candidates(shape, 132) if c not in (heuristic, other))
-    tuned.store_config(tmp_path, "qk_norm", shape, third, heuristic, SHA, weak)
-    assert tuned.lookup_config(tmp_path, "qk_norm", shape, SHA).config == other
+    tuned.store_config(tmp_path, qk_norm_kernel(), shape, third, heuristic, SHA, weak)
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == other
     # an entry that keeps the heuristic is as strong as any that meets the bar: a verified winner
     # replaces it, an unverified one does not
-    tuned.store_config(tmp_path, "qk_norm", shape, heuristic, heuristic, SHA, {"speedup": 1.0}, keep_better=False)
-    tuned.store_config(tmp_path, "qk_norm", shape, third, heuristic, SHA, weak)
-    assert tuned.lookup_config(tmp_path, "qk_norm", shape, SHA).config == heuristic
-    tuned.store_config(tmp_path, "qk_norm", shape, third, heuristic, SHA, {**CONFIG_META, "speedup": 1.03})
-    assert tuned.lookup_config(tmp_path, "qk_norm", shape, SHA).config == third
+    tuned.store_config(tmp_path, qk_norm_kernel(), shape, heuristic, heuristic, SHA, {"speedup": 1.0},
+                       keep_better=False)
+    tuned.store_config(tmp_path, qk_norm_kernel(), shape, third, heuristic, SHA, weak)
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == heuristic
+    tuned.store_config(tmp_path, qk_norm_kernel(), shape, third, heuristic, SHA, {**CONFIG_META, "speedup": 1.03})
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == third
     assert path.exists() and len(list(path.parent.glob("*.json"))) == 1
     tuned.forget_configs()
 
@@ -397,8 +418,8 @@ def test_list_entries_says_which_meet_the_bar_for_both_kinds(tmp_path):
     put(tmp_path)
     put(tmp_path / "x", meta={**META, "checks": checks(samples=50)})
     shape, heuristic, other = qk_configs()
-    tuned.store_config(tmp_path, "qk_norm", shape, other, heuristic, SHA, {"speedup": 1.3}, toolchain=TOOLCHAIN)
-    bad = tuned.store_config(tmp_path, "qk_norm", dataclasses.replace(shape, tokens=9000), other, heuristic, SHA,
+    tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, {"speedup": 1.3}, toolchain=TOOLCHAIN)
+    bad = tuned.store_config(tmp_path, qk_norm_kernel(), dataclasses.replace(shape, tokens=9000), other, heuristic, SHA,
                              CONFIG_META, toolchain=TOOLCHAIN)
     bad.write_text("{")
     tuned.forget_configs()
