@@ -810,6 +810,11 @@ class _GemmLeakyReluSm90(GroupedTiles):
         return is_last
 
 
+# The device class by a public name, for grouped_gemm's launcher (CuTeDSL names the cubin's kernel symbol
+# after the class, so the class keeps its name).
+GemmSm90 = _GemmLeakyReluSm90
+
+
 # ---------------------------------------------------------------------------------------------
 # Compilation.
 

@@ -10,7 +10,7 @@ out = act(gate) * up with w[e] = [gate rows; up rows] ([2I, K], transformers' ga
 so its epilogue applies unchanged) through one 5-D TMA box over the view ((8, 2, I / 8), K, E): no
 conversion of the weights. Rows of out outside every group are not written.
 
-The kernel is the dense GEMM's (gemm_leakyrelu._GemmLeakyReluSm90) with its `grouped` option: the
+The kernel is the dense GEMM's (gemm_leakyrelu.GemmSm90) with its `grouped` option: the
 same warp-specialized TMA + WGMMA mainloop, pipelines, swapped decode tiles and epilogues; what grouping
 changes is in grouped_tiles.GroupedTiles (the group table, the walk over (expert, row tile, weight
 tile) units, the per-unit TMA coordinates, the gathered rows, the row-predicated stores). This module
@@ -40,7 +40,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
 from rosekernels import checks, modes
-from rosekernels.kernels.gemm_leakyrelu import _DTYPES, SMEM_CAPACITY, _GemmLeakyReluSm90, epilogue_reference
+from rosekernels.kernels.gemm_leakyrelu import SMEM_CAPACITY, GemmSm90, epilogue_reference
 from rosekernels.kernels.grouped_gemm_plan import (  # noqa: F401  (the plan's names are the contract)
     GATE_BLOCK, GROUP_TABLE_INTS, MAX_EXPERTS, OP, TILE_K, GroupedConfig, GroupedShape, candidates, check_sizes,
     config_for, max_units, rank, row_range, variants_for)
@@ -49,7 +49,7 @@ from rosekernels.workload import Workload
 Config, Shape = GroupedConfig, GroupedShape
 
 
-class _GroupedGemmSm90(_GemmLeakyReluSm90):
+class _GroupedGemmSm90(GemmSm90):
     """The grouped launcher of the GEMM kernel (its device body and every grouped method inherited)."""
 
     @cute.jit
@@ -135,7 +135,7 @@ class _GroupedGemmSm90(_GemmLeakyReluSm90):
 
 def _build(cfg: GroupedConfig):
     """(launcher, fake compile arguments): one compile serves every R, T, E, N and K."""
-    elem = _DTYPES[cfg.dtype]
+    elem = checks.cute_dtype(cfg.dtype)
     rows, tokens, experts, n, k = (cute.sym_int() for _ in range(5))
     row_stride = cute.sym_int64(divisibility=8)
     x = make_fake_tensor(elem, (tokens if cfg.gather else rows, k), (row_stride, 1), assumed_align=16)
@@ -144,7 +144,7 @@ def _build(cfg: GroupedConfig):
     out = make_fake_tensor(elem, (rows, cute.sym_int()), (cute.sym_int64(divisibility=8), 1), assumed_align=16)
     bias = None
     if cfg.bias != "none":
-        bias_dt = _DTYPES[cfg.bias]
+        bias_dt = checks.cute_dtype(cfg.bias)
         bias = make_fake_tensor(bias_dt, (experts, n), (cute.sym_int64(), 1), assumed_align=bias_dt.width // 8)
     offsets = make_fake_tensor(Int32, (cute.sym_int(),), (1,), assumed_align=4)
     index = make_fake_tensor(Int32, (rows,), (1,), assumed_align=4) if cfg.gather else None
