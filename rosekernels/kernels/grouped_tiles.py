@@ -17,8 +17,9 @@ from a dense one; a dense config never reaches them.
 - `_store_rows`: the plain tiles' epilogue stores from the shared-memory subtile to out in 16-byte
   vectors, rows past the group and columns past N skipped (a TMA store of the whole tile would
   overwrite the next group's rows).
-- `_row_scales` / `_scale_rows`: out row r times row_scale[r] (plain tiles; swapped tiles scale in
-  `_store_swapped`).
+- `_row_scales` / `_scale_rows`: out row r times row_scale[r] (plain tiles);
+  `_store_swapped_grouped`: the swapped tiles' epilogue (the dense one's, on the group's rows, with the
+  expert's bias and the row scales).
 """
 from __future__ import annotations
 
@@ -48,9 +49,10 @@ class GroupedTiles:
     def _group_scan(self, groups: cute.Tensor, mOffsets: cute.Tensor, rows: Int32, weight_tiles: Int32,
                     max_units: Int32, tidx: Int32) -> Int32:
         """Fill the group table from the offsets (every thread of the CTA takes part) and return the
-        launch's work units: at most max_units, whatever the offsets hold."""
+        launch's work units: at most max_units, whatever the offsets hold; groups are clamped into
+        [0, rows), each starting no earlier than 0 and ending no earlier than it starts."""
         sFirst, sCount, sPrefix = self._group_tables(groups)
-        experts = mOffsets.shape[0] - 1
+        experts = cutlass.min(mOffsets.shape[0] - 1, MAX_EXPERTS)  # (the op refuses more: the table's size)
         for e in cutlass.range(tidx, experts, self.threads):
             lo = cutlass.min(cutlass.max(mOffsets[e], Int32(0)), rows)
             hi = cutlass.min(cutlass.max(mOffsets[e + 1], lo), rows)
@@ -138,6 +140,9 @@ class GroupedTiles:
                         ab_pipeline.producer_commit(state)
                         state.advance()
                 unit += unit_stride
+            if const_expr(self.gather):  # no thread leaves with its copies in flight
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(0)
             if tma_warp:
                 ab_pipeline.producer_tail(state)
 
