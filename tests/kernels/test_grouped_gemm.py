@@ -264,7 +264,7 @@ def _group_case(rows, experts, n, k, dtype=torch.bfloat16, seed=0, gather=False,
     (16 * 8, 128, 1536, 2048, True, dict(gather=True)),
     (64 * 8, 256, 512, 7168, True, dict(scale=True)),  # E 256, H 7168, I 256
     (33, 8, 4096, 1000, False, dict(bias=torch.float32)),
-    (3000, 16, 520, 264, True, dict(gather=True, scale=True, bias=torch.bfloat16)),  # prefill tiles
+    (3000, 16, 528, 264, True, dict(gather=True, scale=True, bias=torch.bfloat16)),  # prefill tiles
     (5000, 4, 1032, 520, False, {}),
 ])
 def test_the_op_on_groupings_of_both_modes(rows, experts, n, k, gated, options):
