@@ -57,7 +57,7 @@ from rosekernels import checks, modes
 from rosekernels.kernels.gemm_leakyrelu_plan import (  # noqa: F401  (candidates, variants_for: the contract)
     COUNTER_SLOTS, GATE_BLOCK, MAX_SPLITS, OP, TILE_K, GemmConfig, GemmShape, candidates, check_fits,
     config_for, m_range, partial_floats, rank, variants_for)
-from rosekernels.kernels.grouped_gemm_plan import GATHER_THREADS, GROUP_TABLE_INTS
+from rosekernels.kernels.grouped_gemm_plan import GROUP_TABLE_INTS
 from rosekernels.kernels.grouped_tiles import GroupedTiles
 from rosekernels.workload import Workload
 
@@ -121,12 +121,7 @@ class _GemmLeakyReluSm90(GroupedTiles):
         acc_regs = cfg.tile_m * cfg.tile_n // self.epi_threads
         # Registers: the producer warpgroup gives its share to the MMA warpgroups.
         self.regs_load, self.regs_mma = (24, 240) if acc_regs >= 192 else (40, 232)
-        self.grouped = getattr(cfg, "grouped", False)  # rows grouped by expert, a weight per group
-        self.gather = self.grouped and cfg.gather  # rows gathered by index with cp.async
-        self.gather_threads = min(GATHER_THREADS, cfg.row_tile * 8) if self.gather else 0
-        self.row_scale = self.grouped and cfg.row_scale
-        if self.gather:  # the gathering producer threads hold row indices and addresses
-            self.regs_load, self.regs_mma = (40, 232) if acc_regs >= 192 else (56, 224)
+        self._grouped_options(cfg, acc_regs)  # grouped, gather, gather_threads, row_scale (all off for a GemmConfig)
         self.tile_slots = self.num_mma_wg // self.wg_per_tile  # tiles in flight per CTA
         self.mcast_a = cfg.cluster_n  # CTAs of a cluster row load the same A tile
         self.mcast_b = cfg.cluster_m
@@ -419,10 +414,7 @@ class _GemmLeakyReluSm90(GroupedTiles):
         cute.arch.griddepcontrol_wait()
         groups = None
         if const_expr(self.grouped):  # the group table, and the launch's units, from the offsets
-            groups = storage.groups.get_tensor(cute.make_layout(GROUP_TABLE_INTS))
-            weight_rows = cute.size(mA if const_expr(self.swap) else mB, mode=[0])
-            units = self._group_scan(groups, mOffsets, mD.shape[1] if const_expr(self.swap) else mD.shape[0],
-                                     cute.ceil_div(weight_rows, cfg.weight_tile), max_units, tidx)
+            groups, units = self._group_setup(storage, mOffsets, mA, mB, mD, max_units, tidx)
 
         # ---------------------------------------------------------------- producer warp
         if warp_idx >= self.load_warp:
@@ -511,17 +503,13 @@ class _GemmLeakyReluSm90(GroupedTiles):
                     cute.arch.barrier_arrive(barrier_id=_MMA_ORDER_BARRIER, number_of_threads=256)
             epi_count = Int32(0)  # subtiles stored so far: selects the epilogue buffer
             if const_expr(self.grouped):
-                sFirst, sCount, _ = self._group_tables(groups)
                 expert = Int32(0)  # the expert of the last unit (units come in increasing order)
 
             while unit < units:
                 if const_expr(self.grouped):
-                    expert, row_tile, weight_tile = self._locate(unit, expert, groups)
-                    first, count = sFirst[expert], sCount[expert]
-                    tile_m, tile_n = (weight_tile, row_tile) if const_expr(self.swap) else (row_tile, weight_tile)
+                    expert, first, count, tile_m, tile_n, scales = self._grouped_unit(unit, expert, groups, mRowScale,
+                                                                                      tCcD)
                     split, k_begin, k_count = 0, 0, k_tiles
-                    if const_expr(self.row_scale and not self.swap):
-                        scales = self._row_scales(mRowScale, tCcD, first, count, tile_m * cfg.tile_m)
                 else:
                     tile_m, tile_n, split, k_begin, k_count = self._work_unit(
                         unit, num_splits, raster_group, clusters_m, clusters_n, k_tiles, cluster_coord
@@ -631,12 +619,8 @@ class _GemmLeakyReluSm90(GroupedTiles):
                         buf = slot * self.epi_stage + epi_count % self.epi_stage
                         cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
                         if const_expr(self.grouped):  # rows of the group only: 16-byte stores
-                            sub_m, sub_n = subtile_order.get_hier_coord(s)
-                            self._epi_sync(slot)
-                            self._store_rows(sD[(None, None, buf)], mD, first, count,
-                                             tile_m * cfg.tile_m + sub_m * self.epi_tile[0],
-                                             tile_n * (self.out_n // self.epi_tile[1]) + sub_n, t)
-                            self._epi_sync(slot)
+                            self._store_subtile(sD[(None, None, buf)], mD, first, count, tile_m, tile_n,
+                                                subtile_order.get_hier_coord(s), t, slot)
                             epi_count += 1
                             continue
                         # Make the smem writes visible to the TMA (async proxy), then store.
@@ -810,9 +794,7 @@ class _GemmLeakyReluSm90(GroupedTiles):
         return is_last
 
 
-# The device class by a public name, for grouped_gemm's launcher (CuTeDSL names the cubin's kernel symbol
-# after the class, so the class keeps its name).
-GemmSm90 = _GemmLeakyReluSm90
+GemmSm90 = _GemmLeakyReluSm90  # for grouped_gemm's launcher (CuTeDSL names the kernel symbol after the class)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,13 +29,46 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
-from rosekernels.kernels.grouped_gemm_plan import MAX_EXPERTS, TILE_K
+from rosekernels.kernels.grouped_gemm_plan import GATHER_THREADS, GROUP_TABLE_INTS, MAX_EXPERTS, TILE_K
 
 VEC = 8  # bf16/fp16 elements per 16-byte vector
 
 
 class GroupedTiles:
     """The grouped option's device methods (a mixin of the GEMM device class)."""
+
+    def _grouped_options(self, cfg, acc_regs: int) -> None:
+        """The device class's grouped attributes: off for a dense GemmConfig (which has no `grouped`)."""
+        self.grouped = getattr(cfg, "grouped", False)  # rows grouped by expert, a weight per group
+        self.gather = self.grouped and cfg.gather  # rows gathered by index with cp.async
+        self.gather_threads = min(GATHER_THREADS, cfg.row_tile * VEC) if self.gather else 0
+        self.row_scale = self.grouped and cfg.row_scale
+        if self.gather:  # the gathering producer threads hold row indices and addresses
+            self.regs_load, self.regs_mma = (40, 232) if acc_regs >= 192 else (56, 224)
+
+    @cute.jit
+    def _group_setup(self, storage, mOffsets: cute.Tensor, mA: cute.Tensor, mB: cute.Tensor, mD: cute.Tensor,
+                     max_units: Int32, tidx: Int32):
+        """(group table, the launch's work units): `_group_scan` over the output's rows (swapped: out^T's
+        columns) and the weight tiles of the weights (swapped: the kernel's A)."""
+        groups = storage.groups.get_tensor(cute.make_layout(GROUP_TABLE_INTS))
+        weight_rows = cute.size(mA if const_expr(self.swap) else mB, mode=[0])
+        rows = mD.shape[1] if const_expr(self.swap) else mD.shape[0]
+        return groups, self._group_scan(groups, mOffsets, rows, cute.ceil_div(weight_rows, self.cfg.weight_tile),
+                                        max_units, tidx)
+
+    @cute.jit
+    def _grouped_unit(self, unit: Int32, expert: Int32, groups: cute.Tensor, mRowScale, tCcD: cute.Tensor):
+        """A consumer's view of `unit`: (expert, the group's first row, its row count, tile_m index, tile_n
+        index, the row scales of a plain tile's rows or None)."""
+        sFirst, sCount, _ = self._group_tables(groups)
+        expert, row_tile, weight_tile = self._locate(unit, expert, groups)
+        first, count = sFirst[expert], sCount[expert]
+        tile_m, tile_n = (weight_tile, row_tile) if const_expr(self.swap) else (row_tile, weight_tile)
+        scales = None
+        if const_expr(self.row_scale and not self.swap):  # fetched now: the loads hide under the mainloop
+            scales = self._row_scales(mRowScale, tCcD, first, count, tile_m * self.cfg.tile_m)
+        return expert, first, count, tile_m, tile_n, scales
 
     @cute.jit
     def _group_tables(self, groups: cute.Tensor):
@@ -208,6 +241,16 @@ class GroupedTiles:
         for i in cutlass.range_constexpr(cute.size(tS, mode=[1])):
             if (row0 + tC[0, i, 0][0] < count) & (col0 + tC[0, i, 0][1] < mD.shape[1]):
                 cute.copy(copy, tS[None, i, None], tD[None, i, None])
+
+    @cute.jit
+    def _store_subtile(self, sD: cute.Tensor, mD: cute.Tensor, first: Int32, count: Int32, tile_m: Int32,
+                       tile_n: Int32, subtile, t: Int32, slot: Int32):
+        """A plain tile's epilogue subtile `subtile` ((row, column) subtile of the tile), just written to
+        sD, to out by `_store_rows`, between the barriers that make it whole and free its buffer."""
+        self._epi_sync(slot)
+        self._store_rows(sD, mD, first, count, tile_m * self.cfg.tile_m + subtile[0] * self.epi_tile[0],
+                         tile_n * (self.out_n // self.epi_tile[1]) + subtile[1], t)
+        self._epi_sync(slot)
 
     @cute.jit
     def _row_scales(self, mRowScale: cute.Tensor, tCcO: cute.Tensor, first: Int32, count: Int32, row0: Int32):
