@@ -1,7 +1,7 @@
 """Argument checks shared by every op: each failure is a clear error raised before anything is written."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 
@@ -70,6 +70,24 @@ def check_not_expanded(name: str, t: torch.Tensor) -> None:
     elements one memory location, and the kernel's writes race."""
     if any(s == 0 and n > 1 for n, s in zip(t.shape, t.stride())):
         raise ValueError(f"{name} has a zero stride (an expanded view); an output must be materialized")
+
+
+def check_vectors(vectors: Mapping[str, torch.Tensor], outputs: Iterable[str] = (),
+                  **others: torch.Tensor | None) -> None:
+    """What a kernel that moves `vectors` in 128-bit accesses needs of their memory, each check over every
+    tensor before the next: a unit last stride, 16-byte alignment, the `outputs` not expanded; then
+    these and the `others` (None: absent) on CUDA, all on one device."""
+    for name, t in vectors.items():
+        check_unit_last_stride(name, t)
+    for name, t in vectors.items():
+        check_aligned(name, t)
+    for name in outputs:
+        check_not_expanded(name, vectors[name])
+    named = {**vectors, **others}
+    for name, t in named.items():
+        if t is not None:
+            check_cuda(name, t)
+    check_same_device(**named)
 
 
 def check_aligned(name: str, t: torch.Tensor, nbytes: int = 16, pointer: bool = True) -> None:

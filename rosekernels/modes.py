@@ -48,6 +48,24 @@ def sm_count(device_index: int | None = None) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def max_active_clusters(device_index: int, cluster_size: int) -> int:
+    """Clusters of `cluster_size` CTAs (one per SM) that can be resident at once on the device: a
+    persistent grid's size."""
+    sms = sm_count(device_index)
+    if cluster_size == 1:
+        return sms
+    import cutlass.utils  # here, not at the top: plan modules use this module without CuTeDSL
+    import torch
+
+    try:  # GPCs with an odd number of free SMs fit fewer 2-CTA clusters than sms // 2
+        with torch.cuda.device(device_index):
+            torch.cuda.init()
+            return int(cutlass.utils.HardwareInfo(device_index).get_max_active_clusters(cluster_size))
+    except Exception:  # noqa: BLE001 - an occupancy query failure only costs the estimate
+        return sms // cluster_size
+
+
 def warps_needed(units: int, threads_per_unit: int) -> int:
     """Warps that cover `units` work units of `threads_per_unit` threads each (one vector per thread)."""
     return -(-units * threads_per_unit // 32)
