@@ -5,6 +5,9 @@ many warps its work needs. Fewer warps than SMs -> the decode variant: one small
 unit group, so every warp gets its own SM and the latency is one memory round trip. Otherwise the
 prefill variant: bigger blocks (8/16/32 warps) with enough loads in flight to saturate HBM; the
 block size, and how many rows each thread handles, come from a table the benchmark measured.
+
+Also what the device holds, which the heuristics and grids of every kernel read: its SM count
+(`sm_count`) and the clusters of a given size resident at once (`max_active_clusters`).
 """
 from __future__ import annotations
 
