@@ -1,7 +1,7 @@
 """Argument checks shared by every op: each failure is a clear error raised before anything is written."""
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Iterable
 
 import torch
 
@@ -72,7 +72,7 @@ def check_not_expanded(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} has a zero stride (an expanded view); an output must be materialized")
 
 
-def check_vectors(vectors: Mapping[str, torch.Tensor], outputs: Iterable[str] = (),
+def check_vectors(vectors: dict[str, torch.Tensor], outputs: Iterable[str] = (),
                   **others: torch.Tensor | None) -> None:
     """What a kernel that moves `vectors` in 128-bit accesses needs of their memory, each check over every
     tensor before the next: a unit last stride, 16-byte alignment, the `outputs` not expanded; then
