@@ -38,10 +38,9 @@ def _open(path: str, mode: str):
 
 
 def _module(name: str):
-    # By name, not through contract.kernel_module: the tool also hashes checkouts from before it existed.
-    import rosekernels
+    from rosekernels import contract
 
-    return importlib.import_module(rosekernels.KERNELS[name])
+    return contract.kernel_module(name)
 
 
 def _extras(kernels: list[str]) -> list[tuple[str, object]]:
