@@ -6,10 +6,13 @@ each kernel's heuristic, next to the A/A spread and, where the bench has them, t
     python bench/autotune.py --plan                                   # the search spaces only (no GPU)
 
 Each shape runs `sip_tune.configs.tune_configs` (compile in parallel, test and time in the
-crash-isolated worker, re-time the fastest in a fresh one); the heuristic and tuned times are the
-medians of that re-time (interleaved). Peers (GEMM: cuBLAS + leaky_relu and cuBLAS alone) are timed
+crash-isolated worker, re-time the fastest in a fresh one, verify a winner at its bucket's edges and
+through the public op in a fresh process); the heuristic and tuned times and the speedup are the op
+level's (`sip_tune.oplevel`: the public op, CUDA graphs over inputs rotated past L2, its own A/A
+spread and best peer) where a winner was verified there, else the worker's re-time. Peers (GEMM:
+cuBLAS + leaky_relu and cuBLAS alone) are timed
 in this process in CUDA graphs over input sets rotated past L2. Winners go into the tuned store at
---cache (default: a temporary directory, so that a benchmark run changes no installed entry).
+--store-root (default: a temporary directory, so that a benchmark run changes no installed entry).
 Writes autotune.json and autotune.md into --out.
 """
 from __future__ import annotations
@@ -150,10 +153,13 @@ def _row(report: configs.ConfigReport, peers: dict[str, float], errors: list[str
     best_peer = min(others.items(), key=lambda kv: kv[1]) if others else None
     # ours against the peer from the peers' own run where it timed ours, else from the tuner's re-time
     ours_us = peers.get(OURS + ("tuned" if report.winner else "heuristic"), report.tuned_us)
+    op = report.op_level
     return {
         "kernel": report.kernel, "mode": report.mode, "shape": report.shape,
         "heuristic_us": report.heuristic_us, "tuned_us": report.tuned_us, "speedup": report.speedup,
-        "aa_spread": max(report.aa_spread, report.retime_aa_spread) if report.finalists else report.aa_spread,
+        "aa_spread": op["aa_spread"] if op.get("speedup") else
+        max(report.aa_spread, report.retime_aa_spread) if report.finalists else report.aa_spread,
+        "op_level": op or None,
         "winner": report.winner_key or None, "outcome": report.outcome,
         "searched": len(report.candidates), "candidates": report.total, "pruned_by": report.ranked_by,
         "statuses": dict(collections.Counter(r["status"] for r in report.candidates)),
@@ -171,9 +177,11 @@ def _shape_text(shape: dict, keys: dict) -> str:
 def _markdown(rows: list[dict], specs: list, env: dict) -> str:
 
     lines = [f"# sip-tune level 1 (configuration search) on {env.get('gpu')}", "",
-             "Heuristic and tuned: per-launch medians of the final re-time (interleaved, fresh worker). A/A: "
-             "how far the heuristic measured from itself in the same pipeline; a winner must beat "
-             "max(1.01, 1 + A/A). Shares: of each shape's wall time.", "",
+             "Heuristic and tuned: per call of the public op, re-timed in a fresh process (sip_tune.oplevel: "
+             "CUDA graphs over inputs rotated past L2) where a winner was verified there; else per launch in the "
+             "worker's final re-time. A/A: how far the heuristic measured from itself in that same run; a winner "
+             "must beat max(1.01, 1 + A/A) in the worker and at the op level. Shares: of each shape's wall time.",
+             "",
              "| kernel | mode | shape | heuristic us | tuned us | speedup | A/A | searched / all | best peer us | "
              "tuned vs peer | compile / test / time | s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -201,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a shape to tune (repeatable; default: the standard list)")
     p.add_argument("--max-candidates", type=int, default=configs.MAX_CANDIDATES)
     p.add_argument("--samples", type=int, default=8, help="input sets each candidate is tested on")
-    p.add_argument("--cache", help="tuned store the winners go into (default: a temporary directory)")
+    p.add_argument("--store-root", "--cache",
+                   help="tuned store the winners go into (default: a temporary directory); --cache: its former name")
     p.add_argument("--no-peers", action="store_true")
     p.add_argument("--plan", action="store_true", help="print each shape's search space and exit (no GPU)")
     args = p.parse_args(argv)
@@ -215,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{kernel} {mode} {_shape_text(dataclasses.asdict(space.shape), keys)}: {space.lines()[-1]}")
         return 0
     report.require_gpu()
-    cache = args.cache or tempfile.mkdtemp(prefix="autotune-store-")
+    store_root = args.store_root or tempfile.mkdtemp(prefix="autotune-store-")
     env = report.environment()
     rows = []
     t0 = time.time()
@@ -223,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{kernel} {mode} {keys} ...", flush=True)
         errors: list[str] = []
         result = report.measure(f"{kernel} {mode} {keys}", lambda: configs.tune_configs(
-            kernel, mode, keys, max_candidates=args.max_candidates, samples=args.samples, cache_root=cache), errors)
+            kernel, mode, keys, max_candidates=args.max_candidates, samples=args.samples, store_root=store_root),
+            errors)
         if result is None:
             rows.append({"kernel": kernel, "mode": mode, "shape": keys, "error": errors[-1]})
             continue
@@ -233,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
             shape = configs.plan(kernel, mode, keys, 0).shape
             peers = report.measure(f"peers of {kernel}", lambda: PEERS[kernel](shape, result), errors) or {}
         rows.append(_row(result, peers, errors))
-    meta = dict(env, store=cache, max_candidates=args.max_candidates, samples=args.samples, seconds=time.time() - t0)
+    meta = dict(env, store=store_root, max_candidates=args.max_candidates, samples=args.samples,
+                seconds=time.time() - t0)
     report.write(args.out, "autotune", {"meta": meta, "results": rows}, _markdown(rows, specs, env))
     print(f"wrote {args.out}/autotune.json and .md in {time.time() - t0:.0f} s")
     return 0

@@ -11,6 +11,8 @@ from typing import Any, Callable
 
 import torch
 
+from rosekernels import device
+
 RESULTS = Path(__file__).resolve().parent / "results"  # the committed results: written only when asked
 LOCAL = Path(__file__).resolve().parent / "out"  # where a run writes by default (ignored by git)
 
@@ -23,12 +25,9 @@ def add_out(parser: Any) -> None:
 
 
 def require_gpu() -> None:
-    """End the run with one line, not a traceback, where there is no sm_90 GPU to measure on."""
-    if not torch.cuda.is_available():
-        raise SystemExit(f"{Path(sys.argv[0]).name}: needs a CUDA sm_90 GPU (H100/H200): none is visible")
-    cc = torch.cuda.get_device_capability(0)
-    if cc != (9, 0):
-        raise SystemExit(f"{Path(sys.argv[0]).name}: needs a CUDA sm_90 GPU (H100/H200): device 0 is sm_{cc[0]}{cc[1]}")
+    """End the run with one line, not a traceback, and rosekernels.device.NO_GPU_EXIT where there is no
+    sm_90 GPU to measure on."""
+    device.require_gpu(Path(sys.argv[0]).name, "to measure")
 
 
 def environment(peers: tuple[str, ...] = ()) -> dict[str, Any]:

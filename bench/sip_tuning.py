@@ -10,12 +10,14 @@ one row each):
   measurement resolves a schedule difference; the noise floor is the search's A/A pair, below);
 - the search (`sip_tune.tuning.tune` over the `--moves` classes), search time, candidates, samples tested;
   its finalists re-timed with an A/A pair (original against a byte-identical copy) in 3 fresh workers:
-  a schedule is kept only past 1 + the A/A spread (the table shows the best finalist either way);
+  a schedule is kept only past 1 + the A/A spread (the table shows the best finalist either way), and
+  past 1 + the A/A spread of its op-level re-time (the public op in a fresh process, the tuned cubin
+  installed as warmup does: `sip_tune.oplevel`; the row's `op_level`);
 - the final word: original and tuned cubin re-timed in a FRESH worker, interleaved, `--repeats`
   independent runs of `--reps` replay pairs each (CUDA graphs of many launches cycling over input
   sets larger than L2); the median of the per-run medians.
 Results: sip_tuning.json and sip_tuning.md under --out. Tuned cubins go to a cache under --out
-(pass --cache to tune into the real one).
+(pass --store-root to tune into the real one).
 """
 from __future__ import annotations
 
@@ -31,9 +33,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import report  # noqa: E402  (bench/report.py: environment and result files)
+from rosekernels.kernels import KERNELS, kernel_module  # noqa: E402
 from sip.mutate import with_extra_stalls  # noqa: E402
 from sip_tune import tuning, workloads  # noqa: E402
-from sip_tune.runner import Runner, gpu_problem  # noqa: E402
+from sip_tune.runner import Runner  # noqa: E402
 
 
 def energy_check(factory, original: bytes) -> dict:
@@ -57,7 +60,7 @@ def confirm(factory, original: bytes, tuned: bytes, repeats: int, reps: int) -> 
             "speedup": 1 / statistics.median(rel), "runs_speedup": [1 / r for r in rel]}
 
 
-def bench_one(kernel: str, mode: str, moves: str | None, args: argparse.Namespace, cache_dir: str,
+def bench_one(kernel: str, mode: str, moves: str | None, args: argparse.Namespace, store_root: str,
               energy: dict) -> dict:
     row: dict = {"kernel": kernel, "mode": mode, "moves": moves or "global", "hot": args.hot}
     factory = workloads.factory(kernel, mode)
@@ -70,7 +73,8 @@ def bench_one(kernel: str, mode: str, moves: str | None, args: argparse.Namespac
     config = tuning.TuneConfig(budget_seconds=args.budget_minutes * 60, runs=args.runs, samples=args.samples,
                                seed=args.seed, min_speedup=1.0, moves=moves, hot=args.hot)
     # a store per policy: an earlier policy's (faster) entry would otherwise be kept and re-timed as this one's
-    result = tuning.tune(factory, config, kernel=kernel, cache_root=str(Path(cache_dir) / (moves or "global")))
+    result = tuning.tune(factory, config, kernel=kernel, shape=workloads.resolve(kernel, mode)[1],
+                         store_root=str(Path(store_root) / (moves or "global")))
     print(result.text(), flush=True)
     row["report"] = result.to_dict()
     row.update(search_s=result.search_seconds, total_s=result.total_seconds, iterations=result.iterations,
@@ -78,6 +82,7 @@ def bench_one(kernel: str, mode: str, moves: str | None, args: argparse.Namespac
                samples_passed=result.samples_passed, outcome=result.outcome, movable=result.movable,
                legal_moves=result.legal_moves, aa_spread=result.aa_spread,
                best_finalist=max((1 / f["rel"] for f in result.finalists), default=math.nan),
+               op_level=result.op_level or None,
                hot_blocks=result.hot_blocks,
                cost_per_candidate_s=result.cost_s.get("total", math.nan))
     if result.cached:
@@ -91,7 +96,7 @@ def bench_one(kernel: str, mode: str, moves: str | None, args: argparse.Namespac
 def has_mode(kernel: str, mode: str) -> bool:
     """Whether the kernel has a variant of `mode` (attention: prefill only, attention_decode: decode only)."""
     try:
-        workloads.kernel_module(kernel).Shape.defaults(mode)
+        kernel_module(kernel).Shape.defaults(mode)
     except ValueError:
         return False
     return True
@@ -145,15 +150,12 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--reps", type=int, default=60)
-    p.add_argument("--cache", help="tuned-cubin cache (default: <out>/sip-cache)")
+    p.add_argument("--store-root", "--cache",
+                   help="the tuned store (default: <out>/sip-cache); --cache: its former name")
     args = p.parse_args()
     report.require_gpu()
-    problem = gpu_problem()
-    if problem:
-        print(f"sip_tuning bench: needs a CUDA sm_90 GPU: {problem}", file=sys.stderr)
-        return 2
-    cache_dir = args.cache or str(Path(args.out) / "sip-cache")
-    kernels = [k for k in args.kernels.split(",") if k] or sorted(workloads.KERNELS)
+    store_root = args.store_root or str(Path(args.out) / "sip-cache")
+    kernels = [k for k in args.kernels.split(",") if k] or sorted(KERNELS)
     rows = []
     for kernel in kernels:
         for mode in [m for m in args.modes.split(",") if m]:
@@ -164,7 +166,7 @@ def main() -> int:
                 print(f"=== {kernel} {mode} {moves or 'global'}", flush=True)
                 t0 = time.monotonic()
                 try:
-                    rows.append(bench_one(kernel, mode, moves, args, cache_dir, energy))
+                    rows.append(bench_one(kernel, mode, moves, args, store_root, energy))
                 except Exception as e:  # noqa: BLE001 - one kernel's failure must not hide the others
                     traceback.print_exc()
                     rows.append({"kernel": kernel, "mode": mode, "moves": moves or "global",

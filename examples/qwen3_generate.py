@@ -6,7 +6,8 @@
 Builds the model from the released geometry with --layers decoder layers, compiles and loads the kernels
 it needs (SIP-tuned cubins and tuned configs included), patches it with rosekernels.hf.apply, runs greedy
 generate() and prints decode tokens/s; --stock runs stock transformers on the same weights first, for
-comparison. Needs transformers (pip install 'rosekernels[hf]') and an H100/H200.
+comparison. Needs transformers (pip install 'rosekernels[hf]') and an H100/H200 (without one it exits
+with rosekernels.device.NO_GPU_EXIT, 3).
 """
 import argparse
 import copy
@@ -15,6 +16,7 @@ import time
 import torch
 
 import rosekernels.hf as hf
+from rosekernels import device
 
 
 def generate_rate(model, ids, new):
@@ -44,8 +46,7 @@ def main():
     args = ap.parse_args()
     if args.new < 2:
         ap.error("--new must be at least 2 (the rate is of the decode steps after the first token)")
-    if not torch.cuda.is_available():
-        raise SystemExit("qwen3_generate.py: needs an sm_90 GPU (H100/H200): no CUDA device is visible")
+    device.require_gpu("qwen3_generate.py")
 
     model = hf.random_model(args.model, args.layers, seed=0)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt), device="cuda")

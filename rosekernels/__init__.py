@@ -34,16 +34,12 @@ moe_combine, gemm, gemm_leakyrelu, attention_fwd, attention_decode, attention_wi
 attention_varlen_fwd, append_kvcache): they write into output tensors the caller passes and return nothing. torch.compile and CUDA-graph capture go through them; eager calls of
 the functions above skip the torch dispatcher. Call the functions above, not the custom ops.
 """
-import importlib
 import os
 
 # Before anything imports cutlass: unset, CuTeDSL silently targets sm_100a.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+del os  # dir(rosekernels) lists the package's own names only
 
-# The kernel modules, each following the contract of rosekernels.contract (warm-up and sip-tune use it).
-KERNELS = {name: f"rosekernels.kernels.{name}" for name in (
-    "qk_norm", "rmsnorm", "moe_dispatch", "moe_combine", "gemm_leakyrelu", "attention", "attention_decode",
-    "append_kvcache")}
 # The public ops and the module of rosekernels.ops that defines each. warmup lives in `startup`: a
 # submodule named `warmup` would shadow the function once imported.
 _OP_MODULES = {"qk_norm": "qk_norm", "rmsnorm": "rmsnorm", "moe_dispatch": "moe_dispatch",
@@ -53,15 +49,24 @@ _OP_MODULES = {"qk_norm": "qk_norm", "rmsnorm": "rmsnorm", "moe_dispatch": "moe_
 _EXPORTS = {**{name: f"rosekernels.ops.{module}" for name, module in _OP_MODULES.items()},
             "warmup": "rosekernels.startup"}
 _MODULES = {"moe": "rosekernels.ops.moe"}  # multi-GPU MoE (ExpertParallel, TensorParallel): a module
+# Names for kernel developers: the kernel modules by name (rosekernels.kernels.KERNELS, where they are
+# looked up: below the ops, so that no lookup imports this package's face).
+_DATA = {"KERNELS": "rosekernels.kernels"}
 
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
+    import importlib  # here, not at the top: dir(rosekernels) lists the package's own names only
+
+    # Lazy public names: importing an op loads CuTeDSL (seconds), so each loads on first use. The
+    # targets are the registries above, which tests/test_layers.py follows in its import graph.
     if name in _MODULES:
         value = importlib.import_module(_MODULES[name])
     elif name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _DATA:
+        value = getattr(importlib.import_module(_DATA[name]), name)
     else:
         raise AttributeError(f"module 'rosekernels' has no attribute {name!r}")
     globals()[name] = value
@@ -69,5 +74,5 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    # The lazy ops are not module attributes until first used: list them anyway.
-    return sorted(set(globals()) | set(__all__) | set(_MODULES))
+    # The lazy names are not module attributes until first used: list them anyway.
+    return sorted(set(globals()) | set(__all__) | set(_MODULES) | set(_DATA))

@@ -4,6 +4,7 @@ hosts that run a model.
     rosekernels-cache build --model CONFIG.json -o DIR [--modes decode,prefill] [--max-tokens N] [-j N] [--sms 132]
     rosekernels-cache list DIR
     rosekernels-cache verify DIR
+    rosekernels-cache cubin ENTRY -o OUT.cubin [--dir DIR]
 
 `build` compiles into DIR (a compile-cache root) what `rosekernels.warmup(model=CONFIG, modes=...,
 max_tokens=...)` needs; CuTeDSL compiles sm_90a without a GPU, and the heuristics that choose
@@ -12,19 +13,23 @@ compilation (`ROSEKERNELS_CACHE_DIR=DIR`, or `warmup(..., cache_dir=DIR)`) when 
 rosekernels source under the same toolchain (`jit.TOOLCHAIN`: CuTeDSL version and CUDA build, TVM-FFI
 version; the cu12 and cu13 builds of CuTeDSL make different cubins, so build with the one the GPU
 host loads). `list` shows the entries; `verify` checks that each is whole (its cubin matches the
-SHA-256 of its metadata) and would be loaded here (this toolchain, this source).
+SHA-256 of its metadata) and would be loaded here (this toolchain, this source). `cubin` writes the
+cubin an entry's object embeds (ENTRY: its .o file, or its variant key as `list` prints it, looked up
+in DIR, default the compile cache) for `sip disasm` and the other SASS tools.
 
-Exit status: 0 done; 1 verify found a bad entry, or build found nothing the model needs; 2 bad input
-(one line, nothing written).
+Exit status: 0 done; 1 verify found a bad entry, build found nothing the model needs or could not write
+an entry; 2 bad input (one line, refused before compiling, nothing written).
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from rosekernels.models import FP32_NOTE
 from rosekernels.variant import MODES
 
 DEFAULT_SMS = 132  # H100 and H200 SXM
@@ -73,13 +78,18 @@ def _parser() -> _Parser:
                        ("verify", "check every entry: whole, and built by this toolchain from this source")):
         command = commands.add_parser(name, help=text)
         command.add_argument("dir", metavar="DIR")
+    cubin = commands.add_parser("cubin", help="write the cubin of an entry (for sip disasm, sip inspect, ...)")
+    cubin.add_argument("entry", metavar="ENTRY", help="the entry's .o file, or its variant key as `list` prints it")
+    cubin.add_argument("-o", "--output", required=True, metavar="OUT.cubin")
+    cubin.add_argument("--dir", metavar="DIR", help="the cache a variant key is looked up in (default: "
+                       "$ROSEKERNELS_CACHE_DIR, else ~/.cache/rosekernels)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
-        return {"build": _build, "list": _list, "verify": _verify}[args.command](args)
+        return {"build": _build, "list": _list, "verify": _verify, "cubin": _cubin}[args.command](args)
     except BadInput as e:
         print(f"rosekernels-cache: error: {e}", file=sys.stderr)
         return 2
@@ -90,19 +100,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _model(path: str) -> Any:
-    import json
-
     from rosekernels.models import ModelDims
 
     try:
         return ModelDims.from_config(path)
     except OSError as e:
         raise BadInput(f"--model {path}: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise BadInput(f"--model {path}: not JSON: {e}") from None
-    except (TypeError, ValueError, AttributeError) as e:  # a field missing (None) or of the wrong kind
-        raise BadInput(f"--model {path}: not a transformer config with hidden_size, num_attention_heads, ...: {e}") \
-            from None
+    except ValueError as e:  # its message names the file and the key
+        raise BadInput(f"--model {e}") from None
+
+
+def _writable_folder(out: Path, folder: Path) -> None:
+    """Create `folder` (under -o `out`) and check that a file can be written in it: a build that would
+    compile for minutes and then fail to write every entry is refused first."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise BadInput(f"-o {out}: cannot write a cache there ({folder}: {e.strerror or e})") from None
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -112,8 +127,8 @@ def _build(args: argparse.Namespace) -> int:
         raise BadInput(f"-o {out}: exists and is not a rosekernels cache (no jit/ folder): give a new or empty folder")
     import torch
 
-    import rosekernels
-    from rosekernels import jit, modes, startup
+    from rosekernels import jit, modes, paths, startup
+    from rosekernels.kernels import kernel_module
 
     if torch.cuda.is_available() and modes.sm_count() != args.sms:
         raise BadInput(f"--sms {args.sms}: the GPU visible here has {modes.sm_count()} SMs; build on a machine "
@@ -123,16 +138,25 @@ def _build(args: argparse.Namespace) -> int:
     configs = startup.model_specs(dims, args.modes, args.max_tokens)
     what = f"{dims.name} ({','.join(args.modes)}" + (f", at most {args.max_tokens} tokens" if args.max_tokens else "") \
         + f", {args.sms} SMs)"
+    if dims.dtype == "fp32":
+        print(f"rosekernels-cache: note: {args.model}: {FP32_NOTE}")
     if not configs:
         print(f"rosekernels-cache: no kernel of rosekernels serves {what}: nothing to build")
         return 1
+    _writable_folder(out, out / "jit" / jit.TOOLCHAIN)
     t0 = time.perf_counter()
-    jit.use_cache_root(out)
-    jobs = [(rosekernels.KERNELS[c.variant().op], c) for c in configs]
+    paths.use_compile_cache_root(out)
+    jobs = [(kernel_module(c.variant().op).compile, c) for c in configs]
     compiled = jit.compile_cold(jobs, args.jobs, progress=True)
-    total = len({c.variant() for c in configs})
-    print(f"rosekernels-cache: {total} specializations of {what} in {out}: {len(compiled)} compiled, "
-          f"{total - len(compiled)} already there, {time.perf_counter() - t0:.1f} s")
+    keys = {c.variant().key() for c in configs}
+    written = {e.key for e in jit.disk_entries(out)
+               if e.toolchain == jit.TOOLCHAIN and e.digest == jit.package_digest()}
+    if keys - written:
+        print(f"rosekernels-cache: {len(keys - written)} of {len(keys)} specializations were not written to {out} "
+              "(see the warnings above)", file=sys.stderr)
+        return 1
+    print(f"rosekernels-cache: {len(keys)} specializations of {what} in {out}: {len(compiled)} compiled, "
+          f"{len(keys) - len(compiled)} already there, {time.perf_counter() - t0:.1f} s")
     print(f"toolchain {jit.TOOLCHAIN}, rosekernels source {jit.package_digest()}: a GPU host with both loads it "
           f"with no compilation (ROSEKERNELS_CACHE_DIR={out}); `rosekernels-cache verify {out}` there checks")
     return 0
@@ -212,6 +236,47 @@ def _verify(args: argparse.Namespace) -> int:
         return 1
     print(f"{len(entries)} entries: {len(entries) - bad} good, {bad} bad ({here})")
     return 1 if bad else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# cubin
+
+
+def _cubin(args: argparse.Namespace) -> int:
+    out = Path(args.output)
+    if out.is_dir() or not out.parent.is_dir():
+        raise BadInput(f"-o {out}: " + ("is a folder" if out.is_dir() else f"the folder {out.parent} does not exist"))
+    from rosekernels import jit
+
+    entry = _entry(args.entry, args.dir)
+    try:
+        _, cubin, _ = jit.read_entry(entry)
+    except (OSError, ValueError) as e:
+        raise BadInput(f"{entry.object_path}: {getattr(e, 'strerror', None) or e}") from None
+    out.write_bytes(cubin)
+    print(f"{out}: the sm_90a cubin of {entry.key} ({len(cubin)} bytes; toolchain {entry.toolchain}): "
+          f"sip disasm {out}")
+    return 0
+
+
+def _entry(spec: str, folder: str | None) -> Any:
+    """The cache entry `spec` names: an entry's .o (or .json) file, or a variant key in `folder`."""
+    from rosekernels import jit, paths
+
+    path = Path(spec)
+    if path.suffix in (".o", ".json") and path.exists():
+        stem = path.with_name(path.name[:-len(path.suffix)])
+        return jit.DiskEntry(stem.with_name(stem.name + ".o"), stem.with_name(stem.name + ".json"))
+    root = Path(folder) if folder is not None else paths.compile_cache_root()
+    found = [e for e in jit.disk_entries(root) if e.key == spec]
+    here = [e for e in found if e.toolchain == jit.TOOLCHAIN and e.digest == jit.package_digest()]
+    if len(here) == 1 or len(found) == 1:
+        return (here or found)[0]
+    if not found:
+        raise BadInput(f"{spec}: no such file, and no entry with this variant key in {root} "
+                       f"(`rosekernels-cache list {root}` shows the keys)")
+    raise BadInput(f"{spec}: {len(found)} entries in {root} have this key (other toolchains or sources): give one's "
+                   f".o file, e.g. {found[0].object_path}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""Argument checks shared by every op: each failure is a clear error raised before anything is written."""
+"""Argument checks shared by every op: each failure is a clear error raised before anything is written;
+and the error measure of outputs rounded from fp32 math (norms) against a float64 reference."""
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
@@ -96,3 +98,18 @@ def check_aligned(name: str, t: torch.Tensor, nbytes: int = 16, pointer: bool = 
     elem = t.element_size()
     if (pointer and t.data_ptr() % nbytes) or any(s * elem % nbytes for s in t.stride()[:-1] if s):
         raise ValueError(f"{name} must be {nbytes}-byte aligned (base pointer and row strides)")
+
+
+# A correct kernel rounds an fp32-accurate result to the output dtype once: at most half an ulp off,
+# 2^-8 of the value in bf16 and 2^-11 in fp16; the bounds leave ~2% of that for the fp32 math before.
+ROUNDING_TOLERANCE = {torch.bfloat16: 4e-3, torch.float16: 5e-4, torch.float32: 2e-5}
+
+
+def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |got - ref| / |ref| over the elements (ref float64; NaN in got counts as infinite). A
+    reference smaller than got's smallest normal number is measured against that number instead:
+    subnormal outputs round in absolute steps."""
+    if not got.numel():
+        return 0.0
+    err = (got.double() - ref).abs() / ref.abs().clamp_min(torch.finfo(got.dtype).tiny)
+    return err.nan_to_num(math.inf).max().item()

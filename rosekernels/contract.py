@@ -1,7 +1,9 @@
 """The kernel-module contract: the names every module in `rosekernels.kernels` (listed in
-`rosekernels.KERNELS`, found with `kernel_module(name)`) defines, so that warm-up, tests and the
-tuner treat every kernel alike.
+`rosekernels.kernels.KERNELS`, found with `rosekernels.kernels.kernel_module(name)`) defines, so
+that warm-up, tests and the tuner treat every kernel alike.
 
+    OP                       the kernel's name: its key in KERNELS, the op of its variants
+                             (`Config.OP`), its folder in the tuned store.
     Config                   a frozen dataclass on `KernelConfig`: everything one launch is
                              specialised on. Its compile-time fields make `variant()` (the compile
                              and tuned-store key; `Config.from_variant(v)` inverts it); its
@@ -42,23 +44,14 @@ The op that launches the kernel is in rosekernels/ops.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from types import ModuleType
 from typing import Any, ClassVar, Iterable, Mapping
 
 from rosekernels.variant import Variant
 
-NAMES = ("Config", "Shape", "config_for", "candidates", "rank", "compile", "precompile", "variants_for", "workload")
+NAMES = ("OP", "Config", "Shape", "config_for", "candidates", "rank", "compile", "precompile", "variants_for",
+         "workload")
 SHAPE_NAMES = ("SIZE_FIELDS", "defaults", "of")
-
-
-def kernel_module(name: str) -> ModuleType:
-    """The kernel module `rosekernels.KERNELS[name]`, imported; ValueError naming the kernels for another name."""
-    import rosekernels
-
-    if name not in rosekernels.KERNELS:
-        raise ValueError(f"no kernel module for {name!r}; the kernels are {sorted(rosekernels.KERNELS)}")
-    return importlib.import_module(rosekernels.KERNELS[name])
 
 
 def missing(module: ModuleType) -> list[str]:
@@ -132,8 +125,8 @@ def keep_order(shape: Any, configs: Iterable[Any], sms: int | None = None) -> li
 
 
 def shape_with(shape: Any, overrides: Mapping[str, Any]) -> Any:
-    """`shape` with some fields replaced (e.g. from `sip-tune --shape k=v,...`); unknown keys are an
-    error that lists the known ones."""
+    """`shape` with some fields replaced (e.g. from `sip-tune --shape k=v,...`); unknown keys, values
+    of another kind and sizes below 1 are errors that name the key."""
     known = {f.name for f in dataclasses.fields(shape)}
     unknown = sorted(set(overrides) - known)
     if unknown:
@@ -142,6 +135,8 @@ def shape_with(shape: Any, overrides: Mapping[str, Any]) -> Any:
         current = getattr(shape, name)
         if current is not None and not _same_kind(value, current):
             raise ValueError(f"shape key {name}={value!r}: expected a {type(current).__name__}")
+        if type(current) is int and value < 1:  # every int field of a Shape is a size or a count
+            raise ValueError(f"shape key {name}={value!r}: sizes are at least 1")
     return dataclasses.replace(shape, **overrides)
 
 

@@ -6,7 +6,8 @@ Every compiled variant goes the same way:
    point every CuTeDSL module passes before its JIT engine is built) records the cubin found in the
    module's `*_binary` global, so any specialization's cubin can be handed to SIP.
 2. The host+device code is exported as an object file into the disk cache
-   (<root>/jit/<TOOLCHAIN>/<variant key>-<source digest>.o, with a .json beside it), so a second
+   (<root>/jit/<TOOLCHAIN>/<variant key>-<source digest>.o, with a .json beside it; the root is
+   `paths.compile_cache_root()`), so a second
    process skips the JIT. The cache is plain files: `rosekernels-cache` builds one on a machine
    without a GPU, lists and verifies it.
 3. The object is loaded with `cute.runtime.load_module`; on the way, `swap_cubins` replaces each
@@ -19,7 +20,6 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
-import importlib
 import json
 import os
 import re
@@ -37,16 +37,19 @@ import tvm_ffi  # noqa: E402
 from cutlass._mlir import ir  # noqa: E402
 from cutlass.base_dsl import compiler as _dsl_compiler  # noqa: E402
 
-from rosekernels.paths import cache_dir  # noqa: E402,F401  (re-exported: jit.cache_dir)
+from rosekernels import paths  # noqa: E402
 from rosekernels.variant import ARCH, Variant  # noqa: E402,F401  (re-exported: jit.Variant)
 from sip import fatbin  # noqa: E402
+from sip.fatbin import embedded_cubins  # noqa: E402
 
 
 def _cuda_flavor() -> str:
     """cu12 or cu13: the CUDA build of CuTeDSL's compiler that CuTeDSL loaded (the newest installed one
     that the driver supports; the newest, without a driver). Their ptxas builds differ, so the same
     CuTeDSL version makes other cubins with each."""
-    loaded = importlib.import_module("cutlass._mlir._mlir_libs._cutlass_ir").__file__ or ""
+    import cutlass._mlir._mlir_libs._cutlass_ir as cutlass_ir
+
+    loaded = cutlass_ir.__file__ or ""
     found = re.match(r"_cutlass_ir\.(cu\d+)\.", os.path.basename(loaded))
     if found is None:
         raise RuntimeError(f"cannot tell which CUDA build of CuTeDSL is loaded from {loaded!r}")
@@ -101,20 +104,6 @@ def swap_cubins(blob: bytes, replacements: dict[str, bytes] | None = None) -> tu
             out[offset:offset + len(cubin)] = tuned
             changed = True
     return bytes(out), changed
-
-
-def embedded_cubins(blob: bytes) -> list[tuple[int, bytes]]:
-    """(absolute offset, bytes) of every cubin in every fatbin embedded in `blob`."""
-    magic = fatbin.FATBIN_MAGIC.to_bytes(4, "little")
-    found = []
-    start = blob.find(magic)
-    while start >= 0:
-        try:
-            found += [(start + off, c) for off, c in fatbin.cubins(blob[start:])]
-        except fatbin.FatbinError:
-            pass  # the magic number occurred by chance
-        start = blob.find(magic, start + 4)
-    return found
 
 
 def _binary_globals(module: ir.Module) -> list[bytes]:
@@ -179,23 +168,11 @@ def load_object(object_bytes: bytes, replacements: dict[str, bytes] | None = Non
 _memory: dict[Variant, CompiledKernel] = {}
 _locks: dict[Variant, threading.Lock] = {}
 _locks_guard = threading.Lock()
-_root: Path | None = None  # use_cache_root's choice; None: paths.cache_dir()
 _no_compile = threading.local()
 
 
 class NotCached(LookupError):
     """compile_variant inside `cached_only()`, for a variant that neither cache holds."""
-
-
-def use_cache_root(root: str | os.PathLike | None) -> None:
-    """Where this process reads and writes the disk cache from now on (None: $ROSEKERNELS_CACHE_DIR,
-    else the user cache dir); `warmup(cache_dir=...)` calls it."""
-    global _root
-    _root = Path(root) if root is not None else None
-
-
-def cache_root() -> Path:
-    return _root if _root is not None else cache_dir()
 
 
 @contextlib.contextmanager
@@ -258,7 +235,7 @@ class DiskEntry:
 
 
 def _disk_entry(variant: Variant, digest: str) -> DiskEntry:
-    folder = cache_root() / "jit" / TOOLCHAIN
+    folder = paths.compile_cache_root() / "jit" / TOOLCHAIN
     name = f"{variant.key()}-{digest}"  # keys hold dots (eps=1e-06, 0.0): never use with_suffix
     return DiskEntry(folder / f"{name}.o", folder / f"{name}.json")
 
@@ -385,22 +362,23 @@ def compile_processes(jobs: int) -> int:
     return max(1, min(jobs, cores, fit))
 
 
-def compile_cold(jobs: Iterable[tuple[str, Any]], processes: int | None = None,
+def compile_cold(jobs: Iterable[tuple[Callable[[Any], CompiledKernel], Any]], processes: int | None = None,
                  progress: bool = False) -> list[Variant]:
-    """Compile into the disk cache each (kernel module, config) of `jobs` whose variant neither cache
-    holds, in `processes` spawned processes (None: `compile_processes`; 1: here), with a tqdm bar when
+    """Compile into the disk cache each (compile, config) of `jobs` (a kernel module's `compile`, which
+    a worker process unpickles by its module and name) whose variant neither cache holds, in
+    `processes` spawned processes (None: `compile_processes`; 1: here), with a tqdm bar when
     `progress` and stderr is a terminal; the warm ones are loaded here on the way. Returns the
     variants compiled."""
-    cold: dict[Variant, tuple[str, Any]] = {}
-    for module, cfg in jobs:
+    cold: dict[Variant, tuple[Callable[[Any], CompiledKernel], Any]] = {}
+    for compile_config, cfg in jobs:
         variant = cfg.variant()
         if variant in cold:
             continue
         try:
             with cached_only():
-                importlib.import_module(module).compile(cfg)
+                compile_config(cfg)
         except NotCached:
-            cold[variant] = (module, cfg)
+            cold[variant] = (compile_config, cfg)
     if not cold:
         return []
     import concurrent.futures
@@ -413,13 +391,14 @@ def compile_cold(jobs: Iterable[tuple[str, Any]], processes: int | None = None,
     with tqdm(total=len(todo), desc=f"rosekernels: compiling in {processes} process{'es' * (processes > 1)}",
               unit="kernel", disable=None if progress else True) as bar:
         if processes == 1:
-            for module, cfg in todo:
-                importlib.import_module(module).compile(cfg)
+            for compile_config, cfg in todo:
+                compile_config(cfg)
                 bar.update()
         else:
             ctx = multiprocessing.get_context("spawn")  # CuTeDSL's and CUDA's state do not survive fork
+            root = str(paths.compile_cache_root())
             with concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx) as pool:
-                futures = [pool.submit(_compile_in_worker, str(cache_root()), module, cfg) for module, cfg in todo]
+                futures = [pool.submit(_compile_in_worker, root, compile_config, cfg) for compile_config, cfg in todo]
                 try:
                     for future in concurrent.futures.as_completed(futures):
                         future.result()
@@ -430,17 +409,17 @@ def compile_cold(jobs: Iterable[tuple[str, Any]], processes: int | None = None,
     return list(cold)
 
 
-def _compile_in_worker(root: str, module: str, cfg: Any) -> None:
-    use_cache_root(root)
-    importlib.import_module(module).compile(cfg)
+def _compile_in_worker(root: str, compile_config: Callable[[Any], CompiledKernel], cfg: Any) -> None:
+    paths.use_compile_cache_root(root)
+    compile_config(cfg)
 
 
-def precompile(module: str, configs: Any, processes: int | None = None, progress: bool = False) -> list[CompiledKernel]:
-    """`compile(cfg)` of kernel module `module` for each config, the cold ones compiled in parallel
-    processes into the disk cache first (`compile_cold`), then loaded here: a cold cache costs about
-    one compile time per process instead of one per config. Configs that share a variant (they differ
-    only in launch policy) compile once."""
+def precompile(compile_config: Callable[[Any], CompiledKernel], configs: Any, processes: int | None = None,
+               progress: bool = False) -> list[CompiledKernel]:
+    """`compile_config(cfg)` (a kernel module's `compile`) of each config, the cold ones compiled in
+    parallel processes into the disk cache first (`compile_cold`), then loaded here: a cold cache costs
+    about one compile time per process instead of one per config. Configs that share a variant (they
+    differ only in launch policy) compile once."""
     configs = list(configs)
-    compile_cold([(module, c) for c in configs], processes, progress)
-    compile_config = importlib.import_module(module).compile
+    compile_cold([(compile_config, c) for c in configs], processes, progress)
     return [compile_config(c) for c in configs]

@@ -12,25 +12,31 @@ Cold specializations (in neither the memory nor the disk cache) compile in paral
 (`jit.compile_cold`: one per core, as many as the available memory holds) with a progress bar; the
 report says how many were compiled and how many loaded from disk. `cache_dir` is the compile cache's
 root, as $ROSEKERNELS_CACHE_DIR (e.g. one built ahead of time by `rosekernels-cache build` on a machine
-without a GPU); this process uses it from then on.
+without a GPU), and `store_root` the tuned store's, as $SIP_CACHE_DIR; this process uses them from then
+on (`rosekernels.paths` decides both).
 
 A spec is one specialization, given as any of
 - a `rosekernels.jit.Variant` (e.g. `cfg.variant()`): compiled with its kernel module's
-  `compile(Config.from_variant(variant))` (the module is `rosekernels.KERNELS[variant.op]`);
+  `compile(Config.from_variant(variant))` (the module is `rosekernels.kernels.kernel_module(variant.op)`);
 - a kernel Config (a dataclass with `.variant()`, e.g. from `qk_norm.variants_for()`): compiled with
   its kernel module's `compile(config)`;
 - a zero-argument callable returning a `jit.CompiledKernel` (any other CuTeDSL kernel).
 
-Tuned cubins come from the tuned store (`rosekernels.tuned`; `tuned_dir`, else $SIP_CACHE_DIR, else
-<compile cache root>/sip). Each entry stores the original cubin it was tuned from, so it is installed
-(`jit.install_tuned_cubin`) BEFORE compiling and swapped in when the kernel loads; the swap is keyed
+Tuned cubins come from the tuned store (`rosekernels.tuned`; `store_root`, else $SIP_CACHE_DIR, else
+<compile cache root>/sip), and only entries that meet the store's default bar (bitwise or the
+kernel's own tolerance on >= 10^4 samples, compute-sanitizer clean, an op-level gain past the A/A
+spread: `tuned.bar_problems`) load; `allow_unverified=True` (or $SIP_ALLOW_UNVERIFIED=1) loads weaker
+ones too, for this process from then on (ops included). Entries below the bar are listed in the
+report with the reason, and warned about once. Each entry stores the original cubin it was tuned
+from, so it is installed (`jit.install_tuned_cubin`) BEFORE compiling and swapped in when the kernel
+loads; the swap is keyed
 by the original's SHA-256, so a tuned cubin never replaces a different original (a kernel whose source
 or toolchain changed simply loads untuned, and the report says the entry is stale).
 
 Tuned configs (`tuned.config_entries`: the level-1 winners of `sip-tune`) of the specs' kernels and
 modes are compiled too, with the heuristic configs they were tuned against, so an op that plans a
-shape of a tuned bucket loads them without compiling; the ops look them up under warmup's root from
-then on (`tuned.use_config_root`). An entry whose heuristic no longer compiles to the cubin it was
+shape of a tuned bucket loads them without compiling; the ops look them up under warmup's store root
+from then on (`paths.tuned_store_root()`). An entry whose heuristic no longer compiles to the cubin it was
 tuned against is reported stale and not used.
 """
 from __future__ import annotations
@@ -39,11 +45,10 @@ import dataclasses
 import os
 import time
 import warnings
-from pathlib import Path
 from typing import Any, Callable, Iterable
 
-import rosekernels
-from rosekernels import contract, jit, launch, tuned
+import rosekernels.kernels
+from rosekernels import jit, launch, paths, tuned
 from rosekernels.models import ModelDims
 from rosekernels.variant import MODES
 
@@ -60,6 +65,9 @@ class WarmupReport:
     compiled: list[str] = dataclasses.field(default_factory=list)  # variant keys this call compiled
     from_disk: list[str] = dataclasses.field(default_factory=list)  # loaded from the disk cache
     # The rest of `kernels` were loaded in this process before the call.
+    # Entries below the default bar: "<entry>: <reasons>", and whether they were loaded (opted in).
+    unverified: list[str] = dataclasses.field(default_factory=list)
+    loaded_unverified: bool = False
 
     def __str__(self) -> str:
         before = len(self.kernels) - len(self.compiled) - len(self.from_disk)
@@ -72,6 +80,8 @@ class WarmupReport:
         lines += [f"  config   {c}" for c in self.configs]
         lines += [f"  config   {c}  (stale: tuned against another build of its heuristic kernel: re-tune)"
                   for c in self.stale_configs]
+        state = "loaded: allow_unverified" if self.loaded_unverified else "not loaded"
+        lines += [f"  below the bar ({state})  {u}" for u in self.unverified]
         return "\n".join(lines)
 
 
@@ -79,16 +89,16 @@ class WarmupReport:
 class _Spec:
     variant: jit.Variant | None  # known before compiling, except for a callable spec
     build: Callable[[], jit.CompiledKernel]
-    job: tuple[str, Any] | None  # (kernel module, config): what a compile worker process can build
+    job: tuple[Callable[[Any], jit.CompiledKernel], Any] | None  # (compile, config): what a worker can build
 
 
 def _resolve(spec: Any) -> _Spec:
     if isinstance(spec, jit.Variant):
-        spec = contract.kernel_module(spec.op).Config.from_variant(spec)
+        spec = rosekernels.kernels.kernel_module(spec.op).Config.from_variant(spec)
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):  # a kernel Config
         variant = spec.variant()
-        m = contract.kernel_module(variant.op)
-        return _Spec(variant, lambda: m.compile(spec), (m.__name__, spec))
+        m = rosekernels.kernels.kernel_module(variant.op)
+        return _Spec(variant, lambda: m.compile(spec), (m.compile, spec))
     if callable(spec):
         return _Spec(None, spec, None)
     raise TypeError(f"a warmup spec is a Variant, a kernel config with .variant(), or a callable; got {spec!r}")
@@ -104,39 +114,41 @@ def model_specs(model: Any, modes: Iterable[str] = MODES, max_tokens: int | None
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
     dims = model if isinstance(model, ModelDims) else ModelDims.from_config(model)
-    return [c for op in rosekernels.KERNELS
-            for c in contract.kernel_module(op).variants_for([dims], modes, max_tokens)]
-
-
-def _tuned_root(cache_dir: str | os.PathLike | None, tuned_dir: str | os.PathLike | None) -> Path | None:
-    """The tuned store's root as $ROSEKERNELS_CACHE_DIR=cache_dir would make it (None: the default)."""
-    if tuned_dir is not None:
-        return Path(tuned_dir)
-    if cache_dir is not None and not os.environ.get(tuned.ENV_VAR):
-        return Path(cache_dir) / "sip"
-    return None
+    return [c for op in rosekernels.kernels.KERNELS
+            for c in rosekernels.kernels.kernel_module(op).variants_for([dims], modes, max_tokens)]
 
 
 def warmup(specs: Iterable[Any] = (), *, model: Any = None, modes: Iterable[str] = MODES,
            max_tokens: int | None = None, cache_dir: str | os.PathLike | None = None,
-           tuned_dir: str | os.PathLike | None = None, processes: int | None = None,
-           progress: bool = True) -> WarmupReport:
+           store_root: str | os.PathLike | None = None, processes: int | None = None,
+           progress: bool = True, allow_unverified: bool | None = None,
+           tuned_dir: str | os.PathLike | None = None) -> WarmupReport:
     """Compile (or load from the disk cache) every spec, and what `model` needs in `modes` for calls
     of at most `max_tokens` tokens (`model_specs`), with the SIP-tuned cubins found in the store.
 
     cache_dir: the compile cache's root from now on (None: $ROSEKERNELS_CACHE_DIR, else the user
-    cache dir). tuned_dir: the tuned store's (None: $SIP_CACHE_DIR, else <cache root>/sip).
+    cache dir). store_root: the tuned store's (None: $SIP_CACHE_DIR, else <cache root>/sip).
     processes: compile workers for the cold specializations (None: one per core, memory allowing).
-    progress: a progress bar on a terminal while compiling."""
+    progress: a progress bar on a terminal while compiling. allow_unverified: also load tuned entries
+    below the store's default bar, from now on in this process (None: $SIP_ALLOW_UNVERIFIED decides).
+    tuned_dir: deprecated, the former name of store_root."""
     t0 = time.perf_counter()
+    if tuned_dir is not None:
+        if store_root is not None:
+            raise TypeError("warmup takes store_root or its deprecated name tuned_dir, not both")
+        warnings.warn("warmup(tuned_dir=...) is deprecated: pass store_root=...", DeprecationWarning, stacklevel=2)
+        store_root = tuned_dir
     specs = list(specs)
     if model is not None:
         specs += model_specs(model, modes, max_tokens)
     elif not specs:
         raise TypeError("warmup needs specs or model=")
-    jit.use_cache_root(cache_dir)
-    root = _tuned_root(cache_dir, tuned_dir)
-    tuned.use_config_root(root)
+    paths.use_compile_cache_root(cache_dir)
+    paths.use_tuned_store_root(store_root)
+    root = paths.tuned_store_root()
+    if allow_unverified is not None:
+        tuned.allow_unverified(allow_unverified)
+    below_bar: list[str] = []  # for the report: entries found below the bar
     launch.forget_plans()  # a plan made before now would keep the config it chose without the store
     resolved = [_resolve(s) for s in specs]
     n_specs = len(resolved)
@@ -144,16 +156,24 @@ def warmup(specs: Iterable[Any] = (), *, model: Any = None, modes: Iterable[str]
     for r in resolved:
         if r.variant is not None:
             op_modes.setdefault(r.variant.op, set()).add(r.variant.mode)
+    def admitted(entry: tuned.Entry | tuned.ConfigEntry, name: str) -> bool:
+        if entry.problems:
+            below_bar.append(f"{name}: {'; '.join(entry.problems)}")
+        return tuned.admitted(entry)
+
     # Each tuned config follows the specs, after the heuristic config it was tuned against.
-    configs = [e for op in sorted(op_modes) for e in tuned.config_entries(root, op) if e.meta["mode"] in op_modes[op]]
+    configs = [e for op in sorted(op_modes)
+               for e in tuned.config_entries(root, rosekernels.kernels.kernel_module(op))
+               if e.meta["mode"] in op_modes[op] and admitted(e, f"config {e.meta['kernel']} {e.path.stem}")]
     resolved += [_resolve(c) for e in configs for c in (e.heuristic, e.config)]
-    entries: dict[str, list[tuned.Entry]] = {}
+    entries: dict[str, list[tuned.Entry]] = {}  # variant key -> the entries it may load
 
     def install_for(variant: jit.Variant) -> None:
         if variant.key() not in entries:
-            found = tuned.entries_for_variant(root, variant)
+            found = [e for e in tuned.entries_for_variant(root, variant) if admitted(e, variant.key())]
             entries[variant.key()] = found
-            for e in sorted(found, key=lambda e: e.speedup):  # the best entry for an original wins
+            # the strongest, then fastest entry for an original wins (installed last)
+            for e in sorted(found, key=lambda e: (tuned.strength(e.meta, "cubin"), e.speedup)):
                 jit.install_tuned_cubin(e.original, e.tuned)
 
     for r in resolved:
@@ -179,7 +199,8 @@ def warmup(specs: Iterable[Any] = (), *, model: Any = None, modes: Iterable[str]
     if reload:
         jit.forget_loaded()
         kernels = [r.build() for r in resolved]
-    report = WarmupReport([], [], [], 0.0, kernels[:n_specs])
+    report = WarmupReport([], [], [], 0.0, kernels[:n_specs], unverified=below_bar,
+                          loaded_unverified=tuned.unverified_allowed())
     for i, e in enumerate(configs):
         heuristic, config = kernels[n_specs + 2 * i: n_specs + 2 * i + 2]
         line = f"{e.meta['kernel']} {e.path.stem}: {heuristic.variant.key()} -> {config.variant.key()}"

@@ -2,59 +2,77 @@
 and the ops consult when they plan a call (`tuned_config`; the config half is at the end).
 
 Layout: <root>/<toolchain>/<kernel>/<Variant.key()>/<sha256 of the original cubin>/ holding
-`tuned.cubin`, `original.cubin` and `meta.json` (medians, speedup, samples passed, search parameters,
-seed, GPU, date). The variant key names op, mode, arch and every compile-time parameter; the toolchain
-and the original's hash make an entry unusable the moment the kernel compiles differently, and the
-stored original lets `warmup` install a tuned cubin before compiling (`jit.install_tuned_cubin` keys by
-the original's bytes, so a tuned cubin can never be loaded for another original).
+`tuned.cubin`, `original.cubin` and `meta.json` (medians, speedup, how it was checked, search
+parameters, seed, GPU, date). The variant key names op, mode, arch and every compile-time parameter;
+the toolchain and the original's hash make an entry unusable the moment the kernel compiles
+differently, and the stored original lets `warmup` install a tuned cubin before compiling
+(`jit.install_tuned_cubin` keys by the original's bytes, so a tuned cubin can never be loaded for
+another original). A tuned cubin must differ from its original only in the code section of the
+kernel SIP tunes (the largest: `sip.cubin.Cubin.main_kernel`); headers, symbols, `.nv.info` and every
+other section byte-identical, or the entry is refused with the place it differs.
+
+How an entry was checked (meta["checks"], both kinds; `bar_problems` reads it):
+    samples    {"run", "passed"}: fresh random samples (the kernel's test sizes) the tuned kernel passed
+    compare    "bitwise" (equal to the original's / the heuristic's outputs bit for bit), "reference"
+               (the kernel's own float64 check at its stated tolerance) or "tolerance" (`tolerance`:
+               {"rtol", "atol"}, a looser comparison a user asked for)
+    sanitizer  compute-sanitizer {"memcheck", "racecheck", "synccheck"} verdicts, or "not run"
+    shapes     {"tuned": the shape tuned, "tuned_samples": samples compared at it, "samples": what
+               the sample sizes are, "edges": (configs) the bucket's edge shapes tested}
+    op_level   the public op re-timed in a fresh process (`sip_tune.oplevel`): speedup over the
+               heuristic / original cubin, A/A spread, the best peer and its ratio; or "not run"
+and meta["speedup"] is the op-level speedup where one was measured.
+
+The default bar (`bar_problems`): bitwise or the kernel's own tolerance, on >= BAR_SAMPLES samples,
+all passed; compared at the tuned shape (configs: and at their bucket's edges); compute-sanitizer
+clean (cubins); an op-level speedup past 1 + its A/A spread. Ops and warmup load only entries that
+meet it (`admitted`), unless the user opts in to weaker ones: `warmup(allow_unverified=True)` or
+$SIP_ALLOW_UNVERIFIED=1. An entry below the bar is reported (a warning once per process, the
+reason in `sip-tune --list`), never loaded silently; entries written before checks were recorded
+are below it. A config entry that keeps the heuristic's own config (a tuning that found nothing
+faster) changes nothing and needs no checks. A new entry replaces an existing one only if it is
+not weaker (`strength`: the bar's parts it meets) and, at equal strength, not slower.
 
 Writers hold a file lock per entry and replace each file atomically (tempfile + os.replace);
 `meta.json` goes last and records the tuned cubin's hash, so a reader can always tell a whole entry
 from a broken one. Anything wrong with an entry (truncated cubin, bad JSON, hash or size mismatch,
-not an sm_90 cubin) gives a warning and no tuned cubin: the untuned kernel runs.
+not an sm_90 cubin, bytes changed outside the tuned kernel's code) gives a warning and no tuned
+cubin: the untuned kernel runs.
 
-It lives with the code that loads it; the tuner (`sip_tune`) writes through it. The default root and
-the current toolchain come from `rosekernels.jit` (which imports CuTeDSL), imported only when needed:
-listing a given root imports neither CuTeDSL nor torch.
+It lives with the code that loads it; the tuner (`sip_tune`) writes through it. Its root is
+`paths.tuned_store_root(store_root)`: the folder a caller names as `store_root`, else the process's
+or the environment's. The current toolchain comes from `rosekernels.jit` (which imports CuTeDSL),
+imported only when needed: listing a store imports neither CuTeDSL nor torch. Reading a tuned
+config needs the kernel's Config and Shape, and choosing one its `compile` and `candidates`: the
+caller passes the kernel module (an op its own; warm-up and sip-tune the one
+`rosekernels.kernels.kernel_module` finds), so the store never imports a kernel.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
+import math
 import os
 import struct
 import tempfile
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import filelock
 
-from rosekernels import contract
+from rosekernels import contract, paths
 from sip import SipError, cubin, fatbin
 
-ENV_VAR = "SIP_CACHE_DIR"
 FORMAT = 1
 _LOCK_TIMEOUT_S = 60.0
 
 
 class CacheError(ValueError):
     """An entry that must not be used."""
-
-
-def default_root() -> Path:
-    """$SIP_CACHE_DIR, else <rosekernels cache dir>/sip."""
-    env = os.environ.get(ENV_VAR)
-    if env:
-        return Path(env)
-    from rosekernels import paths  # not jit: listing the store needs neither CuTeDSL nor torch
-
-    return paths.cache_dir() / "sip"
-
-
-def resolve_root(root: str | os.PathLike | None) -> Path:
-    return Path(root) if root is not None else default_root()
 
 
 def sha256(data: bytes) -> str:
@@ -77,6 +95,150 @@ def check_sm90_cubin(data: bytes) -> None:
         raise CacheError("the cubin holds no kernel code")
 
 
+def check_only_code_differs(original: bytes, tuned: bytes) -> str:
+    """Raise CacheError unless `tuned` (as long as `original`) differs from `original` only inside
+    the code section of the kernel SIP tunes (`main_kernel`, read with the engine's parser); return
+    that kernel's name. Everything else (ELF and section headers, symbols, relocations, `.nv.info`,
+    constants, other kernels' code) must be byte-identical: a swap of the code is all a tuner does."""
+    try:
+        parsed = cubin.parse_cubin(original)
+        kernel = parsed.main_kernel()
+    except (SipError, struct.error, IndexError, ValueError) as e:
+        raise CacheError(f"the original is not a cubin SIP can read: {e}") from None
+    lo, hi = kernel.section.offset, kernel.section.offset + kernel.section.size
+    if original[:lo] != tuned[:lo] or original[hi:] != tuned[hi:]:
+        outside = next(i for i in itertools.chain(range(lo), range(hi, len(original))) if original[i] != tuned[i])
+        raise CacheError(f"the tuned cubin differs from its original outside {kernel.name}'s code, at byte "
+                         f"{outside} ({_region(parsed, outside)}): a tuned cubin may change that code only")
+    return kernel.name
+
+
+def _region(parsed: cubin.Cubin, offset: int) -> str:
+    """What holds byte `offset` of a cubin: a section's name, or the ELF / section headers."""
+    for sec in parsed.sections:
+        if sec.type != cubin.SHT_NOBITS and sec.size and sec.offset <= offset < sec.offset + sec.size:
+            return f"section {sec.name}"
+    phoff, shoff = struct.unpack_from("<QQ", parsed.data, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", parsed.data, 0x36)
+    if offset < 64:
+        return "the ELF header"
+    if phoff <= offset < phoff + phentsize * phnum:
+        return "the program headers"
+    if shoff <= offset < shoff + shentsize * shnum:
+        return "the section headers"
+    return "bytes outside every section"
+
+
+# ---------------------------------------------------------------------------------------------
+# How an entry was checked, and the bar it must meet to be loaded (the module docstring).
+
+BAR_SAMPLES = 10_000
+SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
+ALLOW_ENV = "SIP_ALLOW_UNVERIFIED"
+_allow: bool | None = None  # allow_unverified's choice; None: $SIP_ALLOW_UNVERIFIED decides
+_reported: set[tuple[Path, bool]] = set()  # (entry, loaded?) already warned about in this process
+
+
+def _keeps_heuristic(meta: dict[str, Any]) -> bool:
+    """A config entry recording that tuning kept the heuristic's config: loading it changes nothing."""
+    return "heuristic" in meta and meta.get("config") == meta.get("heuristic")
+
+
+def _bar_parts(meta: dict[str, Any], kind: str) -> dict[str, str | None]:
+    """Per part of the bar (in the order of `strength`), why the entry falls short of it (None: met).
+    kind: "cubin" or "config" (compute-sanitizer is part of a cubin's bar; bucket edges of a config's)."""
+    parts = ("compare", "samples", "sanitizer", "shapes", "op_level")
+    if kind == "config" and _keeps_heuristic(meta):
+        return dict.fromkeys(parts)
+    checks = meta.get("checks")
+    if not isinstance(checks, dict):
+        return dict.fromkeys(parts, "unverified: written before entries recorded how they were checked "
+                                    "(re-run sip-tune)")
+    out: dict[str, str | None] = dict.fromkeys(parts)
+    compare = checks.get("compare")
+    if compare not in ("bitwise", "reference"):
+        out["compare"] = f"compared {_compared(checks)}, not bitwise or at the kernel's own tolerance"
+    samples = checks.get("samples") if isinstance(checks.get("samples"), dict) else {}
+    run, passed = samples.get("run", 0), samples.get("passed", 0)
+    if passed < BAR_SAMPLES or passed != run:
+        out["samples"] = f"{passed} of {run} samples passed (the bar: all of at least {BAR_SAMPLES})"
+    verdicts = checks.get("sanitizer")
+    if kind == "cubin":
+        if not isinstance(verdicts, dict):
+            out["sanitizer"] = "compute-sanitizer not run"
+        elif any(verdicts.get(t) != "clean" for t in SANITIZER_TOOLS):
+            out["sanitizer"] = "compute-sanitizer: " + "; ".join(
+                f"{t} {str(verdicts.get(t, 'not run'))[:80]}" for t in SANITIZER_TOOLS if verdicts.get(t) != "clean")
+    shapes = checks.get("shapes") if isinstance(checks.get("shapes"), dict) else {}
+    if not shapes.get("tuned_samples"):
+        out["shapes"] = "not compared at the tuned shape"
+    elif kind == "config" and not isinstance(shapes.get("edges"), list):
+        out["shapes"] = "not tested at its bucket's edges"
+    op = checks.get("op_level")
+    if not isinstance(op, dict) or not isinstance(op.get("speedup"), (int, float)):
+        out["op_level"] = "no op-level re-time" + (f" ({op})" if isinstance(op, str) and op != "not run" else "")
+    elif not op["speedup"] > 1 + float(op.get("aa_spread", math.inf)):
+        out["op_level"] = (f"op-level {op['speedup']:.4f}x the {'original' if kind == 'cubin' else 'heuristic'}, "
+                           f"not past 1 + its A/A spread {float(op.get('aa_spread', math.nan)):.4f}")
+    return out
+
+
+def _compared(checks: dict[str, Any]) -> str:
+    tol = checks.get("tolerance")
+    if checks.get("compare") == "tolerance" and isinstance(tol, dict):
+        return f"at rtol={tol.get('rtol')}, atol={tol.get('atol')}"
+    return f"as {checks.get('compare')!r}"
+
+
+def bar_problems(meta: dict[str, Any], kind: str) -> list[str]:
+    """Why an entry ("cubin" or "config") falls short of the default bar; [] when it meets it."""
+    return list(dict.fromkeys(p for p in _bar_parts(meta, kind).values() if p))
+
+
+def strength(meta: dict[str, Any], kind: str) -> tuple[bool, ...]:
+    """How well an entry was checked, for comparing two: whether it meets the bar, then each part of
+    the bar it meets (correctness, samples, compute-sanitizer, shapes, op level), in that order."""
+    parts = _bar_parts(meta, kind)
+    return (not any(parts.values()), *(p is None for p in parts.values()))
+
+
+def _keep_old(old: dict[str, Any], new: dict[str, Any], kind: str) -> bool:
+    """Whether an existing entry stays: it is stronger, or as strong and faster (see strength)."""
+    def rank(meta: dict[str, Any]) -> tuple:
+        return strength(meta, kind), float(meta.get("speedup", 0.0))
+    return rank(old) > rank(new)
+
+
+def allow_unverified(allow: bool | None) -> None:
+    """Whether ops and warmup load entries below the bar from now on (None: $SIP_ALLOW_UNVERIFIED
+    decides, "1" to allow); `warmup(allow_unverified=...)` calls it."""
+    global _allow
+    _allow = allow
+    _chosen.clear()  # configs chosen under the other rule
+
+
+def unverified_allowed() -> bool:
+    if _allow is not None:
+        return _allow
+    return os.environ.get(ALLOW_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def admitted(entry: "Entry | ConfigEntry") -> bool:
+    """Whether ops and warmup may load `entry`: it meets the bar, or the user opted in to weaker ones.
+    An entry below the bar is reported once per process either way, never loaded silently."""
+    problems = entry.problems
+    if not problems:
+        return True
+    allow = unverified_allowed()
+    if (entry.path, allow) not in _reported:
+        _reported.add((entry.path, allow))
+        what = ("loading it anyway (opted in)" if allow else
+                f"not loaded; re-run sip-tune, or opt in with {ALLOW_ENV}=1 or warmup(allow_unverified=True)")
+        warnings.warn(f"sip: tuned entry {entry.path} is below the default bar ({'; '.join(problems)}): {what}",
+                      stacklevel=3)
+    return allow
+
+
 @dataclasses.dataclass(frozen=True)
 class Entry:
     path: Path  # the entry's directory
@@ -87,6 +249,11 @@ class Entry:
     @property
     def speedup(self) -> float:
         return float(self.meta.get("speedup", 0.0))
+
+    @property
+    def problems(self) -> list[str]:
+        """Why the entry is below the default bar ([]: it meets it)."""
+        return bar_problems(self.meta, "cubin")
 
 
 def current_toolchain() -> str:
@@ -104,10 +271,11 @@ def _check_key(parts: tuple[str, ...], original_sha256: str) -> None:
         raise ValueError("original_sha256 must be a full SHA-256 hex digest")
 
 
-def entry_dir(root: Path, kernel: str, variant_key: str, original_sha256: str, toolchain: str | None = None) -> Path:
+def entry_dir(store_root: str | os.PathLike | None, kernel: str, variant_key: str, original_sha256: str,
+              toolchain: str | None = None) -> Path:
     toolchain = toolchain or current_toolchain()
     _check_key((kernel, variant_key, toolchain), original_sha256)
-    return root / toolchain / kernel / variant_key / original_sha256
+    return paths.tuned_store_root(store_root) / toolchain / kernel / variant_key / original_sha256
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -151,6 +319,7 @@ def _read_entry(directory: Path) -> Entry:
     if len(tuned) != len(original):
         raise CacheError(f"tuned cubin has {len(tuned)} bytes, the original {len(original)}")
     check_sm90_cubin(tuned)
+    check_only_code_differs(original, tuned)
     return Entry(directory, meta, original, tuned)
 
 
@@ -163,18 +332,21 @@ def _read_locked(directory: Path) -> Entry:
         return _read_entry(directory)
 
 
-def store(root: str | os.PathLike | None, kernel: str, variant: Any, original: bytes, tuned: bytes,
+def store(store_root: str | os.PathLike | None, kernel: str, variant: Any, original: bytes, tuned: bytes,
           meta: dict[str, Any], *, keep_better: bool = True, toolchain: str | None = None) -> tuple[Path, bool]:
-    """Write an entry for `variant` (a jit.Variant); return (its directory, written?).
+    """Write an entry for `variant` (a jit.Variant); return (its directory, written?). `meta` holds
+    the measurements and "checks" (the module docstring); CacheError for a tuned cubin that is not an
+    sm_90 cubin of the original's size differing from it only in the tuned kernel's code.
 
-    With `keep_better`, an existing valid entry with a higher measured speedup is kept (two tuners of
-    the same kernel: the better result wins, whichever finishes last)."""
+    With `keep_better`, an existing valid entry that is stronger (`strength`), or as strong and
+    faster, is kept (two tuners of the same kernel: the better-checked, then the faster result wins,
+    whichever finishes last)."""
     toolchain = toolchain or current_toolchain()
     if len(tuned) != len(original):
         raise ValueError(f"tuned cubin has {len(tuned)} bytes, the original {len(original)}")
     check_sm90_cubin(tuned)
-    root = resolve_root(root)
-    directory = entry_dir(root, kernel, variant.key(), sha256(original), toolchain)
+    check_only_code_differs(original, tuned)
+    directory = entry_dir(store_root, kernel, variant.key(), sha256(original), toolchain)
     directory.mkdir(parents=True, exist_ok=True)
     full = {
         **meta,
@@ -195,7 +367,7 @@ def store(root: str | os.PathLike | None, kernel: str, variant: Any, original: b
                 old = _read_entry(directory)
             except CacheError:
                 old = None
-            if old is not None and old.speedup > float(full.get("speedup", 0.0)):
+            if old is not None and _keep_old(old.meta, full, "cubin"):
                 return directory, False
         _atomic_write(directory / "original.cubin", original)
         _atomic_write(directory / "tuned.cubin", tuned)
@@ -203,10 +375,11 @@ def store(root: str | os.PathLike | None, kernel: str, variant: Any, original: b
     return directory, True
 
 
-def lookup(root: str | os.PathLike | None, kernel: str, variant: Any, original: bytes,
+def lookup(store_root: str | os.PathLike | None, kernel: str, variant: Any, original: bytes,
            toolchain: str | None = None) -> Entry | None:
-    """The verified entry for exactly this original cubin, or None (with a warning if it is broken)."""
-    directory = entry_dir(resolve_root(root), kernel, variant.key(), sha256(original), toolchain)
+    """The entry for exactly this original cubin, its integrity verified (whether it meets the bar
+    is `admitted`'s question), or None (with a warning if it is broken)."""
+    directory = entry_dir(store_root, kernel, variant.key(), sha256(original), toolchain)
     if not directory.is_dir():
         return None
     try:
@@ -220,10 +393,12 @@ def lookup(root: str | os.PathLike | None, kernel: str, variant: Any, original: 
     return entry
 
 
-def entries_for_variant(root: str | os.PathLike | None, variant: Any, toolchain: str | None = None) -> list[Entry]:
+def entries_for_variant(store_root: str | os.PathLike | None, variant: Any,
+                        toolchain: str | None = None) -> list[Entry]:
     """Every valid entry for this variant under the toolchain (default: the current one; any kernel
-    name, any original); broken entries give a warning and are skipped."""
-    base = resolve_root(root) / (toolchain or current_toolchain())
+    name, any original), below the bar or not (warmup installs the `admitted` ones); broken entries
+    give a warning and are skipped."""
+    base = paths.tuned_store_root(store_root) / (toolchain or current_toolchain())
     found = []
     for directory in sorted(base.glob(f"*/{_glob_escape(variant.key())}/*")):
         if not directory.is_dir():
@@ -236,18 +411,30 @@ def entries_for_variant(root: str | os.PathLike | None, variant: Any, toolchain:
     return found
 
 
-def list_entries(root: str | os.PathLike | None) -> list[dict[str, Any]]:
-    """One row per entry directory under `root` (all toolchains), valid or not, for `sip-tune --list`."""
-    root = resolve_root(root)
+def list_entries(store_root: str | os.PathLike | None) -> list[dict[str, Any]]:
+    """One row per entry of the store (all toolchains), valid or not, for `sip-tune --list`: cubin
+    entries (kind "cubin") and tuned configs (kind "config", read from their JSON alone: listing
+    imports no kernel module); each valid row says whether it meets the bar ("problems": [] if so)."""
+    root = paths.tuned_store_root(store_root)
     rows = []
     for meta_dir in sorted({p.parent for p in root.glob("*/*/*/*/*") if p.name in ("meta.json", "tuned.cubin")}):
-        row: dict[str, Any] = {"path": str(meta_dir)}
+        row: dict[str, Any] = {"path": str(meta_dir), "kind": "cubin"}
         try:
             entry = _read_entry(meta_dir)
-            row.update(entry.meta, valid=True)
+            row.update(entry.meta, valid=True, problems=entry.problems)
         except CacheError as e:
             row.update(valid=False, error=str(e), toolchain=meta_dir.parents[2].name,
                        kernel=meta_dir.parents[1].name, spec_key=meta_dir.parent.name)
+        rows.append(row)
+    for path in sorted(root.glob(f"*/*/{CONFIGS_DIR}/*.json")):
+        row = {"path": str(path), "kind": "config"}
+        try:
+            meta = json.loads(path.read_text())
+            if not isinstance(meta, dict) or meta.get("format") != CONFIG_FORMAT:
+                raise CacheError(f"not a format-{CONFIG_FORMAT} tuned-config entry")
+            row.update(meta, valid=True, problems=bar_problems(meta, "config"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, CacheError) as e:
+            row.update(valid=False, error=str(e), toolchain=path.parents[2].name, kernel=path.parents[1].name)
         rows.append(row)
     return rows
 
@@ -288,6 +475,11 @@ class ConfigEntry:
     def speedup(self) -> float:
         return float(self.meta.get("speedup", 0.0))
 
+    @property
+    def problems(self) -> list[str]:
+        """Why the entry is below the default bar ([]: it meets it, or it keeps the heuristic)."""
+        return bar_problems(self.meta, "config")
+
 
 @dataclasses.dataclass
 class _Index:
@@ -301,7 +493,6 @@ _indexes: dict[tuple[str, str], _Index] = {}  # (root, kernel) -> entries read f
 _chosen: dict[tuple, Any] = {}  # (root, kernel, shape, heuristic, sms) -> the config tuned_config gave
 _original_hashes: dict[Any, str] = {}  # heuristic variant -> sha256 of its compiled cubin
 _warned: set[Path] = set()  # stale entries already warned about in this process
-_config_root: Path | None = None  # where tuned_config looks (None: default_root()); set by warmup
 
 
 def bucket_key(shape: Any) -> str:
@@ -310,77 +501,74 @@ def bucket_key(shape: Any) -> str:
     return ",".join(f"{f.name}={getattr(b, f.name)}" for f in dataclasses.fields(b)).replace("/", "_").replace(" ", "")
 
 
-def config_path(root: str | os.PathLike | None, kernel: str, mode: str, shape: Any, original_sha256: str,
+def config_path(store_root: str | os.PathLike | None, kernel: str, mode: str, shape: Any, original_sha256: str,
                 toolchain: str | None = None) -> Path:
     toolchain = toolchain or current_toolchain()
     _check_key((kernel, mode, toolchain), original_sha256)
     name = f"{mode}-{bucket_key(shape)}-{original_sha256[:16]}.json"
-    return resolve_root(root) / toolchain / kernel / CONFIGS_DIR / name
+    return paths.tuned_store_root(store_root) / toolchain / kernel / CONFIGS_DIR / name
 
 
-def _kernel_module(kernel: str) -> Any:
-    return contract.kernel_module(kernel)
-
-
-def _read_config(path: Path, kernel: str, toolchain: str) -> ConfigEntry:
-    """The entry in `path`, checked against its place in the store; CacheError on any defect."""
+def _read_config(path: Path, module: ModuleType, toolchain: str) -> ConfigEntry:
+    """The entry in `path` (of `module`'s kernel), checked against its place in the store; CacheError
+    on any defect."""
     try:
         meta = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CacheError(f"unreadable: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != CONFIG_FORMAT:
         raise CacheError(f"not a format-{CONFIG_FORMAT} tuned-config entry")
-    if meta.get("kernel") != kernel or meta.get("toolchain") != toolchain:
+    if meta.get("kernel") != module.OP or meta.get("toolchain") != toolchain:
         raise CacheError(f"written for {meta.get('kernel')!r} under toolchain {meta.get('toolchain')!r}")
-    m = _kernel_module(kernel)
     try:
-        config, heuristic = m.Config(**meta["config"]), m.Config(**meta["heuristic"])
-        shape = m.Shape(**meta["bucket"])
-        name = config_path(path.parents[3], kernel, heuristic.variant().mode, shape, meta["original_sha256"],
+        config, heuristic = module.Config(**meta["config"]), module.Config(**meta["heuristic"])
+        shape = module.Shape(**meta["bucket"])
+        name = config_path(path.parents[3], module.OP, heuristic.variant().mode, shape, meta["original_sha256"],
                            toolchain).name
     except (KeyError, TypeError, ValueError) as e:
-        raise CacheError(f"does not describe a {kernel} config: {e!r}") from None
+        raise CacheError(f"does not describe a {module.OP} config: {e!r}") from None
     if name != path.name:  # copied or edited by hand: the name is what lookups find it by
         raise CacheError(f"its contents belong in {name}")
     return ConfigEntry(path, meta, config, heuristic)
 
 
-def _index(root: Path, kernel: str) -> _Index:
-    """The entries of `kernel` under `root`, read from disk on first use in this process."""
-    key = (str(root), kernel)
+def _index(root: Path, module: ModuleType) -> _Index:
+    """The entries of `module`'s kernel under `root`, read from disk on first use in this process."""
+    key = (str(root), module.OP)
     found = _indexes.get(key)
     if found is not None:
         return found
     toolchain = current_toolchain()
     found = _Index({}, {})
-    for path in sorted(root.glob(f"*/{_glob_escape(kernel)}/{CONFIGS_DIR}/*.json")):
+    for path in sorted(root.glob(f"*/{_glob_escape(module.OP)}/{CONFIGS_DIR}/*.json")):
         ours = path.parents[2].name == toolchain
         try:
-            entry = _read_config(path, kernel, path.parents[2].name)
+            entry = _read_config(path, module, path.parents[2].name)
         except CacheError as e:
             if ours:  # another toolchain's broken entry could not have been used anyway
                 warnings.warn(f"sip: ignoring tuned-config entry {path}: {e}; using the heuristic's config",
                               stacklevel=3)
             continue
-        bkey = bucket_key(_kernel_module(kernel).Shape(**entry.meta["bucket"]))
+        bkey = bucket_key(module.Shape(**entry.meta["bucket"]))
         (found.current if ours else found.other).setdefault(bkey, []).append(entry)
     _indexes[key] = found
     return found
 
 
-def store_config(root: str | os.PathLike | None, kernel: str, shape: Any, config: Any, heuristic: Any,
+def store_config(store_root: str | os.PathLike | None, module: ModuleType, shape: Any, config: Any, heuristic: Any,
                  original_sha256: str, meta: dict[str, Any], *, keep_better: bool = True,
                  toolchain: str | None = None) -> Path:
-    """Write the entry: `config` serves bucket(shape) where the heuristic picks `heuristic`, whose
-    cubin hashes to `original_sha256`; `meta` adds the measurements. Returns the entry's file. With
-    `keep_better`, an existing valid entry with a higher measured speedup is kept (as for cubins)."""
+    """Write the entry of `module`'s kernel: `config` serves bucket(shape) where the heuristic picks
+    `heuristic`, whose cubin hashes to `original_sha256`; `meta` adds the measurements and "checks".
+    Returns the entry's file. With `keep_better`, an existing valid entry that is stronger, or as
+    strong and faster, is kept (as for cubins)."""
     toolchain = toolchain or current_toolchain()
     variant = heuristic.variant()
-    path = config_path(root, kernel, variant.mode, shape, original_sha256, toolchain)
+    path = config_path(store_root, module.OP, variant.mode, shape, original_sha256, toolchain)
     full = {
         **meta,
         "format": CONFIG_FORMAT,
-        "kernel": kernel,
+        "kernel": module.OP,
         "mode": variant.mode,
         "arch": variant.arch,
         "toolchain": toolchain,
@@ -396,33 +584,30 @@ def store_config(root: str | os.PathLike | None, kernel: str, shape: Any, config
     with _lock(path.parent):
         if keep_better and path.exists():
             try:
-                old = _read_config(path, kernel, toolchain)
+                old = _read_config(path, module, toolchain)
             except CacheError:
                 old = None
-            if old is not None and old.speedup > float(full.get("speedup", 0.0)):
+            if old is not None and _keep_old(old.meta, full, "config"):
                 return path
         _atomic_write(path, json.dumps(full, indent=1, sort_keys=True).encode())
     forget_configs()  # this process reads the new entry next time
     return path
 
 
-def config_entries(root: str | os.PathLike | None, kernel: str) -> list[ConfigEntry]:
-    """Every valid entry of `kernel` under the current toolchain (what warmup compiles)."""
-    return [e for found in _index(resolve_root(root), kernel).current.values() for e in found]
+def config_entries(store_root: str | os.PathLike | None, module: ModuleType) -> list[ConfigEntry]:
+    """Every valid entry of `module`'s kernel under the current toolchain, below the bar or not
+    (warmup compiles the `admitted` ones)."""
+    return [e for found in _index(paths.tuned_store_root(store_root), module).current.values() for e in found]
 
 
-def lookup_config(root: str | os.PathLike | None, kernel: str, shape: Any, original_sha256: str) -> ConfigEntry | None:
-    """The entry for bucket(shape) tuned against the heuristic cubin `original_sha256`, or None."""
-    for entry in _index(resolve_root(root), kernel).current.get(bucket_key(shape), ()):
+def lookup_config(store_root: str | os.PathLike | None, module: ModuleType, shape: Any,
+                  original_sha256: str) -> ConfigEntry | None:
+    """The entry of `module`'s kernel for bucket(shape) tuned against the heuristic cubin
+    `original_sha256` (below the bar or not), or None."""
+    for entry in _index(paths.tuned_store_root(store_root), module).current.get(bucket_key(shape), ()):
         if entry.original_sha256 == original_sha256:
             return entry
     return None
-
-
-def use_config_root(root: str | os.PathLike | None) -> None:
-    """Where tuned_config looks from now on (None: default_root()); warmup calls it with its root."""
-    global _config_root
-    _config_root = Path(root) if root is not None else None
 
 
 def forget_configs() -> None:
@@ -432,35 +617,38 @@ def forget_configs() -> None:
     _original_hashes.clear()
 
 
-def tuned_config(kernel: str, shape: Any, heuristic: Any, sms: int | None = None) -> Any:
-    """The config an op launches for `shape`, where the heuristic picked `heuristic` (for a GPU of
-    `sms` SMs where the kernel's candidates depend on it): the stored entry's config for
-    bucket(shape) if it was tuned against this heuristic's cubin as compiled now and is legal for
-    this exact shape, else `heuristic`. Called once per plan; a shape already seen costs one dict
-    lookup, a bucket with no entries two."""
-    root = _config_root if _config_root is not None else default_root()
-    key = (str(root), kernel, shape, heuristic, sms)
+def tuned_config(module: ModuleType, shape: Any, heuristic: Any, sms: int | None = None) -> Any:
+    """The config an op launches for `shape` with `module`'s kernel, where the heuristic picked
+    `heuristic` (for a GPU of `sms` SMs where the kernel's candidates depend on it): the stored
+    entry's config for bucket(shape) if it was tuned against this heuristic's cubin as compiled now
+    and is legal for this exact shape, else `heuristic`. The store is `paths.tuned_store_root()`.
+    Called once per plan; a shape already seen costs one dict lookup, a bucket with no entries two.
+    An entry below the bar gives the heuristic (and a warning once) unless the user opted in
+    (`allow_unverified`)."""
+    root = paths.tuned_store_root()
+    key = (str(root), module.OP, shape, heuristic, sms)
     chosen = _chosen.get(key)
     if chosen is None:
-        chosen = _choose(root, kernel, shape, heuristic, sms)
+        chosen = _choose(root, module, shape, heuristic, sms)
         if len(_chosen) >= _MEMO_SIZE:
             _chosen.clear()
         _chosen[key] = chosen
     return chosen
 
 
-def _choose(root: Path, kernel: str, shape: Any, heuristic: Any, sms: int | None) -> Any:
-    index = _index(root, kernel)
+def _choose(root: Path, module: ModuleType, shape: Any, heuristic: Any, sms: int | None) -> Any:
+    index = _index(root, module)
     bkey = bucket_key(shape)
     here = index.current.get(bkey, [])
     if here:
-        m = _kernel_module(kernel)
         original = _original_hashes.get(heuristic.variant())
         if original is None:  # compiled (or loaded) anyway when the heuristic wins: the op needs it then
-            original = _original_hashes[heuristic.variant()] = m.compile(heuristic).cubin_sha256
+            original = _original_hashes[heuristic.variant()] = module.compile(heuristic).cubin_sha256
         for entry in here:
             if entry.original_sha256 == original:
-                legal = m.candidates(shape) if sms is None else m.candidates(shape, sms)
+                if not admitted(entry):
+                    return heuristic
+                legal = module.candidates(shape) if sms is None else module.candidates(shape, sms)
                 return entry.config if entry.config in legal else heuristic
     # Entries of this bucket tuned against this same heuristic config, but for a kernel that no
     # longer compiles to the same cubin (source or toolchain changed): say so, once per entry.

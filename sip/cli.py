@@ -4,10 +4,12 @@
     sip inspect FILE.cubin [--moves CLASSES] [--latency-table FILE]
     sip loops FILE.cubin [--kernel NAME] [--opcodes N]
     sip hot FILE.cubin --profile LISTING.csv [--kernel NAME] [--top N]
+    sip floor IN.cubin -o OUT.cubin [--kernel NAME] [--latency-table FILE]
     sip mutate IN.cubin -o OUT.cubin [--kernel NAME] --steps N --seed S [--moves CLASSES]
                [--latency-table FILE] [--loop-weight W | --profile LISTING.csv]
 
-LISTING.csv is Nsight Compute's PC-sampling listing of the kernel (sip.profile). CLASSES is a comma
+FILE.cubin may also be a host object that embeds exactly one cubin (a rosekernels compile-cache
+entry's .o): its cubin is read. LISTING.csv is Nsight Compute's PC-sampling listing of the kernel (sip.profile). CLASSES is a comma
 list of global, shared, alu, control (or its kinds control.yield, control.reuse, control.stall), or
 all; the default is global, the SIP paper's policy (sip.mutate). Exit codes: 0 done, 1 an input SIP
 cannot work with, 2 bad arguments (an unknown class, control.stall without a latency table); nothing
@@ -21,10 +23,12 @@ from pathlib import Path
 
 from sip import SipError
 from sip import profile
-from sip.cfg import loop_depth, loop_summaries
-from sip.cubin import Cubin, load_cubin
-from sip.deps import DependencyModel
-from sip.mutate import DEFAULT_MOVES, LOOP_WEIGHT, Schedule, apply, latencies_for, parse_moves, random_walk
+from sip.cfg import loop_depth, loop_summaries, loops as cfg_loops
+from sip.cubin import EM_CUDA, Cubin, parse_cubin
+from sip.deps import RELAXATIONS, DependencyModel
+from sip.fatbin import embedded_cubins
+from sip.mutate import (DEFAULT_MOVES, LOOP_WEIGHT, Schedule, apply, latencies_for, lowered, parse_moves,
+                        random_walk)
 from sip.sass import Kernel, disassemble, disassemble_kernel
 
 
@@ -54,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     d.set_defaults(run=_disasm)
 
     moves_help = ("comma list of move classes: global, shared, alu, control (control.yield, control.reuse, "
-                  "control.stall), or all (default: global)")
+                  "control.stall), or all (default: global); the relaxations scoreboard and sync widen the "
+                  "move classes named beside them (untrusted: sip.mutate.UNTRUSTED)")
     table_help = ("latency table measured on the GPU (tools/sass_latency.py); control.stall needs one "
                   "(default: bench/results/sass_latency.json.gz when it exists)")
     i = sub.add_parser("inspect", help="per kernel: instructions, blocks, pinned; per class: movable, legal moves")
@@ -71,12 +76,19 @@ def _parser() -> argparse.ArgumentParser:
 
     profile_help = ("ncu source listing of this kernel (ncu --import REPORT --page source --print-source sass "
                     "--csv, profiled with --section SourceCounters)")
-    h = sub.add_parser("hot", help="basic blocks by PC samples: where the kernel's warps spend their time")
+    h = sub.add_parser("hot", help="basic blocks by PC samples and their stall reasons: where the warps spend their time")
     h.add_argument("cubin", type=Path)
     h.add_argument("--profile", type=Path, required=True, metavar="LISTING.csv", help=profile_help)
     h.add_argument("--kernel", help="kernel the listing profiles (default: the only one, or the largest)")
     h.add_argument("--top", type=int, default=10, metavar="N", help="the N hottest blocks (default 10)")
     h.set_defaults(run=_hot)
+
+    f = sub.add_parser("floor", help="every stall count lowered as far as the latency table proves; loops before/after")
+    f.add_argument("cubin", type=Path)
+    f.add_argument("-o", "--output", type=Path, required=True)
+    f.add_argument("--kernel", help="kernel to lower (default: the only one, or the largest)")
+    f.add_argument("--latency-table", type=Path, metavar="FILE", help=table_help)
+    f.set_defaults(run=_floor)
 
     m = sub.add_parser("mutate", help="apply N random legal changes, reproducibly")
     m.add_argument("cubin", type=Path)
@@ -119,6 +131,21 @@ def _policy(args) -> tuple[frozenset[str], object]:
     return moves, latencies_for(moves, args.latency_table)
 
 
+def _read_cubin(path: Path) -> Cubin:
+    """The cubin at `path`, or the one cubin a host object at `path` embeds (said on stderr)."""
+    data = path.read_bytes()
+    if data[:4] != b"\x7fELF" or len(data) < 20 or int.from_bytes(data[18:20], "little") == EM_CUDA:
+        return parse_cubin(data)  # a cubin, or an error that says what the file is
+    found = embedded_cubins(data)
+    if len(found) != 1:
+        what = "no cubin" if not found else f"{len(found)} cubins"
+        raise SipError(f"{path} is a host object (ELF machine {int.from_bytes(data[18:20], 'little')}) that embeds "
+                       f"{what}: give a cubin (a rosekernels compile-cache entry's: "
+                       "rosekernels-cache cubin ENTRY.o -o kernel.cubin)")
+    print(f"sip: {path} is a host object: reading the cubin it embeds", file=sys.stderr)
+    return parse_cubin(found[0][1])
+
+
 def _kernels(cubin: Cubin, name: str | None) -> list[Kernel]:
     if name is not None:
         return [disassemble_kernel(cubin, name)]
@@ -126,7 +153,7 @@ def _kernels(cubin: Cubin, name: str | None) -> list[Kernel]:
 
 
 def _disasm(args) -> int:
-    cubin = load_cubin(args.cubin)
+    cubin = _read_cubin(args.cubin)
     for kernel in _kernels(cubin, args.kernel):
         print(f"// {kernel.name} ({cubin.arch}, {len(kernel.instructions)} instructions)")
         starts = {r.start for r in kernel.blocks}
@@ -138,7 +165,7 @@ def _disasm(args) -> int:
 
 
 def _loops(args) -> int:
-    cubin = load_cubin(args.cubin)
+    cubin = _read_cubin(args.cubin)
     for kernel in _kernels(cubin, args.kernel):
         summaries = loop_summaries(kernel)
         print(f"{kernel.name}: {len(summaries)} loop(s)")
@@ -151,10 +178,10 @@ def _loops(args) -> int:
 
 def _inspect(args) -> int:
     moves, table = _policy(args)
-    cubin = load_cubin(args.cubin)
+    cubin = _read_cubin(args.cubin)
     print(f"{args.cubin}: {cubin.arch}, {len(cubin.kernel_names)} kernel(s)")
     for kernel in disassemble(cubin).values():
-        model = DependencyModel(kernel, table)
+        model = DependencyModel(kernel, table, moves & frozenset(RELAXATIONS))
         schedule = Schedule.initial(model, moves)
         pinned = sum(1 for f in model.facts if f.pin)
         print(f"{kernel.name}: {len(kernel.instructions)} instructions, {len(kernel.blocks)} blocks, "
@@ -166,7 +193,7 @@ def _inspect(args) -> int:
 
 def _main_kernel(args) -> Kernel:
     """--kernel, or the cubin's only (largest) kernel."""
-    cubin = load_cubin(args.cubin)
+    cubin = _read_cubin(args.cubin)
     if args.kernel is None:
         names = cubin.kernel_names
         if not names:
@@ -181,15 +208,51 @@ def _samples(args, kernel: Kernel) -> tuple[int, ...]:
 
 def _hot(args) -> int:
     kernel = _main_kernel(args)
-    samples = _samples(args, kernel)
+    listing = args.profile.read_text()
+    samples = profile.stall_samples(listing, kernel)
+    try:
+        reasons = profile.stall_reasons(listing, kernel)
+    except SipError as e:
+        reasons = None
+        print(f"(no stall reasons: {e})")
     depth = loop_depth(kernel)
     print(f"{kernel.name}: {sum(samples)} samples over {len(kernel.blocks)} blocks"
           + (f" (fewer than {profile.MIN_SAMPLES}: shares this small say little)" if sum(samples) < profile.MIN_SAMPLES
              else ""))
+    if reasons is not None:
+        print(f"  schedule-sensitive stalls ({', '.join(sorted(profile.SCHEDULE_SENSITIVE))}): "
+              f"{profile.headroom(reasons):.1%} of all samples, the most any schedule change could save")
     for share, b in profile.hot_blocks(kernel, samples)[:max(args.top, 0)]:
         r = kernel.blocks[b]
         print(f"  block {b} at {kernel.instructions[r.start].offset:#06x}: {share:6.1%} of the samples, "
               f"{len(r)} instructions, loop depth {depth[b]}")
+        if reasons is not None:
+            print("    stalls: " + _stall_line(profile.breakdown(reasons, r)))
+    return 0
+
+
+def _stall_line(by_reason: dict[str, int], top: int = 6) -> str:
+    """`wait 31%, short_sb 22%, ... (schedule-sensitive 58%)` of one block's samples."""
+    total = sum(by_reason.values())
+    if not total:
+        return "no samples"
+    parts = [f"{r} {n / total:.0%}" for r, n in list(by_reason.items())[:top]]
+    sensitive = sum(n for r, n in by_reason.items() if r in profile.SCHEDULE_SENSITIVE) / total
+    return ", ".join(parts) + f" (schedule-sensitive {sensitive:.0%})"
+
+
+def _floor(args) -> int:
+    args.moves = "control.stall"
+    moves, table = _policy(args)
+    kernel = _main_kernel(args)
+    schedule = lowered(Schedule.initial(DependencyModel(kernel, table), moves))
+    args.output.write_bytes(apply(schedule))
+    edited = sum(schedule.own[x] != schedule.layout.stall[x] for x in range(len(kernel.instructions)))
+    print(f"{kernel.name}: {edited} stall counts lowered -> {args.output}")
+    bodies = cfg_loops(kernel)
+    for s in loop_summaries(kernel):
+        after = sum(schedule.controls[i] & 0xF for b in bodies[s.header] for i in kernel.blocks[b])
+        print(f"  loop at {s.offset:#06x} (block {s.header}), depth {s.depth}: {s.stall_cycles} -> {after} stall cycles")
     return 0
 
 
@@ -200,7 +263,7 @@ def _mutate(args) -> int:
     kernel = _main_kernel(args)
     name = kernel.name
     weights = profile.block_weights(kernel, _samples(args, kernel)) if args.profile else None
-    model = DependencyModel(kernel, table)
+    model = DependencyModel(kernel, table, moves & frozenset(RELAXATIONS))
     initial = Schedule.initial(model, moves, args.loop_weight, weights)
     schedule, changes = random_walk(initial, args.steps, args.seed)
     if args.steps and not changes:
@@ -209,3 +272,7 @@ def _mutate(args) -> int:
     args.output.write_bytes(apply(schedule))
     print(f"{name}: applied {len(changes)} of {args.steps} moves (seed {args.seed}, {args.moves}) -> {args.output}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -62,14 +62,45 @@ GPU (sip.latency), the bound of a pair between two fixed-latency classes the tab
 measured distance instead: a RAW pair uses the table's entry for (producer, consumer, register
 file); a WAW or WAR pair uses the largest distance measured out of the producer's class (by then
 its result is written and its operands were read). Pairs the table does not cover keep the horizon.
+
+Relaxations (`DependencyModel(kernel, relax=...)`, RELAXATIONS): rules that are exact where the ones
+above are conservative, each switched on by the sip.mutate class of the same name, which stays
+untrusted (sip.mutate.UNTRUSTED) until it has passed the GPU campaign:
+
+* `scoreboard`: a wait on SB s only guards the registers that may be in flight on s where it
+  stands. Walking each block in the original order, those are the registers of the setters of s
+  since the last full wait on s (a wait-mask bit: the hardware counter of s is zero, so every
+  earlier setter has completed), plus, before the block's first full wait on s, what its CFG
+  predecessors may leave in flight on s (a dataflow over sip.cfg to a fixed point; the whole guard
+  of s where the CFG cannot see every edge: a kernel with CALL, RET, BREAK or an indirect branch,
+  or a block it never reaches), plus always the results of variable-latency instructions that are
+  not self-covered (they may ride on any scoreboard), and every register at all after a setter
+  whose register effects the model does not know. DEPBAR.LE SBn, k (a count, not zero) clears
+  nothing. A later instruction that touches none of them may pass the wait; a wait passing an
+  earlier instruction upward only waits sooner, which is always safe. Two setters of one
+  scoreboard may swap when no DEPBAR of the kernel counts that scoreboard: a full wait waits for
+  both either way. Legal moves keep every setter on the same side of every waiter of its
+  scoreboard (they conflict), so the in-flight sets of the original order stay true in every
+  schedule the moves reach.
+* `sync`: named barriers (BAR.SYNC / BAR.ARV), mbarrier arrives with no result (SYNCS.ARRIVE.*
+  RZ, ...) and the warpgroup MMA fence and wait (WARPGROUP.ARRIVE / WARPGROUP.DEPBAR) keep their
+  slots (address pins, no fences: their registers are modelled), and an instruction passes one
+  when it accesses no memory (the barriers order memory), is no synchronisation itself, and, for
+  the WARPGROUP pair, touches no register that any wgmma of the kernel (HGMMA, ...) reads or
+  writes: accumulators, A fragments in registers and descriptor registers, whose accesses the
+  PTX ISA only defines between those fences and waits. Register-only work is invisible to
+  other warps and to the tensor core otherwise. wgmma instructions themselves stay fences, with
+  those registers modelled (read and written), so that they are no anchors: an instruction that
+  touches none of them keeps no fixed-latency distance from them.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
+from sip import SipError, cfg
 from sip.latency import LatencyTable, opclass, register_file
-from sip.sass import NO_SCOREBOARD, Instruction, Kernel, format_regs, regs_in
+from sip.sass import NO_SCOREBOARD, UP_BASE, Instruction, Kernel, format_regs, regs_in
 
 # Cycles after issue within which a fixed-latency result may still be in flight. Measured
 # latencies on Hopper are ~4-6 cycles for ALU/FMA work, ~8 for FP64 and ~30 for mma.sync; each
@@ -78,6 +109,7 @@ LATENCY_HORIZON_DEFAULT = 24
 LATENCY_HORIZON = {"DADD": 32, "DMUL": 32, "DFMA": 32, "DMNMX": 32, "DSETP": 32,
                    "HMMA": 128, "IMMA": 128, "BMMA": 128, "DMMA": 128}
 UNKNOWN_HORIZON = 128  # an instruction with an unknown register model may write anything
+RELAXATIONS = ("scoreboard", "sync")
 # A scoreboard is set a cycle after its setter issues; keep setter and waiter this far apart.
 SCOREBOARD_SETUP = 2
 
@@ -136,16 +168,80 @@ class Facts:
     variable: bool  # variable latency: completion tracked by scoreboards
     opclass: str  # latency class (sip.latency)
     guards: frozenset[int]  # registers read as its guard predicate
+    sync: str = ""  # under the `sync` relaxation: "barrier", "mbarrier" or "wgmma" (see the module doc)
 
 
 _NAMES_REGISTER = re.compile(r"(?<![\w.$])U?(R\d|P\d|PR\b)")
 
 
-def facts_of(ins: Instruction, cubin_pin: str | None, patch_point: bool = False) -> Facts:
+# Control transfers whose targets or return points the CFG (sip.cfg) does not see: with one in the
+# kernel, what is in flight at a block's entry is not derived from its predecessors.
+_UNSEEN_TARGETS = frozenset({"BRX", "BRXU", "JMX", "JMXU", "CALL", "RET", "BREAK", "RTT"})
+
+# The wgmma family: fences in every model; their registers are what the WARPGROUP pair guards.
+WGMMA = frozenset({"HGMMA", "IGMMA", "QGMMA", "BGMMA"})
+_WGMMA_SHAPE = re.compile(r"64x(\d+)x\d+")
+
+
+def sync_kind(ins: Instruction) -> str:
+    """The `sync` relaxation's kind of a synchronisation instruction ("" when it stays a fence)."""
+    mods = set(ins.modifiers)
+    if ins.predicate in ("@!PT", "@!UPT"):
+        return ""
+    if ins.base == "BAR" and mods & {"SYNC", "ARV"} and not mods & {"RED", "SCAN", "ALL"}:
+        return "barrier"
+    if ins.base == "SYNCS" and ins.modifiers[:1] == ("ARRIVE",) and "RED" not in mods and ins.operands[:1] == ("RZ",):
+        return "mbarrier"
+    if ins.opcode in ("WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR.LE"):
+        return "wgmma"
+    return ""
+
+
+def wgmma_registers(ins: Instruction) -> frozenset[int] | None:
+    """Every register a wgmma instruction may read or write: its accumulator (N/2 registers of
+    a 64xN tile, the F32 size, a superset for F16), an A fragment in registers (4), descriptor
+    registers (a pair of 64-bit descriptors, 4 uniform registers) and predicates; None when the
+    operands are not of a form this knows."""
+    shape = _WGMMA_SHAPE.fullmatch(ins.modifiers[0]) if ins.modifiers else None
+    if shape is None or not ins.operands or not re.fullmatch(r"R\d+", ins.operands[0]):
+        return None
+    out = set(regs_in(ins.operands[0], int(shape.group(1)) // 2))
+    for op in ins.operands[1:]:
+        if op.startswith("gdesc["):
+            out |= regs_in(op[:op.index("]") + 1], 4)
+        elif re.fullmatch(r"R\d+", op):
+            out |= regs_in(op, 4)
+        elif re.fullmatch(r"!?U?P(\d|T)|RZ|gsb0", op):
+            out |= regs_in(op)
+        else:
+            return None
+    return frozenset(out | regs_in(ins.predicate))
+
+
+def facts_of(ins: Instruction, cubin_pin: str | None, patch_point: bool = False, sync: bool = False) -> Facts:
+    """What the model needs of one instruction; `sync`: under the `sync` relaxation."""
     base = ins.base
     mods = set(ins.modifiers)
     ctl = ins.control
     loads, stores = _ACCESS.get(base, (set(), set()))
+    kind = sync_kind(ins) if sync and not patch_point else ""
+    if sync and base in WGMMA and not patch_point:
+        # Still a fence, but with its registers known: an instruction that touches none of them
+        # keeps no fixed-latency distance from it (it is no anchor).
+        regs = wgmma_registers(ins)
+        if regs is not None:
+            return Facts(regs, regs, ctl.write_sb, ctl.read_sb, ctl.wait, ctl.sets, frozenset(), frozenset(), False,
+                         f"synchronisation ({ins.opcode}): nothing moves across it", True, False, UNKNOWN_HORIZON,
+                         ctl.stall, bool(ctl.sets), opclass(ins),
+                         regs_in(ins.predicate) if ins.predicate else frozenset())
+    if kind:
+        # Its registers are the operands it names (no destination: BAR and WARPGROUP write none,
+        # the arrive writes RZ); it keeps its slot, other instructions may pass it (module doc).
+        reads = ins.reads | regs_in(",".join(ins.operands))
+        pin = cubin_pin or f"synchronisation ({ins.opcode}): keeps its slot, register-only work may pass it"
+        return Facts(reads, frozenset(), ctl.write_sb, ctl.read_sb, ctl.wait, ctl.sets, frozenset(), frozenset(),
+                     False, pin, False, False, LATENCY_HORIZON_DEFAULT if reads else 0, ctl.stall,
+                     bool(ctl.sets), opclass(ins), regs_in(ins.predicate) if ins.predicate else frozenset(), kind)
     fence = None
     if ins.control_flow:
         fence = f"control flow ({base}) never moves"
@@ -186,14 +282,22 @@ class DependencyModel:
     """Dependencies of one kernel, computed once from its original instruction order; with
     `latencies`, fixed-latency distances are bounded by the measured table (see the module doc)."""
 
-    def __init__(self, kernel: Kernel, latencies: LatencyTable | None = None):
+    def __init__(self, kernel: Kernel, latencies: LatencyTable | None = None, relax: frozenset[str] = frozenset()):
+        unknown = set(relax) - set(RELAXATIONS)
+        if unknown:
+            raise SipError(f"unknown relaxation {sorted(unknown)[0]!r}: choose from {', '.join(RELAXATIONS)}")
         self.kernel = kernel
         self.latencies = latencies
+        self.relax = frozenset(relax)
         pins, fenced = kernel.code.pins, kernel.code.fenced
-        self.facts = tuple(facts_of(i, pins.get(i.offset), i.offset in fenced) for i in kernel.instructions)
+        self.wgmma_regs = self._wgmma_registers() if "sync" in self.relax else None
+        sync = self.wgmma_regs is not None
+        self.facts = tuple(facts_of(i, pins.get(i.offset), i.offset in fenced, sync) for i in kernel.instructions)
         self.blocks = tuple(tuple(r) for r in kernel.blocks)
         self.self_covered = self._self_covered()
         self.guard = self._guards()
+        self.in_flight = self._in_flight() if "scoreboard" in self.relax else None
+        self.counted = self._counted()
         self.anchor_horizon = max((f.horizon for f in self.facts), default=0)
         self._conflicts: dict[tuple[int, int], str | None] = {}
         self.incoming, self.outgoing = self._latency_pairs()
@@ -234,14 +338,26 @@ class DependencyModel:
             if both:
                 return f"scoreboard: {second} waits on SB{_bits(both)} that {first} sets"
         both = fa.sets & fb.sets
-        if both:
+        if both and (self.in_flight is None or both & self.counted):
             return f"scoreboard: both set SB{_bits(both)}"
-        for waiter, other, fw, fo in ((a, b, fa, fb), (b, a, fb, fa)):
-            for sb in _each_bit(fw.waits):
-                hit = (fo.reads | fo.writes) & self.guard[sb]
+        if self.in_flight is None:
+            for waiter, other, fw, fo in ((a, b, fa, fb), (b, a, fb, fa)):
+                for sb in _each_bit(fw.waits):
+                    hit = (fo.reads | fo.writes) & self.guard[sb]
+                    if hit:
+                        return (f"scoreboard: {waiter} waits on SB{sb}, which guards "
+                                f"{format_regs(hit)} used by {other}")
+        else:  # only a later instruction passing a wait upward can lose its protection
+            for sb, flying in self.in_flight.get(a, {}).items():
+                hit = (fb.reads | fb.writes) & flying
                 if hit:
-                    return (f"scoreboard: {waiter} waits on SB{sb}, which guards "
-                            f"{format_regs(hit)} used by {other}")
+                    return (f"scoreboard: {a} waits on SB{sb}, where {format_regs(hit)} used by {b} "
+                            "may be in flight")
+        for s, o, fs, fo in ((a, b, fa, fb), (b, a, fb, fa)):
+            if fs.sync:
+                reason = self._sync_conflict(s, o, fs, fo)
+                if reason:
+                    return reason
         if fa.variable and fb.variable:
             for x, fx in ((a, fa), (b, fb)):
                 if fx.writes and not self.self_covered[x]:
@@ -252,6 +368,97 @@ class DependencyModel:
                     return (f"in-order completion: #{x} reads registers without a read "
                             "scoreboard; the other one's read scoreboard may cover it")
         return _memory_conflict(fa, fb)
+
+    def _sync_conflict(self, s: int, o: int, fs: Facts, fo: Facts) -> str | None:
+        """Why `o` may not pass the relaxed synchronisation instruction `s` (module doc)."""
+        if fo.sync:
+            return f"synchronisation: #{s} and #{o} keep their order"
+        if fo.loads or fo.stores:
+            return f"memory order: #{o} accesses memory, which #{s} ({self.instructions[s].opcode}) orders"
+        if fs.sync == "wgmma":
+            hit = (fo.reads | fo.writes) & self.wgmma_regs
+            if hit:
+                return f"wgmma: #{o} touches {format_regs(hit)}, registers of a wgmma that #{s} fences"
+        return None
+
+    def _wgmma_registers(self) -> frozenset[int] | None:
+        """Every register some wgmma of the kernel names (None: one has operands of an unknown
+        form, and the WARPGROUP fences stay fences)."""
+        out: set[int] = set()
+        for ins in self.instructions:
+            if ins.base in WGMMA:
+                regs = wgmma_registers(ins)
+                if regs is None:
+                    return None
+                out |= regs
+        return frozenset(out)
+
+    def _counted(self) -> int:
+        """Mask of the scoreboards some DEPBAR counts (DEPBAR.LE SBn, k): their setters keep their order."""
+        mask = 0
+        for ins in self.instructions:
+            if ins.base == "DEPBAR":
+                for op in ins.operands:
+                    m = re.fullmatch(r"SB(\d)", op)
+                    mask |= 1 << int(m.group(1)) if m else 0
+        return mask
+
+    def _in_flight(self) -> dict[int, dict[int, frozenset[int]]]:
+        """waiter -> {SB it waits on: the registers that may be in flight on it there} (module doc)."""
+        everything = frozenset(range(UP_BASE + 7))
+        loose = frozenset(r for x, f in enumerate(self.facts)
+                          if f.variable and f.writes and not self.self_covered[x] for r in f.writes)
+        unknown_setter = [False] * 6
+        for f, ins in zip(self.facts, self.instructions):
+            if ins.unknown and not f.sync:
+                for sb in _each_bit(f.sets):
+                    unknown_setter[sb] = True
+        guard = tuple(everything if unknown_setter[sb] else self.guard[sb] | loose for sb in range(6))
+        entries = self._entry_in_flight(loose, everything)
+        out: dict[int, dict[int, frozenset[int]]] = {}
+        for b, block in enumerate(self.blocks):
+            self._walk_in_flight(block, list(entries[b] or guard), loose, everything, out)
+        return out
+
+    def _walk_in_flight(self, block, flying: list[frozenset[int]], loose, everything, out=None) -> list[frozenset[int]]:
+        """Carry the per-SB in-flight registers through `block` (recording each waiter's in `out`)."""
+        for i in block:
+            f, ins = self.facts[i], self.instructions[i]
+            if f.waits:
+                if out is not None:
+                    out[i] = {sb: flying[sb] for sb in _each_bit(f.waits)}
+                for sb in _each_bit(ins.control.wait):  # full waits; a DEPBAR count clears nothing
+                    flying[sb] = loose
+            for sb in _each_bit(f.sets):
+                if ins.unknown and not f.sync:
+                    flying[sb] = everything
+                else:
+                    mine = (f.writes if f.write_sb == sb else frozenset()) | (f.reads if f.read_sb == sb else frozenset())
+                    flying[sb] = flying[sb] | mine
+        return flying
+
+    def _entry_in_flight(self, loose, everything) -> list[tuple[frozenset[int], ...] | None]:
+        """Per block, what may be in flight on each SB when control enters it: the union over its
+        CFG predecessors of what leaves them (nothing at a kernel entry), to a fixed point; None for
+        every block (the conservative guard) when the kernel has control transfers whose targets
+        the CFG cannot see, and for blocks the CFG never reaches."""
+        kernel = self.kernel
+        if any(i.base in _UNSEEN_TARGETS for i in self.instructions):
+            return [None] * len(self.blocks)
+        succ = cfg.successors(kernel)
+        state: list[tuple[frozenset[int], ...] | None] = [None] * len(self.blocks)
+        work = list(cfg.entry_blocks(kernel))
+        for e in work:
+            state[e] = (loose,) * 6
+        while work:
+            b = work.pop()
+            leaving = self._walk_in_flight(self.blocks[b], list(state[b]), loose, everything)
+            for t in succ[b]:
+                merged = leaving if state[t] is None else tuple(x | y for x, y in zip(state[t], leaving))
+                if merged != state[t]:
+                    state[t] = tuple(merged)
+                    work.append(t)
+        return state
 
     def dependencies(self, block: int) -> list[tuple[int, int, str]]:
         """Every (earlier, later, reason) pair of `block` that must keep its order (for tests

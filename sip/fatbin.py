@@ -89,6 +89,21 @@ def cubins(data: bytes) -> list[tuple[int, bytes]]:
     return found
 
 
+def embedded_cubins(blob: bytes) -> list[tuple[int, bytes]]:
+    """(absolute offset, bytes) of every cubin in every fatbin embedded in `blob`: a host object or
+    library that carries device code, such as a rosekernels compile-cache entry's .o."""
+    magic = FATBIN_MAGIC.to_bytes(4, "little")
+    found = []
+    start = blob.find(magic)
+    while start >= 0:
+        try:
+            found += [(start + off, c) for off, c in cubins(blob[start:])]
+        except FatbinError:
+            pass  # the magic number occurred by chance
+        start = blob.find(magic, start + 4)
+    return found
+
+
 def replace_cubin(data: bytes, old: bytes, new: bytes) -> bytes:
     """The fatbin with cubin `old` swapped for `new` (same size, so no header changes)."""
     if len(old) != len(new):

@@ -58,6 +58,16 @@ so moving an instruction back restores the code exactly and random walks do not 
   is refused).
 
 Instructions that are pinned never change their control bits (tools may patch them).
+
+Relaxations (`scoreboard`, `sync`; sip.deps.RELAXATIONS): names in the same list that widen what
+the move classes may do rather than add instructions to them: `scoreboard` lets moves cross
+scoreboard waits that guard none of their registers where they stand and swap setters of one
+scoreboard; `sync` lets register-only instructions pass named barriers, mbarrier arrives and the
+WARPGROUP fence and wait (see sip.deps for both). They need a move class beside them. Both are in
+UNTRUSTED: the tuner validates any schedule reached with an untrusted name on at least
+UNTRUSTED_SAMPLES fresh random samples whatever it is asked for (sip_tune.tuning), and a name leaves
+UNTRUSTED only once the GPU campaign (bench/sip_compute.py) has passed that many on every kernel it
+tuned with it.
 """
 from __future__ import annotations
 
@@ -70,7 +80,7 @@ from typing import Mapping, Sequence, Union
 
 from sip import SipError, cfg, latency
 from sip.cubin import INSTRUCTION_BYTES, parse_cubin
-from sip.deps import START, DependencyModel
+from sip.deps import RELAXATIONS, START, DependencyModel
 from sip.sass import Instruction, Kernel, control_bits, regs_in, with_control
 
 # The 5-bit stall + yield field is not free: nvdisasm's sm_90 tables leave stall 12-15 (and 0)
@@ -82,6 +92,8 @@ OTHER_MEMORY = frozenset({"LDL", "STL", "LD", "ST", "ATOM"})  # local and generi
 MOVE_CLASSES = ("global", "shared", "alu")
 CONTROL_KINDS = ("control.yield", "control.reuse", "control.stall")
 DEFAULT_MOVES = frozenset({"global"})
+UNTRUSTED = frozenset(RELAXATIONS)  # see the module doc: validated on UNTRUSTED_SAMPLES, whatever is asked
+UNTRUSTED_SAMPLES = 100_000
 LOOP_WEIGHT = 4.0
 _STALL_BITS = 0xF
 LINE_TABLES = frozenset({".debug_line", ".nv_debug_line_sass"})  # what nvcc -lineinfo adds
@@ -93,19 +105,21 @@ _NO_TABLE = ("control.stall lowers stall counts, which needs a latency table mea
 
 
 def parse_moves(text: str) -> frozenset[str]:
-    """'global,alu' / 'all' / 'control' / 'control.yield,...' -> the set of classes and control
-    kinds; SipError (one line) for an unknown name."""
+    """'global,alu' / 'all' / 'control' / 'control.yield,...' / 'alu,scoreboard' -> the set of
+    classes, control kinds and relaxations ('all' names the trusted classes and kinds only); SipError
+    (one line) for an unknown name."""
     out: set[str] = set()
     for token in (t.strip() for t in text.split(",")):
         if token == "all":
             out |= {*MOVE_CLASSES, *CONTROL_KINDS}
         elif token == "control":
             out |= set(CONTROL_KINDS)
-        elif token in MOVE_CLASSES or token in CONTROL_KINDS:
+        elif token in MOVE_CLASSES or token in CONTROL_KINDS or token in RELAXATIONS:
             out.add(token)
         else:
             raise SipError(f"unknown move class {token!r}: choose from {', '.join(MOVE_CLASSES)}, control "
-                           f"({', '.join(CONTROL_KINDS)}) or all, comma-separated")
+                           f"({', '.join(CONTROL_KINDS)}), all, or the relaxations {', '.join(RELAXATIONS)}, "
+                           "comma-separated")
     return frozenset(out)
 
 
@@ -223,9 +237,15 @@ class Schedule:
                 loop_weight: float = LOOP_WEIGHT, weights: Sequence[float] | None = None) -> Schedule:
         """The schedule the cubin already has, under a policy of change classes; proposals weighted by
         loop depth, or by `weights` (one per instruction, > 0) where given."""
-        unknown = moves - {*MOVE_CLASSES, *CONTROL_KINDS}
+        unknown = moves - {*MOVE_CLASSES, *CONTROL_KINDS, *RELAXATIONS}
         if unknown:
             raise SipError(f"unknown move class {sorted(unknown)[0]!r} (see sip.mutate.parse_moves)")
+        if model.relax != moves & set(RELAXATIONS):
+            raise SipError(f"the moves name the relaxations {sorted(moves & set(RELAXATIONS))}, the dependency "
+                           f"model was built with {sorted(model.relax)} (sip.mutate.initial_schedule builds both)")
+        if model.relax and not moves & set(MOVE_CLASSES):
+            raise SipError(f"{', '.join(sorted(model.relax))} widen the move classes: name one beside them "
+                           f"({', '.join(MOVE_CLASSES)})")
         if "control.stall" in moves and model.latencies is None:
             raise SipError(_NO_TABLE.format(latency.DEFAULT_PATH))
         if not loop_weight > 0:
@@ -665,6 +685,29 @@ def random_walk(schedule: Schedule, steps: int, seed: int, attempts: int = 64) -
     return schedule, done
 
 
+def lowered(schedule: Schedule, instructions: Sequence[int] | None = None) -> Schedule:
+    """Every stall count of `instructions` (default: every unpinned one) lowered to its floor, in code
+    order, again until none goes lower: each step a legal control.stall edit, so the result keeps every
+    guarantee a walk does. What stall counts alone can take off statically (the GPU says what that is
+    worth: a pipe's throughput, not a stall count, may be what spaced them)."""
+    if "control.stall" not in schedule.layout.moves:
+        raise SipError("lowering stall counts needs control.stall in the schedule's classes")
+    xs = [x for x in (schedule.order() if instructions is None else instructions)
+          if schedule.model.facts[x].pin is None]
+    changed = True
+    while changed:
+        changed = False
+        for x in xs:
+            floor = schedule.stall_floor(x)
+            if floor < schedule.own[x]:
+                try:
+                    schedule = schedule.moved(Edit(x, "control.stall", floor))
+                except IllegalMove:
+                    continue
+                changed = True
+    return schedule
+
+
 def latencies_for(moves: frozenset[str], path: str | Path | None = None) -> latency.LatencyTable | None:
     """The latency table a policy runs with: `path` if given, else (when control.stall needs one)
     the repository's measured table, sip.latency.DEFAULT_PATH; SipError when control.stall has
@@ -683,8 +726,12 @@ def initial_schedule(kernel: Kernel, moves: frozenset[str] = DEFAULT_MOVES,
                      weights: Sequence[float] | None = None) -> Schedule:
     """The kernel's schedule under a policy, with its dependency model (latency table: see
     latencies_for)."""
-    return Schedule.initial(DependencyModel(kernel, latencies_for(moves, latency_table)), moves, loop_weight,
-                            weights)
+    return Schedule.initial(model_for(kernel, moves, latency_table), moves, loop_weight, weights)
+
+
+def model_for(kernel: Kernel, moves: frozenset[str], latency_table: str | Path | None = None) -> DependencyModel:
+    """The dependency model a policy runs on: its latency table (latencies_for) and relaxations."""
+    return DependencyModel(kernel, latencies_for(moves, latency_table), moves & frozenset(RELAXATIONS))
 
 
 def apply(schedule: Schedule) -> bytes:

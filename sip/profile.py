@@ -14,6 +14,20 @@ its instructions, so a block is proposed in proportion to its samples times the 
 instructions a move class can change. Blocks nobody sampled keep `floor` times the mean weight: rarely
 proposed, never unreachable. Too few samples (under `min_samples`) say nothing about where the time
 goes: SipError, rather than weights drawn from noise.
+
+Stall reasons: the same listing has one column per warp-stall reason of the PC sampler, `stall_<reason>`
+(all samples: the reasons a sampled warp had, `selected` when it issued) and `stall_<reason> (Not
+Issued)`. `stall_reasons` reads the all-samples columns per instruction; `breakdown` adds them up over
+instructions (a block, a loop); `REASONS` says what each means on Hopper. `SCHEDULE_SENSITIVE` are the
+reasons a change of this warp's own schedule can shorten: a stall count (`wait`), a consumer issued
+before its variable-latency producer is done (`short_sb`: MUFU, shared memory, SHFL; `long_sb`: global
+memory), a pipe or queue taken by this warp's previous instructions (`math`, `mio`, `dispatch`). The rest
+cannot be shortened by reordering: the warp issued (`selected`) or another warp did (`not_selected`, the
+issue slot was used), it waits on the tensor core (`gmma`), on other warps or agents (`barrier`,
+`membar`, `sleeping`, `lg`, `tex`, `drain`) or on instruction fetch (`no_inst`, `imc`, `branch_resolving`).
+`headroom` is the share of all samples in the sensitive reasons: if every such stall cycle of every
+warp vanished and none turned into another wait, the kernel could not get faster than by that share,
+so a share under the A/A spread of the timing leaves no schedule change measurable.
 """
 from __future__ import annotations
 
@@ -26,12 +40,71 @@ from sip.sass import Kernel
 
 SAMPLES_COLUMN = "Warp Stall Sampling (All Samples)"
 MIN_SAMPLES = 100
+STALL_PREFIX = "stall_"
+NOT_ISSUED = " (Not Issued)"
+REASONS = {  # Nsight Compute's warp-stall reasons (sm_90), by their source-page column names
+    "selected": "issued",
+    "not_selected": "eligible, another warp issued",
+    "wait": "fixed-latency dependency (stall count)",
+    "short_sb": "short scoreboard (MUFU, shared memory, SHFL)",
+    "long_sb": "long scoreboard (global / local memory)",
+    "math": "math pipe throttle",
+    "mio": "MIO queue throttle",
+    "dispatch": "dispatch stall",
+    "gmma": "wgmma (tensor pipe)",
+    "barrier": "barrier",
+    "membar": "memory barrier",
+    "sleeping": "sleeping (nanosleep, try-wait)",
+    "lg": "local / global queue throttle",
+    "tex": "texture queue throttle",
+    "drain": "drain (stores at exit)",
+    "branch_resolving": "branch resolving",
+    "no_inst": "no instruction fetched",
+    "imc": "instruction cache miss",
+    "misc": "miscellaneous",
+}
+SCHEDULE_SENSITIVE = frozenset({"wait", "short_sb", "long_sb", "math", "mio", "dispatch"})
+_REASON_ALIASES = {"sleep": "sleeping", "imc_miss": "imc", "no_instruction": "no_inst"}
 
 
 def stall_samples(listing: str, kernel: Kernel) -> tuple[int, ...]:
     """Per instruction of `kernel`, the PC samples the listing's sections of this kernel attribute to it
     (sections under this kernel's name, or unnamed ones; a same-named section of another build is
     skipped as long as one section matches)."""
+    return tuple(row["count"] for row in _per_instruction(listing, kernel))
+
+
+def stall_reasons(listing: str, kernel: Kernel) -> tuple[dict[str, int], ...]:
+    """Per instruction of `kernel`, its PC samples by stall reason (REASONS' names; a reason this
+    module does not know keeps the listing's name), from the listing's `stall_*` columns; SipError
+    when it has none (an ncu that was not asked for them: sip_tune.probe asks)."""
+    rows = _per_instruction(listing, kernel)
+    if not any(row["reasons"] for row in rows) and not _has_reason_columns(listing):
+        raise SipError("the listing has no stall_* columns: profile with the SourceCounters section and "
+                       "the metric groups smsp__pcsamp_warp_stall_reasons (sip_tune.probe.profile does)")
+    return tuple(row["reasons"] for row in rows)
+
+
+def breakdown(reasons, instructions) -> dict[str, int]:
+    """Samples by reason over some instructions (indices into `reasons`), largest first."""
+    total: dict[str, int] = {}
+    for i in instructions:
+        for reason, n in reasons[i].items():
+            total[reason] = total.get(reason, 0) + n
+    return dict(sorted(((r, n) for r, n in total.items() if n), key=lambda kv: (-kv[1], kv[0])))
+
+
+def headroom(reasons) -> float:
+    """The share of all samples in SCHEDULE_SENSITIVE reasons: the most any schedule change could
+    save (see the module doc); 0 without samples."""
+    total = breakdown(reasons, range(len(reasons)))
+    every = sum(total.values())
+    return sum(n for r, n in total.items() if r in SCHEDULE_SENSITIVE) / every if every else 0.0
+
+
+def _per_instruction(listing: str, kernel: Kernel) -> list[dict]:
+    """Per instruction: {"count": samples, "reasons": {reason: samples}}, summed over the listing's
+    sections of this kernel (see stall_samples)."""
     sections = _sections(listing)
     if not sections:
         raise SipError("not an ncu source listing: no header with Address and Source columns "
@@ -39,17 +112,35 @@ def stall_samples(listing: str, kernel: Kernel) -> tuple[int, ...]:
     ours = [rows for name, rows in sections if _names(name, kernel.name)]
     if not ours:
         raise SipError(f"the listing profiles {sorted({str(n) for n, _ in sections})}, not {kernel.name}")
-    samples, errors = [0] * len(kernel.instructions), []
+    total = [{"count": 0, "reasons": {}} for _ in kernel.instructions]
+    errors = []
     for rows in ours:
         try:
-            counts = _counts(rows, kernel)
+            mapped = _counts(rows, kernel)
         except SipError as e:
             errors.append(e)
             continue
-        samples = [a + b for a, b in zip(samples, counts)]
+        for into, row in zip(total, mapped):
+            if row is None:
+                continue
+            into["count"] += row["count"]
+            for reason, n in row["reasons"].items():
+                into["reasons"][reason] = into["reasons"].get(reason, 0) + n
     if len(errors) == len(ours):
         raise errors[0]
-    return tuple(samples)
+    return total
+
+
+def _has_reason_columns(listing: str) -> bool:
+    return any(_is_header(line) and f'"{STALL_PREFIX}' in line for line in listing.splitlines())
+
+
+def _reason(column: str) -> str | None:
+    """REASONS' name of an all-samples stall column; None for any other column."""
+    if not column.startswith(STALL_PREFIX) or column.endswith(NOT_ISSUED):
+        return None
+    name = column[len(STALL_PREFIX):].strip()
+    return _REASON_ALIASES.get(name, name)
 
 
 def block_weights(kernel: Kernel, samples: tuple[int, ...], floor: float = 0.01,
@@ -102,37 +193,45 @@ def _sections(listing: str) -> list[tuple[str | None, list[dict]]]:
             column = next((c for c in reader.fieldnames or () if c.startswith(SAMPLES_COLUMN)), None)
             if column is None:
                 raise SipError(f"the listing has no {SAMPLES_COLUMN!r} column: profile with --section SourceCounters")
-            out.append((name, [{"address": r["Address"], "source": r["Source"], "count": r[column]} for r in reader]))
+            reasons = {c: r for c in reader.fieldnames or () if (r := _reason(c))}
+            out.append((name, [{"address": r["Address"], "source": r["Source"], "count": r[column],
+                                "reasons": {reason: r[c] for c, reason in reasons.items()}} for r in reader]))
             name, k = None, end
             continue
         k += 1
     return out
 
 
-def _counts(rows: list[dict], kernel: Kernel) -> list[int]:
-    """One section's counts per instruction, checking that it lists this kernel's code."""
+def _counts(rows: list[dict], kernel: Kernel) -> list[dict | None]:
+    """One section's {"count", "reasons"} per instruction (None: not listed), checking that it lists
+    this kernel's code."""
     try:
-        listed = [(int(r["address"], 16), r["source"].strip(), _count(r["count"])) for r in rows]
+        listed = [(int(r["address"], 16), r["source"].strip(), _count(r["count"]),
+                   {reason: n for reason, text in r["reasons"].items() if (n := _count(text))}) for r in rows]
     except (TypeError, ValueError, AttributeError) as e:  # a short row has None fields
         raise SipError(f"unreadable row in the ncu listing: {e}") from None
     if not listed:
         raise SipError("the ncu listing lists no instructions")
-    base = min(address for address, _, _ in listed)
-    samples: list[int | None] = [None] * len(kernel.instructions)
-    for address, source, count in listed:
+    base = min(address for address, _, _, _ in listed)
+    out: list[dict | None] = [None] * len(kernel.instructions)
+    for address, source, count, reasons in listed:
         index, rest = divmod(address - base, INSTRUCTION_BYTES)
         ins = kernel.instructions[index] if not rest and index < len(kernel.instructions) else None
         if ins is None or _opcode(source) != ins.base:
             raise SipError(f"the listing's instruction at +{address - base:#x} ({source!r}) is not "
                            f"{kernel.name}'s there: it profiles another build of the kernel")
-        if samples[index] is not None:
+        if out[index] is not None:
             raise SipError(f"the listing lists the instruction at +{address - base:#x} twice")
-        samples[index] = count
-    return [n or 0 for n in samples]
+        out[index] = {"count": count, "reasons": reasons}
+    return out
 
 
-def _count(text: str) -> int:
-    return int(float(text.replace(",", ""))) if text.strip() else 0
+def _count(text: str | None) -> int:
+    """A listed count: "1,024" -> 1024; blank or "-" (no value) -> 0."""
+    if text is None:
+        raise ValueError("a row with fewer fields than its header")
+    text = text.strip().replace(",", "")
+    return int(float(text)) if text and text != "-" else 0
 
 
 def _opcode(source: str) -> str:

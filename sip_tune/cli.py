@@ -1,33 +1,47 @@
-"""The `sip-tune` command: tune a kernel of the package on this GPU and store the result for the ops
-and `rosekernels.warmup`. Two levels: `config` searches the kernel's configurations for the shape
+"""The `sip-tune` command: tune the kernels of the package on this GPU and store the results for the
+ops and `rosekernels.warmup`. Two levels: `config` searches a kernel's configurations for a shape
 (`sip_tune.configs`), `sass` anneals the SASS schedule of the chosen one (`sip_tune.tuning`).
 
+    sip-tune --model config.json --mode decode [--budget-minutes M] [--plan]   (the main job: level 1 for
+                                       every kernel and shape of a model, within M minutes; then what it gained)
     sip-tune --kernel qk_norm --mode decode [--shape tokens=4,...] [--levels config,sass] [--budget-minutes 10] ...
     sip-tune --kernel gemm_leakyrelu --mode decode --shape m=8 --plan    (the config search space; no GPU)
-    sip-tune --model config.json --mode decode [--plan]   (level 1 for every kernel and shape of a model)
-    sip-tune --list [--cache DIR]
+    sip-tune --list [--store-root DIR]         (--cache DIR: its former name, still taken)
 
-Exit codes: 0 done (whether or not a faster schedule was stored), 1 the tuning failed (bad shape, a
-kernel the engine cannot read, a worker that cannot start; --model: any of its shapes), 2 bad arguments
-or no sm_90 GPU.
+What is stored must meet the tuned store's default bar, or ops and warmup do not load it: outputs
+bitwise equal (or within the kernel's own float64 tolerance) on >= 10^4 fresh samples and at the tuned
+shape (configs: at their bucket's edges too), compute-sanitizer clean (cubins), and a gain past the A/A
+spread through the public op, re-timed in a fresh process over inputs rotated past L2. Entries made
+with weaker checks (--samples below 10^4, --rtol, --no-sanitize) are stored but not loaded unless the
+user opts in (warmup(allow_unverified=True) or SIP_ALLOW_UNVERIFIED=1); `--list` says why.
+
+Exit codes: 0 done (whether or not anything faster was stored), 1 the tuning failed (a kernel the
+engine cannot read, a worker that cannot start; --model: any of its shapes, or a model with nothing to
+tune), 2 bad arguments (refused before any work, nothing written), 3 (rosekernels.device.NO_GPU_EXIT)
+no sm_90 GPU.
+
 Nothing here imports torch or CuTeDSL before a tuning or `--plan` starts: `--list` reads the store only.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import os
 import shutil
 import sys
+from pathlib import Path
 from typing import Any
 
-import rosekernels
-from rosekernels import tuned
-from rosekernels.models import ModelDims
+from rosekernels import paths, tuned
+from rosekernels.device import NO_GPU_EXIT, gpu_problem
+from rosekernels.kernels import KERNELS
+from rosekernels.models import FP32_NOTE, ModelDims
 from rosekernels.variant import MODES
 from sip import SipError, mutate
 from sip_tune import configs, model, probe, tuning, workloads
-from sip_tune.runner import WorkerFailure, gpu_problem
+from sip_tune.runner import WorkerFailure
 
 
 LEVELS = ("config", "sass")
@@ -51,14 +65,21 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="sip-tune", description="Tune a rosekernels kernel on this GPU: search its configurations "
                 "for the shape (level 'config'), then the SASS schedule of the chosen one (level 'sass': simulated "
-                "annealing + probabilistic testing); the results go into the tuned store the ops read.")
+                "annealing + probabilistic testing); the results go into the tuned store the ops read. A result is "
+                "stored only after it has been re-timed through the public op in a fresh process (over inputs "
+                "rotated past L2, against the heuristic and the best peer) and beaten max(--min-speedup, 1 + the "
+                "A/A spread) there; ops and warmup load only entries that meet the store's default bar (bitwise or "
+                "the kernel's tolerance on >= 10^4 samples and at the tuned shape, compute-sanitizer clean, that "
+                f"op-level gain), unless {tuned.ALLOW_ENV}=1 or warmup(allow_unverified=True) opts in to weaker "
+                "ones. --list shows every entry and why one is below the bar.")
     what = p.add_mutually_exclusive_group()
-    what.add_argument("--kernel", choices=sorted(rosekernels.KERNELS), help="the kernel to tune")
+    what.add_argument("--kernel", choices=sorted(KERNELS), help="the kernel to tune")
     what.add_argument("--model", metavar="CONFIG.json",
                       help="tune every kernel and shape a forward pass of this Hugging Face model config runs in "
-                      "--mode, over the mode's token buckets, level 'config' only (SASS annealing is per kernel: "
-                      "use --kernel); shapes whose bucket already has a tuned entry are skipped, so an "
-                      "interrupted run resumes")
+                      "--mode, over the mode's token buckets (smallest first), level 'config' only (SASS annealing "
+                      "is per kernel: use --kernel), within --budget-minutes; shapes whose bucket already has a "
+                      "tuned entry are skipped, so a run that ran out of budget resumes; ends with what the store "
+                      "gained")
     p.add_argument("--mode", choices=MODES, default="decode")
     p.add_argument("--shape", default="", metavar="K=V,...",
                    help="sizes and options of the kernel, e.g. tokens=4,q_heads=32,k_heads=8,head_dim=128,dtype=bf16")
@@ -73,19 +94,26 @@ def _parser() -> argparse.ArgumentParser:
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--budget-iters", type=int, metavar="N", help="annealing iterations over all runs")
     budget.add_argument("--budget-minutes", type=float, metavar="M",
-                        help="search time over all runs (default 10 when no budget is given)")
+                        help="--kernel: the sass level's search time over all runs (default 10 when no budget is "
+                        "given); --model: the whole run's time, no shape is started that would not fit in what is "
+                        "left (default: no limit)")
     p.add_argument("--runs", type=int, default=2, metavar="K",
                    help="independent annealing runs (seeds S..S+K-1); with several GPUs visible, one worker per GPU "
                    "runs them at once")
     p.add_argument("--samples", type=int, default=0, metavar="N",
-                   help="fresh random samples the winner must pass before it is cached (up to 1e7; default "
-                        "10^4, 10^5 when --moves goes past global)")
+                   help="fresh random samples (the kernel's test sizes) a winner of either level must pass before "
+                        "it is stored (up to 1e7; default 10^4, 10^5 when --moves goes past global; below 10^4 the "
+                        "entry is below the store's bar)")
     p.add_argument("--search-samples", type=int, default=2, metavar="N", help="samples per candidate in the search")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache", metavar="DIR", help=f"tuned-cubin cache (default ${tuned.ENV_VAR} or "
-                   "<rosekernels cache>/sip)")
-    p.add_argument("--min-speedup", type=float, default=1.01, help="cache only if at least this much faster")
-    p.add_argument("--rtol", type=float, help="compare outputs with this tolerance instead of bitwise")
+    p.add_argument("--store-root", "--cache", metavar="DIR",
+                   help=f"the tuned store's folder (default ${paths.TUNED_STORE_ENV} or <rosekernels cache>/sip); "
+                   "--cache is its former name")
+    p.add_argument("--min-speedup", type=float, default=1.01,
+                   help="store only if at least this much faster (and past 1 + the A/A spread), in the worker and "
+                   "through the public op")
+    p.add_argument("--rtol", type=float, help="(level 'sass') compare outputs with this tolerance instead of bitwise; "
+                   "the entry is then below the store's bar")
     p.add_argument("--atol", type=float, help="(with --rtol) absolute tolerance")
     p.add_argument("--moves", metavar="CLASSES", help="SASS changes the 'sass' level may make: comma list of "
                    "global, shared, alu, control, or all (default: global; sip.mutate)")
@@ -99,8 +127,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--t-min", type=float, default=2e-4, help="final temperature")
     p.add_argument("--cooling", type=float, help="cooling factor L (T <- T/L); default: derived from the budget")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON (with both levels: "
-                   "{\"config\": ..., \"sass\": ...})")
-    p.add_argument("--list", action="store_true", help="list the cache entries and exit")
+                   "{\"config\": ..., \"sass\": ...}; with --plan, the plan)")
+    p.add_argument("--list", action="store_true",
+                   help="list the tuned store's entries (configs and cubins) and exit, each entry below the "
+                   "default bar with the reason")
     return p
 
 
@@ -125,54 +155,111 @@ def parse_shape(text: str) -> dict[str, Any]:
     return out
 
 
-def _print_entries(root: str | None) -> int:
-    """The --list output; 1 when the folder --cache names does not exist (a mistyped path)."""
-    folder = tuned.resolve_root(root)
-    if not folder.is_dir():
-        print(f"tuned-cubin cache {folder}: the folder does not exist (nothing tuned there yet)",
-              file=sys.stderr if root is not None else sys.stdout)
-        return 1 if root is not None else 0
-    rows = tuned.list_entries(root)
-    print(f"tuned-cubin cache {folder}: {len(rows)} entries" + ("" if rows else " (nothing tuned there yet)"))
+def _list_store(store_root: str | None) -> int:
+    """The --list output. A --store-root that does not name a folder is a bad argument (2); the default
+    store not existing yet is not."""
+    folder = paths.tuned_store_root(store_root)
+    if store_root is not None and not folder.is_dir():
+        why = "is a file, not a folder" if folder.exists() else "does not exist"
+        print(f"sip-tune: --store-root {folder} {why}: give the tuned store's folder (default "
+              f"${paths.TUNED_STORE_ENV} or <rosekernels cache>/sip)", file=sys.stderr)
+        return 2
+    rows = tuned.list_entries(folder) if folder.is_dir() else []
+    kinds = [r.get("kind") for r in rows]
+    below = sum(1 for r in rows if r["valid"] and r["problems"])
+    print(f"tuned store {folder}: {kinds.count('config')} tuned configs, {kinds.count('cubin')} tuned cubins"
+          + ("" if rows else " (nothing tuned there yet)")
+          + (f", {below} below the default bar (not loaded unless {tuned.ALLOW_ENV}=1)" if below else ""))
     for r in rows:
-        if r["valid"]:
-            print(f"  {r['kernel']:<15} {r['mode']:<8} {r.get('speedup', math.nan):.3f}x  "
-                  f"{r.get('samples_passed', '?'):>8} samples  {r.get('gpu', '?')}  {r.get('date', '?')}  "
-                  f"{r['spec_key']}")
-        else:
+        if not r["valid"]:
             print(f"  {r['kernel']:<15} BROKEN: {r['error']}  ({r['path']})")
+            continue
+        checks = r.get("checks") if isinstance(r.get("checks"), dict) else {}
+        samples = (checks.get("samples") or {}).get("passed", r.get("samples_passed", "?"))
+        if r["kind"] == "cubin":
+            what = r["spec_key"]
+        elif r.get("config_key") == r.get("heuristic_key"):
+            what = f"the heuristic stays: {r.get('config_key', '?')}"
+        else:
+            what = f"{r.get('heuristic_key', '?')} -> {r.get('config_key', '?')}"
+        print(f"  {r['kernel']:<15} {r['kind']:<6} {r.get('mode', '?'):<8} {r.get('speedup', math.nan):.3f}x  "
+              f"{samples:>8} samples  {r.get('gpu', '?')}  {r.get('date', '?')}  {what}")
+        if r["problems"]:
+            print(f"    below the bar: {'; '.join(r['problems'])}")
     return 0
 
 
+def _writable_file(option: str, path: str) -> str | None:
+    """Why `path` cannot be written as a new or replaced file (None: it can), checked before any work."""
+    target = Path(path)
+    if target.is_dir():
+        return f"{option} {path} is a folder"
+    parent = target.parent
+    if not parent.is_dir():
+        return f"{option} {path}: the folder {parent} does not exist"
+    if not os.access(parent, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        return f"{option} {path}: not writable"
+    return None
+
+
+def _write_json(path: str, data: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
+def _require_gpu() -> int | None:
+    problem = gpu_problem()
+    if problem:
+        print(f"sip-tune: needs a CUDA sm_90 GPU (H100/H200) to run and time candidates: {problem}.",
+              file=sys.stderr)
+        return NO_GPU_EXIT
+    return None
+
+
 def _main_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """--model: the plan (no GPU) or level 1 of every (kernel, shape) of the model in turn."""
+    """--model: the plan (no GPU), or level 1 of every (kernel, shape) of the model within the budget,
+    then what the store gained."""
     try:
         dims = ModelDims.from_config(args.model)
-    except (OSError, ValueError, TypeError) as e:  # no file, not JSON, a size missing or not a number
-        parser.error(f"--model {args.model}: {e}")
-    if not args.plan:
-        problem = gpu_problem()
-        if problem:
-            print(f"sip-tune: needs a CUDA sm_90 GPU (H100/H200) to run and time candidates: {problem}.",
-                  file=sys.stderr)
-            return 2
+    except OSError as e:
+        parser.error(f"--model {args.model}: {e.strerror or e}")
+    except ValueError as e:  # the message names the file and the key
+        parser.error(f"--model {e}")
     found = model.shapes(dims, args.mode)
+    no_gpu = None if args.plan or not found.jobs else _require_gpu()
+    if no_gpu:
+        return no_gpu
     tokens = model.TOKENS[args.mode]
     print(f"{dims.name} ({args.mode}): {len(found.jobs)} kernel shapes over {len(tokens)} token counts "
           f"{tokens[0]}..{tokens[-1]}")
     for job, why in found.dropped:
         print(f"  dropped  {job.kernel} {job.label()}: {why}")
-    if not args.plan:
-        rows = model.tune(found, cache_root=args.cache, max_candidates=args.max_candidates,
-                          min_speedup=args.min_speedup, seed=args.seed)
-        print(model.table(rows))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump([{"kernel": r.job.kernel, "role": r.job.role, "shape": r.job.shape, "status": r.status,
-                            "report": r.report.to_dict() if r.report else None} for r in rows], f, indent=1)
-        return 1 if any(r.status.startswith("failed") for r in rows) else 0
+    if dims.dtype == "fp32":
+        print(f"note: {args.model}: {FP32_NOTE}")
+    if not found.jobs:
+        print(f"sip-tune: {args.model}: no shape of this model has a configuration to search in {args.mode} mode "
+              "(the dropped shapes above say why): nothing to tune", file=sys.stderr)
+        return 1
+    if args.plan:
+        return _model_plan(args, found)
+    budget_s = None if args.budget_minutes is None else args.budget_minutes * 60
+    rows = model.tune(found, store_root=args.store_root, max_candidates=args.max_candidates,
+                      min_speedup=args.min_speedup, seed=args.seed, budget_s=budget_s)
+    print(model.table(rows))
+    gains = model.gains(rows, args.mode, args.store_root)
+    print(gains.text())
+    if args.json:
+        _write_json(args.json, {"rows": [{"kernel": r.job.kernel, "role": r.job.role, "shape": r.job.shape,
+                                          "status": r.status, "report": r.report.to_dict() if r.report else None}
+                                         for r in rows],
+                                "gains": gains.to_dict()})
+    return 1 if any(r.status.startswith("failed") for r in rows) else 0
+
+
+def _model_plan(args: argparse.Namespace, found: model.ModelShapes) -> int:
     searched = total = failed = 0
-    width = max((len(job.label()) for job in found.jobs), default=0)
+    width = max(len(job.label()) for job in found.jobs)
+    planned = []
     for job in found.jobs:
         try:
             space = configs.plan(job.kernel, args.mode, job.shape, args.max_candidates)
@@ -181,17 +268,32 @@ def _main_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
             print(f"sip-tune: {job.kernel} {job.label()}: {_reason(e)}", file=sys.stderr)
             continue
         searched, total = searched + len(space.candidates), total + space.total
+        planned.append({"kernel": job.kernel, "role": job.role, "shape": job.shape,
+                        "searched": len(space.candidates), "candidates": space.total})
         print(f"  {job.kernel:<16} {job.label():<{width}}  {space.lines()[-1]}")
     print(f"total: {len(found.jobs) - failed} shapes, {searched} configs to search ({total} candidates before "
           f"pruning), {len(found.dropped)} shapes dropped" + (f", {failed} failed" if failed else ""))
+    if args.json:
+        _write_json(args.json, {"model": found.dims.name, "mode": args.mode, "shapes": planned,
+                                "dropped": [{"kernel": j.kernel, "role": j.role, "shape": j.shape, "why": why}
+                                            for j, why in found.dropped]})
+        print(f"plan written to {args.json}")
     return 1 if failed else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.list:
-        return _print_entries(args.cache)
+def _kernel_plan(args: argparse.Namespace, space: configs.SearchSpace) -> int:
+    print("\n".join(space.lines()))
+    if args.json:
+        _write_json(args.json, {"kernel": space.kernel, "mode": args.mode, "shape": dataclasses.asdict(space.shape),
+                                "heuristic": configs.describe(space.heuristic), "candidates": space.total,
+                                "pruned_by": space.ranked_by if space.pruned else None,
+                                "searched": [configs.describe(c) for c in space.candidates]})
+        print(f"plan written to {args.json}")
+    return 0
+
+
+def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """Every check that needs no kernel and no GPU; the levels asked for."""
     if args.kernel is None and args.model is None:
         parser.error("--kernel is required (or --model, or --list)")
     if args.budget_iters is not None and args.budget_iters < 1:
@@ -211,6 +313,12 @@ def main(argv: list[str] | None = None) -> int:
             mutate.latencies_for(mutate.parse_moves(args.moves))
         except SipError as e:
             parser.error(str(e))
+    if args.store_root is not None and Path(args.store_root).exists() and not Path(args.store_root).is_dir():
+        parser.error(f"--store-root {args.store_root} is a file: give the tuned store's folder")
+    if args.json is not None:
+        problem = _writable_file("--json", args.json)
+        if problem:
+            parser.error(problem)
     text = args.levels if args.levels is not None else ("config" if args.model else ",".join(LEVELS))
     levels = [s.strip() for s in text.split(",") if s.strip()]
     if not levels or any(lv not in LEVELS for lv in levels) or len(set(levels)) != len(levels):
@@ -220,24 +328,29 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--model tunes level 'config' only; anneal a kernel's SASS with --kernel")
         if args.shape:
             parser.error("--shape is for --kernel; --model derives the shapes from the model")
+        if args.budget_iters is not None:
+            parser.error("--budget-iters counts the sass level's iterations (--kernel); give --model --budget-minutes")
+    return levels
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.list:
+        return _list_store(args.store_root)
+    levels = _check_arguments(parser, args)
+    if args.model is not None:
         return _main_model(parser, args)
     try:
         shape = parse_shape(args.shape)
-    except ValueError as e:
-        parser.error(str(e))
+        space = configs.plan(args.kernel, args.mode, shape, args.max_candidates)  # CPU: refuses a bad shape now
+    except _BAD_REQUEST as e:
+        parser.error(_reason(e))
     if args.plan:
-        try:
-            space = configs.plan(args.kernel, args.mode, shape, args.max_candidates)
-        except _BAD_REQUEST as e:
-            print(f"sip-tune: {_reason(e)}", file=sys.stderr)
-            return 1
-        print("\n".join(space.lines()))
-        return 0
-    problem = gpu_problem()
-    if problem:
-        print(f"sip-tune: needs a CUDA sm_90 GPU (H100/H200) to run and time candidates: {problem}.",
-              file=sys.stderr)
-        return 2
+        return _kernel_plan(args, space)
+    no_gpu = _require_gpu()
+    if no_gpu:
+        return no_gpu
     if "sass" in levels:  # tools the sass level needs, checked before level 1 spends GPU time
         missing = [] if args.no_sanitize else [p for p in [probe.sanitizer_problem()] if p]
         if args.hot == "ncu" and not shutil.which("ncu"):
@@ -259,22 +372,23 @@ def main(argv: list[str] | None = None) -> int:
         if "config" in levels:
             reports["config"] = configs.tune_configs(
                 args.kernel, args.mode, shape, max_candidates=args.max_candidates, min_speedup=args.min_speedup,
-                seed=args.seed, cache_root=args.cache)
+                seed=args.seed, validation_samples=args.samples or tuned.BAR_SAMPLES, store_root=args.store_root)
             print(reports["config"].text())
         if "sass" in levels:
             if "config" in reports and reports["config"].winner is not None:
-                factory = configs.workload_factory(args.kernel, *configs.chosen(reports["config"]))
+                chosen, full = configs.chosen(reports["config"])
+                factory = configs.workload_factory(args.kernel, chosen, full)
             else:  # the heuristic's config: what the op runs for the shape
                 factory = workloads.factory(args.kernel, args.mode, shape)
-            reports["sass"] = tuning.tune(factory, config, kernel=args.kernel, cache_root=args.cache)
+                full = workloads.resolve(args.kernel, args.mode, shape)[1]
+            reports["sass"] = tuning.tune(factory, config, kernel=args.kernel, shape=full, store_root=args.store_root)
             print(reports["sass"].text())
     except (*_BAD_REQUEST, SipError, WorkerFailure, probe.ProbeError) as e:
         print(f"sip-tune: {_reason(e)}", file=sys.stderr)
         return 1
     if args.json:
-        out = (reports["sass"].to_dict() if levels == ["sass"] else {k: r.to_dict() for k, r in reports.items()})
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        _write_json(args.json, reports["sass"].to_dict() if levels == ["sass"]
+                    else {k: r.to_dict() for k, r in reports.items()})
     return 0
 
 

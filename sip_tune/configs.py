@@ -14,11 +14,25 @@
    float64 check on every sample. A crash or hang marks that candidate and restarts the worker.
 4. Time: every passing candidate, the heuristic and the heuristic again (the A/A pair, whose ratio
    says how far apart two identical kernels measure) in one interleaved replay of CUDA graphs.
-5. The fastest few are re-timed against the heuristic in a fresh worker; the fastest of those is the
-   winner if it beats the heuristic by more than max(min_speedup, 1 + A/A spread) there, and goes into
-   the tuned store (`rosekernels.tuned.store_config`), which ops consult when they plan a call. When
-   the heuristic measures fastest, the store records that (its own config at 1.0x), so the bucket
-   counts as tuned (`sip-tune --model` resumes past it); a failed run records nothing.
+5. The fastest few are re-timed against the heuristic in a fresh worker; those that beat it by more
+   than max(min_speedup, 1 + A/A spread) there are verified, fastest first, and the first that passes
+   is the winner:
+   - where its entry will serve: against the heuristic at the tuned shape and at the edges of its
+     bucket (`bucket_edges`: per size field the smallest and the largest size the entry serves, their
+     combinations, and a ragged size between; bitwise, else the kernel's float64 check), then the
+     kernel's float64 check on `validation_samples` fresh input sets of its test sizes;
+   - at the op level (`sip_tune.oplevel`): the public op re-timed in a fresh process with the entry
+     loaded from a tuned store, against the heuristic and the best peer, over inputs rotated past
+     L2; it must beat max(min_speedup, 1 + that run's A/A spread) there too.
+   The winner goes into the tuned store (`rosekernels.tuned.store_config`) with how it was checked
+   and the op-level speedup (the one reported); ops consult the store when they plan a call. When
+   no candidate passes, the store records that the heuristic stays (its own config at 1.0x), so the
+   bucket counts as tuned (`sip-tune --model` resumes past it); a failed run records nothing.
+
+Why bucket edges rather than entries keyed to exact shapes: the token count of a call varies from
+step to step (decode batches, prefill chunks), and an entry per exact count would serve almost no
+call; the edges are where a config's tiling, split counts and tails differ most from the shape it
+was timed at, so testing them covers what the bucket asks of it.
 
 Level 2 (`sip_tune.tuning.tune`, SASS annealing) then runs on the winner's config:
 `workload_factory(kernel, winner, shape)` is its factory.
@@ -29,17 +43,19 @@ import concurrent.futures
 import dataclasses
 import datetime
 import functools
-import importlib
+import itertools
 import math
 import multiprocessing
 import os
 import random
 import time
+from types import ModuleType
 from typing import Any, Callable, Mapping
 
 from rosekernels import contract
+from rosekernels.kernels import kernel_module
 from rosekernels.workload import Workload
-from sip_tune import workloads
+from sip_tune import oplevel, workloads
 from sip_tune.runner import ConfigBench, Options, Runner, WorkerFailure
 
 # Configs searched besides the heuristic's: 36 keeps the swapped tiles on clusters (the gemm's cost model
@@ -54,7 +70,7 @@ MAX_CANDIDATES = 36
 @dataclasses.dataclass
 class SearchSpace:
     kernel: str
-    module: str  # the kernel module's import name (what the worker imports)
+    module: ModuleType  # the kernel module
     shape: Any
     heuristic: Any
     candidates: list  # what is searched: the heuristic's config first, then the kept ones best first
@@ -86,7 +102,7 @@ def plan(kernel: str, mode: str, overrides: Mapping[str, Any] | None = None,
     heuristic's, then the first `max_candidates` others in the cost model's order. No GPU needed."""
     if max_candidates < 0:
         raise ValueError(f"max_candidates must be >= 0, got {max_candidates}")
-    m = workloads.kernel_module(kernel)
+    m = kernel_module(kernel)
     heuristic, shape = workloads.resolve(kernel, mode, overrides)
     found = list(m.candidates(shape))
     if heuristic not in found:
@@ -96,20 +112,22 @@ def plan(kernel: str, mode: str, overrides: Mapping[str, Any] | None = None,
     if sorted(map(repr, ordered)) != sorted(map(repr, found)):
         raise ValueError(f"{ranked_by} did not return a permutation of the candidates")
     others = [c for c in ordered if c != heuristic][:max_candidates]
-    return SearchSpace(kernel, m.__name__, shape, heuristic, [heuristic, *others], len(found), ranked_by)
+    return SearchSpace(kernel, m, shape, heuristic, [heuristic, *others], len(found), ranked_by)
 
 
 # ---------------------------------------------------------------------------------------------
 # Compile (CPU, parallel).
 
-def _timed_compile(module: str, config: Any) -> float:
+def _timed_compile(compile_config: Callable[[Any], Any], config: Any) -> float:
     t0 = time.perf_counter()
-    importlib.import_module(module).compile(config)
+    compile_config(config)
     return time.perf_counter() - t0
 
 
-def compile_configs(module: str, configs: list, processes: int | None = None) -> dict[str, float]:
-    """Compile every distinct variant of `configs` into the disk cache, in `processes` spawned
+def compile_configs(compile_config: Callable[[Any], Any], configs: list, processes: int | None = None
+                    ) -> dict[str, float]:
+    """Compile every distinct variant of `configs` with `compile_config` (a kernel module's `compile`,
+    which a spawned process unpickles by its module and name) into the disk cache, in `processes`
     processes (None: one per CPU core, at most one per variant); seconds per variant key, as each
     process saw it (the worker loads them from disk)."""
     todo = {c.variant().key(): c for c in configs}
@@ -117,9 +135,9 @@ def compile_configs(module: str, configs: list, processes: int | None = None) ->
     if processes > 1:
         ctx = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx) as pool:
-            seconds = list(pool.map(functools.partial(_timed_compile, module), todo.values()))
+            seconds = list(pool.map(functools.partial(_timed_compile, compile_config), todo.values()))
     else:
-        seconds = [_timed_compile(module, c) for c in todo.values()]
+        seconds = [_timed_compile(compile_config, c) for c in todo.values()]
     return dict(zip(todo, seconds))
 
 
@@ -130,22 +148,75 @@ def compile_configs(module: str, configs: list, processes: int | None = None) ->
 class ConfigSpace:
     """Picklable: the worker's view of a search (`runner.ConfigBench` takes it)."""
 
-    module: str
+    build: Callable[[Any, Any], Workload]  # the kernel module's workload(config, shape)
     shape: Any
     configs: tuple
 
     def workload(self, i: int) -> Workload:
-        return importlib.import_module(self.module).workload(self.configs[i], self.shape)
+        return self.workload_at(i, self.shape)
+
+    def workload_at(self, i: int, shape: Any) -> Workload:
+        """configs[i]'s workload at another shape of the bucket (its edges)."""
+        return self.build(self.configs[i], shape)
 
 
 def _config_workload(kernel: str, config: Any, shape: Any) -> Workload:
-    workload = workloads.kernel_module(kernel).workload(config, shape)
+    workload = kernel_module(kernel).workload(config, shape)
     return dataclasses.replace(workload, name=kernel)  # the tuned store files entries by kernel name
 
 
 def workload_factory(kernel: str, config: Any, shape: Any) -> Callable[[], Workload]:
     """A picklable factory of `config`'s workload at `shape`: what level 2 (`tuning.tune`) anneals."""
     return functools.partial(_config_workload, kernel, config, shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Where an entry serves: its bucket's edges (CPU).
+
+EDGE_STEPS = 256  # a size field's range is scanned in at most this many steps, then refined at its ends
+
+
+def bucket_edges(kernel: str, shape: Any, config: Any, heuristic: Any, seed: int = 0) -> list:
+    """The shapes at the edges of bucket(shape) where an entry of `config` tuned against `heuristic`
+    serves (the heuristic picks `heuristic` there and `config` is among the candidates): per size
+    field the smallest and the largest such size (the other fields as in `shape`), every combination
+    of those that the entry serves, and a ragged shape strictly between; `shape` itself left out."""
+    m = kernel_module(kernel)
+
+    def serves(s: Any) -> bool:
+        try:
+            return m.config_for(s) == heuristic and config in m.candidates(s)
+        except (ValueError, LookupError, TypeError, ZeroDivisionError):  # a size the kernel refuses
+            return False
+
+    bucket = contract.bucket(shape)
+    ranges = {}
+    for name in type(shape).SIZE_FIELDS:
+        hi = getattr(bucket, name)
+        ranges[name] = _served_range(lambda v, n=name: serves(dataclasses.replace(shape, **{n: v})),
+                                     hi // 2 + 1 if hi > 1 else hi, hi, getattr(shape, name))
+    found = [dataclasses.replace(shape, **dict(zip(ranges, corner))) for corner in itertools.product(*ranges.values())]
+    rng = random.Random(f"sip-edges-{seed}")
+    for _ in range(16):  # a ragged shape: every size field strictly inside its range, where it has an inside
+        ragged = dataclasses.replace(shape, **{n: rng.randint(lo + 1, hi - 1) if hi - lo > 1 else lo
+                                               for n, (lo, hi) in ranges.items()})
+        if ragged not in found and serves(ragged):
+            found.append(ragged)
+            break
+    return [s for s in dict.fromkeys(found) if s != shape and serves(s)]
+
+
+def _served_range(serves: Callable[[int], bool], lo: int, hi: int, own: int) -> tuple[int, int]:
+    """The smallest and the largest size in [lo, hi] that `serves` (own, own if none does): a scan in
+    steps of (hi - lo) / EDGE_STEPS, then every size between the extreme hits and their unscanned
+    neighbours."""
+    step = max(1, (hi - lo) // EDGE_STEPS)
+    hits = [v for v in sorted({*range(lo, hi + 1, step), hi, own}) if serves(v)]
+    if not hits:
+        return own, own
+    first = next((v for v in range(max(lo, hits[0] - step + 1), hits[0]) if serves(v)), hits[0])
+    last = next((v for v in range(min(hi, hits[-1] + step - 1), hits[-1], -1) if serves(v)), hits[-1])
+    return first, last
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,11 +244,16 @@ class ConfigReport:
     settled: bool = False  # the heuristic stays because it measured fastest (not because a run failed)
     winner_key: str = ""
     tuned_us: float = math.nan
-    speedup: float = 1.0  # of the winner over the heuristic, in the re-time
+    # Of the winner over the heuristic: at the op level (heuristic_us and tuned_us too, per call of
+    # the public op) when the winner was verified there, else in the worker's re-time.
+    speedup: float = 1.0
+    op_level: dict = dataclasses.field(default_factory=dict)  # the winner's op-level re-time (oplevel.OpTiming)
+    checks: dict = dataclasses.field(default_factory=dict)  # how the stored winner was checked (tuned store meta)
     outcome: str = ""
     stored: str = ""  # the store entry's path
-    seconds: dict = dataclasses.field(default_factory=dict)  # plan, compile, setup, test, time, retime, total
-    shares: dict = dataclasses.field(default_factory=dict)  # compile, test, time: fractions of the total
+    # plan, compile, setup, test, time, retime, verify (the winner's validation and op-level re-time), total
+    seconds: dict = dataclasses.field(default_factory=dict)
+    shares: dict = dataclasses.field(default_factory=dict)  # compile, test, time, verify: fractions of the total
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -202,12 +278,15 @@ class ConfigReport:
                          f"{err if row['status'] == 'ok' else '':<16} {row['key']}"
                          + ("   (heuristic)" if row["key"] == heuristic else ""))
         for f in self.finalists:
-            lines.append(f"  re-timed     {f['speedup']:.4f}x  {f['median_us']:.3f} us  {f['key']}")
+            lines.append(f"  re-timed     {f['speedup']:.4f}x  {f['median_us']:.3f} us  {f['key']}"
+                         + (f"; {f['verdict']}" if f.get("verdict") else ""))
         lines += [
-            f"  result       heuristic {self.heuristic_us:.3f} us, tuned {self.tuned_us:.3f} us: {self.speedup:.3f}x",
+            f"  result       heuristic {self.heuristic_us:.3f} us, tuned {self.tuned_us:.3f} us: {self.speedup:.3f}x"
+            + (" (the public op, fresh process)" if self.op_level and not self.op_level.get("error") else ""),
             f"  outcome      {self.outcome}",
             f"  time         {s.get('total', 0):.1f} s: compile {sh.get('compile', 0):.0%}, test "
-            f"{sh.get('test', 0):.0%}, time {sh.get('time', 0):.0%} (setup {s.get('setup', 0):.1f} s, "
+            f"{sh.get('test', 0):.0%}, time {sh.get('time', 0):.0%}, verify {sh.get('verify', 0):.0%} "
+            f"(setup {s.get('setup', 0):.1f} s, "
             f"plan {s.get('plan', 0):.1f} s)",
         ]
         return "\n".join(lines)
@@ -215,7 +294,7 @@ class ConfigReport:
 
 def chosen(report: ConfigReport) -> tuple[Any, Any]:
     """(config, shape) that level 2 anneals after `report`: the winner's config, else the heuristic's."""
-    m = workloads.kernel_module(report.kernel)
+    m = kernel_module(report.kernel)
     return m.Config(**(report.winner or report.heuristic)), m.Shape(**report.shape)
 
 
@@ -228,11 +307,15 @@ def _row(config: Any, compile_s: float) -> dict[str, Any]:
 def tune_configs(kernel: str, mode: str, overrides: Mapping[str, Any] | None = None, *,
                  max_candidates: int = MAX_CANDIDATES, samples: int = 8, reps: int = 30, finalists: int = 3,
                  retime_reps: int = 60, min_speedup: float = 1.01, seed: int = 0, processes: int | None = None,
-                 options: Options = Options(), cache_root: str | os.PathLike | None = None,
+                 validation_samples: int = 10_000, edge_samples: int = 4, op_rounds: int = oplevel.ROUNDS,
+                 options: Options = Options(), store_root: str | os.PathLike | None = None,
                  log: Callable[[str], None] = print, bench: Callable[[Any, Options], Any] | None = None,
                  ) -> ConfigReport:
     """Level 1 for `kernel` at Shape.defaults(mode) + overrides (see the module docstring); the
-    winner, if any, is stored in the tuned store at `cache_root` (None: the default root).
+    winner, if any, is stored in the tuned store at `store_root` (None: `paths.tuned_store_root()`).
+    samples: input sets each candidate is tested on; validation_samples: fresh sets of its test
+    sizes a winner must pass (the store's bar asks for 10^4); edge_samples: sets compared at the
+    tuned shape and at each bucket edge; op_rounds: interleaved rounds of the op-level re-time.
     `bench` replaces the worker's GPU bench (tests pass a CPU stand-in)."""
     t_start = time.perf_counter()
     space = plan(kernel, mode, overrides, max_candidates)
@@ -245,15 +328,15 @@ def tune_configs(kernel: str, mode: str, overrides: Mapping[str, Any] | None = N
         f"({space.pruned} pruned by {space.ranked_by})")
 
     t0 = time.perf_counter()
-    compiled = compile_configs(space.module, space.candidates, processes)
-    original_sha256 = importlib.import_module(space.module).compile(space.heuristic).cubin_sha256
+    compiled = compile_configs(space.module.compile, space.candidates, processes)
+    original_sha256 = space.module.compile(space.heuristic).cubin_sha256
     seconds["compile"] = time.perf_counter() - t0
     say(f"compiled {len(compiled)} variants in {seconds['compile']:.1f} s")
     rows = [_row(c, compiled[c.variant().key()]) for c in space.candidates]
     report.candidates = rows
     rows[0].update(status="ok", bitwise=True, rel=1.0)
 
-    factory = functools.partial(ConfigSpace, space.module, space.shape, tuple(space.candidates))
+    factory = functools.partial(ConfigSpace, space.module.workload, space.shape, tuple(space.candidates))
     runner = Runner(factory, options, log=say, bench=bench or ConfigBench)
     try:
         t0 = time.perf_counter()
@@ -283,8 +366,12 @@ def tune_configs(kernel: str, mode: str, overrides: Mapping[str, Any] | None = N
         seconds["time"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        winner = _pick(report, runner, space, rows, finalists, retime_reps, min_speedup, options)
+        ranked = _pick(report, runner, rows, finalists, retime_reps, min_speedup, options)
         seconds["retime"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        winner = _verify(report, runner, space, ranked, original_sha256, min_speedup, seed, validation_samples,
+                         edge_samples, op_rounds, options, say)
+        seconds["verify"] = time.perf_counter() - t0
     finally:
         runner.close()
     if winner is not None or report.settled:
@@ -294,16 +381,17 @@ def tune_configs(kernel: str, mode: str, overrides: Mapping[str, Any] | None = N
 
         meta = {"heuristic_median_us": report.heuristic_us, "tuned_median_us": report.tuned_us,
                 "speedup": report.speedup, "aa_spread": max(report.aa_spread, report.retime_aa_spread),
-                "outcome": report.outcome,
+                "outcome": report.outcome, "checks": report.checks,
                 "samples": samples, "searched": len(rows), "candidates": space.total, "gpu": report.gpu,
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-        report.stored = str(tuned.store_config(cache_root, kernel, space.shape, winner or space.heuristic,
+        report.stored = str(tuned.store_config(store_root, space.module, space.shape, winner or space.heuristic,
                                                space.heuristic, original_sha256, meta))
         report.outcome += f"; {'stored' if winner is not None else 'recorded'} at {report.stored}"
     seconds["total"] = time.perf_counter() - t_start
     # Re-timing is timing: the shares say where a level-1 run's wall time goes.
     report.shares = {"compile": seconds["compile"] / seconds["total"], "test": seconds["test"] / seconds["total"],
-                     "time": (seconds["time"] + seconds["retime"]) / seconds["total"]}
+                     "time": (seconds["time"] + seconds["retime"]) / seconds["total"],
+                     "verify": seconds["verify"] / seconds["total"]}
     return report
 
 
@@ -328,40 +416,82 @@ def _time(runner: Runner, indices: list[int], reps: int, options: Options, rows:
     return {**answer, "indices": kept}
 
 
-def _pick(report: ConfigReport, runner: Runner, space: SearchSpace, rows: list[dict], finalists: int,
-          retime_reps: int, min_speedup: float, options: Options) -> Any:
-    """Re-time the fastest `finalists` against the heuristic in a fresh worker; the fastest there
-    wins if it beats max(min_speedup, 1 + the larger A/A spread). The winner's config, or None."""
+def _pick(report: ConfigReport, runner: Runner, rows: list[dict], finalists: int, retime_reps: int,
+          min_speedup: float, options: Options) -> list[int]:
+    """Re-time the fastest `finalists` against the heuristic in a fresh worker; those that beat
+    max(min_speedup, 1 + the larger A/A spread) there, fastest first (empty: the heuristic stays)."""
     ranked = sorted((i for i, r in enumerate(rows) if i and r["status"] == "ok" and r["rel"] < 1.0),
                     key=lambda i: rows[i]["rel"])[:finalists]
+    report.tuned_us = report.heuristic_us
     if not ranked:
-        report.tuned_us = report.heuristic_us
         report.outcome = "no candidate timed faster than the heuristic; the heuristic stays"
         report.settled = True
-        return None
+        return []
     runner.restart()  # nothing the search ran can leak into the re-time
     kind, answer = runner.request("time", (ranked, retime_reps), options.eval_timeout_s * (2 + len(ranked)))
     if kind != "ok":
-        report.tuned_us = report.heuristic_us
         report.outcome = f"the re-time failed ({_last_line(answer)}); the heuristic stays"
-        return None
+        return []
     report.retime_aa_spread = abs(answer["rel"][1] - 1)
     for j, i in enumerate(ranked):
         report.finalists.append({"index": i, "key": rows[i]["key"], "median_us": answer["median_us"][j + 2],
                                  "heuristic_us": answer["median_us"][0], "speedup": 1 / answer["rel"][j + 2]})
-    best = max(report.finalists, key=lambda f: f["speedup"])
     bar = max(min_speedup, 1 + max(report.aa_spread, report.retime_aa_spread))
-    if best["speedup"] <= bar:
-        report.tuned_us = report.heuristic_us
-        report.outcome = (f"the fastest candidate re-timed {best['speedup']:.4f}x, not above {bar:.4f}x "
+    past = sorted((f for f in report.finalists if f["speedup"] > bar), key=lambda f: -f["speedup"])
+    if not past:
+        best = max(f["speedup"] for f in report.finalists)
+        report.outcome = (f"the fastest candidate re-timed {best:.4f}x, not above {bar:.4f}x "
                           "(max of min_speedup and the A/A spread); the heuristic stays")
         report.settled = True
-        return None
-    winner = space.candidates[best["index"]]
-    report.winner, report.winner_key = dataclasses.asdict(winner), best["key"]
-    report.heuristic_us, report.tuned_us, report.speedup = best["heuristic_us"], best["median_us"], best["speedup"]
-    report.outcome = f"{best['key']} is {best['speedup']:.3f}x the heuristic (bar {bar:.4f}x)"
-    return winner
+    return [f["index"] for f in past]
+
+
+def _verify(report: ConfigReport, runner: Runner, space: SearchSpace, ranked: list[int], original_sha256: str,
+            min_speedup: float, seed: int, validation_samples: int, edge_samples: int, op_rounds: int,
+            options: Options, say: Callable[[str], None]) -> Any:
+    """The first of `ranked` that passes where it will serve (the tuned shape, its bucket's edges,
+    `validation_samples` of its test sizes) and at the op level; its config, with report.checks,
+    report.op_level and the op-level times filled in; None: the heuristic stays."""
+    heuristic = space.heuristic
+    for i in ranked:
+        config = space.candidates[i]
+        finalist = next(f for f in report.finalists if f["index"] == i)
+        edges = bucket_edges(space.kernel, space.shape, config, heuristic, seed)
+        say(f"verifying {finalist['key']} ({finalist['speedup']:.3f}x): {len(edges)} bucket edges, "
+            f"{validation_samples} samples, then the public op")
+        kind, v = runner.request("validate", (i, random.Random(f"sip-validate-{seed}").getrandbits(63),
+                                              validation_samples, edges, edge_samples),
+                                 options.eval_timeout_s + (validation_samples + edge_samples * len(edges)) * 0.05)
+        if kind != "ok" or v["status"] != "ok":
+            finalist["verdict"] = f"refused: {v['detail'] if kind == 'ok' else kind + ': ' + _last_line(v)}"
+            continue
+        timing = oplevel.retime(space.kernel, space.shape, oplevel.ConfigCandidate(config, heuristic,
+                                                                                    original_sha256),
+                                rounds=op_rounds)
+        say(timing.text())
+        if not timing.passes(min_speedup):
+            finalist["verdict"] = f"refused at the op level: {timing.error or f'{timing.speedup:.4f}x'}"
+            continue
+        finalist["verdict"] = f"verified: {timing.speedup:.4f}x at the op level"
+        report.op_level = timing.meta()
+        report.checks = {
+            "samples": {"run": validation_samples, "passed": v["passed"]},
+            "compare": "reference", "tolerance": None, "sanitizer": "not run",
+            "shapes": {"tuned": dataclasses.asdict(space.shape), "tuned_samples": edge_samples,
+                       "edges": [dataclasses.asdict(e) for e in edges], "bitwise_at_shapes": v["bitwise"],
+                       "samples": "the kernel's test sizes (Workload.test_args), float64 check"},
+            "op_level": report.op_level}
+        report.winner, report.winner_key = dataclasses.asdict(config), finalist["key"]
+        report.heuristic_us, report.tuned_us, report.speedup = timing.heuristic_us, timing.tuned_us, timing.speedup
+        report.outcome = (f"{finalist['key']} is {timing.speedup:.3f}x the heuristic through {timing.op} "
+                          f"(worker re-time {finalist['speedup']:.3f}x; A/A {timing.aa_spread:.4f})")
+        return config
+    if ranked:
+        report.outcome = ("no candidate past the bar held where it will serve and at the op level ("
+                          + "; ".join(f"{f['key']}: {f['verdict']}" for f in report.finalists if f.get("verdict"))
+                          + "); the heuristic stays")
+        report.settled = True
+    return None
 
 
 def _last_line(text: Any) -> str:

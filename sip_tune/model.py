@@ -2,7 +2,8 @@
 one forward pass of a model runs.
 
     shapes(ModelDims.from_config("config.json"), "decode")  -> ModelShapes   (CPU only)
-    tune(shapes, "decode", ...)                              -> list[Row]     (GPU)
+    tune(shapes, budget_s=600, ...)                          -> list[Row]     (GPU)
+    gains(rows, "decode")                                    -> Gains         (what the store now holds)
 
 The shapes are those of a Qwen3/Llama decoder block as rosekernels.hf runs it (its GEMMs:
 gemm_leakyrelu_plan.model_gemms; the MoE routing kernels where the model has experts, whose GEMMs are
@@ -22,16 +23,23 @@ asked for, or rejects, is dropped and reported (e.g. qk_norm at 64 decode tokens
 prefill kernel; `sip-tune --kernel qk_norm --mode prefill --shape tokens=64` tunes that one), and so
 is one whose kernel has a single config there (the norms' decode mode): level 1 would only time it.
 Resuming: a shape whose bucket has a stored entry tuned against the heuristic's cubin as it compiles
-now is skipped, one where the heuristic stayed included (its search is recorded as the bucket's config
-at 1.0x; a later, better result replaces it).
+now, meeting the tuned store's bar, is skipped, one where the heuristic stayed included (its search is
+recorded as the bucket's config at 1.0x; a later, better result replaces it); an entry below the bar
+(written before entries recorded their checks, or with weaker ones) is tuned again.
+
+The budget: shapes run in order (token count by token count, smallest first: the batches a server
+sees most), and a shape is started only if the longest search so far (SHAPE_ESTIMATE_S before the
+first) fits in what is left; the rest are reported as not reached, and the next run resumes there.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Any, Callable, Iterable
 
 from rosekernels import tuned
+from rosekernels.kernels import kernel_module
 from rosekernels.kernels.gemm_leakyrelu_plan import DECODE_MAX_M, model_gemms
 from rosekernels.models import ModelDims
 from sip import SipError
@@ -45,6 +53,10 @@ DECODE_CONTEXT = 4096  # KV-cache tokens per sequence that decode attention is t
 
 # A shape the kernel cannot take fails in its plan module with one of these (as for --shape in cli).
 BAD_SHAPE = (ValueError, LookupError, TypeError)
+# What one shape's search is assumed to take before any has run: decode GEMM shapes took 13-28 s on
+# the H200 host, Qwen3-8B's 40 decode shapes about 17 minutes in all.
+SHAPE_ESTIMATE_S = 30.0
+NOT_REACHED = "not reached: budget spent"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +66,7 @@ class Job:
     kernel: str
     role: str  # which part of the block runs it, for the table ("qkv", "mlp down", "residual", ...)
     overrides: tuple[tuple[str, Any], ...]
+    tokens: int = 0  # the token count of the block it belongs to
 
     @property
     def shape(self) -> dict[str, Any]:
@@ -72,36 +85,39 @@ class ModelShapes:
     dropped: list[tuple[Job, str]]  # and why each of the others was left out
 
 
-def _job(kernel: str, role: str, **overrides: Any) -> Job:
-    return Job(kernel, role, tuple(overrides.items()))
+def _job(kernel: str, role: str, block_tokens: int, **overrides: Any) -> Job:
+    return Job(kernel, role, tuple(overrides.items()), block_tokens)
 
 
 def _block(dims: ModelDims, mode: str, tokens: int) -> list[Job]:
     """The kernel calls of one decoder block at `tokens` tokens, in the order it runs them."""
     dt = dims.dtype
     heads = dict(heads_q=dims.heads_q, heads_kv=dims.heads_kv, head_dim=dims.head_dim, dtype=dt)
-    gemm = {role: _job("gemm_leakyrelu", role, m=tokens, n=n, k=k, dtype=dt, activation=activation, gated=gated)
+    gemm = {role: _job("gemm_leakyrelu", role, tokens, m=tokens, n=n, k=k, dtype=dt, activation=activation,
+                       gated=gated)
             for role, n, k, activation, gated in model_gemms(dims)}
 
     def gemms(*roles: str) -> list[Job]:  # those of `roles` that run on rosekernels
         return [gemm[r] for r in roles if r in gemm]
 
     # The first norm of a layer has no residual to add; every later one adds the previous sub-layer's output.
-    jobs = [_job("rmsnorm", "norm", rows=tokens, hidden=dims.hidden, dtype=dt, residual=False),
-            _job("rmsnorm", "norm + residual", rows=tokens, hidden=dims.hidden, dtype=dt, residual=True),
-            *gemms("q", "k/v"),
-            _job("qk_norm", "q/k norm", tokens=tokens, q_heads=dims.heads_q, k_heads=dims.heads_kv,
-                 head_dim=dims.head_dim, dtype=dt)]
+    jobs = [_job("rmsnorm", "norm", tokens, rows=tokens, hidden=dims.hidden, dtype=dt, residual=False),
+            _job("rmsnorm", "norm + residual", tokens, rows=tokens, hidden=dims.hidden, dtype=dt, residual=True),
+            *gemms("q", "k/v")]
+    if dims.qk_norm:  # Qwen3's per-head norms; Llama and most others have none
+        jobs.append(_job("qk_norm", "q/k norm", tokens, tokens=tokens, q_heads=dims.heads_q,
+                         k_heads=dims.heads_kv, head_dim=dims.head_dim, dtype=dt))
     if mode == "decode":
-        jobs.append(_job("attention_decode", "attention", batch=tokens, seqlen_q=1, seqlen_kv=DECODE_CONTEXT,
-                         **heads))
+        jobs.append(_job("attention_decode", "attention", tokens, batch=tokens, seqlen_q=1,
+                         seqlen_kv=DECODE_CONTEXT, **heads))
     else:
-        jobs.append(_job("attention", "attention", batch=1, seqlen=tokens, causal=True, **heads))
+        jobs.append(_job("attention", "attention", tokens, batch=1, seqlen=tokens, causal=True, **heads))
     jobs += gemms("o")
     if dims.experts:  # the experts' GEMMs between dispatch and combine are torch._grouped_mm's
-        jobs += [_job("moe_dispatch", "moe dispatch", tokens=tokens, hidden=dims.hidden, experts=dims.experts,
-                      topk=dims.topk, dtype=dt),
-                 _job("moe_combine", "moe combine", tokens=tokens, hidden=dims.hidden, topk=dims.topk, dtype=dt)]
+        jobs += [_job("moe_dispatch", "moe dispatch", tokens, tokens=tokens, hidden=dims.hidden,
+                      experts=dims.experts, topk=dims.topk, dtype=dt),
+                 _job("moe_combine", "moe combine", tokens, tokens=tokens, hidden=dims.hidden, topk=dims.topk,
+                      dtype=dt)]
     else:
         jobs += gemms("mlp gate/up", "mlp down")
     return jobs
@@ -125,7 +141,7 @@ def shapes(dims: ModelDims, mode: str) -> ModelShapes:
             except BAD_SHAPE as e:
                 found.dropped.append((job, str(e)))
                 continue
-            if len(workloads.kernel_module(job.kernel).candidates(shape)) == 1:
+            if len(kernel_module(job.kernel).candidates(shape)) == 1:
                 found.dropped.append((job, f"one config in {mode} mode: nothing to search (its SASS: "
                                            f"sip-tune --kernel {job.kernel} --levels sass)"))
                 continue
@@ -149,17 +165,19 @@ class Row:
     report: configs.ConfigReport | None = None
 
 
-def stored_entry(job: Job, mode: str, cache_root: Any = None) -> tuned.ConfigEntry | None:
+def stored_entry(job: Job, mode: str, store_root: Any = None) -> tuned.ConfigEntry | None:
     """The tuned-store entry for `job`'s bucket tuned against its heuristic's cubin as it compiles
-    now, if any. The heuristic is compiled only when the store holds an entry for this bucket and
-    heuristic config at all (compiling costs seconds; most shapes have none on a first run)."""
+    now, if one meets the store's bar. The heuristic is compiled only when the store holds an entry
+    for this bucket and heuristic config at all (compiling costs seconds; most shapes have none on a
+    first run)."""
     heuristic, shape = workloads.resolve(job.kernel, mode, job.shape)
     bkey = tuned.bucket_key(shape)
-    m = workloads.kernel_module(job.kernel)
+    m = kernel_module(job.kernel)
     if not any(tuned.bucket_key(m.Shape(**e.meta["bucket"])) == bkey and e.heuristic == heuristic
-               for e in tuned.config_entries(cache_root, job.kernel)):
+               for e in tuned.config_entries(store_root, m)):
         return None
-    return tuned.lookup_config(cache_root, job.kernel, shape, m.compile(heuristic).cubin_sha256)
+    entry = tuned.lookup_config(store_root, m, shape, m.compile(heuristic).cubin_sha256)
+    return entry if entry is not None and not entry.problems else None
 
 
 def _progress(jobs: list[Job]) -> tuple[Iterable[Job], Callable[[str], None]]:
@@ -171,24 +189,38 @@ def _progress(jobs: list[Job]) -> tuple[Iterable[Job], Callable[[str], None]]:
     return tqdm(jobs, desc="sip-tune --model", unit="shape"), tqdm.write
 
 
-def tune(found: ModelShapes, *, cache_root: Any = None, max_candidates: int = configs.MAX_CANDIDATES,
-         min_speedup: float = 1.01, seed: int = 0) -> list[Row]:
-    """Level 1 (`configs.tune_configs`) for every job of `found` in turn, skipping those already tuned;
-    a job that fails is reported in its row and the next one runs."""
-    rows = []
+def tune(found: ModelShapes, *, store_root: Any = None, max_candidates: int = configs.MAX_CANDIDATES,
+         min_speedup: float = 1.01, seed: int = 0, budget_s: float | None = None,
+         clock: Callable[[], float] = time.monotonic) -> list[Row]:
+    """Level 1 (`configs.tune_configs`) for every job of `found` in turn, skipping those already tuned,
+    within `budget_s` seconds (None: no limit; see the module docstring); a job that fails is
+    reported in its row and the next one runs."""
+    rows: list[Row] = []
+    start, searches = clock(), []  # the seconds each search took
     jobs, write = _progress(found.jobs)
     for i, job in enumerate(jobs, 1):
+        if budget_s is not None:
+            left = budget_s - (clock() - start)
+            if left < (max(searches) if searches else SHAPE_ESTIMATE_S):
+                rest = found.jobs[i - 1:]
+                write(f"budget: {left:.0f} s left, less than a shape's search: {len(rest)} shapes not reached")
+                rows += [Row(j, NOT_REACHED) for j in rest]
+                break
         write(f"[{i}/{len(found.jobs)}] {job.kernel} {job.label()}")
         try:
-            entry = stored_entry(job, found.mode, cache_root)
+            entry = stored_entry(job, found.mode, store_root)
             if entry is not None:
                 meta = entry.meta
                 rows.append(Row(job, "skipped: already tuned", meta.get("heuristic_median_us", math.nan),
                                 meta.get("tuned_median_us", math.nan), entry.speedup, meta.get("aa_spread", math.nan)))
                 write(f"  skipped: {entry.path} holds {entry.config.variant().key()} ({entry.speedup:.3f}x)")
                 continue
-            report = configs.tune_configs(job.kernel, found.mode, job.shape, max_candidates=max_candidates,
-                                          min_speedup=min_speedup, seed=seed, cache_root=cache_root, log=write)
+            t0 = clock()
+            try:
+                report = configs.tune_configs(job.kernel, found.mode, job.shape, max_candidates=max_candidates,
+                                              min_speedup=min_speedup, seed=seed, store_root=store_root, log=write)
+            finally:
+                searches.append(clock() - t0)
         except (*BAD_SHAPE, SipError, WorkerFailure) as e:
             rows.append(Row(job, f"failed: {e}"))
             write(f"  failed: {e}")
@@ -197,6 +229,78 @@ def tune(found: ModelShapes, *, cache_root: Any = None, max_candidates: int = co
         rows.append(Row(job, "tuned" if report.winner is not None else "heuristic stays", report.heuristic_us,
                         report.tuned_us, report.speedup, report.aa_spread, report))
     return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# What it gained: read back from the store, so that the summary says what the ops will launch.
+
+# The speedup the summary reports for a stored entry, and what it measures. Level 1 re-times its winner
+# against the heuristic in a fresh worker, each kernel alone in a CUDA graph, and stores that ratio; an
+# op-level re-time recorded in the entry (issue 41) is read here, in this one place.
+GAIN_LABEL = ("time of the public op in a CUDA graph over inputs rotated past L2, re-timed in a fresh process: "
+              "heuristic / tuned config (entries without that re-time: the kernel time level 1 measured)")
+
+
+def stored_gain(entry: tuned.ConfigEntry) -> tuple[float, float]:
+    """(the heuristic's time in us, the speedup over it) that the store records for `entry`: the
+    op-level re-time (`sip_tune.oplevel`) where there is one, which is also what meta["speedup"] holds."""
+    op = (entry.meta.get("checks") or {}).get("op_level")
+    if isinstance(op, dict) and "heuristic_us" in op:
+        return float(op["heuristic_us"]), entry.speedup
+    return float(entry.meta.get("heuristic_median_us", math.nan)), entry.speedup
+
+
+@dataclasses.dataclass
+class Gains:
+    mode: str
+    label: str
+    # per shape with a stored entry: kernel, shape (label), tokens, heuristic_us, speedup, config (its
+    # variant key; None where the heuristic stays)
+    shapes: list[dict[str, Any]]
+    not_tuned: int  # shapes with no entry: not reached within the budget, or failed
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def text(self) -> str:
+        faster = [g for g in self.shapes if g["config"] is not None and g["speedup"] > 1]
+        lines = [f"What the tuned store gives this model in {self.mode} (speedup: {self.label}):"]
+        if faster:
+            ups = sorted(g["speedup"] for g in faster)
+            mean = math.exp(sum(map(math.log, ups)) / len(ups))
+            lines.append(f"  {len(faster)} of {len(self.shapes)} tuned shapes launch a faster config: "
+                         f"{ups[0]:.3f}-{ups[-1]:.3f}x (geometric mean {mean:.3f}x); the others keep the heuristic")
+        else:
+            lines.append(f"  none of the {len(self.shapes)} tuned shapes found a config faster than the heuristic "
+                         "past the A/A spread: the heuristic stays for all")
+        timed = [g for g in self.shapes if g["heuristic_us"] > 0 and g["speedup"] > 0]
+        if timed:
+            lines.append("  kernel time of the tuned shapes per decoder block (each distinct shape once):")
+            lines.append(f"    {'tokens':>6}  {'shapes':>6}  {'heuristic us':>12}  {'tuned us':>9}  speedup")
+            for tokens in sorted({g["tokens"] for g in timed}):
+                at = [g for g in timed if g["tokens"] == tokens]
+                before = sum(g["heuristic_us"] for g in at)
+                after = sum(g["heuristic_us"] / g["speedup"] for g in at)
+                lines.append(f"    {tokens:>6}  {len(at):>6}  {before:>12.2f}  {after:>9.2f}  {before / after:.3f}x")
+        if self.not_tuned:
+            lines.append(f"  {self.not_tuned} shapes have no entry (not reached within the budget, or failed): "
+                         "the same command resumes with them")
+        return "\n".join(lines)
+
+
+def gains(rows: list[Row], mode: str, store_root: Any = None) -> Gains:
+    """What the store now holds for the jobs of `rows` (entries of earlier runs included)."""
+    shapes, not_tuned = [], 0
+    for row in rows:
+        entry = None if row.status.startswith("failed") else stored_entry(row.job, mode, store_root)
+        if entry is None:
+            not_tuned += 1
+            continue
+        heuristic_us, speedup = stored_gain(entry)
+        shapes.append({"kernel": row.job.kernel, "shape": row.job.label(), "tokens": row.job.tokens,
+                       "heuristic_us": heuristic_us, "speedup": speedup,
+                       "config": None if entry.config == entry.heuristic else entry.config.variant().key()})
+    return Gains(mode, GAIN_LABEL, shapes, not_tuned)
 
 
 def table(rows: list[Row]) -> str:

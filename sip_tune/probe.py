@@ -14,6 +14,7 @@ synchronises.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import pickle
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
+PROFILE_CACHE_ENV = "SIP_PROFILE_CACHE"
 _DONE = "probe: launches done"
 
 
@@ -51,7 +53,7 @@ def sanitize(factory: Callable[[], Any], cubin: bytes | None, tools: tuple[str, 
         for tool in tools:
             cmd = ["compute-sanitizer", "--tool", tool, "--report-api-errors", "no", "--error-exitcode", "99",
                    *_probe(payload)]
-            out, code = _run(cmd, timeout_s, env={"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
+            out, code = run_isolated(cmd, timeout_s, env={"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
             # memcheck and synccheck end in "ERROR SUMMARY: 0 errors", racecheck in "... 0 hazards".
             summary = "RACECHECK SUMMARY: 0 hazards" if tool == "racecheck" else "ERROR SUMMARY: 0 errors"
             clean = code == 0 and _DONE in out and summary in out
@@ -60,9 +62,28 @@ def sanitize(factory: Callable[[], Any], cubin: bytes | None, tools: tuple[str, 
 
 
 def profile(factory: Callable[[], Any], cubin: bytes, timeout_s: float = 900.0) -> str:
-    """Nsight Compute's per-instruction PC samples of one steady-state launch of `cubin` in the
-    workload's kernel, as the CSV source listing sip.profile.stall_samples reads; ProbeError when
-    ncu cannot profile."""
+    """Nsight Compute's per-instruction PC samples (and their stall reasons) of one steady-state launch
+    of `cubin` in the workload's kernel, as the CSV source listing sip.profile reads; ProbeError when
+    ncu cannot profile. With $SIP_PROFILE_CACHE naming a directory, the listing of each (workload,
+    cubin) is kept there and read back instead of profiling again (a campaign of many searches of one
+    kernel profiles it once)."""
+    cache = os.environ.get(PROFILE_CACHE_ENV)
+    if not cache:
+        return _profile(factory, cubin, timeout_s)
+    key = hashlib.sha256(pickle.dumps(factory)).hexdigest()[:16] + "-" + hashlib.sha256(cubin).hexdigest()[:16]
+    path = Path(cache) / f"{key}.csv"
+    if path.is_file():
+        return path.read_text()
+    listing = _profile(factory, cubin, timeout_s)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(listing)
+    os.replace(partial, path)  # a reader never sees half a listing
+    return listing
+
+
+def _profile(factory: Callable[[], Any], cubin: bytes, timeout_s: float) -> str:
+    """One ncu run of `profile`."""
     if not shutil.which("ncu"):
         raise ProbeError("ncu (Nsight Compute) not found on PATH")
     from sip import cubin as elf
@@ -71,14 +92,14 @@ def profile(factory: Callable[[], Any], cubin: bytes, timeout_s: float = 900.0) 
     with _payload(factory, cubin, samples=0, skip=2) as payload, tempfile.TemporaryDirectory() as tmp:
         report = str(Path(tmp) / "probe")
         # Warp-sampling interval 0 (every 2^5 cycles): the default gave 19 samples of a 1 us launch.
-        out, code = _run(["ncu", "--section", "SourceCounters", "--warp-sampling-interval", "0",
+        out, code = run_isolated(["ncu", "--section", "SourceCounters", "--warp-sampling-interval", "0",
                           "--kernel-name-base", "mangled", "--kernel-name", name, "--launch-skip", "2",
                           "--launch-count", "1", "--export", report, "--force-overwrite", *_probe(payload)],
                          timeout_s)
         if code != 0 or not Path(report + ".ncu-rep").is_file():
             raise ProbeError("ncu could not profile the kernel: " + " | ".join(out.strip().splitlines()[-6:]))
-        listing, code = _run(["ncu", "--import", report + ".ncu-rep", "--page", "source", "--print-source", "sass",
-                              "--csv"], timeout_s, merge=False)
+        listing, code = run_isolated(["ncu", "--import", report + ".ncu-rep", "--page", "source", "--print-source",
+                                      "sass", "--csv"], timeout_s, merge=False)
         if code != 0:
             raise ProbeError(f"ncu could not export the source listing (exit {code})")
     return listing
@@ -96,20 +117,34 @@ def _payload(factory: Callable[[], Any], cubin: bytes | None, samples: int, skip
         os.unlink(path)
 
 
-def _probe(payload: str) -> list[str]:
-    """The probe process's command: this interpreter, with this process's import path first."""
+def python_command(module: str, *args: str) -> list[str]:
+    """A command that runs `module.main(args)` in this interpreter with this process's import path
+    first (what this process imports, a factory defined in a test module included, imports there
+    too); run it with `run_isolated`, which passes the path."""
     boot = ("import json, os, sys; sys.path[:0] = json.loads(os.environ['SIP_PROBE_PATH']); "
-            "from sip_tune.probe import main; sys.exit(main(sys.argv[1:]))")
-    return [sys.executable, "-c", boot, payload]
+            f"from {module} import main; sys.exit(main(sys.argv[1:]))")
+    return [sys.executable, "-c", boot, *args]
 
 
-def _run(cmd: list[str], timeout_s: float, merge: bool = True, env: dict[str, str] | None = None) -> tuple[str, int]:
+def _probe(payload: str) -> list[str]:
+    """The probe process's command."""
+    return python_command("sip_tune.probe", payload)
+
+
+def run_isolated(cmd: list[str], timeout_s: float, merge: bool = True,
+                 env: dict[str, str | None] | None = None) -> tuple[str, int]:
     """Output (stdout, + stderr if `merge`) and exit code. The command runs in a process group of
     its own, which goes whole on a timeout or if this process is interrupted (the tool and the
-    python under it, which holds the GPU)."""
+    python under it, which holds the GPU); `env` adds to (a value None: removes from) this
+    process's environment."""
+    full = dict(os.environ, SIP_PROBE_PATH=json.dumps(sys.path))
+    for key, value in (env or {}).items():
+        if value is None:
+            full.pop(key, None)
+        else:
+            full[key] = value
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
-                            env=dict(os.environ, SIP_PROBE_PATH=json.dumps(sys.path), **(env or {})),
-                            start_new_session=True)
+                            env=full, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except BaseException as e:

@@ -76,20 +76,6 @@ class WorkerFailure(RuntimeError):
     """The worker died, hung or could not start."""
 
 
-def gpu_problem() -> str | None:
-    """Why this machine cannot tune (None: it can)."""
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
-    if not torch.cuda.is_available():
-        return "no CUDA device is visible"
-    cap = torch.cuda.get_device_capability(0)
-    if cap != (9, 0):
-        return f"device 0 is sm_{cap[0]}{cap[1]} ({torch.cuda.get_device_name(0)})"
-    return None
-
-
 # ---------------------------------------------------------------------------------------------
 # Parent side.
 
@@ -198,12 +184,14 @@ class Runner:
             return Evaluation(kind, math.inf, wall_s=wall, detail=str(answer))
         return Evaluation(**answer, wall_s=wall)
 
-    def validate(self, cubin: bytes, seed: int, samples: int) -> dict[str, Any]:
-        """Test `cubin` on `samples` fresh input sets; {'passed', 'failed', 'seconds', 'detail', 'status'}."""
-        timeout = self.options.eval_timeout_s + samples * 0.05
-        kind, answer = self.request("validate", (cubin, seed, samples), timeout)
+    def validate(self, cubin: bytes, seed: int, samples: int, shape_samples: int = 0) -> dict[str, Any]:
+        """Test `cubin` on `shape_samples` input sets of the tuned shape, then `samples` fresh ones of
+        the workload's test sizes; {'passed', 'shape_passed', 'failed', 'seconds', 'detail', 'status'}."""
+        timeout = self.options.eval_timeout_s + (samples + 20 * shape_samples) * 0.05
+        kind, answer = self.request("validate", (cubin, seed, samples, shape_samples), timeout)
         if kind in ("crash", "timeout"):
-            return {"status": kind, "passed": 0, "failed": True, "detail": str(answer), "seconds": math.nan}
+            return {"status": kind, "passed": 0, "shape_passed": 0, "failed": True, "detail": str(answer),
+                    "seconds": math.nan}
         return answer
 
     def compare(self, cubins: Sequence[bytes], reps: int) -> dict[str, Any]:
@@ -269,7 +257,7 @@ def _set_bytes(args: tuple) -> int:
     return max(1, sum(seen.values()))
 
 
-def _device() -> tuple[str, int]:
+def device_info() -> tuple[str, int]:
     """(name, L2 bytes) of the current CUDA device."""
     import torch
 
@@ -284,14 +272,14 @@ def _ring_sets(set_bytes: int, l2: int, options: Options) -> int:
     return max(1, min(want, options.max_ring_sets, options.memory_cap_bytes // set_bytes))
 
 
-def _launches_per_graph(ms_per_launch: float, ring: int, options: Options) -> int:
+def launches_per_graph(ms_per_launch: float, ring: int, options: Options) -> int:
     """Launches per graph, from the per-launch time of the original: the whole ring once and at
     least graph_ms, but at most max_graph_ms of work."""
     t = max(ms_per_launch, 1e-4)
     return max(1, min(options.max_launches, round(options.max_graph_ms / t), max(ring, round(options.graph_ms / t))))
 
 
-class _Graphs:
+class GraphTimer:
     """CUDA graph capture, interleaved replay and output comparison, for the benches below."""
 
     torch: Any
@@ -344,7 +332,7 @@ class _Graphs:
         return (a != b).any()
 
 
-class _Bench(_Graphs):
+class _Bench(GraphTimer):
     """Everything the worker does, on the GPU."""
 
     def __init__(self, workload: Workload, options: Options):
@@ -360,12 +348,12 @@ class _Bench(_Graphs):
         probe = workload.make_args(0x5EED)
         self.set_bytes = _set_bytes(probe)
         self._check_deterministic()
-        self.gpu, self.l2 = _device()
+        self.gpu, self.l2 = device_info()
         n_ring = _ring_sets(self.set_bytes, self.l2, self.o)
         self.ring = [probe] + [workload.make_args(0x5EED + i) for i in range(1, n_ring)]
         self.launches = min(len(self.ring), 32)
         t = statistics.median(self._replay([self._graph(self.base)], 5)[0]) / self.launches
-        self.launches = _launches_per_graph(t, len(self.ring), self.o)
+        self.launches = launches_per_graph(t, len(self.ring), self.o)
         self.base_graph = self._graph(self.base)
         self.base_us = statistics.median(self._replay([self.base_graph], 5)[0]) / self.launches * 1e3
 
@@ -408,10 +396,13 @@ class _Bench(_Graphs):
             raise RuntimeError("the original kernel's outputs differ between two runs on the same inputs "
                                f"({result['detail']}); compare canonical outputs or give a tolerance")
 
-    def _test(self, fn: Callable[..., Any], seed: int, samples: int, batch: int) -> dict[str, Any]:
-        """Run `samples` fresh input sets (seeds drawn from `seed`) through the original and `fn`;
-        `batch` samples per round, compared on the device, one host synchronisation per round."""
+    def _test(self, fn: Callable[..., Any], seed: int, samples: int, batch: int,
+              draw: Callable[[int], tuple] | None = None) -> dict[str, Any]:
+        """Run `samples` fresh input sets (seeds drawn from `seed`; `draw`: how a seed becomes one,
+        default the workload's test sizes) through the original and `fn`; `batch` samples per
+        round, compared on the device, one host synchronisation per round."""
         torch = self.torch
+        draw = draw or self.w.sample
         seeds = random.Random(seed)
         done = 0
         t0 = time.perf_counter()
@@ -419,7 +410,7 @@ class _Bench(_Graphs):
             k = min(batch, samples - done)
             pairs = []
             for _ in range(k):
-                ref = self.w.sample(seeds.getrandbits(63))
+                ref = draw(seeds.getrandbits(63))
                 cand = _clone(ref)
                 self.w.run(self.base, ref)
                 self.w.run(fn, cand)
@@ -469,10 +460,18 @@ class _Bench(_Graphs):
                 "base_us": statistics.median(base) / self.launches * 1e3,
                 "load_s": t1 - t0, "test_s": t2 - t1, "time_s": t3 - t2, "recycle": self._recycle()}
 
-    def validate(self, cubin: bytes, seed: int, samples: int) -> dict[str, Any]:
+    def validate(self, cubin: bytes, seed: int, samples: int, shape_samples: int = 0) -> dict[str, Any]:
+        """`cubin` against the original on `shape_samples` input sets of the tuned shape (the
+        workload's make_args), then on `samples` of its test sizes; "shape_passed" and "passed"
+        count what passed."""
         fn = self._load(cubin)
+        at_shape = self._test(fn, seed ^ 0x5A5E, shape_samples, batch=4, draw=self.w.make_args)
+        if at_shape["failed"]:
+            return {**at_shape, "status": "incorrect", "passed": 0, "shape_passed": at_shape["passed"],
+                    "detail": f"at the tuned shape: {at_shape['detail']}"}
         out = self._test(fn, seed, samples, batch=self.o.test_batch)
-        out["status"] = "incorrect" if out["failed"] else "ok"
+        out["seconds"] += at_shape["seconds"]
+        out["status"], out["shape_passed"] = "incorrect" if out["failed"] else "ok", at_shape["passed"]
         return out
 
     def compare(self, cubins: list[bytes], reps: int) -> dict[str, Any]:
@@ -485,7 +484,7 @@ class _Bench(_Graphs):
                 "min_us": [min(row) for row in us], "reps": reps, "launches_per_graph": self.launches}
 
 
-class ConfigBench(_Graphs):
+class ConfigBench(GraphTimer):
     """The worker of level 1 (`sip_tune.configs`): several configurations of one kernel for one
     shape. `space` has `configs` (the heuristic's first) and `workload(i)`, the Workload of
     configs[i] at the shape; workloads are built (loaded from the disk cache) when first asked for,
@@ -495,7 +494,9 @@ class ConfigBench(_Graphs):
     the tuned config is for this shape) and compares the outputs bitwise; where they differ, the
     candidate's float64 check must pass. time(indices, ...) replays graphs of the heuristic (twice:
     the A/A pair) and of each candidate interleaved, every graph cycling over its own input sets
-    (the configs' arguments differ, e.g. split-K workspaces) that together exceed L2."""
+    (the configs' arguments differ, e.g. split-K workspaces) that together exceed L2. validate(i,
+    ...) tests a winner before it is stored: as `test` at the tuned shape and at its bucket's edges
+    (`space.workload_at(i, shape)`), then its float64 check on many samples of its test sizes."""
 
     RING_SEED = 0x5EED
 
@@ -508,7 +509,7 @@ class ConfigBench(_Graphs):
         self.stream = torch.cuda.Stream()
         self.workloads: dict[int, Workload] = {}
         self.rings: dict[int, list[tuple]] = {}
-        self.gpu, self.l2 = _device()
+        self.gpu, self.l2 = device_info()
         heuristic = self._workload(0)
         probe = heuristic.make_args(self.RING_SEED)
         self.set_bytes = _set_bytes(probe)
@@ -516,7 +517,7 @@ class ConfigBench(_Graphs):
         self._check_deterministic()
         self.launches = min(self.n_ring, 32)
         t = statistics.median(self._replay([self._graph(0)], 5)[0]) / self.launches
-        self.launches = _launches_per_graph(t, self.n_ring, self.o)
+        self.launches = launches_per_graph(t, self.n_ring, self.o)
         self.base_us = statistics.median(self._replay([self._graph(0)], 5)[0]) / self.launches * 1e3
 
     def info(self) -> dict[str, Any]:
@@ -561,6 +562,27 @@ class ConfigBench(_Graphs):
                 raise RuntimeError("the heuristic's kernel gives different outputs on the same inputs: "
                                    "candidates cannot be compared with it bitwise")
 
+    def _compare(self, ref_w: Workload, w: Workload, seeds: random.Random, samples: int) -> tuple[bool, float, str]:
+        """`samples` input sets of the same seeds through both: (bitwise, max_err, "" or why not).
+        Where outputs differ, w's float64 check must pass (max_err: the worst, nan when all equal)."""
+        bitwise, max_err = True, math.nan
+        for n in range(samples):
+            s = seeds.getrandbits(63)
+            ref, out = ref_w.make_args(s), w.make_args(s)
+            ref_w.run(ref_w.kernel.fn, ref)
+            w.run(w.kernel.fn, out)
+            if not self._differs(ref, out, ref_w, w):
+                continue
+            bitwise = False
+            if w.check is None:
+                return False, max_err, f"sample {n}: outputs differ from the heuristic's and the kernel has no check"
+            try:
+                err = float(w.check(out))
+            except AssertionError as e:
+                return False, max_err, f"sample {n}: {e}"
+            max_err = err if math.isnan(max_err) else max(max_err, err)
+        return bitwise, max_err, ""
+
     # -- requests
 
     def test(self, i: int, seed: int, samples: int) -> dict[str, Any]:
@@ -570,25 +592,42 @@ class ConfigBench(_Graphs):
         t0 = time.perf_counter()
         heuristic, w = self._workload(0), self._workload(i)
         t1 = time.perf_counter()
+        bitwise, max_err, detail = self._compare(heuristic, w, random.Random(seed), samples)
+        return self._verdict("incorrect" if detail else "ok", bitwise, max_err, t0, t1, detail)
+
+    def validate(self, i: int, seed: int, samples: int, edges: list, edge_samples: int) -> dict[str, Any]:
+        """configs[i] wherever its entry will serve, before it is stored: against the heuristic on
+        `edge_samples` input sets at the tuned shape and at each shape of `edges` (its bucket's
+        edges; as `test`), then its float64 check on `samples` fresh sets of the sizes its workload
+        tests (Workload.test_args). {"status", "bitwise" (at the shapes), "max_err", "shape_passed",
+        "passed", "seconds", "detail"}."""
+        t0 = time.perf_counter()
         seeds = random.Random(seed)
-        bitwise, max_err = True, math.nan
+        out = {"status": "ok", "bitwise": True, "max_err": math.nan, "shape_passed": 0, "passed": 0, "detail": ""}
+        for shape in [None, *edges]:
+            pair = (self._workload(0), self._workload(i)) if shape is None else \
+                (self.space.workload_at(0, shape), self.space.workload_at(i, shape))
+            bitwise, max_err, detail = self._compare(*pair, seeds, edge_samples)
+            out["bitwise"] &= bitwise
+            out["max_err"] = max_err if math.isnan(out["max_err"]) else max(out["max_err"], max_err)
+            if detail:
+                where = "the tuned shape" if shape is None else f"bucket edge {shape}"
+                return {**out, "status": "incorrect", "detail": f"at {where}: {detail}",
+                        "seconds": time.perf_counter() - t0}
+            out["shape_passed"] += edge_samples
+        w = self._workload(i)
         for n in range(samples):
-            s = seeds.getrandbits(63)
-            ref, out = heuristic.make_args(s), w.make_args(s)
-            heuristic.run(heuristic.kernel.fn, ref)
-            w.run(w.kernel.fn, out)
-            if not self._differs(ref, out, heuristic, w):
-                continue
-            bitwise = False
-            if w.check is None:
-                return self._verdict("incorrect", False, max_err, t0, t1,
-                                     f"sample {n}: outputs differ from the heuristic's and the kernel has no check")
+            args = w.sample(seeds.getrandbits(63))
+            w.run(w.kernel.fn, args)
             try:
-                err = float(w.check(out))
+                if w.check is None:
+                    raise AssertionError("the kernel has no float64 check")
+                w.check(args)
             except AssertionError as e:
-                return self._verdict("incorrect", False, max_err, t0, t1, f"sample {n}: {e}")
-            max_err = err if math.isnan(max_err) else max(max_err, err)
-        return self._verdict("ok", bitwise, max_err, t0, t1, "")
+                return {**out, "status": "incorrect", "detail": f"test sample {n}: {e}",
+                        "seconds": time.perf_counter() - t0}
+            out["passed"] += 1
+        return {**out, "seconds": time.perf_counter() - t0}
 
     @staticmethod
     def _verdict(status: str, bitwise: bool, max_err: float, t0: float, t1: float, detail: str) -> dict[str, Any]:

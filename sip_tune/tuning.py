@@ -18,8 +18,12 @@ for the kernels of the package. The loop:
    with the original and a byte-identical copy of it (the A/A pair: the pipeline's noise floor), in
    `retimes` fresh workers; each finalist's time is its median over those runs. They are taken
    greedily, fastest first: the first one that beats both `min_speedup` and 1 + the A/A spread,
-   passes `samples` fresh random samples and runs clean under compute-sanitizer memcheck, racecheck
-   and synccheck (`sanitize`) is stored (`rosekernels.tuned`).
+   matches the original on `shape_samples` input sets of the tuned shape itself and on `samples`
+   fresh random samples of the kernel's test sizes, runs clean under compute-sanitizer memcheck,
+   racecheck and synccheck (`sanitize`), and (given the tuned `shape`) beats max(min_speedup, 1 + A/A)
+   through the public op too (`sip_tune.oplevel`: a fresh process that installs it as warmup does,
+   over inputs rotated past L2, against the original and the best peer) is stored
+   (`rosekernels.tuned`) with how it was checked; the op-level speedup is the one stored and reported.
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ from typing import Any, Callable
 from rosekernels import tuned
 from rosekernels.workload import Workload
 from sip import cfg, cubin as elf, mutate, profile, sass, search
-from sip_tune import probe
+from sip_tune import oplevel, probe
 from sip_tune.runner import Evaluation, Options, Runner
 
 # ---------------------------------------------------------------------------------------------
@@ -97,6 +101,7 @@ class TuneConfig:
     # Final validation: fresh random samples through both kernels; 0: 10^4, or 10^5 when the moves go
     # past global-memory instructions (ALU, shared memory and control-code edits are new ground).
     samples: int = 0
+    shape_samples: int = 8  # input sets of the tuned shape itself a finalist is compared on (final validation)
     search_samples: int = 2  # per candidate during the search
     t_max: float = 0.02
     t_min: float = 2e-4
@@ -117,16 +122,17 @@ class TuneConfig:
     def __post_init__(self) -> None:
         if (self.budget_iters is None) == (self.budget_seconds is None):
             raise ValueError("give exactly one budget: iterations or seconds")
-        if self.runs < 1 or self.samples < 0 or self.search_samples < 1 or self.finalists < 1 or self.retimes < 1:
-            raise ValueError("runs, search_samples, finalists and retimes must be >= 1, samples >= 0")
+        if self.runs < 1 or self.samples < 0 or self.search_samples < 1 or self.finalists < 1 or self.retimes < 1 \
+                or self.shape_samples < 1:
+            raise ValueError("runs, search_samples, shape_samples, finalists and retimes must be >= 1, samples >= 0")
         if self.hot not in HOT_SOURCES:
             raise ValueError(f"hot must be one of {HOT_SOURCES}, got {self.hot!r}")
 
     @property
     def validation_samples(self) -> int:
-        if self.samples:
-            return self.samples
         classes = mutate.DEFAULT_MOVES if self.moves is None else mutate.parse_moves(self.moves)
+        if self.samples:  # never fewer than an untrusted relaxation needs (sip.mutate.UNTRUSTED)
+            return max(self.samples, mutate.UNTRUSTED_SAMPLES) if classes & mutate.UNTRUSTED else self.samples
         return 10_000 if classes <= mutate.DEFAULT_MOVES else 100_000
 
     def anneal(self) -> search.AnnealConfig:
@@ -170,7 +176,8 @@ class TuneReport:
     tuned_us: float = math.nan
     aa_spread: float = math.nan  # max |1 - time(copy) / time(original)| over the re-time runs
     bar: float = math.nan  # the speedup a finalist had to reach: max(min_speedup, 1 + aa_spread)
-    speedup: float = 1.0
+    speedup: float = 1.0  # of the stored cubin: at the op level where it was re-timed there, else in the worker
+    op_level: dict = dataclasses.field(default_factory=dict)  # its op-level re-time (oplevel.OpTiming)
     samples_passed: int = 0
     cached: str = ""  # entry path, or ""
     outcome: str = ""
@@ -213,7 +220,8 @@ class TuneReport:
                          + (f", validation: {f['validation']}" if f.get("validation") else ""))
         lines += [
             f"  result       original {self.baseline_us:.3f} us, tuned {self.tuned_us:.3f} us per launch: "
-            f"{self.speedup:.3f}x ({self.samples_passed} samples passed)",
+            f"{self.speedup:.3f}x ({self.samples_passed} samples passed)"
+            + (" (the public op, fresh process)" if self.op_level and not self.op_level.get("error") else ""),
             f"  outcome      {self.outcome}",
             f"  total        {self.total_seconds:.1f} s",
         ]
@@ -225,11 +233,13 @@ def _digest(cubin: bytes) -> str:
 
 
 def tune(factory: Callable[[], Workload], config: TuneConfig, *, kernel: str | None = None,
-         cache_root: str | os.PathLike | None = None, log: Callable[[str], None] = print,
+         shape: Any = None, store_root: str | os.PathLike | None = None, log: Callable[[str], None] = print,
          candidate_hook: Callable[[bytes], bytes] | None = None) -> TuneReport:
     """Search, validate and (if it pays) cache a tuned cubin for the workload `factory` builds.
 
-    `candidate_hook` (tests only) rewrites every proposed cubin before it is run."""
+    shape: the kernel module's Shape the workload is at (its make_args), which the op-level re-time
+    calls the public op with; None: no op-level re-time (the entry records "not run" and stays below
+    the store's bar). `candidate_hook` (tests only) rewrites every proposed cubin before it is run."""
     t_start = time.monotonic()
     workload = factory()  # compiles (CPU); the worker builds its own from the disk cache
     original, variant = workload.kernel.cubin, workload.kernel.variant
@@ -357,7 +367,7 @@ def tune(factory: Callable[[], Workload], config: TuneConfig, *, kernel: str | N
         report.crashed = sum(r.crashes for r in runners)
         report.timeouts = sum(r.timeouts for r in runners)
         _fill_costs(report, costs)
-        _finish(report, runner, pool, config, factory, kernel, variant, original, cache_root, log)
+        _finish(report, runner, pool, config, factory, kernel, variant, original, shape, store_root, log)
         report.worker_starts = sum(r.starts for r in runners)
     finally:
         for r in runners:
@@ -377,11 +387,11 @@ def _gpu_count() -> int:
 
 
 def _finish(report: TuneReport, runner: Runner, pool: dict[str, tuple[float, bytes]], config: TuneConfig,
-            factory: Callable[[], Workload], kernel: str, variant: Any, original: bytes, cache_root: Any,
-            log: Callable[[str], None]) -> None:
+            factory: Callable[[], Workload], kernel: str, variant: Any, original: bytes, shape: Any,
+            store_root: Any, log: Callable[[str], None]) -> None:
     """Greedy pick: re-time the best few, the original and a copy of it interleaved, in
-    `config.retimes` fresh workers; then validate fastest first; cache the first that beats the bar
-    (min_speedup and the A/A spread), passes and (config.sanitize) is clean under compute-sanitizer."""
+    `config.retimes` fresh workers; then verify fastest first (the tuned shape and the samples,
+    compute-sanitizer, the public op) and cache the first that passes everything past the bar."""
     ranked = sorted(pool.items(), key=lambda kv: kv[1][0])[:config.finalists]
     if not ranked:
         report.outcome = "no candidate passed testing; nothing cached"
@@ -407,10 +417,13 @@ def _finish(report: TuneReport, runner: Runner, pool: dict[str, tuple[float, byt
         if speedup < report.bar:
             f["validation"] = f"skipped: {speedup:.4f}x < bar {report.bar:.4f}x"
             continue
-        log(f"[sip-tune] validating {f['digest'][:12]} ({speedup:.3f}x) on {samples} fresh samples")
-        v = runner.validate(f["cubin"], random.Random(f"sip-final-{config.seed}").getrandbits(63), samples)
+        log(f"[sip-tune] validating {f['digest'][:12]} ({speedup:.3f}x) on {config.shape_samples} input sets of the "
+            f"tuned shape and {samples} fresh samples")
+        v = runner.validate(f["cubin"], random.Random(f"sip-final-{config.seed}").getrandbits(63), samples,
+                            config.shape_samples)
         rate = v["passed"] / v["seconds"] if v.get("seconds") else math.nan
-        f["validation"] = f"{v['status']}: {v['passed']} passed in {v['seconds']:.1f} s ({rate:.0f}/s)" + (
+        f["validation"] = (f"{v['status']}: {v.get('shape_passed', 0)} at the tuned shape and {v['passed']} "
+                           f"samples passed in {v['seconds']:.1f} s ({rate:.0f}/s)") + (
             f" ({_last_line(v['detail'])})" if v.get("detail") else "")
         if v["status"] != "ok":
             continue
@@ -428,20 +441,46 @@ def _finish(report: TuneReport, runner: Runner, pool: dict[str, tuple[float, byt
                     report.outcome = f"compute-sanitizer does not pass the original kernel either ({found}); nothing cached"
                     break
                 continue
-        report.tuned_us, report.speedup, report.samples_passed = f["median_us"], speedup, v["passed"]
+        timing = None
+        if shape is not None:
+            log(f"[sip-tune] the public op with {f['digest'][:12]}, in a fresh process")
+            timing = oplevel.retime(kernel, shape, oplevel.CubinCandidate(variant, original, f["cubin"]),
+                                    store_root=store_root)
+            log(f"[sip-tune] {timing.text()}")
+            f["validation"] += f"; {timing.text()}"
+            if config.min_speedup >= 1 and not timing.passes(config.min_speedup):
+                f["validation"] += " (not past the bar)"
+                continue
+        measured = timing is not None and not timing.error
+        report.tuned_us, report.samples_passed = f["median_us"], v["passed"]
+        report.speedup = timing.speedup if measured else speedup
+        report.op_level = timing.meta() if timing is not None else {}
+        checks = {"samples": {"run": samples, "passed": v["passed"]},
+                  "compare": "bitwise" if config.tolerance is None else "tolerance",
+                  "tolerance": None if config.tolerance is None else dict(zip(("rtol", "atol"), config.tolerance)),
+                  "sanitizer": f.get("sanitizer", "not run"),
+                  "shapes": {"tuned": dataclasses.asdict(shape) if shape is not None else None,
+                             "tuned_samples": v.get("shape_passed", 0),
+                             "samples": "the kernel's test sizes (Workload.test_args)"},
+                  "op_level": report.op_level or "not run (no shape given)"}
         meta = {"baseline_median_us": report.baseline_us, "tuned_median_us": f["median_us"],
-                "speedup": speedup, "aa_spread": report.aa_spread, "retimed": f["rels"],
-                "samples_passed": v["passed"], "sanitizer": f.get("sanitizer", "not run"), "search": report.config,
-                "seed": config.seed, "gpu": report.gpu, "iterations": report.iterations,
+                "speedup": report.speedup, "worker_speedup": speedup, "aa_spread": report.aa_spread,
+                "retimed": f["rels"], "samples_passed": v["passed"], "sanitizer": checks["sanitizer"],
+                "checks": checks, "search": report.config, "seed": config.seed, "gpu": report.gpu,
+                "iterations": report.iterations,
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-        path, written = tuned.store(cache_root, kernel, variant, original, f["cubin"], meta)
+        path, written = tuned.store(store_root, kernel, variant, original, f["cubin"], meta)
         report.cached = str(path)
-        report.outcome = (f"cached {speedup:.3f}x at {path}" if written else
-                          f"kept the existing, faster entry at {path} (this run: {speedup:.3f}x)")
+        problems = tuned.bar_problems(meta, "cubin")
+        report.outcome = (f"cached {report.speedup:.3f}x at {path}" if written else
+                          f"kept the existing, stronger or faster entry at {path} (this run: "
+                          f"{report.speedup:.3f}x)")
+        if problems and written:
+            report.outcome += f"; below the store's bar, not loaded by default ({'; '.join(problems)})"
         break
     else:
         report.outcome = ("no finalist beat the bar (min_speedup and the A/A spread), passed every sample and "
-                          "compute-sanitizer; nothing cached (the untuned kernel stays)")
+                          "compute-sanitizer and held at the op level; nothing cached (the untuned kernel stays)")
     for f in report.finalists:
         del f["cubin"]
 

@@ -13,12 +13,9 @@ import dataclasses
 import functools
 from typing import Any, Callable, Mapping
 
-import rosekernels
 from rosekernels import contract
+from rosekernels.kernels import kernel_module
 from rosekernels.workload import Workload
-
-KERNELS = rosekernels.KERNELS  # name -> module: what sip-tune --kernel accepts
-kernel_module = contract.kernel_module
 
 
 def resolve(kernel: str, mode: str, shape: Mapping[str, Any] | None = None) -> tuple[Any, Any]:

@@ -8,6 +8,8 @@ import pytest
 
 from devices import HAS_SM90
 
+from rosekernels import paths
+
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 _OWN_CACHE = None
 
@@ -34,6 +36,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def environment_roots():
+    """Each test starts from the environment's cache roots: warmup(cache_dir=, store_root=) and
+    `rosekernels-cache build`, run in this process, choose them for the rest of the process."""
+    yield
+    paths.use_compile_cache_root(None)
+    paths.use_tuned_store_root(None)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
-"""Every op on ragged shapes under compute-sanitizer memcheck, racecheck and synccheck: zero errors.
-Driver symbol probing (cuGetProcAddress) shows up as CUDA API errors, hence --report-api-errors no."""
+"""Every op on ragged shapes under compute-sanitizer memcheck, racecheck and synccheck, and the KV-cache
+ops on lying block tables and lengths under memcheck: zero errors. Driver symbol probing
+(cuGetProcAddress) shows up as CUDA API errors, hence --report-api-errors no."""
 import os
 import shutil
 import subprocess
@@ -9,12 +10,10 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).parent / "support" / "sanitize_ops.py"
+LYING = Path(__file__).parent / "support" / "lying_tables.py"
 
 
-@pytest.mark.gpu
-@pytest.mark.slow
-@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
-def test_every_op_is_clean_under_compute_sanitizer(tool):
+def _sanitize(tool: str, script: Path) -> tuple[subprocess.CompletedProcess, str]:
     sanitizer = shutil.which("compute-sanitizer")
     if sanitizer is None:
         pytest.skip("compute-sanitizer not found")
@@ -23,10 +22,28 @@ def test_every_op_is_clean_under_compute_sanitizer(tool):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SCRIPT.parents[2]), os.environ.get("PYTHONPATH", "")]),
                PYTORCH_NO_CUDA_MEMORY_CACHING="1")
     run = subprocess.run([sanitizer, "--tool", tool, "--report-api-errors", "no", "--error-exitcode", "99",
-                          sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=1200)
-    tail = (run.stdout + run.stderr)[-3000:]
+                          sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=1200)
+    return run, (run.stdout + run.stderr)[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck"])
+def test_every_op_is_clean_under_compute_sanitizer(tool):
+    run, tail = _sanitize(tool, SCRIPT)
     assert run.returncode == 0, tail
     assert "all ops ran" in run.stdout, tail
     # memcheck and synccheck print "ERROR SUMMARY: 0 errors", racecheck "... (0 errors, 0 warnings)".
     summary = "RACECHECK SUMMARY: 0 hazards" if tool == "racecheck" else "ERROR SUMMARY: 0 errors"
     assert summary in run.stdout + run.stderr, tail
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_lying_block_tables_and_lengths_are_clean_under_memcheck():
+    """attention_with_kvcache and append_kvcache given block ids past the cache or negative and
+    lengths past the table or negative (tests/support/lying_tables.py, which also checks the results):
+    no access outside any allocation."""
+    run, tail = _sanitize("memcheck", LYING)
+    assert run.returncode == 0, tail
+    assert "lying tables ran" in run.stdout and "ERROR SUMMARY: 0 errors" in run.stdout + run.stderr, tail

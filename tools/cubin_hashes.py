@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import gzip
-import importlib
 import json
 import multiprocessing
 import os
@@ -30,56 +29,55 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 # The kernels of this checkout, not those of an installed copy (an editable install points elsewhere).
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-PEER = "rosekernels.kernels.moe_peer"
-
-
 def _open(path: str, mode: str):
     return gzip.open(path, mode + "t") if path.endswith(".gz") else open(path, mode)
 
 
 def _module(name: str):
-    from rosekernels import contract
+    from rosekernels.kernels import kernel_module
 
-    return contract.kernel_module(name)
+    return kernel_module(name)
 
 
-def _extras(kernels: list[str]) -> list[tuple[str, object]]:
-    """(module, config) of the variants that no `variants_for()` lists."""
+def _extras(kernels: list[str]) -> list[tuple[object, object]]:
+    """(compile, config) of the variants that no `variants_for()` lists."""
     specs = []
     if "attention_decode" in kernels:
         m = _module("attention_decode")
-        specs += [(m.__name__, c) for block_size in (None, 16) for c in m.kvcache_variants_for(block_size=block_size)]
+        specs += [(m.compile, c) for block_size in (None, 16) for c in m.kvcache_variants_for(block_size=block_size)]
     if "attention" in kernels:
         m = _module("attention")
-        specs += [(m.__name__, c) for c in m.varlen_variants_for()]
+        specs += [(m.compile, c) for c in m.varlen_variants_for()]
     if "moe_dispatch" in kernels or "moe_combine" in kernels:
-        peer = importlib.import_module(PEER)
+        from rosekernels.kernels import moe_peer as peer
+
         configs = [peer.PeerConfig("ep_send", 4, hidden=2048, topk=8, experts=32),
                    peer.PeerConfig("ep_return", 4, hidden=2048, topk=8, experts=32),
                    peer.PeerConfig("wait", 4, region=peer.EP_FLAG, bump=True),
                    peer.PeerConfig("tp_reduce", 4, hidden=2048),
                    peer.PeerConfig("tp_reduce", 4, hidden=2048, topk=8)]
-        specs += [(PEER, c) for c in configs]
+        specs += [(peer.compile, c) for c in configs]
     return specs
 
 
-def _specs(kernels: list[str], extras: bool) -> list[tuple[str, object]]:
-    specs = [(_module(name).__name__, cfg) for name in kernels for cfg in _module(name).variants_for()]
+def _specs(kernels: list[str], extras: bool) -> list[tuple[object, object]]:
+    """(compile, config) of each variant: a spawned worker unpickles the compile by its module and name."""
+    specs = [(_module(name).compile, cfg) for name in kernels for cfg in _module(name).variants_for()]
     return specs + (_extras(kernels) if extras else [])
 
 
-def _hash(spec: tuple[str, object]) -> tuple[str, str]:
-    module, cfg = spec
-    kernel = importlib.import_module(module).compile(cfg)
+def _hash(spec: tuple[object, object]) -> tuple[str, str]:
+    compile_config, cfg = spec
+    kernel = compile_config(cfg)
     return kernel.variant.key(), kernel.cubin_sha256
 
 
 def main() -> int:
-    import rosekernels
+    from rosekernels.kernels import KERNELS
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("-o", "--output", required=True)
-    p.add_argument("--kernels", default=",".join(rosekernels.KERNELS))
+    p.add_argument("--kernels", default=",".join(KERNELS))
     p.add_argument("--compare", help="an earlier run's JSON: report keys missing, added or changed")
     p.add_argument("--keys-only", action="store_true", help="list the variant keys, compile nothing")
     only = p.add_mutually_exclusive_group()

@@ -741,7 +741,7 @@ def compile(config: AttentionConfig) -> jit.CompiledKernel:  # noqa: A001 - the 
 def precompile(configs=None, processes: int | None = None) -> list[jit.CompiledKernel]:
     """compile() of each config (default: variants_for()), the cold ones first compiled in parallel
     processes into the disk cache (jit.precompile)."""
-    return jit.precompile(__name__, variants_for() if configs is None else configs, processes)
+    return jit.precompile(compile, variants_for() if configs is None else configs, processes)
 
 
 def launch_args(cfg: AttentionConfig, q: torch.Tensor, num_ctas: int | None = None) -> tuple[torch.Tensor, int]:

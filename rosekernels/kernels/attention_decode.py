@@ -689,7 +689,7 @@ def compile(config: DecodeConfig) -> jit.CompiledKernel:  # noqa: A001 - the con
 def precompile(configs=None, processes: int | None = None) -> list[jit.CompiledKernel]:
     """compile() of each config (default: variants_for()), the cold ones first compiled in parallel
     processes into the disk cache (jit.precompile)."""
-    return jit.precompile(__name__, variants_for() if configs is None else configs, processes)
+    return jit.precompile(compile, variants_for() if configs is None else configs, processes)
 
 
 def _inputs(cfg: DecodeConfig, shape: DecodeShape, seed: int, device: str = "cuda") -> tuple:

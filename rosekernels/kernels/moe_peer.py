@@ -5,17 +5,36 @@ Every rank owns an *arena*, one byte buffer of the same layout on each rank, map
 rank's address space (torch SymmetricMemory, or n buffers on one GPU when the ranks are emulated).
 A kernel gets `addr` [world, regions] int64: the address of each region of each rank's arena as
 this process sees it, so one kernel serves any number of ranks. Every access to an arena is
-explicit PTX: 16-byte vectors for rows, `st.release.sys` for a flag after the data it publishes
-(every thread fences at system scope, the CTA synchronises, then one thread stores the flag), and
+explicit PTX: 16-byte vectors for rows, a system-scope release for a flag after the data it
+publishes (every thread fences at system scope, the CTA synchronises, then a thread stores the flag
+with `st.release.sys`, or, storing several, fences once and stores them `st.relaxed.sys`), and
 `ld.acquire.sys` to poll one.
 
-Flags carry the step: `state` [4] int32 on each rank holds the number of finished steps (word 0);
-a step publishes flags equal to it + 1, waiters accept any flag at or past that (a fast peer may
-already have published the next step's), and the last kernel of a step counts its CTAs out
-(word 2) and the last one advances word 0. No flag is ever reset, so CUDA-graph replays stay
-valid. A wait that outlasts `timeout_ns` records 1 + the late rank in word 1 (atomic max) and
-gives up, so a peer that never signals ends the launch instead of hanging it; the host reads it
-(`rosekernels.moe.*.check`).
+Step state. The arena's first region (`STATE`, the same place in every layout, so the step stays
+with the arena and not with the Python object driving it) holds `state` [4] int32: the number of
+finished steps mod 2^32 (word 0), the CTAs counted out of the step's last kernel (word 1) and the
+error word (int64, bytes 8-15). A step publishes flags for step = finished + 1; the last CTA out of
+its last kernel advances word 0. No flag is ever reset, so CUDA-graph replays stay valid.
+
+Flags are 64-bit: the step (mod 2^32) in the high half, the call's shape in the low half (tensor
+parallel: the token count; expert parallel: 0). Steps compare mod 2^32 (int32(seen - step)), which
+is exact because no flag a waiter reads is ever more than one step away from its own step: every flag
+slot is written on every step (expert parallel: every row of every sender, whatever the batch;
+tensor parallel: every one of the `slots` CTA flags, also those of CTAs a small batch does not
+launch), and no rank starts step s + 2 before every peer has started s + 1. An expert-parallel wait
+accepts exactly its step (a peer cannot be ahead: it would need this rank's returns first); a
+tensor-parallel one its step or the next (a fast peer's), and a flag of its own step must carry its
+own token count.
+
+Errors. A wait that outlasts `timeout_ns` (ERR_TIMEOUT), a flag further ahead than that
+(ERR_AHEAD: another object on the arena, or a corrupt one), or a tensor-parallel flag of this step
+with another token count (ERR_SHAPE) makes the waiting thread write one code (kind, its rank, the
+peer's, both shapes) into the error word of every rank, its own included, by compare-and-swap from 0:
+the first error stays, and nothing clears it. A wait also ends as soon as its own rank's error word is
+set, so after an error every later step of every rank runs without waiting (in bounded time; its
+results are meaningless) until the host reads the word (`rosekernels.moe.*.check`) and the ranks are
+rebuilt. `fence` builds variants that break the release side on purpose: the SASS check of
+tests/kernels/test_moe_parallel.py must fail them, and the two-GPU soak runs one to see what it shows.
 
 Kernels:
 - `ep_send`: expert parallel, the sender's half of dispatch. CTA per token (grid-stride over
@@ -31,9 +50,9 @@ Kernels:
   (the weighted sum of its local expert rows, as moe_combine; or rows of a given tensor with
   topk 0), rounds them to the output dtype and pushes them into every rank's inbox (two inboxes,
   by the step's parity, so a fast rank's next step cannot overwrite what a slow one still reads),
-  flags the CTA's share on every rank, waits for every rank's flag of the same CTA, and sums the n
-  partials in rank order in fp32: every rank's output is bitwise the same. The grid (at most one
-  CTA per SM) must be the same on every rank: the same token count on GPUs of the same SM count.
+  flags its share of the `slots` CTA flags on every rank, waits for every rank's flag of its own
+  index, and sums the n partials in rank order in fp32: every rank's output is bitwise the same. The
+  grid (at most `slots`, one CTA per SM) is the same on every rank that passes the same token count.
 """
 from __future__ import annotations
 
@@ -48,12 +67,21 @@ from rosekernels import checks, jit
 from rosekernels.kernels.moe_common import load_16b_or_zero, weighted_sum
 from rosekernels.variant import Variant
 
-# Regions of an expert-parallel arena (index into `addr`'s second dim).
-EP_X, EP_IDS, EP_FLAG, EP_RET, EP_RFLAG = range(5)
-# Regions of a tensor-parallel arena: two inboxes (by step parity), the CTA flags.
-TP_INBOX, TP_FLAG = 0, 2
-MAX_CTAS = 1024  # flags per rank in a tensor-parallel arena: grids never exceed it
-STATE_STEP, STATE_ERROR, STATE_ARRIVED = 0, 1, 2
+# Regions of an arena (index into `addr`'s second dim): the step state first in every layout, then
+# expert parallel: receive rows, ids, their flags, return rows, their flags;
+# tensor parallel: two inboxes (by step parity), the CTA flags.
+STATE = 0
+EP_X, EP_IDS, EP_FLAG, EP_RET, EP_RFLAG = range(1, 6)
+TP_INBOX, TP_FLAG = 1, 3
+STATE_BYTES = 256  # the state region (16 bytes used)
+STATE_STEP, STATE_ARRIVED = 0, 1  # int32 words of `state`; the error word is bytes 8-15
+ERROR_OFFSET = 8
+FLAG_BYTES = 8
+MAX_CTAS = 1024  # flags per rank in a tensor-parallel arena: `slots` never exceeds it
+MAX_SHAPE = (1 << 24) - 1  # the largest token count an error code records
+# Error codes: kind << 60 | reporting rank << 54 | peer << 48 | the peer's shape << 24 | the reporter's.
+ERR_TIMEOUT, ERR_AHEAD, ERR_SHAPE = 1, 2, 3
+FENCES = ("sys", "gpu", "none")
 THREADS = 128  # wait
 TP_THREADS = 256
 # ep_send / ep_return: a CTA moves a row in chunks of UNROLL * ROW_THREADS 16-byte vectors, each
@@ -73,6 +101,9 @@ class PeerConfig:
     weight_dtype: str = "fp32"  # tp_reduce with topk > 0
     region: int = 0  # wait: which region's flags
     bump: bool = False  # wait: the step's last kernel
+    # The release side: "sys" is the protocol; "gpu" scopes the fences and flag stores to one GPU,
+    # "none" drops the fences before the CTA barrier. Only tests build the last two (see the docstring).
+    fence: str = "sys"
 
     def __post_init__(self) -> None:
         if self.op not in ("ep_send", "ep_return", "wait", "tp_reduce"):
@@ -81,6 +112,8 @@ class PeerConfig:
             raise ValueError(f"world size must be in [1, 32], got {self.world}")
         if self.op != "wait" and (self.hidden <= 0 or self.hidden % checks.vector_elems(self.dtype)):
             raise ValueError(f"hidden size must be a positive multiple of 16 bytes, got {self.hidden}")
+        if self.fence not in FENCES:
+            raise ValueError(f"fence must be one of {FENCES}, got {self.fence!r}")
 
     @property
     def vec(self) -> int:
@@ -89,6 +122,11 @@ class PeerConfig:
     def variant(self) -> Variant:
         return Variant.of(f"moe_{self.op}", "decode", **{f.name: getattr(self, f.name)
                                                            for f in dataclasses.fields(self) if f.name != "op"})
+
+
+def error_fields(code: int) -> tuple[int, int, int, int, int]:
+    """(kind, reporting rank, peer, the peer's shape, the reporter's shape) of an error word."""
+    return code >> 60 & 7, code >> 54 & 63, code >> 48 & 63, code >> 24 & MAX_SHAPE, code & MAX_SHAPE
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,33 +164,93 @@ def _st32(addr: Int64, v: Int32):
 
 
 @cute.jit
-def _release(addr: Int64, v: Int32):
-    cute.arch.inline_ptx("st.release.sys.global.b32 [{$r0}], {$r1};", read_only_args=[addr, v])
+def _release(addr: Int64, flag: Int64, fence: cutlass.Constexpr[str], sem: cutlass.Constexpr[str] = "release"):
+    """st.release of a flag; sem="relaxed" after this thread's own release fence (`_release_fence`),
+    for a thread storing several (one fence instead of one per store)."""
+    scope = "gpu" if fence == "gpu" else "sys"
+    cute.arch.inline_ptx("st." + sem + "." + scope + ".global.b64 [{$r0}], {$r1};", read_only_args=[addr, flag])
 
 
 @cute.jit
-def _acquire(addr: Int64) -> Int32:
-    return cute.arch.inline_ptx("ld.acquire.sys.global.b32 {$w0}, [{$r0}];", write_only_types=[Int32],
+def _release_fence(fence: cutlass.Constexpr[str]):
+    if const_expr(fence == "gpu"):
+        cute.arch.fence_acq_rel_gpu()
+    else:
+        cute.arch.fence_acq_rel_sys()
+
+
+@cute.jit
+def _acquire(addr: Int64) -> Int64:
+    return cute.arch.inline_ptx("ld.acquire.sys.global.b64 {$w0}, [{$r0}];", write_only_types=[Int64],
                                 read_only_args=[addr])
 
 
 @cute.jit
-def _await(addr: Int64, step: Int32, rank: Int32, mState: cute.Tensor, timeout_ns: Int64):
-    """Poll the flag at `addr` until it reaches `step`; past the timeout record 1 + rank and give up."""
-    seen = _acquire(addr)
-    start = cute.arch.globaltimer()
-    waited = Int64(0)
-    while (seen - step < 0) & (waited < timeout_ns):
-        seen = _acquire(addr)
-        waited = cute.arch.globaltimer() - start
-    if seen - step < 0:
-        cute.arch.atomic_max(mState.iterator + STATE_ERROR, rank + 1, sem="relaxed", scope="gpu")
+def _load_error(addr: Int64) -> Int64:
+    return cute.arch.inline_ptx("ld.relaxed.sys.global.b64 {$w0}, [{$r0}];", write_only_types=[Int64],
+                                read_only_args=[addr])
 
 
 @cute.jit
-def _publish():
-    """Make this CTA's writes visible system-wide before one thread stores a flag."""
-    cute.arch.fence_acq_rel_sys()
+def _flag(step: Int32, shape: Int32) -> Int64:
+    return (Int64(step) << 32) | Int64(shape)
+
+
+@cute.jit
+def _steps_apart(seen: Int64, step: Int32) -> Int32:
+    """The flag's step minus `step`, mod 2^32 (exact: see the module docstring)."""
+    return Int32(seen >> 32) - step
+
+
+@cute.jit
+def _fail(mAddr: cute.Tensor, world: cutlass.Constexpr[int], kind: Int32, me: Int32, peer: Int32, theirs: Int32,
+          mine: Int32):
+    """Write the error's code into every rank's error word that holds none yet."""
+    code = ((Int64(kind) << 60) | (Int64(me) << 54) | (Int64(peer) << 48) | (Int64(theirs & MAX_SHAPE) << 24)
+            | Int64(mine & MAX_SHAPE))
+    for r in cutlass.range_constexpr(world):
+        cute.arch.inline_ptx("atom.relaxed.sys.global.cas.b64 {$w0}, [{$r0}], {$r1}, {$r2};",
+                             write_only_types=[Int64], read_only_args=[mAddr[r, STATE] + ERROR_OFFSET, Int64(0),
+                                                                       code])
+
+
+@cute.jit
+def _await(flag: Int64, step: Int32, shape: Int32, me: Int32, peer: Int32, mAddr: cute.Tensor, timeout_ns: Int64,
+           world: cutlass.Constexpr[int], ahead_ok: cutlass.Constexpr[int], check_shape: cutlass.Constexpr[bool]):
+    """Poll the flag at `flag` (in rank `me`'s arena, written by `peer`) until it carries `step` or a
+    later step, `me`'s error word is set, or `timeout_ns` passes. Then a flag still behind, one more
+    than `ahead_ok` steps ahead, or (check_shape) one of this step with another shape fails the step
+    on every rank, unless it has failed already."""
+    own = mAddr[me, STATE] + ERROR_OFFSET
+    seen = _acquire(flag)
+    error = _load_error(own)
+    start = cute.arch.globaltimer()
+    waited = Int64(0)
+    while (_steps_apart(seen, step) < 0) & (error == 0) & (waited < timeout_ns):
+        seen = _acquire(flag)
+        error = _load_error(own)
+        waited = cute.arch.globaltimer() - start
+    if error == 0:
+        apart = _steps_apart(seen, step)
+        kind = Int32(0)
+        if apart < 0:
+            kind = Int32(ERR_TIMEOUT)
+        if apart > ahead_ok:
+            kind = Int32(ERR_AHEAD)
+        if const_expr(check_shape):
+            if (apart == 0) & (Int32(seen) != shape):
+                kind = Int32(ERR_SHAPE)
+        if kind != 0:
+            _fail(mAddr, world, kind, me, peer, Int32(seen), shape)
+
+
+@cute.jit
+def _publish(fence: cutlass.Constexpr[str]):
+    """Make this thread's writes visible system-wide, then let one thread of the CTA store a flag."""
+    if const_expr(fence == "sys"):
+        cute.arch.fence_acq_rel_sys()
+    if const_expr(fence == "gpu"):
+        cute.arch.fence_acq_rel_gpu()
     cute.arch.sync_threads()
 
 
@@ -236,9 +334,9 @@ class _EpSend(_Rows):
             if (tid < k) & (t < tokens):
                 eid = mIds[t, tid]
                 mSrcSlot[t, tid] = cutlass.select_((eid >= 0) & (eid < num_experts), t * k + tid, Int32(-1))
-            _publish()
+            _publish(self.cfg.fence)
             if tid < n:
-                _release(mAddr[tid, EP_FLAG] + row * 4, step)
+                _release(mAddr[tid, EP_FLAG] + row * FLAG_BYTES, _flag(step, Int32(0)), self.cfg.fence)
             t += cute.arch.grid_dim()[0]
 
 
@@ -275,9 +373,10 @@ class _EpReturn(_Rows):
                         words = cute.make_rmem_tensor((UNROLL, 4), Int32)
                         self.load_chunk(words, gY, slot, c, ok)
                         self.store_chunk(dst, words, c)
-            _publish()
+            _publish(self.cfg.fence)
             if tid == 0:
-                _release(mAddr[s, EP_RFLAG] + Int64(rank * max_tokens + t) * 4, step)
+                _release(mAddr[s, EP_RFLAG] + Int64(rank * max_tokens + t) * FLAG_BYTES, _flag(step, Int32(0)),
+                         self.cfg.fence)
             i += cute.arch.grid_dim()[0]
 
 
@@ -300,8 +399,8 @@ class _Wait:
         i = cute.arch.block_idx()[0] * THREADS + tid
         if i < self.n * rows:
             s = i // rows
-            _await(mAddr[rank, self.cfg.region] + Int64(s * stride + i - s * rows) * 4, step, s, mState,
-                   timeout_ns)
+            _await(mAddr[rank, self.cfg.region] + Int64(s * stride + i - s * rows) * FLAG_BYTES, step, Int32(0),
+                   rank, s, mAddr, timeout_ns, self.n, 0, False)
         if const_expr(self.cfg.bump):
             _finish_step(mState, step, tid)
 
@@ -311,20 +410,22 @@ class _TpReduce(_Rows):
     @cute.jit
     def __call__(self, mY: cute.Tensor, mW: Optional[cute.Tensor], mSlot: Optional[cute.Tensor], mOut: cute.Tensor,
                  mAddr: cute.Tensor, mState: cute.Tensor, rank: Int32, max_tokens: Int32, timeout_ns: Int64,
-                 num_ctas: Int32, stream):
-        self.kernel(mY, mW, mSlot, mOut, mAddr, mState, rank, max_tokens, timeout_ns).launch(
+                 slots: Int32, num_ctas: Int32, stream):
+        self.kernel(mY, mW, mSlot, mOut, mAddr, mState, rank, max_tokens, timeout_ns, slots).launch(
             grid=[num_ctas, 1, 1], block=[TP_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mY: cute.Tensor, mW: Optional[cute.Tensor], mSlot: Optional[cute.Tensor], mOut: cute.Tensor,
-               mAddr: cute.Tensor, mState: cute.Tensor, rank: Int32, max_tokens: Int32, timeout_ns: Int64):
+               mAddr: cute.Tensor, mState: cute.Tensor, rank: Int32, max_tokens: Int32, timeout_ns: Int64,
+               slots: Int32):
         n, k, hv = self.n, self.k, self.hv
         tid = cute.arch.thread_idx()[0]
         bid = cute.arch.block_idx()[0]
         grid = cute.arch.grid_dim()[0]
         step = mState[STATE_STEP] + 1
         inbox = TP_INBOX + (step & 1)
-        total = mOut.shape[0] * hv
+        tokens = mOut.shape[0]
+        total = tokens * hv
         rows = mY.shape[0]
         gY = cute.zipped_divide(mY, (1, self.vec))
         gOut = cute.zipped_divide(mOut, (1, self.vec))
@@ -349,10 +450,23 @@ class _TpReduce(_Rows):
             for r in cutlass.range_constexpr(n):
                 _st16(mAddr[r, inbox] + offset, words[0], words[1], words[2], words[3])
             i += grid * TP_THREADS
-        _publish()
+        _publish(self.cfg.fence)
+        # Every one of the `slots` flags on every rank, also those of CTAs this grid lacks (this CTA
+        # takes slots bid, bid + grid, ...): no flag is ever more than a step old (module docstring).
+        # One release fence per thread, then its stores (a small grid gives a thread several).
+        flag = _flag(step, tokens)
+        flags = n * ((slots - bid + grid - 1) // grid)
+        if tid < flags:
+            _release_fence(self.cfg.fence)
+        j = tid
+        while j < flags:
+            c = j // n
+            _release(mAddr[j - c * n, TP_FLAG] + Int64(rank * MAX_CTAS + bid + c * grid) * FLAG_BYTES, flag,
+                     self.cfg.fence, "relaxed")
+            j += TP_THREADS
         if tid < n:
-            _release(mAddr[tid, TP_FLAG] + Int64(rank * MAX_CTAS + bid) * 4, step)
-            _await(mAddr[rank, TP_FLAG] + Int64(tid * MAX_CTAS + bid) * 4, step, tid, mState, timeout_ns)
+            _await(mAddr[rank, TP_FLAG] + Int64(tid * MAX_CTAS + bid) * FLAG_BYTES, step, tokens, rank, tid, mAddr,
+                   timeout_ns, n, 1, True)
         cute.arch.sync_threads()
         # Phase 2: the n partials of the same vectors, summed in rank order.
         i = bid * TP_THREADS + tid
@@ -402,7 +516,7 @@ def _fake_args(cfg: PeerConfig) -> tuple:
                                                 (cute.sym_int64(), 1), assumed_align=4)
         slots = ints
     return (_rows(cfg.dtype, cfg.vec, cfg.hidden), weights, slots, _rows(cfg.dtype, cfg.vec, cfg.hidden), addr,
-            state, Int32(0), Int32(1), Int64(1), Int32(1), stream)
+            state, Int32(0), Int32(1), Int64(1), Int32(1), Int32(1), stream)
 
 
 _KERNELS = {"ep_send": _EpSend, "ep_return": _EpReturn, "wait": _Wait, "tp_reduce": _TpReduce}

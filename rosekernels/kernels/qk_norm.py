@@ -147,7 +147,7 @@ def compile(config: QKNormConfig) -> jit.CompiledKernel:
 def precompile(configs=None, processes: int | None = None) -> list[jit.CompiledKernel]:
     """compile() of each config (default: variants_for()), the cold ones first compiled in parallel
     processes into the disk cache (jit.precompile)."""
-    return jit.precompile(__name__, variants_for() if configs is None else configs, processes)
+    return jit.precompile(compile, variants_for() if configs is None else configs, processes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,8 +162,8 @@ def reference(q, k, q_weight, k_weight, eps: float = 1e-6, weight_bias: float = 
 
 
 def tolerance(dtype: torch.dtype) -> float:
-    """Max |out - ref| / (1 + |ref|) accepted: a few output roundings."""
-    return {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 2e-5}[dtype]
+    """Max checks.relative_error accepted: one rounding of an fp32-accurate result (the output dtype's)."""
+    return checks.ROUNDING_TOLERANCE[dtype]
 
 
 def workload(config: QKNormConfig, shape: QKNormShape) -> Workload:
@@ -187,10 +187,8 @@ def workload(config: QKNormConfig, shape: QKNormShape) -> Workload:
 
     def check(a: tuple) -> float:
         q, k, wq, wk, oq, ok = a
-        worst = 0.0
-        for out, ref in zip((oq, ok), reference(q, k, wq, wk, config.eps, config.weight_bias)):
-            err = ((out.double() - ref).abs() / (1 + ref.abs())).nan_to_num(math.inf).max().item()
-            worst = max(worst, err)
+        worst = max(checks.relative_error(out, ref)
+                    for out, ref in zip((oq, ok), reference(q, k, wq, wk, config.eps, config.weight_bias)))
         if worst > tolerance(q.dtype):
             raise AssertionError(f"{config.variant().key()}: error {worst:.3g} > {tolerance(q.dtype):.3g}")
         return worst

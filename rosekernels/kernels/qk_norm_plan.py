@@ -143,15 +143,15 @@ rank = keep_order  # no cost model rates the candidates against each other
 def variants_for(models: Iterable[ModelDims] | None = None, modes: Iterable[str] = MODES,
                  max_tokens: int | None = None) -> list[QKNormConfig]:
     """The configs qk_norm() can launch in `modes` for `models` (rosekernels.models.ModelDims: their
-    heads, head dim and dtype, weights in that dtype or fp32; a head dim the kernel lacks needs none).
-    None: the MODEL_HEADS models in every dtype and head dim."""
+    heads, head dim and dtype, weights in that dtype or fp32; a head dim the kernel lacks, or a model
+    family without q/k norms, needs none). None: the MODEL_HEADS models in every dtype and head dim."""
     # Shapes of no tokens: the token count only picks the mode, and every mode is listed.
     if models is None:
         shapes = [QKNormShape(0, hq, hk, d, dt, wdt) for hq, hk in MODEL_HEADS.values() for dt in TORCH_DTYPE
                   for wdt in dict.fromkeys((dt, "fp32")) for d in HEAD_DIMS]
     else:
         shapes = [QKNormShape(0, m.heads_q, m.heads_kv, m.head_dim, m.dtype, wdt)
-                  for m in models if m.head_dim in HEAD_DIMS for wdt in dict.fromkeys((m.dtype, "fp32"))]
+                  for m in models if m.qk_norm and m.head_dim in HEAD_DIMS for wdt in dict.fromkeys((m.dtype, "fp32"))]
     modes = set(modes)
     return list(dict.fromkeys(_config(s, mode) for s in shapes for mode in all_modes(OP) if mode.name in modes))
 

@@ -162,7 +162,7 @@ def compile(config: RMSNormConfig) -> jit.CompiledKernel:
 def precompile(configs=None, processes: int | None = None) -> list[jit.CompiledKernel]:
     """compile() of each config (default: variants_for()), the cold ones first compiled in parallel
     processes into the disk cache (jit.precompile)."""
-    return jit.precompile(__name__, variants_for() if configs is None else configs, processes)
+    return jit.precompile(compile, variants_for() if configs is None else configs, processes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,8 +176,8 @@ def reference(x, weight, eps: float = 1e-6, residual=None):
 
 
 def tolerance(dtype: torch.dtype) -> float:
-    """Max |out - ref| / (1 + |ref|) accepted: a few output roundings."""
-    return {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 2e-5}[dtype]
+    """Max checks.relative_error accepted: one rounding of an fp32-accurate result (the output dtype's)."""
+    return checks.ROUNDING_TOLERANCE[dtype]
 
 
 def workload(config: RMSNormConfig, shape: RMSNormShape) -> Workload:
@@ -204,11 +204,8 @@ def workload(config: RMSNormConfig, shape: RMSNormShape) -> Workload:
     def check(a: tuple) -> float:
         x, w, res, out, res_out = a
         ref_out, ref_res = reference(x, w, config.eps, res)
-        worst = 0.0
-        for got, ref in ((out, ref_out), (res_out, ref_res)):
-            if ref is not None:
-                err = ((got.double() - ref).abs() / (1 + ref.abs())).nan_to_num(math.inf).max().item()
-                worst = max(worst, err)
+        worst = max(checks.relative_error(got, ref) for got, ref in ((out, ref_out), (res_out, ref_res))
+                    if ref is not None)
         if worst > tolerance(x.dtype):
             raise AssertionError(f"{config.variant().key()}: error {worst:.3g} > {tolerance(x.dtype):.3g}")
         return worst

@@ -76,7 +76,7 @@ def _new_plan(k_cache, v_cache, k, v, cache_seqlens, block_table) -> launch.Laun
         return launch.nothing(device)
     shape = AppendShape.of(k, block_table)
     sms = modes.sm_count(device)
-    return _Plan(kernel.compile(tuned.tuned_config(OP, shape, config_for(shape, sms), sms)).fn, device, shape.paged)
+    return _Plan(kernel.compile(tuned.tuned_config(kernel, shape, config_for(shape, sms), sms)).fn, device, shape.paged)
 
 
 def _run(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_seqlens: torch.Tensor,

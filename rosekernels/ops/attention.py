@@ -56,7 +56,7 @@ def prefill_config(q, k, causal: bool) -> AttentionConfig:
                          modes.sm_count(q.device.index))
     if q.shape[1] != k.shape[1]:
         return cfg
-    return tuned.tuned_config(prefill.OP, AttentionShape.of(q, k, causal), cfg)
+    return tuned.tuned_config(prefill, AttentionShape.of(q, k, causal), cfg)
 
 
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -127,7 +127,7 @@ def plan_decode(q, k, v, out, causal: bool, scale: float, splits: int | None = N
     """The launch of validated arguments (q non-empty) with the heuristic's config (`config_for`);
     `splits` forces the number of KV chunks."""
     shape, sms = DecodeShape.of(q, k, causal, enable_pdl), modes.sm_count(q.device.index)
-    cfg = tuned.tuned_config(decode.OP, shape, decode.config_for(shape, sms), sms)
+    cfg = tuned.tuned_config(decode, shape, decode.config_for(shape, sms), sms)
     if splits is not None:
         cfg = dataclasses.replace(cfg, splits=splits)
     return DecodeLaunch(cfg, shape, q, k, v, out, scale, private_scratch)

@@ -193,7 +193,7 @@ def _new_plan(a, b_nk, bias, out, activation: str, gated: bool, negative_slope: 
         return _NoProduct(activation, gated, negative_slope)
     shape = GemmShape.of(a, b_nk, bias, activation, gated, negative_slope, enable_pdl)
     sms = modes.sm_count(a.device.index)
-    return _Plan(a, b_nk, bias, out, tuned.tuned_config(OP, shape, config_for(shape, sms), sms))
+    return _Plan(a, b_nk, bias, out, tuned.tuned_config(kernel, shape, config_for(shape, sms), sms))
 
 
 def _run(a, b_nk, bias, out, activation: str, gated: bool, negative_slope: float, enable_pdl: bool = True,

@@ -11,10 +11,27 @@
 Both keep their cross-rank state in a per-rank arena mapped into every rank (`Peers`: torch
 SymmetricMemory over a process group, or `Peers.emulated`: n arenas on one GPU, for testing a
 protocol where one GPU is all there is; SymmetricMemory refuses two ranks on one device). The kernels
-and the flag protocol (step counters, no reset, a timeout instead of a hang) are described in
-rosekernels/kernels/moe_peer.py. Nothing synchronises with the host: every call can be captured in a
-CUDA graph, and `check()` (which does synchronise) turns a timed-out wait, a dropped pair or an
-invalid id into an exception.
+and the flag protocol (step counters that live in the arena, flags that carry the step and the call's
+shape, no reset, a timeout instead of a hang) are described in rosekernels/kernels/moe_peer.py.
+Nothing synchronises with the host: every call can be captured in a CUDA graph, and `check()` (which
+does synchronise) turns a failed step, a dropped pair or an invalid id into an exception.
+
+Errors. A wait past `timeout_ms`, ranks that pass different token counts to a tensor-parallel call,
+or a flag too far ahead fail the step on every rank at once (the device writes the error into every
+rank's error word, also inside a CUDA graph; nothing clears it): every rank's next `check()` raises
+(TimeoutError for a timeout, else RuntimeError), and from then on every call of every rank runs
+without waiting, in bounded time, with meaningless results, until its `check()`; after that raised,
+the object refuses further calls. The state is unusable after an error (the ranks' steps disagree and
+an arena may hold half of a step). Rebuild: drop every rank's object and build new ones, with new
+arenas (`peers=None` allocates one per object, collectively; emulated ranks: new `Peers.emulated`):
+an arena that holds an error refuses new objects.
+
+One object per arena: its step state lives in the arena, so an object claims its `Peers` and a
+second live object on them is refused; once the first is gone, a new object of the same layout
+continues its step (one of another layout is refused: it would misread the flags). Eager calls run on
+one stream (an emulated rank's own `stream`; else the first eager call's): the protocol reuses the
+arena on the strength of stream order, so a call from another stream is refused. Calls captured in a
+CUDA graph are not checked: replay them on that stream, or order them with it by events.
 
 Expert parallel (DP = n): rank r owns experts r*E/n .. (r+1)*E/n - 1. dispatch sends each token once
 to every rank owning one of its experts (16-byte vectors into a per-sender receive region, then a
@@ -32,14 +49,17 @@ rank's partial is rounded once to the dtype, then the n partials are added in ra
 every rank gets the same bits.
 
 Every rank makes the same calls in the same order (expert parallel: dispatch, combine, dispatch, ...;
-a call out of turn raises); tensor parallel also needs the same token count on every rank, which no rank
-can check without a round trip (a rank with another count would sum rows its peers did not write this
-step). Emulated ranks share one GPU: run each rank's calls on its own `stream` (their kernels wait for
-each other, so one host thread must launch all ranks' work before waiting on any).
+a call out of turn raises); tensor parallel also needs the same token count on every rank (its flags
+carry the count: ranks that disagree fail the step on all of them). A call one rank skips is seen only
+when a wait times out: until then the peers' calls pair with the wrong ones (no rank can tell a call
+skipped from one added), so treat every result since the last clean `check()` as suspect. Emulated
+ranks share one GPU: run each rank's calls on its own `stream` (their kernels wait for each other, so
+one host thread must launch all ranks' work before waiting on any).
 """
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -56,21 +76,25 @@ from rosekernels.ops.moe_dispatch import moe_dispatch
 ALIGN = 256  # arena regions start on 256-byte boundaries
 MAX_WORLD = 32  # ranks: a bit each in the send kernel's destination mask
 MAX_TOPK = 64  # moe_combine's limit; the send kernel writes the ids with one thread each
+MAX_TOKENS = moe_peer.MAX_SHAPE  # a token count must fit an error code
 DEFAULT_TIMEOUT_MS = 10_000
 
 
 class Peers:
     """The arenas of `world` ranks as seen from `rank`: this rank's own (`arena`, uint8) and every
-    rank's base address in this process (`bases`)."""
+    rank's base address in this process (`bases`; bases[rank] must be the arena's own address)."""
 
     def __init__(self, rank: int, world: int, arena: torch.Tensor, bases: list[int], group: Any = None,
                  sms: int | None = None, keep: Any = None):
+        _check_bases(rank, world, arena.data_ptr(), bases)
         self.rank, self.world, self.arena, self.bases, self.group = rank, world, arena, bases, group
         self.device = arena.device
         self.stream = torch.cuda.Stream(self.device) if group is None else None
         # Grids that wait for each other's CTAs must match on every rank: the fewest SMs of any.
         self.sms = _sms(self.device) if sms is None else sms
         self._keep = keep  # what keeps every arena mapped (all of them, for emulated ranks)
+        self._owner: weakref.ref | None = None
+        self._layout: tuple | None = None
 
     @classmethod
     def symmetric(cls, nbytes: int, group: Any = None, device: Any = None) -> "Peers":
@@ -86,7 +110,11 @@ class Peers:
         sms = torch.tensor([_sms(device)], dtype=torch.int32, device=device)
         dist.all_reduce(sms, dist.ReduceOp.MIN, group)  # also orders the zeroing before any rank's first step
         torch.cuda.synchronize(device)
-        return cls(handle.rank, handle.world_size, arena, list(handle.buffer_ptrs), group, int(sms.item()), handle)
+        # A tensor may start past its rank's buffer (an allocation from a pool): every rank's address of
+        # this arena is buffer + offset (torch without `offset` places it at the start).
+        offset = getattr(handle, "offset", 0)
+        return cls(handle.rank, handle.world_size, arena, [p + offset for p in handle.buffer_ptrs], group,
+                   int(sms.item()), handle)
 
     @classmethod
     def emulated(cls, world: int, nbytes: int, device: Any = None) -> list["Peers"]:
@@ -96,6 +124,18 @@ class Peers:
         bases = [a.data_ptr() for a in arenas]
         return [cls(r, world, arenas[r], bases, keep=arenas) for r in range(world)]
 
+    def claim(self, owner: Any, layout: tuple) -> None:
+        """Make `owner` the one object on this arena (its step state and flags are the arena's):
+        refused while another lives, or when the arena served another `layout`."""
+        other = self._owner() if self._owner is not None else None
+        if other is not None:
+            raise ValueError(f"rank {self.rank}'s arena is in use by a live {type(other).__name__}: one object "
+                             "per arena (build new Peers for another)")
+        if self._layout is not None and self._layout != layout:
+            raise ValueError(f"rank {self.rank}'s arena served {self._layout[0]} of another layout, whose flags "
+                             "this one would misread: build new Peers")
+        self._owner, self._layout = weakref.ref(owner), layout
+
     def addresses(self, offsets: list[int]) -> torch.Tensor:
         """[world, regions] int64: where each region of each rank's arena is, for the kernels."""
         return torch.tensor([[b + o for o in offsets] for b in self.bases], dtype=torch.int64, device=self.device)
@@ -104,6 +144,18 @@ class Peers:
         """A region of this rank's own arena as a tensor."""
         n = math.prod(shape) * dtype.itemsize
         return self.arena[offset:offset + n].view(dtype).view(shape)
+
+
+def _check_bases(rank: int, world: int, own: int, bases: list[int]) -> None:
+    """The kernels reach every arena, this rank's included, through `bases`; the ops through the
+    arena tensor: both must name the same memory."""
+    if not 0 <= rank < world or len(bases) != world:
+        raise ValueError(f"rank {rank} of {world} with {len(bases)} arena addresses")
+    if bases[rank] != own:
+        raise ValueError(f"rank {rank}'s arena is at {own:#x}, but its address for the kernels is "
+                         f"{bases[rank]:#x}: the address translation is wrong")
+    if any(b % 16 for b in bases):
+        raise ValueError(f"arena addresses must be 16-byte aligned, got {[hex(b) for b in bases]}")
 
 
 def _layout(sizes: list[int]) -> tuple[list[int], int]:
@@ -118,8 +170,17 @@ def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _flag_value(step: int) -> int:
+    """The int64 flag a step publishes with shape 0, as torch stores it."""
+    v = (step % (1 << 32)) << 32
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
 class _Parallel:
-    """What both forms share: sizes, the arena, the step state, the timeout, check()."""
+    """What both forms share: sizes, the arena and its step state, the timeout, the stream, check()."""
+
+    FLAG_REGIONS: tuple[int, ...] = ()
+    fence = "sys"  # the peer kernels' release side (tests build weakened subclasses: moe_peer.PeerConfig)
 
     def __init__(self, num_experts: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype,
                  weight_dtype: torch.dtype, group: Any, peers: Peers | None, timeout_ms: float):
@@ -129,18 +190,23 @@ class _Parallel:
             num_experts, hidden, max_tokens, topk, dtype, weight_dtype)
         self.experts_per_rank = num_experts // world
         self.timeout_ns = int(timeout_ms * 1e6)
-        self.offsets, nbytes = _layout(self.regions(world, hidden, max_tokens, topk, dtype))
+        self.sizes = self.regions(world, hidden, max_tokens, topk, dtype)
+        self.offsets, nbytes = _layout(self.sizes)
         self.arena_bytes = nbytes
         if peers is None:
             peers = Peers.symmetric(nbytes, group)
         elif peers.arena.numel() < nbytes:
             raise ValueError(f"the peers' arenas hold {peers.arena.numel()} bytes; this needs {nbytes}")
         check_sm90(peers.device)
+        peers.claim(self, (type(self).__name__, tuple(self.offsets)))
         self.peers, self.rank, self.world, self.device = peers, peers.rank, peers.world, peers.device
         self.addr = peers.addresses(self.offsets)
-        self.state = torch.zeros(4, dtype=torch.int32, device=self.device)  # see moe_peer: step, error, arrivals
+        # see moe_peer: step, arrivals, the error word (int64): the arena's, so that peers can set it
+        self.state = peers.view(self.offsets[moe_peer.STATE], (4,), torch.int32)
         self.sms = peers.sms
         self.dtype_name = checks.DTYPE_NAME[dtype]
+        self._stream = None if peers.stream is None else peers.stream.cuda_stream  # see _enter
+        self._failed = False
 
     @classmethod
     def emulated(cls, world: int, num_experts: int, hidden: int, max_tokens: int, topk: int,
@@ -162,11 +228,27 @@ class _Parallel:
         """The stream an emulated rank runs on (None for real ranks)."""
         return self.peers.stream
 
-    def _check_timeout(self) -> None:
-        late = int(self.state[moe_peer.STATE_ERROR].item())
-        if late:
-            raise TimeoutError(f"rank {self.rank}: rank {late - 1} did not signal within "
-                               f"{self.timeout_ns / 1e6:g} ms; the ranks are out of step (rebuild them)")
+    def _enter(self) -> None:
+        """Before a call launches peer kernels: refused after a failed step, or from a second stream."""
+        if self._failed:
+            raise RuntimeError(f"rank {self.rank}: a step failed (check() raised); this object is unusable: "
+                               "build new ones on every rank (see rosekernels.moe)")
+        if torch._C._cuda_isCurrentStreamCapturing():
+            return  # replays run on whatever stream replays them (see the module docstring)
+        stream = torch._C._cuda_getCurrentRawStream(self.device.index)  # a microsecond less than Stream objects
+        if self._stream is None:
+            self._stream = stream
+        elif stream != self._stream:
+            raise RuntimeError(f"rank {self.rank}: a call on stream {stream:#x}, but this object's calls run on "
+                               f"stream {self._stream:#x}: the protocol relies on their order (one stream per "
+                               "object)")
+
+    def _check_error(self) -> None:
+        torch.cuda.synchronize(self.device)  # every stream: the calls may run on one that is not current
+        code = int(self.state[2:].view(torch.int64).item())
+        if code:
+            self._failed = True
+            raise _error(code, self.rank, self.timeout_ns)
 
     def _check_rows(self, name: str, t: Any, rows: int | None = None) -> None:
         checks.check_cuda(name, t)
@@ -186,14 +268,17 @@ class _Parallel:
         checks.check_unit_last_stride(name, t)
 
     def _kernel(self, op: str, **params: Any):
-        return moe_peer.compile(moe_peer.PeerConfig(op, self.world, **params)).fn
+        return moe_peer.compile(moe_peer.PeerConfig(op, self.world, fence=self.fence, **params)).fn
 
     def _scratch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(state, addr, buffer) for launches on nothing: a private step state, and every region of every
-        rank in one private buffer (large enough for a reduce's CTA flags; keep it until they ran)."""
-        buf = torch.zeros(self.world * moe_peer.MAX_CTAS, dtype=torch.int32, device=self.device)
-        addr = torch.full((self.world, len(self.offsets)), buf.data_ptr(), dtype=torch.int64, device=self.device)
-        return torch.zeros(4, dtype=torch.int32, device=self.device), addr, buf
+        """(state, addr, buffer) for launches on nothing: every rank's state region at the buffer's
+        start and every other region after it (room for a reduce's CTA flags: launches on nothing touch
+        no other); keep the buffer until they ran."""
+        buf = torch.zeros(moe_peer.STATE_BYTES + self.world * moe_peer.MAX_CTAS * moe_peer.FLAG_BYTES,
+                          dtype=torch.uint8, device=self.device)
+        row = [buf.data_ptr()] + [buf.data_ptr() + moe_peer.STATE_BYTES] * (len(self.offsets) - 1)
+        addr = torch.tensor([row] * self.world, dtype=torch.int64, device=self.device)
+        return buf[:16].view(torch.int32), addr, buf
 
     def _preloaded(self) -> None:
         # CUDA loads a kernel at its first launch and, to do so, waits for the device to idle, which
@@ -205,6 +290,8 @@ class _Parallel:
             import torch.distributed as dist
 
             dist.barrier(self.peers.group)
+        if int(self.state[2:].view(torch.int64).item()):
+            raise RuntimeError(f"rank {self.rank}'s arena holds the error of an earlier step: build new Peers")
 
     def _wait(self, fn: Any, rows: int, state: torch.Tensor | None = None, addr: torch.Tensor | None = None) -> None:
         """Launch a `wait` kernel on the first `rows` flags of each sender."""
@@ -212,6 +299,34 @@ class _Parallel:
         launch.on_device(self.device.index, fn, self.addr if addr is None else addr,
                          self.state if state is None else state, self.rank, rows, self.max_tokens,
                          self.timeout_ns, grid)
+
+    def _preset_step(self, steps: int) -> None:
+        """Put this rank's arena where `steps` clean steps would have left it: the step counter, every
+        flag at that step (tests: the counter near 2^31 and 2^32 without running 2^31 steps). Every
+        rank must be preset to the same count, with no call in flight."""
+        torch.cuda.synchronize(self.device)
+        self.state.zero_()
+        self.state[moe_peer.STATE_STEP] = (steps + (1 << 31)) % (1 << 32) - (1 << 31)
+        for region in self.FLAG_REGIONS:
+            self.peers.view(self.offsets[region], (self.sizes[region] // moe_peer.FLAG_BYTES,),
+                            torch.int64).fill_(_flag_value(steps))
+        torch.cuda.synchronize(self.device)
+
+
+def _error(code: int, rank: int, timeout_ns: int) -> Exception:
+    """The exception of an error word (moe_peer: kind, reporting rank, peer, both token counts)."""
+    kind, reporter, peer, theirs, mine = moe_peer.error_fields(code)
+    rebuild = "; the ranks are out of step: build new objects on every rank (see rosekernels.moe)"
+    if kind == moe_peer.ERR_TIMEOUT:
+        return TimeoutError(f"rank {rank}: rank {peer} did not signal within {timeout_ns / 1e6:g} ms (seen by "
+                            f"rank {reporter}){rebuild}")
+    if kind == moe_peer.ERR_SHAPE:
+        return RuntimeError(f"rank {rank}: a tensor-parallel call with {mine} tokens on rank {reporter} and "
+                            f"{theirs} on rank {peer} (every rank must pass the same count){rebuild}")
+    if kind == moe_peer.ERR_AHEAD:
+        return RuntimeError(f"rank {rank}: rank {reporter} read a flag of rank {peer} from a later step than "
+                            f"any peer can be at (another object on the arena, or a corrupt one){rebuild}")
+    return RuntimeError(f"rank {rank}: unknown error word {code:#x}{rebuild}")
 
 
 def _world(group: Any) -> int:
@@ -236,6 +351,8 @@ def _check_args(world: int, num_experts: Any, hidden: Any, max_tokens: Any, topk
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     if world > MAX_WORLD:
         raise ValueError(f"at most {MAX_WORLD} ranks, got {world}")
+    if max_tokens > MAX_TOKENS:
+        raise ValueError(f"max_tokens must be at most {MAX_TOKENS}, got {max_tokens}")
     if num_experts % world:
         raise ValueError(f"num_experts {num_experts} must split evenly over {world} ranks")
     if topk > MAX_TOPK:
@@ -248,6 +365,8 @@ def _check_args(world: int, num_experts: Any, hidden: Any, max_tokens: Any, topk
 
 class ExpertParallel(_Parallel):
     """Expert-parallel dispatch/combine over the ranks of a node (see the module docstring)."""
+
+    FLAG_REGIONS = (moe_peer.EP_FLAG, moe_peer.EP_RFLAG)
 
     def __init__(self, num_experts: int, hidden: int, max_tokens: int, topk: int,
                  dtype: torch.dtype = torch.bfloat16, *, weight_dtype: torch.dtype = torch.float32,
@@ -294,9 +413,9 @@ class ExpertParallel(_Parallel):
 
     @staticmethod
     def regions(world: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype) -> list[int]:
-        m, row = max_tokens, hidden * dtype.itemsize
-        # receive rows and ids (per sender), their flags, the return rows (per pair), their flags
-        return [world * m * row, world * m * topk * 4, world * m * 4, m * topk * row, world * m * 4]
+        m, row, flags = max_tokens, hidden * dtype.itemsize, world * max_tokens * moe_peer.FLAG_BYTES
+        # the step state; receive rows and ids (per sender), their flags, the return rows (per pair), their flags
+        return [moe_peer.STATE_BYTES, world * m * row, world * m * topk * 4, flags, m * topk * row, flags]
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> MoeDispatch:
         """Send this rank's tokens x [T, H] (T <= max_tokens) to the ranks of their experts and group
@@ -311,6 +430,7 @@ class ExpertParallel(_Parallel):
             raise ValueError(f"x has {tokens} tokens; this ExpertParallel holds at most {self.max_tokens}")
         self._check_routing("topk_ids", topk_ids, tokens, (torch.int32,))
         self._check_routing("topk_weights", topk_weights, tokens, (self.weight_dtype,))
+        self._enter()
         launch.on_device(self.device.index, self._send, x, topk_ids, self.addr, self.src_slot, self.state, self.rank,
                          self.max_tokens, self._send_grid)
         self._wait(self._wait_sent, self.max_tokens)
@@ -329,6 +449,7 @@ class ExpertParallel(_Parallel):
             out = expert_out.new_empty(self._tokens, self.hidden)
         self._check_rows("out", out, self._tokens)
         checks.check_not_expanded("out", out)
+        self._enter()
         launch.on_device(self.device.index, self._return, expert_out, self._received.slot_map, self.addr, self.state,
                          self.rank, self.max_tokens, self._return_grid)
         # At least one row: a rank without tokens must still hear from every peer before its next step
@@ -338,8 +459,9 @@ class ExpertParallel(_Parallel):
         return moe_combine(self.returned, self._weights, self.src_slot[:self._tokens], out)
 
     def check(self) -> None:
-        """Raise on a timed-out wait, or on the last dispatch's dropped pairs or invalid ids (synchronises)."""
-        self._check_timeout()
+        """Raise on a failed step (on any rank), or on the last dispatch's dropped pairs or invalid ids
+        (synchronises)."""
+        self._check_error()
         if self._received is not None:
             self._received.check()
 
@@ -347,10 +469,13 @@ class ExpertParallel(_Parallel):
 class TensorParallel(_Parallel):
     """Tensor-parallel MoE over the ranks of a node (see the module docstring)."""
 
+    FLAG_REGIONS = (moe_peer.TP_FLAG,)
+
     def __init__(self, num_experts: int, hidden: int, max_tokens: int, topk: int,
                  dtype: torch.dtype = torch.bfloat16, *, weight_dtype: torch.dtype = torch.float32,
                  group: Any = None, peers: Peers | None = None, timeout_ms: float = DEFAULT_TIMEOUT_MS):
         super().__init__(num_experts, hidden, max_tokens, topk, dtype, weight_dtype, group, peers, timeout_ms)
+        self.slots = min(self.sms, moe_peer.MAX_CTAS)  # CTA flags a step writes: its largest grid
         # by top-k: 0 reduces a tensor, topk fuses the combine
         self._reducers = {k: self._kernel("tp_reduce", dtype=self.dtype_name, hidden=hidden, topk=k,
                                           weight_dtype=checks.DTYPE_NAME[weight_dtype]) for k in (0, topk)}
@@ -376,7 +501,8 @@ class TensorParallel(_Parallel):
     @staticmethod
     def regions(world: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype) -> list[int]:
         inbox = world * max_tokens * hidden * dtype.itemsize
-        return [inbox, inbox, world * moe_peer.MAX_CTAS * 4]  # two inboxes (step parity), CTA flags
+        # the step state, two inboxes (step parity), the CTA flags
+        return [moe_peer.STATE_BYTES, inbox, inbox, world * moe_peer.MAX_CTAS * moe_peer.FLAG_BYTES]
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, **kw: Any) -> MoeDispatch:
         """`moe_dispatch` of x [T, H] (the same on every rank) for this rank's experts."""
@@ -393,6 +519,7 @@ class TensorParallel(_Parallel):
             out = expert_out.new_empty(tokens, self.hidden)
         self._check_rows("out", out, tokens)
         self._check_tokens(tokens)
+        self._enter()
         if combine_mode(tokens) == "prefill":
             return self.all_reduce(moe_combine(expert_out, topk_weights, slot_map), out)
         self._reduce(expert_out, topk_weights, slot_map, out, tokens)
@@ -405,6 +532,7 @@ class TensorParallel(_Parallel):
             out = torch.empty_like(x)
         self._check_rows("out", out, x.shape[0])
         self._check_tokens(x.shape[0])
+        self._enter()
         self._reduce(x, None, None, out, x.shape[0])
         return out
 
@@ -418,11 +546,11 @@ class TensorParallel(_Parallel):
         checks.check_not_expanded("out", out)
         fn = self._reducers[0 if slot_map is None else self.topk]
         vectors = tokens * self.hidden // checks.vector_width(self.dtype)
-        grid = max(1, min(-(-vectors // moe_peer.TP_THREADS), self.sms, moe_peer.MAX_CTAS))
+        grid = max(1, min(-(-vectors // moe_peer.TP_THREADS), self.slots))
         launch.on_device(self.device.index, fn, rows, weights, slot_map, out,
                          self.addr if addr is None else addr, self.state if state is None else state, self.rank,
-                         self.max_tokens, 0 if state is not None else self.timeout_ns, grid)
+                         self.max_tokens, 0 if state is not None else self.timeout_ns, self.slots, grid)
 
     def check(self) -> None:
-        """Raise on a timed-out wait (synchronises)."""
-        self._check_timeout()
+        """Raise on a failed step, on any rank (synchronises)."""
+        self._check_error()

@@ -88,7 +88,7 @@ def _new_plan(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: to
     tensors = (expert_out, topk_weights, slot_map, out)
     views = tuple(map(rows_view, tensors))
     cfg = validate(*views, mode or choose_mode(slot_map.shape[0]))
-    cfg = tuned.tuned_config(OP, CombineShape.of(expert_out, topk_weights, slot_map), cfg)
+    cfg = tuned.tuned_config(kernel, CombineShape.of(expert_out, topk_weights, slot_map), cfg)
     fn = kernel.compile(cfg).fn if out.numel() else None
     return _Plan(fn, out.device.index, any(v.stride() != t.stride() for v, t in zip(views, tensors)))
 

@@ -135,7 +135,7 @@ def _new_plan(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num
     views = rows_view(x), rows_view(topk_ids), rows_view(buffer)
     cfg = validate(*views, num_experts, block_size, mode or choose_mode(*topk_ids.shape), local_experts)
     if not cfg.ranged:  # the tuned store holds whole-range dispatches only
-        cfg = tuned.tuned_config(OP, DispatchShape.of(x, topk_ids, num_experts), cfg)
+        cfg = tuned.tuned_config(kernel, DispatchShape.of(x, topk_ids, num_experts), cfg)
     canonical = any(v.stride() != t.stride() for v, t in zip(views, (x, topk_ids, buffer)))
     grid = num_ctas(cfg, x.shape[0], modes.sm_count(x.device.index))
     return _Plan(kernel.compile(cfg).fn, x.device, cfg, block_size, grid, canonical)

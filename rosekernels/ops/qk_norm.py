@@ -59,7 +59,8 @@ def _new_plan(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias, enable_p
         return launch.nothing(q.device.index)
     shape = QKNormShape.of(q, k, q_weight, eps, weight_bias, enable_pdl)
     sms = modes.sm_count(q.device.index)
-    return launch.Launch(kernel.compile(tuned.tuned_config(OP, shape, config_for(shape, sms), sms)).fn, q.device.index)
+    config = tuned.tuned_config(kernel, shape, config_for(shape, sms), sms)
+    return launch.Launch(kernel.compile(config).fn, q.device.index)
 
 
 def _run(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,

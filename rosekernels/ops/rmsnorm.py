@@ -55,7 +55,8 @@ def _new_plan(x, weight, residual, out, residual_out, eps, enable_pdl) -> launch
         return launch.nothing(x.device.index)
     shape = RMSNormShape.of(x, weight, residual, eps, enable_pdl)
     sms = modes.sm_count(x.device.index)
-    return launch.Launch(kernel.compile(tuned.tuned_config(OP, shape, config_for(shape, sms), sms)).fn, x.device.index)
+    config = tuned.tuned_config(kernel, shape, config_for(shape, sms), sms)
+    return launch.Launch(kernel.compile(config).fn, x.device.index)
 
 
 def _run(x, weight, residual, out, residual_out, eps, enable_pdl=True) -> None:

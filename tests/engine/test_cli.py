@@ -1,5 +1,6 @@
 """The `sip` command line."""
 import re
+import struct
 
 import pytest
 import json
@@ -95,6 +96,37 @@ def test_bad_inputs_give_clear_errors(gemm_cubin, tmp_path, capsys):
     old.write_bytes(compile_cu(CORPUS_SOURCES / "warp_reduce_atomics.cu", tmp_path, "sm_80"))
     assert main(["mutate", str(old), "-o", str(tmp_path / "x.cubin"), "--steps", "1", "--seed", "1"]) == 1
     assert "unsupported architecture sm_80" in capsys.readouterr().err
+
+
+def _host_object(*cubins: bytes) -> bytes:
+    """An x86-64 ELF object (EM_X86_64, 62) whose data holds one fatbin per cubin, as CuTeDSL's exported
+    objects (a rosekernels compile-cache entry's .o) embed theirs."""
+    header = bytearray(64)
+    header[:6] = b"\x7fELF\x02\x01"
+    struct.pack_into("<HH", header, 0x10, 1, 62)  # ET_REL, EM_X86_64
+    blobs = []
+    for cubin in cubins:
+        payload = cubin + bytes(-len(cubin) % 8)
+        entry = bytearray(64)
+        struct.pack_into("<HHIQ", entry, 0, 2, 0x101, 64, len(payload))  # an ELF entry for sm_90
+        struct.pack_into("<I", entry, 28, 90)
+        blobs.append(struct.pack("<IHHQ", 0xBA55ED50, 1, 16, 64 + len(payload)) + bytes(entry) + payload)
+    return bytes(header) + b"\x00" * 200 + b"\x00".join(blobs) + b"\x00" * 64
+
+
+def test_a_host_object_that_embeds_one_cubin_is_read_as_that_cubin(gemm_cubin, tmp_path, capsys):
+    obj = tmp_path / "entry.o"
+    obj.write_bytes(_host_object(gemm_cubin.read_bytes()))
+    assert main(["disasm", str(gemm_cubin), "--kernel", GEMM]) == 0
+    direct = capsys.readouterr().out
+    assert main(["disasm", str(obj), "--kernel", GEMM]) == 0
+    got = capsys.readouterr()
+    assert got.out == direct and "reading the cubin it embeds" in got.err
+    for count in (0, 2):  # nothing to read, or a choice only the user can make: say how to get a cubin
+        obj.write_bytes(_host_object(*[gemm_cubin.read_bytes()] * count))
+        assert main(["disasm", str(obj)]) == 1
+        err = capsys.readouterr().err
+        assert "ELF machine 62" in err and "rosekernels-cache cubin" in err
 
 
 def test_mutate_refuses_negative_steps(gemm_cubin, tmp_path, capsys):

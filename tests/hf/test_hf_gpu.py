@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from rosekernels import hf, jit, launch  # noqa: E402
+from rosekernels import hf, jit, launch, paths  # noqa: E402
 from transformers import DynamicCache, Qwen3Config, StaticCache  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -310,7 +310,7 @@ def test_warmup_compiles_every_kernel_the_model_launches(pair, tmp_path):
             for ids in (_ids(2, 20, seed=11), _ids(2, 1, seed=12), _ids(2, 3, seed=13)):
                 ours(input_ids=ids, past_key_values=cache, use_cache=True)
     finally:
-        jit.use_cache_root(None)  # warmup(cache_dir=) kept the temporary root for this process
+        paths.use_compile_cache_root(None)  # warmup(cache_dir=) kept the temporary root for this process
         jit.forget_loaded()
         launch.forget_plans()
 

@@ -6,10 +6,12 @@ rows hold the new tokens, every other byte is untouched; CUDA-graph replays with
 torch.compile (one graph) and opcheck; the workload's check on sampled sizes; append-then-attend
 through attention_with_kvcache."""
 import dataclasses
+import os
 
 import pytest
 import torch
 from attention_reference import check_kvcache, paged_cache
+import lying_tables
 from kernel_sass import opcodes_and_global_memory
 
 import rosekernels
@@ -239,6 +241,16 @@ def test_strided_views_and_extreme_lengths():
     _check((k_cache, v_cache, fused[:, :, :Hkv], fused[:, :, Hkv:2 * Hkv], lengths, table))
     _check((k_cache, v_cache, k, v, lengths, table))
     _check((k_cache, v_cache, fused[:, :, Hkv:2 * Hkv], fused[:, :, 2 * Hkv:], lengths, table))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+def test_lying_tables_and_lengths_write_only_the_cache(paged):
+    """Every lie at once (tests/support/lying_tables.py: ids -1, -2^31, 2^31 - 1 and num_blocks among
+    a sequence's pages; lengths at the int32 extremes, negative and past the table), two canary pages
+    and rows on each side of the caches in one allocation: the caches as the reference, every canary
+    byte unchanged."""
+    lying_tables.append_lies(paged, seed=int.from_bytes(os.urandom(4), "little"), canaries=2)
 
 
 @pytest.mark.gpu

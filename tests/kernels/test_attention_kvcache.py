@@ -2,15 +2,17 @@
 kernels with one box per page slice (CPU), argument checks (CPU), the test helpers' paged caches (CPU);
 numerics against a float64 reference with per-sequence lengths (0, 1 and full included), contiguous and
 paged caches (random page order, ragged last pages, garbage table entries past each length), masked
-out-of-range block ids, NaN in the cache past the lengths, check=True, CUDA-graph replays with new
-lengths and torch.compile (GPU). Plan and variant keys: test_attention_decode_plan.py."""
+out-of-range block ids, lying tables and lengths between NaN canary pages, NaN in the cache past the
+lengths, check=True, CUDA-graph replays with new lengths and torch.compile (GPU). Plan and variant keys: test_attention_decode_plan.py."""
 import math
+import os
 import re
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from attention_reference import decode_sass, check, check_kvcache, paged_cache, sequence_kv, sync
+import lying_tables
 
 import rosekernels
 from rosekernels import scratch
@@ -293,6 +295,17 @@ def test_out_of_range_block_ids_are_masked_not_read():
             check(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k[b:b + 1, keep], v[b:b + 1, keep], False, 0.125,
                   f"sequence {b} with out-of-range block ids, splits={splits}")
     assert (lse[3] == -math.inf).all() and (out[3] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged, d, dtype", [(True, 128, torch.bfloat16), (False, 128, torch.bfloat16),
+                                             (True, 64, torch.float16)], ids=["paged", "contiguous", "paged-d64"])
+def test_lying_tables_and_lengths_read_only_the_cache(paged, d, dtype):
+    """Block ids -1, -2^31, 2^31 - 1 and num_blocks among a sequence's pages, lengths at the int32
+    extremes, negative and past the capacity (tests/support/lying_tables.py): each sequence attends to
+    the keys of its valid pages up to its clamped length, the NaN canary pages and rows around the
+    caches (same allocation) never reach the output, and the caches are not written."""
+    lying_tables.attention_lies(paged, d, dtype, seed=int.from_bytes(os.urandom(4), "little"), canaries=2)
 
 
 @pytest.mark.gpu

@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 
+from grid import sample
 from kernel_sass import sass_of
 import rosekernels
 from rosekernels import checks, modes
@@ -18,7 +19,7 @@ from rosekernels.ops import gemm as gemm_op
 # CPU: compilation.
 
 # Each prefill tile shape and a spread of decode tiles, both B orders, all bias kinds, both
-# dtypes; the rest under `slow`.
+# dtypes; the rest under `slow` (sampled in CI: `grid`).
 _SPECS = glr.variants_for()
 _QUICK = [c for c in _SPECS if c.dtype == "bf16" and c.b_major == "k" and c.bias == "none" and not c.split_k]
 _QUICK += [glr.Config(b_major="n", bias="fp32"),
@@ -74,8 +75,22 @@ def test_compiles_for_sm90a(cfg, tmp_path):
     _compile_and_inspect(cfg, tmp_path)
 
 
+def _kind(c):
+    return "swapped" if c.swap_ab else "split-K" if c.split_k else "pingpong" if c.pingpong else "prefill"
+
+
+# The rest of the specializations: CI compiles a sample holding every kind of tile (clustered or not,
+# a_rows or not) with every dtype, B order and bias, and every tile shape and cluster of every kind
+# (tests/support/grid.py); the GPU suite compiles all of them.
+_REST = sample([c for c in _SPECS if c not in _QUICK],
+               [lambda c: (_kind(c), c.a_rows != c.tile_m, c.cluster_m * c.cluster_n > 1, c.dtype, c.b_major, c.bias),
+                lambda c: (_kind(c), c.tile_m, c.tile_n, c.a_rows, c.cluster_m, c.cluster_n)],
+               key=lambda c: c.variant().key())
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("cfg", [c for c in _SPECS if c not in _QUICK], ids=lambda c: c.variant().key())
+@pytest.mark.grid
+@pytest.mark.parametrize("cfg", _REST, ids=lambda c: c.variant().key())
 def test_every_specialization_compiles(cfg, tmp_path):
     _compile_and_inspect(cfg, tmp_path)
 
@@ -302,11 +317,21 @@ def _every_config():
             for dt, bm, bias in [("bf16", "k", "bf16"), ("fp16", "n", "fp32")]]
 
 
+# Every config on every shape it takes (a_rows variants only take M <= a_rows) in the GPU suite; a plain
+# run samples them: every tile shape and cluster of every kind, every shape with every kind and epilogue.
+_TILE_CASES = sample(
+    [(cfg, m, n, k) for cfg in _every_config()
+     for m, n, k in [(129, 520, 264), (300, 776, 1032), (1, 8, 8), (64, 4104, 72), (5, 4104, 72)]
+     if m <= cfg.a_rows or cfg.a_rows == cfg.tile_m],
+    [lambda c: (_kind(c[0]), c[0].tile_m, c[0].tile_n, c[0].a_rows, c[0].cluster_m, c[0].cluster_n),
+     lambda c: (_kind(c[0]), c[0].dtype, c[0].cluster_m * c[0].cluster_n > 1, c[1:])],
+    key=lambda c: f"{c[0].variant().key()}-{c[1]}x{c[2]}x{c[3]}")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg, m, n, k", [
-    pytest.param(cfg, m, n, k, id=f"{cfg.variant().key()}-{m}x{n}x{k}") for cfg in _every_config()
-    for m, n, k in [(129, 520, 264), (300, 776, 1032), (1, 8, 8), (64, 4104, 72), (5, 4104, 72)]
-    if m <= cfg.a_rows or cfg.a_rows == cfg.tile_m])  # a_rows variants only take M <= a_rows
+@pytest.mark.grid
+@pytest.mark.parametrize("cfg, m, n, k", [pytest.param(*c, id=f"{c[0].variant().key()}-{c[1]}x{c[2]}x{c[3]}")
+                                          for c in _TILE_CASES])
 def test_every_tile_config(cfg, m, n, k):
     """Each kernel variant on ragged shapes, whatever the heuristic would pick; split-K configs
     with every split count that leaves each split at least one k-tile."""

@@ -1,11 +1,18 @@
 """MoE across GPUs (rosekernels.moe): the peer kernels compile for sm_90a with the release/acquire
-protocol in their SASS (CPU); on one GPU, ranks emulated on streams (SymmetricMemory refuses two ranks
-on one device) against single-GPU references: expert parallel bitwise equal to one GPU's dispatch +
-combine of the same expert rows (random, dropped, skewed and invalid routings, ragged batches, T up to
-8192, bf16/fp16), tensor parallel within the float64 bound and bitwise equal across ranks, many steps
-in a row and CUDA-graph replays (the step counter), a peer that never signals (timeout, no hang).
-The same protocol on two GPUs: tests/kernels/test_moe_multigpu.py (torchrun)."""
+protocol in their SASS, every data store fenced at system scope before the flag that publishes it on
+every path, and builds with the fences weakened fail that check (CPU); on one GPU, ranks emulated on
+streams (SymmetricMemory refuses two ranks on one device) against single-GPU references: expert
+parallel bitwise equal to one GPU's dispatch + combine of the same expert rows (random, dropped, skewed
+and invalid routings, ragged batches, T up to 8192, bf16/fp16), tensor parallel within the float64
+bound and bitwise equal across ranks, many steps in a row and CUDA-graph replays, the step counter
+across 2^31 and 2^32; failures that end in bounded time with a raise on every rank (a peer that never
+signals, a skipped call, a rank asleep past the timeout, tensor-parallel token counts that disagree,
+a flag too far ahead, inside graphs too); one object per arena, the step kept with the arena, one
+stream per object. The same protocol on two GPUs: tests/kernels/test_moe_multigpu.py (torchrun)."""
+import dataclasses
+import gc
 import re
+import time
 
 import pytest
 import torch
@@ -15,6 +22,10 @@ import rosekernels
 from rosekernels import moe
 from rosekernels.kernels import moe_combine as mc
 from rosekernels.kernels import moe_peer as mp
+from sip import SipError
+from sip import cfg as sip_cfg
+from sip import sass as sip_sass
+from sip.cubin import parse_cubin
 
 BF16, FP16 = torch.bfloat16, torch.float16
 
@@ -29,6 +40,59 @@ CONFIGS = [mp.PeerConfig("ep_send", 2, "bf16", 7168, 8, 128), mp.PeerConfig("ep_
            mp.PeerConfig("tp_reduce", 4, "fp16", 2880, 6, weight_dtype="fp16")]
 
 
+def fence_paths(kernel) -> tuple[list[str], int] | None:
+    """(violations, flag stores) in the kernel's SASS; None without nvdisasm. A flag store is an
+    STG.STRONG (st.release), a data store any weak STG. On every path from a data store to a flag
+    store, or to a CTA barrier from which a flag store is reachable (the barrier hands this thread's
+    stores to the thread that stores the flag, whose own release covers only its own), an
+    unpredicated MEMBAR.*.SYS must come between; and every flag store must be system-scope."""
+    try:
+        (k,) = sip_sass.disassemble(parse_cubin(kernel.cubin)).values()
+    except SipError:
+        return None
+    ins, blocks, succ = k.instructions, k.blocks, sip_cfg.successors(k)
+    assert not any(i.base == "CALL" for i in ins), "a call: the path check does not follow calls"
+    flag = [i.base == "STG" and "STRONG" in i.modifiers for i in ins]
+    data = [i.base == "STG" and "STRONG" not in i.modifiers for i in ins]
+    fence = [i.base == "MEMBAR" and "SYS" in i.modifiers and i.predicate in ("", "@PT") for i in ins]
+    reach = [any(flag[i] for i in rng) for rng in blocks]  # a flag store reachable from the block's start
+    while True:
+        more = [b for b in range(len(blocks)) if not reach[b] and any(reach[s] for s in succ[b])]
+        if not more:
+            break
+        for b in more:
+            reach[b] = True
+    dirty_in = [False] * len(blocks)  # some path enters the block with an unfenced data store behind it
+
+    def run(b: int, violations: list[str]) -> bool:
+        dirty = dirty_in[b]
+        for j, i in enumerate(blocks[b]):
+            if data[i]:
+                dirty = True
+            elif fence[i]:
+                dirty = False
+            elif flag[i] or ins[i].base == "BAR":
+                handed = flag[i] or any(flag[x] for x in blocks[b][j + 1:]) or any(reach[s] for s in succ[b])
+                if dirty and handed:
+                    violations.append(f"{ins[i].offset:#06x} {ins[i].text} after an unfenced data store")
+                if flag[i] and "SYS" not in ins[i].modifiers:
+                    violations.append(f"{ins[i].offset:#06x} {ins[i].text} is not system-scope")
+        return dirty
+
+    work = list(range(len(blocks)))
+    while work:
+        b = work.pop()
+        if run(b, []):
+            for s in succ[b]:
+                if not dirty_in[s]:
+                    dirty_in[s] = True
+                    work.append(s)
+    violations: list[str] = []
+    for b in range(len(blocks)):
+        run(b, violations)
+    return violations, sum(flag)
+
+
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.variant().key())
 def test_peer_kernels_compile_with_the_flag_protocol(fresh_cache, tmp_path, cfg):
     kernel = mp.compile(cfg)
@@ -36,15 +100,29 @@ def test_peer_kernels_compile_with_the_flag_protocol(fresh_cache, tmp_path, cfg)
     if sass is None:
         return
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills)"
-    releases = re.findall(r"STG\.E\.STRONG\.SYS", sass)
-    acquires = re.findall(r"LDG\.E\.STRONG\.SYS", sass)
-    if cfg.op in ("ep_send", "ep_return", "tp_reduce"):
-        assert releases and "MEMBAR.ALL.SYS" in sass, "a flag without a system-scope fence before it"
-        assert sass.index("MEMBAR.ALL.SYS") < sass.index("STG.E.STRONG.SYS")
-    if cfg.op in ("wait", "tp_reduce"):
-        assert acquires and "SR_GLOBALTIMER" in sass, "a wait without a deadline"
+    violations, flags = fence_paths(kernel)
+    assert not violations, violations
+    assert flags == (0 if cfg.op == "wait" else 1), "one 64-bit release store of the flags"
     if cfg.op != "wait":
-        assert "LDG.E.128" in sass or "LDG.E.ENL2.128" in sass or re.search(r"LDG\.E\.\S*128", sass)
+        assert re.search(r"STG\.E\.64\.STRONG\.SYS", sass)
+        assert re.search(r"LDG\.E\.\S*128", sass)
+    if cfg.op in ("wait", "tp_reduce"):
+        assert "LDG.E.64.STRONG.SYS" in sass and "SR_GLOBALTIMER" in sass, "a wait without a deadline"
+        # a failed wait reaches every rank's error word
+        assert sass.count("ATOMG.E.CAS.64.STRONG.SYS") == cfg.world
+
+
+@pytest.mark.parametrize("op", ["ep_send", "ep_return", "tp_reduce"])
+@pytest.mark.parametrize("fence", ["none", "gpu"])
+def test_the_fence_check_fails_builds_with_weakened_fences(fresh_cache, op, fence):
+    """The same kernels without their per-thread fences, or with fences and flags scoped to one GPU."""
+    base = {c.op: c for c in CONFIGS}[op]
+    got = fence_paths(mp.compile(dataclasses.replace(base, fence=fence)))
+    if got is None:
+        return
+    violations, flags = got
+    assert flags == 1 and any("unfenced" in v for v in violations), violations
+    assert any("not system-scope" in v for v in violations) == (fence == "gpu")
 
 
 @pytest.mark.parametrize("op", ["ep_send", "ep_return"])
@@ -69,26 +147,69 @@ def test_peer_config_refuses_bad_sizes():
         mp.PeerConfig("ep_send", 2, "bf16", 100, 8, 4)
     with pytest.raises(ValueError, match="no peer kernel"):
         mp.PeerConfig("gather", 2)
+    with pytest.raises(ValueError, match="fence"):
+        mp.PeerConfig("wait", 2, fence="cta")
 
 
-def test_arena_regions_are_aligned_and_disjoint():
-    offsets, total = moe._layout(moe.ExpertParallel.regions(2, 7168, 128, 8, BF16))
-    sizes = moe.ExpertParallel.regions(2, 7168, 128, 8, BF16)
+@pytest.mark.parametrize("cls", [moe.ExpertParallel, moe.TensorParallel])
+def test_arena_regions_are_aligned_and_disjoint(cls):
+    sizes = cls.regions(2, 7168, 128, 8, BF16)
+    offsets, total = moe._layout(sizes)
+    assert offsets[mp.STATE] == 0 and sizes[mp.STATE] == mp.STATE_BYTES  # the same place in every layout
     assert all(o % moe.ALIGN == 0 for o in offsets) and total % moe.ALIGN == 0
     assert all(offsets[i] + sizes[i] <= offsets[i + 1] for i in range(len(sizes) - 1))
     assert offsets[-1] + sizes[-1] <= total
+    for region in cls.FLAG_REGIONS:  # 64-bit flags
+        assert sizes[region] % mp.FLAG_BYTES == 0 and offsets[region] % mp.FLAG_BYTES == 0
 
 
 @pytest.mark.parametrize("kw,error", [
     (dict(dtype="bf16"), TypeError), (dict(max_tokens=None), ValueError), (dict(world=33), ValueError),
     (dict(topk=65), ValueError), (dict(hidden=100), ValueError), (dict(timeout_ms=0), ValueError),
-    (dict(weight_dtype=torch.float16), TypeError)])
+    (dict(weight_dtype=torch.float16), TypeError), (dict(max_tokens=moe.MAX_TOKENS + 1), ValueError)])
 def test_constructor_arguments_are_checked_before_anything_is_allocated(kw, error):
     args = dict(world=2, num_experts=16, hidden=256, max_tokens=8, topk=2, dtype=BF16, weight_dtype=torch.float32,
                 timeout_ms=100)
     args.update(kw)
     with pytest.raises(error):
         moe._check_args(*args.values())
+
+
+def _cpu_peers(rank=0, world=2, bases=None):
+    """Peers over a CPU arena (a group stands in for the process group: no stream, no device query)."""
+    arena = torch.zeros(1024, dtype=torch.uint8)
+    if bases is None:
+        bases = [arena.data_ptr() + (r - rank) * 4096 for r in range(world)]
+    return moe.Peers(rank, world, arena, bases, group=object(), sms=1)
+
+
+def test_peers_assert_their_address_translation():
+    own = _cpu_peers(rank=1)
+    assert own.bases[1] == own.arena.data_ptr()
+    with pytest.raises(ValueError, match="address translation"):  # bases[rank] is not the arena
+        _cpu_peers(bases=[own.arena.data_ptr() + 256, own.arena.data_ptr()])
+    with pytest.raises(ValueError, match="arena addresses"):
+        _cpu_peers(world=3, bases=[0, 0])
+    arena = torch.zeros(64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="16-byte"):
+        moe.Peers(0, 2, arena, [arena.data_ptr(), arena.data_ptr() + 4104], group=object(), sms=1)
+
+
+def test_one_live_object_per_arena_and_one_layout():
+    class Owner:
+        pass
+
+    peers = _cpu_peers()
+    first, layout = Owner(), ("ExpertParallel", (0, 256, 1024))
+    peers.claim(first, layout)
+    with pytest.raises(ValueError, match="in use by a live Owner"):
+        peers.claim(Owner(), layout)
+    del first
+    gc.collect()
+    peers.claim(Owner(), layout)  # the first is gone: a second of the same layout continues its step
+    gc.collect()
+    with pytest.raises(ValueError, match="another layout"):
+        peers.claim(Owner(), ("TensorParallel", (0, 256, 1024)))
 
 
 def test_without_a_process_group_construction_says_how():
@@ -241,14 +362,16 @@ def test_a_peer_that_never_signals_times_out():
         got = ranks[0].dispatch(x, ids, w)  # rank 1 never calls
         ranks[0].combine(got.buffer)
     torch.cuda.synchronize()
-    with pytest.raises(TimeoutError, match="rank 1 did not signal"):
-        ranks[0].check()
+    for ep in ranks:  # rank 1 made no call: its error word was written by rank 0
+        with pytest.raises(TimeoutError, match="rank 1 did not signal within 50 ms .seen by rank 0"):
+            ep.check()
     tp = moe.TensorParallel.emulated(2, 16, 512, 8, 2, BF16, timeout_ms=50)
     with torch.cuda.stream(tp[1].stream):
         tp[1].all_reduce(x)
     torch.cuda.synchronize()
-    with pytest.raises(TimeoutError, match="rank 0 did not signal"):
-        tp[1].check()
+    for rank in tp:
+        with pytest.raises(TimeoutError, match="rank 0 did not signal"):
+            rank.check()
 
 
 def _tp_reference(expert_outs, w, slots):
@@ -279,9 +402,12 @@ def test_tensor_parallel_combine(world, num_experts, hidden, topk, dtype, tokens
         terms = sum(mc.reference(y, w, g.slot_map, absolute=True) for y, g in zip(ys, got))
         rel = {BF16: 2.0**-8, FP16: 2.0**-10}[dtype]
         bound = rel * ref.abs() + (world + 1) * rel * terms + (topk + world + 2) * 2.0**-23 * terms + 1e-30
+        # each rank's partial rounded to the dtype, the partials added in rank order in fp32
+        partials = [mc.moe_combine(y, w, g.slot_map) for y, g in zip(ys, got)]
+        exact = sum(p.float() for p in partials).to(dtype)
         for tp, out in zip(ranks, outs):
             tp.check()
-            assert torch.equal(out, outs[0])  # every rank the same bits
+            assert torch.equal(out, exact)  # every rank the same bits
             err = (out.double() - ref).abs()
             assert (err <= bound).all(), float((err / bound).max())
 
@@ -382,6 +508,9 @@ def test_bad_input_is_refused_before_any_launch():
         ep.combine(x)
     with pytest.raises(ValueError, match="split evenly"):
         moe.ExpertParallel.emulated(3, 16, 512, 8, 2, BF16)
+    with pytest.raises(RuntimeError, match="one stream per object"):  # the default stream, not the rank's
+        ep.dispatch(x, ids, w)
+    assert not ep._pending
     torch.cuda.synchronize()
     assert all(int(r.peers.arena.count_nonzero()) == 0 for r in ranks)  # nothing was sent anywhere
     assert int(ep.state.count_nonzero()) == 0
@@ -395,3 +524,226 @@ def test_bad_input_is_refused_before_any_launch():
     torch.cuda.synchronize()
     with pytest.raises(TimeoutError):
         ep.check()
+    with torch.cuda.stream(ep.stream), pytest.raises(RuntimeError, match="unusable"):
+        ep.dispatch(x, ids, w)  # after a failed step
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the step counter, failures on every rank, arenas and streams
+
+def _each(ranks, fn):
+    """fn(rank, obj) on every emulated rank, each on its stream, all launched before any is waited for."""
+    outs = []
+    for r, obj in enumerate(ranks):
+        with torch.cuda.stream(obj.stream):
+            outs.append(fn(r, obj))
+    return outs
+
+
+def _ep_call(ep, x, ids, w):
+    return ep.combine(ep.dispatch(x, ids, w).buffer)
+
+
+def _raises_everywhere(ranks, error, match):
+    for obj in ranks:
+        with pytest.raises(error, match=match):
+            obj.check()
+
+
+def _sleep_ms(ms):
+    """Hold the current stream for at least `ms` (cycles at 2 GHz, above an H200's clock)."""
+    torch.cuda._sleep(int(ms * 2e6))
+
+
+def _int32(steps):
+    return (steps + 2**31) % 2**32 - 2**31
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("start", [2**31 - 3, 2**32 - 3])
+def test_the_step_counter_crosses_2_31_and_2_32(start):
+    """Both forms preset to `start` finished steps, then six more with changing token counts (TP grids of
+    1 to all SMs): results exact, no error, the counter wrapped; afterwards every TP CTA flag of every
+    sender holds the last step, also the slots the last (one-CTA) grid did not launch."""
+    gen = torch.Generator().manual_seed(start % 1000)
+    eps = moe.ExpertParallel.emulated(2, 32, 1024, 64, 4, BF16)
+    tps = moe.TensorParallel.emulated(2, 8, 2048, 256, 2, BF16)
+    for obj in eps + tps:
+        obj._preset_step(start)
+    scale = _scale(32, BF16)
+    for ep_tokens, tp_tokens in [((64, 0), 256), ((5, 33), 7), ((0, 1), 200), ((17, 64), 0), ((64, 64), 64),
+                                 ((3, 0), 1)]:
+        xs = [torch.randn(t, 1024, generator=gen).to("cuda", BF16) for t in ep_tokens]
+        routing = [_routing(t, 32, 4, gen) for t in ep_tokens]
+        ys = [torch.randn(tp_tokens, 2048, generator=gen).to("cuda", BF16) for _ in tps]
+        torch.cuda.synchronize()
+        outs = _each(eps, lambda r, ep: _ep_call(ep, xs[r], *routing[r]))
+        sums = _each(tps, lambda r, tp: tp.all_reduce(ys[r]))
+        torch.cuda.synchronize()
+        for r in range(2):
+            assert torch.equal(outs[r], _single_gpu(xs[r], *routing[r], scale)), (ep_tokens, r)
+            assert torch.equal(sums[r], (ys[0].float() + ys[1].float()).to(BF16)), (tp_tokens, r)
+    for obj in eps + tps:
+        obj.check()
+        assert int(obj.state[mp.STATE_STEP]) == _int32(start + 6)
+    for tp in tps:
+        flags = tp.peers.view(tp.offsets[mp.TP_FLAG], (2, mp.MAX_CTAS), torch.int64)[:, :tp.slots]
+        assert torch.equal(flags, torch.full_like(flags, (_int32(start + 6) << 32) | 1))  # step, 1 token
+
+
+@pytest.mark.gpu
+def test_a_call_one_rank_skips_fails_every_rank_in_bounded_time():
+    """Rank 1 skips the second of three calls: its third pairs with rank 0's second, and rank 0's third
+    waits in vain. Both ranks raise; a call made after the error (before check) runs without waiting."""
+    gen = torch.Generator().manual_seed(21)
+    eps = moe.ExpertParallel.emulated(2, 16, 512, 16, 2, BF16, timeout_ms=500)
+    tps = moe.TensorParallel.emulated(2, 8, 512, 16, 2, BF16, timeout_ms=500)
+    x = torch.randn(16, 512, generator=gen).to("cuda", BF16)
+    ids, w = _routing(16, 16, 2, gen)
+    torch.cuda.synchronize()
+    start = time.monotonic()
+    for call in range(3):
+        _each(eps, lambda r, ep: None if (r, call) == (1, 1) else _ep_call(ep, x, ids, w))
+        _each(tps, lambda r, tp: None if (r, call) == (1, 1) else tp.all_reduce(x))
+    torch.cuda.synchronize()
+    assert time.monotonic() - start < 5  # one timeout each, not one per later wait
+    start = time.monotonic()
+    _each(eps, lambda r, ep: _ep_call(ep, x, ids, w))
+    _each(tps, lambda r, tp: tp.all_reduce(x))
+    torch.cuda.synchronize()
+    assert time.monotonic() - start < 0.25  # under the 500 ms timeout: the waits did not wait
+    _raises_everywhere(eps, TimeoutError, "rank 1 did not signal within 500 ms .seen by rank 0")
+    _raises_everywhere(tps, TimeoutError, "rank 1 did not signal within 500 ms .seen by rank 0")
+
+
+@pytest.mark.gpu
+def test_a_rank_asleep_past_the_timeout_fails_every_rank():
+    gen = torch.Generator().manual_seed(22)
+    eps = moe.ExpertParallel.emulated(2, 16, 512, 16, 2, BF16, timeout_ms=50)
+    tps = moe.TensorParallel.emulated(2, 8, 512, 16, 2, BF16, timeout_ms=50)
+    x = torch.randn(16, 512, generator=gen).to("cuda", BF16)
+    ids, w = _routing(16, 16, 2, gen)
+    torch.cuda.synchronize()
+    for ranks, call in ((eps, lambda r, ep: _ep_call(ep, x, ids, w)), (tps, lambda r, tp: tp.all_reduce(x))):
+        start = time.monotonic()
+        with torch.cuda.stream(ranks[1].stream):
+            _sleep_ms(200)
+        _each(ranks, call)
+        torch.cuda.synchronize()
+        assert time.monotonic() - start < 5
+        _raises_everywhere(ranks, TimeoutError, "rank 1 did not signal within 50 ms .seen by rank 0")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [(5, 7), (3000, 5)])  # one CTA each; 132 CTAs against one
+def test_tensor_parallel_token_counts_that_disagree_fail_every_rank_at_once(tokens):
+    """No timeout needed (the default, 10 s, is not reached): each rank reads the other's count in the
+    flags of the step."""
+    gen = torch.Generator().manual_seed(sum(tokens))
+    tps = moe.TensorParallel.emulated(2, 8, 512, 4096, 2, BF16)
+    xs = [torch.randn(t, 512, generator=gen).to("cuda", BF16) for t in tokens]
+    torch.cuda.synchronize()
+    start = time.monotonic()
+    _each(tps, lambda r, tp: tp.all_reduce(xs[r]))
+    torch.cuda.synchronize()
+    assert time.monotonic() - start < 2
+    a, b = tokens
+    _raises_everywhere(tps, RuntimeError, rf"with ({a} tokens on rank 0 and {b}|{b} tokens on rank 1 and {a}) on "
+                                          "rank [01] .every rank must pass the same count")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form,behind", [("ep", 2), ("tp", 3)])
+def test_a_flag_further_ahead_than_the_protocol_allows_fails_every_rank(form, behind):
+    """Rank 0's counter set `behind` steps back (as a second object on its arena would see it): its next
+    step reads rank 1's flags (the preset ones, or newer) one step further ahead than its waits allow
+    (expert parallel: none; tensor parallel: one)."""
+    gen = torch.Generator().manual_seed(23)
+    if form == "ep":
+        ranks = moe.ExpertParallel.emulated(2, 16, 512, 16, 2, BF16, timeout_ms=500)
+        ids, w = _routing(16, 16, 2, gen)
+        call = lambda r, ep: _ep_call(ep, x, ids, w)  # noqa: E731
+    else:
+        ranks = moe.TensorParallel.emulated(2, 8, 512, 16, 2, BF16, timeout_ms=500)
+        call = lambda r, tp: tp.all_reduce(x)  # noqa: E731
+    x = torch.randn(16, 512, generator=gen).to("cuda", BF16)
+    for obj in ranks:
+        obj._preset_step(1000)
+    ranks[0].state[mp.STATE_STEP] = 1000 - behind
+    torch.cuda.synchronize()
+    start = time.monotonic()
+    _each(ranks, call)
+    torch.cuda.synchronize()
+    assert time.monotonic() - start < 0.25  # rank 1's wait ended on rank 0's report, not its timeout
+    _raises_everywhere(ranks, RuntimeError, "rank 0 read a flag of rank 1 from a later step than any peer")
+
+
+@pytest.mark.gpu
+def test_a_failure_inside_graphs_fails_every_rank():
+    """Both ranks' steps captured; one replay on both, then one on rank 0 alone."""
+    gen = torch.Generator().manual_seed(24)
+    eps = moe.ExpertParallel.emulated(2, 16, 512, 16, 2, BF16, timeout_ms=50)
+    x = torch.randn(16, 512, generator=gen).to("cuda", BF16)
+    ids, w = _routing(16, 16, 2, gen)
+    scale = _scale(16, BF16)
+    _each(eps, lambda r, ep: _ep_call(ep, x, ids, w))
+    torch.cuda.synchronize()
+    graphs, outs = [], []
+    for ep in eps:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=ep.stream):
+            outs.append(ep.combine(_experts_apply(ep.dispatch(x, ids, w), ep.local_experts[0], scale)))
+        graphs.append(g)
+    _each(eps, lambda r, ep: graphs[r].replay())
+    torch.cuda.synchronize()
+    for ep, out in zip(eps, outs):
+        ep.check()
+        assert torch.equal(out, _single_gpu(x, ids, w, scale))
+    with torch.cuda.stream(eps[0].stream):
+        graphs[0].replay()
+    torch.cuda.synchronize()
+    _raises_everywhere(eps, TimeoutError, "rank 1 did not signal")
+
+
+@pytest.mark.gpu
+def test_one_object_per_arena_and_the_step_stays_with_it():
+    gen = torch.Generator().manual_seed(25)
+    scale = _scale(32, BF16)
+    args = (32, 1024, 64, 4, BF16)
+    peers = moe.Peers.emulated(2, moe._layout(moe.ExpertParallel.regions(2, 1024, 64, 4, BF16))[1])
+    eps = [moe.ExpertParallel(*args, peers=p, timeout_ms=50) for p in peers]
+    with pytest.raises(ValueError, match="in use by a live ExpertParallel"):
+        moe.ExpertParallel(*args, peers=peers[0])
+
+    def step(ranks):
+        xs = [torch.randn(t, 1024, generator=gen).to("cuda", BF16) for t in (40, 9)]
+        routing = [_routing(t, 32, 4, gen) for t in (40, 9)]
+        torch.cuda.synchronize()
+        outs = _each(ranks, lambda r, ep: _ep_call(ep, xs[r], *routing[r]))
+        torch.cuda.synchronize()
+        for r, ep in enumerate(ranks):
+            ep.check()
+            assert torch.equal(outs[r], _single_gpu(xs[r], *routing[r], scale))
+
+    step(eps)
+    step(eps)
+    del eps
+    gc.collect()
+    eps = [moe.ExpertParallel(*args, peers=p, timeout_ms=50) for p in peers]  # continues at step 2
+    assert all(int(ep.state[mp.STATE_STEP]) == 2 for ep in eps)
+    step(eps)
+    assert all(int(ep.state[mp.STATE_STEP]) == 3 for ep in eps)
+    with torch.cuda.stream(eps[0].stream):  # rank 0 alone: the arenas now hold an error
+        _ep_call(eps[0], *_single_batch(gen))
+    torch.cuda.synchronize()
+    del eps
+    gc.collect()
+    with pytest.raises(ValueError, match="another layout"):
+        moe.TensorParallel(8, 1024, 64, 4, BF16, peers=peers[0])
+    with pytest.raises(RuntimeError, match="holds the error of an earlier step"):
+        moe.ExpertParallel(*args, peers=peers[1])
+
+
+def _single_batch(gen):
+    x = torch.randn(8, 1024, generator=gen).to("cuda", BF16)
+    return (x, *_routing(8, 32, 4, gen))

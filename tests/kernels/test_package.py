@@ -7,6 +7,7 @@ import pytest
 
 import rosekernels
 from rosekernels import contract
+from rosekernels.kernels import KERNELS, kernel_module
 
 
 @pytest.mark.parametrize("name", rosekernels.__all__)
@@ -14,17 +15,19 @@ def test_every_export_is_a_callable(name):
     assert callable(getattr(rosekernels, name))
 
 
-@pytest.mark.parametrize("kernel", sorted(rosekernels.KERNELS))
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_every_kernel_module_follows_the_contract(kernel):
-    assert contract.missing(contract.kernel_module(kernel)) == []
+    m = kernel_module(kernel)
+    assert contract.missing(m) == []
+    assert m.OP == kernel  # its name everywhere: KERNELS, its variants, its tuned-store folder
 
 
-@pytest.mark.parametrize("kernel", sorted(rosekernels.KERNELS))
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_variant_keys_round_trip(kernel):
     """Every listed config comes back from its variant with its launch policy at the defaults; a key
     leaves a KEY_DEFAULTS field out only at its dataclass default (from_variant restores that); a
     variant of another op is refused."""
-    m = contract.kernel_module(kernel)
+    m = kernel_module(kernel)
     fields = {f.name: f for f in dataclasses.fields(m.Config)}
     assert m.Config.OP == m.OP and set(m.Config.POLICY_FIELDS) <= set(fields)
     for name, default in m.Config.KEY_DEFAULTS.items():
@@ -40,16 +43,17 @@ def test_variant_keys_round_trip(kernel):
 
 def test_kernel_module_names_the_kernels():
     with pytest.raises(ValueError, match="no kernel module for 'nope'; the kernels are"):
-        contract.kernel_module("nope")
+        kernel_module("nope")
+    assert rosekernels.KERNELS is KERNELS  # the package's face hands the registry on
 
 
-@pytest.mark.parametrize("kernel", sorted(rosekernels.KERNELS))
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_compile_keeps_no_cache_of_its_own(kernel, monkeypatch):
     """jit's in-memory cache is the only one: a module-level cache in front of it would survive
     jit.forget_loaded() (warm-up after a reset, tuned cubins loaded afresh) and hand back stale kernels."""
     from rosekernels import jit
 
-    m = contract.kernel_module(kernel)
+    m = kernel_module(kernel)
     calls = []
     monkeypatch.setattr(jit, "compile_variant", lambda variant, build: calls.append(variant) or variant)
     config = m.variants_for()[0]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import rosekernels
+from rosekernels import checks
 from rosekernels.kernels import rmsnorm as rms
 from rosekernels.kernels import rmsnorm_plan as plan
 from rosekernels.models import ModelDims
@@ -141,7 +142,7 @@ def _rand(*shape, dtype, scale=1.0, shift=0.0, gen=None):
 
 def _check(got, ref, dtype, what=""):
     assert not got.isnan().any(), f"{what}: {got.isnan().sum().item()} elements never written"
-    err = ((got.double() - ref).abs() / (1 + ref.abs())).max().item()
+    err = checks.relative_error(got, ref)
     assert err <= rms.tolerance(dtype), f"{what}: error {err:.3g} > {rms.tolerance(dtype):.3g}"
 
 
@@ -252,7 +253,8 @@ def test_cuda_graph_and_compile():
 def test_a_chain_of_launches_in_a_graph_reads_each_previous_result(rows, enable_pdl):
     """Residual norms back to back in a CUDA graph, each reading the output and residual the one
     before wrote in place: a dependent launch that read before its predecessor finished (PDL done
-    wrong) gives stale rows."""
+    wrong) gives stale rows. The replay must equal the same launches run one at a time, each of
+    those checked against the float64 reference of its own inputs."""
     gen = torch.Generator(device="cuda").manual_seed(rows)
     x, r = _rand(rows, 4096, dtype=BF16, scale=2.0, gen=gen), _rand(rows, 4096, dtype=BF16, gen=gen)
     ws = [_rand(4096, dtype=BF16, scale=0.5, shift=1.0, gen=gen) for _ in range(6)]
@@ -268,11 +270,13 @@ def test_a_chain_of_launches_in_a_graph_reads_each_previous_result(rows, enable_
     graph.replay()
     torch.cuda.synchronize()
     want_x, want_r = start_x, start_r
-    for w in ws:
+    for i, w in enumerate(ws):
         ref_out, ref_h = rms.reference(want_x, w, 1e-6, want_r)
-        want_x, want_r = ref_out.to(BF16), ref_h.to(BF16)
-    _check(x, ref_out, BF16, f"after {len(ws)} launches, out")
-    _check(r, ref_h, BF16, f"after {len(ws)} launches, residual")
+        rosekernels.rmsnorm(want_x, w, residual=want_r, out=want_x, residual_out=want_r, enable_pdl=enable_pdl)
+        torch.cuda.synchronize()
+        _check(want_x, ref_out, BF16, f"launch {i} alone, out")
+        _check(want_r, ref_h, BF16, f"launch {i} alone, residual")
+    assert torch.equal(x, want_x) and torch.equal(r, want_r), "the graph's chain differs from the launches one by one"
 
 
 @pytest.mark.gpu

@@ -1,8 +1,20 @@
-"""One rank of the two-GPU MoE checks (tests/kernels/test_moe_multigpu.py launches it with torchrun):
-expert parallel and tensor parallel over SymmetricMemory against single-GPU references built from
-every rank's inputs (gathered with NCCL), on random, dropped and skewed routings, T from 1 to 8192,
-bf16 and fp16, and CUDA-graph replays. Exits non-zero on the first mismatch."""
+"""One rank of the two-GPU MoE checks (tests/kernels/test_moe_multigpu.py launches it with torchrun), in order:
+- the mapping: each rank stamps sentinels at both ends of every region of every rank's arena through the
+  kernels' address table, and each rank reads them back through its own arena views;
+- expert parallel and tensor parallel over SymmetricMemory against single-GPU references built from every
+  rank's inputs (gathered with NCCL), on random, dropped and skewed routings, T from 1 to 8192, bf16 and
+  fp16, and CUDA-graph replays;
+- a soak: --soak-steps steps of each form, half eager and half CUDA-graph replays, random token counts
+  (0 included), random delays on random ranks; every step's output against its single-GPU reference on the
+  device, mismatching steps counted and both summed into checksums, compared bitwise at the end (and,
+  tensor parallel, across ranks);
+- the same soak on a build with the fences and flag stores scoped to one GPU (.gpu): it reports what it
+  catches (an ordering fault need not show in a given run), and fails nothing.
+Exits non-zero on the first failure; prints "rank R: ok" at the end."""
+import argparse
+import json
 import os
+import random
 
 import torch
 import torch.distributed as dist
@@ -10,6 +22,7 @@ import torch.distributed as dist
 import rosekernels
 from rosekernels import moe
 from rosekernels.kernels import moe_combine as mc
+from rosekernels.kernels.moe_dispatch import moe_dispatch
 
 
 def _gather(t):
@@ -90,14 +103,216 @@ def check_tensor_parallel(rank, world, gen):
         assert all(torch.equal(o, out) for o in _gather(out)), "ranks disagree"
 
 
+def _at(address, nbytes):
+    """A tensor at a raw address of this process, on this rank's device, as the peer kernels reach it."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    storage = torch._C._construct_storage_from_data_pointer(address, device, nbytes)
+    return torch.empty(0, dtype=torch.int64, device=device).set_(storage)
+
+
+def _sentinel(writer, owner, region, end):
+    return 0x5E47 << 48 | writer << 32 | owner << 16 | region << 1 | end
+
+
+def check_mapping(rank, world):
+    """Both ends of every region of every rank's arena, stamped by every rank through `addr` (what the
+    kernels use), hold exactly what was stamped when read through each rank's own arena."""
+    for obj in (moe.ExpertParallel(16, 512, 16, 2, torch.bfloat16), moe.TensorParallel(16, 512, 16, 2, torch.bfloat16)):
+        addr = obj.addr.tolist()
+        for owner in range(world):
+            for region, size in enumerate(obj.sizes):
+                _at(addr[owner][region] + 8 * rank, 8).fill_(_sentinel(rank, owner, region, 0))
+                _at(addr[owner][region] + size - 8 * (rank + 1), 8).fill_(_sentinel(rank, owner, region, 1))
+        torch.cuda.synchronize()
+        dist.barrier()
+        words = obj.peers.arena.view(torch.int64)
+        for region, (offset, size) in enumerate(zip(obj.offsets, obj.sizes)):
+            view = obj.peers.view(offset, (size // 8,), torch.int64)
+            for writer in range(world):
+                got = [int(view[writer]), int(view[-1 - writer])]
+                want = [_sentinel(writer, rank, region, 0), _sentinel(writer, rank, region, 1)]
+                assert got == want, (type(obj).__name__, rank, region, writer, [hex(g) for g in got])
+        assert int(words.count_nonzero()) == 2 * world * len(obj.sizes), "a stamp landed elsewhere"
+        dist.barrier()  # the objects go (their arenas now hold sentinels, never a step)
+
+
+class WeakExpertParallel(moe.ExpertParallel):
+    fence = "gpu"
+
+
+class WeakTensorParallel(moe.TensorParallel):
+    fence = "gpu"
+
+
+class _Tally:
+    """Per step on the device, no host sync: whether the output differs from the reference anywhere, and
+    position-weighted sums of both (checksums compared at the end)."""
+
+    def __init__(self, max_elems, gen):
+        self.weights = torch.randint(1, 256, (max_elems,), generator=gen, device="cuda")
+        self.bad, self.got, self.want = (torch.zeros((), dtype=torch.int64, device="cuda") for _ in range(3))
+
+    def add(self, out, want):
+        bits, ref = out.view(torch.int16).flatten().long(), want.view(torch.int16).flatten().long()
+        self.bad.add_((bits != ref).any().long())
+        self.got.add_((bits * self.weights[:bits.numel()]).sum())
+        self.want.add_((ref * self.weights[:ref.numel()]).sum())
+
+    def result(self):
+        return {"bad_steps": int(self.bad), "checksum": int(self.got), "reference_checksum": int(self.want)}
+
+
+def _random_routing(tokens, experts, topk, gen):
+    ids = torch.rand(tokens, experts, generator=gen, device="cuda").argsort(1)[:, :topk].to(torch.int32)
+    ids.masked_fill_(torch.rand(tokens, topk, generator=gen, device="cuda") < 0.05, -1)
+    return ids, torch.rand(tokens, topk, generator=gen, device="cuda").softmax(-1)
+
+
+def _delay(rng):
+    """Random delays on random ranks: a tenth of the steps wait up to ~25 us on this rank's stream."""
+    if rng.random() < 0.1:
+        torch.cuda._sleep(rng.randrange(50_000))
+
+
+def soak_expert_parallel(cls, steps, rank, seed):
+    """`steps` steps (half eager, half graph replays of captured token counts) with random token counts
+    per rank; every step's output against one GPU's dispatch + combine of the same expert rows."""
+    experts, hidden, max_tokens, topk = 32, 2048, 64, 4
+    ep = cls(experts, hidden, max_tokens, topk, torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(seed + rank)
+    rng = random.Random(seed * 31 + rank)
+    scale = torch.linspace(0.5, 1.5, experts, device="cuda").to(torch.bfloat16)
+    tally = _Tally(max_tokens * hidden, gen)
+    stream = torch.cuda.Stream()
+
+    def step(x, ids, w):
+        out = ep.combine(_experts(ep.dispatch(x, ids, w), ep.local_experts[0], scale))
+        tally.add(out, _expected(x, ids, w, scale))
+
+    def inputs(tokens):
+        return (torch.randn(tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16),
+                *_random_routing(tokens, experts, topk, gen))
+
+    buckets = (0, 1, 7, 33, max_tokens)
+    with torch.cuda.stream(stream):
+        for tokens in buckets:  # plans and allocations of the captured sizes, outside the capture
+            step(*inputs(tokens))
+        for _ in range(steps // 2):
+            _delay(rng)
+            step(*inputs(0 if rng.random() < 0.1 else rng.randint(1, max_tokens)))
+    torch.cuda.synchronize()
+    ep.check()
+    graphs = {}
+    for tokens in buckets:
+        static = inputs(tokens)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=stream):
+            step(*static)
+        graphs[tokens] = (g, static)
+    with torch.cuda.stream(stream):
+        for _ in range(steps - steps // 2):
+            g, (x, ids, w) = graphs[rng.choice(buckets)]
+            fresh = inputs(x.shape[0])
+            x.copy_(fresh[0]), ids.copy_(fresh[1]), w.copy_(fresh[2])
+            _delay(rng)
+            g.replay()
+    torch.cuda.synchronize()
+    ep.check()
+    return tally.result()
+
+
+def soak_tensor_parallel(cls, steps, rank, world, seed):
+    """The same for tensor parallel: one token count per step on every rank (a shared draw); the
+    reference is every rank's partial computed here (the same dispatch, expert and moe_combine), rounded,
+    added in rank order in fp32."""
+    experts, hidden, max_tokens, topk = 32, 2048, 320, 4  # past 256 tokens: the prefill combine too
+    tp = cls(experts, hidden, max_tokens, topk, torch.bfloat16)
+    shared = torch.Generator(device="cuda").manual_seed(seed)
+    shared_rng, rng = random.Random(seed), random.Random(seed * 31 + rank)
+    scale = torch.linspace(0.5, 1.5, experts, device="cuda").to(torch.bfloat16)
+    per_rank = experts // world
+    tally = _Tally(max_tokens * hidden, torch.Generator(device="cuda").manual_seed(seed))
+    stream = torch.cuda.Stream()
+
+    def step(x, ids, w):
+        partials, out = [], None
+        for r in range(world):
+            got = moe_dispatch(x, ids, experts, local_experts=(r * per_rank, per_rank))
+            y = _experts(got, r * per_rank, scale)
+            partials.append(mc.moe_combine(y, w, got.slot_map))
+            if r == rank:
+                out = tp.combine(y, w, got.slot_map)
+        tally.add(out, sum(p.float() for p in partials).to(torch.bfloat16))
+
+    def inputs(tokens):
+        return (torch.randn(tokens, hidden, generator=shared, device="cuda").to(torch.bfloat16),
+                *_random_routing(tokens, experts, topk, shared))
+
+    buckets = (0, 1, 40, 256, max_tokens)
+    with torch.cuda.stream(stream):
+        for tokens in buckets:
+            step(*inputs(tokens))
+        for _ in range(steps // 2):
+            _delay(rng)
+            step(*inputs(0 if shared_rng.random() < 0.1 else shared_rng.randint(1, max_tokens)))
+    torch.cuda.synchronize()
+    tp.check()
+    graphs = {}
+    for tokens in buckets:
+        static = inputs(tokens)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=stream):
+            step(*static)
+        graphs[tokens] = (g, static)
+    with torch.cuda.stream(stream):
+        for _ in range(steps - steps // 2):
+            g, (x, ids, w) = graphs[shared_rng.choice(buckets)]
+            fresh = inputs(x.shape[0])
+            x.copy_(fresh[0]), ids.copy_(fresh[1]), w.copy_(fresh[2])
+            _delay(rng)
+            g.replay()
+    torch.cuda.synchronize()
+    tp.check()
+    return tally.result()
+
+
+def soak(steps, rank, world, weak):
+    """Both forms' soaks: the protocol's build must be exact; the weakened one reports what it saw."""
+    ep_cls, tp_cls = (WeakExpertParallel, WeakTensorParallel) if weak else (moe.ExpertParallel, moe.TensorParallel)
+    report = {}
+    for name, run in (("expert_parallel", lambda: soak_expert_parallel(ep_cls, steps, rank, 1234)),
+                      ("tensor_parallel", lambda: soak_tensor_parallel(tp_cls, steps, rank, world, 4321))):
+        try:
+            report[name] = run()
+        except (TimeoutError, RuntimeError, ValueError) as e:  # check() raised
+            if not weak:
+                raise
+            report[name] = {"error": str(e)}
+        dist.barrier()
+    # tensor parallel: every rank the same bits (a collective every rank reaches, whatever it raised)
+    mine = torch.tensor([report["tensor_parallel"].get("checksum", 0)], dtype=torch.int64, device="cuda")
+    report["tensor_parallel"]["checksums_of_every_rank"] = [int(c) for c in _gather(mine)]
+    print(f"rank {rank}: {'weak (.gpu) build' if weak else 'soak'} {json.dumps(report)}", flush=True)
+    if not weak:
+        for name, r in report.items():
+            assert r["bad_steps"] == 0 and r["checksum"] == r["reference_checksum"], (rank, name, r)
+        assert len(set(report["tensor_parallel"]["checksums_of_every_rank"])) == 1, report
+
+
 def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--soak-steps", type=int, default=10_000, help="steps of each form (half of them graph replays)")
+    args = p.parse_args()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(100 + rank)
+    check_mapping(rank, world)
     check_expert_parallel(rank, world, gen)
     check_tensor_parallel(rank, world, gen)
+    soak(args.soak_steps, rank, world, weak=False)
+    soak(args.soak_steps, rank, world, weak=True)
     dist.barrier()
     dist.destroy_process_group()
     print(f"rank {rank}: ok")

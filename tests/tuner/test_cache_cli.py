@@ -29,7 +29,7 @@ def model(tmp_path_factory):
     heads = rng.randint(1, 16)
     config = {"hidden_size": 8 * rng.randint(33, 900), "intermediate_size": 8 * rng.randint(40, 3000),
               "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": 64,
-              "torch_dtype": rng.choice(("bfloat16", "float16")), "model_type": "tiny"}
+              "torch_dtype": rng.choice(("bfloat16", "float16")), "model_type": "qwen3"}  # qwen3: has q/k norms
     path = tmp_path_factory.mktemp("model") / "config.json"
     path.write_text(json.dumps(config))
     return str(path)
@@ -142,10 +142,20 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(model, tmp_path, capsys
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "notes.txt").write_text("mine")
+    a_list = tmp_path / "list.json"
+    a_list.write_text("[1, 2]")
     cases = [
         (["build", "--model", str(tmp_path / "missing.json"), "-o", str(out)], "No such file"),
         (["build", "--model", str(not_json), "-o", str(out)], "not JSON"),
-        (["build", "--model", str(no_heads), "-o", str(out)], "not a transformer config"),
+        (["build", "--model", str(no_heads), "-o", str(out)], f"{no_heads} (no model_type): no num_attention_heads"),
+        (["build", "--model", str(a_list), "-o", str(out)], f"{a_list}: a model config is a JSON object"),
+        # Unwritable: refused before compiling (a build used to compile for minutes and write nothing).
+        (["build", "--model", model, "-o", str(busy / "notes.txt" / "cache"), "--modes", "decode"],
+         "cannot write a cache there"),
+        (["build", "--model", model, "-o", "/proc/rosekernels-cache", "--modes", "decode"],
+         "cannot write a cache there"),
+        (["cubin", str(tmp_path / "nowhere"), "--dir", str(busy), "-o", str(out / "x.cubin")], "does not exist"),
+        (["cubin", "qk_norm-decode-sm_90a", "--dir", str(busy), "-o", str(tmp_path / "x.cubin")], "no entry with"),
         (["build", "--model", model, "-o", str(out), "--modes", "decode,sideways"], "modes are"),
         (["build", "--model", model, "-o", str(out), "--max-tokens", "0"], "at least 1"),
         (["build", "--model", model, "-o", str(busy)], "not a rosekernels cache"),

@@ -4,10 +4,11 @@ import sys
 
 import pytest
 from devices import HAS_SM90
-from store_samples import META, ORIGINAL, TUNED, FakeVariant
+from store_samples import META, ORIGINAL, TUNED, FakeVariant, checks, qk_norm_kernel
 
 import rosekernels
-from rosekernels import tuned
+from rosekernels import paths, tuned
+from rosekernels.device import NO_GPU_EXIT
 from sip_tune import cli
 
 
@@ -47,9 +48,9 @@ def test_every_kernel_of_the_package_can_be_asked_for(capsys):
 
 
 @pytest.mark.skipif(HAS_SM90, reason="checks the message shown without an sm_90 GPU")
-def test_without_a_gpu_exit_2_with_a_clear_message(capsys):
+def test_without_a_gpu_exit_3_with_a_clear_message(capsys):
     code, _, err = run(capsys, "--kernel", "qk_norm", "--budget-iters", "5")
-    assert code == 2 and "needs a CUDA sm_90 GPU" in err
+    assert code == NO_GPU_EXIT == 3 and "needs a CUDA sm_90 GPU" in err
 
 
 class ReachedLevelOne(Exception):
@@ -82,33 +83,53 @@ def test_level_one_alone_needs_neither_tool(capsys, gpu_without_tools):
 
 
 @pytest.mark.skipif(HAS_SM90, reason="checks the message shown without an sm_90 GPU")
-def test_the_command_exits_2_without_a_gpu(tmp_path):
+def test_the_command_exits_3_without_a_gpu(tmp_path):
     out = subprocess.run([sys.executable, "-m", "sip_tune.cli", "--kernel", "qk_norm", "--budget-minutes", "1",
                           "--cache", str(tmp_path)], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2, out.stderr
+    assert out.returncode == NO_GPU_EXIT, out.stderr
     assert "sm_90" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_list_shows_valid_and_broken_entries(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(tuned, "current_toolchain", lambda: "test-toolchain")
-    code, out, _ = run(capsys, "--list", "--cache", str(tmp_path))
-    assert code == 0 and "0 entries" in out
+    code, out, _ = run(capsys, "--list", "--store-root", str(tmp_path))
+    assert code == 0 and "0 tuned configs, 0 tuned cubins" in out
     tuned.store(tmp_path, "qk_norm", FakeVariant(d=128), ORIGINAL, TUNED, META)
     path, _ = tuned.store(tmp_path, "rmsnorm", FakeVariant("rmsnorm", hidden=4096), ORIGINAL, TUNED, META)
     (path / "meta.json").write_text("{")
-    code, out, _ = run(capsys, "--list", "--cache", str(tmp_path))
-    assert code == 0 and "2 entries" in out
+    code, out, _ = run(capsys, "--list", "--store-root", str(tmp_path))
+    assert code == 0 and "2 tuned cubins" in out and "below the default bar" not in out
     assert f"{META['speedup']:.3f}x" in out and "NVIDIA H200" in out and FakeVariant(d=128).key() in out
     assert "rmsnorm" in out and "BROKEN" in out
+    # entries below the bar, each with its reason: a cubin checked on 50 samples, a config from before checks
+    tuned.store(tmp_path, "qk_norm", FakeVariant(d=64), ORIGINAL, TUNED, {**META, "checks": checks(samples=50)})
+    from rosekernels.kernels import qk_norm_plan as plan
+
+    shape = plan.QKNormShape(3000)
+    heuristic = plan.config_for(shape, 132)
+    other = next(c for c in plan.candidates(shape, 132) if c.variant() != heuristic.variant())
+    tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, "ab" * 32, {"speedup": 1.3})
+    tuned.forget_configs()
+    code, out, _ = run(capsys, "--list", "--cache", str(tmp_path))  # --store-root's former name
+    lines = out.splitlines()
+    assert code == 0 and "1 tuned configs, 3 tuned cubins, 2 below the default bar (not loaded unless SIP_ALLOW_UNVERIFIED=1)" in lines[0]
+    config_line = next(i for i, line in enumerate(lines) if " config " in line)
+    assert f"{heuristic.variant().key()} -> {other.variant().key()}" in lines[config_line]
+    assert lines[config_line + 1].strip().startswith("below the bar: unverified: written before entries recorded")
+    cubin_line = next(i for i, line in enumerate(lines) if FakeVariant(d=64).key() in line)
+    assert "50 samples" in lines[cubin_line] and "50 of 50 samples passed" in lines[cubin_line + 1]
 
 
-def test_list_of_a_folder_that_does_not_exist_says_so(capsys, tmp_path):
-    code, _, err = run(capsys, "--list", "--cache", str(tmp_path / "typo"))
-    assert code == 1 and "does not exist" in err
+def test_list_of_a_folder_that_does_not_exist_or_of_a_file_says_so(capsys, tmp_path):
+    code, _, err = run(capsys, "--list", "--store-root", str(tmp_path / "typo"))
+    assert code == 2 and f"--store-root {tmp_path / 'typo'} does not exist" in err
+    (tmp_path / "store.json").write_text("{}")
+    code, _, err = run(capsys, "--list", "--cache", str(tmp_path / "store.json"))
+    assert code == 2 and "is a file, not a folder" in err and "does not exist" not in err
 
 
 def test_list_follows_the_environment_variable(capsys, tmp_path, monkeypatch):
-    monkeypatch.setenv(tuned.ENV_VAR, str(tmp_path / "c"))
+    monkeypatch.setenv(paths.TUNED_STORE_ENV, str(tmp_path / "c"))
     code, out, _ = run(capsys, "--list")
     assert code == 0 and str(tmp_path / "c") in out
 

@@ -8,6 +8,8 @@ import pytest
 from devices import HAS_SM90
 
 from rosekernels import models, tuned
+from rosekernels.kernels import kernel_module
+from rosekernels.device import NO_GPU_EXIT
 from sip_tune import cli, configs, model, workloads
 
 QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
@@ -109,7 +111,7 @@ def test_every_listed_shape_resolves_to_a_config_of_the_mode(tmp_path, name, mod
     for job in found.jobs:
         config, shape = workloads.resolve(job.kernel, mode, job.shape)
         assert config.variant().mode == mode, job
-        assert config in workloads.kernel_module(job.kernel).candidates(shape)
+        assert config in kernel_module(job.kernel).candidates(shape)
 
 
 def test_an_mlp_the_gemm_does_not_take_is_not_listed():
@@ -155,9 +157,9 @@ def test_an_unreadable_model_config_exits_2(capsys, tmp_path):
 
 
 @pytest.mark.skipif(HAS_SM90, reason="checks the message shown without an sm_90 GPU")
-def test_without_a_gpu_tuning_a_model_exits_2_with_one_line(capsys, tmp_path):
+def test_without_a_gpu_tuning_a_model_exits_3_with_one_line(capsys, tmp_path):
     code, out, err = run(capsys, "--model", config_file(tmp_path, "qwen3-8b"), "--mode", "decode")
-    assert code == 2 and out == ""
+    assert code == NO_GPU_EXIT == 3 and out == ""
     assert len(err.strip().splitlines()) == 1 and "needs a CUDA sm_90 GPU" in err
 
 
@@ -172,21 +174,25 @@ def test_shapes_with_a_stored_entry_for_the_current_heuristic_are_skipped(capsys
     norm = next(j for j in found.jobs if j.kernel == "qk_norm" and j.shape["tokens"] == 512)
     gemm = next(j for j in found.jobs if j.kernel == "gemm_leakyrelu" and j.shape["m"] == 512)
     heuristic, shape = workloads.resolve(norm.kernel, "prefill", norm.shape)
-    original = workloads.kernel_module("qk_norm").compile(heuristic).cubin_sha256
+    qk_norm = kernel_module("qk_norm")
+    original = qk_norm.compile(heuristic).cubin_sha256
     meta = {"heuristic_median_us": 3.0, "tuned_median_us": 2.5, "speedup": 1.2, "aa_spread": 0.01}
-    tuned.store_config(root, "qk_norm", shape, heuristic, heuristic, original, meta)
-    assert model.stored_entry(norm, "prefill", root) is not None
+    other = next(c for c in qk_norm.candidates(shape) if c != heuristic)
+    tuned.store_config(root, qk_norm, shape, other, heuristic, original, meta)  # no checks: below the bar
+    assert model.stored_entry(norm, "prefill", root) is None  # tuned again
+    tuned.store_config(root, qk_norm, shape, heuristic, heuristic, original, meta, keep_better=False)
+    assert model.stored_entry(norm, "prefill", root) is not None  # the heuristic stayed: nothing to check
     assert model.stored_entry(gemm, "prefill", root) is None
 
     calls = []
 
     def fake_tune_configs(kernel, mode, overrides, **kw):
-        calls.append((kernel, mode, overrides, kw["cache_root"]))
+        calls.append((kernel, mode, overrides, kw["store_root"]))
         return configs.ConfigReport(kernel, mode, overrides, {}, heuristic_us=10.0, tuned_us=10.0, aa_spread=0.002,
                                     outcome="no candidate timed faster than the heuristic; the heuristic stays")
 
     monkeypatch.setattr(configs, "tune_configs", fake_tune_configs)
-    rows = model.tune(model.ModelShapes(found.dims, "prefill", [norm, gemm], []), cache_root=root)
+    rows = model.tune(model.ModelShapes(found.dims, "prefill", [norm, gemm], []), store_root=root)
     assert calls == [("gemm_leakyrelu", "prefill", gemm.shape, root)]
     assert [r.status for r in rows] == ["skipped: already tuned", "heuristic stays"]
     assert (rows[0].heuristic_us, rows[0].tuned_us, rows[0].speedup) == (3.0, 2.5, 1.2)

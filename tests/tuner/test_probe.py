@@ -110,6 +110,6 @@ def test_the_probe_process_imports_what_this_process_can(tmp_path, monkeypatch):
     import probe_factory_mod
 
     with probe._payload(probe_factory_mod.factory, None, samples=0, skip=0) as payload:
-        out, code = probe._run(probe._probe(payload), 120)
+        out, code = probe.run_isolated(probe._probe(payload), 120)
     assert code != 0 and "the probe process unpickled and called the factory" in out, out[-2000:]
     assert not list(tmp_path.glob("sip-probe-*"))

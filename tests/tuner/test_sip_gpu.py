@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from rosekernels import tuned
+from rosekernels import paths, tuned
 from rosekernels.workload import Workload
 from sip import profile
 from sip.mutate import with_extra_stalls
@@ -27,7 +27,7 @@ QK_DECODE = workloads.factory("qk_norm", "decode")
 @pytest.fixture
 def env(tmp_path, monkeypatch):
     """A private tuned store; the compile cache stays shared (workers reuse the parent's compiles)."""
-    monkeypatch.setenv(tuned.ENV_VAR, str(tmp_path / "sip"))
+    monkeypatch.setenv(paths.TUNED_STORE_ENV, str(tmp_path / "sip"))
     return tmp_path / "sip"
 
 
@@ -187,7 +187,8 @@ def test_tune_cache_then_warmup_in_a_fresh_process(env, tmp_path):
     if probe.sanitizer_problem():
         pytest.skip(probe.sanitizer_problem())  # a cubin is stored only once compute-sanitizer ran it
     config = tuning.TuneConfig(budget_iters=60, runs=2, samples=2000, min_speedup=0.0, seed=1)
-    report = tuning.tune(QK_DECODE, config, kernel="qk_norm")
+    shape = workloads.resolve("qk_norm", "decode")[1]
+    report = tuning.tune(QK_DECODE, config, kernel="qk_norm", shape=shape)
     print(report.text())
     assert report.cached, report.outcome
     # The A/A pair (the original against a byte-identical copy, 3 fresh workers) is near 1.
@@ -197,6 +198,11 @@ def test_tune_cache_then_warmup_in_a_fresh_process(env, tmp_path):
     assert entry is not None and entry.tuned != workload.kernel.cubin
     assert entry.meta["samples_passed"] == 2000 and entry.meta["gpu"] == report.gpu
     assert entry.meta["sanitizer"] == dict.fromkeys(probe.SANITIZER_TOOLS, "clean")  # run before it was stored
+    checks = entry.meta["checks"]  # compared at the tuned shape; re-timed through rosekernels.qk_norm
+    assert checks["shapes"]["tuned_samples"] == config.shape_samples and checks["shapes"]["tuned"]["tokens"] == 1
+    assert checks["op_level"]["op"] == "rosekernels.qk_norm" and entry.speedup == checks["op_level"]["speedup"]
+    # 2000 samples (and min_speedup 0): below the store's bar, so the fresh process opts in to load it
+    assert "2000 of 2000 samples passed (the bar: all of at least 10000)" in entry.problems
     v = workload.kernel.variant
     script = textwrap.dedent(f"""
         import dataclasses
@@ -207,7 +213,7 @@ def test_tune_cache_then_warmup_in_a_fresh_process(env, tmp_path):
         from rosekernels.kernels import qk_norm
         from rosekernels.startup import warmup
         variant = jit.Variant.of({v.op!r}, {v.mode!r}, **{dict(v.params)!r})
-        report = warmup([variant])
+        report = warmup([variant], allow_unverified=True)
         print(report)
         assert report.tuned == [variant.key()], report
         config = qk_norm.Config.from_variant(variant)
@@ -235,7 +241,7 @@ def test_tune_cache_then_warmup_in_a_fresh_process(env, tmp_path):
         print("IDENTICAL")
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, tuned.ENV_VAR: str(env)})
+                         env={**os.environ, paths.TUNED_STORE_ENV: str(env)})
     print(out.stdout[-3000:], out.stderr[-3000:])
     assert out.returncode == 0 and "IDENTICAL" in out.stdout
 

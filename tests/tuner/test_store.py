@@ -5,13 +5,15 @@ import json
 import subprocess
 import sys
 import textwrap
+import types
 import warnings
 from pathlib import Path
 
 import pytest
-from store_samples import META, ORIGINAL, TOOLCHAIN, TUNED, VARIANT, FakeVariant, make_cubin
+from store_samples import (CONFIG_META, META, ORIGINAL, TOOLCHAIN, TUNED, VARIANT, FakeVariant, checks, make_cubin,
+                           qk_norm_kernel)
 
-from rosekernels import tuned
+from rosekernels import paths, tuned
 
 
 def put(root, cubin=TUNED, meta=META, **kw):
@@ -126,14 +128,31 @@ def test_a_broken_entry_is_overwritten_by_the_next_store(tmp_path):
     assert written and get(tmp_path).tuned == TUNED
 
 
-def test_default_root_follows_the_environment(tmp_path, monkeypatch):
-    monkeypatch.setenv(tuned.ENV_VAR, str(tmp_path / "sipcache"))
-    assert tuned.default_root() == tmp_path / "sipcache"
-    assert tuned.resolve_root(None) == tmp_path / "sipcache"
-    assert tuned.resolve_root(tmp_path) == tmp_path
-    monkeypatch.delenv(tuned.ENV_VAR)
-    monkeypatch.setenv("ROSEKERNELS_CACHE_DIR", str(tmp_path / "rk"))
-    assert tuned.default_root() == tmp_path / "rk" / "sip"
+def test_paths_decide_both_roots(tmp_path, monkeypatch):
+    """The tuned store: a folder named, else the process's choice, else $SIP_CACHE_DIR, else sip/ in the
+    compile cache, whose root is the process's choice, else $ROSEKERNELS_CACHE_DIR, else the user's."""
+    monkeypatch.setattr(paths, "_compile_cache", None)  # restored afterwards, whatever the test sets
+    monkeypatch.setattr(paths, "_tuned_store", None)
+    monkeypatch.delenv(paths.COMPILE_CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv(paths.TUNED_STORE_ENV, str(tmp_path / "sipcache"))
+    assert paths.compile_cache_root() == tmp_path / "xdg" / "rosekernels"
+    assert paths.tuned_store_root() == tmp_path / "sipcache"
+    assert paths.tuned_store_root(tmp_path / "named") == tmp_path / "named"
+    monkeypatch.delenv(paths.TUNED_STORE_ENV)
+    monkeypatch.setenv(paths.COMPILE_CACHE_ENV, str(tmp_path / "rk"))
+    assert paths.compile_cache_root() == tmp_path / "rk" and paths.tuned_store_root() == tmp_path / "rk" / "sip"
+    paths.use_compile_cache_root(tmp_path / "prebuilt")
+    assert paths.compile_cache_root() == tmp_path / "prebuilt"
+    assert paths.tuned_store_root() == tmp_path / "prebuilt" / "sip"
+    paths.use_tuned_store_root(str(tmp_path / "chosen"))
+    assert paths.tuned_store_root() == tmp_path / "chosen" and paths.tuned_store_root("x") == Path("x")
+    paths.use_compile_cache_root(None)
+    paths.use_tuned_store_root(None)
+    assert paths.compile_cache_root() == tmp_path / "rk" and paths.tuned_store_root() == tmp_path / "rk" / "sip"
+    # the store's functions take the same root
+    put(None)
+    assert get(tmp_path / "rk" / "sip") is not None
 
 
 WRITER = textwrap.dedent("""
@@ -170,8 +189,6 @@ def test_concurrent_writers_never_leave_a_broken_entry(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Tuned configs: <root>/<toolchain>/<kernel>/configs/<mode>-<bucket>-<original hash>.json
 
-CONFIG_META = {"heuristic_median_us": 3.0, "tuned_median_us": 2.5, "speedup": 1.2, "aa_spread": 0.01,
-               "gpu": "NVIDIA H200", "date": "2026-12-01T00:00:00Z"}
 SHA = "ab" * 32
 
 
@@ -194,7 +211,7 @@ def configs_fresh():
 
 def test_config_entry_layout_and_round_trip(tmp_path, configs_fresh):
     shape, heuristic, other = qk_configs(3000)
-    path = tuned.store_config(tmp_path, "qk_norm", shape, other, heuristic, SHA, CONFIG_META)
+    path = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
     toolchain = tuned.current_toolchain()
     assert path.parent == tmp_path / toolchain / "qk_norm" / "configs"
     assert path.name == f"prefill-{tuned.bucket_key(shape)}-{SHA[:16]}.json" and "tokens=4096" in path.name
@@ -205,35 +222,36 @@ def test_config_entry_layout_and_round_trip(tmp_path, configs_fresh):
     assert meta["shape"]["tokens"] == 3000 and meta["bucket"]["tokens"] == 4096
     assert meta["config_key"] == other.variant().key() and meta["heuristic_key"] == heuristic.variant().key()
     # Any shape of the bucket finds it, for that original only; the config comes back as a Config.
-    entry = tuned.lookup_config(tmp_path, "qk_norm", dataclasses.replace(shape, tokens=2049), SHA)
+    entry = tuned.lookup_config(tmp_path, qk_norm_kernel(), dataclasses.replace(shape, tokens=2049), SHA)
     assert entry.path == path and entry.config == other and entry.heuristic == heuristic
     assert entry.speedup == 1.2 and entry.original_sha256 == SHA
-    assert tuned.lookup_config(tmp_path, "qk_norm", dataclasses.replace(shape, tokens=2048), SHA) is None
-    assert tuned.lookup_config(tmp_path, "qk_norm", dataclasses.replace(shape, tokens=4096, k_heads=4), SHA) is None
-    assert tuned.lookup_config(tmp_path, "qk_norm", shape, "cd" * 32) is None
-    assert [e.path for e in tuned.config_entries(tmp_path, "qk_norm")] == [path]
-    assert tuned.config_entries(tmp_path, "rmsnorm") == []
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), dataclasses.replace(shape, tokens=2048), SHA) is None
+    other_heads = dataclasses.replace(shape, tokens=4096, k_heads=4)
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), other_heads, SHA) is None
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, "cd" * 32) is None
+    assert [e.path for e in tuned.config_entries(tmp_path, qk_norm_kernel())] == [path]
+    assert tuned.config_entries(tmp_path, types.SimpleNamespace(OP="rmsnorm")) == []
 
 
 def test_config_entries_are_read_once_per_root_and_kernel(tmp_path, configs_fresh):
     shape, heuristic, other = qk_configs()
-    path = tuned.store_config(tmp_path, "qk_norm", shape, other, heuristic, SHA, CONFIG_META)
-    assert tuned.lookup_config(tmp_path, "qk_norm", shape, SHA) is not None
+    path = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA) is not None
     path.unlink()  # what this process read stays in memory ...
-    assert tuned.lookup_config(tmp_path, "qk_norm", shape, SHA).config == other
-    tuned.store_config(tmp_path, "qk_norm", shape, heuristic, heuristic, "cd" * 32, CONFIG_META)
-    assert tuned.lookup_config(tmp_path, "qk_norm", shape, SHA) is None  # ... until a store re-reads
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == other
+    tuned.store_config(tmp_path, qk_norm_kernel(), shape, heuristic, heuristic, "cd" * 32, CONFIG_META)
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA) is None  # ... until a store re-reads
 
 
 def test_the_better_config_entry_is_kept(tmp_path, configs_fresh):
     shape, heuristic, other = qk_configs()
-    path = tuned.store_config(tmp_path, "qk_norm", shape, other, heuristic, SHA, CONFIG_META)
-    assert tuned.store_config(tmp_path, "qk_norm", shape, heuristic, heuristic, SHA,
+    path = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
+    assert tuned.store_config(tmp_path, qk_norm_kernel(), shape, heuristic, heuristic, SHA,
                               {**CONFIG_META, "speedup": 1.1}) == path
-    assert tuned.lookup_config(tmp_path, "qk_norm", shape, SHA).config == other
-    tuned.store_config(tmp_path, "qk_norm", shape, heuristic, heuristic, SHA, {**CONFIG_META, "speedup": 1.1},
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == other
+    tuned.store_config(tmp_path, qk_norm_kernel(), shape, heuristic, heuristic, SHA, {**CONFIG_META, "speedup": 1.1},
                        keep_better=False)
-    assert tuned.lookup_config(tmp_path, "qk_norm", shape, SHA).config == heuristic
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == heuristic
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".") and p.name != ".lock"]  # no temp files
 
 
@@ -260,13 +278,237 @@ def _config_other_format(path):
 @pytest.mark.parametrize("corrupt", [_config_json, _config_moved, _config_bad_field, _config_other_format])
 def test_a_broken_config_entry_warns_and_is_ignored(tmp_path, configs_fresh, corrupt):
     shape, heuristic, other = qk_configs()
-    path = tuned.store_config(tmp_path, "qk_norm", shape, other, heuristic, SHA, CONFIG_META)
+    path = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
     corrupt(path)
     tuned.forget_configs()
     with pytest.warns(UserWarning, match="ignoring tuned-config entry.*heuristic"):
-        assert tuned.lookup_config(tmp_path, "qk_norm", shape, SHA) is None
-    assert tuned.config_entries(tmp_path, "qk_norm") == []
+        assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA) is None
+    assert tuned.config_entries(tmp_path, qk_norm_kernel()) == []
     # The next store replaces a broken entry in place.
     if corrupt is not _config_moved:
-        tuned.store_config(tmp_path, "qk_norm", shape, other, heuristic, SHA, CONFIG_META)
-        assert tuned.lookup_config(tmp_path, "qk_norm", shape, SHA).config == other
+        tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
+        assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == other
+
+
+# ---------------------------------------------------------------------------------------------
+# How an entry was checked: the bar, the opt-in, and which entry replaces which.
+
+@pytest.mark.parametrize("kind, meta, expected", [
+    ("cubin", {"checks": checks()}, []),
+    ("config", {"checks": checks("config")}, []),
+    ("cubin", {}, ["unverified: written before entries recorded how they were checked"]),
+    ("cubin", {"checks": checks(samples=9999)}, ["9999 of 9999 samples passed"]),
+    ("cubin", {"checks": {**checks(), "samples": {"run": 20000, "passed": 12000}}}, ["12000 of 20000"]),
+    ("cubin", {"checks": checks(compare="tolerance")}, ["compared at rtol=0.01, atol=0.0, not bitwise"]),
+    ("config", {"checks": checks("config", compare="reference")}, []),
+    ("cubin", {"checks": checks(sanitizer="not run")}, ["compute-sanitizer not run"]),
+    ("config", {"checks": checks("config", sanitizer="not run")}, []),  # ptxas's code: no sanitizer run needed
+    ("cubin", {"checks": {**checks(), "sanitizer": {"memcheck": "clean", "racecheck": "exit 99: hazard",
+                                                    "synccheck": "clean"}}}, ["compute-sanitizer: racecheck exit 99"]),
+    ("cubin", {"checks": checks(speedup=1.003, aa=0.004)}, ["op-level 1.0030x the original, not past 1 + its A/A"]),
+    ("config", {"checks": checks("config", speedup=0.99)}, ["op-level 0.9900x the heuristic"]),
+    ("cubin", {"checks": {**checks(), "op_level": "not run"}}, ["no op-level re-time"]),
+    ("cubin", {"checks": {**checks(), "op_level": "the op is not timed here"}},
+     ["no op-level re-time (the op is not timed here)"]),
+    ("cubin", {"checks": {**checks(), "shapes": {"tuned": {"tokens": 1}, "tuned_samples": 0}}},
+     ["not compared at the tuned shape"]),
+    ("config", {"checks": checks()}, ["not tested at its bucket's edges"]),
+    ("config", {"config": {"a": 1}, "heuristic": {"a": 1}}, []),  # the heuristic kept: nothing to check
+    ("config", {"config": {"a": 2}, "heuristic": {"a": 1}}, ["unverified"]),
+    ("cubin", {"checks": checks(samples=5, sanitizer="not run", speedup=1.0)},
+     ["5 of 5", "compute-sanitizer not run", "op-level 1.0000x"]),
+])
+def test_the_bar_names_every_check_an_entry_lacks(kind, meta, expected):
+    problems = tuned.bar_problems(meta, kind)
+    assert len(problems) == len(expected) and all(p.startswith(e) for p, e in zip(problems, expected)), problems
+    assert tuned.strength(meta, kind)[0] == (not expected)
+
+
+@pytest.fixture
+def no_opt_in(monkeypatch):
+    """Entries below the bar not allowed; nothing warned about yet."""
+    monkeypatch.delenv(tuned.ALLOW_ENV, raising=False)
+    monkeypatch.setattr(tuned, "_reported", set())
+    tuned.allow_unverified(None)
+    yield
+    tuned.allow_unverified(None)
+
+
+def test_an_entry_below_the_bar_is_refused_and_reported_unless_the_user_opts_in(tmp_path, no_opt_in, monkeypatch):
+    assert tuned.ALLOW_ENV == "SIP_ALLOW_UNVERIFIED"
+    put(tmp_path, meta={**META, "checks": checks(sanitizer="not run")})
+    entry = get(tmp_path)  # read back whole: whether to load it is admitted's call
+    assert entry is not None and entry.problems == ["compute-sanitizer not run"]
+    with pytest.warns(UserWarning, match="below the default bar.*not loaded.*SIP_ALLOW_UNVERIFIED=1"):
+        assert not tuned.admitted(entry)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        assert not tuned.admitted(entry)
+    monkeypatch.setenv(tuned.ALLOW_ENV, "1")
+    with pytest.warns(UserWarning, match="loading it anyway"):  # never silently
+        assert tuned.admitted(entry)
+    tuned.allow_unverified(False)  # warmup's argument wins over the environment
+    assert not tuned.admitted(entry)
+    path, _ = put(tmp_path / "good")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tuned.admitted(get(tmp_path / "good"))
+
+
+def test_old_entries_without_checks_are_unverified(tmp_path, no_opt_in):
+    old = {k: v for k, v in META.items() if k != "checks"}
+    put(tmp_path, meta=old)
+    entry = get(tmp_path)
+    assert entry.problems and "re-run sip-tune" in entry.problems[0]
+    with pytest.warns(UserWarning, match="written before entries recorded how they were checked"):
+        assert not tuned.admitted(entry)
+
+
+def test_a_weaker_cubin_entry_never_replaces_a_stronger_one(tmp_path):
+    other = make_cubin(text=b"\x07" * 64)
+    put(tmp_path)  # meets the bar, 1.11x
+    for weaker in (checks(sanitizer="not run", speedup=1.5), checks(samples=1000, speedup=1.5),
+                   checks(compare="tolerance", speedup=1.5), checks(speedup=1.002, aa=0.004)):
+        _, written = put(tmp_path, cubin=other, meta={**META, "speedup": 1.5, "checks": weaker})
+        assert not written and get(tmp_path).tuned == TUNED
+    _, written = put(tmp_path, cubin=other, meta={**META, "speedup": 1.05, "checks": checks(speedup=1.05)})
+    assert not written  # as strong, slower
+    _, written = put(tmp_path, cubin=other, meta={**META, "speedup": 1.2, "checks": checks(speedup=1.2)})
+    assert written and get(tmp_path).tuned == other  # as strong, faster
+    # a stronger entry replaces a weaker one whatever the speedups
+    _, written = put(tmp_path / "b", meta={**META, "speedup": 1.5, "checks": checks(sanitizer="not run")})
+    _, written = put(tmp_path / "b", cubin=other, meta={**META, "speedup": 1.02, "checks": checks(speedup=1.02)})
+    assert written and get(tmp_path / "b").tuned == other
+    # among two below the bar, the one meeting more of it stays
+    put(tmp_path / "c", meta={**META, "checks": checks(sanitizer="not run", speedup=1.02, aa=0.05)})
+    _, written = put(tmp_path / "c", cubin=other, meta={**META, "speedup": 1.9,
+                                                        "checks": checks(samples=10, sanitizer="not run")})
+    assert not written
+
+
+def test_a_weaker_config_entry_never_replaces_a_stronger_one(tmp_path):
+    shape, heuristic, other = qk_configs()
+    tuned.forget_configs()
+    path = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
+    weak = {**CONFIG_META, "speedup": 1.6, "checks": checks("config", samples=100, speedup=1.6)}
+    tuned.store_config(tmp_path, qk_norm_kernel(), shape, heuristic, heuristic, SHA, {**CONFIG_META, "speedup": 1.0})
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == other  # the heuristic record is slower
+    third = next(c for c in qk_norm_plan().candidates(shape, 132) if c not in (heuristic, other))
+    tuned.store_config(tmp_path, qk_norm_kernel(), shape, third, heuristic, SHA, weak)
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == other
+    # an entry that keeps the heuristic is as strong as any that meets the bar: a verified winner
+    # replaces it, an unverified one does not
+    tuned.store_config(tmp_path, qk_norm_kernel(), shape, heuristic, heuristic, SHA, {"speedup": 1.0},
+                       keep_better=False)
+    tuned.store_config(tmp_path, qk_norm_kernel(), shape, third, heuristic, SHA, weak)
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == heuristic
+    tuned.store_config(tmp_path, qk_norm_kernel(), shape, third, heuristic, SHA, {**CONFIG_META, "speedup": 1.03})
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == third
+    assert path.exists() and len(list(path.parent.glob("*.json"))) == 1
+    tuned.forget_configs()
+
+
+def qk_norm_plan():
+    from rosekernels.kernels import qk_norm_plan as plan
+
+    return plan
+
+
+def test_list_entries_says_which_meet_the_bar_for_both_kinds(tmp_path):
+    put(tmp_path)
+    put(tmp_path / "x", meta={**META, "checks": checks(samples=50)})
+    shape, heuristic, other = qk_configs()
+    tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, {"speedup": 1.3}, toolchain=TOOLCHAIN)
+    bad = tuned.store_config(tmp_path, qk_norm_kernel(), dataclasses.replace(shape, tokens=9000), other, heuristic, SHA,
+                             CONFIG_META, toolchain=TOOLCHAIN)
+    bad.write_text("{")
+    tuned.forget_configs()
+    rows = tuned.list_entries(tmp_path)
+    kinds = sorted((r["kind"], r["valid"], tuple(r.get("problems", ("broken",)))) for r in rows)
+    assert kinds[0][:2] == ("config", False) and kinds[1][:2] == ("config", True) and "unverified" in kinds[1][2][0]
+    assert kinds[2] == ("cubin", True, ())
+    assert len(rows) == 3  # the entry under tmp_path / "x" is another root
+    assert tuned.list_entries(tmp_path / "x")[0]["problems"] == [
+        f"50 of 50 samples passed (the bar: all of at least {tuned.BAR_SAMPLES})"]
+
+
+# ---------------------------------------------------------------------------------------------
+# A tuned cubin may differ from its original only in the tuned kernel's code (real cubins).
+
+@pytest.fixture(scope="module")
+def demo_cubins():
+    """(original, tuned): the jit demo kernel compiled for sm_90a (CPU) and three legal moves of the
+    engine applied to it, as the tuner makes them."""
+    import jit_demo_kernel as demo
+
+    from rosekernels import jit
+    from sip import mutate
+    from sip_tune import tuning
+
+    original = jit.compile_variant(jit.Variant.of("axpb_test", "decode", dtype="fp32"), demo.build).cubin
+    schedule, moves = mutate.random_walk(tuning.engine_initial(original, "all"), 3, seed=1)
+    tuned_cubin = mutate.apply(schedule)
+    assert moves and tuned_cubin != original and len(tuned_cubin) == len(original)
+    return original, tuned_cubin
+
+
+def _section(data, prefix):
+    from sip import cubin
+
+    return next(s for s in cubin.parse_cubin(data).sections if s.name.startswith(prefix))
+
+
+def _tamper_nv_info(data):
+    sec = _section(data, ".nv.info.")
+    return sec.offset + sec.size - 1, "section .nv.info."  # the last attribute's payload
+
+
+def _tamper_symtab(data):
+    return _section(data, ".symtab").offset + 24 + 16, "section .symtab"  # a symbol's size
+
+
+def _tamper_constants(data):
+    sec = _section(data, ".nv.constant0.")
+    return sec.offset + sec.size - 1, "section .nv.constant0."
+
+
+def _tamper_elf_header(data):
+    return 0x18, "the ELF header"  # e_entry
+
+
+def _tamper_section_header(data):
+    import struct
+
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    return shoff + 64 * _section(data, ".nv.info.").index + 16, "the section headers"  # sh_addr
+
+
+@pytest.mark.parametrize("tamper", [_tamper_nv_info, _tamper_symtab, _tamper_constants, _tamper_elf_header,
+                                    _tamper_section_header])
+def test_a_tuned_cubin_changed_outside_its_kernels_code_is_refused(tmp_path, demo_cubins, tamper):
+    from sip import cubin
+
+    original, good = demo_cubins
+    kernel = cubin.parse_cubin(original).main_kernel().name
+    assert tuned.check_only_code_differs(original, good) == kernel
+    at, where = tamper(good)
+    bad = bytearray(good)
+    bad[at] ^= 0x01
+    bad = bytes(bad)
+    tuned.check_sm90_cubin(bad)  # still a whole sm_90 cubin: only the diff gives it away
+    with pytest.raises(tuned.CacheError, match=f"outside {kernel}'s code, at byte {at} \\({where}"):
+        tuned.check_only_code_differs(original, bad)
+    with pytest.raises(tuned.CacheError, match="outside"):
+        tuned.store(tmp_path, "axpb", VARIANT, original, bad, META, toolchain=TOOLCHAIN)
+    assert not any(tmp_path.rglob("tuned.cubin"))
+    # Written past the store (by hand, or by an older sip-tune): refused when read, with the reason.
+    path, written = tuned.store(tmp_path, "axpb", VARIANT, original, good, META, toolchain=TOOLCHAIN)
+    assert written
+    (path / "tuned.cubin").write_bytes(bad)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["tuned_sha256"] = tuned.sha256(bad)
+    (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.warns(UserWarning, match=f"outside {kernel}'s code.*untuned"):
+        assert tuned.lookup(tmp_path, "axpb", VARIANT, original, toolchain=TOOLCHAIN) is None
+    [row] = tuned.list_entries(tmp_path)
+    assert not row["valid"] and where in row["error"]

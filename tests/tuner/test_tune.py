@@ -11,7 +11,7 @@ from sip_corpus import corpus  # noqa: F401
 from store_samples import FakeVariant, make_cubin
 
 from rosekernels import tuned
-from sip_tune import tuning
+from sip_tune import oplevel, tuning
 from sip_tune.runner import Evaluation, Options, Runner, WorkerFailure, _set_bytes
 
 
@@ -73,10 +73,10 @@ class FakeRunner:
         rels = [1.0] + [ToyEngine.rel(ToyEngine.perm(c)) for c in cubins]
         return {"median_us": [2.0 * r for r in rels], "rel": rels}
 
-    def validate(self, cubin, seed, samples):
+    def validate(self, cubin, seed, samples, shape_samples=0):
         bad = ToyEngine.perm(cubin) == tuple(range(8))  # the best-looking schedule fails a rare case
         return {"status": "incorrect" if bad else "ok", "passed": 17 if bad else samples, "failed": bad,
-                "seconds": 0.1, "detail": ""}
+                "shape_passed": shape_samples, "seconds": 0.1, "detail": ""}
 
 
 @pytest.fixture
@@ -107,7 +107,7 @@ def swap_neighbour_8(state, rng):
 def test_tune_finds_validates_and_caches_the_best_schedule(toy):
     factory, root = toy
     config = tuning.TuneConfig(budget_iters=3000, runs=2, samples=500, seed=4, finalists=4, exhausted_after=10**6)
-    report = tuning.tune(factory, config, cache_root=root, log=lambda m: None)
+    report = tuning.tune(factory, config, store_root=root, log=lambda m: None)
     assert report.iterations == 3000 and len(report.runs) == 2
     ran = FakeRunner.instances[0].evaluated
     assert report.evaluated == len(ran) == len(set(ran))  # each distinct cubin ran once
@@ -124,11 +124,62 @@ def test_tune_finds_validates_and_caches_the_best_schedule(toy):
     assert "cached" in report.outcome and f"{report.crashed} crashed" in report.text()
 
 
+def test_the_op_level_speedup_is_stored_and_a_finalist_that_does_not_hold_there_is_passed_over(toy, monkeypatch):
+    """With the tuned shape given, each finalist that passes validation and the sanitizer is re-timed
+    through the public op (faked here): the first holds only 1.002x there (inside its A/A spread of
+    0.004) and is passed over; the next, 1.15x there, is stored with that speedup and its checks."""
+    factory, root = toy
+    calls = []
+
+    def retime(kernel, shape, candidate, store_root=None, **kw):
+        calls.append((kernel, shape, candidate, store_root))
+        speedup = 1.002 if len(calls) == 1 else 1.15
+        return oplevel.OpTiming(kernel, "rosekernels.toy", dataclasses.asdict(shape), "cubin", "Fake H200",
+                                heuristic_us=2.0, tuned_us=2.0 / speedup, speedup=speedup, aa_spread=0.004, rounds=60)
+
+    monkeypatch.setattr(tuning.oplevel, "retime", retime)
+    config = tuning.TuneConfig(budget_iters=3000, runs=2, seed=4, exhausted_after=10**6)
+    report = tuning.tune(factory, config, shape=ToyShape(8), store_root=root, log=lambda m: None)
+    kernel = factory().kernel
+    assert len(calls) == 2 and all(c[0] == "toy" and c[1] == ToyShape(8) and c[3] == root for c in calls)
+    assert all(c[2].variant == kernel.variant and c[2].original == kernel.cubin for c in calls)
+    first, second = (ToyEngine.perm(c[2].tuned) for c in calls)
+    assert first != second and "1.0020x" in report.finalists[1]["validation"] and "not past the bar" in \
+        report.finalists[1]["validation"]
+    assert report.speedup == 1.15 and report.op_level["speedup"] == 1.15 and "(the public op" in report.text()
+    entry = tuned.lookup(root, "toy", kernel.variant, kernel.cubin)
+    assert ToyEngine.perm(entry.tuned) == second and entry.speedup == 1.15
+    assert entry.meta["worker_speedup"] == pytest.approx(1 / report.finalists[2]["rel"])
+    checks = entry.meta["checks"]
+    assert checks["samples"] == {"run": 10_000, "passed": 10_000} and checks["compare"] == "bitwise"
+    assert checks["shapes"]["tuned"] == {"n": 8} and checks["shapes"]["tuned_samples"] == config.shape_samples
+    assert checks["sanitizer"] == dict.fromkeys(tuning.probe.SANITIZER_TOOLS, "clean")
+    assert entry.problems == []  # meets the store's bar
+    # With a tolerance, the entry records it and stays below the bar (stored, not loaded by default).
+    calls.clear()
+    loose = tuning.tune(factory, dataclasses.replace(config, tolerance=(1e-2, 0.0)), shape=ToyShape(8),
+                        store_root=root / "loose", log=lambda m: None)
+    entry = tuned.lookup(root / "loose", "toy", kernel.variant, kernel.cubin)
+    assert entry.meta["checks"]["tolerance"] == {"rtol": 1e-2, "atol": 0.0}
+    assert entry.problems == ["compared at rtol=0.01, atol=0.0, not bitwise or at the kernel's own tolerance"]
+    assert "below the store's bar" in loose.outcome
+    # Without a shape there is no op-level re-time: the entry says so and is below the bar.
+    plain = tuning.tune(factory, config, store_root=root / "plain", log=lambda m: None)
+    entry = tuned.lookup(root / "plain", "toy", kernel.variant, kernel.cubin)
+    assert plain.cached and entry.meta["checks"]["op_level"] == "not run (no shape given)"
+    assert any(p.startswith("no op-level re-time") for p in entry.problems)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyShape:
+    n: int
+
+
 def test_with_more_gpus_the_runs_go_to_one_worker_per_gpu_at_once(toy, monkeypatch):
     factory, root = toy
     monkeypatch.setattr(tuning, "_gpu_count", lambda: 2)
     config = tuning.TuneConfig(budget_iters=2000, runs=4, samples=50, seed=4, finalists=4, exhausted_after=10**6)
-    report = tuning.tune(factory, config, cache_root=root, log=lambda m: None)
+    report = tuning.tune(factory, config, store_root=root, log=lambda m: None)
     searchers = FakeRunner.instances[:2]
     assert report.gpus == 2 and [r.device for r in searchers] == [0, 1]
     assert all(r.evaluated for r in searchers)  # both searched (runs 0, 2 on GPU 0; 1, 3 on GPU 1)
@@ -141,12 +192,12 @@ def test_with_more_gpus_the_runs_go_to_one_worker_per_gpu_at_once(toy, monkeypat
 def test_tune_is_reproducible_by_seed(toy):
     factory, root = toy
     config = tuning.TuneConfig(budget_iters=300, runs=2, samples=10, seed=9)
-    a = tuning.tune(factory, config, cache_root=root / "a", log=lambda m: None)
-    b = tuning.tune(factory, config, cache_root=root / "b", log=lambda m: None)
+    a = tuning.tune(factory, config, store_root=root / "a", log=lambda m: None)
+    b = tuning.tune(factory, config, store_root=root / "b", log=lambda m: None)
     assert FakeRunner.instances[0].evaluated == FakeRunner.instances[1].evaluated
     assert [r["best_rel"] for r in a.runs] == [r["best_rel"] for r in b.runs]
     c = tuning.tune(factory, tuning.TuneConfig(budget_iters=300, runs=2, samples=10, seed=10),
-                    cache_root=root / "c", log=lambda m: None)
+                    store_root=root / "c", log=lambda m: None)
     assert FakeRunner.instances[2].evaluated != FakeRunner.instances[0].evaluated
     assert c.iterations == 300
 
@@ -154,7 +205,7 @@ def test_tune_is_reproducible_by_seed(toy):
 def test_tune_caches_nothing_below_the_required_speedup(toy):
     factory, root = toy
     report = tuning.tune(factory, tuning.TuneConfig(budget_iters=200, runs=1, samples=10, min_speedup=2.0),
-                         cache_root=root, log=lambda m: None)
+                         store_root=root, log=lambda m: None)
     assert not report.cached and "nothing cached" in report.outcome
     assert all(f["validation"].startswith("skipped") for f in report.finalists)
     assert tuned.list_entries(root) == []
@@ -175,7 +226,7 @@ def test_a_finalist_compute_sanitizer_flags_is_not_stored(toy, monkeypatch):
 
     monkeypatch.setattr(tuning.probe, "sanitize", sanitize)
     config = tuning.TuneConfig(budget_iters=3000, runs=2, samples=50, seed=4, exhausted_after=10**6)
-    report = tuning.tune(factory, config, cache_root=root, log=lambda m: None)
+    report = tuning.tune(factory, config, store_root=root, log=lambda m: None)
     assert len(checked) == 2 and report.cached
     entry = tuned.lookup(root, "toy", factory().kernel.variant, factory().kernel.cubin)
     assert ToyEngine.perm(entry.tuned) == checked[1] != checked[0]
@@ -183,7 +234,7 @@ def test_a_finalist_compute_sanitizer_flags_is_not_stored(toy, monkeypatch):
     assert sum("racecheck exit 99" in f.get("validation", "") for f in report.finalists) == 1
     # without the check nothing is run and the entry says so
     monkeypatch.setattr(tuning.probe, "sanitize", lambda f, c: pytest.fail("sanitizer ran"))
-    report = tuning.tune(factory, dataclasses.replace(config, sanitize=False), cache_root=root / "unchecked",
+    report = tuning.tune(factory, dataclasses.replace(config, sanitize=False), store_root=root / "unchecked",
                          log=lambda m: None)
     entry = tuned.lookup(root / "unchecked", "toy", factory().kernel.variant, factory().kernel.cubin)
     assert report.cached and entry.meta["sanitizer"] == "not run"
@@ -199,7 +250,7 @@ def test_when_the_original_fails_the_sanitizer_too_no_finalist_is_blamed(toy, mo
 
     monkeypatch.setattr(tuning.probe, "sanitize", sanitize)
     config = tuning.TuneConfig(budget_iters=3000, runs=2, samples=50, seed=4, exhausted_after=10**6)
-    report = tuning.tune(factory, config, cache_root=root, log=lambda m: None)
+    report = tuning.tune(factory, config, store_root=root, log=lambda m: None)
     assert calls == [(False, tuning.probe.SANITIZER_TOOLS), (True, tuning.probe.SANITIZER_TOOLS)]
     assert "does not pass the original kernel either" in report.outcome and not report.cached
     assert tuned.list_entries(root) == []
@@ -218,23 +269,23 @@ def test_proposals_can_follow_the_profilers_samples(toy, monkeypatch):
     monkeypatch.setattr(tuning.probe, "profile", lambda f, cubin: f"listing of {len(cubin)} bytes")
     monkeypatch.setattr(tuning, "engine_weighted", weighted)
     config = tuning.TuneConfig(budget_iters=50, runs=1, samples=10, hot="ncu")
-    report = tuning.tune(factory, config, cache_root=root, log=lambda m: None)
+    report = tuning.tune(factory, config, store_root=root, log=lambda m: None)
     assert seen == [(ToyEngine.perm(factory().kernel.cubin), f"listing of {len(factory().kernel.cubin)} bytes")]
     assert report.hot_blocks[0]["share"] == 0.83 and "0x01a0 (40 instructions, loop depth 1): 83%" in report.text()
     with pytest.raises(ValueError, match="hot must be one of"):
         tuning.TuneConfig(budget_iters=1, hot="nsys")
     monkeypatch.setattr(tuning, "engine_stats", lambda s: (8, 0, 0))  # nothing to tune: nothing profiled
     seen.clear()
-    assert "no legal move" in tuning.tune(factory, config, cache_root=root, log=lambda m: None).outcome and not seen
+    assert "no legal move" in tuning.tune(factory, config, store_root=root, log=lambda m: None).outcome and not seen
 
 
 def test_without_compute_sanitizer_tuning_refuses_before_the_search(toy, monkeypatch):
     factory, root = toy
     monkeypatch.setattr(tuning.probe, "sanitizer_problem", lambda: "compute-sanitizer not found on PATH")
     with pytest.raises(tuning.probe.ProbeError, match="not found on PATH.*--no-sanitize"):
-        tuning.tune(factory, tuning.TuneConfig(budget_iters=50), cache_root=root, log=lambda m: None)
+        tuning.tune(factory, tuning.TuneConfig(budget_iters=50), store_root=root, log=lambda m: None)
     assert not FakeRunner.instances
-    report = tuning.tune(factory, tuning.TuneConfig(budget_iters=50, samples=10, sanitize=False), cache_root=root,
+    report = tuning.tune(factory, tuning.TuneConfig(budget_iters=50, samples=10, sanitize=False), store_root=root,
                          log=lambda m: None)
     assert report.iterations == 50
 
@@ -270,7 +321,7 @@ def test_a_finalist_must_beat_the_a_a_spread(toy, monkeypatch):
     factory, root = toy
     monkeypatch.setattr(tuning, "Runner", NoisyRunner)
     config = tuning.TuneConfig(budget_iters=300, runs=1, samples=10, retimes=3)
-    report = tuning.tune(factory, config, cache_root=root, log=lambda m: None)
+    report = tuning.tune(factory, config, store_root=root, log=lambda m: None)
     assert report.aa_spread == pytest.approx(0.4) and report.bar == pytest.approx(1.4)
     assert max(1 / f["rel"] for f in report.finalists) > 1.01  # would have passed min_speedup alone
     assert all("bar 1.4000x" in f["validation"] for f in report.finalists) and not report.cached
@@ -358,7 +409,7 @@ def test_a_worker_that_cannot_set_up_is_a_clear_error():
 def test_a_run_ends_early_once_nothing_new_is_proposed(toy):
     factory, root = toy
     config = tuning.TuneConfig(budget_iters=20000, runs=1, samples=10, t_min=1e-6, exhausted_after=40)
-    report = tuning.tune(factory, config, cache_root=root, log=lambda m: None)
+    report = tuning.tune(factory, config, store_root=root, log=lambda m: None)
     (run,) = report.runs
     assert run["exhausted"] and run["iterations"] < 20000 and "ended early" in report.text()
 
@@ -366,7 +417,7 @@ def test_a_run_ends_early_once_nothing_new_is_proposed(toy):
 def test_a_kernel_without_legal_moves_is_not_searched(toy, monkeypatch):
     factory, root = toy
     monkeypatch.setattr(tuning, "engine_stats", lambda s: (8, 0, 0))
-    report = tuning.tune(factory, tuning.TuneConfig(budget_iters=100), cache_root=root, log=lambda m: None)
+    report = tuning.tune(factory, tuning.TuneConfig(budget_iters=100), store_root=root, log=lambda m: None)
     assert "no legal move" in report.outcome and report.iterations == 0 and not FakeRunner.instances
 
 

@@ -2,17 +2,16 @@
 entry for its shape's bucket (CPU: the choice, with a compiled heuristic; GPU: the op's launch)."""
 import dataclasses
 import importlib
-import math
 
 import pytest
+from store_samples import CONFIG_META, checks as entry_checks
 
 import rosekernels
-from rosekernels import contract, jit, tuned
+from rosekernels import checks, contract, jit, paths, tuned
 from rosekernels.kernels import qk_norm_plan
 from rosekernels.startup import warmup
 
-META = {"heuristic_median_us": 3.0, "tuned_median_us": 2.5, "speedup": 1.2, "aa_spread": 0.01,
-        "gpu": "NVIDIA H200", "date": "2026-12-01T00:00:00Z"}
+META = CONFIG_META  # meets the store's bar
 SMS = 132
 SHAPE = qk_norm_plan.QKNormShape(3000)  # prefill on 132 SMs; bucket tokens=4096
 
@@ -20,11 +19,11 @@ SHAPE = qk_norm_plan.QKNormShape(3000)  # prefill on 132 SMs; bucket tokens=4096
 @pytest.fixture
 def store(tmp_path, monkeypatch):
     """An empty default tuned store, nothing read or chosen yet."""
-    monkeypatch.setenv(tuned.ENV_VAR, str(tmp_path / "sip"))
-    tuned.use_config_root(None)
+    monkeypatch.setenv(paths.TUNED_STORE_ENV, str(tmp_path / "sip"))
+    monkeypatch.delenv(tuned.ALLOW_ENV, raising=False)
     tuned.forget_configs()
     yield tmp_path / "sip"
-    tuned.use_config_root(None)
+    tuned.allow_unverified(None)
     tuned.forget_configs()
 
 
@@ -69,7 +68,7 @@ def test_every_kernel_shape_names_its_size_fields(kernel):
 def test_no_entry_gives_the_heuristic_without_compiling(store):
     heuristic, _ = heuristic_and_other()
     loaded = len(jit.loaded_variants())
-    assert tuned.tuned_config("qk_norm", SHAPE, heuristic, SMS) is heuristic
+    assert tuned.tuned_config(qk_norm(), SHAPE, heuristic, SMS) is heuristic
     assert len(jit.loaded_variants()) == loaded
 
 
@@ -77,15 +76,15 @@ def test_the_stored_config_is_planned_for_every_shape_of_its_bucket(store):
     """CPU: the heuristic compiled for its hash (qk_norm compiles in about a second), a stored entry."""
     heuristic, other = heuristic_and_other()
     original = qk_norm().compile(heuristic).cubin_sha256
-    tuned.store_config(None, "qk_norm", SHAPE, other, heuristic, original, META)
-    assert tuned.tuned_config("qk_norm", SHAPE, heuristic, SMS) == other
+    tuned.store_config(None, qk_norm(), SHAPE, other, heuristic, original, META)
+    assert tuned.tuned_config(qk_norm(), SHAPE, heuristic, SMS) == other
     near = dataclasses.replace(SHAPE, tokens=2100)  # same bucket, same heuristic
     assert qk_norm_plan.config_for(near, SMS) == heuristic
-    assert tuned.tuned_config("qk_norm", near, heuristic, SMS) == other
+    assert tuned.tuned_config(qk_norm(), near, heuristic, SMS) == other
     # Another bucket, or other fields, have no entry.
     for shape in (dataclasses.replace(SHAPE, tokens=5000), dataclasses.replace(SHAPE, q_heads=16)):
         h = qk_norm_plan.config_for(shape, SMS)
-        assert tuned.tuned_config("qk_norm", shape, h, SMS) is h
+        assert tuned.tuned_config(qk_norm(), shape, h, SMS) is h
 
 
 def test_an_entry_applies_only_where_the_heuristic_picks_the_config_it_was_tuned_against(store):
@@ -94,21 +93,40 @@ def test_an_entry_applies_only_where_the_heuristic_picks_the_config_it_was_tuned
     heuristic, other = heuristic_and_other(eight)
     decode = qk_norm_plan.config_for(six, SMS)
     assert decode.mode == "decode" and contract.bucket(six) == contract.bucket(eight)
-    tuned.store_config(None, "qk_norm", eight, other, heuristic, qk_norm().compile(heuristic).cubin_sha256, META)
-    assert tuned.tuned_config("qk_norm", dataclasses.replace(SHAPE, tokens=7), heuristic, SMS) == other
-    assert tuned.tuned_config("qk_norm", six, decode, SMS) is decode
+    tuned.store_config(None, qk_norm(), eight, other, heuristic, qk_norm().compile(heuristic).cubin_sha256, META)
+    assert tuned.tuned_config(qk_norm(), dataclasses.replace(SHAPE, tokens=7), heuristic, SMS) == other
+    assert tuned.tuned_config(qk_norm(), six, decode, SMS) is decode
 
 
 def test_the_root_warmup_was_given_is_where_ops_look(store, tmp_path):
     heuristic, other = heuristic_and_other()
     original = qk_norm().compile(heuristic).cubin_sha256
-    tuned.store_config(tmp_path / "elsewhere", "qk_norm", SHAPE, other, heuristic, original, META)
-    assert tuned.tuned_config("qk_norm", SHAPE, heuristic, SMS) is heuristic
-    report = warmup([heuristic], tuned_dir=str(tmp_path / "elsewhere"))
-    assert tuned.tuned_config("qk_norm", SHAPE, heuristic, SMS) == other
+    tuned.store_config(tmp_path / "elsewhere", qk_norm(), SHAPE, other, heuristic, original, META)
+    assert tuned.tuned_config(qk_norm(), SHAPE, heuristic, SMS) is heuristic
+    report = warmup([heuristic], store_root=str(tmp_path / "elsewhere"))
+    assert tuned.tuned_config(qk_norm(), SHAPE, heuristic, SMS) == other
     assert len(report.configs) == 1 and other.variant().key() in report.configs[0]
     assert other.variant() in [k.variant for k in report.kernels]  # compiled now: no JIT when an op plans it
     assert "config   qk_norm prefill-" in str(report)
+
+
+def test_an_entry_below_the_bar_gives_the_heuristic_unless_the_user_opts_in(store, monkeypatch):
+    heuristic, other = heuristic_and_other()
+    original = qk_norm().compile(heuristic).cubin_sha256
+    weak = {**META, "checks": entry_checks("config", samples=64)}  # level 1's per-candidate test alone
+    tuned.store_config(None, qk_norm(), SHAPE, other, heuristic, original, weak)
+    with pytest.warns(UserWarning, match="below the default bar.*64 of 64 samples"):
+        assert tuned.tuned_config(qk_norm(), SHAPE, heuristic, SMS) is heuristic
+    monkeypatch.setenv(tuned.ALLOW_ENV, "1")
+    tuned.forget_configs()
+    with pytest.warns(UserWarning, match="loading it anyway"):
+        assert tuned.tuned_config(qk_norm(), SHAPE, heuristic, SMS) == other
+    monkeypatch.delenv(tuned.ALLOW_ENV)
+    tuned.forget_configs()
+    report = warmup([heuristic], allow_unverified=True)  # the argument: from now on, ops included
+    assert tuned.tuned_config(qk_norm(), SHAPE, heuristic, SMS) == other and len(report.configs) == 1
+    tuned.allow_unverified(False)
+    assert tuned.tuned_config(qk_norm(), SHAPE, heuristic, SMS) is heuristic
 
 
 def test_an_entry_not_legal_for_the_exact_shape_is_ignored(store):
@@ -116,16 +134,16 @@ def test_an_entry_not_legal_for_the_exact_shape_is_ignored(store):
     original = qk_norm().compile(heuristic).cubin_sha256
     decode = dataclasses.replace(heuristic, mode="decode", warps=1, rows_per_thread=1)  # not a candidate here
     assert decode not in qk_norm_plan.candidates(SHAPE, SMS)
-    tuned.store_config(None, "qk_norm", SHAPE, decode, heuristic, original, META)
-    assert tuned.lookup_config(None, "qk_norm", SHAPE, original).config == decode
-    assert tuned.tuned_config("qk_norm", SHAPE, heuristic, SMS) is heuristic
+    tuned.store_config(None, qk_norm(), SHAPE, decode, heuristic, original, META)
+    assert tuned.lookup_config(None, qk_norm(), SHAPE, original).config == decode
+    assert tuned.tuned_config(qk_norm(), SHAPE, heuristic, SMS) is heuristic
 
 
 def test_an_entry_for_another_build_of_the_heuristic_warns_and_is_ignored(store):
     heuristic, other = heuristic_and_other()
-    tuned.store_config(None, "qk_norm", SHAPE, other, heuristic, "ab" * 32, META)  # not what it compiles to
+    tuned.store_config(None, qk_norm(), SHAPE, other, heuristic, "ab" * 32, META)  # not what it compiles to
     with pytest.warns(UserWarning, match="another build"):
-        assert tuned.tuned_config("qk_norm", SHAPE, heuristic, SMS) is heuristic
+        assert tuned.tuned_config(qk_norm(), SHAPE, heuristic, SMS) is heuristic
     with pytest.warns(UserWarning, match="another build"):
         report = warmup([heuristic])
     assert report.configs == [] and len(report.stale_configs) == 1 and "stale" in str(report)
@@ -134,20 +152,20 @@ def test_an_entry_for_another_build_of_the_heuristic_warns_and_is_ignored(store)
 def test_an_entry_of_another_toolchain_warns_and_is_ignored(store):
     heuristic, other = heuristic_and_other()
     original = qk_norm().compile(heuristic).cubin_sha256
-    tuned.store_config(None, "qk_norm", SHAPE, other, heuristic, original, META, toolchain="cutedsl-0.0_old")
+    tuned.store_config(None, qk_norm(), SHAPE, other, heuristic, original, META, toolchain="cutedsl-0.0_old")
     with pytest.warns(UserWarning, match="another build"):
-        assert tuned.tuned_config("qk_norm", SHAPE, heuristic, SMS) is heuristic
-    assert tuned.config_entries(None, "qk_norm") == []
+        assert tuned.tuned_config(qk_norm(), SHAPE, heuristic, SMS) is heuristic
+    assert tuned.config_entries(None, qk_norm()) == []
 
 
 def test_a_corrupt_entry_warns_and_gives_the_heuristic(store):
     heuristic, other = heuristic_and_other()
     original = qk_norm().compile(heuristic).cubin_sha256
-    path = tuned.store_config(None, "qk_norm", SHAPE, other, heuristic, original, META)
+    path = tuned.store_config(None, qk_norm(), SHAPE, other, heuristic, original, META)
     path.write_text('{"format": 1, "kernel": "qk_norm"')
     tuned.forget_configs()
     with pytest.warns(UserWarning, match="ignoring tuned-config entry"):
-        assert tuned.tuned_config("qk_norm", SHAPE, heuristic, SMS) is heuristic
+        assert tuned.tuned_config(qk_norm(), SHAPE, heuristic, SMS) is heuristic
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,7 +182,7 @@ def test_the_op_launches_the_stored_config_and_is_correct(store, monkeypatch):
     shape = qk_norm_plan.QKNormShape(3000)
     heuristic, other = heuristic_and_other(shape, sms)
     assert qk_norm_plan.config_for(dataclasses.replace(shape, tokens=2900), sms) == heuristic
-    tuned.store_config(None, "qk_norm", shape, other, heuristic, m.compile(heuristic).cubin_sha256, META)
+    tuned.store_config(None, qk_norm(), shape, other, heuristic, m.compile(heuristic).cubin_sha256, META)
     launch.forget_plans()  # plans made before the entry was stored would keep the heuristic
     planned = []  # what the op's planning compiles: the config it launches comes last
     compile_config = m.compile
@@ -173,10 +191,9 @@ def test_the_op_launches_the_stored_config_and_is_correct(store, monkeypatch):
     q = (torch.randn(2900, 32, 128, generator=g) * 3).to(device="cuda", dtype=torch.bfloat16)  # same bucket
     k = (torch.randn(2900, 8, 128, generator=g) * 3).to(device="cuda", dtype=torch.bfloat16)
     wq, wk = ((torch.randn(128, generator=g) * 0.2 + 1).to(device="cuda", dtype=torch.bfloat16) for _ in "qk")
-    out_q, out_k = m.qk_norm(q, k, wq, wk)
+    out_q, out_k = rosekernels.qk_norm(q, k, wq, wk)  # the op plans with the patched kernel module
     torch.cuda.synchronize()
     assert planned and planned[-1] == other
     for out, ref in zip((out_q, out_k), m.reference(q, k, wq, wk)):
-        err = ((out.double() - ref).abs() / (1 + ref.abs())).nan_to_num(math.inf).max().item()
-        assert err <= m.tolerance(torch.bfloat16)
+        assert checks.relative_error(out, ref) <= m.tolerance(torch.bfloat16)
     launch.forget_plans()

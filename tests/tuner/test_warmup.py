@@ -7,10 +7,10 @@ import shutil
 import axpb_kernel
 import jit_demo_kernel as demo
 import pytest
-from store_samples import META
+from store_samples import META, checks
 
-import rosekernels
-from rosekernels import jit, startup, tuned
+import rosekernels.kernels
+from rosekernels import jit, paths, startup, tuned
 from rosekernels.kernels import gemm_leakyrelu_plan as gemm_plan
 from rosekernels.models import ModelDims
 from rosekernels.startup import warmup
@@ -22,16 +22,15 @@ VARIANT = axpb_kernel.Config("decode").variant()
 @pytest.fixture
 def env(tmp_path, monkeypatch):
     """Private compile and tuned-store roots; the demo kernel registered as a kernel module."""
-    monkeypatch.setenv("ROSEKERNELS_CACHE_DIR", str(tmp_path / "rk"))
-    monkeypatch.setenv(tuned.ENV_VAR, str(tmp_path / "sip"))
-    monkeypatch.setitem(rosekernels.KERNELS, axpb_kernel.OP, "axpb_kernel")
+    monkeypatch.setenv(paths.COMPILE_CACHE_ENV, str(tmp_path / "rk"))
+    monkeypatch.setenv(paths.TUNED_STORE_ENV, str(tmp_path / "sip"))
+    monkeypatch.setitem(rosekernels.kernels.KERNELS, axpb_kernel.OP, "axpb_kernel")
     jit.forget_loaded()
     jit.uninstall_tuned_cubins()
     yield
     jit.forget_loaded()
     jit.uninstall_tuned_cubins()
-    jit.use_cache_root(None)  # warmup(cache_dir=...) moves it for the process
-    tuned.use_config_root(None)
+    tuned.allow_unverified(None)  # warmup(allow_unverified=...) sets it for the process
 
 
 def compile_demo() -> jit.CompiledKernel:
@@ -67,6 +66,46 @@ def test_warmup_of_a_corrupt_entry_warns_and_loads_untuned(env):
     (path / "tuned.cubin").write_bytes(with_extra_stalls(k.cubin)[:500])
     jit.forget_loaded()
     with pytest.warns(UserWarning, match="untuned"):
+        report = warmup([compile_demo])
+    assert report.untuned == [VARIANT.key()] and not report.kernels[0].tuned
+
+
+def test_warmup_loads_an_entry_below_the_bar_only_when_the_user_opts_in(env, monkeypatch):
+    monkeypatch.delenv(tuned.ALLOW_ENV, raising=False)
+    k = compile_demo()
+    weak = {**META, "checks": checks(speedup=1.002, aa=0.004)}  # an op-level gain inside its A/A spread
+    tuned.store(None, "axpb", VARIANT, k.cubin, with_extra_stalls(k.cubin), weak)
+    jit.forget_loaded()
+    with pytest.warns(UserWarning, match="below the default bar.*not loaded"):
+        report = warmup([compile_demo])
+    assert report.untuned == [VARIANT.key()] and report.stale == [] and not report.kernels[0].tuned
+    assert report.unverified == [f"{VARIANT.key()}: op-level 1.0020x the original, not past 1 + its A/A spread "
+                                 "0.0040"]
+    assert "below the bar (not loaded)" in str(report)
+    jit.forget_loaded()
+    with pytest.warns(UserWarning, match="loading it anyway"):
+        report = warmup([compile_demo], allow_unverified=True)
+    assert report.tuned == [VARIANT.key()] and report.kernels[0].tuned and report.loaded_unverified
+    assert "below the bar (loaded: allow_unverified)" in str(report)
+
+
+def test_warmup_refuses_a_tuned_cubin_changed_outside_its_code(env):
+    """Written past the store (an older sip-tune, a hand edit): one byte of the symbol table differs."""
+    import json
+
+    from sip import cubin
+
+    k = compile_demo()
+    faster = with_extra_stalls(k.cubin)
+    path, _ = tuned.store(None, "axpb", VARIANT, k.cubin, faster, META)
+    symtab = next(sec for sec in cubin.parse_cubin(faster).sections if sec.name == ".symtab")
+    bad = bytearray(faster)
+    bad[symtab.offset + 24 + 16] ^= 1  # a symbol's size
+    (path / "tuned.cubin").write_bytes(bytes(bad))
+    meta = json.loads((path / "meta.json").read_text())
+    (path / "meta.json").write_text(json.dumps({**meta, "tuned_sha256": tuned.sha256(bytes(bad))}))
+    jit.forget_loaded()
+    with pytest.warns(UserWarning, match="outside .*'s code.*section .symtab"):
         report = warmup([compile_demo])
     assert report.untuned == [VARIANT.key()] and not report.kernels[0].tuned
 
@@ -114,7 +153,7 @@ def random_model(rng: random.Random) -> dict:
 @pytest.fixture
 def demo_only(env, monkeypatch):
     """The demo kernel as the package's only kernel module: warmup(model=...) compiles two cheap variants."""
-    monkeypatch.setattr(rosekernels, "KERNELS", {axpb_kernel.OP: "axpb_kernel"})
+    monkeypatch.setattr(rosekernels.kernels, "KERNELS", {axpb_kernel.OP: "axpb_kernel"})
 
 
 def test_a_model_compiles_in_worker_processes_then_loads_from_disk(demo_only):
@@ -123,7 +162,7 @@ def test_a_model_compiles_in_worker_processes_then_loads_from_disk(demo_only):
     first = warmup(model=model, processes=2)
     assert sorted(first.compiled) == keys and first.from_disk == []
     assert "2 compiled, 0 loaded from disk, 0 already loaded" in str(first)
-    assert sorted(e.key for e in jit.disk_entries(jit.cache_root())) == keys  # written by the workers
+    assert sorted(e.key for e in jit.disk_entries(paths.compile_cache_root())) == keys  # written by the workers
     jit.forget_loaded()
     second = warmup(model=model)
     assert second.compiled == [] and sorted(second.from_disk) == keys
@@ -133,7 +172,7 @@ def test_a_model_compiles_in_worker_processes_then_loads_from_disk(demo_only):
 
 
 def test_cache_dir_is_the_compile_cache_root_and_holds_the_tuned_store(env, tmp_path, monkeypatch):
-    monkeypatch.delenv(tuned.ENV_VAR)
+    monkeypatch.delenv(paths.TUNED_STORE_ENV)
     prebuilt = tmp_path / "prebuilt"
     original = compile_demo().cubin  # into the default root
     tuned.store(prebuilt / "sip", "axpb", VARIANT, original, with_extra_stalls(original), META)
@@ -148,6 +187,22 @@ def test_cache_dir_is_the_compile_cache_root_and_holds_the_tuned_store(env, tmp_
     jit.forget_loaded()
     assert warmup([VARIANT]).compiled == [VARIANT.key()]  # cache_dir None: the default root again
     assert [e.key for e in jit.disk_entries(tmp_path / "rk")] == [VARIANT.key()]
+
+
+def test_store_root_names_the_tuned_store_and_tuned_dir_is_its_deprecated_name(env, tmp_path):
+    original = compile_demo().cubin
+    tuned.store(tmp_path / "elsewhere", "axpb", VARIANT, original, with_extra_stalls(original), META)
+    jit.forget_loaded()
+    assert warmup([VARIANT]).tuned == []  # not in the environment's store
+    jit.forget_loaded()
+    assert warmup([VARIANT], store_root=tmp_path / "elsewhere").tuned == [VARIANT.key()]
+    assert paths.tuned_store_root() == tmp_path / "elsewhere"  # the ops look there from now on
+    jit.forget_loaded()
+    jit.uninstall_tuned_cubins()
+    with pytest.warns(DeprecationWarning, match="pass store_root"):
+        assert warmup([VARIANT], tuned_dir=tmp_path / "elsewhere").tuned == [VARIANT.key()]
+    with pytest.raises(TypeError, match="not both"):
+        warmup([VARIANT], store_root=tmp_path, tuned_dir=tmp_path)
 
 
 def test_max_tokens_bounds_the_token_counts_of_the_warmup_set():

@@ -7,6 +7,7 @@ import axpb_kernel
 import pytest
 
 import rosekernels
+from rosekernels.kernels import kernel_module
 from sip_tune import workloads
 
 # The kernels with one mode only; every other kernel has both.
@@ -49,7 +50,7 @@ def test_every_kernel_resolves_its_default_shape_to_a_config_of_the_mode(kernel,
         return
     config, shape = workloads.resolve(kernel, mode)
     assert config.variant().mode == mode and config.variant().op == kernel
-    assert shape == workloads.kernel_module(kernel).Shape.defaults(mode)
+    assert shape == kernel_module(kernel).Shape.defaults(mode)
     if kernel in SIZE:  # a size of the other mode is refused with a hint
         with pytest.raises(ValueError, match="--mode"):
             workloads.resolve(kernel, mode, {SIZE[kernel]: 4096 if mode == "decode" else 1})

@@ -1,0 +1,49 @@
+"""sip.mutate.lowered and `sip floor`: every stall count lowered as far as the measured latency table
+proves, each step a legal control.stall edit; a fixed point that keeps every schedule guarantee."""
+import pytest
+from sip_checks import assert_round_trip, assert_schedule_is_correct
+from sip_corpus import corpus, corpus_entry  # noqa: F401
+
+from sip import SipError, latency
+from sip.cfg import loop_summaries
+from sip.cli import main
+from sip.cubin import parse_cubin
+from sip.deps import DependencyModel
+from sip.mutate import Schedule, lowered
+from sip.sass import disassemble
+
+STALL = frozenset({"control.stall"})
+
+
+@pytest.mark.parametrize("name", ["rosekernels_tma_wgmma_gemm", "smem_tiled_gemm", "unrolled_stencil"])
+def test_lowered_is_a_legal_fixed_point_below_ptxas(corpus, name):
+    table = latency.load(latency.DEFAULT_PATH)
+    kernel = max(disassemble(parse_cubin(corpus_entry(corpus, name))).values(), key=lambda k: len(k.instructions))
+    s0 = Schedule.initial(DependencyModel(kernel, table), STALL)
+    s = lowered(s0)
+    assert_schedule_is_correct(s)
+    assert_round_trip(s)
+    assert all(s.own[x] <= s0.own[x] for x in range(len(kernel.instructions)))
+    assert all(s.stall_floor(x) == s.own[x] for x in range(len(kernel.instructions)) if s.model.facts[x].pin is None)
+    assert lowered(s).text == s.text  # nothing left to lower
+    assert s.order() == s0.order()  # stall counts only
+    with pytest.raises(SipError, match="needs control.stall"):
+        lowered(Schedule.initial(DependencyModel(kernel), frozenset({"alu"})))
+
+
+def test_sip_floor_writes_the_lowered_cubin_and_its_loops(corpus, tmp_path, capsys):
+    data = corpus_entry(corpus, "smem_tiled_gemm")
+    src, out = tmp_path / "in.cubin", tmp_path / "out.cubin"
+    src.write_bytes(data)
+    assert main(["floor", str(src), "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    kernel = disassemble(parse_cubin(data))["_Z15smem_tiled_gemmPfPKfS1_i"]
+    after = disassemble(parse_cubin(out.read_bytes()))["_Z15smem_tiled_gemmPfPKfS1_i"]
+    before_loops, after_loops = loop_summaries(kernel), loop_summaries(after)
+    assert before_loops and [s.offset for s in before_loops] == [s.offset for s in after_loops]
+    for b, a in zip(before_loops, after_loops):
+        line = f"loop at {b.offset:#06x} (block {b.header}), depth {b.depth}: {b.stall_cycles} -> {a.stall_cycles}"
+        assert line in text
+        assert a.stall_cycles <= b.stall_cycles
+    assert sum(a.stall_cycles for a in after_loops) < sum(b.stall_cycles for b in before_loops)
+    assert main(["floor", str(src), "-o", str(out), "--latency-table", str(tmp_path / "missing.json")]) == 1

@@ -1,0 +1,261 @@
+"""tools/gpu_suite.py without a GPU: how it cuts tests into pieces and schedules them, what it records of a
+piece that finished, crashed or ran out of time, the report, and whole calls on a fake project whose
+tests pass, fail, skip, crash their process and outlive the deadline (the second call resumes)."""
+import importlib.util
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from grid import sample
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_suite", TOOLS / "gpu_suite.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+suite = _load()
+
+
+def test_pieces_keep_to_one_file_are_even_and_put_the_timing_files_then_the_slow_tests_first():
+    tests = [f"tests/a.py::t[{i}]" for i in range(10)] + ["tests/b.py::t", "tests/c.py::slow1", "tests/c.py::slow2"] \
+        + [f"tests/tuner/test_sip_gpu.py::t{i}" for i in range(3)]
+    pieces = suite.plan_pieces(tests, 4, single=frozenset({"tests/c.py::slow1", "tests/c.py::slow2"}))
+    assert [(p.file, len(p.tests), p.alone) for p in pieces] == [
+        ("tests/tuner/test_sip_gpu.py", 3, True), ("tests/c.py", 1, False), ("tests/c.py", 1, False),
+        ("tests/a.py", 4, False), ("tests/a.py", 3, False), ("tests/a.py", 3, False), ("tests/b.py", 1, False)]
+    assert sorted(t for p in pieces for t in p.tests) == sorted(tests)
+
+
+class FakeProcess:
+    def __init__(self, piece, clock, seconds):
+        self.clock, self.end = clock, clock.now + seconds
+
+    def poll(self):
+        return 0 if self.clock.now >= self.end else None
+
+    def terminate(self):
+        pass
+
+    def reap(self):
+        pass
+
+
+class Clock:
+    """Time that moves only while the scheduler sleeps, a second per tick."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += 1.0
+
+
+def test_schedule_runs_jobs_side_by_side_the_alone_pieces_by_themselves_and_stops_at_the_deadline(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(suite.time, "sleep", clock.sleep)
+    pieces = [suite.Piece("alone.py", ["x"], True)] + [suite.Piece(f"f{i}.py", [f"t{i}"]) for i in range(6)]
+    started, finished, beside_alone = [], [], []
+    running = set()
+
+    def launch(piece):
+        if piece.alone:
+            beside_alone.append(set(running))
+        running.add(piece.file)
+        started.append((piece.file, clock.now))
+        return FakeProcess(piece, clock, 10)
+
+    def finish(piece, process, killed):
+        running.discard(piece.file)
+        finished.append((piece.file, killed))
+        return ["again"] if piece.file == "f0.py" else []
+
+    suite.schedule(pieces, 3, 25.0, launch, finish, min_start=5, clock=clock)
+    # The alone piece by itself, then three at a time; f0's leftover test queued again as a piece of its
+    # file; at t = 20, 5 s left: f3-f5 start and are killed at the deadline; the leftover never starts.
+    assert beside_alone == [set()]
+    assert started == [("alone.py", 0), ("f0.py", 10), ("f1.py", 10), ("f2.py", 10), ("f3.py", 20), ("f4.py", 20),
+                       ("f5.py", 20)]
+    assert finished[:4] == [("alone.py", False), ("f0.py", False), ("f1.py", False), ("f2.py", False)]
+    assert sorted(finished[4:]) == [("f3.py", True), ("f4.py", True), ("f5.py", True)]
+
+
+def test_merge_records_results_and_tells_a_crash_from_a_deadline():
+    piece = suite.Piece("a.py", ["a.py::t1", "a.py::t2", "a.py::t3", "a.py::t4"])
+    records = [{"event": "start", "nodeid": "a.py::t1"},
+               {"event": "result", "nodeid": "a.py::t1", "outcome": "passed", "duration": 1.5, "message": ""},
+               {"event": "start", "nodeid": "a.py::t2"}]
+    state = {"results": {}}
+    assert suite.merge(state, piece, records, -9, killed=True) == []
+    assert list(state["results"]) == ["a.py::t1"] and state["cut"] == {"a.py::t2": 1}  # t2: pending still
+    suite.merge(state, piece, records[2:], -9, killed=True)  # cut short again: a hang
+    assert state["results"]["a.py::t2"]["outcome"] == "error" and "two calls" in state["results"]["a.py::t2"]["message"]
+    state = {"results": {}}
+    rest = suite.merge(state, piece, records, -11, killed=False)
+    assert rest == ["a.py::t3", "a.py::t4"]
+    assert state["results"]["a.py::t2"]["outcome"] == "error" and "code -11" in state["results"]["a.py::t2"]["message"]
+    state = {"results": {}}
+    assert suite.merge(state, piece, [], 2, killed=False, output_tail="ImportError: no module x") == []
+    assert all(r["outcome"] == "error" and "no module x" in r["message"] for r in state["results"].values())
+    assert len(state["results"]) == 4
+    state = {"results": {}}  # pytest ended on its own before t3 and t4: they were not collected
+    assert suite.merge(state, piece, records[:2], 0, killed=False) == []
+    assert [state["results"][t]["outcome"] for t in piece.tests] == ["passed", "error", "error", "error"]
+
+
+def test_summary_counts_per_file_and_says_why_two_gpu_tests_did_not_run(tmp_path):
+    call = {"started": "2026-12-04 10:00", "gpus": 1, "gpu_name": "H200", "jobs": 6, "wall_s": 100.0, "finished": 3}
+    state = {"commit": "abc", "digest": "d1", "mode": "full", "calls": [call],
+             "plan": {"tests": ["a.py::x", "a.py::y", "b.py::z", "b.py::w"], "gpu_tests": ["a.py::x", "a.py::y"],
+                      "two_gpu": {"tests": ["m.py::two"], "visible_gpus": 1, "note": "not run: 1 GPU(s) visible"}},
+             "results": {"a.py::x": {"outcome": "passed", "duration": 2.0, "message": ""},
+                         "a.py::y": {"outcome": "skipped", "duration": 0.1, "message": "no nvdisasm"},
+                         "b.py::z": {"outcome": "failed", "duration": 3.0, "message": "assert 1 == 2"}}}
+    s = suite.write_report(state, tmp_path)
+    assert s["status"] == "partial" and s["total"]["pending"] == 1 and s["gpu_tests"] == {"collected": 2, "run": 1}
+    assert s["files"]["a.py"]["passed"] == 1
+    assert s["files"]["b.py"]["failed"] == 1 and s["files"]["b.py"]["pending"] == 1
+    md = (tmp_path / "gpu_suite.md").read_text()
+    assert "Commit `abc`" in md and "not run: 1 GPU(s) visible" in md and "`b.py::z`: failed: assert 1 == 2" in md
+    assert "1 x no nvdisasm" in md
+    assert json.loads((tmp_path / "gpu_suite.json").read_text())["status"] == "partial"
+    state["results"]["b.py::w"] = {"outcome": "passed", "duration": 1.0, "message": ""}
+    assert suite.summarize(state)["status"] == "red"
+    state["results"]["b.py::z"]["outcome"] = "passed"
+    assert suite.summarize(state)["status"] == "green"
+
+
+FAKE_TESTS = '''
+import os, time
+import pytest
+from grid import sample
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("i", range(5))
+def test_pass(i):
+    pass
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s", ["a b", "x::y", "[z]"])
+def test_odd_ids(s):
+    pass
+
+@pytest.mark.gpu
+def test_fail():
+    assert 1 == 2, "wrong on purpose"
+
+@pytest.mark.gpu
+def test_skip():
+    pytest.skip("needs something else")
+
+@pytest.mark.gpu
+def test_crash():
+    if os.environ.get("FAKE_CRASH"):
+        os._exit(7)
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_slow():
+    if os.environ.get("FAKE_SLOW"):
+        time.sleep(60)
+
+@pytest.mark.grid
+@pytest.mark.parametrize("n", sample(list(range(6)), [lambda n: n % 2], key=str))
+def test_grid(n):
+    pass
+
+def test_cpu_only_not_selected():
+    pass
+'''
+
+
+@pytest.fixture
+def project(tmp_path):
+    root = tmp_path / "project"
+    (root / "tests").mkdir(parents=True)
+    (root / "pytest.ini").write_text(textwrap.dedent("""\
+        [pytest]
+        markers =
+            gpu: gpu
+            grid: grid
+            slow: slow
+        pythonpath = support
+        """))
+    (root / "support").mkdir()
+    (root / "support" / "grid.py").write_text((Path(__file__).parent / "support" / "grid.py").read_text())
+    (root / "tests" / "test_fake.py").write_text(FAKE_TESTS)
+    (root / "tests" / "test_two.py").write_text("import pytest\n\n@pytest.mark.gpu\ndef test_two_ranks():\n    pass\n")
+    return root
+
+
+def _call(project, out, *extra):
+    return suite.main(["run", "--root", str(project), "--out", str(out), "--gpus", "1", "--commit", "c0ffee",
+                       "--jobs", "2", "--piece", "3", "--min-start", "1", "--two-gpu-files", "tests/test_two.py",
+                       *extra])
+
+
+def test_a_call_cut_by_its_deadline_resumes_and_the_report_counts_everything(project, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    monkeypatch.setenv("FAKE_SLOW", "1")
+    monkeypatch.setenv("FAKE_CRASH", "1")
+    assert _call(project, out, "--budget", "12") == 4  # partial: test_slow outlives the deadline
+    first = json.loads((out / "gpu_suite.json").read_text())
+    assert first["status"] == "partial" and first["total"]["pending"] >= 1
+    assert "test_fake.py::test_slow" not in json.dumps(first["not_passed"])
+    # A fresh host: the returned state carried back in; the tree's own state is gone.
+    carried = tmp_path / "carried.json.gz"
+    carried.write_bytes((out / "gpu_suite_state.json.gz").read_bytes())
+    (project / ".gpu_suite" / suite.STATE_FILE).unlink()
+    monkeypatch.delenv("FAKE_SLOW")
+    assert _call(project, out, "--budget", "120", "--resume", str(carried)) == 1  # done, red: a failure
+    s = json.loads((out / "gpu_suite.json").read_text())
+    assert s["commit"] == "c0ffee" and len(s["calls"]) == 2 and s["status"] == "red"
+    # 5 + 3 odd ids + fail + skip + crash + slow + the whole grid of 6
+    assert s["total"] == {"tests": 18, "passed": 15, "failed": 1, "skipped": 1, "error": 1, "xfailed": 0, "xpassed": 0,
+                          "pending": 0}
+    assert s["gpu_tests"] == {"collected": 12, "run": 11}
+    assert s["not_passed"]["tests/test_fake.py::test_crash"]["outcome"] == "error"
+    assert "exited with code 7" in s["not_passed"]["tests/test_fake.py::test_crash"]["message"]
+    assert "wrong on purpose" in s["not_passed"]["tests/test_fake.py::test_fail"]["message"]
+    assert s["two_gpu"]["note"].startswith("not run: 1 GPU(s) visible") and "tests/test_two.py" in s["two_gpu"]["note"]
+    assert "test_two" not in json.dumps(s["files"])
+    assert _call(project, out, "--budget", "60") == 1  # complete: nothing runs, no call added
+    assert len(json.loads((out / "gpu_suite.json").read_text())["calls"]) == 2
+    # The tree changed: its state is not resumed.
+    (project / "tests" / "test_fake.py").write_text(FAKE_TESTS + "\n")
+    assert _call(project, out, "--budget", "60") == 2
+
+
+def test_sample_takes_the_grids_ci_sample_and_two_gpus_bring_the_two_gpu_tests(project, tmp_path):
+    out = tmp_path / "out"
+    argv = ["run", "--root", str(project), "--out", str(out), "--gpus", "2", "--commit", "c", "--jobs", "3",
+            "--min-start", "1", "--budget", "120", "--two-gpu-files", "tests/test_two.py", "--sample"]
+    assert suite.main(argv) == 1  # red: test_fail
+    s = json.loads((out / "gpu_suite.json").read_text())
+    assert s["mode"] == "sample" and s["files"]["tests/test_fake.py"]["tests"] == 12 + 2  # one per family of two
+    assert s["files"]["tests/test_two.py"]["passed"] == 1 and s["two_gpu"]["note"].startswith("in the plan")
+
+
+def test_grid_sample_covers_every_family_of_every_cut_with_few_cases():
+    cases = [(kind, dtype, tile) for kind in "abc" for dtype in ("bf16", "fp16") for tile in (8, 16, 32, 64)]
+    by_kind_dtype, by_tile = (lambda c: c[:2]), (lambda c: c[2])
+    key = lambda c: "-".join(map(str, c))
+    picked = sample(cases, [by_kind_dtype], key, full=False)
+    assert sorted(c[:2] for c in picked) == sorted({c[:2] for c in cases})  # one of each
+    assert len({c[2] for c in picked}) > 1  # not always the first of each family
+    both = sample(cases, [by_kind_dtype, by_tile], key, full=False)
+    assert {c[:2] for c in both} == {c[:2] for c in cases} and {c[2] for c in both} == {8, 16, 32, 64}
+    assert len(both) == 6  # the six kind/dtype families already hold the four tiles
+    assert both == sample(list(reversed(cases)), [by_kind_dtype, by_tile], key, full=False)[::-1]  # order-free
+    assert sample(cases, [by_tile], key, full=True) == cases

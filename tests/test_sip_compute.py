@@ -1,0 +1,285 @@
+"""bench/sip_compute.py on the CPU: the order of the campaign's steps, its budgets, the extension of the
+most promising cells, resuming across calls that run out of time, failures, the op-level call site and
+its adapter (a stand-in sip_tune.oplevel), and the results table (GPU columns marked not run)."""
+import dataclasses
+import json
+import math
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from sip_corpus import corpus  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))  # the benchmark scripts import report as a top-level module
+
+import sip_compute as C  # noqa: E402
+
+from sip_tune import compute  # noqa: E402
+
+KERNELS = ("k_varlen", "k_dense", "k_gemm")
+CLASSES = ("alu", "global")
+
+
+def fresh_state(legal=None):
+    """A static state: three kernels x two classes; `legal` {cell key: legal moves} (default 5)."""
+    legal = legal or {}
+    loops = [{"offset": 0x4860, "depth": 2, "instructions": 450, "stall_cycles": 1033, "opcodes": {}}]
+    floor = [dict(loops[0], stall_cycles=735)]
+    state = {"kernels": {k: {"about": k, "variant": k, "cubin_sha256": "0" * 64, "loops": loops, "floor_loops": floor}
+                         for k in KERNELS},
+             "cells": {}}
+    for k in KERNELS:
+        for m in CLASSES:
+            key = C.cell_key(k, m)
+            state["cells"][key] = {"kernel": k, "moves": m, "runs": [],
+                                   "static": {"instructions": 100, "movable": 7, "legal_moves": legal.get(key, 5)}}
+    return state
+
+
+def a_run(seconds=C.BASE_SECONDS, evaluated=100, best=1.0, aa=0.004, cached="", exhausted=False):
+    return {"seed": 1, "search_seconds": seconds, "total_seconds": seconds + 60, "iterations": evaluated,
+            "evaluated": evaluated, "incorrect": 0, "crashed": 0, "exhausted": exhausted, "best_speedup": best,
+            "aa_spread": aa, "cached": cached, "outcome": "", "bar": 1 + aa, "speedup": 1.0}
+
+
+def do(state, step, margins):
+    """Play a step the way the GPU would: a profile, a base or extended search run, a judge part."""
+    what, key = step
+    if what == "profile":
+        state.setdefault("profiles", {})[key] = {"samples": 1000, "hot_blocks": [], "headroom": 0.1, "stalls": {}}
+    elif what == "floor":
+        state.setdefault("floors", {})[key] = {"speedup": 0.999, "aa_spread": 0.002, "runs": [], "validation": "ok"}
+    elif what == "search":
+        cell = state["cells"][key]
+        best = margins.get(key, 0.0) + 1.004
+        stored = f"/store/{key}" if best > 1.01 else ""
+        cell["runs"].append(a_run(seconds=C.budget(cell) - C.searched(cell)[0], best=best, cached=stored))
+    else:
+        state["cells"][key].setdefault("judge", {})[what] = {"done": True}
+
+
+def test_the_steps_go_kernel_by_kernel_then_extend_the_promising_then_judge():
+    state = fresh_state({C.cell_key("k_dense", "global"): 0})
+    margins = {C.cell_key("k_varlen", "alu"): 0.03, C.cell_key("k_gemm", "alu"): 0.02,
+               C.cell_key("k_dense", "alu"): 0.001}
+    steps = []
+    while (step := C.next_step(state, list(KERNELS))) is not None:
+        steps.append(step)
+        do(state, step, margins)
+        assert len(steps) < 100
+    assert steps[:6] == [(what, k) for k in KERNELS for what in ("profile", "floor")]  # where the cycles go, first
+    assert steps[6:8] == [("search", C.cell_key("k_varlen", "alu")), ("search", C.cell_key("k_varlen", "global"))]
+    assert ("search", C.cell_key("k_dense", "global")) not in steps  # no legal move: never sent to the GPU
+    # base searches: one run each (the whole base budget); then the two best margins get extended
+    extended = [k for k, c in state["cells"].items() if C.budget(c) == C.EXTENDED_SECONDS]
+    assert sorted(extended) == sorted([C.cell_key("k_varlen", "alu"), C.cell_key("k_gemm", "alu")])
+    for key in extended:
+        assert C.searched(state["cells"][key])[0] == C.EXTENDED_SECONDS and len(state["cells"][key]["runs"]) == 2
+    first_judge = next(k for k, s in enumerate(steps) if s[0] in C.JUDGE_SECONDS)
+    assert all(s[0] in C.JUDGE_SECONDS for s in steps[first_judge:])  # judging only after every search
+    judged = {key for what, key in steps if what in C.JUDGE_SECONDS}
+    assert judged == {C.cell_key("k_varlen", "alu"), C.cell_key("k_gemm", "alu")}  # only cells with a winner
+    assert sum(s[0] == "sanitizer" for s in steps) == len(judged)
+    assert {r["status"] for r in C.rows(state)} == {"judged", "searched: no finalist past 1 + A/A and 10^5 samples",
+                                                     "no legal move: nothing to search"}
+
+
+def test_kernels_under_the_minimum_headroom_are_profiled_but_not_searched():
+    state = fresh_state()
+    state["meta"] = {"min_headroom": 0.05}
+    steps = []
+    while (step := C.next_step(state, list(KERNELS))) is not None:
+        steps.append(step)
+        do(state, step, {})
+        if step == ("profile", "k_dense"):
+            state["profiles"]["k_dense"]["headroom"] = 0.01  # measured: under the minimum
+    assert ("profile", "k_dense") in steps and ("floor", "k_dense") in steps
+    assert not [s for s in steps if s[0] == "search" and s[1].startswith("k_dense")]
+    assert {r["status"] for r in C.rows(state) if r["kernel"] == "k_dense"} == {
+        "skipped: schedule-sensitive share 1.00% < 5.00%"}
+    assert all(C.search_done(c) for c in state["cells"].values() if c["kernel"] != "k_dense")
+
+
+def test_a_cell_is_searched_until_its_time_its_candidates_or_its_space_runs_out():
+    state = fresh_state()
+    cell = state["cells"][C.cell_key("k_varlen", "alu")]
+    assert not C.search_done(cell)
+    cell["runs"].append(a_run(seconds=200, evaluated=3000))
+    assert not C.search_done(cell) and C.searched(cell) == (200, 3000, False)
+    cell["runs"].append(a_run(seconds=50, evaluated=7000))  # 10^4 cubins: done before 5 minutes
+    assert C.search_done(cell)
+    other = state["cells"][C.cell_key("k_dense", "alu")]
+    other["runs"].append(a_run(seconds=20, evaluated=90, exhausted=True))  # nothing new nearby: done
+    assert C.search_done(other)
+    extended = state["cells"][C.cell_key("k_gemm", "alu")]
+    extended["budget_seconds"] = C.EXTENDED_SECONDS
+    extended["runs"].append(a_run(seconds=600, evaluated=20_000))  # extended cells count time only
+    assert not C.search_done(extended)
+    extended["runs"].append(a_run(seconds=600, evaluated=20_000))
+    assert C.search_done(extended)
+
+
+def test_three_failed_runs_in_a_row_end_a_cell_and_failures_are_recorded():
+    state = fresh_state()
+    key = C.cell_key("k_varlen", "alu")
+    for k in range(3):
+        assert not C.search_done(state["cells"][key])
+        C.record_failure(state, "search", key, f"WorkerFailure: boom {k}")
+    assert C.search_done(state["cells"][key])
+    assert [r["error"] for r in state["cells"][key]["runs"]] == [f"WorkerFailure: boom {k}" for k in range(3)]
+    C.record_failure(state, "profile", "k_dense", "ProbeError: no ncu")
+    assert state["profiles"]["k_dense"]["error"] == "ProbeError: no ncu"
+    C.record_failure(state, "op_level", key, "x")
+    assert state["cells"][key]["judge"]["op_level"] == {"error": "x"}
+    assert "error: x" in C.markdown(state)
+
+
+def test_calls_that_run_out_of_time_resume_where_they_stopped(tmp_path, monkeypatch):
+    """Each call does what fits before its deadline (a fake clock the fake steps advance), saves the
+    state after every step, and the next call, from the file, does only what is left."""
+    clock = [0.0]
+    monkeypatch.setattr(C.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(C.report, "environment", lambda: {"gpu": "FakeGPU", "toolchain": "t"})
+    monkeypatch.setattr(C, "static_state", lambda cells, classes: fresh_state())
+    done = []
+
+    def fake(what, cost):
+        def step(state, key, *args, **kwargs):
+            done.append((what, key))
+            clock[0] += cost
+            if what == "search":
+                cell = state["cells"][key]
+                cell["runs"].append(a_run(seconds=min(args[1], C.budget(cell) - C.searched(cell)[0]),
+                                          best=1.02 if "varlen" in key else 1.0,
+                                          cached=f"/s/{key}" if "varlen" in key else ""))
+            else:
+                do(state, (what, key), {})
+        return step
+
+    monkeypatch.setattr(C, "run_profile", fake("profile", 100))
+    monkeypatch.setattr(C, "run_floor", fake("floor", 100))
+    monkeypatch.setattr(C, "run_search", fake("search", C.BASE_SECONDS + 100))
+    monkeypatch.setattr(C, "run_judge", lambda state, part, key, cell: (
+        done.append((part, key)), state["cells"][key].setdefault("judge", {}).__setitem__(part, {"ok": 1}),
+        clock.__setitem__(0, clock[0] + 60)))
+    cells = {k: compute.Cell(k, None, k, None, k) for k in KERNELS}
+    calls = 0
+    while True:
+        calls += 1
+        before = len(done)
+        C.campaign(tmp_path, clock[0] + 8.5 * 60, cells, CLASSES, log=lambda m: None)
+        state = json.loads((tmp_path / "state.json").read_text())
+        if C.next_step(state, list(KERNELS)) is None:
+            break
+        assert len(done) > before, "a call made no progress"
+        assert calls < 40
+    assert calls > 3  # the deadline cut the campaign into several calls
+    assert all(what == "search" for what, _ in {s for s in done if done.count(s) > 1})  # only searches go on
+    assert [w for w, _ in done].count("profile") == [w for w, _ in done].count("floor") == len(KERNELS)
+    assert state["meta"]["gpu"] == "FakeGPU"
+    assert all(state["cells"][C.cell_key("k_varlen", m)]["judge"].keys() == C.JUDGE_SECONDS.keys() for m in CLASSES)
+
+
+def test_the_op_level_call_site_and_its_adapter(monkeypatch):
+    """The one call into sip_tune.oplevel (a stand-in module here): what it is given, and what the
+    campaign keeps of the OpTiming it returns."""
+
+    @dataclasses.dataclass
+    class Timing:  # the fields of sip_tune.oplevel.OpTiming the adapter reads
+        speedup: float = 1.031
+        aa_spread: float = 0.004
+        peer: str = "fa4"
+        vs_peer: float = 1.07
+        op: str = "rosekernels.attention"
+        heuristic_us: float = 100.0
+        tuned_us: float = 97.0
+        error: str = ""
+
+    calls = []
+    fake = types.SimpleNamespace(
+        CubinCandidate=lambda variant, original, tuned: ("cubin", variant, original, tuned),
+        retime=lambda kernel, shape, candidate: (calls.append((kernel, shape, candidate)), Timing())[1])
+    monkeypatch.setattr(C, "oplevel", fake)
+    cell = compute.Cell("attention_d64", None, "attention", {"head_dim": 64}, "")
+    got = C.op_level(cell, "variant-key", b"orig", b"tuned")
+    assert calls == [("attention", {"head_dim": 64}, ("cubin", "variant-key", b"orig", b"tuned"))]
+    assert got == {"speedup": 1.031, "aa_spread": 0.004, "past_aa": True, "peer": "fa4", "vs_peer": 1.07,
+                   "op": "rosekernels.attention", "heuristic_us": 100.0, "tuned_us": 97.0}
+    assert C.op_level_record(Timing(speedup=1.002, aa_spread=0.004))["past_aa"] is False
+    assert C.op_level_record(Timing(error="no op-level case for 'x'")) == {"error": "no op-level case for 'x'"}
+
+
+def test_every_cell_has_an_op_level_case():
+    """Each kernel of the campaign can be judged through its public op: sip_tune.oplevel has a case for
+    it, and the case's input sets are the shape's (built on the CPU here)."""
+    from sip_tune import oplevel
+
+    for cell in compute.cells().values():
+        assert cell.op in oplevel.CASES and cell.shape is not None, cell.name
+    case = oplevel.CASES[compute.VARLEN](oplevel.VarlenShape(64, False, (3, 5), heads=2))
+    q, k, v, cu, out = case.make_set(0, "cpu")
+    assert q.shape == k.shape == v.shape == out.shape == (8, 2, 64) and cu.tolist() == [0, 3, 8]
+    assert case.op == "rosekernels.attention_varlen" and set(case.peers) == {"fa4"}
+
+
+def test_run_record_keeps_the_best_finalist_and_the_a_over_a():
+    report = types.SimpleNamespace(
+        finalists=[{"rel": 0.99, "validation": "skipped"}, {"rel": 0.97, "validation": "ok: 100000 passed"}],
+        search_seconds=280.0, total_seconds=400.0, iterations=3000, evaluated=2500, incorrect=3, crashed=1,
+        runs=[{"exhausted": False}, {"exhausted": True}], aa_spread=0.005, bar=1.01, speedup=1.02,
+        samples_passed=100000, cached="/store/x", outcome="cached", gpu="H200")
+    r = C.run_record(report, seed=17)
+    assert r["best_speedup"] == pytest.approx(1 / 0.97) and r["best_validation"] == "ok: 100000 passed"
+    assert r["exhausted"] is False and r["evaluated"] == 2500 and r["cached"] == "/store/x"
+    report.finalists = []
+    assert math.isnan(C.run_record(report, 1)["best_speedup"])
+
+
+def test_the_table_marks_what_no_gpu_has_measured():
+    state = fresh_state({C.cell_key("k_gemm", "global"): 0})
+    state["meta"] = {"gpu": "no GPU run yet"}
+    text = C.markdown(state)
+    row = next(line for line in text.splitlines() if line.startswith("| k_varlen | `alu`"))
+    cols = [c.strip() for c in row.strip("|").split("|")]
+    assert cols[2:4] == ["7", "5"] and cols[4:11] == [C.NOT_RUN] * 7
+    assert "no legal move: nothing to search" in text and "ncu: not run yet" in text
+    assert "floor: loop 0x4860 1033 -> 735 stall cycles; timing not run" in text
+    state["kernels"]["k_varlen"]["mainloop_pairs"] = {"offset": 0x4860, "instructions": 450, "pairs": 441, "trusted": {
+        "free": 285, "scoreboard guard": 54, "fence WARPGROUP": 7}, "relaxed": {"free": 318, "scoreboard guard": 30}}
+    assert ("mainloop 0x4860, 441 adjacent pairs, trusted -> relaxed (scoreboard, sync): free 285 -> 318, "
+            "scoreboard guard 54 -> 30, fence WARPGROUP 7 -> 0") in C.markdown(state)
+    state["floors"] = {"k_varlen": {"speedup": 0.9987, "aa_spread": 0.0021, "validation": "ok: 10000 of 10000 samples"}}
+    assert "loop 0x4860 1033 -> 735 stall cycles; re-timed 0.9987x (A/A 0.21%), ok: 10000 of 10000 samples" \
+        in C.markdown(state)
+    cell = state["cells"][C.cell_key("k_varlen", "alu")]
+    cell["runs"].append(a_run(evaluated=4321, best=1.0123, aa=0.0031, cached="/s"))
+    cell["judge"] = {"retime": {"speedup": 1.011, "aa_spread": 0.002, "runs": []},
+                     "op_level": {"error": "not run: sip_tune.oplevel is not in this tree"},
+                     "sanitizer": {"memcheck": "clean", "racecheck": "exit 99: hazard", "synccheck": "clean"}}
+    state["profiles"] = {"k_varlen": {"samples": 5000, "headroom": 0.071, "stalls": {}, "hot_blocks": [
+        {"offset": 0x4b80, "share": 0.41, "instructions": 388, "loop_depth": 2,
+         "stalls": {"math": 300, "short_sb": 100, "selected": 100}}]}}
+    text = C.markdown(state)
+    row = next(line for line in text.splitlines() if line.startswith("| k_varlen | `alu`"))
+    assert "| 4321 | 300 | 1.0123x | 0.31% | 1.0110x (A/A 0.20%) | error: not run: sip_tune.oplevel" in row
+    assert "memcheck clean, racecheck FAILED, synccheck clean | judged |" in row
+    assert "5000 samples, 7.1% of them schedule-sensitive" in text
+    assert "block 0x4b80 (388 instructions, loop depth 2): 41% of the samples; math 60%, short_sb 20%, selected 20%" \
+        in text
+
+
+def test_mainloop_pairs_count_every_adjacent_pair_of_the_wgmma_loop(corpus):
+    """On the package's GEMM (corpus): the mainloop is the deepest loop issuing HGMMA, every adjacent
+    pair of it gets one kind under each model, and the relaxations only free pairs."""
+    from sip_corpus import corpus_entry
+
+    pairs = C.mainloop_pairs(corpus_entry(corpus, "rosekernels_tma_wgmma_gemm"))
+    assert pairs is not None and pairs["instructions"] >= 60
+    for label in ("trusted", "relaxed"):
+        assert sum(pairs[label].values()) == pairs["pairs"]
+    assert pairs["relaxed"]["free"] >= pairs["trusted"]["free"] > 0
+    assert pairs["trusted"].get("fence HGMMA", 0) > 0 and "fence WARPGROUP" not in pairs["relaxed"]
+    assert C._reason_kind(None) == "free" and C._reason_kind("RAW on R1") == "registers"
+    assert C._reason_kind("instruction 7 is pinned: control flow (BRA) never moves") == "fence BRA"
