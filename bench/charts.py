@@ -336,9 +336,40 @@ def e2e(data: dict) -> Figure:
     return fig
 
 
+MOE_EXPERTS_ARMS = ("rosekernels", "rk+grouped_mm", "stock", "quack", "cublas loop")
+
+
+def moe_experts(data: dict) -> Figure:
+    """bench/moe_experts.py: per geometry, decode latency against tokens (the active experts' weights at
+    copy speed as the floor line) and prefill TFLOP/s per arm (the dense GEMM pair's as the ceiling)."""
+    rows = data["rows"]
+    geometries = list(dict.fromkeys(r["geometry"] for r in rows))
+    if not geometries:
+        raise ValueError("no row to chart")
+    order = list(MOE_EXPERTS_ARMS)
+    fig, axes = _figure(f"MoE experts block on {data['env'].get('gpu', '?')}", 2, len(geometries))
+    for col, name in enumerate(geometries):
+        dec = sorted((r for r in rows if r["geometry"] == name and r["mode"] == "decode"), key=lambda r: r["tokens"])
+        pre = sorted((r for r in rows if r["geometry"] == name and r["mode"] == "prefill"), key=lambda r: r["tokens"])
+        ax = axes[0][col]
+        _lines(ax, [r["tokens"] for r in dec], {arm: [r["times_us"].get(arm) for r in dec] for arm in order}, order)
+        if dec:
+            ax.plot([r["tokens"] for r in dec], [r["weight_bytes"] / data["copy_gbps"] / 1e3 for r in dec],
+                    color="grey", linestyle="--", linewidth=1, label="active weights at copy speed")
+        _axes(ax, f"{name}: decode (CUDA graphs)", "tokens", "us per call", logx=True, logy=True)
+        ax = axes[1][col]
+        _bars(ax, [str(r["tokens"]) for r in pre],
+              {arm: [r["flops"] / r["times_us"][arm] / 1e6 if _finite(r["times_us"].get(arm)) else None for r in pre]
+               for arm in order}, order)
+        dense = [r["flops"] / r["dense_us"] / 1e6 for r in pre if _finite(r.get("dense_us"))]
+        _axes(ax, f"{name}: prefill (dense GEMM pair: dotted)", "tokens", "TFLOP/s",
+              ceiling=max(dense) if dense else None)
+    return fig
+
+
 CHARTS: dict[str, Callable[[dict], Figure]] = {
     "qk_norm": qk_norm, "rmsnorm": rmsnorm, "moe": moe, "gemm_leakyrelu": gemm_leakyrelu, "attention": attention,
-    "autotune": autotune, "sip_tuning": sip_tuning, "e2e": e2e}
+    "autotune": autotune, "sip_tuning": sip_tuning, "e2e": e2e, "moe_experts": moe_experts}
 
 
 def draw(name: str, data: dict, out: str | Path) -> Path | None:

@@ -6,7 +6,10 @@ Models: random weights (rosekernels.hf.random_model), bf16, --layers decoder lay
 vocabulary, so lm_head and embedding are real size). "stock" is the model as transformers builds it (sdpa
 attention, grouped_mm experts); "rosekernels" is a copy after rosekernels.hf.apply (kernels compiled and
 loaded first: rosekernels.hf.warmup). For the MoE model, decode also runs stock with batched_mm experts,
-which generate() switches to for decoding; the speedup is against the faster stock arm.
+which generate() switches to for decoding; the speedup is against the faster stock arm. The MoE model's
+decode also runs "rosekernels moe_experts", rosekernels.hf.apply(experts="moe_experts") (the grouped GEMM
+kernels instead of torch._grouped_mm; issue 43's end-to-end target is its tokens/s over the rosekernels
+arm's at B = 16 in graphs: "vs grouped_mm" in the decode table).
 
 - prefill tokens/s: one forward over B prompts of S tokens without a cache, logits of the last position
   only (as generate's prefill), B in {1, 8}, S in {2048, 8192}; the arms timed interleaved with CUDA events
@@ -50,6 +53,7 @@ OP_GROUPS = (
     ("rk attention", r"rosekernelskernelsattention"),
     ("rk moe dispatch", r"rosekernelskernelsmoe_dispatch"),
     ("rk moe combine", r"rosekernelskernelsmoe_combine"),
+    ("rk grouped gemm", r"rosekernelskernelsgrouped_gemm"),
     ("attention (torch)", r"(?i)flash|fmha|attention|softmax"),
     ("grouped GEMM", r"(?i)group|ptrarray"),
     ("GEMM", r"(?i)gemm|nvjet|xmma|cutlass|sm90_"),
@@ -110,9 +114,10 @@ def bench_decode_graph(arms, batch, rounds, vocab, errors):
 def decode_row(mode, batch, us):
     tps = {name: batch / (t * 1e-6) for name, t in us.items()}
     stock = max((v for k, v in tps.items() if k.startswith("stock")), default=None)
-    ours = tps.get("rosekernels")
+    ours, moe = tps.get("rosekernels"), tps.get("rosekernels moe_experts")
     return {"mode": mode, "batch": batch, "us": us, "tokens_per_s": tps,
-            "speedup": None if stock is None or ours is None else ours / stock}
+            "speedup": None if stock is None or ours is None else ours / stock,
+            "moe_experts_vs_grouped_mm": None if moe is None or ours is None else moe / ours}
 
 
 def op_of(kernel):
@@ -151,6 +156,9 @@ def bench_model(name, args, errors, log):
     if ours.config.model_type == "qwen3_moe":
         arms["stock batched_mm"] = copy.deepcopy(stock)
         arms["stock batched_mm"].set_experts_implementation("batched_mm")
+        moe = copy.deepcopy(stock)
+        hf.warmup(moe, experts="moe_experts")
+        arms["rosekernels moe_experts"] = hf.apply(moe, experts="moe_experts")
     vocab = stock.config.vocab_size
     hf.reset_stats()
     result = {"layers": args.layers, "build_s": time.time() - t0, "warmup_s": warm.seconds,
@@ -194,9 +202,10 @@ def markdown(env, args, results, errors):
                 for p in r["prefill"]]
         names = arms(r)
         out += ["", f"### Decode (tokens/s, context {CONTEXT})", "",
-                "| mode | B | " + " | ".join(names) + " | speedup |", "|---|---|" + "---|" * (len(names) + 1)]
-        out += [f"| {d['mode']} | {d['batch']} | " + " | ".join(
-            fmt(d["tokens_per_s"].get(a), 0) for a in names) + f" | {fmt(d['speedup'], 3)}x |" for d in r["decode"]]
+                "| mode | B | " + " | ".join(names) + " | speedup | moe_experts vs grouped_mm |",
+                "|---|---|" + "---|" * (len(names) + 2)]
+        out += [f"| {d['mode']} | {d['batch']} | " + " | ".join(fmt(d["tokens_per_s"].get(a), 0) for a in names)
+                + f" | {fmt(d['speedup'], 3)}x | {fmt(d.get('moe_experts_vs_grouped_mm'), 3)} |" for d in r["decode"]]
         if r["profile"]:
             parts = list(r["profile"])
             labels = sorted({g for p in r["profile"].values() for g in p["groups"]},

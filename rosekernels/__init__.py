@@ -11,6 +11,12 @@ Ops (torch tensors in, torch tensors out; each JIT-specialized per shape, dtype 
     gemm(a, w, bias, activation, gated)            act(a @ w.T + bias), act none/relu/leaky_relu/silu/gelu_tanh;
                                                    gated: act(a @ w_gate.T) * (a @ w_up.T) (SwiGLU), one kernel
     gate_up_rows(w_gate, w_up)                     the interleaved weight a gated gemm takes
+    grouped_gemm(a, w, group_offsets, ...)         rows grouped by expert times each expert's weight w[e]
+                                                   (moe_dispatch's layout; bias, activation, gated SwiGLU,
+                                                   a_index gather, row_scale), one kernel, graph-capturable
+    moe_experts(x, w_gate_up, w_down, topk_ids, topk_weights)
+                                                   a routed-experts block, [T, H] -> [T, H]: dispatch, the
+                                                   gate-up and down grouped GEMMs, combine
     gemm_leakyrelu(a, b, negative_slope, bias)     leaky_relu(a @ b.T + bias), prefill and decode kernels
     attention(q, k, v, causal)                     attention forward, GQA; S_q <= 16 runs the split-KV kernel
     attention_decode(q, k, v, causal, splits)      attention forced onto the split-KV (decode) kernel
@@ -30,7 +36,7 @@ Ops (torch tensors in, torch tensors out; each JIT-specialized per shape, dtype 
 CuTeDSL takes seconds); `dir(rosekernels)` lists them without loading anything.
 
 torch.ops.rosekernels.* are the out-variant custom ops behind them (qk_norm, rmsnorm, moe_dispatch,
-moe_combine, gemm, gemm_leakyrelu, attention_fwd, attention_decode, attention_with_kvcache,
+moe_combine, gemm, gemm_leakyrelu, grouped_gemm, attention_fwd, attention_decode, attention_with_kvcache,
 attention_varlen_fwd, append_kvcache): they write into output tensors the caller passes and return nothing. torch.compile and CUDA-graph capture go through them; eager calls of
 the functions above skip the torch dispatcher. Call the functions above, not the custom ops.
 """
@@ -44,6 +50,7 @@ del os  # dir(rosekernels) lists the package's own names only
 # submodule named `warmup` would shadow the function once imported.
 _OP_MODULES = {"qk_norm": "qk_norm", "rmsnorm": "rmsnorm", "moe_dispatch": "moe_dispatch",
                "moe_combine": "moe_combine", "gemm": "gemm", "gemm_leakyrelu": "gemm", "gate_up_rows": "gemm",
+               "grouped_gemm": "grouped_gemm", "moe_experts": "moe_experts",
                "attention": "attention", "attention_decode": "attention", "attention_with_kvcache": "kvcache",
                "attention_varlen": "varlen", "append_kvcache": "append_kvcache"}
 _EXPORTS = {**{name: f"rosekernels.ops.{module}" for name, module in _OP_MODULES.items()},

@@ -29,16 +29,19 @@ What apply() replaces (the model on one sm_90 GPU):
   up_proj.weight (hooks convert; state_dict's gate and up entries are host copies), so checkpoints stay
   interchangeable with the stock model. Projections that are not plain nn.Linear modules (LoRA,
   quantized layers, hooks) stay on their own forward.
-- MoE experts -> moe_dispatch (block size 1: no padding rows, so the grouped GEMMs only compute routed
+- MoE experts, on one of two paths (`apply(model, experts=...)`, default EXPERTS_PATH), registered as
+  experts_implementation "rosekernels" in transformers' ExpertsInterface:
+  "grouped_mm": moe_dispatch (block size 1: no padding rows, so the grouped GEMMs only compute routed
   rows) -> torch._grouped_mm on the experts' gate_up and down weights (bf16 on sm_90: torch's CUTLASS
   grouped GEMM, no host synchronisation, capturable) -> SiLU-and-mul in torch -> moe_combine;
-  registered as experts_implementation "rosekernels" in transformers' ExpertsInterface.
+  "moe_experts": rosekernels.moe_experts on the weights as stored (dispatch, the gate-up grouped GEMM
+  with SwiGLU in its epilogue, the down grouped GEMM, combine; bf16 and fp16): no torch GEMM left.
 Left on torch: rotary embedding, embedding, the MoE router and lm_head.
 
 A call rosekernels cannot serve runs the stock path instead and is counted in `stats()` as
 "fallback:<op>:<reason>": attention with a mask tensor other than a static cache's decode mask
 (padding; a static cache's prefill of more than 16 tokens; a mask built inside a compiled forward),
-dropout, another dtype or head dim; experts in a dtype other than bf16; GEMMs in fp32. Calls served
+dropout, another dtype or head dim; experts in a dtype the path does not take (grouped_mm: bf16 only); GEMMs in fp32. Calls served
 are counted under the op's name. Calls inside torch.compile are not counted (traced code would bake a Python
 counter in as a constant): check those with torch.profiler kernel names.
 """
@@ -53,13 +56,14 @@ from torch import nn
 from torch.nn import functional as F
 
 import rosekernels
-from rosekernels.kernels import (attention_decode_plan, attention_plan, gemm_leakyrelu_plan, moe_combine_plan,
-                                 moe_dispatch_plan, qk_norm_plan, rmsnorm_plan)
+from rosekernels.kernels import (attention_decode_plan, attention_plan, gemm_leakyrelu_plan, grouped_gemm_plan,
+                                 moe_combine_plan, moe_dispatch_plan, qk_norm_plan, rmsnorm_plan)
 from rosekernels.models import QWEN3_8B, QWEN3_30B_A3B, ModelDims
 
 try:
     import transformers
     from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config, Qwen3MoeConfig
+    from transformers.activations import SiLUActivation
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
@@ -75,6 +79,14 @@ TRANSFORMERS = "5.17."
 
 IMPLEMENTATION = "rosekernels"  # its name in transformers' attention and experts registries
 MODEL_TYPES = ("qwen3", "qwen3_moe")
+# How apply() runs MoE experts unless told otherwise: "grouped_mm" (torch._grouped_mm between the
+# rosekernels dispatch and combine) or "moe_experts" (rosekernels.moe_experts: the grouped GEMM kernels).
+# "grouped_mm" stays the default until moe_experts' GPU tests have passed (tests/kernels/test_grouped_gemm.py,
+# tests/hf/test_hf_gpu.py::test_moe_blocks_on_moe_experts_match_stock); switching is this line.
+EXPERTS_PATH = "grouped_mm"
+EXPERTS_WHAT = {"grouped_mm": "MoE experts -> moe_dispatch, torch._grouped_mm x2, moe_combine",
+                "moe_experts": "MoE experts -> rosekernels.moe_experts (dispatch, gate-up grouped GEMM with SwiGLU, "
+                               "down grouped GEMM, combine)"}
 
 # ---------------------------------------------------------------------------------------------
 # Counters: which path each call took.
@@ -381,15 +393,25 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
 _grouped_mm = getattr(torch, "_grouped_mm", None)
 
 
-def _experts_refusal(experts: nn.Module, hidden_states: torch.Tensor) -> str | None:
-    """Why the rosekernels MoE path cannot serve this call (None: it can)."""
+def _experts_refusal(experts: nn.Module, hidden_states: torch.Tensor, path: str = "grouped_mm") -> str | None:
+    """Why the rosekernels MoE path `path` cannot serve this call (None: it can)."""
     if experts.has_bias or experts.is_transposed or not experts.has_gate or not experts.is_concatenated:
         return "layout"
-    if _grouped_mm is None:
-        return "no_grouped_mm"
-    # torch._grouped_mm's sm_90 kernel is bf16 only; other dtypes take a loop that synchronises the host.
-    if not (hidden_states.dtype == experts.gate_up_proj.dtype == experts.down_proj.dtype == torch.bfloat16):
-        return "dtype"
+    dtypes = {hidden_states.dtype, experts.gate_up_proj.dtype, experts.down_proj.dtype}
+    if path == "moe_experts":
+        if len(dtypes) > 1 or not dtypes <= {torch.bfloat16, torch.float16}:
+            return "dtype"
+        if not isinstance(experts.act_fn, (nn.SiLU, SiLUActivation)):  # its gated epilogue is SwiGLU's
+            return "activation"
+        if experts.num_experts > grouped_gemm_plan.MAX_EXPERTS or not grouped_gemm_plan.model_gemms(
+                ModelDims("experts", experts.hidden_dim, 0, 1, 1, 1, experts.num_experts, 1, experts.intermediate_dim)):
+            return "shape"
+    else:
+        if _grouped_mm is None:
+            return "no_grouped_mm"
+        # torch._grouped_mm's sm_90 kernel is bf16 only; other dtypes take a loop that synchronises the host.
+        if dtypes != {torch.bfloat16}:
+            return "dtype"
     if not hidden_states.is_cuda:
         return "device"
     return None
@@ -404,11 +426,15 @@ def _stock_experts(experts: nn.Module) -> Callable:
 def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts contract: hidden_states [T, H], top_k_index/top_k_weights [T, k] -> [T, H]."""
-    reason = _experts_refusal(experts, hidden_states)
+    path = getattr(experts, "_rosekernels_path", EXPERTS_PATH)
+    reason = _experts_refusal(experts, hidden_states, path)
     if reason is not None:
         _count(f"fallback:experts:{reason}")
         return _stock_experts(experts)(experts, hidden_states, top_k_index, top_k_weights)
     _count("experts")
+    if path == "moe_experts":  # the weights as stored: gate_up_proj [E, 2I, H] (gate rows, then up), down_proj
+        return rosekernels.moe_experts(hidden_states, experts.gate_up_proj, experts.down_proj,
+                                       top_k_index.to(torch.int32), top_k_weights)
     d = rosekernels.moe_dispatch(hidden_states, top_k_index.to(torch.int32), experts.num_experts, block_size=1)
     ends = d.offsets[1:]  # expert e's rows end at offsets[e + 1]: grouped_mm's group ends
     gate_up = _grouped_mm(d.buffer, experts.gate_up_proj.transpose(-2, -1), offs=ends)
@@ -502,29 +528,35 @@ SWAPS = (
          _serves_layer, _swap_class),
     Swap("mlp", "dense MLP -> rosekernels.gemm gated (SwiGLU) + rosekernels.gemm (down projection)", _serves_mlp,
          _patch_mlp),
-    Swap("experts", "MoE experts -> moe_dispatch, torch._grouped_mm x2, moe_combine", _serves_experts,
-         _route_experts),
+    Swap("experts", "MoE experts (EXPERTS_WHAT)", _serves_experts, _route_experts),
 )
 LEFT_ON_TORCH = ("rotary embedding", "embedding, the MoE router and lm_head")
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What apply() replaces: for each kind of SWAPS, the names of the modules (as model.named_modules())."""
+    """What apply() replaces: for each kind of SWAPS, the names of the modules (as model.named_modules()),
+    and the path the experts take (a key of EXPERTS_WHAT)."""
 
     model_type: str
     swaps: dict[str, tuple[str, ...]]
+    experts: str = EXPERTS_PATH
 
     def __str__(self) -> str:
         lines = [f"rosekernels.hf plan for a {self.model_type} model:"]
-        lines += [f"  {len(self.swaps[s.kind]):4d} x {s.what}" for s in SWAPS]
+        lines += [f"  {len(self.swaps[s.kind]):4d} x {EXPERTS_WHAT[self.experts] if s.kind == 'experts' else s.what}"
+                  for s in SWAPS]
         lines += [f"  left on torch: {what}" for what in LEFT_ON_TORCH]
         return "\n".join(lines)
 
 
-def plan(model: nn.Module) -> Plan:
-    """The modules apply() would replace in `model` (any device, meta included); modules already
-    replaced are not listed again. Raises ValueError for a model that is not Qwen3 / Qwen3-MoE."""
+def plan(model: nn.Module, experts: str | None = None) -> Plan:
+    """The modules apply() would replace in `model` (any device, meta included), its experts on path
+    `experts` (None: EXPERTS_PATH); modules already replaced are not listed again. Raises ValueError for a
+    model that is not Qwen3 / Qwen3-MoE, or an unknown path."""
+    experts = EXPERTS_PATH if experts is None else experts
+    if experts not in EXPERTS_WHAT:
+        raise ValueError(f"experts must be one of {sorted(EXPERTS_WHAT)}, got {experts!r}")
     if not transformers.__version__.startswith(TRANSFORMERS):
         raise ValueError(f"rosekernels.hf follows transformers {TRANSFORMERS}x's Qwen3 code; this is transformers "
                          f"{transformers.__version__} (pip install 'rosekernels[hf]')")
@@ -533,7 +565,7 @@ def plan(model: nn.Module) -> Plan:
         raise ValueError(f"rosekernels.hf serves Qwen3 and Qwen3-MoE models (model_type {' or '.join(MODEL_TYPES)}); "
                          f"got {model_type!r}")
     modules = list(model.named_modules())
-    return Plan(model_type, {s.kind: tuple(n for n, m in modules if s.matches(m)) for s in SWAPS})
+    return Plan(model_type, {s.kind: tuple(n for n, m in modules if s.matches(m)) for s in SWAPS}, experts)
 
 
 def _require_gpu(model: nn.Module) -> None:
@@ -554,42 +586,51 @@ def _swap(model: nn.Module, p: Plan) -> None:
     for swap in SWAPS:
         for name in p.swaps[swap.kind]:
             swap.patch(modules[name])
+    for name in p.swaps["experts"]:
+        modules[name]._rosekernels_path = p.experts
     model.set_attn_implementation(IMPLEMENTATION)
     if p.swaps["experts"]:
         model.set_experts_implementation(IMPLEMENTATION)
 
 
-def apply(model: nn.Module) -> nn.Module:
+def apply(model: nn.Module, experts: str | None = None) -> nn.Module:
     """Run `model` (a transformers Qwen3 or Qwen3-MoE model on an sm_90 GPU) on rosekernels: see the
-    module docstring. Patches in place and returns the model; applying twice changes nothing more."""
+    module docstring; `experts`: the MoE experts' path, "grouped_mm" or "moe_experts" (None:
+    EXPERTS_PATH). Patches in place and returns the model; applying twice changes nothing more."""
     _require_gpu(model)
-    p = plan(model)
+    p = plan(model, experts)
     # Load the ops now (rosekernels imports them on first use), so that the patched forwards find
     # plain module attributes, which torch.compile traces without a module __getattr__.
-    for op in ("rmsnorm", "qk_norm", "attention", "gemm", "gate_up_rows", "moe_dispatch", "moe_combine"):
+    for op in ("rmsnorm", "qk_norm", "attention", "gemm", "gate_up_rows", "moe_dispatch", "moe_combine",
+               "moe_experts"):
         getattr(rosekernels, op)
     _swap(model, p)
     return model
 
 
-def warmup_specs(model: nn.Module) -> list:
-    """The kernel configs the patched model launches (its dims, dtype and norm eps, both modes), for
-    rosekernels.warmup: compiled or loaded up front instead of on the first calls."""
+def warmup_specs(model: nn.Module, experts: str | None = None) -> list:
+    """The kernel configs the patched model launches (its dims, dtype and norm eps, both modes; the MoE
+    experts on path `experts`, None: EXPERTS_PATH), for rosekernels.warmup: compiled or loaded up front
+    instead of on the first calls."""
     config = model.config
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[next(model.parameters()).dtype]
     dims = dataclasses.replace(ModelDims.from_config(config), dtype=dtype)
-    configs = [c for m in (rmsnorm_plan, qk_norm_plan, attention_plan, attention_decode_plan, gemm_leakyrelu_plan,
-                           moe_dispatch_plan, moe_combine_plan) for c in m.variants_for([dims])]
+    plans = [rmsnorm_plan, qk_norm_plan, attention_plan, attention_decode_plan, gemm_leakyrelu_plan, moe_dispatch_plan,
+             moe_combine_plan]
+    if (EXPERTS_PATH if experts is None else experts) == "moe_experts":
+        plans.append(grouped_gemm_plan)
+    configs = [c for m in plans for c in m.variants_for([dims])]
     configs += attention_decode_plan.kvcache_variants_for([dims])  # a static cache's decode steps
     # Norm and router weights are in the model's dtype; the norms are specialised on eps.
     configs = [c for c in configs if getattr(c, "weight_dtype", dtype) == dtype]
     return [dataclasses.replace(c, eps=float(config.rms_norm_eps)) if hasattr(c, "eps") else c for c in configs]
 
 
-def warmup(model: nn.Module, **kwargs: Any) -> Any:
-    """rosekernels.warmup(warmup_specs(model), **kwargs): exactly the kernels the patched model launches
-    (rosekernels.warmup(model=config) compiles the same, with the norms at the default eps)."""
-    return rosekernels.warmup(warmup_specs(model), **kwargs)
+def warmup(model: nn.Module, experts: str | None = None, **kwargs: Any) -> Any:
+    """rosekernels.warmup(warmup_specs(model, experts), **kwargs): exactly the kernels the patched model
+    launches (rosekernels.warmup(model=config) compiles the same and the grouped GEMMs, with the norms at
+    the default eps)."""
+    return rosekernels.warmup(warmup_specs(model, experts), **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,8 +6,9 @@ one forward pass of a model runs.
     gains(rows, "decode")                                    -> Gains         (what the store now holds)
 
 The shapes are those of a Qwen3/Llama decoder block as rosekernels.hf runs it (its GEMMs:
-gemm_leakyrelu_plan.model_gemms; the MoE routing kernels where the model has experts, whose GEMMs are
-torch._grouped_mm's), one set per token count T of the mode's buckets:
+gemm_leakyrelu_plan.model_gemms; where the model has experts, rosekernels.moe_experts' kernels: the
+routing and the expert GEMMs, grouped_gemm_plan.model_gemms, at T x top-k rows), one set per token count
+T of the mode's buckets:
 
 - decode, DECODE_TOKENS = 1, 2, 4, ..., 128: T concurrent sequences, one new token each, up to
   gemm_leakyrelu's DECODE_MAX_M (beyond it the GEMM runs its prefill kernels); attention reads a
@@ -39,7 +40,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from rosekernels import tuned
-from rosekernels.kernels import kernel_module
+from rosekernels.kernels import grouped_gemm_plan, kernel_module
 from rosekernels.kernels.gemm_leakyrelu_plan import DECODE_MAX_M, model_gemms
 from rosekernels.models import ModelDims
 from sip import SipError
@@ -113,9 +114,12 @@ def _block(dims: ModelDims, mode: str, tokens: int) -> list[Job]:
     else:
         jobs.append(_job("attention", "attention", tokens, batch=1, seqlen=tokens, causal=True, **heads))
     jobs += gemms("o")
-    if dims.experts:  # the experts' GEMMs between dispatch and combine are torch._grouped_mm's
+    if dims.experts:  # rosekernels.moe_experts: dispatch, the expert GEMMs on T x top-k rows, combine
         jobs += [_job("moe_dispatch", "moe dispatch", tokens, tokens=tokens, hidden=dims.hidden,
                       experts=dims.experts, topk=dims.topk, dtype=dt),
+                 *[_job("grouped_gemm", role, tokens, rows=tokens * dims.topk, experts=dims.experts, n=n, k=k,
+                        dtype=dt, activation=activation, gated=gated)
+                   for role, n, k, activation, gated in grouped_gemm_plan.model_gemms(dims)],
                  _job("moe_combine", "moe combine", tokens, tokens=tokens, hidden=dims.hidden, topk=dims.topk,
                       dtype=dt)]
     else:

@@ -455,6 +455,53 @@ def _moe_combine(shape: Any) -> Case:
     return Case("rosekernels.moe_combine", make_set, lambda s: rosekernels.moe_combine(*s[:3], out=s[3]), outputs=1)
 
 
+def _grouped_gemm(shape: Any) -> Case:
+    """Rows of a random routing (each row to a uniform expert) grouped as moe_dispatch groups them; the
+    peer: torch._grouped_mm (its sm_90 kernel: bf16, no bias, no gather) and the epilogue in torch."""
+    import torch
+    import torch.nn.functional as F
+
+    import rosekernels
+
+    dt, rows, experts, n, k = _dtype(shape.dtype), shape.rows, shape.experts, shape.n, shape.k
+    tokens = max(1, rows // 2) if shape.gather else rows
+    activation = None if shape.activation == "none" else shape.activation
+
+    def make_set(seed: int, device: str) -> tuple:
+        g = _gen(seed, device)
+        a = torch.randn(tokens, k, generator=g, device=device).to(dt)
+        w = torch.randn(experts, n, k, generator=g, device=device).div_(k ** 0.5).to(dt)
+        counts = torch.bincount(torch.randint(experts, (rows,), generator=g, device=device), minlength=experts)
+        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+        bias = None if shape.bias == "none" else torch.randn(experts, n, generator=g, device=device).to(
+            _dtype(shape.bias))
+        index = torch.randint(tokens, (rows,), generator=g, device=device, dtype=torch.int32) if shape.gather else None
+        scale = torch.rand(rows, generator=g, device=device) if shape.row_scale else None
+        out = torch.empty(rows, n // 2 if shape.gated else n, dtype=dt, device=device)
+        return a, w, offsets, bias, index, scale, out
+
+    def call(s: tuple) -> None:
+        rosekernels.grouped_gemm(s[0], s[1], s[2], bias=s[3], activation=activation, gated=shape.gated,
+                                 negative_slope=shape.slope, a_index=s[4], row_scale=s[5], out=s[6],
+                                 enable_pdl=shape.pdl)
+
+    act = {"none": lambda y: y, "relu": F.relu, "leaky_relu": lambda y: F.leaky_relu(y, shape.slope), "silu": F.silu,
+           "gelu_tanh": lambda y: F.gelu(y, approximate="tanh")}[shape.activation]
+
+    def grouped_mm() -> Callable[[tuple], Any]:
+        if getattr(torch, "_grouped_mm", None) is None or dt != torch.bfloat16 or shape.bias != "none" or \
+                shape.gather:
+            raise ImportError("torch._grouped_mm takes bf16 rows without bias or gather")
+
+        def run(s: tuple) -> Any:
+            y = torch._grouped_mm(s[0], s[1].transpose(-2, -1), offs=s[2][1:])
+            y = act(y[:, :n // 2]) * y[:, n // 2:] if shape.gated else act(y)
+            return y * s[5][:, None] if shape.row_scale else y
+        return run
+
+    return Case("rosekernels.grouped_gemm", make_set, call, outputs=1, peers={"torch._grouped_mm": grouped_mm})
+
+
 def _append_kvcache(shape: Any) -> Case:
     """A decode step or prefill chunk of `batch` sequences written at random lengths that fit (the
     caches are read-modify-write: they count as inputs)."""
@@ -483,7 +530,7 @@ def _append_kvcache(shape: Any) -> Case:
 CASES: dict[str, Callable[[Any], Case]] = {
     "gemm_leakyrelu": _gemm, "attention": _attention, "attention_decode": _attention_decode, "qk_norm": _qk_norm,
     "rmsnorm": _rmsnorm, "moe_dispatch": _moe_dispatch, "moe_combine": _moe_combine,
-    "append_kvcache": _append_kvcache, "attention_varlen": _attention_varlen}
+    "append_kvcache": _append_kvcache, "attention_varlen": _attention_varlen, "grouped_gemm": _grouped_gemm}
 
 
 def ring_sets(set_bytes: int, l2_bytes: int) -> int:

@@ -132,8 +132,22 @@ def e2e_data(rng):
     return {"env": {"gpu": "test GPU"}, "results": results}
 
 
+def moe_experts_data(rng):
+    """Two geometries, decode and prefill rows; some arms missing (not in reach, or failed)."""
+    rows = []
+    for name in ("geo-a", "geo-b"):
+        for t in (1, rng.randint(2, 64), 128, 4096, 16384):
+            times = {arm: rng.uniform(10, 40) * (1 + t / 50) for arm in charts.MOE_EXPERTS_ARMS if rng.random() < 0.8}
+            times["rosekernels"] = rng.uniform(8, 30) * (1 + t / 50)
+            rows.append({"geometry": name, "tokens": t, "mode": "decode" if t <= 128 else "prefill",
+                         "weight_bytes": rng.uniform(1e7, 1e9), "flops": 6 * 8 * t * 2048 * 768, "times_us": times,
+                         **({"dense_us": rng.uniform(5, 30) * (1 + t / 50)} if t > 128 else {})})
+    return {"env": {"gpu": "test GPU"}, "copy_gbps": 4200.0, "rows": rows}
+
+
 SYNTHETIC = {"qk_norm": qk_norm_data, "rmsnorm": rmsnorm_data, "moe": moe_data, "gemm_leakyrelu": gemm_data,
-             "attention": attention_data, "autotune": autotune_data, "sip_tuning": sip_tuning_data, "e2e": e2e_data}
+             "attention": attention_data, "autotune": autotune_data, "sip_tuning": sip_tuning_data, "e2e": e2e_data,
+             "moe_experts": moe_experts_data}
 
 
 def assert_real_chart(path: Path):
@@ -186,6 +200,21 @@ def test_moe_takes_graph_times_where_measured_else_eager():
     want = [100 * r["bytes_dispatch"] / r.get("rk_dispatch_graph_us", r["rk_dispatch_eager_us"]) / 1e3 / 4200.0
             for r in pre]
     assert line.get_ydata() == pytest.approx(want)
+
+
+def test_moe_experts_plots_our_decode_times_in_token_order_and_prefill_tflops():
+    data = moe_experts_data(random.Random(4))
+    fig = charts.moe_experts(data)
+    line = _line(fig, charts.OURS)  # the first: decode of the first geometry
+    dec = sorted((r for r in data["rows"] if r["geometry"] == "geo-a" and r["mode"] == "decode"),
+                 key=lambda r: r["tokens"])
+    assert list(line.get_xdata()) == [r["tokens"] for r in dec]
+    assert list(line.get_ydata()) == pytest.approx([r["times_us"]["rosekernels"] for r in dec])
+    bars = next(c for c in fig.axes[2].containers if c.get_label() == charts.OURS)  # geo-a's prefill panel
+    pre = sorted((r for r in data["rows"] if r["geometry"] == "geo-a" and r["mode"] == "prefill"),
+                 key=lambda r: r["tokens"])
+    assert [b.get_height() for b in bars] == pytest.approx([r["flops"] / r["times_us"]["rosekernels"] / 1e6
+                                                            for r in pre])
 
 
 def test_gemm_bars_are_speedups_over_cublas():

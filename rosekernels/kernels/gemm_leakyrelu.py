@@ -57,7 +57,10 @@ from rosekernels import checks, modes
 from rosekernels.kernels import gemm_splitk as splitk
 from rosekernels.kernels.gemm_leakyrelu_plan import (  # noqa: F401  (candidates, variants_for: the contract)
     COUNTER_SLOTS, GATE_BLOCK, MAX_SPLITS, OP, SMEM_CAPACITY, TILE_K, GemmConfig, GemmShape, candidates, check_fits,
-    config_for, m_range, partial_floats, rank, variants_for)
+    config_for, epi_tile, m_range, mma_warpgroups, out_n, partial_floats, rank, smem_stages, tile_slots, variants_for,
+    wg_per_tile)
+from rosekernels.kernels.grouped_gemm_plan import GROUP_TABLE_INTS
+from rosekernels.kernels.grouped_tiles import GroupedTiles
 from rosekernels.workload import Workload
 
 Config, Shape = GemmConfig, GemmShape
@@ -96,8 +99,10 @@ def _a_smem_layouts(cfg: GemmConfig, dtype, stages: int):
 # The kernel.
 
 
-class _GemmLeakyReluSm90:
-    """Host launcher (`__call__`, a `@cute.jit`) and device body (`kernel`) of one GemmConfig."""
+class _GemmLeakyReluSm90(GroupedTiles):
+    """Host launcher (`__call__`, a `@cute.jit`) and device body (`kernel`) of one GemmConfig; with a
+    grouped_gemm_plan.GroupedConfig, the grouped GEMM's device body (launched by grouped_gemm's
+    launcher; the grouped parts are GroupedTiles' methods)."""
 
     def __init__(self, cfg: GemmConfig):
         self.cfg = cfg
@@ -107,8 +112,8 @@ class _GemmLeakyReluSm90:
         self.tile_shape = (cfg.tile_m, cfg.tile_n, TILE_K)
         self.cluster_shape = (cfg.cluster_m, cfg.cluster_n, 1)
         # Cooperative: tile_m/64 warpgroups share a tile. Pingpong: 2 warpgroups, a tile each.
-        self.wg_per_tile = cfg.wg_per_tile
-        self.num_mma_wg = cfg.mma_warpgroups
+        self.wg_per_tile = wg_per_tile(cfg)
+        self.num_mma_wg = mma_warpgroups(cfg)
         self.epi_threads = 128 * self.wg_per_tile  # threads sharing one tile's epilogue
         self.threads = 128 * (self.num_mma_wg + 1)  # + the producer warpgroup (last)
         self.load_warp = 4 * self.num_mma_wg
@@ -116,30 +121,20 @@ class _GemmLeakyReluSm90:
         acc_regs = cfg.tile_m * cfg.tile_n // self.epi_threads
         # Registers: the producer warpgroup gives its share to the MMA warpgroups.
         self.regs_load, self.regs_mma = (24, 240) if acc_regs >= 192 else (40, 232)
-        self.tile_slots = cfg.tile_slots
+        self._grouped_options(cfg, acc_regs)  # grouped, gather, gather_threads, row_scale (all off for a GemmConfig)
+        self.tile_slots = tile_slots(cfg)
         self.mcast_a = cfg.cluster_n  # CTAs of a cluster row load the same A tile
         self.mcast_b = cfg.cluster_m
-        self.out_n = cfg.out_n
-        self.epi_tile = cfg.epi_tile
-        self.ab_stage, self.epi_stage = cfg.smem_stages()
+        self.out_n = out_n(cfg)
+        self.epi_tile = epi_tile(cfg)
+        self.ab_stage, self.epi_stage = smem_stages(cfg, 4 * GROUP_TABLE_INTS if self.grouped else 0)
 
     # -----------------------------------------------------------------------------------------
     # Host side.
 
-    @cute.jit
-    def __call__(
-        self,
-        mA: cute.Tensor,  # [M, K], K contiguous (swapped: the weights [N, K], K or N contiguous)
-        mB: cute.Tensor,  # [N, K], K or N contiguous (swapped: the tokens [M, K], K contiguous)
-        mD: cute.Tensor,  # [M, N], N contiguous (swapped: out^T, [N, M], N contiguous)
-        mBias: Optional[cute.Tensor],  # [N] or None
-        mPartials: Optional[cute.Tensor],  # split-K: fp32 partial tiles
-        mCounters: Optional[cute.Tensor],  # split-K: int32 per output tile, zero between launches
-        num_splits: Int32,
-        raster_group: Int32,
-        max_clusters: Int32,
-        stream,
-    ):
+    def _layouts(self):
+        """(tiled_mma, tiled_mma_out, a_smem, a_load_smem, b_smem, d_smem, d_elems): the MMA and the
+        shared-memory layouts of this config (traced inside a `@cute.jit` launcher)."""
         w_layout = LayoutEnum.ROW_MAJOR if const_expr(self.cfg.b_major == "k") else LayoutEnum.COL_MAJOR
         a_layout, b_layout = LayoutEnum.ROW_MAJOR, w_layout
         if const_expr(self.swap):
@@ -174,6 +169,23 @@ class _GemmLeakyReluSm90:
                 self.ab_dtype, d_layout, self.epi_tile, self.epi_stage * self.tile_slots
             )
             d_elems = cute.cosize(d_smem)
+        return tiled_mma, tiled_mma_out, a_smem, a_load_smem, b_smem, d_smem, d_elems
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,  # [M, K], K contiguous (swapped: the weights [N, K], K or N contiguous)
+        mB: cute.Tensor,  # [N, K], K or N contiguous (swapped: the tokens [M, K], K contiguous)
+        mD: cute.Tensor,  # [M, N], N contiguous (swapped: out^T, [N, M], N contiguous)
+        mBias: Optional[cute.Tensor],  # [N] or None
+        mPartials: Optional[cute.Tensor],  # split-K: fp32 partial tiles
+        mCounters: Optional[cute.Tensor],  # split-K: int32 per output tile, zero between launches
+        num_splits: Int32,
+        raster_group: Int32,
+        max_clusters: Int32,
+        stream,
+    ):
+        tiled_mma, tiled_mma_out, a_smem, a_load_smem, b_smem, d_smem, d_elems = self._layouts()
         a_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.mcast_a > 1) else cpasync.CopyBulkTensorTileG2SOp()
         b_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.mcast_b > 1) else cpasync.CopyBulkTensorTileG2SOp()
         a_smem_one = cute.slice_(a_load_smem, (None, None, 0))  # a_rows x TILE_K
@@ -213,7 +225,7 @@ class _GemmLeakyReluSm90:
         self.kernel(
             tiled_mma, tiled_mma_out, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d,
             mBias, mPartials, mCounters, num_splits, raster_group, clusters_m, clusters_n,
-            a_smem, a_load_smem, b_smem, d_smem, tx_bytes,
+            a_smem, a_load_smem, b_smem, d_smem, tx_bytes, None, None, None, None,
         ).launch(
             grid=(self.cfg.cluster_m, self.cfg.cluster_n, grid_clusters),
             block=(self.threads, 1, 1),
@@ -303,15 +315,21 @@ class _GemmLeakyReluSm90:
         b_smem: cute.ComposedLayout,
         d_smem: Optional[cute.ComposedLayout],
         tx_bytes: cutlass.Constexpr,
+        mOffsets: Optional[cute.Tensor],  # grouped: [E + 1] int32, group e's rows offsets[e] .. offsets[e + 1] - 1
+        mIndex: Optional[cute.Tensor],  # grouped, gather: [rows] int32, the row of x each row reads
+        mRowScale: Optional[cute.Tensor],  # grouped, row_scale: [rows] fp32
+        max_units: Optional[Int32],  # grouped: the most work units a valid grouping gives
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         if warp_idx == self.load_warp:
-            cpasync.prefetch_descriptor(tma_atom_a)
-            cpasync.prefetch_descriptor(tma_atom_b)
-            if const_expr(not self.swap):
+            if const_expr(tma_atom_a is not None):  # (gathered rows come without a TMA atom)
+                cpasync.prefetch_descriptor(tma_atom_a)
+            if const_expr(tma_atom_b is not None):
+                cpasync.prefetch_descriptor(tma_atom_b)
+            if const_expr(tma_atom_d is not None):
                 cpasync.prefetch_descriptor(tma_atom_d)
 
         cta_layout = cute.make_layout(self.cluster_shape)
@@ -324,7 +342,8 @@ class _GemmLeakyReluSm90:
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_barriers.data_ptr(),
             num_stages=self.ab_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            # the TMA thread, and with gather each gathering thread's cp.async arrival
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + self.gather_threads),
             consumer_group=pipeline.CooperativeGroup(
                 pipeline.Agent.Thread, consumer_warps * (self.mcast_a + self.mcast_b - 1)
             ),
@@ -340,18 +359,19 @@ class _GemmLeakyReluSm90:
         sBias = storage.bias.get_tensor(cute.make_layout((cfg.tile_n, self.tile_slots)))
         sLast = storage.last_split.get_tensor(cute.make_layout(4))
 
-        # (bM, bK, RestM, RestK) / (bN, bK, RestN, RestK) / (bM, bN, RestM, RestN)
-        # a_rows < tile_m only runs with M <= a_rows: one M tile, whose first a_rows rows are loaded.
-        gA = cute.local_tile(mA, (cfg.a_rows, TILE_K), (None, None))
-        gB = cute.local_tile(mB, (cfg.tile_n, TILE_K), (None, None))
-        tAsA, tAgA = cpasync.tma_partition(
-            tma_atom_a, cluster_coord[1], cute.make_layout(self.mcast_a),
-            cute.group_modes(sA_load, 0, 2), cute.group_modes(gA, 0, 2),
-        )
-        tBsB, tBgB = cpasync.tma_partition(
-            tma_atom_b, cluster_coord[0], cute.make_layout(self.mcast_b),
-            cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2),
-        )
+        if const_expr(not self.grouped):  # (grouped: per work unit, in _produce_grouped)
+            # (bM, bK, RestM, RestK) / (bN, bK, RestN, RestK) / (bM, bN, RestM, RestN)
+            # a_rows < tile_m only runs with M <= a_rows: one M tile, whose first a_rows rows are loaded.
+            gA = cute.local_tile(mA, (cfg.a_rows, TILE_K), (None, None))
+            gB = cute.local_tile(mB, (cfg.tile_n, TILE_K), (None, None))
+            tAsA, tAgA = cpasync.tma_partition(
+                tma_atom_a, cluster_coord[1], cute.make_layout(self.mcast_a),
+                cute.group_modes(sA_load, 0, 2), cute.group_modes(gA, 0, 2),
+            )
+            tBsB, tBgB = cpasync.tma_partition(
+                tma_atom_b, cluster_coord[0], cute.make_layout(self.mcast_b),
+                cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2),
+            )
         a_mcast_mask = 0
         b_mcast_mask = 0
         if const_expr(self.mcast_a > 1):
@@ -368,11 +388,17 @@ class _GemmLeakyReluSm90:
         # Programmatic dependent launch: the set-up above may overlap the previous kernel in the
         # stream; every global access below waits for it to complete.
         cute.arch.griddepcontrol_wait()
+        groups = None
+        if const_expr(self.grouped):  # the group table, and the launch's units, from the offsets
+            groups, units = self._group_setup(storage, mOffsets, mA, mB, mD, max_units, tidx)
 
         # ---------------------------------------------------------------- producer warp
         if warp_idx >= self.load_warp:
             cute.arch.setmaxregister_decrease(self.regs_load)
-            if warp_idx == self.load_warp:
+            if const_expr(self.grouped):
+                self._produce_grouped(ab_pipeline, groups, units, first_unit, unit_stride, k_tiles, tma_atom_a, mA,
+                                      sA_load, tma_atom_b, mB, sB, mIndex, tidx, warp_idx)
+            elif warp_idx == self.load_warp:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
                 unit = first_unit
                 while unit < units:
@@ -417,7 +443,8 @@ class _GemmLeakyReluSm90:
                         tiled_mma_out.get_slice(t).partition_C(
                             cute.make_identity_tensor((cfg.tile_m, self.out_n))).shape, self.acc_dtype)
                 sD = storage.sD.get_tensor(d_smem.outer, swizzle=d_smem.inner)
-                gD = cute.local_tile(mD, (cfg.tile_m, self.out_n), (None, None))
+                if const_expr(not self.grouped):  # (grouped: stored row by row, _store_rows)
+                    gD = cute.local_tile(mD, (cfg.tile_m, self.out_n), (None, None))
                 copy_atom_c = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.ab_dtype)
                 tiled_copy_r2s = cute.make_tiled_copy_S(
                     sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.ab_dtype, self.acc_dtype),
@@ -430,10 +457,11 @@ class _GemmLeakyReluSm90:
                 tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
                 tRS_rD_out = cute.make_rmem_tensor(rD_shape[:3], self.ab_dtype)
                 subtile_size = cute.size(tRS_rD)
-                store_pipeline = pipeline.PipelineTmaStore.create(
-                    num_stages=self.epi_stage,
-                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads),
-                )
+                if const_expr(not self.grouped):
+                    store_pipeline = pipeline.PipelineTmaStore.create(
+                        num_stages=self.epi_stage,
+                        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads),
+                    )
                 subtiles = cute.zipped_divide(cute.make_layout((cfg.tile_m, self.out_n)), self.epi_tile).shape[1]
                 subtile_order = cute.make_layout(subtiles, stride=(subtiles[1], 1))  # N fastest
                 num_subtiles = cute.size(subtiles)
@@ -450,11 +478,18 @@ class _GemmLeakyReluSm90:
                 else:
                     cute.arch.barrier_arrive(barrier_id=_MMA_ORDER_BARRIER, number_of_threads=256)
             epi_count = Int32(0)  # subtiles stored so far: selects the epilogue buffer
+            if const_expr(self.grouped):
+                expert = Int32(0)  # the expert of the last unit (units come in increasing order)
 
             while unit < units:
-                tile_m, tile_n, split, k_begin, k_count = self._work_unit(
-                    unit, num_splits, raster_group, clusters_m, clusters_n, k_tiles, cluster_coord
-                )
+                if const_expr(self.grouped):
+                    expert, first, count, tile_m, tile_n, scales = self._grouped_unit(unit, expert, groups, mRowScale,
+                                                                                      tCcD)
+                    split, k_begin, k_count = 0, 0, k_tiles
+                else:
+                    tile_m, tile_n, split, k_begin, k_count = self._work_unit(
+                        unit, num_splits, raster_group, clusters_m, clusters_n, k_tiles, cluster_coord
+                    )
                 if const_expr(cfg.bias != "none" and not self.swap):
                     # Fetched now, used after the mainloop: its latency hides under the MMAs.
                     for j in cutlass.range_constexpr(bias_per_thread):
@@ -462,7 +497,10 @@ class _GemmLeakyReluSm90:
                         n_idx = tile_n * cfg.tile_n + col
                         bias_regs[j] = Float32(0.0)
                         # (gated: the bias is per weight row, twice as many as output columns)
-                        if col < cfg.tile_n and n_idx < mBias.shape[0]:
+                        if const_expr(self.grouped):  # bias [E, N]
+                            if col < cfg.tile_n and n_idx < cute.size(mBias, mode=[1]):
+                                bias_regs[j] = mBias[expert, n_idx].to(Float32)
+                        elif col < cfg.tile_n and n_idx < mBias.shape[0]:
                             bias_regs[j] = mBias[n_idx].to(Float32)
 
                 # ------------------------------------------------ mainloop
@@ -474,6 +512,8 @@ class _GemmLeakyReluSm90:
                 warpgroup.fence()
                 for k in cutlass.range(k_count, unroll=1):
                     ab_pipeline.consumer_wait(read_state)
+                    if const_expr(self.gather):  # cp.async wrote the rows: WGMMA reads through the async proxy
+                        cute.arch.fence_view_async_shared()
                     for kb in cutlass.range_constexpr(num_k_blocks):
                         coord = (None, None, kb, read_state.index)
                         cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
@@ -518,7 +558,10 @@ class _GemmLeakyReluSm90:
 
                 # ------------------------------------------------ epilogue
                 if const_expr(self.swap):
-                    if run_epilogue:
+                    if const_expr(self.grouped):
+                        self._store_swapped_grouped(acc, tCcD, mD, mBias, mRowScale, tile_m, tile_n, expert, first,
+                                                    count)
+                    elif run_epilogue:
                         self._store_swapped(acc, tCcD, mD, mBias, tile_m, tile_n)
                 elif run_epilogue:
                     if const_expr(cfg.bias != "none"):
@@ -538,18 +581,26 @@ class _GemmLeakyReluSm90:
                             for i in cutlass.range(cute.size(acc), unroll_full=True):
                                 acc[i] = acc[i] + sBias[tCcD[i][1], slot]
                         self._gate(acc, acc_out)
+                    if const_expr(self.row_scale):
+                        self._scale_rows(acc_out, scales)
 
-                    gD_tile = gD[(None, None, tile_m, tile_n)]
-                    bSG_sD, bSG_gD = cpasync.tma_partition(
-                        tma_atom_d, 0, cute.make_layout(1),
-                        cute.group_modes(sD, 0, 2), cute.zipped_divide(gD_tile, self.epi_tile),
-                    )
+                    if const_expr(not self.grouped):
+                        gD_tile = gD[(None, None, tile_m, tile_n)]
+                        bSG_sD, bSG_gD = cpasync.tma_partition(
+                            tma_atom_d, 0, cute.make_layout(1),
+                            cute.group_modes(sD, 0, 2), cute.zipped_divide(gD_tile, self.epi_tile),
+                        )
                     for s in cutlass.range_constexpr(num_subtiles):
                         for v in cutlass.range_constexpr(subtile_size):
                             tRS_rD[v] = tRS_rAcc[s * subtile_size + v]
                         tRS_rD_out.store(tRS_rD.load().to(self.ab_dtype))
                         buf = slot * self.epi_stage + epi_count % self.epi_stage
                         cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+                        if const_expr(self.grouped):  # rows of the group only: 16-byte stores
+                            self._store_subtile(sD[(None, None, buf)], mD, first, count, tile_m, tile_n,
+                                                subtile_order.get_hier_coord(s), t, slot)
+                            epi_count += 1
+                            continue
                         # Make the smem writes visible to the TMA (async proxy), then store.
                         cute.arch.fence_proxy("async.shared", space="cta")
                         self._epi_sync(slot)
@@ -562,7 +613,7 @@ class _GemmLeakyReluSm90:
                         epi_count += 1
 
                 unit += unit_stride * self.tile_slots
-            if const_expr(not self.swap):
+            if const_expr(not self.swap and not self.grouped):
                 if warp_idx == epi_warp:
                     store_pipeline.producer_tail()
 
@@ -606,6 +657,9 @@ class _GemmLeakyReluSm90:
     @cute.jit
     def _epi_sync(self, slot: Int32):
         cute.arch.barrier(barrier_id=_EPI_BARRIER + slot, number_of_threads=self.epi_threads)
+
+
+GemmSm90 = _GemmLeakyReluSm90  # for grouped_gemm's launcher (CuTeDSL names the kernel symbol after the class)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -244,52 +244,58 @@ class GemmConfig(KernelConfig):
     def mode(self) -> str:
         return "decode" if self.split_k else "prefill"
 
-    # The kernel's geometry, from the config alone.
 
-    @property
-    def wg_per_tile(self) -> int:
-        """MMA warpgroups sharing one tile: tile_m / 64 (cooperative), 1 (pingpong: a tile each)."""
-        return 1 if self.pingpong else self.tile_m // 64
 
-    @property
-    def mma_warpgroups(self) -> int:
-        return 2 if self.pingpong else self.wg_per_tile
+# ---------------------------------------------------------------------------------------------
+# The kernel's geometry, from a config alone: a GemmConfig's, or a grouped one's (grouped_gemm_plan), which
+# the same device class runs.
 
-    @property
-    def tile_slots(self) -> int:
-        """Tiles in flight per CTA."""
-        return self.mma_warpgroups // self.wg_per_tile
 
-    @property
-    def out_n(self) -> int:
-        """Output columns of a plain tile (gated: the products of its gate/up column pairs)."""
-        return self.tile_n // 2 if self.gated and not self.swap_ab else self.tile_n
+def wg_per_tile(config) -> int:
+    """MMA warpgroups sharing one tile: tile_m / 64 (cooperative), 1 (pingpong: a tile each)."""
+    return 1 if config.pingpong else config.tile_m // 64
 
-    @property
-    def epi_tile(self) -> tuple[int, int]:
-        """The epilogue's subtile: the rows one pass of the tile's warpgroups covers, 32 columns (16
-        where the tile is an odd multiple of 16 wide)."""
-        return 64 * self.wg_per_tile, 32 if self.out_n % 32 == 0 else 16
 
-    def smem_stages(self) -> tuple[int, int]:
-        """(A/B stages, epilogue buffers per tile slot): shared memory filled with A/B stages after 2
-        epilogue buffers per tile slot, the leftover to more epilogue buffers (up to 4). A stages are
-        a_rows rows apart, plus a tail so that the last stage's WGMMA view stays inside the buffer.
-        Swapped tiles store from registers (no epilogue buffers); `stages`, when set, caps the A/B
-        stages."""
-        elem = 2  # bf16/fp16
-        ab_bytes = (self.a_rows + self.tile_n) * TILE_K * elem
-        if self.swap_ab:
-            ab_stage = (SMEM_CAPACITY - 2048) // ab_bytes
-            return (min(ab_stage, self.stages) if self.stages else ab_stage), 0
-        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * elem * self.tile_slots
-        fixed = 2048 + 4 * self.tile_n * self.tile_slots  # mbarriers, flags, alignment, bias
-        fixed += (self.tile_m - self.a_rows) * TILE_K * elem  # the A tail
-        ab_stage = (SMEM_CAPACITY - fixed - 2 * epi_bytes) // ab_bytes
-        if self.stages:
-            ab_stage = min(ab_stage, self.stages)
-        left = SMEM_CAPACITY - fixed - ab_stage * ab_bytes
-        return ab_stage, min(4, left // epi_bytes)
+def mma_warpgroups(config) -> int:
+    return 2 if config.pingpong else wg_per_tile(config)
+
+
+def tile_slots(config) -> int:
+    """Tiles in flight per CTA."""
+    return mma_warpgroups(config) // wg_per_tile(config)
+
+
+def out_n(config) -> int:
+    """Output columns of a plain tile (gated: the products of its gate/up column pairs)."""
+    return config.tile_n // 2 if config.gated and not config.swap_ab else config.tile_n
+
+
+def epi_tile(config) -> tuple[int, int]:
+    """The epilogue's subtile: the rows one pass of the tile's warpgroups covers, 32 columns (16 where
+    the tile is an odd multiple of 16 wide)."""
+    return 64 * wg_per_tile(config), 32 if out_n(config) % 32 == 0 else 16
+
+
+def smem_stages(config, table_bytes: int = 0) -> tuple[int, int]:
+    """(A/B stages, epilogue buffers per tile slot): shared memory filled with A/B stages after 2
+    epilogue buffers per tile slot and `table_bytes` of other tables (the grouped option's), the
+    leftover to more epilogue buffers (up to 4). A stages are a_rows rows apart, plus a tail so that the
+    last stage's WGMMA view stays inside the buffer. Swapped tiles store from registers (no epilogue
+    buffers); `stages`, when set, caps the A/B stages."""
+    elem = 2  # bf16/fp16
+    ab_bytes = (config.a_rows + config.tile_n) * TILE_K * elem
+    if config.swap_ab:
+        ab_stage = (SMEM_CAPACITY - 2048 - table_bytes) // ab_bytes
+        return (min(ab_stage, config.stages) if config.stages else ab_stage), 0
+    epi = epi_tile(config)
+    epi_bytes = epi[0] * epi[1] * elem * tile_slots(config)
+    fixed = 2048 + 4 * config.tile_n * tile_slots(config)  # mbarriers, flags, alignment, bias
+    fixed += (config.tile_m - config.a_rows) * TILE_K * elem + table_bytes  # the A tail
+    ab_stage = (SMEM_CAPACITY - fixed - 2 * epi_bytes) // ab_bytes
+    if config.stages:
+        ab_stage = min(ab_stage, config.stages)
+    left = SMEM_CAPACITY - fixed - ab_stage * ab_bytes
+    return ab_stage, min(4, left // epi_bytes)
 
 
 @dataclasses.dataclass(frozen=True)

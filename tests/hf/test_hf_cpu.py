@@ -330,7 +330,7 @@ def test_experts_glue_groups_the_gemms_by_the_dispatch_offsets(monkeypatch):
     combine: the stock grouped_mm experts' result, on a ragged routing with an expert left empty."""
     monkeypatch.setattr(rosekernels, "moe_dispatch", _dispatch_standin, raising=False)
     monkeypatch.setattr(rosekernels, "moe_combine", _combine_standin, raising=False)
-    monkeypatch.setattr(hf, "_experts_refusal", lambda experts, h: None)
+    monkeypatch.setattr(hf, "_experts_refusal", lambda *args: None)
     experts = _tiny(moe=True, layers=1).model.layers[0].mlp.experts
     g = torch.Generator().manual_seed(11)
     tokens = 37
@@ -344,6 +344,58 @@ def test_experts_glue_groups_the_gemms_by_the_dispatch_offsets(monkeypatch):
     err = (got.float() - want.float()).norm() / want.float().norm()
     assert err < 1e-2, f"relative error {err:.3g}"
     assert hf.stats() == {"experts": 1}
+
+
+def _moe_experts_standin(x, w_gate_up, w_down, topk_ids, topk_weights):
+    """rosekernels.moe_experts' contract: sum_j w[t, j] * down[e](silu(gate[e] x) * up[e] x) with w_gate_up
+    [E, 2I, H] holding expert e's gate rows then its up rows, ids int32 (-1: no expert), fp32 sums; the
+    intermediate rounded to x's dtype as the kernels store it."""
+    assert topk_ids.dtype == torch.int32 and w_gate_up.shape[1] == 2 * w_down.shape[2]
+    inter = w_down.shape[2]
+    out = torch.zeros(x.shape)
+    for t, j in zip(*(topk_ids >= 0).nonzero(as_tuple=True)):
+        e = int(topk_ids[t, j])
+        y = x[t].float() @ w_gate_up[e].float().t()
+        h = (torch.nn.functional.silu(y[:inter]) * y[inter:]).to(x.dtype).float()
+        out[t] += float(topk_weights[t, j]) * (h @ w_down[e].float().t()).to(x.dtype).float()
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_experts_on_the_moe_experts_path_compute_the_stock_experts(monkeypatch, dtype):
+    """apply(experts="moe_experts"): the experts hand their weights as stored and int32 ids to
+    rosekernels.moe_experts (a stand-in following its contract): the stock experts' result."""
+    monkeypatch.setattr(rosekernels, "moe_experts", _moe_experts_standin, raising=False)
+    model = _tiny(moe=True, layers=1).to(dtype)
+    stock = copy.deepcopy(model.model.layers[0].mlp.experts)
+    p = hf.plan(model, experts="moe_experts")
+    assert p.experts == "moe_experts" and "rosekernels.moe_experts" in str(p)
+    hf._swap(model, p)
+    experts = model.model.layers[0].mlp.experts
+    assert experts._rosekernels_path == "moe_experts"
+    monkeypatch.setattr(hf, "_experts_refusal", lambda e, h, path: None if path == "moe_experts" else "path")
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(23, TINY["hidden_size"], generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(7, generator=g)[:3] for _ in range(23)])  # int64, as the router gives them
+    weights = torch.rand(23, 3, generator=g).softmax(-1).to(dtype)
+    hf.reset_stats()
+    got = hf.experts_forward(experts, hidden, ids, weights)
+    want = grouped_mm_experts_forward(stock, hidden, ids, weights)
+    err = (got.float() - want.float()).norm() / want.float().norm()
+    assert got.dtype == dtype and err < 1e-2, f"relative error {err:.3g}"
+    assert hf.stats() == {"experts": 1}
+
+
+def test_the_experts_path_is_one_of_two_and_switches_the_warmup_set():
+    assert hf.EXPERTS_PATH in hf.EXPERTS_WHAT and set(hf.EXPERTS_WHAT) == {"grouped_mm", "moe_experts"}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf.model_config("qwen3-30b-a3b", 1), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="experts must be one of"):
+        hf.plan(model, experts="loop")
+    grouped = [s for s in hf.warmup_specs(model, experts="moe_experts") if s.variant().op == "grouped_gemm"]
+    assert {(s.activation, s.gated) for s in grouped} == {("silu", True), ("none", False)}
+    assert {s.mode for s in grouped} == {"decode", "prefill"}
+    assert not [s for s in hf.warmup_specs(model, experts="grouped_mm") if s.variant().op == "grouped_gemm"]
 
 
 def _gemm_standin(a, w, bias=None, activation=None, gated=False):
@@ -414,10 +466,21 @@ def test_a_patched_mlp_holds_its_weights_once_and_keeps_the_stock_state_dict():
 
 
 def test_experts_refusals():
-    experts = _tiny(moe=True, layers=1).model.layers[0].mlp.experts
+    experts = _tiny(moe=True, layers=1).model.layers[0].mlp.experts.to(torch.bfloat16)
     h = torch.zeros(3, TINY["hidden_size"], dtype=torch.bfloat16)
     assert hf._experts_refusal(experts, h) == "device"
     assert hf._experts_refusal(experts, h.half()) == "dtype"
+    # moe_experts takes bf16 and fp16 weights in the activations' dtype, SwiGLU, at most 512 experts
+    assert hf._experts_refusal(experts, h, "moe_experts") == "device"
+    assert hf._experts_refusal(experts.half(), h.half(), "moe_experts") == "device"
+    assert hf._experts_refusal(experts.float(), h.float(), "moe_experts") == "dtype"
+    assert hf._experts_refusal(experts.half(), h.bfloat16(), "moe_experts") == "dtype"
+    experts.bfloat16().act_fn = torch.nn.GELU()
+    assert hf._experts_refusal(experts, h, "moe_experts") == "activation"
+    assert hf._experts_refusal(experts, h) == "device"  # grouped_mm applies the module's own activation
+    experts.act_fn = torch.nn.SiLU()
+    experts.num_experts = 513
+    assert hf._experts_refusal(experts, h, "moe_experts") == "shape"
     experts.has_bias = True
     assert hf._experts_refusal(experts, h) == "layout"
 

@@ -160,6 +160,38 @@ def test_moe_blocks_match_stock_on_the_same_input(pair):
     assert hf.stats() == {"experts": LAYERS}
 
 
+@torch.inference_mode()
+def test_moe_blocks_on_moe_experts_match_stock(pair, fp32):
+    """apply(experts="moe_experts"): each MoE block (the grouped GEMM kernels, no torch GEMM) on the stock
+    model's input to it, held to the same bar as the grouped_mm path; then the whole model's prefill
+    logits as test_prefill_logits_match_stock_at_every_position holds them. The path hf.EXPERTS_PATH
+    becomes once this and tests/kernels/test_grouped_gemm.py pass."""
+    geometry, stock, _ = pair
+    if geometry != "qwen3-30b-a3b":
+        pytest.skip("a dense geometry has no MoE block")
+    ours = copy.deepcopy(stock)
+    hf.warmup(ours, experts="moe_experts")
+    hf.apply(ours, experts="moe_experts")
+    inputs = {}
+    hooks = [layer.mlp.register_forward_pre_hook(lambda m, args, i=i: inputs.__setitem__(i, args[0]))
+             for i, layer in enumerate(stock.model.layers)]
+    try:
+        stock(input_ids=_ids(2, 333, seed=5))
+    finally:
+        for h in hooks:
+            h.remove()
+    hf.reset_stats()
+    for i, x in inputs.items():
+        cos = torch.nn.functional.cosine_similarity(ours.model.layers[i].mlp(x).float(),
+                                                    stock.model.layers[i].mlp(x).float(), dim=-1)
+        assert cos.min().item() >= MOE_BLOCK_COS_MIN, f"layer {i}: min cosine {cos.min().item():.6f}"
+    assert hf.stats() == {"experts": LAYERS}
+    ids = _ids(2, 200, seed=6)
+    _check_cos(geometry, ours(input_ids=ids).logits, stock(input_ids=ids).logits, fp32(input_ids=ids).logits)
+    del ours
+    torch.cuda.empty_cache()
+
+
 def _decode(model, prompt, steps, feed=None):
     """Greedy decoding with a DynamicCache: (logits [B, steps, V], picks [B, steps]); step 0 is the
     prompt's last position, then each step feeds back the model's pick, or feed[:, i] (teacher forcing)."""

@@ -98,19 +98,20 @@ def test_shared_memory_stages_fit():
     epilogue buffers per tile slot, within SMEM_CAPACITY (the kernel also checks its struct's size when
     it compiles); `stages` caps the A/B stages; packing A stages a_rows apart never costs a stage."""
     for cfg in plan.variants_for():
-        ab, epi = cfg.smem_stages()
+        ab, epi = plan.smem_stages(cfg)
         assert ab >= 2, cfg
         ab_bytes = (cfg.a_rows + cfg.tile_n) * plan.TILE_K * 2
         if cfg.swap_ab:
             assert epi == 0 and 2048 + ab * ab_bytes <= plan.SMEM_CAPACITY, cfg
             continue
         assert 2 <= epi <= 4, cfg
-        epi_bytes = cfg.epi_tile[0] * cfg.epi_tile[1] * 2 * cfg.tile_slots
-        fixed = 2048 + 4 * cfg.tile_n * cfg.tile_slots + (cfg.tile_m - cfg.a_rows) * plan.TILE_K * 2
+        rows, cols = plan.epi_tile(cfg)
+        epi_bytes = rows * cols * 2 * plan.tile_slots(cfg)
+        fixed = 2048 + 4 * cfg.tile_n * plan.tile_slots(cfg) + (cfg.tile_m - cfg.a_rows) * plan.TILE_K * 2
         assert fixed + ab * ab_bytes + epi * epi_bytes <= plan.SMEM_CAPACITY, cfg
-        assert dataclasses.replace(cfg, stages=2).smem_stages()[0] == 2
+        assert plan.smem_stages(dataclasses.replace(cfg, stages=2))[0] == 2
         if cfg.a_rows < cfg.tile_m:
-            assert ab >= dataclasses.replace(cfg, a_rows=None).smem_stages()[0], cfg
+            assert ab >= plan.smem_stages(dataclasses.replace(cfg, a_rows=None))[0], cfg
 
 
 def test_shape_defaults():

@@ -95,6 +95,38 @@ def main() -> None:
         out = rosekernels.moe_combine(d.buffer, wts, d.slot_map)
         ref = (wts.unsqueeze(-1) * xs.float().unsqueeze(1) * (ids >= 0).unsqueeze(-1)).sum(1)
         close(out, ref, f"moe t={t}")
+
+    # Grouped GEMMs: swapped (decode) and plain (prefill) tiles, gated with gathered rows and row scales,
+    # on groups with empty experts and rows in no group; then garbage offsets and indices (decreasing,
+    # negative, past the rows, extreme): clamped into the tensors, nothing outside them touched.
+    from rosekernels.kernels.grouped_gemm import random_offsets, reference
+    gen = torch.Generator().manual_seed(2)
+    for rows, experts in ((21, 16), (700, 3)):
+        xs = torch.randn(rows // 2 + 1, 264, device=dev, dtype=bf)
+        wg = torch.randn(experts, 208, 264, device=dev, dtype=bf) / 16
+        offsets = random_offsets(rows, experts, gen, covered=rows - 2).to(dev)
+        index = torch.randint(xs.shape[0], (rows,), generator=gen, dtype=torch.int32).to(dev)
+        scale = torch.rand(rows, device=dev)
+        out = rosekernels.grouped_gemm(xs, wg, offsets, activation="silu", gated=True, a_index=index,
+                                       row_scale=scale)
+        ref, written = reference(xs, wg, offsets, activation="silu", gated=True, a_index=index, row_scale=scale)
+        close(out[written.to(dev)], ref[written], f"grouped gemm rows={rows}")
+        rosekernels.grouped_gemm(xs[index.long()], wg, offsets)  # the rows by TMA
+        index[:3] = torch.tensor([-1, 2**31 - 1, -2**31], dtype=torch.int32)
+        for bad in ([2**31 - 1] + [0] * experts, [-2**31] * experts + [2**31 - 1], [rows, -5] + [rows // 2] * experts):
+            bad = torch.tensor(bad[:experts + 1], dtype=torch.int32, device=dev)
+            rosekernels.grouped_gemm(xs, wg, bad, a_index=index, row_scale=scale)
+            rosekernels.grouped_gemm(xs[:1].expand(rows, -1).contiguous(), wg, bad, activation="relu")
+
+    # A routed-experts block, decode and prefill sizes, some choices not routed.
+    for t in (5, 300):
+        xs = torch.randn(t, 256, device=dev, dtype=bf)
+        ids = torch.stack([torch.randperm(8)[:2] for _ in range(t)]).to(dev, torch.int32)
+        ids[0, 1] = -1
+        wts = torch.rand(t, 2, device=dev)
+        out = rosekernels.moe_experts(xs, torch.randn(8, 128, 256, device=dev, dtype=bf) / 16,
+                                      torch.randn(8, 256, 64, device=dev, dtype=bf) / 8, ids, wts)
+        assert torch.isfinite(out).all(), f"moe_experts t={t}"
     torch.cuda.synchronize()
     print("all ops ran")
 

@@ -82,10 +82,14 @@ def test_qwen3_8b_decode_runs_the_dense_block_at_every_decode_token_count(tmp_pa
 
 def test_qwen3_30b_a3b_decode_runs_the_experts_and_the_moe_routing_instead_of_a_dense_mlp(tmp_path):
     jobs = by_kernel(model.shapes(dims(tmp_path, "qwen3-30b-a3b"), "decode"))
-    assert set(jobs) == {"gemm_leakyrelu", "attention_decode", "moe_dispatch", "moe_combine"}
-    # q (32 heads of 128), k/v (4 heads), o (n=hidden, k=32 * 128); no dense MLP, and the experts' GEMMs are
-    # torch._grouped_mm's.
+    assert set(jobs) == {"gemm_leakyrelu", "attention_decode", "moe_dispatch", "grouped_gemm", "moe_combine"}
+    # q (32 heads of 128), k/v (4 heads), o (n=hidden, k=32 * 128); no dense MLP: the experts' gate-up
+    # (SwiGLU, 2 x 768 rows) and down GEMMs are grouped GEMMs over T x top-8 rows of 128 experts.
     assert {(s["n"], s["k"]) for s in jobs["gemm_leakyrelu"]} == {(4096, 2048), (512, 2048), (2048, 4096)}
+    assert {(s["n"], s["k"], s["activation"], s["gated"]) for s in jobs["grouped_gemm"]} == {
+        (1536, 2048, "silu", True), (2048, 768, "none", False)}
+    assert sorted({s["rows"] for s in jobs["grouped_gemm"]}) == [8 * t for t in model.DECODE_TOKENS]
+    assert all(s["experts"] == 128 for s in jobs["grouped_gemm"])
     assert [s["tokens"] for s in jobs["moe_dispatch"]] == list(model.DECODE_TOKENS)
     assert all((s["hidden"], s["experts"], s["topk"]) == (2048, 128, 8) for s in jobs["moe_dispatch"])
     assert all((s["hidden"], s["topk"]) == (2048, 8) for s in jobs["moe_combine"])
@@ -95,7 +99,12 @@ def test_qwen3_30b_a3b_decode_runs_the_experts_and_the_moe_routing_instead_of_a_
 def test_prefill_runs_causal_attention_over_one_sequence_of_each_prefill_token_count(tmp_path):
     found = model.shapes(dims(tmp_path, "qwen3-30b-a3b"), "prefill")
     jobs = by_kernel(found)
-    assert "attention_decode" not in jobs and not found.dropped
+    # The expert GEMMs of the shortest chunks (512 and 1024 tokens: 32 and 64 rows per expert) run the
+    # swapped decode tiles, a shape of the other mode: dropped, with the reason.
+    assert "attention_decode" not in jobs
+    assert {(j.kernel, j.tokens) for j, _ in found.dropped} == {("grouped_gemm", 512), ("grouped_gemm", 1024)}
+    assert all("decode" in why for _, why in found.dropped)
+    assert sorted({s["rows"] for s in jobs["grouped_gemm"]}) == [8 * t for t in model.PREFILL_TOKENS[2:]]
     assert [(s["batch"], s["seqlen"], s["causal"]) for s in jobs["attention"]] == [
         (1, t, True) for t in model.PREFILL_TOKENS]
     assert model.PREFILL_TOKENS == (512, 1024, 2048, 4096, 8192, 16384)

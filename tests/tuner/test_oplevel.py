@@ -55,11 +55,16 @@ def test_every_kernel_has_a_public_op_case_at_its_shape(kernel, shape):
         "moe_combine": lambda s: (s.tokens * s.topk, s.hidden),
         "attention": lambda s: (s.batch, s.seqlen, s.heads_q, s.head_dim),
         "attention_decode": lambda s: (s.batch, s.seqlen_q, s.heads_q, s.head_dim),
-        "append_kvcache": lambda s: (s.batch * -(-(s.new_tokens + 64) // 16), 16, s.kv_heads, s.head_dim)}
+        "append_kvcache": lambda s: (s.batch * -(-(s.new_tokens + 64) // 16), 16, s.kv_heads, s.head_dim),
+        "grouped_gemm": lambda s: (s.rows, s.k)}
     assert tuple(a[0].shape) == first[kernel](shape)
     if kernel == "gemm_leakyrelu":
         assert tuple(a[1].shape) == (shape.n, shape.k) and tuple(a[-1].shape) == (shape.m, shape.n)
         assert "cublas+leaky_relu" in case.peers
+    if kernel == "grouped_gemm":  # w per expert, offsets a grouping of all rows, out gated
+        a, w, offsets, bias, index, scale, out = a
+        assert tuple(w.shape) == (shape.experts, shape.n, shape.k) and tuple(out.shape) == (shape.rows, shape.n // 2)
+        assert offsets[0] == 0 and offsets[-1] == shape.rows and bool((offsets.diff() >= 0).all())
     if kernel == "append_kvcache":  # every token lands inside its sequence's rows
         k_cache, _, k, _, lengths, table = a
         rows = table.shape[1] * k_cache.shape[1]

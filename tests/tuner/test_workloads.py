@@ -12,9 +12,10 @@ from sip_tune import workloads
 
 # The kernels with one mode only; every other kernel has both.
 SINGLE_MODE = {"attention": "prefill", "attention_decode": "decode"}
-# The size of each two-mode kernel that decides the mode.
+# The size of each two-mode kernel that decides the mode, and a size of prefill mode (1 is decode).
 SIZE = {"qk_norm": "tokens", "rmsnorm": "rows", "moe_dispatch": "tokens", "moe_combine": "tokens",
-        "gemm_leakyrelu": "m"}
+        "gemm_leakyrelu": "m", "grouped_gemm": "rows"}
+PREFILL_SIZE = {"grouped_gemm": 1 << 16}  # 512 rows per expert of the default 128
 
 
 @pytest.fixture
@@ -53,4 +54,4 @@ def test_every_kernel_resolves_its_default_shape_to_a_config_of_the_mode(kernel,
     assert shape == kernel_module(kernel).Shape.defaults(mode)
     if kernel in SIZE:  # a size of the other mode is refused with a hint
         with pytest.raises(ValueError, match="--mode"):
-            workloads.resolve(kernel, mode, {SIZE[kernel]: 4096 if mode == "decode" else 1})
+            workloads.resolve(kernel, mode, {SIZE[kernel]: PREFILL_SIZE.get(kernel, 4096) if mode == "decode" else 1})
