@@ -74,6 +74,24 @@ def check_not_expanded(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} has a zero stride (an expanded view); an output must be materialized")
 
 
+def check_vectors(vectors: dict[str, torch.Tensor], outputs: Iterable[str] = (),
+                  **others: torch.Tensor | None) -> None:
+    """What a kernel that moves `vectors` in 128-bit accesses needs of their memory, each check over every
+    tensor before the next: a unit last stride, 16-byte alignment, the `outputs` not expanded; then
+    these and the `others` (None: absent) on CUDA, all on one device."""
+    for name, t in vectors.items():
+        check_unit_last_stride(name, t)
+    for name, t in vectors.items():
+        check_aligned(name, t)
+    for name in outputs:
+        check_not_expanded(name, vectors[name])
+    named = {**vectors, **others}
+    for name, t in named.items():
+        if t is not None:
+            check_cuda(name, t)
+    check_same_device(**named)
+
+
 def check_aligned(name: str, t: torch.Tensor, nbytes: int = 16, pointer: bool = True) -> None:
     """Vectorized kernels read 16-byte chunks: the base address and row strides must allow it.
     pointer=False checks the strides only (a traced tensor has no address yet)."""

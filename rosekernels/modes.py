@@ -5,6 +5,9 @@ many warps its work needs. Fewer warps than SMs -> the decode variant: one small
 unit group, so every warp gets its own SM and the latency is one memory round trip. Otherwise the
 prefill variant: bigger blocks (8/16/32 warps) with enough loads in flight to saturate HBM; the
 block size, and how many rows each thread handles, come from a table the benchmark measured.
+
+Also what the device holds, which the heuristics and grids of every kernel read: its SM count
+(`sm_count`) and the clusters of a given size resident at once (`max_active_clusters`).
 """
 from __future__ import annotations
 
@@ -46,6 +49,24 @@ def sm_count(device_index: int | None = None) -> int:
         return DEFAULT_SM_COUNT
     index = torch.cuda.current_device() if device_index is None else device_index
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def max_active_clusters(device_index: int, cluster_size: int) -> int:
+    """Clusters of `cluster_size` CTAs (one per SM) that can be resident at once on the device: a
+    persistent grid's size."""
+    sms = sm_count(device_index)
+    if cluster_size == 1:
+        return sms
+    import cutlass.utils  # here, not at the top: plan modules use this module without CuTeDSL
+    import torch
+
+    try:  # GPCs with an odd number of free SMs fit fewer 2-CTA clusters than sms // 2
+        with torch.cuda.device(device_index):
+            torch.cuda.init()
+            return int(cutlass.utils.HardwareInfo(device_index).get_max_active_clusters(cluster_size))
+    except Exception:  # noqa: BLE001 - an occupancy query failure only costs the estimate
+        return sms // cluster_size
 
 
 def warps_needed(units: int, threads_per_unit: int) -> int:

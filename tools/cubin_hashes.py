@@ -5,11 +5,13 @@ from an earlier run's (a refactoring that must not change any kernel shows none)
     python tools/cubin_hashes.py -o hashes.json [--kernels qk_norm,rmsnorm] [--compare before.json] [-j 2]
     python tools/cubin_hashes.py -o keys.json --keys-only [--extras]        # every key, nothing compiled
     python tools/cubin_hashes.py -o sample.json --only REGEX [--extras]     # the keys REGEX finds in
+    python tools/cubin_hashes.py -o sample.json --sample tools/cubin_sample.txt --extras    # 52, every family
 
 --extras adds the kernels warm-up does not list by default: the KV-cache variants of the split-KV kernel
 (contiguous and 16-row pages), the varlen prefill variants and the MoE peer kernels. --keys-only writes
-null for every hash; --compare then compares the key lists. With --only, --compare looks only at the
-earlier run's keys that REGEX finds in (compare runs made with the same --kernels and --extras).
+null for every hash; --compare then compares the key lists. --sample FILE takes the regular expressions
+of FILE's lines (# comments) as --only does their alternation. With --only or --sample, --compare looks
+only at the earlier run's keys they find (compare runs made with the same --kernels and --extras).
 A path ending in .gz is read and written gzip-compressed (the committed lists in bench/results are).
 """
 from __future__ import annotations
@@ -78,12 +80,17 @@ def main() -> int:
     p.add_argument("--kernels", default=",".join(KERNELS))
     p.add_argument("--compare", help="an earlier run's JSON: report keys missing, added or changed")
     p.add_argument("--keys-only", action="store_true", help="list the variant keys, compile nothing")
-    p.add_argument("--only", metavar="REGEX", help="compile only the keys this regular expression finds in")
+    only = p.add_mutually_exclusive_group()
+    only.add_argument("--only", metavar="REGEX", help="compile only the keys this regular expression finds in")
+    only.add_argument("--sample", metavar="FILE", help="--only with each line of FILE an alternative")
     p.add_argument("--extras", action="store_true", help="also the KV-cache, varlen and MoE peer variants")
     p.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
     args = p.parse_args()
     specs = _specs(args.kernels.split(","), args.extras)
     ops = {cfg.variant().op for _, cfg in specs}
+    if args.sample:
+        with open(args.sample) as f:
+            args.only = "|".join(f"(?:{line.strip()})" for line in f if line.strip() and not line.startswith("#"))
     selected = re.compile(args.only) if args.only else None
     if selected is not None:
         specs = [s for s in specs if selected.search(s[1].variant().key())]

@@ -9,15 +9,11 @@ no key gets out = 0 and lse = -inf. The LSE output is [B, Hq, S_q] fp32, natural
 rows from cumulative lengths read on the device, its tiles' loads offset to its first row and its O
 rows stored one by one, from the slab or from registers (a TMA store of 64 rows would run into the
 next sequence).
-`attention()` sends short queries (S_q <= 16) to the split-KV kernel of
-rosekernels/kernels/attention_decode.py; this kernel serves the rest.
 
 Work is cut into tiles of `tile_m` query rows of one head. Persistent launch (the default): one CTA
 per SM takes tile after tile; the first is its block index, the next ones come from an atomic
-counter (so uneven causal tiles balance dynamically). The tile order keeps the CTAs that read the
-same K/V together: non-causal, the m blocks of one (batch, head) are adjacent; causal, the heads are
-cut into sections whose K/V fit in L2 and within a section the tiles go longest first (LPT), heads of
-one GQA group adjacent. `persistent=False` launches one CTA per tile in the same order instead.
+counter (so uneven causal tiles balance dynamically), in an order that keeps the CTAs that read the
+same K/V together (attention_tiles.py). `persistent=False` launches one CTA per tile in that order.
 
 - warp 0 (the producer; its warpgroup drops to a few registers with setmaxnreg) loads each tile's
   Q once and K/V tiles of `tile_n` keys into a `num_stages`-deep ring of shared-memory buffers with
@@ -46,15 +42,13 @@ one GQA group adjacent. `persistent=False` launches one CTA per tile in the same
   (d=128: 192 keys x 2 stages), which pay on long keys; on short ones the slab's TMA store, which
   overlaps the next tile, is faster.
 
-Configs, the tile heuristic, the tuner's search space and the warm-up set are in attention_plan.py
-(re-exported here). This module holds the device code, `compile(config)`, `launch_args` and
-`workload(config, shape)`; `rosekernels.attention()` (rosekernels/ops/attention.py, with the launch of a
-call and the registered op rosekernels::attention_fwd) chooses between this kernel and the split-KV one,
-and rosekernels/ops/varlen.py launches its varlen variants.
+Configs, the tile heuristic, the tuner's search space and the warm-up set: attention_plan.py
+(re-exported here); the softmax: attention_softmax.py. This module holds the device code, `compile`,
+`launch_args` and `workload`; the ops: rosekernels/ops/attention.py (attention(), which sends short
+queries, S_q <= 16, to the split-KV kernel of attention_decode.py) and rosekernels/ops/varlen.py.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 
@@ -63,10 +57,12 @@ import torch
 from rosekernels import jit  # first: it pins CUTE_DSL_ARCH=sm_90a before cutlass loads
 from rosekernels import checks, modes
 from rosekernels.kernels.attention_common import (
-    CUTE_DTYPES, LN_2, LOG2_E, check, fake_qkv_out_lse, quad_max, quad_sum, tma_tiles)
+    CUTE_DTYPES, LN_2, LOG2_E, acc_rows, check, convert_pairs, fake_qkv_out_lse, quad_sum, tma_tiles, wgmma)
 from rosekernels.kernels.attention_plan import (  # noqa: F401 - the plan's names are this kernel's
     LONG_KV, OP, AttentionConfig, AttentionShape, candidates, config_for, default_config, grid_size, num_tiles,
     rank, variants_for, varlen_config, varlen_variants_for)
+from rosekernels.kernels.attention_softmax import apply_mask, online_softmax, rescale
+from rosekernels.kernels.attention_tiles import Tiles
 from rosekernels.workload import Workload
 
 import cutlass
@@ -74,8 +70,6 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from cutlass.tensor_utils import LayoutEnum
@@ -85,97 +79,10 @@ Config, Shape = AttentionConfig, AttentionShape
 # Named barriers (0 is __syncthreads), each + the consumer warpgroup index (at most 3 WGs):
 _BAR_EPILOGUE = 1  # a warpgroup's epilogue (its O slab)
 _BAR_SCHED = 4  # a warpgroup's GEMM-issue token (ping-pong)
-# K/V bytes one causal tile section keeps in L2 (of 50-60 MB on H100/H200: Q, O and the other
-# partition's copy need the rest).
-L2_KV_BYTES = 32 * 2**20
 
 
 # ---------------------------------------------------------------------------------------------
 # Device code.
-
-
-def _rows_view(t: cute.Tensor) -> cute.Tensor:
-    """View a WGMMA accumulator ((2, 2, N/8), MMA_M, MMA_N) as (rows, cols) of this thread.
-
-    Value mode 1 of the accumulator steps 8 rows, modes 0 and 2 step columns, so a thread holds
-    2 * MMA_M rows and each of its rows is shared with the 3 other threads of its quad."""
-    cm = cute.make_layout(t.layout.shape)  # compact indices, composed with the real layout below
-    shape = ((cm.shape[0][1], cm.shape[1]), (cm.shape[0][0], cm.shape[0][2], cm.shape[2]))
-    stride = ((cm.stride[0][1], cm.stride[1]), (cm.stride[0][0], cm.stride[0][2], cm.stride[2]))
-    return cute.make_tensor(t.iterator, cute.composition(t.layout, cute.make_layout(shape, stride=stride)))
-
-
-@dsl_user_op
-def _cvt_pair(lo: Float32, hi: Float32, to: cutlass.Constexpr, *, loc=None, ip=None) -> Int32:
-    """Two fp32 -> one packed bf16x2/f16x2 register (cvt.rn puts its first source in the high half)."""
-    kind = "bf16x2" if to is cutlass.BFloat16 else "f16x2"
-    return Int32(llvm.inline_asm(
-        T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
-        f"cvt.rn.{kind}.f32 $0, $1, $2;", "=r,f,f",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-
-@cute.jit
-def _convert(src: cute.Tensor, dst: cute.Tensor):
-    """fp32 registers -> 16-bit registers, same element order, one cvt per pair.
-
-    (TensorSSA.to() converts element by element for most tile shapes, doubling the work.)"""
-    dst32 = cute.recast_tensor(dst, Int32)
-    for i in cutlass.range_constexpr(cute.size(dst32)):
-        dst32[i] = _cvt_pair(src[2 * i], src[2 * i + 1], dst.element_type)
-
-
-@cute.jit
-def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
-          zero_init: cutlass.Constexpr[bool]):
-    """Issue acc (+)= A @ B as one WGMMA commit group over all k blocks (no wait)."""
-    warpgroup.fence()
-    atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom: its ACCUMULATE field is mutated below
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
-        cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tiles:
-    """The tiles of one launch in the order CTAs take them, and each one's (m_block, head, batch).
-
-    Frozen: the DSL then treats it as read-only state in the device loops."""
-
-    causal: bool
-    num_m: Int32  # m blocks per (batch, head)
-    heads: Int32
-    total: Int32
-    section: Int32  # (batch, head) pairs per L2 section (causal only)
-    pairs: Int32  # batch * heads
-
-    @staticmethod
-    def make(cfg: AttentionConfig, seqlen_q, seqlen_k, heads, heads_kv, batch) -> "_Tiles":
-        num_m = (seqlen_q + cfg.tile_m - 1) // cfg.tile_m
-        pairs = heads * batch
-        section = pairs
-        if cfg.causal:
-            # K and V of one KV head take 4 * d * seqlen_k bytes; whole GQA groups per section.
-            kv_heads = cutlass.max((L2_KV_BYTES // (4 * cfg.head_dim)) // seqlen_k, 1)
-            section = cutlass.min(kv_heads * (heads // heads_kv), pairs)
-        return _Tiles(cfg.causal, num_m, heads, num_m * pairs, section, pairs)
-
-    def coords(self, t):
-        if cutlass.const_expr(self.causal):
-            per_section = self.section * self.num_m
-            first = (t // per_section) * self.section
-            width = cutlass.min(self.section, self.pairs - first)  # the last section may be narrower
-            r = t - first * self.num_m
-            m_idx = r // width
-            pair = first + r - m_idx * width
-            m_block = self.num_m - 1 - m_idx  # longest first
-        else:
-            pair = t // self.num_m
-            m_block = t - pair * self.num_m
-        batch = pair // self.heads
-        return m_block, pair - batch * self.heads, batch
 
 
 class _FlashAttentionSm90:
@@ -326,9 +233,9 @@ class _FlashAttentionSm90:
         sNext = storage.next_tile.get_tensor(cute.make_layout(2))
 
         if cutlass.const_expr(self.cfg.varlen):
-            tiles = _Tiles.make(self.cfg, max_seqlen_q, max_seqlen_k, mQ.shape[2], mK.shape[2], mCuQ.shape[0] - 1)
+            tiles = Tiles.make(self.cfg, max_seqlen_q, max_seqlen_k, mQ.shape[2], mK.shape[2], mCuQ.shape[0] - 1)
         else:
-            tiles = _Tiles.make(self.cfg, mQ.shape[0], mK.shape[0], mQ.shape[2], mK.shape[2], mQ.shape[3])
+            tiles = Tiles.make(self.cfg, mQ.shape[0], mK.shape[0], mQ.shape[2], mK.shape[2], mQ.shape[3])
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.load_regs)
             if warp_idx == 0:
@@ -486,9 +393,9 @@ class _FlashAttentionSm90:
 
         # (row, col) of each accumulator element within the tile; the masks compare against them.
         cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
-        tScS = _rows_view(thr_mma_qk.partition_C(cS))
+        tScS = acc_rows(thr_mma_qk.partition_C(cS))
         # Thread 0's coordinates are compile-time constants; a thread's are these plus tScS[0, 0].
-        t0ScS = _rows_view(tiled_mma_qk.get_slice(0).partition_C(cS))
+        t0ScS = acc_rows(tiled_mma_qk.get_slice(0).partition_C(cS))
         rows = cute.size(tScS, mode=[0])
         row_max = cute.make_rmem_tensor(rows, Float32)
         row_sum = cute.make_rmem_tensor(rows, Float32)
@@ -567,12 +474,13 @@ class _FlashAttentionSm90:
             # The last tile: ragged (seqlen) and, causal, diagonal masking. Issued without the token:
             # each warpgroup's first S GEMM goes as soon as its Q and K are in.
             pipe_k.consumer_wait(state)
-            _gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
+            wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(state)
-            self.apply_mask(acc_S, tScS, t0ScS, n_last, m_block, seqlen_k, causal_offset, causal=self.causal)
-            self.online_softmax(acc_S, row_max, row_sum, row_scale, scale_log2, first=True)
-            _convert(acc_S, tOrP)
+            apply_mask(acc_S, tScS, t0ScS, n_last, m_block, seqlen_k, causal_offset, self.tile_m, self.tile_n,
+                       causal=self.causal)
+            online_softmax(acc_S, row_max, row_sum, row_scale, scale_log2, first=True)
+            convert_pairs(acc_S, tOrP)
             if cutlass.const_expr(not self.overlap):
                 state = self.pv_in_order(state, acc_O, tOrP, tOrV, tiled_mma_pv, pipe_v)
 
@@ -590,7 +498,7 @@ class _FlashAttentionSm90:
 
         if cutlass.const_expr(self.overlap):
             pipe_v.consumer_wait(state)
-            _gemm(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state.index], zero_init=False)
+            wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state.index], zero_init=False)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(state)
             state.advance()
@@ -658,25 +566,26 @@ class _FlashAttentionSm90:
         pipe_k.consumer_wait(state)
         if cutlass.const_expr(self.overlap):
             self.take_token(wg)
-        _gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
+        wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
         if cutlass.const_expr(self.overlap):
             pipe_v.consumer_wait(state_v)
             if cutlass.const_expr(not first):
-                _gemm(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state_v.index], zero_init=False)
+                wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state_v.index], zero_init=False)
             self.pass_token(wg)
             warpgroup.wait_group(0 if first else 1)  # S is ready; P V may still run
         else:
             warpgroup.wait_group(0)
         pipe_k.consumer_release(state)
         if cutlass.const_expr(masked):
-            self.apply_mask(acc_S, tScS, t0ScS, n_block, m_block, seqlen_k, causal_offset, causal=True)
-        self.online_softmax(acc_S, row_max, row_sum, row_scale, scale_log2, first=first)
+            apply_mask(acc_S, tScS, t0ScS, n_block, m_block, seqlen_k, causal_offset, self.tile_m, self.tile_n,
+                       causal=True)
+        online_softmax(acc_S, row_max, row_sum, row_scale, scale_log2, first=first)
         if cutlass.const_expr(self.overlap):
             warpgroup.wait_group(0)
             pipe_v.consumer_release(state_v)
-        _convert(acc_S, tOrP)
+        convert_pairs(acc_S, tOrP)
         if cutlass.const_expr(not first):
-            self.rescale(acc_O, row_scale)
+            rescale(acc_O, row_scale)
         if cutlass.const_expr(not self.overlap):
             state = self.pv_in_order(state, acc_O, tOrP, tOrV, tiled_mma_pv, pipe_v)
         return state
@@ -696,69 +605,11 @@ class _FlashAttentionSm90:
     def pv_in_order(self, state, acc_O, tOrP, tOrV, tiled_mma_pv, pipe_v):
         """The in-order pipeline's O += P V on the tile at `state`; returns the next stage."""
         pipe_v.consumer_wait(state)
-        _gemm(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state.index], zero_init=False)
+        wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state.index], zero_init=False)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(state)
         state.advance()
         return state
-
-    @cute.jit
-    def apply_mask(self, acc_S, tScS, t0ScS, n_block, m_block, seqlen_k, causal_offset,
-                   causal: cutlass.Constexpr[bool]):
-        """Set S to -inf where the key is past seqlen_k or (causal) past the row's diagonal."""
-        S = _rows_view(acc_S)
-        # Limits on this thread's columns, shifted so they compare with thread 0's constant ones.
-        col_limit = seqlen_k - n_block * self.tile_n - tScS[0, 0][1]
-        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-            limit = col_limit
-            if cutlass.const_expr(causal):
-                row = m_block * self.tile_m + tScS[r, 0][0]
-                limit = cutlass.min(limit, row + causal_offset + 1 - n_block * self.tile_n - tScS[0, 0][1])
-            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                # A select, not an `if`: a branch per element would carry the whole tile through it.
-                S[r, c] = -Float32.inf if t0ScS[r, c][1] >= limit else S[r, c]
-
-    @cute.jit
-    def online_softmax(self, acc_S, row_max, row_sum, row_scale, scale_log2,
-                       first: cutlass.Constexpr[bool]):
-        """S -> P = exp2(S * scale_log2 - max * scale_log2) in place; row_scale = exp2 of the max shift.
-
-        row_sum stays a per-thread partial sum (the quad reduces it once, in the epilogue)."""
-        S = _rows_view(acc_S)
-        cols = cute.size(S, mode=[1])
-        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-            # Four independent max chains, then the quad.
-            m = [S[r, 0], S[r, 1], S[r, 2], S[r, 3]]
-            for c in cutlass.range_constexpr(4, cols):
-                m[c % 4] = cute.arch.fmax(m[c % 4], S[r, c])
-            mx = cute.arch.fmax(cute.arch.fmax(m[0], m[1]), cute.arch.fmax(m[2], m[3]))
-            if cutlass.const_expr(not first):
-                mx = cute.arch.fmax(mx, row_max[r])
-            mx = quad_max(mx)
-            prev = row_max[r]
-            row_max[r] = mx
-            # A row with no visible key yet keeps max -inf; exponentiate against 0 so P = 0, not NaN.
-            mx_safe = 0.0 if mx == -Float32.inf else mx
-            mx_scaled = mx_safe * scale_log2
-            s = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
-            for c in cutlass.range_constexpr(cols):
-                p = cute.math.exp2(S[r, c] * scale_log2 - mx_scaled, fastmath=True)
-                S[r, c] = p
-                s[c % 4] = s[c % 4] + p
-            total = (s[0] + s[1]) + (s[2] + s[3])
-            if cutlass.const_expr(first):
-                row_sum[r] = total
-            else:
-                scale = cute.math.exp2((prev - mx_safe) * scale_log2, fastmath=True)
-                row_scale[r] = scale
-                row_sum[r] = row_sum[r] * scale + total
-
-    @cute.jit
-    def rescale(self, acc_O, row_scale):
-        O = _rows_view(acc_O)
-        for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
-                O[r, c] = O[r, c] * row_scale[r]
 
     @cute.jit
     def epilogue(self, acc_O, row_max, row_sum, scale_log2, mO, mLSE, sO, tma_atom_o, tiled_mma_o,
@@ -767,8 +618,8 @@ class _FlashAttentionSm90:
         Else dense: O through this warpgroup's slab and a TMA store (clipped at S_q); varlen: the slab's
         rows < seqlen_q copied out in 16-byte vectors (a TMA store of 64 rows would overwrite the next
         sequence's)."""
-        O = _rows_view(acc_O)
-        tOcO = _rows_view(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.d))))
+        O = acc_rows(acc_O)
+        tOcO = acc_rows(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.d))))
         lse = cute.make_rmem_tensor(cute.size(O, mode=[0]), Float32)
         for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
             total = quad_sum(row_sum[r])
@@ -791,7 +642,7 @@ class _FlashAttentionSm90:
                         mLSE[row, head, batch] = lse[r]
 
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
-        _convert(acc_O, rO)
+        convert_pairs(acc_O, rO)
         if cutlass.const_expr(self.cfg.direct_o):
             self.store_direct(rO, tiled_mma_o, mOmem, tidx % 128, head, batch, first_q,
                               m_block * self.num_mma_wg + wg, seqlen_q)

@@ -1,8 +1,9 @@
 """What the two attention kernels share: the prefill kernel (rosekernels.kernels.attention) and the
 split-KV decode kernel (rosekernels.kernels.attention_decode) take the same arguments (q [B, S_q, Hq, d],
 k/v [B, S_kv, Hkv, d], out like q, lse [B, Hq, S_q] fp32), so they share the argument checks, the TMA
-views and the compile-time stand-ins of those arguments, a few device helpers, and the float64
-reference their workloads and tests check against.
+views and the compile-time stand-ins of those arguments, the register-level device helpers (quad
+reductions, accumulator views, conversions, MMA issue), and the float64 reference their workloads and
+tests check against.
 """
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ from rosekernels import jit  # noqa: F401 - first: it pins CUTE_DSL_ARCH=sm_90a 
 from rosekernels import checks
 from rosekernels.kernels.attention_plan import DTYPES, HEAD_DIMS
 
+import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
-from cutlass.cute.nvgpu import cpasync
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
 LOG2_E = math.log2(math.e)
@@ -43,6 +47,70 @@ def quad_sum(x: Float32) -> Float32:
     """The sum over the 4 threads of a quad."""
     x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
     return x + cute.arch.shuffle_sync_bfly(x, offset=1)
+
+
+def acc_rows(t: cute.Tensor) -> cute.Tensor:
+    """An MMA accumulator seen as (rows, cols) of this thread: a WGMMA one ((2, 2, N/8), MMA_M, MMA_N) or
+    an mma.sync one ((2, 2), MMA_M, MMA_N). Value mode (0, 0) steps a column, (0, 1) 8 rows, (0, 2) 8
+    columns: a thread holds 2 * MMA_M rows, each shared with the 3 other threads of its quad."""
+    cm = cute.make_layout(t.layout.shape)  # compact indices, composed with the real layout below
+    values, value_strides = cm.shape[0], cm.stride[0]
+    shape = ((values[1], cm.shape[1]), (values[0], *values[2:], cm.shape[2]))
+    stride = ((value_strides[1], cm.stride[1]), (value_strides[0], *value_strides[2:], cm.stride[2]))
+    return cute.make_tensor(t.iterator, cute.composition(t.layout, cute.make_layout(shape, stride=stride)))
+
+
+def acc_as_a(t: cute.Tensor) -> cute.Tensor:
+    """An accumulator ((2, 2), MMA_M, MMA_N) as the A operand ((2, 2, 2), MMA_M, MMA_N / 2) of the
+    next mma.sync: two neighbouring n8 blocks of C are the two k halves of one k16 block of A."""
+    l = cute.logical_divide(t.layout, (None, None, 2))
+    layout = cute.make_layout(
+        ((l.shape[0][0], l.shape[0][1], l.shape[2][0]), l.shape[1], l.shape[2][1]),
+        stride=((l.stride[0][0], l.stride[0][1], l.stride[2][0]), l.stride[1], l.stride[2][1]))
+    return cute.make_tensor(t.iterator, layout)
+
+
+@dsl_user_op
+def cvt_pair(lo: Float32, hi: Float32, to: cutlass.Constexpr, *, loc=None, ip=None) -> Int32:
+    """Two fp32 -> one packed bf16x2/f16x2 register (cvt.rn puts its first source in the high half)."""
+    kind = "bf16x2" if to is cutlass.BFloat16 else "f16x2"
+    return Int32(llvm.inline_asm(
+        T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+        f"cvt.rn.{kind}.f32 $0, $1, $2;", "=r,f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@cute.jit
+def convert_pairs(src: cute.Tensor, dst: cute.Tensor):
+    """fp32 registers -> 16-bit registers, same element order, one cvt per pair.
+
+    (TensorSSA.to() converts element by element for most tile shapes, doubling the work.)"""
+    dst32 = cute.recast_tensor(dst, Int32)
+    for i in cutlass.range_constexpr(cute.size(dst32)):
+        dst32[i] = cvt_pair(src[2 * i], src[2 * i + 1], dst.element_type)
+
+
+@cute.jit
+def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+          zero_init: cutlass.Constexpr[bool]):
+    """Issue acc (+)= A @ B as one WGMMA commit group over all k blocks (no wait)."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom: its ACCUMULATE field is mutated below
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
+        cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+
+
+@cute.jit
+def warp_mma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+             tBs: cute.Tensor, copy_B: cute.TiledCopy):
+    """acc += A @ B for one warp: A in registers, B loaded from shared memory one k block at a time."""
+    tB_view = copy_B.retile(tB)
+    for kb in cutlass.range_constexpr(cute.size(tB.shape[2])):
+        cute.copy(copy_B, tBs[None, None, kb], tB_view[None, None, kb])
+        cute.gemm(tiled_mma, acc, tA[None, None, kb], tB[None, None, kb], acc)
 
 
 def tma_tiles(atom: cute.CopyAtom, smem: cute.Tensor, gmem: cute.Tensor) -> tuple:

@@ -52,7 +52,7 @@ import torch
 from rosekernels import jit  # first: it pins CUTE_DSL_ARCH=sm_90a before cutlass loads
 from rosekernels import checks, modes
 from rosekernels.kernels.attention_common import (
-    CUTE_DTYPES, LN_2, LOG2_E, check, fake_qkv_out_lse, quad_max, quad_sum, tma_tiles)
+    CUTE_DTYPES, LN_2, LOG2_E, acc_as_a, acc_rows, check, fake_qkv_out_lse, quad_max, quad_sum, tma_tiles, warp_mma)
 from rosekernels.kernels.attention_decode_plan import (  # noqa: F401 - the plan's names are this kernel's
     MAX_SEQLEN_Q, MMA_WARPS, OP, DecodeConfig, DecodeShape, candidates, causal_shift_for, config_for,
     kvcache_config_for, kvcache_variants_for, rank, split_plan, variants_for)
@@ -74,37 +74,6 @@ _BAR_MMA = 1  # named barrier of the MMA warps (the producer warp may have exite
 
 # ---------------------------------------------------------------------------------------------
 # Device code.
-
-
-def _mn_view(t: cute.Tensor) -> cute.Tensor:
-    """An mma.sync accumulator ((2, 2), MMA_M, MMA_N) seen as (rows, cols) of this thread.
-
-    Value mode 0 of the m16n8 C fragment steps a column, mode 1 steps 8 rows: a thread holds
-    2 * MMA_M rows, each shared with the 3 other threads of its quad."""
-    cm = cute.make_layout(t.layout.shape)
-    shape = ((cm.shape[0][1], cm.shape[1]), (cm.shape[0][0], cm.shape[2]))
-    stride = ((cm.stride[0][1], cm.stride[1]), (cm.stride[0][0], cm.stride[2]))
-    return cute.make_tensor(t.iterator, cute.composition(t.layout, cute.make_layout(shape, stride=stride)))
-
-
-def _acc_as_a(t: cute.Tensor) -> cute.Tensor:
-    """An accumulator ((2, 2), MMA_M, MMA_N) as the A operand ((2, 2, 2), MMA_M, MMA_N / 2) of the
-    next mma.sync: two neighbouring n8 blocks of C are the two k halves of one k16 block of A."""
-    l = cute.logical_divide(t.layout, (None, None, 2))
-    layout = cute.make_layout(
-        ((l.shape[0][0], l.shape[0][1], l.shape[2][0]), l.shape[1], l.shape[2][1]),
-        stride=((l.stride[0][0], l.stride[0][1], l.stride[2][0]), l.stride[1], l.stride[2][1]))
-    return cute.make_tensor(t.iterator, layout)
-
-
-@cute.jit
-def _warp_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
-               tBs: cute.Tensor, copy_B: cute.TiledCopy):
-    """acc += A @ B for one warp: A in registers, B loaded from shared memory one k block at a time."""
-    tB_view = copy_B.retile(tB)
-    for kb in cutlass.range_constexpr(cute.size(tB.shape[2])):
-        cute.copy(copy_B, tBs[None, None, kb], tB_view[None, None, kb])
-        cute.gemm(tiled_mma, acc, tA[None, None, kb], tB[None, None, kb], acc)
 
 
 class _DecodeAttentionSm90:
@@ -277,8 +246,8 @@ class _DecodeAttentionSm90:
 
         # Keys row r may see: [0, seqlen_k) and, causal, [0, s + causal_shift] (causal_shift =
         # S_kv - S_q; without causal it is S_kv, which never binds).
-        S = _mn_view(acc_S)
-        tScS = _mn_view(thr_mma.partition_C(cute.make_identity_tensor((16, self.warp_keys))))
+        S = acc_rows(acc_S)
+        tScS = acc_rows(thr_mma.partition_C(cute.make_identity_tensor((16, self.warp_keys))))
         n_rows = cute.size(S, mode=[0])
         limit = cute.make_rmem_tensor(n_rows, Int32)
         for r in cutlass.range_constexpr(n_rows):
@@ -291,7 +260,7 @@ class _DecodeAttentionSm90:
         row_sum = cute.make_rmem_tensor(n_rows, Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
-        O = _mn_view(acc_O)
+        O = acc_rows(acc_O)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         if cutlass.const_expr(self.cfg.paged):
             # This warp's table entries of the next tile, read a tile ahead (as the producer does).
@@ -306,7 +275,7 @@ class _DecodeAttentionSm90:
             if cutlass.const_expr(self.cfg.varlen):
                 self.clear_v_tail(sV, state.index, seqlen_k - t * self.tile_n, ks, lane)
             acc_S.fill(0.0)
-            _warp_gemm(tiled_mma, acc_S, tSrQ, tSrK, tSsK[None, None, None, state.index], copy_K)
+            warp_mma(tiled_mma, acc_S, tSrQ, tSrK, tSsK[None, None, None, state.index], copy_K)
             if cutlass.const_expr(self.cfg.paged):
                 if t >= t_mask or bad != 0:
                     col0 = t * self.tile_n + ks * self.warp_keys
@@ -324,6 +293,8 @@ class _DecodeAttentionSm90:
                     for r in cutlass.range_constexpr(n_rows):
                         for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
                             S[r, c] = -Float32.inf if col0 + tScS[r, c][1] >= limit[r] else S[r, c]
+            # The online softmax, one max and one sum chain per row: attention_softmax.py says why it is
+            # not that module's (the cubins).
             for r in cutlass.range_constexpr(n_rows):
                 mx = row_max[r]
                 for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
@@ -344,7 +315,7 @@ class _DecodeAttentionSm90:
                     O[r, c] = O[r, c] * rescale
             rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
             rP.store(acc_S.load().to(self.dtype))
-            _warp_gemm(tiled_mma, acc_O, _acc_as_a(rP), tOrV, tOsV[None, None, None, state.index], copy_V)
+            warp_mma(tiled_mma, acc_O, acc_as_a(rP), tOrV, tOsV[None, None, None, state.index], copy_V)
             pipe.consumer_release(state)
             state.advance()
 
@@ -405,7 +376,7 @@ class _DecodeAttentionSm90:
                 stats[row, ks, 1] = row_sum[r]
         # Every warp is done with the K/V ring (and its loads have landed): reuse it as fp32 scratch.
         cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=32 * MMA_WARPS)
-        O = _mn_view(acc_O)
+        O = acc_rows(acc_O)
         for r in cutlass.range_constexpr(n_rows):
             row = rb * 16 + tScS[r, 0][0]
             mx = stats[row, 0, 0]
@@ -442,8 +413,8 @@ class _DecodeAttentionSm90:
                    lane, head_kv, batch, ratio, rows, row0, part_row):
         """O / sum and the lse of this warp's rows: to out and lse (one split), else to the workspace
         (fp32 O, natural-log lse) at workspace row part_row + packed row."""
-        O = _mn_view(acc_O)
-        tOcO = _mn_view(thr_mma.partition_C(cute.make_identity_tensor((16, self.d))))
+        O = acc_rows(acc_O)
+        tOcO = acc_rows(thr_mma.partition_C(cute.make_identity_tensor((16, self.d))))
         for r in cutlass.range_constexpr(cute.size(row_max)):
             total = row_sum[r]
             empty = total == 0.0  # the row saw no key: O is 0 there, lse -inf

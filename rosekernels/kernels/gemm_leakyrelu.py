@@ -22,7 +22,7 @@ One persistent, warp-specialized kernel serves every specialization:
   (L2 reuse of both operands); decode shapes (M <= 128) may split K to fill the SMs: each split
   stores the fp32 partials of the tile's rows < M (16-byte vectors), and the last split to finish
   (a per-tile counter that it resets) sums them in split order (deterministic) and runs the
-  epilogue. The K split count and raster group are launch arguments, not compiled in;
+  epilogue (gemm_splitk.py). The K split count and raster group are launch arguments, not compiled in;
 - launches use programmatic dependent launch: a CTA sets up its barriers before
   `griddepcontrol.wait` (the previous kernel in the stream may still run), and once its last
   mainloop is done lets the next kernel launch while it reduces and stores.
@@ -54,16 +54,16 @@ from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from cutlass.tensor_utils import LayoutEnum
 
 from rosekernels import checks, modes
+from rosekernels.kernels import gemm_splitk as splitk
 from rosekernels.kernels.gemm_leakyrelu_plan import (  # noqa: F401  (candidates, variants_for: the contract)
-    COUNTER_SLOTS, GATE_BLOCK, MAX_SPLITS, OP, TILE_K, GemmConfig, GemmShape, candidates, check_fits,
-    config_for, m_range, partial_floats, rank, variants_for)
+    COUNTER_SLOTS, GATE_BLOCK, MAX_SPLITS, OP, SMEM_CAPACITY, TILE_K, GemmConfig, GemmShape, candidates, check_fits,
+    config_for, epi_tile, m_range, mma_warpgroups, out_n, partial_floats, rank, smem_stages, tile_slots, variants_for,
+    wg_per_tile)
 from rosekernels.kernels.grouped_gemm_plan import GROUP_TABLE_INTS
 from rosekernels.kernels.grouped_tiles import GroupedTiles
 from rosekernels.workload import Workload
 
 Config, Shape = GemmConfig, GemmShape
-
-SMEM_CAPACITY = 232448  # sm_90: 227 KiB of shared memory per block
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}
 
@@ -112,8 +112,8 @@ class _GemmLeakyReluSm90(GroupedTiles):
         self.tile_shape = (cfg.tile_m, cfg.tile_n, TILE_K)
         self.cluster_shape = (cfg.cluster_m, cfg.cluster_n, 1)
         # Cooperative: tile_m/64 warpgroups share a tile. Pingpong: 2 warpgroups, a tile each.
-        self.wg_per_tile = 1 if cfg.pingpong else cfg.tile_m // 64
-        self.num_mma_wg = 2 if cfg.pingpong else self.wg_per_tile
+        self.wg_per_tile = wg_per_tile(cfg)
+        self.num_mma_wg = mma_warpgroups(cfg)
         self.epi_threads = 128 * self.wg_per_tile  # threads sharing one tile's epilogue
         self.threads = 128 * (self.num_mma_wg + 1)  # + the producer warpgroup (last)
         self.load_warp = 4 * self.num_mma_wg
@@ -122,36 +122,12 @@ class _GemmLeakyReluSm90(GroupedTiles):
         # Registers: the producer warpgroup gives its share to the MMA warpgroups.
         self.regs_load, self.regs_mma = (24, 240) if acc_regs >= 192 else (40, 232)
         self._grouped_options(cfg, acc_regs)  # grouped, gather, gather_threads, row_scale (all off for a GemmConfig)
-        self.tile_slots = self.num_mma_wg // self.wg_per_tile  # tiles in flight per CTA
+        self.tile_slots = tile_slots(cfg)
         self.mcast_a = cfg.cluster_n  # CTAs of a cluster row load the same A tile
         self.mcast_b = cfg.cluster_m
-        # Output columns of a plain tile (gated: the products of its gate/up column pairs).
-        self.out_n = cfg.tile_n // 2 if cfg.gated and not cfg.swap_ab else cfg.tile_n
-        # Epilogue subtile: 32 columns (16 where the tile is an odd multiple of 16 wide); rows = the
-        # rows one pass of the tile's warpgroups covers.
-        self.epi_tile = (64 * self.wg_per_tile, 32 if self.out_n % 32 == 0 else 16)
-        self.ab_stage, self.epi_stage = self._stages()
-
-    def _stages(self) -> tuple[int, int]:
-        """Fill shared memory with A/B stages after 2 epilogue buffers per tile slot; leftover
-        goes to more epilogue buffers (up to 4). A stages are a_rows rows apart, plus a tail so
-        that the last stage's WGMMA view stays inside the buffer. Swapped tiles store from
-        registers (no epilogue buffers); cfg.stages, when set, caps the A/B stages."""
-        elem = self.ab_dtype.width // 8
-        ab_bytes = (self.cfg.a_rows + self.cfg.tile_n) * TILE_K * elem
-        groups = 4 * GROUP_TABLE_INTS if self.grouped else 0  # the grouped option's table
-        if self.swap:
-            ab_stage = (SMEM_CAPACITY - 2048 - groups) // ab_bytes
-            return (min(ab_stage, self.cfg.stages) if self.cfg.stages else ab_stage), 0
-        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * elem * self.tile_slots
-        fixed = 2048 + 4 * self.cfg.tile_n * self.tile_slots  # mbarriers, flags, alignment, bias
-        fixed += (self.cfg.tile_m - self.cfg.a_rows) * TILE_K * elem + groups  # the A tail
-        ab_stage = (SMEM_CAPACITY - fixed - 2 * epi_bytes) // ab_bytes
-        if self.cfg.stages:
-            ab_stage = min(ab_stage, self.cfg.stages)
-        left = SMEM_CAPACITY - fixed - ab_stage * ab_bytes
-        epi_stage = min(4, left // epi_bytes)
-        return ab_stage, epi_stage
+        self.out_n = out_n(cfg)
+        self.epi_tile = epi_tile(cfg)
+        self.ab_stage, self.epi_stage = smem_stages(cfg, 4 * GROUP_TABLE_INTS if self.grouped else 0)
 
     # -----------------------------------------------------------------------------------------
     # Host side.
@@ -568,14 +544,16 @@ class _GemmLeakyReluSm90(GroupedTiles):
                     if num_splits > 1:
                         if const_expr(self.swap):
                             tiles_n = clusters_n * cfg.cluster_n  # tiles, not clusters
-                            run_epilogue = self._reduce_splits_whole(
+                            run_epilogue = splitk.reduce_whole_tiles(
                                 acc, mPartials, mCounters, sLast, tile_m * tiles_n + tile_n, split,
-                                num_splits, clusters_m * cfg.cluster_m * tiles_n, t, slot,
+                                num_splits, clusters_m * cfg.cluster_m * tiles_n, t, slot, self.epi_threads,
+                                self._epi_sync,
                             )
                         else:
-                            run_epilogue = self._reduce_splits(
+                            run_epilogue = splitk.reduce_rows(
                                 acc, tCcD, mPartials, mCounters, sLast, tile_m, tile_n, split,
-                                num_splits, mD.shape[0], clusters_n * cfg.cluster_n, t, slot,
+                                num_splits, mD.shape[0], clusters_n * cfg.cluster_n, t, slot, cfg.tile_m,
+                                cfg.tile_n, self._epi_sync,
                             )
 
                 # ------------------------------------------------ epilogue
@@ -677,121 +655,8 @@ class _GemmLeakyReluSm90(GroupedTiles):
                                 mD[n_idx, m_idx] = y.to(self.ab_dtype)
 
     @cute.jit
-    def _reduce_splits_whole(self, acc: cute.Tensor, mPartials: cute.Tensor, mCounters: cute.Tensor,
-                             sLast: cute.Tensor, tile_idx: Int32, split: Int32, num_splits: Int32,
-                             tiles: Int32, t: Int32, slot: Int32):
-        """_reduce_splits for swapped tiles, whose every row may be valid: the whole accumulator
-        goes to the partials, [splits, tiles, acc / 4, threads] 16-byte vectors (a warp writes
-        512 contiguous bytes per vector index); the last split sums them in split order."""
-        vecs = cute.size(acc) // 4
-        assert cute.size(acc) % 4 == 0
-        threads = self.epi_threads
-        vectors = cute.make_tensor(
-            mPartials.iterator, cute.make_layout((4, num_splits * tiles * vecs * threads), stride=(1, 4))
-        )
-        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
-        load_atom = cute.make_copy_atom(  # .cg: the other CTAs' partials are in L2, never in L1
-            cute.nvgpu.CopyG2ROp(), Float32, num_bits_per_copy=128,
-            load_cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL,
-        )
-        vec = cute.make_rmem_tensor((4,), Float32)
-        base = (split * tiles + tile_idx) * vecs * threads + t
-        for j in cutlass.range_constexpr(vecs):
-            for e in cutlass.range_constexpr(4):
-                vec[e] = acc[4 * j + e]
-            cute.copy(store_atom, vec, vectors[(None, base + j * threads)])
-        is_last = self._arrive(mCounters, sLast, tile_idx, num_splits, t, slot)
-        if is_last:
-            acc.fill(0.0)
-            for s in cutlass.range(num_splits, unroll=2):
-                first = (s * tiles + tile_idx) * vecs * threads + t
-                for j in cutlass.range_constexpr(vecs):
-                    cute.copy(load_atom, vectors[(None, first + j * threads)], vec)
-                    for e in cutlass.range_constexpr(4):
-                        acc[4 * j + e] = acc[4 * j + e] + vec[e]
-            if t == 0:
-                mCounters[tile_idx] = Int32(0)
-        return is_last
-
-    @cute.jit
-    def _arrive(self, mCounters: cute.Tensor, sLast: cute.Tensor, tile_idx: Int32, num_splits: Int32,
-                t: Int32, slot: Int32):
-        """After the tile's threads stored this split's partials: count the split in the tile's
-        counter; True in every thread of the split that arrives last, which then sees all partials."""
-        self._epi_sync(slot)
-        if t == 0:
-            cute.arch.fence_acq_rel_gpu()  # the tile's partial stores before the count
-            arrived = cute.arch.atomic_add(
-                mCounters.iterator + tile_idx, Int32(1), sem="acq_rel", scope="gpu"
-            )
-            sLast[slot] = Int32(arrived == num_splits - 1)
-        self._epi_sync(slot)
-        is_last = sLast[slot] != 0
-        if is_last:
-            cute.arch.fence_acq_rel_gpu()
-        return is_last
-
-    @cute.jit
     def _epi_sync(self, slot: Int32):
         cute.arch.barrier(barrier_id=_EPI_BARRIER + slot, number_of_threads=self.epi_threads)
-
-    @cute.jit
-    def _reduce_splits(self, acc: cute.Tensor, tCcD: cute.Tensor, mPartials: cute.Tensor,
-                       mCounters: cute.Tensor, sLast: cute.Tensor, tile_m: Int32, tile_n: Int32,
-                       split: Int32, num_splits: Int32, m: Int32, tiles_n: Int32, t: Int32,
-                       slot: Int32):
-        """Store this split's fp32 partials of the tile's rows < M; the last split of the tile to
-        arrive sums all partials in split order (run-to-run deterministic), resets the tile's
-        counter and returns True.
-
-        Partials are [splits, M, n_tiles * tile_n] fp32, each row permuted so that every thread
-        moves 16-byte vectors: the WGMMA accumulator gives thread t rows r and r + 8 (h = 0, 1)
-        and, in each 16-column chunk v, columns {0, 1, 8, 9} + 2q (q = t % 4). Those four values
-        go to floats 16v + 4q .. 16v + 4q + 3 of the row, so the 4 threads of a row write 64
-        contiguous bytes per chunk and an M = 1 tile moves tile_n * 4 bytes, not tile_m times that.
-        """
-        cfg = self.cfg
-        chunks = cfg.tile_n // 16
-        # The accumulator layout this relies on: ((2 columns, 2 row halves, tile_n / 8), 1, 1).
-        assert cute.size(acc) == cfg.tile_n // 2 and cute.size(acc.shape[0][2]) == cfg.tile_n // 8
-        row_vecs = tiles_n * (cfg.tile_n // 4)  # 16-byte vectors per partials row
-        vectors = cute.make_tensor(  # (4 floats, vector): slices stay 16-byte aligned
-            mPartials.iterator, cute.make_layout((4, num_splits * m * row_vecs), stride=(1, 4))
-        )
-        first_vec = tile_n * chunks * 4 + tCcD[0][1] // 2  # + 4v: this thread's vector of chunk v
-        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
-        # .cg: read L2, where the other CTAs' partials are, never a stale L1 line.
-        load_atom = cute.make_copy_atom(
-            cute.nvgpu.CopyG2ROp(), Float32, num_bits_per_copy=128,
-            load_cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL,
-        )
-        vec = cute.make_rmem_tensor((4,), Float32)
-
-        for h in cutlass.range_constexpr(2):
-            row = tile_m * cfg.tile_m + tCcD[2 * h][0]
-            if row < m:
-                row_base = (split * m + row) * row_vecs + first_vec
-                for v in cutlass.range_constexpr(chunks):
-                    for e in cutlass.range_constexpr(4):
-                        vec[e] = acc[2 * h + 8 * v + e % 2 + 4 * (e // 2)]
-                    cute.copy(store_atom, vec, vectors[(None, row_base + 4 * v)])
-        tile_idx = tile_m * tiles_n + tile_n
-        is_last = self._arrive(mCounters, sLast, tile_idx, num_splits, t, slot)
-        if is_last:
-            acc.fill(0.0)
-            for h in cutlass.range_constexpr(2):
-                row = tile_m * cfg.tile_m + tCcD[2 * h][0]
-                if row < m:  # rows >= M keep their (unused) values: the TMA store clips them
-                    for s in cutlass.range(num_splits, unroll=2):
-                        row_base = (s * m + row) * row_vecs + first_vec
-                        for v in cutlass.range_constexpr(chunks):
-                            cute.copy(load_atom, vectors[(None, row_base + 4 * v)], vec)
-                            for e in cutlass.range_constexpr(4):
-                                i = 2 * h + 8 * v + e % 2 + 4 * (e // 2)
-                                acc[i] = acc[i] + vec[e]
-            if t == 0:
-                mCounters[tile_idx] = Int32(0)
-        return is_last
 
 
 GemmSm90 = _GemmLeakyReluSm90  # for grouped_gemm's launcher (CuTeDSL names the kernel symbol after the class)
@@ -842,21 +707,6 @@ def precompile(configs=None, processes: int | None = None) -> list[jit.CompiledK
     return jit.precompile(compile, variants_for() if configs is None else configs, processes)
 
 
-@functools.lru_cache(maxsize=None)
-def max_active_clusters(device_index: int, cluster_size: int) -> int:
-    """Clusters of `cluster_size` CTAs (one per SM) that can be resident at once: the persistent
-    grid's size."""
-    sms = modes.sm_count(device_index)
-    if cluster_size == 1:
-        return sms
-    try:  # GPCs with an odd number of free SMs fit fewer 2-CTA clusters than sms // 2
-        with torch.cuda.device(device_index):
-            torch.cuda.init()
-            return int(cutlass.utils.HardwareInfo(device_index).get_max_active_clusters(cluster_size))
-    except Exception:  # noqa: BLE001 - an occupancy query failure only costs the estimate
-        return sms // cluster_size
-
-
 # ---------------------------------------------------------------------------------------------
 # The reference, and workloads: a config's kernel with its inputs, for tests and SIP.
 
@@ -872,7 +722,6 @@ def epilogue_reference(y: torch.Tensor, activation: str = "leaky_relu", gated: b
         return act(y)
     pairs = y.unflatten(-1, (-1, 2, GATE_BLOCK))
     return (act(pairs[..., 0, :]) * pairs[..., 1, :]).flatten(-2)
-
 
 
 def _args(config: GemmConfig, m: int, n: int, k: int, seed: int) -> tuple:
@@ -893,7 +742,7 @@ def _args(config: GemmConfig, m: int, n: int, k: int, seed: int) -> tuple:
     if config.split_k:
         counters = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device="cuda")
         partials = torch.empty(max(4, partial_floats(config, m, n)), dtype=torch.float32, device="cuda")
-    clusters = max_active_clusters(torch.cuda.current_device(), config.cluster_m * config.cluster_n)
+    clusters = modes.max_active_clusters(torch.cuda.current_device(), config.cluster_m * config.cluster_n)
     if config.swap_ab:
         return (b, a, out.t(), bias, partials, counters, config.splits, config.raster_group, clusters)
     return (a, b, out, bias, partials, counters, config.splits, config.raster_group, clusters)

@@ -35,6 +35,7 @@ ACTIVATIONS = ("none", "relu", "leaky_relu", "silu", "gelu_tanh")
 # product needs no data exchange. `gate_up_rows` makes that layout from separate gate and up.
 GATE_BLOCK = 8
 TILE_K = 64  # 128 bytes of bf16/fp16: one SW128 swizzle atom along K
+SMEM_CAPACITY = 232448  # sm_90: 227 KiB of shared memory per block
 DECODE_MAX_M = 128  # token counts up to this use the decode variants (one M tile, split-K)
 DTYPES = ("bf16", "fp16")
 
@@ -242,6 +243,59 @@ class GemmConfig(KernelConfig):
     @property
     def mode(self) -> str:
         return "decode" if self.split_k else "prefill"
+
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel's geometry, from a config alone: a GemmConfig's, or a grouped one's (grouped_gemm_plan), which
+# the same device class runs.
+
+
+def wg_per_tile(config) -> int:
+    """MMA warpgroups sharing one tile: tile_m / 64 (cooperative), 1 (pingpong: a tile each)."""
+    return 1 if config.pingpong else config.tile_m // 64
+
+
+def mma_warpgroups(config) -> int:
+    return 2 if config.pingpong else wg_per_tile(config)
+
+
+def tile_slots(config) -> int:
+    """Tiles in flight per CTA."""
+    return mma_warpgroups(config) // wg_per_tile(config)
+
+
+def out_n(config) -> int:
+    """Output columns of a plain tile (gated: the products of its gate/up column pairs)."""
+    return config.tile_n // 2 if config.gated and not config.swap_ab else config.tile_n
+
+
+def epi_tile(config) -> tuple[int, int]:
+    """The epilogue's subtile: the rows one pass of the tile's warpgroups covers, 32 columns (16 where
+    the tile is an odd multiple of 16 wide)."""
+    return 64 * wg_per_tile(config), 32 if out_n(config) % 32 == 0 else 16
+
+
+def smem_stages(config, table_bytes: int = 0) -> tuple[int, int]:
+    """(A/B stages, epilogue buffers per tile slot): shared memory filled with A/B stages after 2
+    epilogue buffers per tile slot and `table_bytes` of other tables (the grouped option's), the
+    leftover to more epilogue buffers (up to 4). A stages are a_rows rows apart, plus a tail so that the
+    last stage's WGMMA view stays inside the buffer. Swapped tiles store from registers (no epilogue
+    buffers); `stages`, when set, caps the A/B stages."""
+    elem = 2  # bf16/fp16
+    ab_bytes = (config.a_rows + config.tile_n) * TILE_K * elem
+    if config.swap_ab:
+        ab_stage = (SMEM_CAPACITY - 2048 - table_bytes) // ab_bytes
+        return (min(ab_stage, config.stages) if config.stages else ab_stage), 0
+    epi = epi_tile(config)
+    epi_bytes = epi[0] * epi[1] * elem * tile_slots(config)
+    fixed = 2048 + 4 * config.tile_n * tile_slots(config)  # mbarriers, flags, alignment, bias
+    fixed += (config.tile_m - config.a_rows) * TILE_K * elem + table_bytes  # the A tail
+    ab_stage = (SMEM_CAPACITY - fixed - 2 * epi_bytes) // ab_bytes
+    if config.stages:
+        ab_stage = min(ab_stage, config.stages)
+    left = SMEM_CAPACITY - fixed - ab_stage * ab_bytes
+    return ab_stage, min(4, left // epi_bytes)
 
 
 @dataclasses.dataclass(frozen=True)

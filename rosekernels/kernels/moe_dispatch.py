@@ -276,16 +276,16 @@ class _Dispatch:
                 inside = p < num_pairs
                 valid = inside & (e >= 0) & (e < E)
                 peers = cute.arch.match_sync(_FULL, cutlass.select_(valid, e, Int32(E) + lane))
-                rank = Int32(cute.arch.popc(peers & lower))
+                lane_rank = Int32(cute.arch.popc(peers & lower))
                 leader = Int32(31) - Int32(cute.arch.clz(peers & (Uint32(0) - peers)))
                 before = Int32(0)
-                if valid & (rank == 0):  # one lane per expert in the step: no atomics needed
+                if valid & (lane_rank == 0):  # one lane per expert in the step: no atomics needed
                     before = s_tab[warp, e]
                     s_tab[warp, e] = before + Int32(cute.arch.popc(peers))
                 before = cute.arch.shuffle_sync(before, leader)
                 cute.arch.sync_warp()  # this step's counts before the next step reads them
                 if inside:
-                    s_pair[p] = cutlass.select_(valid, (e << 16) | (before + rank), -1)
+                    s_pair[p] = cutlass.select_(valid, (e << 16) | (before + lane_rank), -1)
                     if self.invalid(ids[i], e, valid):
                         cute.arch.atomic_add(s_misc.iterator, Int32(1), scope="cta")
         cute.arch.sync_threads()
@@ -363,14 +363,14 @@ class _Dispatch:
             e = self.local(raw)
             valid = (p < p1) & (e >= 0) & (e < E)
             peers = cute.arch.match_sync(_FULL, cutlass.select_(valid, e, Int32(E) + lane))
-            rank = cute.arch.popc(peers & lower)
+            lane_rank = cute.arch.popc(peers & lower)
             leader = Int32(31) - Int32(cute.arch.clz(peers & (Uint32(0) - peers)))
             first = Int32(0)
-            if valid & (rank == 0):
+            if valid & (lane_rank == 0):
                 first = cute.arch.atomic_add(s_cnt.iterator + e, Int32(cute.arch.popc(peers)), scope="cta")
             first = cute.arch.shuffle_sync(first, leader)
             if p < p1:
-                mSlot[t, j] = cutlass.select_(valid, first + Int32(rank), -1)
+                mSlot[t, j] = cutlass.select_(valid, first + Int32(lane_rank), -1)
             if (p < p1) & self.invalid(raw, e, valid):
                 cute.arch.atomic_add(s_misc.iterator, Int32(1), scope="cta")
 

@@ -46,15 +46,8 @@ def _validate(k_cache, v_cache, k, v, cache_seqlens, block_table) -> None:
         raise ValueError(f"the cache holds no rows: k_cache {list(k_cache.shape)}")
     if k.numel() >= 2**31 or max(k_cache.shape[:2]) >= 2**31:
         raise ValueError("too many rows for 32-bit indexing")
-    for name in ("k_cache", "v_cache", "k", "v"):
-        checks.check_unit_last_stride(name, named[name])
-        checks.check_aligned(name, named[name])
-    for name in ("k_cache", "v_cache"):
-        checks.check_not_expanded(name, named[name])
-    for name, t in named.items():
-        if t is not None:
-            checks.check_cuda(name, t)
-    checks.check_same_device(**named)
+    checks.check_vectors(dict(k_cache=k_cache, v_cache=v_cache, k=k, v=v), ("k_cache", "v_cache"),
+                         cache_seqlens=cache_seqlens, block_table=block_table)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,16 +43,7 @@ def _validate(q, k, q_weight, k_weight, out_q, out_k) -> None:
         checks.check_shape("out_q", out_q, tuple(q.shape))
     if out_k is not None:
         checks.check_shape("out_k", out_k, tuple(k.shape))
-    for name, t in named.items():
-        checks.check_unit_last_stride(name, t)
-    for name, t in named.items():
-        checks.check_aligned(name, t)
-    for name in ("out_q", "out_k"):
-        if name in named:
-            checks.check_not_expanded(name, named[name])
-    for name, t in named.items():
-        checks.check_cuda(name, t)
-    checks.check_same_device(**named)
+    checks.check_vectors(named, [name for name in ("out_q", "out_k") if name in named])
 
 
 # ---------------------------------------------------------------------------------------------

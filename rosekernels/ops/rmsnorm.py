@@ -39,16 +39,7 @@ def _validate(x, weight, residual, out, residual_out) -> None:
     for name in ("residual", "out", "residual_out"):
         if name in named:
             checks.check_shape(name, named[name], tuple(x.shape))
-    for name, t in named.items():
-        checks.check_unit_last_stride(name, t)
-    for name, t in named.items():
-        checks.check_aligned(name, t)
-    for name in ("out", "residual_out"):
-        if name in named:
-            checks.check_not_expanded(name, named[name])
-    for name, t in named.items():
-        checks.check_cuda(name, t)
-    checks.check_same_device(**named)
+    checks.check_vectors(named, [name for name in ("out", "residual_out") if name in named])
 
 
 # ---------------------------------------------------------------------------------------------

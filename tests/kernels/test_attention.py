@@ -15,6 +15,7 @@ import rosekernels
 from rosekernels import modes, scratch
 from rosekernels.kernels import attention as A
 from rosekernels.kernels import attention_common as AC
+from rosekernels.kernels import attention_tiles
 from rosekernels.ops import attention as attention_op
 
 # The in-order pipeline (no softmax/GEMM overlap, no ping-pong) is kept as the reference schedule.
@@ -219,7 +220,7 @@ def test_causal_l2_sections_with_a_narrower_last_one(kernels):
     """Long keys make each causal L2 section 2 heads wide; 5 heads leave a last section of 1."""
     cfg = A.default_config(128, "bf16", True)
     s_k = 30000
-    assert (A.L2_KV_BYTES // (4 * 128)) // s_k == 2
+    assert (attention_tiles.L2_KV_BYTES // (4 * 128)) // s_k == 2
     q, k, v = inputs(1, 200, s_k, 5, 5, 128, torch.bfloat16, seed=11)
     for num_ctas in (None, 3):
         out, lse = _run_poisoned(kernels[cfg], cfg, q, k, v, 1 / math.sqrt(128), num_ctas)

@@ -93,6 +93,27 @@ def test_variant_keys():
         Config(activation="tanh")
 
 
+def test_shared_memory_stages_fit():
+    """Every variant fills shared memory with at least two A/B stages and, for plain tiles, 2 to 4
+    epilogue buffers per tile slot, within SMEM_CAPACITY (the kernel also checks its struct's size when
+    it compiles); `stages` caps the A/B stages; packing A stages a_rows apart never costs a stage."""
+    for cfg in plan.variants_for():
+        ab, epi = plan.smem_stages(cfg)
+        assert ab >= 2, cfg
+        ab_bytes = (cfg.a_rows + cfg.tile_n) * plan.TILE_K * 2
+        if cfg.swap_ab:
+            assert epi == 0 and 2048 + ab * ab_bytes <= plan.SMEM_CAPACITY, cfg
+            continue
+        assert 2 <= epi <= 4, cfg
+        rows, cols = plan.epi_tile(cfg)
+        epi_bytes = rows * cols * 2 * plan.tile_slots(cfg)
+        fixed = 2048 + 4 * cfg.tile_n * plan.tile_slots(cfg) + (cfg.tile_m - cfg.a_rows) * plan.TILE_K * 2
+        assert fixed + ab * ab_bytes + epi * epi_bytes <= plan.SMEM_CAPACITY, cfg
+        assert plan.smem_stages(dataclasses.replace(cfg, stages=2))[0] == 2
+        if cfg.a_rows < cfg.tile_m:
+            assert ab >= plan.smem_stages(dataclasses.replace(cfg, a_rows=None))[0], cfg
+
+
 def test_shape_defaults():
     assert Shape.defaults("decode") == Shape(16, 14336, 4096, "bf16", "k", "none", 0.01)
     assert Shape.defaults("prefill") == Shape(8192, 14336, 4096)
