@@ -13,7 +13,7 @@
 TFLOP/s = 4 * B * Hq * S_q * S_kv * d / time, halved when causal. Each timing: warm-up, then one CUDA
 event pair per launch, median; the inputs rotate over enough copies to exceed the 50 MB L2. Every
 implementation's output is compared with ours (max |diff|), so a fast wrong kernel shows. Decode-shaped
-rows (S_q = 1) are timed inside a CUDA graph. Results: <out>/attention.json and <out>/attention.md.
+rows (S_q = 1) are timed inside a CUDA graph. Results: <out>/attention/attention.json and .md.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ spread and best peer) where a winner was verified there, else the worker's re-ti
 cuBLAS + leaky_relu and cuBLAS alone) are timed
 in this process in CUDA graphs over input sets rotated past L2. Winners go into the tuned store at
 --store-root (default: a temporary directory, so that a benchmark run changes no installed entry).
-Writes autotune.json and autotune.md into --out.
+Writes autotune.json and autotune.md into --out's gemm/.
 """
 from __future__ import annotations
 
@@ -245,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(_row(result, peers, errors))
     meta = dict(env, store=store_root, max_candidates=args.max_candidates, samples=args.samples,
                 seconds=time.time() - t0)
-    report.write(args.out, "autotune", {"meta": meta, "results": rows}, _markdown(rows, specs, env))
-    print(f"wrote {args.out}/autotune.json and .md in {time.time() - t0:.0f} s")
+    where = report.write(args.out, "autotune", {"meta": meta, "results": rows}, _markdown(rows, specs, env))
+    print(f"wrote {where}/autotune.json and .md in {time.time() - t0:.0f} s")
     return 0
 
 

@@ -2,7 +2,7 @@
 scripts write as JSON: each op's share of the copy (or MMA) ceiling against its peers, decode latency
 against tokens, and tuning before/after.
 
-    python bench/charts.py bench/results      # redraw NAME.png for every NAME.json there that has a chart
+    python bench/charts.py bench/results      # redraw NAME.png beside every NAME.json under it that has a chart
 
 `report.write` calls `draw` after writing NAME.json and NAME.md, so every benchmark run draws its chart
 (pip install 'rosekernels[bench]' for matplotlib). A result gets a chart by adding a function to CHARTS.
@@ -390,15 +390,15 @@ def draw(name: str, data: dict, out: str | Path) -> Path | None:
     return path
 
 
-def results(folder: Path) -> dict[str, Path]:
-    """Each charted result in `folder`: NAME.json, or NAME.json.gz (committed results are kept small)."""
-    found = {}
-    for name in CHARTS:
-        for path in (folder / f"{name}.json", folder / f"{name}.json.gz"):
-            if path.is_file():
-                found[name] = path
-                break
-    return found
+def results(folder: Path) -> list[tuple[str, Path]]:
+    """(NAME, file) for each charted result in `folder` or below it (bench/results keeps one folder per
+    family): NAME.json, or NAME.json.gz where no NAME.json is beside it (committed results are kept small)."""
+    found: dict[tuple[str, Path], Path] = {}
+    for path in sorted(folder.rglob("*.json*")):  # sorted: NAME.json before NAME.json.gz
+        name = path.name.removesuffix(".gz").removesuffix(".json")
+        if name in CHARTS:
+            found.setdefault((name, path.parent), path)
+    return [(name, path) for (name, _), path in found.items()]
 
 
 def load(path: Path) -> Any:
@@ -409,7 +409,7 @@ def load(path: Path) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("folder", help="a folder of NAME.json (or NAME.json.gz) results, e.g. bench/results")
+    p.add_argument("folder", help="a folder of NAME.json (or NAME.json.gz) results, at any depth, e.g. bench/results")
     args = p.parse_args(argv)
     folder = Path(args.folder)
     if not folder.is_dir():
@@ -418,9 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     if not found:
         p.error(f"{folder} holds none of " + ", ".join(f"{name}.json" for name in CHARTS))
     failed = 0
-    for name, path in found.items():
+    for name, path in found:
         try:
-            print(draw(name, load(path), folder))
+            print(draw(name, load(path), path.parent))
         except Exception as e:  # noqa: BLE001 - one bad file does not stop the others
             failed += 1
             print(f"{path}: no chart ({type(e).__name__}: {e})", file=sys.stderr)

@@ -254,8 +254,8 @@ def main():
         torch.cuda.empty_cache()
     doc = {"env": env, "layers": args.layers, "quick": args.quick, "context": CONTEXT, "results": results,
            "errors": errors, "seconds": time.time() - t0}
-    report.write(args.out, "e2e_quick" if args.quick else "e2e", doc, markdown(env, args, results, errors))
-    log(f"wrote e2e{'_quick' if args.quick else ''}.json and .md under {args.out} in {time.time() - t0:.0f} s")
+    where = report.write(args.out, "e2e_quick" if args.quick else "e2e", doc, markdown(env, args, results, errors))
+    log(f"wrote e2e{'_quick' if args.quick else ''}.json and .md under {where} in {time.time() - t0:.0f} s")
 
 
 if __name__ == "__main__":

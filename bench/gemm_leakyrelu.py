@@ -11,7 +11,7 @@ Prefill shapes: CUDA events around back-to-back launches, inputs rotated through
 the L2, median of repetitions. Decode shapes (M <= 128): the same inside a CUDA graph of many
 launches (time / launches), plus the eager host cost per call, and the achieved weight bandwidth as
 a percentage of the device copy bandwidth measured in the same run.
-Writes gemm_leakyrelu.json and gemm_leakyrelu.md into --out.
+Writes gemm_leakyrelu.json and gemm_leakyrelu.md into --out's gemm/.
 """
 from __future__ import annotations
 
@@ -245,8 +245,9 @@ def main():
         results.append(r)
     meta = dict(env, copy_gbs=copy_gbs, dtype=args.dtype, slope=args.slope, bias=args.bias, peers=peers_log,
                 seconds=time.time() - t0)
-    report.write(args.out, "gemm_leakyrelu", dict(meta=meta, results=results), _markdown(results, copy_gbs, device))
-    print(f"wrote {args.out}/gemm_leakyrelu.json and .md in {time.time() - t0:.0f} s")
+    where = report.write(args.out, "gemm_leakyrelu", dict(meta=meta, results=results),
+                         _markdown(results, copy_gbs, device))
+    print(f"wrote {where}/gemm_leakyrelu.json and .md in {time.time() - t0:.0f} s")
 
 
 if __name__ == "__main__":

@@ -145,8 +145,8 @@ def main():
     if args.sweep:
         data["results"] = [row.pop("sweep") for row in rows if "sweep" in row]
     stem = "gemm_swiglu_sweep" if args.sweep else "gemm_swiglu"
-    report.write(args.out, stem, data, markdown(env, rows, errors))
-    print(f"wrote {stem}.json and .md under {args.out} in {time.time() - t0:.0f} s")
+    where = report.write(args.out, stem, data, markdown(env, rows, errors))
+    print(f"wrote {stem}.json and .md under {where} in {time.time() - t0:.0f} s")
 
 
 if __name__ == "__main__":

@@ -325,8 +325,8 @@ def main():
     summarize(rows, copy_gbps)
     doc = {"env": env, "copy_gbps": copy_gbps, "rows": rows, "targets": targets(rows),
            "seconds": time.time() - t0}
-    report.write(args.out, "moe", doc, markdown(env, copy_gbps, rows))
-    log(f"wrote moe.json and moe.md under {args.out} in {time.time() - t0:.0f} s")
+    where = report.write(args.out, "moe", doc, markdown(env, copy_gbps, rows))
+    log(f"wrote moe.json and moe.md under {where} in {time.time() - t0:.0f} s")
 
 
 if __name__ == "__main__":

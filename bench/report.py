@@ -1,5 +1,5 @@
 """Report writing shared by the benchmark scripts: the run's environment, number formatting, peers that
-may be missing, and the JSON + markdown files under bench/results/."""
+may be missing, and the JSON + markdown files under bench/results/<family>/ (`folder`)."""
 from __future__ import annotations
 
 import json
@@ -16,12 +16,32 @@ from rosekernels import device
 RESULTS = Path(__file__).resolve().parent / "results"  # the committed results: written only when asked
 LOCAL = Path(__file__).resolve().parent / "out"  # where a run writes by default (ignored by git)
 
+# A result's family: the longest of these prefixes that its name is or starts with followed by "_".
+FAMILIES = {"qk_norm": "norms", "rmsnorm": "norms", "gemm": "gemm", "fp8": "gemm", "autotune": "gemm",
+            "autotune_attention": "attention", "attention": "attention", "moe": "moe", "sip": "sip",
+            "sass_latency": "sip", "cubin_hashes": "sip", "e2e": "model", "sip_tune_model": "model",
+            "gpu_suite": "suite"}
+# Names of config sweeps, cost-model fits and tuning studies, kept apart from the headline tables.
+SWEEPS = ("_sweep", "_decode_", "_prefill_", "_broad", "_fitted", "_clusters", "_refit", "_tile_n", "autotune_")
+
+
+def folder(name: str) -> Path:
+    """Where result `name` lives under a results folder: <family>, or <family>/sweeps for a sweep or a fit
+    (`gemm_leakyrelu` -> gemm, `gemm_leakyrelu_decode_broad` -> gemm/sweeps); a name of no family stays at
+    the top (tests/test_bench_charts.py fails on such a file in bench/results until FAMILIES names it)."""
+    prefix = max((p for p in FAMILIES if name == p or name.startswith(p + "_")), key=len, default=None)
+    if prefix is None:
+        return Path()
+    family = Path(FAMILIES[prefix])
+    return family / "sweeps" if any(mark in name for mark in SWEEPS) else family
+
 
 def add_out(parser: Any) -> None:
     """The --out option of every benchmark: a local folder by default, so that a run never overwrites the
     committed results unless asked (`--out bench/results`)."""
     parser.add_argument("--out", default=str(LOCAL),
-                        help=f"folder for the JSON and markdown results (default {LOCAL}; the committed ones: {RESULTS})")
+                        help=f"folder for the JSON and markdown results, each in its family's folder under it "
+                        f"(default {LOCAL}; the committed ones: {RESULTS})")
 
 
 def require_gpu() -> None:
@@ -73,11 +93,12 @@ def measure(name: str, fn: Callable[[], Any], errors: list[str]) -> Any:
         return None
 
 
-def write(out: str | Path, stem: str, data: Any, markdown: str) -> None:
-    """<out>/<stem>.json and <out>/<stem>.md, then <out>/<stem>.png where bench/charts.py has a chart for
-    `stem` (linked from the end of the markdown), and the markdown on stdout. A chart that cannot be drawn
-    costs one line on stderr, never the JSON or the markdown, which are written first."""
-    out = Path(out)
+def write(out: str | Path, stem: str, data: Any, markdown: str) -> Path:
+    """<dir>/<stem>.json and <dir>/<stem>.md, <dir> = <out>/folder(stem), then <dir>/<stem>.png where
+    bench/charts.py has a chart for `stem` (linked from the end of the markdown), and the markdown on
+    stdout; returns <dir>. A chart that cannot be drawn costs one line on stderr, never the JSON or the
+    markdown, which are written first."""
+    out = Path(out) / folder(stem)
     out.mkdir(parents=True, exist_ok=True)
     text = json.dumps(data, indent=1, default=str)
     (out / f"{stem}.json").write_text(text)
@@ -95,6 +116,7 @@ def write(out: str | Path, stem: str, data: Any, markdown: str) -> None:
         markdown += f"\n![{stem}]({png.name})\n"
         (out / f"{stem}.md").write_text(markdown)
     print(markdown)
+    return out
 
 
 def recommend_table(sweep_rows: list[dict]) -> list[tuple]:

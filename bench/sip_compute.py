@@ -29,7 +29,7 @@ where this one stopped (a killed call loses only the step it was in):
    (c) compute-sanitizer memcheck, racecheck and synccheck, (d) outputs bitwise equal to the original's
    (the tuner's validation: the test sizes, and the tuned shape once the tuner checks it).
 
-Results: <out>/sip_compute.json and .md, one row per kernel and class: movable instructions, legal moves,
+Results: <out>/sip/sip_compute.json and .md, one row per kernel and class: movable instructions, legal moves,
 candidates run, best re-timed, A/A, the fresh re-time, the op-level ratio, the sanitizer; per kernel the
 stall breakdown of its hot blocks. Columns not measured yet say so.
 """

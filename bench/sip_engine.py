@@ -5,7 +5,7 @@ Targets: parsing + dependency analysis under 2 s; at least 1,000 legal moves app
 
     python3 bench/sip_engine.py [--rows 1000] [--moves 3000]
 
-Prints a table and writes bench/results/sip_engine.json and .md. The kernel is
+Prints a table and writes bench/results/sip/sip_engine.json and .md. The kernel is
 tests/support/corpus/unrolled_stencil.cu built with nvcc -DROWS=<rows> (cached in the temp directory).
 """
 from __future__ import annotations
@@ -30,8 +30,10 @@ from sip.cubin import load_cubin  # noqa: E402
 from sip.deps import DependencyModel  # noqa: E402
 from sip.mutate import IllegalMove, Move, Schedule, apply, movable  # noqa: E402
 
+import report  # noqa: E402  (bench/report.py: where a result lives under bench/results)
+
 SOURCE = ROOT / "tests" / "support" / "corpus" / "unrolled_stencil.cu"
-RESULTS = ROOT / "bench" / "results"
+RESULTS = report.RESULTS / report.folder("sip_engine")
 
 
 def build(rows: int) -> bytes:

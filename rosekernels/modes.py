@@ -32,7 +32,7 @@ class Mode:
 # Prefill table: per op, rows (warps needed up to, warps per block, rows per thread, cache hint);
 # the first row whose limit covers the work wins. qk_norm: the recommendation of the block-shape
 # sweep in `python bench/qk_norm.py` on the H200 (Qwen3-8B and Qwen3-30B-A3B, bf16,
-# bench/results/qk_norm.md); neighbouring shapes are within 1-4% of the winner. rmsnorm: not swept
+# bench/results/norms/qk_norm.md); neighbouring shapes are within 1-4% of the winner. rmsnorm: not swept
 # yet (`python bench/rmsnorm.py` prints its row).
 PREFILL_TABLE: dict[str, tuple[tuple[int, int, int, str], ...]] = {
     "qk_norm": ((2560, 8, 2, "none"), (20480, 16, 4, "evict_first"), (1 << 62, 8, 1, "evict_first")),

@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
                   "control.stall), or all (default: global); the relaxations scoreboard and sync widen the "
                   "move classes named beside them (untrusted: sip.mutate.UNTRUSTED)")
     table_help = ("latency table measured on the GPU (tools/sass_latency.py); control.stall needs one "
-                  "(default: bench/results/sass_latency.json.gz when it exists)")
+                  "(default: bench/results/sip/sass_latency.json.gz when it exists)")
     i = sub.add_parser("inspect", help="per kernel: instructions, blocks, pinned; per class: movable, legal moves")
     i.add_argument("cubin", type=Path)
     i.add_argument("--moves", default=",".join(sorted(DEFAULT_MOVES)), help=moves_help)

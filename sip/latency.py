@@ -29,7 +29,7 @@ from sip import SipError
 from sip.sass import P_BASE, UP_BASE, UR_BASE, Instruction
 
 FORMAT = "sip-latency-table/1"
-DEFAULT_PATH = Path(__file__).resolve().parents[1] / "bench" / "results" / "sass_latency.json.gz"
+DEFAULT_PATH = Path(__file__).resolve().parents[1] / "bench" / "results" / "sip" / "sass_latency.json.gz"
 FILES = ("R", "UR", "P", "UP", "@P", "@UP")
 
 _MMA = frozenset({"HMMA", "IMMA", "BMMA", "DMMA"})

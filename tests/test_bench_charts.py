@@ -1,9 +1,10 @@
 """bench/charts.py draws a PNG from the dict each benchmark writes (synthetic ones here, with random values
 and ragged sizes, and the committed ones in bench/results/), and report.write puts the chart beside the
-JSON and markdown without ever losing them."""
+JSON and markdown, in the result's family folder, without ever losing them."""
 import json
 import math
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 pytest.importorskip("matplotlib")
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT / "bench"))  # the benchmark scripts import report and charts as top-level modules
 
 import charts  # noqa: E402
@@ -172,10 +174,45 @@ def test_each_chart_draws_a_png_from_a_synthetic_result(name, tmp_path):
     assert_real_chart(path)
 
 
-@pytest.mark.parametrize("name, path", sorted(charts.results(ROOT / "bench" / "results").items()),
-                         ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize("name, path", charts.results(RESULTS), ids=lambda x: x if isinstance(x, str) else "")
 def test_the_committed_results_draw(name, path, tmp_path):
     assert_real_chart(charts.draw(name, charts.load(path), tmp_path))
+
+
+def test_the_redraw_finds_every_committed_chart_beside_its_result():
+    found = charts.results(RESULTS)
+    assert len(found) >= 8 and all(path.parent != RESULTS for _, path in found)  # in family folders
+    assert {(name, path.parent) for name, path in found} == {
+        (png.stem, png.parent) for png in RESULTS.rglob("*.png") if png.stem in charts.CHARTS}
+
+
+@pytest.mark.parametrize("name, where", [
+    ("qk_norm", "norms"), ("rmsnorm", "norms"), ("gemm_leakyrelu", "gemm"), ("gemm_swiglu", "gemm"), ("fp8", "gemm"),
+    ("autotune", "gemm"), ("gemm_swiglu_sweep", "gemm/sweeps"), ("gemm_leakyrelu_decode_wide_2", "gemm/sweeps"),
+    ("gemm_leakyrelu_prefill_sweep", "gemm/sweeps"), ("autotune_multicast", "gemm/sweeps"),
+    ("attention", "attention"), ("attention_grid", "attention"), ("attention_kvcache", "attention"),
+    ("attention_sweep_grid", "attention/sweeps"), ("attention_tile_n", "attention/sweeps"),
+    ("autotune_attention", "attention/sweeps"), ("moe", "moe"), ("moe_experts", "moe"),
+    ("moe_multigpu_emulated", "moe"), ("sip_tuning", "sip"), ("sip_compute", "sip"), ("sip_engine", "sip"),
+    ("sass_latency", "sip"), ("cubin_hashes_h200_cu13", "sip"), ("e2e", "model"), ("e2e_quick", "model"),
+    ("sip_tune_model_qwen3_8b_decode", "model"), ("gpu_suite", "suite"),
+    ("host_time_a", "."), ("gemmx", ".")])  # no family: a prefix counts only whole, up to a "_"
+def test_a_result_name_maps_to_its_family_folder(name, where):
+    assert report.folder(name) == Path(where)
+
+
+def test_every_committed_result_sits_in_the_folder_report_names():
+    files = [p for p in RESULTS.rglob("*") if p.is_file()]
+    assert len(files) >= 80
+    misplaced = [str(p.relative_to(RESULTS)) for p in files
+                 if p.parent == RESULTS or p.parent.relative_to(RESULTS) != report.folder(p.name.split(".")[0])]
+    assert not misplaced
+
+
+def test_every_link_in_a_committed_result_resolves():
+    for md in RESULTS.rglob("*.md"):
+        for link in re.findall(r"\]\(([^)]+)\)", md.read_text()):
+            assert (md.parent / link).is_file(), (md.relative_to(RESULTS), link)
 
 
 def _line(fig, label):
@@ -260,25 +297,30 @@ def test_bad_data_raises_and_writes_nothing(tmp_path):
 
 def test_report_write_adds_the_chart_after_the_json_and_markdown(tmp_path, capsys):
     data = rmsnorm_data(random.Random())
-    report.write(tmp_path, "rmsnorm", data, "# rmsnorm")
-    assert json.loads((tmp_path / "rmsnorm.json").read_text()) == data
-    assert (tmp_path / "rmsnorm.md").read_text() == "# rmsnorm\n\n![rmsnorm](rmsnorm.png)\n"
-    assert_real_chart(tmp_path / "rmsnorm.png")
+    where = tmp_path / "norms"
+    assert report.write(tmp_path, "rmsnorm", data, "# rmsnorm") == where
+    assert json.loads((where / "rmsnorm.json").read_text()) == data
+    assert (where / "rmsnorm.md").read_text() == "# rmsnorm\n\n![rmsnorm](rmsnorm.png)\n"
+    assert_real_chart(where / "rmsnorm.png")
     assert "![rmsnorm](rmsnorm.png)" in capsys.readouterr().out
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "norms", "norms/rmsnorm.json", "norms/rmsnorm.md", "norms/rmsnorm.png"]
 
 
 def test_a_chart_that_fails_loses_neither_json_nor_markdown(tmp_path, capsys):
     report.write(tmp_path, "moe", {"rows": "not rows"}, "# moe\n")
-    assert json.loads((tmp_path / "moe.json").read_text()) == {"rows": "not rows"}
-    assert (tmp_path / "moe.md").read_text() == "# moe\n"
-    assert not (tmp_path / "moe.png").exists()
+    assert json.loads((tmp_path / "moe" / "moe.json").read_text()) == {"rows": "not rows"}
+    assert (tmp_path / "moe" / "moe.md").read_text() == "# moe\n"
+    assert not (tmp_path / "moe" / "moe.png").exists()
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("moe: no chart (")
 
 
 def test_a_result_without_a_chart_gets_no_png_and_no_link(tmp_path):
-    report.write(tmp_path, "host_time_x", {"a": 1}, "# host time")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["host_time_x.json", "host_time_x.md"]
+    report.write(tmp_path, "host_time_x", {"a": 1}, "# host time")  # no family: the top of --out
+    report.write(tmp_path, "gemm_swiglu_sweep", {"a": 1}, "# sweep")
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.*")) == [
+        "gemm/sweeps/gemm_swiglu_sweep.json", "gemm/sweeps/gemm_swiglu_sweep.md", "host_time_x.json", "host_time_x.md"]
     assert (tmp_path / "host_time_x.md").read_text() == "# host time\n"
 
 
@@ -289,10 +331,11 @@ def test_redraw_command(tmp_path, capsys):
     with pytest.raises(SystemExit):
         charts.main([str(tmp_path)])
     assert "holds none of" in capsys.readouterr().err
-    (tmp_path / "rmsnorm.json").write_text(json.dumps(rmsnorm_data(random.Random())))
+    (tmp_path / "norms").mkdir()  # a family folder: the chart goes beside its result
+    (tmp_path / "norms" / "rmsnorm.json").write_text(json.dumps(rmsnorm_data(random.Random())))
     (tmp_path / "moe.json").write_text(json.dumps({"rows": []}))  # bad: no copy_gbps
     assert charts.main([str(tmp_path)]) == 1
     out = capsys.readouterr()
-    assert out.out.split() == [str(tmp_path / "rmsnorm.png")] and "moe.json: no chart (KeyError" in out.err
-    assert_real_chart(tmp_path / "rmsnorm.png")
-    assert not (tmp_path / "moe.png").exists()
+    assert out.out.split() == [str(tmp_path / "norms" / "rmsnorm.png")] and "moe.json: no chart (KeyError" in out.err
+    assert_real_chart(tmp_path / "norms" / "rmsnorm.png")
+    assert not (tmp_path / "moe.png").exists() and not (tmp_path / "rmsnorm.png").exists()

@@ -12,7 +12,7 @@ from an earlier run's (a refactoring that must not change any kernel shows none)
 null for every hash; --compare then compares the key lists. --sample FILE takes the regular expressions
 of FILE's lines (# comments) as --only does their alternation. With --only or --sample, --compare looks
 only at the earlier run's keys they find (compare runs made with the same --kernels and --extras).
-A path ending in .gz is read and written gzip-compressed (the committed lists in bench/results are).
+A path ending in .gz is read and written gzip-compressed (the committed lists in bench/results/sip are).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Fit the decode GEMM cost model (rosekernels.kernels.gemm_leakyrelu_plan.decode_cost) to a sweep.
 
-    cd bench/results && python ../../tools/fit_gemm_decode.py gemm_leakyrelu_decode_broad.json.gz \
+    cd bench/results/gemm/sweeps && python ../../../../tools/fit_gemm_decode.py gemm_leakyrelu_decode_broad.json.gz \
         gemm_leakyrelu_decode_fitted.json.gz gemm_swiglu_sweep.json.gz gemm_leakyrelu_decode_wide.json.gz \
         gemm_leakyrelu_decode_wide_2.json.gz gemm_leakyrelu_decode_clusters_m16-64.json.gz \
         gemm_leakyrelu_decode_clusters_m96-128.json.gz gemm_leakyrelu_decode_clusters_plain.json.gz

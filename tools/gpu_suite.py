@@ -20,7 +20,7 @@ gpu_suite_state.json.gz: on a fresh host, carry that file back in and pass it as
 
     tools/gpu_suite.sh --out "$OUT" [--resume FILE] [--sample] [--jobs N] [--budget SECONDS]
         exit status: 0 green, 1 red, 2 the state is of another tree, 4 partial (call again)
-    python3 tools/gpu_suite.py report STATE --out bench/results   # the report again, from a state
+    python3 tools/gpu_suite.py report STATE --out bench/results/suite   # the report again, from a state
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Measure the read-after-write latencies of fixed-latency SASS on the GPU: the table that lets SIP
 lower stall counts (sip.latency, `sip mutate --moves control.stall --latency-table FILE`).
 
-    python3 tools/sass_latency.py --out bench/results/sass_latency.json.gz  (on an H200; .gz: compressed)
+    python3 tools/sass_latency.py --out bench/results/sip/sass_latency.json.gz  (on an H200; .gz: compressed)
     python3 tools/sass_latency.py --build DIR                               (no GPU: generate and check)
 
 Method. For every chain below, one PTX kernel runs a dependent chain A, B, A, B, ... (each

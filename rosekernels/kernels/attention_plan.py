@@ -130,7 +130,7 @@ class AttentionConfig(KernelConfig):
 
 def default_config(head_dim: int, dtype: str, causal: bool, seqlen_k: int = 0, seqlen_q: int = 0,
                    query_heads: int = 0, sms: int | None = None) -> AttentionConfig:
-    """The tile shape the op uses (bench/results/attention_sweep_long.md has the sweep behind it).
+    """The tile shape the op uses (bench/results/attention/sweeps/attention_sweep_long.md has the sweep behind it).
 
     d=64: 192-row tiles (3 consumer warpgroups), FA3's choice; the warpgroups of a last tile that
     hold no row skip its math (`idle_mainloop`). Non-causal, 128-row tiles where they finish first

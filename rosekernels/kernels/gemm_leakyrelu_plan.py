@@ -50,7 +50,7 @@ PREFILL_TILES = (
 # A cooperative tile's epilogue stalls its MMAs for about as long as this many k-tiles of its
 # mainloop take (pingpong hides it under the other warpgroup's mainloop). This constant and the
 # efficiencies above are fitted to H200 sweeps over 23 prefill shapes
-# (bench/results/gemm_leakyrelu_prefill_sweep.md): the model's tile is within 1.2% of the fastest
+# (bench/results/gemm/sweeps/gemm_leakyrelu_prefill_sweep.md): the model's tile is within 1.2% of the fastest
 # of the three on each.
 COOP_EPILOGUE_K_TILES = 2
 RASTER_GROUP = 8  # cluster rows per band of the tile walk: both operands' bands stay in L2
@@ -78,7 +78,7 @@ SWAP_TILE_N = (8, 16, 32, 64, 96, 128)
 SWAP_TILE_M = (64, 128)
 # The tuner also searches swapped 64 x 64 tiles past 64 tokens (two token tiles: twice the CTAs
 # without splitting K; cuBLAS runs 64 x 64 tiles at M = 128): on the H200 sweep of M = 96 and 128
-# (bench/results/gemm_leakyrelu_decode_m64x2.md) they were the fastest config on 6 of 34 shapes
+# (bench/results/gemm/sweeps/gemm_leakyrelu_decode_m64x2.md) they were the fastest config on 6 of 34 shapes
 # (128 x 3584 x 3584: 1.05x the next, 128 x 768 x 2048: 1.07x), a few % behind elsewhere. The cost
 # model was not fitted to them and rates them too well at M = 96 (its pick would lose 1.47x at
 # 96 x 4096 x 4096), so the heuristic does not consider them. 128-row swapped and plain 64-row
@@ -101,7 +101,7 @@ HEURISTIC_CLUSTERS = {("swapped", 64): ((4, 1), (1, 2), (2, 1))}  # (kind, tile_
 # Plain tiles whose A tile is whole (a_rows = tile_m, from 33 tokens) on clusters: the token tile
 # multicast to 2 or 4 weight tiles. The tuner also searches, past 64 tokens, two 64-token tiles
 # sharing each weight tile (2xC: cuBLAS's nvjet 96 x 64 kernels at M = 128 on N = 4608-6144); on the
-# H200 they won on none of 51 shapes (bench/results/gemm_leakyrelu_decode_clusters.md).
+# H200 they won on none of 51 shapes (bench/results/gemm/sweeps/gemm_leakyrelu_decode_clusters.md).
 PLAIN_CLUSTERS = ((1, 2), (1, 4))
 TWO_TOKEN_CLUSTERS = ((2, 1), (2, 2), (2, 4))
 MIN_SPLIT_K_TILES = 4  # k-tiles per split at least: shorter splits are mostly pipeline fill
@@ -113,7 +113,7 @@ COUNTER_SLOTS = 4096  # split-K tile counters per stream: a split launch has at 
 # The decode cost model (`decode_cost`), fitted (tools/fit_gemm_decode.py) to nine H200 sweeps by
 # minimising the time lost by the model's pick: 1,813 timed configs on 91 shapes (13 MLP and
 # attention-projection N x K of Llama-3-8B, Qwen3-8B and Qwen2.5-7B, M = 1-128;
-# bench/results/gemm_leakyrelu_decode_broad.md), 34 shapes at M = 96 and 128 with the fitted widths
+# bench/results/gemm/sweeps/gemm_leakyrelu_decode_broad.md), 34 shapes at M = 96 and 128 with the fitted widths
 # (gemm_leakyrelu_decode_fitted.md), the gated (SwiGLU) GEMMs of those three models at M = 1-128
 # (21 shapes, gemm_swiglu_sweep.md), 10 wide-N non-gated shapes (gemm_leakyrelu_decode_wide*.md) and
 # three sweeps with clusters (7,170 configs on 136 shapes of 17 N x K, M = 16-128:

@@ -234,7 +234,7 @@ def _pick(m, n, k):
 
 
 def test_decode_heuristic_known_shapes():
-    # Picks on shapes of the H200 sweep (bench/results/gemm_leakyrelu_decode_broad.md), each within
+    # Picks on shapes of the H200 sweep (bench/results/gemm/sweeps/gemm_leakyrelu_decode_broad.md), each within
     # 2% of the fastest config timed there.
     # Many weight rows: plain tiles, one wave, no split (12288 / 128 = 96 CTAs streamed 3.7 TB/s).
     assert _pick(8, 12288, 4096) == ("plain", 64, 128, 1)
@@ -246,9 +246,9 @@ def test_decode_heuristic_known_shapes():
     assert _pick(1, 128256, 4096)[3] == 1
     # Only split counts the model was fitted on: at 1024 x 4096 it picked 5 (never timed in a sweep),
     # which sip-tune level 1 measured 1.038-1.045x slower than 6 at M = 1-16 and 1.023x slower than
-    # 4 at M = 32 (bench/results/sip_tune_model_qwen3_8b_decode.md); these are its picks now.
+    # 4 at M = 32 (bench/results/model/sip_tune_model_qwen3_8b_decode.md); these are its picks now.
     assert _pick(1, 1024, 4096) == ("swap", 64, 8, 6)
-    # From 16 tokens on clusters (the sweeps' times: bench/results/gemm_leakyrelu_decode_clusters.md):
+    # From 16 tokens on clusters (the sweeps' times: bench/results/gemm/sweeps/gemm_leakyrelu_decode_clusters.md):
     # at M = 16-64 on 3584-4096 weight rows the token tile multicast to 4 weight tiles (4x1), at
     # M = 128 on 3584 x 3584 two token tiles sharing each weight tile (1x2); under 16 tokens none.
     for m, n, k in ((16, 3584, 3584), (32, 4096, 4096), (64, 3584, 3584)):
@@ -262,7 +262,7 @@ def test_decode_heuristic_known_shapes():
 
 
 def test_decode_heuristic_known_gated_shapes():
-    # The gated sweep (bench/results/gemm_swiglu_sweep.md, N counting gate and up rows): up to 64
+    # The gated sweep (bench/results/gemm/sweeps/gemm_swiglu_sweep.md, N counting gate and up rows): up to 64
     # tokens the model's pick ran within 3% of the fastest config there; plain 64 x 256 tiles, the
     # choice before that sweep, ran 1.15-1.35x slower. No cluster: no sweep timed gated ones.
     picks = {shape[1:]: pick / best for shape, pick, best in _sweep_picks(("gemm_swiglu_sweep.json.gz",))}
@@ -285,7 +285,7 @@ def _sweep_picks(names=DECODE_SWEEPS):
     """((sweep, M, N, K), measured time of the config decode_cost ranks first among the shape's timed
     ones, fastest measured time) for every shape of the committed decode sweeps `names`. Two M tiles
     (`two_m_tiles`) are the tuner's only, not the heuristic's: left out, as the fit leaves them out."""
-    results = Path(__file__).resolve().parents[2] / "bench" / "results"
+    results = Path(__file__).resolve().parents[2] / "bench" / "results" / "gemm" / "sweeps"
     for name in names:
         with (gzip.open if name.endswith(".gz") else open)(results / name, "rt") as f:
             data = json.load(f)
@@ -318,7 +318,7 @@ def test_decode_cost_model_fits_the_committed_sweeps():
 
 
 def test_prefill_heuristic_known_shapes():
-    # The fastest configs of the H200 sweep (bench/results/gemm_leakyrelu_prefill_sweep.md).
+    # The fastest configs of the H200 sweep (bench/results/gemm/sweeps/gemm_leakyrelu_prefill_sweep.md).
     def tiles(m, n, k):
         cfg = plan.config_for(Shape(m, n, k), 132)
         assert cfg.splits == 1 and not cfg.split_k and (cfg.cluster_m, cfg.cluster_n) == (2, 1)
