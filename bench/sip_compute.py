@@ -500,7 +500,8 @@ def markdown(state: dict[str, Any]) -> str:
         lines.append(f"- {name} ({k['about']}): {loops}")
         pairs = k.get("mainloop_pairs")
         if pairs:
-            kinds = sorted(set(pairs["trusted"]) | set(pairs["relaxed"]), key=lambda x: -pairs["trusted"].get(x, 0))
+            kinds = sorted(set(pairs["trusted"]) | set(pairs["relaxed"]),
+                           key=lambda x: (-pairs["trusted"].get(x, 0), x))  # ties by name: the same text every run
             lines.append(f"  - mainloop {pairs['offset']:#06x}, {pairs['pairs']} adjacent pairs, trusted -> relaxed "
                          "(scoreboard, sync): " + ", ".join(
                              f"{kind} {pairs['trusted'].get(kind, 0)} -> {pairs['relaxed'].get(kind, 0)}" for kind in kinds))
