@@ -2,6 +2,7 @@
 
     python bench/sip_compute.py --static [--out bench/results]            CPU: movable / legal per class
     python bench/sip_compute.py --state DIR [--minutes 8.5] [--out ...]   GPU: the next steps that fit
+        [--kernels A,B] [--classes 'X;Y']    only these cells of DIR's state (the rest wait for a later call)
     python bench/sip_compute.py --state DIR --report [--out ...]          rewrite the results from DIR
 
 Kernels: sip_tune.compute.cells() (varlen attention d=64 first, dense attention d=64/128 causal and not,
@@ -10,24 +11,33 @@ with no legal move in a kernel is recorded as such and never sent to the GPU.
 
 A GPU call does, in order, what is left and fits before its deadline (--minutes; keep it under the
 lender's 10 minutes per call), and writes DIR/state.json after every step, so the next call resumes
-where this one stopped (a killed call loses only the step it was in):
+where this one stopped. A step starts only with its estimated time left (PROFILE_SECONDS, ...), runs
+under a limit of the time left in the call (time_limit: its child processes go with it), and is marked
+attempted in the state before it starts: a step cut short by the limit, or by a kill of the whole
+call, is tried again by the next call, and recorded as failed after ATTEMPTS tries, so that a step
+longer than a call cannot stall the campaign.
 
 1. profile: per kernel, Nsight Compute's PC samples and stall reasons of the original
    (sip_tune.probe.profile, kept in DIR/profiles and reused by every search of the kernel): its hot
-   blocks, their stall breakdown and the schedule-sensitive share (sip.profile.headroom); then the
-   floor: every stall count lowered as far as the latency table proves (sip.mutate.lowered), timed
-   against the original and its A/A, checked on 10^4 fresh samples;
+   blocks, their stall breakdown, the share of samples outside issue cycles (sip.profile.headroom:
+   the most any schedule change could save; --min-headroom skips the kernels under it) and the
+   schedule-sensitive share (what the moves aim at); then the floor: every stall count lowered as far
+   as the latency table proves (sip.mutate.lowered), timed against the original and its A/A, checked
+   on 10^4 fresh samples;
 2. search: per (kernel, class), sip_tune.tuning.tune runs of at most the time left, each with new
    seeds and proposals weighted by the ncu samples, until the cell has had BASE_SECONDS of search or
-   BASE_CANDIDATES distinct cubins run (or its runs ended with no new schedule nearby); a run keeps its
-   finalists only past 1 + the A/A spread of fresh re-time workers and 10^5 fresh samples, and stores
-   the winner in DIR/store (the store keeps the faster entry across runs); then the two cells whose
-   best re-timed finalist is furthest past its A/A spread get EXTENDED_SECONDS in all;
-3. judge: per cell with a stored winner, (a) re-timed in a fresh worker process, interleaved with the
-   original and a byte-identical copy of it (the A/A), (b) through the public op (sip_tune.oplevel: CUDA
-   graphs, inputs rotated past L2, interleaved with FA4 / cuBLAS; the one call site is op_level()),
-   (c) compute-sanitizer memcheck, racecheck and synccheck, (d) outputs bitwise equal to the original's
-   (the tuner's validation: the test sizes, and the tuned shape once the tuner checks it).
+   BASE_CANDIDATES distinct cubins run (or its last run ended with no new schedule nearby); a run
+   keeps its finalists only past 1 + the A/A spread of fresh re-time workers and the class's fresh
+   samples (sip_tune.tuning.TuneConfig.validation_samples: 10^4 for `global`, 10^5 for every class
+   that moves more), and stores the winner in the cell's own store (store_dir: the store keeps the
+   faster entry across the cell's runs, never another class's); then the two cells whose best
+   re-timed finalist is furthest past its A/A spread get EXTENDED_SECONDS in all;
+3. judge: per cell with a stored winner (its tuned cubin's hash checked against the run's record),
+   (a) re-timed in a fresh worker process, interleaved with the original and a byte-identical copy
+   of it (the A/A), (b) through the public op (sip_tune.oplevel: CUDA graphs, inputs rotated past L2,
+   interleaved with FA4 / cuBLAS, an empty tuned store beside the candidate; the one call site is
+   op_level()), (c) compute-sanitizer memcheck, racecheck and synccheck, (d) outputs bitwise equal to
+   the original's (the tuner's validation: the test sizes, and the tuned shape once the tuner checks it).
 
 Results: <out>/sip/sip_compute.json and .md, one row per kernel and class: movable instructions, legal moves,
 candidates run, best re-timed, A/A, the fresh re-time, the op-level ratio, the sanitizer; per kernel the
@@ -36,18 +46,21 @@ stall breakdown of its hot blocks. Columns not measured yet say so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import hashlib
 import json
 import math
 import os
 import re
+import signal
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -61,10 +74,12 @@ BASE_CANDIDATES = 10_000
 EXTENDED_SECONDS = 1200.0
 PROMISING = 2  # cells that get EXTENDED_SECONDS
 MIN_RUN_SECONDS = 60.0  # a search run shorter than this is not worth its start-up
-FINISH_SECONDS = 150.0  # what a run takes past its search budget: re-time workers, 10^5 samples
+FINISH_SECONDS = 150.0  # what a run takes past its search budget: re-time workers, 10^4-10^5 samples
 PROFILE_SECONDS = 150.0
 FLOOR_SECONDS = 150.0
 JUDGE_SECONDS = {"retime": 90.0, "op_level": 240.0, "sanitizer": 420.0}
+SAVE_SECONDS = 20.0  # kept back from a step's limit: the step's processes are stopped and the state written
+ATTEMPTS = 2  # a step cut short this many times (time limit, or the call killed) is recorded as failed
 NOT_RUN = "not run"  # a GPU column not measured yet
 
 
@@ -169,7 +184,7 @@ def cell_key(kernel: str, moves: str) -> str:
 # What is left to do, in order (pure functions of the state: tested on the CPU)
 
 def searched(cell: dict[str, Any]) -> tuple[float, int, bool]:
-    """(search seconds, distinct cubins run, every run ended with no new schedule nearby) so far."""
+    """(search seconds, distinct cubins run, the last run ended with no new schedule nearby) so far."""
     runs = cell["runs"]
     return (sum(r["search_seconds"] for r in runs), sum(r["evaluated"] for r in runs),
             bool(runs) and all(r["exhausted"] for r in runs[-1:]))
@@ -198,17 +213,18 @@ def best_margin(cell: dict[str, Any]) -> float:
 
 
 def skipped(state: dict[str, Any], kernel: str) -> bool:
-    """Whether the kernel's searches are skipped: its schedule-sensitive share (ncu) is under the
-    campaign's --min-headroom."""
+    """Whether the kernel's searches are skipped: its share of samples outside issue cycles (ncu;
+    sip.profile.headroom, the most any schedule change could save) is under the campaign's
+    --min-headroom."""
     share = state.get("profiles", {}).get(kernel, {}).get("headroom", math.inf)
     return share < state.get("meta", {}).get("min_headroom", 0.0)
 
 
-def extend_promising(state: dict[str, Any], count: int = PROMISING) -> list[str]:
-    """Once every cell has had its base search (or is skipped), give the `count` cells with the largest
-    best margin (ties: the earlier kernel in priority order) EXTENDED_SECONDS; their keys (already
-    extended ones count)."""
-    cells = state["cells"]
+def extend_promising(state: dict[str, Any], keys: list[str], count: int = PROMISING) -> list[str]:
+    """Once every cell of `keys` has had its base search (or is skipped), give the `count` cells of
+    `keys` with the largest best margin (ties: the earlier kernel in priority order) EXTENDED_SECONDS;
+    their keys (already extended ones count)."""
+    cells = {k: state["cells"][k] for k in keys}
     if not all(search_done(c) or skipped(state, c["kernel"]) for c in cells.values()
                if c.get("budget_seconds", BASE_SECONDS) == BASE_SECONDS):
         return []
@@ -222,45 +238,65 @@ def extend_promising(state: dict[str, Any], count: int = PROMISING) -> list[str]
     return extended
 
 
-def next_step(state: dict[str, Any], order: list[str]) -> tuple[str, str] | None:
-    """(what, key) to do next; None: done. First every kernel's profile and floor (where its cycles
-    go, cheaply), in `order` (priority); then the searches, kernel by kernel, except skipped kernels;
-    once every base search is done, the promising cells are extended (in the state) and searched on;
-    judging comes last."""
+def selected(state: dict[str, Any], order: list[str], classes: tuple[str, ...] | None = None) -> list[str]:
+    """The keys of the state's cells of the kernels `order` names (in that order) and of `classes`
+    (None: every class): what this call works on (--kernels, --classes)."""
+    return [k for kernel in order for k, c in state["cells"].items()
+            if c["kernel"] == kernel and (classes is None or c["moves"] in classes)]
+
+
+def next_step(state: dict[str, Any], order: list[str], classes: tuple[str, ...] | None = None
+              ) -> tuple[str, str] | None:
+    """(what, key) to do next among the kernels `order` names and `classes` (selected); None: done.
+    First every kernel's profile and floor (where its cycles go, cheaply), in `order` (priority);
+    then the searches, kernel by kernel, except skipped kernels; once every base search is done, the
+    promising cells are extended (in the state) and searched on; judging comes last."""
     for kernel in order:
         for what, done in (("profile", "profiles"), ("floor", "floors")):
             if kernel not in state.get(done, {}):
                 return what, kernel
-    for kernel in order:
-        if skipped(state, kernel):
-            continue
-        for key, cell in state["cells"].items():
-            if cell["kernel"] == kernel and not search_done(cell):
-                return "search", key
-    extend_promising(state)
-    for key, cell in state["cells"].items():
+    keys = selected(state, order, classes)
+    for key in keys:
+        if not skipped(state, state["cells"][key]["kernel"]) and not search_done(state["cells"][key]):
+            return "search", key
+    extend_promising(state, keys)
+    for key in keys:
+        cell = state["cells"][key]
         if cell.get("budget_seconds", BASE_SECONDS) > BASE_SECONDS and not search_done(cell):
             return "search", key
-    for key, cell in state["cells"].items():
-        if winner(cell):
+    for key in keys:
+        if winner(state["cells"][key]):
             for part in JUDGE_SECONDS:
-                if part not in cell.get("judge", {}):
+                if part not in state["cells"][key].get("judge", {}):
                     return part, key
     return None
 
 
 def winner(cell: dict[str, Any]) -> dict[str, Any] | None:
-    """The run whose stored entry is the cell's (the store keeps the fastest; the last run that
-    stored or kept one names it)."""
+    """The run whose stored entry is the cell's: the cell's store keeps its fastest, and the last run
+    that stored or kept one names it and records the hash of its tuned cubin (run_record)."""
     stored = [r for r in cell["runs"] if r.get("cached")]
     return stored[-1] if stored else None
+
+
+def store_dir(state_dir: Path, cell: dict[str, Any]) -> Path:
+    """The tuned store of one (kernel, class) cell. One store for every class of a kernel would file
+    them all under one entry (the kernel's variant and original cubin) and keep the fastest across
+    classes, so that one class's winner would be judged as another's."""
+    return state_dir / "store" / cell["kernel"] / cell["moves"].replace(",", "+")
+
+
+def validation_samples(moves: str) -> int:
+    """The fresh samples a run of class `moves` validates its finalists on (sip_tune.tuning)."""
+    return tuning.TuneConfig(budget_seconds=1.0, moves=moves).validation_samples
 
 
 # ---------------------------------------------------------------------------------------------
 # GPU steps
 
 def run_profile(state: dict[str, Any], kernel: str, cell: compute.Cell, top: int = 3) -> None:
-    """ncu of the original: hot blocks, each block's stall reasons, the kernel's schedule-sensitive share."""
+    """ncu of the original: hot blocks, each block's stall reasons, the kernel's share of samples outside
+    issue cycles (headroom: the upper bound) and its schedule-sensitive share."""
     workload = cell.factory()
     original = workload.kernel.cubin
     listing = probe.profile(cell.factory, original)
@@ -282,32 +318,38 @@ def run_profile(state: dict[str, Any], kernel: str, cell: compute.Cell, top: int
     if reasons is not None:
         entry["stalls"] = profile.breakdown(reasons, range(len(reasons)))
         entry["headroom"] = profile.headroom(reasons)
+        entry["sensitive"] = profile.sensitive_share(reasons)
     state.setdefault("profiles", {})[kernel] = entry
 
 
-def run_search(state: dict[str, Any], key: str, cell: compute.Cell, seconds: float, store: Path,
+def run_search(state: dict[str, Any], key: str, cell: compute.Cell, seconds: float, state_dir: Path,
                tune: Callable[..., Any] = tuning.tune) -> None:
-    """One tune() run of the cell's class: `seconds` of search, seeds new to the cell."""
+    """One tune() run of the cell's class: `seconds` of search, seeds new to the cell, the cell's own
+    store (store_dir)."""
     entry = state["cells"][key]
     seed = 1000 * len(entry["runs"]) + 17
     profiled = "error" not in state.get("profiles", {}).get(entry["kernel"], {})
     config = tuning.TuneConfig(budget_seconds=seconds, runs=2, seed=seed, moves=entry["moves"],
                                hot="ncu" if profiled else "loops",
                                sanitize=False)  # the judge runs compute-sanitizer once, on the winner
-    result = tune(cell.factory, config, kernel=cell.name, store_root=str(store))
+    result = tune(cell.factory, config, kernel=cell.name, store_root=str(store_dir(state_dir, entry)))
     entry["runs"].append(run_record(result, seed))
 
 
 def run_record(result: Any, seed: int) -> dict[str, Any]:
-    """What the campaign keeps of a tune() report."""
+    """What the campaign keeps of a tune() report; with an entry in the store (stored by this run, or
+    an earlier one the store kept: kept_older), the SHA-256 of its tuned cubin, which the judge checks."""
     best = min(result.finalists, key=lambda f: f["rel"], default=None)
+    tuned_sha256 = hashlib.sha256((Path(result.cached) / "tuned.cubin").read_bytes()).hexdigest() \
+        if result.cached else ""
     return {"seed": seed, "search_seconds": result.search_seconds, "total_seconds": result.total_seconds,
             "iterations": result.iterations, "evaluated": result.evaluated, "incorrect": result.incorrect,
             "crashed": result.crashed, "exhausted": bool(result.runs) and all(r["exhausted"] for r in result.runs),
             "best_speedup": 1 / best["rel"] if best else math.nan, "best_validation": best.get("validation", "")
             if best else "", "aa_spread": result.aa_spread, "bar": result.bar, "speedup": result.speedup,
-            "samples_passed": result.samples_passed, "cached": result.cached, "outcome": result.outcome,
-            "gpu": result.gpu}
+            "samples_passed": result.samples_passed, "cached": result.cached, "tuned_sha256": tuned_sha256,
+            "kept_older": bool(tuned_sha256) and tuned_sha256 not in {f["digest"] for f in result.finalists},
+            "outcome": result.outcome, "gpu": result.gpu}
 
 
 def retime_fresh(factory: Callable[[], Any], original: bytes, tuned: bytes, repeats: int = 5, reps: int = 60,
@@ -350,8 +392,11 @@ def floor_cubin(cubin: bytes) -> bytes:
 
 
 def op_level(cell: compute.Cell, variant: Any, original: bytes, tuned: bytes) -> dict[str, Any]:
-    """(b) The public op with and without the tuned cubin, through sip_tune.oplevel."""
-    timing = oplevel.retime(cell.op, cell.shape, oplevel.CubinCandidate(variant, original, tuned))
+    """(b) The public op with and without the tuned cubin, through sip_tune.oplevel, beside an empty
+    tuned store: the op runs the config the campaign tuned, whatever the user's store holds."""
+    with tempfile.TemporaryDirectory(prefix="sip-compute-empty-store-") as empty:
+        timing = oplevel.retime(cell.op, cell.shape, oplevel.CubinCandidate(variant, original, tuned),
+                                store_root=empty)
     return op_level_record(timing)
 
 
@@ -367,8 +412,11 @@ def op_level_record(timing: Any) -> dict[str, Any]:
 
 def run_judge(state: dict[str, Any], part: str, key: str, cell: compute.Cell) -> None:
     entry = state["cells"][key]
-    stored = Path(winner(entry)["cached"])
-    tuned = (stored / "tuned.cubin").read_bytes()
+    win = winner(entry)
+    tuned = (Path(win["cached"]) / "tuned.cubin").read_bytes()
+    if hashlib.sha256(tuned).hexdigest() != win.get("tuned_sha256"):
+        raise RuntimeError(f"the entry at {win['cached']} no longer holds the tuned cubin its run recorded "
+                           f"({win.get('tuned_sha256') or 'none'}): not judged")
     workload = cell.factory()
     original = workload.kernel.cubin
     if part == "retime":
@@ -404,14 +452,14 @@ def status(cell: dict[str, Any], state: dict[str, Any]) -> str:
     if cell["static"]["legal_moves"] == 0:
         return "no legal move: nothing to search"
     if not cell["runs"] and skipped(state, cell["kernel"]):
-        return (f"skipped: schedule-sensitive share {state['profiles'][cell['kernel']]['headroom']:.2%} < "
+        return (f"skipped: samples outside issue cycles {state['profiles'][cell['kernel']]['headroom']:.2%} < "
                 f"{state['meta']['min_headroom']:.2%}")
     if not cell["runs"]:
         return NOT_RUN
     if not search_done(cell):
         return "searching"
     if not winner(cell):
-        return "searched: no finalist past 1 + A/A and 10^5 samples"
+        return f"searched: no finalist past 1 + A/A and {validation_samples(cell['moves'])} samples"
     judge = cell.get("judge", {})
     return "judged" if all(p in judge for p in JUDGE_SECONDS) else "stored, judging"
 
@@ -442,8 +490,9 @@ def markdown(state: dict[str, Any]) -> str:
     lines += ["", "Per kernel: its largest loops (static stall cycles per pass, `sip loops`); the stall counts at their "
               "floor (`sip floor`: every stall count lowered as far as the measured latency table proves, timed "
               "against the original); the stall reasons of its hot blocks (ncu PC samples of the original; "
-              f"schedule-sensitive: {', '.join(sorted(profile.SCHEDULE_SENSITIVE))}, whose share of all samples "
-              "bounds what any schedule change can save):"]
+              "outside issue cycles: the share of samples in which the warp neither issued nor lost the issue "
+              "slot to another warp, the most any schedule change could save; schedule-sensitive: the share in "
+              f"{', '.join(sorted(profile.SCHEDULE_SENSITIVE))}, the stalls the moves aim at):"]
     for name, k in state["kernels"].items():
         p = state.get("profiles", {}).get(name)
         loops = "; ".join(f"loop {lp['offset']:#06x}: {lp['instructions']} instructions, {lp['stall_cycles']} stall "
@@ -451,7 +500,8 @@ def markdown(state: dict[str, Any]) -> str:
         lines.append(f"- {name} ({k['about']}): {loops}")
         pairs = k.get("mainloop_pairs")
         if pairs:
-            kinds = sorted(set(pairs["trusted"]) | set(pairs["relaxed"]), key=lambda x: -pairs["trusted"].get(x, 0))
+            kinds = sorted(set(pairs["trusted"]) | set(pairs["relaxed"]),
+                           key=lambda x: (-pairs["trusted"].get(x, 0), x))  # ties by name: the same text every run
             lines.append(f"  - mainloop {pairs['offset']:#06x}, {pairs['pairs']} adjacent pairs, trusted -> relaxed "
                          "(scoreboard, sync): " + ", ".join(
                              f"{kind} {pairs['trusted'].get(kind, 0)} -> {pairs['relaxed'].get(kind, 0)}" for kind in kinds))
@@ -462,7 +512,8 @@ def markdown(state: dict[str, Any]) -> str:
         if "error" in p:
             lines.append(f"  - ncu: error: {p['error']}")
             continue
-        head = f"{p['headroom']:.1%} of them schedule-sensitive" if "headroom" in p else p.get("reasons_error", "")
+        head = (f"{p['headroom']:.1%} of them outside issue cycles, {p['sensitive']:.1%} schedule-sensitive"
+                if "headroom" in p else p.get("reasons_error", ""))
         lines.append(f"  - ncu: {p['samples']} samples, {head}")
         for b in p["hot_blocks"]:
             total = sum(b["stalls"].values()) or 1
@@ -517,6 +568,10 @@ def load_or_start(state_dir: Path, cells: dict[str, compute.Cell], classes: tupl
         missing = [n for n in cells if n not in state["kernels"]]
         if missing:
             raise SystemExit(f"sip_compute: {path} has no kernels {missing}: start another state directory")
+        missing = [f"{m!r}" for m in classes if any(cell_key(n, m) not in state["cells"] for n in cells)]
+        if missing:
+            raise SystemExit(f"sip_compute: {path} has no cells of the classes {', '.join(missing)}: pass the "
+                             "classes the state was started with (--classes), or start another state directory")
         return state
     state_dir.mkdir(parents=True, exist_ok=True)
     state = static_state(cells, classes)
@@ -527,7 +582,7 @@ def load_or_start(state_dir: Path, cells: dict[str, compute.Cell], classes: tupl
 def campaign(state_dir: Path, deadline: float, cells: dict[str, compute.Cell], classes: tuple[str, ...],
              min_headroom: float = 0.0, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Do the next steps that fit before `deadline` (time.monotonic()); the state, saved after each.
-    Kernels whose schedule-sensitive share is under `min_headroom` are not searched."""
+    Kernels whose share of samples outside issue cycles is under `min_headroom` are not searched."""
     previous = os.environ.get(probe.PROFILE_CACHE_ENV)
     os.environ[probe.PROFILE_CACHE_ENV] = str(state_dir / "profiles")  # every tune() of a kernel reuses its listing
     try:
@@ -539,58 +594,92 @@ def campaign(state_dir: Path, deadline: float, cells: dict[str, compute.Cell], c
             os.environ[probe.PROFILE_CACHE_ENV] = previous
 
 
+class StepTimeout(BaseException):
+    """A step ran past the time left in the call. A BaseException, like KeyboardInterrupt, so that no
+    `except Exception` on the way up takes it for the step's own failure."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise StepTimeout in this (the main) thread after `seconds`. The processes a step starts go with
+    it: sip_tune.probe.run_isolated kills its process group when interrupted, the tuner's Runner its
+    worker on leaving."""
+    def expire(signum: int, frame: Any) -> None:
+        raise StepTimeout(f"ran past the {seconds:.0f} s left in the call")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-3))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def step_seconds(what: str) -> float:
+    """The time a step is estimated to need: it starts only with that much left in the call."""
+    if what == "search":
+        return MIN_RUN_SECONDS + FINISH_SECONDS
+    return {"profile": PROFILE_SECONDS, "floor": FLOOR_SECONDS, **JUDGE_SECONDS}[what]
+
+
 def _steps(state_dir: Path, deadline: float, cells: dict[str, compute.Cell], classes: tuple[str, ...],
            min_headroom: float, log: Callable[[str], None]) -> dict[str, Any]:
     state = load_or_start(state_dir, cells, classes)
     path = state_dir / "state.json"
     state.setdefault("meta", {}).update({k: v for k, v in report.environment().items() if k in ("gpu", "toolchain")})
     state["meta"]["min_headroom"] = min_headroom
+    attempts = state.setdefault("attempts", {})  # "what key": tries begun and not ended (a kill ends none)
     while True:
-        step = next_step(state, list(cells))
+        step = next_step(state, list(cells), classes)
         if step is None:
             log("[sip-compute] every step is done")
             break
         what, key = step
-        left = deadline - time.monotonic()
-        cell = cells[key] if what in ("profile", "floor") else cells[state["cells"][key]["kernel"]]
-        if what == "profile":
-            need = PROFILE_SECONDS
-        elif what == "floor":
-            need = FLOOR_SECONDS
-        elif what == "search":
-            done_s = searched(state["cells"][key])[0]
-            need = min(MIN_RUN_SECONDS, budget(state["cells"][key]) - done_s) + FINISH_SECONDS
-        else:
-            need = JUDGE_SECONDS[what]
-        if left < need:
-            log(f"[sip-compute] {what} {key} needs ~{need:.0f} s, {left:.0f} s left: next call")
+        tag = f"{what} {key}"
+        if attempts.get(tag, 0) >= ATTEMPTS:
+            record_failure(state, what, key, f"cut short {attempts.pop(tag)} times (by the time left in a call, or "
+                           "a kill of the call): longer than a call")
+            save(state, path)
+            continue
+        left = deadline - time.monotonic() - SAVE_SECONDS
+        if left < step_seconds(what):
+            log(f"[sip-compute] {tag} needs ~{step_seconds(what):.0f} s, {left:.0f} s left: next call")
             break
-        log(f"[sip-compute] {what} {key}")
+        attempts[tag] = attempts.get(tag, 0) + 1
+        save(state, path)  # before the step: a call killed during it leaves the try counted
+        log(f"[sip-compute] {tag} (try {attempts[tag]} of {ATTEMPTS}, at most {left:.0f} s)")
         t0 = time.monotonic()
+        cell = cells[key] if what in ("profile", "floor") else cells[state["cells"][key]["kernel"]]
         try:
-            if what == "profile":
-                run_profile(state, key, cell)
-            elif what == "floor":
-                run_floor(state, key, cell)
-            elif what == "search":
-                remaining = budget(state["cells"][key]) - searched(state["cells"][key])[0]
-                run_search(state, key, cell, max(MIN_RUN_SECONDS, min(remaining, left - FINISH_SECONDS)),
-                           state_dir / "store")
-            else:
-                run_judge(state, what, key, cell)
+            with time_limit(left):
+                if what == "profile":
+                    run_profile(state, key, cell)
+                elif what == "floor":
+                    run_floor(state, key, cell)
+                elif what == "search":
+                    remaining = budget(state["cells"][key]) - searched(state["cells"][key])[0]
+                    run_search(state, key, cell, max(MIN_RUN_SECONDS, min(remaining, left - FINISH_SECONDS)),
+                               state_dir)
+                else:
+                    run_judge(state, what, key, cell)
+            del attempts[tag]
+        except StepTimeout as e:  # the try stays counted: the next call, with its whole time, tries again
+            log(f"[sip-compute] {tag}: {e}")
         except Exception as e:  # noqa: BLE001 - recorded; the next call goes on with the other steps
             traceback.print_exc()
+            del attempts[tag]
             record_failure(state, what, key, f"{type(e).__name__}: {e}"[:500])
         state["meta"]["date"] = datetime.datetime.now().isoformat(timespec="seconds")
         save(state, path)
-        log(f"[sip-compute] {what} {key}: {time.monotonic() - t0:.0f} s")
+        log(f"[sip-compute] {tag}: {time.monotonic() - t0:.0f} s")
     return state
 
 
 def record_failure(state: dict[str, Any], what: str, key: str, error: str) -> None:
-    """A step that raised: a profile records the error (the kernel's searches then place proposals by
-    loop depth), so does a floor; a search records a run of no time with the error (the third in a row ends the cell);
-    a judge part records it as its result."""
+    """A step that raised or was cut short ATTEMPTS times: a profile records the error (the kernel's
+    searches then place proposals by loop depth), so does a floor; a search records a run of no time
+    with the error (the third in a row ends the cell); a judge part records it as its result."""
     if what == "profile":
         state.setdefault("profiles", {})[key] = {"samples": 0, "hot_blocks": [], "error": error}
     elif what == "floor":
@@ -616,7 +705,8 @@ def main() -> int:
                    "their priority order)")
     p.add_argument("--classes", default=";".join(CLASSES), help="move classes separated by ';'")
     p.add_argument("--min-headroom", type=float, default=0.0, metavar="SHARE",
-                   help="search no kernel whose schedule-sensitive share of ncu samples is under SHARE (e.g. the "
+                   help="search no kernel whose share of ncu samples outside issue cycles (the most any schedule "
+                   "change could save) is under SHARE (e.g. the "
                    "A/A spread, 0.005: no schedule change could show); default 0: search every kernel")
     args = p.parse_args()
     cells = compute.cells()

@@ -220,8 +220,9 @@ def _hot(args) -> int:
           + (f" (fewer than {profile.MIN_SAMPLES}: shares this small say little)" if sum(samples) < profile.MIN_SAMPLES
              else ""))
     if reasons is not None:
-        print(f"  schedule-sensitive stalls ({', '.join(sorted(profile.SCHEDULE_SENSITIVE))}): "
-              f"{profile.headroom(reasons):.1%} of all samples, the most any schedule change could save")
+        print(f"  outside issue cycles: {profile.headroom(reasons):.1%} of all samples, the most any schedule change "
+              f"could save; schedule-sensitive stalls ({', '.join(sorted(profile.SCHEDULE_SENSITIVE))}), what "
+              f"SIP's moves aim at: {profile.sensitive_share(reasons):.1%}")
     for share, b in profile.hot_blocks(kernel, samples)[:max(args.top, 0)]:
         r = kernel.blocks[b]
         print(f"  block {b} at {kernel.instructions[r.start].offset:#06x}: {share:6.1%} of the samples, "

@@ -18,16 +18,26 @@ goes: SipError, rather than weights drawn from noise.
 Stall reasons: the same listing has one column per warp-stall reason of the PC sampler, `stall_<reason>`
 (all samples: the reasons a sampled warp had, `selected` when it issued) and `stall_<reason> (Not
 Issued)`. `stall_reasons` reads the all-samples columns per instruction; `breakdown` adds them up over
-instructions (a block, a loop); `REASONS` says what each means on Hopper. `SCHEDULE_SENSITIVE` are the
-reasons a change of this warp's own schedule can shorten: a stall count (`wait`), a consumer issued
-before its variable-latency producer is done (`short_sb`: MUFU, shared memory, SHFL; `long_sb`: global
-memory), a pipe or queue taken by this warp's previous instructions (`math`, `mio`, `dispatch`). The rest
-cannot be shortened by reordering: the warp issued (`selected`) or another warp did (`not_selected`, the
-issue slot was used), it waits on the tensor core (`gmma`), on other warps or agents (`barrier`,
-`membar`, `sleeping`, `lg`, `tex`, `drain`) or on instruction fetch (`no_inst`, `imc`, `branch_resolving`).
-`headroom` is the share of all samples in the sensitive reasons: if every such stall cycle of every
-warp vanished and none turned into another wait, the kernel could not get faster than by that share,
-so a share under the A/A spread of the timing leaves no schedule change measurable.
+instructions (a block, a loop); `REASONS` says what each means on Hopper.
+
+Two shares of the samples, two different claims:
+
+- `headroom`: the share of samples outside issue cycles, 1 - the share of `ISSUED` (`selected`: the
+  warp issued; `not_selected`: it was ready and another warp issued). Either kind falls in a cycle in
+  which its warp scheduler issued, so their share is at most the share of such cycles; every
+  instruction issues once (one a cycle per scheduler) whatever the order, so no reordering of the
+  same instructions, nor any change of stall counts, yield or reuse bits, removes those cycles, and
+  the kernel cannot get faster than by `headroom`. This is the upper bound: a share under the A/A
+  spread of the timing leaves no schedule change measurable (the campaign's --min-headroom). 1.0
+  without samples: nothing is known.
+- `sensitive_share`: the share in `SCHEDULE_SENSITIVE`, the reasons SIP's moves aim at: a stall count
+  (`wait`), a consumer issued before its variable-latency producer is done (`short_sb`: MUFU, shared
+  memory, SHFL; `long_sb`: global memory), a pipe or queue taken by this warp's previous instructions
+  (`math`, `mio`, `dispatch`), and the waits the `sync` relaxation lets register-only work move ahead
+  of (`gmma`: WARPGROUP.DEPBAR on the tensor core; `barrier`: BAR.SYNC). It says where a search can
+  act, not what it can save: the other waits (`sleeping`: mbarrier try-wait, `membar`, the `lg` / `tex`
+  queues, `drain`, instruction fetch: `no_inst`, `imc`, `branch_resolving`) are outside it yet
+  inside `headroom`, and a shorter stall may turn into another wait.
 """
 from __future__ import annotations
 
@@ -63,7 +73,8 @@ REASONS = {  # Nsight Compute's warp-stall reasons (sm_90), by their source-page
     "imc": "instruction cache miss",
     "misc": "miscellaneous",
 }
-SCHEDULE_SENSITIVE = frozenset({"wait", "short_sb", "long_sb", "math", "mio", "dispatch"})
+SCHEDULE_SENSITIVE = frozenset({"wait", "short_sb", "long_sb", "math", "mio", "dispatch", "gmma", "barrier"})
+ISSUED = frozenset({"selected", "not_selected"})  # samples in a cycle the scheduler issued in
 _REASON_ALIASES = {"sleep": "sleeping", "imc_miss": "imc", "no_instruction": "no_inst"}
 
 
@@ -95,8 +106,16 @@ def breakdown(reasons, instructions) -> dict[str, int]:
 
 
 def headroom(reasons) -> float:
-    """The share of all samples in SCHEDULE_SENSITIVE reasons: the most any schedule change could
-    save (see the module doc); 0 without samples."""
+    """The share of all samples outside issue cycles (not in ISSUED): the most any reordering of the
+    kernel's instructions could save (see the module doc); 1.0 without samples."""
+    total = breakdown(reasons, range(len(reasons)))
+    every = sum(total.values())
+    return 1.0 - sum(n for r, n in total.items() if r in ISSUED) / every if every else 1.0
+
+
+def sensitive_share(reasons) -> float:
+    """The share of all samples in SCHEDULE_SENSITIVE reasons, those SIP's moves aim at (see the
+    module doc); 0 without samples."""
     total = breakdown(reasons, range(len(reasons)))
     every = sum(total.values())
     return sum(n for r, n in total.items() if r in SCHEDULE_SENSITIVE) / every if every else 0.0

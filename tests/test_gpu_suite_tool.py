@@ -3,6 +3,9 @@ piece that finished, crashed or ran out of time, the report, and whole calls on 
 tests pass, fail, skip, crash their process and outlive the deadline (the second call resumes)."""
 import importlib.util
 import json
+import os
+import re
+import signal
 import sys
 import textwrap
 from pathlib import Path
@@ -112,6 +115,48 @@ def test_merge_records_results_and_tells_a_crash_from_a_deadline():
     state = {"results": {}}  # pytest ended on its own before t3 and t4: they were not collected
     assert suite.merge(state, piece, records[:2], 0, killed=False) == []
     assert [state["results"][t]["outcome"] for t in piece.tests] == ["passed", "error", "error", "error"]
+
+
+def test_a_piece_whose_process_crashes_before_finishing_a_test_is_retried_once_not_once_per_test(monkeypatch):
+    """A module fixture that kills its process: the first crash leaves the rest to a retry; a retry
+    that dies before finishing a test too makes the rest errors, instead of one start per test."""
+    piece = suite.Piece("a.py", [f"a.py::t{i}" for i in range(6)])
+    state = {"results": {}}
+    rest = suite.merge(state, piece, [{"event": "start", "nodeid": "a.py::t0"}], -11, killed=False)
+    assert rest == piece.tests[1:]
+    clock = Clock()
+    monkeypatch.setattr(suite.time, "sleep", clock.sleep)
+    launched = []
+
+    def launch(p):
+        launched.append(p)
+        return FakeProcess(p, clock, 1)
+
+    def finish(p, process, killed):  # every process dies in its first test
+        return suite.merge(state, p, [{"event": "start", "nodeid": p.tests[0]}], -11, killed)
+
+    suite.schedule([piece], 1, 100.0, launch, finish, min_start=1, clock=clock)
+    assert [(len(p.tests), p.retried) for p in launched] == [(6, False), (5, True)]  # two starts, not six
+    assert [state["results"][t]["outcome"] for t in piece.tests] == ["error"] * 6
+    assert "as the process before it did" in state["results"]["a.py::t5"]["message"]
+    # A retry that finishes tests before it dies leaves the rest to another retry.
+    state = {"results": {}}
+    records = [{"event": "start", "nodeid": "a.py::t1"},
+               {"event": "result", "nodeid": "a.py::t1", "outcome": "passed", "duration": 1.0, "message": ""},
+               {"event": "start", "nodeid": "a.py::t2"}]
+    again = suite.Piece("a.py", piece.tests[1:], retried=True)
+    assert suite.merge(state, again, records, -11, killed=False) == piece.tests[3:]
+
+
+def test_every_gpu_test_file_that_asserts_on_timings_runs_alone():
+    """A test asserting a timing ratio (A/A, speedup, re-timed rel) or a wall-time bound measures the
+    GPU it shares: beside other pieces it fails for their load, not its own code."""
+    root = Path(__file__).resolve().parents[1]
+    timing = re.compile(r"assert .*(\.rel\b|\[.rel.\]|aa_spread|speedup|monotonic\(\) - )")
+    found = {str(f.relative_to(root)) for f in (root / "tests").rglob("test_*.py")
+             if f != Path(__file__).resolve() and "mark.gpu" in (text := f.read_text()) and timing.search(text)}
+    assert {"tests/tuner/test_oplevel.py", "tests/tuner/test_compute_gpu.py"} <= found  # the pattern sees them
+    assert found <= set(suite.ALONE), sorted(found - set(suite.ALONE))
 
 
 def test_summary_counts_per_file_and_says_why_two_gpu_tests_did_not_run(tmp_path):
@@ -259,3 +304,68 @@ def test_grid_sample_covers_every_family_of_every_cut_with_few_cases():
     assert len(both) == 6  # the six kind/dtype families already hold the four tiles
     assert both == sample(list(reversed(cases)), [by_kind_dtype, by_tile], key, full=False)[::-1]  # order-free
     assert sample(cases, [by_tile], key, full=True) == cases
+
+
+LEFT_BEHIND = '''
+import os, subprocess, sys, time
+import pytest
+
+@pytest.mark.gpu
+def test_starts_a_tool_in_its_own_session_and_hangs():
+    """As sip_tune.probe.run_isolated starts compute-sanitizer or ncu; this test never stops it."""
+    tool = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
+    with open(os.environ["FAKE_PIDS"], "a") as f:
+        f.write(f"{tool.pid}\\n")
+    time.sleep(300)
+'''
+
+CLEANS_UP = '''
+import os, time
+import pytest
+
+@pytest.mark.gpu
+def test_cleans_up_when_interrupted():
+    try:
+        time.sleep(300)
+    finally:  # runs on KeyboardInterrupt, not when SIGTERM ends the process outright
+        open(os.environ["FAKE_CLEANED"], "w").write("cleaned up")
+'''
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+
+
+def test_the_deadline_ends_every_process_of_a_piece_and_lets_tests_clean_up(project, tmp_path, monkeypatch):
+    """Killed at the deadline, a piece's tests get a KeyboardInterrupt (their cleanup runs), and a
+    process it started in a session of its own, which a signal to its process group misses, is ended
+    too: left running, it would share the GPU with the timing tests after it."""
+    for f in (project / "tests").iterdir():
+        f.unlink()
+    (project / "tests" / "test_left_behind.py").write_text(LEFT_BEHIND)
+    (project / "tests" / "test_cleans_up.py").write_text(CLEANS_UP)
+    pids, cleaned = tmp_path / "pids", tmp_path / "cleaned"
+    monkeypatch.setenv("FAKE_PIDS", str(pids))
+    monkeypatch.setenv("FAKE_CLEANED", str(cleaned))
+    monkeypatch.setattr(suite, "GRACE_S", 2.0)
+    try:
+        assert _call(project, tmp_path / "out", "--budget", "15") == 4  # partial: both cut short
+        started = [int(p) for p in pids.read_text().split()]
+        assert len(started) == 1 and not _running(started[0])
+        assert cleaned.read_text() == "cleaned up"
+    finally:  # whatever the outcome, leave nothing running
+        for pid in (int(p) for p in pids.read_text().split()) if pids.exists() else ():
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_descendants_follow_parent_links_across_sessions():
+    table = {10: (1, "a"), 11: (10, "b"), 12: (11, "c"), 13: (1, "d"), 14: (12, "e")}
+    assert suite.descendants({10}, table) == {11: "b", 12: "c", 14: "e"}
+    assert suite.descendants({13}, table) == {} and suite.descendants({99}, table) == {}
+    me = os.getpid()
+    assert me in suite.processes() and suite.processes()[me][0] == os.getppid()

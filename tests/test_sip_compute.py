@@ -2,9 +2,11 @@
 most promising cells, resuming across calls that run out of time, failures, the op-level call site and
 its adapter (a stand-in sip_tune.oplevel), and the results table (GPU columns marked not run)."""
 import dataclasses
+import hashlib
 import json
 import math
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -48,7 +50,8 @@ def do(state, step, margins):
     """Play a step the way the GPU would: a profile, a base or extended search run, a judge part."""
     what, key = step
     if what == "profile":
-        state.setdefault("profiles", {})[key] = {"samples": 1000, "hot_blocks": [], "headroom": 0.1, "stalls": {}}
+        state.setdefault("profiles", {})[key] = {"samples": 1000, "hot_blocks": [], "headroom": 0.1, "sensitive": 0.05,
+                                                  "stalls": {}}
     elif what == "floor":
         state.setdefault("floors", {})[key] = {"speedup": 0.999, "aa_spread": 0.002, "runs": [], "validation": "ok"}
     elif what == "search":
@@ -82,8 +85,9 @@ def test_the_steps_go_kernel_by_kernel_then_extend_the_promising_then_judge():
     judged = {key for what, key in steps if what in C.JUDGE_SECONDS}
     assert judged == {C.cell_key("k_varlen", "alu"), C.cell_key("k_gemm", "alu")}  # only cells with a winner
     assert sum(s[0] == "sanitizer" for s in steps) == len(judged)
-    assert {r["status"] for r in C.rows(state)} == {"judged", "searched: no finalist past 1 + A/A and 10^5 samples",
-                                                     "no legal move: nothing to search"}
+    assert {r["status"] for r in C.rows(state)} == {
+        "judged", "no legal move: nothing to search", "searched: no finalist past 1 + A/A and 100000 samples",
+        "searched: no finalist past 1 + A/A and 10000 samples"}  # global validates on 10^4, the rest on 10^5
 
 
 def test_kernels_under_the_minimum_headroom_are_profiled_but_not_searched():
@@ -98,7 +102,7 @@ def test_kernels_under_the_minimum_headroom_are_profiled_but_not_searched():
     assert ("profile", "k_dense") in steps and ("floor", "k_dense") in steps
     assert not [s for s in steps if s[0] == "search" and s[1].startswith("k_dense")]
     assert {r["status"] for r in C.rows(state) if r["kernel"] == "k_dense"} == {
-        "skipped: schedule-sensitive share 1.00% < 5.00%"}
+        "skipped: samples outside issue cycles 1.00% < 5.00%"}
     assert all(C.search_done(c) for c in state["cells"].values() if c["kernel"] != "k_dense")
 
 
@@ -197,14 +201,22 @@ def test_the_op_level_call_site_and_its_adapter(monkeypatch):
         tuned_us: float = 97.0
         error: str = ""
 
-    calls = []
-    fake = types.SimpleNamespace(
-        CubinCandidate=lambda variant, original, tuned: ("cubin", variant, original, tuned),
-        retime=lambda kernel, shape, candidate: (calls.append((kernel, shape, candidate)), Timing())[1])
+    calls, stores = [], []
+
+    def retime(kernel, shape, candidate, *, store_root):
+        calls.append((kernel, shape, candidate))
+        stores.append((store_root, list(Path(store_root).iterdir())))  # what the op's store holds then
+        return Timing()
+
+    fake = types.SimpleNamespace(CubinCandidate=lambda variant, original, tuned: ("cubin", variant, original, tuned),
+                                 retime=retime)
     monkeypatch.setattr(C, "oplevel", fake)
     cell = compute.Cell("attention_d64", None, "attention", {"head_dim": 64}, "")
     got = C.op_level(cell, "variant-key", b"orig", b"tuned")
     assert calls == [("attention", {"head_dim": 64}, ("cubin", "variant-key", b"orig", b"tuned"))]
+    # an empty store of the campaign's own, not the user's default one (None): no verified config entry of
+    # the user's steers the op to another config than the tuned cubin's
+    assert stores[0][0] is not None and stores[0][1] == [] and not Path(stores[0][0]).exists()
     assert got == {"speedup": 1.031, "aa_spread": 0.004, "past_aa": True, "peer": "fa4", "vs_peer": 1.07,
                    "op": "rosekernels.attention", "heuristic_us": 100.0, "tuned_us": 97.0}
     assert C.op_level_record(Timing(speedup=1.002, aa_spread=0.004))["past_aa"] is False
@@ -224,17 +236,24 @@ def test_every_cell_has_an_op_level_case():
     assert case.op == "rosekernels.attention_varlen" and set(case.peers) == {"fa4"}
 
 
-def test_run_record_keeps_the_best_finalist_and_the_a_over_a():
+def test_run_record_keeps_the_best_finalist_and_the_a_over_a(tmp_path):
+    (tmp_path / "tuned.cubin").write_bytes(b"tuned by this run")
+    digest = hashlib.sha256(b"tuned by this run").hexdigest()
     report = types.SimpleNamespace(
-        finalists=[{"rel": 0.99, "validation": "skipped"}, {"rel": 0.97, "validation": "ok: 100000 passed"}],
+        finalists=[{"rel": 0.99, "validation": "skipped", "digest": "a" * 64},
+                   {"rel": 0.97, "validation": "ok: 100000 passed", "digest": digest}],
         search_seconds=280.0, total_seconds=400.0, iterations=3000, evaluated=2500, incorrect=3, crashed=1,
         runs=[{"exhausted": False}, {"exhausted": True}], aa_spread=0.005, bar=1.01, speedup=1.02,
-        samples_passed=100000, cached="/store/x", outcome="cached", gpu="H200")
+        samples_passed=100000, cached=str(tmp_path), outcome="cached", gpu="H200")
     r = C.run_record(report, seed=17)
     assert r["best_speedup"] == pytest.approx(1 / 0.97) and r["best_validation"] == "ok: 100000 passed"
-    assert r["exhausted"] is False and r["evaluated"] == 2500 and r["cached"] == "/store/x"
-    report.finalists = []
-    assert math.isnan(C.run_record(report, 1)["best_speedup"])
+    assert r["exhausted"] is False and r["evaluated"] == 2500 and r["cached"] == str(tmp_path)
+    assert r["tuned_sha256"] == digest and r["kept_older"] is False
+    report.finalists = report.finalists[:1]  # the store kept an entry of an earlier run
+    assert C.run_record(report, 1)["kept_older"] is True and C.run_record(report, 1)["tuned_sha256"] == digest
+    report.finalists, report.cached = [], ""
+    r = C.run_record(report, 1)
+    assert math.isnan(r["best_speedup"]) and r["tuned_sha256"] == "" and r["kept_older"] is False
 
 
 def test_the_table_marks_what_no_gpu_has_measured():
@@ -258,14 +277,15 @@ def test_the_table_marks_what_no_gpu_has_measured():
     cell["judge"] = {"retime": {"speedup": 1.011, "aa_spread": 0.002, "runs": []},
                      "op_level": {"error": "not run: sip_tune.oplevel is not in this tree"},
                      "sanitizer": {"memcheck": "clean", "racecheck": "exit 99: hazard", "synccheck": "clean"}}
-    state["profiles"] = {"k_varlen": {"samples": 5000, "headroom": 0.071, "stalls": {}, "hot_blocks": [
+    state["profiles"] = {"k_varlen": {"samples": 5000, "headroom": 0.571, "sensitive": 0.071, "stalls": {},
+                                      "hot_blocks": [
         {"offset": 0x4b80, "share": 0.41, "instructions": 388, "loop_depth": 2,
          "stalls": {"math": 300, "short_sb": 100, "selected": 100}}]}}
     text = C.markdown(state)
     row = next(line for line in text.splitlines() if line.startswith("| k_varlen | `alu`"))
     assert "| 4321 | 300 | 1.0123x | 0.31% | 1.0110x (A/A 0.20%) | error: not run: sip_tune.oplevel" in row
     assert "memcheck clean, racecheck FAILED, synccheck clean | judged |" in row
-    assert "5000 samples, 7.1% of them schedule-sensitive" in text
+    assert "5000 samples, 57.1% of them outside issue cycles, 7.1% schedule-sensitive" in text
     assert "block 0x4b80 (388 instructions, loop depth 2): 41% of the samples; math 60%, short_sb 20%, selected 20%" \
         in text
 
@@ -283,3 +303,158 @@ def test_mainloop_pairs_count_every_adjacent_pair_of_the_wgmma_loop(corpus):
     assert pairs["trusted"].get("fence HGMMA", 0) > 0 and "fence WARPGROUP" not in pairs["relaxed"]
     assert C._reason_kind(None) == "free" and C._reason_kind("RAW on R1") == "registers"
     assert C._reason_kind("instruction 7 is pinned: control flow (BRA) never moves") == "fence BRA"
+
+
+def fake_tune(cubins, stores):
+    """A stand-in tune(): files `cubins[moves]` (or what the store holds, if it keeps an earlier entry
+    of its own) as the entry of the kernel's one (variant, original) key under the store root it is
+    given, as sip_tune.tuning does with keep_better."""
+
+    def tune(factory, config, *, kernel, store_root):
+        stores.append(store_root)
+        entry = Path(store_root) / "toolchain" / kernel / "variant" / ("0" * 64)
+        entry.mkdir(parents=True, exist_ok=True)
+        ours = cubins[config.moves]
+        if not (entry / "tuned.cubin").exists() or len(ours) > len((entry / "tuned.cubin").read_bytes()):
+            (entry / "tuned.cubin").write_bytes(ours)  # "faster": longer, in this stand-in
+        return types.SimpleNamespace(
+            finalists=[{"rel": 0.97, "digest": hashlib.sha256(ours).hexdigest(), "validation": "ok"}],
+            search_seconds=config.budget_seconds, total_seconds=config.budget_seconds, iterations=10, evaluated=10,
+            incorrect=0, crashed=0, runs=[{"exhausted": False}], aa_spread=0.003, bar=1.01, speedup=1.03,
+            samples_passed=100_000, cached=str(entry), outcome="cached", gpu="FakeGPU")
+    return tune
+
+
+def test_every_class_of_a_kernel_has_its_own_store_and_the_judge_judges_its_own_winner(tmp_path, monkeypatch):
+    """The classes of one kernel share its variant and original cubin, which key a store entry: in one
+    store the fastest class's cubin would be every class's winner. Each cell has a store of its own,
+    the run records its entry's hash, and the judge refuses an entry that no longer holds it."""
+    state = fresh_state()
+    cubins = {"alu": b"alu's cubin", "global": b"global's longer cubin"}
+    stores = []
+    cell = compute.Cell("k_varlen", None, "k_varlen", None, "")
+    for moves in CLASSES:
+        C.run_search(state, C.cell_key("k_varlen", moves), cell, 60.0, tmp_path, tune=fake_tune(cubins, stores))
+    assert len(set(stores)) == 2 and all(Path(s).is_relative_to(tmp_path / "store") for s in stores)
+    judged = []
+    monkeypatch.setattr(C, "retime_fresh", lambda factory, original, tuned: judged.append(tuned) or {"speedup": 1})
+    cell = compute.Cell("k_varlen", lambda: types.SimpleNamespace(kernel=types.SimpleNamespace(cubin=b"original")),
+                        "k_varlen", None, "")
+    for moves in CLASSES:
+        key = C.cell_key("k_varlen", moves)
+        win = C.winner(state["cells"][key])
+        assert win["tuned_sha256"] == hashlib.sha256(cubins[moves]).hexdigest() and not win["kept_older"]
+        C.run_judge(state, "retime", key, cell)
+    assert judged == [cubins["alu"], cubins["global"]]  # each class's own winner
+    # A second alu run whose result the store does not keep: the record names the kept entry.
+    C.run_search(state, C.cell_key("k_varlen", "alu"), cell, 60.0, tmp_path,
+                 tune=fake_tune({"alu": b"short"}, stores))
+    win = C.winner(state["cells"][C.cell_key("k_varlen", "alu")])
+    assert win["kept_older"] and win["tuned_sha256"] == hashlib.sha256(cubins["alu"]).hexdigest()
+    (Path(win["cached"]) / "tuned.cubin").write_bytes(b"another cubin")  # the entry changed behind the record
+    with pytest.raises(RuntimeError, match="no longer holds the tuned cubin its run recorded"):
+        C.run_judge(state, "retime", C.cell_key("k_varlen", "alu"), cell)
+
+
+def test_a_call_on_some_kernels_and_classes_works_on_those_only(tmp_path, monkeypatch):
+    """--kernels / --classes on a state of more cells: the steps of the others (k_dense's promising
+    cell, to extend here) wait for a call that selects them, and the call writes its report."""
+    state = fresh_state()
+    for k in KERNELS:
+        state.setdefault("profiles", {})[k] = {"samples": 1000, "hot_blocks": [], "headroom": 0.5, "sensitive": 0.2,
+                                                "stalls": {}}
+        state.setdefault("floors", {})[k] = {"speedup": 1.0, "aa_spread": 0.002}
+        for m in CLASSES:
+            state["cells"][C.cell_key(k, m)]["runs"].append(a_run(best=1.0, exhausted=True))
+    state["cells"][C.cell_key("k_dense", "alu")]["runs"] = [a_run(best=1.05, cached="/s/dense")]
+    copy = lambda: json.loads(json.dumps(state))  # noqa: E731 - next_step extends cells in the state it is given
+    assert C.next_step(copy(), list(KERNELS)) == ("search", C.cell_key("k_dense", "alu"))  # extended
+    assert C.next_step(copy(), ["k_varlen", "k_gemm"]) is None
+    assert C.next_step(copy(), list(KERNELS), ("global",)) is None
+    state["cells"][C.cell_key("k_varlen", "global")]["runs"] = []
+    assert C.next_step(copy(), ["k_varlen"], ("global",)) == ("search", C.cell_key("k_varlen", "global"))
+    assert C.next_step(copy(), ["k_varlen"], ("alu",)) is None
+    state["cells"][C.cell_key("k_varlen", "global")]["runs"] = [a_run(best=1.0, exhausted=True)]
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    monkeypatch.setattr(C.report, "environment", lambda: {"gpu": "FakeGPU", "toolchain": "t"})
+    only = {"k_varlen": compute.Cell("k_varlen", None, "k_varlen", None, "")}
+    got = C.campaign(tmp_path, time.monotonic() + 600, only, CLASSES, log=lambda m: None)
+    assert got["cells"] == state["cells"]  # nothing of the unselected kernels touched, nothing extended
+    C.write(got, str(tmp_path / "out"))
+    assert "| k_dense | `alu` |" in (tmp_path / "out" / "sip" / "sip_compute.md").read_text()
+    with pytest.raises(SystemExit, match="no cells of the classes 'shared'"):
+        C.campaign(tmp_path, time.monotonic() + 600, only, ("alu", "shared"), log=lambda m: None)
+
+
+def _fake_campaign(monkeypatch, profile):
+    """The campaign over KERNELS x CLASSES, every step a stand-in (profile: `profile`); the state starts
+    static."""
+    monkeypatch.setattr(C.report, "environment", lambda: {"gpu": "FakeGPU", "toolchain": "t"})
+    monkeypatch.setattr(C, "static_state", lambda cells, classes: fresh_state())
+    monkeypatch.setattr(C, "run_profile", profile)
+    monkeypatch.setattr(C, "run_floor", lambda state, key, cell: do(state, ("floor", key), {}))
+    return {k: compute.Cell(k, None, k, None, k) for k in KERNELS}
+
+
+def test_a_step_is_marked_before_it_runs_and_recorded_failed_after_two_killed_calls(tmp_path, monkeypatch):
+    """A call killed in a step (here: its profile of k_varlen, interrupted) records nothing of it but
+    the try, written before the step began; the next call tries once more, and the one after records
+    the step as failed and goes on, instead of retrying it forever."""
+    tries = []
+
+    def profile(state, key, cell):
+        if key != "k_varlen":
+            return do(state, ("profile", key), {})
+        on_disk = json.loads((tmp_path / "state.json").read_text())
+        tries.append(on_disk["attempts"]["profile k_varlen"])
+        raise KeyboardInterrupt  # the lender ends the call
+
+    cells = _fake_campaign(monkeypatch, profile)
+    for _ in range(2):
+        with pytest.raises(KeyboardInterrupt):
+            C.campaign(tmp_path, time.monotonic() + 600, cells, CLASSES, log=lambda m: None)
+    assert tries == [1, 2]
+    monkeypatch.setattr(C, "run_search", lambda *a, **k: None)  # the searches are not this test's
+    monkeypatch.setattr(C, "step_seconds", lambda what: 1e9 if what == "search" else 0.0)
+    state = C.campaign(tmp_path, time.monotonic() + 600, cells, CLASSES, log=lambda m: None)
+    assert tries == [1, 2]  # not tried a third time
+    assert "cut short 2 times" in state["profiles"]["k_varlen"]["error"]
+    assert set(state["floors"]) == set(KERNELS) and set(state["profiles"]) == set(KERNELS)  # it went on
+    assert state["attempts"] == {}
+
+
+def _alive(pid):
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_step_past_the_time_left_is_stopped_with_its_processes_and_retried_then_failed(tmp_path, monkeypatch):
+    """The step's limit is the time left in the call, whatever its tool allows (probe.sanitize 600 s
+    per tool, ...): the profile here runs a process for a minute through sip_tune.probe.run_isolated
+    (own session, as compute-sanitizer and ncu run); the limit stops the step and that process, the try
+    stays counted, and a second overrun records the step as failed."""
+    from sip_tune import probe
+
+    pids = tmp_path / "pids"
+    child = f"import os, time; open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n'); time.sleep(60)"
+
+    def profile(state, key, cell):
+        probe.run_isolated([sys.executable, "-c", child], timeout_s=600)
+
+    cells = _fake_campaign(monkeypatch, profile)
+    monkeypatch.setattr(C, "SAVE_SECONDS", 1.0)
+    monkeypatch.setattr(C, "PROFILE_SECONDS", 1.0)
+    for call in (1, 2):
+        t0 = time.monotonic()
+        state = C.campaign(tmp_path, t0 + 5.0, cells, CLASSES, log=lambda m: None)
+        assert time.monotonic() - t0 < 5.0  # stopped at the limit, with time left to write the state
+        started = pids.read_text().split()
+        assert len(started) == call and not any(_alive(int(pid)) for pid in started)  # its process went with it
+        if call == 1:  # the first overrun: the try stays counted, the next call tries again
+            assert "k_varlen" not in state.get("profiles", {}) and state["attempts"] == {"profile k_varlen": 1}
+    # the second: recorded as failed at once, and written
+    assert "cut short 2 times" in state["profiles"]["k_varlen"]["error"] and state["attempts"] == {}
+    assert json.loads((tmp_path / "state.json").read_text())["profiles"]["k_varlen"] == state["profiles"]["k_varlen"]

@@ -12,8 +12,11 @@ How: the tests are collected once per run of the suite and cut into pieces of on
 pytest processes run pieces side by side on the one GPU, so that the compiles of many kernel variants
 spread over the host's cores (the compile cache, .gpu_suite/cache, is shared and outlives the call);
 files whose tests time kernels run alone. tools/gpu_suite_plugin.py appends each test's outcome to a
-log as it finishes: a call that reaches its deadline kills its pieces and loses only the tests in
-flight, which the next call runs. A test during which its process died is an error.
+log as it finishes: a call that reaches its deadline stops its pieces (SIGTERM, which the plugin turns
+into KeyboardInterrupt so that the tests stop the tools they started; then SIGKILL to every process
+under the piece, in whatever session) and loses only the tests in flight, which the next call runs.
+A test during which its process died is an error; the rest of its piece run in a new process, once:
+if that one too dies before finishing a test (a crash in a module fixture), they are errors.
 
 State: .gpu_suite/state.json.gz in the tree (it stays while the host is warm), copied to --out as
 gpu_suite_state.json.gz: on a fresh host, carry that file back in and pass it as --resume.
@@ -46,12 +49,15 @@ STATE_DIR = ".gpu_suite"
 STATE_FILE = "state.json.gz"
 SELECT = "gpu or grid"
 GRID_ENV = "ROSEKERNELS_TEST_GRID"
-# Tests of these files assert on kernel timings (A/A ratios, latency tables): no other piece runs beside them.
-ALONE = ("tests/tuner/test_configs_gpu.py", "tests/tuner/test_sip_gpu.py", "tests/engine/test_sass_latency_tool.py")
+# Tests of these files assert on kernel timings (A/A ratios, speedups, latency tables, wall-time bounds of
+# emulated ranks waiting on each other): no other piece runs beside them on the GPU.
+ALONE = ("tests/tuner/test_configs_gpu.py", "tests/tuner/test_sip_gpu.py", "tests/engine/test_sass_latency_tool.py",
+         "tests/tuner/test_oplevel.py", "tests/tuner/test_compute_gpu.py", "tests/kernels/test_moe_parallel.py")
 TWO_GPU = ("tests/kernels/test_moe_multigpu.py",)
 # What the tests depend on: a state is resumed only at the same digest of these.
 SOURCES = ("pyproject.toml", "rosekernels", "sip", "sip_tune", "tests", "tools", "examples", "bench/*.py")
 OUTCOMES = ("passed", "failed", "skipped", "error", "xfailed", "xpassed")
+GRACE_S = 10.0  # after the deadline's SIGTERM, what a piece has to unwind (its tools' cleanup) before SIGKILL
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,10 +65,11 @@ OUTCOMES = ("passed", "failed", "skipped", "error", "xfailed", "xpassed")
 
 @dataclasses.dataclass
 class Piece:
-    """Tests of one file, run by one pytest process."""
+    """Tests of one file, run by one pytest process; `retried`: the tests a crashed process left."""
     file: str
     tests: list[str]
     alone: bool = False
+    retried: bool = False
 
 
 def file_of(nodeid: str) -> str:
@@ -126,10 +133,12 @@ def read_log(path: Path) -> list[dict]:
 def merge(state: dict, piece: Piece, records: list[dict], exit_code: int | None, killed: bool,
           output_tail: str = "") -> list[str]:
     """Record the piece's finished tests in `state`. Returns the tests to run again: those its process
-    had not started when it died on its own (a crash). A test in flight when its process died is an
-    error; a process that died before starting any test (an import or collection error) makes all its
-    tests errors. Killed at the deadline, the unfinished tests stay pending, but a test in flight at
-    the deadline of two calls is an error (a hang, or longer than a call)."""
+    had not started when it died on its own (a crash), once: a retried piece whose process too died
+    before finishing a test (a crash in a module fixture) makes the rest errors, rather than one
+    process per test. A test in flight when its process died is an error; a process that died before
+    starting any test (an import or collection error) makes all its tests errors. Killed at the
+    deadline, the unfinished tests stay pending, but a test in flight at the deadline of two calls is
+    an error (a hang, or longer than a call)."""
     results = state["results"]
     done = set()
     for r in records:
@@ -151,22 +160,61 @@ def merge(state: dict, piece: Piece, records: list[dict], exit_code: int | None,
     rest = [t for t in piece.tests if t not in results]
     # pytest's own ends (0 passed, 1 failed, 5 none collected) and a death before any test leave the
     # rest never to run (not collected, an import error): errors, not tests to try again.
-    if rest and (exit_code in (0, 1, 5) or not any(r.get("event") == "start" for r in records)):
-        for t in rest:
-            results[t] = {"outcome": "error", "duration": 0.0,
-                          "message": f"{died} without running this test: {output_tail[-1500:]}"}
-        return []
-    return rest
+    if exit_code in (0, 1, 5) or not any(r.get("event") == "start" for r in records):
+        why = "without running this test"
+    elif piece.retried and not done:
+        why = "before finishing a test, as the process before it did, without running this test"
+    else:
+        return rest
+    for t in rest:
+        results[t] = {"outcome": "error", "duration": 0.0, "message": f"{died} {why}: {output_tail[-1500:]}"}
+    return []
 
 
 # ---------------------------------------------------------------------------------------------
 # Running pieces side by side.
 
+def processes() -> dict[int, tuple[int, str]]:
+    """{pid: (parent pid, start time)} of every process (Linux /proc); the start time tells a process
+    from a later one that reuses its pid."""
+    out = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            out[int(entry.name)] = (int(fields[1]), fields[19])
+    return out
+
+
+def descendants(roots: set[int], table: dict[int, tuple[int, str]] | None = None) -> dict[int, str]:
+    """{pid: start time} of every process under `roots` (not the roots themselves), whatever their
+    session: the tools sip_tune.probe.run_isolated starts (compute-sanitizer, ncu, the op-level
+    process) run in sessions of their own."""
+    table = processes() if table is None else table
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in table.items():
+        children.setdefault(parent, []).append(pid)
+    found: dict[int, str] = {}
+    todo = list(roots)
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found[child] = table[child][1]
+                todo.append(child)
+    return found
+
+
 class Process:
-    """A piece's pytest process, in a process group of its own (its children die with it)."""
+    """A piece's pytest process, in a process group of its own. At the deadline it gets SIGTERM (the
+    plugin turns it into KeyboardInterrupt, so that the tests' cleanup stops their tools), then, after
+    GRACE_S, SIGKILL, as does every process under it that is left, in whatever session: a tool left
+    running would hold the GPU under the timing tests that come after."""
 
     def __init__(self, argv: list[str], cwd: Path, env: dict, output: Path, log: Path):
         self.output, self.log = output, log
+        self._tree: dict[int, str] = {}
         with open(output, "w") as out:
             self.popen = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                           start_new_session=True)
@@ -175,15 +223,25 @@ class Process:
         return self.popen.poll()
 
     def terminate(self) -> None:
+        self._tree = descendants({self.popen.pid})  # now: once the process is gone, its orphans are no longer under it
         self._signal(signal.SIGTERM)
 
-    def reap(self) -> None:
-        """Wait a few seconds for the group to end after terminate(), then kill it."""
+    def reap(self, grace: float = GRACE_S) -> None:
+        """Wait up to `grace` seconds for the group to end after terminate(), then kill it and every
+        process under it still running."""
         try:
-            self.popen.wait(5)
+            self.popen.wait(grace)
         except subprocess.TimeoutExpired:
             self._signal(signal.SIGKILL)
             self.popen.wait()
+        table = processes()
+        tree = {**self._tree, **descendants(set(self._tree), table)}  # what they started since, too
+        for pid, started in tree.items():
+            if table.get(pid, (0, None))[1] == started:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def _signal(self, sig: int) -> None:
         try:
@@ -212,7 +270,7 @@ def schedule(pieces: list[Piece], jobs: int, deadline: float, launch: Callable[[
             running.remove(item)
             rest = finish(item[0], item[1], False)
             if rest:
-                queue.append(Piece(item[0].file, rest, item[0].alone))
+                queue.append(Piece(item[0].file, rest, item[0].alone, retried=True))
         while queue and len(running) < jobs and deadline - clock() >= min_start:
             if running and (queue[0].alone or running[0][0].alone):
                 break

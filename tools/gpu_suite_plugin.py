@@ -9,9 +9,13 @@ GPU_SUITE_LOG=FILE: append one JSON line per test as it starts ({"event": "start
     that a process killed at its deadline or by a crash has recorded every test it finished.
     outcome is pytest's word: passed, failed, skipped, error (setup or teardown failed), xfailed,
     xpassed; duration the seconds of setup, call and teardown together.
+    With GPU_SUITE_LOG set (a piece of the suite), SIGTERM (the suite's deadline) raises
+    KeyboardInterrupt: the test's cleanup then runs (sip_tune.probe.run_isolated kills the tool it
+    started, the tuner's Runner its worker) instead of the process ending at once.
 """
 import json
 import os
+import signal
 
 _COLLECT = os.environ.get("GPU_SUITE_COLLECT")
 _SELECT = os.environ.get("GPU_SUITE_SELECT")
@@ -22,6 +26,15 @@ _phases: dict[str, list] = {}
 def _append(record: dict) -> None:
     with open(_LOG, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}: the GPU suite's deadline")
+
+
+def pytest_configure(config):
+    if _LOG:
+        signal.signal(signal.SIGTERM, _interrupt)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,5 +1,6 @@
 """sip.profile's stall reasons: the `stall_*` columns of Nsight Compute's source-page CSV read back per
-instruction, added up per block, the schedule-sensitive share, and `sip hot`'s per-block breakdown."""
+instruction, added up per block, the two shares (the upper bound and what the moves aim at), and `sip hot`'s
+per-block breakdown."""
 import csv
 import io
 import random
@@ -63,8 +64,9 @@ def test_reasons_land_on_their_instructions_and_add_up_per_block():
     assert loop == {"short_sb": 1200, "not_selected": 300, "math": 40, "selected": 10, "branch_resolving": 7,
                     "wait": 5}
     assert list(loop) == sorted(loop, key=lambda r: -loop[r])  # largest first
-    sensitive = 1200 + 40 + 5
-    assert profile.headroom(reasons) == pytest.approx(sensitive / sum(sum(b.values()) for b in by))
+    total = sum(sum(b.values()) for b in by)
+    assert profile.sensitive_share(reasons) == pytest.approx((1200 + 40 + 5) / total)
+    assert profile.headroom(reasons) == pytest.approx(1 - (3 + 10 + 300) / total)  # all but the issue cycles
 
 
 def test_sections_of_several_launches_add_up_and_names_are_normalised():
@@ -101,7 +103,7 @@ def test_unreadable_reason_cells_are_refused():
             profile.stall_reasons(text, k)
 
 
-def test_headroom_is_the_sensitive_share_on_random_breakdowns():
+def test_headroom_bounds_the_sensitive_share_on_random_breakdowns():
     rng = random.Random(5)
     k = loop_kernel()
     for _ in range(50):
@@ -109,8 +111,23 @@ def test_headroom_is_the_sensitive_share_on_random_breakdowns():
         reasons = profile.stall_reasons(listing(k, by), k)
         norm = [{profile._reason("stall_" + r): n for r, n in b.items() if n} for b in by]
         total = sum(sum(b.values()) for b in norm)
+        issued = sum(b.get("selected", 0) + b.get("not_selected", 0) for b in norm)
         want = sum(n for b in norm for r, n in b.items() if r in profile.SCHEDULE_SENSITIVE) / total if total else 0
-        assert profile.headroom(reasons) == pytest.approx(want)
+        assert profile.sensitive_share(reasons) == pytest.approx(want)
+        assert profile.headroom(reasons) == pytest.approx(1 - issued / total if total else 1.0)
+        assert profile.sensitive_share(reasons) <= profile.headroom(reasons) + 1e-12
+
+
+def test_the_waits_the_sync_relaxation_targets_count_toward_both_shares():
+    """A kernel whose warps wait only on the tensor core and on a named barrier: the `sync` relaxation
+    moves register-only work ahead of WARPGROUP.DEPBAR and BAR, so neither share may call it out of
+    reach; a kernel that only issues has no headroom at all."""
+    k = loop_kernel()
+    waits = profile.stall_reasons(listing(k, [{"gmma": 600}, {"barrier": 300}, {"selected": 100}, {}, {}]), k)
+    assert profile.sensitive_share(waits) == pytest.approx(0.9) and profile.headroom(waits) == pytest.approx(0.9)
+    busy = profile.stall_reasons(listing(k, [{"selected": 50}, {"not_selected": 150}, {}, {}, {}]), k)
+    assert profile.headroom(busy) == 0.0 and profile.sensitive_share(busy) == 0.0
+    assert profile.headroom([{} for _ in k.instructions]) == 1.0  # no samples: nothing bounds it
 
 
 def test_sip_hot_prints_each_hot_blocks_stall_breakdown(corpus, tmp_path, capsys):
@@ -128,6 +145,9 @@ def test_sip_hot_prints_each_hot_blocks_stall_breakdown(corpus, tmp_path, capsys
     at = next(k for k, line in enumerate(lines) if line.strip().startswith(f"block {hot} "))
     assert lines[at + 1].strip() == "stalls: short_sb 75%, selected 25% (schedule-sensitive 75%)"
     n_hot, n = len(kernel.blocks[hot]), len(kernel.instructions)
-    share = 30 * n_hot / (40 * n_hot + (n - n_hot))
-    assert f"schedule-sensitive stalls (dispatch, long_sb, math, mio, short_sb, wait): {share:.1%}" in out
+    share = (30 * n_hot + (n - n_hot)) / (40 * n_hot + (n - n_hot))  # short_sb and barrier
+    bound = 1 - 10 * n_hot / (40 * n_hot + (n - n_hot))  # all but the hot block's selected samples
+    assert f"outside issue cycles: {bound:.1%} of all samples, the most any schedule change could save" in out
+    assert ("schedule-sensitive stalls (barrier, dispatch, gmma, long_sb, math, mio, short_sb, wait), what SIP's moves "
+            f"aim at: {share:.1%}") in out
     assert out.count("stalls: ") == 2
