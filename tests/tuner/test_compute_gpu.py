@@ -48,7 +48,8 @@ def test_the_listing_has_stall_reasons_and_the_cache_profiles_once(tmp_path, mon
     kernel = sass.disassemble_kernel(parsed, parsed.main_kernel().name)
     reasons = profile.stall_reasons(listing, kernel)
     total = profile.breakdown(reasons, range(len(reasons)))
-    print(f"\nqk_norm decode stall reasons: {total}; headroom (upper bound) {profile.headroom(reasons):.1%}, what SIP moves aim at {profile.sensitive_share(reasons):.1%}")
+    print(f"\nqk_norm decode stall reasons: {total}; headroom (upper bound) {profile.headroom(reasons):.1%}, "
+          f"what SIP's moves aim at {profile.sensitive_share(reasons):.1%}")
     assert sum(total.values()) == sum(profile.stall_samples(listing, kernel)) > 0
     assert "selected" in total
     unknown = set(total) - set(profile.REASONS)
