@@ -49,6 +49,8 @@ def _check_shapes(a, w, group_offsets, bias, a_index, row_scale, out, gated: boo
         checks.check_dtype("a_index", a_index, (torch.int32,))
         checks.check_shape("a_index", a_index, (None,))
     rows = _rows(a, a_index)
+    if a_index is not None and rows and not a.shape[0]:
+        raise ValueError(f"a has 0 rows, but a_index gathers {rows}")
     if row_scale is not None:
         checks.check_dtype("row_scale", row_scale, (torch.float32,))
         checks.check_shape("row_scale", row_scale, (rows,))

@@ -151,6 +151,7 @@ _GOOD = dict(a=_t(6, 64), w=_t(4, 32, 64), group_offsets=_offsets(4))
     (dict(a=_t(6, 60), w=_t(4, 32, 60)), ValueError, "K a multiple of 8"),
     (dict(w=_t(4, 32, 0), a=_t(6, 0)), ValueError, "positive"),
     (dict(w=_t(513, 32, 64), group_offsets=_offsets(513)), ValueError, "1 to 512 experts"),
+    (dict(a=_t(0, 64), a_index=_t(6, dtype=torch.int32)), ValueError, "a has 0 rows, but a_index gathers 6"),
     (dict(a=_t(64, 6).t()), ValueError, "unit stride"),
     (dict(a=_t(6, 68)[:, :64]), ValueError, "aligned"),
     (dict(w=_t(4, 32, 68)[:, :, :64]), ValueError, "aligned"),
@@ -446,6 +447,21 @@ def test_moe_experts_cuda_graph_replays_with_new_routing():
         out.fill_(math.nan)
         graph.replay()
         _assert_moe_close(out, moe_reference(x, wgu, wd, ids, weights), x.dtype)
+
+
+@pytest.mark.gpu
+def test_the_gather_kernel_reads_nothing_from_an_empty_x():
+    """The device side of the op's refusal: rows to gather from an x of no rows (a null pointer) are
+    zero-filled without a read (gated SwiGLU of zeros: zero rows), not read from before x."""
+    cfg = Config(tile_m=64, tile_n=32, swap_ab=True, gather=True, activation="silu", gated=True)
+    x = torch.empty(0, 64, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(4, 64, 64, dtype=torch.bfloat16, device="cuda")
+    offsets = torch.tensor([0, 3, 3, 5, 6], dtype=torch.int32, device="cuda")
+    index = torch.tensor([0, 5, -1, 2, 0, 1], dtype=torch.int32, device="cuda")
+    out = torch.full((6, 32), math.nan, dtype=torch.bfloat16, device="cuda")
+    gg.compile(cfg).fn(*gg.launch_args(cfg, x, w, out, None, offsets, index, None))
+    torch.cuda.synchronize()
+    assert (out == 0).all()
 
 
 def test_moe_experts_is_exported_with_its_checks():
