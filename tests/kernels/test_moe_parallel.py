@@ -40,57 +40,117 @@ CONFIGS = [mp.PeerConfig("ep_send", 2, "bf16", 7168, 8, 128), mp.PeerConfig("ep_
            mp.PeerConfig("tp_reduce", 4, "fp16", 2880, 6, weight_dtype="fp16")]
 
 
-def fence_paths(kernel) -> tuple[list[str], int] | None:
-    """(violations, flag stores) in the kernel's SASS; None without nvdisasm. A flag store is an
-    STG.STRONG (st.release), a data store any weak STG. On every path from a data store to a flag
-    store, or to a CTA barrier from which a flag store is reachable (the barrier hands this thread's
-    stores to the thread that stores the flag, whose own release covers only its own), an
-    unpredicated MEMBAR.*.SYS must come between; and every flag store must be system-scope."""
+def _disassemble(kernel):
+    """(instructions, blocks, successors) of the kernel's SASS; None without nvdisasm."""
     try:
         (k,) = sip_sass.disassemble(parse_cubin(kernel.cubin)).values()
     except SipError:
         return None
-    ins, blocks, succ = k.instructions, k.blocks, sip_cfg.successors(k)
-    assert not any(i.base == "CALL" for i in ins), "a call: the path check does not follow calls"
+    assert not any(i.base == "CALL" for i in k.instructions), "a call: the path checks do not follow calls"
+    return k.instructions, k.blocks, sip_cfg.successors(k)
+
+
+def _predicate_register(predicate: str) -> int:
+    """The register id (sip.sass) of an instruction predicate such as "@!P0" or "@UP1"."""
+    uniform, number = re.fullmatch(r"@!?(U?)P(\d)", predicate).groups()
+    return (sip_sass.UP_BASE if uniform else sip_sass.P_BASE) + int(number)
+
+
+def release_paths(kernel) -> tuple[list[str], int] | None:
+    """(violations, flag stores) in the kernel's SASS; None without nvdisasm. A flag store is an
+    STG.STRONG (st.release or st.relaxed at a scope), a data store any weak STG. What the PTX memory
+    model needs for a peer that acquires a flag to see the data stores of every thread of the CTA
+    (rosekernels/kernels/moe_peer.py): on every path from a data store to a flag store, a CTA barrier
+    (the stores of every thread before it precede what the flag thread does after it), then, after
+    that barrier, a MEMBAR.*.SYS on the flag thread (the release: unpredicated, or under the flag
+    store's own predicate, not rewritten in between); and every flag store system-scope. A fence
+    before the barrier counts for nothing here: it orders only its own thread's stores."""
+    got = _disassemble(kernel)
+    if got is None:
+        return None
+    ins, blocks, succ = got
     flag = [i.base == "STG" and "STRONG" in i.modifiers for i in ins]
     data = [i.base == "STG" and "STRONG" not in i.modifiers for i in ins]
-    fence = [i.base == "MEMBAR" and "SYS" in i.modifiers and i.predicate in ("", "@PT") for i in ins]
-    reach = [any(flag[i] for i in rng) for rng in blocks]  # a flag store reachable from the block's start
-    while True:
-        more = [b for b in range(len(blocks)) if not reach[b] and any(reach[s] for s in succ[b])]
-        if not more:
-            break
-        for b in more:
-            reach[b] = True
-    dirty_in = [False] * len(blocks)  # some path enters the block with an unfenced data store behind it
+    sys_fence = [i.base == "MEMBAR" and "SYS" in i.modifiers for i in ins]
+    always = [i.predicate in ("", "@PT") for i in ins]
 
-    def run(b: int, violations: list[str]) -> bool:
-        dirty = dirty_in[b]
-        for j, i in enumerate(blocks[b]):
+    def run(b: int, state: tuple[bool, bool], violations: list[str]) -> tuple[bool, bool]:
+        """state: (a data store since the last barrier, a data store before a barrier not yet fenced)."""
+        unbarred, unfenced = state
+        guard = None  # a predicated fence's predicate: it covers a flag store under the same one
+        for i in blocks[b]:
+            if guard is not None and _predicate_register(guard) in ins[i].writes:
+                guard = None
             if data[i]:
-                dirty = True
-            elif fence[i]:
-                dirty = False
-            elif flag[i] or ins[i].base == "BAR":
-                handed = flag[i] or any(flag[x] for x in blocks[b][j + 1:]) or any(reach[s] for s in succ[b])
-                if dirty and handed:
-                    violations.append(f"{ins[i].offset:#06x} {ins[i].text} after an unfenced data store")
-                if flag[i] and "SYS" not in ins[i].modifiers:
-                    violations.append(f"{ins[i].offset:#06x} {ins[i].text} is not system-scope")
-        return dirty
+                unbarred = True
+            elif ins[i].base == "BAR" and always[i]:
+                unfenced, unbarred = unfenced or unbarred, False
+            elif sys_fence[i]:
+                if always[i]:
+                    unfenced = False
+                else:
+                    guard = ins[i].predicate
+            elif flag[i]:
+                where = f"{ins[i].offset:#06x} {ins[i].text}"
+                if unbarred:
+                    violations.append(f"{where} after a data store with no CTA barrier between")
+                if unfenced and (always[i] or ins[i].predicate != guard):
+                    violations.append(f"{where}: no system-scope fence on its thread after the barrier")
+                if "SYS" not in ins[i].modifiers:
+                    violations.append(f"{where} is not system-scope")
+        return unbarred, unfenced
 
+    state_in = [(False, False)] * len(blocks)
     work = list(range(len(blocks)))
     while work:
         b = work.pop()
-        if run(b, []):
-            for s in succ[b]:
-                if not dirty_in[s]:
-                    dirty_in[s] = True
-                    work.append(s)
+        out = run(b, state_in[b], [])
+        for s in succ[b]:
+            merged = (state_in[s][0] or out[0], state_in[s][1] or out[1])
+            if merged != state_in[s]:
+                state_in[s] = merged
+                work.append(s)
     violations: list[str] = []
     for b in range(len(blocks)):
-        run(b, violations)
+        run(b, state_in[b], violations)
     return violations, sum(flag)
+
+
+def spin_loops(kernel) -> list[tuple[int, bool, bool]] | None:
+    """For each block in a cycle that polls a flag (an unconditional LDG...STRONG.SYS): (its offset,
+    whether every cycle through it sleeps (NANOSLEEP), whether some cycle through it reads no other
+    system-scope word and not the clock (SR_GLOBALTIMER) unconditionally: the error word and the
+    deadline checked every few polls, not on every one). None without nvdisasm."""
+    got = _disassemble(kernel)
+    if got is None:
+        return None
+    ins, blocks, succ = got
+    always = [i.predicate in ("", "@PT") for i in ins]
+    poll = [i.base == "LDG" and {"STRONG", "SYS"} <= set(i.modifiers) and always[j] for j, i in enumerate(ins)]
+    clock = [any("SR_GLOBALTIMER" in o for o in i.operands) and always[j] for j, i in enumerate(ins)]
+    sleeps = [i.base == "NANOSLEEP" for i in ins]
+
+    def returns(b: int, avoid) -> bool:
+        """Whether control can leave b and come back to it through blocks none of which `avoid` holds."""
+        seen, todo = set(), list(succ[b])
+        while todo:
+            c = todo.pop()
+            if c == b:
+                return True
+            if c in seen or any(avoid[i] for i in blocks[c]):
+                continue
+            seen.add(c)
+            todo += succ[c]
+        return False
+
+    loops = []
+    for b, rng in enumerate(blocks):
+        if any(poll[i] for i in rng) and returns(b, [False] * len(ins)):
+            sleep_always = any(sleeps[i] for i in rng) or not returns(b, sleeps)
+            light = sum(poll[i] for i in rng) == 1 and not any(clock[i] for i in rng) and returns(
+                b, [p or c for p, c in zip(poll, clock)])
+            loops.append((ins[rng[0]].offset, sleep_always, light))
+    return loops
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.variant().key())
@@ -100,7 +160,7 @@ def test_peer_kernels_compile_with_the_flag_protocol(fresh_cache, tmp_path, cfg)
     if sass is None:
         return
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills)"
-    violations, flags = fence_paths(kernel)
+    violations, flags = release_paths(kernel)
     assert not violations, violations
     assert flags == (0 if cfg.op == "wait" else 1), "one 64-bit release store of the flags"
     if cfg.op != "wait":
@@ -110,18 +170,32 @@ def test_peer_kernels_compile_with_the_flag_protocol(fresh_cache, tmp_path, cfg)
         assert "LDG.E.64.STRONG.SYS" in sass and "SR_GLOBALTIMER" in sass, "a wait without a deadline"
         # a failed wait reaches every rank's error word
         assert sass.count("ATOMG.E.CAS.64.STRONG.SYS") == cfg.world
+        # the spin: a sleep between polls; the error word and the clock not on every poll
+        loops = spin_loops(kernel)
+        assert loops and all(sleeps and light for _, sleeps, light in loops), loops
 
 
 @pytest.mark.parametrize("op", ["ep_send", "ep_return", "tp_reduce"])
-@pytest.mark.parametrize("fence", ["none", "gpu"])
-def test_the_fence_check_fails_builds_with_weakened_fences(fresh_cache, op, fence):
-    """The same kernels without their per-thread fences, or with fences and flags scoped to one GPU."""
+def test_builds_without_the_per_thread_fences_still_release_every_store(fresh_cache, op):
+    """fence="none": the barrier, then the flag thread's system-scope release: what the memory model
+    asks for (moe_peer's docstring), so the check passes it; only the per-thread fences are gone."""
     base = {c.op: c for c in CONFIGS}[op]
-    got = fence_paths(mp.compile(dataclasses.replace(base, fence=fence)))
+    got = release_paths(mp.compile(dataclasses.replace(base, fence="none")))
+    if got is None:
+        return
+    assert got == ([], 1)
+
+
+@pytest.mark.parametrize("op", ["ep_send", "ep_return", "tp_reduce"])
+@pytest.mark.parametrize("fence", ["gpu", "relaxed"])
+def test_the_release_check_fails_builds_that_do_not_release_across_gpus(fresh_cache, op, fence):
+    """Fences and flags scoped to one GPU; or the flag stored relaxed with no fence on its thread."""
+    base = {c.op: c for c in CONFIGS}[op]
+    got = release_paths(mp.compile(dataclasses.replace(base, fence=fence)))
     if got is None:
         return
     violations, flags = got
-    assert flags == 1 and any("unfenced" in v for v in violations), violations
+    assert flags == 1 and any("no system-scope fence" in v for v in violations), violations
     assert any("not system-scope" in v for v in violations) == (fence == "gpu")
 
 
