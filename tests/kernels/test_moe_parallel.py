@@ -249,12 +249,12 @@ def test_constructor_arguments_are_checked_before_anything_is_allocated(kw, erro
         moe._check_args(*args.values())
 
 
-def _cpu_peers(rank=0, world=2, bases=None):
+def _cpu_peers(rank=0, world=2, bases=None, nbytes=1024, group=object()):
     """Peers over a CPU arena (a group stands in for the process group: no stream, no device query)."""
-    arena = torch.zeros(1024, dtype=torch.uint8)
+    arena = torch.zeros(nbytes, dtype=torch.uint8)
     if bases is None:
-        bases = [arena.data_ptr() + (r - rank) * 4096 for r in range(world)]
-    return moe.Peers(rank, world, arena, bases, group=object(), sms=1)
+        bases = [arena.data_ptr() + (r - rank) * (1 << 20) for r in range(world)]
+    return moe.Peers(rank, world, arena, bases, group=group, sms=1)
 
 
 def test_peers_assert_their_address_translation():
@@ -269,21 +269,137 @@ def test_peers_assert_their_address_translation():
         moe.Peers(0, 2, arena, [arena.data_ptr(), arena.data_ptr() + 4104], group=object(), sms=1)
 
 
-def test_one_live_object_per_arena_and_one_layout():
-    class Owner:
-        pass
+class _Owner:
+    _failed = ""
 
-    peers = _cpu_peers()
-    first, layout = Owner(), ("ExpertParallel", (0, 256, 1024))
-    peers.claim(first, layout)
-    with pytest.raises(ValueError, match="in use by a live Owner"):
-        peers.claim(Owner(), layout)
+
+_EP_KEY = moe.ExpertParallel.layout_key(2, 32, 1024, 64, 4, BF16, torch.float32, 132)
+_TP_KEY = moe.TensorParallel.layout_key(2, 32, 1024, 64, 4, BF16, torch.float32, 132)
+
+
+def _exchanging(peers, *others):
+    """`peers` whose collective returns its own row and the given rows of the other ranks (by rank)."""
+    def exchange(row):
+        rows = list(others)
+        rows.insert(peers.rank, row)
+        return rows
+
+    peers._exchange = exchange
+    return peers
+
+
+def test_one_live_object_per_arena_and_one_layout():
+    peers = _exchanging(_cpu_peers(), [0, *_EP_KEY])
+    first = _Owner()
+    peers.claim(first, _EP_KEY)
+    with pytest.raises(ValueError, match="in use by a live _Owner"):
+        peers.claim(_Owner(), _EP_KEY)
     del first
     gc.collect()
-    peers.claim(Owner(), layout)  # the first is gone: a second of the same layout continues its step
+    peers.claim(_Owner(), _EP_KEY)  # the first is gone: a second of the same layout continues its step
     gc.collect()
     with pytest.raises(ValueError, match="another layout"):
-        peers.claim(Owner(), ("TensorParallel", (0, 256, 1024)))
+        peers.claim(_Owner(), _TP_KEY)
+    peers.arena[mp.ERROR_OFFSET] = 1  # an earlier step's error
+    with pytest.raises(RuntimeError, match="holds the error of an earlier step"):
+        peers.claim(_Owner(), _EP_KEY)
+
+
+@pytest.mark.parametrize("field", range(len(moe.LAYOUT_FIELDS)), ids=lambda i: moe.LAYOUT_FIELDS[i])
+def test_ranks_whose_objects_disagree_refuse_on_every_rank(field):
+    """Each rank's claim sees every rank's layout (the all_gather, stubbed): one field apart, both
+    ranks refuse, naming it and both values, and neither arena is claimed."""
+    other = list(_EP_KEY)
+    other[field] = 1 - other[field] if field == 0 else other[field] + 1  # (form: the other one)
+    keys = [_EP_KEY, tuple(other)]
+    for rank in range(2):
+        peers = _exchanging(_cpu_peers(rank), [0, *keys[1 - rank]])
+        with pytest.raises(ValueError, match=rf"disagree on {moe.LAYOUT_FIELDS[field]} \(rank 0: .+, rank 1: .+\)"):
+            peers.claim(_Owner(), keys[rank])
+        assert peers._owner is None and peers._layout is None
+
+
+def test_keys_differ_in_every_argument_the_ranks_must_share():
+    base = dict(world=2, num_experts=32, hidden=1024, max_tokens=64, topk=4, dtype=BF16, weight_dtype=torch.float32,
+                sms=132)
+    key = moe.ExpertParallel.layout_key(**base)
+    assert len(key) == len(moe.LAYOUT_FIELDS) and key != _TP_KEY
+    for name, value in (("num_experts", 16), ("hidden", 2048), ("max_tokens", 32), ("topk", 8), ("dtype", FP16),
+                        ("weight_dtype", BF16), ("sms", 78), ("world", 4)):
+        changed = moe.ExpertParallel.layout_key(**{**base, name: value})
+        assert changed[moe.LAYOUT_FIELDS.index(name)] != key[moe.LAYOUT_FIELDS.index(name)], name
+    assert "num_experts (rank 0: 32, rank 1: 16)" in str(moe._refusal(
+        [[0, *key], [0, *moe.ExpertParallel.layout_key(**{**base, "num_experts": 16})]]))
+    assert "dtype (rank 0: bfloat16, rank 1: float16)" in str(moe._refusal(
+        [[0, *key], [0, *moe.ExpertParallel.layout_key(**{**base, "dtype": FP16})]]))
+
+
+def test_a_rank_whose_arena_cannot_serve_refuses_every_rank():
+    for code, error, match in ((moe.IN_USE, ValueError, "rank 1's arena is in use"),
+                               (moe.OTHER_LAYOUT, ValueError, "rank 1's arena served an object of another layout"),
+                               (moe.HOLDS_ERROR, RuntimeError, "rank 1's arena holds the error")):
+        peers = _exchanging(_cpu_peers(0), [code, *_EP_KEY])
+        with pytest.raises(error, match=match):
+            peers.claim(_Owner(), _EP_KEY)
+        assert peers._owner is None
+
+
+def test_emulated_ranks_compare_with_the_live_objects_of_the_others(monkeypatch):
+    """No process group: rank 1's claim compares with rank 0's live object, refuses, and marks it
+    failed (its next call raises); a rank without a live object is not compared."""
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: None)
+    ranks = [_cpu_peers(r, group=None) for r in range(2)]
+    for p in ranks:
+        p._siblings = ranks
+    first = _Owner()
+    ranks[0].claim(first, _EP_KEY)
+    other = list(_EP_KEY)
+    other[moe.LAYOUT_FIELDS.index("num_experts")] = 16
+    with pytest.raises(ValueError, match=r"disagree on num_experts \(rank 0: 32, rank 1: 16\)"):
+        ranks[1].claim(_Owner(), tuple(other))
+    assert "disagree on num_experts" in first._failed and ranks[1]._owner is None
+    del first
+    gc.collect()
+    ranks[1].claim(_Owner(), tuple(other))  # rank 0's object is gone: nothing to compare with
+
+
+def _stub_construction(monkeypatch, preload):
+    """ExpertParallel built on the CPU: no device check, no kernels, `preload` instead of _preload."""
+    monkeypatch.setattr(moe, "check_sm90", lambda device: None)
+    monkeypatch.setattr(moe._Parallel, "_kernel", lambda self, op, **params: None)
+    monkeypatch.setattr(moe.ExpertParallel, "_preload", preload)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+
+def test_a_failed_construction_leaves_the_arena_unclaimed(monkeypatch):
+    def fail(self):
+        raise RuntimeError("no kernel")
+
+    _stub_construction(monkeypatch, fail)
+    peers = _exchanging(_cpu_peers(nbytes=1 << 16), [0, *moe.TensorParallel.layout_key(2, 8, 256, 8, 2, BF16,
+                                                                                         torch.float32, 1)])
+    with pytest.raises(RuntimeError, match="no kernel"):
+        moe.ExpertParallel(16, 256, 8, 2, peers=peers)
+    assert peers._owner is None and peers._layout is None
+    _stub_construction(monkeypatch, moe._Parallel._preloaded)
+    tp_key = moe.TensorParallel.layout_key(2, 8, 256, 8, 2, BF16, torch.float32, 1)
+    peers.claim(_Owner(), tp_key)  # another layout: the arena served nothing yet
+    assert peers._layout == tp_key
+
+
+def test_construction_claims_the_arena_once_every_rank_agrees(monkeypatch):
+    """Both ranks built with the layout key every rank exchanges: equal keys claim, a rank built with
+    other experts refuses on both (each rank's collective stubbed with the other's row)."""
+    _stub_construction(monkeypatch, moe._Parallel._preloaded)
+    key = [0, *moe.ExpertParallel.layout_key(2, 16, 256, 8, 2, BF16, torch.float32, 1)]
+    ranks = [moe.ExpertParallel(16, 256, 8, 2, peers=_exchanging(_cpu_peers(r, nbytes=1 << 16), key)) for r in range(2)]
+    assert all(ep.peers._owner() is ep for ep in ranks)
+    other = [0, *moe.ExpertParallel.layout_key(2, 32, 256, 8, 2, BF16, torch.float32, 1)]
+    for rank, (mine, theirs) in enumerate(((16, other), (32, key))):
+        peers = _exchanging(_cpu_peers(rank, nbytes=1 << 16), theirs)
+        with pytest.raises(ValueError, match=r"disagree on num_experts \(rank 0: (16|32), rank 1: (32|16)\)"):
+            moe.ExpertParallel(mine, 256, 8, 2, peers=peers)
+        assert peers._owner is None
 
 
 def test_without_a_process_group_construction_says_how():
@@ -816,6 +932,32 @@ def test_one_object_per_arena_and_the_step_stays_with_it():
         moe.TensorParallel(8, 1024, 64, 4, BF16, peers=peers[0])
     with pytest.raises(RuntimeError, match="holds the error of an earlier step"):
         moe.ExpertParallel(*args, peers=peers[1])
+
+
+@pytest.mark.gpu
+def test_ranks_built_with_other_experts_are_refused_on_every_rank():
+    """Rank 1 built with 16 experts against rank 0's 32 (the same arena layout: nothing else would
+    catch it, and each rank would route tokens to experts the other does not own): rank 1 refuses,
+    rank 0's object is failed before it sends anything; rebuilt alike, the ranks run."""
+    gen = torch.Generator().manual_seed(26)
+    peers = moe.Peers.emulated(2, moe._layout(moe.ExpertParallel.regions(2, 512, 16, 2, BF16))[1])
+    first = moe.ExpertParallel(32, 512, 16, 2, BF16, peers=peers[0], timeout_ms=50)
+    with pytest.raises(ValueError, match=r"disagree on num_experts \(rank 0: 32, rank 1: 16\)"):
+        moe.ExpertParallel(16, 512, 16, 2, BF16, peers=peers[1], timeout_ms=50)
+    x = torch.randn(16, 512, generator=gen).to("cuda", BF16)
+    ids, w = _routing(16, 32, 2, gen)
+    with torch.cuda.stream(first.stream), pytest.raises(RuntimeError, match="disagree on num_experts.*unusable"):
+        first.dispatch(x, ids, w)
+    torch.cuda.synchronize()
+    assert all(int(p.arena.count_nonzero()) == 0 for p in peers)  # nothing was sent
+    del first
+    gc.collect()
+    eps = [moe.ExpertParallel(32, 512, 16, 2, BF16, peers=p, timeout_ms=50) for p in peers]
+    outs = _each(eps, lambda r, ep: _ep_call(ep, x, ids, w))
+    torch.cuda.synchronize()
+    for ep, out in zip(eps, outs):
+        ep.check()
+        assert torch.equal(out, _single_gpu(x, ids, w, _scale(32, BF16)))
 
 
 def _single_batch(gen):
