@@ -39,6 +39,16 @@ accepts exactly its step (a peer cannot be ahead: it would need this rank's retu
 tensor-parallel one its step or the next (a fast peer's), and a flag of its own step must carry its
 own token count.
 
+Reuse without resets: a region is written for step s + 1 only once nothing reads its step s. Expert
+parallel: a rank's step s ends with a wait on every row of every peer's returns (all max_tokens,
+also those past its batch), and a peer's ep_return flags a row only after its threads have read that
+row's ids (and its grouping of step s read the rows before, in the peer's stream order); so when the
+rank's ep_send of s + 1 overwrites its rows in the peers' receive regions, no peer still reads them.
+A peer returns rows of s + 1 into this rank's return region only after receiving this rank's rows of
+s + 1, sent after this rank's combine of s read that region (stream order). Tensor parallel: the two
+inboxes alternate by parity, and a rank writes an inbox again (step s + 2) only after every rank's
+CTA flag of step s + 1, which that rank stores after its whole kernel of step s has read the inbox.
+
 Errors. A wait that outlasts `timeout_ns` (ERR_TIMEOUT), a flag further ahead than that
 (ERR_AHEAD: another object on the arena, or a corrupt one), or a tensor-parallel flag of this step
 with another token count (ERR_SHAPE) makes the waiting thread write one code (kind, its rank, the

@@ -549,9 +549,9 @@ class ExpertParallel(_Parallel):
         self._enter()
         launch.on_device(self.device.index, self._return, expert_out, self._received.slot_map, self.addr, self.state,
                          self.rank, self.max_tokens, self._return_grid)
-        # At least one row: a rank without tokens must still hear from every peer before its next step
-        # sends into their receive regions (ep_return flags every row).
-        self._wait(self._wait_returned, max(self._tokens, 1))
+        # Every row, also those past this rank's batch: its next step overwrites its rows in the peers'
+        # receive regions, which their ep_return reads until it flags them (moe_peer: reuse).
+        self._wait(self._wait_returned, self.max_tokens)
         self._pending = False
         return moe_combine(self.returned, self._weights, self.src_slot[:self._tokens], out)
 

@@ -1,14 +1,19 @@
 """MoE across GPUs (rosekernels.moe): the peer kernels compile for sm_90a with the release/acquire
-protocol in their SASS, every data store fenced at system scope before the flag that publishes it on
-every path, and builds with the fences weakened fail that check (CPU); on one GPU, ranks emulated on
-streams (SymmetricMemory refuses two ranks on one device) against single-GPU references: expert
-parallel bitwise equal to one GPU's dispatch + combine of the same expert rows (random, dropped, skewed
-and invalid routings, ragged batches, T up to 8192, bf16/fp16), tensor parallel within the float64
-bound and bitwise equal across ranks, many steps in a row and CUDA-graph replays, the step counter
-across 2^31 and 2^32; failures that end in bounded time with a raise on every rank (a peer that never
-signals, a skipped call, a rank asleep past the timeout, tensor-parallel token counts that disagree,
-a flag too far ahead, inside graphs too); one object per arena, the step kept with the arena, one
-stream per object. The same protocol on two GPUs: tests/kernels/test_moe_multigpu.py (torchrun)."""
+protocol in their SASS (on every path, every data store reaches the flag that publishes it through a
+CTA barrier and a system-scope release on the flag's thread; builds without that release across GPUs
+fail the check, the build without the redundant per-thread fences passes it) and spin with a sleep,
+the error word and the clock read every few polls (CPU); the layout every rank's object must agree
+on, refused on every rank when they do not, and the arena claimed only by a construction that
+succeeded (CPU, the collective stubbed); on one GPU, ranks emulated on streams (SymmetricMemory
+refuses two ranks on one device) against single-GPU references: expert parallel bitwise equal to one
+GPU's dispatch + combine of the same expert rows (random, dropped, skewed and invalid routings, ragged
+batches, T up to 8192, bf16/fp16), tensor parallel within the float64 bound and bitwise equal across
+ranks, many steps in a row and CUDA-graph replays, the step counter across 2^31 and 2^32, a combine
+that ends only after every returned row was flagged; failures that end in bounded time with a raise on
+every rank (a peer that never signals, a skipped call, a rank asleep past the timeout, tensor-parallel
+token counts that disagree, a flag too far ahead, inside graphs too, ranks built with other experts);
+one object per arena, the step kept with the arena, one stream per object. The same protocol on two
+GPUs: tests/kernels/test_moe_multigpu.py (torchrun)."""
 import dataclasses
 import gc
 import re
@@ -958,6 +963,31 @@ def test_ranks_built_with_other_experts_are_refused_on_every_rank():
     for ep, out in zip(eps, outs):
         ep.check()
         assert torch.equal(out, _single_gpu(x, ids, w, _scale(32, BF16)))
+
+
+@pytest.mark.gpu
+def test_a_combine_ends_only_once_every_peer_flagged_every_row_of_it():
+    """Rank 1 sends one token of max_tokens 1024, rank 0 all 1024, every pair to rank 0's experts
+    (8 rows of 14 KB to copy per row of rank 0's ep_return, before it reaches most of rank 1's rows):
+    rank 1's combine must wait for rank 0 to have flagged every one of rank 1's rows, also those past
+    its batch (its next dispatch overwrites their ids, which rank 0's ep_return reads until it flags
+    them). A copy of rank 1's return flags taken in its stream right after the combine holds the
+    step in every row; waiting on the batch's row alone, most were still a step behind."""
+    gen = torch.Generator().manual_seed(27)
+    ranks = moe.ExpertParallel.emulated(2, 256, 7168, 1024, 8, BF16)  # the CPU tests' ep_* configs
+    tokens = (1024, 1)
+    xs = [torch.randn(t, 7168, generator=gen).to("cuda", BF16) for t in tokens]
+    routing = [_routing(t, 256, 8, gen, drop=0.0, only=(0, 128)) for t in tokens]
+    torch.cuda.synchronize()
+    outs = _each(ranks, lambda r, ep: _ep_call(ep, xs[r], *routing[r]))
+    with torch.cuda.stream(ranks[1].stream):
+        flags = ranks[1].peers.view(ranks[1].offsets[mp.EP_RFLAG], (2, 1024), torch.int64).clone()
+    torch.cuda.synchronize()
+    assert torch.equal(flags >> 32, torch.ones_like(flags)), int((flags >> 32 != 1).sum())
+    scale = _scale(256, BF16)
+    for r, ep in enumerate(ranks):
+        ep.check()
+        assert torch.equal(outs[r], _single_gpu(xs[r], *routing[r], scale))
 
 
 def _single_batch(gen):
