@@ -646,8 +646,10 @@ def test_tensor_parallel_all_reduce_steps_and_graphs():
 @pytest.mark.gpu
 def test_ranks_running_ahead_of_each_other():
     """Ten steps queued on both ranks without a synchronisation, one rank's stream held back at the
-    start, one rank without tokens on some steps: a fast rank may publish a step before a slow one has
-    read the last (flags at or past the step are accepted; inboxes alternate by parity)."""
+    start, one rank without tokens on some steps. Expert parallel: a rank waits for exactly its step's
+    flags (no peer can run a step ahead of it: it needs this rank's returns first). Tensor parallel: a
+    fast rank may publish its next step before a slow one has read the last (its waits accept their
+    step or the next; the inboxes alternate by parity)."""
     gen = torch.Generator().manual_seed(11)
     ranks = moe.ExpertParallel.emulated(2, 32, 1024, 64, 4, BF16)
     scale = _scale(32, BF16)
@@ -830,7 +832,7 @@ def test_a_rank_asleep_past_the_timeout_fails_every_rank():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [(5, 7), (3000, 5)])  # one CTA each; 132 CTAs against one
+@pytest.mark.parametrize("tokens", [(5, 7), (3000, 5)])  # 2 CTAs each at H=512 bf16; 132 against 2
 def test_tensor_parallel_token_counts_that_disagree_fail_every_rank_at_once(tokens):
     """No timeout needed (the default, 10 s, is not reached): each rank reads the other's count in the
     flags of the step."""
