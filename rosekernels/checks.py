@@ -74,6 +74,20 @@ def check_not_expanded(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} has a zero stride (an expanded view); an output must be materialized")
 
 
+def span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) of the bytes a non-empty tensor's elements occupy."""
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether the byte ranges spanned by x and y intersect (an empty tensor spans nothing)."""
+    if x.numel() == 0 or y.numel() == 0:
+        return False
+    (x0, x1), (y0, y1) = span(x), span(y)
+    return x0 < y1 and y0 < x1
+
+
 def check_vectors(vectors: dict[str, torch.Tensor], outputs: Iterable[str] = (),
                   **others: torch.Tensor | None) -> None:
     """What a kernel that moves `vectors` in 128-bit accesses needs of their memory, each check over every

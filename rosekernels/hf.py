@@ -550,13 +550,27 @@ class Plan:
         return "\n".join(lines)
 
 
+def _experts_path(model: nn.Module, experts: str | None) -> str:
+    """The path of `model`'s MoE experts: the one apply() installed (None asks for it; another is
+    refused: apply() does not move experts already served), else `experts` (None: EXPERTS_PATH)."""
+    installed = {m._rosekernels_path for m in model.modules() if hasattr(m, "_rosekernels_path")}
+    if experts is not None and experts not in EXPERTS_WHAT:
+        raise ValueError(f"experts must be one of {sorted(EXPERTS_WHAT)}, got {experts!r}")
+    if not installed:
+        return EXPERTS_PATH if experts is None else experts
+    (path,) = installed  # apply() installs one path
+    if experts not in (None, path):
+        raise ValueError(f"the model's MoE experts already run on {path!r}; apply() does not move them to "
+                         f"{experts!r} (load the model anew for another path)")
+    return path
+
+
 def plan(model: nn.Module, experts: str | None = None) -> Plan:
     """The modules apply() would replace in `model` (any device, meta included), its experts on path
-    `experts` (None: EXPERTS_PATH); modules already replaced are not listed again. Raises ValueError for a
-    model that is not Qwen3 / Qwen3-MoE, or an unknown path."""
-    experts = EXPERTS_PATH if experts is None else experts
-    if experts not in EXPERTS_WHAT:
-        raise ValueError(f"experts must be one of {sorted(EXPERTS_WHAT)}, got {experts!r}")
+    `experts` (None: the path apply() installed, else EXPERTS_PATH); modules already replaced are not
+    listed again. Raises ValueError for a model that is not Qwen3 / Qwen3-MoE, an unknown path, or a
+    path other than the one its experts already run on."""
+    experts = _experts_path(model, experts)
     if not transformers.__version__.startswith(TRANSFORMERS):
         raise ValueError(f"rosekernels.hf follows transformers {TRANSFORMERS}x's Qwen3 code; this is transformers "
                          f"{transformers.__version__} (pip install 'rosekernels[hf]')")
@@ -596,7 +610,8 @@ def _swap(model: nn.Module, p: Plan) -> None:
 def apply(model: nn.Module, experts: str | None = None) -> nn.Module:
     """Run `model` (a transformers Qwen3 or Qwen3-MoE model on an sm_90 GPU) on rosekernels: see the
     module docstring; `experts`: the MoE experts' path, "grouped_mm" or "moe_experts" (None:
-    EXPERTS_PATH). Patches in place and returns the model; applying twice changes nothing more."""
+    EXPERTS_PATH, or the path an earlier apply() installed; another than that one is refused). Patches
+    in place and returns the model; applying twice changes nothing more."""
     _require_gpu(model)
     p = plan(model, experts)
     # Load the ops now (rosekernels imports them on first use), so that the patched forwards find
@@ -610,14 +625,14 @@ def apply(model: nn.Module, experts: str | None = None) -> nn.Module:
 
 def warmup_specs(model: nn.Module, experts: str | None = None) -> list:
     """The kernel configs the patched model launches (its dims, dtype and norm eps, both modes; the MoE
-    experts on path `experts`, None: EXPERTS_PATH), for rosekernels.warmup: compiled or loaded up front
-    instead of on the first calls."""
+    experts on path `experts`, None: the path apply() installed, else EXPERTS_PATH), for
+    rosekernels.warmup: compiled or loaded up front instead of on the first calls."""
     config = model.config
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[next(model.parameters()).dtype]
     dims = dataclasses.replace(ModelDims.from_config(config), dtype=dtype)
     plans = [rmsnorm_plan, qk_norm_plan, attention_plan, attention_decode_plan, gemm_leakyrelu_plan, moe_dispatch_plan,
              moe_combine_plan]
-    if (EXPERTS_PATH if experts is None else experts) == "moe_experts":
+    if _experts_path(model, experts) == "moe_experts":
         plans.append(grouped_gemm_plan)
     configs = [c for m in plans for c in m.variants_for([dims])]
     configs += attention_decode_plan.kvcache_variants_for([dims])  # a static cache's decode steps

@@ -186,7 +186,8 @@ class GroupedTiles:
         """One unit's k-tiles with `gather`; returns the advanced pipeline state. Thread gtid copies
         16-byte vector gtid % 8 of rows gtid // 8 + j * (threads / 8) of the row tile; a row past the
         group or a vector past K is zero-filled (a cp.async of 0 source bytes) from an address clamped
-        into x. The empty barrier is waited on by every gathering thread, armed by the TMA warp only."""
+        into x (row 0 of an empty x: a copy of 0 source bytes reads nothing). The empty barrier is waited
+        on by every gathering thread, armed by the TMA warp only."""
         rows = self.cfg.row_tile
         threads = self.gather_threads
         row_stride = threads // VEC
@@ -201,9 +202,9 @@ class GroupedTiles:
         tokens_of, valid = [], []
         for j in cutlass.range_constexpr(rows // row_stride):
             local = row_tile * rows + gtid // VEC + j * row_stride
-            valid.append(local < count)
+            valid.append((local < count) & (tokens > 0))  # (no row to read in an empty x: the op refuses it)
             r = cutlass.min(first + local, mIndex.shape[0] - 1)
-            tokens_of.append(cutlass.min(cutlass.max(mIndex[r], Int32(0)), tokens - 1))
+            tokens_of.append(cutlass.max(cutlass.min(mIndex[r], tokens - 1), Int32(0)))
         pred = cute.make_rmem_tensor(cute.make_layout((1, 1)), cutlass.Boolean)
         for kt in cutlass.range(k_tiles, unroll=1):
             ab_pipeline.sync_object_empty.wait(state.index, state.phase)

@@ -27,11 +27,17 @@ def check_sm90(device: torch.device) -> None:
 
 
 def rows_view(t: torch.Tensor) -> torch.Tensor:
-    """`t` with canonical strides on its size-1 dims (any stride is legal there; the kernel's
-    signature wants the last one unit and the row stride a multiple of 16 bytes)."""
-    if isinstance(t, torch.Tensor) and t.dim() == 2 and 1 in t.shape:
-        return t.as_strided(t.shape, (t.shape[1] if t.shape[0] == 1 else t.stride(0), 1))
-    return t
+    """`t` with the strides of a contiguous tensor on its size-1 dims (any stride is legal there; the
+    kernels' signatures want the last one unit and row strides multiples of 16 bytes); `t` itself
+    when they already are (and for anything not a tensor)."""
+    if not isinstance(t, torch.Tensor) or 1 not in t.shape:
+        return t
+    strides, inner = list(t.stride()), 1
+    for i in range(t.dim() - 1, -1, -1):
+        if t.shape[i] == 1:
+            strides[i] = inner
+        inner = strides[i] * t.shape[i]
+    return t if strides == list(t.stride()) else t.as_strided(t.shape, strides)
 
 
 class MoeDispatch:

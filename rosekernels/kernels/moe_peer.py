@@ -8,7 +8,20 @@ this process sees it, so one kernel serves any number of ranks. Every access to 
 explicit PTX: 16-byte vectors for rows, a system-scope release for a flag after the data it
 publishes (every thread fences at system scope, the CTA synchronises, then a thread stores the flag
 with `st.release.sys`, or, storing several, fences once and stores them `st.relaxed.sys`), and
-`ld.acquire.sys` to poll one.
+`ld.acquire.sys` to poll one (with a nanosleep backoff; the error word and the clock every few polls).
+
+Why the flag thread's release covers every thread's data stores (PTX ISA, memory consistency model):
+a `bar.sync` synchronizes with the `bar.sync` of every other thread on the same barrier, and a release
+synchronizes with an acquire (both morally strong: `.sys`) that reads its value (8.9.4, Memory
+synchronization); base causality order chains program order and synchronization transitively (8.9.5:
+"the transitivity of base causality order accounts for the cumulativity of synchronizing
+operations"). So any thread's data store -> its barrier -> the flag thread's barrier -> its
+`st.release.sys` -> a peer's `ld.acquire.sys` of the flag -> the peer's later reads is one causality
+chain, and those reads return the data or something later (axiom Causality). CUTLASS's arrive_inc and
+cooperative groups' grid sync rest on the same pattern. The per-thread `fence.acq_rel.sys` before the
+barrier is therefore redundant; it stays until a two-GPU measurement says what dropping it saves (the
+`fence="none"` build). Stream order is the model's too (8.9.4, API synchronization: a task's
+completion synchronizes with the start of the next task in its stream).
 
 Step state. The arena's first region (`STATE`, the same place in every layout, so the step stays
 with the arena and not with the Python object driving it) holds `state` [4] int32: the number of
@@ -26,15 +39,30 @@ accepts exactly its step (a peer cannot be ahead: it would need this rank's retu
 tensor-parallel one its step or the next (a fast peer's), and a flag of its own step must carry its
 own token count.
 
+Reuse without resets: a region is written for step s + 1 only once nothing reads its step s. Expert
+parallel: a rank's step s ends with a wait on every row of every peer's returns (all max_tokens,
+also those past its batch), and a peer's ep_return flags a row only after its threads have read that
+row's ids (and its grouping of step s read the rows before, in the peer's stream order); so when the
+rank's ep_send of s + 1 overwrites its rows in the peers' receive regions, no peer still reads them.
+A peer returns rows of s + 1 into this rank's return region only after receiving this rank's rows of
+s + 1, sent after this rank's combine of s read that region (stream order). Tensor parallel: the two
+inboxes alternate by parity, and a rank writes an inbox again (step s + 2) only after every rank's
+CTA flag of step s + 1, which that rank stores after its whole kernel of step s has read the inbox.
+
 Errors. A wait that outlasts `timeout_ns` (ERR_TIMEOUT), a flag further ahead than that
 (ERR_AHEAD: another object on the arena, or a corrupt one), or a tensor-parallel flag of this step
 with another token count (ERR_SHAPE) makes the waiting thread write one code (kind, its rank, the
 peer's, both shapes) into the error word of every rank, its own included, by compare-and-swap from 0:
-the first error stays, and nothing clears it. A wait also ends as soon as its own rank's error word is
-set, so after an error every later step of every rank runs without waiting (in bounded time; its
-results are meaningless) until the host reads the word (`rosekernels.moe.*.check`) and the ranks are
-rebuilt. `fence` builds variants that break the release side on purpose: the SASS check of
-tests/kernels/test_moe_parallel.py must fail them, and the two-GPU soak runs one to see what it shows.
+the first error stays, and nothing clears it. A wait also ends within CHECK_EVERY polls of its own
+rank's error word being set, so after an error every later step of every rank runs without waiting
+(in bounded time; its results are meaningless) until the host reads the word
+(`rosekernels.moe.*.check`) and the ranks are rebuilt.
+
+`fence` builds other release sides, for tests: "none" drops the redundant per-thread fences (correct,
+see above: to be measured); "gpu" scopes the fences and flag stores to one GPU and "relaxed" stores
+the flag `st.relaxed.sys` with no fence on its thread: both broken across GPUs, so the SASS check of
+tests/kernels/test_moe_parallel.py must fail them, and the two-GPU soak runs the first to see what it
+shows.
 
 Kernels:
 - `ep_send`: expert parallel, the sender's half of dispatch. CTA per token (grid-stride over
@@ -81,8 +109,14 @@ MAX_CTAS = 1024  # flags per rank in a tensor-parallel arena: `slots` never exce
 MAX_SHAPE = (1 << 24) - 1  # the largest token count an error code records
 # Error codes: kind << 60 | reporting rank << 54 | peer << 48 | the peer's shape << 24 | the reporter's.
 ERR_TIMEOUT, ERR_AHEAD, ERR_SHAPE = 1, 2, 3
-FENCES = ("sys", "gpu", "none")
+FENCES = ("sys", "none", "gpu", "relaxed")
 THREADS = 128  # wait
+# A waiting thread sleeps between polls of its flag (from SLEEP_MIN_NS, doubling up to SLEEP_MAX_NS: a
+# flag is seen at most ~2 x SLEEP_MAX_NS late) and reads the error word and the clock every
+# CHECK_EVERY polls only: thousands of waiting threads would otherwise poll the one error word and
+# the timer back to back.
+SLEEP_MIN_NS, SLEEP_MAX_NS = 32, 256
+CHECK_EVERY = 8  # a power of two
 TP_THREADS = 256
 # ep_send / ep_return: a CTA moves a row in chunks of UNROLL * ROW_THREADS 16-byte vectors, each
 # thread issuing its UNROLL loads before its stores, so UNROLL round trips to memory overlap.
@@ -101,8 +135,9 @@ class PeerConfig:
     weight_dtype: str = "fp32"  # tp_reduce with topk > 0
     region: int = 0  # wait: which region's flags
     bump: bool = False  # wait: the step's last kernel
-    # The release side: "sys" is the protocol; "gpu" scopes the fences and flag stores to one GPU,
-    # "none" drops the fences before the CTA barrier. Only tests build the last two (see the docstring).
+    # The release side: "sys" is the protocol; "none" drops the (redundant) fences before the CTA
+    # barrier; "gpu" scopes fences and flags to one GPU; "relaxed" stores the flags without a release.
+    # Only tests build the last three (see the module docstring).
     fence: str = "sys"
 
     def __post_init__(self) -> None:
@@ -168,6 +203,7 @@ def _release(addr: Int64, flag: Int64, fence: cutlass.Constexpr[str], sem: cutla
     """st.release of a flag; sem="relaxed" after this thread's own release fence (`_release_fence`),
     for a thread storing several (one fence instead of one per store)."""
     scope = "gpu" if fence == "gpu" else "sys"
+    sem = "relaxed" if fence == "relaxed" else sem
     cute.arch.inline_ptx("st." + sem + "." + scope + ".global.b64 [{$r0}], {$r1};", read_only_args=[addr, flag])
 
 
@@ -175,7 +211,7 @@ def _release(addr: Int64, flag: Int64, fence: cutlass.Constexpr[str], sem: cutla
 def _release_fence(fence: cutlass.Constexpr[str]):
     if const_expr(fence == "gpu"):
         cute.arch.fence_acq_rel_gpu()
-    else:
+    if const_expr(fence in ("sys", "none")):
         cute.arch.fence_acq_rel_sys()
 
 
@@ -189,6 +225,11 @@ def _acquire(addr: Int64) -> Int64:
 def _load_error(addr: Int64) -> Int64:
     return cute.arch.inline_ptx("ld.relaxed.sys.global.b64 {$w0}, [{$r0}];", write_only_types=[Int64],
                                 read_only_args=[addr])
+
+
+@cute.jit
+def _nanosleep(ns: Int32):
+    cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[ns])
 
 
 @cute.jit
@@ -218,18 +259,25 @@ def _fail(mAddr: cute.Tensor, world: cutlass.Constexpr[int], kind: Int32, me: In
 def _await(flag: Int64, step: Int32, shape: Int32, me: Int32, peer: Int32, mAddr: cute.Tensor, timeout_ns: Int64,
            world: cutlass.Constexpr[int], ahead_ok: cutlass.Constexpr[int], check_shape: cutlass.Constexpr[bool]):
     """Poll the flag at `flag` (in rank `me`'s arena, written by `peer`) until it carries `step` or a
-    later step, `me`'s error word is set, or `timeout_ns` passes. Then a flag still behind, one more
-    than `ahead_ok` steps ahead, or (check_shape) one of this step with another shape fails the step
-    on every rank, unless it has failed already."""
+    later step, `me`'s error word is set, or `timeout_ns` passes (both seen every CHECK_EVERY polls,
+    the polls spaced by a growing sleep). Then a flag still behind, one more than `ahead_ok` steps
+    ahead, or (check_shape) one of this step with another shape fails the step on every rank, unless
+    it has failed already."""
     own = mAddr[me, STATE] + ERROR_OFFSET
     seen = _acquire(flag)
     error = _load_error(own)
     start = cute.arch.globaltimer()
     waited = Int64(0)
+    polls = Int32(0)
+    sleep = Int32(SLEEP_MIN_NS)
     while (_steps_apart(seen, step) < 0) & (error == 0) & (waited < timeout_ns):
+        _nanosleep(sleep)
+        sleep = cutlass.min(sleep * 2, Int32(SLEEP_MAX_NS))
         seen = _acquire(flag)
-        error = _load_error(own)
-        waited = cute.arch.globaltimer() - start
+        polls = polls + 1
+        if polls & (CHECK_EVERY - 1) == 0:
+            error = _load_error(own)
+            waited = cute.arch.globaltimer() - start
     if error == 0:
         apart = _steps_apart(seen, step)
         kind = Int32(0)

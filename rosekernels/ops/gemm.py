@@ -151,24 +151,11 @@ def _check_memory(a, b_nk, bias, out) -> None:
             raise ValueError(f"b must be contiguous along N or K, got strides {b_nk.stride()}")
         checks.check_aligned("b", b_nk if b_nk.stride(1) == 1 else b_nk.t())
     for name, t in (("a", a), ("b", b_nk), ("bias", bias)):
-        if t is not None and _overlap(out, t):
+        if t is not None and checks.overlap(out, t):
             raise ValueError(f"out must not overlap {name}")
     checks.check_not_expanded("out", out)
     checks.check_same_device(a=a, b=b_nk, bias=bias, out=out)
     checks.check_cuda("a", a)
-
-
-def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Whether the byte ranges spanned by x and y intersect."""
-    if x.numel() == 0 or y.numel() == 0:
-        return False
-
-    def span(t):
-        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-    (x0, x1), (y0, y1) = span(x), span(y)
-    return x0 < y1 and y0 < x1
 
 
 def _b_as_nk(b: torch.Tensor, b_layout: str) -> torch.Tensor:

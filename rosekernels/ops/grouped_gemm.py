@@ -3,7 +3,7 @@ in one kernel (rosekernels/kernels/grouped_gemm.py).
 
 validate -> config (grouped_gemm_plan.config_for, or the tuned store's) -> compile -> plan -> launch:
 the first call with an argument signature does all of it; later ones check the pointers (alignment,
-out overlapping an input) and launch.
+out overlapping an input: against byte extents the plan computed once) and launch.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from rosekernels import checks, launch, modes, tuned
 from rosekernels.kernels import grouped_gemm as kernel
 from rosekernels.kernels.gemm_leakyrelu_plan import ACTIVATIONS
 from rosekernels.kernels.grouped_gemm_plan import OP, GroupedShape, check_sizes, config_for
-from rosekernels.kernels.moe_common import check_sm90
+from rosekernels.kernels.moe_common import check_sm90, rows_view
 
 _DTYPES = (torch.bfloat16, torch.float16)
 
@@ -49,6 +49,8 @@ def _check_shapes(a, w, group_offsets, bias, a_index, row_scale, out, gated: boo
         checks.check_dtype("a_index", a_index, (torch.int32,))
         checks.check_shape("a_index", a_index, (None,))
     rows = _rows(a, a_index)
+    if a_index is not None and rows and not a.shape[0]:
+        raise ValueError(f"a has 0 rows, but a_index gathers {rows}")
     if row_scale is not None:
         checks.check_dtype("row_scale", row_scale, (torch.float32,))
         checks.check_shape("row_scale", row_scale, (rows,))
@@ -63,14 +65,14 @@ def _check_memory(a, w, group_offsets, bias, a_index, row_scale, out) -> None:
     tensors too)."""
     for name, t in (("a", a), ("w", w), ("out", out)):
         checks.check_unit_last_stride(name, t)
-        checks.check_aligned(name, _canonical(t))
+        checks.check_aligned(name, rows_view(t))
     for name, t in (("group_offsets", group_offsets), ("bias", bias), ("a_index", a_index), ("row_scale", row_scale)):
         if t is not None:
             checks.check_unit_last_stride(name, t)
     checks.check_not_expanded("out", out)
     for name, t in (("a", a), ("w", w), ("group_offsets", group_offsets), ("bias", bias), ("a_index", a_index),
                     ("row_scale", row_scale)):
-        if t is not None and _overlap(out, t):
+        if t is not None and checks.overlap(out, t):
             raise ValueError(f"out must not overlap {name}")
     checks.check_same_device(a=a, w=w, group_offsets=group_offsets, bias=bias, a_index=a_index,
                              row_scale=row_scale, out=out)
@@ -78,51 +80,44 @@ def _check_memory(a, w, group_offsets, bias, a_index, row_scale, out) -> None:
     check_sm90(a.device)
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-
-def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Whether the byte ranges spanned by x and y intersect."""
-    if x.numel() == 0 or y.numel() == 0:
-        return False
-    (x0, x1), (y0, y1) = _span(x), _span(y)
-    return x0 < y1 and y0 < x1
-
-
-def _canonical(t: torch.Tensor) -> torch.Tensor:
-    """`t` with the strides of a contiguous tensor on its leading dims of size 1 (any stride is legal
-    there; the kernel's signature wants 16-byte row strides)."""
-    if not any(n == 1 for n in t.shape[:-1]):
-        return t
-    strides, inner = list(t.stride()), 1
-    for i in range(t.dim() - 1, -1, -1):
-        if t.shape[i] == 1:
-            strides[i] = inner
-        inner = strides[i] * t.shape[i]
-    return t.as_strided(t.shape, strides)
+def _extent(t: Optional[torch.Tensor]) -> int:
+    """Bytes from t's first element to past its last (0: absent or empty): fixed by the signature."""
+    if t is None or t.numel() == 0:
+        return 0
+    start, end = checks.span(t)
+    return end - start
 
 
 # ---------------------------------------------------------------------------------------------
 # The op.
 
 class _Plan(launch.Launch):
-    """One config launched on one argument signature: the launch arguments' bounds computed once; a
-    launch checks what depends on the data pointers (16-byte alignment, out overlapping an input)."""
+    """One config launched on one argument signature: the launch arguments' bounds and every tensor's
+    byte extent computed once; a launch checks what depends on the data pointers (16-byte alignment,
+    out overlapping an input) with a few integer comparisons."""
 
     def __init__(self, config, a, w, group_offsets, bias, a_index, row_scale, out):
         super().__init__(kernel.compile(config).fn, a.device.index)
         self.config = config
-        self.canonical = any(_canonical(t) is not t for t in (a, w, out))
+        self.canonical = any(rows_view(t) is not t for t in (a, w, out))
         self.scalars = kernel.launch_args(config, a, w, out, bias, group_offsets, a_index, row_scale)[-2:]
+        self.extents = [_extent(t) for t in (a, w, group_offsets, bias, a_index, row_scale)]
+        self.out_extent = _extent(out)
+
+    def _overlaps(self, out, inputs) -> bool:
+        o0 = out.data_ptr()
+        o1 = o0 + self.out_extent
+        for t, n in zip(inputs, self.extents):
+            if n and o0 < (p := t.data_ptr()) + n and p < o1:
+                return True
+        return False
 
     def launch(self, a, w, group_offsets, bias, a_index, row_scale, out) -> None:
-        if (a.data_ptr() | w.data_ptr() | out.data_ptr()) % 16 or any(
-                t is not None and _overlap(out, t) for t in (a, w, group_offsets, bias, a_index, row_scale)):
+        if (a.data_ptr() | w.data_ptr() | out.data_ptr()) % 16 or self._overlaps(
+                out, (a, w, group_offsets, bias, a_index, row_scale)):
             _check_memory(a, w, group_offsets, bias, a_index, row_scale, out)  # raises, saying which
         if self.canonical:
-            a, w, out = _canonical(a), _canonical(w), _canonical(out)
+            a, w, out = rows_view(a), rows_view(w), rows_view(out)
         try:
             launch.on_device(self.device, self.fn, a, w, out, bias, group_offsets, a_index, row_scale, *self.scalars)
         except Exception:

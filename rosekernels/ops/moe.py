@@ -28,8 +28,15 @@ an arena that holds an error refuses new objects.
 
 One object per arena: its step state lives in the arena, so an object claims its `Peers` and a
 second live object on them is refused; once the first is gone, a new object of the same layout
-continues its step (one of another layout is refused: it would misread the flags). Eager calls run on
-one stream (an emulated rank's own `stream`; else the first eager call's): the protocol reuses the
+continues its step (one of another layout is refused: it would misread the flags). The claim is the
+last step of a construction, after every kernel was loaded, and it is collective: every rank's object
+must agree on the layout (its class, world, experts, hidden size, max_tokens, topk, dtypes, SM count
+and arena regions: ranks that differ would misread each other's flags or write past each other's
+regions), compared by an all_gather that also keeps any rank from starting a step before all are
+built; a disagreement, or an arena that cannot serve on any rank, refuses the construction on every
+rank. Emulated ranks are built one after another: each is compared with the other ranks' live
+objects, and on a disagreement those are marked failed too (their next call raises). Eager calls run
+on one stream (an emulated rank's own `stream`; else the first eager call's): the protocol reuses the
 arena on the strength of stream order, so a call from another stream is refused. Calls captured in a
 CUDA graph are not checked: replay them on that stream, or order them with it by events.
 
@@ -78,6 +85,13 @@ MAX_WORLD = 32  # ranks: a bit each in the send kernel's destination mask
 MAX_TOPK = 64  # moe_combine's limit; the send kernel writes the ids with one thread each
 MAX_TOKENS = moe_peer.MAX_SHAPE  # a token count must fit an error code
 DEFAULT_TIMEOUT_MS = 10_000
+FORMS = ("ExpertParallel", "TensorParallel")
+MAX_REGIONS = 6  # an arena's regions (expert parallel's)
+# What every rank's object must agree on, in the order of _Parallel.layout_key (ints).
+LAYOUT_FIELDS = ("form", "world", "num_experts", "hidden", "max_tokens", "topk", "dtype", "weight_dtype", "sms",
+                 "arena bytes") + tuple(f"region {i}'s offset" for i in range(MAX_REGIONS))
+# Why a rank's arena cannot serve a new object (codes exchanged with the layout; 0: it can).
+IN_USE, OTHER_LAYOUT, HOLDS_ERROR = 1, 2, 3
 
 
 class Peers:
@@ -95,6 +109,7 @@ class Peers:
         self._keep = keep  # what keeps every arena mapped (all of them, for emulated ranks)
         self._owner: weakref.ref | None = None
         self._layout: tuple | None = None
+        self._siblings: list[Peers] | None = None  # emulated ranks: every rank's Peers (claim compares them)
 
     @classmethod
     def symmetric(cls, nbytes: int, group: Any = None, device: Any = None) -> "Peers":
@@ -122,19 +137,57 @@ class Peers:
         device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         arenas = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(world)]
         bases = [a.data_ptr() for a in arenas]
-        return [cls(r, world, arenas[r], bases, keep=arenas) for r in range(world)]
+        peers = [cls(r, world, arenas[r], bases, keep=arenas) for r in range(world)]
+        for p in peers:
+            p._siblings = peers
+        return peers
 
-    def claim(self, owner: Any, layout: tuple) -> None:
-        """Make `owner` the one object on this arena (its step state and flags are the arena's):
-        refused while another lives, or when the arena served another `layout`."""
+    def claim(self, owner: Any, layout: tuple[int, ...]) -> None:
+        """Make `owner` the one object on this arena (its step state and flags are the arena's) if every
+        rank's object agrees on `layout` (ints, LAYOUT_FIELDS) and every rank's arena can serve it
+        (none in use by a live object, none that served another layout, none holding an error);
+        otherwise refuse on every rank (see the module docstring; emulated ranks: a rank whose own
+        arena cannot serve refuses alone, a disagreement also fails the other ranks' live objects)."""
+        code, problem = self._problem(layout)
+        rows = self._exchange([code, *layout])
+        refusal = problem if problem is not None else _refusal(rows)
+        if refusal is not None:
+            if not code and self.group is None:
+                for other in self._siblings or ():
+                    live = other._owner() if other is not self and other._owner is not None else None
+                    if live is not None:
+                        live._failed = str(refusal)
+            raise refusal
+        self._owner, self._layout = weakref.ref(owner), layout
+
+    def _problem(self, layout: tuple[int, ...]) -> tuple[int, Exception | None]:
+        """(code, exception) of why this arena cannot serve an object of `layout`; (0, None) if it can."""
         other = self._owner() if self._owner is not None else None
         if other is not None:
-            raise ValueError(f"rank {self.rank}'s arena is in use by a live {type(other).__name__}: one object "
-                             "per arena (build new Peers for another)")
+            return IN_USE, ValueError(f"rank {self.rank}'s arena is in use by a live {type(other).__name__}: one "
+                                      "object per arena (build new Peers for another)")
         if self._layout is not None and self._layout != layout:
-            raise ValueError(f"rank {self.rank}'s arena served {self._layout[0]} of another layout, whose flags "
-                             "this one would misread: build new Peers")
-        self._owner, self._layout = weakref.ref(owner), layout
+            return OTHER_LAYOUT, _problem_error(self.rank, OTHER_LAYOUT)
+        error = self.arena[moe_peer.ERROR_OFFSET:moe_peer.ERROR_OFFSET + 8].view(torch.int64)
+        if int(error.item()):
+            return HOLDS_ERROR, _problem_error(self.rank, HOLDS_ERROR)
+        return 0, None
+
+    def _exchange(self, row: list[int]) -> list[list[int] | None]:
+        """Every rank's `row`, by rank: an all_gather over the process group; emulated ranks (no group):
+        for the others, the layout their live objects claimed with, None for a rank without one."""
+        if self.group is not None:
+            import torch.distributed as dist
+
+            mine = torch.tensor(row, dtype=torch.int64, device=self.device)
+            every = torch.empty(self.world, len(row), dtype=torch.int64, device=self.device)
+            dist.all_gather_into_tensor(every, mine, group=self.group)
+            return every.tolist()
+        rows: list[list[int] | None] = [None] * self.world
+        for p in self._siblings or [self]:
+            live = p._owner() if p._owner is not None else None
+            rows[p.rank] = row if p is self else [0, *p._layout] if live is not None else None
+        return rows
 
     def addresses(self, offsets: list[int]) -> torch.Tensor:
         """[world, regions] int64: where each region of each rank's arena is, for the kernels."""
@@ -158,6 +211,41 @@ def _check_bases(rank: int, world: int, own: int, bases: list[int]) -> None:
         raise ValueError(f"arena addresses must be 16-byte aligned, got {[hex(b) for b in bases]}")
 
 
+def _problem_error(rank: int, code: int) -> Exception:
+    if code == IN_USE:
+        return ValueError(f"rank {rank}'s arena is in use by a live object: one object per arena (build new Peers "
+                          "for another)")
+    if code == OTHER_LAYOUT:
+        return ValueError(f"rank {rank}'s arena served an object of another layout, whose flags this one would "
+                          "misread: build new Peers")
+    return RuntimeError(f"rank {rank}'s arena holds the error of an earlier step: build new Peers")
+
+
+def _show(field: str, value: int) -> str:
+    if field == "form":
+        return FORMS[value]
+    if field in ("dtype", "weight_dtype"):
+        return str(list(checks.DTYPE_NAME)[value]).replace("torch.", "")
+    return str(value)
+
+
+def _refusal(rows: list[list[int] | None]) -> Exception | None:
+    """Why every rank's new object is refused, given every rank's [problem code, *layout key] (None:
+    an emulated rank not built yet): the first rank whose arena cannot serve, else the first field
+    of LAYOUT_FIELDS on which the ranks disagree; None when they all agree."""
+    for r, row in enumerate(rows):
+        if row is not None and row[0]:
+            return _problem_error(r, row[0])
+    built = [(r, row[1:]) for r, row in enumerate(rows) if row is not None]
+    for i, field in enumerate(LAYOUT_FIELDS):
+        if len({key[i] for _, key in built}) > 1:
+            values = ", ".join(f"rank {r}: {_show(field, key[i])}" for r, key in built)
+            return ValueError(f"the ranks' objects disagree on {field} ({values}): every rank must build the "
+                              "same object (one that differs would misread the others' flags or write past their "
+                              "regions)")
+    return None
+
+
 def _layout(sizes: list[int]) -> tuple[list[int], int]:
     offsets, end = [], 0
     for size in sizes:
@@ -179,6 +267,7 @@ def _flag_value(step: int) -> int:
 class _Parallel:
     """What both forms share: sizes, the arena and its step state, the timeout, the stream, check()."""
 
+    FORM = -1  # index into FORMS
     FLAG_REGIONS: tuple[int, ...] = ()
     fence = "sys"  # the peer kernels' release side (tests build weakened subclasses: moe_peer.PeerConfig)
 
@@ -198,7 +287,6 @@ class _Parallel:
         elif peers.arena.numel() < nbytes:
             raise ValueError(f"the peers' arenas hold {peers.arena.numel()} bytes; this needs {nbytes}")
         check_sm90(peers.device)
-        peers.claim(self, (type(self).__name__, tuple(self.offsets)))
         self.peers, self.rank, self.world, self.device = peers, peers.rank, peers.world, peers.device
         self.addr = peers.addresses(self.offsets)
         # see moe_peer: step, arrivals, the error word (int64): the arena's, so that peers can set it
@@ -206,7 +294,7 @@ class _Parallel:
         self.sms = peers.sms
         self.dtype_name = checks.DTYPE_NAME[dtype]
         self._stream = None if peers.stream is None else peers.stream.cuda_stream  # see _enter
-        self._failed = False
+        self._failed = ""  # why this object is unusable, once it is
 
     @classmethod
     def emulated(cls, world: int, num_experts: int, hidden: int, max_tokens: int, topk: int,
@@ -217,6 +305,16 @@ class _Parallel:
         _, nbytes = _layout(cls.regions(world, hidden, max_tokens, topk, dtype))
         return [cls(num_experts, hidden, max_tokens, topk, dtype, peers=p, **kw)
                 for p in Peers.emulated(world, nbytes)]
+
+    @classmethod
+    def layout_key(cls, world: int, num_experts: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype,
+                   weight_dtype: torch.dtype, sms: int) -> tuple[int, ...]:
+        """What every rank's object must agree on, as ints (LAYOUT_FIELDS)."""
+        sizes = cls.regions(world, hidden, max_tokens, topk, dtype)
+        offsets, nbytes = _layout(sizes)
+        dtypes = list(checks.DTYPE_NAME)
+        return (cls.FORM, world, num_experts, hidden, max_tokens, topk, dtypes.index(dtype), dtypes.index(weight_dtype),
+                sms, nbytes, *offsets, *[-1] * (MAX_REGIONS - len(offsets)))
 
     @property
     def local_experts(self) -> tuple[int, int]:
@@ -231,8 +329,8 @@ class _Parallel:
     def _enter(self) -> None:
         """Before a call launches peer kernels: refused after a failed step, or from a second stream."""
         if self._failed:
-            raise RuntimeError(f"rank {self.rank}: a step failed (check() raised); this object is unusable: "
-                               "build new ones on every rank (see rosekernels.moe)")
+            raise RuntimeError(f"rank {self.rank}: {self._failed}; this object is unusable: build new ones on every "
+                               "rank (see rosekernels.moe)")
         if torch._C._cuda_isCurrentStreamCapturing():
             return  # replays run on whatever stream replays them (see the module docstring)
         stream = torch._C._cuda_getCurrentRawStream(self.device.index)  # a microsecond less than Stream objects
@@ -247,7 +345,7 @@ class _Parallel:
         torch.cuda.synchronize(self.device)  # every stream: the calls may run on one that is not current
         code = int(self.state[2:].view(torch.int64).item())
         if code:
-            self._failed = True
+            self._failed = "a step failed (check() raised)"
             raise _error(code, self.rank, self.timeout_ns)
 
     def _check_rows(self, name: str, t: Any, rows: int | None = None) -> None:
@@ -284,14 +382,12 @@ class _Parallel:
         # CUDA loads a kernel at its first launch and, to do so, waits for the device to idle, which
         # a spinning wait for a peer does not allow (with ranks emulated on one GPU it never would;
         # across GPUs a first step could outlast the timeout): so every kernel a step launches was
-        # launched once, on nothing, before the first step, and no rank starts one before all are ready.
+        # launched once, on nothing, before the first step, and no rank starts one before all are ready
+        # (the claim's all_gather). Only then is the arena claimed: a construction that failed before
+        # leaves it as it was.
         torch.cuda.synchronize(self.device)
-        if self.peers.group is not None:
-            import torch.distributed as dist
-
-            dist.barrier(self.peers.group)
-        if int(self.state[2:].view(torch.int64).item()):
-            raise RuntimeError(f"rank {self.rank}'s arena holds the error of an earlier step: build new Peers")
+        self.peers.claim(self, self.layout_key(self.world, self.num_experts, self.hidden, self.max_tokens, self.topk,
+                                               self.dtype, self.weight_dtype, self.sms))
 
     def _wait(self, fn: Any, rows: int, state: torch.Tensor | None = None, addr: torch.Tensor | None = None) -> None:
         """Launch a `wait` kernel on the first `rows` flags of each sender."""
@@ -366,6 +462,7 @@ def _check_args(world: int, num_experts: Any, hidden: Any, max_tokens: Any, topk
 class ExpertParallel(_Parallel):
     """Expert-parallel dispatch/combine over the ranks of a node (see the module docstring)."""
 
+    FORM = FORMS.index("ExpertParallel")
     FLAG_REGIONS = (moe_peer.EP_FLAG, moe_peer.EP_RFLAG)
 
     def __init__(self, num_experts: int, hidden: int, max_tokens: int, topk: int,
@@ -452,9 +549,9 @@ class ExpertParallel(_Parallel):
         self._enter()
         launch.on_device(self.device.index, self._return, expert_out, self._received.slot_map, self.addr, self.state,
                          self.rank, self.max_tokens, self._return_grid)
-        # At least one row: a rank without tokens must still hear from every peer before its next step
-        # sends into their receive regions (ep_return flags every row).
-        self._wait(self._wait_returned, max(self._tokens, 1))
+        # Every row, also those past this rank's batch: its next step overwrites its rows in the peers'
+        # receive regions, which their ep_return reads until it flags them (moe_peer: reuse).
+        self._wait(self._wait_returned, self.max_tokens)
         self._pending = False
         return moe_combine(self.returned, self._weights, self.src_slot[:self._tokens], out)
 
@@ -469,6 +566,7 @@ class ExpertParallel(_Parallel):
 class TensorParallel(_Parallel):
     """Tensor-parallel MoE over the ranks of a node (see the module docstring)."""
 
+    FORM = FORMS.index("TensorParallel")
     FLAG_REGIONS = (moe_peer.TP_FLAG,)
 
     def __init__(self, num_experts: int, hidden: int, max_tokens: int, topk: int,

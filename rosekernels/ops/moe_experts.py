@@ -9,6 +9,13 @@ sums) or a grid-wide wait. The routing weights are applied in the combine, where
 meet in fp32 anyway (grouped_gemm's row_scale would multiply them one rounding earlier and leave the
 combine an unweighted sum: the same launches, a [T, k] tensor of ones more). Every step reads its
 sizes on the device: no host sync, CUDA graphs capture the call and replay it with new routings.
+
+Why the dispatch copy, not grouped_gemm's gather (a_index): the dispatch runs anyway (the grouping's
+offsets and the combine's slot map come out of it), and its copy of the rows (T x k rows of H, written
+once, read once by the gate-up GEMM) lets that GEMM load them by TMA, as the down GEMM loads its rows,
+where the gather moves them by 16-byte cp.async from the producer warpgroup's threads. No GPU has
+timed either way yet: both choices (the copy, the weights in the combine) stand until a measurement
+of the alternatives (grouped_gemm takes a_index and row_scale) says otherwise.
 """
 from __future__ import annotations
 
@@ -73,7 +80,7 @@ def validate(x, w_gate_up, w_down, topk_ids, topk_weights, out, activation: str 
     if out is not None:
         checks.check_not_expanded("out", out)
         for name in ("topk_ids", "topk_weights"):
-            if on_device and _overlap(out, named[name]):
+            if on_device and checks.overlap(out, named[name]):
                 raise ValueError(f"out must not overlap {name}")
     if on_device:
         for name, t in named.items():
@@ -82,18 +89,9 @@ def validate(x, w_gate_up, w_down, topk_ids, topk_weights, out, activation: str 
         check_sm90(x.device)
 
 
-def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
-    if x.numel() == 0 or y.numel() == 0:
-        return False
-    spans = []
-    for t in (x, y):
-        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-        spans.append((t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()))
-    (x0, x1), (y0, y1) = spans
-    return x0 < y1 and y0 < x1
-
-
-_checked = launch.PlanCache()  # argument signatures validated once (the ops' own plans do the rest)
+# Argument signatures validated once; what depends on the pointers is checked on every call (the ops'
+# own plans check theirs, an out given here is checked before anything runs).
+_checked = launch.PlanCache()
 
 
 def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
@@ -121,6 +119,9 @@ def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
         validate(x, w_gate_up, w_down, topk_ids, topk_weights, out, activation, on_device=eager)
         if eager:
             _checked.put(key, True)
+    elif out is not None and (out.data_ptr() % 16 or checks.overlap(out, topk_ids)
+                              or checks.overlap(out, topk_weights)):
+        validate(x, w_gate_up, w_down, topk_ids, topk_weights, out, activation)  # raises, saying which
     if out is None:
         out = x.new_empty(x.shape)
     if x.shape[0] == 0:

@@ -398,6 +398,24 @@ def test_the_experts_path_is_one_of_two_and_switches_the_warmup_set():
     assert not [s for s in hf.warmup_specs(model, experts="grouped_mm") if s.variant().op == "grouped_gemm"]
 
 
+def test_the_installed_experts_path_is_the_default_and_another_is_refused():
+    """After apply(experts="moe_experts") (its module swaps: apply itself needs a GPU), plan and the
+    warm-up default to the installed path (its grouped GEMMs compiled up front, not at the first served
+    call), and asking for the other path raises instead of silently keeping this one."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf.model_config("qwen3-30b-a3b", 1), dtype=torch.bfloat16)
+    other = "grouped_mm" if hf.EXPERTS_PATH == "moe_experts" else "moe_experts"
+    hf._swap(model, hf.plan(model, experts=other))
+    assert model.model.layers[0].mlp.experts._rosekernels_path == other
+    assert hf.plan(model).experts == other and hf.plan(model, experts=other).experts == other
+    grouped = [s for s in hf.warmup_specs(model) if s.variant().op == "grouped_gemm"]
+    assert bool(grouped) == (other == "moe_experts")
+    with pytest.raises(ValueError, match=f"already run on '{other}'"):
+        hf.plan(model, experts=hf.EXPERTS_PATH)
+    with pytest.raises(ValueError, match=f"already run on '{other}'"):
+        hf.warmup_specs(model, experts=hf.EXPERTS_PATH)
+
+
 def _gemm_standin(a, w, bias=None, activation=None, gated=False):
     """rosekernels.gemm's contract: act(a @ w^T + bias), or gated act(gate) * up over w's rows interleaved
     in blocks of 8 (the kernel module's own epilogue reference), fp32 accumulation, a's dtype out."""

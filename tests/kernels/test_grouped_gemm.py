@@ -5,6 +5,7 @@ ragged groups, empty experts, gathered rows, row scales, CUDA-graph replays with
 garbage offsets (GPU). The planning is tested without CuTeDSL in test_grouped_gemm_plan.py."""
 import math
 import re
+import types
 
 import pytest
 import torch
@@ -12,8 +13,11 @@ import torch
 from grid import sample
 from kernel_sass import sass_of
 import rosekernels
+from rosekernels import launch, modes
 from rosekernels.kernels import grouped_gemm as gg
 from rosekernels.kernels import grouped_gemm_plan as plan
+from rosekernels.kernels.moe_common import rows_view
+from rosekernels.ops import grouped_gemm as gemm_op
 from rosekernels.ops import moe_experts as moe_experts_op
 
 Config = gg.Config
@@ -151,6 +155,7 @@ _GOOD = dict(a=_t(6, 64), w=_t(4, 32, 64), group_offsets=_offsets(4))
     (dict(a=_t(6, 60), w=_t(4, 32, 60)), ValueError, "K a multiple of 8"),
     (dict(w=_t(4, 32, 0), a=_t(6, 0)), ValueError, "positive"),
     (dict(w=_t(513, 32, 64), group_offsets=_offsets(513)), ValueError, "1 to 512 experts"),
+    (dict(a=_t(0, 64), a_index=_t(6, dtype=torch.int32)), ValueError, "a has 0 rows, but a_index gathers 6"),
     (dict(a=_t(64, 6).t()), ValueError, "unit stride"),
     (dict(a=_t(6, 68)[:, :64]), ValueError, "aligned"),
     (dict(w=_t(4, 32, 68)[:, :, :64]), ValueError, "aligned"),
@@ -169,6 +174,51 @@ def test_out_overlapping_an_input_is_rejected_and_nothing_is_written():
     with pytest.raises(ValueError, match="overlap a"):
         rosekernels.grouped_gemm(buf[:6], _t(4, 32, 64), _offsets(4), out=buf[2:8, :32])
     assert (buf == 7).all()
+
+
+def test_each_launch_checks_its_pointers_against_the_plans_extents(monkeypatch):
+    """A plan's launch (the per-call path): an out whose last 16 bytes cover the first of any input is
+    refused, naming it, with nothing launched; an out that ends where each input begins launches. All
+    views of one buffer: the signature (shapes, strides) stays the plan's, only the pointers move."""
+    launched = []
+    monkeypatch.setattr(gg, "compile", lambda config: types.SimpleNamespace(fn=lambda *args: launched.append(args)))
+    monkeypatch.setattr(modes, "sm_count", lambda index: 132)
+    monkeypatch.setattr(launch, "on_device", lambda device, fn, *args: fn(*args))
+    buf = torch.zeros(1 << 16, dtype=torch.uint8)
+    specs = {"a": ((6, 64), torch.bfloat16), "w": ((4, 32, 64), torch.bfloat16), "group_offsets": ((5,), torch.int32),
+             "bias": ((4, 32), torch.float32), "a_index": ((6,), torch.int32), "row_scale": ((6,), torch.float32)}
+    out_bytes = 6 * 32 * 2  # out [6, 32] bf16: a multiple of 16, so every out placed below stays aligned
+
+    def at(offset, shape, dtype):
+        return buf[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+    starts, end = {}, 1024
+    for name, (shape, dtype) in specs.items():  # 16-byte aligned, apart by more than out's size
+        starts[name], end = end, end + -(-math.prod(shape) * dtype.itemsize // 16) * 16 + 1024
+    args = {name: at(starts[name], *spec) for name, spec in specs.items()}
+    order = ("a", "w", "group_offsets", "bias", "a_index", "row_scale")
+    plan = gemm_op._Plan(Config(), *(args[n] for n in order), at(0, (6, 32), torch.bfloat16))
+    for name in order:
+        below = at(starts[name] - out_bytes, (6, 32), torch.bfloat16)  # ends where `name` begins
+        plan.launch(*(args[n] for n in order), below)
+        assert launched.pop()[2] is below
+        covering = at(starts[name] - out_bytes + 16, (6, 32), torch.bfloat16)
+        with pytest.raises(ValueError, match=f"out must not overlap {name}$"):
+            plan.launch(*(args[n] for n in order), covering)
+        assert not launched
+
+
+def test_rows_view_gives_size_1_dims_contiguous_strides_and_keeps_the_rest():
+    w = torch.zeros(1, 64, 32)
+    odd = w.as_strided((1, 64, 32), (5, 32, 1))  # any stride is legal on a dim of size 1
+    assert rows_view(odd).stride() == (64 * 32, 32, 1) and torch.equal(rows_view(odd), w)
+    row = torch.zeros(8, 64)[3:4].as_strided((1, 64), (7, 1))
+    assert rows_view(row).stride() == (64, 1)
+    column = torch.zeros(64, 1).as_strided((64, 1), (1, 3))
+    assert rows_view(column).stride() == (1, 1)
+    plain = torch.zeros(6, 64)
+    assert rows_view(plain) is plain and rows_view(torch.zeros(1, 64)).stride() == (64, 1)
+    assert rows_view(None) is None
 
 
 def test_gathered_rows_take_their_count_from_the_index():
@@ -446,6 +496,39 @@ def test_moe_experts_cuda_graph_replays_with_new_routing():
         out.fill_(math.nan)
         graph.replay()
         _assert_moe_close(out, moe_reference(x, wgu, wd, ids, weights), x.dtype)
+
+
+@pytest.mark.gpu
+def test_moe_experts_checks_the_pointers_of_every_call_that_passes_out():
+    """A second call of one signature whose out overlaps topk_weights (bf16 weights, views of one
+    buffer) is refused before anything is written; the first call's pointers were fine."""
+    (x, wgu, wd, ids, _), g = _moe_case(8, 16, 2, 256, 128)
+    buf = torch.zeros(8 * 256 + 64, dtype=torch.bfloat16, device="cuda")
+    weights = buf[8 * 256:8 * 256 + 16].view(8, 2).copy_(torch.rand(8, 2, generator=g).softmax(1))
+    out = torch.empty_like(x)
+    rosekernels.moe_experts(x, wgu, wd, ids, weights, out=out)
+    _assert_moe_close(out, moe_reference(x, wgu, wd, ids, weights), x.dtype)
+    overlapping = buf[16:16 + 8 * 256].view(8, 256)  # its last 16 elements are the weights
+    before = buf.clone()
+    with pytest.raises(ValueError, match="out must not overlap topk_weights"):
+        rosekernels.moe_experts(x, wgu, wd, ids, weights, out=overlapping)
+    torch.cuda.synchronize()
+    assert torch.equal(buf, before)
+
+
+@pytest.mark.gpu
+def test_the_gather_kernel_reads_nothing_from_an_empty_x():
+    """The device side of the op's refusal: rows to gather from an x of no rows (a null pointer) are
+    zero-filled without a read (gated SwiGLU of zeros: zero rows), not read from before x."""
+    cfg = Config(tile_m=64, tile_n=32, swap_ab=True, gather=True, activation="silu", gated=True)
+    x = torch.empty(0, 64, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(4, 64, 64, dtype=torch.bfloat16, device="cuda")
+    offsets = torch.tensor([0, 3, 3, 5, 6], dtype=torch.int32, device="cuda")
+    index = torch.tensor([0, 5, -1, 2, 0, 1], dtype=torch.int32, device="cuda")
+    out = torch.full((6, 32), math.nan, dtype=torch.bfloat16, device="cuda")
+    gg.compile(cfg).fn(*gg.launch_args(cfg, x, w, out, None, offsets, index, None))
+    torch.cuda.synchronize()
+    assert (out == 0).all()
 
 
 def test_moe_experts_is_exported_with_its_checks():

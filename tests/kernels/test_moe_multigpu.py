@@ -1,8 +1,9 @@
 """The MoE protocol of rosekernels.moe on two GPUs (skipped with fewer): one torchrun command runs
-tests/support/moe_multigpu_worker.py on two ranks over SymmetricMemory: the arena mapping, both forms
-against single-GPU references, a soak of 10^4 steps of each (eager and graph replays, random token counts
-and delays, checksums compared bitwise) and the same soak on a build with the fences scoped to one GPU,
-whose findings are printed (pytest -s), not asserted."""
+tests/support/moe_multigpu_worker.py on two ranks over SymmetricMemory: the arena mapping, ranks that
+disagree on the layout refused on both, both forms against single-GPU references, a soak of 10^4 steps
+of each (eager and graph replays, random token counts and delays, checksums compared bitwise) and the
+same soak on a build with the fences scoped to one GPU, whose findings are printed (pytest -s), not
+asserted."""
 import os
 import subprocess
 import sys

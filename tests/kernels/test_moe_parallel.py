@@ -1,14 +1,19 @@
 """MoE across GPUs (rosekernels.moe): the peer kernels compile for sm_90a with the release/acquire
-protocol in their SASS, every data store fenced at system scope before the flag that publishes it on
-every path, and builds with the fences weakened fail that check (CPU); on one GPU, ranks emulated on
-streams (SymmetricMemory refuses two ranks on one device) against single-GPU references: expert
-parallel bitwise equal to one GPU's dispatch + combine of the same expert rows (random, dropped, skewed
-and invalid routings, ragged batches, T up to 8192, bf16/fp16), tensor parallel within the float64
-bound and bitwise equal across ranks, many steps in a row and CUDA-graph replays, the step counter
-across 2^31 and 2^32; failures that end in bounded time with a raise on every rank (a peer that never
-signals, a skipped call, a rank asleep past the timeout, tensor-parallel token counts that disagree,
-a flag too far ahead, inside graphs too); one object per arena, the step kept with the arena, one
-stream per object. The same protocol on two GPUs: tests/kernels/test_moe_multigpu.py (torchrun)."""
+protocol in their SASS (on every path, every data store reaches the flag that publishes it through a
+CTA barrier and a system-scope release on the flag's thread; builds without that release across GPUs
+fail the check, the build without the redundant per-thread fences passes it) and spin with a sleep,
+the error word and the clock read every few polls (CPU); the layout every rank's object must agree
+on, refused on every rank when they do not, and the arena claimed only by a construction that
+succeeded (CPU, the collective stubbed); on one GPU, ranks emulated on streams (SymmetricMemory
+refuses two ranks on one device) against single-GPU references: expert parallel bitwise equal to one
+GPU's dispatch + combine of the same expert rows (random, dropped, skewed and invalid routings, ragged
+batches, T up to 8192, bf16/fp16), tensor parallel within the float64 bound and bitwise equal across
+ranks, many steps in a row and CUDA-graph replays, the step counter across 2^31 and 2^32, a combine
+that ends only after every returned row was flagged; failures that end in bounded time with a raise on
+every rank (a peer that never signals, a skipped call, a rank asleep past the timeout, tensor-parallel
+token counts that disagree, a flag too far ahead, inside graphs too, ranks built with other experts);
+one object per arena, the step kept with the arena, one stream per object. The same protocol on two
+GPUs: tests/kernels/test_moe_multigpu.py (torchrun)."""
 import dataclasses
 import gc
 import re
@@ -40,57 +45,117 @@ CONFIGS = [mp.PeerConfig("ep_send", 2, "bf16", 7168, 8, 128), mp.PeerConfig("ep_
            mp.PeerConfig("tp_reduce", 4, "fp16", 2880, 6, weight_dtype="fp16")]
 
 
-def fence_paths(kernel) -> tuple[list[str], int] | None:
-    """(violations, flag stores) in the kernel's SASS; None without nvdisasm. A flag store is an
-    STG.STRONG (st.release), a data store any weak STG. On every path from a data store to a flag
-    store, or to a CTA barrier from which a flag store is reachable (the barrier hands this thread's
-    stores to the thread that stores the flag, whose own release covers only its own), an
-    unpredicated MEMBAR.*.SYS must come between; and every flag store must be system-scope."""
+def _disassemble(kernel):
+    """(instructions, blocks, successors) of the kernel's SASS; None without nvdisasm."""
     try:
         (k,) = sip_sass.disassemble(parse_cubin(kernel.cubin)).values()
     except SipError:
         return None
-    ins, blocks, succ = k.instructions, k.blocks, sip_cfg.successors(k)
-    assert not any(i.base == "CALL" for i in ins), "a call: the path check does not follow calls"
+    assert not any(i.base == "CALL" for i in k.instructions), "a call: the path checks do not follow calls"
+    return k.instructions, k.blocks, sip_cfg.successors(k)
+
+
+def _predicate_register(predicate: str) -> int:
+    """The register id (sip.sass) of an instruction predicate such as "@!P0" or "@UP1"."""
+    uniform, number = re.fullmatch(r"@!?(U?)P(\d)", predicate).groups()
+    return (sip_sass.UP_BASE if uniform else sip_sass.P_BASE) + int(number)
+
+
+def release_paths(kernel) -> tuple[list[str], int] | None:
+    """(violations, flag stores) in the kernel's SASS; None without nvdisasm. A flag store is an
+    STG.STRONG (st.release or st.relaxed at a scope), a data store any weak STG. What the PTX memory
+    model needs for a peer that acquires a flag to see the data stores of every thread of the CTA
+    (rosekernels/kernels/moe_peer.py): on every path from a data store to a flag store, a CTA barrier
+    (the stores of every thread before it precede what the flag thread does after it), then, after
+    that barrier, a MEMBAR.*.SYS on the flag thread (the release: unpredicated, or under the flag
+    store's own predicate, not rewritten in between); and every flag store system-scope. A fence
+    before the barrier counts for nothing here: it orders only its own thread's stores."""
+    got = _disassemble(kernel)
+    if got is None:
+        return None
+    ins, blocks, succ = got
     flag = [i.base == "STG" and "STRONG" in i.modifiers for i in ins]
     data = [i.base == "STG" and "STRONG" not in i.modifiers for i in ins]
-    fence = [i.base == "MEMBAR" and "SYS" in i.modifiers and i.predicate in ("", "@PT") for i in ins]
-    reach = [any(flag[i] for i in rng) for rng in blocks]  # a flag store reachable from the block's start
-    while True:
-        more = [b for b in range(len(blocks)) if not reach[b] and any(reach[s] for s in succ[b])]
-        if not more:
-            break
-        for b in more:
-            reach[b] = True
-    dirty_in = [False] * len(blocks)  # some path enters the block with an unfenced data store behind it
+    sys_fence = [i.base == "MEMBAR" and "SYS" in i.modifiers for i in ins]
+    always = [i.predicate in ("", "@PT") for i in ins]
 
-    def run(b: int, violations: list[str]) -> bool:
-        dirty = dirty_in[b]
-        for j, i in enumerate(blocks[b]):
+    def run(b: int, state: tuple[bool, bool], violations: list[str]) -> tuple[bool, bool]:
+        """state: (a data store since the last barrier, a data store before a barrier not yet fenced)."""
+        unbarred, unfenced = state
+        guard = None  # a predicated fence's predicate: it covers a flag store under the same one
+        for i in blocks[b]:
+            if guard is not None and _predicate_register(guard) in ins[i].writes:
+                guard = None
             if data[i]:
-                dirty = True
-            elif fence[i]:
-                dirty = False
-            elif flag[i] or ins[i].base == "BAR":
-                handed = flag[i] or any(flag[x] for x in blocks[b][j + 1:]) or any(reach[s] for s in succ[b])
-                if dirty and handed:
-                    violations.append(f"{ins[i].offset:#06x} {ins[i].text} after an unfenced data store")
-                if flag[i] and "SYS" not in ins[i].modifiers:
-                    violations.append(f"{ins[i].offset:#06x} {ins[i].text} is not system-scope")
-        return dirty
+                unbarred = True
+            elif ins[i].base == "BAR" and always[i]:
+                unfenced, unbarred = unfenced or unbarred, False
+            elif sys_fence[i]:
+                if always[i]:
+                    unfenced = False
+                else:
+                    guard = ins[i].predicate
+            elif flag[i]:
+                where = f"{ins[i].offset:#06x} {ins[i].text}"
+                if unbarred:
+                    violations.append(f"{where} after a data store with no CTA barrier between")
+                if unfenced and (always[i] or ins[i].predicate != guard):
+                    violations.append(f"{where}: no system-scope fence on its thread after the barrier")
+                if "SYS" not in ins[i].modifiers:
+                    violations.append(f"{where} is not system-scope")
+        return unbarred, unfenced
 
+    state_in = [(False, False)] * len(blocks)
     work = list(range(len(blocks)))
     while work:
         b = work.pop()
-        if run(b, []):
-            for s in succ[b]:
-                if not dirty_in[s]:
-                    dirty_in[s] = True
-                    work.append(s)
+        out = run(b, state_in[b], [])
+        for s in succ[b]:
+            merged = (state_in[s][0] or out[0], state_in[s][1] or out[1])
+            if merged != state_in[s]:
+                state_in[s] = merged
+                work.append(s)
     violations: list[str] = []
     for b in range(len(blocks)):
-        run(b, violations)
+        run(b, state_in[b], violations)
     return violations, sum(flag)
+
+
+def spin_loops(kernel) -> list[tuple[int, bool, bool]] | None:
+    """For each block in a cycle that polls a flag (an unconditional LDG...STRONG.SYS): (its offset,
+    whether every cycle through it sleeps (NANOSLEEP), whether some cycle through it reads no other
+    system-scope word and not the clock (SR_GLOBALTIMER) unconditionally: the error word and the
+    deadline checked every few polls, not on every one). None without nvdisasm."""
+    got = _disassemble(kernel)
+    if got is None:
+        return None
+    ins, blocks, succ = got
+    always = [i.predicate in ("", "@PT") for i in ins]
+    poll = [i.base == "LDG" and {"STRONG", "SYS"} <= set(i.modifiers) and always[j] for j, i in enumerate(ins)]
+    clock = [any("SR_GLOBALTIMER" in o for o in i.operands) and always[j] for j, i in enumerate(ins)]
+    sleeps = [i.base == "NANOSLEEP" for i in ins]
+
+    def returns(b: int, avoid) -> bool:
+        """Whether control can leave b and come back to it through blocks none of which `avoid` holds."""
+        seen, todo = set(), list(succ[b])
+        while todo:
+            c = todo.pop()
+            if c == b:
+                return True
+            if c in seen or any(avoid[i] for i in blocks[c]):
+                continue
+            seen.add(c)
+            todo += succ[c]
+        return False
+
+    loops = []
+    for b, rng in enumerate(blocks):
+        if any(poll[i] for i in rng) and returns(b, [False] * len(ins)):
+            sleep_always = any(sleeps[i] for i in rng) or not returns(b, sleeps)
+            light = sum(poll[i] for i in rng) == 1 and not any(clock[i] for i in rng) and returns(
+                b, [p or c for p, c in zip(poll, clock)])
+            loops.append((ins[rng[0]].offset, sleep_always, light))
+    return loops
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.variant().key())
@@ -100,7 +165,7 @@ def test_peer_kernels_compile_with_the_flag_protocol(fresh_cache, tmp_path, cfg)
     if sass is None:
         return
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills)"
-    violations, flags = fence_paths(kernel)
+    violations, flags = release_paths(kernel)
     assert not violations, violations
     assert flags == (0 if cfg.op == "wait" else 1), "one 64-bit release store of the flags"
     if cfg.op != "wait":
@@ -110,18 +175,32 @@ def test_peer_kernels_compile_with_the_flag_protocol(fresh_cache, tmp_path, cfg)
         assert "LDG.E.64.STRONG.SYS" in sass and "SR_GLOBALTIMER" in sass, "a wait without a deadline"
         # a failed wait reaches every rank's error word
         assert sass.count("ATOMG.E.CAS.64.STRONG.SYS") == cfg.world
+        # the spin: a sleep between polls; the error word and the clock not on every poll
+        loops = spin_loops(kernel)
+        assert loops and all(sleeps and light for _, sleeps, light in loops), loops
 
 
 @pytest.mark.parametrize("op", ["ep_send", "ep_return", "tp_reduce"])
-@pytest.mark.parametrize("fence", ["none", "gpu"])
-def test_the_fence_check_fails_builds_with_weakened_fences(fresh_cache, op, fence):
-    """The same kernels without their per-thread fences, or with fences and flags scoped to one GPU."""
+def test_builds_without_the_per_thread_fences_still_release_every_store(fresh_cache, op):
+    """fence="none": the barrier, then the flag thread's system-scope release: what the memory model
+    asks for (moe_peer's docstring), so the check passes it; only the per-thread fences are gone."""
     base = {c.op: c for c in CONFIGS}[op]
-    got = fence_paths(mp.compile(dataclasses.replace(base, fence=fence)))
+    got = release_paths(mp.compile(dataclasses.replace(base, fence="none")))
+    if got is None:
+        return
+    assert got == ([], 1)
+
+
+@pytest.mark.parametrize("op", ["ep_send", "ep_return", "tp_reduce"])
+@pytest.mark.parametrize("fence", ["gpu", "relaxed"])
+def test_the_release_check_fails_builds_that_do_not_release_across_gpus(fresh_cache, op, fence):
+    """Fences and flags scoped to one GPU; or the flag stored relaxed with no fence on its thread."""
+    base = {c.op: c for c in CONFIGS}[op]
+    got = release_paths(mp.compile(dataclasses.replace(base, fence=fence)))
     if got is None:
         return
     violations, flags = got
-    assert flags == 1 and any("unfenced" in v for v in violations), violations
+    assert flags == 1 and any("no system-scope fence" in v for v in violations), violations
     assert any("not system-scope" in v for v in violations) == (fence == "gpu")
 
 
@@ -175,12 +254,12 @@ def test_constructor_arguments_are_checked_before_anything_is_allocated(kw, erro
         moe._check_args(*args.values())
 
 
-def _cpu_peers(rank=0, world=2, bases=None):
+def _cpu_peers(rank=0, world=2, bases=None, nbytes=1024, group=object()):
     """Peers over a CPU arena (a group stands in for the process group: no stream, no device query)."""
-    arena = torch.zeros(1024, dtype=torch.uint8)
+    arena = torch.zeros(nbytes, dtype=torch.uint8)
     if bases is None:
-        bases = [arena.data_ptr() + (r - rank) * 4096 for r in range(world)]
-    return moe.Peers(rank, world, arena, bases, group=object(), sms=1)
+        bases = [arena.data_ptr() + (r - rank) * (1 << 20) for r in range(world)]
+    return moe.Peers(rank, world, arena, bases, group=group, sms=1)
 
 
 def test_peers_assert_their_address_translation():
@@ -195,21 +274,137 @@ def test_peers_assert_their_address_translation():
         moe.Peers(0, 2, arena, [arena.data_ptr(), arena.data_ptr() + 4104], group=object(), sms=1)
 
 
-def test_one_live_object_per_arena_and_one_layout():
-    class Owner:
-        pass
+class _Owner:
+    _failed = ""
 
-    peers = _cpu_peers()
-    first, layout = Owner(), ("ExpertParallel", (0, 256, 1024))
-    peers.claim(first, layout)
-    with pytest.raises(ValueError, match="in use by a live Owner"):
-        peers.claim(Owner(), layout)
+
+_EP_KEY = moe.ExpertParallel.layout_key(2, 32, 1024, 64, 4, BF16, torch.float32, 132)
+_TP_KEY = moe.TensorParallel.layout_key(2, 32, 1024, 64, 4, BF16, torch.float32, 132)
+
+
+def _exchanging(peers, *others):
+    """`peers` whose collective returns its own row and the given rows of the other ranks (by rank)."""
+    def exchange(row):
+        rows = list(others)
+        rows.insert(peers.rank, row)
+        return rows
+
+    peers._exchange = exchange
+    return peers
+
+
+def test_one_live_object_per_arena_and_one_layout():
+    peers = _exchanging(_cpu_peers(), [0, *_EP_KEY])
+    first = _Owner()
+    peers.claim(first, _EP_KEY)
+    with pytest.raises(ValueError, match="in use by a live _Owner"):
+        peers.claim(_Owner(), _EP_KEY)
     del first
     gc.collect()
-    peers.claim(Owner(), layout)  # the first is gone: a second of the same layout continues its step
+    peers.claim(_Owner(), _EP_KEY)  # the first is gone: a second of the same layout continues its step
     gc.collect()
     with pytest.raises(ValueError, match="another layout"):
-        peers.claim(Owner(), ("TensorParallel", (0, 256, 1024)))
+        peers.claim(_Owner(), _TP_KEY)
+    peers.arena[mp.ERROR_OFFSET] = 1  # an earlier step's error
+    with pytest.raises(RuntimeError, match="holds the error of an earlier step"):
+        peers.claim(_Owner(), _EP_KEY)
+
+
+@pytest.mark.parametrize("field", range(len(moe.LAYOUT_FIELDS)), ids=lambda i: moe.LAYOUT_FIELDS[i])
+def test_ranks_whose_objects_disagree_refuse_on_every_rank(field):
+    """Each rank's claim sees every rank's layout (the all_gather, stubbed): one field apart, both
+    ranks refuse, naming it and both values, and neither arena is claimed."""
+    other = list(_EP_KEY)
+    other[field] = 1 - other[field] if field == 0 else other[field] + 1  # (form: the other one)
+    keys = [_EP_KEY, tuple(other)]
+    for rank in range(2):
+        peers = _exchanging(_cpu_peers(rank), [0, *keys[1 - rank]])
+        with pytest.raises(ValueError, match=rf"disagree on {moe.LAYOUT_FIELDS[field]} \(rank 0: .+, rank 1: .+\)"):
+            peers.claim(_Owner(), keys[rank])
+        assert peers._owner is None and peers._layout is None
+
+
+def test_keys_differ_in_every_argument_the_ranks_must_share():
+    base = dict(world=2, num_experts=32, hidden=1024, max_tokens=64, topk=4, dtype=BF16, weight_dtype=torch.float32,
+                sms=132)
+    key = moe.ExpertParallel.layout_key(**base)
+    assert len(key) == len(moe.LAYOUT_FIELDS) and key != _TP_KEY
+    for name, value in (("num_experts", 16), ("hidden", 2048), ("max_tokens", 32), ("topk", 8), ("dtype", FP16),
+                        ("weight_dtype", BF16), ("sms", 78), ("world", 4)):
+        changed = moe.ExpertParallel.layout_key(**{**base, name: value})
+        assert changed[moe.LAYOUT_FIELDS.index(name)] != key[moe.LAYOUT_FIELDS.index(name)], name
+    assert "num_experts (rank 0: 32, rank 1: 16)" in str(moe._refusal(
+        [[0, *key], [0, *moe.ExpertParallel.layout_key(**{**base, "num_experts": 16})]]))
+    assert "dtype (rank 0: bfloat16, rank 1: float16)" in str(moe._refusal(
+        [[0, *key], [0, *moe.ExpertParallel.layout_key(**{**base, "dtype": FP16})]]))
+
+
+def test_a_rank_whose_arena_cannot_serve_refuses_every_rank():
+    for code, error, match in ((moe.IN_USE, ValueError, "rank 1's arena is in use"),
+                               (moe.OTHER_LAYOUT, ValueError, "rank 1's arena served an object of another layout"),
+                               (moe.HOLDS_ERROR, RuntimeError, "rank 1's arena holds the error")):
+        peers = _exchanging(_cpu_peers(0), [code, *_EP_KEY])
+        with pytest.raises(error, match=match):
+            peers.claim(_Owner(), _EP_KEY)
+        assert peers._owner is None
+
+
+def test_emulated_ranks_compare_with_the_live_objects_of_the_others(monkeypatch):
+    """No process group: rank 1's claim compares with rank 0's live object, refuses, and marks it
+    failed (its next call raises); a rank without a live object is not compared."""
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: None)
+    ranks = [_cpu_peers(r, group=None) for r in range(2)]
+    for p in ranks:
+        p._siblings = ranks
+    first = _Owner()
+    ranks[0].claim(first, _EP_KEY)
+    other = list(_EP_KEY)
+    other[moe.LAYOUT_FIELDS.index("num_experts")] = 16
+    with pytest.raises(ValueError, match=r"disagree on num_experts \(rank 0: 32, rank 1: 16\)"):
+        ranks[1].claim(_Owner(), tuple(other))
+    assert "disagree on num_experts" in first._failed and ranks[1]._owner is None
+    del first
+    gc.collect()
+    ranks[1].claim(_Owner(), tuple(other))  # rank 0's object is gone: nothing to compare with
+
+
+def _stub_construction(monkeypatch, preload):
+    """ExpertParallel built on the CPU: no device check, no kernels, `preload` instead of _preload."""
+    monkeypatch.setattr(moe, "check_sm90", lambda device: None)
+    monkeypatch.setattr(moe._Parallel, "_kernel", lambda self, op, **params: None)
+    monkeypatch.setattr(moe.ExpertParallel, "_preload", preload)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+
+def test_a_failed_construction_leaves_the_arena_unclaimed(monkeypatch):
+    def fail(self):
+        raise RuntimeError("no kernel")
+
+    _stub_construction(monkeypatch, fail)
+    peers = _exchanging(_cpu_peers(nbytes=1 << 16), [0, *moe.TensorParallel.layout_key(2, 8, 256, 8, 2, BF16,
+                                                                                         torch.float32, 1)])
+    with pytest.raises(RuntimeError, match="no kernel"):
+        moe.ExpertParallel(16, 256, 8, 2, peers=peers)
+    assert peers._owner is None and peers._layout is None
+    _stub_construction(monkeypatch, moe._Parallel._preloaded)
+    tp_key = moe.TensorParallel.layout_key(2, 8, 256, 8, 2, BF16, torch.float32, 1)
+    peers.claim(_Owner(), tp_key)  # another layout: the arena served nothing yet
+    assert peers._layout == tp_key
+
+
+def test_construction_claims_the_arena_once_every_rank_agrees(monkeypatch):
+    """Both ranks built with the layout key every rank exchanges: equal keys claim, a rank built with
+    other experts refuses on both (each rank's collective stubbed with the other's row)."""
+    _stub_construction(monkeypatch, moe._Parallel._preloaded)
+    key = [0, *moe.ExpertParallel.layout_key(2, 16, 256, 8, 2, BF16, torch.float32, 1)]
+    ranks = [moe.ExpertParallel(16, 256, 8, 2, peers=_exchanging(_cpu_peers(r, nbytes=1 << 16), key)) for r in range(2)]
+    assert all(ep.peers._owner() is ep for ep in ranks)
+    other = [0, *moe.ExpertParallel.layout_key(2, 32, 256, 8, 2, BF16, torch.float32, 1)]
+    for rank, (mine, theirs) in enumerate(((16, other), (32, key))):
+        peers = _exchanging(_cpu_peers(rank, nbytes=1 << 16), theirs)
+        with pytest.raises(ValueError, match=r"disagree on num_experts \(rank 0: (16|32), rank 1: (32|16)\)"):
+            moe.ExpertParallel(mine, 256, 8, 2, peers=peers)
+        assert peers._owner is None
 
 
 def test_without_a_process_group_construction_says_how():
@@ -451,8 +646,10 @@ def test_tensor_parallel_all_reduce_steps_and_graphs():
 @pytest.mark.gpu
 def test_ranks_running_ahead_of_each_other():
     """Ten steps queued on both ranks without a synchronisation, one rank's stream held back at the
-    start, one rank without tokens on some steps: a fast rank may publish a step before a slow one has
-    read the last (flags at or past the step are accepted; inboxes alternate by parity)."""
+    start, one rank without tokens on some steps. Expert parallel: a rank waits for exactly its step's
+    flags (no peer can run a step ahead of it: it needs this rank's returns first). Tensor parallel: a
+    fast rank may publish its next step before a slow one has read the last (its waits accept their
+    step or the next; the inboxes alternate by parity)."""
     gen = torch.Generator().manual_seed(11)
     ranks = moe.ExpertParallel.emulated(2, 32, 1024, 64, 4, BF16)
     scale = _scale(32, BF16)
@@ -635,7 +832,7 @@ def test_a_rank_asleep_past_the_timeout_fails_every_rank():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [(5, 7), (3000, 5)])  # one CTA each; 132 CTAs against one
+@pytest.mark.parametrize("tokens", [(5, 7), (3000, 5)])  # 2 CTAs each at H=512 bf16; 132 against 2
 def test_tensor_parallel_token_counts_that_disagree_fail_every_rank_at_once(tokens):
     """No timeout needed (the default, 10 s, is not reached): each rank reads the other's count in the
     flags of the step."""
@@ -742,6 +939,57 @@ def test_one_object_per_arena_and_the_step_stays_with_it():
         moe.TensorParallel(8, 1024, 64, 4, BF16, peers=peers[0])
     with pytest.raises(RuntimeError, match="holds the error of an earlier step"):
         moe.ExpertParallel(*args, peers=peers[1])
+
+
+@pytest.mark.gpu
+def test_ranks_built_with_other_experts_are_refused_on_every_rank():
+    """Rank 1 built with 16 experts against rank 0's 32 (the same arena layout: nothing else would
+    catch it, and each rank would route tokens to experts the other does not own): rank 1 refuses,
+    rank 0's object is failed before it sends anything; rebuilt alike, the ranks run."""
+    gen = torch.Generator().manual_seed(26)
+    peers = moe.Peers.emulated(2, moe._layout(moe.ExpertParallel.regions(2, 512, 16, 2, BF16))[1])
+    first = moe.ExpertParallel(32, 512, 16, 2, BF16, peers=peers[0], timeout_ms=50)
+    with pytest.raises(ValueError, match=r"disagree on num_experts \(rank 0: 32, rank 1: 16\)"):
+        moe.ExpertParallel(16, 512, 16, 2, BF16, peers=peers[1], timeout_ms=50)
+    x = torch.randn(16, 512, generator=gen).to("cuda", BF16)
+    ids, w = _routing(16, 32, 2, gen)
+    with torch.cuda.stream(first.stream), pytest.raises(RuntimeError, match="disagree on num_experts.*unusable"):
+        first.dispatch(x, ids, w)
+    torch.cuda.synchronize()
+    assert all(int(p.arena.count_nonzero()) == 0 for p in peers)  # nothing was sent
+    del first
+    gc.collect()
+    eps = [moe.ExpertParallel(32, 512, 16, 2, BF16, peers=p, timeout_ms=50) for p in peers]
+    outs = _each(eps, lambda r, ep: _ep_call(ep, x, ids, w))
+    torch.cuda.synchronize()
+    for ep, out in zip(eps, outs):
+        ep.check()
+        assert torch.equal(out, _single_gpu(x, ids, w, _scale(32, BF16)))
+
+
+@pytest.mark.gpu
+def test_a_combine_ends_only_once_every_peer_flagged_every_row_of_it():
+    """Rank 1 sends one token of max_tokens 1024, rank 0 all 1024, every pair to rank 0's experts
+    (8 rows of 14 KB to copy per row of rank 0's ep_return, before it reaches most of rank 1's rows):
+    rank 1's combine must wait for rank 0 to have flagged every one of rank 1's rows, also those past
+    its batch (its next dispatch overwrites their ids, which rank 0's ep_return reads until it flags
+    them). A copy of rank 1's return flags taken in its stream right after the combine holds the
+    step in every row; waiting on the batch's row alone, most were still a step behind."""
+    gen = torch.Generator().manual_seed(27)
+    ranks = moe.ExpertParallel.emulated(2, 256, 7168, 1024, 8, BF16)  # the CPU tests' ep_* configs
+    tokens = (1024, 1)
+    xs = [torch.randn(t, 7168, generator=gen).to("cuda", BF16) for t in tokens]
+    routing = [_routing(t, 256, 8, gen, drop=0.0, only=(0, 128)) for t in tokens]
+    torch.cuda.synchronize()
+    outs = _each(ranks, lambda r, ep: _ep_call(ep, xs[r], *routing[r]))
+    with torch.cuda.stream(ranks[1].stream):
+        flags = ranks[1].peers.view(ranks[1].offsets[mp.EP_RFLAG], (2, 1024), torch.int64).clone()
+    torch.cuda.synchronize()
+    assert torch.equal(flags >> 32, torch.ones_like(flags)), int((flags >> 32 != 1).sum())
+    scale = _scale(256, BF16)
+    for r, ep in enumerate(ranks):
+        ep.check()
+        assert torch.equal(outs[r], _single_gpu(xs[r], *routing[r], scale))
 
 
 def _single_batch(gen):

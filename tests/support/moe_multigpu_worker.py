@@ -1,6 +1,8 @@
 """One rank of the two-GPU MoE checks (tests/kernels/test_moe_multigpu.py launches it with torchrun), in order:
 - the mapping: each rank stamps sentinels at both ends of every region of every rank's arena through the
   kernels' address table, and each rank reads them back through its own arena views;
+- the layout agreement: ranks built with other experts, or another hidden size on arenas that hold
+  either, refuse the construction on every rank;
 - expert parallel and tensor parallel over SymmetricMemory against single-GPU references built from every
   rank's inputs (gathered with NCCL), on random, dropped and skewed routings, T from 1 to 8192, bf16 and
   fp16, and CUDA-graph replays;
@@ -134,6 +136,23 @@ def check_mapping(rank, world):
                 assert got == want, (type(obj).__name__, rank, region, writer, [hex(g) for g in got])
         assert int(words.count_nonzero()) == 2 * world * len(obj.sizes), "a stamp landed elsewhere"
         dist.barrier()  # the objects go (their arenas now hold sentinels, never a step)
+
+
+def check_layout_agreement(rank, world):
+    """Objects whose ranks disagree (rank 0 another expert count, then another hidden size, on arenas
+    big enough for both) raise on every rank, naming what differs; nothing reaches a step."""
+    nbytes = moe._layout(moe.ExpertParallel.regions(world, 4096, 64, 4, torch.bfloat16))[1]
+    for field, experts, hidden in (("num_experts", 32 if rank else 64, 2048), ("hidden", 64, 4096 if rank else 2048)):
+        peers = moe.Peers.symmetric(nbytes)
+        try:
+            moe.ExpertParallel(experts, hidden, 64, 4, peers=peers)
+        except ValueError as e:
+            assert f"disagree on {field}" in str(e), (rank, e)
+        else:
+            raise AssertionError(f"rank {rank}: built with another {field} than its peers")
+        assert peers._owner is None and int(peers.arena.count_nonzero()) == 0, rank
+        del peers
+        dist.barrier()
 
 
 class WeakExpertParallel(moe.ExpertParallel):
@@ -309,6 +328,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(100 + rank)
     check_mapping(rank, world)
+    check_layout_agreement(rank, world)
     check_expert_parallel(rank, world, gen)
     check_tensor_parallel(rank, world, gen)
     soak(args.soak_steps, rank, world, weak=False)
