@@ -600,12 +600,13 @@ def config_entries(store_root: str | os.PathLike | None, module: ModuleType) -> 
     return [e for found in _index(paths.tuned_store_root(store_root), module).current.values() for e in found]
 
 
-def lookup_config(store_root: str | os.PathLike | None, module: ModuleType, shape: Any,
+def lookup_config(store_root: str | os.PathLike | None, module: ModuleType, shape: Any, heuristic: Any,
                   original_sha256: str) -> ConfigEntry | None:
-    """The entry of `module`'s kernel for bucket(shape) tuned against the heuristic cubin
-    `original_sha256` (below the bar or not), or None."""
+    """The entry of `module`'s kernel for bucket(shape) tuned against the heuristic config `heuristic`
+    (every field, launch policy included) whose cubin hashes to `original_sha256` (below the bar or
+    not), or None."""
     for entry in _index(paths.tuned_store_root(store_root), module).current.get(bucket_key(shape), ()):
-        if entry.original_sha256 == original_sha256:
+        if entry.heuristic == heuristic and entry.original_sha256 == original_sha256:
             return entry
     return None
 
@@ -620,8 +621,9 @@ def forget_configs() -> None:
 def tuned_config(module: ModuleType, shape: Any, heuristic: Any, sms: int | None = None) -> Any:
     """The config an op launches for `shape` with `module`'s kernel, where the heuristic picked
     `heuristic` (for a GPU of `sms` SMs where the kernel's candidates depend on it): the stored
-    entry's config for bucket(shape) if it was tuned against this heuristic's cubin as compiled now
-    and is legal for this exact shape, else `heuristic`. The store is `paths.tuned_store_root()`.
+    entry's config for bucket(shape) if it was tuned against this very heuristic config (launch
+    policy included), whose cubin is as compiled now, and is legal for this exact shape, else
+    `heuristic`. The store is `paths.tuned_store_root()`.
     Called once per plan; a shape already seen costs one dict lookup, a bucket with no entries two.
     An entry below the bar gives the heuristic (and a warning once) unless the user opted in
     (`allow_unverified`)."""
@@ -640,11 +642,15 @@ def _choose(root: Path, module: ModuleType, shape: Any, heuristic: Any, sms: int
     index = _index(root, module)
     bkey = bucket_key(shape)
     here = index.current.get(bkey, [])
-    if here:
+    # Only where the heuristic picks the very config the entry was tuned against: the cubin's hash
+    # leaves out the launch policy (split counts, raster groups), and the entry was tested only at
+    # the shapes of its bucket where the heuristic picks that config (sip_tune.configs.bucket_edges).
+    mine = [e for e in here if e.heuristic == heuristic]
+    if mine:
         original = _original_hashes.get(heuristic.variant())
         if original is None:  # compiled (or loaded) anyway when the heuristic wins: the op needs it then
             original = _original_hashes[heuristic.variant()] = module.compile(heuristic).cubin_sha256
-        for entry in here:
+        for entry in mine:
             if entry.original_sha256 == original:
                 if not admitted(entry):
                     return heuristic

@@ -180,7 +180,7 @@ def stored_entry(job: Job, mode: str, store_root: Any = None) -> tuned.ConfigEnt
     if not any(tuned.bucket_key(m.Shape(**e.meta["bucket"])) == bkey and e.heuristic == heuristic
                for e in tuned.config_entries(store_root, m)):
         return None
-    entry = tuned.lookup_config(store_root, m, shape, m.compile(heuristic).cubin_sha256)
+    entry = tuned.lookup_config(store_root, m, shape, heuristic, m.compile(heuristic).cubin_sha256)
     return entry if entry is not None and not entry.problems else None
 
 

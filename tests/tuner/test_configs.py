@@ -388,7 +388,7 @@ def test_tune_configs_end_to_end_with_a_cpu_bench(toy):
     assert "through rosekernels.toy" in report.outcome and "(the public op, fresh process)" in report.text()
     assert set(report.shares) == {"compile", "test", "time", "verify"} and 0 < sum(report.shares.values()) <= 1
     # the store has it, keyed by the heuristic's cubin, and the op-side lookup gives it back
-    entry = tuned.lookup_config(toy, kernel_module(OP), Shape(), compile(Config(2, 1)).cubin_sha256)
+    entry = tuned.lookup_config(toy, kernel_module(OP), Shape(), Config(2, 1), compile(Config(2, 1)).cubin_sha256)
     assert entry is not None and str(entry.path) == report.stored and entry.config == Config(8, 1)
     assert entry.meta["speedup"] == 1.02 and entry.meta["aa_spread"] == pytest.approx(0.003)
     # with how it was checked, meeting the store's bar
@@ -396,7 +396,7 @@ def test_tune_configs_end_to_end_with_a_cpu_bench(toy):
     assert entry.problems == [] and checks["samples"] == {"run": 10_000, "passed": 10_000}
     assert checks["compare"] == "reference" and checks["op_level"]["speedup"] == 1.02
     assert checks["shapes"]["tuned"] == {"n": 48} and [e["n"] for e in checks["shapes"]["edges"]][:2] == [33, 64]
-    assert tuned.lookup_config(toy, kernel_module(OP), Shape(), compile(Config(4, 3)).cubin_sha256) is None
+    assert tuned.lookup_config(toy, kernel_module(OP), Shape(), Config(2, 1), compile(Config(4, 3)).cubin_sha256) is None
     assert configs.chosen(report) == (Config(8, 1), Shape())
     assert "crash" in report.text() and "12 candidates" in report.text()
 

@@ -113,7 +113,7 @@ def test_gemm_decode_level_one_then_level_two_on_the_chosen_config(store):
     assert 0 <= report.aa_spread < 0.05 and report.shares["compile"] > 0
     original = heuristic.variant()
     if report.winner is not None:
-        entry = tuned.lookup_config(store, gemm_leakyrelu, configs.chosen(report)[1],
+        entry = tuned.lookup_config(store, gemm_leakyrelu, configs.chosen(report)[1], heuristic,
                                     gemm_leakyrelu.compile(heuristic).cubin_sha256)
         assert entry is not None and dataclasses.asdict(entry.config) == report.winner
         op = entry.meta["checks"]["op_level"]  # the speedup stored is the public op's, past its A/A

@@ -222,13 +222,13 @@ def test_config_entry_layout_and_round_trip(tmp_path, configs_fresh):
     assert meta["shape"]["tokens"] == 3000 and meta["bucket"]["tokens"] == 4096
     assert meta["config_key"] == other.variant().key() and meta["heuristic_key"] == heuristic.variant().key()
     # Any shape of the bucket finds it, for that original only; the config comes back as a Config.
-    entry = tuned.lookup_config(tmp_path, qk_norm_kernel(), dataclasses.replace(shape, tokens=2049), SHA)
+    entry = tuned.lookup_config(tmp_path, qk_norm_kernel(), dataclasses.replace(shape, tokens=2049), heuristic, SHA)
     assert entry.path == path and entry.config == other and entry.heuristic == heuristic
     assert entry.speedup == 1.2 and entry.original_sha256 == SHA
-    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), dataclasses.replace(shape, tokens=2048), SHA) is None
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), dataclasses.replace(shape, tokens=2048), heuristic, SHA) is None
     other_heads = dataclasses.replace(shape, tokens=4096, k_heads=4)
-    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), other_heads, SHA) is None
-    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, "cd" * 32) is None
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), other_heads, heuristic, SHA) is None
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, "cd" * 32) is None
     assert [e.path for e in tuned.config_entries(tmp_path, qk_norm_kernel())] == [path]
     assert tuned.config_entries(tmp_path, types.SimpleNamespace(OP="rmsnorm")) == []
 
@@ -236,11 +236,11 @@ def test_config_entry_layout_and_round_trip(tmp_path, configs_fresh):
 def test_config_entries_are_read_once_per_root_and_kernel(tmp_path, configs_fresh):
     shape, heuristic, other = qk_configs()
     path = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
-    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA) is not None
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA) is not None
     path.unlink()  # what this process read stays in memory ...
-    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == other
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA).config == other
     tuned.store_config(tmp_path, qk_norm_kernel(), shape, heuristic, heuristic, "cd" * 32, CONFIG_META)
-    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA) is None  # ... until a store re-reads
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA) is None  # ... until a store re-reads
 
 
 def test_the_better_config_entry_is_kept(tmp_path, configs_fresh):
@@ -248,10 +248,10 @@ def test_the_better_config_entry_is_kept(tmp_path, configs_fresh):
     path = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
     assert tuned.store_config(tmp_path, qk_norm_kernel(), shape, heuristic, heuristic, SHA,
                               {**CONFIG_META, "speedup": 1.1}) == path
-    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == other
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA).config == other
     tuned.store_config(tmp_path, qk_norm_kernel(), shape, heuristic, heuristic, SHA, {**CONFIG_META, "speedup": 1.1},
                        keep_better=False)
-    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == heuristic
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA).config == heuristic
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".") and p.name != ".lock"]  # no temp files
 
 
@@ -282,12 +282,12 @@ def test_a_broken_config_entry_warns_and_is_ignored(tmp_path, configs_fresh, cor
     corrupt(path)
     tuned.forget_configs()
     with pytest.warns(UserWarning, match="ignoring tuned-config entry.*heuristic"):
-        assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA) is None
+        assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA) is None
     assert tuned.config_entries(tmp_path, qk_norm_kernel()) == []
     # The next store replaces a broken entry in place.
     if corrupt is not _config_moved:
         tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
-        assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == other
+        assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA).config == other
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,18 +392,18 @@ def test_a_weaker_config_entry_never_replaces_a_stronger_one(tmp_path):
     path = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
     weak = {**CONFIG_META, "speedup": 1.6, "checks": checks("config", samples=100, speedup=1.6)}
     tuned.store_config(tmp_path, qk_norm_kernel(), shape, heuristic, heuristic, SHA, {**CONFIG_META, "speedup": 1.0})
-    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == other  # the heuristic record is slower
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA).config == other  # the heuristic record is slower
     third = next(c for c in qk_norm_plan().candidates(shape, 132) if c not in (heuristic, other))
     tuned.store_config(tmp_path, qk_norm_kernel(), shape, third, heuristic, SHA, weak)
-    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == other
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA).config == other
     # an entry that keeps the heuristic is as strong as any that meets the bar: a verified winner
     # replaces it, an unverified one does not
     tuned.store_config(tmp_path, qk_norm_kernel(), shape, heuristic, heuristic, SHA, {"speedup": 1.0},
                        keep_better=False)
     tuned.store_config(tmp_path, qk_norm_kernel(), shape, third, heuristic, SHA, weak)
-    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == heuristic
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA).config == heuristic
     tuned.store_config(tmp_path, qk_norm_kernel(), shape, third, heuristic, SHA, {**CONFIG_META, "speedup": 1.03})
-    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == third
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA).config == third
     assert path.exists() and len(list(path.parent.glob("*.json"))) == 1
     tuned.forget_configs()
 
