@@ -175,15 +175,17 @@ def _list_store(store_root: str | None) -> int:
             print(f"  {r['kernel']:<15} BROKEN: {r['error']}  ({r['path']})")
             continue
         checks = r.get("checks") if isinstance(r.get("checks"), dict) else {}
-        samples = (checks.get("samples") or {}).get("passed", r.get("samples_passed", "?"))
+        record = checks.get("samples") if isinstance(checks.get("samples"), dict) else {}
+        samples = record.get("passed", r.get("samples_passed", "?"))
+        speedup = r.get("speedup") if isinstance(r.get("speedup"), (int, float)) else math.nan  # hand edits
         if r["kind"] == "cubin":
             what = r["spec_key"]
         elif r.get("config_key") == r.get("heuristic_key"):
             what = f"the heuristic stays: {r.get('config_key', '?')}"
         else:
             what = f"{r.get('heuristic_key', '?')} -> {r.get('config_key', '?')}"
-        print(f"  {r['kernel']:<15} {r['kind']:<6} {r.get('mode', '?'):<8} {r.get('speedup', math.nan):.3f}x  "
-              f"{samples:>8} samples  {r.get('gpu', '?')}  {r.get('date', '?')}  {what}")
+        print(f"  {r.get('kernel')!s:<15} {r['kind']:<6} {r.get('mode', '?')!s:<8} {speedup:.3f}x  "
+              f"{samples!s:>8} samples  {r.get('gpu', '?')}  {r.get('date', '?')}  {what}")
         if r["problems"]:
             print(f"    below the bar: {'; '.join(r['problems'])}")
     return 0

@@ -248,10 +248,12 @@ GAIN_LABEL = ("time of the public op in a CUDA graph over inputs rotated past L2
 def stored_gain(entry: tuned.ConfigEntry) -> tuple[float, float]:
     """(the heuristic's time in us, the speedup over it) that the store records for `entry`: the
     op-level re-time (`sip_tune.oplevel`) where there is one, which is also what meta["speedup"] holds."""
-    op = (entry.meta.get("checks") or {}).get("op_level")
-    if isinstance(op, dict) and "heuristic_us" in op:
+    checks = entry.meta.get("checks")
+    op = checks.get("op_level") if isinstance(checks, dict) else None
+    if isinstance(op, dict) and isinstance(op.get("heuristic_us"), (int, float)):
         return float(op["heuristic_us"]), entry.speedup
-    return float(entry.meta.get("heuristic_median_us", math.nan)), entry.speedup
+    kernel_us = entry.meta.get("heuristic_median_us")
+    return float(kernel_us) if isinstance(kernel_us, (int, float)) else math.nan, entry.speedup
 
 
 @dataclasses.dataclass

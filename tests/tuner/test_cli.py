@@ -120,6 +120,25 @@ def test_list_shows_valid_and_broken_entries(capsys, tmp_path, monkeypatch):
     assert "50 samples" in lines[cubin_line] and "50 of 50 samples passed" in lines[cubin_line + 1]
 
 
+def test_list_shows_an_entry_with_malformed_fields_below_the_bar(capsys, tmp_path, monkeypatch):
+    """Hand-edited: null and text where numbers belong; listed with the reason, not a traceback."""
+    import json
+
+    from rosekernels.kernels import qk_norm_plan as plan
+
+    monkeypatch.setattr(tuned, "current_toolchain", lambda: "test-toolchain")
+    shape = plan.QKNormShape(3000)
+    heuristic = plan.config_for(shape, 132)
+    other = next(c for c in plan.candidates(shape, 132) if c.variant() != heuristic.variant())
+    path = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, "ab" * 32, {})
+    meta = json.loads(path.read_text())
+    path.write_text(json.dumps({**meta, "speedup": None, "mode": None,
+                                "checks": {**checks("config"), "samples": "all of them"}}))
+    code, out, _ = run(capsys, "--list", "--store-root", str(tmp_path))
+    assert code == 0 and "1 below the default bar" in out
+    assert "nanx" in out and "below the bar: malformed samples record all of them" in out
+
+
 def test_list_of_a_folder_that_does_not_exist_or_of_a_file_says_so(capsys, tmp_path):
     code, _, err = run(capsys, "--list", "--store-root", str(tmp_path / "typo"))
     assert code == 2 and f"--store-root {tmp_path / 'typo'} does not exist" in err

@@ -317,6 +317,15 @@ def test_a_broken_config_entry_warns_and_is_ignored(tmp_path, configs_fresh, cor
     ("config", {"config": {"a": 2}, "heuristic": {"a": 1}}, ["unverified"]),
     ("cubin", {"checks": checks(samples=5, sanitizer="not run", speedup=1.0)},
      ["5 of 5", "compute-sanitizer not run", "op-level 1.0000x"]),
+    # hand-edited records of the wrong type: below the bar with the reason, never an exception
+    ("cubin", {"checks": {**checks(), "samples": {"run": 10_000, "passed": None}}}, ["malformed samples record"]),
+    ("config", {"checks": {**checks("config"), "samples": "all of them"}}, ["malformed samples record"]),
+    ("cubin", {"checks": {**checks(), "samples": {"run": 1e4, "passed": True}}}, ["malformed samples record"]),
+    ("config", {"checks": {**checks("config"), "op_level": {"speedup": 1.2, "aa_spread": None}}},
+     ["malformed op-level record: A/A spread None"]),
+    ("cubin", {"checks": {**checks(), "op_level": {"speedup": "1.2", "aa_spread": 0.0}}}, ["no op-level re-time"]),
+    ("config", {"checks": {**checks("config"), "shapes": {"tuned_samples": "8", "edges": []}}},
+     ["not compared at the tuned shape"]),
 ])
 def test_the_bar_names_every_check_an_entry_lacks(kind, meta, expected):
     problems = tuned.bar_problems(meta, kind)

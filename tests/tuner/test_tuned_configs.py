@@ -158,6 +158,19 @@ def test_an_entry_below_the_bar_gives_the_heuristic_unless_the_user_opts_in(stor
     assert tuned.tuned_config(qk_norm(), SHAPE, heuristic, SMS) is heuristic
 
 
+def test_an_entry_with_malformed_checks_gives_the_heuristic_not_an_exception(store):
+    """JSON null where a count or a spread belongs (a hand edit): below the bar, with the reason."""
+    heuristic, other = heuristic_and_other()
+    original = qk_norm().compile(heuristic).cubin_sha256
+    bad = {**META, "speedup": None, "checks": {**META["checks"], "samples": {"run": 10_000, "passed": None},
+                                               "op_level": {"speedup": 1.2, "aa_spread": None}}}
+    tuned.store_config(None, qk_norm(), SHAPE, other, heuristic, original, bad)
+    with pytest.warns(UserWarning, match="below the default bar.*malformed samples.*malformed op-level"):
+        assert tuned.tuned_config(qk_norm(), SHAPE, heuristic, SMS) is heuristic
+    tuned.store_config(None, qk_norm(), SHAPE, other, heuristic, original, META)  # a sound entry replaces it
+    assert tuned.tuned_config(qk_norm(), SHAPE, heuristic, SMS) == other
+
+
 def test_an_entry_not_legal_for_the_exact_shape_is_ignored(store):
     heuristic, _ = heuristic_and_other()
     original = qk_norm().compile(heuristic).cubin_sha256
