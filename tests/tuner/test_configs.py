@@ -396,7 +396,8 @@ def test_tune_configs_end_to_end_with_a_cpu_bench(toy):
     assert entry.problems == [] and checks["samples"] == {"run": 10_000, "passed": 10_000}
     assert checks["compare"] == "reference" and checks["op_level"]["speedup"] == 1.02
     assert checks["shapes"]["tuned"] == {"n": 48} and [e["n"] for e in checks["shapes"]["edges"]][:2] == [33, 64]
-    assert tuned.lookup_config(toy, kernel_module(OP), Shape(), Config(2, 1), compile(Config(4, 3)).cubin_sha256) is None
+    other_build = compile(Config(4, 3)).cubin_sha256
+    assert tuned.lookup_config(toy, kernel_module(OP), Shape(), Config(2, 1), other_build) is None
     assert configs.chosen(report) == (Config(8, 1), Shape())
     assert "crash" in report.text() and "12 candidates" in report.text()
 
@@ -560,3 +561,53 @@ def test_the_config_worker_compares_bitwise_then_checks_against_the_reference():
     assert wrong["status"] == "incorrect" and wrong["detail"].startswith("sample 0: error 0.5")
     unchecked = bench.test(4, 5, 3)
     assert unchecked["status"] == "incorrect" and "has no check" in unchecked["detail"]
+
+
+def _claiming_workload(rezero):
+    """y = x + 1 by a kernel that claims its work from a counter (args[2], zero at launch): a launch
+    that finds it set does nothing, as a persistent kernel's tile counter makes it; `rezero`: the
+    kernel returns the counter to zero when done, as the ops, which reuse it, need."""
+    import torch
+
+    def make_args(seed, n=16):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
+        return x, torch.full_like(x, math.nan), torch.zeros(1, dtype=torch.int32)
+
+    def launch(fn, args):
+        x, y, counter = args
+        if int(counter) == 0:
+            torch.add(x, 1, out=y)
+        counter += 1
+        if rezero:
+            counter.zero_()
+
+    def reference_check(args):
+        x, y, _ = args
+        err = (y.double() - (x.double() + 1)).abs().max().item()
+        assert err <= 0.01, f"error {err:.3g} > 0.01"
+        return err / 0.01
+
+    return Workload(SimpleNamespace(fn=None), make_args, outputs=lambda a: a[1:2], launch=launch,
+                    check=reference_check, test_args=lambda seed: make_args(seed, 2 * (seed % 32) + 1))
+
+
+def test_a_config_that_leaves_its_counter_set_is_refused():
+    """Fresh arguments per sample hide a counter left set (the first launch does all the work); the
+    op's second launch on the same counter would skip it, so the worker checks the counter too."""
+    from sip_tune.runner import SCRATCH_LEFT
+
+    keeps = _claiming_workload(rezero=False)
+    args = keeps.make_args(1)
+    keeps.run(None, args)
+    args[1].fill_(math.nan)
+    keeps.run(None, args)  # what the op's next call would get
+    assert args[1].isnan().all()
+    bench = cpu_config_bench(_cpu_workload(0.0), _claiming_workload(rezero=True), keeps,
+                             at=lambda i, shape: _claiming_workload(rezero=i == 1))
+    assert bench.test(1, 5, 3)["status"] == "ok" and bench.validate(1, 9, 40, ["edge"], 2)["status"] == "ok"
+    test = bench.test(2, 5, 3)
+    assert test["status"] == "incorrect" and test["detail"] == f"sample 0: {SCRATCH_LEFT}"
+    at_shape = bench.validate(2, 9, 40, [], 2)
+    assert at_shape["status"] == "incorrect" and at_shape["detail"] == f"at the tuned shape: sample 0: {SCRATCH_LEFT}"
+    on_sizes = bench.validate(2, 9, 40, [], 0)  # nothing at the shapes: the float64 check's own samples
+    assert on_sizes["status"] == "incorrect" and on_sizes["detail"] == f"test sample 0: {SCRATCH_LEFT}"

@@ -85,6 +85,30 @@ def test_the_config_worker_tells_equal_correct_and_wrong_apart(store):
         assert same["passed"] == 50 and same["shape_passed"] == 4
 
 
+# Kernels that claim work from an int32 counter or sync on a barrier: a config of each whose launch
+# reads it (a persistent attention grid, split KV, split K, the prefill dispatch's grid barrier).
+SCRATCH = [("attention", "prefill", {"batch": 2, "seqlen": 2048}, lambda c: c.persistent),
+           ("attention_decode", "decode", {"batch": 1, "seqlen_kv": 4096}, lambda c: c.splits > 1),
+           ("gemm_leakyrelu", "decode", GEMM_DECODE, lambda c: c.split_k and c.splits > 1),
+           ("moe_dispatch", "prefill", {}, lambda c: True)]
+
+
+@pytest.mark.parametrize("kernel, mode, overrides, pick", SCRATCH, ids=[k for k, *_ in SCRATCH])
+def test_the_kernels_leave_their_scratch_zero_as_the_worker_checks(kernel, mode, overrides, pick):
+    """The worker refuses a kernel that leaves an integer buffer it found zero set (runner.launch_checked):
+    every kernel of the package passes that check on its own, at the shape and on ragged samples."""
+    from sip_tune.runner import launch_checked
+
+    space = configs.plan(kernel, mode, overrides, max_candidates=10**6)
+    config = next(c for c in space.candidates if pick(c))
+    w = configs.workload_factory(kernel, config, space.shape)()
+    for n, args in enumerate((w.make_args(1), w.sample(2), w.sample(3))):
+        left = launch_checked(w, w.kernel.fn, args)
+        assert left or n, "no zeroed scratch at the tuned shape: the config does not read a counter"
+        assert not any(bool(flag) for flag in left), (config, n)
+        w.check(args)  # the launch did its work
+
+
 def test_qk_norm_decode_level_one_times_the_heuristic_against_itself(store):
     report = configs.tune_configs("qk_norm", "decode", {"tokens": 1}, samples=4, reps=10, store_root=store)
     assert len(report.candidates) == 1 and report.total == 1 and report.candidates[0]["status"] == "ok"

@@ -225,7 +225,8 @@ def test_config_entry_layout_and_round_trip(tmp_path, configs_fresh):
     entry = tuned.lookup_config(tmp_path, qk_norm_kernel(), dataclasses.replace(shape, tokens=2049), heuristic, SHA)
     assert entry.path == path and entry.config == other and entry.heuristic == heuristic
     assert entry.speedup == 1.2 and entry.original_sha256 == SHA
-    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), dataclasses.replace(shape, tokens=2048), heuristic, SHA) is None
+    below = dataclasses.replace(shape, tokens=2048)
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), below, heuristic, SHA) is None
     other_heads = dataclasses.replace(shape, tokens=4096, k_heads=4)
     assert tuned.lookup_config(tmp_path, qk_norm_kernel(), other_heads, heuristic, SHA) is None
     assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, "cd" * 32) is None
@@ -401,7 +402,8 @@ def test_a_weaker_config_entry_never_replaces_a_stronger_one(tmp_path):
     path = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
     weak = {**CONFIG_META, "speedup": 1.6, "checks": checks("config", samples=100, speedup=1.6)}
     tuned.store_config(tmp_path, qk_norm_kernel(), shape, heuristic, heuristic, SHA, {**CONFIG_META, "speedup": 1.0})
-    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA).config == other  # the heuristic record is slower
+    # the heuristic record is slower
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA).config == other
     third = next(c for c in qk_norm_plan().candidates(shape, 132) if c not in (heuristic, other))
     tuned.store_config(tmp_path, qk_norm_kernel(), shape, third, heuristic, SHA, weak)
     assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA).config == other
