@@ -16,7 +16,8 @@ How an entry was checked (meta["checks"], both kinds; `bar_problems` reads it):
     compare    "bitwise" (equal to the original's / the heuristic's outputs bit for bit), "reference"
                (the kernel's own float64 check at its stated tolerance) or "tolerance" (`tolerance`:
                {"rtol", "atol"}, a looser comparison a user asked for)
-    sanitizer  compute-sanitizer {"memcheck", "racecheck", "synccheck"} verdicts, or "not run"
+    sanitizer  compute-sanitizer {"memcheck", "racecheck", "synccheck"} verdicts (cubins: the tuned
+               cubin; configs: the winner's kernel at the tuned shape), or "not run"
     shapes     {"tuned": the shape tuned, "tuned_samples": samples compared at it, "samples": what
                the sample sizes are, "edges": (configs) the bucket's edge shapes tested}
     op_level   the public op re-timed in a fresh process (`sip_tune.oplevel`): speedup over the
@@ -25,15 +26,15 @@ and meta["speedup"] is the op-level speedup where one was measured.
 
 The default bar (`bar_problems`): bitwise or the kernel's own tolerance, on >= BAR_SAMPLES samples,
 all passed; compared at the tuned shape (configs: and at their bucket's edges); compute-sanitizer
-clean (cubins); an op-level speedup past 1 + its A/A spread (a record of the wrong type, hand-
-edited, meets no part). Ops and warmup load only entries that meet it (`admitted`), unless the user
-opts in to weaker ones: `warmup(allow_unverified=True)` or $SIP_ALLOW_UNVERIFIED=1, until the
-opt-in is withdrawn (`allow_unverified(False)`, which also drops what it loaded). An entry below
-the bar is reported (a warning once per process, the reason in `sip-tune --list`), never loaded
-silently; entries written before checks were recorded are below it. A config entry that keeps the
-heuristic's own config (a tuning that found nothing faster) changes nothing and needs no checks. A
-new entry replaces an existing one only if it is not weaker (`strength`: the bar's parts it meets)
-and, at equal strength, not slower.
+clean; an op-level speedup past 1 + its A/A spread (a record of the wrong type, hand-edited, meets
+no part). Ops and warmup load only entries that meet it (`admitted`), unless the user opts in to
+weaker ones: `warmup(allow_unverified=True)` or $SIP_ALLOW_UNVERIFIED=1, until the opt-in is
+withdrawn (`allow_unverified(False)`, which also drops what it loaded). An entry below the bar is
+reported (a warning once per process, the reason in `sip-tune --list`), never loaded silently;
+entries written before checks were recorded are below it, and so are config entries from before
+level 1 ran compute-sanitizer. A config entry that keeps the heuristic's own config (a tuning that
+found nothing faster) changes nothing and needs no checks. A new entry replaces an existing one only
+if it is not weaker (`strength`: the bar's parts it meets) and, at equal strength, not slower.
 
 Writers hold a file lock per entry and replace each file atomically (tempfile + os.replace);
 `meta.json` goes last and records the tuned cubin's hash, so a reader can always tell a whole entry
@@ -159,7 +160,7 @@ def _real(value: Any) -> float | None:
 
 def _bar_parts(meta: dict[str, Any], kind: str) -> dict[str, str | None]:
     """Per part of the bar (in the order of `strength`), why the entry falls short of it (None: met).
-    kind: "cubin" or "config" (compute-sanitizer is part of a cubin's bar; bucket edges of a config's).
+    kind: "cubin" or "config" (bucket edges are part of a config's bar).
     A record of the wrong type (null, a string for a number) falls short of its part with the
     reason, never raises: a reader is an op planning a call."""
     parts = ("compare", "samples", "sanitizer", "shapes", "op_level")
@@ -181,12 +182,11 @@ def _bar_parts(meta: dict[str, Any], kind: str) -> dict[str, str | None]:
     elif passed < BAR_SAMPLES or passed != run:
         out["samples"] = f"{passed} of {run} samples passed (the bar: all of at least {BAR_SAMPLES})"
     verdicts = checks.get("sanitizer")
-    if kind == "cubin":
-        if not isinstance(verdicts, dict):
-            out["sanitizer"] = "compute-sanitizer not run"
-        elif any(verdicts.get(t) != "clean" for t in SANITIZER_TOOLS):
-            out["sanitizer"] = "compute-sanitizer: " + "; ".join(
-                f"{t} {str(verdicts.get(t, 'not run'))[:80]}" for t in SANITIZER_TOOLS if verdicts.get(t) != "clean")
+    if not isinstance(verdicts, dict):
+        out["sanitizer"] = "compute-sanitizer not run"
+    elif any(verdicts.get(t) != "clean" for t in SANITIZER_TOOLS):
+        out["sanitizer"] = "compute-sanitizer: " + "; ".join(
+            f"{t} {str(verdicts.get(t, 'not run'))[:80]}" for t in SANITIZER_TOOLS if verdicts.get(t) != "clean")
     shapes = checks.get("shapes") if isinstance(checks.get("shapes"), dict) else {}
     if not _count(shapes.get("tuned_samples")):
         out["shapes"] = "not compared at the tuned shape"

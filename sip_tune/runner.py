@@ -619,11 +619,12 @@ class ConfigBench(GraphTimer):
         """configs[i] wherever its entry will serve, before it is stored: against the heuristic on
         `edge_samples` input sets at the tuned shape and at each shape of `edges` (its bucket's
         edges; as `test`), then its float64 check on `samples` fresh sets of the sizes its workload
-        tests (Workload.test_args). {"status", "bitwise" (at the shapes), "max_err", "shape_passed",
-        "passed", "seconds", "detail"}."""
+        tests (Workload.test_args). {"status", "bitwise" (at the shapes), "max_err", "shape_passed" (at
+        the tuned shape), "edges_passed" (at the edges, together), "passed", "seconds", "detail"}."""
         t0 = time.perf_counter()
         seeds = random.Random(seed)
-        out = {"status": "ok", "bitwise": True, "max_err": math.nan, "shape_passed": 0, "passed": 0, "detail": ""}
+        out = {"status": "ok", "bitwise": True, "max_err": math.nan, "shape_passed": 0, "edges_passed": 0,
+               "passed": 0, "detail": ""}
         for shape in [None, *edges]:
             pair = (self._workload(0), self._workload(i)) if shape is None else \
                 (self.space.workload_at(0, shape), self.space.workload_at(i, shape))
@@ -634,7 +635,7 @@ class ConfigBench(GraphTimer):
                 where = "the tuned shape" if shape is None else f"bucket edge {shape}"
                 return {**out, "status": "incorrect", "detail": f"at {where}: {detail}",
                         "seconds": time.perf_counter() - t0}
-            out["shape_passed"] += edge_samples
+            out["shape_passed" if shape is None else "edges_passed"] += edge_samples
         w = self._workload(i)
         for n in range(samples):
             args = w.sample(seeds.getrandbits(63))

@@ -71,15 +71,17 @@ def gpu_without_tools(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [([], "compute-sanitizer not found"),
+                                           (["--levels", "config"], "compute-sanitizer not found"),
                                            (["--no-sanitize", "--hot", "ncu"], "ncu not found")])
-def test_a_missing_tool_of_the_sass_level_is_reported_before_any_gpu_work(capsys, gpu_without_tools, argv, message):
+def test_a_missing_tool_is_reported_before_any_gpu_work(capsys, gpu_without_tools, argv, message):
+    """Compute-sanitizer runs a winner of either level before it is stored; ncu is for --hot ncu."""
     code, _, err = run(capsys, "--kernel", "qk_norm", "--budget-iters", "5", *argv)
     assert code == 2 and message in err
 
 
-def test_level_one_alone_needs_neither_tool(capsys, gpu_without_tools):
+def test_level_one_without_the_sanitizer_needs_neither_tool(capsys, gpu_without_tools):
     with pytest.raises(ReachedLevelOne):
-        cli.main(["--kernel", "qk_norm", "--budget-iters", "5", "--levels", "config"])
+        cli.main(["--kernel", "qk_norm", "--budget-iters", "5", "--levels", "config", "--no-sanitize", "--hot", "ncu"])
 
 
 @pytest.mark.skipif(HAS_SM90, reason="checks the message shown without an sm_90 GPU")

@@ -303,7 +303,8 @@ def test_a_broken_config_entry_warns_and_is_ignored(tmp_path, configs_fresh, cor
     ("cubin", {"checks": checks(compare="tolerance")}, ["compared at rtol=0.01, atol=0.0, not bitwise"]),
     ("config", {"checks": checks("config", compare="reference")}, []),
     ("cubin", {"checks": checks(sanitizer="not run")}, ["compute-sanitizer not run"]),
-    ("config", {"checks": checks("config", sanitizer="not run")}, []),  # ptxas's code: no sanitizer run needed
+    ("config", {"checks": checks("config", sanitizer="not run")}, ["compute-sanitizer not run"]),
+    ("config", {"checks": checks("config", sanitizer="exit 99: hazard")}, ["compute-sanitizer: memcheck exit 99"]),
     ("cubin", {"checks": {**checks(), "sanitizer": {"memcheck": "clean", "racecheck": "exit 99: hazard",
                                                     "synccheck": "clean"}}}, ["compute-sanitizer: racecheck exit 99"]),
     ("cubin", {"checks": checks(speedup=1.003, aa=0.004)}, ["op-level 1.0030x the original, not past 1 + its A/A"]),
