@@ -392,7 +392,7 @@ def store(store_root: str | os.PathLike | None, kernel: str, variant: Any, origi
     whichever finishes last)."""
     toolchain = toolchain or current_toolchain()
     if len(tuned) != len(original):
-        raise ValueError(f"tuned cubin has {len(tuned)} bytes, the original {len(original)}")
+        raise CacheError(f"tuned cubin has {len(tuned)} bytes, the original {len(original)}")
     check_sm90_cubin(tuned)
     check_only_code_differs(original, tuned)
     directory = entry_dir(store_root, kernel, variant.key(), sha256(original), toolchain)

@@ -139,6 +139,22 @@ def test_the_root_warmup_was_given_is_where_ops_look(store, tmp_path):
     assert "config   qk_norm prefill-" in str(report)
 
 
+def test_warmup_compiles_only_the_entries_an_op_planning_its_specs_can_be_given(store, recwarn):
+    """Two entries of qk_norm prefill: one tuned against the warmed-up heuristic, one for another
+    model's heads (another heuristic variant, which no op planning the specs picks): only the first
+    is compiled and listed."""
+    heuristic, other = heuristic_and_other()
+    tuned.store_config(None, qk_norm(), SHAPE, other, heuristic, qk_norm().compile(heuristic).cubin_sha256, META)
+    elsewhere = dataclasses.replace(SHAPE, q_heads=16, k_heads=2)
+    h2, o2 = heuristic_and_other(elsewhere)
+    assert h2.variant() != heuristic.variant() and h2.mode == heuristic.mode
+    tuned.store_config(None, qk_norm(), elsewhere, o2, h2, "ab" * 32, META)  # would be reported stale
+    report = warmup([heuristic])
+    assert len(report.configs) == 1 and other.variant().key() in report.configs[0]
+    assert report.stale_configs == [] and not [w for w in recwarn if "another build" in str(w.message)]
+    assert {k.variant for k in report.kernels} == {heuristic.variant(), other.variant()}
+
+
 def test_an_entry_below_the_bar_gives_the_heuristic_unless_the_user_opts_in(store, monkeypatch):
     heuristic, other = heuristic_and_other()
     original = qk_norm().compile(heuristic).cubin_sha256
