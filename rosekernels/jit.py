@@ -91,6 +91,16 @@ def uninstall_tuned_cubins() -> None:
     _tuned_cubins.clear()
 
 
+def uninstall_tuned_cubin(original: bytes, tuned: bytes) -> bool:
+    """Stop loading `tuned` for `original` (if it is what is installed for it: another tuned cubin
+    installed since stays); whether it was. Kernels loaded with it keep it until forgotten."""
+    key = hashlib.sha256(original).hexdigest()
+    if _tuned_cubins.get(key) != tuned:
+        return False
+    del _tuned_cubins[key]
+    return True
+
+
 def swap_cubins(blob: bytes, replacements: dict[str, bytes] | None = None) -> tuple[bytes, bool]:
     """`blob` (a fatbin or an object file embedding fatbins) with tuned cubins swapped in."""
     table = _tuned_cubins if replacements is None else replacements

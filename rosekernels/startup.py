@@ -33,10 +33,11 @@ loads; the swap is keyed
 by the original's SHA-256, so a tuned cubin never replaces a different original (a kernel whose source
 or toolchain changed simply loads untuned, and the report says the entry is stale).
 
-Tuned configs (`tuned.config_entries`: the level-1 winners of `sip-tune`) of the specs' kernels and
-modes are compiled too, with the heuristic configs they were tuned against, so an op that plans a
-shape of a tuned bucket loads them without compiling; the ops look them up under warmup's store root
-from then on (`paths.tuned_store_root()`). An entry whose heuristic no longer compiles to the cubin it was
+Tuned configs (`tuned.config_entries`: the level-1 winners of `sip-tune`) whose heuristic config is
+one of the specs (the only ones an op that plans a spec can be given: `warmup(model=...)` leaves the
+entries of other models' shapes alone) are compiled too, so an op that plans a shape of a tuned
+bucket loads them without compiling; the ops look them up under warmup's store root from then on
+(`paths.tuned_store_root()`). An entry whose heuristic no longer compiles to the cubin it was
 tuned against is reported stale and not used.
 """
 from __future__ import annotations
@@ -152,19 +153,18 @@ def warmup(specs: Iterable[Any] = (), *, model: Any = None, modes: Iterable[str]
     launch.forget_plans()  # a plan made before now would keep the config it chose without the store
     resolved = [_resolve(s) for s in specs]
     n_specs = len(resolved)
-    op_modes: dict[str, set[str]] = {}
-    for r in resolved:
-        if r.variant is not None:
-            op_modes.setdefault(r.variant.op, set()).add(r.variant.mode)
+    wanted = {r.variant for r in resolved if r.variant is not None}
+
     def admitted(entry: tuned.Entry | tuned.ConfigEntry, name: str) -> bool:
         if entry.problems:
             below_bar.append(f"{name}: {'; '.join(entry.problems)}")
         return tuned.admitted(entry)
 
-    # Each tuned config follows the specs, after the heuristic config it was tuned against.
-    configs = [e for op in sorted(op_modes)
+    # Each tuned config that an op planning a spec can be given (its heuristic is a spec) follows
+    # the specs, after that heuristic config; other entries (other models' shapes) are left alone.
+    configs = [e for op in sorted({v.op for v in wanted})
                for e in tuned.config_entries(root, rosekernels.kernels.kernel_module(op))
-               if e.meta["mode"] in op_modes[op] and admitted(e, f"config {e.meta['kernel']} {e.path.stem}")]
+               if e.heuristic.variant() in wanted and admitted(e, f"config {e.meta['kernel']} {e.path.stem}")]
     resolved += [_resolve(c) for e in configs for c in (e.heuristic, e.config)]
     entries: dict[str, list[tuned.Entry]] = {}  # variant key -> the entries it may load
 

@@ -16,7 +16,8 @@ How an entry was checked (meta["checks"], both kinds; `bar_problems` reads it):
     compare    "bitwise" (equal to the original's / the heuristic's outputs bit for bit), "reference"
                (the kernel's own float64 check at its stated tolerance) or "tolerance" (`tolerance`:
                {"rtol", "atol"}, a looser comparison a user asked for)
-    sanitizer  compute-sanitizer {"memcheck", "racecheck", "synccheck"} verdicts, or "not run"
+    sanitizer  compute-sanitizer {"memcheck", "racecheck", "synccheck"} verdicts (cubins: the tuned
+               cubin; configs: the winner's kernel at the tuned shape), or "not run"
     shapes     {"tuned": the shape tuned, "tuned_samples": samples compared at it, "samples": what
                the sample sizes are, "edges": (configs) the bucket's edge shapes tested}
     op_level   the public op re-timed in a fresh process (`sip_tune.oplevel`): speedup over the
@@ -25,13 +26,15 @@ and meta["speedup"] is the op-level speedup where one was measured.
 
 The default bar (`bar_problems`): bitwise or the kernel's own tolerance, on >= BAR_SAMPLES samples,
 all passed; compared at the tuned shape (configs: and at their bucket's edges); compute-sanitizer
-clean (cubins); an op-level speedup past 1 + its A/A spread. Ops and warmup load only entries that
-meet it (`admitted`), unless the user opts in to weaker ones: `warmup(allow_unverified=True)` or
-$SIP_ALLOW_UNVERIFIED=1. An entry below the bar is reported (a warning once per process, the
-reason in `sip-tune --list`), never loaded silently; entries written before checks were recorded
-are below it. A config entry that keeps the heuristic's own config (a tuning that found nothing
-faster) changes nothing and needs no checks. A new entry replaces an existing one only if it is
-not weaker (`strength`: the bar's parts it meets) and, at equal strength, not slower.
+clean; an op-level speedup past 1 + its A/A spread (a record of the wrong type, hand-edited, meets
+no part). Ops and warmup load only entries that meet it (`admitted`), unless the user opts in to
+weaker ones: `warmup(allow_unverified=True)` or $SIP_ALLOW_UNVERIFIED=1, until the opt-in is
+withdrawn (`allow_unverified(False)`, which also drops what it loaded). An entry below the bar is
+reported (a warning once per process, the reason in `sip-tune --list`), never loaded silently;
+entries written before checks were recorded are below it, and so are config entries from before
+level 1 ran compute-sanitizer. A config entry that keeps the heuristic's own config (a tuning that
+found nothing faster) changes nothing and needs no checks. A new entry replaces an existing one only
+if it is not weaker (`strength`: the bar's parts it meets) and, at equal strength, not slower.
 
 Writers hold a file lock per entry and replace each file atomically (tempfile + os.replace);
 `meta.json` goes last and records the tuned cubin's hash, so a reader can always tell a whole entry
@@ -53,9 +56,9 @@ import dataclasses
 import hashlib
 import itertools
 import json
-import math
 import os
 import struct
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -137,6 +140,7 @@ SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
 ALLOW_ENV = "SIP_ALLOW_UNVERIFIED"
 _allow: bool | None = None  # allow_unverified's choice; None: $SIP_ALLOW_UNVERIFIED decides
 _reported: set[tuple[Path, bool]] = set()  # (entry, loaded?) already warned about in this process
+_opted_in: dict[Path, "Entry"] = {}  # cubin entries below the bar admitted because the user opted in
 
 
 def _keeps_heuristic(meta: dict[str, Any]) -> bool:
@@ -144,9 +148,21 @@ def _keeps_heuristic(meta: dict[str, Any]) -> bool:
     return "heuristic" in meta and meta.get("config") == meta.get("heuristic")
 
 
+def _count(value: Any) -> int | None:
+    """`value` if it is a count (a JSON integer), else None: a hand-edited or truncated record."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _real(value: Any) -> float | None:
+    """`value` as a float if it is a JSON number, else None."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def _bar_parts(meta: dict[str, Any], kind: str) -> dict[str, str | None]:
     """Per part of the bar (in the order of `strength`), why the entry falls short of it (None: met).
-    kind: "cubin" or "config" (compute-sanitizer is part of a cubin's bar; bucket edges of a config's)."""
+    kind: "cubin" or "config" (bucket edges are part of a config's bar).
+    A record of the wrong type (null, a string for a number) falls short of its part with the
+    reason, never raises: a reader is an op planning a call."""
     parts = ("compare", "samples", "sanitizer", "shapes", "op_level")
     if kind == "config" and _keeps_heuristic(meta):
         return dict.fromkeys(parts)
@@ -158,28 +174,33 @@ def _bar_parts(meta: dict[str, Any], kind: str) -> dict[str, str | None]:
     compare = checks.get("compare")
     if compare not in ("bitwise", "reference"):
         out["compare"] = f"compared {_compared(checks)}, not bitwise or at the kernel's own tolerance"
-    samples = checks.get("samples") if isinstance(checks.get("samples"), dict) else {}
-    run, passed = samples.get("run", 0), samples.get("passed", 0)
-    if passed < BAR_SAMPLES or passed != run:
+    samples = checks.get("samples", {})
+    run, passed = (_count(samples.get("run", 0)), _count(samples.get("passed", 0))) if isinstance(samples, dict) \
+        else (None, None)
+    if run is None or passed is None:
+        out["samples"] = f"malformed samples record {str(samples)[:80]}"
+    elif passed < BAR_SAMPLES or passed != run:
         out["samples"] = f"{passed} of {run} samples passed (the bar: all of at least {BAR_SAMPLES})"
     verdicts = checks.get("sanitizer")
-    if kind == "cubin":
-        if not isinstance(verdicts, dict):
-            out["sanitizer"] = "compute-sanitizer not run"
-        elif any(verdicts.get(t) != "clean" for t in SANITIZER_TOOLS):
-            out["sanitizer"] = "compute-sanitizer: " + "; ".join(
-                f"{t} {str(verdicts.get(t, 'not run'))[:80]}" for t in SANITIZER_TOOLS if verdicts.get(t) != "clean")
+    if not isinstance(verdicts, dict):
+        out["sanitizer"] = "compute-sanitizer not run"
+    elif any(verdicts.get(t) != "clean" for t in SANITIZER_TOOLS):
+        out["sanitizer"] = "compute-sanitizer: " + "; ".join(
+            f"{t} {str(verdicts.get(t, 'not run'))[:80]}" for t in SANITIZER_TOOLS if verdicts.get(t) != "clean")
     shapes = checks.get("shapes") if isinstance(checks.get("shapes"), dict) else {}
-    if not shapes.get("tuned_samples"):
+    if not _count(shapes.get("tuned_samples")):
         out["shapes"] = "not compared at the tuned shape"
     elif kind == "config" and not isinstance(shapes.get("edges"), list):
         out["shapes"] = "not tested at its bucket's edges"
     op = checks.get("op_level")
-    if not isinstance(op, dict) or not isinstance(op.get("speedup"), (int, float)):
+    speedup, spread = (_real(op.get("speedup")), _real(op.get("aa_spread"))) if isinstance(op, dict) else (None, None)
+    if speedup is None:
         out["op_level"] = "no op-level re-time" + (f" ({op})" if isinstance(op, str) and op != "not run" else "")
-    elif not op["speedup"] > 1 + float(op.get("aa_spread", math.inf)):
-        out["op_level"] = (f"op-level {op['speedup']:.4f}x the {'original' if kind == 'cubin' else 'heuristic'}, "
-                           f"not past 1 + its A/A spread {float(op.get('aa_spread', math.nan)):.4f}")
+    elif spread is None:
+        out["op_level"] = f"malformed op-level record: A/A spread {str(op.get('aa_spread'))[:40]}"
+    elif not speedup > 1 + spread:
+        out["op_level"] = (f"op-level {speedup:.4f}x the {'original' if kind == 'cubin' else 'heuristic'}, "
+                           f"not past 1 + its A/A spread {spread:.4f}")
     return out
 
 
@@ -202,19 +223,45 @@ def strength(meta: dict[str, Any], kind: str) -> tuple[bool, ...]:
     return (not any(parts.values()), *(p is None for p in parts.values()))
 
 
+def _speedup(meta: dict[str, Any]) -> float:
+    """The speedup an entry records (0.0 where it records none, or not as a number)."""
+    value = _real(meta.get("speedup", 0.0))
+    return 0.0 if value is None else value
+
+
 def _keep_old(old: dict[str, Any], new: dict[str, Any], kind: str) -> bool:
     """Whether an existing entry stays: it is stronger, or as strong and faster (see strength)."""
     def rank(meta: dict[str, Any]) -> tuple:
-        return strength(meta, kind), float(meta.get("speedup", 0.0))
+        return strength(meta, kind), _speedup(meta)
     return rank(old) > rank(new)
 
 
 def allow_unverified(allow: bool | None) -> None:
     """Whether ops and warmup load entries below the bar from now on (None: $SIP_ALLOW_UNVERIFIED
-    decides, "1" to allow); `warmup(allow_unverified=...)` calls it."""
+    decides, "1" to allow); `warmup(allow_unverified=...)` calls it. Withdrawing the opt-in undoes
+    what it loaded: every op plans its next call again (a plan keeps the config it chose), and the
+    tuned cubins of entries below the bar are uninstalled and the loaded kernels forgotten (the next
+    call loads them as compiled). CUDA graphs captured before launch what they captured: capture
+    them again, as after a warmup that reloads kernels."""
     global _allow
+    was = unverified_allowed()
     _allow = allow
     _chosen.clear()  # configs chosen under the other rule
+    if was and not unverified_allowed():
+        _withdraw()
+
+
+def _withdraw() -> None:
+    """Drop what entries below the bar put in this process. What jit or launch never imported holds
+    nothing (and the store imports neither: `sip-tune --list` loads no torch)."""
+    launch, jit = sys.modules.get("rosekernels.launch"), sys.modules.get("rosekernels.jit")
+    if launch is not None:
+        launch.forget_plans()
+    if jit is not None:
+        removed = [jit.uninstall_tuned_cubin(e.original, e.tuned) for e in _opted_in.values()]
+        if any(removed):
+            jit.forget_loaded()
+    _opted_in.clear()
 
 
 def unverified_allowed() -> bool:
@@ -230,6 +277,8 @@ def admitted(entry: "Entry | ConfigEntry") -> bool:
     if not problems:
         return True
     allow = unverified_allowed()
+    if allow and isinstance(entry, Entry):  # warmup installs it: withdrawing the opt-in uninstalls it
+        _opted_in[entry.path] = entry
     if (entry.path, allow) not in _reported:
         _reported.add((entry.path, allow))
         what = ("loading it anyway (opted in)" if allow else
@@ -248,7 +297,7 @@ class Entry:
 
     @property
     def speedup(self) -> float:
-        return float(self.meta.get("speedup", 0.0))
+        return _speedup(self.meta)
 
     @property
     def problems(self) -> list[str]:
@@ -343,7 +392,7 @@ def store(store_root: str | os.PathLike | None, kernel: str, variant: Any, origi
     whichever finishes last)."""
     toolchain = toolchain or current_toolchain()
     if len(tuned) != len(original):
-        raise ValueError(f"tuned cubin has {len(tuned)} bytes, the original {len(original)}")
+        raise CacheError(f"tuned cubin has {len(tuned)} bytes, the original {len(original)}")
     check_sm90_cubin(tuned)
     check_only_code_differs(original, tuned)
     directory = entry_dir(store_root, kernel, variant.key(), sha256(original), toolchain)
@@ -473,7 +522,7 @@ class ConfigEntry:
 
     @property
     def speedup(self) -> float:
-        return float(self.meta.get("speedup", 0.0))
+        return _speedup(self.meta)
 
     @property
     def problems(self) -> list[str]:
@@ -600,12 +649,13 @@ def config_entries(store_root: str | os.PathLike | None, module: ModuleType) -> 
     return [e for found in _index(paths.tuned_store_root(store_root), module).current.values() for e in found]
 
 
-def lookup_config(store_root: str | os.PathLike | None, module: ModuleType, shape: Any,
+def lookup_config(store_root: str | os.PathLike | None, module: ModuleType, shape: Any, heuristic: Any,
                   original_sha256: str) -> ConfigEntry | None:
-    """The entry of `module`'s kernel for bucket(shape) tuned against the heuristic cubin
-    `original_sha256` (below the bar or not), or None."""
+    """The entry of `module`'s kernel for bucket(shape) tuned against the heuristic config `heuristic`
+    (every field, launch policy included) whose cubin hashes to `original_sha256` (below the bar or
+    not), or None."""
     for entry in _index(paths.tuned_store_root(store_root), module).current.get(bucket_key(shape), ()):
-        if entry.original_sha256 == original_sha256:
+        if entry.heuristic == heuristic and entry.original_sha256 == original_sha256:
             return entry
     return None
 
@@ -620,8 +670,9 @@ def forget_configs() -> None:
 def tuned_config(module: ModuleType, shape: Any, heuristic: Any, sms: int | None = None) -> Any:
     """The config an op launches for `shape` with `module`'s kernel, where the heuristic picked
     `heuristic` (for a GPU of `sms` SMs where the kernel's candidates depend on it): the stored
-    entry's config for bucket(shape) if it was tuned against this heuristic's cubin as compiled now
-    and is legal for this exact shape, else `heuristic`. The store is `paths.tuned_store_root()`.
+    entry's config for bucket(shape) if it was tuned against this very heuristic config (launch
+    policy included), whose cubin is as compiled now, and is legal for this exact shape, else
+    `heuristic`. The store is `paths.tuned_store_root()`.
     Called once per plan; a shape already seen costs one dict lookup, a bucket with no entries two.
     An entry below the bar gives the heuristic (and a warning once) unless the user opted in
     (`allow_unverified`)."""
@@ -640,11 +691,15 @@ def _choose(root: Path, module: ModuleType, shape: Any, heuristic: Any, sms: int
     index = _index(root, module)
     bkey = bucket_key(shape)
     here = index.current.get(bkey, [])
-    if here:
+    # Only where the heuristic picks the very config the entry was tuned against: the cubin's hash
+    # leaves out the launch policy (split counts, raster groups), and the entry was tested only at
+    # the shapes of its bucket where the heuristic picks that config (sip_tune.configs.bucket_edges).
+    mine = [e for e in here if e.heuristic == heuristic]
+    if mine:
         original = _original_hashes.get(heuristic.variant())
         if original is None:  # compiled (or loaded) anyway when the heuristic wins: the op needs it then
             original = _original_hashes[heuristic.variant()] = module.compile(heuristic).cubin_sha256
-        for entry in here:
+        for entry in mine:
             if entry.original_sha256 == original:
                 if not admitted(entry):
                     return heuristic

@@ -13,7 +13,9 @@ if TYPE_CHECKING:
 class Workload:
     """make_args(seed): ONE set of arguments of `kernel.fn` on the GPU for the shape being tuned,
         random data drawn from `seed`; output buffers poisoned (NaN for floats, a sentinel for
-        integers) so that an element the kernel fails to write shows up.
+        integers) so that an element the kernel fails to write shows up. An integer argument that
+        is all zero at launch is scratch (a tile or split counter, a barrier) that the kernel must
+        leave zero, as the ops reuse it: the tuner checks that too (sip_tune.runner.launch_checked).
     test_args(seed): the same for testing; a compiled kernel serves every size of its mode, so this
         draws the sizes too (small and ragged ones). Default: make_args.
     outputs(args): after a launch, the tensors to compare between two kernels that must agree (in a

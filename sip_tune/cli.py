@@ -10,7 +10,7 @@ ops and `rosekernels.warmup`. Two levels: `config` searches a kernel's configura
 
 What is stored must meet the tuned store's default bar, or ops and warmup do not load it: outputs
 bitwise equal (or within the kernel's own float64 tolerance) on >= 10^4 fresh samples and at the tuned
-shape (configs: at their bucket's edges too), compute-sanitizer clean (cubins), and a gain past the A/A
+shape (configs: at their bucket's edges too), compute-sanitizer clean, and a gain past the A/A
 spread through the public op, re-timed in a fresh process over inputs rotated past L2. Entries made
 with weaker checks (--samples below 10^4, --rtol, --no-sanitize) are stored but not loaded unless the
 user opts in (warmup(allow_unverified=True) or SIP_ALLOW_UNVERIFIED=1); `--list` says why.
@@ -95,8 +95,9 @@ def _parser() -> argparse.ArgumentParser:
     budget.add_argument("--budget-iters", type=int, metavar="N", help="annealing iterations over all runs")
     budget.add_argument("--budget-minutes", type=float, metavar="M",
                         help="--kernel: the sass level's search time over all runs (default 10 when no budget is "
-                        "given); --model: the whole run's time, no shape is started that would not fit in what is "
-                        "left (default: no limit)")
+                        "given); --model: the whole run's time, a shape started only while what is left exceeds the "
+                        "longest search so far (an estimate: a search can still run past the budget; default: no "
+                        "limit)")
     p.add_argument("--runs", type=int, default=2, metavar="K",
                    help="independent annealing runs (seeds S..S+K-1); with several GPUs visible, one worker per GPU "
                    "runs them at once")
@@ -121,8 +122,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="where the 'sass' level proposes changes: loops (by loop depth, the default) or ncu "
                    "(in proportion to Nsight Compute's PC samples of the kernel's blocks; needs ncu)")
     p.add_argument("--no-sanitize", action="store_true",
-                   help="store a tuned cubin without running it under compute-sanitizer memcheck, racecheck and "
-                   "synccheck first (the entry records that it was not run)")
+                   help="store a tuned config or cubin without running it under compute-sanitizer memcheck, "
+                   "racecheck and synccheck first (the entry records that it was not run: below the store's bar)")
     p.add_argument("--t-max", type=float, default=0.02, help="initial temperature (relative time units)")
     p.add_argument("--t-min", type=float, default=2e-4, help="final temperature")
     p.add_argument("--cooling", type=float, help="cooling factor L (T <- T/L); default: derived from the budget")
@@ -175,15 +176,17 @@ def _list_store(store_root: str | None) -> int:
             print(f"  {r['kernel']:<15} BROKEN: {r['error']}  ({r['path']})")
             continue
         checks = r.get("checks") if isinstance(r.get("checks"), dict) else {}
-        samples = (checks.get("samples") or {}).get("passed", r.get("samples_passed", "?"))
+        record = checks.get("samples") if isinstance(checks.get("samples"), dict) else {}
+        samples = record.get("passed", r.get("samples_passed", "?"))
+        speedup = r.get("speedup") if isinstance(r.get("speedup"), (int, float)) else math.nan  # hand edits
         if r["kind"] == "cubin":
             what = r["spec_key"]
         elif r.get("config_key") == r.get("heuristic_key"):
             what = f"the heuristic stays: {r.get('config_key', '?')}"
         else:
             what = f"{r.get('heuristic_key', '?')} -> {r.get('config_key', '?')}"
-        print(f"  {r['kernel']:<15} {r['kind']:<6} {r.get('mode', '?'):<8} {r.get('speedup', math.nan):.3f}x  "
-              f"{samples:>8} samples  {r.get('gpu', '?')}  {r.get('date', '?')}  {what}")
+        print(f"  {r.get('kernel')!s:<15} {r['kind']:<6} {r.get('mode', '?')!s:<8} {speedup:.3f}x  "
+              f"{samples!s:>8} samples  {r.get('gpu', '?')}  {r.get('date', '?')}  {what}")
         if r["problems"]:
             print(f"    below the bar: {'; '.join(r['problems'])}")
     return 0
@@ -205,6 +208,12 @@ def _writable_file(option: str, path: str) -> str | None:
 def _write_json(path: str, data: Any) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
+
+
+def _missing_tools(args: argparse.Namespace) -> list[str]:
+    """What a winner of either level needs to be stored and is not here, checked before any GPU time:
+    compute-sanitizer, unless --no-sanitize."""
+    return [] if args.no_sanitize else [p for p in [probe.sanitizer_problem()] if p]
 
 
 def _require_gpu() -> int | None:
@@ -242,9 +251,13 @@ def _main_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         return 1
     if args.plan:
         return _model_plan(args, found)
+    missing = _missing_tools(args)
+    if missing:
+        print(f"sip-tune: {'; '.join(missing)} (see --no-sanitize)", file=sys.stderr)
+        return 2
     budget_s = None if args.budget_minutes is None else args.budget_minutes * 60
     rows = model.tune(found, store_root=args.store_root, max_candidates=args.max_candidates,
-                      min_speedup=args.min_speedup, seed=args.seed, budget_s=budget_s)
+                      min_speedup=args.min_speedup, seed=args.seed, budget_s=budget_s, sanitize=not args.no_sanitize)
     print(model.table(rows))
     gains = model.gains(rows, args.mode, args.store_root)
     print(gains.text())
@@ -351,13 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     no_gpu = _require_gpu()
     if no_gpu:
         return no_gpu
-    if "sass" in levels:  # tools the sass level needs, checked before level 1 spends GPU time
-        missing = [] if args.no_sanitize else [p for p in [probe.sanitizer_problem()] if p]
-        if args.hot == "ncu" and not shutil.which("ncu"):
-            missing.append("ncu not found on PATH")
-        if missing:
-            print(f"sip-tune: {'; '.join(missing)} (the sass level needs it: see --no-sanitize, --hot)", file=sys.stderr)
-            return 2
+    missing = _missing_tools(args)
+    if "sass" in levels and args.hot == "ncu" and not shutil.which("ncu"):
+        missing.append("ncu not found on PATH")
+    if missing:
+        print(f"sip-tune: {'; '.join(missing)} (see --no-sanitize, --hot)", file=sys.stderr)
+        return 2
     minutes = args.budget_minutes  # (the two budgets exclude each other)
     if args.budget_iters is None and minutes is None:
         minutes = 10.0
@@ -372,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
         if "config" in levels:
             reports["config"] = configs.tune_configs(
                 args.kernel, args.mode, shape, max_candidates=args.max_candidates, min_speedup=args.min_speedup,
-                seed=args.seed, validation_samples=args.samples or tuned.BAR_SAMPLES, store_root=args.store_root)
+                seed=args.seed, validation_samples=args.samples or tuned.BAR_SAMPLES, sanitize=not args.no_sanitize,
+                store_root=args.store_root)
             print(reports["config"].text())
         if "sass" in levels:
             if "config" in reports and reports["config"].winner is not None:

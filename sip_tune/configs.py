@@ -23,11 +23,16 @@
      kernel's float64 check on `validation_samples` fresh input sets of its test sizes;
    - at the op level (`sip_tune.oplevel`): the public op re-timed in a fresh process with the entry
      loaded from a tuned store, against the heuristic and the best peer, over inputs rotated past
-     L2; it must beat max(min_speedup, 1 + that run's A/A spread) there too.
+     L2; it must beat max(min_speedup, 1 + that run's A/A spread) there too;
+   - under compute-sanitizer memcheck, racecheck and synccheck (`probe.sanitize`: its kernel at the
+     tuned shape and on a few of its test sizes), clean.
    The winner goes into the tuned store (`rosekernels.tuned.store_config`) with how it was checked
    and the op-level speedup (the one reported); ops consult the store when they plan a call. When
-   no candidate passes, the store records that the heuristic stays (its own config at 1.0x), so the
-   bucket counts as tuned (`sip-tune --model` resumes past it); a failed run records nothing.
+   every finalist was refused on its merits (wrong outputs, an op-level speedup measured and not
+   past the bar, a sanitizer finding the heuristic's kernel does not have), or none timed faster,
+   the store records that the heuristic stays (its own config at 1.0x), so the bucket counts as
+   tuned (`sip-tune --model` resumes past it). Where a check failed to run instead (a worker or
+   the op-level process crashed or timed out), nothing is recorded, nor by a failed run.
 
 Why bucket edges rather than entries keyed to exact shapes: the token count of a call varies from
 step to step (decode batches, prefill chunks), and an entry per exact count would serve almost no
@@ -55,8 +60,11 @@ from typing import Any, Callable, Mapping
 from rosekernels import contract
 from rosekernels.kernels import kernel_module
 from rosekernels.workload import Workload
-from sip_tune import oplevel, workloads
+from sip_tune import oplevel, probe, workloads
 from sip_tune.runner import ConfigBench, Options, Runner, WorkerFailure
+
+# The outcome of a search that cannot tell whether the heuristic stays (a check failed to run).
+NOT_SETTLED = "nothing recorded (the next run searches the bucket again)"
 
 # Configs searched besides the heuristic's: 36 keeps the swapped tiles on clusters (the gemm's cost model
 # ties them with their unclustered twins) without crowding out the plain widths; compiles run in parallel,
@@ -240,8 +248,8 @@ class ConfigReport:
     aa_spread: float = math.nan  # |A/A ratio - 1| of the joint timing run
     finalists: list = dataclasses.field(default_factory=list)  # the re-timed ones
     retime_aa_spread: float = math.nan
-    winner: dict | None = None  # asdict of the stored config; None: the heuristic stays
-    settled: bool = False  # the heuristic stays because it measured fastest (not because a run failed)
+    winner: dict | None = None  # asdict of the stored config; None: no candidate passed
+    settled: bool = False  # no winner, and every refusal was on its merits: the heuristic stays (recorded)
     winner_key: str = ""
     tuned_us: float = math.nan
     # Of the winner over the heuristic: at the op level (heuristic_us and tuned_us too, per call of
@@ -308,15 +316,21 @@ def tune_configs(kernel: str, mode: str, overrides: Mapping[str, Any] | None = N
                  max_candidates: int = MAX_CANDIDATES, samples: int = 8, reps: int = 30, finalists: int = 3,
                  retime_reps: int = 60, min_speedup: float = 1.01, seed: int = 0, processes: int | None = None,
                  validation_samples: int = 10_000, edge_samples: int = 4, op_rounds: int = oplevel.ROUNDS,
-                 options: Options = Options(), store_root: str | os.PathLike | None = None,
-                 log: Callable[[str], None] = print, bench: Callable[[Any, Options], Any] | None = None,
-                 ) -> ConfigReport:
+                 sanitize: bool = True, options: Options = Options(),
+                 store_root: str | os.PathLike | None = None, log: Callable[[str], None] = print,
+                 bench: Callable[[Any, Options], Any] | None = None) -> ConfigReport:
     """Level 1 for `kernel` at Shape.defaults(mode) + overrides (see the module docstring); the
     winner, if any, is stored in the tuned store at `store_root` (None: `paths.tuned_store_root()`).
     samples: input sets each candidate is tested on; validation_samples: fresh sets of its test
     sizes a winner must pass (the store's bar asks for 10^4); edge_samples: sets compared at the
-    tuned shape and at each bucket edge; op_rounds: interleaved rounds of the op-level re-time.
-    `bench` replaces the worker's GPU bench (tests pass a CPU stand-in)."""
+    tuned shape and at each bucket edge; op_rounds: interleaved rounds of the op-level re-time;
+    sanitize: run the winner under compute-sanitizer before storing it (False: the entry records
+    that it was not, and is below the store's bar; True without compute-sanitizer: ProbeError
+    before any work). `bench` replaces the worker's GPU bench (tests pass a CPU stand-in)."""
+    missing = sanitize and probe.sanitizer_problem()
+    if missing:
+        raise probe.ProbeError(f"{missing}: a tuned config is stored only once compute-sanitizer has run it "
+                               "(sanitize=False / sip-tune --no-sanitize stores it unchecked)")
     t_start = time.perf_counter()
     space = plan(kernel, mode, overrides, max_candidates)
     report = ConfigReport(kernel, mode, dataclasses.asdict(space.shape), dataclasses.asdict(space.heuristic),
@@ -370,7 +384,7 @@ def tune_configs(kernel: str, mode: str, overrides: Mapping[str, Any] | None = N
         seconds["retime"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         winner = _verify(report, runner, space, ranked, original_sha256, min_speedup, seed, validation_samples,
-                         edge_samples, op_rounds, options, say)
+                         edge_samples, op_rounds, sanitize, options, say)
         seconds["verify"] = time.perf_counter() - t0
     finally:
         runner.close()
@@ -430,7 +444,7 @@ def _pick(report: ConfigReport, runner: Runner, rows: list[dict], finalists: int
     runner.restart()  # nothing the search ran can leak into the re-time
     kind, answer = runner.request("time", (ranked, retime_reps), options.eval_timeout_s * (2 + len(ranked)))
     if kind != "ok":
-        report.outcome = f"the re-time failed ({_last_line(answer)}); the heuristic stays"
+        report.outcome = f"the re-time failed ({_last_line(answer)}); {NOT_SETTLED}"
         return []
     report.retime_aa_spread = abs(answer["rel"][1] - 1)
     for j, i in enumerate(ranked):
@@ -448,37 +462,66 @@ def _pick(report: ConfigReport, runner: Runner, rows: list[dict], finalists: int
 
 def _verify(report: ConfigReport, runner: Runner, space: SearchSpace, ranked: list[int], original_sha256: str,
             min_speedup: float, seed: int, validation_samples: int, edge_samples: int, op_rounds: int,
-            options: Options, say: Callable[[str], None]) -> Any:
+            sanitize: bool, options: Options, say: Callable[[str], None]) -> Any:
     """The first of `ranked` that passes where it will serve (the tuned shape, its bucket's edges,
-    `validation_samples` of its test sizes) and at the op level; its config, with report.checks,
-    report.op_level and the op-level times filled in; None: the heuristic stays."""
+    `validation_samples` of its test sizes), at the op level and under compute-sanitizer; its
+    config, with report.checks, report.op_level and the op-level times filled in. None: no finalist
+    passed; report.settled says whether each was refused on its merits (wrong outputs, an op-level
+    speedup measured and not past the bar, a sanitizer finding the heuristic does not have), so
+    that the heuristic stays, or a check failed to run (a crash, a timeout), which says nothing."""
     heuristic = space.heuristic
+    unsettled = False  # a refusal that says nothing about the candidate
+    heuristic_verdicts = None  # the heuristic under compute-sanitizer, asked once a finalist is flagged
     for i in ranked:
         config = space.candidates[i]
         finalist = next(f for f in report.finalists if f["index"] == i)
         edges = bucket_edges(space.kernel, space.shape, config, heuristic, seed)
         say(f"verifying {finalist['key']} ({finalist['speedup']:.3f}x): {len(edges)} bucket edges, "
-            f"{validation_samples} samples, then the public op")
+            f"{validation_samples} samples, then the public op" + (", then compute-sanitizer" if sanitize else ""))
         kind, v = runner.request("validate", (i, random.Random(f"sip-validate-{seed}").getrandbits(63),
                                               validation_samples, edges, edge_samples),
                                  options.eval_timeout_s + (validation_samples + edge_samples * len(edges)) * 0.05)
-        if kind != "ok" or v["status"] != "ok":
-            finalist["verdict"] = f"refused: {v['detail'] if kind == 'ok' else kind + ': ' + _last_line(v)}"
+        if kind != "ok":
+            finalist["verdict"] = f"not checked: the validation request failed ({kind}: {_last_line(v)})"
+            unsettled = True
+            continue
+        if v["status"] != "ok":
+            finalist["verdict"] = f"refused: {v['detail']}"
             continue
         timing = oplevel.retime(space.kernel, space.shape, oplevel.ConfigCandidate(config, heuristic,
                                                                                     original_sha256),
                                 rounds=op_rounds)
         say(timing.text())
-        if not timing.passes(min_speedup):
-            finalist["verdict"] = f"refused at the op level: {timing.error or f'{timing.speedup:.4f}x'}"
+        if timing.error:
+            finalist["verdict"] = f"not checked at the op level: {timing.error}"
+            unsettled = True
             continue
+        if not timing.passes(min_speedup):
+            finalist["verdict"] = f"refused at the op level: {timing.speedup:.4f}x"
+            continue
+        verdicts: dict[str, str] | str = "not run"
+        if sanitize:
+            say(f"compute-sanitizer {', '.join(probe.SANITIZER_TOOLS)} on {finalist['key']} at the tuned shape")
+            verdicts = probe.sanitize(workload_factory(space.kernel, config, space.shape), None)
+            unclean = "; ".join(f"{t} {v}" for t, v in verdicts.items() if v != "clean")
+            if unclean:
+                if heuristic_verdicts is None:
+                    heuristic_verdicts = probe.sanitize(workload_factory(space.kernel, heuristic, space.shape), None)
+                if any(v != "clean" for v in heuristic_verdicts.values()):  # not the candidate's doing
+                    finalist["verdict"] = ("not checked: compute-sanitizer does not pass the heuristic either "
+                                           f"({unclean})")
+                    unsettled = True
+                    break  # no finalist can pass it here
+                finalist["verdict"] = f"refused: compute-sanitizer: {unclean}"
+                continue
         finalist["verdict"] = f"verified: {timing.speedup:.4f}x at the op level"
         report.op_level = timing.meta()
         report.checks = {
             "samples": {"run": validation_samples, "passed": v["passed"]},
-            "compare": "reference", "tolerance": None, "sanitizer": "not run",
-            "shapes": {"tuned": dataclasses.asdict(space.shape), "tuned_samples": edge_samples,
-                       "edges": [dataclasses.asdict(e) for e in edges], "bitwise_at_shapes": v["bitwise"],
+            "compare": "reference", "tolerance": None, "sanitizer": verdicts,
+            "shapes": {"tuned": dataclasses.asdict(space.shape), "tuned_samples": v["shape_passed"],
+                       "edges": [dataclasses.asdict(e) for e in edges], "edge_samples": v["edges_passed"],
+                       "bitwise_at_shapes": v["bitwise"],
                        "samples": "the kernel's test sizes (Workload.test_args), float64 check"},
             "op_level": report.op_level}
         report.winner, report.winner_key = dataclasses.asdict(config), finalist["key"]
@@ -487,10 +530,11 @@ def _verify(report: ConfigReport, runner: Runner, space: SearchSpace, ranked: li
                           f"(worker re-time {finalist['speedup']:.3f}x; A/A {timing.aa_spread:.4f})")
         return config
     if ranked:
-        report.outcome = ("no candidate past the bar held where it will serve and at the op level ("
-                          + "; ".join(f"{f['key']}: {f['verdict']}" for f in report.finalists if f.get("verdict"))
-                          + "); the heuristic stays")
-        report.settled = True
+        why = "; ".join(f"{f['key']}: {f['verdict']}" for f in report.finalists if f.get("verdict"))
+        report.settled = not unsettled
+        report.outcome = (f"no candidate past the bar held where it will serve, at the op level and under "
+                          f"compute-sanitizer ({why}); " + ("the heuristic stays" if report.settled else
+                                                            f"{NOT_SETTLED}: a check failed to run"))
     return None
 
 

@@ -58,6 +58,7 @@ BAD_SHAPE = (ValueError, LookupError, TypeError)
 # the H200 host, Qwen3-8B's 40 decode shapes about 17 minutes in all.
 SHAPE_ESTIMATE_S = 30.0
 NOT_REACHED = "not reached: budget spent"
+NOT_RECORDED = "not recorded"  # a search whose checks failed to run: no entry, searched again next time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +181,7 @@ def stored_entry(job: Job, mode: str, store_root: Any = None) -> tuned.ConfigEnt
     if not any(tuned.bucket_key(m.Shape(**e.meta["bucket"])) == bkey and e.heuristic == heuristic
                for e in tuned.config_entries(store_root, m)):
         return None
-    entry = tuned.lookup_config(store_root, m, shape, m.compile(heuristic).cubin_sha256)
+    entry = tuned.lookup_config(store_root, m, shape, heuristic, m.compile(heuristic).cubin_sha256)
     return entry if entry is not None and not entry.problems else None
 
 
@@ -194,11 +195,13 @@ def _progress(jobs: list[Job]) -> tuple[Iterable[Job], Callable[[str], None]]:
 
 
 def tune(found: ModelShapes, *, store_root: Any = None, max_candidates: int = configs.MAX_CANDIDATES,
-         min_speedup: float = 1.01, seed: int = 0, budget_s: float | None = None,
+         min_speedup: float = 1.01, seed: int = 0, budget_s: float | None = None, sanitize: bool = True,
          clock: Callable[[], float] = time.monotonic) -> list[Row]:
-    """Level 1 (`configs.tune_configs`) for every job of `found` in turn, skipping those already tuned,
-    within `budget_s` seconds (None: no limit; see the module docstring); a job that fails is
-    reported in its row and the next one runs."""
+    """Level 1 (`configs.tune_configs`, its winners run under compute-sanitizer unless `sanitize` is
+    False) for every job of `found` in turn, skipping those already tuned, within `budget_s` seconds
+    (None: no limit; see the module docstring); a job that fails is reported in its row and the next
+    one runs, and so is one whose search recorded nothing (a check failed to run: the next run
+    searches it again)."""
     rows: list[Row] = []
     start, searches = clock(), []  # the seconds each search took
     jobs, write = _progress(found.jobs)
@@ -222,7 +225,8 @@ def tune(found: ModelShapes, *, store_root: Any = None, max_candidates: int = co
             t0 = clock()
             try:
                 report = configs.tune_configs(job.kernel, found.mode, job.shape, max_candidates=max_candidates,
-                                              min_speedup=min_speedup, seed=seed, store_root=store_root, log=write)
+                                              min_speedup=min_speedup, seed=seed, sanitize=sanitize,
+                                              store_root=store_root, log=write)
             finally:
                 searches.append(clock() - t0)
         except (*BAD_SHAPE, SipError, WorkerFailure) as e:
@@ -230,8 +234,9 @@ def tune(found: ModelShapes, *, store_root: Any = None, max_candidates: int = co
             write(f"  failed: {e}")
             continue
         write(report.text())
-        rows.append(Row(job, "tuned" if report.winner is not None else "heuristic stays", report.heuristic_us,
-                        report.tuned_us, report.speedup, report.aa_spread, report))
+        status = ("tuned" if report.winner is not None else "heuristic stays" if report.settled else
+                  f"{NOT_RECORDED}: {report.outcome}")
+        rows.append(Row(job, status, report.heuristic_us, report.tuned_us, report.speedup, report.aa_spread, report))
     return rows
 
 
@@ -248,10 +253,12 @@ GAIN_LABEL = ("time of the public op in a CUDA graph over inputs rotated past L2
 def stored_gain(entry: tuned.ConfigEntry) -> tuple[float, float]:
     """(the heuristic's time in us, the speedup over it) that the store records for `entry`: the
     op-level re-time (`sip_tune.oplevel`) where there is one, which is also what meta["speedup"] holds."""
-    op = (entry.meta.get("checks") or {}).get("op_level")
-    if isinstance(op, dict) and "heuristic_us" in op:
+    checks = entry.meta.get("checks")
+    op = checks.get("op_level") if isinstance(checks, dict) else None
+    if isinstance(op, dict) and isinstance(op.get("heuristic_us"), (int, float)):
         return float(op["heuristic_us"]), entry.speedup
-    return float(entry.meta.get("heuristic_median_us", math.nan)), entry.speedup
+    kernel_us = entry.meta.get("heuristic_median_us")
+    return float(kernel_us) if isinstance(kernel_us, (int, float)) else math.nan, entry.speedup
 
 
 @dataclasses.dataclass
@@ -261,7 +268,7 @@ class Gains:
     # per shape with a stored entry: kernel, shape (label), tokens, heuristic_us, speedup, config (its
     # variant key; None where the heuristic stays)
     shapes: list[dict[str, Any]]
-    not_tuned: int  # shapes with no entry: not reached within the budget, or failed
+    not_tuned: int  # shapes with no entry: not reached within the budget, failed, or not recorded
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -287,8 +294,8 @@ class Gains:
                 after = sum(g["heuristic_us"] / g["speedup"] for g in at)
                 lines.append(f"    {tokens:>6}  {len(at):>6}  {before:>12.2f}  {after:>9.2f}  {before / after:.3f}x")
         if self.not_tuned:
-            lines.append(f"  {self.not_tuned} shapes have no entry (not reached within the budget, or failed): "
-                         "the same command resumes with them")
+            lines.append(f"  {self.not_tuned} shapes have no entry (not reached within the budget, failed, or a "
+                         "check of theirs failed to run): the same command resumes with them")
         return "\n".join(lines)
 
 

@@ -12,11 +12,14 @@ process (this module's `main`, started by `retime`), on the GPU:
    would follow to the tuned cubin's config). The process's environment points the store there and
    the compile cache at this process's (nothing compiles twice).
 2. The op as it runs without the candidate (the heuristic's config; the original cubin) is captured
-   twice: the A/A pair, whose ratio says how far two identical arms measure apart.
+   twice: the A/A pair, whose ratio says how far two identical arms measure apart. The op must
+   launch what the candidate was tuned against there: the config it compiles is the candidate's
+   heuristic (launch policy included), or its call loads the candidate's variant.
 3. The candidate is loaded as a user loads it: `rosekernels.warmup(..., store_root=<that root>,
    allow_unverified=True)` (the entry cannot meet the bar before this measurement). The process then
-   checks that the op reaches it: `tuned.tuned_config` gives the candidate's config at the shape, or
-   the op's call loads the tuned cubin for the candidate's variant. Otherwise it reports an error.
+   checks that the op reaches it, asking the op (which derives its shape from its arguments), not
+   the store: the config the op's call compiles is the candidate's, or its call loads the tuned
+   cubin for the candidate's variant. Otherwise it reports an error and measures nothing.
 4. The op with the candidate, and every peer in reach (GEMM: cuBLAS through torch + the activation;
    attention: torch's SDPA, FA4 if importable; norms: quack if importable; otherwise none), are
    captured too.
@@ -324,9 +327,12 @@ def _attention_decode(shape: Any) -> Case:
 
     make_set = _attention_inputs(shape.batch, shape.seqlen_q, shape.seqlen_kv, shape.heads_q, shape.heads_kv,
                                  shape.head_dim, _dtype(shape.dtype))
-    return Case("rosekernels.attention", make_set, lambda s: rosekernels.attention(*s[:3], shape.causal, out=s[3]),
-                outputs=1, peers=_attention_peers(shape.seqlen_q, shape.seqlen_kv, shape.heads_q, shape.heads_kv,
-                                                  shape.causal))
+
+    def call(s: tuple) -> None:
+        rosekernels.attention(*s[:3], shape.causal, out=s[3], enable_pdl=shape.pdl)
+
+    return Case("rosekernels.attention", make_set, call, outputs=1,
+                peers=_attention_peers(shape.seqlen_q, shape.seqlen_kv, shape.heads_q, shape.heads_kv, shape.causal))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -552,7 +558,8 @@ def main(argv: list[str]) -> int:
 
 def _load_candidate(request: _Request) -> str:
     """Load the candidate from the temporary store as a user would (warmup, opted in: it cannot meet
-    the bar yet); '' if the op's store lookup reaches it, else why not."""
+    the bar yet); '' if the store gives it at the tuned shape, else why not. (Whether the op, which
+    derives its shape from its arguments, launches it is `_measure`'s question: `_planned_configs`.)"""
     import rosekernels
     from rosekernels import tuned
     from rosekernels.kernels import kernel_module
@@ -624,10 +631,27 @@ def _planned(call: Callable[[], Any]) -> list[Any]:
     return jit.loaded_variants()
 
 
+def _planned_configs(module: Any, call: Callable[[], Any]) -> list[Any]:
+    """The configs of `module`'s kernel that `call` (the op, planned afresh) compiles, launch policy
+    included: what it launches (every op compiles through its kernel module's `compile`)."""
+    from rosekernels import launch
+
+    seen: list[Any] = []
+    compile_config = module.compile
+    module.compile = lambda config: seen.append(config) or compile_config(config)
+    try:
+        launch.forget_plans()
+        call()
+    finally:
+        module.compile = compile_config
+    return seen
+
+
 def _measure(request: _Request) -> dict[str, Any]:
     import torch
 
     from rosekernels import jit, paths
+    from rosekernels.kernels import kernel_module
 
     case, cand = CASES[request.kernel](request.shape), request.candidate
     cubin = isinstance(cand, CubinCandidate)
@@ -640,14 +664,23 @@ def _measure(request: _Request) -> dict[str, Any]:
     out.gpu, out.input_sets = bench.gpu, len(bench.ring)
     out.launches_per_graph, out.bytes_per_cycle = bench.launches, len(bench.ring) * bench.set_bytes
     once = lambda: case.call(bench.ring[0])  # noqa: E731
+    # What the op launches, asked of the op (it derives its shape from its arguments): the arms
+    # must be the heuristic the candidate was tuned against and the candidate, or nothing is measured.
+    module = None if cubin else kernel_module(request.kernel)
     if cubin and not any(k.variant == cand.variant for k in _planned(once)):
         out.error = f"the op does not launch {cand.variant.key()} at this shape"
+        return dataclasses.asdict(out)
+    if not cubin and cand.heuristic not in (planned := _planned_configs(module, once)):
+        out.error = (f"the op plans {planned} at this shape, not the heuristic the candidate was tuned against "
+                     f"({cand.heuristic})")
         return dataclasses.asdict(out)
     graphs = [bench.graph(case.call), bench.graph(case.call)]  # the A/A pair
     keep = jit.loaded_variants()  # what those graphs launch: loaded until they have been replayed
     problem = _load_candidate(request)
     if not problem and cubin and not any(k.variant == cand.variant and k.tuned for k in _planned(once)):
         problem = f"the op does not load the tuned cubin of {cand.variant.key()} at this shape"
+    if not problem and not cubin and cand.config not in (planned := _planned_configs(module, once)):
+        problem = f"the op plans {planned} at this shape, not the candidate {cand.config}"
     if problem:
         out.error = problem
         return dataclasses.asdict(out)

@@ -11,7 +11,8 @@ For every candidate the worker
 1. loads it: `jit.load_object(object, {sha256(original): candidate})` patches the cubin inside the
    exported object and loads that (a few ms, no recompilation);
 2. tests it: fresh random inputs (seeded by the caller) go through the original and the candidate;
-   outputs must match bit for bit (or within a tolerance, if one is given);
+   outputs must match bit for bit (or within a tolerance, if one is given), and the integer scratch
+   the candidate found zero must be zero again after it (`launch_checked`: the ops reuse theirs);
 3. times it against the original: each kernel is captured in a CUDA graph of many launches cycling
    over input sets that together exceed the L2 cache, and the two graphs are replayed alternately;
    the energy is the median of the per-pair time ratios, so drift of the card cancels out.
@@ -241,6 +242,24 @@ def _tensors(args: Any) -> list[Any]:
     return [a for a in args if isinstance(a, torch.Tensor)]
 
 
+# What a launch that leaves scratch set gets as its verdict (`launch_checked`).
+SCRATCH_LEFT = ("an integer buffer that was zero at launch (a tile or split counter, a barrier) is not zero after "
+                "it: the op reuses its scratch, so the next launch would find it set")
+
+
+def launch_checked(w: Workload, fn: Callable[..., Any], args: tuple) -> list[Any]:
+    """w.run(fn, args), and per integer tensor of `args` that was all zero at launch a device bool:
+    whether it is not zero after it. Such tensors are scratch (tile and split counters, grid
+    barriers) that the ops share from launch to launch (rosekernels.scratch: each launch finds them
+    zero and leaves them zero); outputs are poisoned, never zero, and inputs are not written. Every
+    sample draws fresh arguments, so a kernel that left a counter set would pass on its first launch
+    and skip work on the op's next one: this makes the scratch part of what is compared."""
+    ints = [t for t in _tensors(args) if not (t.is_floating_point() or t.is_complex())]
+    zero = [~t.any() for t in ints]
+    w.run(fn, args)
+    return [z & t.any() for z, t in zip(zero, ints)]
+
+
 def _clone(args: tuple) -> tuple:
     import torch
 
@@ -393,7 +412,7 @@ class _Bench(GraphTimer):
         """Bitwise testing needs an original that repeats itself exactly."""
         result = self._test(self.base, 0xD7, 8, batch=8)
         if result["failed"]:
-            raise RuntimeError("the original kernel's outputs differ between two runs on the same inputs "
+            raise RuntimeError("the original kernel does not repeat itself on the same inputs "
                                f"({result['detail']}); compare canonical outputs or give a tolerance")
 
     def _test(self, fn: Callable[..., Any], seed: int, samples: int, batch: int,
@@ -413,10 +432,9 @@ class _Bench(GraphTimer):
                 ref = draw(seeds.getrandbits(63))
                 cand = _clone(ref)
                 self.w.run(self.base, ref)
-                self.w.run(fn, cand)
-                pairs.append((ref, cand))
-            flags = [torch.stack([self._mismatch(r, c) for r, c in zip(self.w.outputs(ref), self.w.outputs(cand))])
-                     .any() for ref, cand in pairs]
+                pairs.append((ref, cand, launch_checked(self.w, fn, cand)))
+            flags = [torch.stack([*(self._mismatch(r, c) for r, c in zip(self.w.outputs(ref), self.w.outputs(cand))),
+                                  *left]).any() for ref, cand, left in pairs]
             bad = torch.stack(flags).nonzero()
             if len(bad):
                 j = int(bad[0])
@@ -425,9 +443,9 @@ class _Bench(GraphTimer):
             done += k
         return {"passed": done, "failed": False, "seconds": time.perf_counter() - t0, "detail": ""}
 
-    def _describe(self, ref_args: tuple, cand_args: tuple) -> str:
+    def _describe(self, ref_args: tuple, cand_args: tuple, left: list[Any]) -> str:
         torch = self.torch
-        parts = []
+        parts = [SCRATCH_LEFT] if any(bool(flag) for flag in left) else []
         for i, (r, c) in enumerate(zip(self.w.outputs(ref_args), self.w.outputs(cand_args))):
             a = r.contiguous().view(-1).view(torch.uint8)
             b = c.contiguous().view(-1).view(torch.uint8)
@@ -564,13 +582,15 @@ class ConfigBench(GraphTimer):
 
     def _compare(self, ref_w: Workload, w: Workload, seeds: random.Random, samples: int) -> tuple[bool, float, str]:
         """`samples` input sets of the same seeds through both: (bitwise, max_err, "" or why not).
-        Where outputs differ, w's float64 check must pass (max_err: the worst, nan when all equal)."""
+        Where outputs differ, w's float64 check must pass (max_err: the worst, nan when all equal);
+        w must leave its scratch zero (`launch_checked`)."""
         bitwise, max_err = True, math.nan
         for n in range(samples):
             s = seeds.getrandbits(63)
             ref, out = ref_w.make_args(s), w.make_args(s)
             ref_w.run(ref_w.kernel.fn, ref)
-            w.run(w.kernel.fn, out)
+            if any(bool(flag) for flag in launch_checked(w, w.kernel.fn, out)):
+                return False, max_err, f"sample {n}: {SCRATCH_LEFT}"
             if not self._differs(ref, out, ref_w, w):
                 continue
             bitwise = False
@@ -599,11 +619,12 @@ class ConfigBench(GraphTimer):
         """configs[i] wherever its entry will serve, before it is stored: against the heuristic on
         `edge_samples` input sets at the tuned shape and at each shape of `edges` (its bucket's
         edges; as `test`), then its float64 check on `samples` fresh sets of the sizes its workload
-        tests (Workload.test_args). {"status", "bitwise" (at the shapes), "max_err", "shape_passed",
-        "passed", "seconds", "detail"}."""
+        tests (Workload.test_args). {"status", "bitwise" (at the shapes), "max_err", "shape_passed" (at
+        the tuned shape), "edges_passed" (at the edges, together), "passed", "seconds", "detail"}."""
         t0 = time.perf_counter()
         seeds = random.Random(seed)
-        out = {"status": "ok", "bitwise": True, "max_err": math.nan, "shape_passed": 0, "passed": 0, "detail": ""}
+        out = {"status": "ok", "bitwise": True, "max_err": math.nan, "shape_passed": 0, "edges_passed": 0,
+               "passed": 0, "detail": ""}
         for shape in [None, *edges]:
             pair = (self._workload(0), self._workload(i)) if shape is None else \
                 (self.space.workload_at(0, shape), self.space.workload_at(i, shape))
@@ -614,14 +635,16 @@ class ConfigBench(GraphTimer):
                 where = "the tuned shape" if shape is None else f"bucket edge {shape}"
                 return {**out, "status": "incorrect", "detail": f"at {where}: {detail}",
                         "seconds": time.perf_counter() - t0}
-            out["shape_passed"] += edge_samples
+            out["shape_passed" if shape is None else "edges_passed"] += edge_samples
         w = self._workload(i)
         for n in range(samples):
             args = w.sample(seeds.getrandbits(63))
-            w.run(w.kernel.fn, args)
+            left = launch_checked(w, w.kernel.fn, args)
             try:
                 if w.check is None:
                     raise AssertionError("the kernel has no float64 check")
+                if any(bool(flag) for flag in left):
+                    raise AssertionError(SCRATCH_LEFT)
                 w.check(args)
             except AssertionError as e:
                 return {**out, "status": "incorrect", "detail": f"test sample {n}: {e}",

@@ -103,7 +103,7 @@ def _jobs_and_clock(monkeypatch, durations):
         now[0] += durations[len(searched)]
         searched.append((kernel, dict(overrides)))
         return configs.ConfigReport(kernel, mode, overrides, {}, heuristic_us=10.0, tuned_us=10.0, aa_spread=0.001,
-                                    outcome="the heuristic stays")
+                                    outcome="the heuristic stays", settled=True)
 
     monkeypatch.setattr(configs, "tune_configs", tune_configs)
     monkeypatch.setattr(model, "stored_entry", lambda job, mode, root=None: None)  # an empty store
@@ -150,11 +150,12 @@ def test_the_main_job_ends_with_what_the_store_gained(monkeypatch, capsys, tmp_p
 
     monkeypatch.setattr(model, "tune", tune)
     monkeypatch.setattr(cli, "gpu_problem", lambda: None)
+    monkeypatch.setattr(cli.probe, "sanitizer_problem", lambda: None)  # a GPU host has compute-sanitizer
     out_json = tmp_path / "run.json"
     code, out, err = run(capsys, cli.main, "--model", QWEN3_8B, "--mode", "decode", "--budget-minutes", "2.5",
                          "--json", out_json)
     assert code == 0, err
-    assert seen["budget_s"] == 150
+    assert seen["budget_s"] == 150 and seen["sanitize"]  # its winners run under compute-sanitizer
     gains = model.gains([model.Row(j, "tuned") for j in stored], "decode")
     assert gains.text() in out and model.GAIN_LABEL in out  # the speedups the store records, labelled
     assert "2 of 3 tuned shapes launch a faster config: 1.020-1.040x" in out
@@ -163,6 +164,14 @@ def test_the_main_job_ends_with_what_the_store_gained(monkeypatch, capsys, tmp_p
     assert t1 and float(t1[0][2]) == pytest.approx(62.0) and float(t1[0][3]) == pytest.approx(50 / 1.04 + 12, abs=0.01)
     assert f"{len(found.jobs) - 3} shapes have no entry" in out
     assert json.loads(out_json.read_text())["gains"]["label"] == model.GAIN_LABEL
+
+
+def test_the_main_job_without_compute_sanitizer_exits_2_before_any_work(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "gpu_problem", lambda: None)
+    monkeypatch.setattr(cli.probe, "sanitizer_problem", lambda: "compute-sanitizer not found on PATH")
+    monkeypatch.setattr(model, "tune", lambda *a, **k: pytest.fail("tuned without compute-sanitizer"))
+    code, out, err = run(capsys, cli.main, "--model", QWEN3_8B, "--mode", "decode")
+    assert code == 2 and "compute-sanitizer not found on PATH (see --no-sanitize)" in err
 
 
 def test_the_main_job_without_a_gpu_exits_3_before_any_work(capsys, monkeypatch):

@@ -71,15 +71,17 @@ def gpu_without_tools(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [([], "compute-sanitizer not found"),
+                                           (["--levels", "config"], "compute-sanitizer not found"),
                                            (["--no-sanitize", "--hot", "ncu"], "ncu not found")])
-def test_a_missing_tool_of_the_sass_level_is_reported_before_any_gpu_work(capsys, gpu_without_tools, argv, message):
+def test_a_missing_tool_is_reported_before_any_gpu_work(capsys, gpu_without_tools, argv, message):
+    """Compute-sanitizer runs a winner of either level before it is stored; ncu is for --hot ncu."""
     code, _, err = run(capsys, "--kernel", "qk_norm", "--budget-iters", "5", *argv)
     assert code == 2 and message in err
 
 
-def test_level_one_alone_needs_neither_tool(capsys, gpu_without_tools):
+def test_level_one_without_the_sanitizer_needs_neither_tool(capsys, gpu_without_tools):
     with pytest.raises(ReachedLevelOne):
-        cli.main(["--kernel", "qk_norm", "--budget-iters", "5", "--levels", "config"])
+        cli.main(["--kernel", "qk_norm", "--budget-iters", "5", "--levels", "config", "--no-sanitize", "--hot", "ncu"])
 
 
 @pytest.mark.skipif(HAS_SM90, reason="checks the message shown without an sm_90 GPU")
@@ -118,6 +120,25 @@ def test_list_shows_valid_and_broken_entries(capsys, tmp_path, monkeypatch):
     assert lines[config_line + 1].strip().startswith("below the bar: unverified: written before entries recorded")
     cubin_line = next(i for i, line in enumerate(lines) if FakeVariant(d=64).key() in line)
     assert "50 samples" in lines[cubin_line] and "50 of 50 samples passed" in lines[cubin_line + 1]
+
+
+def test_list_shows_an_entry_with_malformed_fields_below_the_bar(capsys, tmp_path, monkeypatch):
+    """Hand-edited: null and text where numbers belong; listed with the reason, not a traceback."""
+    import json
+
+    from rosekernels.kernels import qk_norm_plan as plan
+
+    monkeypatch.setattr(tuned, "current_toolchain", lambda: "test-toolchain")
+    shape = plan.QKNormShape(3000)
+    heuristic = plan.config_for(shape, 132)
+    other = next(c for c in plan.candidates(shape, 132) if c.variant() != heuristic.variant())
+    path = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, "ab" * 32, {})
+    meta = json.loads(path.read_text())
+    path.write_text(json.dumps({**meta, "speedup": None, "mode": None,
+                                "checks": {**checks("config"), "samples": "all of them"}}))
+    code, out, _ = run(capsys, "--list", "--store-root", str(tmp_path))
+    assert code == 0 and "1 below the default bar" in out
+    assert "nanx" in out and "below the bar: malformed samples record all of them" in out
 
 
 def test_list_of_a_folder_that_does_not_exist_or_of_a_file_says_so(capsys, tmp_path):

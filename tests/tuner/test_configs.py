@@ -21,7 +21,7 @@ from rosekernels.kernels import kernel_module
 from rosekernels.kernels import attention_decode_plan, attention_plan, gemm_leakyrelu_plan, qk_norm_plan
 from rosekernels.variant import Variant
 from rosekernels.workload import Workload
-from sip_tune import cli, configs, oplevel, tuning, workloads
+from sip_tune import cli, configs, oplevel, probe, tuning, workloads
 from sip_tune.runner import Options
 
 
@@ -321,10 +321,19 @@ class CpuConfigBench:
         """(4, 3) differs from the heuristic past its float64 tolerance at the bucket's largest size."""
         assert [e.n for e in edges][:2] == [33, 64] and samples == 10_000  # the bucket (32, 64] of n = 48
         out = {"status": "ok", "bitwise": self.keys[i] != INEXACT, "max_err": math.nan, "passed": samples,
-               "shape_passed": edge_samples * (1 + len(edges)), "seconds": 0.0, "detail": ""}
+               "shape_passed": edge_samples, "edges_passed": edge_samples * len(edges), "seconds": 0.0, "detail": ""}
         if self.keys[i] == INEXACT and any(e.n == 64 for e in edges):
             return {**out, "status": "incorrect", "passed": 0, "detail": "at bucket edge Shape(n=64): error 1.4 > 1"}
         return out
+
+
+class CrashingValidationBench(CpuConfigBench):
+    """The worker dies while it validates (8, 1): a crash that says nothing about the candidate."""
+
+    def validate(self, i, *args):
+        if self.keys[i] == (8, 1):
+            os._exit(9)
+        return super().validate(i, *args)
 
 
 # The public op re-timed in a fresh process (sip_tune.oplevel, faked): (4, 1) does not hold its
@@ -336,9 +345,25 @@ RETIMED = []  # (kernel, shape, config key, heuristic, original hash) of each op
 def fake_retime(kernel, shape, candidate, rounds=None, **kw):
     key = (candidate.config.block, candidate.config.splits)
     RETIMED.append((kernel, shape, key, candidate.heuristic, candidate.original_sha256))
+    if OP_LEVEL[key] is None:  # the process did not come back
+        return oplevel.OpTiming(kernel, shape=dataclasses.asdict(shape), error="the op-level process failed "
+                                "(exit -1): timed out after 900 s")
     return oplevel.OpTiming(kernel, "rosekernels.toy", dataclasses.asdict(shape), "config", "Fake H200",
                             heuristic_us=10.0, tuned_us=10.0 / OP_LEVEL[key], speedup=OP_LEVEL[key],
                             aa_spread=0.004, rounds=rounds)
+
+
+# compute-sanitizer (sip_tune.probe.sanitize, faked): per config, the tools that report an error.
+FLAGGED = {}
+SANITIZED = []  # the configs run under it, and their shapes
+
+
+def fake_sanitize(factory, cubin, tools=probe.SANITIZER_TOOLS, **kw):
+    _, config, shape = factory.args  # configs.workload_factory's partial
+    assert cubin is None and factory().kernel.config == config  # the config's own kernel, as compiled
+    SANITIZED.append(((config.block, config.splits), shape))
+    flagged = FLAGGED.get((config.block, config.splits), ())
+    return {t: "exit 99: ========= Invalid __global__ read" if t in flagged else "clean" for t in tools}
 
 
 @pytest.fixture
@@ -346,7 +371,11 @@ def toy(monkeypatch, tmp_path):
     monkeypatch.setitem(rosekernels.KERNELS, OP, __name__)
     monkeypatch.setattr(tuned, "current_toolchain", lambda: "test-toolchain")
     monkeypatch.setattr(configs.oplevel, "retime", fake_retime)
+    monkeypatch.setattr(configs.probe, "sanitize", fake_sanitize)
+    monkeypatch.setattr(configs.probe, "sanitizer_problem", lambda: None)  # a GPU host has compute-sanitizer
     RETIMED.clear()
+    SANITIZED.clear()
+    FLAGGED.clear()
     tuned.forget_configs()
     yield tmp_path
     tuned.forget_configs()
@@ -388,15 +417,20 @@ def test_tune_configs_end_to_end_with_a_cpu_bench(toy):
     assert "through rosekernels.toy" in report.outcome and "(the public op, fresh process)" in report.text()
     assert set(report.shares) == {"compile", "test", "time", "verify"} and 0 < sum(report.shares.values()) <= 1
     # the store has it, keyed by the heuristic's cubin, and the op-side lookup gives it back
-    entry = tuned.lookup_config(toy, kernel_module(OP), Shape(), compile(Config(2, 1)).cubin_sha256)
+    entry = tuned.lookup_config(toy, kernel_module(OP), Shape(), Config(2, 1), compile(Config(2, 1)).cubin_sha256)
     assert entry is not None and str(entry.path) == report.stored and entry.config == Config(8, 1)
     assert entry.meta["speedup"] == 1.02 and entry.meta["aa_spread"] == pytest.approx(0.003)
-    # with how it was checked, meeting the store's bar
+    # with how it was checked, meeting the store's bar: the counts the worker measured, compute-sanitizer
+    # on the winner alone (it ran after the op-level re-time)
     checks = entry.meta["checks"]
     assert entry.problems == [] and checks["samples"] == {"run": 10_000, "passed": 10_000}
     assert checks["compare"] == "reference" and checks["op_level"]["speedup"] == 1.02
     assert checks["shapes"]["tuned"] == {"n": 48} and [e["n"] for e in checks["shapes"]["edges"]][:2] == [33, 64]
-    assert tuned.lookup_config(toy, kernel_module(OP), Shape(), compile(Config(4, 3)).cubin_sha256) is None
+    assert checks["shapes"]["tuned_samples"] == 4 and checks["shapes"]["edge_samples"] == 4 * len(
+        checks["shapes"]["edges"])
+    assert checks["sanitizer"] == dict.fromkeys(probe.SANITIZER_TOOLS, "clean") and SANITIZED == [((8, 1), Shape())]
+    other_build = compile(Config(4, 3)).cubin_sha256
+    assert tuned.lookup_config(toy, kernel_module(OP), Shape(), Config(2, 1), other_build) is None
     assert configs.chosen(report) == (Config(8, 1), Shape())
     assert "crash" in report.text() and "12 candidates" in report.text()
 
@@ -409,6 +443,59 @@ def test_when_no_finalist_holds_where_it_serves_the_heuristic_stays(toy, monkeyp
     assert "no candidate past the bar held" in report.outcome and "0.9900x" in report.outcome
     [entry] = tuned.config_entries(toy, kernel_module(OP))  # recorded: the heuristic stays
     assert entry.config == entry.heuristic == Config(2, 1) and entry.problems == []
+
+
+def _search(toy, **kw):
+    return configs.tune_configs(OP, "decode", max_candidates=100, processes=1, store_root=toy, log=lambda m: None,
+                                **{"bench": CpuConfigBench, "options": Options(eval_timeout_s=60, start_timeout_s=120),
+                                   **kw})
+
+
+@pytest.mark.parametrize("failure", ["op level", "validation"])
+def test_a_finalist_whose_check_failed_to_run_leaves_the_bucket_unrecorded(toy, monkeypatch, failure):
+    """The other finalists are refused on their merits, (8, 1) by a check that did not come back: the
+    search cannot tell that the heuristic stays, so it records nothing and the next run searches the
+    bucket again."""
+    if failure == "op level":
+        monkeypatch.setitem(OP_LEVEL, (8, 1), None)
+    report = _search(toy, bench=CrashingValidationBench if failure == "validation" else CpuConfigBench)
+    assert report.winner is None and not report.settled and not report.stored
+    verdict = report.finalists[-1]["verdict"]
+    assert verdict.startswith("not checked" + (" at the op level: the op-level process failed" if failure == "op level"
+                                               else ": the validation request failed (crash"))
+    assert report.outcome.endswith(f"{configs.NOT_SETTLED}: a check failed to run")
+    assert tuned.config_entries(toy, kernel_module(OP)) == []
+
+
+def test_a_finalist_compute_sanitizer_flags_is_refused_on_its_merits(toy):
+    """(8, 1) passes everywhere but memcheck: refused, and as the heuristic's kernel runs clean the
+    finding is the candidate's: the heuristic stays, recorded."""
+    FLAGGED[8, 1] = ("memcheck",)
+    report = _search(toy)
+    assert report.winner is None and report.settled
+    assert report.finalists[-1]["verdict"].startswith("refused: compute-sanitizer: memcheck exit 99")
+    assert SANITIZED == [((8, 1), Shape()), ((2, 1), Shape())]  # the heuristic, asked once
+    [entry] = tuned.config_entries(toy, kernel_module(OP))
+    assert entry.config == entry.heuristic == Config(2, 1)
+
+
+def test_when_the_heuristic_fails_compute_sanitizer_too_nothing_is_recorded(toy):
+    FLAGGED[8, 1] = FLAGGED[2, 1] = ("racecheck",)
+    report = _search(toy)
+    assert report.winner is None and not report.settled and not report.stored
+    assert "does not pass the heuristic either (racecheck exit 99" in report.finalists[-1]["verdict"]
+    assert tuned.config_entries(toy, kernel_module(OP)) == []
+
+
+def test_compute_sanitizer_is_needed_unless_the_user_does_without(toy, monkeypatch):
+    monkeypatch.setattr(configs.probe, "sanitizer_problem", lambda: "compute-sanitizer not found on PATH")
+    with pytest.raises(probe.ProbeError, match="compute-sanitizer not found on PATH.*--no-sanitize"):
+        _search(toy)
+    assert not RETIMED  # refused before any work
+    report = _search(toy, sanitize=False)
+    [entry] = tuned.config_entries(toy, kernel_module(OP))
+    assert report.winner == {"block": 8, "splits": 1} and not SANITIZED
+    assert entry.meta["checks"]["sanitizer"] == "not run" and entry.problems == ["compute-sanitizer not run"]
 
 
 def test_below_the_bar_the_heuristic_is_recorded_as_the_buckets_config(toy):
@@ -539,10 +626,11 @@ def test_the_config_worker_validates_at_the_tuned_shape_the_edges_and_the_test_s
     bench = cpu_config_bench(_cpu_workload(0.0), _cpu_workload(0.0), _cpu_workload(0.0),
                              _cpu_workload(0.0, test_offset=0.2), _cpu_workload(0.0), at=at)
     ok = bench.validate(1, 9, 300, ["smallest", "largest"], 3)
-    assert ok["status"] == "ok" and ok["bitwise"] and ok["passed"] == 300 and ok["shape_passed"] == 9
+    assert ok["status"] == "ok" and ok["bitwise"] and ok["passed"] == 300
+    assert ok["shape_passed"] == 3 and ok["edges_passed"] == 6  # counted as they passed: at the shape, at the edges
     edge = bench.validate(2, 9, 300, ["smallest", "largest"], 3)
     assert edge["status"] == "incorrect" and edge["detail"].startswith("at bucket edge largest: sample 0: error 0.5")
-    assert edge["passed"] == 0 and edge["shape_passed"] == 6
+    assert edge["passed"] == 0 and edge["shape_passed"] == 3 and edge["edges_passed"] == 3
     sizes = bench.validate(3, 9, 300, ["smallest", "largest"], 3)
     assert sizes["status"] == "incorrect" and sizes["detail"].startswith("test sample 0: error 0.2")
     close = bench.validate(4, 9, 50, ["smallest", "largest"], 3)
@@ -560,3 +648,53 @@ def test_the_config_worker_compares_bitwise_then_checks_against_the_reference():
     assert wrong["status"] == "incorrect" and wrong["detail"].startswith("sample 0: error 0.5")
     unchecked = bench.test(4, 5, 3)
     assert unchecked["status"] == "incorrect" and "has no check" in unchecked["detail"]
+
+
+def _claiming_workload(rezero):
+    """y = x + 1 by a kernel that claims its work from a counter (args[2], zero at launch): a launch
+    that finds it set does nothing, as a persistent kernel's tile counter makes it; `rezero`: the
+    kernel returns the counter to zero when done, as the ops, which reuse it, need."""
+    import torch
+
+    def make_args(seed, n=16):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
+        return x, torch.full_like(x, math.nan), torch.zeros(1, dtype=torch.int32)
+
+    def launch(fn, args):
+        x, y, counter = args
+        if int(counter) == 0:
+            torch.add(x, 1, out=y)
+        counter += 1
+        if rezero:
+            counter.zero_()
+
+    def reference_check(args):
+        x, y, _ = args
+        err = (y.double() - (x.double() + 1)).abs().max().item()
+        assert err <= 0.01, f"error {err:.3g} > 0.01"
+        return err / 0.01
+
+    return Workload(SimpleNamespace(fn=None), make_args, outputs=lambda a: a[1:2], launch=launch,
+                    check=reference_check, test_args=lambda seed: make_args(seed, 2 * (seed % 32) + 1))
+
+
+def test_a_config_that_leaves_its_counter_set_is_refused():
+    """Fresh arguments per sample hide a counter left set (the first launch does all the work); the
+    op's second launch on the same counter would skip it, so the worker checks the counter too."""
+    from sip_tune.runner import SCRATCH_LEFT
+
+    keeps = _claiming_workload(rezero=False)
+    args = keeps.make_args(1)
+    keeps.run(None, args)
+    args[1].fill_(math.nan)
+    keeps.run(None, args)  # what the op's next call would get
+    assert args[1].isnan().all()
+    bench = cpu_config_bench(_cpu_workload(0.0), _claiming_workload(rezero=True), keeps,
+                             at=lambda i, shape: _claiming_workload(rezero=i == 1))
+    assert bench.test(1, 5, 3)["status"] == "ok" and bench.validate(1, 9, 40, ["edge"], 2)["status"] == "ok"
+    test = bench.test(2, 5, 3)
+    assert test["status"] == "incorrect" and test["detail"] == f"sample 0: {SCRATCH_LEFT}"
+    at_shape = bench.validate(2, 9, 40, [], 2)
+    assert at_shape["status"] == "incorrect" and at_shape["detail"] == f"at the tuned shape: sample 0: {SCRATCH_LEFT}"
+    on_sizes = bench.validate(2, 9, 40, [], 0)  # nothing at the shapes: the float64 check's own samples
+    assert on_sizes["status"] == "incorrect" and on_sizes["detail"] == f"test sample 0: {SCRATCH_LEFT}"

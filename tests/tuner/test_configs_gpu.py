@@ -82,7 +82,43 @@ def test_the_config_worker_tells_equal_correct_and_wrong_apart(store):
         assert kind == "ok" and wrong["status"] == "incorrect" and wrong["detail"].startswith("at the tuned shape")
         kind, same = runner.request("validate", (0, 8, 50, edge, 2), 300)
         assert kind == "ok" and same["status"] == "ok" and same["bitwise"]
-        assert same["passed"] == 50 and same["shape_passed"] == 4
+        assert same["passed"] == 50 and same["shape_passed"] == same["edges_passed"] == 2
+
+
+def test_a_level_one_winner_runs_under_compute_sanitizer_as_stored():
+    """What level 1 runs before storing a config: its kernel, at the tuned shape and on a few test
+    sizes, under the three tools (qk_norm prefill, a config other than the heuristic's)."""
+    from sip_tune import probe
+
+    if probe.sanitizer_problem():
+        pytest.skip(probe.sanitizer_problem())
+    space = configs.plan("qk_norm", "prefill", {"tokens": 300})
+    verdicts = probe.sanitize(configs.workload_factory("qk_norm", space.candidates[1], space.shape), None)
+    assert verdicts == dict.fromkeys(probe.SANITIZER_TOOLS, "clean")
+
+
+# Kernels that claim work from an int32 counter or sync on a barrier: a config of each whose launch
+# reads it (a persistent attention grid, split KV, split K, the prefill dispatch's grid barrier).
+SCRATCH = [("attention", "prefill", {"batch": 2, "seqlen": 2048}, lambda c: c.persistent),
+           ("attention_decode", "decode", {"batch": 1, "seqlen_kv": 4096}, lambda c: c.splits > 1),
+           ("gemm_leakyrelu", "decode", GEMM_DECODE, lambda c: c.split_k and c.splits > 1),
+           ("moe_dispatch", "prefill", {}, lambda c: True)]
+
+
+@pytest.mark.parametrize("kernel, mode, overrides, pick", SCRATCH, ids=[k for k, *_ in SCRATCH])
+def test_the_kernels_leave_their_scratch_zero_as_the_worker_checks(kernel, mode, overrides, pick):
+    """The worker refuses a kernel that leaves an integer buffer it found zero set (runner.launch_checked):
+    every kernel of the package passes that check on its own, at the shape and on ragged samples."""
+    from sip_tune.runner import launch_checked
+
+    space = configs.plan(kernel, mode, overrides, max_candidates=10**6)
+    config = next(c for c in space.candidates if pick(c))
+    w = configs.workload_factory(kernel, config, space.shape)()
+    for n, args in enumerate((w.make_args(1), w.sample(2), w.sample(3))):
+        left = launch_checked(w, w.kernel.fn, args)
+        assert left or n, "no zeroed scratch at the tuned shape: the config does not read a counter"
+        assert not any(bool(flag) for flag in left), (config, n)
+        w.check(args)  # the launch did its work
 
 
 def test_qk_norm_decode_level_one_times_the_heuristic_against_itself(store):
@@ -97,9 +133,11 @@ def test_qk_norm_decode_level_one_times_the_heuristic_against_itself(store):
 
 
 def test_gemm_decode_level_one_then_level_two_on_the_chosen_config(store):
-    # (few validation samples and op-level rounds: a winner's entry then stays below the store's bar)
+    # (few validation samples and op-level rounds, no compute-sanitizer run: a winner's entry then stays
+    # below the store's bar)
     report = configs.tune_configs("gemm_leakyrelu", "decode", GEMM_DECODE, max_candidates=6, samples=4, reps=20,
-                                  retime_reps=40, validation_samples=300, op_rounds=10, store_root=store)
+                                  retime_reps=40, validation_samples=300, op_rounds=10, sanitize=False,
+                                  store_root=store)
     rows = report.candidates
     assert len(rows) == 7 and report.pruned == report.total - 7
     assert all(r["status"] in ("ok", "incorrect", "crash", "timeout") for r in rows[1:])
@@ -113,14 +151,15 @@ def test_gemm_decode_level_one_then_level_two_on_the_chosen_config(store):
     assert 0 <= report.aa_spread < 0.05 and report.shares["compile"] > 0
     original = heuristic.variant()
     if report.winner is not None:
-        entry = tuned.lookup_config(store, gemm_leakyrelu, configs.chosen(report)[1],
+        entry = tuned.lookup_config(store, gemm_leakyrelu, configs.chosen(report)[1], heuristic,
                                     gemm_leakyrelu.compile(heuristic).cubin_sha256)
         assert entry is not None and dataclasses.asdict(entry.config) == report.winner
         op = entry.meta["checks"]["op_level"]  # the speedup stored is the public op's, past its A/A
         assert report.speedup == op["speedup"] > max(1.01, 1 + op["aa_spread"]) and op["peer"] == "cublas+leaky_relu"
-        assert entry.problems == ["300 of 300 samples passed (the bar: all of at least 10000)"]
-    else:
-        assert [e.config for e in tuned.config_entries(store, gemm_leakyrelu)] == [heuristic]
+        assert entry.problems == ["300 of 300 samples passed (the bar: all of at least 10000)",
+                                  "compute-sanitizer not run"]
+    else:  # the heuristic stays (recorded), unless a check failed to run (nothing recorded)
+        assert [e.config for e in tuned.config_entries(store, gemm_leakyrelu)] == [heuristic] * report.settled
     config, shape = configs.chosen(report)
     sass = tuning.tune(configs.workload_factory("gemm_leakyrelu", config, shape),
                        tuning.TuneConfig(budget_iters=20, runs=1, samples=50, retimes=1, sanitize=False),

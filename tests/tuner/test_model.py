@@ -196,13 +196,14 @@ def test_shapes_with_a_stored_entry_for_the_current_heuristic_are_skipped(capsys
     calls = []
 
     def fake_tune_configs(kernel, mode, overrides, **kw):
-        calls.append((kernel, mode, overrides, kw["store_root"]))
+        calls.append((kernel, mode, overrides, kw["store_root"], kw["sanitize"]))
         return configs.ConfigReport(kernel, mode, overrides, {}, heuristic_us=10.0, tuned_us=10.0, aa_spread=0.002,
-                                    outcome="no candidate timed faster than the heuristic; the heuristic stays")
+                                    outcome="no candidate timed faster than the heuristic; the heuristic stays",
+                                    settled=True)
 
     monkeypatch.setattr(configs, "tune_configs", fake_tune_configs)
     rows = model.tune(model.ModelShapes(found.dims, "prefill", [norm, gemm], []), store_root=root)
-    assert calls == [("gemm_leakyrelu", "prefill", gemm.shape, root)]
+    assert calls == [("gemm_leakyrelu", "prefill", gemm.shape, root, True)]
     assert [r.status for r in rows] == ["skipped: already tuned", "heuristic stays"]
     assert (rows[0].heuristic_us, rows[0].tuned_us, rows[0].speedup) == (3.0, 2.5, 1.2)
     out = capsys.readouterr().out
@@ -210,3 +211,17 @@ def test_shapes_with_a_stored_entry_for_the_current_heuristic_are_skipped(capsys
     table = model.table(rows)
     assert "skipped: already tuned" in table and "1.200x" in table and "10.000" in table
     assert table.splitlines()[0].split()[:2] == ["kernel", "shape"]
+
+
+def test_a_search_whose_checks_failed_to_run_is_reported_as_not_recorded(tmp_path, monkeypatch):
+    """No winner and not settled (an op-level process that timed out): the row says nothing was
+    recorded, and the gains count the shape as one without an entry."""
+    found = model.shapes(models.QWEN3_8B, "decode")
+    gemm = next(j for j in found.jobs if j.kernel == "gemm_leakyrelu")
+    outcome = "no candidate past the bar held ...; nothing recorded (the next run searches the bucket again)"
+    monkeypatch.setattr(configs, "tune_configs", lambda kernel, mode, overrides, **kw: configs.ConfigReport(
+        kernel, mode, overrides, {}, heuristic_us=10.0, outcome=outcome))
+    rows = model.tune(model.ModelShapes(found.dims, "decode", [gemm], []), store_root=tmp_path, sanitize=False)
+    assert [r.status for r in rows] == [f"not recorded: {outcome}"]
+    gains = model.gains(rows, "decode", tmp_path)
+    assert gains.not_tuned == 1 and "failed to run" in gains.text()

@@ -71,6 +71,19 @@ def test_every_kernel_has_a_public_op_case_at_its_shape(kernel, shape):
         assert int(lengths.max()) + k.shape[1] <= rows and int(lengths.min()) >= 0
 
 
+@pytest.mark.parametrize("kernel, shape", [(k, s) for k, s in _shapes() if hasattr(s, "pdl")],
+                         ids=lambda v: v if isinstance(v, str) else "")
+def test_every_case_calls_the_op_with_the_shapes_pdl(kernel, shape, monkeypatch):
+    """A shape tuned with pdl=0 is another bucket's: the op must be called with enable_pdl=False, or
+    it plans the pdl=True shape and the re-time measures another config than the candidate's."""
+    for pdl in (False, True):
+        case = oplevel.CASES[kernel](dataclasses.replace(shape, pdl=pdl))
+        calls = []
+        monkeypatch.setattr(rosekernels, case.op.split(".")[1], lambda *args, **kw: calls.append(kw))
+        case.call(tuple(object() for _ in range(8)))  # the op is a stand-in: any arguments do
+        assert [kw.get("enable_pdl") for kw in calls] == [pdl]
+
+
 def test_gemm_cases_follow_the_shapes_options():
     import torch
 
@@ -193,6 +206,25 @@ def test_a_gemm_config_is_retimed_through_the_public_op_against_cublas(store):
     assert 0 <= timing.aa_spread < 0.05 and timing.heuristic_us > 0 and timing.tuned_us > 0
     assert timing.speedup == pytest.approx(timing.heuristic_us / timing.tuned_us, rel=0.1)
     assert timing.peer == "cublas+leaky_relu" and math.isfinite(timing.vs_peer) and timing.peer_us > 0
+
+
+@pytest.mark.gpu
+def test_a_config_tuned_without_pdl_is_retimed_as_the_op_plans_it(store):
+    """attention_decode at pdl=0 (batch 1, S_kv 4096: the heuristic splits in 16): the op called with
+    enable_pdl=False plans the candidate's bucket, and the fresh process checks that the op compiles
+    the heuristic, then the candidate (another split count), before it times them."""
+    from rosekernels.kernels import attention_decode
+    from rosekernels.kernels.attention_decode_plan import DecodeShape
+
+    shape = DecodeShape(batch=1, seqlen_kv=4096, pdl=False)
+    heuristic = attention_decode.config_for(shape)
+    other = next(c for c in attention_decode.candidates(shape) if c.splits != heuristic.splits)
+    assert not heuristic.pdl and not other.pdl
+    timing = oplevel.retime("attention_decode", shape, oplevel.ConfigCandidate(
+        other, heuristic, attention_decode.compile(heuristic).cubin_sha256), rounds=5)
+    print(timing.text())
+    assert not timing.error, timing.error
+    assert timing.op == "rosekernels.attention" and timing.tuned_us > 0 and timing.heuristic_us > 0
 
 
 @pytest.mark.gpu

@@ -62,7 +62,7 @@ def test_other_original_toolchain_or_variant_finds_nothing(tmp_path):
 
 
 def test_store_refuses_a_tuned_cubin_of_another_size_or_arch(tmp_path):
-    with pytest.raises(ValueError, match="bytes"):
+    with pytest.raises(tuned.CacheError, match=f"tuned cubin has {len(ORIGINAL) + 16} bytes, the original {len(ORIGINAL)}"):
         put(tmp_path, cubin=make_cubin(text=b"\0" * 80))
     with pytest.raises(tuned.CacheError, match="sm_80"):
         put(tmp_path, cubin=make_cubin(arch=80, text=b"\x05" * 64))
@@ -222,13 +222,14 @@ def test_config_entry_layout_and_round_trip(tmp_path, configs_fresh):
     assert meta["shape"]["tokens"] == 3000 and meta["bucket"]["tokens"] == 4096
     assert meta["config_key"] == other.variant().key() and meta["heuristic_key"] == heuristic.variant().key()
     # Any shape of the bucket finds it, for that original only; the config comes back as a Config.
-    entry = tuned.lookup_config(tmp_path, qk_norm_kernel(), dataclasses.replace(shape, tokens=2049), SHA)
+    entry = tuned.lookup_config(tmp_path, qk_norm_kernel(), dataclasses.replace(shape, tokens=2049), heuristic, SHA)
     assert entry.path == path and entry.config == other and entry.heuristic == heuristic
     assert entry.speedup == 1.2 and entry.original_sha256 == SHA
-    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), dataclasses.replace(shape, tokens=2048), SHA) is None
+    below = dataclasses.replace(shape, tokens=2048)
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), below, heuristic, SHA) is None
     other_heads = dataclasses.replace(shape, tokens=4096, k_heads=4)
-    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), other_heads, SHA) is None
-    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, "cd" * 32) is None
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), other_heads, heuristic, SHA) is None
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, "cd" * 32) is None
     assert [e.path for e in tuned.config_entries(tmp_path, qk_norm_kernel())] == [path]
     assert tuned.config_entries(tmp_path, types.SimpleNamespace(OP="rmsnorm")) == []
 
@@ -236,11 +237,11 @@ def test_config_entry_layout_and_round_trip(tmp_path, configs_fresh):
 def test_config_entries_are_read_once_per_root_and_kernel(tmp_path, configs_fresh):
     shape, heuristic, other = qk_configs()
     path = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
-    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA) is not None
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA) is not None
     path.unlink()  # what this process read stays in memory ...
-    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == other
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA).config == other
     tuned.store_config(tmp_path, qk_norm_kernel(), shape, heuristic, heuristic, "cd" * 32, CONFIG_META)
-    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA) is None  # ... until a store re-reads
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA) is None  # ... until a store re-reads
 
 
 def test_the_better_config_entry_is_kept(tmp_path, configs_fresh):
@@ -248,10 +249,10 @@ def test_the_better_config_entry_is_kept(tmp_path, configs_fresh):
     path = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
     assert tuned.store_config(tmp_path, qk_norm_kernel(), shape, heuristic, heuristic, SHA,
                               {**CONFIG_META, "speedup": 1.1}) == path
-    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == other
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA).config == other
     tuned.store_config(tmp_path, qk_norm_kernel(), shape, heuristic, heuristic, SHA, {**CONFIG_META, "speedup": 1.1},
                        keep_better=False)
-    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == heuristic
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA).config == heuristic
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".") and p.name != ".lock"]  # no temp files
 
 
@@ -282,12 +283,12 @@ def test_a_broken_config_entry_warns_and_is_ignored(tmp_path, configs_fresh, cor
     corrupt(path)
     tuned.forget_configs()
     with pytest.warns(UserWarning, match="ignoring tuned-config entry.*heuristic"):
-        assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA) is None
+        assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA) is None
     assert tuned.config_entries(tmp_path, qk_norm_kernel()) == []
     # The next store replaces a broken entry in place.
     if corrupt is not _config_moved:
         tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
-        assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == other
+        assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA).config == other
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,7 +303,8 @@ def test_a_broken_config_entry_warns_and_is_ignored(tmp_path, configs_fresh, cor
     ("cubin", {"checks": checks(compare="tolerance")}, ["compared at rtol=0.01, atol=0.0, not bitwise"]),
     ("config", {"checks": checks("config", compare="reference")}, []),
     ("cubin", {"checks": checks(sanitizer="not run")}, ["compute-sanitizer not run"]),
-    ("config", {"checks": checks("config", sanitizer="not run")}, []),  # ptxas's code: no sanitizer run needed
+    ("config", {"checks": checks("config", sanitizer="not run")}, ["compute-sanitizer not run"]),
+    ("config", {"checks": checks("config", sanitizer="exit 99: hazard")}, ["compute-sanitizer: memcheck exit 99"]),
     ("cubin", {"checks": {**checks(), "sanitizer": {"memcheck": "clean", "racecheck": "exit 99: hazard",
                                                     "synccheck": "clean"}}}, ["compute-sanitizer: racecheck exit 99"]),
     ("cubin", {"checks": checks(speedup=1.003, aa=0.004)}, ["op-level 1.0030x the original, not past 1 + its A/A"]),
@@ -317,6 +319,15 @@ def test_a_broken_config_entry_warns_and_is_ignored(tmp_path, configs_fresh, cor
     ("config", {"config": {"a": 2}, "heuristic": {"a": 1}}, ["unverified"]),
     ("cubin", {"checks": checks(samples=5, sanitizer="not run", speedup=1.0)},
      ["5 of 5", "compute-sanitizer not run", "op-level 1.0000x"]),
+    # hand-edited records of the wrong type: below the bar with the reason, never an exception
+    ("cubin", {"checks": {**checks(), "samples": {"run": 10_000, "passed": None}}}, ["malformed samples record"]),
+    ("config", {"checks": {**checks("config"), "samples": "all of them"}}, ["malformed samples record"]),
+    ("cubin", {"checks": {**checks(), "samples": {"run": 1e4, "passed": True}}}, ["malformed samples record"]),
+    ("config", {"checks": {**checks("config"), "op_level": {"speedup": 1.2, "aa_spread": None}}},
+     ["malformed op-level record: A/A spread None"]),
+    ("cubin", {"checks": {**checks(), "op_level": {"speedup": "1.2", "aa_spread": 0.0}}}, ["no op-level re-time"]),
+    ("config", {"checks": {**checks("config"), "shapes": {"tuned_samples": "8", "edges": []}}},
+     ["not compared at the tuned shape"]),
 ])
 def test_the_bar_names_every_check_an_entry_lacks(kind, meta, expected):
     problems = tuned.bar_problems(meta, kind)
@@ -392,18 +403,19 @@ def test_a_weaker_config_entry_never_replaces_a_stronger_one(tmp_path):
     path = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
     weak = {**CONFIG_META, "speedup": 1.6, "checks": checks("config", samples=100, speedup=1.6)}
     tuned.store_config(tmp_path, qk_norm_kernel(), shape, heuristic, heuristic, SHA, {**CONFIG_META, "speedup": 1.0})
-    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == other  # the heuristic record is slower
+    # the heuristic record is slower
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA).config == other
     third = next(c for c in qk_norm_plan().candidates(shape, 132) if c not in (heuristic, other))
     tuned.store_config(tmp_path, qk_norm_kernel(), shape, third, heuristic, SHA, weak)
-    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == other
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA).config == other
     # an entry that keeps the heuristic is as strong as any that meets the bar: a verified winner
     # replaces it, an unverified one does not
     tuned.store_config(tmp_path, qk_norm_kernel(), shape, heuristic, heuristic, SHA, {"speedup": 1.0},
                        keep_better=False)
     tuned.store_config(tmp_path, qk_norm_kernel(), shape, third, heuristic, SHA, weak)
-    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == heuristic
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA).config == heuristic
     tuned.store_config(tmp_path, qk_norm_kernel(), shape, third, heuristic, SHA, {**CONFIG_META, "speedup": 1.03})
-    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, SHA).config == third
+    assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA).config == third
     assert path.exists() and len(list(path.parent.glob("*.json"))) == 1
     tuned.forget_configs()
 

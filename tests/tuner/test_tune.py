@@ -436,3 +436,36 @@ def test_input_set_bytes_count_device_tensors_only():
     import torch
 
     assert _set_bytes((torch.zeros(1000), 3, torch.zeros(5, dtype=torch.int32))) == 1
+
+
+def test_a_cubin_that_leaves_its_counter_set_is_refused():
+    """Level 2's test (_Bench._test, CPU tensors): the candidate must also return the counter it
+    found zero to zero, or the op's next launch on the same counter would skip its work."""
+    import math
+    from types import SimpleNamespace
+
+    import torch
+
+    from sip_tune.runner import SCRATCH_LEFT, Options, _Bench
+    from rosekernels.workload import Workload
+
+    def make_args(seed):
+        x = torch.randn(1 + seed % 40, generator=torch.Generator().manual_seed(seed))
+        return x, torch.full_like(x, math.nan), torch.zeros(1, dtype=torch.int32)
+
+    def kernel(rezero):
+        def fn(x, y, counter):
+            if int(counter) == 0:  # a claim: a launch that finds the counter set does nothing
+                torch.add(x, 1, out=y)
+            counter += 1
+            if rezero:
+                counter.zero_()
+        return fn
+
+    bench = _Bench.__new__(_Bench)
+    bench.torch, bench.o, bench.base = torch, Options(), kernel(rezero=True)
+    bench.w = Workload(SimpleNamespace(fn=bench.base), make_args, outputs=lambda a: a[1:2])
+    kept = bench._test(kernel(rezero=True), 3, 10, batch=4)
+    assert not kept["failed"] and kept["passed"] == 10
+    left = bench._test(kernel(rezero=False), 3, 10, batch=4)
+    assert left["failed"] and left["passed"] == 0 and left["detail"] == f"sample 0: {SCRATCH_LEFT}"

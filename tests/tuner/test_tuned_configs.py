@@ -1,7 +1,9 @@
 """Shape buckets and the run-time use of tuned configs: what an op plans when the tuned store has an
 entry for its shape's bucket (CPU: the choice, with a compiled heuristic; GPU: the op's launch)."""
 import dataclasses
+import hashlib
 import importlib
+from types import SimpleNamespace
 
 import pytest
 from store_samples import CONFIG_META, checks as entry_checks
@@ -98,6 +100,33 @@ def test_an_entry_applies_only_where_the_heuristic_picks_the_config_it_was_tuned
     assert tuned.tuned_config(qk_norm(), six, decode, SMS) is decode
 
 
+def test_an_entry_serves_only_where_the_heuristic_picks_its_launch_policy_too(store):
+    """attention_decode at batch 1 on 132 SMs: the heuristic splits S_kv = 2881..4096 in 16 chunks and
+    2100 in 33, with one compiled kernel (the split count is launch policy, not in the cubin). An
+    entry tuned at 4096 was tested only where the heuristic splits in 16 (its bucket's edges), so
+    at 2100 the op keeps its heuristic. The kernel module is the plan's, with a compile that hashes
+    the variant as ptxas would give one cubin per variant."""
+    from rosekernels.kernels import attention_decode_plan as plan
+
+    def compile_variant(cfg):
+        return SimpleNamespace(cubin_sha256=hashlib.sha256(cfg.variant().key().encode()).hexdigest())
+
+    module = SimpleNamespace(OP=plan.OP, Config=plan.DecodeConfig, Shape=plan.DecodeShape, compile=compile_variant,
+                             candidates=plan.candidates)
+    at = [plan.DecodeShape(batch=1, seqlen_kv=s) for s in (4096, 3000, 2100)]
+    heuristic, near = plan.config_for(at[0], SMS), plan.config_for(at[2], SMS)
+    assert plan.config_for(at[1], SMS) == heuristic and (heuristic.splits, near.splits) == (16, 33)
+    assert near.variant() == heuristic.variant() and contract.bucket(at[2]) == contract.bucket(at[0])
+    other = next(c for c in plan.candidates(at[0], SMS) if c != heuristic and
+                 all(c in plan.candidates(s, SMS) for s in at))
+    original = compile_variant(heuristic).cubin_sha256
+    tuned.store_config(None, module, at[0], other, heuristic, original, META)
+    assert tuned.tuned_config(module, at[1], heuristic, SMS) == other
+    assert tuned.tuned_config(module, at[2], near, SMS) is near
+    assert tuned.lookup_config(None, module, at[2], near, original) is None
+    assert tuned.lookup_config(None, module, at[2], heuristic, original).config == other
+
+
 def test_the_root_warmup_was_given_is_where_ops_look(store, tmp_path):
     heuristic, other = heuristic_and_other()
     original = qk_norm().compile(heuristic).cubin_sha256
@@ -108,6 +137,22 @@ def test_the_root_warmup_was_given_is_where_ops_look(store, tmp_path):
     assert len(report.configs) == 1 and other.variant().key() in report.configs[0]
     assert other.variant() in [k.variant for k in report.kernels]  # compiled now: no JIT when an op plans it
     assert "config   qk_norm prefill-" in str(report)
+
+
+def test_warmup_compiles_only_the_entries_an_op_planning_its_specs_can_be_given(store, recwarn):
+    """Two entries of qk_norm prefill: one tuned against the warmed-up heuristic, one for another
+    model's heads (another heuristic variant, which no op planning the specs picks): only the first
+    is compiled and listed."""
+    heuristic, other = heuristic_and_other()
+    tuned.store_config(None, qk_norm(), SHAPE, other, heuristic, qk_norm().compile(heuristic).cubin_sha256, META)
+    elsewhere = dataclasses.replace(SHAPE, q_heads=16, k_heads=2)
+    h2, o2 = heuristic_and_other(elsewhere)
+    assert h2.variant() != heuristic.variant() and h2.mode == heuristic.mode
+    tuned.store_config(None, qk_norm(), elsewhere, o2, h2, "ab" * 32, META)  # would be reported stale
+    report = warmup([heuristic])
+    assert len(report.configs) == 1 and other.variant().key() in report.configs[0]
+    assert report.stale_configs == [] and not [w for w in recwarn if "another build" in str(w.message)]
+    assert {k.variant for k in report.kernels} == {heuristic.variant(), other.variant()}
 
 
 def test_an_entry_below_the_bar_gives_the_heuristic_unless_the_user_opts_in(store, monkeypatch):
@@ -129,13 +174,26 @@ def test_an_entry_below_the_bar_gives_the_heuristic_unless_the_user_opts_in(stor
     assert tuned.tuned_config(qk_norm(), SHAPE, heuristic, SMS) is heuristic
 
 
+def test_an_entry_with_malformed_checks_gives_the_heuristic_not_an_exception(store):
+    """JSON null where a count or a spread belongs (a hand edit): below the bar, with the reason."""
+    heuristic, other = heuristic_and_other()
+    original = qk_norm().compile(heuristic).cubin_sha256
+    bad = {**META, "speedup": None, "checks": {**META["checks"], "samples": {"run": 10_000, "passed": None},
+                                               "op_level": {"speedup": 1.2, "aa_spread": None}}}
+    tuned.store_config(None, qk_norm(), SHAPE, other, heuristic, original, bad)
+    with pytest.warns(UserWarning, match="below the default bar.*malformed samples.*malformed op-level"):
+        assert tuned.tuned_config(qk_norm(), SHAPE, heuristic, SMS) is heuristic
+    tuned.store_config(None, qk_norm(), SHAPE, other, heuristic, original, META)  # a sound entry replaces it
+    assert tuned.tuned_config(qk_norm(), SHAPE, heuristic, SMS) == other
+
+
 def test_an_entry_not_legal_for_the_exact_shape_is_ignored(store):
     heuristic, _ = heuristic_and_other()
     original = qk_norm().compile(heuristic).cubin_sha256
     decode = dataclasses.replace(heuristic, mode="decode", warps=1, rows_per_thread=1)  # not a candidate here
     assert decode not in qk_norm_plan.candidates(SHAPE, SMS)
     tuned.store_config(None, qk_norm(), SHAPE, decode, heuristic, original, META)
-    assert tuned.lookup_config(None, qk_norm(), SHAPE, original).config == decode
+    assert tuned.lookup_config(None, qk_norm(), SHAPE, heuristic, original).config == decode
     assert tuned.tuned_config(qk_norm(), SHAPE, heuristic, SMS) is heuristic
 
 

@@ -10,7 +10,7 @@ import pytest
 from store_samples import META, checks
 
 import rosekernels.kernels
-from rosekernels import jit, paths, startup, tuned
+from rosekernels import jit, launch, paths, startup, tuned
 from rosekernels.kernels import gemm_leakyrelu_plan as gemm_plan
 from rosekernels.models import ModelDims
 from rosekernels.startup import warmup
@@ -87,6 +87,28 @@ def test_warmup_loads_an_entry_below_the_bar_only_when_the_user_opts_in(env, mon
         report = warmup([compile_demo], allow_unverified=True)
     assert report.tuned == [VARIANT.key()] and report.kernels[0].tuned and report.loaded_unverified
     assert "below the bar (loaded: allow_unverified)" in str(report)
+
+
+def test_withdrawing_the_opt_in_unloads_what_it_loaded(env, monkeypatch):
+    """After allow_unverified(False), or a warmup with allow_unverified=False, no op keeps a plan or a
+    loaded kernel that the opt-in gave it, and warmup reports the kernel untuned."""
+    monkeypatch.delenv(tuned.ALLOW_ENV, raising=False)
+    k = compile_demo()
+    stalled = with_extra_stalls(k.cubin)
+    tuned.store(None, "axpb", VARIANT, k.cubin, stalled, {**META, "checks": checks(speedup=1.002, aa=0.004)})
+    plans = launch.PlanCache()
+    for withdraw in (lambda: tuned.allow_unverified(False), lambda: warmup([compile_demo], allow_unverified=False)):
+        jit.forget_loaded()
+        monkeypatch.setattr(tuned, "_reported", set())  # each warned about once per process
+        with pytest.warns(UserWarning, match="loading it anyway"):
+            assert warmup([compile_demo], allow_unverified=True).tuned == [VARIANT.key()]
+        plans.put(("signature",), "a plan made with the below-bar kernel")
+        with pytest.warns(UserWarning, match="not loaded"):
+            withdraw()
+            report = warmup([compile_demo])
+        assert plans.get(("signature",)) is None
+        assert report.untuned == [VARIANT.key()] and not report.kernels[0].tuned and not compile_demo().tuned
+        assert stalled not in jit.swap_cubins(k.object_bytes)[0]
 
 
 def test_warmup_refuses_a_tuned_cubin_changed_outside_its_code(env):
