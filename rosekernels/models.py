@@ -30,6 +30,9 @@ class ModelDims:
     moe_intermediate: int = 0
     dtype: str = "bf16"
     qk_norm: bool = True  # per-head RMSNorm of q and k; from_config sets it from the model family
+    # The FP8 weight scheme its linear layers run in ("none", or rosekernels.fp8.WEIGHT_SCHEMES' "tensor",
+    # "channel", "block"): set by rosekernels.hf.apply(fp8=...) for its warm-up, never read from a config.
+    fp8: str = "none"
 
     @classmethod
     def from_config(cls, config: Any) -> "ModelDims":

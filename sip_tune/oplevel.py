@@ -424,6 +424,31 @@ def _rmsnorm(shape: Any) -> Case:
     return Case("rosekernels.rmsnorm", make_set, call, outputs=2, peers={"quack": quack})
 
 
+def _quantize_fp8(shape: Any) -> Case:
+    """Rows of bf16/fp16/fp32 to e4m3 with their scales; the peer: the same quantization in torch."""
+    import torch
+
+    import rosekernels
+
+    group = shape.group or None
+
+    def make_set(seed: int, device: str) -> tuple:
+        x = torch.randn(shape.rows, shape.hidden, generator=_gen(seed, device), device=device).to(_dtype(shape.dtype))
+        scales = (shape.rows, shape.hidden // shape.group) if shape.group else (shape.rows,)
+        return (x, torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=device),
+                torch.empty(scales, dtype=torch.float32, device=device))
+
+    def call(s: tuple) -> None:
+        rosekernels.quantize_fp8(s[0], group, out=s[1], scales=s[2], enable_pdl=shape.pdl)
+
+    def torch_peer() -> Callable[[tuple], Any]:
+        from rosekernels.fp8 import quantize
+
+        return lambda s: quantize(s[0], 1, group)
+
+    return Case("rosekernels.quantize_fp8", make_set, call, outputs=2, peers={"torch": torch_peer})
+
+
 def _moe_dispatch(shape: Any) -> Case:
     import torch
 
@@ -530,7 +555,8 @@ def _append_kvcache(shape: Any) -> Case:
 CASES: dict[str, Callable[[Any], Case]] = {
     "gemm_leakyrelu": _gemm, "attention": _attention, "attention_decode": _attention_decode, "qk_norm": _qk_norm,
     "rmsnorm": _rmsnorm, "moe_dispatch": _moe_dispatch, "moe_combine": _moe_combine,
-    "append_kvcache": _append_kvcache, "attention_varlen": _attention_varlen, "grouped_gemm": _grouped_gemm}
+    "append_kvcache": _append_kvcache, "attention_varlen": _attention_varlen, "grouped_gemm": _grouped_gemm,
+    "quantize_fp8": _quantize_fp8}
 
 
 def ring_sets(set_bytes: int, l2_bytes: int) -> int:
