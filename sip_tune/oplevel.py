@@ -277,6 +277,47 @@ def _gemm(shape: Any) -> Case:
     return Case(op, make_set, call, outputs=1, peers={f"cublas+{shape.activation}": cublas})
 
 
+def _gemm_fp8(shape: Any) -> Case:
+    """e4m3 a and w quantized as the shape's scales say (rowcol: per token and per channel; block: 1 x 128
+    and 128 x 128); the peer: torch._scaled_mm (cuBLASLt FP8, rowwise scales) and the epilogue in torch."""
+    import torch
+    import torch.nn.functional as F
+
+    import rosekernels
+    from rosekernels.kernels.gemm_fp8 import random_operands
+
+    m, n, k, out_dt = shape.m, shape.n, shape.k, _dtype(shape.dtype)
+    activation = None if shape.activation == "none" else shape.activation
+
+    def make_set(seed: int, device: str) -> tuple:
+        g = _gen(seed, device)
+        a, a_scale, w, w_scale = random_operands(m, n, k, shape.scales, g, device)
+        bias = None if shape.bias == "none" else torch.randn(n, generator=g, device=device).to(_dtype(shape.bias))
+        return a, a_scale, w, w_scale, bias, torch.empty(m, n // 2 if shape.gated else n, dtype=out_dt, device=device)
+
+    def call(s: tuple) -> None:
+        rosekernels.gemm_fp8(*s[:5], activation=activation, gated=shape.gated, negative_slope=shape.slope, out=s[5],
+                             enable_pdl=shape.pdl)
+
+    act = {"none": lambda y: y, "relu": F.relu, "leaky_relu": lambda y: F.leaky_relu(y, shape.slope), "silu": F.silu,
+           "gelu_tanh": lambda y: F.gelu(y, approximate="tanh")}[shape.activation]
+
+    def scaled_mm() -> Callable[[tuple], Any]:
+        if shape.scales != "rowcol" or not hasattr(torch, "_scaled_mm"):
+            raise ImportError("torch._scaled_mm takes per-tensor and rowwise scales here")
+
+        def run(s: tuple) -> Any:
+            y = torch._scaled_mm(s[0], s[2].t(), s[1].view(m, 1), s[3].view(1, n), out_dtype=out_dt)
+            y = y + s[4] if s[4] is not None else y
+            if not shape.gated:
+                return act(y)
+            blocks = y.view(m, n // 16, 2, 8)  # gate and up rows interleaved in blocks of 8 (rosekernels.gemm)
+            return (act(blocks[:, :, 0]) * blocks[:, :, 1]).reshape(m, n // 2)
+        return run
+
+    return Case("rosekernels.gemm_fp8", make_set, call, outputs=1, peers={"torch._scaled_mm": scaled_mm})
+
+
 def _attention_inputs(batch: int, s_q: int, s_kv: int, hq: int, hkv: int, d: int, dt: Any) -> Callable:
     import torch
 
@@ -556,7 +597,7 @@ CASES: dict[str, Callable[[Any], Case]] = {
     "gemm_leakyrelu": _gemm, "attention": _attention, "attention_decode": _attention_decode, "qk_norm": _qk_norm,
     "rmsnorm": _rmsnorm, "moe_dispatch": _moe_dispatch, "moe_combine": _moe_combine,
     "append_kvcache": _append_kvcache, "attention_varlen": _attention_varlen, "grouped_gemm": _grouped_gemm,
-    "quantize_fp8": _quantize_fp8}
+    "quantize_fp8": _quantize_fp8, "gemm_fp8": _gemm_fp8}
 
 
 def ring_sets(set_bytes: int, l2_bytes: int) -> int:
