@@ -60,3 +60,24 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, block_rows: Optional[int],
     s = scales.to(dtype).reshape(math.ceil(rows / br), math.ceil(cols / bc))
     s = s.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
     return q.to(dtype) * s
+
+
+def check_quantized(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int, rel: float = 1e-6) -> float:
+    """Raise AssertionError unless (q, scales) quantize x (float64 truth; the kernel rounded its fp32 values,
+    within `rel` of x) per row (group 0) or per 1 x `group` group: each scale within `rel` of the group's
+    amax / E4M3_MAX, each q within half an e4m3 step of x / scale (the step of its binade, or of the
+    subnormals; widened by what `rel` moves the value) and finite. Returns the worst error in half-steps."""
+    x = x.double()
+    want_s = quantize(x, 1, group or None, torch.float64)[1]
+    got_s = scales.double().reshape(want_s.shape)
+    assert torch.isfinite(q.float()).all(), "q holds a NaN (an unwritten element, or e4m3 overflow)"
+    assert ((got_s - want_s).abs() <= rel * want_s).all(), f"scales differ: {got_s} vs {want_s}"
+    s = got_s.view(-1, 1) if group == 0 else got_s.repeat_interleave(group, 1)
+    scaled = (x / s).clamp(-E4M3_MAX, E4M3_MAX)
+    step = torch.exp2(torch.floor(torch.log2(scaled.abs().clamp_min(2.0 ** -6))) - 3)  # 3 mantissa bits
+    err = (q.double() - scaled).abs() / (0.5 * step)
+    worst = err.max().item() if err.numel() else 0.0
+    # A value within `rel` of a rounding tie may round either way: 16 rel half-steps (a half-step is at least
+    # 2^-4 of the value) plus fp32's rounding of the scaled value.
+    assert worst <= 1 + 16 * rel + 1e-5, f"q off by {worst:.6g} half-steps at {divmod(err.argmax().item(), x.shape[1])}"
+    return worst

@@ -446,23 +446,30 @@ def _rmsnorm(shape: Any) -> Case:
     import rosekernels
 
     dt, wdt = _dtype(shape.dtype), _dtype(shape.weight_dtype or shape.dtype)
+    fp8 = shape.fp8 != "none"  # the output in e4m3, with its scales
+    group = 128 if shape.fp8 == "group" else None
 
     def make_set(seed: int, device: str) -> tuple:
         g = _gen(seed, device)
         x = torch.randn(shape.rows, shape.hidden, generator=g, device=device).to(dt)
         w = torch.randn(shape.hidden, generator=g, device=device).mul_(0.2).add_(1).to(wdt)
         r = torch.randn(shape.rows, shape.hidden, generator=g, device=device).to(dt) if shape.residual else None
-        return x, w, r, torch.empty_like(x), torch.empty_like(x) if shape.residual else None
+        out = torch.empty(x.shape, dtype=torch.float8_e4m3fn if fp8 else dt, device=device)
+        scales = None
+        if fp8:
+            scales = torch.empty((shape.rows, shape.hidden // group) if group else (shape.rows,), device=device)
+        return x, w, r, out, torch.empty_like(x) if shape.residual else None, scales
 
     def call(s: tuple) -> None:
-        rosekernels.rmsnorm(s[0], s[1], shape.eps, residual=s[2], out=s[3], residual_out=s[4], enable_pdl=shape.pdl)
+        rosekernels.rmsnorm(s[0], s[1], shape.eps, residual=s[2], out=s[3], residual_out=s[4], enable_pdl=shape.pdl,
+                            fp8=fp8, group_size=group, scales=s[5])
 
     def quack() -> Callable[[tuple], Any]:
         from quack.rmsnorm import rmsnorm_fwd
 
         return lambda s: rmsnorm_fwd(s[0], s[1], residual=s[2], eps=shape.eps)
 
-    return Case("rosekernels.rmsnorm", make_set, call, outputs=2, peers={"quack": quack})
+    return Case("rosekernels.rmsnorm", make_set, call, outputs=3, peers={} if fp8 else {"quack": quack})
 
 
 def _quantize_fp8(shape: Any) -> Case:

@@ -22,7 +22,7 @@ import torch
 from cutlass import Float32
 
 from rosekernels import checks, jit, modes
-from rosekernels.fp8 import quantize
+from rosekernels.fp8 import check_quantized, quantize
 from rosekernels.kernels.fp8_rows import quantize_row
 from rosekernels.kernels.quantize_fp8_plan import (  # noqa: F401  (the plan's names are the kernel's: the contract)
     OP, TORCH_DTYPE, QuantizeConfig, QuantizeShape, candidates, config_for, rank, variants_for)
@@ -106,31 +106,13 @@ def precompile(configs=None, processes: int | None = None) -> list[jit.CompiledK
 
 
 # ---------------------------------------------------------------------------------------------
-# The float64 reference, the check, and inputs for a config (tests, benchmark, SIP tuner).
+# The float64 reference, and inputs for a config (tests, benchmark, SIP tuner); the check is
+# rosekernels.fp8.check_quantized.
 
 def reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(q e4m3, float64 scales) of x by rosekernels.fp8.quantize in float64: blocks of one row x the
     whole row (group 0) or x `group` columns."""
     return quantize(x, 1, group or None, torch.float64)
-
-
-def check(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int) -> float:
-    """Raise AssertionError unless the kernel's (q, scales) are a quantization of x: each scale within
-    fp32 rounding of the float64 one, each q * scale within half an e4m3 step of x (the step of the
-    element's binade, or of the subnormals) plus fp32 rounding; q finite. Returns the worst error in
-    half-steps."""
-    want_q, want_s = reference(x, group)
-    got_s = scales.double()
-    assert torch.isfinite(q.float()).all(), "q holds a NaN (an unwritten element, or e4m3 overflow)"
-    assert ((got_s - want_s).abs() <= 1e-6 * want_s).all(), f"scales differ: {got_s} vs {want_s}"
-    s = got_s.view(-1, 1) if group == 0 else got_s.repeat_interleave(group, 1)
-    scaled = x.double() / s  # what the kernel rounded, up to fp32 rounding
-    # e4m3: 3 mantissa bits; normals from 2^-6, subnormal steps of 2^-9.
-    step = torch.exp2(torch.floor(torch.log2(scaled.abs().clamp_min(2.0 ** -6))) - 3)
-    err = (q.double() - scaled.clamp(-448, 448)).abs() / (0.5 * step * (1 + 1e-5))
-    worst = err.max().item() if err.numel() else 0.0
-    assert worst <= 1.0, f"q off by {worst:.3g} half-steps at {divmod(err.argmax().item(), x.shape[1])}"
-    return worst
 
 
 def workload(config: QuantizeConfig, shape: QuantizeShape) -> Workload:
@@ -149,5 +131,5 @@ def workload(config: QuantizeConfig, shape: QuantizeShape) -> Workload:
         return x, q, torch.full(groups, math.nan, device="cuda")
 
     return Workload(compile(config), lambda seed: args(shape.rows, seed), outputs=lambda a: (a[1].view(torch.uint8), a[2]),
-                    check=lambda a: check(a[0], a[1], a[2], config.group),
+                    check=lambda a: check_quantized(a[0], a[1], a[2], config.group),
                     test_args=lambda seed: args(random.Random(seed).randint(lo, hi), seed), name=OP)

@@ -43,10 +43,10 @@ def _validate(x, q, scales, group: int) -> None:
     check_hidden(k, checks.DTYPE_NAME[x.dtype], group)
     checks.check_shape("q", q, (rows, k))
     checks.check_shape("scales", scales, _scales_shape(rows, k, group))
+    checks.check_not_expanded("scales", scales)
     if scales.numel() > 1 and scales.stride(-1) != 1:
         raise ValueError(f"scales must be contiguous along its last dimension, got strides {scales.stride()}")
     checks.check_vectors({"x": x, "q": q}, ["q"], scales=scales)
-    checks.check_not_expanded("scales", scales)
 
 
 # ---------------------------------------------------------------------------------------------

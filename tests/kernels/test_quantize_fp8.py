@@ -93,17 +93,17 @@ def test_the_check_can_fail():
     x = torch.randn(3, 256, dtype=torch.float64)
     for group in (0, 128):
         q, scales = qk.reference(x, group)
-        qk.check(x, q, scales.float(), group)
+        fp8.check_quantized(x, q, scales.float(), group)
         bumped = q.view(torch.uint8).clone()
         bumped[1, 7] += 1
         with pytest.raises(AssertionError, match="half-steps"):
-            qk.check(x, bumped.view(E4M3), scales.float(), group)
+            fp8.check_quantized(x, bumped.view(E4M3), scales.float(), group)
         with pytest.raises(AssertionError, match="scales differ"):
-            qk.check(x, q, scales.float() * 1.001, group)
+            fp8.check_quantized(x, q, scales.float() * 1.001, group)
         poisoned = q.view(torch.uint8).clone()
         poisoned[2, 3] = 0x7F
         with pytest.raises(AssertionError, match="NaN"):
-            qk.check(x, poisoned.view(E4M3), scales.float(), group)
+            fp8.check_quantized(x, poisoned.view(E4M3), scales.float(), group)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,7 +229,7 @@ def test_matches_the_reference(dtype, group, rows, k):
     scales = torch.full((rows, k // group) if group else (rows,), math.nan, device="cuda")
     got_q, got_s = rosekernels.quantize_fp8(x, group, out=q, scales=scales)
     assert got_q is q and got_s is scales
-    qk.check(x, q, scales, group or 0)
+    fp8.check_quantized(x, q, scales, group or 0)
 
 
 @pytest.mark.gpu
@@ -238,12 +238,12 @@ def test_strided_rows_3d_and_extremes():
     x[5, 7] = 3.0e38  # bf16's range: the row's other values flush to zero
     x[6] = 1e-6  # a row of tiny values still gets 448 at its amax
     q, s = rosekernels.quantize_fp8(x, 128)
-    qk.check(x, q, s, 128)
+    fp8.check_quantized(x, q, s, 128)
     assert q[5, 7].float() == 448.0 and (q[6].float() == 448.0).all()
     x3 = _x(2 * 7, 512, FP16).view(2, 7, 512)
     q3, s3 = rosekernels.quantize_fp8(x3)
     assert q3.shape == (2, 7, 512) and s3.shape == (2, 7)
-    qk.check(x3.reshape(14, 512), q3.view(14, 512), s3.view(14), 0)
+    fp8.check_quantized(x3.reshape(14, 512), q3.view(14, 512), s3.view(14), 0)
 
 
 @pytest.mark.gpu
@@ -257,7 +257,7 @@ def test_cuda_graph_and_compile():
     s.fill_(math.nan)
     graph.replay()
     torch.cuda.synchronize()
-    qk.check(x, q, s, 128)
+    fp8.check_quantized(x, q, s, 128)
     compiled = torch.compile(lambda t: rosekernels.quantize_fp8(t * 2, 128), fullgraph=True)
     cq, cs = compiled(x)
     assert torch.equal(cq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(cs, 2 * s)
