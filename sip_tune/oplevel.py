@@ -589,13 +589,15 @@ def _append_kvcache(shape: Any) -> Case:
         g = _gen(seed, device)
         dt, b, heads, d = _dtype(shape.dtype), shape.batch, shape.kv_heads, shape.head_dim
         cache = (b * blocks, block, heads, d) if shape.paged else (b, blocks * block, heads, d)
-        k_cache, v_cache = (torch.randn(*cache, generator=g, device=device).to(dt) for _ in "kv")
+        cache_dt = torch.float8_e4m3fn if shape.fp8 else dt  # an e4m3 cache: k and v quantized on the way in
+        k_cache, v_cache = (torch.randn(*cache, generator=g, device=device).to(cache_dt) for _ in "kv")
         k, v = (torch.randn(b, shape.new_tokens, heads, d, generator=g, device=device).to(dt) for _ in "kv")
         lengths = torch.randint(0, blocks * block - shape.new_tokens + 1, (b,), generator=g, device=device,
                                 dtype=torch.int32)
         table = (torch.randperm(b * blocks, generator=g, device=device).view(b, blocks).to(torch.int32)
                  if shape.paged else None)
-        return k_cache, v_cache, k, v, lengths, table
+        descales = tuple(torch.rand(heads, generator=g, device=device) + 0.5 for _ in "kv") if shape.fp8 else ()
+        return (k_cache, v_cache, k, v, lengths, table, *descales)
 
     return Case("rosekernels.append_kvcache", make_set, lambda s: rosekernels.append_kvcache(*s))
 
