@@ -17,8 +17,9 @@ against our bf16 kernels and torch's FP8 GEMM; fp8.json + fp8.md (+ the chart), 
 - decode attention over a KV cache, bf16 against e4m3 (attention_with_kvcache), B = 16, contexts 8k to 32k,
   Qwen3-8B's heads, in CUDA graphs.
 - end to end (not with --no-e2e): Qwen3-8B's geometry (rosekernels.hf.random_model, --layers layers), decode at
-  B = 16 after 2048 tokens of context on a static cache in CUDA graphs, the bf16 rosekernels arm against rosekernels.hf.apply(fp8=...) (the
-  KV cache stays bf16 there), and the FP8 model's logits against the stock bf16 model's (cosine).
+  B = 16 after 2048 tokens of context on a static cache in CUDA graphs, the bf16 rosekernels arm against
+  rosekernels.hf.apply(fp8=...) on an Fp8StaticCache (FP8 weights and KV cache), and the FP8 model's logits
+  against the stock bf16 model's (cosine).
 The issue's targets are checked at the end ("verdicts"); a peer that does not import or run is reported.
 """
 from __future__ import annotations
@@ -155,7 +156,7 @@ def markdown(data: dict) -> str:
     if data.get("e2e"):
         e = data["e2e"]
         lines += ["", "## End to end (Qwen3-8B geometry, decode B = 16, CUDA graphs)", "",
-                  f"{e['layers']} layers, {e['scheme']} weights: bf16 arm {fmt(e['us'].get('bf16'))} us, FP8 arm "
+                  f"{e['layers']} layers, {e['scheme']} weights and an e4m3 KV cache: bf16 arm {fmt(e['us'].get('bf16'))} us, FP8 arm "
                   f"{fmt(e['us'].get('fp8'))} us per step ({fmt(e.get('speedup'), 2)}x); logits cosine against the "
                   f"stock bf16 model: min {fmt(e.get('min_cos'), 4)}."]
     if data.get("errors") or data.get("peers"):
@@ -313,14 +314,15 @@ def bench_kv(quick: bool) -> list[dict]:
 
 def bench_e2e(layers: int, scheme: str) -> dict:
     """Qwen3-8B's geometry: decode at B = 16 after E2E_CONTEXT tokens on a static cache in CUDA graphs, the bf16
-    rosekernels arm against the FP8 one, and the FP8 model's prefill logits against stock bf16's."""
+    rosekernels arm against the FP8 one (weights and an Fp8StaticCache), and the FP8 model's prefill logits
+    against stock bf16's."""
     from rosekernels import hf
     from transformers import StaticCache
 
     stock = hf.random_model("qwen3-8b", layers, seed=1)
     arms = {"bf16": copy.deepcopy(stock), "fp8": copy.deepcopy(stock)}
     hf.warmup(arms["bf16"])
-    hf.warmup(arms["fp8"], fp8=scheme)
+    hf.warmup(arms["fp8"], fp8=scheme, fp8_kv_cache=True)
     hf.apply(arms["bf16"])
     hf.apply(arms["fp8"], fp8=scheme)
     ids = torch.randint(0, 151936, (4, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
@@ -331,7 +333,8 @@ def bench_e2e(layers: int, scheme: str) -> dict:
     c = stock.config
     kv = torch.randn(KV_BATCH, c.num_key_value_heads, E2E_CONTEXT, c.head_dim, device="cuda", dtype=torch.bfloat16)
     for name, model in arms.items():
-        cache = StaticCache(config=c, max_cache_len=E2E_CONTEXT + 256)  # the steps below advance it
+        kind = hf.Fp8StaticCache if name == "fp8" else StaticCache  # the FP8 arm: e4m3 weights and KV cache
+        cache = kind(config=c, max_cache_len=E2E_CONTEXT + 256)  # the steps below advance it
         for layer in range(c.num_hidden_layers):
             cache.update(kv, kv, layer)  # a context of random keys and values (the timing does not read them)
         steps[name] = lambda i, m=model, cache=cache: m(input_ids=tok, past_key_values=cache, use_cache=True)

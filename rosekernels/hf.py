@@ -44,7 +44,9 @@ per tensor, per output channel or per 128 x 128 block; the bf16 weights are drop
 the e4m3 weights and their scales) and run on rosekernels.gemm_fp8. Their activations are quantized per token
 (per 1 x 128 group with block-scaled weights): by the input and post-attention norms in the same launch
 (rmsnorm's fp8 option) for the projections and the gate/up GEMM that follow them, by quantize_fp8 for o_proj
-and down_proj. A MoE model's experts stay in bf16. Such a model runs on the GPU only.
+and down_proj. A MoE model's experts stay in bf16. Such a model runs on the GPU only. The KV cache stays what
+the caller passes; `Fp8StaticCache` (a StaticCache in e4m3, quantized on the way in by append_kvcache) has
+decode steps read it with attention_with_kvcache's e4m3 path.
 
 A call rosekernels cannot serve runs the stock path instead and is counted in `stats()` as
 "fallback:<op>:<reason>": attention with a mask tensor other than a static cache's decode mask
@@ -65,15 +67,16 @@ from torch.nn import functional as F
 
 import rosekernels
 from rosekernels import fp8 as fp8_math
-from rosekernels.kernels import (attention_decode_plan, attention_plan, gemm_fp8_plan, gemm_leakyrelu_plan,
-                                 grouped_gemm_plan, moe_combine_plan, moe_dispatch_plan, qk_norm_plan,
-                                 quantize_fp8_plan, rmsnorm_plan)
+from rosekernels.kernels import (append_kvcache_plan, attention_decode_plan, attention_plan, gemm_fp8_plan,
+                                 gemm_leakyrelu_plan, grouped_gemm_plan, moe_combine_plan, moe_dispatch_plan,
+                                 qk_norm_plan, quantize_fp8_plan, rmsnorm_plan)
 from rosekernels.models import QWEN3_8B, QWEN3_30B_A3B, ModelDims
 
 try:
     import transformers
     from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config, Qwen3MoeConfig
     from transformers.activations import SiLUActivation
+    from transformers.cache_utils import StaticCache, StaticLayer
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
@@ -371,15 +374,16 @@ def _strides_ok(t: torch.Tensor) -> bool:
     return True
 
 
-def _attention_refusal(query, key, value, attention_mask, dropout, kwargs) -> str | None:
-    """Why rosekernels.attention cannot serve this call (None: it can)."""
+def _attention_refusal(query, key, value, attention_mask, dropout, kwargs, kv_dtype=None) -> str | None:
+    """Why rosekernels.attention cannot serve this call (None: it can); kv_dtype: the keys' and values' dtype
+    when not the query's (an Fp8StaticCache's e4m3)."""
     if attention_mask is not None:
         return "mask"
     if dropout:
         return "dropout"
     if kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None:
         return "bias"
-    if query.dtype not in (torch.bfloat16, torch.float16) or key.dtype != query.dtype or value.dtype != query.dtype:
+    if query.dtype not in (torch.bfloat16, torch.float16) or {key.dtype, value.dtype} != {kv_dtype or query.dtype}:
         return "dtype"
     if query.shape[-1] not in attention_plan.HEAD_DIMS or value.shape[-1] != query.shape[-1]:
         return "head_dim"
@@ -428,16 +432,23 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     is computed the same way: causal (top-left) when S_q > 1, over the first S_q keys when a static
     cache hands more (its prefill), and over all keys when S_q == 1. With a mask that `prefix_mask`
     marked (a static cache's decode step: S_q <= 16 tokens after each sequence's earlier keys), the
-    KV-cache decode kernel reads each sequence's key count from the device: no sync, capturable."""
+    KV-cache decode kernel reads each sequence's key count from the device: no sync, capturable. An
+    Fp8StaticCache's e4m3 keys and values go to that kernel with their descales on such a step, and are
+    dequantized for any other call."""
     counts = getattr(attention_mask, "_rosekernels_key_counts", None)
-    if counts is not None and query.shape[2] <= attention_decode_plan.MAX_SEQLEN_Q:
-        reason = _attention_refusal(query, key, value, None, dropout, kwargs)
+    descales = getattr(key, "_rosekernels_descales", None)  # (k_descale, v_descale) of an Fp8StaticCache
+    marked = counts is not None and query.shape[2] <= attention_decode_plan.MAX_SEQLEN_Q
+    if marked:
+        reason = _attention_refusal(query, key, value, None, dropout, kwargs, key.dtype if descales else None)
         if reason is None:
-            _count("attention_decode")
+            _count("attention_decode" if descales is None else "attention_decode_fp8")
+            scales = {} if descales is None else {"k_descale": descales[0], "v_descale": descales[1]}
             out = rosekernels.attention_with_kvcache(query.transpose(1, 2), key.transpose(1, 2),
-                                                     value.transpose(1, 2), counts, softmax_scale=scaling)
+                                                     value.transpose(1, 2), counts, softmax_scale=scaling, **scales)
             return out, None
-    else:
+    if descales is not None:  # any other call reads the e4m3 cache dequantized
+        key, value = (t.to(query.dtype) * d.to(query.dtype) for t, d in zip((key, value), descales))
+    if not marked:
         reason = _attention_refusal(query, key, value, attention_mask, dropout, kwargs)
     if reason is not None:
         _count(f"fallback:attention:{reason}")
@@ -451,6 +462,53 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     out = rosekernels.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=causal,
                                 softmax_scale=scaling)
     return out, None
+
+
+class Fp8StaticLayer(StaticLayer):
+    """A StaticLayer holding its keys and values in e4m3 (see Fp8StaticCache)."""
+
+    def __init__(self, max_cache_len: int, k_descale: float, v_descale: float):
+        super().__init__(max_cache_len)
+        self.descale_values = (float(k_descale), float(v_descale))
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = fp8_math.E4M3, key_states.device
+        self.batch_size, self.num_heads = key_states.shape[:2]
+        rows = (self.batch_size, self.num_heads, self.max_cache_len)
+        self.keys = torch.zeros(*rows, key_states.shape[-1], dtype=self.dtype, device=self.device)
+        self.values = torch.zeros(*rows, value_states.shape[-1], dtype=self.dtype, device=self.device)
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        self.descales = tuple(torch.full((1,), d, device=self.device) for d in self.descale_values)
+        self.keys._rosekernels_descales = self.descales  # what attention_forward reads them with
+        if not torch.compiler.is_compiling():  # fixed addresses, as StaticLayer's: CUDA graphs
+            for t in (self.keys, self.values, self.cumulative_length):
+                torch._dynamo.mark_static_address(t)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.cumulative_length.to(torch.int32).expand(self.batch_size)  # each sequence's next row
+        rosekernels.append_kvcache(self.keys.transpose(1, 2), self.values.transpose(1, 2), key_states.transpose(1, 2),
+                                   value_states.transpose(1, 2), start, None, *self.descales)
+        self.cumulative_length.add_(key_states.shape[-2])
+        return self.keys, self.values
+
+
+class Fp8StaticCache(StaticCache):
+    """transformers' StaticCache with the keys and values in e4m3: half the bytes a decode step's attention
+    reads. The cache holds e4m3(k / k_descale) and e4m3(v / v_descale) (one value each, saturating at 448):
+    1.0 suits normalized keys (Qwen3's q/k norms) and values of order one; calibrate them otherwise. New keys
+    and values are quantized on the way in (rosekernels.append_kvcache); on a patched model (apply) a decode
+    step attends to the e4m3 cache (attention_with_kvcache), other calls to it dequantized. For models whose
+    every layer is full attention; rosekernels.hf.warmup(model, fp8_kv_cache=True) compiles its kernels."""
+
+    def __init__(self, config: Any, max_cache_len: int, k_descale: float = 1.0, v_descale: float = 1.0,
+                 **kwargs: Any):
+        super().__init__(config=config, max_cache_len=max_cache_len, **kwargs)
+        if any(type(layer) is not StaticLayer for layer in self.layers):
+            raise ValueError("Fp8StaticCache holds full-attention layers only; this config has other kinds")
+        self.layers = [Fp8StaticLayer(max_cache_len, k_descale, v_descale) for _ in self.layers]
 
 
 _grouped_mm = getattr(torch, "_grouped_mm", None)
@@ -727,35 +785,41 @@ def apply(model: nn.Module, experts: str | None = None, fp8: str | None = None) 
     # Load the ops now (rosekernels imports them on first use), so that the patched forwards find
     # plain module attributes, which torch.compile traces without a module __getattr__.
     for op in ("rmsnorm", "qk_norm", "attention", "gemm", "gate_up_rows", "moe_dispatch", "moe_combine",
-               "moe_experts", "gemm_fp8", "quantize_fp8", "quantize_weight_fp8"):
+               "moe_experts", "gemm_fp8", "quantize_fp8", "quantize_weight_fp8", "append_kvcache",
+               "attention_with_kvcache"):
         getattr(rosekernels, op)
     _swap(model, p)
     return model
 
 
-def warmup_specs(model: nn.Module, experts: str | None = None, fp8: str | None = None) -> list:
+def warmup_specs(model: nn.Module, experts: str | None = None, fp8: str | None = None,
+                 fp8_kv_cache: bool = False) -> list:
     """The kernel configs the patched model launches (its dims, dtype and norm eps, both modes; the MoE
-    experts on path `experts`, None: EXPERTS_PATH; its linear layers in FP8 with weight scheme `fp8`), for
-    rosekernels.warmup: compiled or loaded up front instead of on the first calls."""
+    experts on path `experts`, None: EXPERTS_PATH; its linear layers in FP8 with weight scheme `fp8`; with an
+    Fp8StaticCache, fp8_kv_cache), for rosekernels.warmup: compiled or loaded up front instead of on the
+    first calls."""
     config = model.config
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[next(model.parameters()).dtype]
-    dims = dataclasses.replace(ModelDims.from_config(config), dtype=dtype, fp8=fp8 or "none")
+    dims = dataclasses.replace(ModelDims.from_config(config), dtype=dtype, fp8=fp8 or "none", fp8_kv=fp8_kv_cache)
     plans = [rmsnorm_plan, qk_norm_plan, attention_plan, attention_decode_plan, gemm_leakyrelu_plan, moe_dispatch_plan,
              moe_combine_plan, gemm_fp8_plan, quantize_fp8_plan]
     if (EXPERTS_PATH if experts is None else experts) == "moe_experts":
         plans.append(grouped_gemm_plan)
     configs = [c for m in plans for c in m.variants_for([dims])]
     configs += attention_decode_plan.kvcache_variants_for([dims])  # a static cache's decode steps
+    if fp8_kv_cache:  # an Fp8StaticCache's appends
+        configs += [c for c in append_kvcache_plan.variants_for([dims]) if c.fp8]
     # Norm and router weights are in the model's dtype; the norms are specialised on eps.
     configs = [c for c in configs if getattr(c, "weight_dtype", dtype) == dtype]
     return [dataclasses.replace(c, eps=float(config.rms_norm_eps)) if hasattr(c, "eps") else c for c in configs]
 
 
-def warmup(model: nn.Module, experts: str | None = None, fp8: str | None = None, **kwargs: Any) -> Any:
-    """rosekernels.warmup(warmup_specs(model, experts, fp8), **kwargs): exactly the kernels the patched model
-    launches (rosekernels.warmup(model=config) compiles the same and the grouped GEMMs, with the norms at
-    the default eps)."""
-    return rosekernels.warmup(warmup_specs(model, experts, fp8), **kwargs)
+def warmup(model: nn.Module, experts: str | None = None, fp8: str | None = None, fp8_kv_cache: bool = False,
+           **kwargs: Any) -> Any:
+    """rosekernels.warmup(warmup_specs(model, experts, fp8, fp8_kv_cache), **kwargs): exactly the kernels the
+    patched model launches (rosekernels.warmup(model=config) compiles the same and the grouped GEMMs, with the
+    norms at the default eps)."""
+    return rosekernels.warmup(warmup_specs(model, experts, fp8, fp8_kv_cache), **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -143,6 +143,80 @@ def test_warmup_specs_add_the_fp8_kernels():
 
 
 # ---------------------------------------------------------------------------------------------
+# The e4m3 KV cache (Fp8StaticCache), with stand-ins for append_kvcache and attention_with_kvcache.
+
+def _append(k_cache, v_cache, k, v, cache_seqlens, block_table=None, k_descale=None, v_descale=None):
+    """append_kvcache's contract on a contiguous e4m3 cache: token i of sequence b at row cache_seqlens[b] + i,
+    quantized as e4m3(x / descale)."""
+    for b, start in enumerate(cache_seqlens.tolist()):
+        rows = slice(start, start + k.shape[1])
+        k_cache[b, rows] = (k[b].float() / k_descale.float()).to(fp8_math.E4M3)
+        v_cache[b, rows] = (v[b].float() / v_descale.float()).to(fp8_math.E4M3)
+
+
+def _attend(q, k_cache, v_cache, cache_seqlens, softmax_scale=None, k_descale=None, v_descale=None):
+    """attention_with_kvcache's contract: causal, bottom-right, over each sequence's first cache_seqlens[b] keys
+    (of an e4m3 cache: dequantized)."""
+    outs = []
+    for b, n in enumerate(cache_seqlens.tolist()):
+        k, v = (c[b:b + 1, :n].float() * (1.0 if d is None else d.float())
+                for c, d in ((k_cache, k_descale), (v_cache, v_descale)))
+        qb = q[b:b + 1].float().transpose(1, 2)
+        k, v = (t.transpose(1, 2).repeat_interleave(qb.shape[1] // t.shape[2], 1) for t in (k, v))
+        mask = torch.ones(qb.shape[2], n, dtype=torch.bool).tril(n - qb.shape[2])
+        outs.append(torch.nn.functional.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=softmax_scale)
+                    .transpose(1, 2).to(q.dtype))
+    return torch.cat(outs)
+
+
+def test_an_fp8_cache_decodes_as_the_bf16_one_within_fp8_error(monkeypatch):
+    """A prefill into an Fp8StaticCache then decode steps: the cache holds e4m3 (quantized on the way in), each
+    decode step's attention reads it with its descales, and the logits stay within cosine 0.99 of the same
+    steps on a bf16 StaticCache."""
+    from transformers import StaticCache
+
+    monkeypatch.setattr(rosekernels, "append_kvcache", _append, raising=False)
+    monkeypatch.setattr(rosekernels, "attention_with_kvcache", _attend, raising=False)
+    monkeypatch.setattr(rosekernels, "attention", lambda q, k, v, causal, softmax_scale: torch.nn.functional
+                        .scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal,
+                                                      scale=softmax_scale, enable_gqa=True).transpose(1, 2),
+                        raising=False)
+    real = hf._attention_refusal
+    monkeypatch.setattr(hf, "_attention_refusal", lambda *a: None if real(*a) == "device" else real(*a))
+    model = _tiny(moe=False, layers=2).to(torch.bfloat16)
+    hf._swap(model, hf.plan(model))
+    ids = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(6))
+    logits = []
+    for cache in (StaticCache(config=model.config, max_cache_len=32),
+                  hf.Fp8StaticCache(config=model.config, max_cache_len=32, k_descale=0.5)):
+        hf.reset_stats()
+        with torch.inference_mode():
+            model(ids[:, :9], past_key_values=cache, use_cache=True)
+            steps = [model(ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits for i in range(9, 12)]
+        logits.append(torch.cat(steps, 1).float())
+        fp8_cache = isinstance(cache, hf.Fp8StaticCache)
+        if fp8_cache:
+            layer = cache.layers[0]
+            assert layer.keys.dtype == fp8_math.E4M3 and layer.keys._rosekernels_descales[0].item() == 0.5
+            assert int(layer.cumulative_length) == 12
+        # Two layers x (the 9-token prefill, whose mask transformers leaves out: the dequantized cache on the
+        # split-KV kernel; 3 decode steps, marked: the e4m3 cache's path).
+        attention = {k: v for k, v in hf.stats().items() if "attention" in k}
+        assert attention == ({"attention_decode": 2, "attention_decode_fp8": 2 * 3} if fp8_cache
+                             else {"attention_decode": 2 * 4})
+    cos = torch.nn.functional.cosine_similarity(logits[0], logits[1], dim=-1)
+    assert cos.min() >= 0.99, f"min cosine {cos.min():.4f}"
+
+
+def test_the_fp8_cache_refuses_other_layer_kinds():
+    config = _tiny(moe=False, layers=2).config
+    config.layer_types = ["sliding_attention", "full_attention"]
+    config.sliding_window = 8
+    with pytest.raises(ValueError, match="full-attention layers only"):
+        hf.Fp8StaticCache(config=config, max_cache_len=16)
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU: the patched model on the kernels against the stock bf16 model.
 
 @pytest.mark.gpu
@@ -181,3 +255,36 @@ def test_fp8_qwen3_8b_geometry_matches_stock_bf16(scheme):
             logits.append(out.clone())
     step_cos = torch.nn.functional.cosine_similarity(logits[0].float(), logits[1].float(), dim=-1)
     assert step_cos.min().item() >= 0.99, f"{scheme} decode step: min cosine {step_cos.min().item():.4f}"
+
+
+@pytest.mark.gpu
+def test_fp8_weights_and_kv_cache_decode_in_a_cuda_graph():
+    """Qwen3-8B's geometry, two layers, FP8 weights and an Fp8StaticCache: a decode step of B = 4 after a 40-token
+    prefill, captured in a CUDA graph, within cosine 0.99 of the stock bf16 model's on a bf16 StaticCache; the
+    step's attention read the e4m3 cache (its kernel path counted)."""
+    from transformers import StaticCache
+
+    stock = hf.random_model("qwen3-8b", 2, seed=5)
+    ours = copy.deepcopy(stock)
+    hf.warmup(ours, fp8="channel", fp8_kv_cache=True)
+    hf.apply(ours, fp8="channel")
+    ids = torch.randint(0, 151936, (4, 41), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    logits = []
+    for model, cache in ((ours, hf.Fp8StaticCache(config=ours.config, max_cache_len=64)),
+                         (stock, StaticCache(config=stock.config, max_cache_len=64))):
+        with torch.inference_mode():
+            model(ids[:, :40], past_key_values=cache, use_cache=True)
+            position = torch.full((1,), 40, device="cuda")
+            step = ids[:, 40:41]
+            graph = torch.cuda.CUDAGraph()
+            model(step, past_key_values=cache, cache_position=position, use_cache=True)  # warm, outside the capture
+            hf.reset_stats()
+            with torch.cuda.graph(graph):
+                out = model(step, past_key_values=cache, cache_position=position, use_cache=True).logits
+            graph.replay()  # both arms: the step's token again, at position 41
+            torch.cuda.synchronize()
+            logits.append(out.clone())
+            if model is ours:
+                assert hf.stats().get("attention_decode_fp8") == 2
+    cos = torch.nn.functional.cosine_similarity(logits[0].float(), logits[1].float(), dim=-1)
+    assert cos.min().item() >= 0.99, f"min cosine {cos.min().item():.4f}"
