@@ -218,10 +218,11 @@ class _DecodeAttentionSm90:
         thr_mma = tiled_mma.get_slice(lane)
 
         # This warp's keys of every stage, and V^T (d, keys, stage) as the B operand of P @ V.
-        sKw = cute.local_tile(sK, (self.warp_keys, self.d, self.stages), (ks, 0, 0))
-        sVw = cute.local_tile(sV, (self.warp_keys, self.d, self.stages), (ks, 0, 0))
+        stages = cute.size(sK, mode=[2])  # the ring's (an e4m3 cache: its two widened tiles, attention_fp8)
+        sKw = cute.local_tile(sK, (self.warp_keys, self.d, stages), (ks, 0, 0))
+        sVw = cute.local_tile(sV, (self.warp_keys, self.d, stages), (ks, 0, 0))
         sVtw = cute.composition(
-            sVw, cute.make_ordered_layout((self.d, self.warp_keys, self.stages), order=(1, 0, 2)))
+            sVw, cute.make_ordered_layout((self.d, self.warp_keys, stages), order=(1, 0, 2)))
         copy_K = cute.make_tiled_copy_B(
             cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
             tiled_mma).get_slice(lane)
