@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, ClassVar, Iterable, Optional
 
 from rosekernels.fp8 import BLOCK
 from rosekernels.kernels import gemm_leakyrelu_plan as bf16
-from rosekernels.kernels.gemm_leakyrelu_plan import (
-    DECODE_MAX_M, GATE_BLOCK, RASTER_GROUP, GemmConfig, GemmShape, check_fits)
+from rosekernels.kernels.gemm_leakyrelu_plan import DECODE_MAX_M, GATE_BLOCK, RASTER_GROUP, GemmConfig, check_fits
 from rosekernels.modes import sm_count
 from rosekernels.variant import MODES, check_mode
 
@@ -141,10 +140,10 @@ def takes(n: int, k: int, gated: bool, scales: str) -> bool:
 # The contract: the heuristic, the search space, the warm-up set.
 
 
-def equivalent(shape: Fp8GemmShape) -> GemmShape:
+def equivalent(shape: Fp8GemmShape) -> bf16.GemmShape:
     """The bf16 GEMM problem that streams the same weight bytes in as many k-tiles (K halved): what the
     bf16 decode cost model rates the FP8 kernel's configs on."""
-    return GemmShape(shape.m, shape.n, math.ceil(shape.k / 2), dtype=shape.dtype, bias=shape.bias,
+    return bf16.GemmShape(shape.m, shape.n, math.ceil(shape.k / 2), dtype=shape.dtype, bias=shape.bias,
                      slope=float(shape.slope), activation=shape.activation, gated=shape.gated, pdl=bool(shape.pdl))
 
 
