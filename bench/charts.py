@@ -367,9 +367,50 @@ def moe_experts(data: dict) -> Figure:
     return fig
 
 
+def fp8(data: dict) -> Figure:
+    """bench/fp8.py: decode GEMMs (the FP8 methods' speedup over our bf16 GEMM, geometric mean over the weight
+    shapes, and their weight bandwidth as % of copy, median) against M; prefill TFLOP/s per shape; decode
+    attention's e4m3 cache over the bf16 one against context."""
+    fig, axes = _figure(f"FP8 on {data['env'].get('gpu', '?')}", 2, 2)
+    dec, pre, kv = data.get("decode", []), data.get("prefill", []), data.get("kv", [])
+    order = list(dict.fromkeys(m for r in dec + pre for m in r["times_us"]))
+    ms = sorted({r["m"] for r in dec})
+
+    def over(m: int, fn: Callable[[dict], Any], reduce: Callable[[list], float]) -> float | None:
+        vals = [v for r in dec if r["m"] == m and _finite(v := fn(r))]
+        return reduce(vals) if vals else None
+
+    def geomean(vals: list) -> float:
+        return math.exp(sum(math.log(v) for v in vals) / len(vals))
+
+    def median(vals: list) -> float:
+        return sorted(vals)[len(vals) // 2]
+
+    fp8_methods = [m for m in order if m != "rosekernels bf16"]
+    _lines(axes[0][0], ms, {m: [over(x, lambda r, m=m: r["times_us"].get("rosekernels bf16", math.nan)
+                                     / r["times_us"].get(m, math.nan), geomean) for x in ms] for m in fp8_methods},
+           order)
+    _axes(axes[0][0], "decode GEMMs: speedup over our bf16 GEMM (geomean)", "M (tokens)", "x bf16", logx=True,
+          ceiling=1.0)
+    _lines(axes[0][1], ms, {m: [over(x, lambda r, m=m: r["summary"]["pct_copy"].get(m), median) for x in ms]
+                            for m in fp8_methods}, order)
+    _axes(axes[0][1], "decode GEMMs: weight bytes at % of copy (median)", "M (tokens)", "% of copy", logx=True,
+          ceiling=100)
+    _bars(axes[1][0], [f"{r['m']}x{r['n']}x{r['k']}" for r in pre],
+          {m: [r["tflops"].get(m) for r in pre] for m in order}, order)
+    _axes(axes[1][0], "prefill GEMMs", "shape", "TFLOP/s")
+    _lines(axes[1][1], [r["context"] for r in kv],
+           {"e4m3 cache": [r["times_us"].get("bf16 cache", math.nan) / r["times_us"].get("e4m3 cache", math.nan)
+                           for r in kv]}, ["e4m3 cache"])
+    _axes(axes[1][1], "decode attention: speedup of the e4m3 KV cache over bf16", "context", "x bf16 cache",
+          logx=True, ceiling=1.0)
+    return fig
+
+
 CHARTS: dict[str, Callable[[dict], Figure]] = {
     "qk_norm": qk_norm, "rmsnorm": rmsnorm, "moe": moe, "gemm_leakyrelu": gemm_leakyrelu, "attention": attention,
-    "autotune": autotune, "sip_tuning": sip_tuning, "e2e": e2e, "moe_experts": moe_experts}
+    "autotune": autotune, "sip_tuning": sip_tuning, "e2e": e2e, "moe_experts": moe_experts,
+    "fp8": fp8}
 
 
 def draw(name: str, data: dict, out: str | Path) -> Path | None:

@@ -11,6 +11,11 @@ Ops (torch tensors in, torch tensors out; each JIT-specialized per shape, dtype 
     gemm(a, w, bias, activation, gated)            act(a @ w.T + bias), act none/relu/leaky_relu/silu/gelu_tanh;
                                                    gated: act(a @ w_gate.T) * (a @ w_up.T) (SwiGLU), one kernel
     gate_up_rows(w_gate, w_up)                     the interleaved weight a gated gemm takes
+    quantize_fp8(x, group_size=None | 128)         rows to e4m3 with fp32 scales per row or per 1 x 128 group
+    quantize_weight_fp8(w, scheme)                 a weight to e4m3 once: per tensor, per channel, 128 x 128 blocks
+    gemm_fp8(a, a_scale, w, w_scale, bias, activation, gated)
+                                                   act((a @ w.T) * scales + bias), e4m3 a and w (per-tensor,
+                                                   per-token x per-channel or 128 x 128 block scales), one kernel
     grouped_gemm(a, w, group_offsets, ...)         rows grouped by expert times each expert's weight w[e]
                                                    (moe_dispatch's layout; bias, activation, gated SwiGLU,
                                                    a_index gather, row_scale), one kernel, graph-capturable
@@ -36,8 +41,8 @@ Ops (torch tensors in, torch tensors out; each JIT-specialized per shape, dtype 
 CuTeDSL takes seconds); `dir(rosekernels)` lists them without loading anything.
 
 torch.ops.rosekernels.* are the out-variant custom ops behind them (qk_norm, rmsnorm, moe_dispatch,
-moe_combine, gemm, gemm_leakyrelu, grouped_gemm, attention_fwd, attention_decode, attention_with_kvcache,
-attention_varlen_fwd, append_kvcache): they write into output tensors the caller passes and return nothing. torch.compile and CUDA-graph capture go through them; eager calls of
+moe_combine, gemm, gemm_leakyrelu, quantize_fp8, gemm_fp8, grouped_gemm, attention_fwd, attention_decode,
+attention_with_kvcache, attention_varlen_fwd, append_kvcache): they write into output tensors the caller passes and return nothing. torch.compile and CUDA-graph capture go through them; eager calls of
 the functions above skip the torch dispatcher. Call the functions above, not the custom ops.
 """
 import os
@@ -50,6 +55,7 @@ del os  # dir(rosekernels) lists the package's own names only
 # submodule named `warmup` would shadow the function once imported.
 _OP_MODULES = {"qk_norm": "qk_norm", "rmsnorm": "rmsnorm", "moe_dispatch": "moe_dispatch",
                "moe_combine": "moe_combine", "gemm": "gemm", "gemm_leakyrelu": "gemm", "gate_up_rows": "gemm",
+               "quantize_fp8": "quantize", "quantize_weight_fp8": "quantize", "gemm_fp8": "gemm_fp8",
                "grouped_gemm": "grouped_gemm", "moe_experts": "moe_experts",
                "attention": "attention", "attention_decode": "attention", "attention_with_kvcache": "kvcache",
                "attention_varlen": "varlen", "append_kvcache": "append_kvcache"}

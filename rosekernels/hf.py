@@ -38,6 +38,16 @@ What apply() replaces (the model on one sm_90 GPU):
   with SwiGLU in its epilogue, the down grouped GEMM, combine; bf16 and fp16): no torch GEMM left.
 Left on torch: rotary embedding, embedding, the MoE router and lm_head.
 
+`apply(model, fp8="tensor" | "channel" | "block")` also runs the linear layers in FP8: the q/k/v/o projections
+and the dense MLP's (gate/up interleaved, then down) quantized once to e4m3 (rosekernels.quantize_weight_fp8:
+per tensor, per output channel or per 128 x 128 block; the bf16 weights are dropped, so state_dict() holds
+the e4m3 weights and their scales) and run on rosekernels.gemm_fp8. Their activations are quantized per token
+(per 1 x 128 group with block-scaled weights): by the input and post-attention norms in the same launch
+(rmsnorm's fp8 option) for the projections and the gate/up GEMM that follow them, by quantize_fp8 for o_proj
+and down_proj. A MoE model's experts stay in bf16. Such a model runs on the GPU only. The KV cache stays what
+the caller passes; `Fp8StaticCache` (a StaticCache in e4m3, quantized on the way in by append_kvcache) has
+decode steps read it with attention_with_kvcache's e4m3 path.
+
 A call rosekernels cannot serve runs the stock path instead and is counted in `stats()` as
 "fallback:<op>:<reason>": attention with a mask tensor other than a static cache's decode mask
 (padding; a static cache's prefill of more than 16 tokens; a mask built inside a compiled forward),
@@ -56,14 +66,17 @@ from torch import nn
 from torch.nn import functional as F
 
 import rosekernels
-from rosekernels.kernels import (attention_decode_plan, attention_plan, gemm_leakyrelu_plan, grouped_gemm_plan,
-                                 moe_combine_plan, moe_dispatch_plan, qk_norm_plan, rmsnorm_plan)
+from rosekernels import fp8 as fp8_math
+from rosekernels.kernels import (append_kvcache_plan, attention_decode_plan, attention_plan, gemm_fp8_plan,
+                                 gemm_leakyrelu_plan, grouped_gemm_plan, moe_combine_plan, moe_dispatch_plan,
+                                 qk_norm_plan, quantize_fp8_plan, rmsnorm_plan)
 from rosekernels.models import QWEN3_8B, QWEN3_30B_A3B, ModelDims
 
 try:
     import transformers
     from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config, Qwen3MoeConfig
     from transformers.activations import SiLUActivation
+    from transformers.cache_utils import StaticCache, StaticLayer
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
@@ -115,10 +128,15 @@ def _count(key: str) -> None:
 
 
 class _RMSNorm:
-    """forward(x) -> rosekernels.rmsnorm; forward(x, residual) -> (norm(x + residual), x + residual)."""
+    """forward(x) -> rosekernels.rmsnorm; forward(x, residual) -> (norm(x + residual), x + residual); with fp8
+    ("row" or "group": the activations of FP8 linear layers) the norm in e4m3 and its scales first."""
 
-    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None, fp8: str | None = None):
         w = self.weight
+        if fp8 is not None:  # an FP8 model runs on the GPU only: the kernel's checks say so otherwise
+            _count("rmsnorm+fp8" if residual is None else "rmsnorm+residual+fp8")
+            return rosekernels.rmsnorm(hidden_states, w, eps=self.variance_epsilon, residual=residual, fp8=True,
+                                       group_size=fp8_math.BLOCK if fp8 == "group" else None)
         if hidden_states.is_cuda and hidden_states.dtype in rmsnorm_plan.DTYPES and w.dtype in (
                 hidden_states.dtype, torch.float32):
             _count("rmsnorm" if residual is None else "rmsnorm+residual")
@@ -173,6 +191,36 @@ def _linear(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return rosekernels.gemm(x.reshape(-1, w.shape[1]), w, lin.bias).view(*x.shape[:-1], w.shape[0])
 
 
+class Fp8Linear(nn.Module):
+    """A linear layer (of nn.Linear's) whose weight is held in e4m3 with its scales (quantize_weight_fp8, once)
+    and run on rosekernels.gemm_fp8: forward(x) quantizes x per token (per 1 x 128 group for the block scheme)
+    first; forward(x, x_scale) takes an e4m3 x with its scales (a norm's fp8 output)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scheme: str, gated: bool = False):
+        super().__init__()
+        q, scale = rosekernels.quantize_weight_fp8(weight.detach(), scheme)
+        self.register_buffer("weight", q)
+        self.register_buffer("weight_scale", scale)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.scheme, self.gated, self.out_dtype = scheme, gated, weight.dtype
+        self.group = fp8_math.BLOCK if scheme == "block" else None  # the activations' scale blocks
+
+    def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None = None, activation: str | None = None):
+        k = self.weight.shape[1]
+        if x_scale is None:
+            x, x_scale = rosekernels.quantize_fp8(x, self.group)
+        _count("gemm_fp8")
+        out = rosekernels.gemm_fp8(x.reshape(-1, k), x_scale.reshape(x.numel() // k, -1) if self.group
+                                   else x_scale.reshape(-1), self.weight, self.weight_scale, self.bias,
+                                   activation=activation, gated=self.gated, out_dtype=self.out_dtype)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _project(lin: nn.Module, x: torch.Tensor, x_scale: torch.Tensor | None) -> torch.Tensor:
+    """lin(x): an Fp8Linear on e4m3 x with its scales (or x to quantize), else `_linear`."""
+    return lin(x, x_scale) if isinstance(lin, Fp8Linear) else _linear(lin, x)
+
+
 def _split_gate_up(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate and up weights in a gated GEMM's weight (rosekernels.gate_up_rows undone)."""
     pairs = w.unflatten(0, (-1, 2, gemm_leakyrelu_plan.GATE_BLOCK))
@@ -181,9 +229,13 @@ def _split_gate_up(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class _MLP:
     """The SwiGLU MLP on two GEMMs: silu(x @ gate^T) * (x @ up^T) in one gated GEMM over gate_up_weight
-    (see _patch_mlp), then the down projection."""
+    (see _patch_mlp), then the down projection; in FP8 (_quantize_mlp) on gemm_fp8, x maybe already in e4m3
+    with its scales (x_scale: the post-attention norm's fp8 output)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(self.down_proj, Fp8Linear):  # and gate_up_fp8 holds the interleaved gate/up rows
+            _count("mlp_fp8")
+            return self.down_proj(self.gate_up_fp8(x, x_scale, activation="silu"))
         w, down = self.gate_up_weight, self.down_proj.weight
         reason = _gemm_refusal(x, w) or _gemm_refusal(x, down)
         if reason is not None:
@@ -198,7 +250,10 @@ class _MLP:
 def _mlp_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
     """state_dict() of a patched MLP as the stock one writes it: gate_proj.weight, up_proj.weight,
     down_proj.weight. The gate and up rows are not views of the interleaved weight: they are copies, in
-    host memory (a whole model's worth on the GPU at once could run it out of memory)."""
+    host memory (a whole model's worth on the GPU at once could run it out of memory). An FP8 MLP's
+    e4m3 weights stay as they are."""
+    if prefix + "gate_up_weight" not in state_dict:
+        return
     gate, up = _split_gate_up(state_dict.pop(prefix + "gate_up_weight").detach().cpu())
     down = state_dict.pop(prefix + "down_proj.weight")
     state_dict.update({prefix + "gate_proj.weight": gate, prefix + "up_proj.weight": up,
@@ -218,11 +273,12 @@ class _Attention:
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple, attention_mask: torch.Tensor | None,
                 past_key_values: Any = None, **kwargs: Any) -> tuple:
+        x_scale = kwargs.pop("fp8_scales", None)  # FP8 projections: hidden_states in e4m3 with these scales
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        query_states, key_states = _normed_qk(self, _linear(self.q_proj, hidden_states),
-                                              _linear(self.k_proj, hidden_states), hidden_shape)
-        value_states = _linear(self.v_proj, hidden_states).view(hidden_shape).transpose(1, 2)
+        query_states, key_states = _normed_qk(self, _project(self.q_proj, hidden_states, x_scale),
+                                              _project(self.k_proj, hidden_states, x_scale), hidden_shape)
+        value_states = _project(self.v_proj, hidden_states, x_scale).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         query_states, key_states = self._rope(query_states, key_states, cos, sin)
         if past_key_values is not None:
@@ -233,20 +289,30 @@ class _Attention:
             dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
             sliding_window=self.sliding_window, **kwargs)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        return _linear(self.o_proj, attn_output), attn_weights
+        return _project(self.o_proj, attn_output, None), attn_weights
 
 
 class _DecoderLayer:
-    """The stock decoder layer with the residual add after attention fused into post_attention_layernorm."""
+    """The stock decoder layer with the residual add after attention fused into post_attention_layernorm; in
+    an FP8 layer the norms before FP8 projections or an FP8 MLP quantize their output in the same launch."""
+
+    # The activations of the FP8 attention projections and MLP: "row", "group" (fp8 scale blocks) or None.
+    fp8_attention = fp8_mlp = None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, past_key_values: Any = None, use_cache: bool | None = False,
                 position_embeddings: tuple | None = None, **kwargs: Any) -> torch.Tensor:
         residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
+        if self.fp8_attention is not None:
+            hidden_states, kwargs["fp8_scales"] = self.input_layernorm(hidden_states, fp8=self.fp8_attention)
+        else:
+            hidden_states = self.input_layernorm(hidden_states)
         hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,
                                           position_ids=position_ids, past_key_values=past_key_values,
                                           use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+        if self.fp8_mlp is not None:
+            x, x_scale, residual = self.post_attention_layernorm(hidden_states, residual=residual, fp8=self.fp8_mlp)
+            return residual + self.mlp(x, x_scale)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual=residual)
         return residual + self.mlp(hidden_states)
 
@@ -308,15 +374,16 @@ def _strides_ok(t: torch.Tensor) -> bool:
     return True
 
 
-def _attention_refusal(query, key, value, attention_mask, dropout, kwargs) -> str | None:
-    """Why rosekernels.attention cannot serve this call (None: it can)."""
+def _attention_refusal(query, key, value, attention_mask, dropout, kwargs, kv_dtype=None) -> str | None:
+    """Why rosekernels.attention cannot serve this call (None: it can); kv_dtype: the keys' and values' dtype
+    when not the query's (an Fp8StaticCache's e4m3)."""
     if attention_mask is not None:
         return "mask"
     if dropout:
         return "dropout"
     if kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None:
         return "bias"
-    if query.dtype not in (torch.bfloat16, torch.float16) or key.dtype != query.dtype or value.dtype != query.dtype:
+    if query.dtype not in (torch.bfloat16, torch.float16) or {key.dtype, value.dtype} != {kv_dtype or query.dtype}:
         return "dtype"
     if query.shape[-1] not in attention_plan.HEAD_DIMS or value.shape[-1] != query.shape[-1]:
         return "head_dim"
@@ -365,16 +432,23 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     is computed the same way: causal (top-left) when S_q > 1, over the first S_q keys when a static
     cache hands more (its prefill), and over all keys when S_q == 1. With a mask that `prefix_mask`
     marked (a static cache's decode step: S_q <= 16 tokens after each sequence's earlier keys), the
-    KV-cache decode kernel reads each sequence's key count from the device: no sync, capturable."""
+    KV-cache decode kernel reads each sequence's key count from the device: no sync, capturable. An
+    Fp8StaticCache's e4m3 keys and values go to that kernel with their descales on such a step, and are
+    dequantized for any other call."""
     counts = getattr(attention_mask, "_rosekernels_key_counts", None)
-    if counts is not None and query.shape[2] <= attention_decode_plan.MAX_SEQLEN_Q:
-        reason = _attention_refusal(query, key, value, None, dropout, kwargs)
+    descales = getattr(key, "_rosekernels_descales", None)  # (k_descale, v_descale) of an Fp8StaticCache
+    marked = counts is not None and query.shape[2] <= attention_decode_plan.MAX_SEQLEN_Q
+    if marked:
+        reason = _attention_refusal(query, key, value, None, dropout, kwargs, key.dtype if descales else None)
         if reason is None:
-            _count("attention_decode")
+            _count("attention_decode" if descales is None else "attention_decode_fp8")
+            scales = {} if descales is None else {"k_descale": descales[0], "v_descale": descales[1]}
             out = rosekernels.attention_with_kvcache(query.transpose(1, 2), key.transpose(1, 2),
-                                                     value.transpose(1, 2), counts, softmax_scale=scaling)
+                                                     value.transpose(1, 2), counts, softmax_scale=scaling, **scales)
             return out, None
-    else:
+    if descales is not None:  # any other call reads the e4m3 cache dequantized
+        key, value = (t.to(query.dtype) * d.to(query.dtype) for t, d in zip((key, value), descales))
+    if not marked:
         reason = _attention_refusal(query, key, value, attention_mask, dropout, kwargs)
     if reason is not None:
         _count(f"fallback:attention:{reason}")
@@ -388,6 +462,53 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     out = rosekernels.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=causal,
                                 softmax_scale=scaling)
     return out, None
+
+
+class Fp8StaticLayer(StaticLayer):
+    """A StaticLayer holding its keys and values in e4m3 (see Fp8StaticCache)."""
+
+    def __init__(self, max_cache_len: int, k_descale: float, v_descale: float):
+        super().__init__(max_cache_len)
+        self.descale_values = (float(k_descale), float(v_descale))
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = fp8_math.E4M3, key_states.device
+        self.batch_size, self.num_heads = key_states.shape[:2]
+        rows = (self.batch_size, self.num_heads, self.max_cache_len)
+        self.keys = torch.zeros(*rows, key_states.shape[-1], dtype=self.dtype, device=self.device)
+        self.values = torch.zeros(*rows, value_states.shape[-1], dtype=self.dtype, device=self.device)
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        self.descales = tuple(torch.full((1,), d, device=self.device) for d in self.descale_values)
+        self.keys._rosekernels_descales = self.descales  # what attention_forward reads them with
+        if not torch.compiler.is_compiling():  # fixed addresses, as StaticLayer's: CUDA graphs
+            for t in (self.keys, self.values, self.cumulative_length):
+                torch._dynamo.mark_static_address(t)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.cumulative_length.to(torch.int32).expand(self.batch_size)  # each sequence's next row
+        rosekernels.append_kvcache(self.keys.transpose(1, 2), self.values.transpose(1, 2), key_states.transpose(1, 2),
+                                   value_states.transpose(1, 2), start, None, *self.descales)
+        self.cumulative_length.add_(key_states.shape[-2])
+        return self.keys, self.values
+
+
+class Fp8StaticCache(StaticCache):
+    """transformers' StaticCache with the keys and values in e4m3: half the bytes a decode step's attention
+    reads. The cache holds e4m3(k / k_descale) and e4m3(v / v_descale) (one value each, saturating at 448):
+    1.0 suits normalized keys (Qwen3's q/k norms) and values of order one; calibrate them otherwise. New keys
+    and values are quantized on the way in (rosekernels.append_kvcache); on a patched model (apply) a decode
+    step attends to the e4m3 cache (attention_with_kvcache), other calls to it dequantized. For models whose
+    every layer is full attention; rosekernels.hf.warmup(model, fp8_kv_cache=True) compiles its kernels."""
+
+    def __init__(self, config: Any, max_cache_len: int, k_descale: float = 1.0, v_descale: float = 1.0,
+                 **kwargs: Any):
+        super().__init__(config=config, max_cache_len=max_cache_len, **kwargs)
+        if any(type(layer) is not StaticLayer for layer in self.layers):
+            raise ValueError("Fp8StaticCache holds full-attention layers only; this config has other kinds")
+        self.layers = [Fp8StaticLayer(max_cache_len, k_descale, v_descale) for _ in self.layers]
 
 
 _grouped_mm = getattr(torch, "_grouped_mm", None)
@@ -536,16 +657,25 @@ LEFT_ON_TORCH = ("rotary embedding", "embedding, the MoE router and lm_head")
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What apply() replaces: for each kind of SWAPS, the names of the modules (as model.named_modules()),
-    and the path the experts take (a key of EXPERTS_WHAT)."""
+    the path the experts take (a key of EXPERTS_WHAT), and with an FP8 scheme (fp8) the decoder layers whose
+    attention projections (fp8_attention) and MLP (fp8_mlp) run on gemm_fp8."""
 
     model_type: str
     swaps: dict[str, tuple[str, ...]]
     experts: str = EXPERTS_PATH
+    fp8: str | None = None
+    fp8_attention: tuple[str, ...] = ()
+    fp8_mlp: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         lines = [f"rosekernels.hf plan for a {self.model_type} model:"]
         lines += [f"  {len(self.swaps[s.kind]):4d} x {EXPERTS_WHAT[self.experts] if s.kind == 'experts' else s.what}"
                   for s in SWAPS]
+        if self.fp8 is not None:
+            lines += [f"  {len(self.fp8_attention):4d} x q/k/v/o projections -> e4m3 weights ({self.fp8}), "
+                      "rosekernels.gemm_fp8, activations quantized in the input norm and by quantize_fp8",
+                      f"  {len(self.fp8_mlp):4d} x dense MLP -> e4m3 weights ({self.fp8}), gated and down "
+                      "rosekernels.gemm_fp8, activations quantized in the post-attention norm and by quantize_fp8"]
         lines += [f"  left on torch: {what}" for what in LEFT_ON_TORCH]
         return "\n".join(lines)
 
@@ -565,12 +695,48 @@ def _experts_path(model: nn.Module, experts: str | None) -> str:
     return path
 
 
-def plan(model: nn.Module, experts: str | None = None) -> Plan:
+def _fp8_takes(sizes: list[tuple[int, int, bool]], dtype: torch.dtype, scheme: str) -> bool:
+    """Whether gemm_fp8 takes every [N, K] weight of `sizes` ((N, K, gated)) of `dtype` with `scheme`'s
+    scales, and quantize_fp8 (and the norms) their activations."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False
+    scales, group = gemm_fp8_plan.scales_of(scheme), fp8_math.BLOCK if scheme == "block" else 0
+    for n, k, gated in sizes:
+        try:
+            gemm_fp8_plan.check_sizes(n, k, gated, scales)
+            quantize_fp8_plan.check_hidden(k, "bf16", group)
+        except ValueError:
+            return False
+    return True
+
+
+def _fp8_layers(model: nn.Module, swaps: dict[str, tuple[str, ...]], scheme: str) -> tuple[tuple, tuple]:
+    """(layers whose attention projections run in FP8, layers whose MLP does): decoder layers apply() patches
+    whose attention (plain projections) and dense MLP it patches too, where the FP8 kernels take the sizes."""
+    modules = dict(model.named_modules())
+    attention, mlp = [], []
+    for name in swaps["decoder_layer"]:
+        attn, ffn = modules[name].self_attn, modules[name].mlp
+        projections = [getattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        if f"{name}.self_attn" in swaps["attention"] and all(map(_plain_linear, projections)) and _fp8_takes(
+                [(*p.weight.shape, False) for p in projections], projections[0].weight.dtype, scheme):
+            attention.append(name)
+        if f"{name}.mlp" in swaps["mlp"]:
+            (inter, hidden), down = ffn.gate_proj.weight.shape, ffn.down_proj.weight
+            if _fp8_takes([(2 * inter, hidden, True), (*down.shape, False)], down.dtype, scheme):
+                mlp.append(name)
+    return tuple(attention), tuple(mlp)
+
+
+def plan(model: nn.Module, experts: str | None = None, fp8: str | None = None) -> Plan:
     """The modules apply() would replace in `model` (any device, meta included), its experts on path
-    `experts` (None: the path apply() installed, else EXPERTS_PATH); modules already replaced are not
-    listed again. Raises ValueError for a model that is not Qwen3 / Qwen3-MoE, an unknown path, or a
-    path other than the one its experts already run on."""
+    `experts` (None: the path apply() installed, else EXPERTS_PATH), with `fp8` (a scheme of
+    rosekernels.fp8.WEIGHT_SCHEMES, or None) the layers whose linear layers run on gemm_fp8; modules already
+    replaced are not listed again. Raises ValueError for a model that is not Qwen3 / Qwen3-MoE, an unknown
+    path or scheme, or a path other than the one its experts already run on."""
     experts = _experts_path(model, experts)
+    if fp8 is not None and fp8 not in fp8_math.WEIGHT_SCHEMES:
+        raise ValueError(f"fp8 must be None or one of {sorted(fp8_math.WEIGHT_SCHEMES)}, got {fp8!r}")
     if not transformers.__version__.startswith(TRANSFORMERS):
         raise ValueError(f"rosekernels.hf follows transformers {TRANSFORMERS}x's Qwen3 code; this is transformers "
                          f"{transformers.__version__} (pip install 'rosekernels[hf]')")
@@ -579,7 +745,9 @@ def plan(model: nn.Module, experts: str | None = None) -> Plan:
         raise ValueError(f"rosekernels.hf serves Qwen3 and Qwen3-MoE models (model_type {' or '.join(MODEL_TYPES)}); "
                          f"got {model_type!r}")
     modules = list(model.named_modules())
-    return Plan(model_type, {s.kind: tuple(n for n, m in modules if s.matches(m)) for s in SWAPS}, experts)
+    swaps = {s.kind: tuple(n for n, m in modules if s.matches(m)) for s in SWAPS}
+    fp8_attention, fp8_mlp = _fp8_layers(model, swaps, fp8) if fp8 is not None else ((), ())
+    return Plan(model_type, swaps, experts, fp8, fp8_attention, fp8_mlp)
 
 
 def _require_gpu(model: nn.Module) -> None:
@@ -602,50 +770,71 @@ def _swap(model: nn.Module, p: Plan) -> None:
             swap.patch(modules[name])
     for name in p.swaps["experts"]:
         modules[name]._rosekernels_path = p.experts
+    activations = "group" if p.fp8 == "block" else "row"
+    for name in p.fp8_attention:  # each weight quantized once, the bf16 one dropped
+        layer, attn = modules[name], modules[name].self_attn
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            lin = getattr(attn, proj)
+            setattr(attn, proj, Fp8Linear(lin.weight, lin.bias, p.fp8))
+        layer.fp8_attention = activations
+    for name in p.fp8_mlp:
+        layer, mlp = modules[name], modules[name].mlp
+        mlp.gate_up_fp8 = Fp8Linear(mlp.gate_up_weight, None, p.fp8, gated=True)
+        del mlp.gate_up_weight
+        mlp.down_proj = Fp8Linear(mlp.down_proj.weight, mlp.down_proj.bias, p.fp8)
+        layer.fp8_mlp = activations
     model.set_attn_implementation(IMPLEMENTATION)
     if p.swaps["experts"]:
         model.set_experts_implementation(IMPLEMENTATION)
 
 
-def apply(model: nn.Module, experts: str | None = None) -> nn.Module:
+def apply(model: nn.Module, experts: str | None = None, fp8: str | None = None) -> nn.Module:
     """Run `model` (a transformers Qwen3 or Qwen3-MoE model on an sm_90 GPU) on rosekernels: see the
     module docstring; `experts`: the MoE experts' path, "grouped_mm" or "moe_experts" (None:
-    EXPERTS_PATH, or the path an earlier apply() installed; another than that one is refused). Patches
-    in place and returns the model; applying twice changes nothing more."""
+    EXPERTS_PATH, or the path an earlier apply() installed; another than that one is refused); `fp8`: None
+    (bf16 linear layers) or the weight scheme of FP8 ones, "tensor", "channel" or "block"
+    (rosekernels.quantize_weight_fp8), the weights quantized once here. Patches in place and returns the
+    model; applying twice changes nothing more."""
     _require_gpu(model)
-    p = plan(model, experts)
+    p = plan(model, experts, fp8)
     # Load the ops now (rosekernels imports them on first use), so that the patched forwards find
     # plain module attributes, which torch.compile traces without a module __getattr__.
     for op in ("rmsnorm", "qk_norm", "attention", "gemm", "gate_up_rows", "moe_dispatch", "moe_combine",
-               "moe_experts"):
+               "moe_experts", "gemm_fp8", "quantize_fp8", "quantize_weight_fp8", "append_kvcache",
+               "attention_with_kvcache"):
         getattr(rosekernels, op)
     _swap(model, p)
     return model
 
 
-def warmup_specs(model: nn.Module, experts: str | None = None) -> list:
+def warmup_specs(model: nn.Module, experts: str | None = None, fp8: str | None = None,
+                 fp8_kv_cache: bool = False) -> list:
     """The kernel configs the patched model launches (its dims, dtype and norm eps, both modes; the MoE
-    experts on path `experts`, None: the path apply() installed, else EXPERTS_PATH), for
-    rosekernels.warmup: compiled or loaded up front instead of on the first calls."""
+    experts on path `experts`, None: the path apply() installed, else EXPERTS_PATH; its linear layers in FP8
+    with weight scheme `fp8`; with an Fp8StaticCache, fp8_kv_cache), for rosekernels.warmup: compiled or
+    loaded up front instead of on the first calls."""
     config = model.config
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[next(model.parameters()).dtype]
-    dims = dataclasses.replace(ModelDims.from_config(config), dtype=dtype)
+    dims = dataclasses.replace(ModelDims.from_config(config), dtype=dtype, fp8=fp8 or "none", fp8_kv=fp8_kv_cache)
     plans = [rmsnorm_plan, qk_norm_plan, attention_plan, attention_decode_plan, gemm_leakyrelu_plan, moe_dispatch_plan,
-             moe_combine_plan]
+             moe_combine_plan, gemm_fp8_plan, quantize_fp8_plan]
     if _experts_path(model, experts) == "moe_experts":
         plans.append(grouped_gemm_plan)
     configs = [c for m in plans for c in m.variants_for([dims])]
     configs += attention_decode_plan.kvcache_variants_for([dims])  # a static cache's decode steps
+    if fp8_kv_cache:  # an Fp8StaticCache's appends
+        configs += [c for c in append_kvcache_plan.variants_for([dims]) if c.fp8]
     # Norm and router weights are in the model's dtype; the norms are specialised on eps.
     configs = [c for c in configs if getattr(c, "weight_dtype", dtype) == dtype]
     return [dataclasses.replace(c, eps=float(config.rms_norm_eps)) if hasattr(c, "eps") else c for c in configs]
 
 
-def warmup(model: nn.Module, experts: str | None = None, **kwargs: Any) -> Any:
-    """rosekernels.warmup(warmup_specs(model, experts), **kwargs): exactly the kernels the patched model
-    launches (rosekernels.warmup(model=config) compiles the same and the grouped GEMMs, with the norms at
-    the default eps)."""
-    return rosekernels.warmup(warmup_specs(model, experts), **kwargs)
+def warmup(model: nn.Module, experts: str | None = None, fp8: str | None = None, fp8_kv_cache: bool = False,
+           **kwargs: Any) -> Any:
+    """rosekernels.warmup(warmup_specs(model, experts, fp8, fp8_kv_cache), **kwargs): exactly the kernels the
+    patched model launches (rosekernels.warmup(model=config) compiles the same and the grouped GEMMs, with the
+    norms at the default eps)."""
+    return rosekernels.warmup(warmup_specs(model, experts, fp8, fp8_kv_cache), **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------

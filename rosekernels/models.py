@@ -30,6 +30,10 @@ class ModelDims:
     moe_intermediate: int = 0
     dtype: str = "bf16"
     qk_norm: bool = True  # per-head RMSNorm of q and k; from_config sets it from the model family
+    # The FP8 weight scheme its linear layers run in ("none", or rosekernels.fp8.WEIGHT_SCHEMES' "tensor",
+    # "channel", "block"): set by rosekernels.hf.apply(fp8=...) for its warm-up, never read from a config.
+    fp8: str = "none"
+    fp8_kv: bool = False  # an e4m3 KV cache (rosekernels.hf.apply(fp8_kv_cache=True)), likewise never from a config
 
     @classmethod
     def from_config(cls, config: Any) -> "ModelDims":

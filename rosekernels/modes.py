@@ -37,6 +37,7 @@ class Mode:
 PREFILL_TABLE: dict[str, tuple[tuple[int, int, int, str], ...]] = {
     "qk_norm": ((2560, 8, 2, "none"), (20480, 16, 4, "evict_first"), (1 << 62, 8, 1, "evict_first")),
     "rmsnorm": ((1 << 62, 8, 1, "none"),),
+    "quantize_fp8": ((1 << 62, 8, 1, "none"),),  # rmsnorm's row: the same row geometry, not swept
 }
 
 

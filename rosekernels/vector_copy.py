@@ -17,17 +17,18 @@ def vec_load(src: cute.Tensor, hint: str = "none") -> cute.Tensor:
     """Registers holding the 1-D gmem slice `src`, read with 128-bit loads."""
     dst = cute.make_rmem_tensor(src.shape, src.element_type)
     op = cute.nvgpu.CopyUniversalOp() if hint == "none" else cute.nvgpu.CopyG2ROp()
-    _copy128(op, {} if hint == "none" else _HINTS[hint][0], src, dst)
+    _copy(op, {} if hint == "none" else _HINTS[hint][0], src, dst)
     return dst
 
 
-def vec_store(src: cute.Tensor, dst: cute.Tensor, hint: str = "none") -> None:
-    """Write registers `src` to the 1-D gmem slice `dst` with 128-bit stores."""
+def vec_store(src: cute.Tensor, dst: cute.Tensor, hint: str = "none", bits: int = 128) -> None:
+    """Write registers `src` to the 1-D gmem slice `dst` with `bits`-bit stores (narrower for e4m3 rows
+    quantized from 16-byte input vectors)."""
     op = cute.nvgpu.CopyUniversalOp() if hint == "none" else cute.nvgpu.CopyR2GOp()
-    _copy128(op, {} if hint == "none" else _HINTS[hint][1], src, dst)
+    _copy(op, {} if hint == "none" else _HINTS[hint][1], src, dst, bits)
 
 
-def _copy128(op, attrs: dict, src: cute.Tensor, dst: cute.Tensor) -> None:
-    per_access = 128 // src.element_type.width
-    atom = cute.make_copy_atom(op, src.element_type, num_bits_per_copy=128, **attrs)
+def _copy(op, attrs: dict, src: cute.Tensor, dst: cute.Tensor, bits: int = 128) -> None:
+    per_access = bits // src.element_type.width
+    atom = cute.make_copy_atom(op, src.element_type, num_bits_per_copy=bits, **attrs)
     cute.copy(atom, cute.zipped_divide(src, (per_access,)), cute.zipped_divide(dst, (per_access,)))

@@ -280,6 +280,47 @@ def _gemm(shape: Any) -> Case:
     return Case(op, make_set, call, outputs=1, peers={f"cublas+{shape.activation}": cublas})
 
 
+def _gemm_fp8(shape: Any) -> Case:
+    """e4m3 a and w quantized as the shape's scales say (rowcol: per token and per channel; block: 1 x 128
+    and 128 x 128); the peer: torch._scaled_mm (cuBLASLt FP8, rowwise scales) and the epilogue in torch."""
+    import torch
+    import torch.nn.functional as F
+
+    import rosekernels
+    from rosekernels.kernels.gemm_fp8 import random_operands
+
+    m, n, k, out_dt = shape.m, shape.n, shape.k, _dtype(shape.dtype)
+    activation = None if shape.activation == "none" else shape.activation
+
+    def make_set(seed: int, device: str) -> tuple:
+        g = _gen(seed, device)
+        a, a_scale, w, w_scale = random_operands(m, n, k, shape.scales, g, device)
+        bias = None if shape.bias == "none" else torch.randn(n, generator=g, device=device).to(_dtype(shape.bias))
+        return a, a_scale, w, w_scale, bias, torch.empty(m, n // 2 if shape.gated else n, dtype=out_dt, device=device)
+
+    def call(s: tuple) -> None:
+        rosekernels.gemm_fp8(*s[:5], activation=activation, gated=shape.gated, negative_slope=shape.slope, out=s[5],
+                             enable_pdl=shape.pdl)
+
+    act = {"none": lambda y: y, "relu": F.relu, "leaky_relu": lambda y: F.leaky_relu(y, shape.slope), "silu": F.silu,
+           "gelu_tanh": lambda y: F.gelu(y, approximate="tanh")}[shape.activation]
+
+    def scaled_mm() -> Callable[[tuple], Any]:
+        if shape.scales != "rowcol" or not hasattr(torch, "_scaled_mm"):
+            raise ImportError("torch._scaled_mm takes per-tensor and rowwise scales here")
+
+        def run(s: tuple) -> Any:
+            y = torch._scaled_mm(s[0], s[2].t(), s[1].view(m, 1), s[3].view(1, n), out_dtype=out_dt)
+            y = y + s[4] if s[4] is not None else y
+            if not shape.gated:
+                return act(y)
+            blocks = y.view(m, n // 16, 2, 8)  # gate and up rows interleaved in blocks of 8 (rosekernels.gemm)
+            return (act(blocks[:, :, 0]) * blocks[:, :, 1]).reshape(m, n // 2)
+        return run
+
+    return Case("rosekernels.gemm_fp8", make_set, call, outputs=1, peers={"torch._scaled_mm": scaled_mm})
+
+
 def _attention_inputs(batch: int, s_q: int, s_kv: int, hq: int, hkv: int, d: int, dt: Any) -> Callable:
     import torch
 
@@ -411,23 +452,55 @@ def _rmsnorm(shape: Any) -> Case:
     import rosekernels
 
     dt, wdt = _dtype(shape.dtype), _dtype(shape.weight_dtype or shape.dtype)
+    fp8 = shape.fp8 != "none"  # the output in e4m3, with its scales
+    group = 128 if shape.fp8 == "group" else None
 
     def make_set(seed: int, device: str) -> tuple:
         g = _gen(seed, device)
         x = torch.randn(shape.rows, shape.hidden, generator=g, device=device).to(dt)
         w = torch.randn(shape.hidden, generator=g, device=device).mul_(0.2).add_(1).to(wdt)
         r = torch.randn(shape.rows, shape.hidden, generator=g, device=device).to(dt) if shape.residual else None
-        return x, w, r, torch.empty_like(x), torch.empty_like(x) if shape.residual else None
+        out = torch.empty(x.shape, dtype=torch.float8_e4m3fn if fp8 else dt, device=device)
+        scales = None
+        if fp8:
+            scales = torch.empty((shape.rows, shape.hidden // group) if group else (shape.rows,), device=device)
+        return x, w, r, out, torch.empty_like(x) if shape.residual else None, scales
 
     def call(s: tuple) -> None:
-        rosekernels.rmsnorm(s[0], s[1], shape.eps, residual=s[2], out=s[3], residual_out=s[4], enable_pdl=shape.pdl)
+        rosekernels.rmsnorm(s[0], s[1], shape.eps, residual=s[2], out=s[3], residual_out=s[4], enable_pdl=shape.pdl,
+                            fp8=fp8, group_size=group, scales=s[5])
 
     def quack() -> Callable[[tuple], Any]:
         from quack.rmsnorm import rmsnorm_fwd
 
         return lambda s: rmsnorm_fwd(s[0], s[1], residual=s[2], eps=shape.eps)
 
-    return Case("rosekernels.rmsnorm", make_set, call, outputs=2, peers={"quack": quack})
+    return Case("rosekernels.rmsnorm", make_set, call, outputs=3, peers={} if fp8 else {"quack": quack})
+
+
+def _quantize_fp8(shape: Any) -> Case:
+    """Rows of bf16/fp16/fp32 to e4m3 with their scales; the peer: the same quantization in torch."""
+    import torch
+
+    import rosekernels
+
+    group = shape.group or None
+
+    def make_set(seed: int, device: str) -> tuple:
+        x = torch.randn(shape.rows, shape.hidden, generator=_gen(seed, device), device=device).to(_dtype(shape.dtype))
+        scales = (shape.rows, shape.hidden // shape.group) if shape.group else (shape.rows,)
+        return (x, torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=device),
+                torch.empty(scales, dtype=torch.float32, device=device))
+
+    def call(s: tuple) -> None:
+        rosekernels.quantize_fp8(s[0], group, out=s[1], scales=s[2], enable_pdl=shape.pdl)
+
+    def torch_peer() -> Callable[[tuple], Any]:
+        from rosekernels.fp8 import quantize
+
+        return lambda s: quantize(s[0], 1, group)
+
+    return Case("rosekernels.quantize_fp8", make_set, call, outputs=2, peers={"torch": torch_peer})
 
 
 def _moe_dispatch(shape: Any) -> Case:
@@ -522,13 +595,15 @@ def _append_kvcache(shape: Any) -> Case:
         g = _gen(seed, device)
         dt, b, heads, d = _dtype(shape.dtype), shape.batch, shape.kv_heads, shape.head_dim
         cache = (b * blocks, block, heads, d) if shape.paged else (b, blocks * block, heads, d)
-        k_cache, v_cache = (torch.randn(*cache, generator=g, device=device).to(dt) for _ in "kv")
+        cache_dt = torch.float8_e4m3fn if shape.fp8 else dt  # an e4m3 cache: k and v quantized on the way in
+        k_cache, v_cache = (torch.randn(*cache, generator=g, device=device).to(cache_dt) for _ in "kv")
         k, v = (torch.randn(b, shape.new_tokens, heads, d, generator=g, device=device).to(dt) for _ in "kv")
         lengths = torch.randint(0, blocks * block - shape.new_tokens + 1, (b,), generator=g, device=device,
                                 dtype=torch.int32)
         table = (torch.randperm(b * blocks, generator=g, device=device).view(b, blocks).to(torch.int32)
                  if shape.paged else None)
-        return k_cache, v_cache, k, v, lengths, table
+        descales = tuple(torch.rand(heads, generator=g, device=device) + 0.5 for _ in "kv") if shape.fp8 else ()
+        return (k_cache, v_cache, k, v, lengths, table, *descales)
 
     return Case("rosekernels.append_kvcache", make_set, lambda s: rosekernels.append_kvcache(*s))
 
@@ -536,7 +611,8 @@ def _append_kvcache(shape: Any) -> Case:
 CASES: dict[str, Callable[[Any], Case]] = {
     "gemm_leakyrelu": _gemm, "attention": _attention, "attention_decode": _attention_decode, "qk_norm": _qk_norm,
     "rmsnorm": _rmsnorm, "moe_dispatch": _moe_dispatch, "moe_combine": _moe_combine,
-    "append_kvcache": _append_kvcache, "attention_varlen": _attention_varlen, "grouped_gemm": _grouped_gemm}
+    "append_kvcache": _append_kvcache, "attention_varlen": _attention_varlen, "grouped_gemm": _grouped_gemm,
+    "quantize_fp8": _quantize_fp8, "gemm_fp8": _gemm_fp8}
 
 
 def ring_sets(set_bytes: int, l2_bytes: int) -> int:

@@ -147,9 +147,26 @@ def moe_experts_data(rng):
     return {"env": {"gpu": "test GPU"}, "copy_gbps": 4200.0, "rows": rows}
 
 
+def fp8_data(rng):
+    """Decode rows over M and weight shapes (a peer missing on some), prefill rows, KV rows (bench/fp8.py)."""
+    methods = ("rosekernels fp8 channel", "rosekernels fp8 block", "torch._scaled_mm rowwise", "rosekernels bf16")
+    decode, prefill = [], []
+    for n, k in ((4096, 4096), (rng.choice([1024, 12288]), 4096)):
+        for m in (1, rng.randint(2, 64), 128):
+            times = {name: rng.uniform(5, 40) for name in methods if rng.random() < 0.85 or "rosekernels" in name}
+            decode.append({"m": m, "n": n, "k": k, "times_us": times,
+                           "summary": {"pct_copy": {name: rng.uniform(40, 95) for name in times}}})
+        times = {name: rng.uniform(200, 900) for name in methods}
+        prefill.append({"m": 4096, "n": n, "k": k, "times_us": times,
+                        "tflops": {name: 2 * 4096 * n * k / t / 1e6 for name, t in times.items()}})
+    kv = [{"context": c, "times_us": {"bf16 cache": rng.uniform(40, 80), "e4m3 cache": rng.uniform(25, 50)}}
+          for c in (8192, 16384, 32768)]
+    return {"env": {"gpu": "test GPU"}, "decode": decode, "prefill": prefill, "kv": kv}
+
+
 SYNTHETIC = {"qk_norm": qk_norm_data, "rmsnorm": rmsnorm_data, "moe": moe_data, "gemm_leakyrelu": gemm_data,
              "attention": attention_data, "autotune": autotune_data, "sip_tuning": sip_tuning_data, "e2e": e2e_data,
-             "moe_experts": moe_experts_data}
+             "moe_experts": moe_experts_data, "fp8": fp8_data}
 
 
 def assert_real_chart(path: Path):

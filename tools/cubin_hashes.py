@@ -5,7 +5,7 @@ from an earlier run's (a refactoring that must not change any kernel shows none)
     python tools/cubin_hashes.py -o hashes.json [--kernels qk_norm,rmsnorm] [--compare before.json] [-j 2]
     python tools/cubin_hashes.py -o keys.json --keys-only [--extras]        # every key, nothing compiled
     python tools/cubin_hashes.py -o sample.json --only REGEX [--extras]     # the keys REGEX finds in
-    python tools/cubin_hashes.py -o sample.json --sample tools/cubin_sample.txt --extras    # 52, every family
+    python tools/cubin_hashes.py -o sample.json --sample tools/cubin_sample.txt --extras    # 60, every family
 
 --extras adds the kernels warm-up does not list by default: the KV-cache variants of the split-KV kernel
 (contiguous and 16-row pages), the varlen prefill variants and the MoE peer kernels. --keys-only writes

@@ -8,6 +8,10 @@ block_table [B, max_blocks] int32), or row p of sequence b (contiguous: [B, S_ma
 such as transformers' transposed static cache included). cache_seqlens is not advanced: the caller adds
 S_new once the step's attention has run (attention_with_kvcache takes the lengths with the new tokens).
 
+An e4m3 cache (`fp8` configs) takes new tokens of any float dtype, each element stored as
+e4m3(x / descale) (saturating) with the descale of its KV head: k_descale and v_descale [Hkv] fp32 (one
+value for all heads: a stride-0 view), what attention_with_kvcache multiplies the cache by.
+
 A token whose position falls outside the cache (negative, past S_max or past the table) or whose block id
 is outside [0, num_blocks) is not written: nothing outside the cache (nor outside the table) is ever
 touched, whatever the lengths and the table hold. Two tokens that the tables send to the same row (two
@@ -29,7 +33,7 @@ from typing import Callable
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Int32
+from cutlass import Float32, Int32
 
 from rosekernels import checks, jit
 from rosekernels.kernels.append_kvcache_plan import (  # noqa: F401  (the plan's names are the kernel's: the contract)
@@ -49,15 +53,15 @@ class AppendKernel:
 
     @cute.jit
     def __call__(self, mKC: cute.Tensor, mVC: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mLens: cute.Tensor,
-                 mTable: cute.Tensor, stream):
+                 mTable: cute.Tensor, stream, mKDescale=None, mVDescale=None):
         c = self.cfg
         vectors = mK.shape[0] * mK.shape[1] * mK.shape[2] * (c.head_dim // c.vec)
-        self.kernel(mKC, mVC, mK, mV, mLens, mTable).launch(
+        self.kernel(mKC, mVC, mK, mV, mLens, mTable, mKDescale, mVDescale).launch(
             grid=[cute.ceil_div(vectors, c.threads), 1, 1], block=[c.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mKC: cute.Tensor, mVC: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mLens: cute.Tensor,
-               mTable: cute.Tensor):
+               mTable: cute.Tensor, mKDescale, mVDescale):
         c = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -89,8 +93,19 @@ class AppendKernel:
             if inside:
                 k = vec_load(cute.zipped_divide(mK[b, s, h, None], (c.vec,))[None, v])
                 vv = vec_load(cute.zipped_divide(mV[b, s, h, None], (c.vec,))[None, v])
-                vec_store(k, cute.zipped_divide(mKC[first, second, h, None], (c.vec,))[None, v])
-                vec_store(vv, cute.zipped_divide(mVC[first, second, h, None], (c.vec,))[None, v])
+                if cutlass.const_expr(c.fp8):  # a vector of vec e4m3 elements
+                    k, vv = _e4m3(k, mKDescale[h]), _e4m3(vv, mVDescale[h])
+                bits = 8 * c.vec if cutlass.const_expr(c.fp8) else 128
+                vec_store(k, cute.zipped_divide(mKC[first, second, h, None], (c.vec,))[None, v], bits=bits)
+                vec_store(vv, cute.zipped_divide(mVC[first, second, h, None], (c.vec,))[None, v], bits=bits)
+
+
+@cute.jit
+def _e4m3(x: cute.Tensor, descale: Float32) -> cute.Tensor:
+    """e4m3(x / descale) of a register vector, saturating (the reciprocal correctly rounded, as torch's)."""
+    q = cute.make_rmem_tensor(x.shape, cutlass.Float8E4M3FN)
+    q.store((x.load().to(Float32) * (Float32(1.0) / descale)).to(cutlass.Float8E4M3FN))
+    return q
 
 
 def _build(cfg: AppendConfig) -> Callable[[], tuple]:
@@ -102,20 +117,32 @@ def _build(cfg: AppendConfig) -> Callable[[], tuple]:
             strides = tuple(cute.sym_int64(divisibility=cfg.vec) for _ in range(3)) + (1,)
             return cute.runtime.make_fake_tensor(dt, (n0, n1, heads, cfg.head_dim), strides, assumed_align=16)
 
+        def cache(n0, n1) -> cute.Tensor:  # e4m3 rows of an fp8 cache: 16-byte aligned strides
+            if not cfg.fp8:
+                return rows(n0, n1)
+            strides = tuple(cute.sym_int64(divisibility=16) for _ in range(3)) + (1,)
+            return cute.runtime.make_fake_tensor(cutlass.Float8E4M3FN, (n0, n1, heads, cfg.head_dim), strides,
+                                                 assumed_align=16)
+
         cache_rows, cache_cols, new_tokens = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
         lens = cute.runtime.make_fake_tensor(cutlass.Int32, (batch,), (cute.sym_int64(),), assumed_align=4)
         # Paged: one row per sequence (the host code checks it on every call); contiguous: a placeholder.
         table = cute.runtime.make_fake_tensor(cutlass.Int32, (batch if cfg.paged else cute.sym_int32(), cute.sym_int32()),
                                               (cute.sym_int64(), cute.sym_int64()), assumed_align=4)
-        args = (rows(cache_rows, cache_cols), rows(cache_rows, cache_cols), rows(batch, new_tokens),
-                rows(batch, new_tokens), lens, table, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
+        descales = ()
+        if cfg.fp8:  # [Hkv] each, stride 0 for one value for every head
+            descales = tuple(cute.runtime.make_fake_tensor(Float32, (heads,), (cute.sym_int64(),), assumed_align=4)
+                             for _ in range(2))
+        args = (cache(cache_rows, cache_cols), cache(cache_rows, cache_cols), rows(batch, new_tokens),
+                rows(batch, new_tokens), lens, table, cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+                *descales)
         return AppendKernel(cfg), args
     return build
 
 
 def compile(config: AppendConfig) -> jit.CompiledKernel:
     """The loaded kernel of `config`; call `.fn(k_cache, v_cache, k, v, cache_seqlens, block_table)`
-    (contiguous: `unread_table(device)`)."""
+    (contiguous: `unread_table(device)`), fp8 configs with `k_descale, v_descale` ([Hkv] fp32) after them."""
     return jit.compile_variant(config.variant(), _build(config))
 
 
@@ -133,10 +160,20 @@ def unread_table(device) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # The reference, and inputs for a config (tests, SIP tuner).
 
-def reference(k_cache, v_cache, k, v, cache_seqlens, block_table):
-    """The caches after the append, one token at a time in Python on the host (skipped tokens skipped)."""
+def quantized(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+    """x [..., Hkv, d] as an e4m3 cache holds it: e4m3(x * (1 / descale[head])) in fp32 (the kernel's math, bit
+    for bit: a correctly rounded reciprocal and product, round to nearest even, saturating)."""
+    inv = 1.0 / descale.float().reshape(-1).expand(x.shape[-2])
+    return (x.float() * inv[:, None]).to(torch.float8_e4m3fn)
+
+
+def reference(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale=None, v_descale=None):
+    """The caches after the append, one token at a time in Python on the host (skipped tokens skipped);
+    e4m3 caches get the tokens `quantized` with the descales."""
     k_cache, v_cache = k_cache.cpu().clone(), v_cache.cpu().clone()
     k, v, lengths = k.cpu(), v.cpu(), cache_seqlens.cpu()
+    if k_descale is not None:
+        k, v = quantized(k, k_descale.cpu()), quantized(v, v_descale.cpu())
     table = None if block_table is None else block_table.cpu()
     B, S_new = k.shape[:2]
     for b in range(B):
@@ -156,10 +193,11 @@ def reference(k_cache, v_cache, k, v, cache_seqlens, block_table):
 
 
 def random_case(g: torch.Generator, batch: int, new_tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                paged: bool, block_size: int = 16, max_blocks: int = 5, device: str = "cuda") -> tuple:
+                paged: bool, block_size: int = 16, max_blocks: int = 5, device: str = "cuda", fp8: bool = False) -> tuple:
     """(k_cache, v_cache, k, v, cache_seqlens, block_table) drawn from `g`: paged, blocks in random order
     with garbage ids (-1, num_blocks, 2^31 - 1) in a fifth of the table; lengths from -2 to past the
-    cache, so that some tokens are skipped."""
+    cache, so that some tokens are skipped. fp8: e4m3 caches, and (k_descale, v_descale) after them: one per
+    KV head, some small enough that the quantized tokens saturate."""
     rows = max_blocks * block_size
     num_blocks = batch * max_blocks + 3
     if paged:
@@ -170,10 +208,14 @@ def random_case(g: torch.Generator, batch: int, new_tokens: int, kv_heads: int, 
         table = torch.where(torch.rand(batch, max_blocks, generator=g) < 0.2, garbage, order).to(device)
     else:
         cache_shape, table = (batch, rows, kv_heads, head_dim), None
-    caches = [torch.randn(*cache_shape, generator=g).to(dtype).to(device) for _ in range(2)]
+    caches = [torch.randn(*cache_shape, generator=g).to(torch.float8_e4m3fn if fp8 else dtype).to(device)
+              for _ in range(2)]
     k, v = (torch.randn(batch, new_tokens, kv_heads, head_dim, generator=g).to(dtype).to(device) for _ in range(2))
     lengths = torch.randint(-2, rows + 3, (batch,), generator=g, dtype=torch.int32).to(device)
-    return (*caches, k, v, lengths, table)
+    if not fp8:
+        return (*caches, k, v, lengths, table)
+    descales = [(torch.rand(kv_heads, generator=g) * 0.02 + 2.0 ** -9).to(device) for _ in range(2)]
+    return (*caches, k, v, lengths, table, *descales)
 
 
 def workload(config: AppendConfig, shape: AppendShape) -> Workload:
@@ -181,21 +223,24 @@ def workload(config: AppendConfig, shape: AppendShape) -> Workload:
     config's mode. args are compile's six arguments followed by the reference caches (computed from the
     caches before any launch; an append is idempotent, so they hold after any number of launches); the
     caches are the outputs, and check compares every byte of them with the reference."""
-    if (shape.dtype, shape.head_dim, shape.paged, shape.mode) != (config.dtype, config.head_dim, config.paged,
-                                                                   config.mode):
-        raise ValueError(f"{config} does not serve {shape}: dtype, head dim, layout and mode must match")
+    if (shape.dtype, shape.head_dim, shape.paged, shape.mode, shape.fp8) != (config.dtype, config.head_dim,
+                                                                              config.paged, config.mode, config.fp8):
+        raise ValueError(f"{config} does not serve {shape}: dtype, head dim, layout, mode and cache dtype must match")
     lo, hi = (1, DECODE_MAX_TOKENS) if config.mode == "decode" else (DECODE_MAX_TOKENS + 1, 300)
     dt = TORCH_DTYPE[config.dtype]
+
+    launched = 8 if config.fp8 else 6  # compile's arguments: with an e4m3 cache, the descales too
 
     def args(batch: int, new_tokens: int, kv_heads: int, seed: int) -> tuple:
         g = torch.Generator().manual_seed(seed)
         max_blocks = -(-(new_tokens + 40) // 16)
-        case = random_case(g, batch, new_tokens, kv_heads, config.head_dim, dt, config.paged, 16, max_blocks)
+        case = random_case(g, batch, new_tokens, kv_heads, config.head_dim, dt, config.paged, 16, max_blocks,
+                           fp8=config.fp8)
         table = case[5] if config.paged else unread_table("cuda")
-        return (*case[:5], table, *reference(*case))
+        return (*case[:5], table, *case[6:], *reference(*case))
 
     def check(a: tuple) -> float:
-        for name, got, want in (("k_cache", a[0], a[6]), ("v_cache", a[1], a[7])):
+        for name, got, want in (("k_cache", a[0], a[launched]), ("v_cache", a[1], a[launched + 1])):
             if not torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)):
                 raise AssertionError(f"{name}: a written row differs from the reference, or another row changed")
         return 0.0
@@ -205,5 +250,5 @@ def workload(config: AppendConfig, shape: AppendShape) -> Workload:
         return args(r.randint(1, 40 if config.mode == "decode" else 3), r.randint(lo, hi), r.randint(1, 8), seed)
 
     return Workload(compile(config), lambda seed: args(shape.batch, shape.new_tokens, shape.kv_heads, seed),
-                    outputs=lambda a: a[:2], check=check, test_args=test_args, launch=lambda fn, a: fn(*a[:6]),
+                    outputs=lambda a: a[:2], check=check, test_args=test_args, launch=lambda fn, a: fn(*a[:launched]),
                     name=OP)

@@ -7,7 +7,8 @@ A call moves batch x new_tokens x kv_heads rows of head_dim elements for each of
 vector per thread. Only the dtype, the head dim and the cache layout (paged or contiguous) are
 compiled in; every count, length and stride is a runtime value. Decode steps (up to
 DECODE_MAX_TOKENS new tokens per sequence, speculative decoding included) and prefill chunks differ
-only in the block size.
+only in the block size. An e4m3 cache (`fp8`) takes new tokens in any of the float dtypes and quantizes
+them on the way in with a scale per KV head (or one for all): cache = e4m3(x / descale).
 """
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ class AppendShape:
     new_tokens: int = 1
     kv_heads: int = 8
     head_dim: int = 128
-    dtype: str = "bf16"
+    dtype: str = "bf16"  # the new tokens (and the cache, unless fp8)
     paged: bool = True
+    fp8: bool = False  # an e4m3 cache
 
     @property
     def mode(self) -> str:
@@ -53,10 +55,11 @@ class AppendShape:
         return cls(batch=16, new_tokens=1) if mode == "decode" else cls(batch=1, new_tokens=4096)
 
     @classmethod
-    def of(cls, k: torch.Tensor, block_table: torch.Tensor | None) -> "AppendShape":
-        """The shape of an append_kvcache call of k [B, S_new, Hkv, d] (paged: with a block table)."""
+    def of(cls, k: torch.Tensor, block_table: torch.Tensor | None, fp8: bool = False) -> "AppendShape":
+        """The shape of an append_kvcache call of k [B, S_new, Hkv, d] (paged: with a block table) into an
+        e4m3 cache (fp8) or one of k's dtype."""
         batch, new_tokens, kv_heads, head_dim = k.shape
-        return cls(batch, new_tokens, kv_heads, head_dim, checks.DTYPE_NAME[k.dtype], block_table is not None)
+        return cls(batch, new_tokens, kv_heads, head_dim, checks.DTYPE_NAME[k.dtype], block_table is not None, fp8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,12 +67,14 @@ class AppendConfig(KernelConfig):
     """Everything a compiled variant is specialized on: every field is compiled in."""
 
     OP = OP
+    KEY_DEFAULTS = {"fp8": False}  # the keys predate it
 
-    dtype: str  # caches and new tokens: "bf16" | "fp16" | "fp32"
+    dtype: str  # new tokens (and the caches, unless fp8): "bf16" | "fp16" | "fp32"
     head_dim: int
     paged: bool  # [num_blocks, block_size, Hkv, d] with a block table, else [B, S_max, Hkv, d]
     mode: str  # "decode" | "prefill"
     threads: int  # per block: one 128-bit vector of k and one of v each
+    fp8: bool = False  # e4m3 caches: the new tokens quantized with each KV head's scale
 
     @property
     def vec(self) -> int:
@@ -87,7 +92,8 @@ class AppendConfig(KernelConfig):
 def config_for(shape: AppendShape, sms: int | None = None) -> AppendConfig:
     """What append_kvcache() launches for `shape` (the block size of its mode; `sms` is not read:
     the grid covers the rows whatever the GPU)."""
-    return AppendConfig(shape.dtype, int(shape.head_dim), bool(shape.paged), shape.mode, DEFAULT_THREADS[shape.mode])
+    return AppendConfig(shape.dtype, int(shape.head_dim), bool(shape.paged), shape.mode, DEFAULT_THREADS[shape.mode],
+                        bool(shape.fp8))
 
 
 def candidates(shape: AppendShape, sms: int | None = None) -> list[AppendConfig]:
@@ -102,12 +108,14 @@ rank = keep_order  # no cost model rates the candidates against each other
 def variants_for(models: Iterable[ModelDims] | None = None, modes: Iterable[str] = MODES,
                  max_tokens: int | None = None) -> list[AppendConfig]:
     """The configs append_kvcache() can launch in `modes` for `models` (their KV head dim and dtype,
-    paged and contiguous caches; a head dim the kernel lacks needs none). None: every dtype and head
-    dim. `max_tokens` does not change the set."""
+    paged and contiguous caches, e4m3 ones too for a model with an FP8 KV cache; a head dim the kernel
+    lacks needs none). None: every dtype and head dim, caches of the same dtype. `max_tokens` does not
+    change the set."""
     if models is None:
-        keys = [(dt, d) for dt in TORCH_DTYPE for d in HEAD_DIMS]
+        keys = [(dt, d, False) for dt in TORCH_DTYPE for d in HEAD_DIMS]
     else:
-        keys = [(m.dtype, m.head_dim) for m in models if m.head_dim in HEAD_DIMS and m.dtype in TORCH_DTYPE]
+        keys = [(m.dtype, m.head_dim, fp8) for m in models if m.head_dim in HEAD_DIMS and m.dtype in TORCH_DTYPE
+                for fp8 in dict.fromkeys((False, m.fp8_kv))]
     modes = [m for m in MODES if m in set(modes)]
-    return list(dict.fromkeys(AppendConfig(dt, d, paged, mode, DEFAULT_THREADS[mode])
-                              for dt, d in keys for paged in (True, False) for mode in modes))
+    return list(dict.fromkeys(AppendConfig(dt, d, paged, mode, DEFAULT_THREADS[mode], fp8)
+                              for dt, d, fp8 in keys for paged in (True, False) for mode in modes))

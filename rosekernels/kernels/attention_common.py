@@ -220,7 +220,8 @@ def check_operand(name: str, t: torch.Tensor, pointers: bool = True, vectors: bo
 def tma_view(t: torch.Tensor) -> torch.Tensor:
     """The same view, with the strides of size-1 dims made those of a contiguous tensor: they never
     address memory, but the TMA descriptor wants every stride a multiple of 16 bytes."""
-    if all(n > 1 or s % 8 == 0 for n, s in zip(t.shape[:-1], t.stride()[:-1])):
+    vec = 16 // t.element_size()
+    if all(n > 1 or s % vec == 0 for n, s in zip(t.shape[:-1], t.stride()[:-1])):
         return t
     regular = torch.empty(t.shape, device="meta").stride()
     return t.as_strided(t.shape, tuple(s if n > 1 else r for n, s, r in zip(t.shape, t.stride(), regular)))

@@ -53,6 +53,7 @@ from rosekernels import jit  # first: it pins CUTE_DSL_ARCH=sm_90a before cutlas
 from rosekernels import checks, modes
 from rosekernels.kernels.attention_common import (
     CUTE_DTYPES, LN_2, LOG2_E, acc_as_a, acc_rows, check, fake_qkv_out_lse, quad_max, quad_sum, tma_tiles, warp_mma)
+from rosekernels.kernels.attention_fp8 import Fp8KVTiles
 from rosekernels.kernels.attention_decode_plan import (  # noqa: F401 - the plan's names are this kernel's
     MAX_SEQLEN_Q, MMA_WARPS, OP, DecodeConfig, DecodeShape, candidates, causal_shift_for, config_for,
     kvcache_config_for, kvcache_variants_for, rank, split_plan, variants_for)
@@ -87,10 +88,11 @@ class _DecodeAttentionSm90:
         self.num_threads = 32 * (MMA_WARPS + 1)  # warp MMA_WARPS is the TMA producer
         self.scratch_stride = self.d + 8  # fp32 row stride of the merge scratch: no bank conflicts
 
-    def _smem_layout(self):
+    def _smem_layout(self, buffers: int | None = None):
+        """K (and V) tiles of the query's dtype in shared memory: (tile_n, d, the ring's stages or `buffers`)."""
         atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.d), self.dtype)
-        return cute.tile_to_shape(atom, (self.tile_n, self.d, self.stages), order=(0, 1, 2))
+        return cute.tile_to_shape(atom, (self.tile_n, self.d, buffers or self.stages), order=(0, 1, 2))
 
     # Set-up both kernels share (called while they are traced).
 
@@ -205,9 +207,10 @@ class _DecodeAttentionSm90:
     @cute.jit
     def mma(self, mQ, mO, mLSE, mOp, mLSEp, mCount, sK, sV, storage, pipe, tiled_mma, scale_log2,
             causal_shift, num_splits, num_groups, group, tidx, warp_idx, head_kv, batch, split, m_block,
-            ratio, rows, seqlen_k, t_begin, n_local, mTable=None, block_size=None, num_blocks=None):
+            ratio, rows, seqlen_k, t_begin, n_local, mTable=None, block_size=None, num_blocks=None, fp8=None):
         """The MMA warps' work (the KV-cache kernel passes its block table, page size and page count
-        when paged)."""
+        when paged; with an e4m3 cache, fp8 = (its K ring, V ring, v_descale): sK and sV are the widened
+        tiles, attention_fp8)."""
         lane = tidx % 32
         rb = warp_idx // self.ks  # this warp's 16-row block
         ks = warp_idx - rb * self.ks  # and its slice of each tile's keys
@@ -215,10 +218,11 @@ class _DecodeAttentionSm90:
         thr_mma = tiled_mma.get_slice(lane)
 
         # This warp's keys of every stage, and V^T (d, keys, stage) as the B operand of P @ V.
-        sKw = cute.local_tile(sK, (self.warp_keys, self.d, self.stages), (ks, 0, 0))
-        sVw = cute.local_tile(sV, (self.warp_keys, self.d, self.stages), (ks, 0, 0))
+        stages = cute.size(sK, mode=[2])  # the ring's (an e4m3 cache: its two widened tiles, attention_fp8)
+        sKw = cute.local_tile(sK, (self.warp_keys, self.d, stages), (ks, 0, 0))
+        sVw = cute.local_tile(sV, (self.warp_keys, self.d, stages), (ks, 0, 0))
         sVtw = cute.composition(
-            sVw, cute.make_ordered_layout((self.d, self.warp_keys, self.stages), order=(1, 0, 2)))
+            sVw, cute.make_ordered_layout((self.d, self.warp_keys, stages), order=(1, 0, 2)))
         copy_K = cute.make_tiled_copy_B(
             cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
             tiled_mma).get_slice(lane)
@@ -272,10 +276,13 @@ class _DecodeAttentionSm90:
                 bad = self.bad_boxes(entries, t * self.tile_n + ks * self.warp_keys, seqlen_k, num_blocks)
                 self.read_entries(entries, mTable, batch, (t + 1) * self.tile_n + ks * self.warp_keys, block_size)
             pipe.consumer_wait(state)
-            if cutlass.const_expr(self.cfg.varlen):
-                self.clear_v_tail(sV, state.index, seqlen_k - t * self.tile_n, ks, lane)
+            stage = state.index
+            if cutlass.const_expr(fp8 is not None):  # the e4m3 tile widened, V past the end zeroed
+                stage = self.widen(fp8[0], fp8[1], sK, sV, state.index, i % 2, seqlen_k - t * self.tile_n, tidx)
+            elif cutlass.const_expr(self.cfg.varlen):
+                self.clear_v_tail(sV, stage, seqlen_k - t * self.tile_n, ks, lane)
             acc_S.fill(0.0)
-            warp_mma(tiled_mma, acc_S, tSrQ, tSrK, tSsK[None, None, None, state.index], copy_K)
+            warp_mma(tiled_mma, acc_S, tSrQ, tSrK, tSsK[None, None, None, stage], copy_K)
             if cutlass.const_expr(self.cfg.paged):
                 if t >= t_mask or bad != 0:
                     col0 = t * self.tile_n + ks * self.warp_keys
@@ -315,12 +322,15 @@ class _DecodeAttentionSm90:
                     O[r, c] = O[r, c] * rescale
             rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
             rP.store(acc_S.load().to(self.dtype))
-            warp_mma(tiled_mma, acc_O, acc_as_a(rP), tOrV, tOsV[None, None, None, state.index], copy_V)
+            warp_mma(tiled_mma, acc_O, acc_as_a(rP), tOrV, tOsV[None, None, None, stage], copy_V)
             pipe.consumer_release(state)
             state.advance()
 
         for r in cutlass.range_constexpr(n_rows):
             row_sum[r] = quad_sum(row_sum[r])
+        if cutlass.const_expr(fp8 is not None):  # the cache's V times v_descale
+            for i in cutlass.range(cute.size(acc_O), unroll_full=True):
+                acc_O[i] = acc_O[i] * fp8[2]
         if cutlass.const_expr(self.ks > 1):
             self.merge_key_slices(acc_O, row_max, row_sum, tScS, storage, scale_log2, tidx, rb, ks, thr_mma)
         if ks == 0:
@@ -487,7 +497,7 @@ class _DecodeAttentionSm90:
                 mCount[group] = Int32(0)  # ready for the next launch
 
 
-class _KVCacheDecodeSm90(_DecodeAttentionSm90):
+class _KVCacheDecodeSm90(_DecodeAttentionSm90, Fp8KVTiles):
     """The split-KV kernel over a KV cache (configs with `varlen`): sequence b has
     seqlens[b] keys (read on the device, clamped to [0, capacity]), and its causal rows align
     bottom-right to that count. A CTA loads only the tiles holding its split's keys (none for a
@@ -501,17 +511,22 @@ class _KVCacheDecodeSm90(_DecodeAttentionSm90):
     inside one page (block_size is a multiple of page_rows), their page ids read a tile ahead. A box
     past the sequence's keys, and one whose id is outside [0, num_blocks), is not loaded from its
     page: both load page 0 instead (memory of the cache, whatever the table holds) and their keys
-    are masked."""
+    are masked.
+
+    e4m3 caches (`kv_fp8`): the tiles are widened in shared memory (attention_fp8), the scores scaled by
+    k_descale, the output by v_descale (fp32 [Hkv]; one value for every head: a stride-0 view)."""
 
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, lse: cute.Tensor,
                  o_part: cute.Tensor, lse_part: cute.Tensor, counters: cute.Tensor, seqlens: cute.Tensor,
                  table: cute.Tensor, scale_log2: Float32, causal_offset: Int32, num_splits: Int32,
-                 tiles_per_split: Int32, stream):
+                 tiles_per_split: Int32, stream, k_descale=None, v_descale=None):
         # [B or pages, S, H, d] -> (S, d, H, B or pages) for TMA and local_tile.
         mK, mV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (k, v)]
-        sKV_layout = self._smem_layout()
-        tile_layout = cute.select(sKV_layout, mode=[0, 1])
+        sKV_layout = ring_layout = self._smem_layout()  # the tiles the MMAs read, the ring TMA fills
+        if cutlass.const_expr(self.cfg.kv_fp8):
+            sKV_layout, ring_layout = self._fp8_layouts()
+        tile_layout = cute.select(ring_layout, mode=[0, 1])
         box = (self.tile_n, self.d)
         box_layout = tile_layout
         if cutlass.const_expr(self.cfg.paged):
@@ -522,13 +537,17 @@ class _KVCacheDecodeSm90(_DecodeAttentionSm90):
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(tma_load, mK, box_layout, box)
         tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(tma_load, mV, box_layout, box)
-        self.tile_bytes = cute.size_in_bytes(self.dtype, tile_layout)  # every box of a stage: one tx count
+        self.tile_bytes = cute.size_in_bytes(k.element_type, tile_layout)  # every box of a stage: one tx count
         tiled_mma = self._tiled_mma()
 
-        self._set_storage(sKV_layout)
+        if cutlass.const_expr(self.cfg.kv_fp8):
+            self._set_fp8_storage(sKV_layout, ring_layout)
+        else:
+            self._set_storage(sKV_layout)
 
         self.kernel(q, tma_atom_k, tma_k, tma_atom_v, tma_v, o, lse, o_part, lse_part, counters, seqlens, table,
-                    scale_log2, causal_offset, num_splits, tiles_per_split, sKV_layout, tiled_mma).launch(
+                    scale_log2, causal_offset, num_splits, tiles_per_split, sKV_layout, tiled_mma, ring_layout,
+                    k_descale, v_descale).launch(
             grid=self._grid(q, k, num_splits, q.shape[0]),
             block=[self.num_threads, 1, 1],
             stream=stream,
@@ -540,7 +559,7 @@ class _KVCacheDecodeSm90(_DecodeAttentionSm90):
                mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mOp: cute.Tensor, mLSEp: cute.Tensor,
                mCount: cute.Tensor, mSeqlens: cute.Tensor, mTable: cute.Tensor, scale_log2: Float32,
                causal_offset: Int32, num_splits: Int32, tiles_per_split: Int32, sKV_layout: cute.ComposedLayout,
-               tiled_mma: cute.TiledMma):
+               tiled_mma: cute.TiledMma, ring_layout: cute.ComposedLayout, mKDescale, mVDescale):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         bidx, head_kv, batch = cute.arch.block_idx()
@@ -569,14 +588,20 @@ class _KVCacheDecodeSm90(_DecodeAttentionSm90):
         n_local = cutlass.max(cutlass.min(tiles_per_split, n_tiles - t_begin), 0)  # 0: a split past the end
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sK_ring, sV_ring, fp8 = sK, sV, None  # e4m3: TMA fills the ring, sK and sV hold the widened tiles
+        if cutlass.const_expr(self.cfg.kv_fp8):
+            sK_ring = storage.sK8.get_tensor(ring_layout.outer, swizzle=ring_layout.inner)
+            sV_ring = storage.sV8.get_tensor(ring_layout.outer, swizzle=ring_layout.inner)
+            fp8 = (sK_ring, sV_ring, mVDescale[head_kv])
+            scale_log2 = scale_log2 * mKDescale[head_kv]  # the scores of the cache's K times k_descale
 
         if warp_idx == MMA_WARPS:
-            self.load(tma_atom_k, mK, tma_atom_v, mV, sK, sV, pipe, mTable, head_kv, batch, seqlen_k, t_begin,
-                      n_local, block_size, num_blocks)
+            self.load(tma_atom_k, mK, tma_atom_v, mV, sK_ring, sV_ring, pipe, mTable, head_kv, batch, seqlen_k,
+                      t_begin, n_local, block_size, num_blocks)
         else:
             self.mma(mQ, mO, mLSE, mOp, mLSEp, mCount, sK, sV, storage, pipe, tiled_mma, scale_log2,
                      seqlen_k + causal_offset, num_splits, num_groups, group, tidx, warp_idx, head_kv, batch,
-                     split, m_block, ratio, rows, seqlen_k, t_begin, n_local, mTable, block_size, num_blocks)
+                     split, m_block, ratio, rows, seqlen_k, t_begin, n_local, mTable, block_size, num_blocks, fp8)
 
     @cute.jit
     def load(self, tma_atom_k, mK, tma_atom_v, mV, sK, sV, pipe, mTable, head_kv, batch, seqlen_k, t_begin,
@@ -646,15 +671,16 @@ def _fake_kvcache_args(cfg: DecodeConfig) -> tuple:
     launch passes any stand-in)."""
     b, s_q, h_q, n, s_k, h_k, t, m = (cute.sym_int() for _ in range(8))
 
-    def bshd(*shape):
-        strides = tuple(cute.sym_int(divisibility=8) for _ in range(3))
-        return make_fake_tensor(CUTE_DTYPES[cfg.dtype], (*shape, cfg.head_dim), stride=(*strides, 1),
-                                assumed_align=16)
+    def bshd(*shape, dtype=CUTE_DTYPES[cfg.dtype]):  # 16-byte aligned strides
+        strides = tuple(cute.sym_int(divisibility=128 // dtype.width) for _ in range(3))
+        return make_fake_tensor(dtype, (*shape, cfg.head_dim), stride=(*strides, 1), assumed_align=16)
 
     lse = make_fake_compact_tensor(Float32, (b, h_q, s_q), stride_order=(2, 1, 0), assumed_align=16)
     seqlens = make_fake_tensor(Int32, (b,), stride=(1,), assumed_align=4)
     table = make_fake_tensor(Int32, (t, m), stride=(cute.sym_int(), 1), assumed_align=4)
-    return bshd(b, s_q, h_q), bshd(n, s_k, h_k), bshd(n, s_k, h_k), bshd(b, s_q, h_q), lse, seqlens, table
+    cache = cutlass.Float8E4M3FN if cfg.kv_fp8 else CUTE_DTYPES[cfg.dtype]
+    return (bshd(b, s_q, h_q), bshd(n, s_k, h_k, dtype=cache), bshd(n, s_k, h_k, dtype=cache), bshd(b, s_q, h_q), lse,
+            seqlens, table)
 
 
 def _build(cfg: DecodeConfig):
@@ -664,8 +690,12 @@ def _build(cfg: DecodeConfig):
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     if cfg.varlen:
         q, k, v, out, lse, seqlens, table = _fake_kvcache_args(cfg)
+        descales = ()
+        if cfg.kv_fp8:  # [Hkv] each (stride 0: one value for every head)
+            descales = tuple(make_fake_tensor(Float32, (k.shape[2],), stride=(cute.sym_int(),), assumed_align=4)
+                             for _ in range(2))
         args = (q, k, v, out, lse, o_part, lse_part, counters, seqlens, table, Float32(1.0), Int32(0), Int32(1),
-                Int32(1), stream)
+                Int32(1), stream, *descales)
         return _KVCacheDecodeSm90(cfg), args
     args = (*fake_qkv_out_lse(cfg.dtype, cfg.head_dim), o_part, lse_part, counters,
             Float32(1.0), Int32(0), Int32(1), Int32(1), stream)
@@ -682,7 +712,8 @@ def compile(config: DecodeConfig) -> jit.CompiledKernel:  # noqa: A001 - the con
     fn(q, k, v, out, lse, o_part, lse_part, counters, scale_log2, causal_shift, num_splits, tiles_per_split);
     with `varlen` (the KV-cache kernel): fn(q, k_cache, v_cache, out, lse, o_part, lse_part, counters,
     seqlens, table, scale_log2, causal_offset, num_splits, tiles_per_split) (causal_offset: -S_q causal, else 0;
-    table: the block table, paged, else any int32 [*, 1] stand-in)."""
+    table: the block table, paged, else any int32 [*, 1] stand-in), with `kv_fp8` (e4m3 caches) k_descale and
+    v_descale ([Hkv] fp32) after them."""
     return jit.compile_variant(_variant(config), lambda: _build(config))
 
 

@@ -12,8 +12,9 @@ compiled in; the split count, causality and every size are launch-time values.
 The KV-cache variants (rosekernels.attention_with_kvcache) are the same kernel with two more
 compile-time fields: `varlen` (each sequence's key count is read from device memory) and
 `page_rows` (a paged cache: each K/V tile is loaded as tile_n / page_rows boxes of page_rows rows,
-each inside one page; 0: a contiguous cache). Both are left out of the variant key at their
-defaults, so the keys of the dense variants are unchanged.
+each inside one page; 0: a contiguous cache), and `kv_fp8` (an e4m3 cache: each tile widened to the
+query's dtype in shared memory, the scores and the output times the descales). All three are left out
+of the variant key at their defaults, so the keys of the dense variants are unchanged.
 """
 from __future__ import annotations
 
@@ -107,7 +108,8 @@ class DecodeConfig(KernelConfig):
     OP = OP
     mode: ClassVar[str] = "decode"
     POLICY_FIELDS = ("splits",)
-    KEY_DEFAULTS = {"varlen": False, "page_rows": 0, "pdl": True}  # the keys of the dense variants predate them
+    # The keys of the dense variants predate these.
+    KEY_DEFAULTS = {"varlen": False, "page_rows": 0, "pdl": True, "kv_fp8": False}
 
     head_dim: int  # 64 or 128
     dtype: str  # "bf16" or "fp16"
@@ -123,6 +125,8 @@ class DecodeConfig(KernelConfig):
     # Programmatic dependent launch: the launch attribute (the kernel waits with griddepcontrol.wait
     # before reading what the previous kernel writes either way); attention(enable_pdl=...).
     pdl: bool = True
+    # KV-cache variants: an e4m3 cache (attention_fp8), with k and v descales per KV head.
+    kv_fp8: bool = False
 
     def validate(self) -> None:
         if self.head_dim not in HEAD_DIMS:
@@ -138,6 +142,8 @@ class DecodeConfig(KernelConfig):
         if self.page_rows and not (self.varlen and self.page_rows in _page_rows_choices(self.tile_n)):
             raise ValueError(f"page_rows must be 0 or, with varlen, a power of two in [{PAGE_ROWS}, "
                              f"{self.tile_n}] (tile_n), got {self.page_rows} (varlen={self.varlen})")
+        if self.kv_fp8 and not self.varlen:
+            raise ValueError("an e4m3 KV cache (kv_fp8) is for the KV-cache variants (varlen)")
 
     @property
     def tile_n(self) -> int:
@@ -151,6 +157,11 @@ class DecodeConfig(KernelConfig):
     @property
     def paged(self) -> bool:
         return self.page_rows > 0
+
+    @property
+    def tile_bytes(self) -> int:
+        """Bytes of K and V a tile of keys reads."""
+        return 2 * self.tile_n * self.head_dim * (1 if self.kv_fp8 else 2)
 
 
 
@@ -216,7 +227,7 @@ def split_plan(cfg: DecodeConfig, shape: DecodeShape, sms: int | None = None) ->
     n_tiles = -(-shape.seqlen_kv // cfg.tile_n)
     fits = (2**31 - 1) // (groups * cfg.tile_m * cfg.head_dim)
     if cfg.splits is None:
-        splits, per = choose_splits(groups, n_tiles, 2 * cfg.tile_n * cfg.head_dim * 2,
+        splits, per = choose_splits(groups, n_tiles, cfg.tile_bytes,
                                     sm_count() if sms is None else sms, min(MAX_SPLITS, fits))
     else:
         per = -(-n_tiles // max(1, min(cfg.splits, n_tiles, fits)))
@@ -238,18 +249,24 @@ def config_for(shape: DecodeShape, sms: int | None = None) -> DecodeConfig:
     return dataclasses.replace(cfg, splits=split_plan(cfg, shape, sms)[0])
 
 
-def kvcache_config_for(shape: DecodeShape, block_size: int | None = None, sms: int | None = None) -> DecodeConfig:
-    """What attention_with_kvcache launches: config_for's row tile and split count for `shape`, whose
-    seqlen_kv is the cache's capacity per sequence (S_max, or max_blocks * block_size: the splits are
-    planned for a full cache, and a shorter sequence's surplus splits load nothing), with `varlen`,
-    and for a paged cache (`block_size` given) the box height page_rows_for(block_size, tile_n)."""
-    return _kvcache(config_for(shape, sms), block_size)
+def kvcache_config_for(shape: DecodeShape, block_size: int | None = None, sms: int | None = None,
+                       kv_fp8: bool = False) -> DecodeConfig:
+    """What attention_with_kvcache launches: config_for's row tile for `shape`, whose seqlen_kv is the
+    cache's capacity per sequence (S_max, or max_blocks * block_size: the splits are planned for a full
+    cache, and a shorter sequence's surplus splits load nothing), with `varlen`, for a paged cache
+    (`block_size` given) the box height page_rows_for(block_size, tile_n), for an e4m3 cache `kv_fp8`; the
+    split count the model gives that cache's tile bytes."""
+    cfg = _kvcache(config_for(shape, sms), block_size, kv_fp8)
+    if kv_fp8:
+        cfg = dataclasses.replace(cfg, splits=split_plan(dataclasses.replace(cfg, splits=None), shape, sms)[0])
+    return cfg
 
 
-def _kvcache(cfg: DecodeConfig, block_size: int | None) -> DecodeConfig:
-    """`cfg`'s KV-cache variant for a contiguous cache (block_size None) or pages of `block_size` rows."""
+def _kvcache(cfg: DecodeConfig, block_size: int | None, kv_fp8: bool = False) -> DecodeConfig:
+    """`cfg`'s KV-cache variant for a contiguous cache (block_size None) or pages of `block_size` rows, of
+    the query's dtype or e4m3 (kv_fp8)."""
     page_rows = 0 if block_size is None else page_rows_for(block_size, cfg.tile_n)
-    return dataclasses.replace(cfg, varlen=True, page_rows=page_rows)
+    return dataclasses.replace(cfg, varlen=True, page_rows=page_rows, kv_fp8=kv_fp8)
 
 
 def candidates(shape: DecodeShape, sms: int | None = None) -> list[DecodeConfig]:
@@ -274,7 +291,7 @@ def rank(shape: DecodeShape, configs: Iterable[DecodeConfig], sms: int | None = 
 
     def cost(c: DecodeConfig) -> float:
         splits, per, groups = split_plan(c, shape, sms)
-        return launch_us(groups, splits, per, 2 * c.tile_n * c.head_dim * 2, sms)
+        return launch_us(groups, splits, per, c.tile_bytes, sms)
     return sorted(configs, key=cost)
 
 
@@ -301,6 +318,9 @@ def kvcache_variants_for(models: Iterable[ModelDims] | None = None,
                          block_size: int | None = None) -> list[DecodeConfig]:
     """The configs attention_with_kvcache can launch for `models` (S_q = 1..MAX_SEQLEN_Q; a head dim or
     dtype the kernel lacks needs none) on a contiguous cache (block_size None) or a paged one of
-    `block_size`-row pages; pass them to rosekernels.warmup(specs=...). models None: every head dim,
-    dtype and row tile."""
-    return [_kvcache(cfg, block_size) for cfg in variants_for(models, ("decode",))]
+    `block_size`-row pages, e4m3 ones too for models with an FP8 KV cache (ModelDims.fp8_kv); pass them to
+    rosekernels.warmup(specs=...). models None: every head dim, dtype and row tile, caches of the query's
+    dtype."""
+    groups = [(None, False)] if models is None else [([m], m.fp8_kv) for m in models]
+    return list(dict.fromkeys(_kvcache(cfg, block_size, kv_fp8) for ms, fp8 in groups
+                              for cfg in variants_for(ms, ("decode",)) for kv_fp8 in dict.fromkeys((False, fp8))))

@@ -6,9 +6,9 @@ One persistent, warp-specialized kernel serves every specialization:
 - a producer warp streams A/B k-tiles with TMA into a `stages`-deep shared-memory ring guarded by
   mbarriers (PipelineTmaAsync); on a cluster (prefill: 2 CTAs; decode: up to 4 x 2) a tile that
   several CTAs of a cluster row or column share is multicast to them, each loading a slice of it;
-- consumer warpgroups run WGMMA (bf16/fp16 in, fp32 accumulate). "Cooperative" tiles split one
-  tile across 2 warpgroups (64 rows each); "pingpong" tiles give each warpgroup a whole tile and
-  alternate mainloops (an ordering barrier), so one warpgroup's epilogue hides under the other's MMAs;
+- consumer warpgroups run WGMMA (bf16/fp16 in, fp32 accumulate; e4m3: fp8_tiles). "Cooperative" tiles
+  split one tile across 2 warpgroups (64 rows each); "pingpong" tiles give each warpgroup a whole tile
+  and alternate mainloops (an ordering barrier), so one warpgroup's epilogue hides under the other's MMAs;
 - the epilogue adds the bias (staged once per tile in shared memory), applies the activation (the
   LeakyReLU slope constant-folded; gated: act(gate) * up of column pairs that one thread holds, see
   GATE_BLOCK), converts to the input dtype and stores through shared memory with TMA (which clips
@@ -55,6 +55,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from rosekernels import checks, modes
 from rosekernels.kernels import gemm_splitk as splitk
+from rosekernels.kernels.fp8_tiles import Fp8Tiles
 from rosekernels.kernels.gemm_leakyrelu_plan import (  # noqa: F401  (candidates, variants_for: the contract)
     COUNTER_SLOTS, GATE_BLOCK, MAX_SPLITS, OP, SMEM_CAPACITY, TILE_K, GemmConfig, GemmShape, candidates, check_fits,
     config_for, epi_tile, m_range, mma_warpgroups, out_n, partial_floats, rank, smem_stages, tile_slots, variants_for,
@@ -72,7 +73,7 @@ _EPI_BARRIER = 1
 _MMA_ORDER_BARRIER = 3
 
 
-def _a_smem_layouts(cfg: GemmConfig, dtype, stages: int):
+def _a_smem_layouts(cfg: GemmConfig, dtype, stages: int, tile_k: int = TILE_K):
     """(WGMMA view, TMA view) of the A stages in shared memory: K-major, 128-byte swizzle.
 
     The WGMMA view keeps each stage a whole tile_m-row tile; the TMA view is its first a_rows
@@ -86,10 +87,10 @@ def _a_smem_layouts(cfg: GemmConfig, dtype, stages: int):
     1024 bytes: the swizzle (a function of address bits 4-9) is the same in every stage.
     """
 
-    def staged(rows: int):  # rows x TILE_K per stage, stages a_rows rows apart
-        one = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (rows, cfg.tile_n, TILE_K), dtype, 1)
+    def staged(rows: int):  # rows x tile_k per stage, stages a_rows rows apart
+        one = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (rows, cfg.tile_n, tile_k), dtype, 1)
         outer = cute.append(cute.slice_(one.outer, (None, None, 0)),
-                            cute.make_layout(stages, stride=cfg.a_rows * TILE_K))
+                            cute.make_layout(stages, stride=cfg.a_rows * tile_k))
         return cute.make_composed_layout(one.inner, 0, outer)
 
     return staged(cfg.tile_m), staged(cfg.a_rows)
@@ -99,17 +100,18 @@ def _a_smem_layouts(cfg: GemmConfig, dtype, stages: int):
 # The kernel.
 
 
-class _GemmLeakyReluSm90(GroupedTiles):
+class _GemmLeakyReluSm90(GroupedTiles, Fp8Tiles):
     """Host launcher (`__call__`, a `@cute.jit`) and device body (`kernel`) of one GemmConfig; with a
     grouped_gemm_plan.GroupedConfig, the grouped GEMM's device body (launched by grouped_gemm's
     launcher; the grouped parts are GroupedTiles' methods)."""
 
     def __init__(self, cfg: GemmConfig):
         self.cfg = cfg
-        self.ab_dtype = _DTYPES[cfg.dtype]
+        self.ab_dtype = self.d_dtype = _DTYPES[cfg.dtype]
         self.acc_dtype = Float32
         self.swap = cfg.swap_ab  # the weights are A (tile_m of N), the tokens B (tile_n of M)
-        self.tile_shape = (cfg.tile_m, cfg.tile_n, TILE_K)
+        self._fp8_options(cfg)  # fp8, tile_k; an FP8 config's A and B are e4m3
+        self.tile_shape = (cfg.tile_m, cfg.tile_n, self.tile_k)
         self.cluster_shape = (cfg.cluster_m, cfg.cluster_n, 1)
         # Cooperative: tile_m/64 warpgroups share a tile. Pingpong: 2 warpgroups, a tile each.
         self.wg_per_tile = wg_per_tile(cfg)
@@ -160,13 +162,13 @@ class _GemmLeakyReluSm90(GroupedTiles):
             a_smem = sm90_utils.make_smem_layout_a(a_layout, self.tile_shape, self.ab_dtype, self.ab_stage)
             a_load_smem = a_smem
         else:
-            a_smem, a_load_smem = _a_smem_layouts(self.cfg, self.ab_dtype, self.ab_stage)
+            a_smem, a_load_smem = _a_smem_layouts(self.cfg, self.ab_dtype, self.ab_stage, self.tile_k)
         b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile_shape, self.ab_dtype, self.ab_stage)
         d_smem = None
         d_elems = 16  # swapped tiles store from registers
         if const_expr(not self.swap):
             d_smem = sm90_utils.make_smem_layout_epi(
-                self.ab_dtype, d_layout, self.epi_tile, self.epi_stage * self.tile_slots
+                self.d_dtype, d_layout, self.epi_tile, self.epi_stage * self.tile_slots
             )
             d_elems = cute.cosize(d_smem)
         return tiled_mma, tiled_mma_out, a_smem, a_load_smem, b_smem, d_smem, d_elems
@@ -184,17 +186,18 @@ class _GemmLeakyReluSm90(GroupedTiles):
         raster_group: Int32,
         max_clusters: Int32,
         stream,
+        mScaleA: Optional[cute.Tensor] = None, mScaleB: Optional[cute.Tensor] = None,  # FP8 configs (gemm_fp8)
     ):
         tiled_mma, tiled_mma_out, a_smem, a_load_smem, b_smem, d_smem, d_elems = self._layouts()
         a_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.mcast_a > 1) else cpasync.CopyBulkTensorTileG2SOp()
         b_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.mcast_b > 1) else cpasync.CopyBulkTensorTileG2SOp()
-        a_smem_one = cute.slice_(a_load_smem, (None, None, 0))  # a_rows x TILE_K
+        a_smem_one = cute.slice_(a_load_smem, (None, None, 0))  # a_rows x tile_k
         b_smem_one = cute.slice_(b_smem, (None, None, 0))
         tma_atom_a, tma_a = cpasync.make_tiled_tma_atom(
-            a_op, mA, a_smem_one, (self.cfg.a_rows, TILE_K), num_multicast=self.mcast_a
+            a_op, mA, a_smem_one, (self.cfg.a_rows, self.tile_k), num_multicast=self.mcast_a
         )
         tma_atom_b, tma_b = cpasync.make_tiled_tma_atom(
-            b_op, mB, b_smem_one, (self.cfg.tile_n, TILE_K), num_multicast=self.mcast_b
+            b_op, mB, b_smem_one, (self.cfg.tile_n, self.tile_k), num_multicast=self.mcast_b
         )
         tma_atom_d, tma_d = None, mD
         if const_expr(not self.swap):
@@ -210,7 +213,7 @@ class _GemmLeakyReluSm90(GroupedTiles):
             bias: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_slots * self.cfg.tile_n], 16]
             sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem)], 1024]
-            sD: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, d_elems], 1024]
+            sD: cute.struct.Align[cute.struct.MemRange[self.d_dtype, d_elems], 1024]
 
         self.shared_storage = SharedStorage
         if const_expr(SharedStorage.size_in_bytes() > SMEM_CAPACITY):
@@ -225,7 +228,7 @@ class _GemmLeakyReluSm90(GroupedTiles):
         self.kernel(
             tiled_mma, tiled_mma_out, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d,
             mBias, mPartials, mCounters, num_splits, raster_group, clusters_m, clusters_n,
-            a_smem, a_load_smem, b_smem, d_smem, tx_bytes, None, None, None, None,
+            a_smem, a_load_smem, b_smem, d_smem, tx_bytes, None, None, None, None, mScaleA, mScaleB,
         ).launch(
             grid=(self.cfg.cluster_m, self.cfg.cluster_n, grid_clusters),
             block=(self.threads, 1, 1),
@@ -319,6 +322,7 @@ class _GemmLeakyReluSm90(GroupedTiles):
         mIndex: Optional[cute.Tensor],  # grouped, gather: [rows] int32, the row of x each row reads
         mRowScale: Optional[cute.Tensor],  # grouped, row_scale: [rows] fp32
         max_units: Optional[Int32],  # grouped: the most work units a valid grouping gives
+        mScaleA: Optional[cute.Tensor], mScaleB: Optional[cute.Tensor],  # fp8: the scales of A's, B's rows
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
@@ -362,8 +366,8 @@ class _GemmLeakyReluSm90(GroupedTiles):
         if const_expr(not self.grouped):  # (grouped: per work unit, in _produce_grouped)
             # (bM, bK, RestM, RestK) / (bN, bK, RestN, RestK) / (bM, bN, RestM, RestN)
             # a_rows < tile_m only runs with M <= a_rows: one M tile, whose first a_rows rows are loaded.
-            gA = cute.local_tile(mA, (cfg.a_rows, TILE_K), (None, None))
-            gB = cute.local_tile(mB, (cfg.tile_n, TILE_K), (None, None))
+            gA = cute.local_tile(mA, (cfg.a_rows, self.tile_k), (None, None))
+            gB = cute.local_tile(mB, (cfg.tile_n, self.tile_k), (None, None))
             tAsA, tAgA = cpasync.tma_partition(
                 tma_atom_a, cluster_coord[1], cute.make_layout(self.mcast_a),
                 cute.group_modes(sA_load, 0, 2), cute.group_modes(gA, 0, 2),
@@ -379,7 +383,7 @@ class _GemmLeakyReluSm90(GroupedTiles):
         if const_expr(self.mcast_b > 1):
             b_mcast_mask = cute.make_layout_image_mask(cta_layout, cluster_coord, mode=0)
 
-        k_tiles = cute.ceil_div(mA.shape[1], TILE_K)
+        k_tiles = cute.ceil_div(mA.shape[1], self.tile_k)
         units = clusters_m * clusters_n * num_splits
         first_unit = cute.arch.block_idx()[2]
         unit_stride = cute.arch.grid_dim()[2]
@@ -445,9 +449,9 @@ class _GemmLeakyReluSm90(GroupedTiles):
                 sD = storage.sD.get_tensor(d_smem.outer, swizzle=d_smem.inner)
                 if const_expr(not self.grouped):  # (grouped: stored row by row, _store_rows)
                     gD = cute.local_tile(mD, (cfg.tile_m, self.out_n), (None, None))
-                copy_atom_c = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.ab_dtype)
+                copy_atom_c = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.d_dtype)
                 tiled_copy_r2s = cute.make_tiled_copy_S(
-                    sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.ab_dtype, self.acc_dtype),
+                    sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.d_dtype, self.acc_dtype),
                     cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma_out),
                 )
                 thr_copy_r2s = tiled_copy_r2s.get_slice(t)
@@ -455,7 +459,7 @@ class _GemmLeakyReluSm90(GroupedTiles):
                 tRS_rAcc = tiled_copy_r2s.retile(acc_out)
                 rD_shape = cute.shape(thr_copy_r2s.partition_S(sD))
                 tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
-                tRS_rD_out = cute.make_rmem_tensor(rD_shape[:3], self.ab_dtype)
+                tRS_rD_out = cute.make_rmem_tensor(rD_shape[:3], self.d_dtype)
                 subtile_size = cute.size(tRS_rD)
                 if const_expr(not self.grouped):
                     store_pipeline = pipeline.PipelineTmaStore.create(
@@ -510,20 +514,24 @@ class _GemmLeakyReluSm90(GroupedTiles):
                 acc.fill(0.0)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.fence()
-                for k in cutlass.range(k_count, unroll=1):
-                    ab_pipeline.consumer_wait(read_state)
-                    if const_expr(self.gather):  # cp.async wrote the rows: WGMMA reads through the async proxy
-                        cute.arch.fence_view_async_shared()
-                    for kb in cutlass.range_constexpr(num_k_blocks):
-                        coord = (None, None, kb, read_state.index)
-                        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-                    warpgroup.commit_group()
-                    read_state.advance()
-                    if k > 0:
-                        # Keep one WGMMA batch in flight; the one before it has read its stage.
-                        warpgroup.wait_group(1)
-                        ab_pipeline.consumer_release(release_state)
-                        release_state.advance()
+                if const_expr(self.fp8):  # each k-tile's sums promoted to fp32 (fp8_tiles)
+                    self._fp8_mainloop(tiled_mma, acc, tCrA, tCrB, tCcD, ab_pipeline, read_state, release_state,
+                                       k_begin, k_count, tile_m, tile_n, mScaleA, mScaleB)
+                else:
+                    for k in cutlass.range(k_count, unroll=1):
+                        ab_pipeline.consumer_wait(read_state)
+                        if const_expr(self.gather):  # cp.async wrote the rows: WGMMA reads through the async proxy
+                            cute.arch.fence_view_async_shared()
+                        for kb in cutlass.range_constexpr(num_k_blocks):
+                            coord = (None, None, kb, read_state.index)
+                            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                        warpgroup.commit_group()
+                        read_state.advance()
+                        if k > 0:
+                            # Keep one WGMMA batch in flight; the one before it has read its stage.
+                            warpgroup.wait_group(1)
+                            ab_pipeline.consumer_release(release_state)
+                            release_state.advance()
                 if const_expr(cfg.pingpong):
                     cute.arch.barrier_arrive(barrier_id=_MMA_ORDER_BARRIER + 1 - wg_idx, number_of_threads=256)
                 warpgroup.wait_group(0)
@@ -593,7 +601,7 @@ class _GemmLeakyReluSm90(GroupedTiles):
                     for s in cutlass.range_constexpr(num_subtiles):
                         for v in cutlass.range_constexpr(subtile_size):
                             tRS_rD[v] = tRS_rAcc[s * subtile_size + v]
-                        tRS_rD_out.store(tRS_rD.load().to(self.ab_dtype))
+                        tRS_rD_out.store(tRS_rD.load().to(self.d_dtype))
                         buf = slot * self.epi_stage + epi_count % self.epi_stage
                         cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
                         if const_expr(self.grouped):  # rows of the group only: 16-byte stores
@@ -634,7 +642,7 @@ class _GemmLeakyReluSm90(GroupedTiles):
                     x = acc[i]
                     if const_expr(cfg.bias != "none"):
                         x = x + mBias[n_idx].to(Float32)
-                    mD[n_idx, m_idx] = self._act(x).to(self.ab_dtype)
+                    mD[n_idx, m_idx] = self._act(x).to(self.d_dtype)
         else:
             if const_expr(cfg.bias != "none"):
                 for i in cutlass.range(cute.size(acc), unroll_full=True):
@@ -652,7 +660,7 @@ class _GemmLeakyReluSm90(GroupedTiles):
                             m_idx = tile_n * cfg.tile_n + coord[1]
                             if n_idx < mD.shape[0] and m_idx < mD.shape[1]:
                                 y = self._act(acc[(c + 4 * j, mm, nn)]) * acc[(c + 2 + 4 * j, mm, nn)]
-                                mD[n_idx, m_idx] = y.to(self.ab_dtype)
+                                mD[n_idx, m_idx] = y.to(self.d_dtype)
 
     @cute.jit
     def _epi_sync(self, slot: Int32):

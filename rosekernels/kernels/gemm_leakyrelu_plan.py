@@ -527,11 +527,21 @@ def on_clusters(m: int, configs: Iterable[GemmConfig], families: Optional[dict] 
 
 @functools.lru_cache(maxsize=4096)
 def decode_choice(shape: GemmShape, num_sms: int) -> GemmConfig:
-    """The decode config of least modelled cost (`decode_cost`): over decode_configs with the split
-    counts of FITTED_SPLITS that leave each split MIN_SPLIT_K_TILES k-tiles and, where any has, at
-    most FITTED_WAVES waves of work units; fewer splits unless more win by 1%."""
+    """The decode config of least modelled cost (`least_cost`) over decode_configs with the split counts
+    of `fitted_splits`."""
+    return least_cost(shape, decode_configs(shape, fitted_splits(shape), num_sms), num_sms)
+
+
+def fitted_splits(shape: GemmShape) -> list[int]:
+    """The split counts of FITTED_SPLITS that leave each split MIN_SPLIT_K_TILES k-tiles."""
     max_splits = max(1, min(MAX_SPLITS, math.ceil(shape.k / TILE_K) // MIN_SPLIT_K_TILES))
-    configs = decode_configs(shape, [s for s in FITTED_SPLITS if s <= max_splits], num_sms)
+    return [s for s in FITTED_SPLITS if s <= max_splits]
+
+
+def least_cost(shape: GemmShape, configs: Iterable[GemmConfig], num_sms: int) -> GemmConfig:
+    """The decode config of least modelled cost (`decode_cost`) among `configs`: where any has at most
+    FITTED_WAVES waves of work units, among those; fewer splits (earlier configs) unless more win by 1%."""
+    configs = list(configs)
     fitted = [c for c in configs
               if output_tiles(c, shape.m, shape.n) * c.splits <= FITTED_WAVES * resident_ctas(c, num_sms)]
     best = None

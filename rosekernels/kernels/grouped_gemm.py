@@ -118,7 +118,7 @@ class _GroupedGemmSm90(GemmSm90):
         one = Int32(1)
         self.kernel(
             tiled_mma, tiled_mma_out, *atoms, None, mD, bias, None, None, one, one, one, one,
-            a_smem, a_load_smem, b_smem, d_smem, tx_bytes, mOffsets, mIndex, mRowScale, max_units,
+            a_smem, a_load_smem, b_smem, d_smem, tx_bytes, mOffsets, mIndex, mRowScale, max_units, None, None,
         ).launch(
             grid=(1, 1, cutlass.min(max_units, max_ctas)),
             block=(self.threads, 1, 1),

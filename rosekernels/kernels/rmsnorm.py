@@ -30,6 +30,8 @@ from cutlass import Float32
 from cutlass.memory import SmemAllocator
 
 from rosekernels import checks, jit, modes
+from rosekernels.fp8 import check_quantized
+from rosekernels.kernels.fp8_rows import quantize_row
 from rosekernels.kernels.rmsnorm_plan import (  # noqa: F401  (the plan's names are the kernel's: the contract)
     OP, TORCH_DTYPE, RMSNormConfig, RMSNormShape, candidates, config_for, rank, variants_for)
 from rosekernels.vector_copy import vec_load, vec_store
@@ -46,14 +48,14 @@ class RMSNormKernel:
         self.cfg = cfg
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mR, mO: cute.Tensor, mRO, stream):
+    def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mR, mO: cute.Tensor, mRO, stream, mS=None):
         c = self.cfg
         grid = cute.ceil_div(mX.shape[0], c.rows_per_block)
-        self.kernel(mX, mW, mR, mO, mRO).launch(
+        self.kernel(mX, mW, mR, mO, mRO, mS).launch(
             grid=[grid, 1, 1], block=[c.block_warps * 32, 1, 1], stream=stream, use_pdl=c.pdl)
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mR, mO: cute.Tensor, mRO):
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mR, mO: cute.Tensor, mRO, mS):
         c = self.cfg
         tpr, vpt = c.threads_per_row, c.vecs_per_thread
         full = c.vecs // tpr  # vector columns every lane has; column `full` is ragged when vpt > full
@@ -119,9 +121,14 @@ class RMSNormKernel:
                 sum_sq = sum_sq + partials[first + i]
         rstd = cute.math.rsqrt(sum_sq * (1.0 / c.hidden) + c.eps, fastmath=True)
 
-        gO = cute.zipped_divide(mO[row, None], (c.vec,))
-        for j in cutlass.range_constexpr(vpt):
-            self.store(hs[j] * rstd * ws[j].load().to(Float32), gO[None, chunks[j]], row_ok, chunk_ok[j])
+        if cutlass.const_expr(c.fp8 != "none"):  # out in e4m3, its scales in mS (fp8_rows)
+            ys = [hs[j] * rstd * ws[j].load().to(Float32) for j in range(vpt)]
+            quantize_row(ys, chunks, chunk_ok, row_ok, mO[row, None], mS, row, lane, tidx, c.vec, tpr, c.warps_per_row,
+                         c.block_warps, c.fp8_group, c.cache_hint)
+        else:
+            gO = cute.zipped_divide(mO[row, None], (c.vec,))
+            for j in cutlass.range_constexpr(vpt):
+                self.store(hs[j] * rstd * ws[j].load().to(Float32), gO[None, chunks[j]], row_ok, chunk_ok[j])
 
     @cute.jit
     def store(self, value, dst: cute.Tensor, row_ok, chunk_ok):
@@ -147,15 +154,25 @@ def _build(cfg: RMSNormConfig) -> Callable[[], tuple]:
         weight = cute.runtime.make_fake_compact_tensor(wdt, (cfg.hidden,), assumed_align=16)
         residual = rows_tensor() if cfg.residual else None
         residual_out = rows_tensor() if cfg.residual else None
-        args = (rows_tensor(), weight, residual, rows_tensor(), residual_out,
-                cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
+        out, scales = rows_tensor(), ()
+        if cfg.fp8 != "none":  # e4m3 rows (16-byte aligned) and their scales per row or 1 x 128 group
+            out = cute.runtime.make_fake_tensor(cutlass.Float8E4M3FN, (rows, cfg.hidden),
+                                                (cute.sym_int64(divisibility=16), 1), assumed_align=16)
+            if cfg.fp8_group:
+                scales = (cute.runtime.make_fake_tensor(Float32, (rows, cfg.hidden // cfg.fp8_group),
+                                                        (cute.sym_int64(), 1), assumed_align=4),)
+            else:
+                scales = (cute.runtime.make_fake_tensor(Float32, (rows,), (1,), assumed_align=4),)
+        args = (rows_tensor(), weight, residual, out, residual_out,
+                cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), *scales)
         return RMSNormKernel(cfg), args
     return build
 
 
 def compile(config: RMSNormConfig) -> jit.CompiledKernel:
     """The loaded kernel of `config`; call `.fn(x, weight, residual, out, residual_out)`
-    (residual and residual_out are None for configs without a residual)."""
+    (residual and residual_out are None for configs without a residual), with fp8 configs
+    `.fn(x, weight, residual, out, residual_out, scales)` (out e4m3)."""
     return jit.compile_variant(config.variant(), _build(config))
 
 
@@ -183,8 +200,8 @@ def tolerance(dtype: torch.dtype) -> float:
 def workload(config: RMSNormConfig, shape: RMSNormShape) -> Workload:
     """`compile(config)` with its inputs: make_args(seed) at `shape`'s row count, test_args(seed) at a
     random row count of config's mode (small ones for prefill); args are
-    (x, weight, residual, out, residual_out) on the GPU, outputs NaN-poisoned, the residual entries
-    None without a residual."""
+    (x, weight, residual, out, residual_out) on the GPU (fp8 configs: out e4m3, then scales), outputs
+    NaN-poisoned, the residual entries None without a residual."""
     lo, hi = modes.size_range(config.mode, lambda r: config_for(dataclasses.replace(shape, rows=r)).mode)
 
     def args(rows: int, seed: int) -> tuple[torch.Tensor | None, ...]:
@@ -199,17 +216,28 @@ def workload(config: RMSNormConfig, shape: RMSNormShape) -> Workload:
         res = rand(rows, config.hidden, dtype=dt) if config.residual else None
         out = torch.full_like(x, math.nan)
         res_out = torch.full_like(x, math.nan) if config.residual else None
-        return x, w, res, out, res_out
+        if config.fp8 == "none":
+            return x, w, res, out, res_out
+        q = torch.full(x.shape, 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)  # NaN
+        group = config.fp8_group
+        return x, w, res, q, res_out, torch.full((rows, config.hidden // group) if group else (rows,), math.nan,
+                                                 device="cuda")
 
     def check(a: tuple) -> float:
-        x, w, res, out, res_out = a
+        x, w, res, out, res_out = a[:5]
         ref_out, ref_res = reference(x, w, config.eps, res)
-        worst = max(checks.relative_error(got, ref) for got, ref in ((out, ref_out), (res_out, ref_res))
-                    if ref is not None)
+        if config.fp8 != "none":  # the fp32-accurate norm quantized (its error within fp32's: 1e-5)
+            check_quantized(ref_out, out, a[5], config.fp8_group, rel=1e-5)
+            ref_out = None
+        worst = max((checks.relative_error(got, ref) for got, ref in ((out, ref_out), (res_out, ref_res))
+                     if ref is not None), default=0.0)
         if worst > tolerance(x.dtype):
             raise AssertionError(f"{config.variant().key()}: error {worst:.3g} > {tolerance(x.dtype):.3g}")
         return worst
 
-    return Workload(compile(config), lambda seed: args(shape.rows, seed),
-                    outputs=lambda a: [t for t in a[3:5] if t is not None], check=check,
+    def outputs(a: tuple) -> list:
+        found = [t for t in a[3:] if t is not None]
+        return [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in found]
+
+    return Workload(compile(config), lambda seed: args(shape.rows, seed), outputs=outputs, check=check,
                     test_args=lambda seed: args(random.Random(seed).randint(lo, hi), seed), name=OP)

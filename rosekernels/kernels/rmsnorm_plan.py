@@ -17,11 +17,14 @@ import torch
 
 from rosekernels import checks
 from rosekernels.contract import KernelConfig, keep_order
+from rosekernels.fp8 import BLOCK
 from rosekernels.models import ModelDims
 from rosekernels.modes import CACHE_HINTS, PREFILL_WARPS, Mode, all_modes, select, warps_needed
 from rosekernels.variant import MODES, check_mode
 
 OP = "rmsnorm"
+# The fused FP8 quantization of the output (rosekernels.fp8): none, a scale per row, or per 1 x 128 group.
+FP8 = {"none": None, "row": 0, "group": BLOCK}
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 TORCH_DTYPE = {checks.DTYPE_NAME[d]: d for d in DTYPES}
 MAX_HIDDEN = 16384
@@ -50,6 +53,7 @@ class RMSNormShape:
     residual: bool = False
     eps: float = 1e-6
     pdl: bool = True  # programmatic dependent launch (rmsnorm(enable_pdl=...))
+    fp8: str = "none"  # the output quantized to e4m3 (a key of FP8)
 
     def __post_init__(self) -> None:
         if self.weight_dtype == self.dtype:  # one spelling per problem: the tuned store keys on it
@@ -63,11 +67,11 @@ class RMSNormShape:
 
     @classmethod
     def of(cls, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, eps: float,
-           pdl: bool) -> "RMSNormShape":
+           pdl: bool, fp8: str = "none") -> "RMSNormShape":
         """The shape of an rmsnorm call on x [M, N]."""
         rows, hidden = x.shape
         return cls(rows, hidden, checks.DTYPE_NAME[x.dtype], checks.DTYPE_NAME[weight.dtype], residual is not None, eps,
-                   pdl)
+                   pdl, fp8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +79,7 @@ class RMSNormConfig(KernelConfig):
     """Everything a compiled variant is specialized on: every field is compiled in."""
 
     OP = OP
-    KEY_DEFAULTS = {"pdl": True}  # the keys predate it
+    KEY_DEFAULTS = {"pdl": True, "fp8": "none"}  # the keys predate them
 
     dtype: str  # x, residual and outputs: "bf16" | "fp16" | "fp32"
     weight_dtype: str  # the input dtype or "fp32"
@@ -88,6 +92,13 @@ class RMSNormConfig(KernelConfig):
     # Programmatic dependent launch: the block waits for the previous kernel (griddepcontrol.wait)
     # before its loads and lets the next one launch once they are issued.
     pdl: bool = True
+    # The output in e4m3 with its scales, in the same launch (fp8_rows): "none", "row" or "group" (FP8).
+    fp8: str = "none"
+
+    @property
+    def fp8_group(self) -> int:
+        """Elements per scale of the fp8 output: 0 for a scale per row."""
+        return FP8[self.fp8] or 0
 
     @property
     def vec(self) -> int:
@@ -130,6 +141,18 @@ class RMSNormConfig(KernelConfig):
             raise ValueError(f"unsupported warps per block {self.warps}")
         if self.cache_hint not in CACHE_HINTS:
             raise ValueError(f"unknown cache hint {self.cache_hint!r}")
+        check_fp8(self.fp8, self.hidden)
+
+
+def check_fp8(fp8: str, hidden: int) -> None:
+    """ValueError unless the kernel quantizes rows of `hidden` elements as `fp8` (a key of FP8) says: e4m3
+    rows of whole 16-byte vectors, and groups that divide the row."""
+    if fp8 not in FP8:
+        raise ValueError(f"fp8 must be one of {sorted(FP8)}, got {fp8!r}")
+    if fp8 != "none" and hidden % 16:
+        raise ValueError(f"an e4m3 output takes hidden sizes that are multiples of 16 (16-byte rows), got {hidden}")
+    if FP8[fp8] and hidden % FP8[fp8]:
+        raise ValueError(f"group_size {FP8[fp8]} does not divide the hidden size {hidden}")
 
 
 def config_for(shape: RMSNormShape, sms: int | None = None) -> RMSNormConfig:
@@ -161,13 +184,24 @@ def variants_for(models: Iterable[ModelDims] | None = None, modes: Iterable[str]
         shapes = [RMSNormShape(0, n, dt, wdt, res) for n in MODEL_HIDDEN for dt in TORCH_DTYPE
                   for wdt in dict.fromkeys((dt, "fp32")) for res in (False, True)]
     else:
-        shapes = [RMSNormShape(0, m.hidden, m.dtype, wdt, res)
+        shapes = [RMSNormShape(0, m.hidden, m.dtype, wdt, res, fp8=fp8)
                   for m in models if 0 < m.hidden <= MAX_HIDDEN and m.hidden % checks.vector_elems(m.dtype) == 0
-                  for wdt in dict.fromkeys((m.dtype, "fp32")) for res in (False, True)]
+                  for wdt in dict.fromkeys((m.dtype, "fp32")) for res in (False, True) for fp8 in _fp8_outputs(m)]
     modes = set(modes)
     return list(dict.fromkeys(_config(s, mode) for s in shapes for mode in all_modes(OP) if mode.name in modes))
 
 
+def _fp8_outputs(model: ModelDims) -> list[str]:
+    """The outputs the norms of `model` write: theirs, and, for a model run in FP8 (rosekernels.hf), the e4m3
+    activations of its linear layers (per 1 x 128 group for block-scaled weights, else per row)."""
+    fp8 = "none" if model.fp8 == "none" else "group" if model.fp8 == "block" else "row"
+    try:
+        check_fp8(fp8, model.hidden)
+    except ValueError:
+        return ["none"]
+    return list(dict.fromkeys(["none", fp8]))
+
+
 def _config(shape: RMSNormShape, mode: Mode) -> RMSNormConfig:
     return RMSNormConfig(shape.dtype, shape.weight_dtype or shape.dtype, int(shape.hidden), bool(shape.residual),
-                         float(shape.eps), mode.name, mode.warps, mode.cache_hint, bool(shape.pdl))
+                         float(shape.eps), mode.name, mode.warps, mode.cache_hint, bool(shape.pdl), shape.fp8)

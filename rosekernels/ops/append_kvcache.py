@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from rosekernels import checks, launch, modes, tuned
+from rosekernels import checks, fp8, launch, modes, tuned
 from rosekernels.kernels import append_kvcache as kernel
 from rosekernels.kernels.append_kvcache_plan import DTYPES, HEAD_DIMS, OP, AppendShape, config_for
 
@@ -16,7 +16,26 @@ from rosekernels.kernels.append_kvcache_plan import DTYPES, HEAD_DIMS, OP, Appen
 # ---------------------------------------------------------------------------------------------
 # Argument checks (the slow path: first call per signature, and after any launch failure).
 
-def _validate(k_cache, v_cache, k, v, cache_seqlens, block_table) -> None:
+def check_descales(k_descale, v_descale, fp8_cache: bool, kv_heads: int) -> None:
+    """An e4m3 cache's descales: fp32, one value or one per KV head ([1] or [Hkv]); none for another cache."""
+    if not fp8_cache:
+        if k_descale is not None or v_descale is not None:
+            raise ValueError("k_descale and v_descale are for e4m3 (float8_e4m3fn) caches")
+        return
+    for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"an e4m3 cache needs {name}: a float32 tensor of 1 or {kv_heads} (KV heads) values")
+        checks.check_dtype(name, t, (torch.float32,))
+        if t.dim() > 1 or t.numel() not in (1, kv_heads):
+            raise ValueError(f"{name} has shape {list(t.shape)}; expected [1] (per tensor) or [{kv_heads}] (per KV head)")
+
+
+def per_head(descale: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """A checked descale as the kernels read it: [Hkv], one value broadcast with stride 0."""
+    return descale.reshape(-1).expand(kv_heads)
+
+
+def _validate(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale=None, v_descale=None) -> None:
     named = dict(k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table)
     for name, t in named.items():
         if not (t is None and name == "block_table") and not isinstance(t, torch.Tensor):
@@ -24,9 +43,11 @@ def _validate(k_cache, v_cache, k, v, cache_seqlens, block_table) -> None:
     for name in ("k_cache", "v_cache", "k", "v"):
         if named[name].dim() != 4:
             raise ValueError(f"{name} must be 4-D, got shape {list(named[name].shape)}")
-    checks.check_dtype("k_cache", k_cache, DTYPES)
-    for name in ("v_cache", "k", "v"):
-        checks.check_dtype(name, named[name], (k_cache.dtype,))
+    checks.check_dtype("k_cache", k_cache, (*DTYPES, fp8.E4M3))
+    fp8_cache = k_cache.dtype == fp8.E4M3  # new tokens of any float dtype, quantized on the way in
+    checks.check_dtype("v_cache", v_cache, (k_cache.dtype,))
+    checks.check_dtype("k", k, DTYPES if fp8_cache else (k_cache.dtype,))
+    checks.check_dtype("v", v, (k.dtype,))
     checks.check_dtype("cache_seqlens", cache_seqlens, (torch.int32,))
     B, _, Hkv, d = k.shape
     if d not in HEAD_DIMS:
@@ -46,6 +67,7 @@ def _validate(k_cache, v_cache, k, v, cache_seqlens, block_table) -> None:
         raise ValueError(f"the cache holds no rows: k_cache {list(k_cache.shape)}")
     if k.numel() >= 2**31 or max(k_cache.shape[:2]) >= 2**31:
         raise ValueError("too many rows for 32-bit indexing")
+    check_descales(k_descale, v_descale, fp8_cache, Hkv)
     checks.check_vectors(dict(k_cache=k_cache, v_cache=v_cache, k=k, v=v), ("k_cache", "v_cache"),
                          cache_seqlens=cache_seqlens, block_table=block_table)
 
@@ -59,40 +81,51 @@ _plans = launch.PlanCache()
 class _Plan(launch.Launch):
     """The kernel of one signature; contiguous caches pass a placeholder table of their own."""
 
-    def __init__(self, fn, device: int, paged: bool):
+    def __init__(self, fn, device: int, paged: bool, fp8_heads: int | None):
         super().__init__(fn, device)
         self.unused_table = None if paged else kernel.unread_table(f"cuda:{device}")
+        self.fp8_heads = fp8_heads  # an e4m3 cache's KV heads (its descales per head); None: another cache
 
-    def launch(self, k_cache, v_cache, k, v, cache_seqlens, block_table) -> None:
-        launch.on_device(self.device, self.fn, k_cache, v_cache, k, v, cache_seqlens,
-                         self.unused_table if block_table is None else block_table)
+    def launch(self, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale=None, v_descale=None) -> None:
+        table = self.unused_table if block_table is None else block_table
+        if self.fp8_heads is None:
+            launch.on_device(self.device, self.fn, k_cache, v_cache, k, v, cache_seqlens, table)
+        else:
+            launch.on_device(self.device, self.fn, k_cache, v_cache, k, v, cache_seqlens, table,
+                             per_head(k_descale, self.fp8_heads), per_head(v_descale, self.fp8_heads))
 
 
-def _new_plan(k_cache, v_cache, k, v, cache_seqlens, block_table) -> launch.Launch:
+def _new_plan(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale) -> launch.Launch:
     """Slow path, once per signature: validate everything, pick and load the kernel."""
-    _validate(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    _validate(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
     device = k.device.index
     if not k.numel():
         return launch.nothing(device)
-    shape = AppendShape.of(k, block_table)
+    fp8_cache = k_cache.dtype == fp8.E4M3
+    shape = AppendShape.of(k, block_table, fp8_cache)
     sms = modes.sm_count(device)
-    return _Plan(kernel.compile(tuned.tuned_config(kernel, shape, config_for(shape, sms), sms)).fn, device, shape.paged)
+    return _Plan(kernel.compile(tuned.tuned_config(kernel, shape, config_for(shape, sms), sms)).fn, device, shape.paged,
+                 k.shape[2] if fp8_cache else None)
 
 
 def _run(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_seqlens: torch.Tensor,
-         block_table: torch.Tensor | None) -> None:
+         block_table: torch.Tensor | None, k_descale: torch.Tensor | None = None,
+         v_descale: torch.Tensor | None = None) -> None:
     # What the plan depends on (the compiled host code checks the strides, alignment and the
     # agreement of sizes on each call).
-    key = (k_cache.shape, k.shape, k.dtype, k.get_device(), cache_seqlens.dtype,
-           None if block_table is None else block_table.dtype)
-    plan = _plans.get(key) or _plans.put(key, _new_plan(k_cache, v_cache, k, v, cache_seqlens, block_table))
+    key = (k_cache.shape, k.shape, k.dtype, k_cache.dtype, k.get_device(), cache_seqlens.dtype,
+           None if block_table is None else block_table.dtype,
+           None if k_descale is None else (k_descale.shape, k_descale.dtype),
+           None if v_descale is None else (v_descale.shape, v_descale.dtype))
+    plan = _plans.get(key) or _plans.put(key, _new_plan(k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                                        k_descale, v_descale))
     if 0 in k_cache.stride() or 0 in v_cache.stride():  # maybe expanded, which the compiled checks let through
-        _validate(k_cache, v_cache, k, v, cache_seqlens, block_table)
+        _validate(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
     try:
-        plan.launch(k_cache, v_cache, k, v, cache_seqlens, block_table)
+        plan.launch(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
     except Exception:
         # The compiled host code raises before launching; the full checks say what is wrong.
-        _validate(k_cache, v_cache, k, v, cache_seqlens, block_table)
+        _validate(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
         raise
 
 
@@ -100,14 +133,20 @@ launch.register_op(OP, _run, mutates_args=("k_cache", "v_cache"))
 
 
 def append_kvcache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None) -> None:
+                   cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,
+                   k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None) -> None:
     """Write k, v [B, S_new, Hkv, d] (d in 64/128/256) into k_cache, v_cache at positions
     cache_seqlens[b] + i, in place, in one launch (see the module docstring for the layouts and what
     is skipped). Nothing syncs; cache_seqlens is not changed. Graph-capturable; under torch.compile
-    the call goes through the custom op rosekernels::append_kvcache."""
-    if launch.eager(k_cache, v_cache, k, v, cache_seqlens, block_table):
-        _run(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    the call goes through the custom op rosekernels::append_kvcache.
+
+    e4m3 caches (torch.float8_e4m3fn, 16-byte aligned rows): k and v of any float dtype are quantized on
+    the way in, cache = e4m3(x / descale) (saturating), with k_descale and v_descale fp32 of one value or
+    one per KV head ([1] or [Hkv]): what attention_with_kvcache multiplies the cache by."""
+    tensors = (k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
+    if launch.eager(*tensors):
+        _run(*tensors)
     elif all(isinstance(t, torch.Tensor) for t in (k_cache, v_cache, k, v, cache_seqlens)):  # traced, fake, meta
-        torch.ops.rosekernels.append_kvcache(k_cache, v_cache, k, v, cache_seqlens, block_table)
+        torch.ops.rosekernels.append_kvcache(*tensors)
     else:
-        _validate(k_cache, v_cache, k, v, cache_seqlens, block_table)  # raises, naming the argument
+        _validate(*tensors)  # raises, naming the argument

@@ -12,6 +12,9 @@ causal aligned bottom-right to that count (query row s sees keys < cache_seqlens
   tile_n is 64 keys at d = 128 and 128 at d = 64); others are refused.
 Out [B, S_q, Hq, d]; lse [B, Hq, S_q] fp32, natural log; a row that sees no key (a sequence of length 0,
 or causal rows before its first key) gets out 0 and lse -inf.
+- e4m3 caches (torch.float8_e4m3fn, both; 16-byte aligned strides): the cache holds k / k_descale and
+  v / v_descale (append_kvcache writes it so), k_descale and v_descale fp32 of one value or one per KV head
+  ([1] or [Hkv]): the scores are (q . k_cache) * k_descale * softmax_scale and the output is times v_descale.
 
 What the kernel does with bad device data, which eager calls cannot see without a sync: a length is
 clamped to [0, capacity] (S_max, or max_blocks * block_size); a block id outside [0, num_blocks) is never
@@ -28,18 +31,19 @@ import dataclasses
 
 import torch
 
-from rosekernels import checks, launch, modes, scratch
+from rosekernels import checks, fp8, launch, modes, scratch
 from rosekernels.kernels.attention_common import MAX_INDEX, TORCH_DTYPES, check_operand, scale_of, tma_view
 from rosekernels.kernels.attention_decode_plan import (
     MAX_SEQLEN_Q, DecodeConfig, DecodeShape, kvcache_config_for, page_rows_for, tile_n_for)
 from rosekernels.kernels.attention_plan import HEAD_DIMS
+from rosekernels.ops.append_kvcache import check_descales, per_head
 from rosekernels.ops.attention import SplitLaunch
 
 _plans = launch.PlanCache()
 
 
 def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, out, softmax_scale,
-                     pointers: bool = True) -> float:
+                     pointers: bool = True, k_descale=None, v_descale=None) -> float:
     """Check every argument of attention_with_kvcache before any launch, without reading device data
     (shapes first, then devices and memory layout); return the softmax scale. pointers=False (traced
     calls: no data pointers yet) checks the strides' alignment only; the compiled launch checks the
@@ -55,9 +59,10 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, out, softm
         if t is not None and t.dim() != 4:
             raise ValueError(f"{name} must be 4-D, got shape {list(t.shape)}")
     checks.check_dtype("q", q, TORCH_DTYPES)
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
-        if t is not None:
-            checks.check_dtype(name, t, (q.dtype,))
+    checks.check_dtype("k_cache", k_cache, (q.dtype, fp8.E4M3))
+    checks.check_dtype("v_cache", v_cache, (k_cache.dtype,))
+    if out is not None:
+        checks.check_dtype("out", out, (q.dtype,))
     checks.check_dtype("cache_seqlens", cache_seqlens, (torch.int32,))
     B, S_q, Hq, d = q.shape
     if d not in HEAD_DIMS:
@@ -90,12 +95,13 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, out, softm
         raise ValueError(f"batch ({B}) and KV heads ({Hkv}) must each be at most 65535 (grid limits)")
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"the number of query heads ({Hq}) must be a multiple of the KV heads ({Hkv})")
+    check_descales(k_descale, v_descale, k_cache.dtype == fp8.E4M3, Hkv)
     scale = scale_of(d, softmax_scale)
     for name, t in named:
         if t is not None:  # the int32 tables are read as scalars: no vector alignment
             check_operand(name, t, pointers, vectors=t.dtype != torch.int32)
     checks.check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
-                             block_table=block_table, out=out)
+                             block_table=block_table, out=out, k_descale=k_descale, v_descale=v_descale)
     return scale
 
 
@@ -145,16 +151,21 @@ class KVCacheLaunch(SplitLaunch):
         # A contiguous cache reads no table: any int32 [*, 1] stands in.
         self.no_table = None if cfg.paged else scratch.unread_float32(self.device).view(torch.int32)[:1].view(1, 1)
         self.causal_offset = -shape.seqlen_q if shape.causal else 0  # row s sees keys < len - S_q + 1 + s
+        self.kv_heads = shape.heads_kv
 
-    def launch(self, q, k_cache, v_cache, out, lse, cache_seqlens, block_table) -> None:
+    def launch(self, q, k_cache, v_cache, out, lse, cache_seqlens, block_table, k_descale=None,
+               v_descale=None) -> None:
         if self.views:
             q, k_cache, v_cache, out = (tma_view(t) for t in (q, k_cache, v_cache, out))
         if self.no_table is not None:
             block_table = self.no_table
         if self.int_views:
             cache_seqlens, block_table = _unit_strides(cache_seqlens), _unit_strides(block_table)
+        descales = ()
+        if self.cfg.kv_fp8:
+            descales = (per_head(k_descale, self.kv_heads), per_head(v_descale, self.kv_heads))
         launch.on_device(self.device, self.fn, q, k_cache, v_cache, out, lse, *self.workspace(), cache_seqlens,
-                         block_table, self.scale_log2, self.causal_offset, self.num_splits, self.per)
+                         block_table, self.scale_log2, self.causal_offset, self.num_splits, self.per, *descales)
 
 
 def plan_kvcache(q, k_cache, v_cache, out, cache_seqlens, block_table, causal: bool, scale: float,
@@ -164,7 +175,7 @@ def plan_kvcache(q, k_cache, v_cache, out, cache_seqlens, block_table, causal: b
     `splits` forces the number of KV chunks."""
     shape = DecodeShape.of_cache(q, k_cache, block_table, causal, enable_pdl)
     block_size = None if block_table is None else k_cache.shape[1]
-    cfg = kvcache_config_for(shape, block_size, modes.sm_count(q.device.index))
+    cfg = kvcache_config_for(shape, block_size, modes.sm_count(q.device.index), k_cache.dtype == fp8.E4M3)
     if splits is not None:
         cfg = dataclasses.replace(cfg, splits=splits)
     return KVCacheLaunch(cfg, shape, q, k_cache, v_cache, out, cache_seqlens, block_table, scale, private_scratch)
@@ -172,20 +183,22 @@ def plan_kvcache(q, k_cache, v_cache, out, cache_seqlens, block_table, causal: b
 
 def _attention_with_kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, out: torch.Tensor,
-                               lse: torch.Tensor, causal: bool, softmax_scale: float, enable_pdl: bool = True) -> None:
+                               lse: torch.Tensor, causal: bool, softmax_scale: float, enable_pdl: bool = True,
+                               k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None) -> None:
     """The registered op (torch.compile, tensor subclasses): validated arguments, B >= 1, TMA views."""
     plan_kvcache(q, k_cache, v_cache, out, cache_seqlens, block_table, causal, softmax_scale,
                  private_scratch=True, enable_pdl=enable_pdl).launch(
-        q, k_cache, v_cache, out, lse, cache_seqlens, block_table)
+        q, k_cache, v_cache, out, lse, cache_seqlens, block_table, k_descale, v_descale)
 
 
 launch.register_op("attention_with_kvcache", _attention_with_kvcache_op, mutates_args=("out", "lse"))
 
 
 def _new_plan(q, k_cache, v_cache, cache_seqlens, block_table, out, causal: bool, softmax_scale,
-              enable_pdl: bool) -> launch.Launch:
+              enable_pdl: bool, k_descale, v_descale) -> launch.Launch:
     """The slow path, once per argument signature: every check, then the kernel's plan."""
-    scale = validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, out, softmax_scale)
+    scale = validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, out, softmax_scale, True, k_descale,
+                             v_descale)
     if not q.numel():
         return launch.nothing(q.device.index)
     return plan_kvcache(q, k_cache, v_cache, out, cache_seqlens, block_table, causal, scale,
@@ -195,7 +208,8 @@ def _new_plan(q, k_cache, v_cache, cache_seqlens, block_table, out, causal: bool
 def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,
                            softmax_scale: float | None = None, causal: bool = True, out: torch.Tensor | None = None,
-                           return_lse: bool = False, check: bool = False, enable_pdl: bool = True):
+                           return_lse: bool = False, check: bool = False, enable_pdl: bool = True,
+                           k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None):
     """softmax(q k^T * softmax_scale [causal, bottom-right per sequence]) v over each sequence's first
     cache_seqlens[b] cached keys; see the module docstring for the layouts.
 
@@ -205,7 +219,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     check=True reads them first and raises on a length outside the cache or a block id out of range
     that a sequence uses (a sync per call: debugging). Eager calls on plain tensors skip the torch
     dispatcher; under torch.compile the kernel runs through the op rosekernels::attention_with_kvcache.
-    enable_pdl: launch with programmatic dependent launch (as attention's).
+    enable_pdl: launch with programmatic dependent launch (as attention's). k_descale, v_descale: an e4m3
+    cache's (module docstring).
     """
     causal, enable_pdl = bool(causal), bool(enable_pdl)
     eager = launch.eager(q, k_cache, v_cache, cache_seqlens, block_table, out)
@@ -217,15 +232,17 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype,
                                                  block_table.get_device()),
                None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()), causal, softmax_scale,
-               enable_pdl)
+               enable_pdl, None if k_descale is None else (k_descale.shape, k_descale.dtype, k_descale.get_device()),
+               None if v_descale is None else (v_descale.shape, v_descale.dtype, v_descale.get_device()))
         plan = _plans.get(key)
         # A cached plan still needs 16-byte aligned pointers (if not, the full checks say which is not).
         if plan is None or (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()
                             | (0 if out is None else out.data_ptr())) % 16:
             plan = _plans.put(key, _new_plan(q, k_cache, v_cache, cache_seqlens, block_table, out, causal,
-                                             softmax_scale, enable_pdl))
+                                             softmax_scale, enable_pdl, k_descale, v_descale))
     else:
-        scale = validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, out, softmax_scale, pointers=False)
+        scale = validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, out, softmax_scale, False,
+                                 k_descale, v_descale)
     if check:
         if not eager:
             raise ValueError("check=True reads the lengths and the block table on the host: eager calls only")
@@ -235,8 +252,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
     if eager:
-        plan.launch(q, k_cache, v_cache, out, lse, cache_seqlens, block_table)
+        plan.launch(q, k_cache, v_cache, out, lse, cache_seqlens, block_table, k_descale, v_descale)
     elif q.numel():
         torch.ops.rosekernels.attention_with_kvcache(*(tma_view(t) for t in (q, k_cache, v_cache)), cache_seqlens,
-                                                     block_table, tma_view(out), lse, causal, scale, enable_pdl)
+                                                     block_table, tma_view(out), lse, causal, scale, enable_pdl,
+                                                     k_descale, v_descale)
     return (out, lse) if return_lse else out

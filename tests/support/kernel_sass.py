@@ -29,3 +29,25 @@ def opcodes_and_global_memory(kernel, tmp_path) -> tuple[list[str], list[tuple[i
         return None
     ops = re.findall(r"^\s*/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text, re.M)
     return ops, [(i, o[:3]) for i, o in enumerate(ops) if o.startswith(("LDG", "STG"))]
+
+
+def loop_opcodes(text: str, marker: str) -> list[str]:
+    """The opcodes (predicates dropped) of the innermost loop of SASS `text` (nvdisasm -c) that holds an
+    instruction whose opcode starts with `marker`: from the target of the first backward branch past the
+    marker's first occurrence (a target at or before it) to that branch."""
+    labels, instructions = {}, []
+    for line in text.splitlines():
+        label = re.match(r"^(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(instructions)
+            continue
+        found = re.match(r"^\s*/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)$", line)
+        if found:
+            target = re.search(r"`\((\.L_x_\d+)\)", found.group(2))
+            instructions.append((found.group(1), target.group(1) if target else None))
+    first = next(i for i, (op, _) in enumerate(instructions) if op.startswith(marker))
+    for i in range(first, len(instructions)):
+        op, target = instructions[i]
+        if op == "BRA" and target in labels and labels[target] <= first:
+            return [o for o, _ in instructions[labels[target]:i + 1]]
+    raise AssertionError(f"no loop around {marker}")

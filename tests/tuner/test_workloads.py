@@ -14,7 +14,7 @@ from sip_tune import workloads
 SINGLE_MODE = {"attention": "prefill", "attention_decode": "decode"}
 # The size of each two-mode kernel that decides the mode, and a size of prefill mode (1 is decode).
 SIZE = {"qk_norm": "tokens", "rmsnorm": "rows", "moe_dispatch": "tokens", "moe_combine": "tokens",
-        "gemm_leakyrelu": "m", "grouped_gemm": "rows"}
+        "gemm_leakyrelu": "m", "grouped_gemm": "rows", "quantize_fp8": "rows", "gemm_fp8": "m"}
 PREFILL_SIZE = {"grouped_gemm": 1 << 16}  # 512 rows per expert of the default 128
 
 

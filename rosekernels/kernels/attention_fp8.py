@@ -1,0 +1,81 @@
+"""Device code of the split-KV decode kernel's e4m3 KV cache (attention_decode's KV-cache variants with
+`kv_fp8`); the kernel class inherits these methods and calls them only for such configs.
+
+The producer's TMA fills a ring of e4m3 K and V tiles (half the bytes of a bf16 cache: what decode
+attention is bound by). The MMA warps widen each tile, together, into one of two tiles of the query's
+dtype in shared memory (e4m3 values are exact in bf16 and fp16), V's rows past the sequence's end as
+zeros (the cache may hold NaN there), then run the bf16/fp16 mainloop on it unchanged: ldmatrix and
+mma.sync as for a cache of the query's dtype. One barrier of the MMA warps per tile separates a tile's
+widening from its MMAs; the two tiles alternate, so the next widening never overwrites a tile a warp may
+still read (every warp has passed the barrier after its last MMA on it). The descales are per KV head:
+k_descale multiplies the scores (folded into the softmax scale), v_descale the output (which the split
+combine takes as it is: it is linear in the partial outputs).
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from rosekernels.kernels.attention_decode_plan import MMA_WARPS
+
+VEC = 16  # e4m3 elements a thread widens at once (16 bytes in, 32 out)
+_BAR_MMA = 1  # the MMA warps' named barrier (attention_decode's)
+
+
+class Fp8KVTiles:
+    """The e4m3 KV cache's methods (a mixin of the KV-cache decode kernel)."""
+
+    def _fp8_layouts(self):
+        """(tiles, ring): shared-memory layouts of the two widened tiles (the query's dtype) and of the TMA
+        ring of e4m3 tiles, (tile_n, d, buffers or stages)."""
+        e4m3 = cutlass.Float8E4M3FN
+        atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, e4m3, self.d),
+                                               e4m3)
+        ring = cute.tile_to_shape(atom, (self.tile_n, self.d, self.stages), order=(0, 1, 2))
+        return self._smem_layout(buffers=2), ring
+
+    @cute.jit  # traced like __call__: the struct's annotations are evaluated there
+    def _set_fp8_storage(self, tiles_layout, ring_layout):
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            last: cute.struct.MemRange[Int32, 1]
+            row_stats: cute.struct.MemRange[Float32, 2 * self.ks * self.tile_m]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(tiles_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(tiles_layout)], 1024]
+            sK8: cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN, cute.cosize(ring_layout)], 1024]
+            sV8: cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN, cute.cosize(ring_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+    @cute.jit
+    def widen(self, sK8: cute.Tensor, sV8: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, stage: Int32, tile: Int32,
+              valid: Int32, tidx: Int32) -> Int32:
+        """Ring stage `stage` (e4m3) into tile `tile` of sK/sV (the query's dtype) by the MMA warps, V's rows from
+        `valid` on as zeros; returns `tile`, whose stage index the mainloop then reads."""
+        chunks = self.d // VEC
+        for it in cutlass.range(tidx, self.tile_n * chunks, 32 * MMA_WARPS, unroll=2):
+            row = it // chunks
+            col = it - row * chunks
+            self._widen_chunk(sK8, sK, stage, tile, row, col, None)
+            self._widen_chunk(sV8, sV, stage, tile, row, col, row < valid)
+        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=32 * MMA_WARPS)
+        return tile
+
+    @cute.jit
+    def _widen_chunk(self, src: cute.Tensor, dst: cute.Tensor, stage: Int32, tile: Int32, row: Int32, col: Int32,
+                     keep):
+        """VEC elements of a row: e4m3 from the ring to the tile in the query's dtype; zeros where `keep` (a
+        predicate, or None for always) is false: past the sequence's end P is 0, but 0 * NaN is not."""
+        narrow = cute.make_rmem_tensor((1, VEC), cutlass.Float8E4M3FN)
+        cute.autovec_copy(cute.local_tile(src[None, None, stage], (1, VEC), (row, col)), narrow)
+        wide = cute.make_rmem_tensor((1, VEC), self.dtype)
+        wide.store(narrow.load().to(self.dtype))
+        if cutlass.const_expr(keep is not None):
+            if not keep:
+                wide.fill(0.0)
+        cute.autovec_copy(wide, cute.local_tile(dst[None, None, tile], (1, VEC), (row, col)))

@@ -1,0 +1,290 @@
+"""rosekernels.hf.apply(model, fp8=...) without a GPU: the plan of the FP8 layers, the weights quantized once,
+and the FP8 glue (norms writing e4m3 activations, gemm_fp8 projections and MLP) run with stand-ins that
+follow the ops' documented contracts: the logits of the stock model within FP8's error. On a GPU:
+test_hf_gpu.py's FP8 test."""
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import rosekernels  # noqa: E402
+from rosekernels import fp8 as fp8_math, hf  # noqa: E402
+from rosekernels.kernels import gemm_fp8 as gk  # noqa: E402
+from rosekernels.kernels import rmsnorm as rms  # noqa: E402
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig  # noqa: E402
+
+TINY = dict(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            vocab_size=997, rms_norm_eps=1e-5)
+
+
+def _tiny(moe: bool, layers: int, **extra):
+    dims = {**TINY, **extra}
+    config = (Qwen3MoeConfig(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=96, norm_topk_prob=True,
+                             num_hidden_layers=layers, **dims) if moe
+              else Qwen3Config(num_hidden_layers=layers, **dims))
+    return hf.random_model(config, device="cpu")
+
+
+@pytest.mark.parametrize("scheme", sorted(fp8_math.WEIGHT_SCHEMES))
+def test_plan_lists_the_fp8_layers(scheme):
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf.model_config("qwen3-8b", 3), dtype=torch.bfloat16)
+    p = hf.plan(model, fp8=scheme)
+    layers = tuple(f"model.layers.{i}" for i in range(3))
+    assert p.fp8 == scheme and p.fp8_attention == layers and p.fp8_mlp == layers
+    assert "3 x q/k/v/o projections -> e4m3 weights" in str(p) and "3 x dense MLP -> e4m3" in str(p)
+    assert hf.plan(model).fp8_attention == () and "e4m3" not in str(hf.plan(model))
+    with pytest.raises(ValueError, match="fp8 must be None or one of"):
+        hf.plan(model, fp8="rowwise")
+
+
+def test_a_moe_model_keeps_its_experts_in_bf16():
+    p = hf.plan(_tiny(moe=True, layers=2), fp8="channel")
+    assert p.fp8_attention == ("model.layers.0", "model.layers.1") and p.fp8_mlp == ()
+
+
+def test_sizes_the_block_scheme_does_not_take_stay_in_bf16():
+    """An intermediate size that is no multiple of 128: the MLP's down projection has no whole 1 x 128 groups of
+    K, so with block scales the MLPs stay bf16; per channel they run in FP8."""
+    model = _tiny(moe=False, layers=1, intermediate_size=400)
+    assert hf.plan(model, fp8="block").fp8_mlp == () and hf.plan(model, fp8="channel").fp8_mlp == ("model.layers.0",)
+
+
+# ---------------------------------------------------------------------------------------------
+# The glue, with stand-ins for the ops (their documented contracts, in torch).
+
+def _quantize_fp8(x, group_size=None, out=None, scales=None, enable_pdl=True):
+    q, s = fp8_math.quantize(x.reshape(-1, x.shape[-1]).float(), 1, group_size)
+    return q.view(x.shape), s.view(*x.shape[:-1], *s.shape[1:])
+
+
+def _gemm_fp8(a, a_scale, w, w_scale, bias=None, activation=None, gated=False, out_dtype=torch.bfloat16,
+              negative_slope=0.01, out=None, enable_pdl=True):
+    return gk.reference(a, a_scale, w, w_scale, bias, activation or "none", gated).to(out_dtype)
+
+
+def _rmsnorm(x, weight, eps=1e-6, residual=None, out=None, residual_out=None, enable_pdl=True, fp8=False,
+             group_size=None, scales=None):  # fp8: the op's argument's name
+    y, h = rms.reference(x.reshape(-1, x.shape[-1]), weight, eps,
+                         None if residual is None else residual.reshape(-1, x.shape[-1]))
+    h = None if h is None else h.to(x.dtype).view(x.shape)
+    if not fp8:
+        y = y.to(x.dtype).view(x.shape)
+        return y if h is None else (y, h)
+    q, s = fp8_math.quantize(y.float(), 1, group_size)
+    q, s = q.view(x.shape), s.view(*x.shape[:-1], *s.shape[1:])
+    return (q, s) if h is None else (q, s, h)
+
+
+def _gemm_standin(a, w, bias=None, activation=None, gated=False):
+    from rosekernels.kernels.gemm_leakyrelu import epilogue_reference
+
+    y = a.float() @ w.float().t() + (0 if bias is None else bias.float())
+    return epilogue_reference(y, activation or "none", gated).to(a.dtype)
+
+
+@pytest.fixture
+def standins(monkeypatch):
+    for name, fn in (("quantize_fp8", _quantize_fp8), ("gemm_fp8", _gemm_fp8), ("rmsnorm", _rmsnorm),
+                     ("gemm", _gemm_standin)):
+        monkeypatch.setattr(rosekernels, name, fn, raising=False)
+    monkeypatch.setattr(hf, "_gemm_refusal", lambda *args: None)
+
+
+@pytest.mark.parametrize("scheme", sorted(fp8_math.WEIGHT_SCHEMES))
+def test_an_fp8_model_computes_the_stock_logits_within_fp8_error(standins, scheme):
+    """Two dense layers in FP8 (weights quantized once, the activations by the norms and by quantize_fp8) against
+    the stock bf16 model on the same input: every position's logits within cosine 0.99 (the issue's bar), the
+    weights e4m3 and the bf16 ones gone, the calls counted."""
+    stock = _tiny(moe=False, layers=2).to(torch.bfloat16)
+    ours = copy.deepcopy(stock)
+    p = hf.plan(ours, fp8=scheme)
+    hf._swap(ours, p)
+    layer = ours.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, hf.Fp8Linear) and layer.self_attn.q_proj.weight.dtype == fp8_math.E4M3
+    assert not hasattr(layer.mlp, "gate_up_weight") and layer.mlp.gate_up_fp8.gated
+    assert layer.fp8_attention == layer.fp8_mlp == ("group" if scheme == "block" else "row")
+    keys = ours.state_dict().keys()
+    assert "model.layers.0.mlp.gate_up_fp8.weight_scale" in keys and "model.layers.0.self_attn.q_proj.weight" in keys
+    ids = torch.randint(0, TINY["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(4))
+    hf.reset_stats()
+    with torch.inference_mode():
+        got, want = ours(ids).logits.float(), stock(ids).logits.float()
+    cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+    assert cos.min() >= 0.99, f"{scheme}: min cosine {cos.min():.4f}"
+    stats = hf.stats()
+    assert stats["rmsnorm+fp8"] == 2 and stats["rmsnorm+residual+fp8"] == 2 and stats["mlp_fp8"] == 2
+    assert stats["gemm_fp8"] == 2 * (4 + 2) and "gemm" not in stats and "mlp" not in stats
+
+
+def test_apply_with_fp8_refuses_without_a_gpu_and_changes_nothing():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    model = _tiny(moe=False, layers=1)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError, match="sm_90 GPU"):
+        hf.apply(model, fp8="block")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_warmup_specs_add_the_fp8_kernels():
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf.model_config("qwen3-8b", 1), dtype=torch.bfloat16)
+    plain = {c.variant().op for c in hf.warmup_specs(model)}
+    specs = hf.warmup_specs(model, fp8="block")
+    ops = {c.variant().op for c in specs}
+    assert "gemm_fp8" not in plain and "quantize_fp8" not in plain
+    assert {"gemm_fp8", "quantize_fp8"} <= ops
+    assert {c.scales for c in specs if c.variant().op == "gemm_fp8"} == {"block"}
+    assert {c.fp8 for c in specs if c.variant().op == "rmsnorm"} == {"none", "group"}
+    assert {c.eps for c in specs if c.variant().op == "rmsnorm"} == {1e-6}
+
+
+# ---------------------------------------------------------------------------------------------
+# The e4m3 KV cache (Fp8StaticCache), with stand-ins for append_kvcache and attention_with_kvcache.
+
+def _append(k_cache, v_cache, k, v, cache_seqlens, block_table=None, k_descale=None, v_descale=None):
+    """append_kvcache's contract on a contiguous e4m3 cache: token i of sequence b at row cache_seqlens[b] + i,
+    quantized as e4m3(x / descale)."""
+    for b, start in enumerate(cache_seqlens.tolist()):
+        rows = slice(start, start + k.shape[1])
+        k_cache[b, rows] = (k[b].float() / k_descale.float()).to(fp8_math.E4M3)
+        v_cache[b, rows] = (v[b].float() / v_descale.float()).to(fp8_math.E4M3)
+
+
+def _attend(q, k_cache, v_cache, cache_seqlens, softmax_scale=None, k_descale=None, v_descale=None):
+    """attention_with_kvcache's contract: causal, bottom-right, over each sequence's first cache_seqlens[b] keys
+    (of an e4m3 cache: dequantized)."""
+    outs = []
+    for b, n in enumerate(cache_seqlens.tolist()):
+        k, v = (c[b:b + 1, :n].float() * (1.0 if d is None else d.float())
+                for c, d in ((k_cache, k_descale), (v_cache, v_descale)))
+        qb = q[b:b + 1].float().transpose(1, 2)
+        k, v = (t.transpose(1, 2).repeat_interleave(qb.shape[1] // t.shape[2], 1) for t in (k, v))
+        mask = torch.ones(qb.shape[2], n, dtype=torch.bool).tril(n - qb.shape[2])
+        outs.append(torch.nn.functional.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=softmax_scale)
+                    .transpose(1, 2).to(q.dtype))
+    return torch.cat(outs)
+
+
+def test_an_fp8_cache_decodes_as_the_bf16_one_within_fp8_error(monkeypatch):
+    """A prefill into an Fp8StaticCache then decode steps: the cache holds e4m3 (quantized on the way in), each
+    decode step's attention reads it with its descales, and the logits stay within cosine 0.99 of the same
+    steps on a bf16 StaticCache."""
+    from transformers import StaticCache
+
+    monkeypatch.setattr(rosekernels, "append_kvcache", _append, raising=False)
+    monkeypatch.setattr(rosekernels, "attention_with_kvcache", _attend, raising=False)
+    monkeypatch.setattr(rosekernels, "attention", lambda q, k, v, causal, softmax_scale: torch.nn.functional
+                        .scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal,
+                                                      scale=softmax_scale, enable_gqa=True).transpose(1, 2),
+                        raising=False)
+    real = hf._attention_refusal
+    monkeypatch.setattr(hf, "_attention_refusal", lambda *a: None if real(*a) == "device" else real(*a))
+    model = _tiny(moe=False, layers=2).to(torch.bfloat16)
+    hf._swap(model, hf.plan(model))
+    ids = torch.randint(0, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(6))
+    logits = []
+    for cache in (StaticCache(config=model.config, max_cache_len=32),
+                  hf.Fp8StaticCache(config=model.config, max_cache_len=32, k_descale=0.5)):
+        hf.reset_stats()
+        with torch.inference_mode():
+            model(ids[:, :9], past_key_values=cache, use_cache=True)
+            steps = [model(ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits for i in range(9, 12)]
+        logits.append(torch.cat(steps, 1).float())
+        fp8_cache = isinstance(cache, hf.Fp8StaticCache)
+        if fp8_cache:
+            layer = cache.layers[0]
+            assert layer.keys.dtype == fp8_math.E4M3 and layer.keys._rosekernels_descales[0].item() == 0.5
+            assert int(layer.cumulative_length) == 12
+        # Two layers x (the 9-token prefill, whose mask transformers leaves out: the dequantized cache on the
+        # split-KV kernel; 3 decode steps, marked: the e4m3 cache's path).
+        attention = {k: v for k, v in hf.stats().items() if "attention" in k}
+        assert attention == ({"attention_decode": 2, "attention_decode_fp8": 2 * 3} if fp8_cache
+                             else {"attention_decode": 2 * 4})
+    cos = torch.nn.functional.cosine_similarity(logits[0], logits[1], dim=-1)
+    assert cos.min() >= 0.99, f"min cosine {cos.min():.4f}"
+
+
+def test_the_fp8_cache_refuses_other_layer_kinds():
+    config = _tiny(moe=False, layers=2).config
+    config.layer_types = ["sliding_attention", "full_attention"]
+    config.sliding_window = 8
+    with pytest.raises(ValueError, match="full-attention layers only"):
+        hf.Fp8StaticCache(config=config, max_cache_len=16)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the patched model on the kernels against the stock bf16 model.
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+def test_fp8_qwen3_8b_geometry_matches_stock_bf16(scheme):
+    """Two layers of Qwen3-8B's geometry with random weights: prefill logits at every position within cosine 0.99
+    of the stock bf16 model's (the issue's bar), then a decode step on a static cache in a CUDA graph (the
+    fp8 norms and GEMMs at decode shapes) against stock on the same tokens."""
+    from transformers import StaticCache
+
+    stock = hf.random_model("qwen3-8b", 2, seed=3)
+    ours = copy.deepcopy(stock)
+    hf.warmup(ours, fp8=scheme)
+    hf.apply(ours, fp8=scheme)
+    assert isinstance(ours.model.layers[1].mlp.down_proj, hf.Fp8Linear)
+    ids = torch.randint(0, 151936, (2, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    hf.reset_stats()
+    with torch.inference_mode():
+        got, want = ours(ids).logits, stock(ids).logits
+    cos = torch.nn.functional.cosine_similarity(got.float(), want.float(), dim=-1)
+    assert cos.min().item() >= 0.99, f"{scheme}: min cosine {cos.min().item():.4f}"
+    assert hf.stats()["gemm_fp8"] == 2 * 6 and "gemm" not in hf.stats()
+    logits = []
+    for model in (ours, stock):
+        cache = StaticCache(config=model.config, max_cache_len=64)
+        with torch.inference_mode():
+            model(ids[:, :32], past_key_values=cache, use_cache=True)
+            step = ids[:, 32:33].clone()
+            position = torch.full((1,), 32, device="cuda")
+            model(step, past_key_values=cache, cache_position=position, use_cache=True)  # compiles, warms
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = model(step, past_key_values=cache, cache_position=position, use_cache=True).logits
+            graph.replay()
+            torch.cuda.synchronize()
+            logits.append(out.clone())
+    step_cos = torch.nn.functional.cosine_similarity(logits[0].float(), logits[1].float(), dim=-1)
+    assert step_cos.min().item() >= 0.99, f"{scheme} decode step: min cosine {step_cos.min().item():.4f}"
+
+
+@pytest.mark.gpu
+def test_fp8_weights_and_kv_cache_decode_in_a_cuda_graph():
+    """Qwen3-8B's geometry, two layers, FP8 weights and an Fp8StaticCache: a decode step of B = 4 after a 40-token
+    prefill, captured in a CUDA graph, within cosine 0.99 of the stock bf16 model's on a bf16 StaticCache; the
+    step's attention read the e4m3 cache (its kernel path counted)."""
+    from transformers import StaticCache
+
+    stock = hf.random_model("qwen3-8b", 2, seed=5)
+    ours = copy.deepcopy(stock)
+    hf.warmup(ours, fp8="channel", fp8_kv_cache=True)
+    hf.apply(ours, fp8="channel")
+    ids = torch.randint(0, 151936, (4, 41), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    logits = []
+    for model, cache in ((ours, hf.Fp8StaticCache(config=ours.config, max_cache_len=64)),
+                         (stock, StaticCache(config=stock.config, max_cache_len=64))):
+        with torch.inference_mode():
+            model(ids[:, :40], past_key_values=cache, use_cache=True)
+            position = torch.full((1,), 40, device="cuda")
+            step = ids[:, 40:41]
+            graph = torch.cuda.CUDAGraph()
+            model(step, past_key_values=cache, cache_position=position, use_cache=True)  # warm, outside the capture
+            hf.reset_stats()
+            with torch.cuda.graph(graph):
+                out = model(step, past_key_values=cache, cache_position=position, use_cache=True).logits
+            graph.replay()  # both arms: the step's token again, at position 41
+            torch.cuda.synchronize()
+            logits.append(out.clone())
+            if model is ours:
+                assert hf.stats().get("attention_decode_fp8") == 2
+    cos = torch.nn.functional.cosine_similarity(logits[0].float(), logits[1].float(), dim=-1)
+    assert cos.min().item() >= 0.99, f"min cosine {cos.min().item():.4f}"

@@ -1,0 +1,319 @@
+"""gemm_fp8: every tile family compiles for sm_90a with FP8 WGMMA (e4m3), TMA, no spills and the promotion of
+each k-tile's sums to fp32 inside the mainloop (CPU); argument errors before any launch (CPU); the reference
+and its check (CPU); results against the float64 reference on the dequantized operands (GPU). The plan is
+tested in test_gemm_fp8_plan.py."""
+import dataclasses
+import math
+import re
+
+import pytest
+import torch
+
+import rosekernels
+from kernel_sass import loop_opcodes, sass_of
+from rosekernels import checks, fp8
+from rosekernels.kernels import gemm_fp8 as gk
+from rosekernels.kernels import gemm_fp8_plan as plan
+from rosekernels.ops import gemm_fp8 as op
+
+E4M3, BF16, FP16, FP32 = torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32
+C = plan.Fp8GemmConfig
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: compilation.
+
+def _families(scales):
+    """A config of every tile family: swapped 64 / 128 weight rows (8 .. 128 tokens, clusters), plain decode
+    tiles loading a_rows of A or whole ones (clusters), prefill cooperative and pingpong; epilogues."""
+    d = dict(split_k=True, cluster_m=1, activation="none", scales=scales)
+    return [C(tile_m=64, tile_n=8, swap_ab=True, **d),
+            C(tile_m=64, tile_n=128, swap_ab=True, **d),
+            C(tile_m=128, tile_n=32, swap_ab=True, **{**d, "activation": "silu"}, gated=True, bias="fp32"),
+            C(tile_m=64, tile_n=16, swap_ab=True, **{**d, "cluster_m": 4}),
+            C(tile_m=64, tile_n=64, swap_ab=True, **{**d, "cluster_n": 2}, bias="bf16"),
+            C(tile_m=64, tile_n=128, a_rows=8, **d),
+            C(tile_m=64, tile_n=64, a_rows=32, **{**d, "activation": "relu"}, gated=True),
+            C(tile_m=128, tile_n=128, **{**d, "cluster_n": 2}, dtype="fp16", bias="fp16"),
+            C(tile_m=64, tile_n=64, **{**d, "cluster_m": 2}),
+            C(tile_m=128, tile_n=128, activation="none", scales=scales),
+            C(tile_m=128, tile_n=64, pingpong=True, activation="gelu_tanh", gated=True, bias="bf16", scales=scales),
+            C(tile_m=128, tile_n=128, cluster_m=1, cluster_n=2, activation="leaky_relu", slope=0.2, scales=scales)]
+
+
+_CONFIGS = _families("rowcol") + _families("block")
+_CONFIGS += [c for c in gk.variants_for() if c not in _CONFIGS][:6]
+
+
+@pytest.mark.parametrize("cfg", _CONFIGS, ids=lambda c: c.variant().key())
+def test_compiles_with_fp8_wgmma_and_promotion(fresh_cache, cfg, tmp_path):
+    kernel = gk.compile(cfg)
+    assert kernel.variant == cfg.variant()
+    sass = sass_of(kernel, tmp_path)
+    if sass is None:
+        pytest.skip("nvdisasm not found: compiled, SASS not inspected")
+    ops = re.findall(r"^\s*/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
+    assert re.search(r"QGMMA\.64x\d+x32\.F32\.E4M3\.E4M3", sass), "no FP8 (e4m3) WGMMA"
+    assert "UTMALDG.2D" in ops and not {"LDL", "STL"} & set(ops), (cfg, sorted(set(ops)))
+    # Swapped tiles store out^T element by element from registers; the others through shared memory and TMA.
+    stores = ("STG.E.U16",) if cfg.swap_ab else ("UTMASTG", "STSM")
+    assert all(any(o.startswith(s) for o in ops) for s in stores), (stores, sorted(set(ops)))
+    # The mainloop: a k-tile's WGMMAs (4 of K = 32), the wait for them, then the promotion of every
+    # accumulator element of the thread: FADDs (rowcol) or FFMAs by the k-tile's scales (block), and for
+    # block scales the loads of those scales.
+    loop = loop_opcodes(sass, "QGMMA")
+    mma_m = cfg.tile_m // (64 * plan.bf16.wg_per_tile(cfg))  # 64-row WGMMAs a warpgroup's tile stacks
+    elements = mma_m * cfg.tile_n // 2  # of a thread's accumulator
+    qgmma = [i for i, o in enumerate(loop) if o.startswith("QGMMA")]
+    assert len(qgmma) == 4 * mma_m and "WARPGROUP.DEPBAR.LE" in loop[qgmma[-1]:]
+    after = loop[qgmma[-1]:]
+    promotion = "FADD" if cfg.scales == "rowcol" else "FFMA"
+    assert after.count(promotion) >= elements, (promotion, after.count(promotion), elements)
+    if cfg.scales == "block":
+        assert "LDG.E" in loop[:qgmma[0]], "the k-tile's scales are loaded before its WGMMAs"
+
+
+@pytest.mark.parametrize("a_rows", (8, 16, 32, 64))
+def test_a_smem_layouts_with_e4m3(a_rows):
+    """The TMA view of the A stages of an FP8 decode tile (128 e4m3 a row: one SW128 atom) is the first a_rows
+    rows of the WGMMA view; stages a_rows * 128 bytes apart keep the 1024-byte swizzle phase."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from rosekernels.kernels import gemm_leakyrelu as glr
+
+    cfg = C(tile_m=64, tile_n=128, cluster_m=1, split_k=True, a_rows=a_rows)
+    device = glr.GemmSm90(cfg)
+    assert device.tile_k == plan.TILE_K and device.ab_dtype is cutlass.Float8E4M3FN
+    stages = device.ab_stage
+    coords = [(r, c, s) for s in (0, 1, stages - 1) for r in range(a_rows) for c in (0, 1, 15, 16, 127)]
+    found = {}
+
+    @cute.jit
+    def check():
+        mma, load = glr._a_smem_layouts(cfg, cutlass.Float8E4M3FN, stages, plan.TILE_K)
+        found["load"] = [load.outer(c) for c in coords]
+        found["mma"] = [mma.outer(c) for c in coords]
+        found["starts"] = [mma.outer((0, 0, s)) for s in range(stages)]
+        found["swizzles"] = (str(mma.inner), str(load.inner))
+
+    cute.compile(check)
+    assert found["load"] == found["mma"] and found["swizzles"][0] == found["swizzles"][1]
+    assert found["starts"] == [s * a_rows * 128 for s in range(stages)]
+
+
+def test_module_follows_the_contract():
+    assert gk.Config is plan.Fp8GemmConfig and gk.Shape is plan.Fp8GemmShape
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: argument errors fire before anything runs (CPU tensors never reach a kernel: the device check
+# comes last, so every other error is reachable without a GPU).
+
+def _operands(m=4, n=16, k=128, scheme="channel", a_dtype=E4M3, **over):
+    a = torch.zeros(m, k, dtype=a_dtype)
+    w = torch.zeros(n, k, dtype=E4M3)
+    scales = {"tensor": (torch.ones(1), torch.ones(1)), "channel": (torch.ones(m), torch.ones(n)),
+              "block": (torch.ones(m, -(-k // 128)), torch.ones(-(-n // 128), -(-k // 128)))}[scheme]
+    args = dict(a=a, a_scale=scales[0], w=w, w_scale=scales[1])
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize("case, error, match", [
+    (_operands(), ValueError, "CUDA device"),
+    (_operands(scheme="tensor"), ValueError, "CUDA device"),
+    (_operands(scheme="block"), ValueError, "CUDA device"),
+    (_operands(a_dtype=BF16), TypeError, "a has dtype"),
+    (_operands(w=torch.zeros(16, 128, dtype=BF16)), TypeError, "w has dtype"),
+    (_operands(a_scale=torch.ones(4, dtype=torch.float64)), TypeError, "a_scale has dtype"),
+    (_operands(a_scale=torch.ones(5)), ValueError, "no scale scheme"),
+    (_operands(w_scale=torch.ones(16, 2)), ValueError, "no scale scheme"),
+    (_operands(scheme="block", w_scale=torch.ones(1, 2)), ValueError, "no scale scheme"),
+    (_operands(k=256, scheme="block", a_scale=torch.ones(4)), ValueError, "no scale scheme"),
+    (_operands(k=144, scheme="block"), ValueError, "not a multiple of 128"),  # groups of 128 do not divide K
+    (_operands(k=120), ValueError, "multiple of 16"),
+    (_operands(n=12, w_scale=torch.ones(12)), ValueError, "multiple of 8"),
+    (_operands(gated=True, n=24, w_scale=torch.ones(24)), ValueError, "multiple of 16"),
+    (_operands(w=torch.zeros(16, 64, dtype=E4M3)), ValueError, "K = 64"),
+    (_operands(a=torch.zeros(4, 128, 1, dtype=E4M3)), ValueError, "2-D"),
+    (_operands(bias=torch.zeros(8)), ValueError, "bias has shape"),
+    (_operands(bias=torch.zeros(16, dtype=torch.int32)), TypeError, "bias has dtype"),
+    (_operands(out=torch.zeros(4, 16)), TypeError, "out has dtype"),
+    (_operands(out=torch.zeros(4, 8, dtype=BF16)), ValueError, "out has shape"),
+    (_operands(out_dtype=torch.float32), ValueError, "out_dtype"),
+    (_operands(activation="gelu"), ValueError, "activation"),
+    (_operands(w=torch.zeros(128, 16, dtype=E4M3).t()), ValueError, "unit stride"),
+    (_operands(a=torch.zeros(4, 136, dtype=E4M3)[:, :128]), ValueError, "aligned"),
+])
+def test_argument_errors(case, error, match):
+    out = case.get("out")
+    before = None if out is None else out.clone()
+    with pytest.raises(error, match=match):
+        rosekernels.gemm_fp8(**case)
+    assert out is None or torch.equal(out, before)
+
+
+def test_out_overlapping_an_input_is_rejected():
+    scales = torch.ones(64)
+    args = _operands(a_scale=scales[:4], out=scales.view(BF16).view(4, 32)[:, :16])
+    with pytest.raises(ValueError, match="overlap a_scale"):
+        rosekernels.gemm_fp8(**args)
+
+
+def test_meta_tensors_infer_shapes_and_check_them():
+    meta = {k: v.to("meta") for k, v in _operands(m=4, n=32, k=256).items()}
+    out = rosekernels.gemm_fp8(**meta, gated=True, out_dtype=FP16)
+    assert out.shape == (4, 16) and out.dtype == FP16 and out.is_meta
+    with pytest.raises(ValueError, match="no scale scheme"):
+        rosekernels.gemm_fp8(**{**meta, "a_scale": torch.empty(3, device="meta")})
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the reference and its check.
+
+def test_reference_is_the_product_of_the_dequantized_operands():
+    g = torch.Generator().manual_seed(0)
+    for scales, per_tensor in (("rowcol", True), ("rowcol", False), ("block", False)):
+        a, a_scale, w, w_scale = gk.random_operands(5, 264, 384, scales, g, "cpu", per_tensor)
+        ref = gk.reference(a, a_scale, w, w_scale)
+        blocks_a = (1, 128) if scales == "block" else ((None, None) if per_tensor else (1, None))
+        blocks_w = (128, 128) if scales == "block" else ((None, None) if per_tensor else (1, None))
+        want = fp8.dequantize(a, a_scale, *blocks_a) @ fp8.dequantize(w, w_scale, *blocks_w).t()
+        assert torch.allclose(ref, want, rtol=1e-12, atol=0)
+
+
+def test_the_check_can_fail():
+    g = torch.Generator().manual_seed(1)
+    ref = torch.randn(64, 256, generator=g, dtype=torch.float64)
+    gk.check_out(ref.to(BF16), ref)
+    with pytest.raises(AssertionError, match="error norm"):
+        gk.check_out((ref * (1 + 2 ** -6)).to(BF16), ref)
+    off = ref.to(BF16)
+    off[3, 7] += 0.05
+    with pytest.raises(AssertionError, match="element"):
+        gk.check_out(off, ref)
+    off[3, 7] = math.nan
+    with pytest.raises(AssertionError, match="NaN"):
+        gk.check_out(off, ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: results against the float64 reference on the dequantized operands.
+
+def _quantized(m, n, k, scheme, seed=0, gated=False):
+    """(a, a_scale, w, w_scale) for a scheme of quantize_weight_fp8 and the activations' matching one (a quantized
+    by quantize_fp8: the kernel that makes them in a model)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, generator=g, device="cuda").to(BF16)
+    if m > 2:
+        x[1] = 0  # a zero row
+        x[2] = 0.75  # an all-equal row
+    w = (torch.randn(n, k, generator=g, device="cuda") / k ** 0.5).to(BF16)
+    if gated:
+        w = rosekernels.gate_up_rows(w[: n // 2], w[n // 2:])
+    q_w, s_w = rosekernels.quantize_weight_fp8(w, scheme)
+    if scheme == "tensor":  # per-tensor activations: one scale for the whole of x
+        return (*fp8.quantize(x, None, None), q_w, s_w)
+    return (*rosekernels.quantize_fp8(x, 128 if scheme == "block" else None), q_w, s_w)
+
+
+def _check(m, n, k, scheme, out_dtype=BF16, bias=None, activation=None, gated=False, seed=0):
+    a, a_scale, w, w_scale = _quantized(m, n, k, scheme, seed, gated)
+    bias_t = None if bias is None else torch.randn(n, device="cuda").to(bias)
+    out = torch.full((m, n // 2 if gated else n), math.nan, dtype=out_dtype, device="cuda")
+    got = rosekernels.gemm_fp8(a, a_scale, w, w_scale, bias_t, activation, gated, out=out)
+    assert got is out
+    ref = gk.reference(a, a_scale, w, w_scale, bias_t, activation or "none", gated)
+    return gk.check_out(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("m", [1, 7, 64, 100, 129, 1000])
+def test_ragged_shapes(scheme, m):
+    """Odd M; N not a multiple of the tiles; K not a multiple of the 128-element k-tile (block: K = 9 groups)."""
+    _check(m, 776, 1152 if scheme == "block" else 1040, scheme, seed=m)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+@pytest.mark.parametrize("m", [16, 300])
+def test_long_k_is_promoted(scheme, m):
+    """K = 16384: 128 k-tiles. Without the promotion of each k-tile's sums to fp32, WGMMA's FP8 accumulation
+    drifts past 2x the output's rounding; with it, the error stays within it."""
+    assert _check(m, 1024, 16384, scheme, seed=m) <= 2.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype, bias, activation, gated", [
+    (BF16, BF16, "silu", True), (FP16, FP32, "gelu_tanh", False), (BF16, FP32, "relu", True),
+    (FP16, FP16, "leaky_relu", False)])
+@pytest.mark.parametrize("m", [5, 300])
+def test_epilogues(out_dtype, bias, activation, gated, m):
+    for scheme in ("channel", "block"):
+        _check(m, 512, 1024, scheme, out_dtype, bias, activation, gated, seed=m)
+
+
+@pytest.mark.gpu
+def test_values_at_the_limits_of_e4m3():
+    """Operands at +-448 and e4m3's smallest subnormal (2^-9) with unit scales: products from 2^-18 to 448^2
+    in one sum (row 0 only small ones), every result within the bf16 output's range."""
+    m, n, k = 8, 64, 256
+    a = torch.full((m, k), 448.0, device="cuda")
+    a[:, 1::2] = -448.0
+    a[0] = 2.0 ** -9
+    w = torch.full((n, k), 2.0 ** -9, device="cuda")
+    w[:, 0] = 448.0
+    one = torch.ones(1, device="cuda")
+    out = rosekernels.gemm_fp8(a.to(E4M3), one, w.to(E4M3), one)
+    ref = gk.reference(a.to(E4M3), one, w.to(E4M3), one)
+    gk.check_out(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", _families("rowcol") + _families("block"), ids=lambda c: c.variant().key())
+def test_every_tile_family(cfg):
+    """Each family on a ragged shape (an odd M in its range, N = 520, K = 9 k-tiles), with 1, 2 and 3 K splits,
+    twice (the split counters return to zero), whatever the heuristic would pick."""
+    lo, hi = plan.bf16.m_range(cfg)
+    m, n, k = (lo + hi) // 2 | 1, 520, 1152
+    a, a_scale, w, w_scale = _quantized(m, n, k, "block" if cfg.scales == "block" else "channel", m, cfg.gated)
+    bias = None if cfg.bias == "none" else torch.randn(n, device="cuda").to(checks.TORCH_DTYPE[cfg.bias])
+    ref = gk.reference(a, a_scale, w, w_scale, bias, cfg.activation, cfg.gated, cfg.slope)
+    for splits in (1, 2, 3) if cfg.split_k else (1,):
+        for _ in range(2):
+            out = torch.full(ref.shape, math.nan, dtype=BF16 if cfg.dtype == "bf16" else FP16, device="cuda")
+            op.run(a, a_scale, w, w_scale, bias, out, dataclasses.replace(cfg, splits=splits))
+            gk.check_out(out, ref)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_and_compile():
+    a, a_scale, w, w_scale = _quantized(16, 1024, 1024, "block")
+    out = rosekernels.gemm_fp8(a, a_scale, w, w_scale)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rosekernels.gemm_fp8(a, a_scale, w, w_scale, out=out)
+    a2, s2, _, _ = _quantized(16, 1024, 1024, "block", seed=3)
+    a.copy_(a2)
+    a_scale.copy_(s2)
+    out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    gk.check_out(out, gk.reference(a, a_scale, w, w_scale))
+    compiled = torch.compile(lambda *t: rosekernels.gemm_fp8(*t, activation="silu"), fullgraph=True)
+    assert torch.equal(compiled(a, a_scale, w, w_scale), rosekernels.gemm_fp8(a, a_scale, w, w_scale,
+                                                                              activation="silu"))
+
+
+@pytest.mark.gpu
+def test_workload():
+    for cfg in gk.variants_for()[:4] + [c for c in gk.variants_for() if c.mode == "prefill"][:2]:
+        shape = plan.Fp8GemmShape(plan.Fp8GemmShape.defaults(cfg.mode).m, 1024, 1024, cfg.dtype, cfg.scales,
+                                  cfg.bias, cfg.activation, cfg.gated, cfg.slope)
+        w = gk.workload(cfg, shape)
+        for args in (w.make_args(1), w.sample(2)):
+            w.run(w.kernel.fn, args)
+            torch.cuda.synchronize()
+            w.check(args)

@@ -1,0 +1,112 @@
+"""gemm_fp8_plan (CPU, no CuTeDSL): the FP8 configs, the heuristic on the bf16 cost model's equivalent
+problem, the search space, the warm-up set."""
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from rosekernels.kernels import gemm_fp8_plan as plan
+from rosekernels.kernels import gemm_leakyrelu_plan as bf16
+from rosekernels.models import ModelDims
+
+QWEN3_8B = ModelDims("qwen3-8b", 4096, 12288, 32, 8, 128)
+
+
+def test_imports_without_cutlass():
+    code = "import sys; import rosekernels.kernels.gemm_fp8_plan; print('cutlass' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() \
+        == "False"
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(scales="tensor"), "scales must be one of"),
+    (dict(b_major="n"), "K-major"),
+    (dict(tile_m=64, tile_n=256, cluster_m=1, split_k=True), "registers"),
+    (dict(tile_m=128, tile_n=192, pingpong=True), "registers"),
+    (dict(tile_m=128, tile_n=256), "registers"),
+    (dict(tile_m=128, tile_n=96, cluster_m=1, split_k=True, scales="block"), "divisor of 128"),
+    (dict(dtype="fp32"), "dtype"),
+])
+def test_config_validation(fields, match):
+    with pytest.raises(ValueError, match=match):
+        plan.Fp8GemmConfig(**{"tile_m": 128, "tile_n": 128, **fields})
+
+
+def test_a_config_is_a_gemm_config_of_its_own_op():
+    c = plan.Fp8GemmConfig(tile_m=64, tile_n=8, cluster_m=1, split_k=True, swap_ab=True, activation="none",
+                           scales="block")
+    key = c.variant().key()
+    assert key.startswith("gemm_fp8-decode-") and "scales=block" in key and "b_major" not in key
+    assert plan.Fp8GemmConfig.from_variant(c.variant()) == c and c.fp8
+    bf16_twin = bf16.GemmConfig(**{f.name: getattr(c, f.name) for f in dataclasses.fields(bf16.GemmConfig)})
+    assert not getattr(bf16_twin, "fp8", False) and plan.as_fp8(bf16_twin, "block") == c
+    assert plan.as_fp8(dataclasses.replace(bf16_twin, tile_m=64, tile_n=256, swap_ab=False), "rowcol") is None
+
+
+def test_check_sizes():
+    plan.check_sizes(8, 16, False, "rowcol")
+    for n, k, gated, scales, match in [(12, 16, False, "rowcol", "multiple of 8"), (24, 16, True, "rowcol", "of 16"),
+                                       (8, 24, False, "rowcol", "K = 24"), (8, 1040, False, "block", "1 x 128")]:
+        with pytest.raises(ValueError, match=match):
+            plan.check_sizes(n, k, gated, scales)
+
+
+def test_the_equivalent_problem_has_the_bytes_and_k_tiles_of_the_fp8_one():
+    for k in (16, 128, 1040, 4096, 16384):
+        eq = plan.equivalent(plan.Fp8GemmShape(8, 4096, k))
+        assert -(-eq.k // bf16.TILE_K) == -(-k // plan.TILE_K) and eq.n * eq.k * 2 >= 4096 * k
+
+
+@pytest.mark.parametrize("scales", plan.SCALES)
+@pytest.mark.parametrize("m", [1, 8, 16, 33, 64, 100, 128, 129, 8192])
+@pytest.mark.parametrize("n, k", [(4096, 4096), (24576, 4096), (4096, 12288), (1024, 4096), (18944, 3584)])
+def test_heuristic_and_candidates(scales, m, n, k):
+    if scales == "block" and k % 128:
+        pytest.skip("block scales take K multiple of 128")
+    shape = plan.Fp8GemmShape(m, n, k, scales=scales)
+    pick = plan.config_for(shape, 132)
+    assert isinstance(pick, plan.Fp8GemmConfig) and pick.scales == scales and pick.mode == shape.mode
+    bf16.check_fits(pick, m, n)
+    found = plan.candidates(shape, 132)
+    assert found[0] == pick and len(found) == len(set(found)) > 1
+    assert all(c.scales == scales and c.mode == shape.mode for c in found)
+    ranked = plan.rank(shape, found, 132)
+    assert sorted(map(str, ranked)) == sorted(map(str, found))
+    if m <= bf16.DECODE_MAX_M:  # the bf16 cost model's least-cost pick among the FP8 kernel's configs
+        eq = plan.equivalent(shape)
+        assert pick == bf16.least_cost(eq, [plan.as_fp8(c, scales) for c in bf16.decode_configs(
+            eq, bf16.fitted_splits(eq), 132) if plan.as_fp8(c, scales)], 132)
+
+
+def test_small_m_swaps_like_the_bf16_gemm():
+    pick = plan.config_for(plan.Fp8GemmShape(4, 4096, 4096), 132)
+    assert pick.swap_ab and pick.tile_n == 8
+
+
+def test_variants_for():
+    assert plan.variants_for([QWEN3_8B]) == []  # a model not run in FP8 needs none
+    channel = plan.variants_for([dataclasses.replace(QWEN3_8B, fp8="channel")], ["decode"], max_tokens=16)
+    assert channel and {c.scales for c in channel} == {"rowcol"} and {c.mode for c in channel} == {"decode"}
+    assert {c.gated for c in channel} == {False, True}
+    block = plan.variants_for([dataclasses.replace(QWEN3_8B, fp8="block")])
+    assert {c.scales for c in block} == {"block"} and {c.mode for c in block} == {"decode", "prefill"}
+    assert {(c.tile_m, c.tile_n, c.pingpong) for c in block if c.mode == "prefill"} == set(plan.PREFILL_TILES)
+    default = plan.variants_for()
+    assert {c.scales for c in default} == set(plan.SCALES)
+    assert all(c.splits == 1 and c.raster_group == bf16.RASTER_GROUP for c in default)
+
+
+def test_model_gemms_need_the_sizes_the_kernel_takes():
+    odd = dataclasses.replace(QWEN3_8B, hidden=4112, fp8="block")  # K = 4112: no whole 1 x 128 groups
+    assert {role for role, *_ in plan.model_gemms(odd)} == {"o", "mlp down"}  # K = 4096 and 12288
+    assert len(plan.model_gemms(dataclasses.replace(odd, fp8="channel"))) == 5
+    assert plan.model_gemms(QWEN3_8B) == []
+
+
+def test_workload_fits():
+    shape = plan.Fp8GemmShape(16, 4096, 4096)
+    config = plan.config_for(shape, 132)
+    plan.workload_fits(config, shape)
+    with pytest.raises(ValueError, match="does not serve"):
+        plan.workload_fits(config, dataclasses.replace(shape, scales="block"))

@@ -1,0 +1,209 @@
+"""The FP8 (e4m3) KV cache: append_kvcache quantizes the new tokens on the way in, attention_with_kvcache reads
+the e4m3 cache with k_descale / v_descale (per tensor or per KV head). Plans and keys, compiles with the SASS
+that makes them (CPU), argument errors before any launch (CPU), the append's bitwise reference (CPU); the
+append byte for byte, attention against the float64 reference on the dequantized cache (GPU)."""
+import dataclasses
+import math
+import re
+
+import pytest
+import torch
+from attention_reference import check_kvcache, decode_sass, paged_cache, sync
+
+import rosekernels
+from kernel_sass import sass_of
+from rosekernels.kernels import append_kvcache as A
+from rosekernels.kernels import attention_decode as D
+from rosekernels.models import ModelDims
+
+BF16, FP16, E4M3 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
+QWEN3_8B = ModelDims("qwen3-8b", 4096, 12288, 32, 8, 128)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: plans and keys.
+
+def test_keys_and_plans():
+    plain = D.kvcache_config_for(D.Shape(batch=16, seqlen_kv=8192), 16, 132)
+    fp8 = D.kvcache_config_for(D.Shape(batch=16, seqlen_kv=8192), 16, 132, kv_fp8=True)
+    assert "kv_fp8" not in plain.variant().key() and "kv_fp8=True" in fp8.variant().key()
+    assert D.DecodeConfig.from_variant(fp8.variant()) == dataclasses.replace(fp8, splits=None)
+    assert fp8.tile_bytes * 2 == plain.tile_bytes
+    with pytest.raises(ValueError, match="KV-cache variants"):
+        D.DecodeConfig(128, "bf16", kv_fp8=True)
+    found = D.kvcache_variants_for([QWEN3_8B, dataclasses.replace(QWEN3_8B, name="fp8", head_dim=64, fp8_kv=True)])
+    assert {(c.head_dim, c.kv_fp8) for c in found} == {(128, False), (64, False), (64, True)}
+    assert A.Config.from_variant(A.config_for(A.Shape(16, fp8=True)).variant()).fp8
+    assert "fp8" not in A.config_for(A.Shape(16)).variant().key()
+    assert {c.fp8 for c in A.variants_for([dataclasses.replace(QWEN3_8B, fp8_kv=True)])} == {False, True}
+
+
+def test_append_reference_quantizes_as_the_kernel_does():
+    """The host reference: e4m3(x * (1 / descale)) per head in fp32, saturating at 448, NaN kept."""
+    x = torch.tensor([[[1.0, -3.0, 1e6, float("nan")], [0.5, 7.0, -1e6, 0.0]]], dtype=BF16)[None]  # [1, 1, 2, 4]
+    q = A.quantized(x, torch.tensor([0.5, 2.0]))
+    assert q.dtype == E4M3
+    assert q[0, 0, 0, :3].float().tolist() == [2.0, -6.0, 448.0] and q[0, 0, 0, 3].float().isnan()
+    assert q[0, 0, 1].float().tolist() == [0.25, 3.5, -448.0, 0.0]
+    one = A.quantized(x, torch.tensor([0.25]))  # one descale for every head
+    assert one[0, 0, 1, 1].float() == 28.0
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: compiles.
+
+_APPEND = [A.config_for(A.Shape(b, n, paged=paged, dtype=dt, fp8=True))
+           for b, n, paged, dt in [(16, 1, True, "bf16"), (1, 4096, False, "fp16"), (4, 3, True, "fp32")]]
+
+
+@pytest.mark.parametrize("cfg", _APPEND, ids=lambda c: c.variant().key())
+def test_append_compiles_to_e4m3_stores(fresh_cache, cfg, tmp_path):
+    sass = sass_of(A.compile(cfg), tmp_path)
+    if sass is None:
+        pytest.skip("nvdisasm not found")
+    ops = re.findall(r"^\s*/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
+    assert any(o.startswith("F2FP.SATFINITE.E4M3.F32") for o in ops) and not {"LDL", "STL"} & set(ops)
+    assert ops.count("STG.E.64" if cfg.vec == 8 else "STG.E") == 2, "one e4m3 vector each of k and v"
+
+
+_ATTENTION = [D.DecodeConfig(128, "bf16", 16, varlen=True, kv_fp8=True),
+              D.DecodeConfig(128, "bf16", 16, varlen=True, page_rows=16, kv_fp8=True),
+              D.DecodeConfig(128, "fp16", 64, varlen=True, page_rows=64, kv_fp8=True),
+              D.DecodeConfig(64, "bf16", 32, varlen=True, page_rows=16, kv_fp8=True),
+              D.DecodeConfig(64, "fp16", 16, varlen=True, kv_fp8=True, num_stages=4)]
+
+
+@pytest.mark.parametrize("cfg", _ATTENTION, ids=lambda c: c.variant().key())
+def test_attention_compiles_with_the_widening(fresh_cache, cfg, tmp_path):
+    """TMA loads e4m3 tiles (one box per page slice; a row of d bytes: one swizzle atom wide at d = 128),
+    the MMA warps widen them (e4m3 -> f16 conversions, a barrier per tile) and run the same mma.sync work
+    per tile as a cache of the query's dtype."""
+    sass = decode_sass(cfg, D.compile(cfg), tmp_path)
+    boxes = cfg.tile_n // cfg.page_rows if cfg.paged else 1
+    assert len(re.findall(r"\bUTMALDG\b", sass)) == 2 * boxes, cfg
+    assert re.search(r"F2FP\.F16\.E4M3\.UNPACK_B", sass), "no e4m3 -> f16 conversion"
+    keys = cfg.tile_n // cfg.key_slices
+    assert len(re.findall(r"\bHMMA\.16816", sass)) == keys // 8 * cfg.head_dim // 16 + cfg.head_dim // 8 * keys // 16
+    assert re.search(r"BAR\.SYNC(\.DEFER_BLOCKING)? 0x1, 0x80", sass), "no barrier of the MMA warps"
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: argument errors (CPU tensors: the device check comes last).
+
+def _cache(dtype=E4M3, heads=2):
+    return torch.zeros(3, 32, heads, 128, dtype=dtype)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(), TypeError, "needs k_descale"),
+    (dict(k_descale=torch.ones(1)), TypeError, "needs v_descale"),
+    (dict(k_descale=torch.ones(3), v_descale=torch.ones(1)), ValueError, "k_descale has shape"),
+    (dict(k_descale=torch.ones(1, dtype=BF16), v_descale=torch.ones(1)), TypeError, "k_descale has dtype"),
+    (dict(k_descale=torch.ones(2), v_descale=torch.ones(2), v_cache=_cache(BF16)), TypeError, "v_cache has dtype"),
+    (dict(k_descale=torch.ones(2), v_descale=torch.ones(2)), ValueError, "CUDA"),
+    (dict(k_descale=torch.ones(1), v_descale=torch.ones(1), k_cache=_cache(BF16), v_cache=_cache(BF16)),
+     ValueError, "for e4m3"),
+])
+def test_attention_argument_errors(kwargs, error, match):
+    args = dict(q=torch.zeros(3, 1, 4, 128, dtype=BF16), k_cache=_cache(), v_cache=_cache(),
+                cache_seqlens=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(error, match=match):
+        rosekernels.attention_with_kvcache(**{**args, **kwargs})
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(), TypeError, "needs k_descale"),
+    (dict(k=torch.zeros(3, 1, 2, 128, dtype=E4M3)), TypeError, "k has dtype"),
+    (dict(v=torch.zeros(3, 1, 2, 128, dtype=FP16)), TypeError, "v has dtype"),
+    (dict(k_descale=torch.ones(4), v_descale=torch.ones(1)), ValueError, "k_descale has shape"),
+    (dict(k_descale=torch.ones(2), v_descale=torch.ones(2)), ValueError, "CUDA"),
+])
+def test_append_argument_errors(kwargs, error, match):
+    args = dict(k_cache=_cache(), v_cache=_cache(), k=torch.zeros(3, 1, 2, 128, dtype=BF16),
+                v=torch.zeros(3, 1, 2, 128, dtype=BF16), cache_seqlens=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(error, match=match):
+        rosekernels.append_kvcache(**{**args, **kwargs})
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+def _descales(heads, per_head, g):
+    """Powers of two (the dequantized cache is then exact in the query's dtype), one per head or one."""
+    exponents = torch.randint(-4, 2, (heads if per_head else 1,), generator=g).float()
+    return torch.exp2(exponents).cuda(), torch.exp2(exponents.flip(0) - 1).cuda()
+
+
+def _dequantized(cache, descale, dtype):
+    return (cache.float() * descale.view(-1, 1).expand(cache.shape[2], 1)).to(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("per_head", [False, True], ids=["per_tensor", "per_head"])
+def test_append_writes_the_reference_bytes(paged, per_head):
+    g = torch.Generator().manual_seed(paged + 2 * per_head)
+    for dtype, new in ((BF16, 1), (FP16, 5), (torch.float32, 40)):
+        case = A.random_case(g, 6, new, 4, 128, dtype, paged, fp8=True)
+        k_d, v_d = case[6:] if per_head else (case[6][:1], case[7][:1])
+        want = A.reference(*case[:6], k_d, v_d)
+        rosekernels.append_kvcache(*case[:6], k_d, v_d)
+        for got, ref in zip(case[:2], want):
+            assert torch.equal(got.cpu().view(torch.uint8), ref.view(torch.uint8)), (dtype, new)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_attention_matches_the_dequantized_reference(d, dtype, paged):
+    """B = 5 with lengths 0, 1 and the full cache among random ones, S_q 1 and 4, GQA 4, causal and not,
+    per-tensor and per-head descales; the cache rows past each length NaN (e4m3 0x7f): they must not
+    reach the output."""
+    g = torch.Generator().manual_seed(d + paged)
+    scale = 1.0 / math.sqrt(d)
+    for i, (s_q, per_head) in enumerate(((1, False), (4, True), (1, True))):
+        s_max = int(torch.randint(64, 700, (1,), generator=g))
+        lengths = torch.cat([torch.tensor([0, 1, s_max]), torch.randint(0, s_max + 1, (2,), generator=g)])
+        lengths = lengths[torch.randperm(5, generator=g)].to(torch.int32).cuda()
+        k_descale, v_descale = _descales(2, per_head, g)
+        k, v = (torch.randn(5, s_max, 2, d, generator=g).cuda() * 4 for _ in range(2))
+        k_q, v_q = A.quantized(k, k_descale), A.quantized(v, v_descale)
+        past = torch.arange(s_max, device="cuda")[None, :] >= lengths[:, None]
+        k_q.view(torch.uint8)[past] = 0x7F  # NaN past each length
+        v_q.view(torch.uint8)[past] = 0x7F
+        table = None
+        if paged:
+            k_q, v_q, table = paged_cache(k_q.view(torch.uint8), v_q.view(torch.uint8), lengths.cpu(), 16, 3, g)
+            k_q, v_q = k_q.view(E4M3), v_q.view(E4M3)
+        q = torch.randn(5, s_q, 8, d, generator=g).to(dtype).cuda()
+        causal = i % 2 == 0
+        out, lse = rosekernels.attention_with_kvcache(q, k_q, v_q, lengths, table, softmax_scale=scale, causal=causal,
+                                                      return_lse=True, k_descale=k_descale, v_descale=v_descale)
+        sync(f"fp8 cache d={d} {dtype} paged={paged}")
+        k_ref, v_ref = _dequantized(k_q, k_descale, dtype), _dequantized(v_q, v_descale, dtype)  # NaN rows unread
+        check_kvcache(out, lse, q, k_ref, v_ref, lengths, table, causal, scale,
+                      f"e4m3 cache d={d} {dtype} paged={paged} s_q={s_q} per_head={per_head}")
+
+
+@pytest.mark.gpu
+def test_append_then_attend():
+    """A decode loop on an e4m3 paged cache: each step appends one token (quantized on the way in) and attends
+    to everything so far, against the float64 reference on the dequantized cache."""
+    g = torch.Generator().manual_seed(3)
+    heads, d, steps = 8, 128, 40
+    k_descale, v_descale = torch.full((heads,), 2.0 ** -5, device="cuda"), torch.full((1,), 2.0 ** -4, device="cuda")
+    cache = torch.full((4 * 8, 16, heads, d), 0x7F, dtype=torch.uint8, device="cuda").view(E4M3)
+    k_cache, v_cache = cache, cache.clone()
+    table = torch.randperm(32, generator=g)[:4 * 3].view(4, 3).to(torch.int32).cuda()
+    lengths = torch.tensor([0, 5, 0, 2], dtype=torch.int32, device="cuda")
+    for _ in range(steps):
+        k, v = (torch.randn(4, 1, heads, d, generator=g).to(BF16).cuda() for _ in "kv")
+        rosekernels.append_kvcache(k_cache, v_cache, k, v, lengths, table, k_descale, v_descale)
+        lengths += 1
+        q = torch.randn(4, 1, 32, d, generator=g).to(BF16).cuda()
+        out, lse = rosekernels.attention_with_kvcache(q, k_cache, v_cache, lengths, table, return_lse=True,
+                                                      k_descale=k_descale, v_descale=v_descale)
+    # (The NaN rows past each length dequantize to NaN: the reference reads only the sequences' rows.)
+    k_ref, v_ref = _dequantized(k_cache, k_descale, BF16), _dequantized(v_cache, v_descale, BF16)
+    check_kvcache(out, lse, q, k_ref, v_ref, lengths, table, True, 1 / math.sqrt(d), "append then attend")

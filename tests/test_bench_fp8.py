@@ -1,0 +1,76 @@
+"""bench/fp8.py's report on the CPU: the model shapes it times, the ratios it derives, the issue's targets
+(pass, fail, not measured) and the markdown; its argument errors. The timing itself needs the GPU."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import fp8 as bench  # noqa: E402
+
+
+def test_the_shapes_are_the_issues_models():
+    assert set(bench.MODELS) == {"llama-3-8b", "qwen3-8b", "qwen2.5-7b"} and bench.DECODE_M == (1, 8, 16, 32, 64, 128)
+    roles = {role: (n, k, gated) for role, n, k, gated in bench.weights("qwen2.5-7b")}
+    assert roles == {"q": (3584, 3584, False), "k/v": (512, 3584, False), "o": (3584, 3584, False),
+                     "gate/up": (37888, 3584, True), "down": (3584, 18944, False)}
+
+
+def _decode_row(m, n, k, ours, bf16, scaled):
+    times = {"rosekernels fp8 tensor": ours, "rosekernels fp8 channel": ours, "rosekernels fp8 block": ours,
+             "torch._scaled_mm per-tensor": scaled, "torch._scaled_mm rowwise": scaled, "rosekernels bf16": bf16}
+    return {"model": "m", "role": "r", "m": m, "n": n, "k": k, "weight_bytes": n * k, "times_us": times,
+            "error_ratio": {"tensor": 1.1, "channel": 1.2, "block": 1.3}}
+
+
+def test_summary_and_verdicts():
+    copy_gbps = 4000.0
+    row = _decode_row(16, 4096, 4096, ours=5.0, bf16=10.0, scaled=6.0)
+    s = bench.decode_summary(row, copy_gbps)
+    assert s["vs_bf16"]["channel"] == pytest.approx(2.0) and s["vs_scaled_mm"]["tensor"] == pytest.approx(1.2)
+    # 16 MiB of e4m3 weights in 5 us: 3355 GB/s, 83.9% of 4000
+    assert s["pct_copy"]["rosekernels fp8 channel"] == pytest.approx(100 * 4096 * 4096 / 5e3 / copy_gbps)
+    assert "rosekernels bf16" not in s["pct_copy"]
+    slow = _decode_row(1, 1024, 4096, ours=9.0, bf16=10.0, scaled=6.0)  # small: not under the copy bar
+    for r in (row, slow):
+        r["summary"] = bench.decode_summary(r, copy_gbps)
+    data = {"decode": [row, slow], "prefill": [], "quantize": [{"pct_copy": 95.0}, {"pct_copy": 92.0}],
+            "kv": [{"context": 4096, "times_us": {"bf16 cache": 9.0, "e4m3 cache": 8.0}},
+                   {"context": 8192, "times_us": {"bf16 cache": 20.0, "e4m3 cache": 11.0}}],
+            "e2e": {"speedup": 1.5, "min_cos": 0.995}}
+    by = {x["target"]: x for x in bench.verdicts(data)}
+    assert len(by) == 10
+    decode_bf16 = next(x for t, x in by.items() if "our bf16" in t and t.startswith("decode"))
+    assert decode_bf16["worst"] == pytest.approx(10 / 9) and decode_bf16["passes"] is False
+    copy = next(x for t, x in by.items() if "of copy for N*K" in t)
+    assert copy["worst"] == pytest.approx(s["pct_copy"]["rosekernels fp8 channel"]) and copy["passes"] is True
+    assert next(x for t, x in by.items() if t.startswith("prefill: fp8 >= 1.5"))["passes"] is None  # not measured
+    assert next(x for t, x in by.items() if t.startswith("error"))["worst"] == pytest.approx(1.3)
+    kv = next(x for t, x in by.items() if t.startswith("FP8 KV"))
+    assert kv["worst"] == pytest.approx(20 / 11) and kv["passes"] is True  # the 4k context is not under the bar
+    assert all(x["passes"] for t, x in by.items() if t.startswith(("end to end", "quantize")))
+
+
+def test_markdown_names_what_did_not_run():
+    row = _decode_row(8, 4096, 4096, ours=5.0, bf16=10.0, scaled=float("nan"))
+    del row["times_us"]["torch._scaled_mm rowwise"]
+    row["summary"] = bench.decode_summary(row, 4000.0)
+    data = {"env": {"gpu": "test GPU"}, "copy_gbps": 4000.0, "decode": [row], "prefill": [], "quantize": [],
+            "kv": [], "e2e": None, "peers": ["DeepGEMM: unavailable (ImportError: no module)"], "errors": []}
+    data["verdicts"] = bench.verdicts(data)
+    text = bench.markdown(data)
+    assert "# FP8 on test GPU" in text and "DeepGEMM: unavailable" in text
+    lines = text.splitlines()
+    i = next(j for j, line in enumerate(lines) if line.startswith("| m | r | 8 |"))
+    assert lines[i].count("|") == lines[i - 1].count("|") == lines[i - 2].count("|")  # whole rows
+    assert lines[i].count("| nan |") == 1 and "| - |" in lines[i]  # a NaN time shown, a missing one a dash
+
+
+@pytest.mark.parametrize("argv, message", [(["--scheme", "rowwise"], "invalid choice"),
+                                           (["--layers", "x"], "invalid int")])
+def test_bad_arguments_exit_2_before_any_work(argv, message):
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "fp8.py"), *argv], capture_output=True, text=True)
+    assert run.returncode == 2 and message in run.stderr
