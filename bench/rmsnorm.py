@@ -126,7 +126,7 @@ def bench_case(hidden, rows, residual, peers, sweep, log):
             label = "decode" if c.mode == "decode" else f"{c.block_warps}w {c.cache_hint}"
             sweep_row["modes"][label] = (c.warps, 1, c.cache_hint)
             sweep_row["times"][label] = measure(label, lambda: timing.auto_event_time_us(
-                lambda i: fn(sets[i % count][0], w, *sets[i % count][1:])), errors)
+                lambda i: fn(sets[i % count][0], w, *sets[i % count][1:], None)), errors)  # no fp8 scales
     print(json.dumps(res, default=str), flush=True)
     sets.clear()  # free the inputs before the next size
     torch.cuda.empty_cache()

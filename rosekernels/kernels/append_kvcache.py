@@ -140,9 +140,15 @@ def _build(cfg: AppendConfig) -> Callable[[], tuple]:
     return build
 
 
+# What an append into a bf16 / fp16 cache passes for (k_descale, v_descale): nothing, compiled in as such.
+# The compiled function takes every parameter of __call__, those left at their defaults included.
+NOT_FP8 = (None, None)
+
+
 def compile(config: AppendConfig) -> jit.CompiledKernel:
-    """The loaded kernel of `config`; call `.fn(k_cache, v_cache, k, v, cache_seqlens, block_table)`
-    (contiguous: `unread_table(device)`), fp8 configs with `k_descale, v_descale` ([Hkv] fp32) after them."""
+    """The loaded kernel of `config`; call `.fn(k_cache, v_cache, k, v, cache_seqlens, block_table,
+    k_descale, v_descale)` (contiguous: `unread_table(device)`; the descales [Hkv] fp32 for fp8 configs,
+    NOT_FP8 for others)."""
     return jit.compile_variant(config.variant(), _build(config))
 
 
@@ -229,7 +235,7 @@ def workload(config: AppendConfig, shape: AppendShape) -> Workload:
     lo, hi = (1, DECODE_MAX_TOKENS) if config.mode == "decode" else (DECODE_MAX_TOKENS + 1, 300)
     dt = TORCH_DTYPE[config.dtype]
 
-    launched = 8 if config.fp8 else 6  # compile's arguments: with an e4m3 cache, the descales too
+    launched = 8  # compile's arguments, the descales (NOT_FP8 for a bf16 / fp16 cache) included
 
     def args(batch: int, new_tokens: int, kv_heads: int, seed: int) -> tuple:
         g = torch.Generator().manual_seed(seed)
@@ -237,7 +243,7 @@ def workload(config: AppendConfig, shape: AppendShape) -> Workload:
         case = random_case(g, batch, new_tokens, kv_heads, config.head_dim, dt, config.paged, 16, max_blocks,
                            fp8=config.fp8)
         table = case[5] if config.paged else unread_table("cuda")
-        return (*case[:5], table, *case[6:], *reference(*case))
+        return (*case[:5], table, *(case[6:] or NOT_FP8), *reference(*case))
 
     def check(a: tuple) -> float:
         for name, got, want in (("k_cache", a[0], a[launched]), ("v_cache", a[1], a[launched + 1])):

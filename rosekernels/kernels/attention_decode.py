@@ -707,13 +707,18 @@ def _variant(cfg: DecodeConfig) -> jit.Variant:
     return cfg.variant()
 
 
+# What a KV-cache launch of a bf16 / fp16 cache passes for (k_descale, v_descale): nothing, compiled in as
+# such. The compiled function takes every parameter of __call__, those left at their defaults included.
+NOT_FP8 = (None, None)
+
+
 def compile(config: DecodeConfig) -> jit.CompiledKernel:  # noqa: A001 - the contract's name
     """The loaded kernel of one config:
     fn(q, k, v, out, lse, o_part, lse_part, counters, scale_log2, causal_shift, num_splits, tiles_per_split);
     with `varlen` (the KV-cache kernel): fn(q, k_cache, v_cache, out, lse, o_part, lse_part, counters,
     seqlens, table, scale_log2, causal_offset, num_splits, tiles_per_split) (causal_offset: -S_q causal, else 0;
-    table: the block table, paged, else any int32 [*, 1] stand-in), with `kv_fp8` (e4m3 caches) k_descale and
-    v_descale ([Hkv] fp32) after them."""
+    table: the block table, paged, else any int32 [*, 1] stand-in, k_descale, v_descale) (the descales [Hkv]
+    fp32 with `kv_fp8`, e4m3 caches; NOT_FP8 without)."""
     return jit.compile_variant(_variant(config), lambda: _build(config))
 
 

@@ -701,10 +701,15 @@ def _build(cfg: GemmConfig):
     return _GemmLeakyReluSm90(cfg), args
 
 
+# What a bf16 / fp16 launch passes for the FP8 scales (mScaleA, mScaleB): nothing, compiled in as such.
+# The compiled function takes every parameter of __call__, those left at their defaults included.
+NOT_FP8 = (None, None)
+
+
 def compile(config: GemmConfig) -> jit.CompiledKernel:
     """The loaded kernel of `config` (compiled once per variant and process, cached on disk; jit's
     in-memory cache is the only one, so that jit.forget_loaded() and tuned cubins reach it). Its
-    function takes (a, b_nk, out, bias, partials, counters, splits, raster_group, max_clusters),
+    function takes (a, b_nk, out, bias, partials, counters, splits, raster_group, max_clusters, *NOT_FP8),
     swapped configs (b_nk, a, out.t(), ...)."""
     return jit.compile_variant(config.variant(), lambda: _build(config))
 
@@ -752,8 +757,8 @@ def _args(config: GemmConfig, m: int, n: int, k: int, seed: int) -> tuple:
         partials = torch.empty(max(4, partial_floats(config, m, n)), dtype=torch.float32, device="cuda")
     clusters = modes.max_active_clusters(torch.cuda.current_device(), config.cluster_m * config.cluster_n)
     if config.swap_ab:
-        return (b, a, out.t(), bias, partials, counters, config.splits, config.raster_group, clusters)
-    return (a, b, out, bias, partials, counters, config.splits, config.raster_group, clusters)
+        return (b, a, out.t(), bias, partials, counters, config.splits, config.raster_group, clusters, *NOT_FP8)
+    return (a, b, out, bias, partials, counters, config.splits, config.raster_group, clusters, *NOT_FP8)
 
 
 def _check(config: GemmConfig, args: tuple) -> float:

@@ -170,9 +170,10 @@ def _build(cfg: RMSNormConfig) -> Callable[[], tuple]:
 
 
 def compile(config: RMSNormConfig) -> jit.CompiledKernel:
-    """The loaded kernel of `config`; call `.fn(x, weight, residual, out, residual_out)`
-    (residual and residual_out are None for configs without a residual), with fp8 configs
-    `.fn(x, weight, residual, out, residual_out, scales)` (out e4m3)."""
+    """The loaded kernel of `config`; call `.fn(x, weight, residual, out, residual_out, scales)`
+    (residual and residual_out are None for configs without a residual, scales None without fp8; with
+    fp8, out is e4m3). The compiled function takes every parameter of the kernel's __call__, those
+    left at their defaults when it was compiled included."""
     return jit.compile_variant(config.variant(), _build(config))
 
 
@@ -200,8 +201,8 @@ def tolerance(dtype: torch.dtype) -> float:
 def workload(config: RMSNormConfig, shape: RMSNormShape) -> Workload:
     """`compile(config)` with its inputs: make_args(seed) at `shape`'s row count, test_args(seed) at a
     random row count of config's mode (small ones for prefill); args are
-    (x, weight, residual, out, residual_out) on the GPU (fp8 configs: out e4m3, then scales), outputs
-    NaN-poisoned, the residual entries None without a residual."""
+    (x, weight, residual, out, residual_out, scales) on the GPU (scales None without fp8; fp8 configs: out
+    e4m3), outputs NaN-poisoned, the residual entries None without a residual."""
     lo, hi = modes.size_range(config.mode, lambda r: config_for(dataclasses.replace(shape, rows=r)).mode)
 
     def args(rows: int, seed: int) -> tuple[torch.Tensor | None, ...]:
@@ -217,7 +218,7 @@ def workload(config: RMSNormConfig, shape: RMSNormShape) -> Workload:
         out = torch.full_like(x, math.nan)
         res_out = torch.full_like(x, math.nan) if config.residual else None
         if config.fp8 == "none":
-            return x, w, res, out, res_out
+            return x, w, res, out, res_out, None
         q = torch.full(x.shape, 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)  # NaN
         group = config.fp8_group
         return x, w, res, q, res_out, torch.full((rows, config.hidden // group) if group else (rows,), math.nan,

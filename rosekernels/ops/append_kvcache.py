@@ -89,7 +89,7 @@ class _Plan(launch.Launch):
     def launch(self, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale=None, v_descale=None) -> None:
         table = self.unused_table if block_table is None else block_table
         if self.fp8_heads is None:
-            launch.on_device(self.device, self.fn, k_cache, v_cache, k, v, cache_seqlens, table)
+            launch.on_device(self.device, self.fn, k_cache, v_cache, k, v, cache_seqlens, table, *kernel.NOT_FP8)
         else:
             launch.on_device(self.device, self.fn, k_cache, v_cache, k, v, cache_seqlens, table,
                              per_head(k_descale, self.fp8_heads), per_head(v_descale, self.fp8_heads))

@@ -49,7 +49,7 @@ class _Plan(launch.Launch):
         self.swap = config.swap_ab
         self.partial_floats = partial_floats(config, m, n) if config.splits > 1 else 0
         self.scalars = (config.splits, config.raster_group,
-                        modes.max_active_clusters(self.device, config.cluster_m * config.cluster_n))
+                        modes.max_active_clusters(self.device, config.cluster_m * config.cluster_n), *kernel.NOT_FP8)
         self.fix_a = m == 1 and a.stride(0) % 8 != 0
         self.fix_out = m == 1 and out.stride(0) % 8 != 0
         self.extents = (_extent(a), _extent(b_nk), _extent(bias), _extent(out))

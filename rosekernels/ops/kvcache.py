@@ -32,6 +32,7 @@ import dataclasses
 import torch
 
 from rosekernels import checks, fp8, launch, modes, scratch
+from rosekernels.kernels import attention_decode as decode
 from rosekernels.kernels.attention_common import MAX_INDEX, TORCH_DTYPES, check_operand, scale_of, tma_view
 from rosekernels.kernels.attention_decode_plan import (
     MAX_SEQLEN_Q, DecodeConfig, DecodeShape, kvcache_config_for, page_rows_for, tile_n_for)
@@ -161,7 +162,7 @@ class KVCacheLaunch(SplitLaunch):
             block_table = self.no_table
         if self.int_views:
             cache_seqlens, block_table = _unit_strides(cache_seqlens), _unit_strides(block_table)
-        descales = ()
+        descales = decode.NOT_FP8
         if self.cfg.kv_fp8:
             descales = (per_head(k_descale, self.kv_heads), per_head(v_descale, self.kv_heads))
         launch.on_device(self.device, self.fn, q, k_cache, v_cache, out, lse, *self.workspace(), cache_seqlens,

@@ -84,10 +84,7 @@ def _run(x, weight, residual, out, residual_out, eps, enable_pdl=True, scales=No
             scales is not None and 0 in scales.stride()):
         _validate(x, weight, residual, out, residual_out, fp8, scales)
     try:
-        if fp8 == "none":
-            plan.launch(x, weight, residual, out, residual_out)
-        else:
-            plan.launch(x, weight, residual, out, residual_out, scales)
+        plan.launch(x, weight, residual, out, residual_out, scales)
     except Exception:
         # The compiled host code raises before launching; the full checks say what is wrong.
         _validate(x, weight, residual, out, residual_out, fp8, scales)

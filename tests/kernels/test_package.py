@@ -68,3 +68,34 @@ def test_arch_is_pinned_before_cutedsl_loads():
 def test_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute"):
         rosekernels.not_an_op  # noqa: B018
+
+
+def _arity(fn) -> int:
+    """How many arguments a loaded TVM-FFI function takes (it says so when called with none)."""
+    with pytest.raises(TypeError, match=r"Expects \d+ parameters") as e:
+        fn()
+    return int(str(e.value).split("Expects ")[1].split()[0])
+
+
+def test_the_compiled_function_takes_the_parameters_left_at_their_defaults():
+    """CuTeDSL keeps a host __call__'s defaulted parameters (the FP8 scales and descales) in the compiled
+    function's signature, also where compile left them out: a bf16 / fp16 launch passes them as None
+    (NOT_FP8), and the count its call sites pass is the count of __call__'s parameters."""
+    import inspect
+
+    from rosekernels.kernels import append_kvcache, attention_decode, attention_decode_plan, gemm_leakyrelu, rmsnorm
+
+    def call_params(kernel_class) -> int:
+        return len(inspect.signature(kernel_class.__call__).parameters) - 2  # self, stream
+
+    rms = next(c for c in rmsnorm.variants_for() if c.fp8 == "none")
+    assert _arity(rmsnorm.compile(rms).fn) == call_params(rmsnorm.RMSNormKernel) == 6
+    gemm = gemm_leakyrelu.variants_for()[0]  # bf16 or fp16: gemm_fp8 has the FP8 configs
+    assert _arity(gemm_leakyrelu.compile(gemm).fn) == call_params(gemm_leakyrelu._GemmLeakyReluSm90) == 9 + len(
+        gemm_leakyrelu.NOT_FP8)
+    append = next(c for c in append_kvcache.variants_for() if not c.fp8)
+    assert _arity(append_kvcache.compile(append).fn) == call_params(append_kvcache.AppendKernel) == 6 + len(
+        append_kvcache.NOT_FP8)
+    kv = next(c for c in attention_decode_plan.kvcache_variants_for() if not c.kv_fp8)
+    assert _arity(attention_decode.compile(kv).fn) == call_params(attention_decode._KVCacheDecodeSm90) == 14 + len(
+        attention_decode.NOT_FP8)
