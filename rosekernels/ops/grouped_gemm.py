@@ -189,7 +189,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor, 
     way (a's dtype or fp32). row_scale: [R] fp32, multiplies each out row after the activation (a
     routing weight). a_index [R] int32. Garbage offsets or indices give garbage rows, never an access
     outside the tensors (each is clamped into them). out: [R, N] (gated: N / 2) in a's dtype,
-    allocated when None; it must not overlap an input.
+    allocated when None; it must not overlap an input. Rows past the last group (offsets[E] <= r) are
+    not written.
 
     Registered as torch.ops.rosekernels.grouped_gemm (mutating `out`) for torch.compile; eager calls
     skip the dispatcher.

@@ -91,10 +91,20 @@ def _run(x, weight, residual, out, residual_out, eps, enable_pdl=True, scales=No
         raise
 
 
+def _run_fp8(x, weight, residual, out, residual_out, scales, eps, enable_pdl, fp8) -> None:
+    _run(x, weight, residual, out, residual_out, eps, enable_pdl, scales, fp8)
+
+
+# Two custom ops: torch 2.11's tracing fails on an optional mutable tensor passed as None (the scales
+# of a bf16 norm), so the e4m3 norm has an op of its own whose scales are always given.
 launch.register_op(
-    OP, _run, mutates_args=("out", "residual_out", "scales"),
+    OP, _run, mutates_args=("out", "residual_out"),
     schema="(Tensor x, Tensor weight, Tensor? residual, Tensor(a!) out, Tensor(b!)? residual_out, float eps, "
-           "bool enable_pdl=True, Tensor(c!)? scales=None, str fp8=\"none\") -> ()")
+           "bool enable_pdl=True) -> ()")
+launch.register_op(
+    f"{OP}_fp8", _run_fp8, mutates_args=("out", "residual_out", "scales"),
+    schema="(Tensor x, Tensor weight, Tensor? residual, Tensor(a!) out, Tensor(b!)? residual_out, "
+           "Tensor(c!) scales, float eps, bool enable_pdl, str fp8) -> ()")
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None,
@@ -116,7 +126,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: 
     groups). The activations of gemm_fp8. out (e4m3) and scales may be given.
 
     Eager calls launch the kernel directly (torch.library dispatch would add several us of host
-    time per call); under torch.compile the call goes through the custom op rosekernels::rmsnorm.
+    time per call); under torch.compile the call goes through the custom op rosekernels::rmsnorm
+    (rosekernels::rmsnorm_fp8 with fp8=True).
     """
     kind = _fp8_kind(fp8, group_size)
     given_out, given_residual_out, shape = out, residual_out, x.shape
@@ -145,8 +156,11 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: 
     if launch.eager(x, residual):
         _run(x, weight, residual, out, residual_out, eps, bool(enable_pdl), rows_scales, kind)
     elif all(t is None or isinstance(t, torch.Tensor) for t in (x, weight, residual, out, residual_out)):
-        torch.ops.rosekernels.rmsnorm(x, weight, residual, out, residual_out, eps, bool(enable_pdl), rows_scales,
-                                      kind)  # traced
+        if kind == "none":  # traced
+            torch.ops.rosekernels.rmsnorm(x, weight, residual, out, residual_out, eps, bool(enable_pdl))
+        else:
+            torch.ops.rosekernels.rmsnorm_fp8(x, weight, residual, out, residual_out, rows_scales, eps,
+                                              bool(enable_pdl), kind)
     else:
         _validate(x, weight, residual, out, residual_out, kind, rows_scales)  # raises, naming what is not a tensor
     if len(shape) != 2:

@@ -10,7 +10,7 @@ import torch
 from grid import sample
 from kernel_sass import sass_of
 import rosekernels
-from rosekernels import checks, modes
+from rosekernels import checks, launch
 from rosekernels.kernels import gemm_leakyrelu as glr
 from rosekernels.kernels import gemm_leakyrelu_plan as plan
 from rosekernels.ops import gemm as gemm_op
@@ -620,24 +620,41 @@ def test_split_k_a_rows_matches_whole_tile_bitwise():
         _assert_close(outs[0], _reference(a, b, None, 0.01), torch.bfloat16, f"m={m}")
 
 
+def _force_splits(monkeypatch, splits: int = 4) -> list:
+    """Make the op plan `splits` K splits wherever its heuristic picks a split-K tile family (which
+    shapes the cost model splits moves as it is refit), with plans made anew; returns the configs
+    it planned."""
+    planned = []
+
+    def config_for(shape, sms=None):
+        cfg = plan.config_for(shape, sms)
+        cfg = dataclasses.replace(cfg, splits=splits) if cfg.split_k else cfg
+        planned.append(cfg)
+        return cfg
+
+    monkeypatch.setattr(gemm_op, "config_for", config_for)
+    monkeypatch.setattr(gemm_op, "_plans", launch.PlanCache())
+    return planned
+
+
 @pytest.mark.gpu
-def test_split_k_is_deterministic():
+def test_split_k_is_deterministic(monkeypatch):
+    planned = _force_splits(monkeypatch)
     a, b, bias = _inputs(16, 4096, 14336, torch.bfloat16, bias=torch.float32)
-    assert glr.config_for(glr.Shape(16, 4096, 14336, bias="fp32"), modes.sm_count(0)).splits > 1
     first = rosekernels.gemm_leakyrelu(a, b, bias=bias)
     for _ in range(3):
         assert torch.equal(rosekernels.gemm_leakyrelu(a, b, bias=bias), first)
+    assert [c.splits for c in planned] == [4], planned
     _assert_close(first, _reference(a, b, bias, 0.01), torch.bfloat16, "split-K decode shape")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("warm_capture_stream", [True, False])
-def test_split_k_graph_survives_later_launches(warm_capture_stream):
+def test_split_k_graph_survives_later_launches(monkeypatch, warm_capture_stream):
     """A captured split-K launch keeps valid workspace pointers: larger split launches after the
     capture (which need more partials) must not free or replace what the graph uses. Without a
     warm-up on the capture stream, the capture gets tile counters of its own."""
-    cfg = glr.config_for(glr.Shape(16, 4096, 4096), modes.sm_count(0))
-    assert cfg.split_k and cfg.splits > 1
+    planned = _force_splits(monkeypatch, splits=2)
     a, b, _ = _inputs(16, 4096, 4096, torch.bfloat16, seed=1)
     ref = _reference(a, b, None, 0.01)
     out = torch.full((16, 4096), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -653,9 +670,9 @@ def test_split_k_graph_survives_later_launches(warm_capture_stream):
     with torch.cuda.graph(graph, stream=stream):
         rosekernels.gemm_leakyrelu(a, b, out=out)
     # Larger split launches, on the default and on the capture stream, then churn the allocator.
+    later = _force_splits(monkeypatch, splits=8)  # more partials than the captured launch's
     for m, n, k in [(64, 4096, 14336), (128, 2048, 14336)]:
         a2, b2, _ = _inputs(m, n, k, torch.bfloat16, seed=2)
-        assert glr.config_for(glr.Shape(m, n, k), modes.sm_count(0)).splits > 1
         for s in (torch.cuda.current_stream(), stream):
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
@@ -663,6 +680,7 @@ def test_split_k_graph_survives_later_launches(warm_capture_stream):
             torch.cuda.current_stream().wait_stream(s)
             _assert_close(out2, _reference(a2, b2, None, 0.01), torch.bfloat16,
                           f"eager {m}x{n}x{k}")
+    assert planned[0].splits == 2 and [c.splits for c in later] == [8, 8], (planned, later)
     junk = [torch.full((1 << 20,), 7.0, device="cuda") for _ in range(64)]  # reuse freed blocks
     del junk
     for rep in range(3):
@@ -709,7 +727,7 @@ def test_eager_calls_reuse_the_launch_plan(monkeypatch):
         picked.append(shape.slope)
         return plan.config_for(shape, sms)
 
-    monkeypatch.setattr(glr, "config_for", config_for)
+    monkeypatch.setattr(gemm_op, "config_for", config_for)  # what the op calls
     a, b, _ = _inputs(3, 24, 40, torch.bfloat16)  # a signature no other test uses
     for _ in range(3):
         rosekernels.gemm_leakyrelu(a, b, 0.125, out=torch.empty(3, 24, dtype=torch.bfloat16, device="cuda"))

@@ -73,7 +73,8 @@ def test_the_config_worker_tells_equal_correct_and_wrong_apart(store):
         assert 0 < close["max_err"] < qk_norm.tolerance(torch.bfloat16)
         same = runner.request("test", (0, 7, 4), 120)[1]
         assert same["status"] == "ok" and same["bitwise"] and math.isnan(same["max_err"])
-        kind, timing = runner.request("time", ([2], 10), 300)
+        # Timed: the zero-writing one (the third reads its result on the host, which a graph capture refuses).
+        kind, timing = runner.request("time", ([1], 10), 300)
         assert kind == "ok" and len(timing["median_us"]) == 3 and all(t > 0 for t in timing["median_us"])
         assert abs(timing["rel"][1] - 1) < 0.05  # the A/A pair: one kernel measured twice
         # Before it is stored: at the tuned shape, the bucket's edge (3 tokens) and the test sizes.
