@@ -598,7 +598,7 @@ def test_tensor_parallel_combine(world, num_experts, hidden, topk, dtype, tokens
         rel = {BF16: 2.0**-8, FP16: 2.0**-10}[dtype]
         bound = rel * ref.abs() + (world + 1) * rel * terms + (topk + world + 2) * 2.0**-23 * terms + 1e-30
         # each rank's partial rounded to the dtype, the partials added in rank order in fp32
-        partials = [mc.moe_combine(y, w, g.slot_map) for y, g in zip(ys, got)]
+        partials = [rosekernels.moe_combine(y, w, g.slot_map) for y, g in zip(ys, got)]
         exact = sum(p.float() for p in partials).to(dtype)
         for tp, out in zip(ranks, outs):
             tp.check()
