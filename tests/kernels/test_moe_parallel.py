@@ -598,7 +598,7 @@ def test_tensor_parallel_combine(world, num_experts, hidden, topk, dtype, tokens
         rel = {BF16: 2.0**-8, FP16: 2.0**-10}[dtype]
         bound = rel * ref.abs() + (world + 1) * rel * terms + (topk + world + 2) * 2.0**-23 * terms + 1e-30
         # each rank's partial rounded to the dtype, the partials added in rank order in fp32
-        partials = [mc.moe_combine(y, w, g.slot_map) for y, g in zip(ys, got)]
+        partials = [rosekernels.moe_combine(y, w, g.slot_map) for y, g in zip(ys, got)]
         exact = sum(p.float() for p in partials).to(dtype)
         for tp, out in zip(ranks, outs):
             tp.check()
@@ -737,8 +737,12 @@ def _each(ranks, fn):
     return outs
 
 
-def _ep_call(ep, x, ids, w):
-    return ep.combine(ep.dispatch(x, ids, w).buffer)
+def _ep_call(ep, x, ids, w, scale=None):
+    """One step of `ep`: dispatch, the expert of _experts_apply (row * scale[its expert]; without a
+    scale the rows go back as they arrived), combine. A result compared with _single_gpu(..., scale)
+    needs the same scale: the reference applies it to every pair's row."""
+    got = ep.dispatch(x, ids, w)
+    return ep.combine(got.buffer if scale is None else _experts_apply(got, ep.local_experts[0], scale))
 
 
 def _raises_everywhere(ranks, error, match):
@@ -774,7 +778,7 @@ def test_the_step_counter_crosses_2_31_and_2_32(start):
         routing = [_routing(t, 32, 4, gen) for t in ep_tokens]
         ys = [torch.randn(tp_tokens, 2048, generator=gen).to("cuda", BF16) for _ in tps]
         torch.cuda.synchronize()
-        outs = _each(eps, lambda r, ep: _ep_call(ep, xs[r], *routing[r]))
+        outs = _each(eps, lambda r, ep: _ep_call(ep, xs[r], *routing[r], scale))
         sums = _each(tps, lambda r, tp: tp.all_reduce(ys[r]))
         torch.cuda.synchronize()
         for r in range(2):
@@ -916,7 +920,7 @@ def test_one_object_per_arena_and_the_step_stays_with_it():
         xs = [torch.randn(t, 1024, generator=gen).to("cuda", BF16) for t in (40, 9)]
         routing = [_routing(t, 32, 4, gen) for t in (40, 9)]
         torch.cuda.synchronize()
-        outs = _each(ranks, lambda r, ep: _ep_call(ep, xs[r], *routing[r]))
+        outs = _each(ranks, lambda r, ep: _ep_call(ep, xs[r], *routing[r], scale))
         torch.cuda.synchronize()
         for r, ep in enumerate(ranks):
             ep.check()
@@ -960,11 +964,12 @@ def test_ranks_built_with_other_experts_are_refused_on_every_rank():
     del first
     gc.collect()
     eps = [moe.ExpertParallel(32, 512, 16, 2, BF16, peers=p, timeout_ms=50) for p in peers]
-    outs = _each(eps, lambda r, ep: _ep_call(ep, x, ids, w))
+    scale = _scale(32, BF16)
+    outs = _each(eps, lambda r, ep: _ep_call(ep, x, ids, w, scale))
     torch.cuda.synchronize()
     for ep, out in zip(eps, outs):
         ep.check()
-        assert torch.equal(out, _single_gpu(x, ids, w, _scale(32, BF16)))
+        assert torch.equal(out, _single_gpu(x, ids, w, scale))
 
 
 @pytest.mark.gpu
@@ -980,13 +985,13 @@ def test_a_combine_ends_only_once_every_peer_flagged_every_row_of_it():
     tokens = (1024, 1)
     xs = [torch.randn(t, 7168, generator=gen).to("cuda", BF16) for t in tokens]
     routing = [_routing(t, 256, 8, gen, drop=0.0, only=(0, 128)) for t in tokens]
+    scale = _scale(256, BF16)
     torch.cuda.synchronize()
-    outs = _each(ranks, lambda r, ep: _ep_call(ep, xs[r], *routing[r]))
+    outs = _each(ranks, lambda r, ep: _ep_call(ep, xs[r], *routing[r], scale))
     with torch.cuda.stream(ranks[1].stream):
         flags = ranks[1].peers.view(ranks[1].offsets[mp.EP_RFLAG], (2, 1024), torch.int64).clone()
     torch.cuda.synchronize()
     assert torch.equal(flags >> 32, torch.ones_like(flags)), int((flags >> 32 != 1).sum())
-    scale = _scale(256, BF16)
     for r, ep in enumerate(ranks):
         ep.check()
         assert torch.equal(outs[r], _single_gpu(xs[r], *routing[r], scale))

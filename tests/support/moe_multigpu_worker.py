@@ -24,7 +24,6 @@ import torch.distributed as dist
 import rosekernels
 from rosekernels import moe
 from rosekernels.kernels import moe_combine as mc
-from rosekernels.kernels.moe_dispatch import moe_dispatch
 
 
 def _gather(t):
@@ -256,9 +255,9 @@ def soak_tensor_parallel(cls, steps, rank, world, seed):
     def step(x, ids, w):
         partials, out = [], None
         for r in range(world):
-            got = moe_dispatch(x, ids, experts, local_experts=(r * per_rank, per_rank))
+            got = rosekernels.moe_dispatch(x, ids, experts, local_experts=(r * per_rank, per_rank))
             y = _experts(got, r * per_rank, scale)
-            partials.append(mc.moe_combine(y, w, got.slot_map))
+            partials.append(rosekernels.moe_combine(y, w, got.slot_map))
             if r == rank:
                 out = tp.combine(y, w, got.slot_map)
         tally.add(out, sum(p.float() for p in partials).to(torch.bfloat16))
