@@ -36,6 +36,7 @@ import torch
 from cutlass import Float32, Int32
 
 from rosekernels import checks, jit
+from rosekernels.fp8 import E4M3_MAX
 from rosekernels.kernels.append_kvcache_plan import (  # noqa: F401  (the plan's names are the kernel's: the contract)
     DECODE_MAX_TOKENS, OP, TORCH_DTYPE, AppendConfig, AppendShape, candidates, config_for, rank, variants_for)
 from rosekernels.vector_copy import vec_load, vec_store
@@ -168,9 +169,13 @@ def unread_table(device) -> torch.Tensor:
 
 def quantized(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
     """x [..., Hkv, d] as an e4m3 cache holds it: e4m3(x * (1 / descale[head])) in fp32 (the kernel's math, bit
-    for bit: a correctly rounded reciprocal and product, round to nearest even, saturating)."""
+    for bit: a correctly rounded reciprocal and product, round to nearest even, saturating at +-448, NaN kept).
+
+    The clamp saturates here, not torch's cast: before PyTorch 2.12 (pytorch#178817) that cast gives NaN
+    (0x7f) from 464 on, the CPU's and the GPU's alike, where the kernel's cvt.rn.satfinite gives 448. Within
+    +-448 every version rounds to nearest even, as the kernel does."""
     inv = 1.0 / descale.float().reshape(-1).expand(x.shape[-2])
-    return (x.float() * inv[:, None]).to(torch.float8_e4m3fn)
+    return (x.float() * inv[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 def reference(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale=None, v_descale=None):

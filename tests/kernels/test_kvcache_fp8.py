@@ -49,6 +49,38 @@ def test_append_reference_quantizes_as_the_kernel_does():
     assert one[0, 0, 1, 1].float() == 28.0
 
 
+def _e4m3_rn_satfinite(y: torch.Tensor) -> torch.Tensor:
+    """The bytes cvt.rn.satfinite.e4m3x2.f32 gives for fp32 values y (NaN: 0x7f), without torch's e4m3 cast:
+    the nearest of the finite e4m3 magnitudes (ties to the even code), 448 past it, the sign kept."""
+    codes = torch.arange(0x7F, dtype=torch.float64)  # 0x00 .. 0x7e: +0 to 448
+    exp, man = codes.div(8, rounding_mode="floor"), codes % 8
+    values = torch.where(exp == 0, man / 8 * 2.0 ** -6, (1 + man / 8) * torch.exp2(exp - 7))
+    a = y.double().abs().clamp(max=448.0).nan_to_num(0.0).reshape(-1, 1)
+    dist = (a - values).abs()
+    best = dist.min(dim=1, keepdim=True).values
+    tied = dist == best  # one code, or two neighbours: the even one
+    code = torch.where(tied & (codes.long() % 2 == 0), codes, codes.new_full((), 1000.0)).min(dim=1).values
+    code = torch.where(tied.sum(1) == 1, dist.argmin(1).double(), code).long().view(y.shape)
+    code = code | y.signbit().long() << 7
+    return torch.where(y.isnan(), 0x7F, code).to(torch.uint8)
+
+
+def test_append_reference_rounds_as_the_hardware_whatever_torch():
+    """quantized against a model of the kernel's conversion that is not torch's cast (which, before PyTorch 2.12,
+    gives NaN from 464 on: the reference differed from the kernel on an H200 image with torch 2.11): every e4m3
+    value, the midpoints between neighbours and a float32 step either side of them, overflow up to inf, NaN."""
+    codes = torch.arange(0x7F, dtype=torch.uint8).view(E4M3).float()
+    mid = (codes[1:] + codes[:-1]) / 2
+    y = torch.cat([codes, mid, mid.nextafter(torch.tensor(0.0)), mid.nextafter(torch.tensor(1e9)),
+                   torch.tensor([448.5, 463.9, 464.0, 464.1, 479.0, 480.0, 1e4, 3e38, float("inf"), float("nan")])])
+    y = torch.cat([y, -y])
+    got = A.quantized(y.view(1, 1, -1, 1), torch.ones(1)).view(-1).view(torch.uint8)
+    want = _e4m3_rn_satfinite(y)
+    nan = y.isnan()
+    assert torch.equal(got[~nan], want[~nan]), y[~nan][got[~nan] != want[~nan]]
+    assert got[nan].view(E4M3).float().isnan().all()
+
+
 # ---------------------------------------------------------------------------------------------
 # CPU: compiles.
 
@@ -170,6 +202,7 @@ def test_attention_matches_the_dequantized_reference(d, dtype, paged):
         k, v = (torch.randn(5, s_max, 2, d, generator=g).cuda() * 4 for _ in range(2))
         k_q, v_q = A.quantized(k, k_descale), A.quantized(v, v_descale)
         past = torch.arange(s_max, device="cuda")[None, :] >= lengths[:, None]
+        assert not (k_q.float()[~past].isnan().any() or v_q.float()[~past].isnan().any()), "the reference's e4m3 NaN"
         k_q.view(torch.uint8)[past] = 0x7F  # NaN past each length
         v_q.view(torch.uint8)[past] = 0x7F
         table = None
@@ -196,6 +229,10 @@ def test_append_then_attend():
     cache = torch.full((4 * 8, 16, heads, d), 0x7F, dtype=torch.uint8, device="cuda").view(E4M3)
     k_cache, v_cache = cache, cache.clone()
     table = torch.randperm(32, generator=g)[:4 * 3].view(4, 3).to(torch.int32).cuda()
+    # Sequences start at lengths 0, 5, 0, 2: their first rows hold tokens (the rest of the cache NaN).
+    lengths = torch.zeros(4, dtype=torch.int32, device="cuda")
+    k, v = (torch.randn(4, 5, heads, d, generator=g).to(BF16).cuda() for _ in "kv")
+    rosekernels.append_kvcache(k_cache, v_cache, k, v, lengths, table, k_descale, v_descale)
     lengths = torch.tensor([0, 5, 0, 2], dtype=torch.int32, device="cuda")
     for _ in range(steps):
         k, v = (torch.randn(4, 1, heads, d, generator=g).to(BF16).cuda() for _ in "kv")
