@@ -171,7 +171,7 @@ def quantized(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
     """x [..., Hkv, d] as an e4m3 cache holds it: e4m3(x * (1 / descale[head])) in fp32 (the kernel's math, bit
     for bit: a correctly rounded reciprocal and product, round to nearest even, saturating at +-448, NaN kept).
 
-    The clamp saturates here, not torch's cast: before PyTorch 2.12 (pytorch#178817) that cast gives NaN
+    The clamp saturates here, not torch's cast: before pytorch#178817 (in 2.13, not in 2.11) that cast gives NaN
     (0x7f) from 464 on, the CPU's and the GPU's alike, where the kernel's cvt.rn.satfinite gives 448. Within
     +-448 every version rounds to nearest even, as the kernel does."""
     inv = 1.0 / descale.float().reshape(-1).expand(x.shape[-2])

@@ -66,8 +66,8 @@ def _e4m3_rn_satfinite(y: torch.Tensor) -> torch.Tensor:
 
 
 def test_append_reference_rounds_as_the_hardware_whatever_torch():
-    """quantized against a model of the kernel's conversion that is not torch's cast (which, before PyTorch 2.12,
-    gives NaN from 464 on: the reference differed from the kernel on an H200 image with torch 2.11): every e4m3
+    """quantized against a model of the kernel's conversion that is not torch's cast (which
+    gives NaN from 464 on before pytorch#178817: it did on an H200 image with torch 2.11): every e4m3
     value, the midpoints between neighbours and a float32 step either side of them, overflow up to inf, NaN."""
     codes = torch.arange(0x7F, dtype=torch.uint8).view(E4M3).float()
     mid = (codes[1:] + codes[:-1]) / 2
