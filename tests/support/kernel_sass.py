@@ -35,19 +35,24 @@ def loop_opcodes(text: str, marker: str) -> list[str]:
     """The opcodes (predicates dropped) of the innermost loop of SASS `text` (nvdisasm -c) that holds an
     instruction whose opcode starts with `marker`: from the target of the first backward branch past the
     marker's first occurrence (a target at or before it) to that branch."""
+    return [line.split()[0] for line in loop_instructions(text, marker)]
+
+
+def loop_instructions(text: str, marker: str) -> list[str]:
+    """loop_opcodes' loop, each instruction whole: "OPCODE operands" (predicate and ';' dropped)."""
     labels, instructions = {}, []
     for line in text.splitlines():
         label = re.match(r"^(\.L_x_\d+):", line)
         if label:
             labels[label.group(1)] = len(instructions)
             continue
-        found = re.match(r"^\s*/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)$", line)
+        found = re.match(r"^\s*/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*?)\s*;?\s*$", line)
         if found:
             target = re.search(r"`\((\.L_x_\d+)\)", found.group(2))
-            instructions.append((found.group(1), target.group(1) if target else None))
-    first = next(i for i, (op, _) in enumerate(instructions) if op.startswith(marker))
+            instructions.append((found.group(1) + found.group(2).rstrip(" ;"), target.group(1) if target else None))
+    first = next(i for i, (ins, _) in enumerate(instructions) if ins.startswith(marker))
     for i in range(first, len(instructions)):
-        op, target = instructions[i]
-        if op == "BRA" and target in labels and labels[target] <= first:
+        ins, target = instructions[i]
+        if ins.split()[0] == "BRA" and target in labels and labels[target] <= first:
             return [o for o, _ in instructions[labels[target]:i + 1]]
     raise AssertionError(f"no loop around {marker}")
