@@ -701,22 +701,18 @@ def _build(cfg: GemmConfig):
     return _GemmLeakyReluSm90(cfg), args
 
 
-# What a bf16 / fp16 launch passes for the FP8 scales (mScaleA, mScaleB): nothing, compiled in as such.
-# The compiled function takes every parameter of __call__, those left at their defaults included.
-NOT_FP8 = (None, None)
+NOT_FP8 = (None, None)  # a bf16/fp16 launch's mScaleA, mScaleB: compiled functions take every __call__ parameter
 
 
 def compile(config: GemmConfig) -> jit.CompiledKernel:
-    """The loaded kernel of `config` (compiled once per variant and process, cached on disk; jit's
-    in-memory cache is the only one, so that jit.forget_loaded() and tuned cubins reach it). Its
-    function takes (a, b_nk, out, bias, partials, counters, splits, raster_group, max_clusters, *NOT_FP8),
-    swapped configs (b_nk, a, out.t(), ...)."""
+    """The loaded kernel of `config` (once per variant and process, cached on disk; jit's in-memory cache is the
+    only one, so that jit.forget_loaded() and tuned cubins reach it). Its function takes (a, b_nk, out, bias,
+    partials, counters, splits, raster_group, max_clusters, *NOT_FP8), swapped configs (b_nk, a, out.t(), ...)."""
     return jit.compile_variant(config.variant(), lambda: _build(config))
 
 
 def precompile(configs=None, processes: int | None = None) -> list[jit.CompiledKernel]:
-    """compile() of each config (default: variants_for()), the cold ones first compiled in parallel
-    processes into the disk cache (jit.precompile)."""
+    """compile() of each config (default: variants_for()), cold ones first in parallel processes (jit.precompile)."""
     return jit.precompile(compile, variants_for() if configs is None else configs, processes)
 
 

@@ -1,7 +1,9 @@
 """The public names of the package resolve to the ops, every kernel module follows the contract, and
 CuTeDSL is pinned to sm_90a first."""
 import dataclasses
+import inspect
 import os
+from pathlib import Path
 
 import pytest
 
@@ -81,8 +83,6 @@ def test_the_compiled_function_takes_the_parameters_left_at_their_defaults():
     """CuTeDSL keeps a host __call__'s defaulted parameters (the FP8 scales and descales) in the compiled
     function's signature, also where compile left them out: a bf16 / fp16 launch passes them as None
     (NOT_FP8), and the count its call sites pass is the count of __call__'s parameters."""
-    import inspect
-
     from rosekernels.kernels import append_kvcache, attention_decode, attention_decode_plan, gemm_leakyrelu, rmsnorm
 
     def call_params(kernel_class) -> int:
@@ -99,3 +99,10 @@ def test_the_compiled_function_takes_the_parameters_left_at_their_defaults():
     kv = next(c for c in attention_decode_plan.kvcache_variants_for() if not c.kv_fp8)
     assert _arity(attention_decode.compile(kv).fn) == call_params(attention_decode._KVCacheDecodeSm90) == 14 + len(
         attention_decode.NOT_FP8)
+
+
+def test_no_kernel_module_exceeds_800_lines():
+    """Host code (validation, planning, ops) lives in the plan and ops modules, not beside the device classes."""
+    folder = Path(rosekernels.kernels.__file__).parent
+    sizes = {p.name: len(p.read_text().splitlines()) for p in folder.glob("*.py")}
+    assert {name: n for name, n in sizes.items() if n > 800} == {}
