@@ -19,7 +19,7 @@ import torch
 from rosekernels import checks
 from rosekernels.contract import KernelConfig, keep_order
 from rosekernels.fp8 import BLOCK
-from rosekernels.kernels.rmsnorm_plan import threads_per_row
+from rosekernels.kernels.rmsnorm_plan import RowGeometry, threads_per_row
 from rosekernels.models import ModelDims
 from rosekernels.modes import CACHE_HINTS, PREFILL_WARPS, Mode, all_modes, select, warps_needed
 from rosekernels.variant import MODES, check_mode
@@ -63,7 +63,7 @@ class QuantizeShape:
 
 
 @dataclasses.dataclass(frozen=True)
-class QuantizeConfig(KernelConfig):
+class QuantizeConfig(RowGeometry, KernelConfig):
     """Everything a compiled variant is specialized on: every field is compiled in."""
 
     OP = OP
@@ -77,35 +77,6 @@ class QuantizeConfig(KernelConfig):
     # Programmatic dependent launch: the block waits for the previous kernel before its loads and lets
     # the next one launch once they are issued.
     pdl: bool = True
-
-    @property
-    def vec(self) -> int:
-        return checks.vector_elems(self.dtype)
-
-    @property
-    def vecs(self) -> int:
-        """128-bit vectors of x per row."""
-        return self.hidden // self.vec
-
-    @property
-    def threads_per_row(self) -> int:
-        return threads_per_row(self.hidden, self.vec)
-
-    @property
-    def vecs_per_thread(self) -> int:
-        return -(-self.vecs // self.threads_per_row)
-
-    @property
-    def warps_per_row(self) -> int:
-        return max(1, self.threads_per_row // 32)
-
-    @property
-    def block_warps(self) -> int:
-        return self.warps_per_row if self.mode == "decode" else max(self.warps, self.warps_per_row)
-
-    @property
-    def rows_per_block(self) -> int:
-        return self.block_warps * 32 // self.threads_per_row
 
     @property
     def group_lanes(self) -> int:

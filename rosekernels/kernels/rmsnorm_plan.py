@@ -41,6 +41,41 @@ def threads_per_row(hidden: int, vec: int) -> int:
     return max(tpr, min(32, 1 << math.ceil(math.log2(vecs))))
 
 
+class RowGeometry:
+    """How a row kernel's config (fields dtype, hidden, mode, warps) lays rows over threads: 128-bit
+    vectors, threads_per_row() of them per row, a decode block of one row's warps, a prefill block of
+    `warps` warps (at least a row's). Shared by rmsnorm and quantize_fp8 (fp8_rows)."""
+
+    @property
+    def vec(self) -> int:
+        return checks.vector_elems(self.dtype)
+
+    @property
+    def vecs(self) -> int:
+        """128-bit vectors per row."""
+        return self.hidden // self.vec
+
+    @property
+    def threads_per_row(self) -> int:
+        return threads_per_row(self.hidden, self.vec)
+
+    @property
+    def vecs_per_thread(self) -> int:
+        return -(-self.vecs // self.threads_per_row)
+
+    @property
+    def warps_per_row(self) -> int:
+        return max(1, self.threads_per_row // 32)
+
+    @property
+    def block_warps(self) -> int:
+        return self.warps_per_row if self.mode == "decode" else max(self.warps, self.warps_per_row)
+
+    @property
+    def rows_per_block(self) -> int:
+        return self.block_warps * 32 // self.threads_per_row
+
+
 @dataclasses.dataclass(frozen=True)
 class RMSNormShape:
     """The sizes and options of a call (the keys of `sip-tune --kernel rmsnorm --shape`)."""
@@ -75,7 +110,7 @@ class RMSNormShape:
 
 
 @dataclasses.dataclass(frozen=True)
-class RMSNormConfig(KernelConfig):
+class RMSNormConfig(RowGeometry, KernelConfig):
     """Everything a compiled variant is specialized on: every field is compiled in."""
 
     OP = OP
@@ -99,37 +134,6 @@ class RMSNormConfig(KernelConfig):
     def fp8_group(self) -> int:
         """Elements per scale of the fp8 output: 0 for a scale per row."""
         return FP8[self.fp8] or 0
-
-    @property
-    def vec(self) -> int:
-        return checks.vector_elems(self.dtype)
-
-    @property
-    def vecs(self) -> int:
-        """128-bit vectors per row."""
-        return self.hidden // self.vec
-
-    @property
-    def threads_per_row(self) -> int:
-        return threads_per_row(self.hidden, self.vec)
-
-    @property
-    def vecs_per_thread(self) -> int:
-        return -(-self.vecs // self.threads_per_row)
-
-    @property
-    def warps_per_row(self) -> int:
-        return max(1, self.threads_per_row // 32)
-
-    @property
-    def block_warps(self) -> int:
-        if self.mode == "decode":
-            return self.warps_per_row
-        return max(self.warps, self.warps_per_row)
-
-    @property
-    def rows_per_block(self) -> int:
-        return self.block_warps * 32 // self.threads_per_row
 
     def validate(self) -> None:
         check_mode(self.mode)
