@@ -3,6 +3,7 @@
 Memory-bound kernels read and write each element once; 16-byte accesses per thread are what keep
 HBM saturated, and the hints let the benchmark pick how streamed data is kept in L1/L2.
 """
+import cutlass
 import cutlass.cute as cute  # after the package __init__, which pins CUTE_DSL_ARCH
 
 # Cache hints for streamed data (read once, written once): (load, store) copy-atom attributes.
@@ -32,3 +33,26 @@ def _copy(op, attrs: dict, src: cute.Tensor, dst: cute.Tensor, bits: int = 128) 
     per_access = bits // src.element_type.width
     atom = cute.make_copy_atom(op, src.element_type, num_bits_per_copy=bits, **attrs)
     cute.copy(atom, cute.zipped_divide(src, (per_access,)), cute.zipped_divide(dst, (per_access,)))
+
+
+def row_chunks(c, tidx, bidx, rows):
+    """A row kernel's thread (rmsnorm, quantize_fp8: `c` a RowGeometry, threads_per_row threads to a row,
+    rows_per_block rows to a block): (row, row_ok, lane, chunks, chunk_ok). row is clamped into the `rows` rows,
+    so that loads stay in bounds without predicates, and row_ok says whether it is real; chunks are the vector
+    columns j * threads_per_row + lane it holds, the ragged last ones clamped too, with chunk_ok (None for the
+    columns every lane has). Plain Python, unrolled as the kernel is traced."""
+    tpr = c.threads_per_row
+    full = c.vecs // tpr  # vector columns every lane has; column `full` is ragged when vecs_per_thread > full
+    lane = tidx % tpr
+    row = bidx * c.rows_per_block + tidx // tpr
+    row_ok = row < rows
+    row = cutlass.min(row, rows - 1)
+    chunks, chunk_ok = [], []
+    for j in range(c.vecs_per_thread):
+        if j < full:
+            chunks.append(j * tpr + lane)
+            chunk_ok.append(None)
+        else:
+            chunk_ok.append(j * tpr + lane < c.vecs)
+            chunks.append(cutlass.min(j * tpr + lane, c.vecs - 1))
+    return row, row_ok, lane, chunks, chunk_ok

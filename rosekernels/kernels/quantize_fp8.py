@@ -26,7 +26,7 @@ from rosekernels.fp8 import check_quantized, quantize
 from rosekernels.kernels.fp8_rows import quantize_row
 from rosekernels.kernels.quantize_fp8_plan import (  # noqa: F401  (the plan's names are the kernel's: the contract)
     OP, TORCH_DTYPE, QuantizeConfig, QuantizeShape, candidates, config_for, rank, variants_for)
-from rosekernels.vector_copy import vec_load
+from rosekernels.vector_copy import row_chunks, vec_load
 from rosekernels.workload import Workload
 
 Config, Shape = QuantizeConfig, QuantizeShape
@@ -46,26 +46,13 @@ class QuantizeFp8Kernel:
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor):
         c = self.cfg
-        tpr, vpt = c.threads_per_row, c.vecs_per_thread
-        full = c.vecs // tpr  # vector columns every lane has; column `full` is ragged when vpt > full
+        tpr = c.threads_per_row
         if cutlass.const_expr(c.pdl):
             cute.arch.griddepcontrol_wait()  # x may come from the kernel before this one
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         rows = mX.shape[0]
-        lane = tidx % tpr
-        row = bidx * c.rows_per_block + tidx // tpr
-        row_ok = row < rows
-        row = cutlass.min(row, rows - 1)  # clamped: loads stay in bounds without predicates
-
-        chunks, chunk_ok = [], []
-        for j in cutlass.range_constexpr(vpt):
-            if cutlass.const_expr(j < full):
-                chunks.append(j * tpr + lane)
-                chunk_ok.append(None)
-            else:
-                chunk_ok.append(j * tpr + lane < c.vecs)
-                chunks.append(cutlass.min(j * tpr + lane, c.vecs - 1))
+        row, row_ok, lane, chunks, chunk_ok = row_chunks(c, tidx, bidx, rows)
 
         gX = cute.zipped_divide(mX[row, None], (c.vec,))
         xs = [vec_load(gX[None, ch], c.cache_hint) for ch in chunks]
