@@ -211,15 +211,22 @@ def soak_expert_parallel(cls, steps, rank, seed):
         return (torch.randn(tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16),
                 *_random_routing(tokens, experts, topk, gen))
 
-    buckets = (0, 1, 7, 33, max_tokens)
+    _eager_then_graphs(step, inputs, (0, 1, 7, 33, max_tokens), steps, max_tokens, rng, rng, stream, ep.check)
+    return tally.result()
+
+
+def _eager_then_graphs(step, inputs, buckets, steps, max_tokens, draw, delay, stream, check) -> None:
+    """Half of `steps` eager, the rest as replays of graphs captured at the `buckets` token counts (fresh inputs
+    copied in), each after a random delay: token counts (10% zero) and buckets drawn from `draw` (shared by the
+    ranks where they must agree), delays from `delay` (this rank's); `check` after each half."""
     with torch.cuda.stream(stream):
         for tokens in buckets:  # plans and allocations of the captured sizes, outside the capture
             step(*inputs(tokens))
         for _ in range(steps // 2):
-            _delay(rng)
-            step(*inputs(0 if rng.random() < 0.1 else rng.randint(1, max_tokens)))
+            _delay(delay)
+            step(*inputs(0 if draw.random() < 0.1 else draw.randint(1, max_tokens)))
     torch.cuda.synchronize()
-    ep.check()
+    check()
     graphs = {}
     for tokens in buckets:
         static = inputs(tokens)
@@ -229,14 +236,13 @@ def soak_expert_parallel(cls, steps, rank, seed):
         graphs[tokens] = (g, static)
     with torch.cuda.stream(stream):
         for _ in range(steps - steps // 2):
-            g, (x, ids, w) = graphs[rng.choice(buckets)]
+            g, (x, ids, w) = graphs[draw.choice(buckets)]
             fresh = inputs(x.shape[0])
             x.copy_(fresh[0]), ids.copy_(fresh[1]), w.copy_(fresh[2])
-            _delay(rng)
+            _delay(delay)
             g.replay()
     torch.cuda.synchronize()
-    ep.check()
-    return tally.result()
+    check()
 
 
 def soak_tensor_parallel(cls, steps, rank, world, seed):
@@ -266,31 +272,8 @@ def soak_tensor_parallel(cls, steps, rank, world, seed):
         return (torch.randn(tokens, hidden, generator=shared, device="cuda").to(torch.bfloat16),
                 *_random_routing(tokens, experts, topk, shared))
 
-    buckets = (0, 1, 40, 256, max_tokens)
-    with torch.cuda.stream(stream):
-        for tokens in buckets:
-            step(*inputs(tokens))
-        for _ in range(steps // 2):
-            _delay(rng)
-            step(*inputs(0 if shared_rng.random() < 0.1 else shared_rng.randint(1, max_tokens)))
-    torch.cuda.synchronize()
-    tp.check()
-    graphs = {}
-    for tokens in buckets:
-        static = inputs(tokens)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=stream):
-            step(*static)
-        graphs[tokens] = (g, static)
-    with torch.cuda.stream(stream):
-        for _ in range(steps - steps // 2):
-            g, (x, ids, w) = graphs[shared_rng.choice(buckets)]
-            fresh = inputs(x.shape[0])
-            x.copy_(fresh[0]), ids.copy_(fresh[1]), w.copy_(fresh[2])
-            _delay(rng)
-            g.replay()
-    torch.cuda.synchronize()
-    tp.check()
+    _eager_then_graphs(step, inputs, (0, 1, 40, 256, max_tokens), steps, max_tokens, shared_rng, rng, stream,
+                       tp.check)
     return tally.result()
 
 
