@@ -2,11 +2,13 @@
 piece that finished, crashed or ran out of time, the report, and whole calls on a fake project whose
 tests pass, fail, skip, crash their process and outlive the deadline (the second call resumes)."""
 import importlib.util
+import io
 import json
 import os
 import re
 import signal
 import sys
+import tarfile
 import textwrap
 from pathlib import Path
 
@@ -369,3 +371,34 @@ def test_descendants_follow_parent_links_across_sessions():
     assert suite.descendants({13}, table) == {} and suite.descendants({99}, table) == {}
     me = os.getpid()
     assert me in suite.processes() and suite.processes()[me][0] == os.getppid()
+
+
+def test_the_compile_cache_travels_in_parts_and_fills_only_what_is_missing(tmp_path, monkeypatch):
+    """--cache-out packs the call's objects into parts a runner brings back; --cache-in puts them into another
+    host's cache, keeping what is there, taking nothing outside jit/; past CACHE_PARTS nothing is written."""
+    cache = tmp_path / "cache"
+    entries = {f"jit/tc/k{i}-{i:016x}.{ext}": os.urandom(3000 + i) for i in range(6) for ext in ("o", "json")}
+    for name, data in entries.items():
+        (cache / name).parent.mkdir(parents=True, exist_ok=True)
+        (cache / name).write_bytes(data)
+    monkeypatch.setattr(suite, "CACHE_PART_BYTES", 10_000)  # random bytes do not compress: several parts
+    parts = suite.pack_cache(cache, tmp_path / "out")
+    assert len(parts) > 1 and all(p.stat().st_size <= 10_000 for p in parts)
+    other = tmp_path / "other"
+    (other / "jit/tc").mkdir(parents=True)
+    (other / "jit/tc/k0-0000000000000000.o").write_bytes(b"already here")
+    assert suite.unpack_cache([str(p) for p in reversed(parts)], other) == len(entries) - 1
+    assert (other / "jit/tc/k0-0000000000000000.o").read_bytes() == b"already here"
+    for name, data in entries.items():
+        if name != "jit/tc/k0-0000000000000000.o":
+            assert (other / name).read_bytes() == data, name
+    monkeypatch.setattr(suite, "CACHE_PARTS", 1)
+    assert suite.pack_cache(cache, tmp_path / "out2") == [] and not (tmp_path / "out2").exists()
+    assert suite.pack_cache(tmp_path / "empty", tmp_path / "out3") == []
+    stray = tmp_path / "stray.tar.xz"  # members outside jit/ (or climbing out of it) are not extracted
+    with tarfile.open(stray, "w:xz") as tar:
+        for name in ("jit/../evil.o", "notjit/x.o"):
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+    assert suite.unpack_cache([str(stray)], other) == 0 and not (other / "evil.o").exists()

@@ -21,6 +21,11 @@ if that one too dies before finishing a test (a crash in a module fixture), they
 State: .gpu_suite/state.json.gz in the tree (it stays while the host is warm), copied to --out as
 gpu_suite_state.json.gz: on a fresh host, carry that file back in and pass it as --resume.
 
+The compile cache: a fresh host compiles every variant again (minutes of each call). --cache-out writes
+the call's compile objects to --out as compile_cache.tar.xz.NN parts (at most CACHE_PARTS of
+CACHE_PART_BYTES: what a runner brings back); carried to the next host, --cache-in PART... puts them back
+before the tests start (entries of other sources or toolchains are simply not found).
+
     tools/gpu_suite.sh --out "$OUT" [--resume FILE] [--sample] [--jobs N] [--budget SECONDS]
         exit status: 0 green, 1 red, 2 the state is of another tree, 4 partial (call again)
     python3 tools/gpu_suite.py report STATE --out bench/results/suite   # the report again, from a state
@@ -38,6 +43,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -48,6 +54,8 @@ TOOLS = Path(__file__).resolve().parent
 STATE_DIR = ".gpu_suite"
 STATE_FILE = "state.json.gz"
 SELECT = "gpu or grid"
+CACHE_PART_BYTES = 15 << 20
+CACHE_PARTS = 4
 GRID_ENV = "ROSEKERNELS_TEST_GRID"
 # Tests of these files assert on kernel timings (A/A ratios, speedups, latency tables, wall-time bounds of
 # emulated ranks waiting on each other): no other piece runs beside them on the GPU.
@@ -327,6 +335,47 @@ def collect(root: Path, python: str, select: str, grid: str) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 # State and report.
 
+def pack_cache(cache: Path, out: Path) -> list[Path]:
+    """cache's objects as out/compile_cache.tar.xz.NN parts, or none (and a line saying so) past CACHE_PARTS."""
+    jit_dir = cache / "jit"
+    if not jit_dir.is_dir():
+        return []
+    with tempfile.TemporaryDirectory() as tmp:
+        packed = Path(tmp) / "cache.tar.xz"
+        with tarfile.open(packed, "w:xz", preset=3) as tar:  # seconds, not a minute, of the call's end
+            tar.add(jit_dir, arcname="jit")
+        data = packed.read_bytes()
+    parts = [data[i:i + CACHE_PART_BYTES] for i in range(0, len(data), CACHE_PART_BYTES)]
+    if len(parts) > CACHE_PARTS:
+        print(f"gpu_suite: the compile cache packs to {len(data) >> 20} MiB, past {CACHE_PARTS} parts: not written",
+              file=sys.stderr)
+        return []
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"compile_cache.tar.xz.{i:02d}" for i in range(len(parts))]
+    for path, part in zip(paths, parts):
+        path.write_bytes(part)
+    return paths
+
+
+def unpack_cache(parts: list[str], cache: Path) -> int:
+    """Put the objects of pack_cache's parts (in their order) into cache, leaving entries already there;
+    returns how many files it added."""
+    with tempfile.TemporaryDirectory() as tmp:
+        packed = Path(tmp) / "cache.tar.xz"
+        packed.write_bytes(b"".join(Path(p).read_bytes() for p in sorted(parts)))
+        added = 0
+        with tarfile.open(packed, "r:xz") as tar:
+            for member in tar.getmembers():
+                if not member.isfile() or not member.name.startswith("jit/") or ".." in Path(member.name).parts:
+                    continue
+                target = cache / member.name
+                if not target.exists():
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(tar.extractfile(member).read())
+                    added += 1
+    return added
+
+
 def load_state(path: Path) -> dict | None:
     return json.loads(gzip.decompress(path.read_bytes())) if path.exists() else None
 
@@ -456,6 +505,8 @@ def run(args) -> int:
         return 0 if s["status"] == "green" else 1
     logs = here / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    if args.cache_in:
+        print(f"gpu_suite: {unpack_cache(args.cache_in, here / 'cache')} compile-cache files carried in")
     call = {"started": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"), "gpus": gpus,
             "gpu_name": name, "jobs": args.jobs, "wall_s": 0.0, "finished": 0}
     state["calls"].append(call)
@@ -494,6 +545,8 @@ def run(args) -> int:
     save_state(state, here / STATE_FILE, out / "gpu_suite_state.json.gz")
     s = write_report(state, out)
     shutil.rmtree(here / "tmp", ignore_errors=True)
+    if args.cache_out:
+        pack_cache(here / "cache", out)
     t = s["total"]
     print(f"gpu_suite: {s['status']}: {t['tests'] - t['pending']} of {t['tests']} done ({call['finished']} in this "
           f"call, {call['wall_s']:.0f} s); {t['failed']} failed, {t['error']} errors, {t['skipped']} skipped"
@@ -518,6 +571,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--gpus", type=int, help="GPUs to assume visible (default: ask torch)")
     r.add_argument("--select", default=SELECT, help=f"pytest -m expression (default {SELECT!r})")
     r.add_argument("--two-gpu-files", nargs="*", default=list(TWO_GPU), help="files whose tests need two GPUs")
+    r.add_argument("--cache-in", nargs="+", help="compile_cache.tar.xz.NN parts of an earlier call (--cache-out)")
+    r.add_argument("--cache-out", action="store_true",
+                   help="write the compile cache to --out in parts (after the budget: keep the budget under 540)")
     r.add_argument("--root", default=str(ROOT), help=argparse.SUPPRESS)
     r.add_argument("--python", default=sys.executable, help=argparse.SUPPRESS)
     w = sub.add_parser("report", help="write gpu_suite.md and .json from a state file")
