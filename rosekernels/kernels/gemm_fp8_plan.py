@@ -89,8 +89,7 @@ class Fp8GemmShape:
     pdl: bool = True
 
     def __post_init__(self) -> None:
-        if self.activation != "leaky_relu":
-            object.__setattr__(self, "slope", 0.01)  # unread: one spelling per kernel
+        bf16.one_slope(self)
 
     @property
     def mode(self) -> str:

@@ -156,6 +156,13 @@ _PLAIN_EFFICIENCY = {  # (kind, tile_m): the (width, efficiency) anchors of plai
 # Configs and shapes.
 
 
+def one_slope(options) -> None:
+    """Give a frozen config or shape with `activation` and `slope` the slope 0.01 unless its activation is
+    leaky_relu: only that one reads it, so every other activation has one spelling (one key, one kernel)."""
+    if options.activation != "leaky_relu":
+        object.__setattr__(options, "slope", 0.01)
+
+
 @dataclasses.dataclass(frozen=True)
 class GemmConfig(KernelConfig):
     """One launch: the compile-time choices of a specialization (its `variant()`), then the launch
@@ -196,8 +203,7 @@ class GemmConfig(KernelConfig):
     def __post_init__(self) -> None:
         if self.a_rows is None:
             object.__setattr__(self, "a_rows", self.tile_m)
-        if self.activation != "leaky_relu":
-            object.__setattr__(self, "slope", 0.01)  # unread: one spelling per kernel
+        one_slope(self)
         super().__post_init__()
 
     def validate(self) -> None:
@@ -316,8 +322,7 @@ class GemmShape:
     pdl: bool = True  # programmatic dependent launch (gemm(enable_pdl=...))
 
     def __post_init__(self) -> None:
-        if self.activation != "leaky_relu":
-            object.__setattr__(self, "slope", 0.01)  # unread: one spelling per kernel
+        one_slope(self)
 
     @property
     def mode(self) -> str:

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, ClassVar, Iterable, Optional
 
 from rosekernels.contract import KernelConfig, keep_order
 from rosekernels.kernels.gemm_leakyrelu_plan import (
-    ACTIVATIONS, DTYPES, GATE_BLOCK, PREFILL_TILES, RASTER_GROUP, SWAP_TILE_M, SWAP_TILE_N, TILE_K, prefill_choice)
+    ACTIVATIONS, DTYPES, GATE_BLOCK, PREFILL_TILES, RASTER_GROUP, SWAP_TILE_M, SWAP_TILE_N, TILE_K, one_slope,
+    prefill_choice)
 from rosekernels.modes import sm_count
 from rosekernels.variant import MODES, check_mode
 
@@ -89,8 +90,7 @@ class GroupedConfig(KernelConfig):
     raster_group: ClassVar[int] = RASTER_GROUP
 
     def __post_init__(self) -> None:
-        if self.activation != "leaky_relu":
-            object.__setattr__(self, "slope", 0.01)  # unread: one spelling per kernel
+        one_slope(self)
         super().__post_init__()
 
     def validate(self) -> None:
@@ -148,8 +148,7 @@ class GroupedShape:
     pdl: bool = True
 
     def __post_init__(self) -> None:
-        if self.activation != "leaky_relu":
-            object.__setattr__(self, "slope", 0.01)
+        one_slope(self)
 
     @classmethod
     def defaults(cls, mode: str) -> "GroupedShape":
