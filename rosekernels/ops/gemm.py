@@ -48,8 +48,9 @@ class _Plan(launch.Launch):
         self.split_k = config.split_k
         self.swap = config.swap_ab
         self.partial_floats = partial_floats(config, m, n) if config.splits > 1 else 0
-        self.scalars = (config.splits, config.raster_group,
-                        modes.max_active_clusters(self.device, config.cluster_m * config.cluster_n), *kernel.NOT_FP8)
+        # The arguments after the tensors: the launch policy, then the FP8 scales a bf16/fp16 launch leaves out.
+        self.tail = (config.splits, config.raster_group,
+                     modes.max_active_clusters(self.device, config.cluster_m * config.cluster_n), *kernel.NOT_FP8)
         self.fix_a = m == 1 and a.stride(0) % 8 != 0
         self.fix_out = m == 1 and out.stride(0) % 8 != 0
         self.extents = (_extent(a), _extent(b_nk), _extent(bias), _extent(out))
@@ -72,10 +73,10 @@ class _Plan(launch.Launch):
         a = _row_stride_ok(a) if self.fix_a else a
         try:
             if self.swap:
-                launch.on_device(self.device, self.fn, b_nk, a, out.t(), bias, partials, counters, *self.scalars)
+                launch.on_device(self.device, self.fn, b_nk, a, out.t(), bias, partials, counters, *self.tail)
             else:
                 launch.on_device(self.device, self.fn, a, b_nk, _row_stride_ok(out) if self.fix_out else out, bias,
-                                 partials, counters, *self.scalars)
+                                 partials, counters, *self.tail)
         except Exception:
             # The compiled host code checks its arguments and raises before launching; the full
             # checks say what is wrong in this op's terms.
