@@ -121,6 +121,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hot", choices=tuning.HOT_SOURCES, default="loops",
                    help="where the 'sass' level proposes changes: loops (by loop depth, the default) or ncu "
                    "(in proportion to Nsight Compute's PC samples of the kernel's blocks; needs ncu)")
+    p.add_argument("--start", choices=tuning.STARTS, default="original",
+                   help="where the 'sass' level's annealing starts: the original schedule (default) or its floor, "
+                   "every stall count lowered as far as the latency table proves (needs control in --moves)")
     p.add_argument("--no-sanitize", action="store_true",
                    help="store a tuned config or cubin without running it under compute-sanitizer memcheck, "
                    "racecheck and synccheck first (the entry records that it was not run: below the store's bar)")
@@ -361,6 +364,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(_reason(e))
     if args.plan:
         return _kernel_plan(args, space)
+    minutes = args.budget_minutes  # (the two budgets exclude each other)
+    if args.budget_iters is None and minutes is None:
+        minutes = 10.0
+    try:
+        config = tuning.TuneConfig(
+            budget_iters=args.budget_iters, budget_seconds=None if minutes is None else minutes * 60,
+            runs=args.runs, seed=args.seed, samples=args.samples, search_samples=args.search_samples,
+            t_max=args.t_max, t_min=args.t_min, cooling=args.cooling, min_speedup=args.min_speedup,
+            tolerance=None if args.rtol is None else (args.rtol, args.atol or 0.0), moves=args.moves, hot=args.hot,
+            start=args.start, sanitize=not args.no_sanitize)
+    except ValueError as e:  # e.g. --start floor without control in --moves: refused before any GPU work
+        parser.error(str(e))
     no_gpu = _require_gpu()
     if no_gpu:
         return no_gpu
@@ -370,15 +385,6 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"sip-tune: {'; '.join(missing)} (see --no-sanitize, --hot)", file=sys.stderr)
         return 2
-    minutes = args.budget_minutes  # (the two budgets exclude each other)
-    if args.budget_iters is None and minutes is None:
-        minutes = 10.0
-    config = tuning.TuneConfig(
-        budget_iters=args.budget_iters, budget_seconds=None if minutes is None else minutes * 60,
-        runs=args.runs, seed=args.seed, samples=args.samples, search_samples=args.search_samples,
-        t_max=args.t_max, t_min=args.t_min, cooling=args.cooling, min_speedup=args.min_speedup,
-        tolerance=None if args.rtol is None else (args.rtol, args.atol or 0.0), moves=args.moves, hot=args.hot,
-        sanitize=not args.no_sanitize)
     reports: dict[str, Any] = {}
     try:
         if "config" in levels:

@@ -124,6 +124,36 @@ def test_tune_finds_validates_and_caches_the_best_schedule(toy):
     assert "cached" in report.outcome and f"{report.crashed} crashed" in report.text()
 
 
+def test_the_runs_can_start_from_the_floor_of_the_stall_counts(toy, monkeypatch):
+    """start='floor': each run starts at the floor schedule (a toy one here, 1.2x faster than the
+    original), so the first cubin measured is the floor's, and it competes as a finalist like any
+    schedule a walk finds; runs from the original never measure it first."""
+    factory, root = toy
+    floor = (1, 0, 2, 3, 4, 5, 7, 6)
+    monkeypatch.setattr(tuning, "engine_initial", lambda cubin, moves: ToyEngine.perm(cubin))
+    monkeypatch.setattr(tuning, "engine_floor", lambda schedule: floor)
+    monkeypatch.setattr(tuning, "engine_neighbour", lambda s, rng: None)  # no move: the runs stay at their start
+    config = tuning.TuneConfig(budget_iters=50, runs=2, samples=500, seed=4, moves="control", start="floor")
+    report = tuning.tune(factory, config, store_root=root, log=lambda m: None)
+    assert FakeRunner.instances[0].evaluated[0] == floor
+    assert [f["digest"] for f in report.finalists] == [tuning._digest(ToyEngine.cubin(floor))]
+    assert report.speedup == pytest.approx(1 / ToyEngine.rel(floor)) and report.cached
+    assert report.config["start"] == "floor"
+    FakeRunner.instances = []
+    report = tuning.tune(factory, dataclasses.replace(config, start="original"), store_root=root / "o",
+                         log=lambda m: None)
+    assert floor not in FakeRunner.instances[0].evaluated and not report.finalists
+
+
+@pytest.mark.parametrize("moves", ["global", "alu", "shared"])
+def test_a_floor_start_needs_moves_that_edit_stall_counts(moves):
+    with pytest.raises(ValueError, match="control"):
+        tuning.TuneConfig(budget_iters=10, moves=moves, start="floor")
+    tuning.TuneConfig(budget_iters=10, moves=moves + ",control", start="floor")
+    with pytest.raises(ValueError, match="start must be one of"):
+        tuning.TuneConfig(budget_iters=10, moves=moves, start="best")
+
+
 def test_the_op_level_speedup_is_stored_and_a_finalist_that_does_not_hold_there_is_passed_over(toy, monkeypatch):
     """With the tuned shape given, each finalist that passes validation and the sanitizer is re-timed
     through the public op (faked here): the first holds only 1.002x there (inside its A/A spread of
