@@ -458,3 +458,51 @@ def test_a_step_past_the_time_left_is_stopped_with_its_processes_and_retried_the
     # the second: recorded as failed at once, and written
     assert "cut short 2 times" in state["profiles"]["k_varlen"]["error"] and state["attempts"] == {}
     assert json.loads((tmp_path / "state.json").read_text())["profiles"]["k_varlen"] == state["profiles"]["k_varlen"]
+
+
+def test_a_floor_that_pays_is_judged_before_the_searches_and_one_that_does_not_is_not():
+    """A floor past FLOOR_BAR and its A/A with every sample passed is a schedule of its own: its op-level
+    re-time and sanitizer come right after the profiles and floors. One under the bar, or one that
+    failed a sample, is never judged."""
+    state = fresh_state()
+    floors = {"k_varlen": {"speedup": 1.022, "aa_spread": 0.0004, "validation": "ok: 10000 of 10000 samples"},
+              "k_dense": {"speedup": 1.006, "aa_spread": 0.0005, "validation": "ok: 10000 of 10000 samples"},
+              "k_gemm": {"speedup": 1.05, "aa_spread": 0.001, "validation": "incorrect: 17 of 10000 samples"}}
+    steps = []
+    while (step := C.next_step(state, list(KERNELS))) is not None:
+        steps.append(step)
+        if step[0] == "floor":
+            state.setdefault("floors", {})[step[1]] = dict(floors[step[1]])
+        elif step[0].startswith("floor:"):
+            part = step[0].removeprefix("floor:")
+            state["floors"][step[1]].setdefault("judge", {})[part] = (
+                {"speedup": 1.021, "aa_spread": 0.002, "peer": "flash_attn_4", "vs_peer": 1.04} if part == "op_level"
+                else {"memcheck": "clean", "racecheck": "clean", "synccheck": "exit 99: 1 error"})
+        else:
+            do(state, step, {})
+        assert len(steps) < 100
+    assert steps[6:8] == [("floor:op_level", "k_varlen"), ("floor:sanitizer", "k_varlen")]
+    assert steps[8][0] == "search" and not [s for s in steps[8:] if s[0].startswith("floor")]
+    assert [C.floor_pays(state["floors"][k]) for k in KERNELS] == [True, False, False]
+    text = C.markdown(state)
+    assert "| k_dense | 1.0060x | 0.05% | ok: 10000 of 10000 samples | not judged: under the bar |" in text
+    assert ("| k_varlen | 1.0220x | 0.04% | ok: 10000 of 10000 samples | 1.0210x (A/A 0.20%; flash_attn_4 1.040x) | "
+            "memcheck clean, racecheck clean, synccheck FAILED |") in text
+    assert C.step_seconds("floor:op_level") == C.JUDGE_SECONDS["op_level"]
+
+
+def test_classes_that_edit_stall_counts_start_their_walks_at_the_floor(tmp_path):
+    state = fresh_state()
+    starts = []
+
+    def tune(factory, config, *, kernel, store_root):
+        starts.append((config.moves, config.start))
+        return fake_tune({config.moves: b"x"}, [])(factory, config, kernel=kernel, store_root=store_root)
+
+    cell = compute.Cell("k_varlen", None, "k_varlen", None, "")
+    for moves in ("alu", "control"):
+        state["cells"][C.cell_key("k_varlen", moves)] = {"kernel": "k_varlen", "moves": moves, "runs": [],
+                                                         "static": {"legal_moves": 5}}
+        C.run_search(state, C.cell_key("k_varlen", moves), cell, 60.0, tmp_path, tune=tune)
+    assert starts == [("alu", "original"), ("control", "floor")]
+    assert state["cells"][C.cell_key("k_varlen", "control")]["runs"][0]["start"] == "floor"
