@@ -4,6 +4,7 @@
     python bench/sip_compute.py --state DIR [--minutes 8.5] [--out ...]   GPU: the next steps that fit
         [--kernels A,B] [--classes 'X;Y']    only these cells of DIR's state (the rest wait for a later call)
     python bench/sip_compute.py --state DIR --report [--out ...]          rewrite the results from DIR
+    python bench/sip_compute.py --state DIR --prepare                     CPU: DIR's static part, to carry
 
 Kernels: sip_tune.compute.cells() (varlen attention d=64 first, dense attention d=64/128 causal and not,
 the GEMM + activation prefill plain and gated). Classes (sip.mutate.parse_moves): CLASSES below; a class
@@ -763,6 +764,8 @@ def main() -> int:
     what.add_argument("--static", action="store_true", help="CPU only: movable / legal per kernel and class")
     what.add_argument("--state", type=Path, help="the campaign's directory (state.json, profiles, store)")
     p.add_argument("--report", action="store_true", help="with --state: rewrite the results, run nothing")
+    p.add_argument("--prepare", action="store_true", help="with --state: write its static part (CPU; minutes on a "
+                   "busy GPU host, and a CPU host with the same CuTeDSL build compiles the same cubins), run nothing")
     p.add_argument("--minutes", type=float, default=8.5, help="this call's time (default 8.5)")
     p.add_argument("--kernels", default="", help="comma list of sip_tune.compute.cells() names (default: all, in "
                    "their priority order)")
@@ -788,6 +791,9 @@ def main() -> int:
         return 0
     if args.report:
         write(json.loads((args.state / "state.json").read_text()), args.out)
+        return 0
+    if args.prepare:
+        load_or_start(args.state, cells, classes)
         return 0
     report.require_gpu()
     deadline = time.monotonic() + args.minutes * 60

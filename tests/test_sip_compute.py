@@ -506,3 +506,17 @@ def test_classes_that_edit_stall_counts_start_their_walks_at_the_floor(tmp_path)
         C.run_search(state, C.cell_key("k_varlen", moves), cell, 60.0, tmp_path, tune=tune)
     assert starts == [("alu", "original"), ("control", "floor")]
     assert state["cells"][C.cell_key("k_varlen", "control")]["runs"][0]["start"] == "floor"
+
+
+def test_prepare_writes_the_static_state_on_a_cpu_and_runs_nothing(tmp_path, monkeypatch):
+    """--prepare builds the state a GPU call resumes (the cubins a CPU host with the same CuTeDSL build
+    compiles are the GPU host's): no GPU asked for, no step run."""
+    monkeypatch.setattr(C.compute, "cells", lambda: {k: None for k in KERNELS})
+    monkeypatch.setattr(C, "static_state", lambda cells, classes: fresh_state())
+    monkeypatch.setattr(C.report, "require_gpu", lambda: pytest.fail("--prepare asked for a GPU"))
+    monkeypatch.setattr(C, "campaign", lambda *a, **k: pytest.fail("--prepare ran a step"))
+    monkeypatch.setattr(sys, "argv", ["sip_compute.py", "--state", str(tmp_path / "s"), "--prepare",
+                                      "--classes", ";".join(CLASSES)])
+    assert C.main() == 0
+    state = json.loads((tmp_path / "s" / "state.json").read_text())
+    assert set(state["kernels"]) == set(KERNELS) and "profiles" not in state
