@@ -7,10 +7,11 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from sip_corpus import corpus  # noqa: F401
+from sip_corpus import corpus, corpus_entry  # noqa: F401
 from store_samples import FakeVariant, make_cubin
 
 from rosekernels import tuned
+from sip import cli as sip_cli
 from sip_tune import oplevel, tuning
 from sip_tune.runner import Evaluation, Options, Runner, WorkerFailure, _set_bytes
 
@@ -499,3 +500,15 @@ def test_a_cubin_that_leaves_its_counter_set_is_refused():
     assert not kept["failed"] and kept["passed"] == 10
     left = bench._test(kernel(rezero=False), 3, 10, batch=4)
     assert left["failed"] and left["passed"] == 0 and left["detail"] == f"sample 0: {SCRATCH_LEFT}"
+
+
+@pytest.mark.parametrize("moves", ["control", "all"])
+def test_the_tuners_floor_start_is_sip_floors_cubin(corpus, moves, tmp_path):
+    """sip-tune --start floor anneals from the very cubin `sip floor` writes (the one bench/sip_compute.py
+    timed), whichever trusted classes the run may use besides."""
+    data = corpus_entry(corpus, "rosekernels_tma_wgmma_gemm")
+    src, out = tmp_path / "in.cubin", tmp_path / "out.cubin"
+    src.write_bytes(data)
+    assert sip_cli.main(["floor", str(src), "-o", str(out)]) == 0
+    start = tuning.engine_apply(tuning.engine_floor(tuning.engine_initial(data, moves)))
+    assert start == out.read_bytes() != data
