@@ -388,7 +388,7 @@ def retime_fresh(factory: Callable[[], Any], original: bytes, tuned: bytes, repe
     return out
 
 
-def run_floor(state: dict[str, Any], kernel: str, cell: compute.Cell, samples: int = 10_000,
+def run_floor(state: dict[str, Any], kernel: str, cell: compute.Cell, samples: int | None = None,
               shape_samples: int = 8) -> None:
     """The original with every stall count lowered as far as the latency table proves (sip floor): its
     loops' stall sums, then re-timed in a fresh worker against the A/A and checked on fresh samples.
@@ -396,6 +396,7 @@ def run_floor(state: dict[str, Any], kernel: str, cell: compute.Cell, samples: i
     counts (a pipe's throughput, the tensor core, a barrier)."""
     original = cell.factory().kernel.cubin
     floor = floor_cubin(original)
+    samples = validation_samples("control") if samples is None else samples  # what a control.stall edit needs
     state.setdefault("floors", {})[kernel] = {
         **retime_fresh(cell.factory, original, floor, samples=samples, shape_samples=shape_samples),
         "floor_sha256": hashlib.sha256(floor).hexdigest()}
