@@ -545,6 +545,13 @@ def cli_toy(toy, monkeypatch):
     return calls
 
 
+def _plus_one_check(args):
+    """The stand-in workloads' check: y = x + 1 within 0.01."""
+    x, y, _ = args
+    err = (y.double() - (x.double() + 1)).abs().max().item()
+    assert err <= 0.01, f"error {err:.3g} > 0.01"
+    return err / 0.01
+
 def test_level_two_anneals_the_winners_config(cli_toy, capsys, toy):
     code, out, _ = run(capsys, "--kernel", OP, "--budget-iters", "5", "--store-root", str(toy), "--json",
                        str(toy / "r.json"))
@@ -593,14 +600,8 @@ def _cpu_workload(offset, check=True, size=16, test_offset=None):
         torch.add(x, 1, out=y)
         y[0] += bump
 
-    def reference_check(args):
-        x, y, _ = args
-        err = (y.double() - (x.double() + 1)).abs().max().item()
-        assert err <= 0.01, f"error {err:.3g} > 0.01"
-        return err / 0.01
-
     return Workload(SimpleNamespace(fn=None), make_args, outputs=lambda a: a[1:2], launch=launch,
-                    check=reference_check if check else None, test_args=test_args)
+                    check=_plus_one_check if check else None, test_args=test_args)
 
 
 def cpu_config_bench(*workloads, at=None):
@@ -668,14 +669,8 @@ def _claiming_workload(rezero):
         if rezero:
             counter.zero_()
 
-    def reference_check(args):
-        x, y, _ = args
-        err = (y.double() - (x.double() + 1)).abs().max().item()
-        assert err <= 0.01, f"error {err:.3g} > 0.01"
-        return err / 0.01
-
     return Workload(SimpleNamespace(fn=None), make_args, outputs=lambda a: a[1:2], launch=launch,
-                    check=reference_check, test_args=lambda seed: make_args(seed, 2 * (seed % 32) + 1))
+                    check=_plus_one_check, test_args=lambda seed: make_args(seed, 2 * (seed % 32) + 1))
 
 
 def test_a_config_that_leaves_its_counter_set_is_refused():
