@@ -24,9 +24,11 @@ longer than a call cannot stall the campaign.
    the most any schedule change could save; --min-headroom skips the kernels under it) and the
    schedule-sensitive share (what the moves aim at); then the floor: every stall count lowered as far
    as the latency table proves (sip.mutate.lowered), timed against the original and its A/A, checked
-   on 10^4 fresh samples;
+   bitwise on 10^5 fresh samples and 8 input sets of the timed shape; a floor past FLOOR_BAR and its
+   A/A is then judged as a result of its own, (b) and (c) below, before any search;
 2. search: per (kernel, class), sip_tune.tuning.tune runs of at most the time left, each with new
-   seeds and proposals weighted by the ncu samples, until the cell has had BASE_SECONDS of search or
+   seeds and proposals weighted by the ncu samples, from the floor for a class that edits stall
+   counts (once the floor passed its checks), else from the original, until the cell has had BASE_SECONDS of search or
    BASE_CANDIDATES distinct cubins run (or its last run ended with no new schedule nearby); a run
    keeps its finalists only past 1 + the A/A spread of fresh re-time workers and the class's fresh
    samples (sip_tune.tuning.TuneConfig.validation_samples: 10^4 for `global`, 10^5 for every class
@@ -256,9 +258,10 @@ def next_step(state: dict[str, Any], order: list[str], classes: tuple[str, ...] 
     then the searches, kernel by kernel, except skipped kernels; once every base search is done, the
     promising cells are extended (in the state) and searched on; judging comes last."""
     for kernel in order:
-        for what, done in (("profile", "profiles"), ("floor", "floors")):
-            if kernel not in state.get(done, {}):
-                return what, kernel
+        if kernel not in state.get("profiles", {}):
+            return "profile", kernel
+        if not floor_done(state.get("floors", {}).get(kernel)):
+            return "floor", kernel
     for kernel in order:
         floor = state["floors"][kernel]
         if floor_pays(floor):
@@ -340,7 +343,8 @@ def run_search(state: dict[str, Any], key: str, cell: compute.Cell, seconds: flo
     entry = state["cells"][key]
     seed = 1000 * len(entry["runs"]) + 17
     profiled = "error" not in state.get("profiles", {}).get(entry["kernel"], {})
-    start = "floor" if "control.stall" in mutate.parse_moves(entry["moves"]) else "original"
+    start = ("floor" if "control.stall" in mutate.parse_moves(entry["moves"])
+             and floor_correct(state.get("floors", {}).get(entry["kernel"])) else "original")
     config = tuning.TuneConfig(budget_seconds=seconds, runs=2, seed=seed, moves=entry["moves"],
                                hot="ncu" if profiled else "loops", start=start,
                                sanitize=False)  # the judge runs compute-sanitizer once, on the winner
@@ -402,11 +406,22 @@ def run_floor(state: dict[str, Any], kernel: str, cell: compute.Cell, samples: i
         "floor_sha256": hashlib.sha256(floor).hexdigest()}
 
 
+def floor_done(floor: dict[str, Any] | None) -> bool:
+    """Whether the kernel's floor step has its record: an error, or a timing with the floor's hash (a
+    record without it predates the timed-shape check and the 10^5 samples, and is made again)."""
+    return floor is not None and ("error" in floor or "floor_sha256" in floor)
+
+
+def floor_correct(floor: dict[str, Any] | None) -> bool:
+    """Whether the floor passed every check it has had: its samples, and the sanitizer once judged."""
+    return (floor is not None and "error" not in floor and floor.get("validation", "").startswith("ok")
+            and all(v == "clean" for v in floor.get("judge", {}).get("sanitizer", {}).values()))
+
+
 def floor_pays(floor: dict[str, Any]) -> bool:
     """Whether a kernel's floor is a schedule worth judging as a result of its own: it passed its samples
     and re-timed past FLOOR_BAR and its A/A spread."""
-    return ("error" not in floor and floor.get("validation", "").startswith("ok")
-            and floor["speedup"] > max(FLOOR_BAR, 1 + floor["aa_spread"]))
+    return floor_correct(floor) and floor["speedup"] > max(FLOOR_BAR, 1 + floor["aa_spread"])
 
 
 def run_floor_judge(state: dict[str, Any], part: str, kernel: str, cell: compute.Cell) -> None:
@@ -415,7 +430,7 @@ def run_floor_judge(state: dict[str, Any], part: str, kernel: str, cell: compute
     original = workload.kernel.cubin
     floor = floor_cubin(original)
     entry = state["floors"][kernel]
-    if entry.get("floor_sha256", hashlib.sha256(floor).hexdigest()) != hashlib.sha256(floor).hexdigest():
+    if entry["floor_sha256"] != hashlib.sha256(floor).hexdigest():
         raise RuntimeError("the floor differs from the one re-timed (another engine or latency table): not judged")
     result = (op_level(cell, workload.kernel.variant, original, floor) if part == "op_level"
               else probe.sanitize(cell.factory, floor))
@@ -535,7 +550,8 @@ def markdown(state: dict[str, Any]) -> str:
             lines.append(f"| {name} | {floor['error'] if floor else NOT_RUN} | | | | |")
             continue
         judge = floor.get("judge", {})
-        pending = NOT_RUN if floor_pays(floor) else "not judged: under the bar"
+        pending = (NOT_RUN if floor_pays(floor) else "not judged: under the bar" if floor_correct(floor)
+                   else "not judged: failed a check")
         lines.append(" | ".join([
             f"| {name}", f"{floor['speedup']:.4f}x", f"{floor['aa_spread']:.2%}", floor.get("validation", ""),
             _judged(judge.get("op_level"), _op_text) if "op_level" in judge else pending,

@@ -346,6 +346,8 @@ def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             parser.error("--shape is for --kernel; --model derives the shapes from the model")
         if args.budget_iters is not None:
             parser.error("--budget-iters counts the sass level's iterations (--kernel); give --model --budget-minutes")
+        if args.start != "original":
+            parser.error("--start is where the sass level's annealing starts (--kernel); --model tunes configs")
     return levels
 
 
@@ -362,8 +364,6 @@ def main(argv: list[str] | None = None) -> int:
         space = configs.plan(args.kernel, args.mode, shape, args.max_candidates)  # CPU: refuses a bad shape now
     except _BAD_REQUEST as e:
         parser.error(_reason(e))
-    if args.plan:
-        return _kernel_plan(args, space)
     minutes = args.budget_minutes  # (the two budgets exclude each other)
     if args.budget_iters is None and minutes is None:
         minutes = 10.0
@@ -376,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
             start=args.start, sanitize=not args.no_sanitize)
     except ValueError as e:  # e.g. --start floor without control in --moves: refused before any GPU work
         parser.error(str(e))
+    if args.plan:
+        return _kernel_plan(args, space)
     no_gpu = _require_gpu()
     if no_gpu:
         return no_gpu

@@ -71,9 +71,10 @@ def engine_weighted(schedule: mutate.Schedule, listing: str, top: int = 3) -> tu
                       for share, b in profile.hot_blocks(kernel, samples)[:top]]
 
 
-def engine_floor(schedule: mutate.Schedule) -> mutate.Schedule:
-    """Every stall count at the floor the latency table proves (sip.mutate.lowered)."""
-    return mutate.lowered(schedule)
+def engine_floor(cubin: bytes) -> bytes:
+    """The cubin with every stall count at the floor the latency table proves under the trusted dependency
+    model (sip.mutate.lowered; `sip floor`'s cubin), whatever relaxations the run's own classes hold."""
+    return engine_apply(mutate.lowered(engine_initial(cubin, "control.stall")))
 
 
 def engine_neighbour(schedule: mutate.Schedule, rng: random.Random) -> mutate.Schedule | None:
@@ -173,6 +174,7 @@ class TuneReport:
     gpu: str = ""
     gpus: int = 1  # workers searching at once, one per GPU
     original_sha256: str = ""
+    start_sha256: str = ""  # the cubin the runs start from: the original's, or its floor's (TuneConfig.start)
     cubin_bytes: int = 0
     movable: int = 0  # instructions the mutation policy may move
     legal_moves: int = 0  # at the start
@@ -280,17 +282,18 @@ def tune(factory: Callable[[], Workload], config: TuneConfig, *, kernel: str | N
                           "nothing to tune")
         report.total_seconds = time.monotonic() - t_start
         return report
-    if config.hot == "ncu":
-        initial, report.hot_blocks = engine_weighted(initial, probe.profile(factory, original))
-        log("[sip-tune] hottest blocks (ncu PC samples): " + ", ".join(
-            f"{h['offset']:#06x} {h['share']:.0%}" for h in report.hot_blocks))
     start_schedule, start_cubin = initial, original
     if config.start == "floor":
-        start_schedule = engine_floor(initial)
-        start_cubin = engine_apply(start_schedule)
+        start_cubin = engine_floor(original)
         if candidate_hook is not None:
             start_cubin = candidate_hook(start_cubin)
+        start_schedule = engine_initial(start_cubin, config.moves)  # the floor's code, read under the run's classes
         log(f"[sip-tune] the runs start from the floor of the stall counts (cubin {_digest(start_cubin)[:12]})")
+    report.start_sha256 = _digest(start_cubin)
+    if config.hot == "ncu":  # the floor changes control bits only: the original's samples weight it alike
+        start_schedule, report.hot_blocks = engine_weighted(start_schedule, probe.profile(factory, original))
+        log("[sip-tune] hottest blocks (ncu PC samples): " + ", ".join(
+            f"{h['offset']:#06x} {h['share']:.0%}" for h in report.hot_blocks))
     gpus = max(1, min(_gpu_count(), config.runs))
     runners = [Runner(factory, dataclasses.replace(options, device=d), log=lambda m: log(f"[sip-tune] {m}"))
                for d in range(gpus)]

@@ -53,7 +53,8 @@ def do(state, step, margins):
         state.setdefault("profiles", {})[key] = {"samples": 1000, "hot_blocks": [], "headroom": 0.1, "sensitive": 0.05,
                                                   "stalls": {}}
     elif what == "floor":
-        state.setdefault("floors", {})[key] = {"speedup": 0.999, "aa_spread": 0.002, "runs": [], "validation": "ok"}
+        state.setdefault("floors", {})[key] = {"speedup": 0.999, "aa_spread": 0.002, "runs": [], "validation": "ok",
+                                               "floor_sha256": "f" * 64}
     elif what == "search":
         cell = state["cells"][key]
         best = margins.get(key, 0.0) + 1.004
@@ -363,7 +364,7 @@ def test_a_call_on_some_kernels_and_classes_works_on_those_only(tmp_path, monkey
     for k in KERNELS:
         state.setdefault("profiles", {})[k] = {"samples": 1000, "hot_blocks": [], "headroom": 0.5, "sensitive": 0.2,
                                                 "stalls": {}}
-        state.setdefault("floors", {})[k] = {"speedup": 1.0, "aa_spread": 0.002}
+        state.setdefault("floors", {})[k] = {"speedup": 1.0, "aa_spread": 0.002, "floor_sha256": "f" * 64}
         for m in CLASSES:
             state["cells"][C.cell_key(k, m)]["runs"].append(a_run(best=1.0, exhausted=True))
     state["cells"][C.cell_key("k_dense", "alu")]["runs"] = [a_run(best=1.05, cached="/s/dense")]
@@ -468,6 +469,8 @@ def test_a_floor_that_pays_is_judged_before_the_searches_and_one_that_does_not_i
     floors = {"k_varlen": {"speedup": 1.022, "aa_spread": 0.0004, "validation": "ok: 10000 of 10000 samples"},
               "k_dense": {"speedup": 1.006, "aa_spread": 0.0005, "validation": "ok: 10000 of 10000 samples"},
               "k_gemm": {"speedup": 1.05, "aa_spread": 0.001, "validation": "incorrect: 17 of 10000 samples"}}
+    for floor in floors.values():
+        floor["floor_sha256"] = "f" * 64
     steps = []
     while (step := C.next_step(state, list(KERNELS))) is not None:
         steps.append(step)
@@ -477,7 +480,7 @@ def test_a_floor_that_pays_is_judged_before_the_searches_and_one_that_does_not_i
             part = step[0].removeprefix("floor:")
             state["floors"][step[1]].setdefault("judge", {})[part] = (
                 {"speedup": 1.021, "aa_spread": 0.002, "peer": "flash_attn_4", "vs_peer": 1.04} if part == "op_level"
-                else {"memcheck": "clean", "racecheck": "clean", "synccheck": "exit 99: 1 error"})
+                else dict.fromkeys(("memcheck", "racecheck", "synccheck"), "clean"))
         else:
             do(state, step, {})
         assert len(steps) < 100
@@ -487,12 +490,18 @@ def test_a_floor_that_pays_is_judged_before_the_searches_and_one_that_does_not_i
     text = C.markdown(state)
     assert "| k_dense | 1.0060x | 0.05% | ok: 10000 of 10000 samples | not judged: under the bar |" in text
     assert ("| k_varlen | 1.0220x | 0.04% | ok: 10000 of 10000 samples | 1.0210x (A/A 0.20%; flash_attn_4 1.040x) | "
-            "memcheck clean, racecheck clean, synccheck FAILED |") in text
+            "memcheck clean, racecheck clean, synccheck clean |") in text
+    assert "| k_gemm | 1.0500x | 0.10% | incorrect: 17 of 10000 samples | not judged: failed a check |" in text
+    state["floors"]["k_varlen"]["judge"]["sanitizer"]["synccheck"] = "exit 99: 1 error"  # a floor the sanitizer flags
+    assert not C.floor_correct(state["floors"]["k_varlen"]) and not C.floor_pays(state["floors"]["k_varlen"])
+    assert "synccheck FAILED" in C.markdown(state)
     assert C.step_seconds("floor:op_level") == C.JUDGE_SECONDS["op_level"]
 
 
-def test_classes_that_edit_stall_counts_start_their_walks_at_the_floor(tmp_path):
+def test_classes_that_edit_stall_counts_start_their_walks_at_a_floor_that_passed_its_checks(tmp_path):
     state = fresh_state()
+    state["floors"] = {"k_varlen": {"speedup": 1.02, "aa_spread": 0.001, "validation": "ok: 100000 of 100000 samples",
+                                    "floor_sha256": "f" * 64}}
     starts = []
 
     def tune(factory, config, *, kernel, store_root):
@@ -506,6 +515,21 @@ def test_classes_that_edit_stall_counts_start_their_walks_at_the_floor(tmp_path)
         C.run_search(state, C.cell_key("k_varlen", moves), cell, 60.0, tmp_path, tune=tune)
     assert starts == [("alu", "original"), ("control", "floor")]
     assert state["cells"][C.cell_key("k_varlen", "control")]["runs"][0]["start"] == "floor"
+    for failed in ({"error": "cut short"}, {"speedup": 1.02, "aa_spread": 0.001, "validation": "incorrect: 3 of 100000",
+                                             "floor_sha256": "f" * 64}):
+        state["floors"]["k_varlen"] = failed  # a floor that failed a check is no place to start
+        C.run_search(state, C.cell_key("k_varlen", "control"), cell, 60.0, tmp_path, tune=tune)
+    assert starts[2:] == [("control", "original")] * 2
+
+
+def test_a_floor_recorded_before_its_hash_and_timed_shape_check_is_made_again():
+    state = fresh_state()
+    state["profiles"] = {k: {"samples": 1} for k in KERNELS}
+    state["floors"] = {"k_varlen": {"speedup": 1.02, "aa_spread": 0.001, "validation": "ok: 10000 of 10000 samples"},
+                       "k_dense": {"error": "cut short 2 times"}}
+    assert C.next_step(state, list(KERNELS)) == ("floor", "k_varlen")  # the error is a record: not redone
+    state["floors"]["k_varlen"]["floor_sha256"] = "f" * 64
+    assert C.next_step(state, list(KERNELS)) == ("floor", "k_gemm")
 
 
 def test_prepare_writes_the_static_state_on_a_cpu_and_runs_nothing(tmp_path, monkeypatch):

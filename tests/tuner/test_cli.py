@@ -32,6 +32,11 @@ def run(capsys, *argv):
     (["--kernel", "qk_norm", "--atol", "1e-3"], "--atol needs --rtol"),
     (["--kernel", "qk_norm", "--shape", "tokens"], "KEY=VALUE"),
     (["--kernel", "qk_norm", "--mode", "fast"], "invalid choice"),
+    # refused before the GPU check (which exits 3 here) and before --plan answers
+    (["--kernel", "qk_norm", "--moves", "alu", "--start", "floor"], "(add control)"),
+    (["--kernel", "qk_norm", "--moves", "alu", "--start", "floor", "--plan"], "(add control)"),
+    (["--kernel", "qk_norm", "--start", "best"], "invalid choice"),
+    (["--model", "examples/configs/qwen3_8b.json", "--start", "floor"], "--model tunes configs"),
 ])
 def test_argument_errors_exit_2(capsys, argv, message):
     code, _, err = run(capsys, *argv)

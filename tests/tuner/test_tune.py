@@ -132,14 +132,14 @@ def test_the_runs_can_start_from_the_floor_of_the_stall_counts(toy, monkeypatch)
     factory, root = toy
     floor = (1, 0, 2, 3, 4, 5, 7, 6)
     monkeypatch.setattr(tuning, "engine_initial", lambda cubin, moves: ToyEngine.perm(cubin))
-    monkeypatch.setattr(tuning, "engine_floor", lambda schedule: floor)
+    monkeypatch.setattr(tuning, "engine_floor", lambda cubin: ToyEngine.cubin(floor))
     monkeypatch.setattr(tuning, "engine_neighbour", lambda s, rng: None)  # no move: the runs stay at their start
     config = tuning.TuneConfig(budget_iters=50, runs=2, samples=500, seed=4, moves="control", start="floor")
     report = tuning.tune(factory, config, store_root=root, log=lambda m: None)
     assert FakeRunner.instances[0].evaluated[0] == floor
     assert [f["digest"] for f in report.finalists] == [tuning._digest(ToyEngine.cubin(floor))]
     assert report.speedup == pytest.approx(1 / ToyEngine.rel(floor)) and report.cached
-    assert report.config["start"] == "floor"
+    assert report.config["start"] == "floor" and report.start_sha256 == tuning._digest(ToyEngine.cubin(floor))
     FakeRunner.instances = []
     report = tuning.tune(factory, dataclasses.replace(config, start="original"), store_root=root / "o",
                          log=lambda m: None)
@@ -502,13 +502,15 @@ def test_a_cubin_that_leaves_its_counter_set_is_refused():
     assert left["failed"] and left["passed"] == 0 and left["detail"] == f"sample 0: {SCRATCH_LEFT}"
 
 
-@pytest.mark.parametrize("moves", ["control", "all"])
+@pytest.mark.parametrize("moves", ["control", "all", "all,scoreboard,sync"])
 def test_the_tuners_floor_start_is_sip_floors_cubin(corpus, moves, tmp_path):
     """sip-tune --start floor anneals from the very cubin `sip floor` writes (the one bench/sip_compute.py
-    timed), whichever trusted classes the run may use besides."""
+    timed), lowered under the trusted dependency model whatever classes the run may use besides (a
+    relaxed model would lower further, to a schedule nobody timed), and read back under those classes."""
     data = corpus_entry(corpus, "rosekernels_tma_wgmma_gemm")
     src, out = tmp_path / "in.cubin", tmp_path / "out.cubin"
     src.write_bytes(data)
     assert sip_cli.main(["floor", str(src), "-o", str(out)]) == 0
-    start = tuning.engine_apply(tuning.engine_floor(tuning.engine_initial(data, moves)))
+    start = tuning.engine_floor(data)
     assert start == out.read_bytes() != data
+    assert tuning.engine_apply(tuning.engine_initial(start, moves)) == start
