@@ -172,7 +172,7 @@ def static_state(cells: dict[str, compute.Cell], classes: tuple[str, ...],
         original = workload.kernel.cubin
         state["kernels"][name] = {"about": cell.about, "variant": workload.kernel.variant.key(),
                                   "cubin_sha256": hashlib.sha256(original).hexdigest(),
-                                  "loops": loop_rows(original), "floor_loops": loop_rows(floor_cubin(original)),
+                                  "loops": loop_rows(original), "floor_loops": loop_rows(tuning.engine_floor(original)),
                                   "mainloop_pairs": mainloop_pairs(original)}
         for moves in classes:
             row = static_row(original, moves)
@@ -399,7 +399,7 @@ def run_floor(state: dict[str, Any], kernel: str, cell: compute.Cell, samples: i
     A static saving that does not show in time says the loop waits on something else than stall
     counts (a pipe's throughput, the tensor core, a barrier)."""
     original = cell.factory().kernel.cubin
-    floor = floor_cubin(original)
+    floor = tuning.engine_floor(original)
     samples = validation_samples("control") if samples is None else samples  # what a control.stall edit needs
     state.setdefault("floors", {})[kernel] = {
         **retime_fresh(cell.factory, original, floor, samples=samples, shape_samples=shape_samples),
@@ -428,20 +428,13 @@ def run_floor_judge(state: dict[str, Any], part: str, kernel: str, cell: compute
     """(b) or (c) of the judge on the kernel's floor cubin (its (a) and (d) are the floor step's)."""
     workload = cell.factory()
     original = workload.kernel.cubin
-    floor = floor_cubin(original)
+    floor = tuning.engine_floor(original)
     entry = state["floors"][kernel]
     if entry["floor_sha256"] != hashlib.sha256(floor).hexdigest():
         raise RuntimeError("the floor differs from the one re-timed (another engine or latency table): not judged")
     result = (op_level(cell, workload.kernel.variant, original, floor) if part == "op_level"
               else probe.sanitize(cell.factory, floor))
     entry.setdefault("judge", {})[part] = result
-
-
-def floor_cubin(cubin: bytes) -> bytes:
-    """The cubin with its main kernel's stall counts at their floor (sip.mutate.lowered)."""
-    parsed = elf.parse_cubin(cubin)
-    kernel = sass.disassemble_kernel(parsed, parsed.main_kernel().name)
-    return mutate.apply(mutate.lowered(mutate.initial_schedule(kernel, frozenset({"control.stall"}))))
 
 
 def op_level(cell: compute.Cell, variant: Any, original: bytes, tuned: bytes) -> dict[str, Any]:
