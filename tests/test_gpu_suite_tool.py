@@ -402,3 +402,93 @@ def test_the_compile_cache_travels_in_parts_and_fills_only_what_is_missing(tmp_p
             info.size = 1
             tar.addfile(info, io.BytesIO(b"x"))
     assert suite.unpack_cache([str(stray)], other) == 0 and not (other / "evil.o").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# tools/gpu_precache.py: what a CPU host compiles ahead of a suite call.
+
+def _load_precache():
+    spec = importlib.util.spec_from_file_location("gpu_precache", TOOLS / "gpu_precache.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+precache = _load_precache()
+
+KERNEL_TESTS = '''
+import pytest
+from rosekernels.kernels import qk_norm, qk_norm_plan
+
+CONFIGS = qk_norm_plan.variants_for()
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg, n", [(CONFIGS[0], 1), (CONFIGS[1], 2), (CONFIGS[0], 3)])
+def test_takes_a_config(cfg, n):
+    pass
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", [(CONFIGS[2], [CONFIGS[3]])])
+def test_nested(pair):
+    pass
+
+@pytest.mark.gpu
+def test_compiles_inside():
+    qk_norm.compile(CONFIGS[4])
+
+def test_cpu_only_not_selected():
+    qk_norm.compile(CONFIGS[5])
+'''
+
+
+def test_the_precache_sees_the_configs_tests_take_and_the_suite_records_what_they_loaded(project, tmp_path):
+    """Collection lists the kernel configs of the selected tests' parameters (nested ones too, each variant once);
+    a suite call records in its state the variants its tests loaded, those built inside a test body included,
+    and each recorded variant rebuilds (Config.from_variant) into the config of the same key."""
+    from rosekernels.kernels import qk_norm_plan
+
+    configs = qk_norm_plan.variants_for()
+    (project / "tests" / "test_kernel.py").write_text(KERNEL_TESTS)
+    seen = precache.param_variants(False, project)
+    assert sorted(precache._variant(d).key() for d in seen) == sorted(c.variant().key() for c in configs[:4])
+    out = tmp_path / "out"
+    assert suite.main(["run", "--root", str(project), "--out", str(out), "--gpus", "1", "--commit", "c",
+                       "--jobs", "2", "--min-start", "1", "--budget", "300", "--select", "gpu and not slow",
+                       "--two-gpu-files", "tests/test_two.py"]) == 1  # red: test_fake's failures
+    assert json.loads((out / "gpu_suite.json").read_text())["files"]["tests/test_kernel.py"]["passed"] == 5
+    loaded = precache.state_variants(str(out / "gpu_suite_state.json.gz"))
+    assert [precache._variant(d).key() for d in loaded] == [configs[4].variant().key()]
+    compile_config, cfg = precache._job(loaded[0])
+    assert cfg.variant() == configs[4].variant() and compile_config.__module__.endswith("qk_norm")
+
+
+def test_every_variant_the_precache_compiles_rebuilds_from_its_key():
+    """A variant recorded on the GPU host comes back as a config only through Config.from_variant: for every
+    variant the kernels list (and the hf models launch), it gives back the same variant."""
+    import cubin_hashes
+    from rosekernels.kernels import KERNELS
+
+    jobs = cubin_hashes.every_spec(list(KERNELS), extras=False) + precache.hf_specs()
+    assert len(jobs) > 500
+    for _, cfg in jobs:
+        variant = cfg.variant()
+        assert precache._job(json.loads(json.dumps(variant.as_dict())))[1].variant() == variant, variant.key()
+
+
+def test_the_precache_packs_only_the_entries_asked_for_at_this_source_and_toolchain(tmp_path):
+    from rosekernels import jit
+
+    digest, tc = jit.package_digest(), jit.TOOLCHAIN
+    names = {"a": (tc, digest), "b": (tc, digest), "old": (tc, "0" * 16), "other": ("cutedsl-0-cu12", digest)}
+    for key, (toolchain, d) in names.items():
+        folder = tmp_path / "cache" / "jit" / toolchain
+        folder.mkdir(parents=True, exist_ok=True)
+        for ext in ("o", "json"):
+            (folder / f"{key}-{d}.{ext}").write_bytes(key.encode())
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "compile_cache.tar.xz.07").write_bytes(b"a stale part")
+    packed, parts = precache.pack(tmp_path / "cache", {"a", "old", "other", "missing"}, tmp_path / "out")
+    assert packed == 1 and [p.name for p in parts] == ["compile_cache.tar.xz.00"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["compile_cache.tar.xz.00"]
+    assert suite.unpack_cache([str(p) for p in parts], tmp_path / "host") == 2
+    assert sorted(p.name for p in (tmp_path / "host" / "jit" / tc).iterdir()) == [f"a-{digest}.json", f"a-{digest}.o"]

@@ -60,7 +60,7 @@ def _extras(kernels: list[str]) -> list[tuple[object, object]]:
     return specs
 
 
-def _specs(kernels: list[str], extras: bool) -> list[tuple[object, object]]:
+def every_spec(kernels: list[str], extras: bool) -> list[tuple[object, object]]:
     """(compile, config) of each variant: a spawned worker unpickles the compile by its module and name."""
     specs = [(_module(name).compile, cfg) for name in kernels for cfg in _module(name).variants_for()]
     return specs + (_extras(kernels) if extras else [])
@@ -86,7 +86,7 @@ def main() -> int:
     p.add_argument("--extras", action="store_true", help="also the KV-cache, varlen and MoE peer variants")
     p.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
     args = p.parse_args()
-    specs = _specs(args.kernels.split(","), args.extras)
+    specs = every_spec(args.kernels.split(","), args.extras)
     ops = {cfg.variant().op for _, cfg in specs}
     if args.sample:
         with open(args.sample) as f:

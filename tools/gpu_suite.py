@@ -24,7 +24,9 @@ gpu_suite_state.json.gz: on a fresh host, carry that file back in and pass it as
 The compile cache: a fresh host compiles every variant again (minutes of each call). --cache-out writes
 the call's compile objects to --out as compile_cache.tar.xz.NN parts (at most CACHE_PARTS of
 CACHE_PART_BYTES: what a runner brings back); carried to the next host, --cache-in PART... puts them back
-before the tests start (entries of other sources or toolchains are simply not found).
+before the tests start (entries of other sources or toolchains are simply not found). tools/gpu_precache.py
+builds such parts on the CPU host (same cubins); the state's "variants" (every kernel variant the tests
+loaded, recorded by the plugin) tell it what the tests build in their bodies.
 
     tools/gpu_suite.sh --out "$OUT" [--resume FILE] [--sample] [--jobs N] [--budget SECONDS]
         exit status: 0 green, 1 red, 2 the state is of another tree, 4 partial (call again)
@@ -153,6 +155,8 @@ def merge(state: dict, piece: Piece, records: list[dict], exit_code: int | None,
         if r.get("event") == "result":
             results[r["nodeid"]] = {"outcome": r["outcome"], "duration": r["duration"], "message": r["message"]}
             done.add(r["nodeid"])
+        elif r.get("event") == "loaded":  # kernel variants the tests loaded: what gpu_precache.py compiles next
+            state.setdefault("variants", {}).update(r["variants"])
     in_flight = [r["nodeid"] for r in records if r.get("event") == "start" and r["nodeid"] not in done]
     if killed:
         cut = state.setdefault("cut", {})

@@ -2,25 +2,35 @@
 
 GPU_SUITE_COLLECT=FILE (with --collect-only): write the collected tests to FILE as JSON,
     [{"nodeid": ..., "gpu": bool, "slow": bool}]: whether each carries the `gpu` and `slow` marks.
+GPU_SUITE_SPECS=FILE (with --collect-only): write the kernel configs the collected tests take as parameters
+    (dataclasses with .variant(), in tuples and lists too) to FILE as JSON, [Variant.as_dict(), ...] by key:
+    what tools/gpu_precache.py compiles ahead of a suite call.
 GPU_SUITE_SELECT=FILE: run only the tests whose node ids FILE lists (JSON), of the paths given: node ids
     on the command line would be parsed again, and parameter ids can hold anything.
 GPU_SUITE_LOG=FILE: append one JSON line per test as it starts ({"event": "start", "nodeid"}) and as
     it finishes ({"event": "result", "nodeid", "outcome", "duration", "message"}), flushed at once, so
     that a process killed at its deadline or by a crash has recorded every test it finished.
     outcome is pytest's word: passed, failed, skipped, error (setup or teardown failed), xfailed,
-    xpassed; duration the seconds of setup, call and teardown together.
+    xpassed; duration the seconds of setup, call and teardown together. After a test, the kernel
+    variants the process loaded since the last record ({"event": "loaded", "variants": {key: as_dict}}):
+    the suite keeps them in its state for gpu_precache.py, which compiles them on the CPU host for the
+    next call.
     With GPU_SUITE_LOG set (a piece of the suite), SIGTERM (the suite's deadline) raises
     KeyboardInterrupt: the test's cleanup then runs (sip_tune.probe.run_isolated kills the tool it
     started, the tuner's Runner its worker) instead of the process ending at once.
 """
+import dataclasses
 import json
 import os
 import signal
+import sys
 
 _COLLECT = os.environ.get("GPU_SUITE_COLLECT")
+_SPECS = os.environ.get("GPU_SUITE_SPECS")
 _SELECT = os.environ.get("GPU_SUITE_SELECT")
 _LOG = os.environ.get("GPU_SUITE_LOG")
 _phases: dict[str, list] = {}
+_loaded: set[str] = set()  # variant keys already recorded by this process
 
 
 def _append(record: dict) -> None:
@@ -45,11 +55,29 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [i for i in items if i.nodeid in wanted]
 
 
+def _configs(value):
+    """The kernel configs (dataclass instances with a variant() method) in a test parameter."""
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _configs(v)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type) and callable(getattr(value, "variant", None)):
+        yield value
+
+
 def pytest_collection_finish(session):
     if _COLLECT:
         with open(_COLLECT, "w") as f:
             json.dump([{"nodeid": item.nodeid, "gpu": item.get_closest_marker("gpu") is not None,
                         "slow": item.get_closest_marker("slow") is not None} for item in session.items], f)
+    if _SPECS:
+        variants = {}
+        for item in session.items:
+            for value in getattr(getattr(item, "callspec", None), "params", {}).values():
+                for cfg in _configs(value):
+                    variant = cfg.variant()
+                    variants[variant.key()] = variant.as_dict()
+        with open(_SPECS, "w") as f:
+            json.dump([variants[k] for k in sorted(variants)], f)
 
 
 def pytest_runtest_logstart(nodeid, location):
@@ -86,8 +114,21 @@ def _outcome(reports) -> tuple[str, str]:
     return "passed", ""
 
 
+def _newly_loaded() -> dict[str, dict]:
+    """The variants this process loaded since the last call (none before rosekernels.jit is imported)."""
+    jit = sys.modules.get("rosekernels.jit")
+    if jit is None:
+        return {}
+    new = {k.variant.key(): k.variant for k in jit.loaded_variants() if k.variant.key() not in _loaded}
+    _loaded.update(new)
+    return {k: new[k].as_dict() for k in sorted(new)}
+
+
 def pytest_runtest_logfinish(nodeid, location):
     if _LOG:
+        loaded = _newly_loaded()
+        if loaded:
+            _append({"event": "loaded", "variants": loaded})
         reports = _phases.pop(nodeid, [])
         outcome, message = _outcome(reports)
         _append({"event": "result", "nodeid": nodeid, "outcome": outcome, "message": message,
