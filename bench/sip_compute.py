@@ -210,10 +210,17 @@ def search_done(cell: dict[str, Any]) -> bool:
     return seconds >= budget(cell) or evaluated >= BASE_CANDIDATES
 
 
+def over_start(run: dict[str, Any]) -> float:
+    """The run's best re-timed finalist against the run's start, timed in the same re-times: what the search
+    added (a run from the floor also reports its speedup over the original, which holds the floor's gain)."""
+    return run.get("best_over_start", run["best_speedup"])
+
+
 def best_margin(cell: dict[str, Any]) -> float:
-    """How far the cell's best re-timed finalist got past its run's A/A spread (nan: none re-timed)."""
-    margins = [r["best_speedup"] - 1 - r["aa_spread"] for r in cell["runs"]
-               if math.isfinite(r.get("best_speedup", math.nan)) and math.isfinite(r.get("aa_spread", math.nan))]
+    """How far the cell's best re-timed finalist got past its start and the run's A/A spread (nan: none
+    re-timed)."""
+    margins = [over_start(r) - 1 - r["aa_spread"] for r in cell["runs"]
+               if math.isfinite(over_start(r)) and math.isfinite(r.get("aa_spread", math.nan))]
     return max(margins, default=math.nan)
 
 
@@ -278,7 +285,8 @@ def next_step(state: dict[str, Any], order: list[str], classes: tuple[str, ...] 
         if cell.get("budget_seconds", BASE_SECONDS) > BASE_SECONDS and not search_done(cell):
             return "search", key
     for key in keys:
-        if winner(state["cells"][key]):
+        win = winner(state["cells"][key])
+        if win and not win.get("winner_is_start"):  # the floor itself is judged as the floor
             for part in JUDGE_SECONDS:
                 if part not in state["cells"][key].get("judge", {}):
                     return part, key
@@ -358,6 +366,7 @@ def run_record(result: Any, seed: int) -> dict[str, Any]:
     best = min(result.finalists, key=lambda f: f["rel"], default=None)
     tuned_sha256 = hashlib.sha256((Path(result.cached) / "tuned.cubin").read_bytes()).hexdigest() \
         if result.cached else ""
+    from_start = result.start_sha256 != result.original_sha256
     return {"seed": seed, "search_seconds": result.search_seconds, "total_seconds": result.total_seconds,
             "iterations": result.iterations, "evaluated": result.evaluated, "incorrect": result.incorrect,
             "crashed": result.crashed, "exhausted": bool(result.runs) and all(r["exhausted"] for r in result.runs),
@@ -365,6 +374,8 @@ def run_record(result: Any, seed: int) -> dict[str, Any]:
             if best else "", "aa_spread": result.aa_spread, "bar": result.bar, "speedup": result.speedup,
             "samples_passed": result.samples_passed, "cached": result.cached, "tuned_sha256": tuned_sha256,
             "kept_older": bool(tuned_sha256) and tuned_sha256 not in {f["digest"] for f in result.finalists},
+            "start_speedup": result.start_speedup, "best_over_start": best["over_start"] if best else math.nan,
+            "winner_is_start": from_start and tuned_sha256 == result.start_sha256,
             "outcome": result.outcome, "gpu": result.gpu}
 
 
@@ -482,12 +493,16 @@ def rows(state: dict[str, Any]) -> list[dict[str, Any]]:
     for key, c in state["cells"].items():
         seconds, evaluated, exhausted = searched(c)
         judge, win = c.get("judge", {}), winner(c)
-        best = max((r["best_speedup"] for r in c["runs"] if math.isfinite(r["best_speedup"])), default=math.nan)
-        aa = next((r["aa_spread"] for r in c["runs"] if r["best_speedup"] == best), math.nan)
+        best_run = max((r for r in c["runs"] if math.isfinite(r["best_speedup"])), key=lambda r: r["best_speedup"],
+                       default=None)
+        best = best_run["best_speedup"] if best_run else math.nan
+        aa = best_run["aa_spread"] if best_run else math.nan
+        from_floor = best_run is not None and best_run.get("start") == "floor"
         out.append({"kernel": c["kernel"], "moves": c["moves"], **c["static"],
                     "search_seconds": seconds if c["runs"] else None, "candidates": evaluated if c["runs"] else None,
                     "runs": len(c["runs"]), "exhausted": exhausted, "budget_seconds": budget(c),
                     "best_retimed": best if c["runs"] else None, "aa_spread": aa if c["runs"] else None,
+                    "over_start": over_start(best_run) if from_floor else "from the original" if best_run else None,
                     "stored": bool(win), "fresh_retime": judge.get("retime"), "op_level": judge.get("op_level"),
                     "sanitizer": judge.get("sanitizer"),
                     "status": status(c, state)})
@@ -506,6 +521,8 @@ def status(cell: dict[str, Any], state: dict[str, Any]) -> str:
         return "searching"
     if not winner(cell):
         return f"searched: no finalist past 1 + A/A and {validation_samples(cell['moves'])} samples"
+    if winner(cell).get("winner_is_start"):
+        return "stored the floor itself: no gain over it (judged in the floor table)"
     judge = cell.get("judge", {})
     return "judged" if all(p in judge for p in JUDGE_SECONDS) else "stored, judging"
 
@@ -521,13 +538,17 @@ def markdown(state: dict[str, Any]) -> str:
              f"{EXTENDED_SECONDS / 60:.0f} min for the {PROMISING} most promising cells. Relaxations `scoreboard` and "
              "`sync` are untrusted (sip.mutate.UNTRUSTED): their winners are validated on 10^5 samples. "
              f"\"{NOT_RUN}\": not yet measured on a GPU.", "",
-             "| kernel | moves | movable | legal moves | cubins run | search s | best re-timed | A/A | fresh re-time "
-             "(a) | op level (b) | sanitizer (c) | status |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Best re-timed: against the original, so a run from the floor includes the floor's gain; over the "
+             "floor: the same finalist against the floor, timed in the same re-times (runs from the floor only).", "",
+             "| kernel | moves | movable | legal moves | cubins run | search s | best re-timed | over the floor | A/A "
+             "| fresh re-time (a) | op level (b) | sanitizer (c) | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows(state):
         lines.append(" | ".join([
             f"| {r['kernel']}", f"`{r['moves']}`", str(r["movable"]), str(r["legal_moves"]), _n(r["candidates"]),
-            _n(r["search_seconds"], "{:.0f}"), _n(r["best_retimed"], "{:.4f}x"), _n(r["aa_spread"], "{:.2%}"),
+            _n(r["search_seconds"], "{:.0f}"), _n(r["best_retimed"], "{:.4f}x"),
+            r["over_start"] if isinstance(r["over_start"], str) else _n(r["over_start"], "{:.4f}x"),
+            _n(r["aa_spread"], "{:.2%}"),
             _judged(r["fresh_retime"], lambda j: f"{j['speedup']:.4f}x (A/A {j['aa_spread']:.2%})"),
             _judged(r["op_level"], _op_text), _judged(r["sanitizer"], _sanitizer_text),
             r["status"]]) + " |")

@@ -194,6 +194,9 @@ class TuneReport:
     tuned_us: float = math.nan
     aa_spread: float = math.nan  # max |1 - time(copy) / time(original)| over the re-time runs
     bar: float = math.nan  # the speedup a finalist had to reach: max(min_speedup, 1 + aa_spread)
+    # The start's own speedup over the original in the same re-times (1.0 when the runs start at the original):
+    # a finalist's gain over the start (its "over_start") is what the search added to it.
+    start_speedup: float = 1.0
     speedup: float = 1.0  # of the stored cubin: at the op level where it was re-timed there, else in the worker
     op_level: dict = dataclasses.field(default_factory=dict)  # its op-level re-time (oplevel.OpTiming)
     samples_passed: int = 0
@@ -232,9 +235,14 @@ class TuneReport:
         if self.finalists:
             lines.append(f"  A/A          the original against a byte-identical copy: spread {self.aa_spread:.4f} "
                          f"over {self.config.get('retimes', '?')} fresh workers; bar {self.bar:.4f}x")
+        if self.finalists and self.start_sha256 != self.original_sha256:
+            lines.append(f"  start        {self.start_sha256[:12]} re-timed {self.start_speedup:.4f}x the original")
         for f in self.finalists:
             lines.append(f"  finalist {f['digest'][:12]}: search {f['search_rel']:.4f}, re-timed {f['rel']:.4f} "
                          f"({', '.join(f'{r:.4f}' for r in f['rels'])})"
+                         + (f", {f['over_start']:.4f}x the start" if self.start_sha256 != self.original_sha256
+                            else "")
+                         + (" (the start itself)" if f["digest"] == self.start_sha256 else "")
                          + (f", validation: {f['validation']}" if f.get("validation") else ""))
         lines += [
             f"  result       original {self.baseline_us:.3f} us, tuned {self.tuned_us:.3f} us per launch: "
@@ -393,7 +401,7 @@ def tune(factory: Callable[[], Workload], config: TuneConfig, *, kernel: str | N
         report.crashed = sum(r.crashes for r in runners)
         report.timeouts = sum(r.timeouts for r in runners)
         _fill_costs(report, costs)
-        _finish(report, runner, pool, config, factory, kernel, variant, original, shape, store_root, log)
+        _finish(report, runner, pool, config, factory, kernel, variant, original, start_cubin, shape, store_root, log)
         report.worker_starts = sum(r.starts for r in runners)
     finally:
         for r in runners:
@@ -413,19 +421,22 @@ def _gpu_count() -> int:
 
 
 def _finish(report: TuneReport, runner: Runner, pool: dict[str, tuple[float, bytes]], config: TuneConfig,
-            factory: Callable[[], Workload], kernel: str, variant: Any, original: bytes, shape: Any,
+            factory: Callable[[], Workload], kernel: str, variant: Any, original: bytes, start: bytes, shape: Any,
             store_root: Any, log: Callable[[str], None]) -> None:
-    """Greedy pick: re-time the best few, the original and a copy of it interleaved, in
-    `config.retimes` fresh workers; then verify fastest first (the tuned shape and the samples,
-    compute-sanitizer, the public op) and cache the first that passes everything past the bar."""
+    """Greedy pick: re-time the best few, the original and a copy of it interleaved (and the start, when
+    the runs did not start at the original and it is not a finalist), in `config.retimes` fresh workers;
+    then verify fastest first (the tuned shape and the samples, compute-sanitizer, the public op) and cache
+    the first that passes everything past the bar."""
     ranked = sorted(pool.items(), key=lambda kv: kv[1][0])[:config.finalists]
     if not ranked:
         report.outcome = "no candidate passed testing; nothing cached"
         return
+    start_digest = _digest(start)
+    extra = [start] if start != original and start_digest not in dict(ranked) else []
     runs = []
     for _ in range(config.retimes):
         runner.restart()  # nothing a candidate (or an earlier re-time) did can leak into this one
-        runs.append(runner.compare([original] + [cubin for _, (_, cubin) in ranked], config.compare_reps))
+        runs.append(runner.compare([original] + [cubin for _, (_, cubin) in ranked] + extra, config.compare_reps))
     report.baseline_us = statistics.median(r["median_us"][0] for r in runs)
     report.aa_spread = max(abs(1.0 - r["rel"][1]) for r in runs)
     # min_speedup below 1 (tests): cache the fastest that passes, whatever the noise
@@ -435,6 +446,11 @@ def _finish(report: TuneReport, runner: Runner, pool: dict[str, tuple[float, byt
         report.finalists.append({"digest": digest, "search_rel": e, "rel": statistics.median(rels), "rels": rels,
                                  "median_us": statistics.median(r["median_us"][i + 2] for r in runs),
                                  "cubin": cubin})
+    start_rel = (statistics.median(r["rel"][-1] for r in runs) if extra
+                 else next((f["rel"] for f in report.finalists if f["digest"] == start_digest), 1.0))
+    report.start_speedup = 1.0 / start_rel
+    for f in report.finalists:
+        f["over_start"] = start_rel / f["rel"]
     report.finalists.sort(key=lambda f: f["rel"])
     samples = config.validation_samples
     original_clean = None  # the original under the sanitizer, asked once a finalist is flagged
@@ -494,6 +510,8 @@ def _finish(report: TuneReport, runner: Runner, pool: dict[str, tuple[float, byt
                 "retimed": f["rels"], "samples_passed": v["passed"], "sanitizer": checks["sanitizer"],
                 "checks": checks, "search": report.config, "seed": config.seed, "gpu": report.gpu,
                 "iterations": report.iterations,
+                "start": {"sha256": report.start_sha256, "speedup": report.start_speedup,
+                          "over_start": f["over_start"]},
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         path, written = tuned.store(store_root, kernel, variant, original, f["cubin"], meta)
         report.cached = str(path)

@@ -245,11 +245,15 @@ def test_run_record_keeps_the_best_finalist_and_the_a_over_a(tmp_path):
                    {"rel": 0.97, "validation": "ok: 100000 passed", "digest": digest}],
         search_seconds=280.0, total_seconds=400.0, iterations=3000, evaluated=2500, incorrect=3, crashed=1,
         runs=[{"exhausted": False}, {"exhausted": True}], aa_spread=0.005, bar=1.01, speedup=1.02,
-        samples_passed=100000, cached=str(tmp_path), outcome="cached", gpu="H200")
+        samples_passed=100000, cached=str(tmp_path), outcome="cached", gpu="H200", original_sha256="o" * 64,
+        start_sha256="o" * 64, start_speedup=1.0)
+    for f in report.finalists:
+        f["over_start"] = 1 / f["rel"]
     r = C.run_record(report, seed=17)
     assert r["best_speedup"] == pytest.approx(1 / 0.97) and r["best_validation"] == "ok: 100000 passed"
     assert r["exhausted"] is False and r["evaluated"] == 2500 and r["cached"] == str(tmp_path)
-    assert r["tuned_sha256"] == digest and r["kept_older"] is False
+    assert r["tuned_sha256"] == digest and r["kept_older"] is False and r["winner_is_start"] is False
+    assert r["best_over_start"] == pytest.approx(1 / 0.97) and r["start_speedup"] == 1.0
     report.finalists = report.finalists[:1]  # the store kept an entry of an earlier run
     assert C.run_record(report, 1)["kept_older"] is True and C.run_record(report, 1)["tuned_sha256"] == digest
     report.finalists, report.cached = [], ""
@@ -263,7 +267,7 @@ def test_the_table_marks_what_no_gpu_has_measured():
     text = C.markdown(state)
     row = next(line for line in text.splitlines() if line.startswith("| k_varlen | `alu`"))
     cols = [c.strip() for c in row.strip("|").split("|")]
-    assert cols[2:4] == ["7", "5"] and cols[4:11] == [C.NOT_RUN] * 7
+    assert cols[2:4] == ["7", "5"] and cols[4:12] == [C.NOT_RUN] * 8
     assert "no legal move: nothing to search" in text and "ncu: not run yet" in text
     assert "floor: loop 0x4860 1033 -> 735 stall cycles; timing not run" in text
     state["kernels"]["k_varlen"]["mainloop_pairs"] = {"offset": 0x4860, "instructions": 450, "pairs": 441, "trusted": {
@@ -284,7 +288,8 @@ def test_the_table_marks_what_no_gpu_has_measured():
          "stalls": {"math": 300, "short_sb": 100, "selected": 100}}]}}
     text = C.markdown(state)
     row = next(line for line in text.splitlines() if line.startswith("| k_varlen | `alu`"))
-    assert "| 4321 | 300 | 1.0123x | 0.31% | 1.0110x (A/A 0.20%) | error: not run: sip_tune.oplevel" in row
+    assert "| 4321 | 300 | 1.0123x | from the original | 0.31% | 1.0110x (A/A 0.20%) | error: not run: sip_tune.oplevel" \
+        in row
     assert "memcheck clean, racecheck FAILED, synccheck clean | judged |" in row
     assert "5000 samples, 57.1% of them outside issue cycles, 7.1% schedule-sensitive" in text
     assert "block 0x4b80 (388 instructions, loop depth 2): 41% of the samples; math 60%, short_sb 20%, selected 20%" \
@@ -319,10 +324,12 @@ def fake_tune(cubins, stores):
         if not (entry / "tuned.cubin").exists() or len(ours) > len((entry / "tuned.cubin").read_bytes()):
             (entry / "tuned.cubin").write_bytes(ours)  # "faster": longer, in this stand-in
         return types.SimpleNamespace(
-            finalists=[{"rel": 0.97, "digest": hashlib.sha256(ours).hexdigest(), "validation": "ok"}],
+            finalists=[{"rel": 0.97, "digest": hashlib.sha256(ours).hexdigest(), "validation": "ok",
+                        "over_start": 1 / 0.97}],
             search_seconds=config.budget_seconds, total_seconds=config.budget_seconds, iterations=10, evaluated=10,
             incorrect=0, crashed=0, runs=[{"exhausted": False}], aa_spread=0.003, bar=1.01, speedup=1.03,
-            samples_passed=100_000, cached=str(entry), outcome="cached", gpu="FakeGPU")
+            samples_passed=100_000, cached=str(entry), outcome="cached", gpu="FakeGPU", original_sha256="o" * 64,
+            start_sha256="o" * 64, start_speedup=1.0)
     return tune
 
 
@@ -544,3 +551,37 @@ def test_prepare_writes_the_static_state_on_a_cpu_and_runs_nothing(tmp_path, mon
     assert C.main() == 0
     state = json.loads((tmp_path / "s" / "state.json").read_text())
     assert set(state["kernels"]) == set(KERNELS) and "profiles" not in state
+
+
+def test_a_search_from_the_floor_is_credited_only_with_what_it_added_to_the_floor(tmp_path):
+    """A run that starts at the floor reports its best against the original (the floor's gain included) and
+    against the floor (the same re-times): the table shows both, the promising cells are ranked by the
+    second, and a winner that is the floor itself is not judged again as a search result."""
+    floor_sha = hashlib.sha256(b"the floor").hexdigest()
+    (tmp_path / "tuned.cubin").write_bytes(b"the floor")
+    report = types.SimpleNamespace(
+        finalists=[{"rel": 1 / 1.03, "validation": "ok", "digest": floor_sha, "over_start": 1.0}],
+        search_seconds=300.0, total_seconds=330.0, iterations=500, evaluated=400, incorrect=0, crashed=0,
+        runs=[{"exhausted": False}], aa_spread=0.001, bar=1.01, speedup=1.03, samples_passed=100000,
+        cached=str(tmp_path), outcome="cached", gpu="H200", original_sha256="o" * 64, start_sha256=floor_sha,
+        start_speedup=1.03)
+    run = {**C.run_record(report, seed=17), "start": "floor"}
+    assert run["winner_is_start"] and run["best_speedup"] == pytest.approx(1.03) and run["best_over_start"] == 1.0
+    state = fresh_state()
+    key = C.cell_key("k_varlen", "alu")
+    state["cells"][key]["runs"] = [run]
+    run["exhausted"] = True  # its search is done: nothing left to extend
+    assert math.isclose(C.best_margin(state["cells"][key]), -0.001)  # nothing past the floor and the A/A
+    state["meta"] = {"gpu": "H200"}
+    row = next(line for line in C.markdown(state).splitlines() if line.startswith("| k_varlen | `alu`"))
+    assert "| 1.0300x | 1.0000x | 0.10% |" in row and "stored the floor itself: no gain over it" in row
+    for k in KERNELS:
+        state.setdefault("profiles", {})[k] = {"samples": 1, "hot_blocks": [], "headroom": 0.5, "sensitive": 0.1,
+                                                "stalls": {}}
+        state.setdefault("floors", {})[k] = {"speedup": 1.0, "aa_spread": 0.002, "floor_sha256": "f" * 64}
+        for c in state["cells"].values():
+            if c["kernel"] == k and not c["runs"]:
+                c["runs"].append(a_run(best=1.0, exhausted=True))
+    assert C.next_step(json.loads(json.dumps(state)), list(KERNELS)) is None  # no judging of the floor again
+    run.update(winner_is_start=False, best_over_start=1.012, tuned_sha256="b" * 64)
+    assert C.next_step(json.loads(json.dumps(state)), list(KERNELS)) == ("retime", key)

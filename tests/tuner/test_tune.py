@@ -140,10 +140,37 @@ def test_the_runs_can_start_from_the_floor_of_the_stall_counts(toy, monkeypatch)
     assert [f["digest"] for f in report.finalists] == [tuning._digest(ToyEngine.cubin(floor))]
     assert report.speedup == pytest.approx(1 / ToyEngine.rel(floor)) and report.cached
     assert report.config["start"] == "floor" and report.start_sha256 == tuning._digest(ToyEngine.cubin(floor))
+    # the winner is the start itself: its whole gain is the floor's, none the search's
+    assert report.start_speedup == pytest.approx(1 / ToyEngine.rel(floor))
+    assert report.finalists[0]["over_start"] == pytest.approx(1.0) and "(the start itself)" in report.text()
+    assert tuned.lookup(root, "toy", factory().kernel.variant, factory().kernel.cubin).meta["start"] == {
+        "sha256": report.start_sha256, "speedup": pytest.approx(report.start_speedup), "over_start": pytest.approx(1)}
     FakeRunner.instances = []
     report = tuning.tune(factory, dataclasses.replace(config, start="original"), store_root=root / "o",
                          log=lambda m: None)
     assert floor not in FakeRunner.instances[0].evaluated and not report.finalists
+
+
+def test_a_search_from_the_floor_reports_its_gain_over_the_start_timed_beside_the_finalists(toy, monkeypatch):
+    """Where the floor is not a finalist, the final re-times run it too (the last cubin compared), so that
+    each finalist's gain over the start comes from the same runs as its gain over the original."""
+    factory, root = toy
+    floor = (6, 5, 7, 4, 3, 2, 1, 0)  # slower than what the walks reach: not a finalist
+    monkeypatch.setattr(tuning, "engine_initial", lambda cubin, moves: ToyEngine.perm(cubin))
+    monkeypatch.setattr(tuning, "engine_floor", lambda cubin: ToyEngine.cubin(floor))
+    compared = []
+    compare = FakeRunner.compare
+    monkeypatch.setattr(FakeRunner, "compare", lambda self, cubins, reps: compared.append(cubins) or compare(
+        self, cubins, reps))
+    config = tuning.TuneConfig(budget_iters=3000, runs=2, samples=500, seed=4, finalists=3, moves="control",
+                               start="floor", exhausted_after=10**6)
+    report = tuning.tune(factory, config, store_root=root, log=lambda m: None)
+    assert report.start_sha256 not in {f["digest"] for f in report.finalists}
+    assert all(ToyEngine.perm(c[-1]) == floor and len(c) == 1 + len(report.finalists) + 1 for c in compared)
+    assert report.start_speedup == pytest.approx(1 / ToyEngine.rel(floor))
+    for f in report.finalists:
+        assert f["over_start"] == pytest.approx(ToyEngine.rel(floor) / f["rel"]) and f["over_start"] > 1
+    assert "x the start" in report.text()
 
 
 @pytest.mark.parametrize("moves", ["global", "alu", "shared"])
