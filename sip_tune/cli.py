@@ -123,8 +123,9 @@ def _parser() -> argparse.ArgumentParser:
                    "(in proportion to Nsight Compute's PC samples of the kernel's blocks; needs ncu)")
     p.add_argument("--start", choices=tuning.STARTS, default="original",
                    help="where the 'sass' level's annealing starts: the original schedule (default) or its floor, "
-                   "every stall count lowered as far as the latency table proves (needs control in --moves); the report "
-                   "and the stored entry then give each finalist's speedup over the floor as well, timed in the same runs")
+                   "every stall count lowered as far as the latency table proves (needs control in --moves); "
+                   "the report and the stored entry then give each finalist's speedup over the floor as well, "
+                   "timed in the same runs")
     p.add_argument("--no-sanitize", action="store_true",
                    help="store a tuned config or cubin without running it under compute-sanitizer memcheck, "
                    "racecheck and synccheck first (the entry records that it was not run: below the store's bar)")

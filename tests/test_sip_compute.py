@@ -288,8 +288,8 @@ def test_the_table_marks_what_no_gpu_has_measured():
          "stalls": {"math": 300, "short_sb": 100, "selected": 100}}]}}
     text = C.markdown(state)
     row = next(line for line in text.splitlines() if line.startswith("| k_varlen | `alu`"))
-    assert "| 4321 | 300 | 1.0123x | from the original | 0.31% | 1.0110x (A/A 0.20%) | error: not run: sip_tune.oplevel" \
-        in row
+    assert ("| 4321 | 300 | 1.0123x | from the original | 0.31% | 1.0110x (A/A 0.20%) | "
+            "error: not run: sip_tune.oplevel") in row
     assert "memcheck clean, racecheck FAILED, synccheck clean | judged |" in row
     assert "5000 samples, 57.1% of them outside issue cycles, 7.1% schedule-sensitive" in text
     assert "block 0x4b80 (388 instructions, loop depth 2): 41% of the samples; math 60%, short_sb 20%, selected 20%" \
