@@ -496,13 +496,13 @@ def bench_kvcache(shape, flashinfer=None):
                 run = flashinfer(table, lengths, bs, hq, hkv, d)
                 runs[name] = lambda x, bs=bs, run=run: run(x["q"], *x[bs])
             except Exception as e:  # noqa: BLE001 - a peer that cannot plan this shape is a result
-                errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                errors[name] = timing.error_line(e)
     ref = runs["dense decode"](sets[0]).float()
     for name, run in list(runs.items())[1:]:
         try:
             diff = (run(sets[0]).float() - ref).abs().max().item()
         except Exception as e:  # noqa: BLE001
-            errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            errors[name] = timing.error_line(e)
             continue
         row[f"{name} maxdiff"] = diff
         if not diff <= 2e-2:
@@ -512,7 +512,7 @@ def bench_kvcache(shape, flashinfer=None):
                                                  errors=errors)
     row["vs dense"] = {name: us / row["us"]["dense decode"] for name, us in row["us"].items()
                        if "dense decode" in row["us"]}
-    row["vs FlashInfer"] = {bs: row["us"][f"FlashInfer paged, {bs} rows"] / row["us"][f"paged, {bs} rows"]
+    row["vs FlashInfer"] = {str(bs): row["us"][f"FlashInfer paged, {bs} rows"] / row["us"][f"paged, {bs} rows"]
                             for bs in KVCACHE_BLOCK_SIZES
                             if f"FlashInfer paged, {bs} rows" in row["us"] and f"paged, {bs} rows" in row["us"]}
     row["errors"] = errors
@@ -537,7 +537,7 @@ def markdown_kvcache(rows, gpu, unavailable=()):
             cells.append("err" if us is None else f"{us:.1f} ({r['vs dense'].get(n, math.nan):.3f}x)")
         for bs, n in zip(KVCACHE_BLOCK_SIZES, peers):
             us = r["us"].get(n)
-            ratio = r.get("vs FlashInfer", {}).get(bs, math.nan)
+            ratio = r.get("vs FlashInfer", {}).get(str(bs), math.nan)  # keyed as in the JSON
             cells.append(("err" if n in r["errors"] else "not run") if us is None else f"{us:.1f} ({ratio:.3f}x)")
         out.append("| " + " | ".join(cells) + " |")
     errs = [f"- d={r['d']} B={r['b']} S_kv={r['s_kv']} {n}: {e}" for r in rows for n, e in r["errors"].items()]

@@ -212,8 +212,11 @@ def search_done(cell: dict[str, Any]) -> bool:
 
 def over_start(run: dict[str, Any]) -> float:
     """The run's best re-timed finalist against the run's start, timed in the same re-times: what the search
-    added (a run from the floor also reports its speedup over the original, which holds the floor's gain)."""
-    return run.get("best_over_start", run["best_speedup"])
+    added (a run from the floor also reports its speedup over the original, which holds the floor's gain).
+    nan for a run from the floor recorded before the start was re-timed beside its finalists."""
+    if "best_over_start" in run:
+        return run["best_over_start"]
+    return run["best_speedup"] if run.get("start", "original") == "original" else math.nan
 
 
 def best_margin(cell: dict[str, Any]) -> float:
@@ -285,8 +288,7 @@ def next_step(state: dict[str, Any], order: list[str], classes: tuple[str, ...] 
         if cell.get("budget_seconds", BASE_SECONDS) > BASE_SECONDS and not search_done(cell):
             return "search", key
     for key in keys:
-        win = winner(state["cells"][key])
-        if win and not win.get("winner_is_start"):  # the floor itself is judged as the floor
+        if winner(state["cells"][key]) and not judged_as_floor(state, state["cells"][key]):
             for part in JUDGE_SECONDS:
                 if part not in state["cells"][key].get("judge", {}):
                     return part, key
@@ -298,6 +300,13 @@ def winner(cell: dict[str, Any]) -> dict[str, Any] | None:
     that stored or kept one names it and records the hash of its tuned cubin (run_record)."""
     stored = [r for r in cell["runs"] if r.get("cached")]
     return stored[-1] if stored else None
+
+
+def judged_as_floor(state: dict[str, Any], cell: dict[str, Any]) -> bool:
+    """Whether the cell's stored winner is its kernel's floor itself, which the floor's own steps judge (a floor
+    that pays: floor_pays); any other winner, a floor below that bar included, is judged as the cell's."""
+    win = winner(cell)
+    return bool(win) and bool(win.get("winner_is_start")) and floor_pays(state.get("floors", {}).get(cell["kernel"]))
 
 
 def store_dir(state_dir: Path, cell: dict[str, Any]) -> Path:
@@ -375,7 +384,7 @@ def run_record(result: Any, seed: int) -> dict[str, Any]:
             "samples_passed": result.samples_passed, "cached": result.cached, "tuned_sha256": tuned_sha256,
             "kept_older": bool(tuned_sha256) and tuned_sha256 not in {f["digest"] for f in result.finalists},
             "start_speedup": result.start_speedup, "best_over_start": best["over_start"] if best else math.nan,
-            "winner_is_start": from_start and tuned_sha256 == result.start_sha256,
+            "winner_is_start": from_start and bool(tuned_sha256) and tuned_sha256 == result.start_sha256,
             "outcome": result.outcome, "gpu": result.gpu}
 
 
@@ -429,7 +438,7 @@ def floor_correct(floor: dict[str, Any] | None) -> bool:
             and all(v == "clean" for v in floor.get("judge", {}).get("sanitizer", {}).values()))
 
 
-def floor_pays(floor: dict[str, Any]) -> bool:
+def floor_pays(floor: dict[str, Any] | None) -> bool:
     """Whether a kernel's floor is a schedule worth judging as a result of its own: it passed its samples
     and re-timed past FLOOR_BAR and its A/A spread."""
     return floor_correct(floor) and floor["speedup"] > max(FLOOR_BAR, 1 + floor["aa_spread"])
@@ -521,7 +530,7 @@ def status(cell: dict[str, Any], state: dict[str, Any]) -> str:
         return "searching"
     if not winner(cell):
         return f"searched: no finalist past 1 + A/A and {validation_samples(cell['moves'])} samples"
-    if winner(cell).get("winner_is_start"):
+    if judged_as_floor(state, cell):
         return "stored the floor itself: no gain over it (judged in the floor table)"
     judge = cell.get("judge", {})
     return "judged" if all(p in judge for p in JUDGE_SECONDS) else "stored, judging"

@@ -84,6 +84,11 @@ def interleaved_time_us(steps: dict, calls_per_round: int, rounds: int, warmup: 
             for name, p in pairs.items()}
 
 
+def error_line(e: BaseException) -> str:
+    """An exception as one short line for a result's errors: its type and the first line of its message."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+
+
 def _capture(step, calls: int, warmup: int) -> torch.cuda.CUDAGraph:
     """step(0), ..., step(calls - 1) in one CUDA graph (warm-up and capture on a side stream, as
     torch's graph docs advise)."""
@@ -116,7 +121,7 @@ def interleaved_graph_time_us(steps: dict, calls: int = 100, rounds: int = 15, w
             if errors is None:
                 raise
             torch.cuda.synchronize()
-            errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            errors[name] = error_line(e)
     for graph in graphs.values():
         for _ in range(3):
             graph.replay()

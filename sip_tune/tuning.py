@@ -446,11 +446,12 @@ def _finish(report: TuneReport, runner: Runner, pool: dict[str, tuple[float, byt
         report.finalists.append({"digest": digest, "search_rel": e, "rel": statistics.median(rels), "rels": rels,
                                  "median_us": statistics.median(r["median_us"][i + 2] for r in runs),
                                  "cubin": cubin})
-    start_rel = (statistics.median(r["rel"][-1] for r in runs) if extra
-                 else next((f["rel"] for f in report.finalists if f["digest"] == start_digest), 1.0))
-    report.start_speedup = 1.0 / start_rel
+    # The start's time over the original's in each re-time (1.0: the start is the original).
+    start_rels = ([r["rel"][-1] for r in runs] if extra
+                  else next((f["rels"] for f in report.finalists if f["digest"] == start_digest), [1.0] * len(runs)))
+    report.start_speedup = 1.0 / statistics.median(start_rels)
     for f in report.finalists:
-        f["over_start"] = start_rel / f["rel"]
+        f["over_start"] = statistics.median(s / t for s, t in zip(start_rels, f["rels"]))
     report.finalists.sort(key=lambda f: f["rel"])
     samples = config.validation_samples
     original_clean = None  # the original under the sanitizer, asked once a finalist is flagged

@@ -38,7 +38,7 @@ def test_the_table_puts_flashinfer_beside_ours_and_says_what_did_not_run():
                   "paged, 256 rows": 101.0, "FlashInfer paged, 16 rows": 122.4},
            "vs dense": {"dense decode": 1.0, "cache, contiguous": 1.01, "paged, 16 rows": 1.02, "paged, 64 rows": 1.015,
                         "paged, 256 rows": 1.01},
-           "vs FlashInfer": {16: 1.2}}
+           "vs FlashInfer": {"16": 1.2}}
     text = bench.markdown_kvcache([row], "H200", ["FlashInfer: unavailable (ImportError: x)"])
     line = next(x for x in text.splitlines() if x.startswith("| 128 |"))
     assert line.endswith("| 102.0 (1.020x) | 101.5 (1.015x) | 101.0 (1.010x) | 122.4 (1.200x) | not run | err |")

@@ -418,9 +418,16 @@ precache = _load_precache()
 
 KERNEL_TESTS = '''
 import pytest
+from rosekernels import jit
 from rosekernels.kernels import qk_norm, qk_norm_plan
 
 CONFIGS = qk_norm_plan.variants_for()
+
+
+@pytest.fixture
+def forgets():
+    yield
+    jit.forget_loaded()  # as some fixtures do: the loaded list is empty again before the result
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg, n", [(CONFIGS[0], 1), (CONFIGS[1], 2), (CONFIGS[0], 3)])
@@ -433,7 +440,7 @@ def test_nested(pair):
     pass
 
 @pytest.mark.gpu
-def test_compiles_inside():
+def test_compiles_inside(forgets):
     qk_norm.compile(CONFIGS[4])
 
 def test_cpu_only_not_selected():
@@ -444,7 +451,9 @@ def test_cpu_only_not_selected():
 def test_the_precache_sees_the_configs_tests_take_and_the_suite_records_what_they_loaded(project, tmp_path):
     """Collection lists the kernel configs of the selected tests' parameters (nested ones too, each variant once);
     a suite call records in its state the variants its tests loaded, those built inside a test body included,
-    and each recorded variant rebuilds (Config.from_variant) into the config of the same key."""
+    even where a fixture drops the loaded kernels before the result, and each recorded variant rebuilds
+    (Config.from_variant) into the config of the same key; one this source no longer builds is an error the
+    precache catches."""
     from rosekernels.kernels import qk_norm_plan
 
     configs = qk_norm_plan.variants_for()
@@ -460,6 +469,10 @@ def test_the_precache_sees_the_configs_tests_take_and_the_suite_records_what_the
     assert [precache._variant(d).key() for d in loaded] == [configs[4].variant().key()]
     compile_config, cfg = precache._job(loaded[0])
     assert cfg.variant() == configs[4].variant() and compile_config.__module__.endswith("qk_norm")
+    renamed = {**loaded[0], "params": {**loaded[0]["params"], "a_field_of_an_older_commit": 1}}
+    for stale in (renamed, {**loaded[0], "op": "a_kernel_since_removed"}):
+        with pytest.raises((TypeError, ValueError, KeyError)):
+            precache._job(stale)
 
 
 def test_every_variant_the_precache_compiles_rebuilds_from_its_key():
@@ -468,7 +481,7 @@ def test_every_variant_the_precache_compiles_rebuilds_from_its_key():
     import cubin_hashes
     from rosekernels.kernels import KERNELS
 
-    jobs = cubin_hashes.every_spec(list(KERNELS), extras=False) + precache.hf_specs()
+    jobs = cubin_hashes.every_spec(list(KERNELS), extras=True) + precache.hf_specs()  # MoE peer kernels too
     assert len(jobs) > 500
     for _, cfg in jobs:
         variant = cfg.variant()

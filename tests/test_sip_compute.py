@@ -556,7 +556,8 @@ def test_prepare_writes_the_static_state_on_a_cpu_and_runs_nothing(tmp_path, mon
 def test_a_search_from_the_floor_is_credited_only_with_what_it_added_to_the_floor(tmp_path):
     """A run that starts at the floor reports its best against the original (the floor's gain included) and
     against the floor (the same re-times): the table shows both, the promising cells are ranked by the
-    second, and a winner that is the floor itself is not judged again as a search result."""
+    second, and a winner that is the floor itself is not judged again as a search result where the floor is
+    judged as the floor (it pays); where it does not, the stored floor is judged as the cell's winner."""
     floor_sha = hashlib.sha256(b"the floor").hexdigest()
     (tmp_path / "tuned.cubin").write_bytes(b"the floor")
     report = types.SimpleNamespace(
@@ -565,16 +566,13 @@ def test_a_search_from_the_floor_is_credited_only_with_what_it_added_to_the_floo
         runs=[{"exhausted": False}], aa_spread=0.001, bar=1.01, speedup=1.03, samples_passed=100000,
         cached=str(tmp_path), outcome="cached", gpu="H200", original_sha256="o" * 64, start_sha256=floor_sha,
         start_speedup=1.03)
-    run = {**C.run_record(report, seed=17), "start": "floor"}
+    run = {**C.run_record(report, seed=17), "start": "floor", "exhausted": True}  # its search is done
     assert run["winner_is_start"] and run["best_speedup"] == pytest.approx(1.03) and run["best_over_start"] == 1.0
     state = fresh_state()
     key = C.cell_key("k_varlen", "alu")
     state["cells"][key]["runs"] = [run]
-    run["exhausted"] = True  # its search is done: nothing left to extend
     assert math.isclose(C.best_margin(state["cells"][key]), -0.001)  # nothing past the floor and the A/A
     state["meta"] = {"gpu": "H200"}
-    row = next(line for line in C.markdown(state).splitlines() if line.startswith("| k_varlen | `alu`"))
-    assert "| 1.0300x | 1.0000x | 0.10% |" in row and "stored the floor itself: no gain over it" in row
     for k in KERNELS:
         state.setdefault("profiles", {})[k] = {"samples": 1, "hot_blocks": [], "headroom": 0.5, "sensitive": 0.1,
                                                 "stalls": {}}
@@ -582,6 +580,20 @@ def test_a_search_from_the_floor_is_credited_only_with_what_it_added_to_the_floo
         for c in state["cells"].values():
             if c["kernel"] == k and not c["runs"]:
                 c["runs"].append(a_run(best=1.0, exhausted=True))
+    state["floors"]["k_varlen"] = {"speedup": 1.03, "aa_spread": 0.001, "floor_sha256": floor_sha,
+                                   "validation": "ok: 100000 of 100000 samples",
+                                   "judge": {"op_level": {"speedup": 1.03, "aa_spread": 0.001, "peer": "fa4",
+                                                          "vs_peer": 1.04},
+                                             "sanitizer": {"memcheck": "clean", "racecheck": "clean"}}}
+    row = next(line for line in C.markdown(state).splitlines() if line.startswith("| k_varlen | `alu`"))
+    assert "| 1.0300x | 1.0000x | 0.10% |" in row and "stored the floor itself: no gain over it" in row
     assert C.next_step(json.loads(json.dumps(state)), list(KERNELS)) is None  # no judging of the floor again
+    state["floors"]["k_varlen"]["speedup"] = 1.005  # a floor under the bar is not judged as the floor
+    assert C.next_step(json.loads(json.dumps(state)), list(KERNELS)) == ("retime", key)
+    assert "stored, judging" in C.markdown(state)
+    state["floors"]["k_varlen"]["speedup"] = 1.03
     run.update(winner_is_start=False, best_over_start=1.012, tuned_sha256="b" * 64)
     assert C.next_step(json.loads(json.dumps(state)), list(KERNELS)) == ("retime", key)
+    del run["best_over_start"]  # a run from the floor recorded before the floor was re-timed beside it
+    assert math.isnan(C.over_start(run)) and math.isnan(C.best_margin(state["cells"][key]))
+    assert C.over_start({"best_speedup": 1.02}) == 1.02  # a run from the original: over its start as recorded

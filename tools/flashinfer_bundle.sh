@@ -35,6 +35,13 @@ for path in sorted(site.joinpath("flashinfer").rglob("*"), reverse=True):
     path.unlink()
 for path in site.glob("*.dist-info/RECORD"):
     path.unlink()
+# The ninja wheel keeps its binary among the wheel's scripts, which unzipping leaves unexecutable.
+(site / "bin").mkdir()
+for script in site.glob("ninja-*.data/scripts/ninja"):
+    script.rename(site / "bin" / "ninja")
+    (site / "bin" / "ninja").chmod(0o755)
+for data in site.glob("ninja-*.data"):
+    shutil.rmtree(data)
 # TVM-FFI is installed from .whl/ already: keep only the headers FlashInfer's builds include.
 tvm = site / "tvm_ffi"
 for child in list(tvm.iterdir()):
@@ -50,13 +57,12 @@ mkdir -p .gpu-flashinfer
 tar cf - -C "$tmp/site" . | xz -9 -T2 > .gpu-flashinfer/flashinfer.tar.xz
 cat > .gpu-flashinfer/install.sh <<'INS'
 #!/usr/bin/env bash
-# Unpack FlashInfer into /tmp/site (after .gpu and .whl) and put ninja where FlashInfer's builds call it.
+# Unpack FlashInfer into /tmp/site (after .gpu and .whl); ninja, which its builds call, lands in /tmp/site/bin.
 set -e
 here=$(dirname "$0")
 [ -d /tmp/site/tvm_ffi ] || { echo "TVM-FFI is not installed on this host yet: carry .whl first" >&2; exit 1; }
 if [ ! -f /tmp/site/.flashinfer ]; then
   tar xJf "$here/flashinfer.tar.xz" -C /tmp/site
-  mkdir -p /tmp/site/bin && ln -sf /tmp/site/ninja/data/bin/ninja /tmp/site/bin/ninja
   touch /tmp/site/.flashinfer
 fi
 INS

@@ -17,6 +17,9 @@ ls /tmp/site/.dsl-* /tmp/site/tvm_ffi >/dev/null 2>&1 || { echo "CuTeDSL or TVM-
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 # FlashInfer's JIT builds call ninja and nvcc (.gpu-flashinfer).
 if [ -d /tmp/site/bin ]; then export PATH=/tmp/site/bin:$PATH; fi
-if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda-13.0/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda-13.0; fi
+if [ -z "${CUDA_HOME:-}" ]; then
+  nvcc=$(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null | sort -V | tail -n 1 || true)
+  if [ -n "$nvcc" ]; then export CUDA_HOME=$(dirname "$(dirname "$nvcc")"); fi
+fi
 export PYTHONUNBUFFERED=1
 exec "$@"

@@ -10,8 +10,9 @@ It compiles, into --cache (default: this user's compile cache), every kernel var
 - `rosekernels.hf.warmup_specs` gives for each of hf.GEOMETRIES with every experts path, FP8 weight scheme
   and FP8 KV cache (the hf tests' models);
 - the collected `gpu or grid` tests take as parameters (the grids whole, or as CI samples them: --sample);
-- earlier suite calls loaded on the GPU host (--state: their gpu_suite_state.json.gz, whose "variants" the
-  suite records test by test): the configs tests build inside their bodies, which collection cannot see;
+- the tests of earlier suite calls asked for on the GPU host (--state: their gpu_suite_state.json.gz, whose
+  "variants" the suite records test by test): the configs tests build inside their bodies, which collection
+  cannot see (a recorded variant this source no longer builds is left out, and counted);
 then packs the entries of those variants, at this tree's source, as --out/compile_cache.tar.xz.NN parts
 (tools/gpu_suite.py's format). Carry --out in the `.whl` call and pass the parts to the suite:
 `tools/gpu_suite.sh --out "$OUT" --cache-in .gpu_suite_in/compile_cache.tar.xz.*`.
@@ -27,7 +28,6 @@ import itertools
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,15 +48,19 @@ def _variant(d: dict):
     return Variant(d["op"], d["mode"], tuple(sorted(d["params"].items())), d.get("arch", "sm_90a"))
 
 
-def _job(d: dict) -> tuple[object, object] | None:
-    """(compile, config) of a variant given as Variant.as_dict(); None for an op with no kernel module of the
-    registry (the MoE peer kernels: cubin_hashes' extras hold them)."""
+def _job(d: dict) -> tuple[object, object]:
+    """(compile, config) of a variant given as Variant.as_dict(): a kernel module's, or a MoE peer kernel's
+    (moe_peer, outside the registry). TypeError, ValueError or KeyError for a variant this source no longer
+    builds (a state recorded at an older commit)."""
     from rosekernels.kernels import KERNELS, kernel_module
+    from rosekernels.kernels import moe_peer
 
-    if d["op"] not in KERNELS:
-        return None
-    module = kernel_module(d["op"])
-    return module.compile, module.Config.from_variant(_variant(d))
+    if d["op"] in KERNELS:
+        module = kernel_module(d["op"])
+        return module.compile, module.Config.from_variant(_variant(d))
+    if d["op"].startswith("moe_") and d["mode"] == "decode":
+        return moe_peer.compile, moe_peer.PeerConfig(op=d["op"][len("moe_"):], **d["params"])
+    raise KeyError(f"no kernel builds op {d['op']!r}")
 
 
 def hf_specs() -> list[tuple[object, object]]:
@@ -77,15 +81,8 @@ def hf_specs() -> list[tuple[object, object]]:
 
 def param_variants(sample: bool, root: Path = ROOT) -> list[dict]:
     """Variant.as_dict() of every kernel config the `gpu or grid` tests of `root` take as parameters."""
-    with tempfile.TemporaryDirectory() as tmp:
-        listing = Path(tmp) / "specs.json"
-        env = gpu_suite.pytest_env(root, "sample" if sample else "full", {"GPU_SUITE_SPECS": str(listing)})
-        run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                              "-p", "gpu_suite_plugin", "-m", gpu_suite.SELECT], cwd=root, env=env,
-                             capture_output=True, text=True)
-        if run.returncode not in (0, 5) or not listing.exists():
-            raise SystemExit(f"gpu_precache: collecting the tests failed:\n{(run.stdout + run.stderr)[-4000:]}")
-        return json.loads(listing.read_text())
+    return gpu_suite.collect(root, sys.executable, gpu_suite.SELECT, "sample" if sample else "full",
+                             listing_env="GPU_SUITE_SPECS")
 
 
 def state_variants(path: str) -> list[dict]:
@@ -98,8 +95,8 @@ def pack(cache: Path, keys: set[str], out: Path) -> tuple[int, list[Path]]:
     from rosekernels import jit
 
     digest = jit.package_digest()
-    entries = [e for e in jit.disk_entries(cache)
-               if e.toolchain == jit.TOOLCHAIN and e.digest == digest and e.key in keys]
+    entries = [e for e in jit.disk_entries(cache) if e.toolchain == jit.TOOLCHAIN and e.digest == digest
+               and e.key in keys and e.object_path.is_file() and e.meta_path.is_file()]  # whole entries only
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "jit" / jit.TOOLCHAIN
         folder.mkdir(parents=True)
@@ -130,16 +127,18 @@ def main(argv: list[str] | None = None) -> int:
     cache = paths.compile_cache_root()
     jobs = cubin_hashes.every_spec(list(KERNELS), extras=True) + hf_specs()
     given = param_variants(args.sample) + [d for path in args.state for d in state_variants(path)]
-    skipped = 0
+    dropped = []
     for d in given:
-        job = _job(d)
-        if job is None:
-            skipped += 1
-        else:
-            jobs.append(job)
+        try:
+            jobs.append(_job(d))
+        except (TypeError, ValueError, KeyError) as e:
+            dropped.append(f"{d.get('op')}: {e}")
     unique = {cfg.variant().key(): (compile_config, cfg) for compile_config, cfg in jobs}
-    print(f"gpu_precache: {len(unique)} variants ({len(given)} from the tests and states, {skipped} of ops "
-          f"outside the kernel registry left to the extras); compiling the cold ones into {cache}", flush=True)
+    print(f"gpu_precache: {len(unique)} variants ({len(given)} from the tests and states); compiling the cold ones "
+          f"into {cache}", flush=True)
+    if dropped:
+        print(f"gpu_precache: {len(dropped)} recorded variants this source no longer builds, left out (first: "
+              f"{dropped[0]})", file=sys.stderr)
     compiled = jit.compile_cold(list(unique.values()), args.jobs, progress=True)
     packed, parts = pack(cache, set(unique), Path(args.out))
     size = sum(part.stat().st_size for part in parts)

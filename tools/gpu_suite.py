@@ -324,13 +324,14 @@ def pytest_env(root: Path, grid: str, extra: dict | None = None) -> dict:
     return env
 
 
-def collect(root: Path, python: str, select: str, grid: str) -> list[dict]:
-    """The tests `select` picks, as [{"nodeid", "gpu"}]."""
+def collect(root: Path, python: str, select: str, grid: str, listing_env: str = "GPU_SUITE_COLLECT") -> list:
+    """What the plugin writes of the tests `select` picks under `listing_env` (gpu_suite_plugin): by default
+    the tests, as [{"nodeid", "gpu", "slow"}]."""
     with tempfile.TemporaryDirectory() as tmp:
         listing = Path(tmp) / "tests.json"
         run = subprocess.run([python, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                               "-p", "gpu_suite_plugin", "-m", select], cwd=root, capture_output=True, text=True,
-                             env=pytest_env(root, grid, {"GPU_SUITE_COLLECT": str(listing)}))
+                             env=pytest_env(root, grid, {listing_env: str(listing)}))
         if run.returncode not in (0, 5) or not listing.exists():  # 5: nothing collected
             raise SystemExit(f"gpu_suite: collecting the tests failed:\n{(run.stdout + run.stderr)[-4000:]}")
         return json.loads(listing.read_text())

@@ -11,10 +11,11 @@ GPU_SUITE_LOG=FILE: append one JSON line per test as it starts ({"event": "start
     it finishes ({"event": "result", "nodeid", "outcome", "duration", "message"}), flushed at once, so
     that a process killed at its deadline or by a crash has recorded every test it finished.
     outcome is pytest's word: passed, failed, skipped, error (setup or teardown failed), xfailed,
-    xpassed; duration the seconds of setup, call and teardown together. After a test, the kernel
-    variants the process loaded since the last record ({"event": "loaded", "variants": {key: as_dict}}):
-    the suite keeps them in its state for gpu_precache.py, which compiles them on the CPU host for the
-    next call.
+    xpassed; duration the seconds of setup, call and teardown together. Before a test's result, the
+    kernel variants its process asked rosekernels.jit.compile_variant for since the last record
+    ({"event": "loaded", "variants": {key: as_dict}}; the plugin wraps that function once the package is
+    imported): the suite keeps them in its state for gpu_precache.py, which compiles them on the CPU host
+    for the next call.
     With GPU_SUITE_LOG set (a piece of the suite), SIGTERM (the suite's deadline) raises
     KeyboardInterrupt: the test's cleanup then runs (sip_tune.probe.run_isolated kills the tool it
     started, the tuner's Runner its worker) instead of the process ending at once.
@@ -25,12 +26,15 @@ import os
 import signal
 import sys
 
+import pytest
+
 _COLLECT = os.environ.get("GPU_SUITE_COLLECT")
 _SPECS = os.environ.get("GPU_SUITE_SPECS")
 _SELECT = os.environ.get("GPU_SUITE_SELECT")
 _LOG = os.environ.get("GPU_SUITE_LOG")
 _phases: dict[str, list] = {}
-_loaded: set[str] = set()  # variant keys already recorded by this process
+_asked: dict[str, dict] = {}  # variants compile_variant was asked for since the last "loaded" record
+_recorded: set[str] = set()  # variant keys already recorded by this process
 
 
 def _append(record: dict) -> None:
@@ -114,21 +118,36 @@ def _outcome(reports) -> tuple[str, str]:
     return "passed", ""
 
 
-def _newly_loaded() -> dict[str, dict]:
-    """The variants this process loaded since the last call (none before rosekernels.jit is imported)."""
+def _watch_compiles() -> None:
+    """Wrap rosekernels.jit.compile_variant (every kernel module calls it through the module) so that each
+    variant asked for is noted, cached or not; the loaded list itself would lose those a test or a fixture
+    drops (jit.forget_loaded) before its result."""
     jit = sys.modules.get("rosekernels.jit")
-    if jit is None:
-        return {}
-    new = {k.variant.key(): k.variant for k in jit.loaded_variants() if k.variant.key() not in _loaded}
-    _loaded.update(new)
-    return {k: new[k].as_dict() for k in sorted(new)}
+    if jit is None or getattr(jit.compile_variant, "gpu_suite_watch", False):
+        return
+    original = jit.compile_variant
+
+    def compile_variant(variant, build):
+        if variant.key() not in _recorded:
+            _asked[variant.key()] = variant.as_dict()
+        return original(variant, build)
+
+    compile_variant.gpu_suite_watch = True
+    jit.compile_variant = compile_variant
+
+
+@pytest.hookimpl(tryfirst=True)  # before the fixtures, which may compile
+def pytest_runtest_setup(item):
+    if _LOG:
+        _watch_compiles()
 
 
 def pytest_runtest_logfinish(nodeid, location):
     if _LOG:
-        loaded = _newly_loaded()
-        if loaded:
-            _append({"event": "loaded", "variants": loaded})
+        if _asked:
+            _append({"event": "loaded", "variants": dict(sorted(_asked.items()))})
+            _recorded.update(_asked)
+            _asked.clear()
         reports = _phases.pop(nodeid, [])
         outcome, message = _outcome(reports)
         _append({"event": "result", "nodeid": nodeid, "outcome": outcome, "message": message,
