@@ -86,11 +86,12 @@ def file_of(nodeid: str) -> str:
     return nodeid.split("::")[0]
 
 
-def plan_pieces(tests: list[str], size: int, alone: tuple[str, ...] = ALONE, single: frozenset = frozenset()
-                ) -> list[Piece]:
+def plan_pieces(tests: list[str], size: int, alone: tuple[str, ...] = ALONE, single: frozenset = frozenset(),
+                first: tuple[str, ...] = ()) -> list[Piece]:
     """Each file's tests in pieces of at most `size` (as even as possible), in the given order; first
-    the files that must run alone, then the tests of `single` (slow GPU tests: minutes each under the
-    sanitizer) in a piece each, so that they start early and side by side."""
+    the files that `first` names (path prefixes: what a short session must not miss), then the files that
+    must run alone, then the tests of `single` (slow GPU tests: minutes each under the sanitizer) in a piece
+    each, so that they start early and side by side."""
     pieces = [Piece(file_of(t), [t], file_of(t).startswith(alone)) for t in tests if t in single]
     by_file: dict[str, list[str]] = {}
     for t in tests:
@@ -103,7 +104,7 @@ def plan_pieces(tests: list[str], size: int, alone: tuple[str, ...] = ALONE, sin
             end = start + per + (i < extra)
             pieces.append(Piece(f, ts[start:end], f.startswith(alone)))
             start = end
-    return sorted(pieces, key=lambda p: not p.alone)
+    return sorted(pieces, key=lambda p: (not p.file.startswith(first) if first else True, not p.alone))
 
 
 def source_digest(root: Path) -> str:
@@ -544,7 +545,7 @@ def run(args) -> int:
     cut = [t for t in todo if t in state.get("cut", {})]
     pieces = [Piece(file_of(t), [t], file_of(t).startswith(ALONE)) for t in cut]
     pieces += plan_pieces([t for t in todo if t not in cut], args.piece,
-                          single=frozenset(state["plan"]["slow_gpu_tests"]))
+                          single=frozenset(state["plan"]["slow_gpu_tests"]), first=tuple(args.first))
     schedule(pieces, args.jobs, deadline, launch, finish, args.min_start)
     call["wall_s"] = round(time.time() - t0, 1)
     save_state(state, here / STATE_FILE, out / "gpu_suite_state.json.gz")
@@ -576,6 +577,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--gpus", type=int, help="GPUs to assume visible (default: ask torch)")
     r.add_argument("--select", default=SELECT, help=f"pytest -m expression (default {SELECT!r})")
     r.add_argument("--two-gpu-files", nargs="*", default=list(TWO_GPU), help="files whose tests need two GPUs")
+    r.add_argument("--first", nargs="*", default=[], metavar="PATH",
+                   help="files (path prefixes) whose pending tests this call runs before the others")
     r.add_argument("--cache-in", nargs="+", help="compile_cache.tar.xz.NN parts of an earlier call (--cache-out)")
     r.add_argument("--cache-out", action="store_true",
                    help="write the compile cache to --out in parts (after the budget: keep the budget under 540)")
