@@ -5,6 +5,7 @@
         [--kernels A,B] [--classes 'X;Y']    only these cells of DIR's state (the rest wait for a later call)
     python bench/sip_compute.py --state DIR --report [--out ...]          rewrite the results from DIR
     python bench/sip_compute.py --state DIR --prepare                     CPU: DIR's static part, to carry
+    python bench/sip_compute.py --store-floors STORE [--kernels A,B]      GPU: each kernel's floor, stored
 
 Kernels: sip_tune.compute.cells() (varlen attention d=64 first, dense attention d=64/128 causal and not,
 the GEMM + activation prefill plain and gated). Classes (sip.mutate.parse_moves): CLASSES below; a class
@@ -41,6 +42,12 @@ longer than a call cannot stall the campaign.
    interleaved with FA4 / cuBLAS, an empty tuned store beside the candidate; the one call site is
    op_level()), (c) compute-sanitizer memcheck, racecheck and synccheck, (d) outputs bitwise equal to
    the original's (the tuner's validation: the test sizes, and the tuned shape once the tuner checks it).
+
+--store-floors puts each selected kernel's floor (no search) into the tuned store STORE through the tuner
+itself (sip_tune.tuning.tune from the floor with no iteration: re-timed against the A/A, 10^5 samples and the
+timed shape, compute-sanitizer, the public op), so that `rosekernels.warmup(store_root=STORE)` loads it: what
+the campaign measured becomes what a user's op runs. A kernel with a record in STORE/floors.json is not
+stored again (a second call goes on with the rest).
 
 Results: <out>/sip/sip_compute.json and .md, one row per kernel and class: movable instructions, legal moves,
 candidates run, best re-timed, A/A, the fresh re-time, the op-level ratio, the sanitizer; per kernel the
@@ -797,12 +804,42 @@ def record_failure(state: dict[str, Any], what: str, key: str, error: str) -> No
         state["cells"][key].setdefault("judge", {})[what] = {"error": error}
 
 
+def store_floors(cells: dict[str, compute.Cell], root: Path, tune: Callable[..., Any] = tuning.tune
+                 ) -> dict[str, Any]:
+    """Each cell's floor through the tuner's checks into the tuned store at `root` (the module doc), one
+    record per kernel in root/floors.json, written after each: a floor under FLOOR_BAR and its A/A, failing a
+    check or not holding through the public op is not stored, and its record says why."""
+    path = root / "floors.json"
+    done = json.loads(path.read_text()) if path.exists() else {}
+    for name, cell in cells.items():
+        if name in done:
+            continue
+        config = tuning.TuneConfig(budget_iters=0, runs=1, moves="control", start="floor", min_speedup=FLOOR_BAR)
+        try:
+            result = tune(cell.factory, config, kernel=cell.op, shape=cell.shape, store_root=str(root))
+        except Exception as e:  # noqa: BLE001 - one kernel's failure is its record, the others go on
+            done[name] = {"error": f"{type(e).__name__}: {e}"}
+        else:
+            tuned_sha256 = hashlib.sha256((Path(result.cached) / "tuned.cubin").read_bytes()).hexdigest() \
+                if result.cached else ""
+            done[name] = {"outcome": result.outcome, "cached": result.cached, "speedup": result.speedup,
+                          "aa_spread": result.aa_spread, "floor_sha256": result.start_sha256,
+                          "stored_the_floor": bool(tuned_sha256) and tuned_sha256 == result.start_sha256,
+                          "validation": [f.get("validation", "") for f in result.finalists],
+                          "op_level": result.op_level, "gpu": result.gpu}
+        root.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(done, indent=1) + "\n")
+    return done
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     report.add_out(p)
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--static", action="store_true", help="CPU only: movable / legal per kernel and class")
     what.add_argument("--state", type=Path, help="the campaign's directory (state.json, profiles, store)")
+    what.add_argument("--store-floors", type=Path, metavar="STORE",
+                      help="GPU: store each selected kernel's floor in the tuned store STORE, with the tuner's checks")
     p.add_argument("--report", action="store_true", help="with --state: rewrite the results, run nothing")
     p.add_argument("--prepare", action="store_true", help="with --state: write its static part (CPU; minutes on a "
                    "busy GPU host, and a CPU host with the same CuTeDSL build compiles the same cubins), run nothing")
@@ -829,6 +866,8 @@ def main() -> int:
         state["meta"] = {"gpu": "no GPU run yet", "date": datetime.datetime.now().isoformat(timespec="seconds")}
         write(state, args.out)
         return 0
+    if (args.report or args.prepare) and not args.state:
+        p.error("--report and --prepare go with --state")
     if args.report:
         write(json.loads((args.state / "state.json").read_text()), args.out)
         return 0
@@ -836,6 +875,10 @@ def main() -> int:
         load_or_start(args.state, cells, classes)
         return 0
     report.require_gpu()
+    if args.store_floors:
+        for name, record in store_floors(cells, args.store_floors).items():
+            print(f"{name}: {record.get('error') or record['outcome']}")
+        return 0
     deadline = time.monotonic() + args.minutes * 60
     write(campaign(args.state, deadline, cells, classes, args.min_headroom), args.out)
     return 0

@@ -92,7 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-candidates", type=int, default=configs.MAX_CANDIDATES, metavar="N",
                    help="configs tried besides the heuristic's; more are pruned by the kernel's cost model")
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--budget-iters", type=int, metavar="N", help="annealing iterations over all runs")
+    budget.add_argument("--budget-iters", type=int, metavar="N", help="annealing iterations over all runs (0 with "
+                        "--start floor: no search, the floor itself through the final checks into the store)")
     budget.add_argument("--budget-minutes", type=float, metavar="M",
                         help="--kernel: the sass level's search time over all runs (default 10 when no budget is "
                         "given); --model: the whole run's time, a shape started only while what is left exceeds the "
@@ -314,8 +315,8 @@ def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     """Every check that needs no kernel and no GPU; the levels asked for."""
     if args.kernel is None and args.model is None:
         parser.error("--kernel is required (or --model, or --list)")
-    if args.budget_iters is not None and args.budget_iters < 1:
-        parser.error("--budget-iters must be >= 1")
+    if args.budget_iters is not None and args.budget_iters < (0 if args.start == "floor" else 1):
+        parser.error("--budget-iters must be >= 1 (0, with --start floor: the floor alone, checked and stored)")
     if args.budget_minutes is not None and not args.budget_minutes > 0:
         parser.error("--budget-minutes must be > 0")
     if not 0 <= args.samples <= 10**7:

@@ -101,7 +101,7 @@ STARTS = ("original", "floor")
 
 @dataclasses.dataclass(frozen=True)
 class TuneConfig:
-    budget_iters: int | None = None  # total over all runs
+    budget_iters: int | None = None  # total over all runs; 0: no search, the start alone goes to the final checks
     budget_seconds: float | None = None  # total search time over all runs
     runs: int = 2
     seed: int = 0
@@ -133,6 +133,8 @@ class TuneConfig:
     def __post_init__(self) -> None:
         if (self.budget_iters is None) == (self.budget_seconds is None):
             raise ValueError("give exactly one budget: iterations or seconds")
+        if self.budget_iters is not None and self.budget_iters < 0:
+            raise ValueError(f"budget_iters must be >= 0, got {self.budget_iters}")
         if self.runs < 1 or self.samples < 0 or self.search_samples < 1 or self.finalists < 1 or self.retimes < 1 \
                 or self.shape_samples < 1:
             raise ValueError("runs, search_samples, shape_samples, finalists and retimes must be >= 1, samples >= 0")
@@ -153,8 +155,8 @@ class TuneConfig:
         return 10_000 if classes <= mutate.DEFAULT_MOVES else 100_000
 
     def anneal(self) -> search.AnnealConfig:
-        return search.AnnealConfig(self.t_max, self.t_min, self.cooling, self.budget_iters,
-                                   self.budget_seconds).split(self.runs)
+        iters = None if self.budget_iters is None else max(1, self.budget_iters)  # 0: the start alone (tune)
+        return search.AnnealConfig(self.t_max, self.t_min, self.cooling, iters, self.budget_seconds).split(self.runs)
 
 
 @dataclasses.dataclass
@@ -322,6 +324,8 @@ def tune(factory: Callable[[], Workload], config: TuneConfig, *, kernel: str | N
             seen_in_a_row = [0]  # proposals in a row whose cubin was measured before
 
             def neighbour(state: Candidate, rng: random.Random) -> Candidate | None:
+                if config.budget_iters == 0:
+                    return None  # no search: the start is measured, then judged like any finalist
                 if seen_in_a_row[0] >= config.exhausted_after:
                     return None  # the space around here is exhausted: end the run early
                 t0 = time.perf_counter()

@@ -597,3 +597,34 @@ def test_a_search_from_the_floor_is_credited_only_with_what_it_added_to_the_floo
     del run["best_over_start"]  # a run from the floor recorded before the floor was re-timed beside it
     assert math.isnan(C.over_start(run)) and math.isnan(C.best_margin(state["cells"][key]))
     assert C.over_start({"best_speedup": 1.02}) == 1.02  # a run from the original: over its start as recorded
+
+
+def test_store_floors_puts_each_floor_through_the_tuner_once_and_records_why_one_was_not_stored(tmp_path):
+    """--store-floors: one tune() per kernel from the floor with no iteration, at the kernel's op and shape,
+    into the given store; the record says whether the stored cubin is the floor; a failure is that kernel's
+    record; a second call skips the kernels already recorded."""
+    calls = []
+
+    def tune(factory, config, *, kernel, shape, store_root):
+        calls.append((kernel, shape, config.budget_iters, config.start, config.moves, store_root))
+        if shape == "broken":
+            raise RuntimeError("worker died")
+        entry = Path(store_root) / kernel
+        entry.mkdir(parents=True, exist_ok=True)
+        (entry / "tuned.cubin").write_bytes(b"floor of " + kernel.encode())
+        return types.SimpleNamespace(outcome="cached 1.03x", cached=str(entry), speedup=1.03, aa_spread=0.001,
+                                     start_sha256=hashlib.sha256(b"floor of " + kernel.encode()).hexdigest(),
+                                     finalists=[{"validation": "ok: 100000 samples"}], op_level={"speedup": 1.03},
+                                     gpu="FakeGPU")
+
+    cells = {"k_a": compute.Cell("k_a", None, "op_a", "shape_a", ""),
+             "k_b": compute.Cell("k_b", None, "op_b", "broken", "")}
+    store = tmp_path / "store"
+    done = C.store_floors(cells, store, tune=tune)
+    assert [c[:5] for c in calls] == [("op_a", "shape_a", 0, "floor", "control"), ("op_b", "broken", 0, "floor",
+                                                                                 "control")]
+    assert done["k_a"]["stored_the_floor"] and done["k_a"]["speedup"] == 1.03
+    assert done["k_b"] == {"error": "RuntimeError: worker died"}
+    assert json.loads((store / "floors.json").read_text()) == done
+    calls.clear()
+    assert C.store_floors(cells, store, tune=tune) == done and calls == []

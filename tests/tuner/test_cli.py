@@ -26,6 +26,7 @@ def run(capsys, *argv):
     (["--kernel", "qk_norm", "--budget-iters", "10", "--budget-minutes", "1"], "not allowed with"),
     (["--mode", "decode"], "--kernel is required"),
     (["--kernel", "qk_norm", "--budget-iters", "0"], "--budget-iters must be >= 1"),
+    (["--kernel", "qk_norm", "--budget-iters", "-1", "--moves", "control", "--start", "floor"], "must be >= 1 (0,"),
     (["--kernel", "qk_norm", "--budget-minutes", "-1"], "--budget-minutes must be > 0"),
     (["--kernel", "qk_norm", "--samples", "-1"], "--samples"),
     (["--kernel", "qk_norm", "--runs", "0"], "--runs"),
@@ -57,6 +58,9 @@ def test_every_kernel_of_the_package_can_be_asked_for(capsys):
 def test_without_a_gpu_exit_3_with_a_clear_message(capsys):
     code, _, err = run(capsys, "--kernel", "qk_norm", "--budget-iters", "5")
     assert code == NO_GPU_EXIT == 3 and "needs a CUDA sm_90 GPU" in err
+    # the floor alone (no search) passes the argument checks, then needs the GPU as well
+    code, _, err = run(capsys, "--kernel", "qk_norm", "--budget-iters", "0", "--moves", "control", "--start", "floor")
+    assert code == NO_GPU_EXIT and "needs a CUDA sm_90 GPU" in err
 
 
 class ReachedLevelOne(Exception):

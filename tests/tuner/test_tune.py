@@ -173,6 +173,21 @@ def test_a_search_from_the_floor_reports_its_gain_over_the_start_timed_beside_th
     assert "x the start" in report.text()
 
 
+def test_no_iteration_from_the_floor_checks_and_stores_the_floor_itself(toy, monkeypatch):
+    """budget_iters=0 with start='floor': the one candidate is the floor, which goes through the final checks
+    (re-time against the A/A, samples, sanitizer) and into the store: how a verified floor reaches users."""
+    factory, root = toy
+    floor = (1, 0, 2, 3, 4, 5, 7, 6)
+    monkeypatch.setattr(tuning, "engine_initial", lambda cubin, moves: ToyEngine.perm(cubin))
+    monkeypatch.setattr(tuning, "engine_floor", lambda cubin: ToyEngine.cubin(floor))
+    config = tuning.TuneConfig(budget_iters=0, runs=1, samples=500, seed=4, moves="control", start="floor")
+    report = tuning.tune(factory, config, store_root=root, log=lambda m: None)
+    assert report.iterations == 0 and FakeRunner.instances[0].evaluated == [floor]
+    entry = tuned.lookup(root, "toy", factory().kernel.variant, factory().kernel.cubin)
+    assert entry is not None and entry.tuned == ToyEngine.cubin(floor) and report.speedup > 1
+    assert entry.meta["start"]["over_start"] == pytest.approx(1.0)
+
+
 @pytest.mark.parametrize("moves", ["global", "alu", "shared"])
 def test_a_floor_start_needs_moves_that_edit_stall_counts(moves):
     with pytest.raises(ValueError, match="control"):
