@@ -76,6 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import report  # noqa: E402  (bench/report.py: environment and result files)
 from sip import cfg, cubin as elf, deps, mutate, profile, sass  # noqa: E402
+from rosekernels import tuned  # noqa: E402
 from sip_tune import compute, oplevel, probe, tuning  # noqa: E402
 
 CLASSES = ("all,scoreboard,sync", "alu,scoreboard,sync", "alu", "control", "shared", "all", "global")
@@ -804,31 +805,45 @@ def record_failure(state: dict[str, Any], what: str, key: str, error: str) -> No
         state["cells"][key].setdefault("judge", {})[what] = {"error": error}
 
 
-def store_floors(cells: dict[str, compute.Cell], root: Path, tune: Callable[..., Any] = tuning.tune
+STORE_FLOOR_SECONDS = 240.0  # one kernel's floor through the tuner: worker, re-times, 10^5 samples, sanitizer, op
+
+
+def store_floors(cells: dict[str, compute.Cell], root: Path, deadline: float = math.inf,
+                 tune: Callable[..., Any] = tuning.tune, clock: Callable[[], float] = time.monotonic
                  ) -> dict[str, Any]:
     """Each cell's floor through the tuner's checks into the tuned store at `root` (the module doc), one
     record per kernel in root/floors.json, written after each: a floor under FLOOR_BAR and its A/A, failing a
-    check or not holding through the public op is not stored, and its record says why."""
+    check or not holding through the public op is not stored, and its record says why. A kernel recorded
+    without an error is not done again; one that failed is tried again; none starts with less than
+    STORE_FLOOR_SECONDS before `deadline`."""
     path = root / "floors.json"
     done = json.loads(path.read_text()) if path.exists() else {}
     for name, cell in cells.items():
-        if name in done:
+        if name in done and "error" not in done[name]:
             continue
+        if deadline - clock() < STORE_FLOOR_SECONDS:
+            break
         config = tuning.TuneConfig(budget_iters=0, runs=1, moves="control", start="floor", min_speedup=FLOOR_BAR)
         try:
             result = tune(cell.factory, config, kernel=cell.op, shape=cell.shape, store_root=str(root))
         except Exception as e:  # noqa: BLE001 - one kernel's failure is its record, the others go on
             done[name] = {"error": f"{type(e).__name__}: {e}"}
         else:
-            tuned_sha256 = hashlib.sha256((Path(result.cached) / "tuned.cubin").read_bytes()).hexdigest() \
-                if result.cached else ""
+            entry = Path(result.cached) if result.cached else None
+            tuned_sha256 = hashlib.sha256((entry / "tuned.cubin").read_bytes()).hexdigest() if entry else ""
+            meta = json.loads((entry / "meta.json").read_text()) if entry and (entry / "meta.json").exists() else {}
             done[name] = {"outcome": result.outcome, "cached": result.cached, "speedup": result.speedup,
                           "aa_spread": result.aa_spread, "floor_sha256": result.start_sha256,
+                          # the entry the store holds is this floor (not an older one it kept), and meets the bar
+                          # that ops and warmup load by (rosekernels.tuned.bar_problems)
                           "stored_the_floor": bool(tuned_sha256) and tuned_sha256 == result.start_sha256,
+                          "below_the_bar": tuned.bar_problems(meta, "cubin") if meta else None,
                           "validation": [f.get("validation", "") for f in result.finalists],
                           "op_level": result.op_level, "gpu": result.gpu}
         root.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(done, indent=1) + "\n")
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(done, indent=1) + "\n")
+        os.replace(tmp, path)  # a call killed mid-write leaves the last whole record
     return done
 
 
@@ -876,7 +891,8 @@ def main() -> int:
         return 0
     report.require_gpu()
     if args.store_floors:
-        for name, record in store_floors(cells, args.store_floors).items():
+        deadline = time.monotonic() + args.minutes * 60
+        for name, record in store_floors(cells, args.store_floors, deadline).items():
             print(f"{name}: {record.get('error') or record['outcome']}")
         return 0
     deadline = time.monotonic() + args.minutes * 60

@@ -373,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = tuning.TuneConfig(
             budget_iters=args.budget_iters, budget_seconds=None if minutes is None else minutes * 60,
-            runs=args.runs, seed=args.seed, samples=args.samples, search_samples=args.search_samples,
+            runs=1 if args.budget_iters == 0 else args.runs,  # no search: one run, one worker
+            seed=args.seed, samples=args.samples, search_samples=args.search_samples,
             t_max=args.t_max, t_min=args.t_min, cooling=args.cooling, min_speedup=args.min_speedup,
             tolerance=None if args.rtol is None else (args.rtol, args.atol or 0.0), moves=args.moves, hot=args.hot,
             start=args.start, sanitize=not args.no_sanitize)

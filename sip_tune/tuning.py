@@ -135,6 +135,8 @@ class TuneConfig:
             raise ValueError("give exactly one budget: iterations or seconds")
         if self.budget_iters is not None and self.budget_iters < 0:
             raise ValueError(f"budget_iters must be >= 0, got {self.budget_iters}")
+        if self.budget_iters == 0 and self.start != "floor":
+            raise ValueError("budget_iters=0 checks the start alone: only a floor start is a candidate")
         if self.runs < 1 or self.samples < 0 or self.search_samples < 1 or self.finalists < 1 or self.retimes < 1 \
                 or self.shape_samples < 1:
             raise ValueError("runs, search_samples, shape_samples, finalists and retimes must be >= 1, samples >= 0")
@@ -304,7 +306,7 @@ def tune(factory: Callable[[], Workload], config: TuneConfig, *, kernel: str | N
         start_schedule, report.hot_blocks = engine_weighted(start_schedule, probe.profile(factory, original))
         log("[sip-tune] hottest blocks (ncu PC samples): " + ", ".join(
             f"{h['offset']:#06x} {h['share']:.0%}" for h in report.hot_blocks))
-    gpus = max(1, min(_gpu_count(), config.runs))
+    gpus = 1 if config.budget_iters == 0 else max(1, min(_gpu_count(), config.runs))  # no search: one worker
     runners = [Runner(factory, dataclasses.replace(options, device=d), log=lambda m: log(f"[sip-tune] {m}"))
                for d in range(gpus)]
     runner = runners[0]  # GPU 0's: the one the finalists are re-timed and validated with
@@ -433,7 +435,9 @@ def _finish(report: TuneReport, runner: Runner, pool: dict[str, tuple[float, byt
     the first that passes everything past the bar."""
     ranked = sorted(pool.items(), key=lambda kv: kv[1][0])[:config.finalists]
     if not ranked:
-        report.outcome = "no candidate passed testing; nothing cached"
+        report.outcome = ("the floor is the original (no stall count to lower); nothing cached"
+                          if config.budget_iters == 0 and start == original
+                          else "no candidate passed testing; nothing cached")
         return
     start_digest = _digest(start)
     extra = [start] if start != original and start_digest not in dict(ranked) else []

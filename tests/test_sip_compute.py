@@ -601,30 +601,43 @@ def test_a_search_from_the_floor_is_credited_only_with_what_it_added_to_the_floo
 
 def test_store_floors_puts_each_floor_through_the_tuner_once_and_records_why_one_was_not_stored(tmp_path):
     """--store-floors: one tune() per kernel from the floor with no iteration, at the kernel's op and shape,
-    into the given store; the record says whether the stored cubin is the floor; a failure is that kernel's
-    record; a second call skips the kernels already recorded."""
-    calls = []
+    into the given store; the record says whether the entry the store holds is this floor and whether it meets
+    the loading bar; a failure is that kernel's record and is tried again by the next call, a success is not;
+    no kernel starts without STORE_FLOOR_SECONDS left."""
+    calls, broken = [], {"op_b"}
 
     def tune(factory, config, *, kernel, shape, store_root):
-        calls.append((kernel, shape, config.budget_iters, config.start, config.moves, store_root))
-        if shape == "broken":
+        calls.append((kernel, shape, config.budget_iters, config.start, config.moves))
+        if kernel in broken:
             raise RuntimeError("worker died")
         entry = Path(store_root) / kernel
         entry.mkdir(parents=True, exist_ok=True)
-        (entry / "tuned.cubin").write_bytes(b"floor of " + kernel.encode())
+        kept = b"an older, stronger entry" if kernel == "op_c" else b"floor of " + kernel.encode()
+        (entry / "tuned.cubin").write_bytes(kept)
+        (entry / "meta.json").write_text(json.dumps({"speedup": 1.03}))  # no checks recorded: below the bar
         return types.SimpleNamespace(outcome="cached 1.03x", cached=str(entry), speedup=1.03, aa_spread=0.001,
                                      start_sha256=hashlib.sha256(b"floor of " + kernel.encode()).hexdigest(),
                                      finalists=[{"validation": "ok: 100000 samples"}], op_level={"speedup": 1.03},
                                      gpu="FakeGPU")
 
-    cells = {"k_a": compute.Cell("k_a", None, "op_a", "shape_a", ""),
-             "k_b": compute.Cell("k_b", None, "op_b", "broken", "")}
+    cells = {k: compute.Cell(k, None, f"op_{k[-1]}", f"shape_{k[-1]}", "") for k in ("k_a", "k_b", "k_c")}
     store = tmp_path / "store"
     done = C.store_floors(cells, store, tune=tune)
-    assert [c[:5] for c in calls] == [("op_a", "shape_a", 0, "floor", "control"), ("op_b", "broken", 0, "floor",
-                                                                                 "control")]
-    assert done["k_a"]["stored_the_floor"] and done["k_a"]["speedup"] == 1.03
+    assert [c[0] for c in calls] == ["op_a", "op_b", "op_c"] and calls[0][1:] == ("shape_a", 0, "floor", "control")
+    assert done["k_a"]["stored_the_floor"] and done["k_a"]["speedup"] == 1.03 and done["k_a"]["below_the_bar"]
+    assert not done["k_c"]["stored_the_floor"]  # the store kept another entry
     assert done["k_b"] == {"error": "RuntimeError: worker died"}
     assert json.loads((store / "floors.json").read_text()) == done
     calls.clear()
-    assert C.store_floors(cells, store, tune=tune) == done and calls == []
+    broken.clear()
+    again = C.store_floors(cells, store, tune=tune)
+    assert [c[0] for c in calls] == ["op_b"] and again["k_b"]["stored_the_floor"]  # only the failed one again
+    calls.clear()
+    (store / "floors.json").unlink()
+    now = [1000.0]
+    C.store_floors(cells, store, deadline=1000.0 + C.STORE_FLOOR_SECONDS + 1, tune=tune, clock=lambda: now[0])
+    assert [c[0] for c in calls] == ["op_a", "op_b", "op_c"]  # the fake clock stands still: every one fits
+    calls.clear()
+    (store / "floors.json").unlink()
+    C.store_floors(cells, store, deadline=1000.0 + C.STORE_FLOOR_SECONDS - 1, tune=tune, clock=lambda: now[0])
+    assert calls == [] and not (store / "floors.json").exists()

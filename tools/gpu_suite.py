@@ -104,7 +104,8 @@ def plan_pieces(tests: list[str], size: int, alone: tuple[str, ...] = ALONE, sin
             end = start + per + (i < extra)
             pieces.append(Piece(f, ts[start:end], f.startswith(alone)))
             start = end
-    return sorted(pieces, key=lambda p: (not p.file.startswith(first) if first else True, not p.alone))
+    rank = [next((i for i, f in enumerate(first) if p.file.startswith(f)), len(first)) for p in pieces]
+    return [p for _, p in sorted(zip(rank, pieces), key=lambda rp: (rp[0], not rp[1].alone))]
 
 
 def source_digest(root: Path) -> str:
@@ -542,6 +543,9 @@ def run(args) -> int:
 
     # A test a deadline cut short goes first, in a piece of its own: this call's whole budget is its.
     todo = pending(state)
+    for prefix in args.first:
+        if not any(file_of(t).startswith(prefix) for t in todo):
+            print(f"gpu_suite: --first {prefix}: no pending test of such a file", file=sys.stderr)
     cut = [t for t in todo if t in state.get("cut", {})]
     pieces = [Piece(file_of(t), [t], file_of(t).startswith(ALONE)) for t in cut]
     pieces += plan_pieces([t for t in todo if t not in cut], args.piece,

@@ -188,6 +188,17 @@ def test_no_iteration_from_the_floor_checks_and_stores_the_floor_itself(toy, mon
     assert entry.meta["start"]["over_start"] == pytest.approx(1.0)
 
 
+def test_no_iteration_needs_a_floor_start_and_says_when_the_floor_is_the_original(toy, monkeypatch):
+    factory, root = toy
+    with pytest.raises(ValueError, match="only a floor start"):
+        tuning.TuneConfig(budget_iters=0, moves="control")
+    monkeypatch.setattr(tuning, "engine_initial", lambda cubin, moves: ToyEngine.perm(cubin))
+    monkeypatch.setattr(tuning, "engine_floor", lambda cubin: cubin)  # nothing to lower
+    config = tuning.TuneConfig(budget_iters=0, runs=1, samples=500, seed=4, moves="control", start="floor")
+    report = tuning.tune(factory, config, store_root=root, log=lambda m: None)
+    assert report.outcome.startswith("the floor is the original") and not report.cached
+
+
 @pytest.mark.parametrize("moves", ["global", "alu", "shared"])
 def test_a_floor_start_needs_moves_that_edit_stall_counts(moves):
     with pytest.raises(ValueError, match="control"):
