@@ -118,6 +118,15 @@ def loop_rows(cubin: bytes, top: int = 4, least: int = 30) -> list[dict[str, Any
              "opcodes": dict(s.opcodes[:6])} for s in loops]
 
 
+def floor_holds(cubin: bytes) -> dict[str, int]:
+    """What keeps the floor's stall counts in the main kernel's loop blocks where they are
+    (sip.mutate.floor_holds): the bound the stall counts leave once at their floor."""
+    schedule = tuning.engine_floor_schedule(cubin)
+    kernel = schedule.model.kernel
+    depth = cfg.loop_depth(kernel)
+    return mutate.floor_holds(schedule, [x for x in range(len(kernel.instructions)) if depth[kernel.block_of[x]]])
+
+
 def main_loop(kernel: sass.Kernel) -> tuple[int, list[int]] | None:
     """(header block, its blocks) of the deepest loop that issues wgmma instructions and holds at least
     60 instructions (the largest such at that depth): the mainloop of these kernels."""
@@ -181,7 +190,7 @@ def static_state(cells: dict[str, compute.Cell], classes: tuple[str, ...],
         state["kernels"][name] = {"about": cell.about, "variant": workload.kernel.variant.key(),
                                   "cubin_sha256": hashlib.sha256(original).hexdigest(),
                                   "loops": loop_rows(original), "floor_loops": loop_rows(tuning.engine_floor(original)),
-                                  "mainloop_pairs": mainloop_pairs(original)}
+                                  "floor_holds": floor_holds(original), "mainloop_pairs": mainloop_pairs(original)}
         for moves in classes:
             row = static_row(original, moves)
             state["cells"][cell_key(name, moves)] = {"kernel": name, "moves": moves, "static": row, "runs": []}
@@ -589,7 +598,12 @@ def markdown(state: dict[str, Any]) -> str:
             _judged(judge.get("sanitizer"), _sanitizer_text) if "sanitizer" in judge else pending]) + " |")
     lines += ["", "Per kernel: its largest loops (static stall cycles per pass, `sip loops`); the stall counts at their "
               "floor (`sip floor`: every stall count lowered as far as the measured latency table proves, timed "
-              "against the original); the stall reasons of its hot blocks (ncu PC samples of the original; "
+              "against the original); what holds the floor's stall counts in the loop blocks "
+              "(sip.mutate.floor_holds: a latency pair the table proves, or its horizon where it has none; an anchor, "
+              "HGMMA or an mbarrier op "
+              "whose register effects the model cannot see; the start or end of a block, for producers and "
+              "consumers in other blocks; a pinned instruction, whose control bits never change); the stall reasons "
+              "of its hot blocks (ncu PC samples of the original; "
               "outside issue cycles: the share of samples in which the warp neither issued nor lost the issue "
               "slot to another warp, the most any schedule change could save; schedule-sensitive: the share in "
               f"{', '.join(sorted(profile.SCHEDULE_SENSITIVE))}, the stalls the moves aim at):"]
@@ -606,6 +620,11 @@ def markdown(state: dict[str, Any]) -> str:
                          "(scoreboard, sync): " + ", ".join(
                              f"{kind} {pairs['trusted'].get(kind, 0)} -> {pairs['relaxed'].get(kind, 0)}" for kind in kinds))
         lines.append(f"  - floor: {floor_text(state.get('floors', {}).get(name), k)}")
+        if k.get("floor_holds"):
+            held = k["floor_holds"]
+            lines.append("  - at the floor, the loop blocks' stall cycles above one per instruction are held by: "
+                         + ", ".join(f"{kind} {held[kind]}" for kind in mutate.HOLDS if kind != "above the floor"
+                                     and kind in held))
         if p is None:
             lines.append(f"  - ncu: {NOT_RUN} yet")
             continue

@@ -76,7 +76,7 @@ import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence, Union
+from typing import Iterable, Mapping, Sequence, Union
 
 from sip import SipError, cfg, latency
 from sip.cubin import INSTRUCTION_BYTES, parse_cubin
@@ -409,11 +409,16 @@ class Schedule:
         """The lowest own stall count instruction x may get: every fixed-latency pair across its
         slot keeps its required distance without extra stall elsewhere (a pair that already
         needs extra stall allows no lowering)."""
+        return self.floor_and_binding(x)[0]
+
+    def floor_and_binding(self, x: int) -> tuple[int, tuple[int, int] | None]:
+        """stall_floor(x), and the (producer, consumer) pair of sip.deps that keeps it there (None: the
+        least stall of one does; the producer may be START, the consumer a block end)."""
         model, own = self.model, self.own
         b = model.kernel.block_of[x]
         order = self.blocks[b]
         k = self.slots[x]
-        slack = own[x] - 1
+        slack, binding = own[x] - 1, None
         for c, _, run in _spanned(self, b, k):
             for p, required in model.incoming[c].items():
                 start = 0 if p == START else self.slots[p]
@@ -423,10 +428,11 @@ class Schedule:
                 while s >= start and have < required + slack:
                     have += own[order[s]]
                     s -= 1
-                slack = min(slack, have - required)
+                if have - required < slack:
+                    slack, binding = have - required, (p, c)
                 if slack <= 0:
-                    return own[x]
-        return own[x] - slack
+                    return own[x], binding
+        return own[x] - slack, binding
 
 
 def _spanned(s: Schedule, b: int, k: int):
@@ -706,6 +712,35 @@ def lowered(schedule: Schedule, instructions: Sequence[int] | None = None) -> Sc
                     continue
                 changed = True
     return schedule
+
+
+HOLDS = ("latency pair", "anchor", "block start", "block end", "pinned", "above the floor")
+
+
+def floor_holds(schedule: Schedule, instructions: Iterable[int]) -> dict[str, int]:
+    """Of the stall cycles above one that `instructions` keep in `schedule` (a floor: `lowered`), how many
+    each kind of constraint holds: a fixed-latency pair of sip.deps between two instructions of the block
+    (the latency table's distance, or the horizon where it has none), one from an anchor (an instruction
+    whose register effects the model cannot see: HGMMA, mbarrier ops), from the block's start or into its end
+    (producers and consumers in other blocks), a pinned instruction's own control bits, and, outside a
+    floor, what lowering would still take off."""
+    model, own = schedule.model, schedule.own
+    held = dict.fromkeys(HOLDS, 0)
+    for x in instructions:
+        if own[x] <= 1:
+            continue
+        if model.facts[x].pin is not None:
+            held["pinned"] += own[x] - 1
+            continue
+        floor, binding = schedule.floor_and_binding(x)
+        held["above the floor"] += own[x] - floor
+        if binding is None:
+            continue
+        p, c = binding
+        kind = ("block start" if p == START else "block end" if c >= len(model.facts)
+                else "anchor" if model.facts[p].anchor else "latency pair")
+        held[kind] += floor - 1
+    return held
 
 
 def latencies_for(moves: frozenset[str], path: str | Path | None = None) -> latency.LatencyTable | None:

@@ -71,10 +71,15 @@ def engine_weighted(schedule: mutate.Schedule, listing: str, top: int = 3) -> tu
                       for share, b in profile.hot_blocks(kernel, samples)[:top]]
 
 
+def engine_floor_schedule(cubin: bytes) -> mutate.Schedule:
+    """The schedule with every stall count at the floor the latency table proves under the trusted dependency
+    model (sip.mutate.lowered), whatever relaxations the run's own classes hold."""
+    return mutate.lowered(engine_initial(cubin, "control.stall"))
+
+
 def engine_floor(cubin: bytes) -> bytes:
-    """The cubin with every stall count at the floor the latency table proves under the trusted dependency
-    model (sip.mutate.lowered; `sip floor`'s cubin), whatever relaxations the run's own classes hold."""
-    return engine_apply(mutate.lowered(engine_initial(cubin, "control.stall")))
+    """engine_floor_schedule's cubin (`sip floor`'s)."""
+    return engine_apply(engine_floor_schedule(cubin))
 
 
 def engine_neighbour(schedule: mutate.Schedule, rng: random.Random) -> mutate.Schedule | None:

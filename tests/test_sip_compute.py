@@ -274,6 +274,10 @@ def test_the_table_marks_what_no_gpu_has_measured():
         "free": 285, "scoreboard guard": 54, "fence WARPGROUP": 7}, "relaxed": {"free": 318, "scoreboard guard": 30}}
     assert ("mainloop 0x4860, 441 adjacent pairs, trusted -> relaxed (scoreboard, sync): free 285 -> 318, "
             "scoreboard guard 54 -> 30, fence WARPGROUP 7 -> 0") in C.markdown(state)
+    state["kernels"]["k_varlen"]["floor_holds"] = {"latency pair": 415, "anchor": 136, "block start": 41,
+                                                    "block end": 1, "pinned": 300, "above the floor": 0}
+    assert ("at the floor, the loop blocks' stall cycles above one per instruction are held by: latency pair 415, "
+            "anchor 136, block start 41, block end 1, pinned 300") in C.markdown(state)
     state["floors"] = {"k_varlen": {"speedup": 0.9987, "aa_spread": 0.0021, "validation": "ok: 10000 of 10000 samples"}}
     assert "loop 0x4860 1033 -> 735 stall cycles; re-timed 0.9987x (A/A 0.21%), ok: 10000 of 10000 samples" \
         in C.markdown(state)
@@ -294,6 +298,17 @@ def test_the_table_marks_what_no_gpu_has_measured():
     assert "5000 samples, 57.1% of them outside issue cycles, 7.1% schedule-sensitive" in text
     assert "block 0x4b80 (388 instructions, loop depth 2): 41% of the samples; math 60%, short_sb 20%, selected 20%" \
         in text
+
+
+def test_floor_holds_share_out_the_loop_blocks_stall_cycles_at_the_floor(corpus):
+    """On the package's GEMM: every stall cycle above one in its loop blocks at the floor is held by one of
+    the kinds, none is left above the floor, and the latency pairs and pinned instructions hold some."""
+    from sip import mutate
+    from sip_corpus import corpus_entry
+
+    held = C.floor_holds(corpus_entry(corpus, "rosekernels_tma_wgmma_gemm"))
+    assert set(held) == set(mutate.HOLDS) and held["above the floor"] == 0
+    assert held["latency pair"] > 0 and held["pinned"] > 0
 
 
 def test_mainloop_pairs_count_every_adjacent_pair_of_the_wgmma_loop(corpus):

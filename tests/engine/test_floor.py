@@ -47,3 +47,37 @@ def test_sip_floor_writes_the_lowered_cubin_and_its_loops(corpus, tmp_path, caps
         assert a.stall_cycles <= b.stall_cycles
     assert sum(a.stall_cycles for a in after_loops) < sum(b.stall_cycles for b in before_loops)
     assert main(["floor", str(src), "-o", str(out), "--latency-table", str(tmp_path / "missing.json")]) == 1
+
+
+@pytest.mark.parametrize("name", ["rosekernels_tma_wgmma_gemm", "unrolled_stencil"])
+def test_floor_holds_name_the_pair_across_each_stall_count_and_account_for_every_cycle(corpus, name):
+    """floor_and_binding names a pair of the dependency model that spans the instruction's slot (START, a
+    block end, or two instructions around it) for every stall count above one it keeps; lowering such a count
+    by one is refused; floor_holds shares out every stall cycle above one, and at the floor none is above it."""
+    from sip.deps import START
+    from sip.mutate import HOLDS, Edit, IllegalMove, floor_holds
+
+    table = latency.load(latency.DEFAULT_PATH)
+    kernel = max(disassemble(parse_cubin(corpus_entry(corpus, name))).values(), key=lambda k: len(k.instructions))
+    s0 = Schedule.initial(DependencyModel(kernel, table), STALL)
+    s = lowered(s0)
+    n = len(kernel.instructions)
+    kept = 0
+    for x in range(n):
+        if s.model.facts[x].pin is not None or s.own[x] <= 1:
+            continue
+        floor, (p, c) = s.floor_and_binding(x)
+        assert floor == s.own[x] == s.stall_floor(x)
+        block = kernel.block_of[x]
+        assert p == START or (kernel.block_of[p] == block and s.slots[p] <= s.slots[x])
+        assert c == s.model.end(block) or (kernel.block_of[c] == block and s.slots[c] > s.slots[x])
+        with pytest.raises(IllegalMove):
+            s.moved(Edit(x, "control.stall", s.own[x] - 1))
+        kept += 1
+    assert kept > 0
+    everything = range(n)
+    for schedule in (s0, s):
+        held = floor_holds(schedule, everything)
+        assert set(held) == set(HOLDS)
+        assert sum(held.values()) == sum(schedule.own[x] - 1 for x in everything if schedule.own[x] > 1)
+    assert floor_holds(s, everything)["above the floor"] == 0 < floor_holds(s0, everything)["above the floor"]
