@@ -27,8 +27,8 @@ from sip.cfg import loop_depth, loop_summaries, loops as cfg_loops
 from sip.cubin import EM_CUDA, Cubin, parse_cubin
 from sip.deps import RELAXATIONS, DependencyModel
 from sip.fatbin import embedded_cubins
-from sip.mutate import (DEFAULT_MOVES, LOOP_WEIGHT, Schedule, apply, latencies_for, lowered, parse_moves,
-                        random_walk)
+from sip.mutate import (DEFAULT_MOVES, HOLDS, LOOP_WEIGHT, Schedule, apply, floor_holds, latencies_for, lowered,
+                        parse_moves, random_walk)
 from sip.sass import Kernel, disassemble, disassemble_kernel
 
 
@@ -83,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--top", type=int, default=10, metavar="N", help="the N hottest blocks (default 10)")
     h.set_defaults(run=_hot)
 
-    f = sub.add_parser("floor", help="every stall count lowered as far as the latency table proves; loops before/after")
+    f = sub.add_parser("floor", help="every stall count lowered as far as the latency table proves; loops "
+                       "before/after, and what holds the loops' stall cycles left (sip.mutate.floor_holds)")
     f.add_argument("cubin", type=Path)
     f.add_argument("-o", "--output", type=Path, required=True)
     f.add_argument("--kernel", help="kernel to lower (default: the only one, or the largest)")
@@ -254,6 +255,10 @@ def _floor(args) -> int:
     for s in loop_summaries(kernel):
         after = sum(schedule.controls[i] & 0xF for b in bodies[s.header] for i in kernel.blocks[b])
         print(f"  loop at {s.offset:#06x} (block {s.header}), depth {s.depth}: {s.stall_cycles} -> {after} stall cycles")
+    in_loops = sorted({i for body in bodies.values() for b in body for i in kernel.blocks[b]})
+    held = floor_holds(schedule, in_loops)
+    print("  in the loops, the stall cycles above one left are held by: "
+          + ", ".join(f"{kind} {held[kind]}" for kind in HOLDS if kind != "above the floor"))
     return 0
 
 

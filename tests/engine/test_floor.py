@@ -1,11 +1,13 @@
 """sip.mutate.lowered and `sip floor`: every stall count lowered as far as the measured latency table
 proves, each step a legal control.stall edit; a fixed point that keeps every schedule guarantee."""
+import re
+
 import pytest
 from sip_checks import assert_round_trip, assert_schedule_is_correct
 from sip_corpus import corpus, corpus_entry  # noqa: F401
 
 from sip import SipError, latency
-from sip.cfg import loop_summaries
+from sip.cfg import loop_summaries, loops as cfg_loops
 from sip.cli import main
 from sip.cubin import parse_cubin
 from sip.deps import DependencyModel
@@ -46,6 +48,13 @@ def test_sip_floor_writes_the_lowered_cubin_and_its_loops(corpus, tmp_path, caps
         assert line in text
         assert a.stall_cycles <= b.stall_cycles
     assert sum(a.stall_cycles for a in after_loops) < sum(b.stall_cycles for b in before_loops)
+    # what holds the rest: every stall cycle above one in the loops, shared out
+    held = re.search(r"the stall cycles above one left are held by: (.*)", text).group(1)
+    numbers = [int(part.rsplit(" ", 1)[1]) for part in held.split(", ")]
+    bodies = cfg_loops(after)
+    in_loops = {i for body in bodies.values() for b in body for i in after.blocks[b]}
+    assert len(numbers) == 5 and sum(numbers) == sum(max(after.instructions[i].control.stall - 1, 0)
+                                                       for i in in_loops)
     assert main(["floor", str(src), "-o", str(out), "--latency-table", str(tmp_path / "missing.json")]) == 1
 
 
