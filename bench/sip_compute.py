@@ -46,8 +46,8 @@ longer than a call cannot stall the campaign.
 --store-floors puts each selected kernel's floor (no search) into the tuned store STORE through the tuner
 itself (sip_tune.tuning.tune from the floor with no iteration: re-timed against the A/A, 10^5 samples and the
 timed shape, compute-sanitizer, the public op), so that `rosekernels.warmup(store_root=STORE)` loads it: what
-the campaign measured becomes what a user's op runs. A kernel with a record in STORE/floors.json is not
-stored again (a second call goes on with the rest).
+the campaign measured becomes what a user's op runs. A kernel that STORE/floors.json records without an
+error is not stored again (a second call goes on with the rest, and tries the failed ones again).
 
 Results: <out>/sip/sip_compute.json and .md, one row per kernel and class: movable instructions, legal moves,
 candidates run, best re-timed, A/A, the fresh re-time, the op-level ratio, the sanitizer; per kernel the
@@ -386,12 +386,16 @@ def run_search(state: dict[str, Any], key: str, cell: compute.Cell, seconds: flo
     entry["runs"].append({**run_record(result, seed), "start": start})
 
 
+def stored_sha256(result: Any) -> str:
+    """The SHA-256 of the tuned cubin in the entry a tune() report names ("" where it stored none)."""
+    return hashlib.sha256((Path(result.cached) / "tuned.cubin").read_bytes()).hexdigest() if result.cached else ""
+
+
 def run_record(result: Any, seed: int) -> dict[str, Any]:
     """What the campaign keeps of a tune() report; with an entry in the store (stored by this run, or
     an earlier one the store kept: kept_older), the SHA-256 of its tuned cubin, which the judge checks."""
     best = min(result.finalists, key=lambda f: f["rel"], default=None)
-    tuned_sha256 = hashlib.sha256((Path(result.cached) / "tuned.cubin").read_bytes()).hexdigest() \
-        if result.cached else ""
+    tuned_sha256 = stored_sha256(result)
     from_start = result.start_sha256 != result.original_sha256
     return {"seed": seed, "search_seconds": result.search_seconds, "total_seconds": result.total_seconds,
             "iterations": result.iterations, "evaluated": result.evaluated, "incorrect": result.incorrect,
@@ -623,8 +627,7 @@ def markdown(state: dict[str, Any]) -> str:
         if k.get("floor_holds"):
             held = k["floor_holds"]
             lines.append("  - at the floor, the loop blocks' stall cycles above one per instruction are held by: "
-                         + ", ".join(f"{kind} {held[kind]}" for kind in mutate.HOLDS if kind != "above the floor"
-                                     and kind in held))
+                         + ", ".join(f"{kind} {held[kind]}" for kind in mutate.HOLDS if kind != "above the floor"))
         if p is None:
             lines.append(f"  - ncu: {NOT_RUN} yet")
             continue
@@ -848,9 +851,9 @@ def store_floors(cells: dict[str, compute.Cell], root: Path, deadline: float = m
         except Exception as e:  # noqa: BLE001 - one kernel's failure is its record, the others go on
             done[name] = {"error": f"{type(e).__name__}: {e}"}
         else:
-            entry = Path(result.cached) if result.cached else None
-            tuned_sha256 = hashlib.sha256((entry / "tuned.cubin").read_bytes()).hexdigest() if entry else ""
-            meta = json.loads((entry / "meta.json").read_text()) if entry and (entry / "meta.json").exists() else {}
+            tuned_sha256 = stored_sha256(result)
+            meta_path = Path(result.cached) / "meta.json"
+            meta = json.loads(meta_path.read_text()) if result.cached and meta_path.exists() else {}
             done[name] = {"outcome": result.outcome, "cached": result.cached, "speedup": result.speedup,
                           "aa_spread": result.aa_spread, "floor_sha256": result.start_sha256,
                           # the entry the store holds is this floor (not an older one it kept), and meets the bar

@@ -444,7 +444,7 @@ def _finish(report: TuneReport, runner: Runner, pool: dict[str, tuple[float, byt
                           if config.budget_iters == 0 and start == original
                           else "no candidate passed testing; nothing cached")
         return
-    start_digest = _digest(start)
+    start_digest = report.start_sha256
     extra = [start] if start != original and start_digest not in dict(ranked) else []
     runs = []
     for _ in range(config.retimes):
