@@ -480,7 +480,7 @@ def list_entries(store_root: str | os.PathLike | None) -> list[dict[str, Any]]:
         try:
             meta = json.loads(path.read_text())
             if not isinstance(meta, dict) or meta.get("format") != CONFIG_FORMAT:
-                raise CacheError(f"not a format-{CONFIG_FORMAT} tuned-config entry")
+                raise CacheError(f"not a format-{CONFIG_FORMAT} tuned-config entry (re-run sip-tune)")
             row.update(meta, valid=True, problems=bar_problems(meta, "config"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, CacheError) as e:
             row.update(valid=False, error=str(e), toolchain=path.parents[2].name, kernel=path.parents[1].name)
@@ -495,15 +495,18 @@ def _glob_escape(s: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # Tuned configs (sip-tune level 1): which Config a shape bucket launches instead of the heuristic's.
 #
-# Layout: <root>/<toolchain>/<kernel>/configs/<mode>-<bucket key>-<original sha256[:16]>.json, beside
-# the variant-key folders of the cubin entries. An entry names the heuristic's config and the hash
-# of its cubin ("the original"): it applies only where the op's heuristic picks that same config and
-# it still compiles to those bytes (same toolchain, same kernel source), and only where the stored
-# config is among the kernel's `candidates` for the call's exact shape (a bucket spans shapes a
-# config may not serve, e.g. a split count with too few tiles). One JSON file per entry, replaced
-# atomically under the folder's lock: a reader sees a whole file or none, so it reads unlocked.
+# Layout: <root>/<toolchain>/<kernel>/configs/<mode>-<bucket key>-<heuristic digest>-<original
+# sha256[:16]>.json, beside the variant-key folders of the cubin entries. An entry names the
+# heuristic's config and the hash of its cubin ("the original"): it applies only where the op's
+# heuristic picks that same config and it still compiles to those bytes (same toolchain, same kernel
+# source), and only where the stored config is among the kernel's `candidates` for the call's exact
+# shape (a bucket spans shapes a config may not serve, e.g. a split count with too few tiles). The
+# heuristic digest hashes every field of the heuristic's config: the cubin's hash leaves out launch
+# settings (split counts), which differ between GPUs and between shapes of one bucket, and each such
+# heuristic has its own entry. One JSON file per entry, replaced atomically under the folder's lock:
+# a reader sees a whole file or none, so it reads unlocked.
 
-CONFIG_FORMAT = 1
+CONFIG_FORMAT = 2  # 1: named without the heuristic digest (two heuristics could share a file); not read
 CONFIGS_DIR = "configs"  # no variant key is this name: every key starts with its op
 _MEMO_SIZE = 4096  # like launch.PLAN_CACHE_SIZE: many distinct token counts start the memo over
 
@@ -550,11 +553,15 @@ def bucket_key(shape: Any) -> str:
     return ",".join(f"{f.name}={getattr(b, f.name)}" for f in dataclasses.fields(b)).replace("/", "_").replace(" ", "")
 
 
-def config_path(store_root: str | os.PathLike | None, kernel: str, mode: str, shape: Any, original_sha256: str,
+def config_path(store_root: str | os.PathLike | None, kernel: str, shape: Any, heuristic: Any, original_sha256: str,
                 toolchain: str | None = None) -> Path:
+    """The file of the entry for bucket(shape) tuned against `heuristic` (every field) whose cubin
+    hashes to `original_sha256`."""
     toolchain = toolchain or current_toolchain()
+    mode = heuristic.variant().mode
     _check_key((kernel, mode, toolchain), original_sha256)
-    name = f"{mode}-{bucket_key(shape)}-{original_sha256[:16]}.json"
+    digest = sha256(json.dumps(dataclasses.asdict(heuristic), sort_keys=True).encode())[:16]
+    name = f"{mode}-{bucket_key(shape)}-{digest}-{original_sha256[:16]}.json"
     return paths.tuned_store_root(store_root) / toolchain / kernel / CONFIGS_DIR / name
 
 
@@ -566,14 +573,13 @@ def _read_config(path: Path, module: ModuleType, toolchain: str) -> ConfigEntry:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CacheError(f"unreadable: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != CONFIG_FORMAT:
-        raise CacheError(f"not a format-{CONFIG_FORMAT} tuned-config entry")
+        raise CacheError(f"not a format-{CONFIG_FORMAT} tuned-config entry (re-run sip-tune)")
     if meta.get("kernel") != module.OP or meta.get("toolchain") != toolchain:
         raise CacheError(f"written for {meta.get('kernel')!r} under toolchain {meta.get('toolchain')!r}")
     try:
         config, heuristic = module.Config(**meta["config"]), module.Config(**meta["heuristic"])
         shape = module.Shape(**meta["bucket"])
-        name = config_path(path.parents[3], module.OP, heuristic.variant().mode, shape, meta["original_sha256"],
-                           toolchain).name
+        name = config_path(path.parents[3], module.OP, shape, heuristic, meta["original_sha256"], toolchain).name
     except (KeyError, TypeError, ValueError) as e:
         raise CacheError(f"does not describe a {module.OP} config: {e!r}") from None
     if name != path.name:  # copied or edited by hand: the name is what lookups find it by
@@ -606,14 +612,14 @@ def _index(root: Path, module: ModuleType) -> _Index:
 
 def store_config(store_root: str | os.PathLike | None, module: ModuleType, shape: Any, config: Any, heuristic: Any,
                  original_sha256: str, meta: dict[str, Any], *, keep_better: bool = True,
-                 toolchain: str | None = None) -> Path:
+                 toolchain: str | None = None) -> tuple[Path, bool]:
     """Write the entry of `module`'s kernel: `config` serves bucket(shape) where the heuristic picks
     `heuristic`, whose cubin hashes to `original_sha256`; `meta` adds the measurements and "checks".
-    Returns the entry's file. With `keep_better`, an existing valid entry that is stronger, or as
-    strong and faster, is kept (as for cubins)."""
+    Returns (the entry's file, written?). With `keep_better`, an existing valid entry that is
+    stronger, or as strong and faster, is kept (as for cubins)."""
     toolchain = toolchain or current_toolchain()
     variant = heuristic.variant()
-    path = config_path(store_root, module.OP, variant.mode, shape, original_sha256, toolchain)
+    path = config_path(store_root, module.OP, shape, heuristic, original_sha256, toolchain)
     full = {
         **meta,
         "format": CONFIG_FORMAT,
@@ -637,10 +643,10 @@ def store_config(store_root: str | os.PathLike | None, module: ModuleType, shape
             except CacheError:
                 old = None
             if old is not None and _keep_old(old.meta, full, "config"):
-                return path
+                return path, False
         _atomic_write(path, json.dumps(full, indent=1, sort_keys=True).encode())
     forget_configs()  # this process reads the new entry next time
-    return path
+    return path, True
 
 
 def config_entries(store_root: str | os.PathLike | None, module: ModuleType) -> list[ConfigEntry]:

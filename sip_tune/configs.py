@@ -27,11 +27,12 @@
    - under compute-sanitizer memcheck, racecheck and synccheck (`probe.sanitize`: its kernel at the
      tuned shape and on a few of its test sizes), clean.
    The winner goes into the tuned store (`rosekernels.tuned.store_config`) with how it was checked
-   and the op-level speedup (the one reported); ops consult the store when they plan a call. When
-   every finalist was refused on its merits (wrong outputs, an op-level speedup measured and not
-   past the bar, a sanitizer finding the heuristic's kernel does not have), or none timed faster,
-   the store records that the heuristic stays (its own config at 1.0x), so the bucket counts as
-   tuned (`sip-tune --model` resumes past it). Where a check failed to run instead (a worker or
+   and the op-level speedup (the one reported), unless the entry already there is better checked,
+   or as well and faster (the outcome says it was kept); ops consult the store when they plan a
+   call. When every finalist was refused on its merits (wrong outputs, an op-level speedup
+   measured and not past the bar, a sanitizer finding the heuristic's kernel does not have), or
+   none timed faster, the store records that the heuristic stays (its own config at 1.0x), so the
+   bucket counts as tuned (`sip-tune --model` resumes past it). Where a check failed to run instead (a worker or
    the op-level process crashed or timed out), nothing is recorded, nor by a failed run.
 
 Why bucket edges rather than entries keyed to exact shapes: the token count of a call varies from
@@ -398,9 +399,11 @@ def tune_configs(kernel: str, mode: str, overrides: Mapping[str, Any] | None = N
                 "outcome": report.outcome, "checks": report.checks,
                 "samples": samples, "searched": len(rows), "candidates": space.total, "gpu": report.gpu,
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-        report.stored = str(tuned.store_config(store_root, space.module, space.shape, winner or space.heuristic,
-                                               space.heuristic, original_sha256, meta))
-        report.outcome += f"; {'stored' if winner is not None else 'recorded'} at {report.stored}"
+        path, written = tuned.store_config(store_root, space.module, space.shape, winner or space.heuristic,
+                                           space.heuristic, original_sha256, meta)
+        report.stored = str(path)
+        report.outcome += (f"; {'stored' if winner is not None else 'recorded'} at {path}" if written else
+                           f"; the entry at {path} is kept (better checked, or as well and faster)")
     seconds["total"] = time.perf_counter() - t_start
     # Re-timing is timing: the shares say where a level-1 run's wall time goes.
     report.shares = {"compile": seconds["compile"] / seconds["total"], "test": seconds["test"] / seconds["total"],

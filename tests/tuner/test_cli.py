@@ -142,7 +142,7 @@ def test_list_shows_an_entry_with_malformed_fields_below_the_bar(capsys, tmp_pat
     shape = plan.QKNormShape(3000)
     heuristic = plan.config_for(shape, 132)
     other = next(c for c in plan.candidates(shape, 132) if c.variant() != heuristic.variant())
-    path = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, "ab" * 32, {})
+    path, _ = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, "ab" * 32, {})
     meta = json.loads(path.read_text())
     path.write_text(json.dumps({**meta, "speedup": None, "mode": None,
                                 "checks": {**checks("config"), "samples": "all of them"}}))

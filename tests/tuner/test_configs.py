@@ -14,6 +14,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+from store_samples import checks as entry_checks
 
 import rosekernels
 from rosekernels import contract, modes, tuned
@@ -449,6 +450,20 @@ def _search(toy, **kw):
     return configs.tune_configs(OP, "decode", max_candidates=100, processes=1, store_root=toy, log=lambda m: None,
                                 **{"bench": CpuConfigBench, "options": Options(eval_timeout_s=60, start_timeout_s=120),
                                    **kw})
+
+
+def test_a_search_that_beats_no_stored_entry_keeps_it_and_says_so(toy):
+    """The bucket's entry is better checked, or as well and faster, than what this search found: the
+    store keeps it, and the outcome does not claim the winner was stored."""
+    heuristic = Config(2, 1)
+    path, _ = tuned.store_config(toy, kernel_module(OP), Shape(), Config(4, 1), heuristic,
+                                 compile(heuristic).cubin_sha256,
+                                 {"speedup": 5.0, "checks": entry_checks("config", speedup=5.0)})
+    report = _search(toy)
+    assert report.winner == {"block": 8, "splits": 1} and report.stored == str(path)
+    assert f"the entry at {path} is kept" in report.outcome and "stored at" not in report.outcome
+    assert tuned.lookup_config(toy, kernel_module(OP), Shape(), heuristic,
+                               compile(heuristic).cubin_sha256).config == Config(4, 1)
 
 
 @pytest.mark.parametrize("failure", ["op level", "validation"])

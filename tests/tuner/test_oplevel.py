@@ -155,7 +155,7 @@ def test_a_cubin_candidate_sees_only_the_verified_config_entries(store, tmp_path
     those below the bar (a user's op ignores them) stay out of the process's store."""
     shape, heuristic, other = qk_candidates()
     qk_norm = kernel_module("qk_norm")
-    verified = tuned.store_config(store, qk_norm, shape, other, heuristic, "ab" * 32, CONFIG_META)
+    verified, _ = tuned.store_config(store, qk_norm, shape, other, heuristic, "ab" * 32, CONFIG_META)
     big = dataclasses.replace(shape, tokens=9000)
     tuned.store_config(store, qk_norm, big, other, qk_norm_plan.config_for(big, 132), "cd" * 32, {"speedup": 2.0})
     w = workloads.build("qk_norm", "decode", {"tokens": 2})

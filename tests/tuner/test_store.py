@@ -187,7 +187,7 @@ def test_concurrent_writers_never_leave_a_broken_entry(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Tuned configs: <root>/<toolchain>/<kernel>/configs/<mode>-<bucket>-<original hash>.json
+# Tuned configs: <root>/<toolchain>/<kernel>/configs/<mode>-<bucket>-<heuristic hash>-<original hash>.json
 
 SHA = "ab" * 32
 
@@ -211,10 +211,11 @@ def configs_fresh():
 
 def test_config_entry_layout_and_round_trip(tmp_path, configs_fresh):
     shape, heuristic, other = qk_configs(3000)
-    path = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
+    path, written = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
     toolchain = tuned.current_toolchain()
     assert path.parent == tmp_path / toolchain / "qk_norm" / "configs"
-    assert path.name == f"prefill-{tuned.bucket_key(shape)}-{SHA[:16]}.json" and "tokens=4096" in path.name
+    assert written and path.name.startswith(f"prefill-{tuned.bucket_key(shape)}-") and "tokens=4096" in path.name
+    assert path.name.endswith(f"-{SHA[:16]}.json")
     meta = json.loads(path.read_text())
     assert {k: meta[k] for k in CONFIG_META} == CONFIG_META
     assert meta["kernel"] == "qk_norm" and meta["mode"] == "prefill" and meta["arch"] == "sm_90a"
@@ -236,7 +237,7 @@ def test_config_entry_layout_and_round_trip(tmp_path, configs_fresh):
 
 def test_config_entries_are_read_once_per_root_and_kernel(tmp_path, configs_fresh):
     shape, heuristic, other = qk_configs()
-    path = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
+    path, _ = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
     assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA) is not None
     path.unlink()  # what this process read stays in memory ...
     assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA).config == other
@@ -246,14 +247,31 @@ def test_config_entries_are_read_once_per_root_and_kernel(tmp_path, configs_fres
 
 def test_the_better_config_entry_is_kept(tmp_path, configs_fresh):
     shape, heuristic, other = qk_configs()
-    path = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
+    path, _ = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
     assert tuned.store_config(tmp_path, qk_norm_kernel(), shape, heuristic, heuristic, SHA,
-                              {**CONFIG_META, "speedup": 1.1}) == path
+                              {**CONFIG_META, "speedup": 1.1}) == (path, False)
     assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA).config == other
     tuned.store_config(tmp_path, qk_norm_kernel(), shape, heuristic, heuristic, SHA, {**CONFIG_META, "speedup": 1.1},
                        keep_better=False)
     assert tuned.lookup_config(tmp_path, qk_norm_kernel(), shape, heuristic, SHA).config == heuristic
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".") and p.name != ".lock"]  # no temp files
+
+
+def test_heuristics_differing_only_in_launch_settings_keep_their_own_entries(tmp_path, configs_fresh):
+    """attention_decode's heuristic at this shape takes 1 split on 132 SMs and 8 on 114: one cubin (a
+    split count is a launch setting), so one original hash, yet two entries, each found by its own
+    heuristic; neither replaces the other."""
+    from rosekernels.kernels import attention_decode_plan as plan
+
+    module = types.SimpleNamespace(OP=plan.OP, Config=plan.DecodeConfig, Shape=plan.DecodeShape)
+    shape = plan.DecodeShape(batch=16, seqlen_kv=4096)
+    sxm, pcie = plan.config_for(shape, 132), plan.config_for(shape, 114)
+    assert sxm.variant() == pcie.variant() and sxm.splits != pcie.splits
+    stored = [tuned.store_config(tmp_path, module, shape, dataclasses.replace(h, num_stages=stages), h, SHA,
+                                 CONFIG_META) for h, stages in ((sxm, 4), (pcie, 5))]
+    assert all(written for _, written in stored) and stored[0][0] != stored[1][0]
+    assert tuned.lookup_config(tmp_path, module, shape, sxm, SHA).config.num_stages == 4
+    assert tuned.lookup_config(tmp_path, module, shape, pcie, SHA).config.num_stages == 5
 
 
 def _config_json(path):
@@ -279,7 +297,7 @@ def _config_other_format(path):
 @pytest.mark.parametrize("corrupt", [_config_json, _config_moved, _config_bad_field, _config_other_format])
 def test_a_broken_config_entry_warns_and_is_ignored(tmp_path, configs_fresh, corrupt):
     shape, heuristic, other = qk_configs()
-    path = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
+    path, _ = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
     corrupt(path)
     tuned.forget_configs()
     with pytest.warns(UserWarning, match="ignoring tuned-config entry.*heuristic"):
@@ -400,7 +418,7 @@ def test_a_weaker_cubin_entry_never_replaces_a_stronger_one(tmp_path):
 def test_a_weaker_config_entry_never_replaces_a_stronger_one(tmp_path):
     shape, heuristic, other = qk_configs()
     tuned.forget_configs()
-    path = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
+    path, _ = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
     weak = {**CONFIG_META, "speedup": 1.6, "checks": checks("config", samples=100, speedup=1.6)}
     tuned.store_config(tmp_path, qk_norm_kernel(), shape, heuristic, heuristic, SHA, {**CONFIG_META, "speedup": 1.0})
     # the heuristic record is slower
@@ -431,8 +449,8 @@ def test_list_entries_says_which_meet_the_bar_for_both_kinds(tmp_path):
     put(tmp_path / "x", meta={**META, "checks": checks(samples=50)})
     shape, heuristic, other = qk_configs()
     tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, {"speedup": 1.3}, toolchain=TOOLCHAIN)
-    bad = tuned.store_config(tmp_path, qk_norm_kernel(), dataclasses.replace(shape, tokens=9000), other, heuristic, SHA,
-                             CONFIG_META, toolchain=TOOLCHAIN)
+    bad, _ = tuned.store_config(tmp_path, qk_norm_kernel(), dataclasses.replace(shape, tokens=9000), other, heuristic,
+                                SHA, CONFIG_META, toolchain=TOOLCHAIN)
     bad.write_text("{")
     tuned.forget_configs()
     rows = tuned.list_entries(tmp_path)

@@ -219,7 +219,7 @@ def test_an_entry_of_another_toolchain_warns_and_is_ignored(store):
 def test_a_corrupt_entry_warns_and_gives_the_heuristic(store):
     heuristic, other = heuristic_and_other()
     original = qk_norm().compile(heuristic).cubin_sha256
-    path = tuned.store_config(None, qk_norm(), SHAPE, other, heuristic, original, META)
+    path, _ = tuned.store_config(None, qk_norm(), SHAPE, other, heuristic, original, META)
     path.write_text('{"format": 1, "kernel": "qk_norm"')
     tuned.forget_configs()
     with pytest.warns(UserWarning, match="ignoring tuned-config entry"):
