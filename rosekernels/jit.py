@@ -291,10 +291,7 @@ def _write_disk(variant: Variant, digest: str, obj: bytes, cubin: bytes) -> None
         meta = {"variant": variant.as_dict(), "cubin_sha256": hashlib.sha256(cubin).hexdigest(),
                 "toolchain": TOOLCHAIN}
         for path, data in ((entry.object_path, obj), (entry.meta_path, json.dumps(meta, indent=1).encode())):
-            fd, tmp = tempfile.mkstemp(dir=path.parent)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)  # atomic: readers never see a half-written entry
+            paths.write_atomic(path, data)  # readers never see a half-written entry
     except OSError as e:
         warnings.warn(f"rosekernels: cannot write the compile cache at {entry.object_path}: {e}", stacklevel=3)
 

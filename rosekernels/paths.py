@@ -10,7 +10,8 @@ nor torch (`sip-tune --list` reads the tuned store from a process that loads nei
                            else $SIP_CACHE_DIR, else <compile cache root>/sip.
 
 Everything that reads or writes either cache (warm-up, jit, the store, sip-tune, rosekernels-cache)
-asks these two; a parameter naming the tuned store's root is called `store_root` throughout.
+asks these two; a parameter naming the tuned store's root is called `store_root` throughout. Both
+write their files with `write_atomic`.
 """
 from __future__ import annotations
 
@@ -56,3 +57,22 @@ def tuned_store_root(store_root: str | os.PathLike | None = None) -> Path:
     if env:
         return Path(env)
     return compile_cache_root() / "sip"
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` (a temporary file beside it, then os.replace): a reader sees the old
+    file or the new one, never part of one. The file gets the mode open() would give it (0o666 less
+    the umask), not tempfile's 0o600: a cache shared between users or baked into an image stays
+    readable."""
+    tmp = path.with_name(f".{path.name}.{os.urandom(8).hex()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

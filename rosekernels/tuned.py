@@ -36,7 +36,7 @@ level 1 ran compute-sanitizer. A config entry that keeps the heuristic's own con
 found nothing faster) changes nothing and needs no checks. A new entry replaces an existing one only
 if it is not weaker (`strength`: the bar's parts it meets) and, at equal strength, not slower.
 
-Writers hold a file lock per entry and replace each file atomically (tempfile + os.replace);
+Writers hold a file lock per entry and replace each file atomically (`paths.write_atomic`);
 `meta.json` goes last and records the tuned cubin's hash, so a reader can always tell a whole entry
 from a broken one. Anything wrong with an entry (truncated cubin, bad JSON, hash or size mismatch,
 not an sm_90 cubin, bytes changed outside the tuned kernel's code) gives a warning and no tuned
@@ -59,7 +59,6 @@ import json
 import os
 import struct
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -327,20 +326,6 @@ def entry_dir(store_root: str | os.PathLike | None, kernel: str, variant_key: st
     return paths.tuned_store_root(store_root) / toolchain / kernel / variant_key / original_sha256
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def _lock(directory: Path) -> filelock.FileLock:
     return filelock.FileLock(str(directory / ".lock"), timeout=_LOCK_TIMEOUT_S)
 
@@ -418,9 +403,9 @@ def store(store_root: str | os.PathLike | None, kernel: str, variant: Any, origi
                 old = None
             if old is not None and _keep_old(old.meta, full, "cubin"):
                 return directory, False
-        _atomic_write(directory / "original.cubin", original)
-        _atomic_write(directory / "tuned.cubin", tuned)
-        _atomic_write(directory / "meta.json", json.dumps(full, indent=1, sort_keys=True).encode())
+        paths.write_atomic(directory / "original.cubin", original)
+        paths.write_atomic(directory / "tuned.cubin", tuned)
+        paths.write_atomic(directory / "meta.json", json.dumps(full, indent=1, sort_keys=True).encode())
     return directory, True
 
 
@@ -644,7 +629,7 @@ def store_config(store_root: str | os.PathLike | None, module: ModuleType, shape
                 old = None
             if old is not None and _keep_old(old.meta, full, "config"):
                 return path, False
-        _atomic_write(path, json.dumps(full, indent=1, sort_keys=True).encode())
+        paths.write_atomic(path, json.dumps(full, indent=1, sort_keys=True).encode())
     forget_configs()  # this process reads the new entry next time
     return path, True
 

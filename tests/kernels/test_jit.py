@@ -1,5 +1,7 @@
 """The compile framework: variant keys, the disk cache, cubin capture and tuned-cubin substitution."""
 import hashlib
+import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -45,6 +47,18 @@ def test_compile_captures_an_sm90_cubin_and_writes_the_disk_cache(cache):
     objs = list(cache.rglob("*.o"))
     assert len(objs) == 1 and objs[0].read_bytes() == k.object_bytes
     assert jit.compile_variant(VARIANT, demo.build) is k  # memory cache
+
+
+def test_disk_cache_files_get_the_mode_open_would_give(cache):
+    """Readable by every user (0o666 less the umask): a cache built ahead of time for others to load."""
+    old = os.umask(0o022)
+    try:
+        jit.compile_variant(VARIANT, demo.build)
+    finally:
+        os.umask(old)
+    files = [p for p in cache.rglob("*") if p.is_file()]
+    assert {p.suffix for p in files} == {".o", ".json"}
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in files)
 
 
 def test_variants_differing_after_a_dot_get_their_own_cache_files(cache):

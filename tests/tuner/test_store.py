@@ -2,6 +2,8 @@
 the untuned kernel or the heuristic's config on any defect."""
 import dataclasses
 import json
+import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -49,6 +51,25 @@ def test_entry_is_keyed_by_toolchain_kernel_variant_and_original_hash(tmp_path):
     assert meta["original_sha256"] == tuned.sha256(ORIGINAL) and meta["tuned_sha256"] == tuned.sha256(TUNED)
     entry = get(tmp_path)
     assert entry.tuned == TUNED and entry.original == ORIGINAL and entry.speedup == pytest.approx(2.0 / 1.8)
+
+
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def test_stored_files_get_the_mode_open_would_give(tmp_path, umask_022):
+    """Readable by every user (0o666 less the umask), as a store shared between users or baked into
+    an image needs; a temporary file's 0o600 would hide it from all but its writer."""
+    path, _ = put(tmp_path)
+    shape, heuristic, other = qk_configs()
+    config, _ = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META,
+                                   toolchain=TOOLCHAIN)
+    tuned.forget_configs()
+    for file in (path / "meta.json", path / "tuned.cubin", path / "original.cubin", config):
+        assert stat.S_IMODE(file.stat().st_mode) == 0o644, file
 
 
 def test_other_original_toolchain_or_variant_finds_nothing(tmp_path):
