@@ -56,6 +56,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import math
 import os
 import struct
 import sys
@@ -153,8 +154,15 @@ def _count(value: Any) -> int | None:
 
 
 def _real(value: Any) -> float | None:
-    """`value` as a float if it is a JSON number, else None."""
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    """`value` as a float if it is a finite JSON number, else None (NaN, Infinity and an integer past
+    the float range are hand edits, as a string is)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 def _bar_parts(meta: dict[str, Any], kind: str) -> dict[str, str | None]:
@@ -338,7 +346,7 @@ def _read_entry(directory: Path) -> Entry:
         original = (directory / "original.cubin").read_bytes()
     except FileNotFoundError as e:
         raise CacheError(f"missing {Path(e.filename).name}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # bad UTF-8 or JSON, or an integer past int()'s digit limit
         raise CacheError(f"unreadable: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CacheError("meta.json is not a format-1 entry")
@@ -467,7 +475,7 @@ def list_entries(store_root: str | os.PathLike | None) -> list[dict[str, Any]]:
             if not isinstance(meta, dict) or meta.get("format") != CONFIG_FORMAT:
                 raise CacheError(f"not a format-{CONFIG_FORMAT} tuned-config entry (re-run sip-tune)")
             row.update(meta, valid=True, problems=bar_problems(meta, "config"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, CacheError) as e:
+        except (OSError, ValueError) as e:  # CacheError, bad UTF-8 or JSON, an integer past int()'s limit
             row.update(valid=False, error=str(e), toolchain=path.parents[2].name, kernel=path.parents[1].name)
         rows.append(row)
     return rows
@@ -555,7 +563,7 @@ def _read_config(path: Path, module: ModuleType, toolchain: str) -> ConfigEntry:
     on any defect."""
     try:
         meta = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # bad UTF-8 or JSON, or an integer past int()'s digit limit
         raise CacheError(f"unreadable: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != CONFIG_FORMAT:
         raise CacheError(f"not a format-{CONFIG_FORMAT} tuned-config entry (re-run sip-tune)")

@@ -184,7 +184,9 @@ def _list_store(store_root: str | None) -> int:
         checks = r.get("checks") if isinstance(r.get("checks"), dict) else {}
         record = checks.get("samples") if isinstance(checks.get("samples"), dict) else {}
         samples = record.get("passed", r.get("samples_passed", "?"))
-        speedup = r.get("speedup") if isinstance(r.get("speedup"), (int, float)) else math.nan  # hand edits
+        speedup = r.get("speedup")
+        if not isinstance(speedup, (int, float)) or not abs(speedup) <= sys.float_info.max:  # hand edits
+            speedup = math.nan  # an int past the float range would not format
         if r["kind"] == "cubin":
             what = r["spec_key"]
         elif r.get("config_key") == r.get("heuristic_key"):

@@ -132,8 +132,10 @@ def test_list_shows_valid_and_broken_entries(capsys, tmp_path, monkeypatch):
     assert "50 samples" in lines[cubin_line] and "50 of 50 samples passed" in lines[cubin_line + 1]
 
 
-def test_list_shows_an_entry_with_malformed_fields_below_the_bar(capsys, tmp_path, monkeypatch):
-    """Hand-edited: null and text where numbers belong; listed with the reason, not a traceback."""
+@pytest.mark.parametrize("speedup", [None, 10**400], ids=["null", "10**400"])
+def test_list_shows_an_entry_with_malformed_fields_below_the_bar(capsys, tmp_path, monkeypatch, speedup):
+    """Hand-edited: null, text or a number past the float range where numbers belong; listed with the
+    reason, not a traceback."""
     import json
 
     from rosekernels.kernels import qk_norm_plan as plan
@@ -144,7 +146,7 @@ def test_list_shows_an_entry_with_malformed_fields_below_the_bar(capsys, tmp_pat
     other = next(c for c in plan.candidates(shape, 132) if c.variant() != heuristic.variant())
     path, _ = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, "ab" * 32, {})
     meta = json.loads(path.read_text())
-    path.write_text(json.dumps({**meta, "speedup": None, "mode": None,
+    path.write_text(json.dumps({**meta, "speedup": speedup, "mode": None,
                                 "checks": {**checks("config"), "samples": "all of them"}}))
     code, out, _ = run(capsys, "--list", "--store-root", str(tmp_path))
     assert code == 0 and "1 below the default bar" in out

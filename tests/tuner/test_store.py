@@ -2,7 +2,9 @@
 the untuned kernel or the heuristic's config on any defect."""
 import dataclasses
 import json
+import math
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -365,6 +367,13 @@ def test_a_broken_config_entry_warns_and_is_ignored(tmp_path, configs_fresh, cor
     ("config", {"checks": {**checks("config"), "op_level": {"speedup": 1.2, "aa_spread": None}}},
      ["malformed op-level record: A/A spread None"]),
     ("cubin", {"checks": {**checks(), "op_level": {"speedup": "1.2", "aa_spread": 0.0}}}, ["no op-level re-time"]),
+    ("cubin", {"checks": {**checks(), "op_level": {"speedup": 10**400, "aa_spread": 0.0}}}, ["no op-level re-time"]),
+    ("config", {"checks": {**checks("config"), "op_level": {"speedup": math.inf, "aa_spread": 0.0}}},
+     ["no op-level re-time"]),
+    ("cubin", {"checks": {**checks(), "op_level": {"speedup": 1.2, "aa_spread": 10**400}}},
+     ["malformed op-level record: A/A spread 1000"]),
+    ("cubin", {"checks": {**checks(), "op_level": {"speedup": 1.2, "aa_spread": math.nan}}},
+     ["malformed op-level record: A/A spread nan"]),
     ("config", {"checks": {**checks("config"), "shapes": {"tuned_samples": "8", "edges": []}}},
      ["not compared at the tuned shape"]),
 ])
@@ -382,6 +391,34 @@ def no_opt_in(monkeypatch):
     tuned.allow_unverified(None)
     yield
     tuned.allow_unverified(None)
+
+
+@pytest.mark.parametrize("number", ["1" + "0" * 400, "Infinity", "NaN", "1" * 5000],
+                         ids=["10**400", "Infinity", "NaN", "5000 digits"])
+def test_a_hand_edited_number_out_of_range_never_raises(tmp_path, configs_fresh, no_opt_in, monkeypatch, number):
+    """A speedup past the float range, or not finite, is no number: the entry is below the bar and
+    ranks as no speedup. One past int()'s digit limit leaves the JSON unreadable: a broken entry."""
+    monkeypatch.setattr(tuned, "current_toolchain", lambda: TOOLCHAIN)
+    path, _ = put(tmp_path)
+    shape, heuristic, other = qk_configs()
+    config, _ = tuned.store_config(tmp_path, qk_norm_kernel(), shape, other, heuristic, SHA, CONFIG_META)
+    for file in (path / "meta.json", config):
+        file.write_text(re.sub(r'"speedup": [0-9.]+', f'"speedup": {number}', file.read_text()))
+    tuned.forget_configs()
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        cubins = tuned.entries_for_variant(tmp_path, VARIANT, TOOLCHAIN)
+        assert get(tmp_path) == (cubins[0] if cubins else None)
+        configs = tuned.config_entries(tmp_path, qk_norm_kernel())
+        rows = tuned.list_entries(tmp_path)
+        admitted = [tuned.admitted(e) for e in cubins + configs]
+    if len(number) > 4300:
+        assert cubins == configs == [] and [r["valid"] for r in rows] == [False, False]
+        assert all("ignoring tuned" in str(w.message) for w in warned) and warned
+    else:
+        assert len(cubins) == len(configs) == 1 and admitted == [False, False]
+        assert [e.speedup for e in cubins + configs] == [0.0, 0.0]
+        assert all(r["valid"] and r["problems"] == ["no op-level re-time"] for r in rows)
 
 
 def test_an_entry_below_the_bar_is_refused_and_reported_unless_the_user_opts_in(tmp_path, no_opt_in, monkeypatch):
