@@ -37,7 +37,8 @@ Tuned configs (`tuned.config_entries`: the level-1 winners of `sip-tune`) whose 
 one of the specs (the only ones an op that plans a spec can be given: `warmup(model=...)` leaves the
 entries of other models' shapes alone) are compiled too, so an op that plans a shape of a tuned
 bucket loads them without compiling; the ops look them up under warmup's store root from then on
-(`paths.tuned_store_root()`). An entry whose heuristic no longer compiles to the cubin it was
+(`paths.tuned_store_root()`), and each warmup reads them afresh (another process may have tuned
+since). An entry whose heuristic no longer compiles to the cubin it was
 tuned against is reported stale and not used.
 """
 from __future__ import annotations
@@ -151,6 +152,7 @@ def warmup(specs: Iterable[Any] = (), *, model: Any = None, modes: Iterable[str]
         tuned.allow_unverified(allow_unverified)
     below_bar: list[str] = []  # for the report: entries found below the bar
     launch.forget_plans()  # a plan made before now would keep the config it chose without the store
+    tuned.forget_configs()  # and the config entries read before now miss what was tuned since
     resolved = [_resolve(s) for s in specs]
     n_specs = len(resolved)
     wanted = {r.variant for r in resolved if r.variant is not None}

@@ -3,6 +3,7 @@ entry for its shape's bucket (CPU: the choice, with a compiled heuristic; GPU: t
 import dataclasses
 import hashlib
 import importlib
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -137,6 +138,18 @@ def test_the_root_warmup_was_given_is_where_ops_look(store, tmp_path):
     assert len(report.configs) == 1 and other.variant().key() in report.configs[0]
     assert other.variant() in [k.variant for k in report.kernels]  # compiled now: no JIT when an op plans it
     assert "config   qk_norm prefill-" in str(report)
+
+
+def test_warmup_reads_the_entries_another_process_tuned_since(store, tmp_path):
+    heuristic, other = heuristic_and_other()
+    original = qk_norm().compile(heuristic).cubin_sha256
+    theirs, _ = tuned.store_config(tmp_path / "theirs", qk_norm(), SHAPE, other, heuristic, original, META)
+    assert warmup([heuristic]).configs == []  # this process reads the store: no entry yet
+    mine = store / theirs.relative_to(tmp_path / "theirs")  # another process's sip-tune writes one
+    mine.parent.mkdir(parents=True)
+    shutil.copyfile(theirs, mine)
+    report = warmup([heuristic])
+    assert len(report.configs) == 1 and tuned.tuned_config(qk_norm(), SHAPE, heuristic, SMS) == other
 
 
 def test_warmup_compiles_only_the_entries_an_op_planning_its_specs_can_be_given(store, recwarn):
