@@ -245,25 +245,33 @@ def _keep_old(old: dict[str, Any], new: dict[str, Any], kind: str) -> bool:
 
 def allow_unverified(allow: bool | None) -> None:
     """Whether ops and warmup load entries below the bar from now on (None: $SIP_ALLOW_UNVERIFIED
-    decides, "1" to allow); `warmup(allow_unverified=...)` calls it. Withdrawing the opt-in undoes
-    what it loaded: every op plans its next call again (a plan keeps the config it chose), and the
-    tuned cubins of entries below the bar are uninstalled and the loaded kernels forgotten (the next
-    call loads them as compiled). CUDA graphs captured before launch what they captured: capture
-    them again, as after a warmup that reloads kernels."""
+    decides, "1" to allow); `warmup(allow_unverified=...)` calls it. Opting in or withdrawing makes
+    every op plan its next call again (a plan keeps the config it chose). Withdrawing also undoes
+    what the opt-in loaded: the tuned cubins of entries below the bar are uninstalled and the loaded
+    kernels forgotten (the next call loads them as compiled). CUDA graphs captured before launch
+    what they captured: capture them again, as after a warmup that reloads kernels."""
     global _allow
     was = unverified_allowed()
     _allow = allow
     _chosen.clear()  # configs chosen under the other rule
     if was and not unverified_allowed():
         _withdraw()
+    elif unverified_allowed() and not was:
+        _forget_plans()
+
+
+def _forget_plans() -> None:
+    """Every op plans its next call again. What launch never imported holds no plan (and the store
+    imports neither launch nor jit: `sip-tune --list` loads no torch)."""
+    launch = sys.modules.get("rosekernels.launch")
+    if launch is not None:
+        launch.forget_plans()
 
 
 def _withdraw() -> None:
-    """Drop what entries below the bar put in this process. What jit or launch never imported holds
-    nothing (and the store imports neither: `sip-tune --list` loads no torch)."""
-    launch, jit = sys.modules.get("rosekernels.launch"), sys.modules.get("rosekernels.jit")
-    if launch is not None:
-        launch.forget_plans()
+    """Drop what entries below the bar put in this process (what jit never imported holds nothing)."""
+    _forget_plans()
+    jit = sys.modules.get("rosekernels.jit")
     if jit is not None:
         removed = [jit.uninstall_tuned_cubin(e.original, e.tuned) for e in _opted_in.values()]
         if any(removed):

@@ -111,6 +111,17 @@ def test_withdrawing_the_opt_in_unloads_what_it_loaded(env, monkeypatch):
         assert stalled not in jit.swap_cubins(k.object_bytes)[0]
 
 
+def test_opting_in_drops_the_plans_made_under_the_bar(env, monkeypatch):
+    """A plan made before the opt-in kept the heuristic's config where an entry below the bar had
+    another: opting in, as withdrawing, makes every op plan again."""
+    monkeypatch.delenv(tuned.ALLOW_ENV, raising=False)
+    tuned.allow_unverified(None)
+    plans = launch.PlanCache()
+    plans.put(("signature",), "a plan that kept the heuristic's config")
+    tuned.allow_unverified(True)
+    assert plans.get(("signature",)) is None
+
+
 def test_warmup_refuses_a_tuned_cubin_changed_outside_its_code(env):
     """Written past the store (an older sip-tune, a hand edit): one byte of the symbol table differs."""
     import json
