@@ -479,7 +479,6 @@ class Fp8StaticLayer(StaticLayer):
         self.values = torch.zeros(*rows, value_states.shape[-1], dtype=self.dtype, device=self.device)
         self.cumulative_length = self.cumulative_length.to(self.device)
         self.descales = tuple(torch.full((1,), d, device=self.device) for d in self.descale_values)
-        self.keys._rosekernels_descales = self.descales  # what attention_forward reads them with
         if not torch.compiler.is_compiling():  # fixed addresses, as StaticLayer's: CUDA graphs
             for t in (self.keys, self.values, self.cumulative_length):
                 torch._dynamo.mark_static_address(t)
@@ -492,6 +491,9 @@ class Fp8StaticLayer(StaticLayer):
         rosekernels.append_kvcache(self.keys.transpose(1, 2), self.values.transpose(1, 2), key_states.transpose(1, 2),
                                    value_states.transpose(1, 2), start, None, *self.descales)
         self.cumulative_length.add_(key_states.shape[-2])
+        # What attention_forward reads them with, set on each call: reorder_cache, offload and prefetch
+        # replace the keys tensor, and with it its attributes.
+        self.keys._rosekernels_descales = self.descales
         return self.keys, self.values
 
 

@@ -208,6 +208,25 @@ def test_an_fp8_cache_decodes_as_the_bf16_one_within_fp8_error(monkeypatch):
     assert cos.min() >= 0.99, f"min cosine {cos.min():.4f}"
 
 
+def test_the_fp8_cache_keeps_its_descales_when_its_tensors_are_replaced(monkeypatch):
+    """reorder_cache (beam search) puts new key and value tensors in the layer: the next step's keys still come
+    with their descales, and attention reads the reordered e4m3 cache dequantized."""
+    monkeypatch.setattr(rosekernels, "append_kvcache", _append, raising=False)
+    layer = hf.Fp8StaticLayer(max_cache_len=8, k_descale=0.5, v_descale=2.0)
+    g = torch.Generator().manual_seed(8)
+    k, v = (torch.randn(2, 2, 3, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    layer.update(k, v)
+    layer.reorder_cache(torch.tensor([1, 0]))
+    keys, values = layer.update(k[:, :, :1], v[:, :, :1])
+    assert keys.dtype == fp8_math.E4M3 and keys._rosekernels_descales is layer.descales
+    assert torch.equal(keys[0, :, :3].float(), (k[1].float() / 0.5).to(fp8_math.E4M3).float())
+    q = torch.randn(2, 2, 1, 64, generator=g).to(torch.bfloat16)
+    out, _ = hf.attention_forward(torch.nn.Module(), q, keys, values, None, scaling=0.125)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), keys.float() * 0.5, values.float() * 2.0, scale=0.125).transpose(1, 2)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
 def test_the_fp8_cache_refuses_other_layer_kinds():
     config = _tiny(moe=False, layers=2).config
     config.layer_types = ["sliding_attention", "full_attention"]
