@@ -446,8 +446,8 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
             out = rosekernels.attention_with_kvcache(query.transpose(1, 2), key.transpose(1, 2),
                                                      value.transpose(1, 2), counts, softmax_scale=scaling, **scales)
             return out, None
-    if descales is not None:  # any other call reads the e4m3 cache dequantized
-        key, value = (t.to(query.dtype) * d.to(query.dtype) for t, d in zip((key, value), descales))
+    if descales is not None:  # any other call reads the e4m3 cache dequantized, in fp32 as the decode kernel
+        key, value = ((t.float() * d).to(query.dtype) for t, d in zip((key, value), descales))
     if not marked:
         reason = _attention_refusal(query, key, value, attention_mask, dropout, kwargs)
     if reason is not None:

@@ -227,6 +227,19 @@ def test_the_fp8_cache_keeps_its_descales_when_its_tensors_are_replaced(monkeypa
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
 
 
+def test_attention_dequantizes_the_fp8_cache_in_fp32(monkeypatch):
+    """A call other than a marked decode step reads the e4m3 cache as the decode kernel does: e4m3 x fp32
+    descale, rounded once to the query's dtype (0.3 is no bf16 value)."""
+    seen = {}
+    monkeypatch.setattr(hf, "sdpa_attention_forward", lambda module, q, k, v, *a, **kw: seen.update(k=k, v=v))
+    g = torch.Generator().manual_seed(9)
+    keys, values = ((torch.randn(1, 2, 8, 64, generator=g) * 100).to(fp8_math.E4M3) for _ in range(2))
+    keys._rosekernels_descales = descales = (torch.tensor([0.3]), torch.tensor([0.7]))
+    hf.attention_forward(torch.nn.Module(), torch.randn(1, 2, 1, 64).to(torch.bfloat16), keys, values, None)
+    for got, t, d in ((seen["k"], keys, descales[0]), (seen["v"], values, descales[1])):
+        assert torch.equal(got, (t.float() * d).to(torch.bfloat16))
+
+
 def test_the_fp8_cache_refuses_other_layer_kinds():
     config = _tiny(moe=False, layers=2).config
     config.layer_types = ["sliding_attention", "full_attention"]
