@@ -52,6 +52,23 @@ def test_sizes_the_block_scheme_does_not_take_stay_in_bf16():
     assert hf.plan(model, fp8="block").fp8_mlp == () and hf.plan(model, fp8="channel").fp8_mlp == ("model.layers.0",)
 
 
+def test_a_patched_model_keeps_the_scheme_of_its_linear_layers():
+    """apply() does not quantize layers it patched: fp8 on a model patched in bf16, or a scheme other than its
+    own, is refused (it left the layers as they were); None or its own scheme plan nothing more."""
+    model = _tiny(moe=False, layers=1).to(torch.bfloat16)
+    bf16 = copy.deepcopy(model)
+    hf._swap(bf16, hf.plan(bf16))
+    with pytest.raises(ValueError, match="already run in bf16"):
+        hf.plan(bf16, fp8="block")
+    assert hf.plan(bf16).fp8 is None
+    hf._swap(model, hf.plan(model, fp8="channel"))
+    with pytest.raises(ValueError, match=r"already run in FP8 \('channel'\)"):
+        hf.plan(model, fp8="tensor")
+    for fp8 in (None, "channel"):
+        p = hf.plan(model, fp8=fp8)
+        assert p.fp8 == "channel" and p.fp8_attention == p.fp8_mlp == () and not any(p.swaps.values())
+
+
 # ---------------------------------------------------------------------------------------------
 # The glue, with stand-ins for the ops (their documented contracts, in torch).
 
