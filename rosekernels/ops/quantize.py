@@ -122,9 +122,10 @@ def quantize_fp8(x: torch.Tensor, group_size: Optional[int] = None, out: Optiona
 def quantize_weight_fp8(w: torch.Tensor, scheme: str = "channel") -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scales): a weight w [N, K] (as nn.Linear stores it, any float dtype and device) quantized to
     e4m3 for `gemm_fp8`, once: scheme "tensor" (scales [1]), "channel" (a scale per output row: [N]) or
-    "block" (per 128 x 128 block, DeepSeek-V3's: [ceil(N / 128), ceil(K / 128)]). fp32 math; the same
-    rounding as quantize_fp8 (rosekernels.fp8). A gated GEMM's weight is quantized after its gate and up
-    rows are interleaved (`gate_up_rows`), so that its blocks are the rows the kernel multiplies together."""
+    "block" (per 128 x 128 block, DeepSeek-V3's: [ceil(N / 128), ceil(K / 128)]). fp32 math (float64 values
+    beyond fp32's range saturate); the same rounding as quantize_fp8 (rosekernels.fp8). A gated GEMM's weight
+    is quantized after its gate and up rows are interleaved (`gate_up_rows`), so that its blocks are the rows
+    the kernel multiplies together."""
     if scheme not in fp8.WEIGHT_SCHEMES:
         raise ValueError(f"scheme must be one of {sorted(fp8.WEIGHT_SCHEMES)}, got {scheme!r}")
     if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():

@@ -78,6 +78,23 @@ def test_quantize_weight_fp8(scheme, shape):
     assert (q.float().abs().max() == 448.0)
 
 
+def test_quantize_weight_fp8_saturates_float64_beyond_fp32_and_takes_empty_weights():
+    """float64 values past fp32's range saturate (q +-448, a finite scale), never inf or NaN; an empty weight
+    gets the scales of its scheme's shape, per tensor the one scale of an all-zero block."""
+    w = torch.zeros(4, 256, dtype=torch.float64)
+    w[0, 0], w[1, 0], w[2, :] = 1e300, -1e39, 1.0
+    for scheme in fp8.WEIGHT_SCHEMES:
+        q, scales = rosekernels.quantize_weight_fp8(w, scheme)
+        assert torch.isfinite(q.float()).all() and torch.isfinite(scales).all(), scheme
+        assert q[0, 0].float() == 448.0 and q[1, 0].float() == -448.0, scheme
+    for scheme, rows, cols, shape in (("tensor", 0, 256, (1,)), ("channel", 0, 256, (0,)), ("block", 0, 256, (0, 2)),
+                                      ("tensor", 3, 0, (1,)), ("channel", 3, 0, (3,)), ("block", 3, 0, (1, 0))):
+        q, scales = rosekernels.quantize_weight_fp8(torch.zeros(rows, cols), scheme)
+        assert q.shape == (rows, cols) and scales.shape == shape, (scheme, rows, cols)
+        assert scales.flatten().tolist() == pytest.approx([fp8.AMAX_FLOOR / fp8.E4M3_MAX] * scales.numel())
+        assert fp8.dequantize(q, scales, *fp8.WEIGHT_SCHEMES[scheme]).shape == (rows, cols)
+
+
 def test_quantize_weight_fp8_errors():
     with pytest.raises(ValueError, match="scheme must be one of"):
         rosekernels.quantize_weight_fp8(torch.zeros(8, 16), "row")
