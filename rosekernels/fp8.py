@@ -38,9 +38,11 @@ def quantize(x: torch.Tensor, block_rows: Optional[int], block_cols: Optional[in
         raise ValueError(f"x must be 2-D, got shape {list(x.shape)}")
     rows, cols = x.shape
     br, bc = block_rows or max(rows, 1), block_cols or max(cols, 1)
-    nr, nc = math.ceil(rows / br), math.ceil(cols / bc)
+    # A dimension taken whole is one block, also when empty (an empty weight's per-tensor scale: of zeros).
+    nr, nc = math.ceil(rows / br) if block_rows else 1, math.ceil(cols / bc) if block_cols else 1
     padded = torch.zeros(nr * br, nc * bc, dtype=dtype, device=x.device)
-    padded[:rows, :cols] = x.to(dtype)
+    big = torch.finfo(dtype).max  # finite values beyond it (float64 in fp32 math) saturate, not overflow to inf
+    padded[:rows, :cols] = x.clamp(-big, big) if torch.finfo(x.dtype).max > big else x
     blocks = padded.view(nr, br, nc, bc)
     amax = blocks.abs().amax(dim=(1, 3)).clamp_min(AMAX_FLOOR)  # [nr, nc]
     q = (blocks * (E4M3_MAX / amax)[:, None, :, None]).view(nr * br, nc * bc)[:rows, :cols].to(E4M3)
@@ -57,7 +59,7 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, block_rows: Optional[int],
     """q * scale of its block, in `dtype`: the inverse of `quantize` up to e4m3's rounding."""
     rows, cols = q.shape
     br, bc = block_rows or max(rows, 1), block_cols or max(cols, 1)
-    s = scales.to(dtype).reshape(math.ceil(rows / br), math.ceil(cols / bc))
+    s = scales.to(dtype).reshape(math.ceil(rows / br) if block_rows else 1, math.ceil(cols / bc) if block_cols else 1)
     s = s.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
     return q.to(dtype) * s
 

@@ -44,9 +44,11 @@ per tensor, per output channel or per 128 x 128 block; the bf16 weights are drop
 the e4m3 weights and their scales) and run on rosekernels.gemm_fp8. Their activations are quantized per token
 (per 1 x 128 group with block-scaled weights): by the input and post-attention norms in the same launch
 (rmsnorm's fp8 option) for the projections and the gate/up GEMM that follow them, by quantize_fp8 for o_proj
-and down_proj. A MoE model's experts stay in bf16. Such a model runs on the GPU only. The KV cache stays what
-the caller passes; `Fp8StaticCache` (a StaticCache in e4m3, quantized on the way in by append_kvcache) has
-decode steps read it with attention_with_kvcache's e4m3 path.
+and down_proj. A MoE model's experts stay in bf16. Such a model runs on the GPU only. A model keeps the
+scheme of the apply() that patched it: a later apply() with another fp8 (or with one after a bf16 apply()) is
+refused, as another experts path is. The KV cache stays what the caller passes; `Fp8StaticCache` (a
+StaticCache in e4m3, quantized on the way in by append_kvcache) has decode steps read it with
+attention_with_kvcache's e4m3 path.
 
 A call rosekernels cannot serve runs the stock path instead and is counted in `stats()` as
 "fallback:<op>:<reason>": attention with a mask tensor other than a static cache's decode mask
@@ -298,6 +300,7 @@ class _DecoderLayer:
 
     # The activations of the FP8 attention projections and MLP: "row", "group" (fp8 scale blocks) or None.
     fp8_attention = fp8_mlp = None
+    fp8_scheme = None  # the fp8 of the apply() that patched the layer (None: bf16)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, past_key_values: Any = None, use_cache: bool | None = False,
@@ -446,8 +449,8 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
             out = rosekernels.attention_with_kvcache(query.transpose(1, 2), key.transpose(1, 2),
                                                      value.transpose(1, 2), counts, softmax_scale=scaling, **scales)
             return out, None
-    if descales is not None:  # any other call reads the e4m3 cache dequantized
-        key, value = (t.to(query.dtype) * d.to(query.dtype) for t, d in zip((key, value), descales))
+    if descales is not None:  # any other call reads the e4m3 cache dequantized, in fp32 as the decode kernel
+        key, value = ((t.float() * d).to(query.dtype) for t, d in zip((key, value), descales))
     if not marked:
         reason = _attention_refusal(query, key, value, attention_mask, dropout, kwargs)
     if reason is not None:
@@ -479,7 +482,6 @@ class Fp8StaticLayer(StaticLayer):
         self.values = torch.zeros(*rows, value_states.shape[-1], dtype=self.dtype, device=self.device)
         self.cumulative_length = self.cumulative_length.to(self.device)
         self.descales = tuple(torch.full((1,), d, device=self.device) for d in self.descale_values)
-        self.keys._rosekernels_descales = self.descales  # what attention_forward reads them with
         if not torch.compiler.is_compiling():  # fixed addresses, as StaticLayer's: CUDA graphs
             for t in (self.keys, self.values, self.cumulative_length):
                 torch._dynamo.mark_static_address(t)
@@ -492,6 +494,9 @@ class Fp8StaticLayer(StaticLayer):
         rosekernels.append_kvcache(self.keys.transpose(1, 2), self.values.transpose(1, 2), key_states.transpose(1, 2),
                                    value_states.transpose(1, 2), start, None, *self.descales)
         self.cumulative_length.add_(key_states.shape[-2])
+        # What attention_forward reads them with, set on each call: reorder_cache, offload and prefetch
+        # replace the keys tensor, and with it its attributes.
+        self.keys._rosekernels_descales = self.descales
         return self.keys, self.values
 
 
@@ -695,6 +700,23 @@ def _experts_path(model: nn.Module, experts: str | None) -> str:
     return path
 
 
+def _fp8_scheme(model: nn.Module, fp8: str | None) -> str | None:
+    """The FP8 scheme of `model`'s linear layers: the one apply() patched its decoder layers with, None for bf16
+    (None asks for it; another is refused: apply() does not quantize layers it patched, in bf16 or with another
+    scheme), else `fp8`."""
+    if fp8 is not None and fp8 not in fp8_math.WEIGHT_SCHEMES:
+        raise ValueError(f"fp8 must be None or one of {sorted(fp8_math.WEIGHT_SCHEMES)}, got {fp8!r}")
+    installed = {m.fp8_scheme for m in model.modules() if isinstance(m, _DecoderLayer)}
+    if not installed:
+        return fp8
+    (scheme,) = installed  # apply() patches every layer with one scheme
+    if fp8 not in (None, scheme):
+        now = "in bf16" if scheme is None else f"in FP8 ({scheme!r})"
+        raise ValueError(f"the model's linear layers already run {now}; apply() does not quantize them with "
+                         f"fp8={fp8!r} (load the model anew for another scheme)")
+    return scheme
+
+
 def _fp8_takes(sizes: list[tuple[int, int, bool]], dtype: torch.dtype, scheme: str) -> bool:
     """Whether gemm_fp8 takes every [N, K] weight of `sizes` ((N, K, gated)) of `dtype` with `scheme`'s
     scales, and quantize_fp8 (and the norms) their activations."""
@@ -731,12 +753,12 @@ def _fp8_layers(model: nn.Module, swaps: dict[str, tuple[str, ...]], scheme: str
 def plan(model: nn.Module, experts: str | None = None, fp8: str | None = None) -> Plan:
     """The modules apply() would replace in `model` (any device, meta included), its experts on path
     `experts` (None: the path apply() installed, else EXPERTS_PATH), with `fp8` (a scheme of
-    rosekernels.fp8.WEIGHT_SCHEMES, or None) the layers whose linear layers run on gemm_fp8; modules already
-    replaced are not listed again. Raises ValueError for a model that is not Qwen3 / Qwen3-MoE, an unknown
-    path or scheme, or a path other than the one its experts already run on."""
+    rosekernels.fp8.WEIGHT_SCHEMES, or None: bf16, or the scheme apply() installed) the layers whose linear
+    layers run on gemm_fp8; modules already replaced are not listed again. Raises ValueError for a model that
+    is not Qwen3 / Qwen3-MoE, an unknown path or scheme, a path other than the one its experts already run on,
+    or a scheme other than the one (or bf16) its linear layers already run in."""
     experts = _experts_path(model, experts)
-    if fp8 is not None and fp8 not in fp8_math.WEIGHT_SCHEMES:
-        raise ValueError(f"fp8 must be None or one of {sorted(fp8_math.WEIGHT_SCHEMES)}, got {fp8!r}")
+    fp8 = _fp8_scheme(model, fp8)
     if not transformers.__version__.startswith(TRANSFORMERS):
         raise ValueError(f"rosekernels.hf follows transformers {TRANSFORMERS}x's Qwen3 code; this is transformers "
                          f"{transformers.__version__} (pip install 'rosekernels[hf]')")
@@ -770,6 +792,8 @@ def _swap(model: nn.Module, p: Plan) -> None:
             swap.patch(modules[name])
     for name in p.swaps["experts"]:
         modules[name]._rosekernels_path = p.experts
+    for name in p.swaps["decoder_layer"]:
+        modules[name].fp8_scheme = p.fp8
     activations = "group" if p.fp8 == "block" else "row"
     for name in p.fp8_attention:  # each weight quantized once, the bf16 one dropped
         layer, attn = modules[name], modules[name].self_attn
@@ -792,9 +816,11 @@ def apply(model: nn.Module, experts: str | None = None, fp8: str | None = None) 
     """Run `model` (a transformers Qwen3 or Qwen3-MoE model on an sm_90 GPU) on rosekernels: see the
     module docstring; `experts`: the MoE experts' path, "grouped_mm" or "moe_experts" (None:
     EXPERTS_PATH, or the path an earlier apply() installed; another than that one is refused); `fp8`: None
-    (bf16 linear layers) or the weight scheme of FP8 ones, "tensor", "channel" or "block"
-    (rosekernels.quantize_weight_fp8), the weights quantized once here. Patches in place and returns the
-    model; applying twice changes nothing more."""
+    (bf16 linear layers, or the scheme an earlier apply() installed) or the weight scheme of FP8 ones, "tensor",
+    "channel" or "block" (rosekernels.quantize_weight_fp8), the weights quantized once here; on a model an
+    earlier apply() patched, a scheme other than its own (bf16 included) is refused with ValueError: load the
+    model anew to run it in FP8 or with another scheme. Patches in place and returns the model; applying twice
+    changes nothing more."""
     _require_gpu(model)
     p = plan(model, experts, fp8)
     # Load the ops now (rosekernels imports them on first use), so that the patched forwards find

@@ -44,8 +44,11 @@ def _validate(x, q, scales, group: int) -> None:
     checks.check_shape("q", q, (rows, k))
     checks.check_shape("scales", scales, _scales_shape(rows, k, group))
     checks.check_not_expanded("scales", scales)
-    if scales.numel() > 1 and scales.stride(-1) != 1:
-        raise ValueError(f"scales must be contiguous along its last dimension, got strides {scales.stride()}")
+    checks.check_unit_last_stride("scales", scales)
+    named = {"x": x, "q": q, "scales": scales}
+    for out, other in (("q", "x"), ("scales", "x"), ("scales", "q")):
+        if checks.overlap(named[out], named[other]):
+            raise ValueError(f"{out} must not overlap {other}")
     checks.check_vectors({"x": x, "q": q}, ["q"], scales=scales)
 
 
@@ -94,9 +97,9 @@ def quantize_fp8(x: torch.Tensor, group_size: Optional[int] = None, out: Optiona
     128 x 128 block-scaled ones.
 
     K a multiple of 16 (and of group_size), up to 32768 (bf16/fp16) or 16384 (fp32); rows may be strided
-    (16-byte aligned). out (e4m3, like x) and scales may be given. enable_pdl: launch with programmatic
-    dependent launch. Eager calls launch the kernel directly; under torch.compile the call goes through
-    the custom op rosekernels::quantize_fp8.
+    (16-byte aligned). out (e4m3, like x) and scales may be given: viewable as rows, overlapping neither x nor
+    each other. enable_pdl: launch with programmatic dependent launch. Eager calls launch the kernel directly;
+    under torch.compile the call goes through the custom op rosekernels::quantize_fp8.
     """
     group = _group(group_size)
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
@@ -108,11 +111,21 @@ def quantize_fp8(x: torch.Tensor, group_size: Optional[int] = None, out: Optiona
     for name, t, shape in (("out", out, tuple(x.shape)), ("scales", scales, scales_shape)):
         if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape):
             raise ValueError(f"{name} must be a tensor of shape {list(shape)}")
+    given = out is not None or scales is not None  # fresh outputs overlap nothing
     out = torch.empty(x.shape, dtype=fp8.E4M3, device=x.device) if out is None else out
     scales = torch.empty(scales_shape, dtype=torch.float32, device=x.device) if scales is None else scales
     rows = x.numel() // k if k else 0
-    x2, q2, s2 = x.reshape(rows, k), out.view(rows, k), scales.view(_scales_shape(rows, k, group))
+    rows_of = []
+    for name, t, shape in (("out", out, (rows, k)), ("scales", scales, _scales_shape(rows, k, group))):
+        try:
+            rows_of.append(t.view(shape))
+        except RuntimeError:  # torch's message names no argument
+            raise ValueError(f"{name} must be viewable as rows {list(shape)}, got strides {t.stride()}") from None
+    x2, (q2, s2) = x.reshape(rows, k), rows_of
     if launch.eager(x2, q2, s2):
+        # A planned signature's fast path does not check aliasing: given outputs are checked on each call.
+        if given and (checks.overlap(q2, x2) or checks.overlap(s2, x2) or checks.overlap(s2, q2)):
+            _validate(x2, q2, s2, group)  # raises, saying which
         _run(x2, q2, s2, group, bool(enable_pdl))
     else:
         torch.ops.rosekernels.quantize_fp8(x2, q2, s2, group, bool(enable_pdl))  # traced, fake, meta
@@ -122,9 +135,10 @@ def quantize_fp8(x: torch.Tensor, group_size: Optional[int] = None, out: Optiona
 def quantize_weight_fp8(w: torch.Tensor, scheme: str = "channel") -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scales): a weight w [N, K] (as nn.Linear stores it, any float dtype and device) quantized to
     e4m3 for `gemm_fp8`, once: scheme "tensor" (scales [1]), "channel" (a scale per output row: [N]) or
-    "block" (per 128 x 128 block, DeepSeek-V3's: [ceil(N / 128), ceil(K / 128)]). fp32 math; the same
-    rounding as quantize_fp8 (rosekernels.fp8). A gated GEMM's weight is quantized after its gate and up
-    rows are interleaved (`gate_up_rows`), so that its blocks are the rows the kernel multiplies together."""
+    "block" (per 128 x 128 block, DeepSeek-V3's: [ceil(N / 128), ceil(K / 128)]). fp32 math (float64 values
+    beyond fp32's range saturate); the same rounding as quantize_fp8 (rosekernels.fp8). A gated GEMM's weight
+    is quantized after its gate and up rows are interleaved (`gate_up_rows`), so that its blocks are the rows
+    the kernel multiplies together."""
     if scheme not in fp8.WEIGHT_SCHEMES:
         raise ValueError(f"scheme must be one of {sorted(fp8.WEIGHT_SCHEMES)}, got {scheme!r}")
     if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():

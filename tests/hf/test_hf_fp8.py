@@ -52,6 +52,23 @@ def test_sizes_the_block_scheme_does_not_take_stay_in_bf16():
     assert hf.plan(model, fp8="block").fp8_mlp == () and hf.plan(model, fp8="channel").fp8_mlp == ("model.layers.0",)
 
 
+def test_a_patched_model_keeps_the_scheme_of_its_linear_layers():
+    """apply() does not quantize layers it patched: fp8 on a model patched in bf16, or a scheme other than its
+    own, is refused (it left the layers as they were); None or its own scheme plan nothing more."""
+    model = _tiny(moe=False, layers=1).to(torch.bfloat16)
+    bf16 = copy.deepcopy(model)
+    hf._swap(bf16, hf.plan(bf16))
+    with pytest.raises(ValueError, match="already run in bf16"):
+        hf.plan(bf16, fp8="block")
+    assert hf.plan(bf16).fp8 is None
+    hf._swap(model, hf.plan(model, fp8="channel"))
+    with pytest.raises(ValueError, match=r"already run in FP8 \('channel'\)"):
+        hf.plan(model, fp8="tensor")
+    for fp8 in (None, "channel"):
+        p = hf.plan(model, fp8=fp8)
+        assert p.fp8 == "channel" and p.fp8_attention == p.fp8_mlp == () and not any(p.swaps.values())
+
+
 # ---------------------------------------------------------------------------------------------
 # The glue, with stand-ins for the ops (their documented contracts, in torch).
 
@@ -206,6 +223,38 @@ def test_an_fp8_cache_decodes_as_the_bf16_one_within_fp8_error(monkeypatch):
                              else {"attention_decode": 2 * 4})
     cos = torch.nn.functional.cosine_similarity(logits[0], logits[1], dim=-1)
     assert cos.min() >= 0.99, f"min cosine {cos.min():.4f}"
+
+
+def test_the_fp8_cache_keeps_its_descales_when_its_tensors_are_replaced(monkeypatch):
+    """reorder_cache (beam search) puts new key and value tensors in the layer: the next step's keys still come
+    with their descales, and attention reads the reordered e4m3 cache dequantized."""
+    monkeypatch.setattr(rosekernels, "append_kvcache", _append, raising=False)
+    layer = hf.Fp8StaticLayer(max_cache_len=8, k_descale=0.5, v_descale=2.0)
+    g = torch.Generator().manual_seed(8)
+    k, v = (torch.randn(2, 2, 3, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    layer.update(k, v)
+    layer.reorder_cache(torch.tensor([1, 0]))
+    keys, values = layer.update(k[:, :, :1], v[:, :, :1])
+    assert keys.dtype == fp8_math.E4M3 and keys._rosekernels_descales is layer.descales
+    assert torch.equal(keys[0, :, :3].float(), (k[1].float() / 0.5).to(fp8_math.E4M3).float())
+    q = torch.randn(2, 2, 1, 64, generator=g).to(torch.bfloat16)
+    out, _ = hf.attention_forward(torch.nn.Module(), q, keys, values, None, scaling=0.125)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), keys.float() * 0.5, values.float() * 2.0, scale=0.125).transpose(1, 2)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_attention_dequantizes_the_fp8_cache_in_fp32(monkeypatch):
+    """A call other than a marked decode step reads the e4m3 cache as the decode kernel does: e4m3 x fp32
+    descale, rounded once to the query's dtype (0.3 is no bf16 value)."""
+    seen = {}
+    monkeypatch.setattr(hf, "sdpa_attention_forward", lambda module, q, k, v, *a, **kw: seen.update(k=k, v=v))
+    g = torch.Generator().manual_seed(9)
+    keys, values = ((torch.randn(1, 2, 8, 64, generator=g) * 100).to(fp8_math.E4M3) for _ in range(2))
+    keys._rosekernels_descales = descales = (torch.tensor([0.3]), torch.tensor([0.7]))
+    hf.attention_forward(torch.nn.Module(), torch.randn(1, 2, 1, 64).to(torch.bfloat16), keys, values, None)
+    for got, t, d in ((seen["k"], keys, descales[0]), (seen["v"], values, descales[1])):
+        assert torch.equal(got, (t.float() * d).to(torch.bfloat16))
 
 
 def test_the_fp8_cache_refuses_other_layer_kinds():

@@ -157,6 +157,19 @@ def test_append_argument_errors(kwargs, error, match):
         rosekernels.append_kvcache(**{**args, **kwargs})
 
 
+
+def test_append_descales_on_another_device_are_refused(monkeypatch):
+    """The descales go through the device checks of the other tensors (as attention_with_kvcache's do): on
+    another device than the cache they are refused."""
+    from rosekernels import checks
+    from rosekernels.ops import append_kvcache as op
+
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # the CPU tensors stand in for the GPU's
+    meta = torch.ones(2, device="meta")
+    k = torch.zeros(3, 1, 2, 128, dtype=BF16)
+    with pytest.raises(ValueError, match="different devices"):
+        op._validate(_cache(), _cache(), k, k.clone(), torch.zeros(3, dtype=torch.int32), None, meta, meta)
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 
@@ -244,3 +257,18 @@ def test_append_then_attend():
     # (The NaN rows past each length dequantize to NaN: the reference reads only the sequences' rows.)
     k_ref, v_ref = _dequantized(k_cache, k_descale, BF16), _dequantized(v_cache, v_descale, BF16)
     check_kvcache(out, lse, q, k_ref, v_ref, lengths, table, True, 1 / math.sqrt(d), "append then attend")
+
+
+@pytest.mark.gpu
+def test_append_refuses_host_descales_on_a_planned_signature():
+    """The descales' device is in the fast path's key: after a call has planned the signature, descales on the
+    host are refused as on a first call, and nothing is written."""
+    k_cache, v_cache = (torch.zeros(3, 32, 2, 128, dtype=E4M3, device="cuda") for _ in "kv")
+    k = torch.ones(3, 1, 2, 128, dtype=BF16, device="cuda")
+    lengths, descale = torch.zeros(3, dtype=torch.int32, device="cuda"), torch.ones(1, device="cuda")
+    rosekernels.append_kvcache(k_cache, v_cache, k, k, lengths, None, descale, descale)
+    written = [c.view(torch.uint8).clone() for c in (k_cache, v_cache)]
+    with pytest.raises(ValueError, match="k_descale must be on a CUDA device"):
+        rosekernels.append_kvcache(k_cache, v_cache, 2 * k, 2 * k, lengths, None, descale.cpu(), descale.cpu())
+    torch.cuda.synchronize()
+    assert all(torch.equal(c.view(torch.uint8), w) for c, w in zip((k_cache, v_cache), written))

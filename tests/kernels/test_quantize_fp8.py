@@ -78,6 +78,23 @@ def test_quantize_weight_fp8(scheme, shape):
     assert (q.float().abs().max() == 448.0)
 
 
+def test_quantize_weight_fp8_saturates_float64_beyond_fp32_and_takes_empty_weights():
+    """float64 values past fp32's range saturate (q +-448, a finite scale), never inf or NaN; an empty weight
+    gets the scales of its scheme's shape, per tensor the one scale of an all-zero block."""
+    w = torch.zeros(4, 256, dtype=torch.float64)
+    w[0, 0], w[1, 0], w[2, :] = 1e300, -1e39, 1.0
+    for scheme in fp8.WEIGHT_SCHEMES:
+        q, scales = rosekernels.quantize_weight_fp8(w, scheme)
+        assert torch.isfinite(q.float()).all() and torch.isfinite(scales).all(), scheme
+        assert q[0, 0].float() == 448.0 and q[1, 0].float() == -448.0, scheme
+    for scheme, rows, cols, shape in (("tensor", 0, 256, (1,)), ("channel", 0, 256, (0,)), ("block", 0, 256, (0, 2)),
+                                      ("tensor", 3, 0, (1,)), ("channel", 3, 0, (3,)), ("block", 3, 0, (1, 0))):
+        q, scales = rosekernels.quantize_weight_fp8(torch.zeros(rows, cols), scheme)
+        assert q.shape == (rows, cols) and scales.shape == shape, (scheme, rows, cols)
+        assert scales.flatten().tolist() == pytest.approx([fp8.AMAX_FLOOR / fp8.E4M3_MAX] * scales.numel())
+        assert fp8.dequantize(q, scales, *fp8.WEIGHT_SCHEMES[scheme]).shape == (rows, cols)
+
+
 def test_quantize_weight_fp8_errors():
     with pytest.raises(ValueError, match="scheme must be one of"):
         rosekernels.quantize_weight_fp8(torch.zeros(8, 16), "row")
@@ -190,6 +207,12 @@ def no_launch(monkeypatch):
     (dict(x=torch.zeros(4, 256, dtype=BF16), group_size=128, scales=torch.zeros(4)), ValueError, "scales must be"),
     (dict(x=torch.zeros(4, 256, dtype=BF16), scales=torch.zeros(4, dtype=BF16)), TypeError, "scales has dtype"),
     (dict(x=torch.zeros(4, 260, dtype=BF16)[:, :256]), ValueError, "aligned"),
+    (dict(x=torch.zeros(2, 3, 128, dtype=BF16), out=torch.zeros(3, 2, 128, dtype=E4M3).transpose(0, 1)), ValueError,
+     "out must be viewable as rows"),
+    (dict(x=torch.zeros(2, 3, 128, dtype=BF16), scales=torch.zeros(3, 2).t()), ValueError,
+     "scales must be viewable as rows"),
+    # Scales [M, 1] whose size-1 dim has any stride are good: only the device is wrong.
+    (dict(x=torch.zeros(4, 128, dtype=BF16), group_size=128, scales=torch.zeros(1, 4).t()), ValueError, "CUDA"),
 ])
 def test_argument_errors(no_launch, kwargs, error, match):
     out = kwargs.get("out")
@@ -197,6 +220,31 @@ def test_argument_errors(no_launch, kwargs, error, match):
     with pytest.raises(error, match=match):
         rosekernels.quantize_fp8(**kwargs)
     assert out is None or torch.equal(out, before)
+
+
+@pytest.mark.parametrize("case", ["q on x", "scales on x", "scales on q"])
+def test_outputs_overlapping_x_or_each_other_are_refused_before_anything_is_written(monkeypatch, case):
+    """Given outputs overlapping x or each other are refused with nothing written, also on a planned signature,
+    whose fast path launches (here a stand-in plan that writes q and scales) without the full checks."""
+    from types import SimpleNamespace
+
+    from rosekernels import launch
+    from rosekernels.ops import quantize as op
+
+    def write(x, q, scales):
+        q.view(torch.uint8).fill_(0x7F)
+        scales.fill_(math.nan)
+
+    monkeypatch.setattr(op, "_plans", launch.PlanCache())
+    monkeypatch.setattr(op, "_new_plan", lambda *args: SimpleNamespace(launch=write))
+    mem = torch.randint(0, 64, (4096,), dtype=torch.uint8)
+    x = mem[:2048].view(BF16).view(4, 256)
+    out = (mem[1024:2048] if case == "q on x" else mem[2048:3072]).view(E4M3).view(4, 256)
+    scales = {"q on x": None, "scales on x": mem[2032:2048].view(FP32), "scales on q": mem[3056:3072].view(FP32)}[case]
+    before = mem.clone()
+    with pytest.raises(ValueError, match=case.replace(" on ", " must not overlap ")):
+        rosekernels.quantize_fp8(x, out=out, scales=scales)
+    assert torch.equal(mem, before)
 
 
 def test_meta_tensors_infer_shapes(no_launch):
