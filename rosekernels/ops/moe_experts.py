@@ -107,7 +107,8 @@ def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
     [T, k] fp32 or x's dtype. activation: the gate's ("silu": SwiGLU). E <= 512.
 
     Ids outside [-1, E) make moe_dispatch refuse the whole routing on the device (no host sync): out
-    is then all zeros; check=True raises instead (it synchronises: not inside CUDA graphs). out:
+    is then all zeros; check=True raises instead, after the dispatch and before anything else runs
+    (out untouched; it synchronises: not inside CUDA graphs). out:
     [T, H] in x's dtype (allocated when None; it may be x itself, read before out is written).
     """
     key = (x.shape, x.stride(), x.dtype, x.device, w_gate_up.shape, w_gate_up.stride(), w_gate_up.dtype,
@@ -126,10 +127,9 @@ def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
         out = x.new_empty(x.shape)
     if x.shape[0] == 0:
         return out
-    d = moe_dispatch(x, topk_ids, w_gate_up.shape[0], block_size=1)
+    # check: the dispatch raises before returning, so nothing after it runs on a refused routing.
+    d = moe_dispatch(x, topk_ids, w_gate_up.shape[0], block_size=1, check=check)
     h = grouped_gemm(d.buffer, w_gate_up, d.offsets, activation=activation, gated=True, enable_pdl=enable_pdl)
     y = grouped_gemm(h, w_down, d.offsets, enable_pdl=enable_pdl)
     moe_combine(y, topk_weights, d.slot_map, out=out)
-    if check:
-        d.check()
     return out

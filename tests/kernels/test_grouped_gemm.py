@@ -18,6 +18,7 @@ from rosekernels.kernels import grouped_gemm as gg
 from rosekernels.kernels import grouped_gemm_plan as plan
 from rosekernels.kernels.moe_common import rows_view
 from rosekernels.ops import grouped_gemm as gemm_op
+from rosekernels.ops import moe_dispatch as dispatch_op
 from rosekernels.ops import moe_experts as moe_experts_op
 
 Config = gg.Config
@@ -274,6 +275,41 @@ def test_moe_experts_argument_errors_before_anything_is_written(change, error, m
         rosekernels.moe_experts(*_moe().values(), out=_t(5, 32))
 
 
+@pytest.fixture
+def host_side(monkeypatch):
+    """moe_experts' host side on CPU tensors: its validation, the dispatch's launch (counters of a valid
+    routing, or of `invalid` ids outside [-1, E)) and the GEMMs' and the combine's launches recorded in
+    `calls`, in order; nothing validated before."""
+    state = types.SimpleNamespace(calls=[], invalid=0)
+
+    def dispatch(x, topk_ids, buffer, num_experts, *args):
+        state.calls.append("moe_dispatch")
+        meta = torch.zeros(2 * num_experts + 3, dtype=torch.int32)
+        meta[-1] = state.invalid
+        return torch.zeros(topk_ids.shape, dtype=torch.int32), meta
+
+    monkeypatch.setattr(moe_experts_op, "_checked", launch.PlanCache())
+    monkeypatch.setattr(moe_experts_op, "validate", lambda *args, **kwargs: state.calls.append("validate"))
+    monkeypatch.setattr(dispatch_op, "_run", dispatch)
+    monkeypatch.setattr(moe_experts_op, "grouped_gemm", lambda *args, **kwargs: state.calls.append("grouped_gemm"))
+    monkeypatch.setattr(moe_experts_op, "moe_combine", lambda *args, **kwargs: state.calls.append("moe_combine"))
+    return state
+
+
+def test_moe_experts_check_raises_before_the_gemms_and_the_combine(host_side):
+    """check=True on a routing the dispatch refuses: the error comes before any launch after the
+    dispatch, so out (here x itself) is never written."""
+    args = _moe()
+    host_side.invalid = 1
+    with pytest.raises(ValueError, match="outside"):
+        rosekernels.moe_experts(*args.values(), out=args["x"], check=True)
+    assert host_side.calls == ["validate", "moe_dispatch"]
+    host_side.calls.clear()
+    host_side.invalid = 0
+    rosekernels.moe_experts(*args.values(), out=args["x"], check=True)
+    assert host_side.calls == ["moe_dispatch", "grouped_gemm", "grouped_gemm", "moe_combine"]
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: the kernel against the float64 reference.
 
@@ -478,8 +514,10 @@ def test_moe_experts_refuses_bad_ids_on_the_device_and_with_check():
     ids[1, 1] = 16
     out = rosekernels.moe_experts(x, wgu, wd, ids, weights)
     assert (out == 0).all()  # the whole routing refused: nothing dispatched
+    before = x.clone()
     with pytest.raises(ValueError, match="outside"):
-        rosekernels.moe_experts(x, wgu, wd, ids, weights, check=True)
+        rosekernels.moe_experts(x, wgu, wd, ids, weights, out=x, check=True)
+    assert torch.equal(x, before)  # raised before the combine would have written zeros over x
 
 
 @pytest.mark.gpu
