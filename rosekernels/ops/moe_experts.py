@@ -26,7 +26,7 @@ import torch
 from rosekernels import checks, launch
 from rosekernels.kernels.gemm_leakyrelu_plan import ACTIVATIONS
 from rosekernels.kernels.grouped_gemm_plan import check_sizes
-from rosekernels.kernels.moe_common import check_sm90
+from rosekernels.kernels.moe_common import check_sm90, rows_view
 from rosekernels.ops.grouped_gemm import grouped_gemm
 from rosekernels.ops.moe_combine import moe_combine
 from rosekernels.ops.moe_dispatch import moe_dispatch
@@ -76,7 +76,8 @@ def validate(x, w_gate_up, w_down, topk_ids, topk_weights, out, activation: str 
     for name, t in named.items():
         checks.check_unit_last_stride(name, t)
     for name in ("x", "w_gate_up", "w_down") + (("out",) if out is not None else ()):
-        checks.check_aligned(name, named[name], pointer=on_device)
+        # rows_view: the ops take any stride on a size-1 dim
+        checks.check_aligned(name, rows_view(named[name]), pointer=on_device)
     if out is not None:
         checks.check_not_expanded("out", out)
         for name in ("topk_ids", "topk_weights"):

@@ -275,6 +275,15 @@ def test_moe_experts_argument_errors_before_anything_is_written(change, error, m
         rosekernels.moe_experts(*_moe().values(), out=_t(5, 32))
 
 
+def test_moe_experts_takes_any_stride_on_a_size_1_dim():
+    """As grouped_gemm, moe_dispatch and moe_combine do (rows_view): one token's x or out, or one
+    expert's weights, with an odd stride on that dim pass every check but the device's."""
+    w_gate_up = _t(1, 64, 64).as_strided((1, 64, 64), (3, 64, 1))
+    for args in (_moe(t=1, x=_t(64, 1).t()), _moe(t=1, out=_t(64, 1).t()), _moe(experts=1, w_gate_up=w_gate_up)):
+        with pytest.raises(ValueError, match="CUDA device"):
+            rosekernels.moe_experts(**args)
+
+
 @pytest.fixture
 def host_side(monkeypatch):
     """moe_experts' host side on CPU tensors: its validation, the dispatch's launch (counters of a valid
