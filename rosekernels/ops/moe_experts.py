@@ -64,6 +64,9 @@ def validate(x, w_gate_up, w_down, topk_ids, topk_weights, out, activation: str 
     if two_i % 2 or w_down.shape[2] != two_i // 2:
         raise ValueError(f"w_gate_up holds the gate and up rows ([E, 2I, H] = {list(w_gate_up.shape)}), so w_down "
                          f"must be [E, H, {two_i // 2}]; got {list(w_down.shape)}")
+    if not hidden or not two_i:
+        raise ValueError(f"x is [T, H] = {list(x.shape)} and w_down [E, H, I] = {list(w_down.shape)}: H and I "
+                         "must be positive")
     checks.check_shape("topk_ids", topk_ids, (tokens, None))
     checks.check_shape("topk_weights", topk_weights, tuple(topk_ids.shape))
     if topk_ids.shape[1] < 1:

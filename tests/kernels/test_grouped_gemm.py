@@ -250,6 +250,8 @@ def _moe(t=5, experts=4, k=2, hidden=64, inter=32, **change):
     (dict(w_down=_t(4, 32, 32)), ValueError, "hidden size is 64"),
     (dict(w_down=_t(4, 64, 48)), ValueError, r"w_down must be \[E, H, 32\]"),
     (dict(w_gate_up=_t(4, 40, 64), w_down=_t(4, 64, 20)), ValueError, "multiple of 16"),
+    (dict(w_gate_up=_t(4, 0, 64), w_down=_t(4, 64, 0)), ValueError, "H and I must be positive"),
+    (dict(x=_t(5, 0), w_gate_up=_t(4, 64, 0), w_down=_t(4, 0, 32)), ValueError, "H and I must be positive"),
     (dict(topk_weights=_t(5, 3, dtype=torch.float32)), ValueError, "topk_weights has shape"),
     (dict(topk_ids=_t(4, 2, dtype=torch.int32)), ValueError, "topk_ids has shape"),
     (dict(topk_ids=_t(5, 0, dtype=torch.int32), topk_weights=_t(5, 0, dtype=torch.float32)), ValueError,
