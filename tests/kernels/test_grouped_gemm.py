@@ -13,7 +13,7 @@ import torch
 from grid import sample
 from kernel_sass import sass_of
 import rosekernels
-from rosekernels import launch, modes
+from rosekernels import checks, launch, modes
 from rosekernels.kernels import grouped_gemm as gg
 from rosekernels.kernels import grouped_gemm_plan as plan
 from rosekernels.kernels.moe_common import rows_view
@@ -162,12 +162,23 @@ _GOOD = dict(a=_t(6, 64), w=_t(4, 32, 64), group_offsets=_offsets(4))
     (dict(w=_t(4, 32, 68)[:, :, :64]), ValueError, "aligned"),
     (dict(activation="swish"), ValueError, "activation must be"),
     (dict(out=torch.zeros(1, 32, dtype=torch.bfloat16).expand(6, 32)), ValueError, "expanded"),
+    (dict(out=_t(6 * 32).as_strided((6, 32), (8, 1))), ValueError, "overlap one another"),  # rows race
     ({}, ValueError, "CUDA device"),
 ])
 def test_argument_errors(change, error, match):
     args = {**_GOOD, **change}
     with pytest.raises(error, match=match):
         rosekernels.grouped_gemm(args.pop("a"), args.pop("w"), args.pop("group_offsets"), **args)
+
+
+def test_outputs_whose_elements_overlap_one_another_are_refused():
+    """Rows stepping less than a row (they race), not only zero strides; a permuted, stepped slice of a
+    contiguous tensor is distinct memory and passes."""
+    for ok in (_t(4, 6, 8).permute(2, 0, 1), _t(4, 6, 8)[:, ::5, 1::3], _t(64, 1).t(), _t(8, 40)[:, :32], _t(0, 8)):
+        checks.check_not_expanded("out", ok)
+    for shape, stride in (((6, 32), (8, 1)), ((4, 4), (1, 1)), ((2, 3, 4), (12, 3, 1))):
+        with pytest.raises(ValueError, match="overlap one another"):
+            checks.check_not_expanded("out", _t(100).as_strided(shape, stride))
 
 
 def test_out_overlapping_an_input_is_rejected():
@@ -263,6 +274,7 @@ def _moe(t=5, experts=4, k=2, hidden=64, inter=32, **change):
     (dict(w_down=_t(4, 32, 64).transpose(1, 2)), ValueError, "unit stride"),
     (dict(w_gate_up=_t(513, 64, 64), w_down=_t(513, 64, 32)), ValueError, "1 to 512 experts"),
     (dict(activation="swish"), ValueError, "activation must be"),
+    (dict(out=_t(5 * 64).as_strided((5, 64), (8, 1))), ValueError, "overlap one another"),
     ({}, ValueError, "CUDA device"),
 ])
 def test_moe_experts_argument_errors(change, error, match):
