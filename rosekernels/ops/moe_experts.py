@@ -116,8 +116,9 @@ def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
     [T, H] in x's dtype (allocated when None; it may be x itself, read before out is written).
     """
     key = (x.shape, x.stride(), x.dtype, x.device, w_gate_up.shape, w_gate_up.stride(), w_gate_up.dtype,
-           w_down.shape, w_down.stride(), w_down.dtype, topk_ids.shape, topk_ids.stride(), topk_ids.dtype,
-           topk_weights.shape, topk_weights.stride(), topk_weights.dtype,
+           w_gate_up.device, w_down.shape, w_down.stride(), w_down.dtype, w_down.device, topk_ids.shape,
+           topk_ids.stride(), topk_ids.dtype, topk_ids.device, topk_weights.shape, topk_weights.stride(),
+           topk_weights.dtype, topk_weights.device,
            None if out is None else (out.shape, out.stride(), out.dtype, out.device), activation)
     eager = launch.eager(x, w_gate_up, w_down, topk_ids, topk_weights, out)
     if not (eager and _checked.get(key)):

@@ -331,6 +331,18 @@ def test_moe_experts_check_raises_before_the_gemms_and_the_combine(host_side):
     assert host_side.calls == ["moe_dispatch", "grouped_gemm", "grouped_gemm", "moe_combine"]
 
 
+def test_moe_experts_validates_again_when_any_tensor_moves_to_another_device(host_side, monkeypatch):
+    """The signature validated once includes every tensor's device: a call like a validated one but
+    with one tensor elsewhere (a meta tensor standing for another GPU) is validated again."""
+    monkeypatch.setattr(launch, "eager", lambda *tensors: True)
+    args = _moe()
+    for name in ("x", "w_gate_up", "w_down", "topk_ids", "topk_weights"):
+        rosekernels.moe_experts(**args)
+        host_side.calls.clear()
+        rosekernels.moe_experts(**{**args, name: args[name].to("meta")})
+        assert host_side.calls[0] == "validate", name
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: the kernel against the float64 reference.
 
