@@ -48,8 +48,9 @@ DECODE_MAX_MEAN_ROWS = 64
 # with top-k routing most experts get less than that, so few need a second row tile (which streams its
 # weights again, from L2).
 SWAP_ROWS_FACTOR = 2
-# Work units at most: the kernel's prefix sums of units stay in int32 with 32 of them added in a step.
-MAX_UNITS = 1 << 26
+# Work units at most (a launch's max_units stays below it): a step of the kernel's prefix sums adds 32
+# experts' units, each clamped to max_units, to a carry of at most max_units, in int32.
+MAX_UNITS = (2**31 - 1) // 33
 # The plain tiles the grouped kernel takes: the dense prefill tiles (tile_m, tile_n, pingpong).
 PLAIN_TILES = tuple((tm, tn, pp) for tm, tn, pp, _ in PREFILL_TILES)
 # The models variants_for() covers by default: (hidden, moe intermediate, experts, top-k).

@@ -139,6 +139,17 @@ def test_sizes_the_kernel_refuses():
             plan.check_sizes(*args)
 
 
+def test_the_kernels_prefix_sums_of_units_fit_int32():
+    """At the most work units check_sizes lets through (one expert, 8-row tiles of 64 weight rows: a unit
+    per 8 rows), a step of the kernel's scan (32 experts' units, each clamped to max_units, added to a
+    carry of at most max_units) stays below 2^31; 8 rows more are refused."""
+    rows = 8 * (plan.MAX_UNITS - 2)
+    plan.check_sizes(rows, 1, 64, 64, False)
+    assert 33 * plan.max_units(Config(tile_m=64, tile_n=8, swap_ab=True), rows, 1, 64) < 2**31
+    with pytest.raises(ValueError, match="too large"):
+        plan.check_sizes(rows + 8, 1, 64, 64, False)
+
+
 def test_model_gemms_are_the_expert_gate_up_and_down():
     assert plan.model_gemms(QWEN3_30B_A3B) == [("experts gate/up", 1536, 2048, "silu", True),
                                                ("experts down", 2048, 768, "none", False)]
