@@ -68,10 +68,18 @@ def check_same_device(**tensors: torch.Tensor) -> None:
 
 
 def check_not_expanded(name: str, t: torch.Tensor) -> None:
-    """An output must not be an expanded view: a zero stride on a dim of size > 1 makes several
-    elements one memory location, and the kernel's writes race."""
+    """An output's elements must be distinct memory locations, or the kernel's writes race: no zero
+    stride on a dim of size > 1 (an expanded view), and, the dims taken by increasing stride, none
+    stepping less than the span of those before it (rows overlapping one another, as as_strided can
+    make; a permuted slice of a contiguous tensor passes)."""
     if any(s == 0 and n > 1 for n, s in zip(t.shape, t.stride())):
         raise ValueError(f"{name} has a zero stride (an expanded view); an output must be materialized")
+    reach = 0  # the largest element offset of the dims taken so far
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
+        if stride <= reach:
+            raise ValueError(f"{name}'s elements overlap one another (shape {list(t.shape)}, strides {t.stride()}); "
+                             "an output must not")
+        reach += (size - 1) * stride
 
 
 def span(t: torch.Tensor) -> tuple[int, int]:

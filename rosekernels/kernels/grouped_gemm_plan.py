@@ -48,8 +48,9 @@ DECODE_MAX_MEAN_ROWS = 64
 # with top-k routing most experts get less than that, so few need a second row tile (which streams its
 # weights again, from L2).
 SWAP_ROWS_FACTOR = 2
-# Work units at most: the kernel's prefix sums of units stay in int32 with 32 of them added in a step.
-MAX_UNITS = 1 << 26
+# Work units at most (a launch's max_units stays below it): a step of the kernel's prefix sums adds 32
+# experts' units, each clamped to max_units, to a carry of at most max_units, in int32.
+MAX_UNITS = (2**31 - 1) // 33
 # The plain tiles the grouped kernel takes: the dense prefill tiles (tile_m, tile_n, pingpong).
 PLAIN_TILES = tuple((tm, tn, pp) for tm, tn, pp, _ in PREFILL_TILES)
 # The models variants_for() covers by default: (hidden, moe intermediate, experts, top-k).
@@ -261,22 +262,24 @@ def _model_dims(models: Optional[Iterable]) -> list[tuple[int, int, int, int, st
 def variants_for(models: Optional[Iterable] = None, modes: Iterable[str] = MODES,
                  max_tokens: Optional[int] = None) -> list[GroupedConfig]:
     """The configs warm-up compiles for the expert GEMMs of `models` (rosekernels.models.ModelDims;
-    None: MODELS in bf16): decode, config_for's pick at every token count up to 128 (or max_tokens),
-    the rows being tokens x top-k; prefill (when max_tokens, if given, passes 128), every plain tile."""
-    from rosekernels.kernels.gemm_leakyrelu_plan import DECODE_MAX_M
-
+    None: MODELS in bf16): every config config_for picks in `modes` for calls of 1 to max_tokens tokens
+    (None: any), the rows being tokens x top-k. Decode: its pick at every token count decode_mode gives
+    the swapped tiles (up to DECODE_MAX_MEAN_ROWS x experts / top-k tokens); prefill (when max_tokens,
+    if given, passes those), every plain tile (config_for's pick depends on the SM count)."""
     modes = tuple(modes)
-    last = DECODE_MAX_M if max_tokens is None else min(max_tokens, DECODE_MAX_M)
     configs = []
     for hidden, inter, experts, topk, dtype in _model_dims(models):
+        last = 0  # the most tokens of a call on the swapped tiles
+        while (max_tokens is None or last < max_tokens) and decode_mode((last + 1) * topk, experts):
+            last += 1
         for n, k, activation, gated in ((2 * inter, hidden, "silu", True), (hidden, inter, "none", False)):
             shape = GroupedShape(1, experts, n, k, dtype=dtype, activation=activation, gated=gated)
             if "decode" in modes:
                 configs += [config_for(dataclasses.replace(shape, rows=t * topk)) for t in range(1, last + 1)]
-            if "prefill" in modes and (max_tokens is None or max_tokens > DECODE_MAX_M):
+            if "prefill" in modes and (max_tokens is None or max_tokens > last):
                 configs += [GroupedConfig(**_base(shape), tile_m=tm, tile_n=tn, pingpong=pp)
                             for tm, tn, pp in PLAIN_TILES]
-    return [c for c in dict.fromkeys(configs) if c.mode in modes]
+    return list(dict.fromkeys(configs))
 
 
 def row_range(config: GroupedConfig, experts: int) -> tuple[int, int]:

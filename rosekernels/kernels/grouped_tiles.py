@@ -91,7 +91,7 @@ class GroupedTiles:
             hi = cutlass.min(cutlass.max(mOffsets[e + 1], lo), rows)
             sFirst[e] = lo
             sCount[e] = hi - lo
-            # units <= max_units < 2^26 each: 32 of them add up without overflow
+            # each <= max_units < MAX_UNITS: a step adds 32 to a carry <= max_units, 33 x MAX_UNITS < 2^31
             sPrefix[e + 1] = cutlass.min(cute.ceil_div(hi - lo, self.cfg.row_tile) * weight_tiles, max_units)
         cute.arch.sync_threads()
         if tidx < 32:  # warp 0: inclusive prefix sums, 32 experts a step, saturating at max_units

@@ -26,7 +26,7 @@ import torch
 from rosekernels import checks, launch
 from rosekernels.kernels.gemm_leakyrelu_plan import ACTIVATIONS
 from rosekernels.kernels.grouped_gemm_plan import check_sizes
-from rosekernels.kernels.moe_common import check_sm90
+from rosekernels.kernels.moe_common import check_sm90, rows_view
 from rosekernels.ops.grouped_gemm import grouped_gemm
 from rosekernels.ops.moe_combine import moe_combine
 from rosekernels.ops.moe_dispatch import moe_dispatch
@@ -64,6 +64,9 @@ def validate(x, w_gate_up, w_down, topk_ids, topk_weights, out, activation: str 
     if two_i % 2 or w_down.shape[2] != two_i // 2:
         raise ValueError(f"w_gate_up holds the gate and up rows ([E, 2I, H] = {list(w_gate_up.shape)}), so w_down "
                          f"must be [E, H, {two_i // 2}]; got {list(w_down.shape)}")
+    if not hidden or not two_i:
+        raise ValueError(f"x is [T, H] = {list(x.shape)} and w_down [E, H, I] = {list(w_down.shape)}: H and I "
+                         "must be positive")
     checks.check_shape("topk_ids", topk_ids, (tokens, None))
     checks.check_shape("topk_weights", topk_weights, tuple(topk_ids.shape))
     if topk_ids.shape[1] < 1:
@@ -76,7 +79,8 @@ def validate(x, w_gate_up, w_down, topk_ids, topk_weights, out, activation: str 
     for name, t in named.items():
         checks.check_unit_last_stride(name, t)
     for name in ("x", "w_gate_up", "w_down") + (("out",) if out is not None else ()):
-        checks.check_aligned(name, named[name], pointer=on_device)
+        # rows_view: the ops take any stride on a size-1 dim
+        checks.check_aligned(name, rows_view(named[name]), pointer=on_device)
     if out is not None:
         checks.check_not_expanded("out", out)
         for name in ("topk_ids", "topk_weights"):
@@ -107,12 +111,14 @@ def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
     [T, k] fp32 or x's dtype. activation: the gate's ("silu": SwiGLU). E <= 512.
 
     Ids outside [-1, E) make moe_dispatch refuse the whole routing on the device (no host sync): out
-    is then all zeros; check=True raises instead (it synchronises: not inside CUDA graphs). out:
+    is then all zeros; check=True raises instead, after the dispatch and before anything else runs
+    (out untouched; it synchronises: not inside CUDA graphs). out:
     [T, H] in x's dtype (allocated when None; it may be x itself, read before out is written).
     """
     key = (x.shape, x.stride(), x.dtype, x.device, w_gate_up.shape, w_gate_up.stride(), w_gate_up.dtype,
-           w_down.shape, w_down.stride(), w_down.dtype, topk_ids.shape, topk_ids.stride(), topk_ids.dtype,
-           topk_weights.shape, topk_weights.stride(), topk_weights.dtype,
+           w_gate_up.device, w_down.shape, w_down.stride(), w_down.dtype, w_down.device, topk_ids.shape,
+           topk_ids.stride(), topk_ids.dtype, topk_ids.device, topk_weights.shape, topk_weights.stride(),
+           topk_weights.dtype, topk_weights.device,
            None if out is None else (out.shape, out.stride(), out.dtype, out.device), activation)
     eager = launch.eager(x, w_gate_up, w_down, topk_ids, topk_weights, out)
     if not (eager and _checked.get(key)):
@@ -126,10 +132,9 @@ def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
         out = x.new_empty(x.shape)
     if x.shape[0] == 0:
         return out
-    d = moe_dispatch(x, topk_ids, w_gate_up.shape[0], block_size=1)
+    # check: the dispatch raises before returning, so nothing after it runs on a refused routing.
+    d = moe_dispatch(x, topk_ids, w_gate_up.shape[0], block_size=1, check=check)
     h = grouped_gemm(d.buffer, w_gate_up, d.offsets, activation=activation, gated=True, enable_pdl=enable_pdl)
     y = grouped_gemm(h, w_down, d.offsets, enable_pdl=enable_pdl)
     moe_combine(y, topk_weights, d.slot_map, out=out)
-    if check:
-        d.check()
     return out

@@ -1,5 +1,5 @@
 """grouped_gemm and moe_experts: every family of the grouped kernel compiles for sm_90a with the SASS its
-design promises (CPU), argument errors fire before anything is written (CPU), the float64 reference
+design promises (CPU), argument errors fire before anything runs (CPU), the float64 reference
 itself (CPU); results match a float64 per-expert reference on fresh random inputs with poisoned outputs,
 ragged groups, empty experts, gathered rows, row scales, CUDA-graph replays with new routings and
 garbage offsets (GPU). The planning is tested without CuTeDSL in test_grouped_gemm_plan.py."""
@@ -13,11 +13,12 @@ import torch
 from grid import sample
 from kernel_sass import sass_of
 import rosekernels
-from rosekernels import launch, modes
+from rosekernels import checks, launch, modes
 from rosekernels.kernels import grouped_gemm as gg
 from rosekernels.kernels import grouped_gemm_plan as plan
 from rosekernels.kernels.moe_common import rows_view
 from rosekernels.ops import grouped_gemm as gemm_op
+from rosekernels.ops import moe_dispatch as dispatch_op
 from rosekernels.ops import moe_experts as moe_experts_op
 
 Config = gg.Config
@@ -161,6 +162,7 @@ _GOOD = dict(a=_t(6, 64), w=_t(4, 32, 64), group_offsets=_offsets(4))
     (dict(w=_t(4, 32, 68)[:, :, :64]), ValueError, "aligned"),
     (dict(activation="swish"), ValueError, "activation must be"),
     (dict(out=torch.zeros(1, 32, dtype=torch.bfloat16).expand(6, 32)), ValueError, "expanded"),
+    (dict(out=_t(6 * 32).as_strided((6, 32), (8, 1))), ValueError, "overlap one another"),  # rows race
     ({}, ValueError, "CUDA device"),
 ])
 def test_argument_errors(change, error, match):
@@ -169,11 +171,20 @@ def test_argument_errors(change, error, match):
         rosekernels.grouped_gemm(args.pop("a"), args.pop("w"), args.pop("group_offsets"), **args)
 
 
-def test_out_overlapping_an_input_is_rejected_and_nothing_is_written():
-    buf = torch.full((8, 64), 7.0, dtype=torch.bfloat16)
+def test_outputs_whose_elements_overlap_one_another_are_refused():
+    """Rows stepping less than a row (they race), not only zero strides; a permuted, stepped slice of a
+    contiguous tensor is distinct memory and passes."""
+    for ok in (_t(4, 6, 8).permute(2, 0, 1), _t(4, 6, 8)[:, ::5, 1::3], _t(64, 1).t(), _t(8, 40)[:, :32], _t(0, 8)):
+        checks.check_not_expanded("out", ok)
+    for shape, stride in (((6, 32), (8, 1)), ((4, 4), (1, 1)), ((2, 3, 4), (12, 3, 1))):
+        with pytest.raises(ValueError, match="overlap one another"):
+            checks.check_not_expanded("out", _t(100).as_strided(shape, stride))
+
+
+def test_out_overlapping_an_input_is_rejected():
+    buf = _t(8, 64)
     with pytest.raises(ValueError, match="overlap a"):
         rosekernels.grouped_gemm(buf[:6], _t(4, 32, 64), _offsets(4), out=buf[2:8, :32])
-    assert (buf == 7).all()
 
 
 def test_each_launch_checks_its_pointers_against_the_plans_extents(monkeypatch):
@@ -249,6 +260,8 @@ def _moe(t=5, experts=4, k=2, hidden=64, inter=32, **change):
     (dict(w_down=_t(4, 32, 32)), ValueError, "hidden size is 64"),
     (dict(w_down=_t(4, 64, 48)), ValueError, r"w_down must be \[E, H, 32\]"),
     (dict(w_gate_up=_t(4, 40, 64), w_down=_t(4, 64, 20)), ValueError, "multiple of 16"),
+    (dict(w_gate_up=_t(4, 0, 64), w_down=_t(4, 64, 0)), ValueError, "H and I must be positive"),
+    (dict(x=_t(5, 0), w_gate_up=_t(4, 64, 0), w_down=_t(4, 0, 32)), ValueError, "H and I must be positive"),
     (dict(topk_weights=_t(5, 3, dtype=torch.float32)), ValueError, "topk_weights has shape"),
     (dict(topk_ids=_t(4, 2, dtype=torch.int32)), ValueError, "topk_ids has shape"),
     (dict(topk_ids=_t(5, 0, dtype=torch.int32), topk_weights=_t(5, 0, dtype=torch.float32)), ValueError,
@@ -261,17 +274,73 @@ def _moe(t=5, experts=4, k=2, hidden=64, inter=32, **change):
     (dict(w_down=_t(4, 32, 64).transpose(1, 2)), ValueError, "unit stride"),
     (dict(w_gate_up=_t(513, 64, 64), w_down=_t(513, 64, 32)), ValueError, "1 to 512 experts"),
     (dict(activation="swish"), ValueError, "activation must be"),
+    (dict(out=_t(5 * 64).as_strided((5, 64), (8, 1))), ValueError, "overlap one another"),
     ({}, ValueError, "CUDA device"),
 ])
-def test_moe_experts_argument_errors_before_anything_is_written(change, error, match):
+def test_moe_experts_argument_errors(change, error, match):
     args = _moe(**change)
     activation = args.pop("activation", "silu")
-    out = torch.full((5, 64), 7.0, dtype=torch.bfloat16)
+    out = args.pop("out", _t(5, 64))
     with pytest.raises(error, match=match):
         rosekernels.moe_experts(*args.values(), out=out, activation=activation)
-    assert (out == 7).all()
     with pytest.raises(ValueError, match=r"out has shape"):
         rosekernels.moe_experts(*_moe().values(), out=_t(5, 32))
+
+
+def test_moe_experts_takes_any_stride_on_a_size_1_dim():
+    """As grouped_gemm, moe_dispatch and moe_combine do (rows_view): one token's x or out, or one
+    expert's weights, with an odd stride on that dim pass every check but the device's."""
+    w_gate_up = _t(1, 64, 64).as_strided((1, 64, 64), (3, 64, 1))
+    for args in (_moe(t=1, x=_t(64, 1).t()), _moe(t=1, out=_t(64, 1).t()), _moe(experts=1, w_gate_up=w_gate_up)):
+        with pytest.raises(ValueError, match="CUDA device"):
+            rosekernels.moe_experts(**args)
+
+
+@pytest.fixture
+def host_side(monkeypatch):
+    """moe_experts' host side on CPU tensors: its validation, the dispatch's launch (counters of a valid
+    routing, or of `invalid` ids outside [-1, E)) and the GEMMs' and the combine's launches recorded in
+    `calls`, in order; nothing validated before."""
+    state = types.SimpleNamespace(calls=[], invalid=0)
+
+    def dispatch(x, topk_ids, buffer, num_experts, *args):
+        state.calls.append("moe_dispatch")
+        meta = torch.zeros(2 * num_experts + 3, dtype=torch.int32)
+        meta[-1] = state.invalid
+        return torch.zeros(topk_ids.shape, dtype=torch.int32), meta
+
+    monkeypatch.setattr(moe_experts_op, "_checked", launch.PlanCache())
+    monkeypatch.setattr(moe_experts_op, "validate", lambda *args, **kwargs: state.calls.append("validate"))
+    monkeypatch.setattr(dispatch_op, "_run", dispatch)
+    monkeypatch.setattr(moe_experts_op, "grouped_gemm", lambda *args, **kwargs: state.calls.append("grouped_gemm"))
+    monkeypatch.setattr(moe_experts_op, "moe_combine", lambda *args, **kwargs: state.calls.append("moe_combine"))
+    return state
+
+
+def test_moe_experts_check_raises_before_the_gemms_and_the_combine(host_side):
+    """check=True on a routing the dispatch refuses: the error comes before any launch after the
+    dispatch, so out (here x itself) is never written."""
+    args = _moe()
+    host_side.invalid = 1
+    with pytest.raises(ValueError, match="outside"):
+        rosekernels.moe_experts(*args.values(), out=args["x"], check=True)
+    assert host_side.calls == ["validate", "moe_dispatch"]
+    host_side.calls.clear()
+    host_side.invalid = 0
+    rosekernels.moe_experts(*args.values(), out=args["x"], check=True)
+    assert host_side.calls == ["moe_dispatch", "grouped_gemm", "grouped_gemm", "moe_combine"]
+
+
+def test_moe_experts_validates_again_when_any_tensor_moves_to_another_device(host_side, monkeypatch):
+    """The signature validated once includes every tensor's device: a call like a validated one but
+    with one tensor elsewhere (a meta tensor standing for another GPU) is validated again."""
+    monkeypatch.setattr(launch, "eager", lambda *tensors: True)
+    args = _moe()
+    for name in ("x", "w_gate_up", "w_down", "topk_ids", "topk_weights"):
+        rosekernels.moe_experts(**args)
+        host_side.calls.clear()
+        rosekernels.moe_experts(**{**args, name: args[name].to("meta")})
+        assert host_side.calls[0] == "validate", name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,6 +394,16 @@ def test_the_op_on_groupings_of_both_modes(rows, experts, n, k, gated, options):
     ref, written = gg.reference(x, w, offsets, extra["bias"], "silu" if gated else "gelu_tanh", gated,
                                 a_index=extra["a_index"], row_scale=extra["row_scale"], rows=rows)
     assert gg.check_out(out, ref, written) <= 1
+
+
+@pytest.mark.gpu
+def test_out_overlapping_an_input_is_rejected_and_nothing_is_written():
+    """On the GPU, where the kernel could run: refused before it does."""
+    buf = torch.full((8, 64), 7.0, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="overlap a"):
+        rosekernels.grouped_gemm(buf[:6], _t(4, 32, 64).cuda(), _offsets(4).cuda(), out=buf[2:8, :32])
+    torch.cuda.synchronize()
+    assert (buf == 7).all()
 
 
 @pytest.mark.gpu
@@ -478,8 +557,10 @@ def test_moe_experts_refuses_bad_ids_on_the_device_and_with_check():
     ids[1, 1] = 16
     out = rosekernels.moe_experts(x, wgu, wd, ids, weights)
     assert (out == 0).all()  # the whole routing refused: nothing dispatched
+    before = x.clone()
     with pytest.raises(ValueError, match="outside"):
-        rosekernels.moe_experts(x, wgu, wd, ids, weights, check=True)
+        rosekernels.moe_experts(x, wgu, wd, ids, weights, out=x, check=True)
+    assert torch.equal(x, before)  # raised before the combine would have written zeros over x
 
 
 @pytest.mark.gpu

@@ -139,6 +139,17 @@ def test_sizes_the_kernel_refuses():
             plan.check_sizes(*args)
 
 
+def test_the_kernels_prefix_sums_of_units_fit_int32():
+    """At the most work units check_sizes lets through (one expert, 8-row tiles of 64 weight rows: a unit
+    per 8 rows), a step of the kernel's scan (32 experts' units, each clamped to max_units, added to a
+    carry of at most max_units) stays below 2^31; 8 rows more are refused."""
+    rows = 8 * (plan.MAX_UNITS - 2)
+    plan.check_sizes(rows, 1, 64, 64, False)
+    assert 33 * plan.max_units(Config(tile_m=64, tile_n=8, swap_ab=True), rows, 1, 64) < 2**31
+    with pytest.raises(ValueError, match="too large"):
+        plan.check_sizes(rows + 8, 1, 64, 64, False)
+
+
 def test_model_gemms_are_the_expert_gate_up_and_down():
     assert plan.model_gemms(QWEN3_30B_A3B) == [("experts gate/up", 1536, 2048, "silu", True),
                                                ("experts down", 2048, 768, "none", False)]
@@ -147,18 +158,37 @@ def test_model_gemms_are_the_expert_gate_up_and_down():
     assert plan.model_gemms(dataclasses.replace(QWEN3_30B_A3B, experts=1024)) == []
 
 
-def test_variants_cover_the_heuristic_at_every_decode_count_and_every_prefill_tile():
+def test_variants_list_each_config_once_and_every_plain_tile():
     found = plan.variants_for([QWEN3_30B_A3B])
     assert len(set(found)) == len(found)
-    for t in range(1, 129):
-        for _, n, k, activation, gated in plan.model_gemms(QWEN3_30B_A3B):
-            assert plan.config_for(Shape(8 * t, 128, n, k, activation=activation, gated=gated)) in found
     prefill = [c for c in found if c.mode == "prefill"]
     assert len(prefill) == 2 * len(plan.PLAIN_TILES)
     assert plan.variants_for([QWEN3_30B_A3B], modes=("decode",)) == [c for c in found if c.mode == "decode"]
     assert not [c for c in plan.variants_for([QWEN3_30B_A3B], max_tokens=64) if c.mode == "prefill"]
     assert plan.variants_for([QWEN3_8B]) == []
     assert plan.variants_for() == plan.variants_for([QWEN3_30B_A3B])  # the default: Qwen3-30B-A3B in bf16
+
+
+@pytest.mark.parametrize("model", [QWEN3_30B_A3B, dataclasses.replace(QWEN3_30B_A3B, experts=32, topk=6)],
+                         ids=["qwen3-30b-a3b", "e32-top6"])
+def test_variants_are_the_heuristics_picks_at_every_token_count(model):
+    """In each mode asked, for calls of 1 .. max_tokens tokens across the mode boundary (64 rows per
+    expert: 1024 tokens of Qwen3-30B-A3B, 341 of 32 experts x top-6): exactly the swapped configs
+    config_for picks, and every plain one it picks on GPUs of several SM counts as soon as it picks one."""
+    boundary = plan.DECODE_MAX_MEAN_ROWS * model.experts // model.topk
+    assert plan.decode_mode(boundary * model.topk, model.experts)
+    assert not plan.decode_mode((boundary + 1) * model.topk, model.experts)
+    picks = [set()] + [{plan.config_for(Shape(t * model.topk, model.experts, n, k, activation=act, gated=gated), sms)
+                        for _, n, k, act, gated in plan.model_gemms(model) for sms in (78, 114, 132)}
+                       for t in range(1, 2 * boundary + 1)]
+    for max_tokens in (1, 128, boundary - 1, boundary, boundary + 1, None):
+        want_all = set().union(*picks[:len(picks) if max_tokens is None else max_tokens + 1])
+        for modes in (("decode",), ("prefill",), ("prefill", "decode")):
+            got = plan.variants_for([model], modes, max_tokens)
+            want = {c for c in want_all if c.mode in modes}
+            assert {c for c in got if c.swap_ab} == {c for c in want if c.swap_ab}, (max_tokens, modes)
+            plain = {c for c in got if not c.swap_ab}
+            assert {c for c in want if not c.swap_ab} <= plain and bool(plain) == any(not c.swap_ab for c in want)
 
 
 def test_row_ranges_are_of_the_configs_mode():
