@@ -837,8 +837,10 @@ def warmup_specs(model: nn.Module, experts: str | None = None, fp8: str | None =
                  fp8_kv_cache: bool = False) -> list:
     """The kernel configs the patched model launches (its dims, dtype and norm eps, both modes; the MoE
     experts on path `experts`, None: the path apply() installed, else EXPERTS_PATH; its linear layers in FP8
-    with weight scheme `fp8`; with an Fp8StaticCache, fp8_kv_cache), for rosekernels.warmup: compiled or
-    loaded up front instead of on the first calls."""
+    with weight scheme `fp8`, None: the scheme apply() installed, else bf16; with an Fp8StaticCache,
+    fp8_kv_cache), for rosekernels.warmup: compiled or loaded up front instead of on the first calls. A path
+    or scheme other than the one apply() installed is refused with ValueError, as apply() refuses it."""
+    fp8 = _fp8_scheme(model, fp8)
     config = model.config
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[next(model.parameters()).dtype]
     dims = dataclasses.replace(ModelDims.from_config(config), dtype=dtype, fp8=fp8 or "none", fp8_kv=fp8_kv_cache)

@@ -159,6 +159,18 @@ def test_warmup_specs_add_the_fp8_kernels():
     assert {c.eps for c in specs if c.variant().op == "rmsnorm"} == {1e-6}
 
 
+def test_warmup_specs_follow_the_scheme_apply_installed():
+    """On a patched model, fp8=None warms the scheme its linear layers run in, and another scheme is refused
+    (apply() would not install it), rather than warming kernels the model never launches."""
+    model = _tiny(moe=False, layers=1).to(torch.bfloat16)
+    channel = hf.warmup_specs(model, fp8="channel")
+    assert channel != hf.warmup_specs(model)
+    hf._swap(model, hf.plan(model, fp8="channel"))
+    assert hf.warmup_specs(model) == channel
+    with pytest.raises(ValueError, match=r"already run in FP8 \('channel'\)"):
+        hf.warmup_specs(model, fp8="block")
+
+
 # ---------------------------------------------------------------------------------------------
 # The e4m3 KV cache (Fp8StaticCache), with stand-ins for append_kvcache and attention_with_kvcache.
 
