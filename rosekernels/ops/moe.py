@@ -28,7 +28,10 @@ an arena that holds an error refuses new objects.
 
 One object per arena: its step state lives in the arena, so an object claims its `Peers` and a
 second live object on them is refused; once the first is gone, a new object of the same layout
-continues its step (one of another layout is refused: it would misread the flags). The claim is the
+continues its step (one of another layout is refused: it would misread the flags; so is any on an
+arena left mid-step, an expert-parallel dispatch whose combine never ran, as when an exception between
+the two drops the object: its first dispatch would repeat the abandoned step, whose flags the peers
+already hold; `Peers` track that by the calls made, not by graph replays). The claim is the
 last step of a construction, after every kernel was loaded, and it is collective: every rank's object
 must agree on the layout (its class, world, experts, hidden size, max_tokens, topk, dtypes, SM count
 and arena regions: ranks that differ would misread each other's flags or write past each other's
@@ -91,7 +94,7 @@ MAX_REGIONS = 6  # an arena's regions (expert parallel's)
 LAYOUT_FIELDS = ("form", "world", "num_experts", "hidden", "max_tokens", "topk", "dtype", "weight_dtype", "sms",
                  "arena bytes") + tuple(f"region {i}'s offset" for i in range(MAX_REGIONS))
 # Why a rank's arena cannot serve a new object (codes exchanged with the layout; 0: it can).
-IN_USE, OTHER_LAYOUT, HOLDS_ERROR = 1, 2, 3
+IN_USE, OTHER_LAYOUT, HOLDS_ERROR, MID_STEP = 1, 2, 3, 4
 
 
 class Peers:
@@ -110,6 +113,10 @@ class Peers:
         self._owner: weakref.ref | None = None
         self._layout: tuple | None = None
         self._siblings: list[Peers] | None = None  # emulated ranks: every rank's Peers (claim compares them)
+        # An expert-parallel dispatch whose combine has not been issued. Kept here, not in the object: a
+        # new object on an arena left mid-step would publish the abandoned step's number again, which the
+        # peers' flags already carry (their waits would pass at once, on rows still being rewritten).
+        self._mid_step = False
 
     @classmethod
     def symmetric(cls, nbytes: int, group: Any = None, device: Any = None) -> "Peers":
@@ -145,7 +152,8 @@ class Peers:
     def claim(self, owner: Any, layout: tuple[int, ...]) -> None:
         """Make `owner` the one object on this arena (its step state and flags are the arena's) if every
         rank's object agrees on `layout` (ints, LAYOUT_FIELDS) and every rank's arena can serve it
-        (none in use by a live object, none that served another layout, none holding an error);
+        (none in use by a live object, none that served another layout, none holding an error, none left
+        mid-step);
         otherwise refuse on every rank (see the module docstring; emulated ranks: a rank whose own
         arena cannot serve refuses alone, a disagreement also fails the other ranks' live objects)."""
         code, problem = self._problem(layout)
@@ -171,6 +179,8 @@ class Peers:
         error = self.arena[moe_peer.ERROR_OFFSET:moe_peer.ERROR_OFFSET + 8].view(torch.int64)
         if int(error.item()):
             return HOLDS_ERROR, _problem_error(self.rank, HOLDS_ERROR)
+        if self._mid_step:
+            return MID_STEP, _problem_error(self.rank, MID_STEP)
         return 0, None
 
     def _exchange(self, row: list[int]) -> list[list[int] | None]:
@@ -218,6 +228,9 @@ def _problem_error(rank: int, code: int) -> Exception:
     if code == OTHER_LAYOUT:
         return ValueError(f"rank {rank}'s arena served an object of another layout, whose flags this one would "
                           "misread: build new Peers")
+    if code == MID_STEP:
+        return RuntimeError(f"rank {rank}'s arena was left mid-step (a dispatch whose combine never ran: its object "
+                            "was dropped between them), which a new object would misread: build new Peers")
     return RuntimeError(f"rank {rank}'s arena holds the error of an earlier step: build new Peers")
 
 
@@ -479,7 +492,6 @@ class ExpertParallel(_Parallel):
         self._received: MoeDispatch | None = None
         self._weights: torch.Tensor | None = None
         self._tokens = 0
-        self._pending = False  # a dispatch whose combine has not been issued
         params = dict(dtype=self.dtype_name, hidden=self.hidden, topk=self.topk, experts=self.experts_per_rank)
         self._send, self._return = self._kernel("ep_send", **params), self._kernel("ep_return", **params)
         self._wait_sent = self._kernel("wait", region=moe_peer.EP_FLAG, bump=False)
@@ -518,7 +530,7 @@ class ExpertParallel(_Parallel):
         """Send this rank's tokens x [T, H] (T <= max_tokens) to the ranks of their experts and group
         every rank's tokens for this rank's experts: a MoeDispatch whose counts/offsets index the
         local experts (expert e of the model is local e - first). Keeps topk_weights for combine."""
-        if self._pending:
+        if self.peers._mid_step:
             raise RuntimeError("dispatch called twice: combine the last dispatch first (every rank runs "
                                "dispatch, combine, dispatch, ... in that order)")
         self._check_rows("x", x)
@@ -528,17 +540,18 @@ class ExpertParallel(_Parallel):
         self._check_routing("topk_ids", topk_ids, tokens, (torch.int32,))
         self._check_routing("topk_weights", topk_weights, tokens, (self.weight_dtype,))
         self._enter()
+        self.peers._mid_step = True  # from the send on: the arena holds half of a step
         launch.on_device(self.device.index, self._send, x, topk_ids, self.addr, self.src_slot, self.state, self.rank,
                          self.max_tokens, self._send_grid)
         self._wait(self._wait_sent, self.max_tokens)
         self._received = self._receive(self._buffer)
-        self._weights, self._tokens, self._pending = topk_weights, tokens, True
+        self._weights, self._tokens = topk_weights, tokens
         return self._received
 
     def combine(self, expert_out: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """expert_out: the grouped GEMM's output over the last dispatch's buffer (same rows). Returns
         out [T, H]: for each of this rank's tokens, sum_j w[t, j] * its expert rows (dropped pairs 0)."""
-        if not self._pending:
+        if not self.peers._mid_step:
             raise RuntimeError("combine needs a dispatch first (every rank runs dispatch, combine, dispatch, "
                                "... in that order)")
         self._check_rows("expert_out", expert_out, self._received.buffer.shape[0])
@@ -552,7 +565,7 @@ class ExpertParallel(_Parallel):
         # Every row, also those past this rank's batch: its next step overwrites its rows in the peers'
         # receive regions, which their ep_return reads until it flags them (moe_peer: reuse).
         self._wait(self._wait_returned, self.max_tokens)
-        self._pending = False
+        self.peers._mid_step = False
         return moe_combine(self.returned, self._weights, self.src_slot[:self._tokens], out)
 
     def check(self) -> None:

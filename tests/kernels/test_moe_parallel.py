@@ -12,8 +12,8 @@ ranks, many steps in a row and CUDA-graph replays, the step counter across 2^31 
 that ends only after every returned row was flagged; failures that end in bounded time with a raise on
 every rank (a peer that never signals, a skipped call, a rank asleep past the timeout, tensor-parallel
 token counts that disagree, a flag too far ahead, inside graphs too, ranks built with other experts);
-one object per arena, the step kept with the arena, one stream per object. The same protocol on two
-GPUs: tests/kernels/test_moe_multigpu.py (torchrun)."""
+one object per arena, the step kept with the arena, an arena left mid-step refused, one stream per
+object. The same protocol on two GPUs: tests/kernels/test_moe_multigpu.py (torchrun)."""
 import dataclasses
 import gc
 import re
@@ -310,6 +310,20 @@ def test_one_live_object_per_arena_and_one_layout():
         peers.claim(_Owner(), _EP_KEY)
 
 
+def test_an_arena_left_mid_step_refuses_a_new_object():
+    """An object dropped between its dispatch and combine (say, an exception between them): a new one
+    of the same layout would publish the abandoned step's number again, so the claim refuses."""
+    peers = _exchanging(_cpu_peers(), [0, *_EP_KEY])
+    first = _Owner()
+    peers.claim(first, _EP_KEY)
+    peers._mid_step = True  # what ExpertParallel.dispatch leaves until its combine
+    del first
+    gc.collect()
+    with pytest.raises(RuntimeError, match="rank 0's arena was left mid-step .*build new Peers"):
+        peers.claim(_Owner(), _EP_KEY)
+    assert peers._owner() is None
+
+
 @pytest.mark.parametrize("field", range(len(moe.LAYOUT_FIELDS)), ids=lambda i: moe.LAYOUT_FIELDS[i])
 def test_ranks_whose_objects_disagree_refuse_on_every_rank(field):
     """Each rank's claim sees every rank's layout (the all_gather, stubbed): one field apart, both
@@ -342,7 +356,8 @@ def test_keys_differ_in_every_argument_the_ranks_must_share():
 def test_a_rank_whose_arena_cannot_serve_refuses_every_rank():
     for code, error, match in ((moe.IN_USE, ValueError, "rank 1's arena is in use"),
                                (moe.OTHER_LAYOUT, ValueError, "rank 1's arena served an object of another layout"),
-                               (moe.HOLDS_ERROR, RuntimeError, "rank 1's arena holds the error")):
+                               (moe.HOLDS_ERROR, RuntimeError, "rank 1's arena holds the error"),
+                               (moe.MID_STEP, RuntimeError, "rank 1's arena was left mid-step")):
         peers = _exchanging(_cpu_peers(0), [code, *_EP_KEY])
         with pytest.raises(error, match=match):
             peers.claim(_Owner(), _EP_KEY)
@@ -707,7 +722,7 @@ def test_bad_input_is_refused_before_any_launch():
         moe.ExpertParallel.emulated(3, 16, 512, 8, 2, BF16)
     with pytest.raises(RuntimeError, match="one stream per object"):  # the default stream, not the rank's
         ep.dispatch(x, ids, w)
-    assert not ep._pending
+    assert not ep.peers._mid_step
     torch.cuda.synchronize()
     assert all(int(r.peers.arena.count_nonzero()) == 0 for r in ranks)  # nothing was sent anywhere
     assert int(ep.state.count_nonzero()) == 0
@@ -943,6 +958,32 @@ def test_one_object_per_arena_and_the_step_stays_with_it():
         moe.TensorParallel(8, 1024, 64, 4, BF16, peers=peers[0])
     with pytest.raises(RuntimeError, match="holds the error of an earlier step"):
         moe.ExpertParallel(*args, peers=peers[1])
+
+
+@pytest.mark.gpu
+def test_objects_dropped_between_dispatch_and_combine_leave_their_arenas_refused():
+    """Both ranks dispatch, then drop their objects before combining: new objects on those arenas would
+    repeat the abandoned step against the peers' flags of it (waits passing at once on rows being
+    rewritten), so each rank refuses them; new arenas serve."""
+    gen = torch.Generator().manual_seed(26)
+    scale = _scale(32, BF16)
+    args = (32, 1024, 64, 4, BF16)
+    peers = moe.Peers.emulated(2, moe._layout(moe.ExpertParallel.regions(2, 1024, 64, 4, BF16))[1])
+    eps = [moe.ExpertParallel(*args, peers=p, timeout_ms=500) for p in peers]
+    batches = [_single_batch(gen) for _ in eps]
+    _each(eps, lambda r, ep: ep.dispatch(*batches[r]))
+    torch.cuda.synchronize()
+    del eps
+    gc.collect()
+    for p in peers:
+        with pytest.raises(RuntimeError, match=rf"rank {p.rank}'s arena was left mid-step"):
+            moe.ExpertParallel(*args, peers=p)
+    eps = moe.ExpertParallel.emulated(2, *args)
+    outs = _each(eps, lambda r, ep: _ep_call(ep, *batches[r], scale))
+    torch.cuda.synchronize()
+    for r, ep in enumerate(eps):
+        ep.check()
+        assert torch.equal(outs[r], _single_gpu(*batches[r], scale))
 
 
 @pytest.mark.gpu
