@@ -378,7 +378,7 @@ class _Dispatch:
     def finalize_prefill(self, mIds: cute.Tensor, mSlot: cute.Tensor, s_base: cute.Tensor, s_off: cute.Tensor,
                          s_stored: cute.Tensor, p0: Int32, p1: Int32, n_invalid: Int32, tid: Int32):
         """Rank -> slot (or -1 when the pair is not routed, does not fit, or the routing is invalid)."""
-        k = self.k
+        E, k = self.E, self.k
         for base in cutlass.range(p0, p1, self.nt):
             p = base + tid
             if p < p1:
@@ -388,9 +388,13 @@ class _Dispatch:
                 s = Int32(-1)
                 if (r >= 0) & (n_invalid == 0):
                     e = self.local(mIds[t, j])
-                    r = r + s_base[e]
-                    if r < s_stored[e]:
-                        s = s_off[e] + r
+                    # The id is read again, and one rewritten since count() (a peer's arena written out of
+                    # turn, after an error) must still give a slot in [0, capacity), never an index past
+                    # the experts (s_off[e] + s_stored[e] <= capacity; s_base[e] may be unset then).
+                    if (e >= 0) & (e < E):
+                        r = r + s_base[e]
+                        if (r >= 0) & (r < s_stored[e]):
+                            s = s_off[e] + r
                 mSlot[t, j] = s
 
     @cute.jit

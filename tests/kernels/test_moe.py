@@ -3,6 +3,7 @@ the eager fast path with a cached plan), correctness against independent referen
 across shapes, the prefill workspace (back to back, two streams, graphs), CUDA graphs and torch.compile
 (GPU). The plan modules alone: test_moe_plan.py."""
 import re
+import time
 import types
 import zlib
 
@@ -435,6 +436,41 @@ def test_dispatch_invalid_ids(mode, bad):
             res.check()
         with pytest.raises(ValueError, match="outside"):
             rosekernels.moe_dispatch(x, ids, E, block_size=16, buffer=poison.clone(), mode=mode, check=True)
+
+
+@pytest.mark.gpu
+def test_prefill_ids_rewritten_mid_launch_never_index_past_the_experts():
+    """The prefill variant reads each id twice, counting and then placing: an id rewritten in between
+    (an expert-parallel receive region written out of turn, after an error) must give slot -1, not a
+    slot from shared memory past the experts. The launch is held at its grid barrier (the workspace's
+    counter preset one below zero) while every id becomes -1: no slot, nothing written in the buffer
+    or past it (unbounded, e = -1 read the neighbours of s_off, s_stored and s_base: here the last
+    expert's count of 64 as an offset, slots 64.. of a 16-row buffer)."""
+    E, k, H, B, C = 8, 1, 256, 16, 16
+    fn = md.compile(md.Config("bf16", H, E, k, "prefill")).fn
+    ids = torch.tensor([0] * 16 + [E - 1] * 64, dtype=I32, device="cuda")[:, None]
+    T = ids.shape[0]
+    x = torch.randn(T, H, device="cuda").to(BF16)
+    backing = _poisoned(C + 128, H, BF16)  # the buffer, then rows no slot may reach
+    poison = backing.clone()
+    slot_map = torch.full((T, k), -7, dtype=I32, device="cuda")
+    meta = torch.full((md.meta_layout(E)["size"],), -7, dtype=I32, device="cuda")
+    ws = torch.zeros(md.WS_INTS, dtype=I32, device="cuda")
+    ws[md.WS_SYNC] = -1
+    torch.cuda.synchronize()
+    launch_stream, other = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(launch_stream):
+        fn(x, ids, backing[:C], slot_map, meta, ws, B, 1)
+    with torch.cuda.stream(other):
+        deadline = time.monotonic() + 10
+        while int(ws[md.WS_SYNC]) != 0 and time.monotonic() < deadline:  # until the CTA counted and waits
+            time.sleep(0.001)
+        ids.fill_(-1)
+        ws[md.WS_SYNC:md.WS_SYNC + 1].add_(1)  # the barrier opens
+    torch.cuda.synchronize()
+    assert (slot_map == -1).all()
+    assert torch.equal(_bits(backing), _bits(poison))
+    assert not ws.any()
 
 
 @pytest.mark.gpu
