@@ -370,6 +370,14 @@ class _Parallel:
         checks.check_unit_last_stride(name, t)
         checks.check_aligned(name, t)
 
+    @staticmethod
+    def _check_disjoint(out: torch.Tensor, **inputs: torch.Tensor) -> None:
+        """Before any launch: an out that overlaps an input would be written while other CTAs (or
+        moe_combine, after the step's peer kernels) still read it."""
+        for name, t in inputs.items():
+            if checks.overlap(out, t):
+                raise ValueError(f"out must not overlap {name}")
+
     def _check_routing(self, name: str, t: Any, tokens: int, dtypes: tuple[torch.dtype, ...]) -> None:
         checks.check_cuda(name, t)
         checks.check_dtype(name, t, dtypes)
@@ -550,7 +558,8 @@ class ExpertParallel(_Parallel):
 
     def combine(self, expert_out: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """expert_out: the grouped GEMM's output over the last dispatch's buffer (same rows). Returns
-        out [T, H]: for each of this rank's tokens, sum_j w[t, j] * its expert rows (dropped pairs 0)."""
+        out [T, H]: for each of this rank's tokens, sum_j w[t, j] * its expert rows (dropped pairs 0);
+        out must not overlap the dispatch's topk_weights."""
         if not self.peers._mid_step:
             raise RuntimeError("combine needs a dispatch first (every rank runs dispatch, combine, dispatch, "
                                "... in that order)")
@@ -559,6 +568,7 @@ class ExpertParallel(_Parallel):
             out = expert_out.new_empty(self._tokens, self.hidden)
         self._check_rows("out", out, self._tokens)
         checks.check_not_expanded("out", out)
+        self._check_disjoint(out, topk_weights=self._weights)
         self._enter()
         launch.on_device(self.device.index, self._return, expert_out, self._received.slot_map, self.addr, self.state,
                          self.rank, self.max_tokens, self._return_grid)
@@ -621,7 +631,8 @@ class TensorParallel(_Parallel):
 
     def combine(self, expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-        """out [T, H] = sum over ranks of each rank's moe_combine(expert_out, topk_weights, slot_map)."""
+        """out [T, H] = sum over ranks of each rank's moe_combine(expert_out, topk_weights, slot_map);
+        out must not overlap an input."""
         tokens = slot_map.shape[0] if isinstance(slot_map, torch.Tensor) and slot_map.dim() == 2 else -1
         self._check_rows("expert_out", expert_out)
         self._check_routing("slot_map", slot_map, tokens, (torch.int32,))
@@ -629,6 +640,7 @@ class TensorParallel(_Parallel):
         if out is None:
             out = expert_out.new_empty(tokens, self.hidden)
         self._check_rows("out", out, tokens)
+        self._check_disjoint(out, expert_out=expert_out, topk_weights=topk_weights, slot_map=slot_map)
         self._check_tokens(tokens)
         self._enter()
         if combine_mode(tokens) == "prefill":

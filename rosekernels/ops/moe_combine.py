@@ -2,7 +2,8 @@
 kernel: rosekernels/kernels/moe_combine.py).
 
 validate -> config (the mode by T, or the tuned store's) -> compile -> plan -> launch: the first call
-with an argument signature does all of it; later ones check two pointers and launch.
+with an argument signature does all of it; later ones check the pointers (alignment, overlap) and
+launch.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from rosekernels.kernels.moe_common import DTYPES, check_sm90, rows_view
 def moe_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor,
                 out: torch.Tensor | None = None, *, mode: str | None = None) -> torch.Tensor:
     """out[t] = sum_j topk_weights[t, j] * expert_out[slot_map[t, j]] (fp32 accumulation), slots -1
-    skipped; out [T, H] in expert_out's dtype (allocated if not given; it must not overlap expert_out).
+    skipped; out [T, H] in expert_out's dtype (allocated if not given; it must not overlap an input).
     `mode` forces "prefill" or "decode" (default: by T).
 
     Registered as torch.ops.rosekernels.moe_combine (mutating `out`) for torch.compile and fake
@@ -48,11 +49,13 @@ def _call_op(expert_out: Any, topk_weights: Any, slot_map: Any, out: Any, mode: 
 
 class _Plan(launch.Launch):
     """A combine validated for one signature; fn None: no tokens, nothing to launch. `canonical`: some
-    tensor needs `rows_view` (a size-1 dim with an odd stride)."""
+    tensor needs `rows_view` (a size-1 dim with an odd stride); `extents`: the bytes expert_out,
+    topk_weights, slot_map and out span (checks.extent)."""
 
-    def __init__(self, fn: Any, device: int, canonical: bool):
+    def __init__(self, fn: Any, device: int, canonical: bool, extents: list[int]):
         super().__init__(fn, device)
         self.canonical = canonical
+        self.extents = extents
 
     def launch(self, expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor,
                out: torch.Tensor) -> None:
@@ -66,7 +69,7 @@ _plans = launch.PlanCache()
 
 def _run(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor, out: torch.Tensor,
          mode: str | None) -> None:
-    """Launch on plain tensors. Per call: the plan's key, two pointer checks, the launch; the first
+    """Launch on plain tensors. Per call: the plan's key, the pointer checks, the launch; the first
     call with a key validates everything and compiles or loads the kernel."""
     # The plan's signature, written out: a generic builder (a loop over the arguments) costs ~1 us more.
     key = (expert_out.shape, expert_out.stride(), expert_out.dtype, expert_out.get_device(),
@@ -76,9 +79,10 @@ def _run(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.T
     plan = _plans.get(key) or _plans.put(key, _new_plan(expert_out, topk_weights, slot_map, out, mode))
     if plan.fn is None:
         return
-    if expert_out.data_ptr() % 16 or out.data_ptr() % 16:  # the only property the key does not cover
-        checks.check_aligned("expert_out", expert_out)
-        checks.check_aligned("out", out)
+    inputs = (expert_out, topk_weights, slot_map)
+    if expert_out.data_ptr() % 16 or out.data_ptr() % 16 or checks.overlaps_any(out, plan.extents[3], inputs,
+                                                                                plan.extents):
+        _check_pointers(expert_out, topk_weights, slot_map, out)  # raises, saying which
     plan.launch(expert_out, topk_weights, slot_map, out)
 
 
@@ -90,7 +94,19 @@ def _new_plan(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: to
     cfg = validate(*views, mode or choose_mode(slot_map.shape[0]))
     cfg = tuned.tuned_config(kernel, CombineShape.of(expert_out, topk_weights, slot_map), cfg)
     fn = kernel.compile(cfg).fn if out.numel() else None
-    return _Plan(fn, out.device.index, any(v.stride() != t.stride() for v, t in zip(views, tensors)))
+    return _Plan(fn, out.device.index, any(v.stride() != t.stride() for v, t in zip(views, tensors)),
+                 [checks.extent(t) for t in tensors])
+
+
+def _check_pointers(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor,
+                    out: torch.Tensor) -> None:
+    """What a plan's key does not cover: 16-byte alignment, out overlapping an input (the kernel
+    would read rows that other threads already wrote)."""
+    checks.check_aligned("expert_out", expert_out)
+    checks.check_aligned("out", out)
+    for name, t in (("expert_out", expert_out), ("topk_weights", topk_weights), ("slot_map", slot_map)):
+        if checks.overlap(out, t):
+            raise ValueError(f"out must not overlap {name}")
 
 
 def validate(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor, out: torch.Tensor,
@@ -122,8 +138,7 @@ def validate(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: tor
         for name, t in (("expert_out", expert_out), ("topk_weights", topk_weights), ("slot_map", slot_map),
                         ("out", out)):
             checks.check_unit_last_stride(name, t)
-        checks.check_aligned("expert_out", expert_out)
-        checks.check_aligned("out", out)
+        _check_pointers(expert_out, topk_weights, slot_map, out)
         checks.check_not_expanded("out", out)
     return cfg
 

@@ -2,7 +2,8 @@
 layout and what the counters mean: rosekernels/kernels/moe_dispatch.py).
 
 validate -> config (the mode by T*k, or the tuned store's) -> compile -> plan -> launch: the first call
-with an argument signature does all of it; later ones check two pointers and launch.
+with an argument signature does all of it; later ones check the pointers (alignment, overlap) and
+launch.
 """
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ def moe_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, capa
     """Group the tokens of x [T, H] by expert: see the module docstring for the layout.
 
     topk_ids [T, k] int32 (-1 = not routed). `capacity` (rows of the buffer) defaults to the worst case
-    `default_capacity(...)`; pass `buffer` [capacity, H] to reuse one (its rows outside the experts'
-    stored tokens are left as they were). `mode` forces "prefill" or "decode" (default: by T*k).
+    `default_capacity(...)`; pass `buffer` [capacity, H] to reuse one (overlapping neither x nor
+    topk_ids; its rows outside the experts' stored tokens are left as they were). `mode` forces
+    "prefill" or "decode" (default: by T*k).
 
     Nothing is raised on the device: ids outside [-1, E) make the whole dispatch a no-op (counted in
     `.invalid`), and pairs past the capacity are dropped (slot -1, counted in `.overflow`). Call
@@ -81,10 +83,11 @@ def _call_op(x: Any, topk_ids: Any, buffer: Any, num_experts: int, block_size: i
 class _Plan(launch.Launch):
     """A dispatch validated for one signature: beyond the kernel and its device, the block size, the
     grid, the size of `meta`, whether it takes the prefill scratch, and whether some tensor needs
-    `rows_view` (a size-1 dim with an odd stride)."""
+    `rows_view` (a size-1 dim with an odd stride); `extents`: the bytes x, topk_ids and buffer span
+    (checks.extent)."""
 
     def __init__(self, fn: Any, device: torch.device, cfg: DispatchConfig, block_size: int, grid: int,
-                 canonical: bool):
+                 canonical: bool, extents: list[int]):
         super().__init__(fn, device.index)
         self.torch_device = device
         self.prefill = cfg.mode == "prefill"
@@ -92,6 +95,7 @@ class _Plan(launch.Launch):
         self.grid = grid
         self.meta_size = meta_layout(cfg.num_experts)["size"]
         self.canonical = canonical
+        self.extents = extents
 
     def launch(self, x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor,
                private_scratch: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +119,7 @@ _plans = launch.PlanCache()
 def _run(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_experts: int, block_size: int,
          mode: str | None, local_experts: tuple[int, int] | None = None,
          private_scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch on plain tensors. Per call: the plan's key, two pointer checks, the two outputs, the
+    """Launch on plain tensors. Per call: the plan's key, the pointer checks, the two outputs, the
     launch; the first call with a key validates everything and compiles or loads the kernel."""
     # The plan's signature, written out: a generic builder (a loop over the arguments) costs ~1 us more.
     key = (x.shape, x.stride(), x.dtype, x.get_device(), topk_ids.shape, topk_ids.stride(), topk_ids.dtype,
@@ -123,9 +127,9 @@ def _run(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_expe
            num_experts, block_size, mode, local_experts)
     plan = _plans.get(key) or _plans.put(key, _new_plan(x, topk_ids, buffer, num_experts, block_size, mode,
                                                         local_experts))
-    if x.data_ptr() % 16 or buffer.data_ptr() % 16:  # the only property the key does not cover
-        checks.check_aligned("x", x)
-        checks.check_aligned("buffer", buffer)
+    if x.data_ptr() % 16 or buffer.data_ptr() % 16 or checks.overlaps_any(buffer, plan.extents[2], (x, topk_ids),
+                                                                          plan.extents):
+        _check_pointers(x, topk_ids, buffer)  # raises, saying which
     return plan.launch(x, topk_ids, buffer, private_scratch)
 
 
@@ -138,7 +142,18 @@ def _new_plan(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num
         cfg = tuned.tuned_config(kernel, DispatchShape.of(x, topk_ids, num_experts), cfg)
     canonical = any(v.stride() != t.stride() for v, t in zip(views, (x, topk_ids, buffer)))
     grid = num_ctas(cfg, x.shape[0], modes.sm_count(x.device.index))
-    return _Plan(kernel.compile(cfg).fn, x.device, cfg, block_size, grid, canonical)
+    return _Plan(kernel.compile(cfg).fn, x.device, cfg, block_size, grid, canonical,
+                 [checks.extent(t) for t in (x, topk_ids, buffer)])
+
+
+def _check_pointers(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor) -> None:
+    """What a plan's key does not cover: 16-byte alignment, the buffer overlapping an input (the
+    copy would read tokens that other threads already overwrote)."""
+    checks.check_aligned("x", x)
+    checks.check_aligned("buffer", buffer)
+    for name, t in (("x", x), ("topk_ids", topk_ids)):
+        if checks.overlap(buffer, t):
+            raise ValueError(f"buffer must not overlap {name}")
 
 
 def validate(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_experts: int,
@@ -177,8 +192,7 @@ def validate(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_
         check_sm90(x.device)
         for name, t in (("x", x), ("topk_ids", topk_ids), ("buffer", buffer)):
             checks.check_unit_last_stride(name, t)
-        checks.check_aligned("x", x)
-        checks.check_aligned("buffer", buffer)
+        _check_pointers(x, topk_ids, buffer)
         checks.check_not_expanded("buffer", buffer)
     return cfg
 

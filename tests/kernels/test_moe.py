@@ -214,6 +214,38 @@ def test_cached_plan_still_rejects_before_launch(cpu_kernels):
     assert len(calls) == 2 and out.isnan().all()
 
 
+def test_outputs_overlapping_an_input_are_rejected_before_launch(cpu_kernels):
+    """The kernels write their outputs while other threads still read the inputs: a buffer overlapping
+    x or topk_ids, or a combine's out overlapping an input, raises before the kernel is called, on a new
+    plan and on a cached one (its key holds shapes and strides, not addresses). Sizes of its own: the
+    plans stay cached."""
+    T, H, E, k, C = 3, 96, 6, 2, 16
+    calls = cpu_kernels
+    ids = torch.randint(0, E, (T, k), dtype=I32)
+    rows = torch.zeros(C + T, H, dtype=BF16)
+    for x, buffer, match in ((rows[C:], rows[:C], None), (rows[C - 1:C - 1 + T], rows[:C], "x")):
+        if match is None:  # disjoint: plans the key
+            rosekernels.moe_dispatch(x, ids, E, block_size=4, buffer=buffer)
+            continue
+        with pytest.raises(ValueError, match=f"buffer must not overlap {match}"):
+            rosekernels.moe_dispatch(x, ids, E, block_size=4, buffer=buffer)
+    as_ids = rows.view(I32)[:T, :k]  # a new key: validated
+    with pytest.raises(ValueError, match="buffer must not overlap topk_ids"):
+        rosekernels.moe_dispatch(rows[C:], as_ids, E, block_size=4, buffer=rows[:C])
+    assert len(calls) == 1
+
+    w, slots = torch.rand(T, k), torch.zeros(T, k, dtype=I32)
+    expert_out = rows[:C]
+    rosekernels.moe_combine(expert_out, w, slots, rows[C:])  # disjoint: plans the key
+    for out, name in ((rows[C - 2:C - 2 + T], "expert_out"), (rows[:T], "expert_out")):
+        with pytest.raises(ValueError, match=f"out must not overlap {name}"):
+            rosekernels.moe_combine(expert_out, w, slots, out)
+    weights_out = torch.zeros(T, H, dtype=BF16)
+    with pytest.raises(ValueError, match="out must not overlap topk_weights"):  # a new key: validated
+        rosekernels.moe_combine(expert_out, weights_out.view(torch.float32)[:, :k], slots, weights_out)
+    assert len(calls) == 2 and not rows.any()
+
+
 def test_result_views():
     E = 5
     meta = torch.arange(2 * E + 3, dtype=I32)

@@ -18,6 +18,7 @@ import dataclasses
 import gc
 import re
 import time
+import types
 
 import pytest
 import torch
@@ -420,6 +421,36 @@ def test_construction_claims_the_arena_once_every_rank_agrees(monkeypatch):
         with pytest.raises(ValueError, match=r"disagree on num_experts \(rank 0: (16|32), rank 1: (32|16)\)"):
             moe.ExpertParallel(mine, 256, 8, 2, peers=peers)
         assert peers._owner is None
+
+
+def test_combine_refuses_an_out_overlapping_an_input_before_any_launch(monkeypatch):
+    """Both forms on CPU tensors (the device checks passed): an out that overlaps what the step's kernels
+    still read raises before the call enters its step."""
+    _stub_construction(monkeypatch, moe._Parallel._preloaded)
+    monkeypatch.setattr(moe.TensorParallel, "_preload", moe._Parallel._preloaded)
+    monkeypatch.setattr(moe.checks, "check_cuda", lambda name, t: None)
+
+    def no_step(self):
+        raise AssertionError("entered the step")
+
+    monkeypatch.setattr(moe._Parallel, "_enter", no_step)
+    T, H, k = 4, 256, 2
+    tp_key = [0, *moe.TensorParallel.layout_key(2, 16, H, 8, k, BF16, torch.float32, 1)]
+    tp = moe.TensorParallel(16, H, 8, k, peers=_exchanging(_cpu_peers(nbytes=1 << 16), tp_key))
+    rows = torch.zeros(16, H, dtype=BF16)
+    w, slots = torch.rand(T, k), torch.zeros(T, k, dtype=torch.int32)
+    with pytest.raises(ValueError, match="out must not overlap expert_out"):  # the fused decode path's race
+        tp.combine(rows, w, slots, out=rows[8:8 + T])
+    out = torch.zeros(T, H, dtype=BF16)
+    with pytest.raises(ValueError, match="out must not overlap slot_map"):
+        tp.combine(rows, w, out.view(torch.int32)[:, :k], out=out)
+
+    ep_key = [0, *moe.ExpertParallel.layout_key(2, 16, H, 8, k, BF16, torch.float32, 1)]
+    ep = moe.ExpertParallel(16, H, 8, k, peers=_exchanging(_cpu_peers(nbytes=1 << 16), ep_key))
+    ep.peers._mid_step, ep._tokens, ep._weights = True, T, out.view(torch.float32)[:, :k]  # as a dispatch leaves
+    ep._received = types.SimpleNamespace(buffer=rows)
+    with pytest.raises(ValueError, match="out must not overlap topk_weights"):  # moe_combine's, after the step
+        ep.combine(rows, out=out)
 
 
 def test_without_a_process_group_construction_says_how():
