@@ -476,6 +476,10 @@ def _check_args(world: int, num_experts: Any, hidden: Any, max_tokens: Any, topk
         raise ValueError(f"topk must be at most {MAX_TOPK}, got {topk}")
     if hidden % checks.vector_width(dtype):
         raise ValueError(f"hidden {hidden} must be a multiple of {checks.vector_width(dtype)} (16 bytes)")
+    # tp_reduce's int32 vector index reaches tokens * hidden / vec plus one grid-stride step, up to
+    # MAX_CTAS * TP_THREADS (more than checks.INDEX_SLACK, the margin of moe_combine's bound).
+    if max_tokens * (hidden // checks.vector_width(dtype)) + moe_peer.MAX_CTAS * moe_peer.TP_THREADS >= 2**31:
+        raise ValueError(f"max_tokens x hidden ({max_tokens} x {hidden}) exceeds the kernels' 32-bit indexing")
     if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, (int, float)) or not 0 < timeout_ms < 1e9:
         raise ValueError(f"timeout_ms must be a positive number of milliseconds (under 1e9), got {timeout_ms!r}")
 

@@ -246,7 +246,8 @@ def test_arena_regions_are_aligned_and_disjoint(cls):
 @pytest.mark.parametrize("kw,error", [
     (dict(dtype="bf16"), TypeError), (dict(max_tokens=None), ValueError), (dict(world=33), ValueError),
     (dict(topk=65), ValueError), (dict(hidden=100), ValueError), (dict(timeout_ms=0), ValueError),
-    (dict(weight_dtype=torch.float16), TypeError), (dict(max_tokens=moe.MAX_TOKENS + 1), ValueError)])
+    (dict(weight_dtype=torch.float16), TypeError), (dict(max_tokens=moe.MAX_TOKENS + 1), ValueError),
+    (dict(max_tokens=2**23, hidden=2048), ValueError)])  # 2^31 vectors: tp_reduce's index would wrap
 def test_constructor_arguments_are_checked_before_anything_is_allocated(kw, error):
     args = dict(world=2, num_experts=16, hidden=256, max_tokens=8, topk=2, dtype=BF16, weight_dtype=torch.float32,
                 timeout_ms=100)
