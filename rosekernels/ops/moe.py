@@ -37,11 +37,16 @@ must agree on the layout (its class, world, experts, hidden size, max_tokens, to
 and arena regions: ranks that differ would misread each other's flags or write past each other's
 regions), compared by an all_gather that also keeps any rank from starting a step before all are
 built; a disagreement, or an arena that cannot serve on any rank, refuses the construction on every
-rank. Emulated ranks are built one after another: each is compared with the other ranks' live
-objects, and on a disagreement those are marked failed too (their next call raises). Eager calls run
-on one stream (an emulated rank's own `stream`; else the first eager call's): the protocol reuses the
-arena on the strength of stream order, so a call from another stream is refused. Calls captured in a
-CUDA graph are not checked: replay them on that stream, or order them with it by events.
+rank. A construction that raises on some ranks only before the claim (an argument only they reject,
+a kernel that fails to build or load, memory they cannot get) is not told to the others: they wait
+in their collective steps (`Peers.symmetric`'s allocation and rendezvous, the claim's all_gather)
+until the process group's timeout. Pass every rank the same arguments, and let an exception end the
+job (torchrun does). Emulated ranks are built one after another: each is compared with the other
+ranks' live objects, and on a disagreement those are marked failed too (their next call raises).
+Eager calls run on one stream (an emulated rank's own `stream`; else the first eager call's): the
+protocol reuses the arena on the strength of stream order, so a call from another stream is refused.
+Calls captured in a CUDA graph are not checked: replay them on that stream, or order them with it by
+events.
 
 Expert parallel (DP = n): rank r owns experts r*E/n .. (r+1)*E/n - 1. dispatch sends each token once
 to every rank owning one of its experts (16-byte vectors into a per-sender receive region, then a
