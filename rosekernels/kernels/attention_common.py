@@ -30,6 +30,7 @@ CUTE_DTYPES = {name: checks.cute_dtype(name) for name in DTYPES}
 TORCH_DTYPES = {checks.TORCH_DTYPE[name]: name for name in DTYPES}
 MAX_INDEX = 2**31  # the attention kernels index elements, keys and tiles with 32 bits
 GRID_BATCH = 65535  # batch entries in one launch: the decode kernel's grid has a batch dimension
+ALLOCATED_OUT = "out (allocated contiguous in q's shape)"  # what the span checks call out when out=None
 
 # ---------------------------------------------------------------------------------------------
 # Device helpers.
@@ -163,8 +164,10 @@ def validate(q, k, v, out, softmax_scale, pointers: bool = True, sliced: bool = 
         checks.check_shape("out", out, tuple(q.shape))
     if Hq > 65535 or (B > GRID_BATCH and not sliced):  # the prefill grid is 1-D, the decode kernel's is not
         raise ValueError(f"batch ({B}) and heads ({Hq}) must each be at most 65535 (grid limits)")
-    # Sliced: the span limit holds per launch (out, when the op allocates it, is contiguous like q's).
-    per = min(batch_per_launch(q, k, v, out), B) if sliced else B
+    # out=None: the limits apply to the out the op allocates, contiguous (a q whose rows overlap spans less).
+    out_like = torch.empty(q.shape, device="meta") if out is None else out
+    # Sliced: the span limit holds per launch.
+    per = min(batch_per_launch(q, k, v, out_like), B) if sliced else B
     Hkv = k.shape[2]
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"the number of query heads ({Hq}) must be a multiple of the KV heads ({Hkv})")
@@ -174,6 +177,8 @@ def validate(q, k, v, out, softmax_scale, pointers: bool = True, sliced: bool = 
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
         if t is not None:
             check_operand(name, t, pointers, entries=per)
+    if out is None:
+        check_span(ALLOCATED_OUT, out_like, per)
     checks.check_same_device(q=q, k=k, v=v, out=out)
     return scale
 
@@ -212,8 +217,13 @@ def check_operand(name: str, t: torch.Tensor, pointers: bool = True, vectors: bo
         checks.check_aligned(name, tma_view(t), 16, pointer=pointers)
     if any(s == 0 for n, s in zip(t.shape, t.stride()) if n > 1):
         raise ValueError(f"{name} has a zero stride (an expanded view); pass a materialized tensor")
+    check_span(name, t, entries)
+
+
+def check_span(name: str, t: torch.Tensor, entries: int | None = None) -> None:
+    """ValueError unless t's span (over its first `entries` entries of dim 0) stays under MAX_INDEX."""
     shape = t.shape if entries is None else (min(entries, t.shape[0]), *t.shape[1:])
-    if sum((n - 1) * s for n, s in zip(shape, t.stride())) >= MAX_INDEX:
+    if t.numel() and sum((n - 1) * s for n, s in zip(shape, t.stride())) >= MAX_INDEX:
         raise ValueError(f"{name} spans 2^31 elements or more; the kernel indexes with 32 bits")
 
 

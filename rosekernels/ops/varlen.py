@@ -31,7 +31,8 @@ import torch
 
 from rosekernels import checks, launch, modes, scratch
 from rosekernels.kernels import attention as prefill
-from rosekernels.kernels.attention_common import LOG2_E, MAX_INDEX, TORCH_DTYPES, check_operand, scale_of, tma_view
+from rosekernels.kernels.attention_common import (
+    ALLOCATED_OUT, LOG2_E, MAX_INDEX, TORCH_DTYPES, check_operand, check_span, scale_of, tma_view)
 from rosekernels.kernels.attention_plan import HEAD_DIMS, AttentionConfig, grid_size, varlen_config
 
 _plans = launch.PlanCache()
@@ -93,6 +94,8 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     for name, t in named:
         if t is not None:
             check_operand(name, t, pointers, vectors=t.dtype != torch.int32)
+    if out is None:  # the op allocates it contiguous: it may span more than q, whose rows may overlap
+        check_span(ALLOCATED_OUT, torch.empty(q.shape, device="meta"))
     checks.check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, out=out)
     return scale, max_seqlen_q, max_seqlen_k
 

@@ -12,7 +12,7 @@ from kernel_sass import sass_of
 from sip.cubin import parse_cubin
 
 import rosekernels
-from rosekernels import modes, scratch
+from rosekernels import checks, modes, scratch
 from rosekernels.kernels import attention as A
 from rosekernels.kernels import attention_common as AC
 from rosekernels.kernels import attention_tiles
@@ -454,6 +454,29 @@ def test_sliced_validation_still_checks_the_batch_stride():
             AC.validate(q, kv, kv, None, None, pointers=False)
         with pytest.raises(ValueError, match="zero stride"):
             AC.validate(q, kv, kv, fake((2, 64, 16, 128), (0, 2048, 128, 1)), None, pointers=False, sliced=True)
+
+
+def _meta(shape, stride):
+    return torch.empty_strided(shape, stride, device="meta", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("entry", ["attention", "attention_decode"])
+def test_the_out_the_op_allocates_is_held_to_the_span_limit(monkeypatch, entry):
+    """out=None: the op allocates out contiguous, so it spans more than a q whose heads overlap (a
+    legal input). One entry of it past 2^31 elements is refused, as the same out passed in is,
+    rather than stored through 32-bit indices that wrap; a batch of smaller entries runs in slices."""
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # meta tensors stand in for CUDA ones
+    s = 2**21
+    q = _meta((1, s, 16, 128), (s * 128, 128, 8, 1))  # heads 8 elements apart: 2^28 elements, out 2^32
+    kv = _meta((1, 8192, 4, 128), (8192 * 512, 512, 128, 1))
+    fn = getattr(rosekernels, entry)
+    with pytest.raises(ValueError, match=r"out \(allocated contiguous in q's shape\) spans 2\^31"):
+        fn(q, kv, kv)
+    with pytest.raises(ValueError, match=r"out spans 2\^31"):
+        fn(q, kv, kv, out=torch.empty(q.shape, device="meta", dtype=q.dtype))
+    q = _meta((4, s // 4, 16, 128), (s * 32, 128, 8, 1))  # out: 2^30 elements an entry, two per launch
+    kv = _meta((4, 8192, 4, 128), (8192 * 512, 512, 128, 1))
+    AC.validate(q, kv, kv, None, None, sliced=True)
 
 
 def test_a_dynamic_batch_traces_once():

@@ -15,7 +15,7 @@ from attention_reference import decode_sass, check, check_kvcache, paged_cache, 
 import lying_tables
 
 import rosekernels
-from rosekernels import scratch
+from rosekernels import checks, scratch
 from rosekernels.kernels import attention_decode as D
 from rosekernels.ops.kvcache import check_cache_tables, plan_kvcache
 
@@ -177,6 +177,21 @@ def test_invalid_arguments_raise_before_anything_is_written(change, exc, match):
     with pytest.raises(exc, match=match):
         rosekernels.attention_with_kvcache(**args, out=out)
     assert torch.equal(out, before)
+
+
+def test_the_out_the_op_allocates_is_held_to_the_span_limit(monkeypatch):
+    """out=None: the op allocates out contiguous, so it spans more than a q whose heads overlap (a
+    legal input); past 2^31 elements it is refused, as the same out passed in is."""
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # meta tensors stand in for CUDA ones
+    b = 65535
+    q = torch.empty_strided((b, 1, 512, 128), (4096, 4096, 8, 1), device="meta", dtype=torch.bfloat16)  # out 2^32
+    cache = torch.empty(b, 16, 8, 128, device="meta", dtype=torch.bfloat16)
+    lengths = torch.empty(b, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match=r"out \(allocated contiguous in q's shape\) spans 2\^31"):
+        rosekernels.attention_with_kvcache(q, cache, cache, lengths)
+    with pytest.raises(ValueError, match=r"out spans 2\^31"):
+        rosekernels.attention_with_kvcache(q, cache, cache, lengths, out=torch.empty(q.shape, device="meta",
+                                                                                      dtype=q.dtype))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from attention_reference import check, sync
 from kernel_sass import sass_of
 
 import rosekernels
+from rosekernels import checks
 from rosekernels.kernels import attention as A
 from rosekernels.ops.varlen import VarlenLaunch, check_lengths
 
@@ -143,6 +144,21 @@ def test_invalid_arguments_raise_before_anything_is_written(change, exc, match):
     with pytest.raises(exc, match=match):
         rosekernels.attention_varlen(**args, out=out)
     assert torch.equal(out, before)
+
+
+def test_the_out_the_op_allocates_is_held_to_the_span_limit(monkeypatch):
+    """out=None: the op allocates out contiguous, so it spans more than a q whose heads overlap (a
+    legal input); past 2^31 elements it is refused, as the same out passed in is."""
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # meta tensors stand in for CUDA ones
+    meta = lambda shape, stride: torch.empty_strided(shape, stride, device="meta", dtype=torch.bfloat16)  # noqa: E731
+    q = meta((2**21, 16, 128), (128, 8, 1))  # heads 8 elements apart: 2^28 elements, out 2^32
+    kv = meta((8192, 4, 128), (512, 128, 1))
+    cu = torch.empty(2, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match=r"out \(allocated contiguous in q's shape\) spans 2\^31"):
+        rosekernels.attention_varlen(q, kv, kv, cu, cu, 2**21, 8192)
+    with pytest.raises(ValueError, match=r"out spans 2\^31"):
+        rosekernels.attention_varlen(q, kv, kv, cu, cu, 2**21, 8192, out=torch.empty(q.shape, device="meta",
+                                                                                      dtype=q.dtype))
 
 
 @pytest.mark.parametrize("cu, match", [
