@@ -179,6 +179,8 @@ def validate(q, k, v, out, softmax_scale, pointers: bool = True, sliced: bool = 
             check_operand(name, t, pointers, entries=per)
     if out is None:
         check_span(ALLOCATED_OUT, out_like, per)
+    else:
+        checks.check_not_expanded("out", out)  # overlapping elements of out: CTAs' stores would race
     checks.check_same_device(q=q, k=k, v=v, out=out)
     return scale
 

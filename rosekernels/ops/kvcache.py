@@ -104,6 +104,8 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, out, softm
             check_operand(name, t, pointers, vectors=t.dtype != torch.int32)
     if out is None:  # the op allocates it contiguous: it may span more than q, whose rows may overlap
         check_span(ALLOCATED_OUT, torch.empty(q.shape, device="meta"))
+    else:
+        checks.check_not_expanded("out", out)  # overlapping elements of out: CTAs' stores would race
     checks.check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                              block_table=block_table, out=out, k_descale=k_descale, v_descale=v_descale)
     return scale

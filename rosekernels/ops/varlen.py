@@ -96,6 +96,8 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
             check_operand(name, t, pointers, vectors=t.dtype != torch.int32)
     if out is None:  # the op allocates it contiguous: it may span more than q, whose rows may overlap
         check_span(ALLOCATED_OUT, torch.empty(q.shape, device="meta"))
+    else:
+        checks.check_not_expanded("out", out)  # overlapping elements of out: CTAs' stores would race
     checks.check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, out=out)
     return scale, max_seqlen_q, max_seqlen_k
 

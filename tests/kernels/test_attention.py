@@ -479,6 +479,18 @@ def test_the_out_the_op_allocates_is_held_to_the_span_limit(monkeypatch, entry):
     AC.validate(q, kv, kv, None, None, sliced=True)
 
 
+@pytest.mark.parametrize("entry", ["attention", "attention_decode"])
+def test_an_out_whose_elements_overlap_is_refused(monkeypatch, entry):
+    """Rows of out 8 elements apart (as_strided): CTAs would store the same elements; refused before
+    anything is written, as zero strides are."""
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # CPU tensors stand in for CUDA ones
+    q, k, v = _cpu(2, 64, 8, 64), _cpu(2, 64, 2, 64), _cpu(2, 64, 2, 64)
+    store = torch.full((10**5,), 7.0, dtype=q.dtype)
+    with pytest.raises(ValueError, match="out's elements overlap one another"):
+        getattr(rosekernels, entry)(q, k, v, out=store.as_strided(q.shape, (4096, 64, 8, 1)))
+    assert bool((store == 7.0).all())
+
+
 def test_a_dynamic_batch_traces_once():
     """Slicing must not make a traced batch size static: a batch marked dynamic traces one graph for
     every size that one launch takes."""

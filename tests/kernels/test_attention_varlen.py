@@ -161,6 +161,16 @@ def test_the_out_the_op_allocates_is_held_to_the_span_limit(monkeypatch):
                                                                                       dtype=q.dtype))
 
 
+def test_an_out_whose_elements_overlap_is_refused(monkeypatch):
+    """Rows of out 8 elements apart (as_strided): CTAs would store the same elements; refused before
+    anything is written, as zero strides are."""
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # CPU tensors stand in for CUDA ones
+    store = torch.full((10**5,), 7.0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out's elements overlap one another"):
+        rosekernels.attention_varlen(**_args(), out=store.as_strided((40, 8, 64), (8, 8, 1)))
+    assert bool((store == 7.0).all())
+
+
 @pytest.mark.parametrize("cu, match", [
     ([1, 10, 40], r"\[0\] must be 0"),
     ([0, 30, 20], "decreases at 2: 30 then 20"),
