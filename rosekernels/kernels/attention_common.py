@@ -181,6 +181,8 @@ def validate(q, k, v, out, softmax_scale, pointers: bool = True, sliced: bool = 
         check_span(ALLOCATED_OUT, out_like, per)
     else:
         checks.check_not_expanded("out", out)  # overlapping elements of out: CTAs' stores would race
+        if pointers:
+            check_apart(out, k=k, v=v)
     checks.check_same_device(q=q, k=k, v=v, out=out)
     return scale
 
@@ -227,6 +229,31 @@ def check_span(name: str, t: torch.Tensor, entries: int | None = None) -> None:
     shape = t.shape if entries is None else (min(entries, t.shape[0]), *t.shape[1:])
     if t.numel() and sum((n - 1) * s for n, s in zip(shape, t.stride())) >= MAX_INDEX:
         raise ValueError(f"{name} spans 2^31 elements or more; the kernel indexes with 32 bits")
+
+
+def check_apart(out: torch.Tensor, **reads: torch.Tensor) -> None:
+    """ValueError if out's bytes meet those of `reads` (k and v), which other CTAs read while one writes
+    out. out may be q: each CTA reads its Q rows before it writes its O rows there."""
+    for name, t in reads.items():
+        if checks.overlap(out, t):
+            raise ValueError(f"out overlaps {name}: the kernel writes out while other CTAs read {name}")
+
+
+class OutApart:
+    """The plan of a signature with out given, for launch(q, k, v, out, ...): each call first checks that
+    out misses k and v (check_apart), whose pointers the plan's key leaves out; their byte extents
+    are the signature's, so the test reads three pointers."""
+
+    def __init__(self, plan, out: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("k", "v")):
+        self.plan, self.names = plan, names
+        self.extents = tuple(checks.span(t)[1] - t.data_ptr() for t in (out, k, v))
+
+    def launch(self, q, k, v, out, *rest) -> None:
+        po, pk, pv = out.data_ptr(), k.data_ptr(), v.data_ptr()
+        eo, ek, ev = self.extents
+        if po < pk + ek and pk < po + eo or po < pv + ev and pv < po + eo:
+            check_apart(out, **dict(zip(self.names, (k, v))))  # raises, naming which
+        self.plan.launch(q, k, v, out, *rest)
 
 
 def tma_view(t: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ random inputs (GPU). Configs and the tile heuristic: test_attention_plan.py."""
 import dataclasses
 import math
 import re
+import types
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from kernel_sass import sass_of
 from sip.cubin import parse_cubin
 
 import rosekernels
-from rosekernels import checks, modes, scratch
+from rosekernels import checks, launch, modes, scratch
 from rosekernels.kernels import attention as A
 from rosekernels.kernels import attention_common as AC
 from rosekernels.kernels import attention_tiles
@@ -489,6 +490,42 @@ def test_an_out_whose_elements_overlap_is_refused(monkeypatch, entry):
     with pytest.raises(ValueError, match="out's elements overlap one another"):
         getattr(rosekernels, entry)(q, k, v, out=store.as_strided(q.shape, (4096, 64, 8, 1)))
     assert bool((store == 7.0).all())
+
+
+@pytest.mark.parametrize("entry", ["attention", "attention_decode"])
+def test_an_out_overlapping_k_or_v_is_refused_and_out_q_is_not(monkeypatch, entry):
+    """Other CTAs read K and V while one writes out: an out overlapping either is refused before
+    anything is written. out = q is not (each tile reads its Q rows before it writes them)."""
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # CPU tensors stand in for CUDA ones
+    q, v = _cpu(2, 64, 8, 64), _cpu(2, 64, 2, 64)
+    buf = torch.full((q.numel(),), 7.0, dtype=q.dtype)
+    k, out = buf[:v.numel()].view(v.shape), buf.view(q.shape)  # out's first rows are k
+    fn = getattr(rosekernels, entry)
+    for k_, v_, name in ((k, v, "k"), (v, k, "v")):
+        with pytest.raises(ValueError, match=f"out overlaps {name}"):
+            fn(q, k_, v_, out=out)
+    assert bool((buf == 7.0).all())
+    AC.validate(q, v, v, q, None)
+
+
+def test_a_cached_plan_still_refuses_an_out_overlapping_k_or_v(monkeypatch):
+    """The plan key holds no pointers: a call that reuses a plan with an out that now overlaps k or v
+    is refused before its launch; out = q still launches."""
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # CPU tensors stand in for CUDA ones
+    monkeypatch.setattr(attention_op, "_plans", launch.PlanCache())
+    launches = []
+    plan = types.SimpleNamespace(launch=lambda *args: launches.append(args))  # no kernel on the CPU
+    monkeypatch.setattr(attention_op, "_plan", lambda *args: plan)
+    q, v = _cpu(2, 64, 8, 64), _cpu(2, 64, 2, 64)
+    buf = torch.zeros(v.numel() + q.numel(), dtype=q.dtype)
+    k = buf[:v.numel()].view(v.shape)
+    rosekernels.attention(q, k, v, out=buf[v.numel():].view(q.shape))  # plans the signature
+    overlapping = buf[:q.numel()].view(q.shape)  # the same signature, over k
+    for k_, v_, name in ((k, v, "k"), (v, k, "v")):
+        with pytest.raises(ValueError, match=f"out overlaps {name}"):
+            rosekernels.attention(q, k_, v_, out=overlapping)
+    rosekernels.attention(q, k, v, out=q)
+    assert len(launches) == 2 and len(attention_op._plans._plans) == 1
 
 
 def test_a_dynamic_batch_traces_once():

@@ -7,6 +7,7 @@ lengths, check=True, CUDA-graph replays with new lengths and torch.compile (GPU)
 import math
 import os
 import re
+import types
 
 import pytest
 import torch
@@ -15,8 +16,9 @@ from attention_reference import decode_sass, check, check_kvcache, paged_cache, 
 import lying_tables
 
 import rosekernels
-from rosekernels import checks, scratch
+from rosekernels import checks, launch, scratch
 from rosekernels.kernels import attention_decode as D
+from rosekernels.ops import kvcache
 from rosekernels.ops.kvcache import check_cache_tables, plan_kvcache
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -202,6 +204,30 @@ def test_an_out_whose_elements_overlap_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="out's elements overlap one another"):
         rosekernels.attention_with_kvcache(**_args(), out=store.as_strided((2, 3, 8, 64), (1536, 64, 8, 1)))
     assert bool((store == 7.0).all())
+
+
+def test_an_out_overlapping_a_cache_is_refused_also_by_a_cached_plan(monkeypatch):
+    """Other CTAs read the caches while one writes out: an out overlapping either is refused before
+    anything is written, on a new signature and on one already planned (the key holds no pointers);
+    out = q is not refused."""
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # CPU tensors stand in for CUDA ones
+    monkeypatch.setattr(kvcache, "_plans", launch.PlanCache())
+    launches = []
+    plan = types.SimpleNamespace(launch=lambda *args: launches.append(args))  # no kernel on the CPU
+    monkeypatch.setattr(kvcache, "plan_kvcache", lambda *args, **kwargs: plan)
+    args = _args()
+    q, _, v = (args.pop(name) for name in ("q", "k_cache", "v_cache"))
+    buf = torch.full((v.numel() + q.numel(),), 7.0, dtype=q.dtype)
+    k = buf[:v.numel()].view(v.shape)
+    overlapping = buf[:q.numel()].view(q.shape)  # inside k_cache
+    for planned in (False, True):
+        for k_, v_, name in ((k, v, "k_cache"), (v, k, "v_cache")):
+            with pytest.raises(ValueError, match=f"out overlaps {name}"):
+                rosekernels.attention_with_kvcache(q, k_, v_, **args, out=overlapping)
+        assert bool((buf == 7.0).all()) and len(launches) == planned
+        rosekernels.attention_with_kvcache(q, k, v, **args, out=buf[v.numel():].view(q.shape))  # plans it
+    rosekernels.attention_with_kvcache(q, k, v, **args, out=q)
+    assert len(launches) == 3
 
 
 # ---------------------------------------------------------------------------------------------

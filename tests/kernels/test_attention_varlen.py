@@ -7,6 +7,7 @@ lengths kept inside the tensors, CUDA-graph replays with new lengths, torch.comp
 import dataclasses
 import math
 import re
+import types
 
 import pytest
 import torch
@@ -15,8 +16,9 @@ from attention_reference import check, sync
 from kernel_sass import sass_of
 
 import rosekernels
-from rosekernels import checks
+from rosekernels import checks, launch
 from rosekernels.kernels import attention as A
+from rosekernels.ops import varlen
 from rosekernels.ops.varlen import VarlenLaunch, check_lengths
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -169,6 +171,30 @@ def test_an_out_whose_elements_overlap_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="out's elements overlap one another"):
         rosekernels.attention_varlen(**_args(), out=store.as_strided((40, 8, 64), (8, 8, 1)))
     assert bool((store == 7.0).all())
+
+
+def test_an_out_overlapping_k_or_v_is_refused_also_by_a_cached_plan(monkeypatch):
+    """Other CTAs read K and V while one writes out: an out overlapping either is refused before
+    anything is written, on a new signature and on one already planned (the key holds no pointers);
+    out = q is not refused."""
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # CPU tensors stand in for CUDA ones
+    monkeypatch.setattr(varlen, "_plans", launch.PlanCache())
+    launches = []
+    plan = types.SimpleNamespace(launch=lambda *args: launches.append(args))  # no kernel on the CPU
+    monkeypatch.setattr(varlen, "VarlenLaunch", lambda *args: plan)
+    args = _args()
+    q, _, v = (args.pop(name) for name in ("q", "k", "v"))
+    buf = torch.full((v.numel() + q.numel(),), 7.0, dtype=q.dtype)
+    k = buf[:v.numel()].view(v.shape)
+    overlapping = buf[:q.numel()].view(q.shape)  # its first rows are k
+    for planned in (False, True):
+        for k_, v_, name in ((k, v, "k"), (v, k, "v")):
+            with pytest.raises(ValueError, match=f"out overlaps {name}"):
+                rosekernels.attention_varlen(q, k_, v_, **args, out=overlapping)
+        assert bool((buf == 7.0).all()) and len(launches) == planned
+        rosekernels.attention_varlen(q, k, v, **args, out=buf[v.numel():].view(q.shape))  # plans the signature
+    rosekernels.attention_varlen(q, k, v, **args, out=q)
+    assert len(launches) == 3
 
 
 @pytest.mark.parametrize("cu, match", [
