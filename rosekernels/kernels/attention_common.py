@@ -25,6 +25,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
+FP32 = torch.finfo(torch.float32)
 
 CUTE_DTYPES = {name: checks.cute_dtype(name) for name in DTYPES}
 TORCH_DTYPES = {checks.TORCH_DTYPE[name]: name for name in DTYPES}
@@ -200,10 +201,13 @@ def batch_per_launch(*tensors) -> int:
 
 
 def scale_of(head_dim: int, softmax_scale) -> float:
-    """The softmax scale a call asks for (None: 1 / sqrt(head_dim)); ValueError unless positive, finite."""
+    """The softmax scale a call asks for (None: 1 / sqrt(head_dim)); ValueError unless scale * log2(e),
+    which the kernels take in fp32, is a positive normal fp32 number (past its range it is inf, and the
+    output NaN; a subnormal one flushes to 0 in fast-math code)."""
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+    if not FP32.tiny <= scale * LOG2_E <= FP32.max:
+        raise ValueError(f"softmax_scale must be positive, with scale * log2(e) (what the kernels take) a normal "
+                         f"fp32 number, got {softmax_scale}")
     return scale
 
 

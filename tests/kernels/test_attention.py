@@ -102,6 +102,8 @@ def _cpu(*shape, dtype=torch.bfloat16):
     (lambda: (_cpu(2, 16, 4, 64), _cpu(2, 0, 4, 64), _cpu(2, 0, 4, 64), {}), ValueError, "at least one key"),
     (lambda: (_cpu(2, 16, 4, 64),) * 3 + (dict(softmax_scale=-1.0),), ValueError, "softmax_scale"),
     (lambda: (_cpu(2, 16, 4, 64),) * 3 + (dict(softmax_scale=float("nan")),), ValueError, "softmax_scale"),
+    (lambda: (_cpu(2, 16, 4, 64),) * 3 + (dict(softmax_scale=1e39),), ValueError, "softmax_scale"),  # inf in fp32
+    (lambda: (_cpu(2, 16, 4, 64),) * 3 + (dict(softmax_scale=1e-40),), ValueError, "softmax_scale"),  # subnormal
     (lambda: (_cpu(2, 16, 4, 64),) * 3 + (dict(out=_cpu(2, 16, 4, 32)),), ValueError, "shape"),
     (lambda: (_cpu(2, 16, 4, 64),) * 3 + ({},), ValueError, "CUDA"),
 ])

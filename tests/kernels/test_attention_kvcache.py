@@ -165,6 +165,7 @@ def _args(**change):
     (dict(block_table=None, k_cache=_cpu(2, 0, 2, 64), v_cache=_cpu(2, 0, 2, 64)), ValueError, "at least one key"),
     (dict(softmax_scale=0.0), ValueError, "softmax_scale"),
     (dict(softmax_scale=math.nan), ValueError, "softmax_scale"),
+    (dict(softmax_scale=1e39), ValueError, "softmax_scale"),  # scale * log2(e) is inf in fp32
     # 2^31 - 1024 keys per sequence: the block-table look-ahead past the last tile would wrap
     (dict(block_table=torch.zeros(1, 1, dtype=torch.int32).expand(2, 2**26 - 32)), ValueError, "32 bits"),
     (dict(cache_seqlens=[7, 40]), TypeError, "cache_seqlens must be a torch.Tensor"),

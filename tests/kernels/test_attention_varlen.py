@@ -133,6 +133,7 @@ def _args(**change):
     (dict(max_seqlen_q=30.0), ValueError, "non-negative int"),
     (dict(cu_seqlens_q=[0, 10, 40]), TypeError, "cu_seqlens_q must be a torch.Tensor"),
     (dict(softmax_scale=0.0), ValueError, "softmax_scale"),
+    (dict(softmax_scale=1e39), ValueError, "softmax_scale"),  # scale * log2(e) is inf in fp32
     # 2^31 - 4096 query tiles: the persistent CTAs' next-tile index would wrap past 2^31
     (dict(q=_cpu(40, 512, 64), cu_seqlens_q=torch.zeros(2**22 - 7, dtype=torch.int32),
           cu_seqlens_k=torch.zeros(2**22 - 7, dtype=torch.int32)), ValueError, "32 bits"),
