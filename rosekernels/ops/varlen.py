@@ -13,9 +13,12 @@ their rows of out and lse are not written. out may be q but must not overlap k o
 
 Nothing syncs: the lengths are read on the device (graph-capturable); shapes, dtypes, devices and
 layouts are checked on the host once per argument signature. What the kernel does with bad device data:
-each cumulative length is clamped into [0, tokens] (a decreasing one gives an empty sequence), so no
-load or store leaves the tensors; query rows of a sequence past max_seqlen_q are not computed (their
-out and lse are left as they were). check=True reads the lengths first (a sync) and raises instead.
+each cumulative length is clamped into [0, tokens] and each sequence's end to at least its start, so no
+load or store leaves the tensors; where they decrease (cu_seqlens_q [0, 30, 10, 40]), the sequence at
+the drop is empty and the next starts lower, over rows of earlier ones (10-29), which two CTAs then
+write: the results of sequences that overlap are unspecified. Query rows of a sequence past
+max_seqlen_q are not computed (their out and lse are left as they were). check=True reads the
+lengths first (a sync) and raises instead.
 The lengths must not change while the kernel runs (written from another stream, say): its loading
 warp and its math warps read them apart, and a disagreement stalls the kernel. Rows of k and v past
 cu_seqlens_k[-1] must be finite: a sequence's last key tile reaches into them (with zero weight,
