@@ -236,8 +236,9 @@ def check_span(name: str, t: torch.Tensor, entries: int | None = None) -> None:
 
 
 def check_apart(out: torch.Tensor, **reads: torch.Tensor) -> None:
-    """ValueError if out's bytes meet those of `reads` (k and v), which other CTAs read while one writes
-    out. out may be q: each CTA reads its Q rows before it writes its O rows there."""
+    """ValueError if out's byte span meets that of a tensor in `reads` (k and v), which other CTAs read
+    while one writes out (spans: an element-exact test costs more; an out interleaved with k or v is
+    refused too). out may be q: each CTA reads its Q rows before it writes its O rows there."""
     for name, t in reads.items():
         if checks.overlap(out, t):
             raise ValueError(f"out overlaps {name}: the kernel writes out while other CTAs read {name}")
