@@ -25,11 +25,13 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
+FP32 = torch.finfo(torch.float32)
 
 CUTE_DTYPES = {name: checks.cute_dtype(name) for name in DTYPES}
 TORCH_DTYPES = {checks.TORCH_DTYPE[name]: name for name in DTYPES}
 MAX_INDEX = 2**31  # the attention kernels index elements, keys and tiles with 32 bits
 GRID_BATCH = 65535  # batch entries in one launch: the decode kernel's grid has a batch dimension
+ALLOCATED_OUT = "out (allocated contiguous in q's shape)"  # what the span checks call out when out=None
 
 # ---------------------------------------------------------------------------------------------
 # Device helpers.
@@ -163,8 +165,10 @@ def validate(q, k, v, out, softmax_scale, pointers: bool = True, sliced: bool = 
         checks.check_shape("out", out, tuple(q.shape))
     if Hq > 65535 or (B > GRID_BATCH and not sliced):  # the prefill grid is 1-D, the decode kernel's is not
         raise ValueError(f"batch ({B}) and heads ({Hq}) must each be at most 65535 (grid limits)")
-    # Sliced: the span limit holds per launch (out, when the op allocates it, is contiguous like q's).
-    per = min(batch_per_launch(q, k, v, out), B) if sliced else B
+    # out=None: the limits apply to the out the op allocates, contiguous (a q whose rows overlap spans less).
+    out_like = torch.empty(q.shape, device="meta") if out is None else out
+    # Sliced: the span limit holds per launch.
+    per = min(batch_per_launch(q, k, v, out_like), B) if sliced else B
     Hkv = k.shape[2]
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"the number of query heads ({Hq}) must be a multiple of the KV heads ({Hkv})")
@@ -174,6 +178,12 @@ def validate(q, k, v, out, softmax_scale, pointers: bool = True, sliced: bool = 
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
         if t is not None:
             check_operand(name, t, pointers, entries=per)
+    if out is None:
+        check_span(ALLOCATED_OUT, out_like, per)
+    else:
+        checks.check_not_expanded("out", out)  # overlapping elements of out: CTAs' stores would race
+        if pointers:
+            check_apart(out, k=k, v=v)
     checks.check_same_device(q=q, k=k, v=v, out=out)
     return scale
 
@@ -191,10 +201,13 @@ def batch_per_launch(*tensors) -> int:
 
 
 def scale_of(head_dim: int, softmax_scale) -> float:
-    """The softmax scale a call asks for (None: 1 / sqrt(head_dim)); ValueError unless positive, finite."""
+    """The softmax scale a call asks for (None: 1 / sqrt(head_dim)); ValueError unless scale * log2(e),
+    which the kernels take in fp32, is a positive normal fp32 number (past its range it is inf, and the
+    output NaN; a subnormal one flushes to 0 in fast-math code)."""
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+    if not FP32.tiny <= scale * LOG2_E <= FP32.max:
+        raise ValueError(f"softmax_scale must be positive, with scale * log2(e) (what the kernels take) a normal "
+                         f"fp32 number, got {softmax_scale}")
     return scale
 
 
@@ -212,9 +225,40 @@ def check_operand(name: str, t: torch.Tensor, pointers: bool = True, vectors: bo
         checks.check_aligned(name, tma_view(t), 16, pointer=pointers)
     if any(s == 0 for n, s in zip(t.shape, t.stride()) if n > 1):
         raise ValueError(f"{name} has a zero stride (an expanded view); pass a materialized tensor")
+    check_span(name, t, entries)
+
+
+def check_span(name: str, t: torch.Tensor, entries: int | None = None) -> None:
+    """ValueError unless t's span (over its first `entries` entries of dim 0) stays under MAX_INDEX."""
     shape = t.shape if entries is None else (min(entries, t.shape[0]), *t.shape[1:])
-    if sum((n - 1) * s for n, s in zip(shape, t.stride())) >= MAX_INDEX:
+    if t.numel() and sum((n - 1) * s for n, s in zip(shape, t.stride())) >= MAX_INDEX:
         raise ValueError(f"{name} spans 2^31 elements or more; the kernel indexes with 32 bits")
+
+
+def check_apart(out: torch.Tensor, **reads: torch.Tensor) -> None:
+    """ValueError if out's byte span meets that of a tensor in `reads` (k and v), which other CTAs read
+    while one writes out (spans: an element-exact test costs more; an out interleaved with k or v is
+    refused too). out may be q: each CTA reads its Q rows before it writes its O rows there."""
+    for name, t in reads.items():
+        if checks.overlap(out, t):
+            raise ValueError(f"out overlaps {name}: the kernel writes out while other CTAs read {name}")
+
+
+class OutApart:
+    """The plan of a signature with out given, for launch(q, k, v, out, ...): each call first checks that
+    out misses k and v (check_apart), whose pointers the plan's key leaves out; their byte extents
+    are the signature's, so the test reads three pointers."""
+
+    def __init__(self, plan, out: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("k", "v")):
+        self.plan, self.names = plan, names
+        self.extents = tuple(checks.span(t)[1] - t.data_ptr() for t in (out, k, v))
+
+    def launch(self, q, k, v, out, *rest) -> None:
+        po, pk, pv = out.data_ptr(), k.data_ptr(), v.data_ptr()
+        eo, ek, ev = self.extents
+        if po < pk + ek and pk < po + eo or po < pv + ev and pv < po + eo:
+            check_apart(out, **dict(zip(self.names, (k, v))))  # raises, naming which
+        self.plan.launch(q, k, v, out, *rest)
 
 
 def tma_view(t: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,8 @@ attention_decode(), the split-KV kernel for any query length.
 
 q [B, S_q, Hq, d], k/v [B, S_kv, Hkv, d] (Hq a multiple of Hkv), bf16 or fp16, d in {64, 128}; causal
 aligned bottom-right; lse [B, Hq, S_q] fp32, natural log; a row that sees no key gets out 0, lse -inf.
+out may be q (each tile reads its Q rows before it writes them) but must not overlap the byte spans of k
+or v (interleaved with them, as q's slot of a fused qkv buffer is, it is refused too).
 
 The kernel follows from the query length: short queries (S_q <= attention_decode_plan.MAX_SEQLEN_Q,
 decode steps) take the split-KV kernel (rosekernels/kernels/attention_decode.py), since one CTA per 128
@@ -22,7 +24,7 @@ from rosekernels import launch, modes, scratch, tuned
 from rosekernels.kernels import attention as prefill
 from rosekernels.kernels import attention_decode as decode
 from rosekernels.kernels.attention_common import (
-    LOG2_E, TORCH_DTYPES, batch_per_launch, tma_view, validate, views_needed)
+    LOG2_E, TORCH_DTYPES, OutApart, batch_per_launch, tma_view, validate, views_needed)
 from rosekernels.kernels.attention_decode_plan import MAX_SEQLEN_Q, DecodeConfig, DecodeShape, split_plan
 from rosekernels.kernels.attention_plan import AttentionConfig, AttentionShape, default_config, grid_size
 
@@ -178,8 +180,10 @@ def _new_plan(q, k, v, out, causal: bool, softmax_scale, enable_pdl: bool) -> la
     out_like = torch.empty(q.shape, device="meta") if out is None else out  # the op allocates out contiguous
     slices = _slices(q.shape[0], batch_per_launch(q, k, v, out_like))
     if len(slices) > 1:
-        return _Sliced(slices, q, k, v, out, causal, scale, enable_pdl)
-    return _plan(q, k, v, out, causal, scale, enable_pdl)
+        plan = _Sliced(slices, q, k, v, out, causal, scale, enable_pdl)
+    else:
+        plan = _plan(q, k, v, out, causal, scale, enable_pdl)
+    return plan if out is None else OutApart(plan, out, k, v)
 
 
 def _slices(batch, per: int) -> list[tuple]:
@@ -217,7 +221,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
 
     Returns out [B, S_q, Hq, d], or (out, lse [B, Hq, S_q] fp32) with return_lse. Eager calls on
     plain tensors skip the torch dispatcher and reuse a launch plan cached per argument signature
-    (the checks run once per signature; per call only the 16-byte alignment of the pointers);
+    (the checks run once per signature; per call only the 16-byte alignment of the pointers and,
+    with out given, that out misses k and v);
     under torch.compile the kernel runs through its registered op. enable_pdl: the split-KV kernel
     launches with programmatic dependent launch (its set-up overlaps the previous kernel's end); the
     prefill kernel does not use it.

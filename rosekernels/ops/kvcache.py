@@ -11,7 +11,7 @@ causal aligned bottom-right to that count (query row s sees keys < cache_seqlens
   of 16 (the kernel loads each K/V tile as boxes of gcd(block_size, tile_n) rows, each inside one page;
   tile_n is 64 keys at d = 128 and 128 at d = 64); others are refused.
 Out [B, S_q, Hq, d]; lse [B, Hq, S_q] fp32, natural log; a row that sees no key (a sequence of length 0,
-or causal rows before its first key) gets out 0 and lse -inf.
+or causal rows before its first key) gets out 0 and lse -inf. out may be q but must not overlap the caches.
 - e4m3 caches (torch.float8_e4m3fn, both; 16-byte aligned strides): the cache holds k / k_descale and
   v / v_descale (append_kvcache writes it so), k_descale and v_descale fp32 of one value or one per KV head
   ([1] or [Hkv]): the scores are (q . k_cache) * k_descale * softmax_scale and the output is times v_descale.
@@ -33,7 +33,8 @@ import torch
 
 from rosekernels import checks, fp8, launch, modes, scratch
 from rosekernels.kernels import attention_decode as decode
-from rosekernels.kernels.attention_common import MAX_INDEX, TORCH_DTYPES, check_operand, scale_of, tma_view
+from rosekernels.kernels.attention_common import (
+    ALLOCATED_OUT, MAX_INDEX, TORCH_DTYPES, OutApart, check_apart, check_operand, check_span, scale_of, tma_view)
 from rosekernels.kernels.attention_decode_plan import (
     MAX_SEQLEN_Q, DecodeConfig, DecodeShape, kvcache_config_for, page_rows_for, tile_n_for)
 from rosekernels.kernels.attention_plan import HEAD_DIMS
@@ -101,6 +102,12 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, out, softm
     for name, t in named:
         if t is not None:  # the int32 tables are read as scalars: no vector alignment
             check_operand(name, t, pointers, vectors=t.dtype != torch.int32)
+    if out is None:  # the op allocates it contiguous: it may span more than q, whose rows may overlap
+        check_span(ALLOCATED_OUT, torch.empty(q.shape, device="meta"))
+    else:
+        checks.check_not_expanded("out", out)  # overlapping elements of out: CTAs' stores would race
+        if pointers:
+            check_apart(out, k_cache=k_cache, v_cache=v_cache)
     checks.check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                              block_table=block_table, out=out, k_descale=k_descale, v_descale=v_descale)
     return scale
@@ -202,8 +209,8 @@ def _new_plan(q, k_cache, v_cache, cache_seqlens, block_table, out, causal: bool
                              v_descale)
     if not q.numel():
         return launch.nothing(q.device.index)
-    return plan_kvcache(q, k_cache, v_cache, out, cache_seqlens, block_table, causal, scale,
-                        enable_pdl=enable_pdl)
+    plan = plan_kvcache(q, k_cache, v_cache, out, cache_seqlens, block_table, causal, scale, enable_pdl=enable_pdl)
+    return plan if out is None else OutApart(plan, out, k_cache, v_cache, names=("k_cache", "v_cache"))
 
 
 def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -9,13 +9,16 @@ ceil(max_seqlen_q / tile) query tiles per sequence and head). Causal is aligned 
 sequence (query i of a sequence sees keys j <= i + S_kv - S_q). out [total_q, Hq, d]; lse [Hq, total_q]
 fp32, natural log (FlashAttention's varlen layout); a row that sees no key (S_kv = 0, or causal rows
 before the first key) gets out 0 and lse -inf. Rows outside every sequence reach no result, and
-their rows of out and lse are not written.
+their rows of out and lse are not written. out may be q but must not overlap k or v.
 
 Nothing syncs: the lengths are read on the device (graph-capturable); shapes, dtypes, devices and
 layouts are checked on the host once per argument signature. What the kernel does with bad device data:
-each cumulative length is clamped into [0, tokens] (a decreasing one gives an empty sequence), so no
-load or store leaves the tensors; query rows of a sequence past max_seqlen_q are not computed (their
-out and lse are left as they were). check=True reads the lengths first (a sync) and raises instead.
+each cumulative length is clamped into [0, tokens] and each sequence's end to at least its start, so no
+load or store leaves the tensors; where they decrease (cu_seqlens_q [0, 30, 10, 40]), the sequence at
+the drop is empty and the next starts lower, over rows of earlier ones (10-29), which two CTAs then
+write: the results of sequences that overlap are unspecified. Query rows of a sequence past
+max_seqlen_q are not computed (their out and lse are left as they were). check=True reads the
+lengths first (a sync) and raises instead.
 The lengths must not change while the kernel runs (written from another stream, say): its loading
 warp and its math warps read them apart, and a disagreement stalls the kernel. Rows of k and v past
 cu_seqlens_k[-1] must be finite: a sequence's last key tile reaches into them (with zero weight,
@@ -31,7 +34,9 @@ import torch
 
 from rosekernels import checks, launch, modes, scratch
 from rosekernels.kernels import attention as prefill
-from rosekernels.kernels.attention_common import LOG2_E, MAX_INDEX, TORCH_DTYPES, check_operand, scale_of, tma_view
+from rosekernels.kernels.attention_common import (
+    ALLOCATED_OUT, LOG2_E, MAX_INDEX, TORCH_DTYPES, OutApart, check_apart, check_operand, check_span, scale_of,
+    tma_view)
 from rosekernels.kernels.attention_plan import HEAD_DIMS, AttentionConfig, grid_size, varlen_config
 
 _plans = launch.PlanCache()
@@ -93,6 +98,12 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     for name, t in named:
         if t is not None:
             check_operand(name, t, pointers, vectors=t.dtype != torch.int32)
+    if out is None:  # the op allocates it contiguous: it may span more than q, whose rows may overlap
+        check_span(ALLOCATED_OUT, torch.empty(q.shape, device="meta"))
+    else:
+        checks.check_not_expanded("out", out)  # overlapping elements of out: CTAs' stores would race
+        if pointers:
+            check_apart(out, k=k, v=v)
     checks.check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, out=out)
     return scale, max_seqlen_q, max_seqlen_k
 
@@ -160,7 +171,8 @@ def _new_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, o
     if not q.numel():
         return launch.nothing(q.device.index)
     cfg = varlen_config(q.shape[-1], TORCH_DTYPES[q.dtype], causal, max_k)
-    return VarlenLaunch(cfg, q, cu_seqlens_q.shape[0] - 1, max_q, max_k, scale)
+    plan = VarlenLaunch(cfg, q, cu_seqlens_q.shape[0] - 1, max_q, max_k, scale)
+    return plan if out is None else OutApart(plan, out, k, v)
 
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,

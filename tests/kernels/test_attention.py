@@ -4,6 +4,7 @@ random inputs (GPU). Configs and the tile heuristic: test_attention_plan.py."""
 import dataclasses
 import math
 import re
+import types
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from kernel_sass import sass_of
 from sip.cubin import parse_cubin
 
 import rosekernels
-from rosekernels import modes, scratch
+from rosekernels import checks, launch, modes, scratch
 from rosekernels.kernels import attention as A
 from rosekernels.kernels import attention_common as AC
 from rosekernels.kernels import attention_tiles
@@ -101,6 +102,8 @@ def _cpu(*shape, dtype=torch.bfloat16):
     (lambda: (_cpu(2, 16, 4, 64), _cpu(2, 0, 4, 64), _cpu(2, 0, 4, 64), {}), ValueError, "at least one key"),
     (lambda: (_cpu(2, 16, 4, 64),) * 3 + (dict(softmax_scale=-1.0),), ValueError, "softmax_scale"),
     (lambda: (_cpu(2, 16, 4, 64),) * 3 + (dict(softmax_scale=float("nan")),), ValueError, "softmax_scale"),
+    (lambda: (_cpu(2, 16, 4, 64),) * 3 + (dict(softmax_scale=1e39),), ValueError, "softmax_scale"),  # inf in fp32
+    (lambda: (_cpu(2, 16, 4, 64),) * 3 + (dict(softmax_scale=1e-40),), ValueError, "softmax_scale"),  # subnormal
     (lambda: (_cpu(2, 16, 4, 64),) * 3 + (dict(out=_cpu(2, 16, 4, 32)),), ValueError, "shape"),
     (lambda: (_cpu(2, 16, 4, 64),) * 3 + ({},), ValueError, "CUDA"),
 ])
@@ -454,6 +457,77 @@ def test_sliced_validation_still_checks_the_batch_stride():
             AC.validate(q, kv, kv, None, None, pointers=False)
         with pytest.raises(ValueError, match="zero stride"):
             AC.validate(q, kv, kv, fake((2, 64, 16, 128), (0, 2048, 128, 1)), None, pointers=False, sliced=True)
+
+
+def _meta(shape, stride):
+    return torch.empty_strided(shape, stride, device="meta", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("entry", ["attention", "attention_decode"])
+def test_the_out_the_op_allocates_is_held_to_the_span_limit(monkeypatch, entry):
+    """out=None: the op allocates out contiguous, so it spans more than a q whose heads overlap (a
+    legal input). One entry of it past 2^31 elements is refused, as the same out passed in is,
+    rather than stored through 32-bit indices that wrap; a batch of smaller entries runs in slices."""
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # meta tensors stand in for CUDA ones
+    s = 2**21
+    q = _meta((1, s, 16, 128), (s * 128, 128, 8, 1))  # heads 8 elements apart: 2^28 elements, out 2^32
+    kv = _meta((1, 8192, 4, 128), (8192 * 512, 512, 128, 1))
+    fn = getattr(rosekernels, entry)
+    with pytest.raises(ValueError, match=r"out \(allocated contiguous in q's shape\) spans 2\^31"):
+        fn(q, kv, kv)
+    with pytest.raises(ValueError, match=r"out spans 2\^31"):
+        fn(q, kv, kv, out=torch.empty(q.shape, device="meta", dtype=q.dtype))
+    q = _meta((4, s // 4, 16, 128), (s * 32, 128, 8, 1))  # out: 2^30 elements an entry, two per launch
+    kv = _meta((4, 8192, 4, 128), (8192 * 512, 512, 128, 1))
+    AC.validate(q, kv, kv, None, None, sliced=True)
+
+
+@pytest.mark.parametrize("entry", ["attention", "attention_decode"])
+def test_an_out_whose_elements_overlap_is_refused(monkeypatch, entry):
+    """Rows of out 8 elements apart (as_strided): CTAs would store the same elements; refused before
+    anything is written, as zero strides are."""
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # CPU tensors stand in for CUDA ones
+    q, k, v = _cpu(2, 64, 8, 64), _cpu(2, 64, 2, 64), _cpu(2, 64, 2, 64)
+    store = torch.full((10**5,), 7.0, dtype=q.dtype)
+    with pytest.raises(ValueError, match="out's elements overlap one another"):
+        getattr(rosekernels, entry)(q, k, v, out=store.as_strided(q.shape, (4096, 64, 8, 1)))
+    assert bool((store == 7.0).all())
+
+
+@pytest.mark.parametrize("entry", ["attention", "attention_decode"])
+def test_an_out_overlapping_k_or_v_is_refused_and_out_q_is_not(monkeypatch, entry):
+    """Other CTAs read K and V while one writes out: an out overlapping either is refused before
+    anything is written. out = q is not (each tile reads its Q rows before it writes them)."""
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # CPU tensors stand in for CUDA ones
+    q, v = _cpu(2, 64, 8, 64), _cpu(2, 64, 2, 64)
+    buf = torch.full((q.numel(),), 7.0, dtype=q.dtype)
+    k, out = buf[:v.numel()].view(v.shape), buf.view(q.shape)  # out's first rows are k
+    fn = getattr(rosekernels, entry)
+    for k_, v_, name in ((k, v, "k"), (v, k, "v")):
+        with pytest.raises(ValueError, match=f"out overlaps {name}"):
+            fn(q, k_, v_, out=out)
+    assert bool((buf == 7.0).all())
+    AC.validate(q, v, v, q, None)
+
+
+def test_a_cached_plan_still_refuses_an_out_overlapping_k_or_v(monkeypatch):
+    """The plan key holds no pointers: a call that reuses a plan with an out that now overlaps k or v
+    is refused before its launch; out = q still launches."""
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # CPU tensors stand in for CUDA ones
+    monkeypatch.setattr(attention_op, "_plans", launch.PlanCache())
+    launches = []
+    plan = types.SimpleNamespace(launch=lambda *args: launches.append(args))  # no kernel on the CPU
+    monkeypatch.setattr(attention_op, "_plan", lambda *args: plan)
+    q, v = _cpu(2, 64, 8, 64), _cpu(2, 64, 2, 64)
+    buf = torch.zeros(v.numel() + q.numel(), dtype=q.dtype)
+    k = buf[:v.numel()].view(v.shape)
+    rosekernels.attention(q, k, v, out=buf[v.numel():].view(q.shape))  # plans the signature
+    overlapping = buf[:q.numel()].view(q.shape)  # the same signature, over k
+    for k_, v_, name in ((k, v, "k"), (v, k, "v")):
+        with pytest.raises(ValueError, match=f"out overlaps {name}"):
+            rosekernels.attention(q, k_, v_, out=overlapping)
+    rosekernels.attention(q, k, v, out=q)
+    assert len(launches) == 2 and len(attention_op._plans._plans) == 1
 
 
 def test_a_dynamic_batch_traces_once():

@@ -65,6 +65,8 @@ def _cpu(*shape, dtype=torch.bfloat16):
     (lambda: (_cpu(2, 1, 4, 64), _cpu(2, 0, 4, 64), _cpu(2, 0, 4, 64), {}), ValueError, "at least one key"),
     (lambda: (_cpu(2, 1, 4, 64), _cpu(2, 16, 4, 64), _cpu(2, 16, 4, 64), dict(softmax_scale=0.0)),
      ValueError, "softmax_scale"),
+    (lambda: (_cpu(2, 1, 4, 64), _cpu(2, 16, 4, 64), _cpu(2, 16, 4, 64), dict(softmax_scale=1e39)),
+     ValueError, "softmax_scale"),  # scale * log2(e) is inf in fp32
     (lambda: (_cpu(2, 1, 4, 64), _cpu(2, 16, 4, 64), _cpu(2, 16, 4, 64), {}), ValueError, "CUDA"),
 ])
 @pytest.mark.parametrize("entry", ["attention", "attention_decode"])

@@ -7,6 +7,7 @@ lengths, check=True, CUDA-graph replays with new lengths and torch.compile (GPU)
 import math
 import os
 import re
+import types
 
 import pytest
 import torch
@@ -15,8 +16,9 @@ from attention_reference import decode_sass, check, check_kvcache, paged_cache, 
 import lying_tables
 
 import rosekernels
-from rosekernels import scratch
+from rosekernels import checks, launch, scratch
 from rosekernels.kernels import attention_decode as D
+from rosekernels.ops import kvcache
 from rosekernels.ops.kvcache import check_cache_tables, plan_kvcache
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -163,6 +165,7 @@ def _args(**change):
     (dict(block_table=None, k_cache=_cpu(2, 0, 2, 64), v_cache=_cpu(2, 0, 2, 64)), ValueError, "at least one key"),
     (dict(softmax_scale=0.0), ValueError, "softmax_scale"),
     (dict(softmax_scale=math.nan), ValueError, "softmax_scale"),
+    (dict(softmax_scale=1e39), ValueError, "softmax_scale"),  # scale * log2(e) is inf in fp32
     # 2^31 - 1024 keys per sequence: the block-table look-ahead past the last tile would wrap
     (dict(block_table=torch.zeros(1, 1, dtype=torch.int32).expand(2, 2**26 - 32)), ValueError, "32 bits"),
     (dict(cache_seqlens=[7, 40]), TypeError, "cache_seqlens must be a torch.Tensor"),
@@ -177,6 +180,55 @@ def test_invalid_arguments_raise_before_anything_is_written(change, exc, match):
     with pytest.raises(exc, match=match):
         rosekernels.attention_with_kvcache(**args, out=out)
     assert torch.equal(out, before)
+
+
+def test_the_out_the_op_allocates_is_held_to_the_span_limit(monkeypatch):
+    """out=None: the op allocates out contiguous, so it spans more than a q whose heads overlap (a
+    legal input); past 2^31 elements it is refused, as the same out passed in is."""
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # meta tensors stand in for CUDA ones
+    b = 65535
+    q = torch.empty_strided((b, 1, 512, 128), (4096, 4096, 8, 1), device="meta", dtype=torch.bfloat16)  # out 2^32
+    cache = torch.empty(b, 16, 8, 128, device="meta", dtype=torch.bfloat16)
+    lengths = torch.empty(b, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match=r"out \(allocated contiguous in q's shape\) spans 2\^31"):
+        rosekernels.attention_with_kvcache(q, cache, cache, lengths)
+    with pytest.raises(ValueError, match=r"out spans 2\^31"):
+        rosekernels.attention_with_kvcache(q, cache, cache, lengths, out=torch.empty(q.shape, device="meta",
+                                                                                      dtype=q.dtype))
+
+
+def test_an_out_whose_elements_overlap_is_refused(monkeypatch):
+    """Rows of out 8 elements apart (as_strided): CTAs would store the same elements; refused before
+    anything is written, as zero strides are."""
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # CPU tensors stand in for CUDA ones
+    store = torch.full((10**5,), 7.0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out's elements overlap one another"):
+        rosekernels.attention_with_kvcache(**_args(), out=store.as_strided((2, 3, 8, 64), (1536, 64, 8, 1)))
+    assert bool((store == 7.0).all())
+
+
+def test_an_out_overlapping_a_cache_is_refused_also_by_a_cached_plan(monkeypatch):
+    """Other CTAs read the caches while one writes out: an out overlapping either is refused before
+    anything is written, on a new signature and on one already planned (the key holds no pointers);
+    out = q is not refused."""
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # CPU tensors stand in for CUDA ones
+    monkeypatch.setattr(kvcache, "_plans", launch.PlanCache())
+    launches = []
+    plan = types.SimpleNamespace(launch=lambda *args: launches.append(args))  # no kernel on the CPU
+    monkeypatch.setattr(kvcache, "plan_kvcache", lambda *args, **kwargs: plan)
+    args = _args()
+    q, _, v = (args.pop(name) for name in ("q", "k_cache", "v_cache"))
+    buf = torch.full((v.numel() + q.numel(),), 7.0, dtype=q.dtype)
+    k = buf[:v.numel()].view(v.shape)
+    overlapping = buf[:q.numel()].view(q.shape)  # inside k_cache
+    for planned in (False, True):
+        for k_, v_, name in ((k, v, "k_cache"), (v, k, "v_cache")):
+            with pytest.raises(ValueError, match=f"out overlaps {name}"):
+                rosekernels.attention_with_kvcache(q, k_, v_, **args, out=overlapping)
+        assert bool((buf == 7.0).all()) and len(launches) == planned
+        rosekernels.attention_with_kvcache(q, k, v, **args, out=buf[v.numel():].view(q.shape))  # plans it
+    rosekernels.attention_with_kvcache(q, k, v, **args, out=q)
+    assert len(launches) == 3
 
 
 # ---------------------------------------------------------------------------------------------

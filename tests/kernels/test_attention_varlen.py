@@ -7,6 +7,7 @@ lengths kept inside the tensors, CUDA-graph replays with new lengths, torch.comp
 import dataclasses
 import math
 import re
+import types
 
 import pytest
 import torch
@@ -15,7 +16,9 @@ from attention_reference import check, sync
 from kernel_sass import sass_of
 
 import rosekernels
+from rosekernels import checks, launch
 from rosekernels.kernels import attention as A
+from rosekernels.ops import varlen
 from rosekernels.ops.varlen import VarlenLaunch, check_lengths
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -130,6 +133,7 @@ def _args(**change):
     (dict(max_seqlen_q=30.0), ValueError, "non-negative int"),
     (dict(cu_seqlens_q=[0, 10, 40]), TypeError, "cu_seqlens_q must be a torch.Tensor"),
     (dict(softmax_scale=0.0), ValueError, "softmax_scale"),
+    (dict(softmax_scale=1e39), ValueError, "softmax_scale"),  # scale * log2(e) is inf in fp32
     # 2^31 - 4096 query tiles: the persistent CTAs' next-tile index would wrap past 2^31
     (dict(q=_cpu(40, 512, 64), cu_seqlens_q=torch.zeros(2**22 - 7, dtype=torch.int32),
           cu_seqlens_k=torch.zeros(2**22 - 7, dtype=torch.int32)), ValueError, "32 bits"),
@@ -143,6 +147,55 @@ def test_invalid_arguments_raise_before_anything_is_written(change, exc, match):
     with pytest.raises(exc, match=match):
         rosekernels.attention_varlen(**args, out=out)
     assert torch.equal(out, before)
+
+
+def test_the_out_the_op_allocates_is_held_to_the_span_limit(monkeypatch):
+    """out=None: the op allocates out contiguous, so it spans more than a q whose heads overlap (a
+    legal input); past 2^31 elements it is refused, as the same out passed in is."""
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # meta tensors stand in for CUDA ones
+    meta = lambda shape, stride: torch.empty_strided(shape, stride, device="meta", dtype=torch.bfloat16)  # noqa: E731
+    q = meta((2**21, 16, 128), (128, 8, 1))  # heads 8 elements apart: 2^28 elements, out 2^32
+    kv = meta((8192, 4, 128), (512, 128, 1))
+    cu = torch.empty(2, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match=r"out \(allocated contiguous in q's shape\) spans 2\^31"):
+        rosekernels.attention_varlen(q, kv, kv, cu, cu, 2**21, 8192)
+    with pytest.raises(ValueError, match=r"out spans 2\^31"):
+        rosekernels.attention_varlen(q, kv, kv, cu, cu, 2**21, 8192, out=torch.empty(q.shape, device="meta",
+                                                                                      dtype=q.dtype))
+
+
+def test_an_out_whose_elements_overlap_is_refused(monkeypatch):
+    """Rows of out 8 elements apart (as_strided): CTAs would store the same elements; refused before
+    anything is written, as zero strides are."""
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # CPU tensors stand in for CUDA ones
+    store = torch.full((10**5,), 7.0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out's elements overlap one another"):
+        rosekernels.attention_varlen(**_args(), out=store.as_strided((40, 8, 64), (8, 8, 1)))
+    assert bool((store == 7.0).all())
+
+
+def test_an_out_overlapping_k_or_v_is_refused_also_by_a_cached_plan(monkeypatch):
+    """Other CTAs read K and V while one writes out: an out overlapping either is refused before
+    anything is written, on a new signature and on one already planned (the key holds no pointers);
+    out = q is not refused."""
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # CPU tensors stand in for CUDA ones
+    monkeypatch.setattr(varlen, "_plans", launch.PlanCache())
+    launches = []
+    plan = types.SimpleNamespace(launch=lambda *args: launches.append(args))  # no kernel on the CPU
+    monkeypatch.setattr(varlen, "VarlenLaunch", lambda *args: plan)
+    args = _args()
+    q, _, v = (args.pop(name) for name in ("q", "k", "v"))
+    buf = torch.full((v.numel() + q.numel(),), 7.0, dtype=q.dtype)
+    k = buf[:v.numel()].view(v.shape)
+    overlapping = buf[:q.numel()].view(q.shape)  # its first rows are k
+    for planned in (False, True):
+        for k_, v_, name in ((k, v, "k"), (v, k, "v")):
+            with pytest.raises(ValueError, match=f"out overlaps {name}"):
+                rosekernels.attention_varlen(q, k_, v_, **args, out=overlapping)
+        assert bool((buf == 7.0).all()) and len(launches) == planned
+        rosekernels.attention_varlen(q, k, v, **args, out=buf[v.numel():].view(q.shape))  # plans the signature
+    rosekernels.attention_varlen(q, k, v, **args, out=q)
+    assert len(launches) == 3
 
 
 @pytest.mark.parametrize("cu, match", [
