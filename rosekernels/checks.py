@@ -96,17 +96,18 @@ def overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
     return x0 < y1 and y0 < x1
 
 
-def extent(t: torch.Tensor) -> int:
-    """Bytes from t's first element to past its last (0 when empty): fixed by its shape, strides and
-    dtype, so a plan computes it once and checks overlap per call with `overlaps_any`."""
-    if t.numel() == 0:
+def extent(t: torch.Tensor | None) -> int:
+    """Bytes from t's first element to past its last (0 when empty or None): fixed by its shape, strides
+    and dtype, so a plan computes it once and checks overlap per call with `overlaps_any`."""
+    if t is None or t.numel() == 0:
         return 0
     first, end = span(t)
     return end - first
 
 
-def overlaps_any(out: torch.Tensor, out_extent: int, inputs: Iterable[torch.Tensor], extents: Iterable[int]) -> bool:
-    """Whether `out` overlaps one of `inputs`, given their `extent`s: a plan's per-call check."""
+def overlaps_any(out: torch.Tensor, out_extent: int, inputs: Iterable[torch.Tensor | None],
+                 extents: Iterable[int]) -> bool:
+    """Whether `out` overlaps one of `inputs` (None: absent), given their `extent`s: a plan's per-call check."""
     o0 = out.data_ptr()
     o1 = o0 + out_extent
     for t, n in zip(inputs, extents):

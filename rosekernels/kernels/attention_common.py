@@ -251,12 +251,10 @@ class OutApart:
 
     def __init__(self, plan, out: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("k", "v")):
         self.plan, self.names = plan, names
-        self.extents = tuple(checks.span(t)[1] - t.data_ptr() for t in (out, k, v))
+        self.out_extent, self.extents = checks.extent(out), (checks.extent(k), checks.extent(v))
 
     def launch(self, q, k, v, out, *rest) -> None:
-        po, pk, pv = out.data_ptr(), k.data_ptr(), v.data_ptr()
-        eo, ek, ev = self.extents
-        if po < pk + ek and pk < po + eo or po < pv + ev and pv < po + eo:
+        if checks.overlaps_any(out, self.out_extent, (k, v), self.extents):
             check_apart(out, **dict(zip(self.names, (k, v))))  # raises, naming which
         self.plan.launch(q, k, v, out, *rest)
 

@@ -76,24 +76,11 @@ def _check_memory(a, a_scale, w, w_scale, bias, out) -> None:
             elif t.data_ptr() % 16:
                 raise ValueError(f"{name} must be 16-byte aligned")
     for name, t in (("a", a), ("a_scale", a_scale), ("w", w), ("w_scale", w_scale), ("bias", bias)):
-        if t is not None and _overlap(out, t):
+        if t is not None and checks.overlap(out, t):
             raise ValueError(f"out must not overlap {name}")
     checks.check_not_expanded("out", out)
     checks.check_same_device(a=a, a_scale=a_scale, w=w, w_scale=w_scale, bias=bias, out=out)
     checks.check_cuda("a", a)
-
-
-def _extent(t: Optional[torch.Tensor]) -> int:
-    """Bytes from t's first to one past its last element (0 when empty or None)."""
-    if t is None or t.numel() == 0:
-        return 0
-    return (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
-
-
-def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Whether the byte ranges spanned by x and y intersect."""
-    ex, ey = _extent(x), _extent(y)
-    return bool(ex and ey and x.data_ptr() < y.data_ptr() + ey and y.data_ptr() < x.data_ptr() + ex)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,14 +100,12 @@ class _Plan(launch.Launch):
         self.clusters = modes.max_active_clusters(self.device, config.cluster_m * config.cluster_n)
         # A single row may carry any stride: the kernel's TMA view wants a 16-byte multiple.
         self.row_stride = 16 * math.ceil(a.shape[1] / 16) if m == 1 and a.stride(0) % 16 else None
-        self.extents = [_extent(t) for t in (a, a_scale, w, w_scale, bias)]
-        self.out_extent = _extent(out)
+        self.extents = [checks.extent(t) for t in (a, a_scale, w, w_scale, bias)]
+        self.out_extent = checks.extent(out)
 
     def launch(self, a, a_scale, w, w_scale, bias, out, private_scratch: bool = False) -> None:
-        po, eo = out.data_ptr(), self.out_extent
-        pointers = [0 if t is None else t.data_ptr() for t in (a, a_scale, w, w_scale, bias)]
-        if (pointers[0] | pointers[2] | po) % 16 or any(e and p < po + eo and po < p + e
-                                                       for p, e in zip(pointers, self.extents)):
+        if (a.data_ptr() | w.data_ptr() | out.data_ptr()) % 16 or checks.overlaps_any(
+                out, self.out_extent, (a, a_scale, w, w_scale, bias), self.extents):
             _check_memory(a, a_scale, w, w_scale, bias, out)  # raises, saying which
         partials = counters = None
         if self.config.split_k:

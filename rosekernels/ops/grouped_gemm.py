@@ -80,14 +80,6 @@ def _check_memory(a, w, group_offsets, bias, a_index, row_scale, out) -> None:
     check_sm90(a.device)
 
 
-def _extent(t: Optional[torch.Tensor]) -> int:
-    """Bytes from t's first element to past its last (0: absent or empty): fixed by the signature."""
-    if t is None or t.numel() == 0:
-        return 0
-    start, end = checks.span(t)
-    return end - start
-
-
 # ---------------------------------------------------------------------------------------------
 # The op.
 
@@ -101,20 +93,12 @@ class _Plan(launch.Launch):
         self.config = config
         self.canonical = any(rows_view(t) is not t for t in (a, w, out))
         self.scalars = kernel.launch_args(config, a, w, out, bias, group_offsets, a_index, row_scale)[-2:]
-        self.extents = [_extent(t) for t in (a, w, group_offsets, bias, a_index, row_scale)]
-        self.out_extent = _extent(out)
-
-    def _overlaps(self, out, inputs) -> bool:
-        o0 = out.data_ptr()
-        o1 = o0 + self.out_extent
-        for t, n in zip(inputs, self.extents):
-            if n and o0 < (p := t.data_ptr()) + n and p < o1:
-                return True
-        return False
+        self.extents = [checks.extent(t) for t in (a, w, group_offsets, bias, a_index, row_scale)]
+        self.out_extent = checks.extent(out)
 
     def launch(self, a, w, group_offsets, bias, a_index, row_scale, out) -> None:
-        if (a.data_ptr() | w.data_ptr() | out.data_ptr()) % 16 or self._overlaps(
-                out, (a, w, group_offsets, bias, a_index, row_scale)):
+        if (a.data_ptr() | w.data_ptr() | out.data_ptr()) % 16 or checks.overlaps_any(
+                out, self.out_extent, (a, w, group_offsets, bias, a_index, row_scale), self.extents):
             _check_memory(a, w, group_offsets, bias, a_index, row_scale, out)  # raises, saying which
         if self.canonical:
             a, w, out = rows_view(a), rows_view(w), rows_view(out)
