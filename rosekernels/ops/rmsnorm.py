@@ -132,6 +132,9 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: 
     kind = _fp8_kind(fp8, group_size)
     given_out, given_residual_out, shape = out, residual_out, x.shape
     if x.dim() != 2:  # rows of [..., N] as [M, N]; given outputs must be viewable so
+        for name, t in (("residual", residual), ("out", out), ("residual_out", residual_out)):
+            if t is not None and t.shape != shape:  # as rows, any shape of as many rows would pass
+                checks.check_shape(name, t, tuple(shape))
         x = x.reshape(-1, shape[-1])
         residual = None if residual is None else residual.reshape(-1, shape[-1])
         out = None if out is None else out.view(-1, shape[-1])

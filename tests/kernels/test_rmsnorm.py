@@ -111,6 +111,11 @@ def test_rejects_bad_shapes(no_launch):
     x, w = torch.randn(4, 256).to(BF16), torch.ones(256, dtype=BF16)
     _expect(ValueError, "weight has shape", x, w[:128])
     _expect(ValueError, "residual has shape", x, w, residual=x[:2])
+    # [..., N] is normed as rows: the others must have x's shape, not only its number of rows.
+    x3 = torch.randn(2, 3, 256).to(BF16)
+    _expect(ValueError, "residual has shape", x3, w, residual=torch.randn(3, 2, 256).to(BF16))
+    _expect(ValueError, "residual has shape", x3, w, residual=torch.randn(6, 256).to(BF16))
+    _expect(ValueError, "out has shape", x3, w, out=torch.full((1, 6, 256), 7.0, dtype=BF16))
     _expect(ValueError, "hidden size 100", torch.randn(4, 100).to(BF16), torch.ones(100, dtype=BF16))
     _expect(ValueError, "hidden size 32768", torch.randn(2, 32768).to(BF16), torch.ones(32768, dtype=BF16))
 
