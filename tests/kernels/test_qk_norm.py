@@ -11,6 +11,7 @@ from rosekernels import checks, jit
 from rosekernels.kernels import qk_norm as qkn
 from rosekernels.kernels import qk_norm_plan as plan
 import rosekernels.ops.qk_norm  # noqa: F401  (registers torch.ops.rosekernels.qk_norm)
+from stub_launch import stub_launches
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -156,6 +157,25 @@ def test_rejects_non_tensors(no_launch):
     q, k, wq, wk = _cpu_inputs()
     with pytest.raises(TypeError, match="k_weight must be a torch.Tensor"):
         rosekernels.qk_norm(q, k, wq, [1.0] * 128, out_q=torch.empty_like(q), out_k=torch.empty_like(k))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    return stub_launches(monkeypatch, qkn, rosekernels.ops.qk_norm)
+
+
+def test_a_planned_signature_still_refuses_outputs_whose_heads_overlap(launches):
+    """The fast path of a planned signature skips the full checks; an output whose heads overlap (which the
+    compiled host checks let through) must not take it (CPU: the launch stubbed)."""
+    q, k, wq, wk = _cpu_inputs()
+    rosekernels.qk_norm(q, k, wq, wk)
+    assert len(launches) == 1
+    heads_overlap = torch.empty(4 * 256 + 64 * 3 + 128, dtype=BF16).as_strided((4, 4, 128), (256, 64, 1))
+    with pytest.raises(ValueError, match="out_q's elements overlap"):
+        rosekernels.qk_norm(q, k, wq, wk, out_q=heads_overlap)
+    with pytest.raises(ValueError, match="out_k's elements overlap"):
+        rosekernels.qk_norm(q, k, wq, wk, out_k=heads_overlap[:, :2])
+    assert len(launches) == 1
 
 
 def test_meta_tensors_take_the_registered_op(no_launch):

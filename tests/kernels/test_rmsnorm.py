@@ -12,6 +12,7 @@ from rosekernels.kernels import rmsnorm as rms
 from rosekernels.kernels import rmsnorm_plan as plan
 from rosekernels.models import ModelDims
 import rosekernels.ops.rmsnorm  # noqa: F401  (registers torch.ops.rosekernels.rmsnorm)
+from stub_launch import stub_launches
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -128,6 +129,26 @@ def test_rejects_strides_and_alignment(no_launch):
     x = torch.randn(4, 256).to(BF16)
     _expect(ValueError, "expanded", x, w, out=torch.zeros(1, 256, dtype=BF16).expand(4, 256))  # rows race
     _expect(ValueError, "expanded", x, w, residual=x.clone(), residual_out=torch.zeros(1, 256, dtype=BF16).expand(4, 256))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    return stub_launches(monkeypatch, rms, rosekernels.ops.rmsnorm)
+
+
+def test_a_planned_signature_still_refuses_outputs_whose_rows_overlap(launches):
+    """The fast path of a planned signature skips the full checks; an output whose rows overlap (which the
+    compiled host checks let through) must not take it (CPU: the launch stubbed)."""
+    x, w, r = torch.randn(4, 256).to(BF16), torch.ones(256, dtype=BF16), torch.randn(4, 256).to(BF16)
+    rosekernels.rmsnorm(x, w, out=torch.empty(4, 256, dtype=BF16))
+    rosekernels.rmsnorm(x, w, residual=r, residual_out=torch.empty(4, 256, dtype=BF16))
+    assert len(launches) == 2
+    rows_overlap = torch.empty(4 * 128 + 128, dtype=BF16).as_strided((4, 256), (128, 1))  # row stride < row
+    with pytest.raises(ValueError, match="out's elements overlap"):
+        rosekernels.rmsnorm(x, w, out=rows_overlap)
+    with pytest.raises(ValueError, match="residual_out's elements overlap"):
+        rosekernels.rmsnorm(x, w, residual=r, residual_out=rows_overlap)
+    assert len(launches) == 2
 
 
 def test_meta_tensors_take_the_registered_op(no_launch):

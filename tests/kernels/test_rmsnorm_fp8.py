@@ -101,6 +101,21 @@ def test_hidden_sizes_the_option_does_not_take(no_launch):
         rosekernels.rmsnorm(torch.randn(4, 136).to(BF16), torch.ones(136, dtype=BF16), fp8=True)
 
 
+def test_a_planned_signature_still_refuses_scales_whose_rows_overlap(monkeypatch):
+    """The fast path of a planned signature skips the full checks; group scales whose rows overlap (which
+    the compiled host checks let through) must not take it (CPU: the launch stubbed)."""
+    import rosekernels.ops.rmsnorm as op
+    from stub_launch import stub_launches
+
+    launches = stub_launches(monkeypatch, rms, op)
+    x, w = torch.randn(4, 256).to(BF16), torch.ones(256, dtype=BF16)
+    rosekernels.rmsnorm(x, w, fp8=True, group_size=128)
+    assert len(launches) == 1
+    with pytest.raises(ValueError, match="scales's elements overlap"):
+        rosekernels.rmsnorm(x, w, fp8=True, group_size=128, scales=torch.empty(5).as_strided((4, 2), (1, 1)))
+    assert len(launches) == 1
+
+
 def test_meta_tensors(no_launch):
     x, r = torch.empty(2, 3, 512, device="meta", dtype=BF16), torch.empty(2, 3, 512, device="meta", dtype=BF16)
     q, s, h = rosekernels.rmsnorm(x, torch.empty(512, device="meta", dtype=BF16), residual=r, fp8=True,
