@@ -151,6 +151,35 @@ def test_a_planned_signature_still_refuses_outputs_whose_rows_overlap(launches):
     assert len(launches) == 2
 
 
+def test_outputs_may_alias_inputs_only_in_place(launches):
+    """out may be x and residual_out residual (the same elements); no other output may share memory with an
+    input or another output: refused with nothing launched, also on a planned signature, whose fast path tests
+    only the addresses (CPU: the launch stubbed)."""
+    w = torch.ones(256, dtype=BF16)
+    for _ in range(2):  # planned, then the fast path
+        x, r = torch.randn(2, 3, 256).to(BF16), torch.randn(2, 3, 256).to(BF16)
+        out, h = rosekernels.rmsnorm(x, w, residual=r, out=x, residual_out=r)
+        assert out is x and h is r
+        flat = torch.randn(4, 256).to(BF16)
+        assert rosekernels.rmsnorm(flat, w, out=flat) is flat
+    assert len(launches) == 4
+    buf, r = torch.randn(5, 256).to(BF16), torch.randn(4, 256).to(BF16)
+    x = buf[:4]
+    rosekernels.rmsnorm(x, w, residual=r, out=torch.empty(4, 256, dtype=BF16), residual_out=torch.empty_like(r))
+    assert len(launches) == 5
+    rosekernels.rmsnorm(x, w, residual=r, residual_out=r[:])  # another view of the same elements is in place too
+    assert len(launches) == 6
+    wbuf = torch.ones(5, 256, dtype=BF16)
+    for args, kwargs, match in [((x, w), dict(out=buf[1:]), "out must not overlap x"),
+                                ((x, w), dict(residual=r, out=r, residual_out=r), "out must not overlap residual"),
+                                ((x, w), dict(residual=r, residual_out=x), "residual_out must not overlap x"),
+                                ((x, w), dict(residual=r, residual_out=buf[1:]), "residual_out must not overlap x"),
+                                ((x, wbuf[0]), dict(out=wbuf[:4]), "out must not overlap weight")]:
+        with pytest.raises(ValueError, match=match):
+            rosekernels.rmsnorm(*args, **kwargs)
+    assert len(launches) == 6
+
+
 def test_meta_tensors_take_the_registered_op(no_launch):
     x, r = torch.empty(2, 3, 256, device="meta"), torch.empty(2, 3, 256, device="meta")
     out, h = rosekernels.rmsnorm(x, torch.empty(256, device="meta"), residual=r)

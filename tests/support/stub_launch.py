@@ -14,6 +14,7 @@ def stub_launches(monkeypatch, kernel_module, op_module) -> list:
     monkeypatch.setattr(modes, "sm_count", lambda *args: 132)
     monkeypatch.setattr(tuned, "tuned_config", lambda module, shape, config, sms=None: config)
     monkeypatch.setattr(launch, "on_device", lambda device, fn, *args: fn(*args))
-    monkeypatch.setattr(kernel_module, "compile", lambda config: SimpleNamespace(fn=lambda *args: launches.append(args)))
+    kernel = SimpleNamespace(fn=lambda *args: launches.append(args))
+    monkeypatch.setattr(kernel_module, "compile", lambda config: kernel)
     monkeypatch.setattr(op_module, "_plans", launch.PlanCache())
     return launches
