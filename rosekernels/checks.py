@@ -116,6 +116,66 @@ def overlaps_any(out: torch.Tensor, out_extent: int, inputs: Iterable[torch.Tens
     return False
 
 
+def row_layout(t: torch.Tensor) -> tuple[int, int] | None:
+    """(stride, length) in bytes of t's rows: t as rows along its first dim of size > 1, each of contiguous
+    elements (x [M, N]; q [T, H, d] with its heads packed: a token's H * d); None for other layouts and a
+    single row."""
+    dims = [(n, s) for n, s in zip(t.shape, t.stride()) if n > 1]
+    if len(dims) < 2:
+        return None
+    row = 1
+    for n, s in reversed(dims[1:]):
+        if s != row:
+            return None
+        row *= n
+    return dims[0][1] * t.element_size(), row * t.element_size()
+
+
+class Disjoint:
+    """Whether a kernel's outputs share memory with an input or with one another (its writes would race with
+    its reads and with each other), except an output that is exactly its in-place input (the same address,
+    dtype, shape and strides). Memory is compared by span (`overlap`), rows of one buffer that interleave
+    (row_layout) excepted. Built from one call's tensors, whose shapes, strides and dtypes fix everything but the
+    addresses (a planned signature): a later call with those costs pointer arithmetic."""
+
+    def __init__(self, named: dict[str, torch.Tensor | None], outputs: tuple[str, ...], in_place: dict[str, str]):
+        self.names = list(named)
+        present = {n: t for n, t in named.items() if t is not None and t.numel()}  # an empty tensor spans nothing
+        extents = {n: extent(t) for n, t in present.items()}
+        layout = {n: row_layout(t) for n, t in present.items()}
+        self.pairs = []
+        for i, out in enumerate(outputs):
+            for other in [n for n in self.names if n not in outputs] + list(outputs[:i]):
+                if out not in present or other not in present:
+                    continue
+                o, t = present[out], present[other]
+                alias = in_place.get(out) == other and (o.dtype, o.shape, o.stride()) == (t.dtype, t.shape, t.stride())
+                # Rows of one stride with room for a row of each (q and k of one fused qkv buffer, two column
+                # slices of a matrix) interleave where other's start `offset` bytes after out's, modulo the
+                # stride, falls in low..high: their spans overlap, their elements do not.
+                period = low = high = 0
+                if layout[out] and layout[other] and layout[out][0] == layout[other][0]:
+                    (period, out_row), other_row = layout[out], layout[other][1]
+                    low, high = out_row, period - other_row
+                self.pairs.append((self.names.index(out), self.names.index(other), extents[out], extents[other], alias,
+                                   period if low <= high else 0, low, high))
+
+    def clash(self, *tensors: torch.Tensor | None) -> tuple[str, str] | None:
+        """The first (output, other) of `tensors` (in the order of `named`) that share memory, or None."""
+        ptrs = [0 if t is None else t.data_ptr() for t in tensors]
+        for o, t, out_extent, other_extent, alias, period, low, high in self.pairs:
+            offset = ptrs[t] - ptrs[o]
+            if (-other_extent < offset < out_extent and not (alias and offset == 0)
+                    and not (period and low <= offset % period <= high)):
+                return self.names[o], self.names[t]
+        return None
+
+    def check(self, *tensors: torch.Tensor | None) -> None:
+        clash = self.clash(*tensors)
+        if clash:
+            raise ValueError("{} must not overlap {}".format(*clash))
+
+
 def check_vectors(vectors: dict[str, torch.Tensor], outputs: Iterable[str] = (),
                   **others: torch.Tensor | None) -> None:
     """What a kernel that moves `vectors` in 128-bit accesses needs of their memory, each check over every

@@ -387,8 +387,10 @@ def two_m_tiles(config: GemmConfig, m: int) -> bool:
 def check_fits(config: GemmConfig, m: int, n: int) -> None:
     """Raise ValueError unless `config` can run an [m, K] x [n, K] problem: its K splits fit the tile
     counters and 32-bit partials indexing, and a tile that loads a_rows rows of A holds M."""
-    if config.split_k and config.splits > 1 and (output_tiles(config, m, n) > COUNTER_SLOTS
-                                                 or partial_floats(config, m, n) >= 2**31):
+    # A plain tile's counter is indexed over whole clusters along M too (tiles past M included).
+    counters = output_tiles(config, m, n) if config.swap_ab else (
+        math.ceil(m / (config.tile_m * config.cluster_m)) * config.cluster_m * tiles_n(config, n))
+    if config.split_k and config.splits > 1 and (counters > COUNTER_SLOTS or partial_floats(config, m, n) >= 2**31):
         raise ValueError(f"{m}x{n} is too large for {config.splits} K splits of {config}")
     if config.a_rows < config.tile_m and m > config.a_rows:
         raise ValueError(f"{config} loads {config.a_rows} rows of A: M = {m} is too many")

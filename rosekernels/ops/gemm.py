@@ -47,6 +47,7 @@ class _Plan(launch.Launch):
         super().__init__(kernel.compile(config).fn, a.device.index)
         self.split_k = config.split_k
         self.swap = config.swap_ab
+        self.gated = config.gated  # for the shape checks after a failed launch
         self.partial_floats = partial_floats(config, m, n) if config.splits > 1 else 0
         # The arguments after the tensors: the launch policy, then the FP8 scales a bf16/fp16 launch leaves out.
         self.tail = (config.splits, config.raster_group,
@@ -80,7 +81,7 @@ class _Plan(launch.Launch):
         except Exception:
             # The compiled host code checks its arguments and raises before launching; the full
             # checks say what is wrong in this op's terms.
-            _check_shapes(a, b_nk, bias, out)
+            _check_shapes(a, b_nk, bias, out, self.gated)
             _check_memory(a, b_nk, bias, out)
             raise
 

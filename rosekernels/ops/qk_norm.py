@@ -1,7 +1,8 @@
 """qk_norm(): Qwen3's per-head RMSNorm of q and k in one launch (the kernel: rosekernels/kernels/qk_norm.py).
 
 validate -> config (qk_norm_plan.config_for, or the tuned store's) -> compile -> plan -> launch: the
-first call with an argument signature does all of it; later ones only launch.
+first call with an argument signature does all of it; later ones only test the addresses of given
+outputs for overlaps and launch.
 """
 from __future__ import annotations
 
@@ -43,7 +44,16 @@ def _validate(q, k, q_weight, k_weight, out_q, out_k) -> None:
         checks.check_shape("out_q", out_q, tuple(q.shape))
     if out_k is not None:
         checks.check_shape("out_k", out_k, tuple(k.shape))
+    tensors = (q, k, q_weight, k_weight, out_q, out_k)
+    _disjoint(*tensors).check(*tensors)
     checks.check_vectors(named, [name for name in ("out_q", "out_k") if name in named])
+
+
+def _disjoint(q, k, q_weight, k_weight, out_q, out_k) -> checks.Disjoint:
+    """The outputs may share memory with no input and not with each other, but for the in-place forms: out_q
+    q, out_k k."""
+    return checks.Disjoint(dict(q=q, k=k, q_weight=q_weight, k_weight=k_weight, out_q=out_q, out_k=out_k),
+                           ("out_q", "out_k"), {"out_q": "q", "out_k": "k"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -52,26 +62,31 @@ def _validate(q, k, q_weight, k_weight, out_q, out_k) -> None:
 _plans = launch.PlanCache()
 
 
-def _new_plan(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias, enable_pdl) -> launch.Launch:
-    """Slow path, once per signature: validate everything, pick and load the kernel."""
+def _new_plan(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias,
+              enable_pdl) -> tuple[launch.Launch, checks.Disjoint]:
+    """Slow path, once per signature: validate everything, pick and load the kernel; the overlap test of
+    the signature's later calls."""
     _validate(q, k, q_weight, k_weight, out_q, out_k)
+    disjoint = _disjoint(q, k, q_weight, k_weight, out_q, out_k)
     if q.shape[0] == 0:
-        return launch.nothing(q.device.index)
+        return launch.nothing(q.device.index), disjoint
     shape = QKNormShape.of(q, k, q_weight, eps, weight_bias, enable_pdl)
     sms = modes.sm_count(q.device.index)
     config = tuned.tuned_config(kernel, shape, config_for(shape, sms), sms)
-    return launch.Launch(kernel.compile(config).fn, q.device.index)
+    return launch.Launch(kernel.compile(config).fn, q.device.index), disjoint
 
 
-def _run(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-         out_q: torch.Tensor, out_k: torch.Tensor, eps: float, weight_bias: float, enable_pdl: bool = True) -> None:
-    # What the plan depends on (the compiled host code checks every other dtype, shape, stride,
-    # alignment and device on each call): a microsecond cheaper than a key of all six tensors.
-    key = (q.shape, k.shape, q.dtype, q_weight.dtype, q.get_device(), eps, weight_bias, enable_pdl)
-    plan = _plans.get(key) or _plans.put(key, _new_plan(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias,
-                                                        enable_pdl))
-    if 0 in out_q.stride() or 0 in out_k.stride():  # maybe expanded, which the compiled checks let through
-        _validate(q, k, q_weight, k_weight, out_q, out_k)
+def _run(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias, enable_pdl=True, given=True) -> None:
+    # What the plan depends on, and the strides, which decide whether an output's elements overlap one
+    # another (check_not_expanded) and the spans the overlap test below compares: the compiled host code
+    # checks the other dtypes and shapes, the alignment and the devices on each call, not these.
+    key = (q.shape, q.stride(), k.shape, k.stride(), q.dtype, q_weight.dtype, q.get_device(), eps, weight_bias,
+           enable_pdl, out_q.stride(), out_k.stride())
+    plan, disjoint = _plans.get(key) or _plans.put(key, _new_plan(q, k, q_weight, k_weight, out_q, out_k, eps,
+                                                                  weight_bias, enable_pdl))
+    # given: whether the caller gave an output (fresh ones overlap nothing); the addresses decide the rest.
+    if given and disjoint.clash(q, k, q_weight, k_weight, out_q, out_k):
+        _validate(q, k, q_weight, k_weight, out_q, out_k)  # raises, saying which
     try:
         plan.launch(q, k, q_weight, k_weight, out_q, out_k)
     except Exception:
@@ -80,7 +95,9 @@ def _run(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: tor
         raise
 
 
-launch.register_op(OP, _run, mutates_args=("out_q", "out_k"))  # the schema comes from _run's annotations
+launch.register_op(OP, _run, mutates_args=("out_q", "out_k"),
+                   schema="(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, Tensor(a!) out_q, Tensor(b!) out_k, "
+                          "float eps, float weight_bias, bool enable_pdl=True) -> ()")
 
 
 def qk_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor | None = None,
@@ -91,15 +108,18 @@ def qk_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: 
     `y = x * rsqrt(mean(x^2) + eps) * (w + weight_bias)` with fp32 math; q/k may be strided views
     (e.g. of a fused qkv buffer); weights are [d] in the input dtype or fp32, one for both
     (`qk_norm(q, k, w)`) or one each. Results go to out_q/out_k (new tensors by default; out_q=q,
-    out_k=k normalizes in place). enable_pdl: launch with programmatic dependent launch (the kernel
-    may start while the previous one in the stream finishes and waits for it before its loads; the
-    next kernel may launch early): a microsecond less per launch in CUDA graphs.
+    out_k=k normalizes in place; no other output may share memory with an input or the other output:
+    rows of one buffer that interleave, as q and k of a fused qkv, do not). enable_pdl: launch with
+    programmatic dependent launch (the kernel may start while the previous one in the stream finishes
+    and waits for it before its loads; the next kernel may launch early): a microsecond less per launch
+    in CUDA graphs.
 
     Eager calls launch the kernel directly (torch.library dispatch would add several us of host
     time per call); under torch.compile the call goes through the custom op rosekernels::qk_norm.
     """
     if k_weight is None:
         k_weight = q_weight
+    given = out_q is not None or out_k is not None
     if out_q is None:
         out_q = torch.empty_like(q)
     if out_k is None:
@@ -107,7 +127,7 @@ def qk_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: 
     # The inputs decide (each tensor checked costs host time on every call): a tensor subclass given
     # only as a weight or an output is refused by the compiled host checks.
     if launch.eager(q, k):
-        _run(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias, bool(enable_pdl))
+        _run(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias, bool(enable_pdl), given)
     elif all(isinstance(t, torch.Tensor) for t in (q, k, q_weight, k_weight, out_q, out_k)):  # traced, fake, meta
         torch.ops.rosekernels.qk_norm(q, k, q_weight, k_weight, out_q, out_k, eps, weight_bias, bool(enable_pdl))
     else:

@@ -2,7 +2,8 @@
 to e4m3 (the kernel: rosekernels/kernels/rmsnorm.py).
 
 validate -> config (rmsnorm_plan.config_for, or the tuned store's) -> compile -> plan -> launch: the
-first call with an argument signature does all of it; later ones only launch.
+first call with an argument signature does all of it; later ones only test the addresses of given
+outputs for overlaps and launch.
 """
 from __future__ import annotations
 
@@ -52,8 +53,18 @@ def _validate(x, weight, residual, out, residual_out, fp8: str = "none", scales=
         checks.check_not_expanded("scales", scales)
         if scales.numel() > 1 and scales.stride(-1) != 1:
             raise ValueError(f"scales must be contiguous along its last dimension, got strides {scales.stride()}")
+    tensors = (x, weight, residual, out, residual_out, scales)
+    _disjoint(*tensors).check(*tensors)
     checks.check_vectors(named, [name for name in ("out", "residual_out") if name in named],
                          scales=scales if fp8 != "none" else None)
+
+
+def _disjoint(x, weight, residual, out, residual_out, scales) -> checks.Disjoint:
+    """The outputs may share memory with no input and no other output, but for the in-place forms: out x,
+    residual_out residual."""
+    return checks.Disjoint(dict(x=x, weight=weight, residual=residual, out=out, residual_out=residual_out,
+                                scales=scales), ("out", "residual_out", "scales"),
+                           {"out": "x", "residual_out": "residual"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -62,27 +73,32 @@ def _validate(x, weight, residual, out, residual_out, fp8: str = "none", scales=
 _plans = launch.PlanCache()
 
 
-def _new_plan(x, weight, residual, out, residual_out, eps, enable_pdl, fp8, scales) -> launch.Launch:
-    """Slow path, once per signature: validate everything, pick and load the kernel."""
+def _new_plan(x, weight, residual, out, residual_out, eps, enable_pdl, fp8,
+              scales) -> tuple[launch.Launch, checks.Disjoint]:
+    """Slow path, once per signature: validate everything, pick and load the kernel; the overlap test of
+    the signature's later calls."""
     _validate(x, weight, residual, out, residual_out, fp8, scales)
+    disjoint = _disjoint(x, weight, residual, out, residual_out, scales)
     if x.shape[0] == 0:
-        return launch.nothing(x.device.index)
+        return launch.nothing(x.device.index), disjoint
     shape = RMSNormShape.of(x, weight, residual, eps, enable_pdl, fp8)
     sms = modes.sm_count(x.device.index)
     config = tuned.tuned_config(kernel, shape, config_for(shape, sms), sms)
-    return launch.Launch(kernel.compile(config).fn, x.device.index)
+    return launch.Launch(kernel.compile(config).fn, x.device.index), disjoint
 
 
-def _run(x, weight, residual, out, residual_out, eps, enable_pdl=True, scales=None, fp8="none") -> None:
-    # What the plan depends on (the compiled host code checks every other dtype, shape, stride,
-    # alignment and device on each call): a microsecond cheaper than a key of all five tensors.
-    key = (x.shape, x.dtype, weight.dtype, residual is None, x.get_device(), eps, enable_pdl, fp8)
-    plan = _plans.get(key) or _plans.put(key, _new_plan(x, weight, residual, out, residual_out, eps, enable_pdl, fp8,
-                                                        scales))
-    # A zero stride may be an expanded output, which the compiled checks let through.
-    if 0 in out.stride() or (residual_out is not None and 0 in residual_out.stride()) or (
-            scales is not None and 0 in scales.stride()):
-        _validate(x, weight, residual, out, residual_out, fp8, scales)
+def _run(x, weight, residual, out, residual_out, eps, enable_pdl=True, scales=None, fp8="none", given=True) -> None:
+    # What the plan depends on, and the strides, which decide whether an output's elements overlap one
+    # another (check_not_expanded) and the spans the overlap test below compares: the compiled host code
+    # checks the other dtypes and shapes, the alignment and the devices on each call, not these.
+    key = (x.shape, x.stride(), x.dtype, weight.dtype, x.get_device(), eps, enable_pdl, fp8,
+           None if residual is None else residual.stride(), out.stride(),
+           None if residual_out is None else residual_out.stride(), None if scales is None else scales.stride())
+    plan, disjoint = _plans.get(key) or _plans.put(key, _new_plan(x, weight, residual, out, residual_out, eps,
+                                                                  enable_pdl, fp8, scales))
+    # given: whether the caller gave an output (fresh ones overlap nothing); the addresses decide the rest.
+    if given and disjoint.clash(x, weight, residual, out, residual_out, scales):
+        _validate(x, weight, residual, out, residual_out, fp8, scales)  # raises, saying which
     try:
         plan.launch(x, weight, residual, out, residual_out, scales)
     except Exception:
@@ -115,7 +131,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: 
     Without `residual`: returns out = x * rsqrt(mean(x^2) + eps) * weight.
     With `residual`: h = x + residual; returns (out, h) where out normalizes h (in fp32, before
     rounding h to the input dtype). out/residual_out may be given (e.g. residual_out=residual
-    updates the residual stream in place). Rows may be strided (16-byte-aligned row stride).
+    updates the residual stream in place; out=x normalizes in place); no other output may share memory
+    with an input or another output. Rows may be strided (16-byte-aligned row stride).
     enable_pdl: launch with programmatic dependent launch (the kernel may start while the previous
     one in the stream finishes and waits for it before its loads; the next kernel may launch early):
     a microsecond less per launch in CUDA graphs.
@@ -131,7 +148,11 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: 
     """
     kind = _fp8_kind(fp8, group_size)
     given_out, given_residual_out, shape = out, residual_out, x.shape
+    given = out is not None or residual_out is not None or scales is not None
     if x.dim() != 2:  # rows of [..., N] as [M, N]; given outputs must be viewable so
+        for name, t in (("residual", residual), ("out", out), ("residual_out", residual_out)):
+            if t is not None and t.shape != shape:  # as rows, any shape of as many rows would pass
+                checks.check_shape(name, t, tuple(shape))
         x = x.reshape(-1, shape[-1])
         residual = None if residual is None else residual.reshape(-1, shape[-1])
         out = None if out is None else out.view(-1, shape[-1])
@@ -154,7 +175,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: 
     # The inputs decide (each tensor checked costs host time on every call): a tensor subclass given
     # only as the weight or an output is refused by the compiled host checks.
     if launch.eager(x, residual):
-        _run(x, weight, residual, out, residual_out, eps, bool(enable_pdl), rows_scales, kind)
+        _run(x, weight, residual, out, residual_out, eps, bool(enable_pdl), rows_scales, kind, given)
     elif all(t is None or isinstance(t, torch.Tensor) for t in (x, weight, residual, out, residual_out)):
         if kind == "none":  # traced
             torch.ops.rosekernels.rmsnorm(x, weight, residual, out, residual_out, eps, bool(enable_pdl))

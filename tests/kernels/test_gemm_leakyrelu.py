@@ -219,6 +219,29 @@ def test_an_expanded_out_is_rejected():
         rosekernels.gemm_leakyrelu(_cpu(4, 16), _cpu(8, 16), out=torch.zeros(1, 8, dtype=torch.bfloat16).expand(4, 8))
 
 
+def test_a_failed_launch_of_a_gated_plan_raises_its_own_error(monkeypatch):
+    """After a failed launch the op re-checks the arguments to name what is wrong: a gated plan's good
+    arguments pass those checks (out [M, N / 2]), so the launch's own error comes through (CPU: the device
+    parts stubbed, the compiled function raising)."""
+    from types import SimpleNamespace
+
+    from rosekernels import modes, tuned
+
+    def fail(*args):
+        raise RuntimeError("the launch failed")
+
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)
+    monkeypatch.setattr(modes, "sm_count", lambda *args: 132)
+    monkeypatch.setattr(modes, "max_active_clusters", lambda *args: 66)
+    monkeypatch.setattr(tuned, "tuned_config", lambda module, shape, config, sms=None: config)
+    monkeypatch.setattr(launch, "on_device", lambda device, fn, *args: fn(*args))
+    monkeypatch.setattr(glr, "compile", lambda config: SimpleNamespace(fn=fail))
+    monkeypatch.setattr(gemm_op, "_plans", launch.PlanCache())
+    monkeypatch.setattr(gemm_op, "config_for", lambda shape, sms=None: glr.Config(activation="silu", gated=True))
+    with pytest.raises(RuntimeError, match="the launch failed"):
+        rosekernels.gemm(_cpu(4, 64), _cpu(32, 64), activation="silu", gated=True)
+
+
 def test_meta_tensors_infer_shapes_and_check_them():
     """Meta (and torch.compile's fake) tensors take the op's fake path: shapes are checked too."""
     a = torch.empty(4, 16, dtype=torch.bfloat16, device="meta")

@@ -134,6 +134,11 @@ def test_check_fits():
     plan.check_fits(wide, 64, 64 * plan.COUNTER_SLOTS)
     with pytest.raises(ValueError, match="too large for 2 K splits"):
         plan.check_fits(wide, 64, 64 * plan.COUNTER_SLOTS + 8)
+    # On 2x1 clusters a single tile of tokens still has a second M tile in its cluster, with counters.
+    clustered = Config(tile_m=64, tile_n=256, cluster_m=2, split_k=True, splits=2)
+    plan.check_fits(clustered, 8, 256 * plan.COUNTER_SLOTS // 2)
+    with pytest.raises(ValueError, match="too large for 2 K splits"):
+        plan.check_fits(clustered, 8, 256 * plan.COUNTER_SLOTS // 2 + 8)
 
 
 @pytest.mark.parametrize("n, k", [(14336, 4096), (4096, 14336), (136, 72), (128256, 4096)])

@@ -11,6 +11,7 @@ from rosekernels import checks, jit
 from rosekernels.kernels import qk_norm as qkn
 from rosekernels.kernels import qk_norm_plan as plan
 import rosekernels.ops.qk_norm  # noqa: F401  (registers torch.ops.rosekernels.qk_norm)
+from stub_launch import stub_launches
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -156,6 +157,55 @@ def test_rejects_non_tensors(no_launch):
     q, k, wq, wk = _cpu_inputs()
     with pytest.raises(TypeError, match="k_weight must be a torch.Tensor"):
         rosekernels.qk_norm(q, k, wq, [1.0] * 128, out_q=torch.empty_like(q), out_k=torch.empty_like(k))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    return stub_launches(monkeypatch, qkn, rosekernels.ops.qk_norm)
+
+
+def test_a_planned_signature_still_refuses_outputs_whose_heads_overlap(launches):
+    """The fast path of a planned signature skips the full checks; an output whose heads overlap (which the
+    compiled host checks let through) must not take it (CPU: the launch stubbed)."""
+    q, k, wq, wk = _cpu_inputs()
+    rosekernels.qk_norm(q, k, wq, wk)
+    assert len(launches) == 1
+    heads_overlap = torch.empty(4 * 256 + 64 * 3 + 128, dtype=BF16).as_strided((4, 4, 128), (256, 64, 1))
+    with pytest.raises(ValueError, match="out_q's elements overlap"):
+        rosekernels.qk_norm(q, k, wq, wk, out_q=heads_overlap)
+    with pytest.raises(ValueError, match="out_k's elements overlap"):
+        rosekernels.qk_norm(q, k, wq, wk, out_k=heads_overlap[:, :2])
+    assert len(launches) == 1
+
+
+def test_outputs_may_alias_inputs_only_in_place(launches):
+    """out_q may be q and out_k k, also as views of a fused qkv buffer, whose rows interleave (as do outputs
+    into another such buffer); no other output may share memory with an input or the other output: refused
+    with nothing launched, on a first call and on a planned signature, whose fast path tests only the
+    addresses (CPU: the launch stubbed)."""
+    hq, hk, d = 4, 2, 128
+    w = torch.ones(d, dtype=BF16)
+
+    def views(qkv):
+        return qkv[:, :hq * d].view(-1, hq, d), qkv[:, hq * d:(hq + hk) * d].view(-1, hk, d)
+
+    for tokens in (1, 5, 5):  # planned, then the fast path
+        qkv = torch.randn(tokens, (hq + 2 * hk) * d).to(BF16)
+        q, k = views(qkv)
+        out_q, out_k = rosekernels.qk_norm(q, k, w, out_q=q, out_k=k)
+        assert out_q is q and out_k is k
+        rosekernels.qk_norm(q, k, w, out_q=q[:], out_k=k[:])  # other views of the same elements
+        other_q, other_k = views(torch.empty_like(qkv))
+        rosekernels.qk_norm(q, k, w, out_q=other_q, out_k=other_k)
+    assert len(launches) == 9
+    fresh = torch.empty(tokens, hq, d, dtype=BF16)
+    for args, kwargs, match in [((q[:, :hk], k, w), dict(out_q=k, out_k=k), "out_q must not overlap k"),
+                                ((q, k, w), dict(out_q=fresh, out_k=fresh[:, :hk]), "out_k must not overlap out_q"),
+                                ((q, k, w), dict(out_q=q, out_k=q[:, :hk]), "out_k must not overlap q"),
+                                ((q, k, w), dict(out_q=views(qkv[:, d:])[0], out_k=k), "out_q must not overlap q")]:
+        with pytest.raises(ValueError, match=match):
+            rosekernels.qk_norm(*args, **kwargs)
+    assert len(launches) == 9
 
 
 def test_meta_tensors_take_the_registered_op(no_launch):

@@ -12,6 +12,7 @@ from rosekernels.kernels import rmsnorm as rms
 from rosekernels.kernels import rmsnorm_plan as plan
 from rosekernels.models import ModelDims
 import rosekernels.ops.rmsnorm  # noqa: F401  (registers torch.ops.rosekernels.rmsnorm)
+from stub_launch import stub_launches
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -111,6 +112,11 @@ def test_rejects_bad_shapes(no_launch):
     x, w = torch.randn(4, 256).to(BF16), torch.ones(256, dtype=BF16)
     _expect(ValueError, "weight has shape", x, w[:128])
     _expect(ValueError, "residual has shape", x, w, residual=x[:2])
+    # [..., N] is normed as rows: the others must have x's shape, not only its number of rows.
+    x3 = torch.randn(2, 3, 256).to(BF16)
+    _expect(ValueError, "residual has shape", x3, w, residual=torch.randn(3, 2, 256).to(BF16))
+    _expect(ValueError, "residual has shape", x3, w, residual=torch.randn(6, 256).to(BF16))
+    _expect(ValueError, "out has shape", x3, w, out=torch.full((1, 6, 256), 7.0, dtype=BF16))
     _expect(ValueError, "hidden size 100", torch.randn(4, 100).to(BF16), torch.ones(100, dtype=BF16))
     _expect(ValueError, "hidden size 32768", torch.randn(2, 32768).to(BF16), torch.ones(32768, dtype=BF16))
 
@@ -123,6 +129,55 @@ def test_rejects_strides_and_alignment(no_launch):
     x = torch.randn(4, 256).to(BF16)
     _expect(ValueError, "expanded", x, w, out=torch.zeros(1, 256, dtype=BF16).expand(4, 256))  # rows race
     _expect(ValueError, "expanded", x, w, residual=x.clone(), residual_out=torch.zeros(1, 256, dtype=BF16).expand(4, 256))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    return stub_launches(monkeypatch, rms, rosekernels.ops.rmsnorm)
+
+
+def test_a_planned_signature_still_refuses_outputs_whose_rows_overlap(launches):
+    """The fast path of a planned signature skips the full checks; an output whose rows overlap (which the
+    compiled host checks let through) must not take it (CPU: the launch stubbed)."""
+    x, w, r = torch.randn(4, 256).to(BF16), torch.ones(256, dtype=BF16), torch.randn(4, 256).to(BF16)
+    rosekernels.rmsnorm(x, w, out=torch.empty(4, 256, dtype=BF16))
+    rosekernels.rmsnorm(x, w, residual=r, residual_out=torch.empty(4, 256, dtype=BF16))
+    assert len(launches) == 2
+    rows_overlap = torch.empty(4 * 128 + 128, dtype=BF16).as_strided((4, 256), (128, 1))  # row stride < row
+    with pytest.raises(ValueError, match="out's elements overlap"):
+        rosekernels.rmsnorm(x, w, out=rows_overlap)
+    with pytest.raises(ValueError, match="residual_out's elements overlap"):
+        rosekernels.rmsnorm(x, w, residual=r, residual_out=rows_overlap)
+    assert len(launches) == 2
+
+
+def test_outputs_may_alias_inputs_only_in_place(launches):
+    """out may be x and residual_out residual (the same elements); no other output may share memory with an
+    input or another output: refused with nothing launched, also on a planned signature, whose fast path tests
+    only the addresses (CPU: the launch stubbed)."""
+    w = torch.ones(256, dtype=BF16)
+    for _ in range(2):  # planned, then the fast path
+        x, r = torch.randn(2, 3, 256).to(BF16), torch.randn(2, 3, 256).to(BF16)
+        out, h = rosekernels.rmsnorm(x, w, residual=r, out=x, residual_out=r)
+        assert out is x and h is r
+        flat = torch.randn(4, 256).to(BF16)
+        assert rosekernels.rmsnorm(flat, w, out=flat) is flat
+    assert len(launches) == 4
+    buf, r = torch.randn(5, 256).to(BF16), torch.randn(4, 256).to(BF16)
+    x = buf[:4]
+    rosekernels.rmsnorm(x, w, residual=r, out=torch.empty(4, 256, dtype=BF16), residual_out=torch.empty_like(r))
+    assert len(launches) == 5
+    rosekernels.rmsnorm(x, w, residual=r, residual_out=r[:])  # another view of the same elements is in place too
+    assert len(launches) == 6
+    wbuf = torch.ones(5, 256, dtype=BF16)
+    for args, kwargs, match in [((x, w), dict(out=buf[1:]), "out must not overlap x"),
+                                ((x, w), dict(residual=r, out=r, residual_out=r), "out must not overlap residual"),
+                                ((x, w), dict(residual=r, residual_out=x), "residual_out must not overlap x"),
+                                ((x, w), dict(residual=r, residual_out=buf[1:]), "residual_out must not overlap x"),
+                                ((x, wbuf[0]), dict(out=wbuf[:4]), "out must not overlap weight")]:
+        with pytest.raises(ValueError, match=match):
+            rosekernels.rmsnorm(*args, **kwargs)
+    assert len(launches) == 6
 
 
 def test_meta_tensors_take_the_registered_op(no_launch):

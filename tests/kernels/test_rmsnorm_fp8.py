@@ -101,6 +101,40 @@ def test_hidden_sizes_the_option_does_not_take(no_launch):
         rosekernels.rmsnorm(torch.randn(4, 136).to(BF16), torch.ones(136, dtype=BF16), fp8=True)
 
 
+def test_a_planned_signature_still_refuses_scales_whose_rows_overlap(monkeypatch):
+    """The fast path of a planned signature skips the full checks; group scales whose rows overlap (which
+    the compiled host checks let through) must not take it (CPU: the launch stubbed)."""
+    import rosekernels.ops.rmsnorm as op
+    from stub_launch import stub_launches
+
+    launches = stub_launches(monkeypatch, rms, op)
+    x, w = torch.randn(4, 256).to(BF16), torch.ones(256, dtype=BF16)
+    rosekernels.rmsnorm(x, w, fp8=True, group_size=128)
+    assert len(launches) == 1
+    with pytest.raises(ValueError, match="scales's elements overlap"):
+        rosekernels.rmsnorm(x, w, fp8=True, group_size=128, scales=torch.empty(5).as_strided((4, 2), (1, 1)))
+    assert len(launches) == 1
+
+
+@pytest.mark.parametrize("case", ["out on x", "scales on x", "scales on out"])
+def test_outputs_overlapping_x_or_each_other_are_refused(monkeypatch, case):
+    """Also on a planned signature, whose fast path tests only the addresses (CPU: the launch stubbed)."""
+    import rosekernels.ops.rmsnorm as op
+    from stub_launch import stub_launches
+
+    launches = stub_launches(monkeypatch, rms, op)
+    w = torch.ones(256, dtype=BF16)
+    mem = torch.zeros(4096, dtype=torch.uint8)
+    x = mem[:2048].view(BF16).view(4, 256)
+    rosekernels.rmsnorm(x, w, fp8=True, group_size=128)
+    out = (mem[1024:2048] if case == "out on x" else mem[2048:3072]).view(E4M3).view(4, 256)
+    scales = {"out on x": None, "scales on x": mem[2016:2048], "scales on out": mem[3040:3072]}[case]
+    with pytest.raises(ValueError, match=case.replace(" on ", " must not overlap ")):
+        rosekernels.rmsnorm(x, w, fp8=True, group_size=128, out=out,
+                            scales=None if scales is None else scales.view(FP32).view(4, 2))
+    assert len(launches) == 1
+
+
 def test_meta_tensors(no_launch):
     x, r = torch.empty(2, 3, 512, device="meta", dtype=BF16), torch.empty(2, 3, 512, device="meta", dtype=BF16)
     q, s, h = rosekernels.rmsnorm(x, torch.empty(512, device="meta", dtype=BF16), residual=r, fp8=True,
