@@ -27,13 +27,6 @@ def _row_stride_ok(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided(t.shape, (8 * math.ceil(t.shape[1] / 8), t.stride(1)))
 
 
-def _extent(t: Optional[torch.Tensor]) -> int:
-    """Bytes from t's first to one past its last element (0 when empty or None)."""
-    if t is None or t.numel() == 0:
-        return 0
-    return (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
-
-
 class _Plan(launch.Launch):
     """One config launched on one argument signature (shapes, strides, dtypes, device): everything
     derived from the signature is computed once; a launch only checks what depends on the data
@@ -54,14 +47,12 @@ class _Plan(launch.Launch):
                      modes.max_active_clusters(self.device, config.cluster_m * config.cluster_n), *kernel.NOT_FP8)
         self.fix_a = m == 1 and a.stride(0) % 8 != 0
         self.fix_out = m == 1 and out.stride(0) % 8 != 0
-        self.extents = (_extent(a), _extent(b_nk), _extent(bias), _extent(out))
+        self.extents = [checks.extent(t) for t in (a, b_nk, bias)]
+        self.out_extent = checks.extent(out)
 
     def launch(self, a, b_nk, bias, out, private_scratch: bool = False) -> None:
-        pa, pb, po = a.data_ptr(), b_nk.data_ptr(), out.data_ptr()
-        ea, eb, ebias, eo = self.extents
-        pbias = bias.data_ptr() if bias is not None else 0
-        if ((pa | pb | po) % 16 or (pa < po + eo and po < pa + ea) or (pb < po + eo and po < pb + eb)
-                or (ebias and pbias < po + eo and po < pbias + ebias)):
+        if (a.data_ptr() | b_nk.data_ptr() | out.data_ptr()) % 16 or checks.overlaps_any(
+                out, self.out_extent, (a, b_nk, bias), self.extents):
             _check_memory(a, b_nk, bias, out)  # raises, saying which
         partials = counters = None
         if self.split_k:
