@@ -71,11 +71,10 @@ def _new_plan(x, q, scales, group: int, enable_pdl: bool) -> launch.Launch:
 
 def _run(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int, enable_pdl: bool = True) -> None:
     # What the plan depends on (the compiled host code checks the other shapes, strides, alignment and
-    # devices on each call).
-    key = (x.shape, x.dtype, x.get_device(), group, enable_pdl)
+    # devices on each call); the outputs' strides too, so that a new one is validated (expanded, or rows
+    # overlapping one another, which the compiled checks let through).
+    key = (x.shape, x.dtype, x.get_device(), q.stride(), scales.stride(), group, enable_pdl)
     plan = _plans.get(key) or _plans.put(key, _new_plan(x, q, scales, group, enable_pdl))
-    if 0 in q.stride() or 0 in scales.stride():  # maybe expanded, which the compiled checks let through
-        _validate(x, q, scales, group)
     try:
         plan.launch(x, q, scales)
     except Exception:

@@ -222,6 +222,26 @@ def test_argument_errors(no_launch, kwargs, error, match):
     assert out is None or torch.equal(out, before)
 
 
+def test_outputs_of_new_strides_are_validated_on_a_planned_signature(monkeypatch):
+    """A planned signature's fast path does not validate: outputs with other strides (here q's rows overlapping
+    one another, which the compiled host code lets through) make a new plan, which validates them."""
+    from types import SimpleNamespace
+
+    from rosekernels import launch
+    from rosekernels.ops import quantize as op
+
+    planned = []
+    monkeypatch.setattr(op, "_plans", launch.PlanCache())
+    monkeypatch.setattr(op, "_new_plan", lambda x, q, s, *rest: planned.append(q.stride()) or
+                        SimpleNamespace(launch=lambda *args: None))
+    x = torch.randn(4, 256).to(BF16)
+    rosekernels.quantize_fp8(x, out=torch.empty(4, 256, dtype=E4M3))
+    rosekernels.quantize_fp8(x, out=torch.empty(4, 256, dtype=E4M3))
+    overlapping = torch.empty(640, dtype=E4M3).as_strided((4, 256), (128, 1))
+    rosekernels.quantize_fp8(x, out=overlapping)
+    assert planned == [(256, 1), (128, 1)]
+
+
 @pytest.mark.parametrize("case", ["q on x", "scales on x", "scales on q"])
 def test_outputs_overlapping_x_or_each_other_are_refused_before_anything_is_written(monkeypatch, case):
     """Given outputs overlapping x or each other are refused with nothing written, also on a planned signature,
