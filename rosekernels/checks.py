@@ -117,18 +117,23 @@ def overlaps_any(out: torch.Tensor, out_extent: int, inputs: Iterable[torch.Tens
 
 
 def row_layout(t: torch.Tensor) -> tuple[int, int] | None:
-    """(stride, length) in bytes of t's rows: t as rows along its first dim of size > 1, each of contiguous
-    elements (x [M, N]; q [T, H, d] with its heads packed: a token's H * d); None for other layouts and a
-    single row."""
+    """(stride, length) in bytes of t's rows: t as rows of contiguous elements (its innermost dims of size > 1
+    that are contiguous, at least one dim left) a uniform stride apart (the dims before them, merged where
+    each steps over the whole of the next: x [M, N]; q [T, H, d] or [B, S, H, d] with its heads packed, a
+    token's H * d, also as a slice of a fused qkv buffer); None for other layouts and a single row."""
     dims = [(n, s) for n, s in zip(t.shape, t.stride()) if n > 1]
     if len(dims) < 2:
         return None
-    row = 1
-    for n, s in reversed(dims[1:]):
-        if s != row:
+    inner, row = len(dims), 1
+    while inner > 1 and dims[inner - 1][1] == row:
+        inner -= 1
+        row *= dims[inner][0]
+    if inner == len(dims):
+        return None
+    for (_, outer), (n, s) in zip(dims[:inner - 1], dims[1:inner]):
+        if outer != n * s:
             return None
-        row *= n
-    return dims[0][1] * t.element_size(), row * t.element_size()
+    return dims[inner - 1][1] * t.element_size(), row * t.element_size()
 
 
 class Disjoint:

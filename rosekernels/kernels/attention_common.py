@@ -183,7 +183,7 @@ def validate(q, k, v, out, softmax_scale, pointers: bool = True, sliced: bool = 
     else:
         checks.check_not_expanded("out", out)  # overlapping elements of out: CTAs' stores would race
         if pointers:
-            check_apart(out, k=k, v=v)
+            apart(out, k, v).check(out, k, v)
     checks.check_same_device(q=q, k=k, v=v, out=out)
     return scale
 
@@ -235,27 +235,23 @@ def check_span(name: str, t: torch.Tensor, entries: int | None = None) -> None:
         raise ValueError(f"{name} spans 2^31 elements or more; the kernel indexes with 32 bits")
 
 
-def check_apart(out: torch.Tensor, **reads: torch.Tensor) -> None:
-    """ValueError if out's byte span meets that of a tensor in `reads` (k and v), which other CTAs read
-    while one writes out (spans: an element-exact test costs more; an out interleaved with k or v is
-    refused too). out may be q: each CTA reads its Q rows before it writes its O rows there."""
-    for name, t in reads.items():
-        if checks.overlap(out, t):
-            raise ValueError(f"out overlaps {name}: the kernel writes out while other CTAs read {name}")
+def apart(out: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+          names: tuple[str, str] = ("k", "v")) -> checks.Disjoint:
+    """The check that out shares no memory with k and v, which other CTAs read while one writes out
+    (interleaved rows of one buffer pass: q's slot of a fused qkv buffer as out). out may be q: each CTA
+    reads its Q rows before it writes its O rows there."""
+    return checks.Disjoint({"out": out, names[0]: k, names[1]: v}, ("out",), {})
 
 
 class OutApart:
     """The plan of a signature with out given, for launch(q, k, v, out, ...): each call first checks that
-    out misses k and v (check_apart), whose pointers the plan's key leaves out; their byte extents
-    are the signature's, so the test reads three pointers."""
+    out misses k and v (`apart`), whose pointers the plan's key leaves out: pointer arithmetic."""
 
     def __init__(self, plan, out: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("k", "v")):
-        self.plan, self.names = plan, names
-        self.out_extent, self.extents = checks.extent(out), (checks.extent(k), checks.extent(v))
+        self.plan, self.apart = plan, apart(out, k, v, names)
 
     def launch(self, q, k, v, out, *rest) -> None:
-        if checks.overlaps_any(out, self.out_extent, (k, v), self.extents):
-            check_apart(out, **dict(zip(self.names, (k, v))))  # raises, naming which
+        self.apart.check(out, k, v)
         self.plan.launch(q, k, v, out, *rest)
 
 

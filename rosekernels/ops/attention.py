@@ -3,8 +3,8 @@ attention_decode(), the split-KV kernel for any query length.
 
 q [B, S_q, Hq, d], k/v [B, S_kv, Hkv, d] (Hq a multiple of Hkv), bf16 or fp16, d in {64, 128}; causal
 aligned bottom-right; lse [B, Hq, S_q] fp32, natural log; a row that sees no key gets out 0, lse -inf.
-out may be q (each tile reads its Q rows before it writes them) but must not overlap the byte spans of k
-or v (interleaved with them, as q's slot of a fused qkv buffer is, it is refused too).
+out may be q (each tile reads its Q rows before it writes them), also q's slot of a fused qkv buffer, but
+must share no memory with k or v.
 
 The kernel follows from the query length: short queries (S_q <= attention_decode_plan.MAX_SEQLEN_Q,
 decode steps) take the split-KV kernel (rosekernels/kernels/attention_decode.py), since one CTA per 128

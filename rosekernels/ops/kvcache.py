@@ -34,7 +34,7 @@ import torch
 from rosekernels import checks, fp8, launch, modes, scratch
 from rosekernels.kernels import attention_decode as decode
 from rosekernels.kernels.attention_common import (
-    ALLOCATED_OUT, MAX_INDEX, TORCH_DTYPES, OutApart, check_apart, check_operand, check_span, scale_of, tma_view)
+    ALLOCATED_OUT, MAX_INDEX, TORCH_DTYPES, OutApart, apart, check_operand, check_span, scale_of, tma_view)
 from rosekernels.kernels.attention_decode_plan import (
     MAX_SEQLEN_Q, DecodeConfig, DecodeShape, kvcache_config_for, page_rows_for, tile_n_for)
 from rosekernels.kernels.attention_plan import HEAD_DIMS
@@ -107,7 +107,7 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, out, softm
     else:
         checks.check_not_expanded("out", out)  # overlapping elements of out: CTAs' stores would race
         if pointers:
-            check_apart(out, k_cache=k_cache, v_cache=v_cache)
+            apart(out, k_cache, v_cache, ("k_cache", "v_cache")).check(out, k_cache, v_cache)
     checks.check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                              block_table=block_table, out=out, k_descale=k_descale, v_descale=v_descale)
     return scale

@@ -35,7 +35,7 @@ import torch
 from rosekernels import checks, launch, modes, scratch
 from rosekernels.kernels import attention as prefill
 from rosekernels.kernels.attention_common import (
-    ALLOCATED_OUT, LOG2_E, MAX_INDEX, TORCH_DTYPES, OutApart, check_apart, check_operand, check_span, scale_of,
+    ALLOCATED_OUT, LOG2_E, MAX_INDEX, TORCH_DTYPES, OutApart, apart, check_operand, check_span, scale_of,
     tma_view)
 from rosekernels.kernels.attention_plan import HEAD_DIMS, AttentionConfig, grid_size, varlen_config
 
@@ -103,7 +103,7 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     else:
         checks.check_not_expanded("out", out)  # overlapping elements of out: CTAs' stores would race
         if pointers:
-            check_apart(out, k=k, v=v)
+            apart(out, k, v).check(out, k, v)
     checks.check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, out=out)
     return scale, max_seqlen_q, max_seqlen_k
 

@@ -504,10 +504,31 @@ def test_an_out_overlapping_k_or_v_is_refused_and_out_q_is_not(monkeypatch, entr
     k, out = buf[:v.numel()].view(v.shape), buf.view(q.shape)  # out's first rows are k
     fn = getattr(rosekernels, entry)
     for k_, v_, name in ((k, v, "k"), (v, k, "v")):
-        with pytest.raises(ValueError, match=f"out overlaps {name}"):
+        with pytest.raises(ValueError, match=f"out must not overlap {name}"):
             fn(q, k_, v_, out=out)
     assert bool((buf == 7.0).all())
     AC.validate(q, v, v, q, None)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_out_q_in_a_fused_qkv_buffer_is_not_taken_for_an_overlap(monkeypatch, batch):
+    """q, k and v as slices of one [B, S, (Hq + 2 Hkv) d] projection: their rows interleave, their elements
+    do not, so out = q passes on the first call and on a planned signature; out one head later, whose rows
+    then reach into k's, is refused."""
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # CPU tensors stand in for CUDA ones
+    monkeypatch.setattr(attention_op, "_plans", launch.PlanCache())
+    launches = []
+    monkeypatch.setattr(attention_op, "_plan", lambda *args: types.SimpleNamespace(
+        launch=lambda *a: launches.append(a)))
+    hq, hkv, d = 8, 2, 64
+    qkv = torch.zeros(batch, 64, (hq + 2 * hkv) * d, dtype=torch.bfloat16)
+    heads = qkv.view(batch, 64, hq + 2 * hkv, d)
+    q, k, v = heads[:, :, :hq], heads[:, :, hq:hq + hkv], heads[:, :, hq + hkv:]
+    rosekernels.attention(q, k, v, out=q)
+    rosekernels.attention(q, k, v, out=q)
+    with pytest.raises(ValueError, match="out must not overlap k"):
+        rosekernels.attention(q, k, v, out=heads[:, :, 1:hq + 1])
+    assert len(launches) == 2
 
 
 def test_a_cached_plan_still_refuses_an_out_overlapping_k_or_v(monkeypatch):
@@ -524,7 +545,7 @@ def test_a_cached_plan_still_refuses_an_out_overlapping_k_or_v(monkeypatch):
     rosekernels.attention(q, k, v, out=buf[v.numel():].view(q.shape))  # plans the signature
     overlapping = buf[:q.numel()].view(q.shape)  # the same signature, over k
     for k_, v_, name in ((k, v, "k"), (v, k, "v")):
-        with pytest.raises(ValueError, match=f"out overlaps {name}"):
+        with pytest.raises(ValueError, match=f"out must not overlap {name}"):
             rosekernels.attention(q, k_, v_, out=overlapping)
     rosekernels.attention(q, k, v, out=q)
     assert len(launches) == 2 and len(attention_op._plans._plans) == 1
