@@ -154,7 +154,9 @@ class Disjoint:
                 if out not in present or other not in present:
                     continue
                 o, t = present[out], present[other]
-                alias = in_place.get(out) == other and (o.dtype, o.shape, o.stride()) == (t.dtype, t.shape, t.stride())
+                # the same elements: a size-1 dim's stride addresses nothing
+                alias = in_place.get(out) == other and (o.dtype, o.shape) == (t.dtype, t.shape) and all(
+                    a == b for n, a, b in zip(o.shape, o.stride(), t.stride()) if n > 1)
                 # Rows of one stride with room for a row of each (q and k of one fused qkv buffer, two column
                 # slices of a matrix) interleave where other's start `offset` bytes after out's, modulo the
                 # stride, falls in low..high: their spans overlap, their elements do not.

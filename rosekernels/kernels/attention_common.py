@@ -183,7 +183,7 @@ def validate(q, k, v, out, softmax_scale, pointers: bool = True, sliced: bool = 
     else:
         checks.check_not_expanded("out", out)  # overlapping elements of out: CTAs' stores would race
         if pointers:
-            apart(out, k, v).check(out, k, v)
+            apart(out, q, k, v).check(out, q, k, v)
     checks.check_same_device(q=q, k=k, v=v, out=out)
     return scale
 
@@ -235,23 +235,25 @@ def check_span(name: str, t: torch.Tensor, entries: int | None = None) -> None:
         raise ValueError(f"{name} spans 2^31 elements or more; the kernel indexes with 32 bits")
 
 
-def apart(out: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def apart(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
           names: tuple[str, str] = ("k", "v")) -> checks.Disjoint:
-    """The check that out shares no memory with k and v, which other CTAs read while one writes out
-    (interleaved rows of one buffer pass: q's slot of a fused qkv buffer as out). out may be q: each CTA
-    reads its Q rows before it writes its O rows there."""
-    return checks.Disjoint({"out": out, names[0]: k, names[1]: v}, ("out",), {})
+    """The check that out shares no memory with k and v, which other CTAs read while one writes out, nor
+    with q unless it is q itself (each CTA reads its Q rows before it writes its O rows there; out a row
+    off q would overwrite another CTA's). Interleaved rows of one buffer pass: q's slot of a fused qkv
+    buffer as out."""
+    return checks.Disjoint({"out": out, "q": q, names[0]: k, names[1]: v}, ("out",), {"out": "q"})
 
 
 class OutApart:
     """The plan of a signature with out given, for launch(q, k, v, out, ...): each call first checks that
-    out misses k and v (`apart`), whose pointers the plan's key leaves out: pointer arithmetic."""
+    out keeps apart from q, k and v (`apart`), whose pointers the plan's key leaves out: pointer arithmetic."""
 
-    def __init__(self, plan, out: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("k", "v")):
-        self.plan, self.apart = plan, apart(out, k, v, names)
+    def __init__(self, plan, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 names=("k", "v")):
+        self.plan, self.apart = plan, apart(out, q, k, v, names)
 
     def launch(self, q, k, v, out, *rest) -> None:
-        self.apart.check(out, k, v)
+        self.apart.check(out, q, k, v)
         self.plan.launch(q, k, v, out, *rest)
 
 

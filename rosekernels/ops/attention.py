@@ -183,7 +183,7 @@ def _new_plan(q, k, v, out, causal: bool, softmax_scale, enable_pdl: bool) -> la
         plan = _Sliced(slices, q, k, v, out, causal, scale, enable_pdl)
     else:
         plan = _plan(q, k, v, out, causal, scale, enable_pdl)
-    return plan if out is None else OutApart(plan, out, k, v)
+    return plan if out is None else OutApart(plan, out, q, k, v)
 
 
 def _slices(batch, per: int) -> list[tuple]:

@@ -107,7 +107,7 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, out, softm
     else:
         checks.check_not_expanded("out", out)  # overlapping elements of out: CTAs' stores would race
         if pointers:
-            apart(out, k_cache, v_cache, ("k_cache", "v_cache")).check(out, k_cache, v_cache)
+            apart(out, q, k_cache, v_cache, ("k_cache", "v_cache")).check(out, q, k_cache, v_cache)
     checks.check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                              block_table=block_table, out=out, k_descale=k_descale, v_descale=v_descale)
     return scale
@@ -210,7 +210,7 @@ def _new_plan(q, k_cache, v_cache, cache_seqlens, block_table, out, causal: bool
     if not q.numel():
         return launch.nothing(q.device.index)
     plan = plan_kvcache(q, k_cache, v_cache, out, cache_seqlens, block_table, causal, scale, enable_pdl=enable_pdl)
-    return plan if out is None else OutApart(plan, out, k_cache, v_cache, names=("k_cache", "v_cache"))
+    return plan if out is None else OutApart(plan, out, q, k_cache, v_cache, names=("k_cache", "v_cache"))
 
 
 def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

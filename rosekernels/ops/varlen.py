@@ -103,7 +103,7 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     else:
         checks.check_not_expanded("out", out)  # overlapping elements of out: CTAs' stores would race
         if pointers:
-            apart(out, k, v).check(out, k, v)
+            apart(out, q, k, v).check(out, q, k, v)
     checks.check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, out=out)
     return scale, max_seqlen_q, max_seqlen_k
 
@@ -172,7 +172,7 @@ def _new_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, o
         return launch.nothing(q.device.index)
     cfg = varlen_config(q.shape[-1], TORCH_DTYPES[q.dtype], causal, max_k)
     plan = VarlenLaunch(cfg, q, cu_seqlens_q.shape[0] - 1, max_q, max_k, scale)
-    return plan if out is None else OutApart(plan, out, k, v)
+    return plan if out is None else OutApart(plan, out, q, k, v)
 
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,

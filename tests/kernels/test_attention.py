@@ -513,8 +513,8 @@ def test_an_out_overlapping_k_or_v_is_refused_and_out_q_is_not(monkeypatch, entr
 @pytest.mark.parametrize("batch", [1, 2])
 def test_out_q_in_a_fused_qkv_buffer_is_not_taken_for_an_overlap(monkeypatch, batch):
     """q, k and v as slices of one [B, S, (Hq + 2 Hkv) d] projection: their rows interleave, their elements
-    do not, so out = q passes on the first call and on a planned signature; out one head later, whose rows
-    then reach into k's, is refused."""
+    do not, so out = q passes on the first call and on a planned signature; out one head later, which overlaps
+    other heads' Q rows (and k's), is refused."""
     monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # CPU tensors stand in for CUDA ones
     monkeypatch.setattr(attention_op, "_plans", launch.PlanCache())
     launches = []
@@ -526,7 +526,7 @@ def test_out_q_in_a_fused_qkv_buffer_is_not_taken_for_an_overlap(monkeypatch, ba
     q, k, v = heads[:, :, :hq], heads[:, :, hq:hq + hkv], heads[:, :, hq + hkv:]
     rosekernels.attention(q, k, v, out=q)
     rosekernels.attention(q, k, v, out=q)
-    with pytest.raises(ValueError, match="out must not overlap k"):
+    with pytest.raises(ValueError, match="out must not overlap q"):  # a head off q: other heads' Q rows, and k's
         rosekernels.attention(q, k, v, out=heads[:, :, 1:hq + 1])
     assert len(launches) == 2
 

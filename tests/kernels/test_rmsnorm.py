@@ -169,6 +169,9 @@ def test_outputs_may_alias_inputs_only_in_place(launches):
     assert len(launches) == 5
     rosekernels.rmsnorm(x, w, residual=r, residual_out=r[:])  # another view of the same elements is in place too
     assert len(launches) == 6
+    one = torch.randn(1, 256).to(BF16)
+    assert rosekernels.rmsnorm(one, w, out=one.as_strided((1, 256), (512, 1))).data_ptr() == one.data_ptr()
+    assert len(launches) == 7  # a size-1 dim's stride addresses nothing: the same elements
     wbuf = torch.ones(5, 256, dtype=BF16)
     for args, kwargs, match in [((x, w), dict(out=buf[1:]), "out must not overlap x"),
                                 ((x, w), dict(residual=r, out=r, residual_out=r), "out must not overlap residual"),
@@ -177,7 +180,7 @@ def test_outputs_may_alias_inputs_only_in_place(launches):
                                 ((x, wbuf[0]), dict(out=wbuf[:4]), "out must not overlap weight")]:
         with pytest.raises(ValueError, match=match):
             rosekernels.rmsnorm(*args, **kwargs)
-    assert len(launches) == 6
+    assert len(launches) == 7
 
 
 def test_meta_tensors_take_the_registered_op(no_launch):
