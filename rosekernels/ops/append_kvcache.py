@@ -68,6 +68,9 @@ def _validate(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale=None
     if k.numel() >= 2**31 or max(k_cache.shape[:2]) >= 2**31:
         raise ValueError("too many rows for 32-bit indexing")
     check_descales(k_descale, v_descale, fp8_cache, Hkv)
+    named = dict(k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table,
+                 k_descale=k_descale, v_descale=v_descale)
+    checks.Disjoint(named, ("k_cache", "v_cache"), {}).check(*named.values())  # the kernel writes the caches
     checks.check_vectors(dict(k_cache=k_cache, v_cache=v_cache, k=k, v=v), ("k_cache", "v_cache"),
                          cache_seqlens=cache_seqlens, block_table=block_table, k_descale=k_descale,
                          v_descale=v_descale)
@@ -114,14 +117,15 @@ def _run(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch
          v_descale: torch.Tensor | None = None) -> None:
     # What the plan depends on (the compiled host code checks the strides, alignment and the
     # agreement of sizes on each call).
-    key = (k_cache.shape, k.shape, k.dtype, k_cache.dtype, k.get_device(), cache_seqlens.dtype,
+    # The caches' strides too: a new one is validated (expanded, or rows overlapping one another, which the
+    # compiled checks let through).
+    key = (k_cache.shape, k_cache.stride(), v_cache.stride(), k.shape, k.dtype, k_cache.dtype, k.get_device(),
+           cache_seqlens.dtype,
            None if block_table is None else block_table.dtype,
            None if k_descale is None else (k_descale.shape, k_descale.dtype, k_descale.get_device()),
            None if v_descale is None else (v_descale.shape, v_descale.dtype, v_descale.get_device()))
     plan = _plans.get(key) or _plans.put(key, _new_plan(k_cache, v_cache, k, v, cache_seqlens, block_table,
                                                         k_descale, v_descale))
-    if 0 in k_cache.stride() or 0 in v_cache.stride():  # maybe expanded, which the compiled checks let through
-        _validate(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
     try:
         plan.launch(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
     except Exception:

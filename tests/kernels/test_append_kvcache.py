@@ -87,6 +87,8 @@ _BAD = [
     (lambda a: a.update(k_cache=a["k_cache"].transpose(2, 3).contiguous().transpose(2, 3)), ValueError, "unit stride"),
     (lambda a: a.update(k=torch.ones(300, dtype=BF16)[1:257].view(2, 1, 2, 64)), ValueError, "aligned"),
     (lambda a: a.update(v_cache=torch.zeros(1, 16, 2, 64, dtype=BF16).expand(4, 16, 2, 64)), ValueError, "expanded"),
+    (lambda a: a.update(v_cache=a["k_cache"]), ValueError, "v_cache must not overlap k_cache"),
+    (lambda a: a.update(k=a["k_cache"][:2, :1]), ValueError, "k_cache must not overlap k"),
 ]
 
 
@@ -103,6 +105,16 @@ def test_bad_arguments_raise_before_anything_is_written(change, exc, match):
 def test_cpu_tensors_are_refused():
     with pytest.raises(ValueError, match="CUDA device"):
         rosekernels.append_kvcache(**_good_args())
+
+
+def test_k_and_v_halves_of_one_cache_buffer_pass_the_overlap_check():
+    """A cache laid out [blocks, 2, block, Hkv, d] (k and v interleaved by block, as vLLM keeps it): the halves
+    share a span, not an element, so only the device is wrong here."""
+    args = _good_args()
+    kv = torch.zeros(args["k_cache"].shape[0], 2, *args["k_cache"].shape[1:], dtype=args["k_cache"].dtype)
+    args.update(k_cache=kv[:, 0], v_cache=kv[:, 1])
+    with pytest.raises(ValueError, match="CUDA device"):
+        rosekernels.append_kvcache(**args)
 
 
 def test_exported():
