@@ -178,12 +178,7 @@ def validate(q, k, v, out, softmax_scale, pointers: bool = True, sliced: bool = 
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
         if t is not None:
             check_operand(name, t, pointers, entries=per)
-    if out is None:
-        check_span(ALLOCATED_OUT, out_like, per)
-    else:
-        checks.check_not_expanded("out", out)  # overlapping elements of out: CTAs' stores would race
-        if pointers:
-            apart(out, q, k, v).check(out, q, k, v)
+    check_out(out, q, k, v, pointers, per)
     checks.check_same_device(q=q, k=k, v=v, out=out)
     return scale
 
@@ -226,6 +221,19 @@ def check_operand(name: str, t: torch.Tensor, pointers: bool = True, vectors: bo
     if any(s == 0 for n, s in zip(t.shape, t.stride()) if n > 1):
         raise ValueError(f"{name} has a zero stride (an expanded view); pass a materialized tensor")
     check_span(name, t, entries)
+
+
+def check_out(out: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pointers: bool,
+              entries: int | None = None, names: tuple[str, str] = ("k", "v")) -> None:
+    """What out needs beyond check_operand's: None, the out the op allocates (contiguous in q's shape: it may
+    span more than a q whose rows overlap) within the span limit over `entries`; given, elements of its own
+    (CTAs' stores would race) and, with `pointers`, apart from q, k and v (`apart`)."""
+    if out is None:
+        check_span(ALLOCATED_OUT, torch.empty(q.shape, device="meta"), entries)
+        return
+    checks.check_not_expanded("out", out)
+    if pointers:
+        apart(out, q, k, v, names).check(out, q, k, v)
 
 
 def check_span(name: str, t: torch.Tensor, entries: int | None = None) -> None:

@@ -34,7 +34,7 @@ import torch
 from rosekernels import checks, fp8, launch, modes, scratch
 from rosekernels.kernels import attention_decode as decode
 from rosekernels.kernels.attention_common import (
-    ALLOCATED_OUT, MAX_INDEX, TORCH_DTYPES, OutApart, apart, check_operand, check_span, scale_of, tma_view)
+    MAX_INDEX, TORCH_DTYPES, OutApart, check_operand, check_out, scale_of, tma_view)
 from rosekernels.kernels.attention_decode_plan import (
     MAX_SEQLEN_Q, DecodeConfig, DecodeShape, kvcache_config_for, page_rows_for, tile_n_for)
 from rosekernels.kernels.attention_plan import HEAD_DIMS
@@ -102,12 +102,7 @@ def validate_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, out, softm
     for name, t in named:
         if t is not None:  # the int32 tables are read as scalars: no vector alignment
             check_operand(name, t, pointers, vectors=t.dtype != torch.int32)
-    if out is None:  # the op allocates it contiguous: it may span more than q, whose rows may overlap
-        check_span(ALLOCATED_OUT, torch.empty(q.shape, device="meta"))
-    else:
-        checks.check_not_expanded("out", out)  # overlapping elements of out: CTAs' stores would race
-        if pointers:
-            apart(out, q, k_cache, v_cache, ("k_cache", "v_cache")).check(out, q, k_cache, v_cache)
+    check_out(out, q, k_cache, v_cache, pointers, names=("k_cache", "v_cache"))
     checks.check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                              block_table=block_table, out=out, k_descale=k_descale, v_descale=v_descale)
     return scale

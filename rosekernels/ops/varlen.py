@@ -35,8 +35,7 @@ import torch
 from rosekernels import checks, launch, modes, scratch
 from rosekernels.kernels import attention as prefill
 from rosekernels.kernels.attention_common import (
-    ALLOCATED_OUT, LOG2_E, MAX_INDEX, TORCH_DTYPES, OutApart, apart, check_operand, check_span, scale_of,
-    tma_view)
+    LOG2_E, MAX_INDEX, TORCH_DTYPES, OutApart, check_operand, check_out, scale_of, tma_view)
 from rosekernels.kernels.attention_plan import HEAD_DIMS, AttentionConfig, grid_size, varlen_config
 
 _plans = launch.PlanCache()
@@ -98,12 +97,7 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     for name, t in named:
         if t is not None:
             check_operand(name, t, pointers, vectors=t.dtype != torch.int32)
-    if out is None:  # the op allocates it contiguous: it may span more than q, whose rows may overlap
-        check_span(ALLOCATED_OUT, torch.empty(q.shape, device="meta"))
-    else:
-        checks.check_not_expanded("out", out)  # overlapping elements of out: CTAs' stores would race
-        if pointers:
-            apart(out, q, k, v).check(out, q, k, v)
+    check_out(out, q, k, v, pointers)
     checks.check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, out=out)
     return scale, max_seqlen_q, max_seqlen_k
 
