@@ -12,7 +12,8 @@ import types
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from attention_reference import decode_sass, check, check_kvcache, paged_cache, sequence_kv, sync
+from attention_reference import (check, check_kvcache, decode_sass, paged_cache,
+                                 refuses_an_out_overlapping_k_or_v, sequence_kv, sync)
 import lying_tables
 
 import rosekernels
@@ -218,17 +219,8 @@ def test_an_out_overlapping_a_cache_is_refused_also_by_a_cached_plan(monkeypatch
     monkeypatch.setattr(kvcache, "plan_kvcache", lambda *args, **kwargs: plan)
     args = _args()
     q, _, v = (args.pop(name) for name in ("q", "k_cache", "v_cache"))
-    buf = torch.full((v.numel() + q.numel(),), 7.0, dtype=q.dtype)
-    k = buf[:v.numel()].view(v.shape)
-    overlapping = buf[:q.numel()].view(q.shape)  # inside k_cache
-    for planned in (False, True):
-        for k_, v_, name in ((k, v, "k_cache"), (v, k, "v_cache")):
-            with pytest.raises(ValueError, match=f"out must not overlap {name}"):
-                rosekernels.attention_with_kvcache(q, k_, v_, **args, out=overlapping)
-        assert bool((buf == 7.0).all()) and len(launches) == planned
-        rosekernels.attention_with_kvcache(q, k, v, **args, out=buf[v.numel():].view(q.shape))  # plans it
-    rosekernels.attention_with_kvcache(q, k, v, **args, out=q)
-    assert len(launches) == 3
+    refuses_an_out_overlapping_k_or_v(lambda q, k, v, out: rosekernels.attention_with_kvcache(q, k, v, **args, out=out),
+                                      q, v, ("k_cache", "v_cache"), launches)
 
 
 # ---------------------------------------------------------------------------------------------

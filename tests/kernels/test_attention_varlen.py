@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from attention_reference import check, sync
+from attention_reference import check, refuses_an_out_overlapping_k_or_v, sync
 from kernel_sass import sass_of
 
 import rosekernels
@@ -185,17 +185,8 @@ def test_an_out_overlapping_k_or_v_is_refused_also_by_a_cached_plan(monkeypatch)
     monkeypatch.setattr(varlen, "VarlenLaunch", lambda *args: plan)
     args = _args()
     q, _, v = (args.pop(name) for name in ("q", "k", "v"))
-    buf = torch.full((v.numel() + q.numel(),), 7.0, dtype=q.dtype)
-    k = buf[:v.numel()].view(v.shape)
-    overlapping = buf[:q.numel()].view(q.shape)  # its first rows are k
-    for planned in (False, True):
-        for k_, v_, name in ((k, v, "k"), (v, k, "v")):
-            with pytest.raises(ValueError, match=f"out must not overlap {name}"):
-                rosekernels.attention_varlen(q, k_, v_, **args, out=overlapping)
-        assert bool((buf == 7.0).all()) and len(launches) == planned
-        rosekernels.attention_varlen(q, k, v, **args, out=buf[v.numel():].view(q.shape))  # plans the signature
-    rosekernels.attention_varlen(q, k, v, **args, out=q)
-    assert len(launches) == 3
+    refuses_an_out_overlapping_k_or_v(lambda q, k, v, out: rosekernels.attention_varlen(q, k, v, **args, out=out),
+                                      q, v, ("k", "v"), launches)
 
 
 @pytest.mark.parametrize("cu, match", [

@@ -78,6 +78,23 @@ def paged_cache(k, v, lengths, block_size, spare_blocks, generator):
     return k_cache, v_cache, table.to(k.device)
 
 
+def refuses_an_out_overlapping_k_or_v(call, q, v, names, launches):
+    """`call(q, k, v, out=...)` with its launch stubbed (appending to `launches`): an out overlapping k or v
+    (named `names`) is refused before anything is written, on a new signature and on one already planned
+    (the key holds no pointers); out = q is not refused."""
+    buf = torch.full((v.numel() + q.numel(),), 7.0, dtype=q.dtype)
+    k = buf[:v.numel()].view(v.shape)
+    overlapping = buf[:q.numel()].view(q.shape)  # its first rows are k
+    for planned in (False, True):
+        for k_, v_, name in ((k, v, names[0]), (v, k, names[1])):
+            with pytest.raises(ValueError, match=f"out must not overlap {name}"):
+                call(q, k_, v_, out=overlapping)
+        assert bool((buf == 7.0).all()) and len(launches) == planned
+        call(q, k, v, out=buf[v.numel():].view(q.shape))  # plans the signature
+    call(q, k, v, out=q)
+    assert len(launches) == 3
+
+
 def decode_sass(cfg, kernel, tmp_path) -> str:
     """The SASS of a split-KV decode kernel (dense or KV-cache), after what every one must have: built
     for sm_90, mma.sync, TMA loads, ldmatrix, the combine's atomics, no register spills. Skips the
