@@ -2,7 +2,8 @@
 its layouts and what it skips: rosekernels/kernels/append_kvcache.py).
 
 validate -> config (append_kvcache_plan.config_for, or the tuned store's) -> compile -> plan -> launch:
-the first call with an argument signature does all of it; later ones only launch.
+the first call with an argument signature does all of it; later ones test the caches' addresses for overlaps
+and launch.
 """
 from __future__ import annotations
 
@@ -68,12 +69,19 @@ def _validate(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale=None
     if k.numel() >= 2**31 or max(k_cache.shape[:2]) >= 2**31:
         raise ValueError("too many rows for 32-bit indexing")
     check_descales(k_descale, v_descale, fp8_cache, Hkv)
-    named = dict(k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table,
-                 k_descale=k_descale, v_descale=v_descale)
-    checks.Disjoint(named, ("k_cache", "v_cache"), {}).check(*named.values())  # the kernel writes the caches
+    tensors = (k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
+    _disjoint(*tensors).check(*tensors)
     checks.check_vectors(dict(k_cache=k_cache, v_cache=v_cache, k=k, v=v), ("k_cache", "v_cache"),
                          cache_seqlens=cache_seqlens, block_table=block_table, k_descale=k_descale,
                          v_descale=v_descale)
+
+
+def _disjoint(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale) -> checks.Disjoint:
+    """The caches, which CTAs write while others read the inputs, may share memory with no input and not with each
+    other (the k and v halves of one [blocks, 2, ...] buffer interleave: they pass)."""
+    return checks.Disjoint(dict(k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
+                                block_table=block_table, k_descale=k_descale, v_descale=v_descale),
+                           ("k_cache", "v_cache"), {})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,33 +107,39 @@ class _Plan(launch.Launch):
                              per_head(k_descale, self.fp8_heads), per_head(v_descale, self.fp8_heads))
 
 
-def _new_plan(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale) -> launch.Launch:
-    """Slow path, once per signature: validate everything, pick and load the kernel."""
-    _validate(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
-    device = k.device.index
+def _new_plan(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale,
+              v_descale) -> tuple[launch.Launch, checks.Disjoint]:
+    """Slow path, once per signature: validate everything, pick and load the kernel; the overlap test of the
+    signature's later calls."""
+    tensors = (k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
+    _validate(*tensors)
+    device, disjoint = k.device.index, _disjoint(*tensors)
     if not k.numel():
-        return launch.nothing(device)
+        return launch.nothing(device), disjoint
     fp8_cache = k_cache.dtype == fp8.E4M3
     shape = AppendShape.of(k, block_table, fp8_cache)
     sms = modes.sm_count(device)
     return _Plan(kernel.compile(tuned.tuned_config(kernel, shape, config_for(shape, sms), sms)).fn, device, shape.paged,
-                 k.shape[2] if fp8_cache else None)
+                 k.shape[2] if fp8_cache else None), disjoint
 
 
 def _run(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_seqlens: torch.Tensor,
          block_table: torch.Tensor | None, k_descale: torch.Tensor | None = None,
          v_descale: torch.Tensor | None = None) -> None:
-    # What the plan depends on (the compiled host code checks the strides, alignment and the
-    # agreement of sizes on each call).
-    # The caches' strides too: a new one is validated (expanded, or rows overlapping one another, which the
-    # compiled checks let through).
-    key = (k_cache.shape, k_cache.stride(), v_cache.stride(), k.shape, k.dtype, k_cache.dtype, k.get_device(),
-           cache_seqlens.dtype,
-           None if block_table is None else block_table.dtype,
-           None if k_descale is None else (k_descale.shape, k_descale.dtype, k_descale.get_device()),
-           None if v_descale is None else (v_descale.shape, v_descale.dtype, v_descale.get_device()))
-    plan = _plans.get(key) or _plans.put(key, _new_plan(k_cache, v_cache, k, v, cache_seqlens, block_table,
-                                                        k_descale, v_descale))
+    # What the plan depends on (the compiled host code checks the alignment and the agreement of sizes on each
+    # call), and every shape and stride, which decide whether a cache's elements overlap one another (expanded,
+    # or rows overlapping, which the compiled checks let through) and the spans the overlap test compares.
+    key = (k_cache.shape, k_cache.stride(), v_cache.stride(), k.shape, k.stride(), v.stride(), k.dtype, k_cache.dtype,
+           k.get_device(), cache_seqlens.stride(), cache_seqlens.dtype,
+           None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype),
+           None if k_descale is None else (k_descale.shape, k_descale.stride(), k_descale.dtype,
+                                           k_descale.get_device()),
+           None if v_descale is None else (v_descale.shape, v_descale.stride(), v_descale.dtype,
+                                           v_descale.get_device()))
+    plan, disjoint = _plans.get(key) or _plans.put(key, _new_plan(k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                                                  k_descale, v_descale))
+    if disjoint.clash(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale):
+        _validate(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)  # raises, saying which
     try:
         plan.launch(k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
     except Exception:
@@ -149,7 +163,7 @@ def append_kvcache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor
     the way in, cache = e4m3(x / descale) (saturating), with k_descale and v_descale fp32 of one value or
     one per KV head ([1] or [Hkv]): what attention_with_kvcache multiplies the cache by."""
     tensors = (k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale)
-    if launch.eager(*tensors):
+    if v is not None and launch.eager(*tensors):  # (the plan's key reads v's strides; None is refused below)
         _run(*tensors)
     elif all(isinstance(t, torch.Tensor) for t in (k_cache, v_cache, k, v, cache_seqlens)):  # traced, fake, meta
         torch.ops.rosekernels.append_kvcache(*tensors)

@@ -13,6 +13,7 @@ import torch
 from attention_reference import check_kvcache, paged_cache
 import lying_tables
 from kernel_sass import opcodes_and_global_memory
+from stub_launch import stub_launches
 
 import rosekernels
 from rosekernels.kernels import append_kvcache as ka
@@ -115,6 +116,35 @@ def test_k_and_v_halves_of_one_cache_buffer_pass_the_overlap_check():
     args.update(k_cache=kv[:, 0], v_cache=kv[:, 1])
     with pytest.raises(ValueError, match="CUDA device"):
         rosekernels.append_kvcache(**args)
+
+
+def test_a_planned_signature_still_refuses_caches_overlapping_each_other_or_an_input(monkeypatch):
+    """The plan key holds shapes and strides, not addresses: a later call of the signature whose caches overlap
+    each other or an input is refused with nothing launched, and an input of new strides (k reaching into
+    v_cache, where a contiguous k of its shape would end before k_cache) is measured by its own (CPU: the
+    launch stubbed)."""
+    launches = stub_launches(monkeypatch, ka, append_op)
+    args = _good_args()
+    rosekernels.append_kvcache(**args)
+    assert len(launches) == 1
+    mem = torch.zeros(2 * 4 * 16 * 2 * 64 + 512, dtype=BF16)
+    caches = mem[256:256 + 2 * 8192].view(2, 4, 16, 2, 64)
+    k_cache, v_cache = caches[0], caches[1]
+    rosekernels.append_kvcache(**{**args, "k_cache": k_cache, "v_cache": v_cache})
+    assert len(launches) == 2
+    shifted = mem[256 + 128:256 + 128 + 8192].view(4, 16, 2, 64)  # one row into k_cache, the same strides
+    in_cache = mem[512:512 + 256].view(2, 1, 2, 64)
+    far_k = mem.as_strided((2, 1, 2, 64), (9000, 128, 64, 1))  # its second row inside v_cache
+    for change, match in ((dict(v_cache=shifted), "v_cache must not overlap k_cache"),
+                          (dict(k=in_cache), "k_cache must not overlap k"),
+                          (dict(v=in_cache), "k_cache must not overlap v"),
+                          (dict(cache_seqlens=k_cache.view(I32).view(-1)[:2]), "k_cache must not overlap cache_seqlens"),
+                          (dict(block_table=v_cache.view(I32).view(-1)[:6].view(2, 3)),
+                           "v_cache must not overlap block_table"),
+                          (dict(k=far_k), "must not overlap k")):
+        with pytest.raises(ValueError, match=match):
+            rosekernels.append_kvcache(**{**args, "k_cache": k_cache, "v_cache": v_cache, **change})
+    assert len(launches) == 2
 
 
 def test_exported():
