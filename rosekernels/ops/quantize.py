@@ -3,7 +3,8 @@ rosekernels/kernels/quantize_fp8.py); quantize_weight_fp8(): a weight to e4m3 on
 tensor, per output channel or per 128 x 128 block. rosekernels.fp8 defines the math of both.
 
 validate -> config (quantize_fp8_plan.config_for, or the tuned store's) -> compile -> plan -> launch: the
-first call with an argument signature does all of it; later ones only launch.
+first call with an argument signature does all of it; later ones test the addresses of given outputs for
+overlaps and launch.
 """
 from __future__ import annotations
 
@@ -46,11 +47,13 @@ def _validate(x, q, scales, group: int) -> None:
     checks.check_not_expanded("scales", scales)
     if scales.numel() > 1 and scales.stride(-1) != 1:  # the kernel's signature wants it unit, [M, 1] too
         raise ValueError(f"scales must be contiguous along its last dimension, got strides {scales.stride()}")
-    named = {"x": x, "q": q, "scales": scales}
-    for out, other in (("q", "x"), ("scales", "x"), ("scales", "q")):
-        if checks.overlap(named[out], named[other]):
-            raise ValueError(f"{out} must not overlap {other}")
+    _disjoint(x, q, scales).check(x, q, scales)
     checks.check_vectors({"x": x, "q": q}, ["q"], scales=scales)
+
+
+def _disjoint(x, q, scales) -> checks.Disjoint:
+    """q and scales, which CTAs write while others read x, may share memory with neither x nor each other."""
+    return checks.Disjoint(dict(x=x, q=q, scales=scales), ("q", "scales"), {})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,23 +62,30 @@ def _validate(x, q, scales, group: int) -> None:
 _plans = launch.PlanCache()
 
 
-def _new_plan(x, q, scales, group: int, enable_pdl: bool) -> launch.Launch:
-    """Slow path, once per signature: validate everything, pick and load the kernel."""
+def _new_plan(x, q, scales, group: int, enable_pdl: bool) -> tuple[launch.Launch, checks.Disjoint]:
+    """Slow path, once per signature: validate everything, pick and load the kernel; the overlap test of
+    the signature's later calls."""
     _validate(x, q, scales, group)
+    disjoint = _disjoint(x, q, scales)
     if x.shape[0] == 0:
-        return launch.nothing(x.device.index)
+        return launch.nothing(x.device.index), disjoint
     shape = QuantizeShape.of(x, group, enable_pdl)
     sms = modes.sm_count(x.device.index)
     config = tuned.tuned_config(kernel, shape, config_for(shape, sms), sms)
-    return launch.Launch(kernel.compile(config).fn, x.device.index)
+    return launch.Launch(kernel.compile(config).fn, x.device.index), disjoint
 
 
-def _run(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int, enable_pdl: bool = True) -> None:
+def _run(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int, enable_pdl: bool = True,
+         given: bool = True) -> None:
     # What the plan depends on (the compiled host code checks the other shapes, strides, alignment and
-    # devices on each call); the outputs' strides too, so that a new one is validated (expanded, or rows
-    # overlapping one another, which the compiled checks let through).
-    key = (x.shape, x.dtype, x.get_device(), q.stride(), scales.stride(), group, enable_pdl)
-    plan = _plans.get(key) or _plans.put(key, _new_plan(x, q, scales, group, enable_pdl))
+    # devices on each call), and the strides, which decide whether an output's elements overlap one another
+    # (expanded, or rows overlapping, which the compiled checks let through) and the spans the overlap test
+    # below compares.
+    key = (x.shape, x.stride(), x.dtype, x.get_device(), q.stride(), scales.stride(), group, enable_pdl)
+    plan, disjoint = _plans.get(key) or _plans.put(key, _new_plan(x, q, scales, group, enable_pdl))
+    # given: whether the caller gave an output (fresh ones overlap nothing); the addresses decide the rest.
+    if given and disjoint.clash(x, q, scales):
+        _validate(x, q, scales, group)  # raises, saying which
     try:
         plan.launch(x, q, scales)
     except Exception:
@@ -84,7 +94,8 @@ def _run(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int, ena
         raise
 
 
-launch.register_op(OP, _run, mutates_args=("q", "scales"))
+launch.register_op(OP, _run, mutates_args=("q", "scales"),
+                   schema="(Tensor x, Tensor(a!) q, Tensor(b!) scales, SymInt group, bool enable_pdl=True) -> ()")
 
 
 def quantize_fp8(x: torch.Tensor, group_size: Optional[int] = None, out: Optional[torch.Tensor] = None,
@@ -123,10 +134,7 @@ def quantize_fp8(x: torch.Tensor, group_size: Optional[int] = None, out: Optiona
             raise ValueError(f"{name} must be viewable as rows {list(shape)}, got strides {t.stride()}") from None
     x2, (q2, s2) = x.reshape(rows, k), rows_of
     if launch.eager(x2, q2, s2):
-        # A planned signature's fast path does not check aliasing: given outputs are checked on each call.
-        if given and (checks.overlap(q2, x2) or checks.overlap(s2, x2) or checks.overlap(s2, q2)):
-            _validate(x2, q2, s2, group)  # raises, saying which
-        _run(x2, q2, s2, group, bool(enable_pdl))
+        _run(x2, q2, s2, group, bool(enable_pdl), given)
     else:
         torch.ops.rosekernels.quantize_fp8(x2, q2, s2, group, bool(enable_pdl))  # traced, fake, meta
     return out, scales

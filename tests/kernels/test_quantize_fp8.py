@@ -234,7 +234,7 @@ def test_outputs_of_new_strides_are_validated_on_a_planned_signature(monkeypatch
     planned = []
     monkeypatch.setattr(op, "_plans", launch.PlanCache())
     monkeypatch.setattr(op, "_new_plan", lambda x, q, s, *rest: planned.append(q.stride()) or
-                        SimpleNamespace(launch=lambda *args: None))
+                        (SimpleNamespace(launch=lambda *args: None), op._disjoint(x, q, s)))
     x = torch.randn(4, 256).to(BF16)
     rosekernels.quantize_fp8(x, out=torch.empty(4, 256, dtype=E4M3))
     rosekernels.quantize_fp8(x, out=torch.empty(4, 256, dtype=E4M3))
@@ -257,7 +257,7 @@ def test_outputs_overlapping_x_or_each_other_are_refused_before_anything_is_writ
         scales.fill_(math.nan)
 
     monkeypatch.setattr(op, "_plans", launch.PlanCache())
-    monkeypatch.setattr(op, "_new_plan", lambda *args: SimpleNamespace(launch=write))
+    monkeypatch.setattr(op, "_new_plan", lambda x, q, s, *rest: (SimpleNamespace(launch=write), op._disjoint(x, q, s)))
     mem = torch.randint(0, 64, (4096,), dtype=torch.uint8)
     x = mem[:2048].view(BF16).view(4, 256)
     out = (mem[1024:2048] if case == "q on x" else mem[2048:3072]).view(E4M3).view(4, 256)
@@ -266,6 +266,32 @@ def test_outputs_overlapping_x_or_each_other_are_refused_before_anything_is_writ
     with pytest.raises(ValueError, match=case.replace(" on ", " must not overlap ")):
         rosekernels.quantize_fp8(x, out=out, scales=scales)
     assert torch.equal(mem, before)
+
+
+@pytest.mark.parametrize("case", ["q on x", "scales on x", "scales on q"])
+def test_the_registered_op_refuses_overlapping_outputs_on_a_planned_signature(monkeypatch, case):
+    """torch.compile's path, the registered op, checks its outputs on a planned signature too: after a call whose
+    outputs keep apart from x launched, one of the same signature whose outputs overlap x or each other is refused
+    with nothing launched, and so is an x of new strides whose rows reach into q (a contiguous x of its shape
+    would end before q). CPU: the launch stubbed."""
+    from stub_launch import stub_launches
+
+    from rosekernels.ops import quantize as op
+
+    launches = stub_launches(monkeypatch, qk, op)
+    mem = torch.randint(0, 64, (8192,), dtype=torch.uint8)
+    x = mem[:2048].view(BF16).view(4, 256)
+    apart_q, apart_s = mem[4096:5120].view(E4M3).view(4, 256), mem[7680:7696].view(FP32)
+    torch.ops.rosekernels.quantize_fp8(x, apart_q, apart_s, 0, True)
+    assert len(launches) == 1
+    q = (mem[1024:2048] if case == "q on x" else mem[2048:3072]).view(E4M3).view(4, 256)
+    scales = {"q on x": apart_s, "scales on x": mem[2032:2048].view(FP32), "scales on q": mem[3056:3072].view(FP32)}
+    with pytest.raises(ValueError, match=case.replace(" on ", " must not overlap ")):
+        torch.ops.rosekernels.quantize_fp8(x, q, scales[case], 0, True)
+    far_rows = mem.view(BF16).as_strided((4, 256), (1024, 1))  # its third row inside apart_q
+    with pytest.raises(ValueError, match="q must not overlap x"):
+        torch.ops.rosekernels.quantize_fp8(far_rows, apart_q, apart_s, 0, True)
+    assert len(launches) == 1
 
 
 def test_meta_tensors_infer_shapes(no_launch):
