@@ -26,13 +26,14 @@ def moe_combine(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: 
     Registered as torch.ops.rosekernels.moe_combine (mutating `out`) for torch.compile and fake
     tensors; eager calls skip the torch dispatcher and reuse the launch plan validated for the same
     shapes, strides, dtypes and devices."""
-    if out is None:
+    given = out is not None
+    if not given:
         if not (isinstance(expert_out, torch.Tensor) and expert_out.dim() == 2
                 and isinstance(slot_map, torch.Tensor) and slot_map.dim() == 2):
             raise ValueError("expert_out must be [rows, hidden] and slot_map [tokens, k]")
         out = expert_out.new_empty((slot_map.shape[0], expert_out.shape[1]))
     if launch.eager(expert_out, topk_weights, slot_map, out):
-        _run(expert_out, topk_weights, slot_map, out, mode)
+        _run(expert_out, topk_weights, slot_map, out, mode, given)
     else:
         _call_op(expert_out, topk_weights, slot_map, out, mode)
     return out
@@ -49,13 +50,12 @@ def _call_op(expert_out: Any, topk_weights: Any, slot_map: Any, out: Any, mode: 
 
 class _Plan(launch.Launch):
     """A combine validated for one signature; fn None: no tokens, nothing to launch. `canonical`: some
-    tensor needs `rows_view` (a size-1 dim with an odd stride); `extents`: the bytes expert_out,
-    topk_weights, slot_map and out span (checks.extent)."""
+    tensor needs `rows_view` (a size-1 dim with an odd stride); `disjoint`: out's overlap test."""
 
-    def __init__(self, fn: Any, device: int, canonical: bool, extents: list[int]):
+    def __init__(self, fn: Any, device: int, canonical: bool, disjoint: checks.Disjoint):
         super().__init__(fn, device)
         self.canonical = canonical
-        self.extents = extents
+        self.disjoint = disjoint
 
     def launch(self, expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor,
                out: torch.Tensor) -> None:
@@ -68,9 +68,10 @@ _plans = launch.PlanCache()
 
 
 def _run(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor, out: torch.Tensor,
-         mode: str | None) -> None:
-    """Launch on plain tensors. Per call: the plan's key, the pointer checks, the launch; the first
-    call with a key validates everything and compiles or loads the kernel."""
+         mode: str | None, given: bool = True) -> None:
+    """Launch on plain tensors. Per call: the plan's key, the pointer checks (of out only if `given`: an
+    allocated one is aligned and overlaps nothing), the launch; the first call with a key validates
+    everything and compiles or loads the kernel."""
     # The plan's signature, written out: a generic builder (a loop over the arguments) costs ~1 us more.
     key = (expert_out.shape, expert_out.stride(), expert_out.dtype, expert_out.get_device(),
            topk_weights.shape, topk_weights.stride(), topk_weights.dtype, topk_weights.get_device(),
@@ -79,9 +80,8 @@ def _run(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.T
     plan = _plans.get(key) or _plans.put(key, _new_plan(expert_out, topk_weights, slot_map, out, mode))
     if plan.fn is None:
         return
-    inputs = (expert_out, topk_weights, slot_map)
-    if expert_out.data_ptr() % 16 or out.data_ptr() % 16 or checks.overlaps_any(out, plan.extents[3], inputs,
-                                                                                plan.extents):
+    if expert_out.data_ptr() % 16 or given and (
+            out.data_ptr() % 16 or plan.disjoint.clash(expert_out, topk_weights, slot_map, out)):
         _check_pointers(expert_out, topk_weights, slot_map, out)  # raises, saying which
     plan.launch(expert_out, topk_weights, slot_map, out)
 
@@ -95,18 +95,22 @@ def _new_plan(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: to
     cfg = tuned.tuned_config(kernel, CombineShape.of(expert_out, topk_weights, slot_map), cfg)
     fn = kernel.compile(cfg).fn if out.numel() else None
     return _Plan(fn, out.device.index, any(v.stride() != t.stride() for v, t in zip(views, tensors)),
-                 [checks.extent(t) for t in tensors])
+                 _disjoint(*tensors))
+
+
+def _disjoint(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor,
+              out: torch.Tensor) -> checks.Disjoint:
+    """out may share memory with no input: the kernel would read rows that other threads already wrote."""
+    return checks.Disjoint(dict(expert_out=expert_out, topk_weights=topk_weights, slot_map=slot_map, out=out),
+                           ("out",), {})
 
 
 def _check_pointers(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor,
                     out: torch.Tensor) -> None:
-    """What a plan's key does not cover: 16-byte alignment, out overlapping an input (the kernel
-    would read rows that other threads already wrote)."""
+    """What a plan's key does not cover: 16-byte alignment, out overlapping an input."""
     checks.check_aligned("expert_out", expert_out)
     checks.check_aligned("out", out)
-    for name, t in (("expert_out", expert_out), ("topk_weights", topk_weights), ("slot_map", slot_map)):
-        if checks.overlap(out, t):
-            raise ValueError(f"out must not overlap {name}")
+    _disjoint(expert_out, topk_weights, slot_map, out).check(expert_out, topk_weights, slot_map, out)
 
 
 def validate(expert_out: torch.Tensor, topk_weights: torch.Tensor, slot_map: torch.Tensor, out: torch.Tensor,

@@ -46,7 +46,8 @@ def moe_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, capa
     first, count = expert_range(num_experts, local_experts)
     if local_experts is not None:
         local_experts = (first, count)  # a checked tuple: part of the plan's key
-    if buffer is None:
+    given = buffer is not None
+    if not given:
         if not (isinstance(topk_ids, torch.Tensor) and topk_ids.dim() == 2):
             raise ValueError("topk_ids must be a 2-D tensor [tokens, k]")
         num_tokens, topk = topk_ids.shape
@@ -60,7 +61,7 @@ def moe_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, capa
     elif capacity is not None and capacity != buffer.shape[0]:
         raise ValueError(f"capacity {capacity} disagrees with the buffer's {buffer.shape[0]} rows")
     if launch.eager(x, topk_ids, buffer):
-        slot_map, meta = _run(x, topk_ids, buffer, num_experts, block_size, mode, local_experts)
+        slot_map, meta = _run(x, topk_ids, buffer, num_experts, block_size, mode, local_experts, given=given)
     else:
         slot_map, meta = _call_op(x, topk_ids, buffer, num_experts, block_size, mode, local_experts)
     result = MoeDispatch(buffer, slot_map, meta, num_experts)
@@ -83,11 +84,10 @@ def _call_op(x: Any, topk_ids: Any, buffer: Any, num_experts: int, block_size: i
 class _Plan(launch.Launch):
     """A dispatch validated for one signature: beyond the kernel and its device, the block size, the
     grid, the size of `meta`, whether it takes the prefill scratch, and whether some tensor needs
-    `rows_view` (a size-1 dim with an odd stride); `extents`: the bytes x, topk_ids and buffer span
-    (checks.extent)."""
+    `rows_view` (a size-1 dim with an odd stride); `disjoint`: the buffer's overlap test."""
 
     def __init__(self, fn: Any, device: torch.device, cfg: DispatchConfig, block_size: int, grid: int,
-                 canonical: bool, extents: list[int]):
+                 canonical: bool, disjoint: checks.Disjoint):
         super().__init__(fn, device.index)
         self.torch_device = device
         self.prefill = cfg.mode == "prefill"
@@ -95,7 +95,7 @@ class _Plan(launch.Launch):
         self.grid = grid
         self.meta_size = meta_layout(cfg.num_experts)["size"]
         self.canonical = canonical
-        self.extents = extents
+        self.disjoint = disjoint
 
     def launch(self, x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor,
                private_scratch: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,17 +118,17 @@ _plans = launch.PlanCache()
 
 def _run(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_experts: int, block_size: int,
          mode: str | None, local_experts: tuple[int, int] | None = None,
-         private_scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch on plain tensors. Per call: the plan's key, the pointer checks, the two outputs, the
-    launch; the first call with a key validates everything and compiles or loads the kernel."""
+         private_scratch: bool = False, given: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch on plain tensors. Per call: the plan's key, the pointer checks (of the buffer only if `given`:
+    an allocated one is aligned and overlaps nothing), the two outputs, the launch; the first call with a
+    key validates everything and compiles or loads the kernel."""
     # The plan's signature, written out: a generic builder (a loop over the arguments) costs ~1 us more.
     key = (x.shape, x.stride(), x.dtype, x.get_device(), topk_ids.shape, topk_ids.stride(), topk_ids.dtype,
            topk_ids.get_device(), buffer.shape, buffer.stride(), buffer.dtype, buffer.get_device(),
            num_experts, block_size, mode, local_experts)
     plan = _plans.get(key) or _plans.put(key, _new_plan(x, topk_ids, buffer, num_experts, block_size, mode,
                                                         local_experts))
-    if x.data_ptr() % 16 or buffer.data_ptr() % 16 or checks.overlaps_any(buffer, plan.extents[2], (x, topk_ids),
-                                                                          plan.extents):
+    if x.data_ptr() % 16 or given and (buffer.data_ptr() % 16 or plan.disjoint.clash(x, topk_ids, buffer)):
         _check_pointers(x, topk_ids, buffer)  # raises, saying which
     return plan.launch(x, topk_ids, buffer, private_scratch)
 
@@ -142,18 +142,20 @@ def _new_plan(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num
         cfg = tuned.tuned_config(kernel, DispatchShape.of(x, topk_ids, num_experts), cfg)
     canonical = any(v.stride() != t.stride() for v, t in zip(views, (x, topk_ids, buffer)))
     grid = num_ctas(cfg, x.shape[0], modes.sm_count(x.device.index))
-    return _Plan(kernel.compile(cfg).fn, x.device, cfg, block_size, grid, canonical,
-                 [checks.extent(t) for t in (x, topk_ids, buffer)])
+    return _Plan(kernel.compile(cfg).fn, x.device, cfg, block_size, grid, canonical, _disjoint(x, topk_ids, buffer))
+
+
+def _disjoint(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor) -> checks.Disjoint:
+    """The buffer may share memory with no input: the copy would read tokens that other threads already
+    overwrote."""
+    return checks.Disjoint(dict(x=x, topk_ids=topk_ids, buffer=buffer), ("buffer",), {})
 
 
 def _check_pointers(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor) -> None:
-    """What a plan's key does not cover: 16-byte alignment, the buffer overlapping an input (the
-    copy would read tokens that other threads already overwrote)."""
+    """What a plan's key does not cover: 16-byte alignment, the buffer overlapping an input."""
     checks.check_aligned("x", x)
     checks.check_aligned("buffer", buffer)
-    for name, t in (("x", x), ("topk_ids", topk_ids)):
-        if checks.overlap(buffer, t):
-            raise ValueError(f"buffer must not overlap {name}")
+    _disjoint(x, topk_ids, buffer).check(x, topk_ids, buffer)
 
 
 def validate(x: torch.Tensor, topk_ids: torch.Tensor, buffer: torch.Tensor, num_experts: int,

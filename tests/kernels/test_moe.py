@@ -246,6 +246,28 @@ def test_outputs_overlapping_an_input_are_rejected_before_launch(cpu_kernels):
     assert len(calls) == 2 and not rows.any()
 
 
+def test_outputs_the_ops_allocate_take_no_pointer_check(cpu_kernels, monkeypatch):
+    """A buffer moe_dispatch allocates, or an out moe_combine does, is aligned and overlaps nothing: once the
+    signature is planned, the call never reads its address on the host (the per-call pointer checks are for
+    outputs given them, as the last call's out). Sizes of its own: the plans stay cached."""
+    T, H, E, k = 5, 56, 7, 3
+    x, w = torch.randn(T, H).to(BF16), torch.rand(T, k)
+    ids = torch.randint(0, E, (T, k), dtype=I32)
+    read, address = [], torch.Tensor.data_ptr
+    monkeypatch.setattr(torch.Tensor, "data_ptr", lambda t: read.append(address(t)) or address(t))
+    for _ in range(2):  # the first plans both signatures, validating every argument once
+        read.clear()
+        res = rosekernels.moe_dispatch(x, ids, E, block_size=4)
+        dispatch_read = set(read)
+        read.clear()
+        out = rosekernels.moe_combine(res.buffer, w, res.slot_map)
+        combine_read = set(read)
+    assert address(res.buffer) not in dispatch_read and address(out) not in combine_read
+    read.clear()
+    rosekernels.moe_combine(res.buffer, w, res.slot_map, out)
+    assert address(out) in read
+
+
 def test_result_views():
     E = 5
     meta = torch.arange(2 * E + 3, dtype=I32)
