@@ -375,14 +375,6 @@ class _Parallel:
         checks.check_unit_last_stride(name, t)
         checks.check_aligned(name, t)
 
-    @staticmethod
-    def _check_disjoint(out: torch.Tensor, **inputs: torch.Tensor) -> None:
-        """Before any launch: an out that overlaps an input would be written while other CTAs (or
-        moe_combine, after the step's peer kernels) still read it."""
-        for name, t in inputs.items():
-            if checks.overlap(out, t):
-                raise ValueError(f"out must not overlap {name}")
-
     def _check_routing(self, name: str, t: Any, tokens: int, dtypes: tuple[torch.dtype, ...]) -> None:
         checks.check_cuda(name, t)
         checks.check_dtype(name, t, dtypes)
@@ -433,6 +425,24 @@ class _Parallel:
             self.peers.view(self.offsets[region], (self.sizes[region] // moe_peer.FLAG_BYTES,),
                             torch.int64).fill_(_flag_value(steps))
         torch.cuda.synchronize(self.device)
+
+
+# Given outs' checks by signature: what the strides decide (elements of its own, the Disjoint) made once.
+_out_checks = launch.PlanCache()
+
+
+def _check_out(out: torch.Tensor, in_place: str | None, **inputs: torch.Tensor) -> None:
+    """Before any launch: a given out's elements are distinct, and it shares memory with none of the `inputs`,
+    which other CTAs (or moe_combine, after the step's peer kernels) still read while one writes out, except
+    that it may be exactly `in_place`."""
+    key = (in_place, out.shape, out.stride(), out.dtype, *[(t.shape, t.stride(), t.dtype) for t in inputs.values()],
+           *inputs)
+    disjoint = _out_checks.get(key)
+    if disjoint is None:
+        checks.check_not_expanded("out", out)
+        disjoint = _out_checks.put(key, checks.Disjoint({**inputs, "out": out}, ("out",),
+                                                        {"out": in_place} if in_place else {}))
+    disjoint.check(*inputs.values(), out)
 
 
 def _error(code: int, rank: int, timeout_ns: int) -> Exception:
@@ -573,11 +583,9 @@ class ExpertParallel(_Parallel):
             raise RuntimeError("combine needs a dispatch first (every rank runs dispatch, combine, dispatch, "
                                "... in that order)")
         self._check_rows("expert_out", expert_out, self._received.buffer.shape[0])
-        if out is None:
-            out = expert_out.new_empty(self._tokens, self.hidden)
-        self._check_rows("out", out, self._tokens)
-        checks.check_not_expanded("out", out)
-        self._check_disjoint(out, topk_weights=self._weights)
+        if out is not None:  # (moe_combine allocates one otherwise)
+            self._check_rows("out", out, self._tokens)
+            _check_out(out, None, topk_weights=self._weights)
         self._enter()
         launch.on_device(self.device.index, self._return, expert_out, self._received.slot_map, self.addr, self.state,
                          self.rank, self.max_tokens, self._return_grid)
@@ -646,23 +654,28 @@ class TensorParallel(_Parallel):
         self._check_rows("expert_out", expert_out)
         self._check_routing("slot_map", slot_map, tokens, (torch.int32,))
         self._check_routing("topk_weights", topk_weights, tokens, (self.weight_dtype,))
-        if out is None:
-            out = expert_out.new_empty(tokens, self.hidden)
-        self._check_rows("out", out, tokens)
-        self._check_disjoint(out, expert_out=expert_out, topk_weights=topk_weights, slot_map=slot_map)
+        if out is not None:
+            self._check_rows("out", out, tokens)
+            _check_out(out, None, expert_out=expert_out, topk_weights=topk_weights, slot_map=slot_map)
         self._check_tokens(tokens)
         self._enter()
         if combine_mode(tokens) == "prefill":
             return self.all_reduce(moe_combine(expert_out, topk_weights, slot_map), out)
+        if out is None:
+            out = expert_out.new_empty(tokens, self.hidden)
         self._reduce(expert_out, topk_weights, slot_map, out, tokens)
         return out
 
     def all_reduce(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """out [T, H] = the sum of every rank's x [T, H] (T the same on every rank)."""
+        """out [T, H] = the sum of every rank's x [T, H] (T the same on every rank). out may be x itself (in
+        place: each thread reads its vectors of x before it writes the same ones of out); no other out may
+        share memory with x."""
         self._check_rows("x", x)
         if out is None:
             out = torch.empty_like(x)
-        self._check_rows("out", out, x.shape[0])
+        else:
+            self._check_rows("out", out, x.shape[0])
+            _check_out(out, "x", x=x)
         self._check_tokens(x.shape[0])
         self._enter()
         self._reduce(x, None, None, out, x.shape[0])
@@ -675,7 +688,6 @@ class TensorParallel(_Parallel):
     def _reduce(self, rows: torch.Tensor, weights: torch.Tensor | None, slot_map: torch.Tensor | None,
                 out: torch.Tensor, tokens: int, state: torch.Tensor | None = None,
                 addr: torch.Tensor | None = None) -> None:
-        checks.check_not_expanded("out", out)
         fn = self._reducers[0 if slot_map is None else self.topk]
         vectors = tokens * self.hidden // checks.vector_width(self.dtype)
         grid = max(1, min(-(-vectors // moe_peer.TP_THREADS), self.slots))

@@ -454,6 +454,62 @@ def test_combine_refuses_an_out_overlapping_an_input_before_any_launch(monkeypat
         ep.combine(rows, out=out)
 
 
+def _cpu_forms(monkeypatch, H=256, k=2):
+    """A TensorParallel and an ExpertParallel on CPU arenas (the device checks passed, no kernels)."""
+    _stub_construction(monkeypatch, moe._Parallel._preloaded)
+    monkeypatch.setattr(moe.TensorParallel, "_preload", moe._Parallel._preloaded)
+    monkeypatch.setattr(moe.checks, "check_cuda", lambda name, t: None)
+    tp_key = [0, *moe.TensorParallel.layout_key(2, 16, H, 8, k, BF16, torch.float32, 1)]
+    ep_key = [0, *moe.ExpertParallel.layout_key(2, 16, H, 8, k, BF16, torch.float32, 1)]
+    return (moe.TensorParallel(16, H, 8, k, peers=_exchanging(_cpu_peers(nbytes=1 << 16), tp_key)),
+            moe.ExpertParallel(16, H, 8, k, peers=_exchanging(_cpu_peers(nbytes=1 << 16), ep_key)))
+
+
+def test_all_reduce_takes_x_itself_as_out_and_refuses_an_out_partly_over_x(monkeypatch):
+    """tp_reduce reads each 16-byte vector of x and later writes the same vector of out, on the same thread: out
+    may be x itself (in place) or rows that interleave with x's, but an out a row off x would overwrite vectors
+    other CTAs have yet to read: refused before the call enters its step (CPU tensors)."""
+    tp, _ = _cpu_forms(monkeypatch)
+
+    def no_step(self):
+        raise AssertionError("entered the step")
+
+    monkeypatch.setattr(moe._Parallel, "_enter", no_step)
+    rows, wide = torch.zeros(8, 256, dtype=BF16), torch.zeros(4, 512, dtype=BF16)
+    x = rows[:4]
+    for out in (x, rows[:4], wide[:, 256:]):
+        with pytest.raises(AssertionError, match="entered the step"):
+            tp.all_reduce(wide[:, :256] if out is wide[:, 256:] else x, out)
+    for out in (rows[1:5], rows[3:7]):
+        with pytest.raises(ValueError, match="out must not overlap x"):
+            tp.all_reduce(x, out)
+
+
+def test_combines_check_the_pointers_of_a_given_out_only(monkeypatch):
+    """An out a combine allocates is aligned and overlaps nothing: the pointer checks a given out takes on every
+    call (host time on every decode step) skip it, its address never read on the host once moe_combine planned
+    the signature (CPU tensors, the launches stubbed)."""
+    from rosekernels import launch
+    from rosekernels.ops import moe_combine as combine_op
+
+    tp, ep = _cpu_forms(monkeypatch)
+    monkeypatch.setattr(moe._Parallel, "_enter", lambda self: None)
+    monkeypatch.setattr(launch, "on_device", lambda device, fn, *args: None)
+    monkeypatch.setattr(mc, "compile", lambda cfg: types.SimpleNamespace(fn=lambda *args: None))
+    monkeypatch.setattr(combine_op, "check_sm90", lambda device: None)
+    monkeypatch.setattr(combine_op, "_plans", launch.PlanCache())
+    T, k = 4, 2
+    rows, w, slots = torch.zeros(16, 256, dtype=BF16), torch.rand(T, k), torch.zeros(T, k, dtype=torch.int32)
+    ep._received = types.SimpleNamespace(buffer=rows, slot_map=slots)
+    read, address = [], torch.Tensor.data_ptr
+    monkeypatch.setattr(torch.Tensor, "data_ptr", lambda t: read.append(address(t)) or address(t))
+    for _ in range(2):  # the first plans moe_combine's signature, validating every argument once
+        read.clear()
+        ep.peers._mid_step, ep._tokens, ep._weights = True, T, w  # as a dispatch leaves them
+        outs = [tp.combine(rows, w, slots), ep.combine(rows)]
+    assert [o.shape for o in outs] == [(T, 256)] * 2 and not {address(o) for o in outs} & set(read)
+
+
 def test_without_a_process_group_construction_says_how():
     with pytest.raises(RuntimeError, match="init_process_group"):
         moe.ExpertParallel(8, 256, 16, 2)
