@@ -303,7 +303,7 @@ def host_side(monkeypatch):
     `calls`, in order; nothing validated before."""
     state = types.SimpleNamespace(calls=[], invalid=0)
 
-    def dispatch(x, topk_ids, buffer, num_experts, *args):
+    def dispatch(x, topk_ids, buffer, num_experts, *args, **kwargs):
         state.calls.append("moe_dispatch")
         meta = torch.zeros(2 * num_experts + 3, dtype=torch.int32)
         meta[-1] = state.invalid
