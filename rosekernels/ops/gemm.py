@@ -29,9 +29,9 @@ def _row_stride_ok(t: torch.Tensor) -> torch.Tensor:
 
 class _Plan(launch.Launch):
     """One config launched on one argument signature (shapes, strides, dtypes, device): everything
-    derived from the signature is computed once; a launch only checks what depends on the data
-    pointers (16-byte alignment, out overlapping an input), fetches the split-K workspace and
-    launches."""
+    derived from the signature is computed once (out's overlap test among it); a launch only checks what
+    depends on the data pointers (16-byte alignment, out overlapping an input), fetches the split-K
+    workspace and launches."""
 
     def __init__(self, a, b_nk, bias, out, config: GemmConfig):
         m = a.shape[0]
@@ -47,12 +47,10 @@ class _Plan(launch.Launch):
                      modes.max_active_clusters(self.device, config.cluster_m * config.cluster_n), *kernel.NOT_FP8)
         self.fix_a = m == 1 and a.stride(0) % 8 != 0
         self.fix_out = m == 1 and out.stride(0) % 8 != 0
-        self.extents = [checks.extent(t) for t in (a, b_nk, bias)]
-        self.out_extent = checks.extent(out)
+        self.disjoint = _disjoint(a, b_nk, bias, out)
 
     def launch(self, a, b_nk, bias, out, private_scratch: bool = False) -> None:
-        if (a.data_ptr() | b_nk.data_ptr() | out.data_ptr()) % 16 or checks.overlaps_any(
-                out, self.out_extent, (a, b_nk, bias), self.extents):
+        if (a.data_ptr() | b_nk.data_ptr() | out.data_ptr()) % 16 or self.disjoint.clash(a, b_nk, bias, out):
             _check_memory(a, b_nk, bias, out)  # raises, saying which
         partials = counters = None
         if self.split_k:
@@ -143,12 +141,15 @@ def _check_memory(a, b_nk, bias, out) -> None:
         if b_nk.stride(1) != 1 and b_nk.stride(0) != 1:
             raise ValueError(f"b must be contiguous along N or K, got strides {b_nk.stride()}")
         checks.check_aligned("b", b_nk if b_nk.stride(1) == 1 else b_nk.t())
-    for name, t in (("a", a), ("b", b_nk), ("bias", bias)):
-        if t is not None and checks.overlap(out, t):
-            raise ValueError(f"out must not overlap {name}")
+    _disjoint(a, b_nk, bias, out).check(a, b_nk, bias, out)
     checks.check_not_expanded("out", out)
     checks.check_same_device(a=a, b=b_nk, bias=bias, out=out)
     checks.check_cuda("a", a)
+
+
+def _disjoint(a, b_nk, bias, out) -> checks.Disjoint:
+    """out may share memory with no input (other CTAs still read them while one writes out)."""
+    return checks.Disjoint(dict(a=a, b=b_nk, bias=bias, out=out), ("out",), {})
 
 
 def _b_as_nk(b: torch.Tensor, b_layout: str) -> torch.Tensor:

@@ -75,21 +75,24 @@ def _check_memory(a, a_scale, w, w_scale, bias, out) -> None:
                 checks.check_aligned(name, t)
             elif t.data_ptr() % 16:
                 raise ValueError(f"{name} must be 16-byte aligned")
-    for name, t in (("a", a), ("a_scale", a_scale), ("w", w), ("w_scale", w_scale), ("bias", bias)):
-        if t is not None and checks.overlap(out, t):
-            raise ValueError(f"out must not overlap {name}")
+    _disjoint(a, a_scale, w, w_scale, bias, out).check(a, a_scale, w, w_scale, bias, out)
     checks.check_not_expanded("out", out)
     checks.check_same_device(a=a, a_scale=a_scale, w=w, w_scale=w_scale, bias=bias, out=out)
     checks.check_cuda("a", a)
+
+
+def _disjoint(a, a_scale, w, w_scale, bias, out) -> checks.Disjoint:
+    """out may share memory with no input (other CTAs still read them while one writes out)."""
+    return checks.Disjoint(dict(a=a, a_scale=a_scale, w=w, w_scale=w_scale, bias=bias, out=out), ("out",), {})
 
 
 # ---------------------------------------------------------------------------------------------
 # Launching.
 
 class _Plan(launch.Launch):
-    """One config launched on one argument signature: what the signature decides is computed once; a launch
-    checks what depends on the data pointers (16-byte alignment, out overlapping an input), fetches the
-    split-K workspace and launches."""
+    """One config launched on one argument signature: what the signature decides is computed once (out's
+    overlap test among it); a launch checks what depends on the data pointers (16-byte alignment, out
+    overlapping an input), fetches the split-K workspace and launches."""
 
     def __init__(self, a, a_scale, w, w_scale, bias, out, config: Fp8GemmConfig):
         m, n = a.shape[0], w.shape[0]
@@ -100,12 +103,11 @@ class _Plan(launch.Launch):
         self.clusters = modes.max_active_clusters(self.device, config.cluster_m * config.cluster_n)
         # A single row may carry any stride: the kernel's TMA view wants a 16-byte multiple.
         self.row_stride = 16 * math.ceil(a.shape[1] / 16) if m == 1 and a.stride(0) % 16 else None
-        self.extents = [checks.extent(t) for t in (a, a_scale, w, w_scale, bias)]
-        self.out_extent = checks.extent(out)
+        self.disjoint = _disjoint(a, a_scale, w, w_scale, bias, out)
 
     def launch(self, a, a_scale, w, w_scale, bias, out, private_scratch: bool = False) -> None:
-        if (a.data_ptr() | w.data_ptr() | out.data_ptr()) % 16 or checks.overlaps_any(
-                out, self.out_extent, (a, a_scale, w, w_scale, bias), self.extents):
+        if (a.data_ptr() | w.data_ptr() | out.data_ptr()) % 16 or self.disjoint.clash(a, a_scale, w, w_scale,
+                                                                                       bias, out):
             _check_memory(a, a_scale, w, w_scale, bias, out)  # raises, saying which
         partials = counters = None
         if self.config.split_k:

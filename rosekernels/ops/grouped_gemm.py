@@ -3,7 +3,7 @@ in one kernel (rosekernels/kernels/grouped_gemm.py).
 
 validate -> config (grouped_gemm_plan.config_for, or the tuned store's) -> compile -> plan -> launch:
 the first call with an argument signature does all of it; later ones check the pointers (alignment,
-out overlapping an input: against byte extents the plan computed once) and launch.
+out overlapping an input: by the overlap test the plan made once) and launch.
 """
 from __future__ import annotations
 
@@ -70,35 +70,38 @@ def _check_memory(a, w, group_offsets, bias, a_index, row_scale, out) -> None:
         if t is not None:
             checks.check_unit_last_stride(name, t)
     checks.check_not_expanded("out", out)
-    for name, t in (("a", a), ("w", w), ("group_offsets", group_offsets), ("bias", bias), ("a_index", a_index),
-                    ("row_scale", row_scale)):
-        if t is not None and checks.overlap(out, t):
-            raise ValueError(f"out must not overlap {name}")
+    _disjoint(a, w, group_offsets, bias, a_index, row_scale, out).check(a, w, group_offsets, bias, a_index,
+                                                                         row_scale, out)
     checks.check_same_device(a=a, w=w, group_offsets=group_offsets, bias=bias, a_index=a_index,
                              row_scale=row_scale, out=out)
     checks.check_cuda("a", a)
     check_sm90(a.device)
 
 
+def _disjoint(a, w, group_offsets, bias, a_index, row_scale, out) -> checks.Disjoint:
+    """out may share memory with no input (other CTAs still read them while one writes out)."""
+    return checks.Disjoint(dict(a=a, w=w, group_offsets=group_offsets, bias=bias, a_index=a_index,
+                                row_scale=row_scale, out=out), ("out",), {})
+
+
 # ---------------------------------------------------------------------------------------------
 # The op.
 
 class _Plan(launch.Launch):
-    """One config launched on one argument signature: the launch arguments' bounds and every tensor's
-    byte extent computed once; a launch checks what depends on the data pointers (16-byte alignment,
-    out overlapping an input) with a few integer comparisons."""
+    """One config launched on one argument signature: the launch arguments' bounds and out's overlap test
+    computed once; a launch checks what depends on the data pointers (16-byte alignment, out overlapping
+    an input) with a few integer comparisons."""
 
     def __init__(self, config, a, w, group_offsets, bias, a_index, row_scale, out):
         super().__init__(kernel.compile(config).fn, a.device.index)
         self.config = config
         self.canonical = any(rows_view(t) is not t for t in (a, w, out))
         self.scalars = kernel.launch_args(config, a, w, out, bias, group_offsets, a_index, row_scale)[-2:]
-        self.extents = [checks.extent(t) for t in (a, w, group_offsets, bias, a_index, row_scale)]
-        self.out_extent = checks.extent(out)
+        self.disjoint = _disjoint(a, w, group_offsets, bias, a_index, row_scale, out)
 
     def launch(self, a, w, group_offsets, bias, a_index, row_scale, out) -> None:
-        if (a.data_ptr() | w.data_ptr() | out.data_ptr()) % 16 or checks.overlaps_any(
-                out, self.out_extent, (a, w, group_offsets, bias, a_index, row_scale), self.extents):
+        if (a.data_ptr() | w.data_ptr() | out.data_ptr()) % 16 or self.disjoint.clash(
+                a, w, group_offsets, bias, a_index, row_scale, out):
             _check_memory(a, w, group_offsets, bias, a_index, row_scale, out)  # raises, saying which
         if self.canonical:
             a, w, out = rows_view(a), rows_view(w), rows_view(out)

@@ -178,6 +178,33 @@ def test_out_overlapping_an_input_is_rejected():
         rosekernels.gemm_fp8(**args)
 
 
+def test_out_may_interleave_rows_with_a_but_not_share_its_elements(monkeypatch):
+    """a (e4m3) and out (bf16) as column blocks of one buffer of 160-byte rows share a span, not an element: the
+    call launches, planned and then on its fast path; an out of the same strides over a's last 32 bytes of each
+    row is refused by the fast path with nothing launched (CPU: the device parts stubbed)."""
+    from types import SimpleNamespace
+
+    from rosekernels import launch, modes, tuned
+
+    launched = []
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)
+    monkeypatch.setattr(modes, "sm_count", lambda *args: 132)
+    monkeypatch.setattr(modes, "max_active_clusters", lambda *args: 66)
+    monkeypatch.setattr(tuned, "tuned_config", lambda module, shape, config, sms=None: config)
+    monkeypatch.setattr(launch, "on_device", lambda device, fn, *args: fn(*args))
+    monkeypatch.setattr(gk, "compile", lambda config: SimpleNamespace(fn=lambda *args: launched.append(args)))
+    monkeypatch.setattr(op, "_plans", launch.PlanCache())
+    monkeypatch.setattr(op, "config_for", lambda shape, sms=None: gk.Config(activation="none", tile_n=128))  # no split-K
+    rows = torch.zeros(5, 160, dtype=torch.uint8)
+    args = _operands(a=rows[:4, :128].view(E4M3))
+    for _ in range(2):
+        rosekernels.gemm_fp8(**args, out=rows[:4, 128:].view(BF16))
+    assert len(launched) == 2
+    with pytest.raises(ValueError, match="out must not overlap a"):
+        rosekernels.gemm_fp8(**args, out=rows[1:5, 96:128].view(BF16))
+    assert len(launched) == 2
+
+
 def test_meta_tensors_infer_shapes_and_check_them():
     meta = {k: v.to("meta") for k, v in _operands(m=4, n=32, k=256).items()}
     out = rosekernels.gemm_fp8(**meta, gated=True, out_dtype=FP16)

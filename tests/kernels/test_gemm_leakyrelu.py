@@ -214,6 +214,33 @@ def test_out_overlapping_an_input_is_rejected():
         rosekernels.gemm_leakyrelu(buf[:4], _cpu(8, 16), out=buf[2:6, :8])
 
 
+def test_out_may_interleave_rows_with_a_but_not_share_its_elements(monkeypatch):
+    """a and out as column blocks of one [M, K + N] buffer share a span, not an element: the kernel reads only
+    a's and writes only out's (TMA clips to each tensor), so the call launches, planned and then on its fast
+    path; an out of the same strides half a row over, on a's elements, is refused by the fast path with nothing
+    launched (CPU: the device parts stubbed)."""
+    from types import SimpleNamespace
+
+    from rosekernels import modes, tuned
+
+    launched = []
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)
+    monkeypatch.setattr(modes, "sm_count", lambda *args: 132)
+    monkeypatch.setattr(modes, "max_active_clusters", lambda *args: 66)
+    monkeypatch.setattr(tuned, "tuned_config", lambda module, shape, config, sms=None: config)
+    monkeypatch.setattr(launch, "on_device", lambda device, fn, *args: fn(*args))
+    monkeypatch.setattr(glr, "compile", lambda config: SimpleNamespace(fn=lambda *args: launched.append(args)))
+    monkeypatch.setattr(gemm_op, "_plans", launch.PlanCache())
+    monkeypatch.setattr(gemm_op, "config_for", lambda shape, sms=None: glr.Config(activation="none"))  # no split-K
+    buf, w = _cpu(5, 64 + 32), _cpu(32, 64)
+    for _ in range(2):
+        rosekernels.gemm(buf[:4, :64], w, out=buf[:4, 64:])
+    assert len(launched) == 2
+    with pytest.raises(ValueError, match="out must not overlap a"):
+        rosekernels.gemm(buf[:4, :64], w, out=buf[1:5, 32:64])
+    assert len(launched) == 2
+
+
 def test_an_expanded_out_is_rejected():
     with pytest.raises(ValueError, match="expanded"):
         rosekernels.gemm_leakyrelu(_cpu(4, 16), _cpu(8, 16), out=torch.zeros(1, 8, dtype=torch.bfloat16).expand(4, 8))
