@@ -83,9 +83,8 @@ def validate(x, w_gate_up, w_down, topk_ids, topk_weights, out, activation: str 
         checks.check_aligned(name, rows_view(named[name]), pointer=on_device)
     if out is not None:
         checks.check_not_expanded("out", out)
-        for name in ("topk_ids", "topk_weights"):
-            if on_device and checks.overlap(out, named[name]):
-                raise ValueError(f"out must not overlap {name}")
+        if on_device:
+            _disjoint(topk_ids, topk_weights, out).check(topk_ids, topk_weights, out)
     if on_device:
         for name, t in named.items():
             checks.check_cuda(name, t)
@@ -93,8 +92,14 @@ def validate(x, w_gate_up, w_down, topk_ids, topk_weights, out, activation: str 
         check_sm90(x.device)
 
 
-# Argument signatures validated once; what depends on the pointers is checked on every call (the ops'
-# own plans check theirs, an out given here is checked before anything runs).
+def _disjoint(topk_ids, topk_weights, out) -> checks.Disjoint:
+    """out may share memory with neither routing tensor, which moe_combine reads while it writes out (x it may:
+    the dispatch read it before)."""
+    return checks.Disjoint(dict(topk_ids=topk_ids, topk_weights=topk_weights, out=out), ("out",), {})
+
+
+# Argument signatures validated once, each with out's overlap test: what depends on the pointers is checked on
+# every call (the ops' own plans check theirs, an out given here is checked before anything runs).
 _checked = launch.PlanCache()
 
 
@@ -121,12 +126,12 @@ def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
            topk_weights.dtype, topk_weights.device,
            None if out is None else (out.shape, out.stride(), out.dtype, out.device), activation)
     eager = launch.eager(x, w_gate_up, w_down, topk_ids, topk_weights, out)
-    if not (eager and _checked.get(key)):
+    disjoint = _checked.get(key) if eager else None
+    if disjoint is None:
         validate(x, w_gate_up, w_down, topk_ids, topk_weights, out, activation, on_device=eager)
         if eager:
-            _checked.put(key, True)
-    elif out is not None and (out.data_ptr() % 16 or checks.overlap(out, topk_ids)
-                              or checks.overlap(out, topk_weights)):
+            _checked.put(key, _disjoint(topk_ids, topk_weights, out))
+    elif out is not None and (out.data_ptr() % 16 or disjoint.clash(topk_ids, topk_weights, out)):
         validate(x, w_gate_up, w_down, topk_ids, topk_weights, out, activation)  # raises, saying which
     if out is None:
         out = x.new_empty(x.shape)

@@ -20,6 +20,7 @@ from rosekernels.kernels.moe_common import rows_view
 from rosekernels.ops import grouped_gemm as gemm_op
 from rosekernels.ops import moe_dispatch as dispatch_op
 from rosekernels.ops import moe_experts as moe_experts_op
+from rosekernels.ops.moe_experts import validate
 
 Config = gg.Config
 
@@ -219,6 +220,28 @@ def test_each_launch_checks_its_pointers_against_the_plans_extents(monkeypatch):
         assert not launched
 
 
+def test_out_may_interleave_rows_with_a_but_not_share_its_elements(monkeypatch):
+    """a and out as column blocks of one [R, K + N] buffer share a span, not an element: the checks of the first
+    call and a plan's launch take them; an out of the same strides half a row over, on a's elements, is refused
+    by both, nothing launched."""
+    launched = []
+    monkeypatch.setattr(gg, "compile", lambda config: types.SimpleNamespace(fn=lambda *args: launched.append(args)))
+    monkeypatch.setattr(launch, "on_device", lambda device, fn, *args: fn(*args))
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)
+    monkeypatch.setattr(gemm_op, "check_sm90", lambda device: None)
+    buf, w, offsets = _t(7, 64 + 32), _t(4, 32, 64), _offsets(4)
+    a, apart, over = buf[:6, :64], buf[:6, 64:], buf[1:7, 32:64]
+    gemm_op._check_memory(a, w, offsets, None, None, None, apart)
+    plan = gemm_op._Plan(Config(), a, w, offsets, None, None, None, apart)
+    plan.launch(a, w, offsets, None, None, None, apart)
+    assert len(launched) == 1
+    with pytest.raises(ValueError, match="out must not overlap a$"):
+        gemm_op._check_memory(a, w, offsets, None, None, None, over)
+    with pytest.raises(ValueError, match="out must not overlap a$"):
+        plan.launch(a, w, offsets, None, None, None, over)
+    assert len(launched) == 1
+
+
 def test_rows_view_gives_size_1_dims_contiguous_strides_and_keeps_the_rest():
     w = torch.zeros(1, 64, 32)
     odd = w.as_strided((1, 64, 32), (5, 32, 1))  # any stride is legal on a dim of size 1
@@ -341,6 +364,22 @@ def test_moe_experts_validates_again_when_any_tensor_moves_to_another_device(hos
         host_side.calls.clear()
         rosekernels.moe_experts(**{**args, name: args[name].to("meta")})
         assert host_side.calls[0] == "validate", name
+
+
+def test_moe_experts_checks_the_pointers_of_a_given_out_on_every_call(host_side, monkeypatch):
+    """A call of a validated signature whose out overlaps topk_weights (views of one buffer, the same strides)
+    is refused before the dispatch; out as x itself passes (CPU: the launches stubbed; the GPU twin below)."""
+    monkeypatch.setattr(moe_experts_op, "validate", validate)  # the real one: host_side's records instead
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)
+    monkeypatch.setattr(moe_experts_op, "check_sm90", lambda device: None)
+    buf = _t(8 * 64 + 64)
+    args = _moe(t=8, topk_weights=buf[8 * 64:8 * 64 + 16].view(8, 2))
+    rosekernels.moe_experts(**args, out=buf[:8 * 64].view(8, 64))
+    rosekernels.moe_experts(**args, out=args["x"])
+    assert host_side.calls.count("moe_dispatch") == 2
+    with pytest.raises(ValueError, match="out must not overlap topk_weights"):
+        rosekernels.moe_experts(**args, out=buf[16:16 + 8 * 64].view(8, 64))
+    assert host_side.calls.count("moe_dispatch") == 2
 
 
 # ---------------------------------------------------------------------------------------------
