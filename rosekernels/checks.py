@@ -82,38 +82,9 @@ def check_not_expanded(name: str, t: torch.Tensor) -> None:
         reach += (size - 1) * stride
 
 
-def span(t: torch.Tensor) -> tuple[int, int]:
-    """[first, last + 1) of the bytes a non-empty tensor's elements occupy."""
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-
-def overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Whether the byte ranges spanned by x and y intersect (an empty tensor spans nothing)."""
-    if x.numel() == 0 or y.numel() == 0:
-        return False
-    (x0, x1), (y0, y1) = span(x), span(y)
-    return x0 < y1 and y0 < x1
-
-
-def extent(t: torch.Tensor | None) -> int:
-    """Bytes from t's first element to past its last (0 when empty or None): fixed by its shape, strides
-    and dtype, so a plan computes it once and checks overlap per call with `overlaps_any`."""
-    if t is None or t.numel() == 0:
-        return 0
-    first, end = span(t)
-    return end - first
-
-
-def overlaps_any(out: torch.Tensor, out_extent: int, inputs: Iterable[torch.Tensor | None],
-                 extents: Iterable[int]) -> bool:
-    """Whether `out` overlaps one of `inputs` (None: absent), given their `extent`s: a plan's per-call check."""
-    o0 = out.data_ptr()
-    o1 = o0 + out_extent
-    for t, n in zip(inputs, extents):
-        if n and out_extent and o0 < (p := t.data_ptr()) + n and p < o1:
-            return True
-    return False
+def extent(t: torch.Tensor) -> int:
+    """Bytes from a non-empty tensor's first element to past its last: fixed by its shape, strides and dtype."""
+    return (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
 def row_layout(t: torch.Tensor) -> tuple[int, int] | None:
@@ -139,9 +110,10 @@ def row_layout(t: torch.Tensor) -> tuple[int, int] | None:
 class Disjoint:
     """Whether a kernel's outputs share memory with an input or with one another (its writes would race with
     its reads and with each other), except an output that is exactly its in-place input (the same address,
-    dtype, shape and strides). Memory is compared by span (`overlap`), rows of one buffer that interleave
-    (row_layout) excepted. Built from one call's tensors, whose shapes, strides and dtypes fix everything but the
-    addresses (a planned signature): a later call with those costs pointer arithmetic."""
+    dtype, shape and strides). Memory is compared by span (from the first element, `extent` bytes), rows of one
+    buffer that interleave (row_layout) excepted: no element shared, no race. Built from one call's tensors,
+    whose shapes, strides and dtypes fix everything but the addresses (a planned signature): every op's plan
+    keeps one, and a later call with those costs pointer arithmetic."""
 
     def __init__(self, named: dict[str, torch.Tensor | None], outputs: tuple[str, ...], in_place: dict[str, str]):
         self.names = list(named)
