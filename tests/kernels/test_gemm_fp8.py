@@ -274,7 +274,50 @@ def test_the_spread_follows_each_sums_products():
     gate, up, d_gate, d_up = y[..., 0, :], y[..., 1, :], d[..., 0, :], d[..., 1, :]
     s = torch.sigmoid(gate)  # silu'(x) = s (1 + x (1 - s)): to first order, |silu'(gate) up| d_gate + |silu(gate)| d_up
     first_order = ((s * (1 + gate * (1 - s)) * up).abs() * d_gate + (gate * s).abs() * d_up).flatten(-2)
-    assert torch.allclose(spread, first_order, rtol=0.1, atol=0)  # (second-order terms: a few %)
+    evaluation = (gk.EVAL_ERROR * (gate * up).abs()).flatten(-2)  # the fp32 epilogue's own error, added
+    assert torch.allclose(spread - evaluation, first_order, rtol=0.1, atol=0)  # (second-order terms: a few %)
+
+
+def test_fp16_subnormal_outputs_round_in_steps():
+    """Under fp16's smallest normal (6.1e-5) values round to steps of 2^-24, more than an ulp of the value (the
+    H200 run failed a leaky_relu output of 2.3e-5, 2.4e-8 off): the exactly rounded output passes, one step
+    more does not."""
+    ref = torch.linspace(1e-7, 6e-5, 4096, dtype=torch.float64).reshape(64, 64)
+    out = ref.to(FP16)
+    gk.check_out(out, ref, 0.0)
+    out[5, 7] += 2.0 ** -23
+    with pytest.raises(AssertionError, match=r"element \(5, 7\)"):
+        gk.check_out(out, ref, 0.0)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("out_dtype", [BF16, FP16])
+def test_the_fp32_epilogue_passes_and_a_wrong_output_does_not(out_dtype, gated):
+    """gelu_tanh as the kernel evaluates it, in fp32: 0.5 y (1 + tanh(u)) cancels as tanh(u) -> -1, so the tiny
+    outputs of y from -5 down keep |y| times tanh's rounding (the H200 run failed fp16 outputs near 1e-7,
+    a few subnormal steps wide, and bf16 ones). Sums of like-signed products (y = +-s, sigma = s / 16) keep
+    the accumulation's allowance far under that. Such an output passes; one element off by twice its
+    allowance does not."""
+    m, n, k = 96, 32, 256
+    a = torch.ones(m, k).to(E4M3)
+    w = torch.ones(n, k)
+    w[n // 2:] = -1
+    w = w[torch.randperm(n, generator=torch.Generator().manual_seed(3))].to(E4M3)
+    a_scale, w_scale = torch.linspace(0.25, 12, m), torch.full((n,), 1 / k)
+    ref, spread = gk.reference_and_spread(a, a_scale, w, w_scale, None, "gelu_tanh", gated)
+    y = (gk.dequantized(a, a_scale, 1) @ gk.dequantized(w, w_scale, fp8.BLOCK).t()).float()
+    gelu = 0.5 * y * (1.0 + torch.tanh(0.7978845608028654 * (y + 0.044715 * y * y * y)))
+    if gated:
+        pairs, acts = y.unflatten(-1, (-1, 2, 8)), gelu.unflatten(-1, (-1, 2, 8))
+        gelu = (acts[..., 0, :] * pairs[..., 1, :]).flatten(-2)
+    tiny = (ref.abs() < 1e-6) & (ref != 0)
+    assert tiny.sum() > 20 and ((gelu.double() - ref).abs() > ref.abs() / 2)[tiny].any()  # the cancellation shows
+    out = gelu.to(out_dtype)
+    gk.check_out(out, ref, spread)
+    row, col = divmod((ref.abs() - 1).abs().argmin().item(), ref.shape[1])  # an element near 1
+    out[row, col] = ref[row, col] + 2 * (spread[row, col] + torch.finfo(out_dtype).eps * ref[row, col].abs())
+    with pytest.raises(AssertionError, match=rf"element \({row}, {col}\)"):
+        gk.check_out(out, ref, spread)
 
 
 # ---------------------------------------------------------------------------------------------
