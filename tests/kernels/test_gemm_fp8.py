@@ -182,18 +182,9 @@ def test_out_may_interleave_rows_with_a_but_not_share_its_elements(monkeypatch):
     """a (e4m3) and out (bf16) as column blocks of one buffer of 160-byte rows share a span, not an element: the
     call launches, planned and then on its fast path; an out of the same strides over a's last 32 bytes of each
     row is refused by the fast path with nothing launched (CPU: the device parts stubbed)."""
-    from types import SimpleNamespace
+    from stub_launch import stub_launches
 
-    from rosekernels import launch, modes, tuned
-
-    launched = []
-    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)
-    monkeypatch.setattr(modes, "sm_count", lambda *args: 132)
-    monkeypatch.setattr(modes, "max_active_clusters", lambda *args: 66)
-    monkeypatch.setattr(tuned, "tuned_config", lambda module, shape, config, sms=None: config)
-    monkeypatch.setattr(launch, "on_device", lambda device, fn, *args: fn(*args))
-    monkeypatch.setattr(gk, "compile", lambda config: SimpleNamespace(fn=lambda *args: launched.append(args)))
-    monkeypatch.setattr(op, "_plans", launch.PlanCache())
+    launched = stub_launches(monkeypatch, gk, op)
     monkeypatch.setattr(op, "config_for", lambda shape, sms=None: gk.Config(activation="none", tile_n=128))  # no split-K
     rows = torch.zeros(5, 160, dtype=torch.uint8)
     args = _operands(a=rows[:4, :128].view(E4M3))

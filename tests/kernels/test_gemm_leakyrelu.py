@@ -219,18 +219,9 @@ def test_out_may_interleave_rows_with_a_but_not_share_its_elements(monkeypatch):
     a's and writes only out's (TMA clips to each tensor), so the call launches, planned and then on its fast
     path; an out of the same strides half a row over, on a's elements, is refused by the fast path with nothing
     launched (CPU: the device parts stubbed)."""
-    from types import SimpleNamespace
+    from stub_launch import stub_launches
 
-    from rosekernels import modes, tuned
-
-    launched = []
-    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)
-    monkeypatch.setattr(modes, "sm_count", lambda *args: 132)
-    monkeypatch.setattr(modes, "max_active_clusters", lambda *args: 66)
-    monkeypatch.setattr(tuned, "tuned_config", lambda module, shape, config, sms=None: config)
-    monkeypatch.setattr(launch, "on_device", lambda device, fn, *args: fn(*args))
-    monkeypatch.setattr(glr, "compile", lambda config: SimpleNamespace(fn=lambda *args: launched.append(args)))
-    monkeypatch.setattr(gemm_op, "_plans", launch.PlanCache())
+    launched = stub_launches(monkeypatch, glr, gemm_op)
     monkeypatch.setattr(gemm_op, "config_for", lambda shape, sms=None: glr.Config(activation="none"))  # no split-K
     buf, w = _cpu(5, 64 + 32), _cpu(32, 64)
     for _ in range(2):

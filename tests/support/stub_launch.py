@@ -12,6 +12,7 @@ def stub_launches(monkeypatch, kernel_module, op_module) -> list:
     launches = []
     monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)
     monkeypatch.setattr(modes, "sm_count", lambda *args: 132)
+    monkeypatch.setattr(modes, "max_active_clusters", lambda *args: 66)
     monkeypatch.setattr(tuned, "tuned_config", lambda module, shape, config, sms=None: config)
     monkeypatch.setattr(launch, "on_device", lambda device, fn, *args: fn(*args))
     kernel = SimpleNamespace(fn=lambda *args: launches.append(args))
