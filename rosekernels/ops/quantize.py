@@ -80,8 +80,9 @@ def _run(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int, ena
     # What the plan depends on (the compiled host code checks the other shapes, strides, alignment and
     # devices on each call), and the strides, which decide whether an output's elements overlap one another
     # (expanded, or rows overlapping, which the compiled checks let through) and the spans the overlap test
-    # below compares.
-    key = (x.shape, x.stride(), x.dtype, x.get_device(), q.stride(), scales.stride(), group, enable_pdl)
+    # below compares, with the outputs' dtypes (a span is strides times the element size).
+    key = (x.shape, x.stride(), x.dtype, x.get_device(), q.stride(), q.dtype, scales.stride(), scales.dtype, group,
+           enable_pdl)
     plan, disjoint = _plans.get(key) or _plans.put(key, _new_plan(x, q, scales, group, enable_pdl))
     # given: whether the caller gave an output (fresh ones overlap nothing); the addresses decide the rest.
     if given and disjoint.clash(x, q, scales):

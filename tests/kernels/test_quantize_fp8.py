@@ -294,6 +294,24 @@ def test_the_registered_op_refuses_overlapping_outputs_on_a_planned_signature(mo
     assert len(launches) == 1
 
 
+def test_an_output_of_another_dtype_is_validated_not_checked_by_a_plan_of_1_byte_elements(monkeypatch):
+    """The plan's overlap test measures spans in the first call's element sizes: a q of the same strides in bf16
+    (twice the bytes, reaching into x) is a new signature, refused for its dtype with nothing launched (the plan
+    of the e4m3 q would have found no overlap and launched)."""
+    from stub_launch import stub_launches
+
+    from rosekernels.ops import quantize as op
+
+    launches = stub_launches(monkeypatch, qk, op)
+    mem = torch.zeros(8192, dtype=torch.uint8)
+    x = mem[:2048].view(BF16).view(4, 256)
+    torch.ops.rosekernels.quantize_fp8(x, mem[2048:3072].view(E4M3).view(4, 256), mem[7680:7696].view(FP32), 0, True)
+    x2, wide_q = mem[4096:6144].view(BF16).view(4, 256), mem[2560:4608].view(BF16).view(4, 256)
+    with pytest.raises(TypeError, match="q has dtype bfloat16"):
+        torch.ops.rosekernels.quantize_fp8(x2, wide_q, mem[7680:7696].view(FP32), 0, True)
+    assert len(launches) == 1
+
+
 def test_meta_tensors_infer_shapes(no_launch):
     q, s = rosekernels.quantize_fp8(torch.empty(2, 3, 512, device="meta", dtype=BF16), group_size=128)
     assert q.shape == (2, 3, 512) and q.dtype == E4M3 and s.shape == (2, 3, 4) and s.is_meta
