@@ -749,6 +749,24 @@ def test_strided_views_and_large_problem():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [8, 100, 2000])
+def test_an_out_interleaved_with_a_in_one_buffer(m):
+    """a and out as column blocks of one [M, K + 8 + N] buffer (rows interleave, no element shared: accepted):
+    whatever path the heuristic takes at each M (decode swap-AB at 8, prefill tiles at 2000) writes out's columns
+    only; a's and the 8 between stay."""
+    n, k = 3072, 1024
+    g = torch.Generator(device="cuda").manual_seed(m)
+    buf = torch.randn(m, k + 8 + n, generator=g, device="cuda").to(torch.bfloat16)
+    buf[:, k:k + n + 8] = float("nan")
+    before = buf[:, :k + 8].clone()
+    a, out = buf[:, :k], buf[:, k + 8:]
+    w = (torch.randn(n, k, generator=g, device="cuda") / k ** 0.5).to(torch.bfloat16)
+    rosekernels.gemm_leakyrelu(a, w, 0.1, out=out)
+    assert torch.equal(buf[:, :k + 8].view(torch.int16), before.view(torch.int16)), "wrote outside out"
+    _assert_close(out, _reference(before[:, :k], w, None, 0.1), torch.bfloat16, "interleaved out")
+
+
+@pytest.mark.gpu
 def test_empty_and_k_zero():
     a = torch.randn(0, 64, device="cuda", dtype=torch.bfloat16)
     assert rosekernels.gemm_leakyrelu(a, torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)).shape == (0, 16)
