@@ -4,6 +4,7 @@ tests pass, fail, skip, crash their process and outlive the deadline (the second
 import importlib.util
 import io
 import json
+import math
 import os
 import re
 import signal
@@ -46,11 +47,15 @@ def test_pieces_keep_to_one_file_are_even_and_put_the_timing_files_then_the_slow
 
 
 class FakeProcess:
-    def __init__(self, piece, clock, seconds):
-        self.clock, self.end = clock, clock.now + seconds
+    def __init__(self, piece, clock, seconds, records_every=1.0):
+        self.clock, self.end, self.started, self.every = clock, clock.now + seconds, clock.now, records_every
+        self.stalled = None
 
     def poll(self):
         return 0 if self.clock.now >= self.end else None
+
+    def idle(self):  # a record every `every` seconds
+        return (self.clock.now - self.started) % self.every if self.every < math.inf else self.clock.now - self.started
 
     def terminate(self):
         pass
@@ -99,6 +104,44 @@ def test_schedule_runs_jobs_side_by_side_the_alone_pieces_by_themselves_and_stop
                        ("f5.py", 20)]
     assert finished[:4] == [("alone.py", False), ("f0.py", False), ("f1.py", False), ("f2.py", False)]
     assert sorted(finished[4:]) == [("f3.py", True), ("f4.py", True), ("f5.py", True)]
+
+
+def test_a_piece_without_a_record_for_the_stall_limit_is_stopped_and_the_rest_run_again(monkeypatch):
+    """A hung test (no record for `stall` s) is stopped as a crash: its test an error, the rest queued again,
+    and the piece waiting to run alone starts then, not at the deadline; a slow test's piece, which records
+    nothing for minutes, runs to its end."""
+    clock = Clock()
+    monkeypatch.setattr(suite.time, "sleep", clock.sleep)
+    hung = suite.Piece("moe.py", ["moe.py::t0", "moe.py::hang", "moe.py::t2"])
+    slow = suite.Piece("hf.py", ["hf.py::model"], slow=True)
+    alone = suite.Piece("tuner.py", ["tuner.py::t"], True)
+    started, stopped = [], []
+
+    def launch(piece):
+        started.append((piece.file, piece.retried, clock.now))
+        if piece.file == "moe.py" and not piece.retried:
+            return FakeProcess(piece, clock, 1000, records_every=math.inf)
+        return FakeProcess(piece, clock, 60 if piece.slow else 5, records_every=math.inf if piece.slow else 1.0)
+
+    def finish(piece, process, killed):
+        stopped.append((piece.file, process.stalled, killed))
+        return ["moe.py::t2"] if process.stalled else []
+
+    suite.schedule([hung, slow, alone], 2, 500.0, launch, finish, min_start=5, clock=clock, stall=30)
+    assert ("moe.py", 30, False) in stopped and ("hf.py", None, False) in stopped
+    assert started[:2] == [("moe.py", False, 0), ("hf.py", False, 0)]
+    moe_again = next(t for f, retried, t in started if f == "moe.py" and retried)
+    tuner = next(t for f, _, t in started if f == "tuner.py")
+    # stopped at 31: its rest is queued behind the alone piece, which starts once the slow one ends (60),
+    # not at the deadline (500)
+    assert 60 <= tuner <= 62 and tuner < moe_again <= 70
+    state = {"results": {}}
+    records = [{"event": "start", "nodeid": "moe.py::t0"},
+               {"event": "result", "nodeid": "moe.py::t0", "outcome": "passed", "duration": 1.0, "message": ""},
+               {"event": "start", "nodeid": "moe.py::hang"}]
+    assert suite.merge(state, hung, records, -15, killed=False, stalled=30) == ["moe.py::t2"]
+    assert state["results"]["moe.py::hang"]["outcome"] == "error"
+    assert "stopped after 30 s without a result" in state["results"]["moe.py::hang"]["message"]
 
 
 def test_merge_records_results_and_tells_a_crash_from_a_deadline():

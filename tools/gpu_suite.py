@@ -16,7 +16,11 @@ log as it finishes: a call that reaches its deadline stops its pieces (SIGTERM, 
 into KeyboardInterrupt so that the tests stop the tools they started; then SIGKILL to every process
 under the piece, in whatever session) and loses only the tests in flight, which the next call runs.
 A test during which its process died is an error; the rest of its piece run in a new process, once:
-if that one too dies before finishing a test (a crash in a module fixture), they are errors.
+if that one too dies before finishing a test (a crash in a module fixture), they are errors. A piece
+that goes --test-timeout seconds (default 180) without a test starting or ending is stopped the same
+way, its test in flight an error: a hang must not hold its job, nor a piece waiting to run alone, for
+the rest of the call (the first call's MoE test did). Slow GPU tests (the hf models, the sanitizer) run
+in pieces of their own, bounded only by the deadline.
 
 State: .gpu_suite/state.json.gz in the tree (it stays while the host is warm), copied to --out as
 gpu_suite_state.json.gz: on a fresh host, carry that file back in and pass it as --resume.
@@ -40,6 +44,7 @@ import datetime
 import gzip
 import hashlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -80,6 +85,7 @@ class Piece:
     tests: list[str]
     alone: bool = False
     retried: bool = False
+    slow: bool = False  # a slow GPU test's own piece: only the deadline bounds it, not --test-timeout
 
 
 def file_of(nodeid: str) -> str:
@@ -92,7 +98,7 @@ def plan_pieces(tests: list[str], size: int, alone: tuple[str, ...] = ALONE, sin
     the files that `first` names (path prefixes: what a short session must not miss), then the files that
     must run alone, then the tests of `single` (slow GPU tests: minutes each under the sanitizer) in a piece
     each, so that they start early and side by side."""
-    pieces = [Piece(file_of(t), [t], file_of(t).startswith(alone)) for t in tests if t in single]
+    pieces = [Piece(file_of(t), [t], file_of(t).startswith(alone), slow=True) for t in tests if t in single]
     by_file: dict[str, list[str]] = {}
     for t in tests:
         if t not in single:
@@ -143,14 +149,15 @@ def read_log(path: Path) -> list[dict]:
 
 
 def merge(state: dict, piece: Piece, records: list[dict], exit_code: int | None, killed: bool,
-          output_tail: str = "") -> list[str]:
+          output_tail: str = "", stalled: float | None = None) -> list[str]:
     """Record the piece's finished tests in `state`. Returns the tests to run again: those its process
     had not started when it died on its own (a crash), once: a retried piece whose process too died
     before finishing a test (a crash in a module fixture) makes the rest errors, rather than one
     process per test. A test in flight when its process died is an error; a process that died before
     starting any test (an import or collection error) makes all its tests errors. Killed at the
     deadline, the unfinished tests stay pending, but a test in flight at the deadline of two calls is
-    an error (a hang, or longer than a call)."""
+    an error (a hang, or longer than a call). `stalled`: the process was stopped after that many seconds
+    without a record (schedule's stall limit): the test in flight is an error, the rest run again."""
     results = state["results"]
     done = set()
     for r in records:
@@ -168,7 +175,8 @@ def merge(state: dict, piece: Piece, records: list[dict], exit_code: int | None,
                 results[t] = {"outcome": "error", "duration": 0.0,
                               "message": "still running when two calls reached their deadline"}
         return []
-    died = f"its pytest process exited with code {exit_code}"
+    died = (f"its pytest process was stopped after {stalled:.0f} s without a result (--test-timeout: a hang, or a "
+            f"test slower than that)" if stalled else f"its pytest process exited with code {exit_code}")
     for t in in_flight:
         results[t] = {"outcome": "error", "duration": 0.0, "message": f"{died} during this test"}
     rest = [t for t in piece.tests if t not in results]
@@ -228,6 +236,8 @@ class Process:
 
     def __init__(self, argv: list[str], cwd: Path, env: dict, output: Path, log: Path):
         self.output, self.log = output, log
+        self.started = time.time()
+        self.stalled: float | None = None  # set when schedule stops it for want of a record
         self._tree: dict[int, str] = {}
         with open(output, "w") as out:
             self.popen = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -235,6 +245,14 @@ class Process:
 
     def poll(self) -> int | None:
         return self.popen.poll()
+
+    def idle(self) -> float:
+        """Seconds since the plugin's last record (a test starting or ending), or since the start."""
+        try:
+            last = max(self.started, self.log.stat().st_mtime)
+        except FileNotFoundError:
+            last = self.started
+        return time.time() - last
 
     def terminate(self) -> None:
         self._tree = descendants({self.popen.pid})  # now: once the process is gone, its orphans are no longer under it
@@ -266,11 +284,13 @@ class Process:
 
 def schedule(pieces: list[Piece], jobs: int, deadline: float, launch: Callable[[Piece], object],
              finish: Callable[[Piece, object, bool], list[str]], min_start: float,
-             clock: Callable[[], float] = time.monotonic, tick: float = 0.2) -> None:
+             clock: Callable[[], float] = time.monotonic, tick: float = 0.2, stall: float = math.inf) -> None:
     """Run `pieces` in order, `jobs` at a time, a piece marked alone with no other beside it; start
-    none with less than `min_start` seconds left; at `deadline` kill those running.
-    launch(piece) returns a handle with poll(), terminate() and reap(); finish(piece, handle, killed)
-    records the piece and returns tests to run again (queued as a new piece of their file)."""
+    none with less than `min_start` seconds left; at `deadline` kill those running. A piece (not slow)
+    that goes `stall` seconds without a record is stopped and finished as a crash (handle.stalled says
+    so): one hung test must not hold its job, and a piece waiting to run alone, until the deadline.
+    launch(piece) returns a handle with poll(), idle(), terminate() and reap(); finish(piece, handle,
+    killed) records the piece and returns tests to run again (queued as a new piece of their file)."""
     queue, running = list(pieces), []
     while queue or running:
         if clock() >= deadline:
@@ -280,11 +300,18 @@ def schedule(pieces: list[Piece], jobs: int, deadline: float, launch: Callable[[
                 handle.reap()
                 finish(piece, handle, True)
             return
-        for item in [r for r in running if r[1].poll() is not None]:
+        for item in list(running):
+            piece, handle = item
+            if handle.poll() is None:
+                if piece.slow or handle.idle() <= stall:
+                    continue
+                handle.stalled = stall
+                handle.terminate()
+                handle.reap()
             running.remove(item)
-            rest = finish(item[0], item[1], False)
+            rest = finish(piece, handle, False)
             if rest:
-                queue.append(Piece(item[0].file, rest, item[0].alone, retried=True))
+                queue.append(Piece(piece.file, rest, piece.alone, retried=True))
         while queue and len(running) < jobs and deadline - clock() >= min_start:
             if running and (queue[0].alone or running[0][0].alone):
                 break
@@ -534,7 +561,7 @@ def run(args) -> int:
 
     def finish(piece: Piece, process: Process, killed: bool) -> list[str]:
         tail = process.output.read_text(errors="replace")[-4000:] if process.output.exists() else ""
-        rest = merge(state, piece, read_log(process.log), process.poll(), killed, tail)
+        rest = merge(state, piece, read_log(process.log), process.poll(), killed, tail, process.stalled)
         call["finished"] = len(state["results"]) - before
         call["wall_s"] = round(time.time() - t0, 1)
         save_state(state, here / STATE_FILE, out / "gpu_suite_state.json.gz")
@@ -547,10 +574,11 @@ def run(args) -> int:
         if not any(file_of(t).startswith(prefix) for t in todo):
             print(f"gpu_suite: --first {prefix}: no pending test of such a file", file=sys.stderr)
     cut = [t for t in todo if t in state.get("cut", {})]
-    pieces = [Piece(file_of(t), [t], file_of(t).startswith(ALONE)) for t in cut]
+    slow = frozenset(state["plan"]["slow_gpu_tests"])
+    pieces = [Piece(file_of(t), [t], file_of(t).startswith(ALONE), slow=t in slow) for t in cut]
     pieces += plan_pieces([t for t in todo if t not in cut], args.piece,
-                          single=frozenset(state["plan"]["slow_gpu_tests"]), first=tuple(args.first))
-    schedule(pieces, args.jobs, deadline, launch, finish, args.min_start)
+                          single=slow, first=tuple(args.first))
+    schedule(pieces, args.jobs, deadline, launch, finish, args.min_start, stall=args.test_timeout)
     call["wall_s"] = round(time.time() - t0, 1)
     save_state(state, here / STATE_FILE, out / "gpu_suite_state.json.gz")
     s = write_report(state, out)
@@ -577,6 +605,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--jobs", type=int, default=6, help="pytest processes side by side (default 6)")
     r.add_argument("--piece", type=int, default=80, help="at most this many tests per process (default 80)")
     r.add_argument("--min-start", type=float, default=30, help="start no piece with fewer seconds left")
+    r.add_argument("--test-timeout", type=float, default=180, metavar="S",
+                   help="stop a piece S seconds without a test starting or ending (its test in flight an error, "
+                        "the rest run again); slow GPU tests only by the deadline (default 180)")
     r.add_argument("--commit", help="the commit the tree is at (default: git rev-parse HEAD)")
     r.add_argument("--gpus", type=int, help="GPUs to assume visible (default: ask torch)")
     r.add_argument("--select", default=SELECT, help=f"pytest -m expression (default {SELECT!r})")
