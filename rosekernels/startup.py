@@ -31,7 +31,9 @@ report with the reason, and warned about once. Each entry stores the original cu
 from, so it is installed (`jit.install_tuned_cubin`) BEFORE compiling and swapped in when the kernel
 loads; the swap is keyed
 by the original's SHA-256, so a tuned cubin never replaces a different original (a kernel whose source
-or toolchain changed simply loads untuned, and the report says the entry is stale).
+or toolchain changed simply loads untuned, and the report says the entry is stale). Entries shipped with the
+package (`tuned.SHIPPED_ROOT`: floors verified on an H200 at one shape, through the tuner's checks) load the
+same way beside the store's (`shipped=False`: not); where both hold one original, the stronger, then faster wins.
 
 Tuned configs (`tuned.config_entries`: the level-1 winners of `sip-tune`) whose heuristic config is
 one of the specs (the only ones an op that plans a spec can be given: `warmup(model=...)` leaves the
@@ -123,7 +125,7 @@ def model_specs(model: Any, modes: Iterable[str] = MODES, max_tokens: int | None
 def warmup(specs: Iterable[Any] = (), *, model: Any = None, modes: Iterable[str] = MODES,
            max_tokens: int | None = None, cache_dir: str | os.PathLike | None = None,
            store_root: str | os.PathLike | None = None, processes: int | None = None,
-           progress: bool = True, allow_unverified: bool | None = None,
+           progress: bool = True, allow_unverified: bool | None = None, shipped: bool = True,
            tuned_dir: str | os.PathLike | None = None) -> WarmupReport:
     """Compile (or load from the disk cache) every spec, and what `model` needs in `modes` for calls
     of at most `max_tokens` tokens (`model_specs`), with the SIP-tuned cubins found in the store.
@@ -133,6 +135,7 @@ def warmup(specs: Iterable[Any] = (), *, model: Any = None, modes: Iterable[str]
     processes: compile workers for the cold specializations (None: one per core, memory allowing).
     progress: a progress bar on a terminal while compiling. allow_unverified: also load tuned entries
     below the store's default bar, from now on in this process (None: $SIP_ALLOW_UNVERIFIED decides).
+    shipped: also the tuned cubins shipped with the package (`tuned.SHIPPED_ROOT`), under the same bar.
     tuned_dir: deprecated, the former name of store_root."""
     t0 = time.perf_counter()
     if tuned_dir is not None:
@@ -169,10 +172,11 @@ def warmup(specs: Iterable[Any] = (), *, model: Any = None, modes: Iterable[str]
                if e.heuristic.variant() in wanted and admitted(e, f"config {e.meta['kernel']} {e.path.stem}")]
     resolved += [_resolve(c) for e in configs for c in (e.heuristic, e.config)]
     entries: dict[str, list[tuned.Entry]] = {}  # variant key -> the entries it may load
+    roots = [root] + ([tuned.SHIPPED_ROOT] if shipped and tuned.SHIPPED_ROOT != root else [])
 
     def install_for(variant: jit.Variant) -> None:
         if variant.key() not in entries:
-            found = [e for e in tuned.entries_for_variant(root, variant) if admitted(e, variant.key())]
+            found = [e for r in roots for e in tuned.entries_for_variant(r, variant) if admitted(e, variant.key())]
             entries[variant.key()] = found
             # the strongest, then fastest entry for an original wins (installed last)
             for e in sorted(found, key=lambda e: (tuned.strength(e.meta, "cubin"), e.speedup)):

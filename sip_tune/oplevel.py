@@ -642,13 +642,15 @@ def _load_candidate(request: _Request) -> str:
 
     cand = request.candidate
     if isinstance(cand, ConfigCandidate):
-        rosekernels.warmup([cand.heuristic], store_root=request.store, allow_unverified=True, progress=False)
+        rosekernels.warmup([cand.heuristic], store_root=request.store, allow_unverified=True, progress=False,
+                           shipped=False)  # the candidate alone, not a shipped entry of the same original
         module = kernel_module(request.kernel)
         if module.config_for(request.shape) != cand.heuristic:
             return "the op's heuristic at this shape is not the config the candidate was tuned against"
         got = tuned.tuned_config(module, request.shape, cand.heuristic)
         return "" if got == cand.config else f"the tuned store gives the op {got}, not the candidate"
-    report = rosekernels.warmup([cand.variant], store_root=request.store, allow_unverified=True, progress=False)
+    report = rosekernels.warmup([cand.variant], store_root=request.store, allow_unverified=True, progress=False,
+                                shipped=False)
     return "" if cand.variant.key() in report.tuned else f"warmup did not load the tuned cubin: {report}"
 
 

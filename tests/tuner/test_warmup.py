@@ -50,6 +50,21 @@ def test_warmup_loads_the_tuned_cubin_and_reports_it(env):
     assert "1 tuned, 0 untuned" in str(report)
 
 
+def test_warmup_loads_the_shipped_entries_unless_told_not_to(env, tmp_path, monkeypatch):
+    """An entry under the package's shipped root loads with an empty store (and leaves no lock file in the
+    package); warmup(shipped=False), as the tuner's own measurements call it, loads none."""
+    monkeypatch.setattr(tuned, "SHIPPED_ROOT", tmp_path / "shipped")
+    untuned = compile_demo()
+    path, _ = tuned.store(tuned.SHIPPED_ROOT, "axpb", VARIANT, untuned.cubin, with_extra_stalls(untuned.cubin), META)
+    (path / ".lock").unlink()  # store's own; a reader must not make one
+    jit.forget_loaded()
+    assert warmup([compile_demo], shipped=False).untuned == [VARIANT.key()]
+    jit.forget_loaded()
+    report = warmup([compile_demo])
+    assert report.tuned == [VARIANT.key()] and report.kernels[0].tuned
+    assert not (path / ".lock").exists()
+
+
 def test_warmup_never_loads_a_tuned_cubin_for_another_original(env):
     k = compile_demo()
     other = with_extra_stalls(k.cubin)  # pretend the kernel changed since tuning: the entry's original is `other`
