@@ -7,17 +7,16 @@ lengths, check=True, CUDA-graph replays with new lengths and torch.compile (GPU)
 import math
 import os
 import re
-import types
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from attention_reference import (check, check_kvcache, decode_sass, paged_cache,
-                                 refuses_an_out_overlapping_k_or_v, sequence_kv, sync)
+from attention_reference import (check, check_kvcache, decode_sass, paged_cache, refuses_an_out_overlapping_k_or_v,
+                                 refuses_an_out_whose_elements_overlap, sequence_kv, sync)
 import lying_tables
 
 import rosekernels
-from rosekernels import checks, launch, scratch
+from rosekernels import checks, scratch
 from rosekernels.kernels import attention_decode as D
 from rosekernels.ops import kvcache
 from rosekernels.ops.kvcache import check_cache_tables, plan_kvcache
@@ -199,28 +198,19 @@ def test_the_out_the_op_allocates_is_held_to_the_span_limit(monkeypatch):
 
 
 def test_an_out_whose_elements_overlap_is_refused(monkeypatch):
-    """Rows of out 8 elements apart (as_strided): CTAs would store the same elements; refused before
-    anything is written, as zero strides are."""
-    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # CPU tensors stand in for CUDA ones
-    store = torch.full((10**5,), 7.0, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="out's elements overlap one another"):
-        rosekernels.attention_with_kvcache(**_args(), out=store.as_strided((2, 3, 8, 64), (1536, 64, 8, 1)))
-    assert bool((store == 7.0).all())
+    """Rows of out 8 elements apart (as_strided): refused before anything is written."""
+    call = lambda out: rosekernels.attention_with_kvcache(**_args(), out=out)  # noqa: E731
+    refuses_an_out_whose_elements_overlap(monkeypatch, call, (2, 3, 8, 64), (1536, 64, 8, 1))
 
 
 def test_an_out_overlapping_a_cache_is_refused_also_by_a_cached_plan(monkeypatch):
     """Other CTAs read the caches while one writes out: an out overlapping either is refused before
     anything is written, on a new signature and on one already planned (the key holds no pointers);
     out = q is not refused."""
-    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # CPU tensors stand in for CUDA ones
-    monkeypatch.setattr(kvcache, "_plans", launch.PlanCache())
-    launches = []
-    plan = types.SimpleNamespace(launch=lambda *args: launches.append(args))  # no kernel on the CPU
-    monkeypatch.setattr(kvcache, "plan_kvcache", lambda *args, **kwargs: plan)
     args = _args()
     q, _, v = (args.pop(name) for name in ("q", "k_cache", "v_cache"))
-    refuses_an_out_overlapping_k_or_v(lambda q, k, v, out: rosekernels.attention_with_kvcache(q, k, v, **args, out=out),
-                                      q, v, ("k_cache", "v_cache"), launches)
+    call = lambda q, k, v, out: rosekernels.attention_with_kvcache(q, k, v, **args, out=out)  # noqa: E731
+    refuses_an_out_overlapping_k_or_v(monkeypatch, kvcache, "plan_kvcache", call, q, v, ("k_cache", "v_cache"))
 
 
 # ---------------------------------------------------------------------------------------------

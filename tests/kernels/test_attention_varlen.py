@@ -7,16 +7,16 @@ lengths kept inside the tensors, CUDA-graph replays with new lengths, torch.comp
 import dataclasses
 import math
 import re
-import types
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from attention_reference import check, refuses_an_out_overlapping_k_or_v, sync
+from attention_reference import (check, refuses_an_out_overlapping_k_or_v, refuses_an_out_whose_elements_overlap,
+                                 sync)
 from kernel_sass import sass_of
 
 import rosekernels
-from rosekernels import checks, launch
+from rosekernels import checks
 from rosekernels.kernels import attention as A
 from rosekernels.ops import varlen
 from rosekernels.ops.varlen import VarlenLaunch, check_lengths
@@ -165,28 +165,19 @@ def test_the_out_the_op_allocates_is_held_to_the_span_limit(monkeypatch):
 
 
 def test_an_out_whose_elements_overlap_is_refused(monkeypatch):
-    """Rows of out 8 elements apart (as_strided): CTAs would store the same elements; refused before
-    anything is written, as zero strides are."""
-    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # CPU tensors stand in for CUDA ones
-    store = torch.full((10**5,), 7.0, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="out's elements overlap one another"):
-        rosekernels.attention_varlen(**_args(), out=store.as_strided((40, 8, 64), (8, 8, 1)))
-    assert bool((store == 7.0).all())
+    """Rows of out 8 elements apart (as_strided): refused before anything is written."""
+    call = lambda out: rosekernels.attention_varlen(**_args(), out=out)  # noqa: E731
+    refuses_an_out_whose_elements_overlap(monkeypatch, call, (40, 8, 64), (8, 8, 1))
 
 
 def test_an_out_overlapping_k_or_v_is_refused_also_by_a_cached_plan(monkeypatch):
     """Other CTAs read K and V while one writes out: an out overlapping either is refused before
     anything is written, on a new signature and on one already planned (the key holds no pointers);
     out = q is not refused."""
-    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # CPU tensors stand in for CUDA ones
-    monkeypatch.setattr(varlen, "_plans", launch.PlanCache())
-    launches = []
-    plan = types.SimpleNamespace(launch=lambda *args: launches.append(args))  # no kernel on the CPU
-    monkeypatch.setattr(varlen, "VarlenLaunch", lambda *args: plan)
     args = _args()
     q, _, v = (args.pop(name) for name in ("q", "k", "v"))
-    refuses_an_out_overlapping_k_or_v(lambda q, k, v, out: rosekernels.attention_varlen(q, k, v, **args, out=out),
-                                      q, v, ("k", "v"), launches)
+    call = lambda q, k, v, out: rosekernels.attention_varlen(q, k, v, **args, out=out)  # noqa: E731
+    refuses_an_out_overlapping_k_or_v(monkeypatch, varlen, "VarlenLaunch", call, q, v, ("k", "v"))
 
 
 @pytest.mark.parametrize("cu, match", [

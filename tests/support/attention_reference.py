@@ -4,6 +4,7 @@ import os
 import re
 import sys
 import time
+import types
 
 import torch
 
@@ -11,6 +12,7 @@ import pytest
 from kernel_sass import sass_of
 from sip.cubin import parse_cubin
 
+from rosekernels import checks, launch
 from rosekernels.kernels.attention_common import check  # noqa: F401
 
 
@@ -78,10 +80,16 @@ def paged_cache(k, v, lengths, block_size, spare_blocks, generator):
     return k_cache, v_cache, table.to(k.device)
 
 
-def refuses_an_out_overlapping_k_or_v(call, q, v, names, launches):
-    """`call(q, k, v, out=...)` with its launch stubbed (appending to `launches`): an out overlapping k or v
-    (named `names`) is refused before anything is written, on a new signature and on one already planned
-    (the key holds no pointers); out = q is not refused."""
+def refuses_an_out_overlapping_k_or_v(monkeypatch, op, planner, call, q, v, names):
+    """`call(q, k, v, out=...)` on CPU tensors, with the op module `op`'s plans made anew and its `planner`
+    (the attribute that builds a plan) giving a launch that only counts: an out overlapping k or v (named
+    `names`) is refused before anything is written, on a new signature and on one already planned (the key
+    holds no pointers); out = q is not refused."""
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # CPU tensors stand in for CUDA ones
+    monkeypatch.setattr(op, "_plans", launch.PlanCache())
+    launches = []
+    plan = types.SimpleNamespace(launch=lambda *args: launches.append(args))  # no kernel on the CPU
+    monkeypatch.setattr(op, planner, lambda *args, **kwargs: plan)
     buf = torch.full((v.numel() + q.numel(),), 7.0, dtype=q.dtype)
     k = buf[:v.numel()].view(v.shape)
     overlapping = buf[:q.numel()].view(q.shape)  # its first rows are k
@@ -93,6 +101,16 @@ def refuses_an_out_overlapping_k_or_v(call, q, v, names, launches):
         call(q, k, v, out=buf[v.numel():].view(q.shape))  # plans the signature
     call(q, k, v, out=q)
     assert len(launches) == 3
+
+
+def refuses_an_out_whose_elements_overlap(monkeypatch, call, shape, stride):
+    """`call(out=...)` with out as_strided over a poisoned buffer so that CTAs would store the same elements:
+    refused before anything is written, as zero strides are."""
+    monkeypatch.setattr(checks, "check_cuda", lambda name, t: None)  # CPU tensors stand in for CUDA ones
+    store = torch.full((10**5,), 7.0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out's elements overlap one another"):
+        call(out=store.as_strided(shape, stride))
+    assert bool((store == 7.0).all())
 
 
 def decode_sass(cfg, kernel, tmp_path) -> str:
