@@ -203,8 +203,7 @@ def _problem(entry: Any) -> str | None:
             return f"its {what} is missing"
     try:
         _, _, meta = jit.read_entry(entry)
-        v = meta["variant"]
-        key = Variant(v["op"], v["mode"], tuple(sorted(v["params"].items())), v["arch"]).key()
+        key = Variant.from_dict(meta["variant"]).key()
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"unreadable: {e}"
     if key != entry.key:

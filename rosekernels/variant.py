@@ -36,3 +36,8 @@ class Variant:
 
     def as_dict(self) -> dict[str, Any]:
         return {"op": self.op, "mode": self.mode, "arch": self.arch, "params": dict(self.params)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Variant":
+        """The variant `as_dict` wrote (a cache entry's or a tuned entry's metadata, a suite state)."""
+        return cls(d["op"], d["mode"], tuple(sorted(d["params"].items())), d["arch"])

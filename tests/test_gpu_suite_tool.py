@@ -17,6 +17,8 @@ import pytest
 
 from grid import sample
 
+from rosekernels.variant import Variant
+
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
@@ -507,14 +509,14 @@ def test_the_precache_sees_the_configs_tests_take_and_the_suite_records_what_the
     configs = qk_norm_plan.variants_for()
     (project / "tests" / "test_kernel.py").write_text(KERNEL_TESTS)
     seen = precache.param_variants(False, project)
-    assert sorted(precache._variant(d).key() for d in seen) == sorted(c.variant().key() for c in configs[:4])
+    assert sorted(Variant.from_dict(d).key() for d in seen) == sorted(c.variant().key() for c in configs[:4])
     out = tmp_path / "out"
     assert suite.main(["run", "--root", str(project), "--out", str(out), "--gpus", "1", "--commit", "c",
                        "--jobs", "2", "--min-start", "1", "--budget", "300", "--select", "gpu and not slow",
                        "--two-gpu-files", "tests/test_two.py"]) == 1  # red: test_fake's failures
     assert json.loads((out / "gpu_suite.json").read_text())["files"]["tests/test_kernel.py"]["passed"] == 5
     loaded = precache.state_variants(str(out / "gpu_suite_state.json.gz"))
-    assert [precache._variant(d).key() for d in loaded] == [configs[4].variant().key()]
+    assert [Variant.from_dict(d).key() for d in loaded] == [configs[4].variant().key()]
     compile_config, cfg = precache._job(loaded[0])
     assert cfg.variant() == configs[4].variant() and compile_config.__module__.endswith("qk_norm")
     renamed = {**loaded[0], "params": {**loaded[0]["params"], "a_field_of_an_older_commit": 1}}

@@ -42,10 +42,6 @@ import cubin_hashes  # noqa: E402
 import gpu_suite  # noqa: E402
 
 
-def _variant(d: dict):
-    from rosekernels.variant import Variant
-
-    return Variant(d["op"], d["mode"], tuple(sorted(d["params"].items())), d.get("arch", "sm_90a"))
 
 
 def _job(d: dict) -> tuple[object, object]:
@@ -54,10 +50,11 @@ def _job(d: dict) -> tuple[object, object]:
     builds (a state recorded at an older commit)."""
     from rosekernels.kernels import KERNELS, kernel_module
     from rosekernels.kernels import moe_peer
+    from rosekernels.variant import Variant
 
     if d["op"] in KERNELS:
         module = kernel_module(d["op"])
-        return module.compile, module.Config.from_variant(_variant(d))
+        return module.compile, module.Config.from_variant(Variant.from_dict(d))
     if d["op"].startswith("moe_") and d["mode"] == "decode":
         return moe_peer.compile, moe_peer.PeerConfig(op=d["op"][len("moe_"):], **d["params"])
     raise KeyError(f"no kernel builds op {d['op']!r}")
