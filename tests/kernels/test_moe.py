@@ -511,6 +511,10 @@ def test_prefill_ids_rewritten_mid_launch_never_index_past_the_experts():
     meta = torch.full((md.meta_layout(E)["size"],), -7, dtype=I32, device="cuda")
     ws = torch.zeros(md.WS_INTS, dtype=I32, device="cuda")
     ws[md.WS_SYNC] = -1
+    # CUDA loads modules lazily, and loading one may wait for the running kernels: the two kernels the
+    # other stream runs while the launch spins (int32 fill_ and add_) are loaded here, before it starts
+    ids.clone().fill_(-1)
+    ws.clone()[md.WS_SYNC:md.WS_SYNC + 1].add_(1)
     torch.cuda.synchronize()
     launch_stream, other = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(launch_stream):
