@@ -6,8 +6,10 @@ silently lose the gain it was shipped for."""
 import pytest
 
 import rosekernels.kernels
-from rosekernels import jit, tuned
+from rosekernels import jit, launch, paths, tuned
+from rosekernels.startup import warmup
 from rosekernels.variant import Variant
+from sip_tune import oplevel
 
 SHIPPED = sorted(p.parent for p in tuned.SHIPPED_ROOT.glob("*/*/*/*/meta.json"))
 
@@ -30,3 +32,47 @@ def test_each_shipped_entry_meets_the_bar_and_is_tuned_from_what_this_source_com
     compiled = module.compile(module.Config.from_variant(variant))
     assert tuned.sha256(compiled.cubin) == meta["original_sha256"], (
         f"{variant.key()} now compiles to another cubin: verify the entry again or remove it")
+
+
+def _op_case(meta: dict) -> oplevel.Case:
+    """The public op at the shape the entry was timed at through it."""
+    shape = dict(meta["checks"]["op_level"]["shape"])
+    if meta["kernel"] == "attention_varlen":
+        return oplevel.CASES["attention_varlen"](oplevel.VarlenShape(**{**shape, "lengths": tuple(shape["lengths"])}))
+    return oplevel.CASES[meta["kernel"]](rosekernels.kernels.kernel_module(meta["kernel"]).Shape(**shape))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("directory", SHIPPED, ids=lambda d: f"{d.parents[1].name}/{d.parent.name}")
+def test_after_warmup_the_op_launches_the_shipped_cubin_and_gives_the_original_bits(directory, tmp_path, monkeypatch):
+    """What a user gets: warmup loads the shipped entry with an empty store of their own, the public op at the
+    shape it was timed at launches the tuned cubin, and writes the bits the original writes (the entries are
+    stored as bitwise equal to it)."""
+    import torch
+
+    monkeypatch.setenv(paths.TUNED_STORE_ENV, str(tmp_path / "empty"))
+    meta = tuned._read_entry(directory).meta
+    assert meta["checks"]["compare"] == "bitwise"
+    variant = Variant.from_dict(meta["variant"])
+    module = rosekernels.kernels.kernel_module(variant.op)
+    case = _op_case(meta)
+    args = case.make_set(0, "cuda")
+    outs = []
+    try:
+        for shipped in (False, True):
+            jit.forget_loaded()
+            jit.uninstall_tuned_cubins()
+            launch.forget_plans()
+            report = warmup([lambda: module.compile(module.Config.from_variant(variant))], shipped=shipped)
+            assert [k.tuned for k in report.kernels] == [shipped]
+            args[-1].fill_(float("nan"))
+            case.call(args)
+            torch.cuda.synchronize()
+            assert [k.tuned for k in jit.loaded_variants() if k.variant == variant] == [shipped]
+            outs.append(args[-1].clone())
+    finally:
+        jit.forget_loaded()
+        jit.uninstall_tuned_cubins()
+        launch.forget_plans()
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
