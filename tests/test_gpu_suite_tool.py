@@ -2,6 +2,7 @@
 piece that finished, crashed or ran out of time, the report, and whole calls on a fake project whose
 tests pass, fail, skip, crash their process and outlive the deadline (the second call resumes)."""
 import importlib.util
+import gzip
 import io
 import json
 import math
@@ -96,7 +97,7 @@ def test_schedule_runs_jobs_side_by_side_the_alone_pieces_by_themselves_and_stop
     def finish(piece, process, killed):
         running.discard(piece.file)
         finished.append((piece.file, killed))
-        return ["again"] if piece.file == "f0.py" else []
+        return [suite.Piece("f0.py", ["again"], retried=True)] if piece.file == "f0.py" else []
 
     suite.schedule(pieces, 3, 25.0, launch, finish, min_start=5, clock=clock)
     # The alone piece by itself, then three at a time; f0's leftover test queued again as a piece of its
@@ -127,7 +128,7 @@ def test_a_piece_without_a_record_for_the_stall_limit_is_stopped_and_the_rest_ru
 
     def finish(piece, process, killed):
         stopped.append((piece.file, process.stalled, killed))
-        return ["moe.py::t2"] if process.stalled else []
+        return [suite.Piece("moe.py", ["moe.py::t2"], retried=True)] if process.stalled else []
 
     suite.schedule([hung, slow, alone], 2, 500.0, launch, finish, min_start=5, clock=clock, stall=30)
     assert ("moe.py", 30, False) in stopped and ("hf.py", None, False) in stopped
@@ -169,6 +170,45 @@ def test_merge_records_results_and_tells_a_crash_from_a_deadline():
     assert [state["results"][t]["outcome"] for t in piece.tests] == ["passed", "error", "error", "error"]
 
 
+def test_a_test_out_of_gpu_memory_beside_other_pieces_runs_again_alone_where_its_result_stands():
+    """The fourth session's suite on an 80 GB H100: the 30B MoE model's test ran out of memory beside five
+    other pieces, and passed alone."""
+    oom = {"event": "result", "nodeid": "hf.py::big", "outcome": "error", "duration": 1.0,
+           "message": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.16 GiB"}
+    records = [{"event": "start", "nodeid": "hf.py::big"}, oom, {"event": "start", "nodeid": "hf.py::t1"},
+               {"event": "result", "nodeid": "hf.py::t1", "outcome": "failed", "duration": 1.0, "message": "wrong"}]
+    state = {"results": {}}
+    beside = suite.Piece("hf.py", ["hf.py::big", "hf.py::t1", "hf.py::t2"])
+    assert suite.merge(state, beside, records, -11, killed=False) == ["hf.py::t2", "hf.py::big"]
+    assert list(state["results"]) == ["hf.py::t1"] and state["alone"] == ["hf.py::big"]  # the other failure stands
+    state = {"results": {}}
+    assert suite.merge(state, beside, records, 1, killed=False) == ["hf.py::big"]  # pytest ended: t2 an error
+    assert state["results"]["hf.py::t2"]["outcome"] == "error" and "hf.py::big" not in state["results"]
+    assert suite.merge(state, beside, records[:2], -9, killed=True) == ["hf.py::big"]  # pending for the next call
+    alone = suite.Piece("hf.py", ["hf.py::big"], True)
+    assert suite.merge(state, alone, records[:2], 1, killed=False) == []
+    assert state["results"]["hf.py::big"]["outcome"] == "error"  # alone, out of memory is its result
+
+
+def test_the_suite_runs_a_test_out_of_memory_again_alone_in_the_same_call(project, tmp_path):
+    (project / "tests" / "test_mem.py").write_text(textwrap.dedent(f"""\
+        import os, pytest
+
+        @pytest.mark.gpu
+        def test_big():
+            marker = {str(tmp_path / "ran")!r}
+            if not os.path.exists(marker):  # the first run: as if the pieces beside it held the memory
+                open(marker, "w").close()
+                raise RuntimeError("CUDA error: out of memory")
+        """))
+    out = tmp_path / "out"
+    assert _call(project, out, "--budget", "120") == 1  # red: test_fail
+    s = json.loads((out / "gpu_suite.json").read_text())
+    assert s["files"]["tests/test_mem.py"]["passed"] == 1 and s["total"]["pending"] == 0
+    with gzip.open(out / "gpu_suite_state.json.gz") as f:
+        assert json.load(f)["alone"] == ["tests/test_mem.py::test_big"]
+
+
 def test_a_piece_whose_process_crashes_before_finishing_a_test_is_retried_once_not_once_per_test(monkeypatch):
     """A module fixture that kills its process: the first crash leaves the rest to a retry; a retry
     that dies before finishing a test too makes the rest errors, instead of one start per test."""
@@ -185,7 +225,8 @@ def test_a_piece_whose_process_crashes_before_finishing_a_test_is_retried_once_n
         return FakeProcess(p, clock, 1)
 
     def finish(p, process, killed):  # every process dies in its first test
-        return suite.merge(state, p, [{"event": "start", "nodeid": p.tests[0]}], -11, killed)
+        rest = suite.merge(state, p, [{"event": "start", "nodeid": p.tests[0]}], -11, killed)
+        return [suite.Piece(p.file, rest, retried=True)] if rest else []
 
     suite.schedule([piece], 1, 100.0, launch, finish, min_start=1, clock=clock)
     assert [(len(p.tests), p.retried) for p in launched] == [(6, False), (5, True)]  # two starts, not six

@@ -20,7 +20,9 @@ if that one too dies before finishing a test (a crash in a module fixture), they
 that goes --test-timeout seconds (default 180) without a test starting or ending is stopped the same
 way, its test in flight an error: a hang must not hold its job, nor a piece waiting to run alone, for
 the rest of the call (the first call's MoE test did). Slow GPU tests (the hf models, the sanitizer) run
-in pieces of their own, bounded only by the deadline.
+in pieces of their own, bounded only by the deadline. A test that runs out of GPU memory beside other
+pieces runs again alone (an 80 GB card holds fewer of the hf models at once than a 141 GB one); alone,
+its result stands.
 
 State: .gpu_suite/state.json.gz in the tree (it stays while the host is warm), copied to --out as
 gpu_suite_state.json.gz: on a fresh host, carry that file back in and pass it as --resume.
@@ -72,6 +74,7 @@ TWO_GPU = ("tests/kernels/test_moe_multigpu.py",)
 # What the tests depend on: a state is resumed only at the same digest of these.
 SOURCES = ("pyproject.toml", "rosekernels", "sip", "sip_tune", "tests", "tools", "examples", "bench/*.py")
 OUTCOMES = ("passed", "failed", "skipped", "error", "xfailed", "xpassed")
+OUT_OF_MEMORY = ("out of memory", "outofmemoryerror")  # torch's and CUDA's words, lower case
 GRACE_S = 10.0  # after the deadline's SIGTERM, what a piece has to unwind (its tools' cleanup) before SIGKILL
 
 
@@ -157,12 +160,22 @@ def merge(state: dict, piece: Piece, records: list[dict], exit_code: int | None,
     starting any test (an import or collection error) makes all its tests errors. Killed at the
     deadline, the unfinished tests stay pending, but a test in flight at the deadline of two calls is
     an error (a hang, or longer than a call). `stalled`: the process was stopped after that many seconds
-    without a record (schedule's stall limit): the test in flight is an error, the rest run again."""
+    without a record (schedule's stall limit): the test in flight is an error, the rest run again.
+    A test of a piece not alone that failed for want of GPU memory is not recorded: it joins
+    state["alone"] and the tests returned (the caller runs it again alone), or stays pending."""
     results = state["results"]
     done = set()
+    oom = []
     for r in records:
         if r.get("event") == "result":
-            results[r["nodeid"]] = {"outcome": r["outcome"], "duration": r["duration"], "message": r["message"]}
+            if not piece.alone and r["outcome"] in ("failed", "error") and any(
+                    w in r["message"].lower() for w in OUT_OF_MEMORY):
+                oom.append(r["nodeid"])
+                alone = state.setdefault("alone", [])
+                if r["nodeid"] not in alone:
+                    alone.append(r["nodeid"])
+            else:
+                results[r["nodeid"]] = {"outcome": r["outcome"], "duration": r["duration"], "message": r["message"]}
             done.add(r["nodeid"])
         elif r.get("event") == "loaded":  # kernel variants the tests loaded: what gpu_precache.py compiles next
             state.setdefault("variants", {}).update(r["variants"])
@@ -174,12 +187,12 @@ def merge(state: dict, piece: Piece, records: list[dict], exit_code: int | None,
             if cut[t] >= 2:
                 results[t] = {"outcome": "error", "duration": 0.0,
                               "message": "still running when two calls reached their deadline"}
-        return []
+        return oom
     died = (f"its pytest process was stopped after {stalled:.0f} s without a result (--test-timeout: a hang, or a "
             f"test slower than that)" if stalled else f"its pytest process exited with code {exit_code}")
     for t in in_flight:
         results[t] = {"outcome": "error", "duration": 0.0, "message": f"{died} during this test"}
-    rest = [t for t in piece.tests if t not in results]
+    rest = [t for t in piece.tests if t not in results and t not in oom]
     # pytest's own ends (0 passed, 1 failed, 5 none collected) and a death before any test leave the
     # rest never to run (not collected, an import error): errors, not tests to try again.
     if exit_code in (0, 1, 5) or not any(r.get("event") == "start" for r in records):
@@ -187,10 +200,10 @@ def merge(state: dict, piece: Piece, records: list[dict], exit_code: int | None,
     elif piece.retried and not done:
         why = "before finishing a test, as the process before it did, without running this test"
     else:
-        return rest
+        return rest + oom
     for t in rest:
         results[t] = {"outcome": "error", "duration": 0.0, "message": f"{died} {why}: {output_tail[-1500:]}"}
-    return []
+    return oom
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,7 +303,7 @@ def schedule(pieces: list[Piece], jobs: int, deadline: float, launch: Callable[[
     that goes `stall` seconds without a record is stopped and finished as a crash (handle.stalled says
     so): one hung test must not hold its job, and a piece waiting to run alone, until the deadline.
     launch(piece) returns a handle with poll(), idle(), terminate() and reap(); finish(piece, handle,
-    killed) records the piece and returns tests to run again (queued as a new piece of their file)."""
+    killed) records the piece and returns the pieces to run again (queued at the end)."""
     queue, running = list(pieces), []
     while queue or running:
         if clock() >= deadline:
@@ -309,9 +322,7 @@ def schedule(pieces: list[Piece], jobs: int, deadline: float, launch: Callable[[
                 handle.terminate()
                 handle.reap()
             running.remove(item)
-            rest = finish(piece, handle, False)
-            if rest:
-                queue.append(Piece(piece.file, rest, piece.alone, retried=True))
+            queue += finish(piece, handle, False)
         while queue and len(running) < jobs and deadline - clock() >= min_start:
             if running and (queue[0].alone or running[0][0].alone):
                 break
@@ -546,6 +557,7 @@ def run(args) -> int:
     state["calls"].append(call)
     before = len(state["results"])
     serial = [0]
+    slow = frozenset(state["plan"]["slow_gpu_tests"])
 
     def launch(piece: Piece) -> Process:
         serial[0] += 1
@@ -559,23 +571,27 @@ def run(args) -> int:
                 "--tb=short", piece.file]
         return Process(argv, root, env, logs / f"{tag}.txt", logs / f"{tag}.jsonl")
 
-    def finish(piece: Piece, process: Process, killed: bool) -> list[str]:
+    def finish(piece: Piece, process: Process, killed: bool) -> list[Piece]:
         tail = process.output.read_text(errors="replace")[-4000:] if process.output.exists() else ""
         rest = merge(state, piece, read_log(process.log), process.poll(), killed, tail, process.stalled)
         call["finished"] = len(state["results"]) - before
         call["wall_s"] = round(time.time() - t0, 1)
         save_state(state, here / STATE_FILE, out / "gpu_suite_state.json.gz")
         write_report(state, out)
-        return rest
+        alone = state.get("alone", ())
+        again = [t for t in rest if t not in alone]
+        return ([Piece(piece.file, again, piece.alone, retried=True)] if again else []) + [
+            Piece(file_of(t), [t], True, slow=t in slow) for t in rest if t in alone]
 
     # A test a deadline cut short goes first, in a piece of its own: this call's whole budget is its.
     todo = pending(state)
     for prefix in args.first:
         if not any(file_of(t).startswith(prefix) for t in todo):
             print(f"gpu_suite: --first {prefix}: no pending test of such a file", file=sys.stderr)
-    cut = [t for t in todo if t in state.get("cut", {})]
-    slow = frozenset(state["plan"]["slow_gpu_tests"])
-    pieces = [Piece(file_of(t), [t], file_of(t).startswith(ALONE), slow=t in slow) for t in cut]
+    # and so does one that ran out of GPU memory beside others (alone now)
+    cut = [t for t in todo if t in state.get("cut", {}) or t in state.get("alone", ())]
+    pieces = [Piece(file_of(t), [t], file_of(t).startswith(ALONE) or t in state.get("alone", ()), slow=t in slow)
+              for t in cut]
     pieces += plan_pieces([t for t in todo if t not in cut], args.piece,
                           single=slow, first=tuple(args.first))
     schedule(pieces, args.jobs, deadline, launch, finish, args.min_start, stall=args.test_timeout)
