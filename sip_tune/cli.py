@@ -13,7 +13,8 @@ bitwise equal (or within the kernel's own float64 tolerance) on >= 10^4 fresh sa
 shape (configs: at their bucket's edges too), compute-sanitizer clean, and a gain past the A/A
 spread through the public op, re-timed in a fresh process over inputs rotated past L2. Entries made
 with weaker checks (--samples below 10^4, --rtol, --no-sanitize) are stored but not loaded unless the
-user opts in (warmup(allow_unverified=True) or SIP_ALLOW_UNVERIFIED=1); `--list` says why.
+user opts in (warmup(allow_unverified=True) or SIP_ALLOW_UNVERIFIED=1); `--list` says why, and lists the
+entries shipped with rosekernels as well.
 
 Exit codes: 0 done (whether or not anything faster was stored), 1 the tuning failed (a kernel the
 engine cannot read, a worker that cannot start; --model: any of its shapes, or a model with nothing to
@@ -136,8 +137,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON (with both levels: "
                    "{\"config\": ..., \"sass\": ...}; with --plan, the plan)")
     p.add_argument("--list", action="store_true",
-                   help="list the tuned store's entries (configs and cubins) and exit, each entry below the "
-                   "default bar with the reason")
+                   help="list the tuned store's entries (configs and cubins), then those shipped with rosekernels, "
+                   "and exit, each entry below the default bar with the reason")
     return p
 
 
@@ -177,6 +178,19 @@ def _list_store(store_root: str | None) -> int:
     print(f"tuned store {folder}: {kinds.count('config')} tuned configs, {kinds.count('cubin')} tuned cubins"
           + ("" if rows else " (nothing tuned there yet)")
           + (f", {below} below the default bar (not loaded unless {tuned.ALLOW_ENV}=1)" if below else ""))
+    _print_rows(rows)
+    shipped = tuned.list_entries(tuned.SHIPPED_ROOT) if tuned.SHIPPED_ROOT.is_dir() and \
+        tuned.SHIPPED_ROOT.resolve() != folder.resolve() else []
+    if shipped:
+        toolchains = sorted({r.get("toolchain", "?") for r in shipped})
+        print(f"shipped with rosekernels ({tuned.SHIPPED_ROOT}): {len(shipped)} tuned cubins, which warmup loads beside "
+              f"the store (warmup(shipped=False): not) where this install compiles their originals "
+              f"(made with {', '.join(toolchains)})")
+        _print_rows(shipped)
+    return 0
+
+
+def _print_rows(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         if not r["valid"]:
             print(f"  {r['kernel']:<15} BROKEN: {r['error']}  ({r['path']})")
@@ -197,7 +211,6 @@ def _list_store(store_root: str | None) -> int:
               f"{samples!s:>8} samples  {r.get('gpu', '?')}  {r.get('date', '?')}  {what}")
         if r["problems"]:
             print(f"    below the bar: {'; '.join(r['problems'])}")
-    return 0
 
 
 def _writable_file(option: str, path: str) -> str | None:

@@ -153,6 +153,21 @@ def test_list_shows_an_entry_with_malformed_fields_below_the_bar(capsys, tmp_pat
     assert "nanx" in out and "below the bar: malformed samples record all of them" in out
 
 
+def test_list_shows_the_entries_shipped_with_the_package_after_the_store(capsys, tmp_path, monkeypatch):
+    code, out, _ = run(capsys, "--list", "--store-root", str(tmp_path))
+    shipped = sorted(tuned.SHIPPED_ROOT.glob("*/*/*/*/meta.json"))
+    lines = out.splitlines()
+    assert code == 0 and "0 tuned cubins" in lines[0]
+    assert f"shipped with rosekernels ({tuned.SHIPPED_ROOT}): {len(shipped)} tuned cubins" in lines[1]
+    assert sorted(line.split()[-1] for line in lines[2:]) == sorted(p.parent.parent.name for p in shipped)
+    assert "below the bar" not in out and "BROKEN" not in out
+    code, out, _ = run(capsys, "--list", "--store-root", str(tuned.SHIPPED_ROOT))  # the shipped root itself: once
+    assert code == 0 and "shipped with" not in out and f"{len(shipped)} tuned cubins" in out
+    monkeypatch.setattr(tuned, "SHIPPED_ROOT", tmp_path / "none")
+    code, out, _ = run(capsys, "--list", "--store-root", str(tmp_path))
+    assert code == 0 and "shipped with" not in out
+
+
 def test_list_of_a_folder_that_does_not_exist_or_of_a_file_says_so(capsys, tmp_path):
     code, _, err = run(capsys, "--list", "--store-root", str(tmp_path / "typo"))
     assert code == 2 and f"--store-root {tmp_path / 'typo'} does not exist" in err
