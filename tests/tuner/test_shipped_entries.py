@@ -58,11 +58,15 @@ def test_after_warmup_the_op_launches_the_shipped_cubin_and_gives_the_original_b
     case = _op_case(meta)
     args = case.make_set(0, "cuda")
     outs = []
+
+    def forget() -> None:  # nothing loaded, installed or planned: each arm starts as a fresh process would
+        jit.forget_loaded()
+        jit.uninstall_tuned_cubins()
+        launch.forget_plans()
+
     try:
         for shipped in (False, True):
-            jit.forget_loaded()
-            jit.uninstall_tuned_cubins()
-            launch.forget_plans()
+            forget()
             report = warmup([lambda: module.compile(module.Config.from_variant(variant))], shipped=shipped)
             assert [k.tuned for k in report.kernels] == [shipped]
             args[-1].fill_(float("nan"))
@@ -71,8 +75,6 @@ def test_after_warmup_the_op_launches_the_shipped_cubin_and_gives_the_original_b
             assert [k.tuned for k in jit.loaded_variants() if k.variant == variant] == [shipped]
             outs.append(args[-1].clone())
     finally:
-        jit.forget_loaded()
-        jit.uninstall_tuned_cubins()
-        launch.forget_plans()
+        forget()
     assert not outs[0].isnan().any()
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
