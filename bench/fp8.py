@@ -11,9 +11,9 @@ against our bf16 kernels and torch's FP8 GEMM; fp8.json + fp8.md (+ the chart), 
   bandwidth as a share of the device copy bandwidth measured in the same run. The error of each of our
   schemes against the float64 product of its dequantized operands, in units of the bf16 output's own
   rounding error (gemm_fp8.check_out's ratio: the issue's bar is 2).
-- prefill GEMMs (M = 4096, 8192): TFLOP/s, methods timed interleaved with CUDA events (timing.interleaved_time_us).
+- prefill GEMMs (M = 4096, 8192): TFLOP/s, each method's CUDA graph of 5 calls replayed interleaved.
 - quantize_fp8 and rmsnorm's fused fp8 output (with the residual add): bytes moved against the copy
-  bandwidth, rows of 4096 and of the MLP widths, per row and per 1 x 128 group.
+  bandwidth, rows of 4096 and of the MLP widths, per row and per 1 x 128 group, in CUDA graphs.
 - decode attention over a KV cache, bf16 against e4m3 (attention_with_kvcache), B = 16, contexts 8k to 32k,
   Qwen3-8B's heads, in CUDA graphs.
 - end to end (not with --no-e2e): Qwen3-8B's geometry (rosekernels.hf.random_model, --layers layers), decode at
@@ -121,8 +121,8 @@ def verdicts(data: dict) -> list[dict]:
 def markdown(data: dict) -> str:
     env = data["env"]
     lines = [f"# FP8 on {env.get('gpu', '?')}", "",
-             f"Device copy bandwidth (read + write) {fmt(data['copy_gbps'], 0)} GB/s. Times in us per call (decode: "
-             "CUDA graphs; prefill: events), each method's weights rotated past the L2. Ratios are time(peer) / "
+             f"Device copy bandwidth (read + write) {fmt(data['copy_gbps'], 0)} GB/s. Times in us per call (device time: "
+             "CUDA graphs replayed interleaved), each method's weights rotated past the L2. Ratios are time(peer) / "
              "time(ours). Error: our output's distance to the float64 product of the dequantized operands over "
              "the bf16 rounding's (<= 2 is the bar).", "", "## Verdicts", "", "| target | worst | |", "|---|---|---|"]
     lines += [f"| {v['target']} | {fmt(v['worst'], 3)} | "
@@ -253,12 +253,12 @@ def bench_gemms(ms, models, peers, errors, decode: bool) -> list[dict]:
                 print(what, flush=True)
                 try:
                     steps, weight_bytes, err = _gemm_methods(m, n, k, gated, peers)
-                    if decode:
-                        failed = {}
-                        us = timing.interleaved_graph_time_us(steps, calls=100, rounds=10, errors=failed)
-                        errors += [f"{what} {name}: {e}" for name, e in failed.items()]
-                    else:
-                        us = timing.interleaved_time_us(steps, calls_per_round=10, rounds=7)
+                    # Graphs for prefill too: launched eagerly, the host's cost per call (tens of us) would
+                    # time the shorter prefill GEMMs instead of their device work.
+                    failed = {}
+                    us = timing.interleaved_graph_time_us(steps, calls=100 if decode else 5,
+                                                          rounds=10 if decode else 7, errors=failed)
+                    errors += [f"{what} {name}: {e}" for name, e in failed.items()]
                 except Exception as e:  # noqa: BLE001 - one shape failing does not end the run
                     errors.append(f"{what}: {type(e).__name__}: {e}")
                     continue
@@ -285,7 +285,9 @@ def bench_quantize(copy_gbps: float, quick: bool) -> list[dict]:
                          xs[i % len(xs)], w, residual=xs[(i + 1) % len(xs)], fp8=True, group_size=g_)}
             moved = {"quantize_fp8": rows_ * hidden * 3 + scale_bytes,  # bf16 in, e4m3 out
                      "rmsnorm+residual+fp8": rows_ * hidden * 7 + scale_bytes + hidden * 2}  # x, r in; h, q out
-            us = timing.interleaved_time_us(steps, calls_per_round=20, rounds=7)
+            # In graphs: eagerly, a call of 4096 rows (about 17 us of device work) timed the host's
+            # launch cost instead (44 us, slower than 8192 rows on the H100, 2026-12-05).
+            us = timing.interleaved_graph_time_us(steps, calls=10, rounds=7)
             rows += [{"op": op, "rows": rows_, "hidden": hidden, "group": group, "us": t,
                       "pct_copy": 100 * moved[op] / (t * 1e3) / copy_gbps} for op, t in us.items()]
     return rows

@@ -16,7 +16,7 @@ that fails the check or cannot run is reported with the reason, not timed):
   torch, moe_combine);
 - stock: transformers' grouped_mm experts forward (its default for these models; sort, histc,
   torch._grouped_mm x2, index_add);
-- quack: torch routing (sort, bincount) then quack's varlen GEMM with gathered rows (cu_seqlens_m +
+- quack: sync-free torch routing (sort, scatter_add; sorted_routing) then quack's varlen GEMM with gathered rows (cu_seqlens_m +
   A_idx) for gate-up, SiLU-and-mul in torch, quack's varlen GEMM for down, moe_combine; where quack's
   API runs on SM90;
 - cublas loop: the floor: each expert with rows as two dense cuBLAS GEMMs (F.linear) over its rows,
@@ -249,25 +249,31 @@ def stock_arm(sets, weights, g: Geometry) -> Callable[[int], Any]:
     return step
 
 
+def sorted_routing(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cu_seqlens [E + 1] int32, token of each expert-sorted pair int32, slot of each (token, choice) pair in
+    that order int32, -1 where unrouted) from ids [T, k], with no host synchronization: the counts come from
+    scatter_add_, not torch.bincount, which reads the largest id back to the host (a CUDA graph refuses it)."""
+    flat = ids.reshape(-1).long()
+    e = torch.where(flat >= 0, flat, experts)  # unrouted pairs sort last, outside every group
+    order = torch.argsort(e, stable=True)
+    counts = torch.zeros(experts + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, e, torch.ones_like(e))
+    cu = torch.cat([counts.new_zeros(1), counts[:experts].cumsum(0)]).to(torch.int32)
+    slot = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=ids.device))
+    slot = torch.where(flat >= 0, slot, -1).view(ids.shape).to(torch.int32)
+    return cu, (order // ids.shape[1]).to(torch.int32), slot
+
+
 def quack_arm(sets, weights) -> Callable[[int], Any]:
-    """quack's varlen GEMM over rows gathered by index (sync-free torch routing), then moe_combine."""
+    """quack's varlen GEMM over rows gathered by index (sorted_routing), then moe_combine."""
     from quack.gemm_interface import gemm  # ImportError: not in reach
 
     import rosekernels
 
     def step(i):
         s, (wgu, wd) = sets[i % len(sets)], weights[i % len(weights)]
-        ids = s["ids_rk"].reshape(-1).long()
-        e = torch.where(ids >= 0, ids, wgu.shape[0])  # unrouted pairs sort last, outside every group
-        order = torch.argsort(e, stable=True)
-        counts = torch.bincount(e, minlength=wgu.shape[0] + 1)[:wgu.shape[0]]
-        cu = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
-        a_idx = (order // s["ids_rk"].shape[1]).to(torch.int32)  # each sorted pair's token
+        cu, a_idx, slot = sorted_routing(s["ids_rk"], wgu.shape[0])
         h = _silu_mul(gemm(s["x"], wgu.transpose(-2, -1), cu_seqlens_m=cu, A_idx=a_idx))
-        y = gemm(h, wd.transpose(-2, -1), cu_seqlens_m=cu)
-        slot = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        slot = torch.where(ids >= 0, slot, -1).view(s["ids_rk"].shape).to(torch.int32)
-        return rosekernels.moe_combine(y, s["w"], slot, out=s["out"])
+        return rosekernels.moe_combine(gemm(h, wd.transpose(-2, -1), cu_seqlens_m=cu), s["w"], slot, out=s["out"])
     return step
 
 

@@ -125,6 +125,24 @@ def test_reference_and_check():
         bench.check((ref * 1.2).to(x.dtype), ref)
 
 
+def test_quacks_routing_groups_every_routed_pair_once_under_its_expert():
+    gen = torch.Generator().manual_seed(5)
+    experts, k = 6, 3
+    ids = torch.randint(0, experts, (40, k), generator=gen)
+    ids[torch.rand(40, k, generator=gen) < 0.2] = -1  # not routed
+    ids[7] = -1  # a token with no expert; expert 5 below gets none
+    ids[ids == 5] = 4
+    cu, token, slot = bench.sorted_routing(ids, experts)
+    assert cu.dtype == token.dtype == slot.dtype == torch.int32
+    counts = [int((ids == e).sum()) for e in range(experts)]
+    assert torch.equal(cu, torch.tensor([0] + counts).cumsum(0).to(torch.int32)) and counts[5] == 0
+    for t, choice in zip(*torch.nonzero(ids >= 0, as_tuple=True)):
+        s, e = int(slot[t, choice]), int(ids[t, choice])
+        assert cu[e] <= s < cu[e + 1] and int(token[s]) == t  # in its expert's group, gathering its token
+    routed = slot[ids >= 0]
+    assert routed.unique().numel() == routed.numel() == int(cu[-1]) and bool((slot[ids < 0] == -1).all())
+
+
 @pytest.mark.parametrize("argv, message", [(["--geometries", "qwen9"], "unknown geometries"),
                                            (["--tokens", "1,x"], "integers"), (["--tokens", "0"], "at least 1")])
 def test_bad_arguments_exit_2_before_any_work(argv, message):
