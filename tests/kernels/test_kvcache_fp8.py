@@ -4,10 +4,12 @@ that makes them (CPU), argument errors before any launch (CPU), the append's bit
 append byte for byte, attention against the float64 reference on the dequantized cache (GPU)."""
 import dataclasses
 import math
+import os
 import re
 
 import pytest
 import torch
+import lying_tables
 from attention_reference import check_kvcache, decode_sass, paged_cache, sync
 
 import rosekernels
@@ -272,3 +274,14 @@ def test_append_refuses_host_descales_on_a_planned_signature():
         rosekernels.append_kvcache(k_cache, v_cache, 2 * k, 2 * k, lengths, None, descale.cpu(), descale.cpu())
     torch.cuda.synchronize()
     assert all(torch.equal(c.view(torch.uint8), w) for c, w in zip((k_cache, v_cache), written))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+def test_lying_tables_and_lengths_on_e4m3_caches_touch_only_the_cache(paged):
+    """tests/support/lying_tables.py's lies on e4m3 caches with per-head descales, between canary pages of the
+    same allocation: attention reads each sequence's valid keys dequantized and never the NaN canaries, and
+    writes no cache; append quantizes into the cache as its reference does and leaves every canary byte."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    lying_tables.attention_lies(paged, 128, BF16, seed=seed, canaries=2, fp8=True)
+    lying_tables.append_lies(paged, seed=seed + 1, canaries=2, fp8=True)
