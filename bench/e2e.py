@@ -20,7 +20,11 @@ arm's at B = 16 in graphs: "vs grouped_mm" in the decode table).
   graphs replayed interleaved (timing.interleaved_graph_time_us). Caches are filled with random keys and
   values instead of a prefill (the timing does not depend on them). With a static cache the attention
   mask covers the whole cache, so the rosekernels arm's decode attention falls back to sdpa there (the
-  kernels take no per-sequence key length): "stats" in the JSON counts it.
+  kernels take no per-sequence key length): "stats" in the JSON counts it. The graph rows add "stock
+  compiled", stock's fastest decode configuration: a static cache and torch.compile (Inductor's default
+  mode, compiled once in the warm-up; the step is then captured in the same CUDA graph as every arm, which
+  is what mode="reduce-overhead" would add); for the MoE model it compiles the batched_mm arm, the one
+  generate() decodes with.
 - per-op device time of one eager decode step (B = 16) per arm (torch.profiler), kernels grouped by op.
 --quick: 2 layers, prefill S = 2048 only, decode B = 16 only, fewer rounds.
 """
@@ -98,6 +102,14 @@ def bench_decode_eager(arms, batch, rounds, vocab):
     return timing.interleaved_time_us(steps, calls_per_round=DECODE_CALLS, rounds=rounds, warmup=2)
 
 
+def compiled(model):
+    """A copy of `model` whose forward is torch.compile'd (static shapes: one compile for a static cache's
+    decode step, checked on the CPU to take no recompile as the cache fills)."""
+    out = copy.deepcopy(model)
+    out.forward = torch.compile(out.forward, dynamic=False)
+    return out
+
+
 def bench_decode_graph(arms, batch, rounds, vocab, errors):
     # Every step advances the static cache: warm-up steps, then (3 warm + `rounds`) replays of DECODE_CALLS.
     headroom = 8 + (3 + rounds) * DECODE_CALLS
@@ -159,6 +171,8 @@ def bench_model(name, args, errors, log):
         moe = copy.deepcopy(stock)
         hf.warmup(moe, experts="moe_experts")
         arms["rosekernels moe_experts"] = hf.apply(moe, experts="moe_experts")
+    # graph decode only: with a DynamicCache every step's shapes change, which torch.compile recompiles for
+    graph_arms = {**arms, "stock compiled": compiled(arms.get("stock batched_mm", stock))}
     vocab = stock.config.vocab_size
     hf.reset_stats()
     result = {"layers": args.layers, "build_s": time.time() - t0, "warmup_s": warm.seconds,
@@ -173,7 +187,7 @@ def bench_model(name, args, errors, log):
             torch.cuda.empty_cache()
         for batch in args.decode:
             for mode, fn in (("eager", lambda: bench_decode_eager(arms, batch, args.rounds, vocab)),
-                             ("graph", lambda: bench_decode_graph(arms, batch, args.rounds, vocab, errors))):
+                             ("graph", lambda: bench_decode_graph(graph_arms, batch, args.rounds, vocab, errors))):
                 us = report.measure(f"{name} decode {mode} B{batch}", fn, errors)
                 if us:
                     result["decode"].append(decode_row(mode, batch, us))
@@ -193,7 +207,7 @@ def markdown(env, args, results, errors):
     out = ["# End to end: stock transformers vs rosekernels.hf.apply", "",
            f"{env['gpu']}, torch {env['torch']}, transformers {env['transformers']}, {env['toolchain']}; "
            f"random weights, bf16, {args.layers} decoder layers{' (--quick)' if args.quick else ''}. "
-           "Speedup: rosekernels tokens/s over the faster stock arm.", ""]
+           "Speedup: rosekernels tokens/s over the fastest stock arm (graph rows: stock compiled among them).", ""]
     for name, r in results.items():
         out += [f"## {name}", "", f"warm-up: {r['warmup']}", "", "### Prefill (tokens/s, no cache)", "",
                 "| B | S | stock | rosekernels | speedup | min cos (last logits) |", "|---|---|---|---|---|---|"]
