@@ -171,7 +171,7 @@ def bench_model(name, args, errors, log):
         moe = copy.deepcopy(stock)
         hf.warmup(moe, experts="moe_experts")
         arms["rosekernels moe_experts"] = hf.apply(moe, experts="moe_experts")
-    # graph decode only: with a DynamicCache every step's shapes change, which torch.compile recompiles for
+    # graph decode only: with a DynamicCache every step's shapes change, and torch.compile would recompile
     graph_arms = {**arms, "stock compiled": compiled(arms.get("stock batched_mm", stock))}
     vocab = stock.config.vocab_size
     hf.reset_stats()
