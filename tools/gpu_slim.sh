@@ -2,8 +2,8 @@
 # The first call to a fresh GPU host carries the CuTeDSL bundles (.gpu, .whl: about 62 MiB) beside the working
 # tree, under the runner's 64 MiB. `on` leaves out of the tree what such a call does not read (the tests, the
 # results, the docs, the shipped tuned entries, the patches under wip/: the tuner's own measurements run without
-# them), by untracking them in the index and ignoring them in .git/info/exclude; `off` puts them back. Nothing is committed
-# in between: `on` refuses a tree with staged changes, and a commit made while on would drop those paths.
+# them), by untracking them in the index and ignoring them in .git/info/exclude; `off` puts them back. Nothing
+# is committed in between: `on` refuses a tree with staged changes, and a commit made while on would drop those paths.
 #   tools/gpu_slim.sh on     # then the call, carry [".gpu", ".whl", "bench/results/sip/sass_latency.json.gz"]
 #   tools/gpu_slim.sh off    # before any commit; later calls (the host warm) carry the whole tree
 set -euo pipefail
