@@ -96,8 +96,9 @@ def append_lies(paged: bool, seed: int, dtype: torch.dtype = torch.bfloat16, can
     g = torch.Generator().manual_seed(seed)
     batch, hkv, d = len(LENGTHS), 2, 64
     rows = (NUM_BLOCKS, BLOCK_SIZE) if paged else (batch, CAPACITY)
-    k_store, k_cache = cache_storage((*rows, hkv, d), E4M3 if fp8 else dtype, canaries, None, g)
-    v_store, v_cache = cache_storage((*rows, hkv, d), E4M3 if fp8 else dtype, canaries, None, g)
+    cache_dtype = E4M3 if fp8 else dtype
+    k_store, k_cache = cache_storage((*rows, hkv, d), cache_dtype, canaries, None, g)
+    v_store, v_cache = cache_storage((*rows, hkv, d), cache_dtype, canaries, None, g)
     scales = descales(g, hkv) if fp8 else ()
     table = lying_table(g, batch).cuda() if paged else None
     k, v = (torch.randn(batch, 3, hkv, d, generator=g).to(dtype).cuda() for _ in "kv")
