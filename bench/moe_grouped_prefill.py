@@ -32,7 +32,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import moe_experts  # noqa: E402  (bench/moe_experts.py: the MoE geometries)
 import report  # noqa: E402  (bench/report.py: environment and result files)
 import timing  # noqa: E402
 from report import fmt  # noqa: E402
@@ -40,8 +39,9 @@ from rosekernels.kernels import gemm_leakyrelu as dense_kernel, gemm_leakyrelu_p
 from rosekernels.kernels import grouped_gemm as grouped_kernel, grouped_gemm_plan as grouped_plan  # noqa: E402
 
 # (hidden H, MoE intermediate I, experts E, top-k) of bench/moe_experts.py's geometries that hold all their
-# experts (an expert-parallel rank gets a share of the rows the routing decides)
-GEOMETRIES = {name: (g.hidden, g.inter, g.experts, g.topk) for name, g in moe_experts.GEOMETRIES.items() if not g.local}
+# experts (a benchmark script imports no other: tests/test_layers.py)
+GEOMETRIES = {"mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-235b-a22b": (4096, 1536, 128, 8),
+              "qwen3-30b-a3b": (2048, 768, 128, 8)}
 TOKENS = 16384
 
 
