@@ -13,6 +13,8 @@ same N = 2I and K = H, one weight matrix) in three walks:
 - "dense 1x1, expert bands": no multicast, bands of one expert's row tiles: the grouped kernel's walk (an expert's
   row tiles fastest, then its weight tiles), less its per-expert weights; only where an expert has other than
   8 row tiles (Mixtral: 32), since "dense 1x1" walks bands of 8.
+"grouped 2x1": the grouped kernel on 2x1 clusters (`cluster_m` 2: two row tiles of an expert share the multicast
+weight tile), the dense heuristic's multicast brought to the grouped walk.
 The grouped kernel's and the dense kernel's mainloops are the same code (`sip loops` on the two cubins: 73 and 70
 instructions, 219 and 203 stall cycles per k-tile), so the gap is in what they read, not in what they issue. Where
 "grouped" lands says what holds it back: beside "dense 1x1", the missing multicast; beside "dense 1x1, expert
@@ -53,7 +55,9 @@ def arms(geometry: str, tokens: int) -> dict[str, tuple]:
     dshape = dense_plan.GemmShape(rows, 2 * inter, hidden, activation="silu", gated=True)
     dense = dense_plan.config_for(dshape)
     one = dataclasses.replace(dense, cluster_m=1, cluster_n=1)
-    found = {"grouped": (grouped_kernel, grouped_plan.config_for(gshape), gshape),
+    grouped = grouped_plan.config_for(gshape)
+    found = {"grouped": (grouped_kernel, grouped, gshape),
+             "grouped 2x1": (grouped_kernel, dataclasses.replace(grouped, cluster_m=2), gshape),
              "dense": (dense_kernel, dense, dshape),
              "dense 1x1": (dense_kernel, one, dshape)}
     expert_tiles = -(-(rows // experts) // one.tile_m)  # an expert's row tiles, on average

@@ -13,6 +13,7 @@ def test_the_dense_arms_differ_from_the_heuristic_only_in_the_cluster_and_the_wa
         dense, one = found["dense"][1], found["dense 1x1"][1]
         assert (dense.cluster_m, dense.cluster_n) == (2, 1) and (one.cluster_m, one.cluster_n) == (1, 1)
         grouped = found["grouped"][1]
+        assert found["grouped 2x1"][1] == grouped.__class__(**{**grouped.__dict__, "cluster_m": 2})
         assert (grouped.tile_m, grouped.tile_n, grouped.pingpong) == (dense.tile_m, dense.tile_n, dense.pingpong)
         rows = found["dense"][2].m
         assert rows == found["grouped"][2].rows == 16384 * bench.GEOMETRIES[geometry][3]

@@ -401,7 +401,8 @@ class _GemmLeakyReluSm90(GroupedTiles, Fp8Tiles):
             cute.arch.setmaxregister_decrease(self.regs_load)
             if const_expr(self.grouped):
                 self._produce_grouped(ab_pipeline, groups, units, first_unit, unit_stride, k_tiles, tma_atom_a, mA,
-                                      sA_load, tma_atom_b, mB, sB, mIndex, tidx, warp_idx)
+                                      sA_load, tma_atom_b, mB, sB, mIndex, tidx, warp_idx, cluster_coord[0],
+                                      b_mcast_mask)
             elif warp_idx == self.load_warp:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
                 unit = first_unit
@@ -488,7 +489,7 @@ class _GemmLeakyReluSm90(GroupedTiles, Fp8Tiles):
             while unit < units:
                 if const_expr(self.grouped):
                     expert, first, count, tile_m, tile_n, scales = self._grouped_unit(unit, expert, groups, mRowScale,
-                                                                                      tCcD)
+                                                                                      tCcD, cluster_coord[0])
                     split, k_begin, k_count = 0, 0, k_tiles
                 else:
                     tile_m, tile_n, split, k_begin, k_count = self._work_unit(

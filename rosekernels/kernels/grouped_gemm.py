@@ -86,8 +86,11 @@ class _GroupedGemmSm90(GemmSm90):
         # The weights are the kernel's A when swapped (the MMA's M side), else its B.
         w_smem, x_smem = (a_load_smem, b_smem) if const_expr(self.swap) else (b_smem, a_load_smem)
         w_one, x_one = cute.slice_(w_smem, (None, None, 0)), cute.slice_(x_smem, (None, None, 0))
-        tma_atom_w, tma_w = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), weights, w_one, (cfg.weight_tile, TILE_K))
+        # On a 2x1 cluster (plain tiles) each CTA loads half of the weight tile into both.
+        w_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(cfg.cluster_m > 1) else \
+            cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_w, tma_w = cpasync.make_tiled_tma_atom(w_op, weights, w_one, (cfg.weight_tile, TILE_K),
+                                                        num_multicast=cfg.cluster_m)
         tx_bytes = cute.size_in_bytes(self.ab_dtype, w_one)
         tma_atom_x, tma_x = None, mX  # gather: cp.async from mX itself
         if const_expr(not cfg.gather):
@@ -120,9 +123,9 @@ class _GroupedGemmSm90(GemmSm90):
             tiled_mma, tiled_mma_out, *atoms, None, mD, bias, None, None, one, one, one, one,
             a_smem, a_load_smem, b_smem, d_smem, tx_bytes, mOffsets, mIndex, mRowScale, max_units, None, None,
         ).launch(
-            grid=(1, 1, cutlass.min(max_units, max_ctas)),
+            grid=(cfg.cluster_m, 1, cutlass.min(max_units, max_ctas // cfg.cluster_m)),
             block=(self.threads, 1, 1),
-            cluster=(1, 1, 1),
+            cluster=(cfg.cluster_m, 1, 1),
             min_blocks_per_mp=1,
             stream=stream,
             use_pdl=cfg.pdl,

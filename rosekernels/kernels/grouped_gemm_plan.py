@@ -10,10 +10,14 @@ of gemm_leakyrelu with its `grouped` option (one device body; see grouped_gemm.p
   (tile_m = 64 or 128 weight rows) and an expert's rows its N side (tile_n = 8 .. 128 of them); the
   work units are (expert, row tile, weight tile) over the experts that have rows only;
 - prefill (plain tiles): tile_m = 128 rows of an expert x tile_n weight rows, the dense kernel's
-  three prefill tiles, without clusters (two CTAs of a cluster would have to work on one expert).
+  three prefill tiles, on one CTA or (`cluster_m` 2, rows by TMA) a 2x1 cluster: its two CTAs take two
+  adjacent row tiles of one expert and the weight tile is multicast to both, halving the weights' reads
+  from L2 as the dense kernel's clusters do (an expert with an odd count of row tiles leaves the second
+  CTA of its last unit rows past the group: loaded, never stored).
 
-Both walk the units with a persistent grid of at most one CTA per SM; an expert's units are its row
-tiles (fastest) x its weight tiles, experts one after another. The number of units is known only on
+Both walk the units with a persistent grid of at most one CTA per SM (a unit: one cluster's work, its
+`unit_rows` rows of an expert); an expert's units are its row tiles (fastest) x its weight tiles, experts
+one after another. The number of units is known only on
 the device (it depends on the offsets): the host sizes the grid by `max_units`, the most a valid
 routing can give, and the kernel never runs more.
 """
@@ -53,6 +57,8 @@ SWAP_ROWS_FACTOR = 2
 MAX_UNITS = (2**31 - 1) // 33
 # The plain tiles the grouped kernel takes: the dense prefill tiles (tile_m, tile_n, pingpong).
 PLAIN_TILES = tuple((tm, tn, pp) for tm, tn, pp, _ in PREFILL_TILES)
+# CTAs per cluster along the rows (plain tiles by TMA only): 2 multicasts the weight tile to two row tiles.
+CLUSTERS_M = (1, 2)
 # The models variants_for() covers by default: (hidden, moe intermediate, experts, top-k).
 MODELS = {"qwen3-30b-a3b": (2048, 768, 128, 8)}
 
@@ -61,11 +67,11 @@ MODELS = {"qwen3-30b-a3b": (2048, 768, 128, 8)}
 class GroupedConfig(KernelConfig):
     """One compiled grouped GEMM: every field is compiled in. The class attributes below are what the
     GEMM device class (gemm_leakyrelu._GemmLeakyReluSm90) reads besides the fields: a grouped kernel
-    has no clusters, no K splits and K-major weights."""
+    has no K splits, K-major weights, and clusters of 1 or 2 CTAs along its rows only."""
 
     OP = OP
     # Options at their defaults are left out of the key; slope where the activation does not read it.
-    KEY_DEFAULTS = {"gather": False, "row_scale": False, "stages": 0, "pdl": True,
+    KEY_DEFAULTS = {"gather": False, "row_scale": False, "stages": 0, "pdl": True, "cluster_m": 1,
                     "slope": lambda c: None if c.activation == "leaky_relu" else c.slope}
 
     dtype: str = "bf16"  # a, w and out: "bf16" | "fp16"
@@ -81,10 +87,10 @@ class GroupedConfig(KernelConfig):
     row_scale: bool = False  # out row r is multiplied by row_scale[r] (fp32), after the activation
     stages: int = 0  # A/B shared-memory stages; 0: as many as fit
     pdl: bool = True  # programmatic dependent launch
+    cluster_m: int = 1  # plain tiles by TMA: 2, two row tiles of an expert share (multicast) the weight tile
 
     grouped: ClassVar[bool] = True
     b_major: ClassVar[str] = "k"
-    cluster_m: ClassVar[int] = 1
     cluster_n: ClassVar[int] = 1
     split_k: ClassVar[bool] = False
     splits: ClassVar[int] = 1
@@ -108,6 +114,9 @@ class GroupedConfig(KernelConfig):
             raise ValueError(f"plain tiles are (tile_m, tile_n, pingpong) in {PLAIN_TILES}")
         if self.stages == 1 or self.stages < 0:
             raise ValueError(f"stages must be 0 (as many as fit) or at least 2, got {self.stages}")
+        if self.cluster_m not in CLUSTERS_M or (self.cluster_m > 1 and (self.swap_ab or self.gather)):
+            raise ValueError(f"cluster_m must be one of {CLUSTERS_M}; 2 only on plain tiles whose rows come by TMA "
+                             "(not swap_ab, not gather)")
 
     @property
     def mode(self) -> str:
@@ -122,6 +131,11 @@ class GroupedConfig(KernelConfig):
     def row_tile(self) -> int:
         """Rows of an expert per work unit (the MMA's N side when swapped)."""
         return self.tile_n if self.swap_ab else self.tile_m
+
+    @property
+    def unit_rows(self) -> int:
+        """Rows of an expert per work unit: a cluster's row tiles."""
+        return self.row_tile * self.cluster_m
 
     @property
     def weight_tile(self) -> int:
@@ -189,7 +203,7 @@ def max_units_for(rows: int, experts: int, n: int, row_tile: int, weight_tile: i
 
 
 def max_units(config: GroupedConfig, rows: int, experts: int, n: int) -> int:
-    return max_units_for(rows, experts, n, config.row_tile, config.weight_tile)
+    return max_units_for(rows, experts, n, config.unit_rows, config.weight_tile)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,7 +247,9 @@ def candidates(shape: GroupedShape, sms: int | None = None) -> list[GroupedConfi
         found = [GroupedConfig(**_base(shape), tile_m=tm, tile_n=tn, swap_ab=True)
                  for tm in SWAP_TILE_M for tn in SWAP_TILE_N]
     else:
-        found = [GroupedConfig(**_base(shape), tile_m=tm, tile_n=tn, pingpong=pp) for tm, tn, pp in PLAIN_TILES]
+        clusters = (1,) if shape.gather else CLUSTERS_M
+        found = [GroupedConfig(**_base(shape), tile_m=tm, tile_n=tn, pingpong=pp, cluster_m=c)
+                 for tm, tn, pp in PLAIN_TILES for c in clusters]
     return list(dict.fromkeys([pick, *found]))
 
 

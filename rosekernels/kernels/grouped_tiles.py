@@ -8,7 +8,9 @@ from a dense one; a dense config never reaches them.
   and its first work unit (a prefix sum over the experts of row tiles x weight tiles) in shared memory.
   Experts without rows have no units: they are never visited.
 - `_locate`: a unit's expert (a forward scan from the last one: every role walks its units in
-  increasing order), row tile and weight tile.
+  increasing order), row tile and weight tile; on a 2x1 cluster (`cluster_m` 2) a unit is the cluster's:
+  its two CTAs take row tiles 2u and 2u + 1 of the expert and the same weight tile, which each CTA loads
+  half of and multicasts to both (the dense kernel's multicast of B).
 - `_produce_grouped`: the producer, per unit: the weights' k-tiles of the unit's expert by TMA, the
   rows by TMA at the group's first row (`cute.domain_offset`: rows past the group's end are the next
   group's, or zero-filled past the tensor; they only reach accumulator rows that are never stored) or,
@@ -43,6 +45,7 @@ class GroupedTiles:
         self.gather = self.grouped and cfg.gather  # rows gathered by index with cp.async
         self.gather_threads = min(GATHER_THREADS, cfg.row_tile * VEC) if self.gather else 0
         self.row_scale = self.grouped and cfg.row_scale
+        self.unit_rows = cfg.unit_rows if self.grouped else 0  # an expert's rows per unit (a cluster's)
         if self.gather:  # the gathering producer threads hold row indices and addresses
             self.regs_load, self.regs_mma = (40, 232) if acc_regs >= 192 else (56, 224)
 
@@ -58,11 +61,12 @@ class GroupedTiles:
                                         max_units, tidx)
 
     @cute.jit
-    def _grouped_unit(self, unit: Int32, expert: Int32, groups: cute.Tensor, mRowScale, tCcD: cute.Tensor):
-        """A consumer's view of `unit`: (expert, the group's first row, its row count, tile_m index, tile_n
-        index, the row scales of a plain tile's rows or None)."""
+    def _grouped_unit(self, unit: Int32, expert: Int32, groups: cute.Tensor, mRowScale, tCcD: cute.Tensor,
+                      rank_m: Int32):
+        """A consumer's view of `unit` in the CTA of cluster row `rank_m`: (expert, the group's first row,
+        its row count, tile_m index, tile_n index, the row scales of a plain tile's rows or None)."""
         sFirst, sCount, _ = self._group_tables(groups)
-        expert, row_tile, weight_tile = self._locate(unit, expert, groups)
+        expert, row_tile, weight_tile = self._locate(unit, expert, groups, rank_m)
         first, count = sFirst[expert], sCount[expert]
         tile_m, tile_n = (weight_tile, row_tile) if const_expr(self.swap) else (row_tile, weight_tile)
         scales = None
@@ -92,7 +96,7 @@ class GroupedTiles:
             sFirst[e] = lo
             sCount[e] = hi - lo
             # each <= max_units < MAX_UNITS: a step adds 32 to a carry <= max_units, 33 x MAX_UNITS < 2^31
-            sPrefix[e + 1] = cutlass.min(cute.ceil_div(hi - lo, self.cfg.row_tile) * weight_tiles, max_units)
+            sPrefix[e + 1] = cutlass.min(cute.ceil_div(hi - lo, self.unit_rows) * weight_tiles, max_units)
         cute.arch.sync_threads()
         if tidx < 32:  # warp 0: inclusive prefix sums, 32 experts a step, saturating at max_units
             carry = Int32(0)
@@ -115,26 +119,29 @@ class GroupedTiles:
         return sPrefix[experts]
 
     @cute.jit
-    def _locate(self, unit: Int32, expert: Int32, groups: cute.Tensor):
-        """(expert, row tile, weight tile) of `unit` (< the launch's units), scanning forward from
-        `expert` (a unit at or after that expert's first); an expert's row tiles come first."""
+    def _locate(self, unit: Int32, expert: Int32, groups: cute.Tensor, rank_m: Int32):
+        """(expert, row tile, weight tile) of `unit` (< the launch's units) for the CTA of cluster row
+        `rank_m`, scanning forward from `expert` (a unit at or after that expert's first); an expert's
+        row units come first."""
         _, sCount, sPrefix = self._group_tables(groups)
         e = expert
         while sPrefix[e + 1] <= unit:
             e = e + 1
         local = unit - sPrefix[e]
-        row_tiles = cute.ceil_div(sCount[e], self.cfg.row_tile)
-        weight_tile = local // row_tiles
-        return e, local - weight_tile * row_tiles, weight_tile
+        row_units = cute.ceil_div(sCount[e], self.unit_rows)
+        weight_tile = local // row_units
+        return e, (local - weight_tile * row_units) * self.cfg.cluster_m + rank_m, weight_tile
 
     @cute.jit
     def _produce_grouped(self, ab_pipeline, groups: cute.Tensor, units: Int32, first_unit: Int32,
                          unit_stride: Int32, k_tiles: Int32, tma_atom_a, mA: cute.Tensor, sA_load: cute.Tensor,
-                         tma_atom_b, mB: cute.Tensor, sB: cute.Tensor, mIndex, tidx: Int32, warp_idx: Int32):
+                         tma_atom_b, mB: cute.Tensor, sB: cute.Tensor, mIndex, tidx: Int32, warp_idx: Int32,
+                         rank_m: Int32, w_mcast_mask):
         """The producer warpgroup's loop over the CTA's units (see the module docstring). Without
         `gather` only its first warp works; with it the threads `_gather_unit` needs, the first warp
         also issuing the weights' TMA and arming each stage's barrier for them (the barrier counts 1 +
-        the gathering threads)."""
+        the gathering threads). On a 2x1 cluster (plain tiles, rows by TMA) the CTA of cluster row
+        `rank_m` loads its half of the weight tile into both CTAs (`w_mcast_mask`)."""
         cfg = self.cfg
         sFirst, sCount, _ = self._group_tables(groups)
         tma_warp = warp_idx == self.load_warp
@@ -147,15 +154,15 @@ class GroupedTiles:
             unit = first_unit
             expert = Int32(0)
             while unit < units:
-                expert, row_tile, weight_tile = self._locate(unit, expert, groups)
+                expert, row_tile, weight_tile = self._locate(unit, expert, groups, rank_m)
                 first = sFirst[expert]
                 # The weights' TMA (swapped: the kernel's A), the rows (swapped: its B).
                 tma_atom_w, mW, sW, tma_atom_x, mX, sX = tma_atom_b, mB, sB, tma_atom_a, mA, sA_load
                 if const_expr(self.swap):
                     tma_atom_w, mW, sW, tma_atom_x, mX, sX = tma_atom_a, mA, sA_load, tma_atom_b, mB, sB
                 gW = cute.local_tile(mW, (cfg.weight_tile, TILE_K), (weight_tile, None, expert))
-                tWs, tWg = cpasync.tma_partition(tma_atom_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
-                                                 cute.group_modes(gW, 0, 2))
+                tWs, tWg = cpasync.tma_partition(tma_atom_w, rank_m, cute.make_layout(self.cfg.cluster_m),
+                                                 cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
                 if const_expr(self.gather):
                     state = self._gather_unit(ab_pipeline, state, mX, sX, mIndex, tma_atom_w, tWs, tWg, first,
                                               sCount[expert], row_tile, k_tiles, gtid, tma_warp)
@@ -168,7 +175,8 @@ class GroupedTiles:
                     for k in cutlass.range(k_tiles, unroll=1):
                         ab_pipeline.producer_acquire(state)
                         barrier = ab_pipeline.producer_get_barrier(state)
-                        cute.copy(tma_atom_w, tWg[(None, k)], tWs[(None, state.index)], tma_bar_ptr=barrier)
+                        cute.copy(tma_atom_w, tWg[(None, k)], tWs[(None, state.index)], tma_bar_ptr=barrier,
+                                  mcast_mask=w_mcast_mask)
                         cute.copy(tma_atom_x, tXg[(None, k)], tXs[(None, state.index)], tma_bar_ptr=barrier)
                         ab_pipeline.producer_commit(state)
                         state.advance()

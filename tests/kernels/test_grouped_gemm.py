@@ -40,6 +40,9 @@ FAMILIES = [
     Config(gather=True, activation="silu", gated=True, bias="fp32"),
     Config(tile_n=192, pingpong=True, gather=True, dtype="fp16", activation="leaky_relu", slope=0.2),
     Config(tile_n=128, pingpong=True, row_scale=True, activation="relu", stages=3),
+    # 2x1 clusters: two row tiles of an expert share the multicast weight tile
+    Config(tile_n=192, pingpong=True, activation="silu", gated=True, cluster_m=2),
+    Config(bias="bf16", row_scale=True, cluster_m=2),
 ]
 
 
@@ -56,6 +59,9 @@ def _compile_and_inspect(cfg, tmp_path):
     assert not {"LDL", "STL"} & found, f"{cfg}: register spills"
     # The weights: one TMA box per k-tile, 5-D when gated (gate and up rows interleaved by the box).
     assert ("UTMALDG.5D" if cfg.gated else "UTMALDG.3D") in found, (cfg, found)
+    # on a 2x1 cluster the weights' box is multicast, the rows' is not
+    assert bool(re.search(r"UTMALDG\.[35]D\.MULTICAST", sass)) == (cfg.cluster_m > 1), cfg
+    assert "UTMALDG.2D.MULTICAST" not in sass, cfg
     if cfg.gather:  # rows by 16-byte cp.async, tracked by the stage's barrier, fenced before the WGMMAs
         assert {"LDGSTS", "LDGSTSBAR"} <= found and "UTMALDG.2D" not in found, (cfg, found)
         assert ops.count("FENCE.VIEW.ASYNC.S") >= 2, cfg

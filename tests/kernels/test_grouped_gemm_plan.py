@@ -100,12 +100,16 @@ def test_candidates_are_valid_distinct_of_one_mode_and_hold_the_pick(rows):
     found = plan.candidates(s, 132)
     assert found[0] == plan.config_for(s, 132) and len(set(found)) == len(found)
     assert {c.mode for c in found} == {found[0].mode}
-    assert len(found) == (len(plan.SWAP_TILE_M) * len(plan.SWAP_TILE_N) if found[0].swap_ab else 3)
+    assert len(found) == (len(plan.SWAP_TILE_M) * len(plan.SWAP_TILE_N) if found[0].swap_ab
+                          else len(plan.PLAIN_TILES) * len(plan.CLUSTERS_M))
+    assert all(c.cluster_m == 1 for c in found if c.swap_ab)
+    # gathered rows come by cp.async, not TMA: no cluster shares them
+    assert all(c.cluster_m == 1 for c in plan.candidates(Shape(rows, gather=True), 132))
 
 
 def _units(offsets, rows, n, row_tile, weight_tile):
-    """The work units the kernel walks: per group (clamped as the kernel clamps it), its row tiles x
-    weight tiles."""
+    """The work units the kernel walks: per group (clamped as the kernel clamps it), its row units
+    (`row_tile`: a unit's rows, a cluster's row tiles) x weight tiles."""
     total = 0
     for lo, hi in zip(offsets, offsets[1:]):
         lo = min(max(lo, 0), rows)
@@ -123,11 +127,22 @@ def test_the_grid_bound_holds_every_valid_grouping():
         c = r.choice(plan.candidates(Shape(rows, experts, n), 132) + plan.candidates(Shape(10**5, experts, n), 132))
         cuts = sorted(r.randint(0, rows) for _ in range(experts - 1))
         offsets = [0, *cuts, rows]
-        assert _units(offsets, rows, n, c.row_tile, c.weight_tile) <= plan.max_units(c, rows, experts, n)
+        assert _units(offsets, rows, n, c.unit_rows, c.weight_tile) <= plan.max_units(c, rows, experts, n)
     # 9 rows to each of 10 experts: two row tiles each, 20 where all 90 rows in one group would take 12.
     c = Config(tile_m=64, tile_n=8, swap_ab=True)
     used = _units(list(range(0, 91, 9)), 90, 128, 8, 64)
     assert 12 * 2 < used == 20 * 2 <= plan.max_units(c, 90, 10, 128)
+
+
+def test_clusters_pair_the_row_tiles_of_plain_tiles_by_tma_only():
+    c = Config(tile_n=192, pingpong=True, cluster_m=2)
+    assert c.unit_rows == 2 * c.row_tile == 256 and "cluster_m=2" in c.variant().key()
+    assert "cluster_m" not in Config(tile_n=192, pingpong=True).variant().key()  # the key of cluster 1 is as before
+    for bad in (dict(cluster_m=3), dict(cluster_m=2, gather=True), dict(tile_m=64, tile_n=8, swap_ab=True, cluster_m=2)):
+        with pytest.raises(ValueError, match="cluster_m"):
+            Config(**bad)
+    # a cluster's unit covers two row tiles: half the units, never fewer than the groups' row tiles need
+    assert plan.max_units(c, 4096, 8, 1536) == (4096 // 256 + 8) * 8 < plan.max_units(Config(), 4096, 8, 1536) * 2
 
 
 def test_sizes_the_kernel_refuses():
