@@ -63,7 +63,7 @@ class _GroupedGemmSm90(GemmSm90):
         mIndex: Optional[cute.Tensor],  # gather: [R] int32
         mRowScale: Optional[cute.Tensor],  # row_scale: [R] fp32
         max_units: Int32,
-        max_ctas: Int32,
+        max_clusters: Int32,  # of cluster_m CTAs that can be resident at once (modes.max_active_clusters)
         stream,
     ):
         cfg = self.cfg
@@ -123,7 +123,7 @@ class _GroupedGemmSm90(GemmSm90):
             tiled_mma, tiled_mma_out, *atoms, None, mD, bias, None, None, one, one, one, one,
             a_smem, a_load_smem, b_smem, d_smem, tx_bytes, mOffsets, mIndex, mRowScale, max_units, None, None,
         ).launch(
-            grid=(cfg.cluster_m, 1, cutlass.min(max_units, max_ctas // cfg.cluster_m)),
+            grid=(cfg.cluster_m, 1, cutlass.min(max_units, max_clusters)),
             block=(self.threads, 1, 1),
             cluster=(cfg.cluster_m, 1, 1),
             min_blocks_per_mp=1,
@@ -158,7 +158,7 @@ def _build(cfg: GroupedConfig):
 
 def compile(config: GroupedConfig) -> jit.CompiledKernel:
     """The loaded kernel of `config`; its function takes (x, w, out, bias, offsets, a_index, row_scale,
-    max_units, max_ctas): `launch_args` builds them."""
+    max_units, max_clusters): `launch_args` builds them."""
     return jit.compile_variant(config.variant(), lambda: _build(config))
 
 
@@ -172,9 +172,12 @@ def launch_args(config: GroupedConfig, x: torch.Tensor, w: torch.Tensor, out: to
                 bias: Optional[torch.Tensor], offsets: torch.Tensor, a_index: Optional[torch.Tensor],
                 row_scale: Optional[torch.Tensor]) -> tuple:
     """The arguments of compile(config).fn for a call whose out has R > 0 rows: the grid's bound on
-    work units and the device's SM count appended."""
+    work units and the clusters that fit on the device at once appended."""
     units = max_units(config, out.shape[0], w.shape[0], w.shape[1])
-    return x, w, out, bias, offsets, a_index, row_scale, units, modes.sm_count(out.device.index)
+    # a persistent grid of the clusters that fit at once (an odd SM count in a GPC fits fewer 2-CTA
+    # clusters than SMs / 2; clusters past it would wait for a resident one to finish all its units)
+    return x, w, out, bias, offsets, a_index, row_scale, units, modes.max_active_clusters(out.device.index,
+                                                                                          config.cluster_m)
 
 
 # ---------------------------------------------------------------------------------------------
