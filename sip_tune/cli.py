@@ -124,10 +124,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="where the 'sass' level proposes changes: loops (by loop depth, the default) or ncu "
                    "(in proportion to Nsight Compute's PC samples of the kernel's blocks; needs ncu)")
     p.add_argument("--start", choices=tuning.STARTS, default="original",
-                   help="where the 'sass' level's annealing starts: the original schedule (default) or its floor, "
-                   "every stall count lowered as far as the latency table proves (needs control in --moves); "
-                   "the report and the stored entry then give each finalist's speedup over the floor as well, "
-                   "timed in the same runs")
+                   help="where the 'sass' level's annealing starts: the original schedule (default); its floor, "
+                   "every stall count lowered as far as the latency table proves (needs control in --moves); or "
+                   "stored: the fastest entry for this kernel that meets the bar (the store's, else one shipped "
+                   "with rosekernels), so that a search resumes where the last one ended, and only a finalist "
+                   "faster than it past the A/A spread is checked (none stored: the floor, or the original "
+                   "where --moves do not edit stall counts); the report and the stored entry then give each "
+                   "finalist's speedup over the start as well, timed in the same runs")
     p.add_argument("--no-sanitize", action="store_true",
                    help="store a tuned config or cubin without running it under compute-sanitizer memcheck, "
                    "racecheck and synccheck first (the entry records that it was not run: below the store's bar)")

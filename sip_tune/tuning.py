@@ -92,6 +92,14 @@ def engine_apply(schedule: mutate.Schedule) -> bytes:
     return mutate.apply(schedule)
 
 
+def stored_start(store_root: Any, kernel: str, variant: Any, original: bytes) -> tuned.Entry | None:
+    """The fastest entry for exactly `original` that meets the store's bar, in the store at `store_root`
+    or among those shipped with the package; None where neither holds one."""
+    found = [entry for root in dict.fromkeys([store_root, tuned.SHIPPED_ROOT])
+             if (entry := tuned.lookup(root, kernel, variant, original)) is not None and not entry.problems]
+    return max(found, key=lambda entry: entry.speedup, default=None)
+
+
 def engine_stats(schedule: mutate.Schedule) -> tuple[int, int, int]:
     """(instructions, movable instructions, legal moves) of a schedule under its classes, for the report."""
     return len(schedule.model.instructions), len(schedule.movable()), len(schedule.moves())
@@ -101,7 +109,7 @@ def engine_stats(schedule: mutate.Schedule) -> tuple[int, int, int]:
 # The tune loop.
 
 HOT_SOURCES = ("loops", "ncu")
-STARTS = ("original", "floor")
+STARTS = ("original", "floor", "stored")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +136,11 @@ class TuneConfig:
     hot: str = "loops"  # where proposals go: "loops" (loop depth) or "ncu" (PC samples of the original)
     # Where the annealing starts: the original schedule, or its floor (every stall count lowered as far as
     # the latency table proves: on the H200 alone 1.006-1.037x on the attention prefill kernels, which
-    # random walks from the original did not reach). "floor" needs control.stall in `moves`.
+    # random walks from the original did not reach). "floor" needs control.stall in `moves`. "stored": the
+    # tuned cubin of the fastest entry for this original that meets the store's bar (`stored_start`), so
+    # that a search resumes where the last stored one ended (runs from the floor found 1.0006-1.0052x over
+    # it on an H100, each from scratch); with no such entry, the floor (or the original where `moves` do
+    # not edit stall counts).
     start: str = "original"
     # A cubin is stored only if compute-sanitizer finds it clean (sip_tune.probe; a few minutes per
     # finalist that gets that far, outside the search budget).
@@ -184,6 +196,7 @@ class TuneReport:
     gpus: int = 1  # workers searching at once, one per GPU
     original_sha256: str = ""
     start_sha256: str = ""  # the cubin the runs start from: the original's, or its floor's (TuneConfig.start)
+    start_from: str = ""  # "original", "floor", or the stored entry's directory (TuneConfig.start "stored")
     cubin_bytes: int = 0
     movable: int = 0  # instructions the mutation policy may move
     legal_moves: int = 0  # at the start
@@ -245,7 +258,8 @@ class TuneReport:
             lines.append(f"  A/A          the original against a byte-identical copy: spread {self.aa_spread:.4f} "
                          f"over {self.config.get('retimes', '?')} fresh workers; bar {self.bar:.4f}x")
         if self.finalists and self.start_sha256 != self.original_sha256:
-            lines.append(f"  start        {self.start_sha256[:12]} re-timed {self.start_speedup:.4f}x the original")
+            lines.append(f"  start        {self.start_sha256[:12]} ({self.start_from}) re-timed {self.start_speedup:.4f}x "
+                         "the original")
         for f in self.finalists:
             lines.append(f"  finalist {f['digest'][:12]}: search {f['search_rel']:.4f}, re-timed {f['rel']:.4f} "
                          f"({', '.join(f'{r:.4f}' for r in f['rels'])})"
@@ -300,13 +314,27 @@ def tune(factory: Callable[[], Workload], config: TuneConfig, *, kernel: str | N
         report.total_seconds = time.monotonic() - t_start
         return report
     start_schedule, start_cubin = initial, original
-    if config.start == "floor":
+    start = config.start
+    if start == "stored":
+        kept = stored_start(store_root, kernel, variant, original)
+        if kept is not None:
+            start_cubin = kept.tuned
+            start_schedule = engine_initial(start_cubin, config.moves)
+            report.start_from = str(kept.path)
+            log(f"[sip-tune] the runs start from the stored entry {kept.path} ({kept.speedup:.4f}x, cubin "
+                f"{_digest(start_cubin)[:12]})")
+        else:
+            classes = mutate.DEFAULT_MOVES if config.moves is None else mutate.parse_moves(config.moves)
+            start = "floor" if "control.stall" in classes else "original"
+            log(f"[sip-tune] no stored entry for this kernel meets the bar: the runs start from the {start}")
+    if start == "floor":
         start_cubin = engine_floor(original)
         if candidate_hook is not None:
             start_cubin = candidate_hook(start_cubin)
         start_schedule = engine_initial(start_cubin, config.moves)  # the floor's code, read under the run's classes
         log(f"[sip-tune] the runs start from the floor of the stall counts (cubin {_digest(start_cubin)[:12]})")
     report.start_sha256 = _digest(start_cubin)
+    report.start_from = report.start_from or start
     if config.hot == "ncu":  # the floor changes control bits only: the original's samples weight it alike
         start_schedule, report.hot_blocks = engine_weighted(start_schedule, probe.profile(factory, original))
         log("[sip-tune] hottest blocks (ncu PC samples): " + ", ".join(
@@ -468,10 +496,15 @@ def _finish(report: TuneReport, runner: Runner, pool: dict[str, tuple[float, byt
     report.finalists.sort(key=lambda f: f["rel"])
     samples = config.validation_samples
     original_clean = None  # the original under the sanitizer, asked once a finalist is flagged
+    resumed = report.start_from not in ("original", "floor")  # from a stored entry: it must be beaten
     for f in report.finalists:
         speedup = 1.0 / f["rel"]
         if speedup < report.bar:
             f["validation"] = f"skipped: {speedup:.4f}x < bar {report.bar:.4f}x"
+            continue
+        if resumed and f["over_start"] <= 1.0 + report.aa_spread:
+            f["validation"] = (f"skipped: {f['over_start']:.4f}x the stored entry it started from, not past the "
+                               f"A/A spread {report.aa_spread:.4f}")
             continue
         log(f"[sip-tune] validating {f['digest'][:12]} ({speedup:.3f}x) on {config.shape_samples} input sets of the "
             f"tuned shape and {samples} fresh samples")

@@ -36,7 +36,7 @@ def run(capsys, *argv):
     # refused before the GPU check (which exits 3 here) and before --plan answers
     (["--kernel", "qk_norm", "--moves", "alu", "--start", "floor"], "(add control)"),
     (["--kernel", "qk_norm", "--moves", "alu", "--start", "floor", "--plan"], "(add control)"),
-    (["--kernel", "qk_norm", "--start", "best"], "invalid choice"),
+    (["--kernel", "qk_norm", "--start", "last"], "invalid choice"),
     (["--model", "examples/configs/qwen3_8b.json", "--start", "floor"], "--model tunes configs"),
 ])
 def test_argument_errors_exit_2(capsys, argv, message):

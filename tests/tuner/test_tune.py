@@ -205,7 +205,7 @@ def test_a_floor_start_needs_moves_that_edit_stall_counts(moves):
         tuning.TuneConfig(budget_iters=10, moves=moves, start="floor")
     tuning.TuneConfig(budget_iters=10, moves=moves + ",control", start="floor")
     with pytest.raises(ValueError, match="start must be one of"):
-        tuning.TuneConfig(budget_iters=10, moves=moves, start="best")
+        tuning.TuneConfig(budget_iters=10, moves=moves, start="last")
 
 
 def test_the_op_level_speedup_is_stored_and_a_finalist_that_does_not_hold_there_is_passed_over(toy, monkeypatch):
@@ -258,6 +258,50 @@ def test_the_op_level_speedup_is_stored_and_a_finalist_that_does_not_hold_there_
 class ToyShape:
     n: int
 
+
+
+def test_a_search_resumes_from_the_fastest_stored_entry_that_meets_the_bar(toy, monkeypatch):
+    """start='stored': the runs start at the tuned cubin of the entry a first tune stored (op level faked,
+    so it meets the bar), and only a finalist faster than that start past the A/A spread goes to the checks:
+    with no move to make, the start is the one finalist and nothing is stored again. Where no entry meets
+    the bar (one stored without a shape has no op-level re-time), the runs start at the floor, or at the
+    original when the moves do not edit stall counts."""
+    factory, root = toy
+    kernel = factory().kernel
+    monkeypatch.setattr(tuning, "engine_initial", lambda cubin, moves=None: ToyEngine.perm(cubin))
+
+    def retime(kernel_name, shape, candidate, store_root=None, **kw):
+        speedup = 1 / ToyEngine.rel(ToyEngine.perm(candidate.tuned))
+        return oplevel.OpTiming(kernel_name, "rosekernels.toy", dataclasses.asdict(shape), "cubin", "Fake H200",
+                                heuristic_us=2.0, tuned_us=2.0 / speedup, speedup=speedup, aa_spread=0.001, rounds=60)
+
+    monkeypatch.setattr(tuning.oplevel, "retime", retime)
+    config = tuning.TuneConfig(budget_iters=3000, runs=2, seed=4, exhausted_after=10**6)
+    first = tuning.tune(factory, config, shape=ToyShape(8), store_root=root, log=lambda m: None)
+    entry = tuned.lookup(root, "toy", kernel.variant, kernel.cubin)
+    assert first.cached and entry.problems == []
+    assert tuning.stored_start(root, "toy", kernel.variant, kernel.cubin).tuned == entry.tuned
+    tuning.tune(factory, config, store_root=root / "plain", log=lambda m: None)  # no shape: below the bar
+    assert tuned.lookup(root / "plain", "toy", kernel.variant, kernel.cubin).problems
+    assert tuning.stored_start(root / "plain", "toy", kernel.variant, kernel.cubin) is None
+
+    FakeRunner.instances = []
+    monkeypatch.setattr(tuning, "engine_neighbour", lambda s, rng: None)
+    resumed = tuning.tune(factory, dataclasses.replace(config, budget_iters=50, start="stored"), shape=ToyShape(8),
+                          store_root=root, log=lambda m: None)
+    assert FakeRunner.instances[0].evaluated[0] == ToyEngine.perm(entry.tuned)
+    assert resumed.start_from == str(entry.path) and resumed.start_sha256 == tuning._digest(entry.tuned)
+    assert [f["digest"] for f in resumed.finalists] == [resumed.start_sha256]
+    assert resumed.finalists[0]["validation"].startswith("skipped: 1.0000x the stored entry")
+    assert not resumed.cached and tuned.lookup(root, "toy", kernel.variant, kernel.cubin).meta == entry.meta
+
+    floor = (1, 0, 2, 3, 4, 5, 7, 6)
+    monkeypatch.setattr(tuning, "engine_floor", lambda cubin: ToyEngine.cubin(floor))
+    for moves, start in (("control", ToyEngine.cubin(floor)), (None, kernel.cubin)):
+        report = tuning.tune(factory, dataclasses.replace(config, budget_iters=50, start="stored", moves=moves),
+                             store_root=root / "plain", log=lambda m: None)
+        assert report.start_sha256 == tuning._digest(start)
+        assert report.start_from == ("floor" if moves else "original")
 
 def test_with_more_gpus_the_runs_go_to_one_worker_per_gpu_at_once(toy, monkeypatch):
     factory, root = toy
