@@ -9,7 +9,7 @@ import rosekernels.kernels
 from rosekernels import jit, launch, paths, tuned
 from rosekernels.startup import warmup
 from rosekernels.variant import Variant
-from sip_tune import oplevel
+from sip_tune import oplevel, tuning
 
 SHIPPED = sorted(p.parent for p in tuned.SHIPPED_ROOT.glob("*/*/*/*/meta.json"))
 
@@ -32,6 +32,19 @@ def test_each_shipped_entry_meets_the_bar_and_is_tuned_from_what_this_source_com
     compiled = module.compile(module.Config.from_variant(variant))
     assert tuned.sha256(compiled.cubin) == meta["original_sha256"], (
         f"{variant.key()} now compiles to another cubin: verify the entry again or remove it")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("directory", SHIPPED, ids=lambda d: f"{d.parents[1].name}/{d.parent.name}")
+def test_a_search_from_the_stored_entry_starts_at_the_shipped_one(directory, tmp_path):
+    """`sip-tune --start stored` with an empty store of the user's resumes from the shipped entry, found by the
+    original this source compiles."""
+    entry = tuned._read_entry(directory)
+    variant = Variant.from_dict(entry.meta["variant"])
+    module = rosekernels.kernels.kernel_module(variant.op)
+    original = module.compile(module.Config.from_variant(variant)).cubin
+    found = tuning.stored_start(tmp_path / "empty", entry.meta["kernel"], variant, original)
+    assert found is not None and found.path == directory and found.tuned == entry.tuned
 
 
 def _op_case(meta: dict) -> oplevel.Case:
