@@ -242,10 +242,22 @@ def _speedup(meta: dict[str, Any]) -> float:
 
 
 def _keep_old(old: dict[str, Any], new: dict[str, Any], kind: str) -> bool:
-    """Whether an existing entry stays: it is stronger, or as strong and faster (see strength)."""
+    """Whether an existing entry stays: it is stronger, or as strong and faster (see strength). A new
+    cubin whose search started from the old one and beat it past the A/A spread in the same re-times
+    replaces it when at least as strong: the speedup the old one recorded in another run is no measure
+    against it."""
+    if kind == "cubin" and _beat_its_start(old, new):
+        return strength(old, kind) > strength(new, kind)
     def rank(meta: dict[str, Any]) -> tuple:
         return strength(meta, kind), _speedup(meta)
     return rank(old) > rank(new)
+
+
+def _beat_its_start(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    start = new.get("start") if isinstance(new.get("start"), dict) else {}
+    over, spread = _real(start.get("over_start")), _real(new.get("aa_spread", 0.0))
+    return (bool(old.get("tuned_sha256")) and start.get("sha256") == old.get("tuned_sha256") and over is not None
+            and over > 1.0 + (spread or 0.0))
 
 
 def allow_unverified(allow: bool | None) -> None:

@@ -92,6 +92,10 @@ def engine_apply(schedule: mutate.Schedule) -> bytes:
     return mutate.apply(schedule)
 
 
+def _real_or_zero(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else 0.0
+
+
 def stored_start(store_root: Any, kernel: str, variant: Any, original: bytes) -> tuned.Entry | None:
     """The fastest entry for exactly `original` that meets the store's bar, in the store at `store_root`
     or among those shipped with the package; None where neither holds one."""
@@ -314,10 +318,12 @@ def tune(factory: Callable[[], Workload], config: TuneConfig, *, kernel: str | N
         report.total_seconds = time.monotonic() - t_start
         return report
     start_schedule, start_cubin = initial, original
-    start = config.start
+    start, start_samples = config.start, 0
     if start == "stored":
         kept = stored_start(store_root, kernel, variant, original)
         if kept is not None:
+            # its finalists carry the stored entry's edits: checked on at least as many samples as it was
+            start_samples = int(_real_or_zero(kept.meta.get("samples_passed")))
             start_cubin = kept.tuned
             start_schedule = engine_initial(start_cubin, config.moves)
             report.start_from = str(kept.path)
@@ -335,8 +341,11 @@ def tune(factory: Callable[[], Workload], config: TuneConfig, *, kernel: str | N
         log(f"[sip-tune] the runs start from the floor of the stall counts (cubin {_digest(start_cubin)[:12]})")
     report.start_sha256 = _digest(start_cubin)
     report.start_from = report.start_from or start
-    if config.hot == "ncu":  # the floor changes control bits only: the original's samples weight it alike
-        start_schedule, report.hot_blocks = engine_weighted(start_schedule, probe.profile(factory, original))
+    if config.hot == "ncu":
+        # the floor changes control bits only: the original's samples weight it alike; a stored entry may have
+        # moved instructions, so its own cubin is profiled
+        profiled = original if report.start_from in ("original", "floor") else start_cubin
+        start_schedule, report.hot_blocks = engine_weighted(start_schedule, probe.profile(factory, profiled))
         log("[sip-tune] hottest blocks (ncu PC samples): " + ", ".join(
             f"{h['offset']:#06x} {h['share']:.0%}" for h in report.hot_blocks))
     gpus = 1 if config.budget_iters == 0 else max(1, min(_gpu_count(), config.runs))  # no search: one worker
@@ -440,7 +449,8 @@ def tune(factory: Callable[[], Workload], config: TuneConfig, *, kernel: str | N
         report.crashed = sum(r.crashes for r in runners)
         report.timeouts = sum(r.timeouts for r in runners)
         _fill_costs(report, costs)
-        _finish(report, runner, pool, config, factory, kernel, variant, original, start_cubin, shape, store_root, log)
+        _finish(report, runner, pool, config, factory, kernel, variant, original, start_cubin, shape, store_root, log,
+                start_samples)
         report.worker_starts = sum(r.starts for r in runners)
     finally:
         for r in runners:
@@ -461,7 +471,7 @@ def _gpu_count() -> int:
 
 def _finish(report: TuneReport, runner: Runner, pool: dict[str, tuple[float, bytes]], config: TuneConfig,
             factory: Callable[[], Workload], kernel: str, variant: Any, original: bytes, start: bytes, shape: Any,
-            store_root: Any, log: Callable[[str], None]) -> None:
+            store_root: Any, log: Callable[[str], None], start_samples: int = 0) -> None:
     """Greedy pick: re-time the best few, the original and a copy of it interleaved (and the start, when
     the runs did not start at the original and it is not a finalist), in `config.retimes` fresh workers;
     then verify fastest first (the tuned shape and the samples, compute-sanitizer, the public op) and cache
@@ -494,7 +504,7 @@ def _finish(report: TuneReport, runner: Runner, pool: dict[str, tuple[float, byt
     for f in report.finalists:
         f["over_start"] = statistics.median(s / t for s, t in zip(start_rels, f["rels"]))
     report.finalists.sort(key=lambda f: f["rel"])
-    samples = config.validation_samples
+    samples = max(config.validation_samples, start_samples)
     original_clean = None  # the original under the sanitizer, asked once a finalist is flagged
     resumed = report.start_from not in ("original", "floor")  # from a stored entry: it must be beaten
     for f in report.finalists:
@@ -558,7 +568,7 @@ def _finish(report: TuneReport, runner: Runner, pool: dict[str, tuple[float, byt
                 "checks": checks, "search": report.config, "seed": config.seed, "gpu": report.gpu,
                 "iterations": report.iterations,
                 "start": {"sha256": report.start_sha256, "speedup": report.start_speedup,
-                          "over_start": f["over_start"]},
+                          "over_start": f["over_start"], "from": report.start_from},
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         path, written = tuned.store(store_root, kernel, variant, original, f["cubin"], meta)
         report.cached = str(path)
@@ -571,7 +581,9 @@ def _finish(report: TuneReport, runner: Runner, pool: dict[str, tuple[float, byt
         break
     else:
         report.outcome = ("no finalist beat the bar (min_speedup and the A/A spread), passed every sample and "
-                          "compute-sanitizer and held at the op level; nothing cached (the untuned kernel stays)")
+                          "compute-sanitizer and held at the op level; nothing cached "
+                          + (f"(the stored entry it started from stays: {report.start_from})" if resumed
+                             else "(the untuned kernel stays)"))
     for f in report.finalists:
         del f["cubin"]
 

@@ -103,6 +103,23 @@ def test_the_better_entry_is_kept(tmp_path):
     assert written and get(tmp_path).tuned == TUNED
 
 
+def test_a_search_that_beat_the_entry_it_started_from_replaces_it(tmp_path):
+    """A resumed search (sip-tune --start stored) beat its start in the same re-times: its entry replaces the
+    start's although the speedup the start recorded in another run is higher; not past the A/A spread, or
+    from another start, or less checked, it does not."""
+    put(tmp_path)
+    other = make_cubin(text=b"\x07" * 64)
+    start = {"sha256": tuned.sha256(TUNED), "speedup": 1.05, "over_start": 1.004}
+    lower = {**META, "speedup": 1.02, "aa_spread": 0.001}
+    for meta in ({**lower, "start": {**start, "over_start": 1.0005}},  # inside the A/A spread
+                 {**lower, "start": {**start, "sha256": tuned.sha256(ORIGINAL)}},  # another start
+                 {**lower, "start": start, "checks": {**META["checks"], "sanitizer": "not run"}}):  # less checked
+        _, written = put(tmp_path, cubin=other, meta=meta)
+        assert not written and get(tmp_path).tuned == TUNED
+    _, written = put(tmp_path, cubin=other, meta={**lower, "start": start})
+    assert written and get(tmp_path).tuned == other
+
+
 def _corrupt_truncated(path):
     (path / "tuned.cubin").write_bytes(TUNED[:100])
 

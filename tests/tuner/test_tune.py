@@ -144,7 +144,8 @@ def test_the_runs_can_start_from_the_floor_of_the_stall_counts(toy, monkeypatch)
     assert report.start_speedup == pytest.approx(1 / ToyEngine.rel(floor))
     assert report.finalists[0]["over_start"] == pytest.approx(1.0) and "(the start itself)" in report.text()
     assert tuned.lookup(root, "toy", factory().kernel.variant, factory().kernel.cubin).meta["start"] == {
-        "sha256": report.start_sha256, "speedup": pytest.approx(report.start_speedup), "over_start": pytest.approx(1)}
+        "sha256": report.start_sha256, "speedup": pytest.approx(report.start_speedup), "over_start": pytest.approx(1),
+        "from": "floor"}
     FakeRunner.instances = []
     report = tuning.tune(factory, dataclasses.replace(config, start="original"), store_root=root / "o",
                          log=lambda m: None)
@@ -286,14 +287,42 @@ def test_a_search_resumes_from_the_fastest_stored_entry_that_meets_the_bar(toy, 
     assert tuning.stored_start(root / "plain", "toy", kernel.variant, kernel.cubin) is None
 
     FakeRunner.instances = []
-    monkeypatch.setattr(tuning, "engine_neighbour", lambda s, rng: None)
+    walked_from = []  # the schedules the walks propose moves from: the stored entry's
+    monkeypatch.setattr(tuning, "engine_neighbour", lambda s, rng: walked_from.append(s) and None)
     resumed = tuning.tune(factory, dataclasses.replace(config, budget_iters=50, start="stored"), shape=ToyShape(8),
                           store_root=root, log=lambda m: None)
     assert FakeRunner.instances[0].evaluated[0] == ToyEngine.perm(entry.tuned)
+    assert walked_from and set(walked_from) == {ToyEngine.perm(entry.tuned)}
+    assert "the stored entry it started from stays" in resumed.outcome
+    # with ncu weights, the stored cubin is profiled (its instructions may have moved), not the original
+    profiled = []
+    monkeypatch.setattr(tuning.probe, "profile", lambda factory, cubin: profiled.append(cubin) or "listing")
+    monkeypatch.setattr(tuning, "engine_weighted", lambda schedule, listing: (schedule, []))
+    tuning.tune(factory, dataclasses.replace(config, budget_iters=5, start="stored", hot="ncu"), shape=ToyShape(8),
+                store_root=root, log=lambda m: None)
+    assert profiled == [entry.tuned]
     assert resumed.start_from == str(entry.path) and resumed.start_sha256 == tuning._digest(entry.tuned)
     assert [f["digest"] for f in resumed.finalists] == [resumed.start_sha256]
     assert resumed.finalists[0]["validation"].startswith("skipped: 1.0000x the stored entry")
     assert not resumed.cached and tuned.lookup(root, "toy", kernel.variant, kernel.cubin).meta == entry.meta
+
+    # a finalist past the start is checked on at least the samples the start passed, and its entry says
+    # where it started from
+    monkeypatch.setattr(tuning, "engine_neighbour", swap_neighbour_8)
+    validated = []
+    validate = FakeRunner.validate
+    monkeypatch.setattr(FakeRunner, "validate", lambda self, cubin, seed, samples, shape_samples=0: (
+        validated.append(samples) or validate(self, cubin, seed, samples, shape_samples)))
+    weak = tuning.tune(factory, dataclasses.replace(config, budget_iters=20, seed=9, samples=20_000), shape=ToyShape(8),
+                       store_root=root / "weak", log=lambda m: None)
+    assert weak.cached
+    start = tuned.lookup(root / "weak", "toy", kernel.variant, kernel.cubin)
+    validated.clear()
+    better = tuning.tune(factory, dataclasses.replace(config, start="stored"), shape=ToyShape(8),
+                         store_root=root / "weak", log=lambda m: None)
+    now = tuned.lookup(root / "weak", "toy", kernel.variant, kernel.cubin)
+    assert better.cached and now.tuned != start.tuned and validated and min(validated) >= 20_000
+    assert now.meta["start"]["from"] == str(start.path) and now.meta["start"]["sha256"] == tuned.sha256(start.tuned)
 
     floor = (1, 0, 2, 3, 4, 5, 7, 6)
     monkeypatch.setattr(tuning, "engine_floor", lambda cubin: ToyEngine.cubin(floor))
