@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The first call to a fresh GPU host carries the CuTeDSL bundles (.gpu, .whl: about 62 MiB) beside the working
 # tree, under the runner's 64 MiB. `on` leaves out of the tree what such a call does not read (the tests, the
-# results, the docs, the shipped tuned entries, the patches under wip/: the tuner's own measurements run without
+# results, the docs, the shipped tuned entries: the tuner's own measurements run without
 # them), by untracking them in the index and ignoring them in .git/info/exclude; `off` puts them back. Nothing
 # is committed in between: `on` refuses a tree with staged changes, and a commit made while on would drop those paths.
 #   tools/gpu_slim.sh on     # then the call, carry [".gpu", ".whl", "bench/results/sip/sass_latency.json.gz"]
 #   tools/gpu_slim.sh off    # before any commit; later calls (the host warm) carry the whole tree
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-PATHS=(bench/results tests examples wip CHANGELOG.md NOTES.md README.md DESIGN.md rosekernels/tuned_entries)
+PATHS=(bench/results tests examples CHANGELOG.md NOTES.md README.md DESIGN.md rosekernels/tuned_entries)
 LIMIT=$((64 << 20))
 exclude=.git/info/exclude
 begin="# gpu_slim: begin" end="# gpu_slim: end"  # gitignore has no comments at a line's end: a block
