@@ -35,6 +35,7 @@ class Fp8Tiles:
         """The device class's FP8 attributes (off for a bf16 GemmConfig, which has no `fp8`): e4m3 operands
         (the output keeps the config's dtype) and k-tiles of 128 elements. Called before the geometry."""
         self.fp8 = getattr(cfg, "fp8", False)
+        self.stagger = getattr(cfg, "stagger", False)
         self.tile_k = gemm_fp8_plan.TILE_K if self.fp8 else gemm_leakyrelu_plan.TILE_K
         if self.fp8:
             self.ab_dtype = cutlass.Float8E4M3FN
@@ -45,11 +46,17 @@ class Fp8Tiles:
     @cute.jit
     def _fp8_mainloop(self, tiled_mma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor, tCcD: cute.Tensor,
                       ab_pipeline, read_in, release_in, k_begin: Int32, k_count: Int32, tile_m: Int32,
-                      tile_n: Int32, mScaleA: cute.Tensor, mScaleB: cute.Tensor):
+                      tile_n: Int32, mScaleA: cute.Tensor, mScaleB: cute.Tensor, wg_idx: Int32, turn_barrier: int):
         """acc (zero) += the unit's k-tiles k_begin .. k_begin + k_count - 1, each promoted into fp32 (the
         module docstring); the pipeline states read_in and release_in advance past them, the last stage not
         released. (The loop runs on copies and the states advance by its count after it: the kernel's loop
-        over units then carries them as it does for the bf16 mainloop, whose cubins stay as they were.)"""
+        over units then carries them as it does for the bf16 mainloop, whose cubins stay as they were.)
+
+        `stagger`: warpgroup wg_idx issues a k-tile's WGMMAs on its turn (named barrier turn_barrier +
+        wg_idx) and then hands the turn to the other (turn_barrier + 1 - wg_idx); the kernel gives warpgroup
+        0 the first turn. Issued at once, the two warpgroups' chains finish together and both promote while
+        the tensor cores idle; in turns, the tensor cores queue one's chain behind the other's, so each
+        warpgroup's promotion runs under the other's WGMMAs."""
         read_state, release_state = read_in.clone(), release_in.clone()
         part = cute.make_rmem_tensor(acc.shape, Float32)
         num_k_blocks = cute.size(tCrA, mode=[2])
@@ -67,6 +74,8 @@ class Fp8Tiles:
                 # used once the WGMMAs are done, so that the wait and the MMAs hide their latency.
                 w = self._fp8_block_scales(tokens, mScaleA, mScaleB, tCcD, tile_m, tile_n, k_begin + k)
             ab_pipeline.consumer_wait(read_state)
+            if const_expr(self.stagger):
+                cute.arch.barrier(barrier_id=turn_barrier + wg_idx, number_of_threads=256)
             warpgroup.fence()  # part was read by the promotion: order it before the WGMMAs write it
             tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
             for kbk in cutlass.range_constexpr(num_k_blocks):
@@ -74,6 +83,8 @@ class Fp8Tiles:
                 cute.gemm(tiled_mma, part, tCrA[coord], tCrB[coord], part)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.commit_group()
+            if const_expr(self.stagger):
+                cute.arch.barrier_arrive(barrier_id=turn_barrier + 1 - wg_idx, number_of_threads=256)
             read_state.advance()
             warpgroup.wait_group(0)
             if k > 0:

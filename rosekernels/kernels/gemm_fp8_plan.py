@@ -10,7 +10,9 @@ into them (`scales` "block": a's 1 x 128 groups times w's 128 x 128 blocks, K a 
 Decode GEMMs stream the weights, and an e4m3 [N, K] weight streams the bytes of a bf16 [N, K / 2] one in
 as many k-tiles: the heuristic is the bf16 decode cost model's choice for that problem among the configs
 the FP8 kernel takes (`equivalent`). Prefill takes 128 x 128 tiles: a second fp32 accumulator for the
-promoted sums leaves no registers for wider ones.
+promoted sums leaves no registers for wider ones. The tuner also tries them with `stagger` (the two
+warpgroups issue their k-tiles' WGMMAs in turns, so that one's promotion runs under the other's MMAs);
+it is not the heuristic until a GPU has timed it.
 """
 from __future__ import annotations
 
@@ -45,9 +47,12 @@ class Fp8GemmConfig(GemmConfig):
     the mainloop applies them. Every other field means what it means for the bf16 kernel."""
 
     OP = OP
-    KEY_DEFAULTS = {**GemmConfig.KEY_DEFAULTS, "b_major": "k"}  # w is always K-major
+    KEY_DEFAULTS = {**GemmConfig.KEY_DEFAULTS, "b_major": "k", "stagger": False}  # w is always K-major
 
     scales: str = "rowcol"  # "rowcol" | "block"
+    # Cooperative 128-row tiles: the two warpgroups take turns issuing their k-tile's WGMMAs (fp8_tiles), so
+    # that one promotes its sums while the tensor cores run the other's.
+    stagger: bool = False
 
     fp8: ClassVar[bool] = True  # what the GEMM device class reads (a GemmConfig has no such attribute)
 
@@ -60,6 +65,8 @@ class Fp8GemmConfig(GemmConfig):
         if acc_regs(self) > MAX_ACC_REGS:
             raise ValueError(f"{self.tile_m} x {self.tile_n} tiles need {acc_regs(self)} registers a thread for the "
                              f"accumulator and the promoted sums; at most {MAX_ACC_REGS}")
+        if self.stagger and (self.pingpong or self.swap_ab or bf16.wg_per_tile(self) != 2):
+            raise ValueError("stagger takes cooperative plain tiles of 128 rows: two warpgroups share the tile")
         weight_tile = self.tile_m if self.swap_ab else self.tile_n
         if self.scales == "block" and BLOCK % weight_tile:
             raise ValueError(f"block scales take weight tiles of a divisor of {BLOCK} rows (one scale block a "
@@ -178,17 +185,17 @@ def config_for(shape: Fp8GemmShape, sms: int | None = None) -> Fp8GemmConfig:
 
 def candidates(shape: Fp8GemmShape, sms: int | None = None) -> list[Fp8GemmConfig]:
     """Every config that can run `shape`, config_for's first: decode, the bf16 GEMM's candidates of the
-    `equivalent` problem that the FP8 kernel takes; prefill, each PREFILL_TILES tile on bf16's
-    PREFILL_CLUSTERS, walked in its PREFILL_RASTER_GROUPS."""
+    `equivalent` problem that the FP8 kernel takes; prefill, each PREFILL_TILES tile (the cooperative one
+    with and without `stagger`) on bf16's PREFILL_CLUSTERS, walked in its PREFILL_RASTER_GROUPS."""
     sms = sm_count() if sms is None else sms
     pick = config_for(shape, sms)
     if shape.m <= DECODE_MAX_M:
         found = _fp8(bf16.candidates(equivalent(shape), sms), shape.scales)
     else:
         found = [Fp8GemmConfig(**_base(shape), tile_m=tm, tile_n=tn, pingpong=pp, cluster_m=cm, cluster_n=cn,
-                               raster_group=group)
-                 for tm, tn, pp in PREFILL_TILES for cm, cn in bf16.PREFILL_CLUSTERS
-                 for group in bf16.PREFILL_RASTER_GROUPS]
+                               raster_group=group, stagger=stagger)
+                 for tm, tn, pp in PREFILL_TILES for stagger in ((False,) if pp else (False, True))
+                 for cm, cn in bf16.PREFILL_CLUSTERS for group in bf16.PREFILL_RASTER_GROUPS]
     return list(dict.fromkeys([pick, *found]))
 
 

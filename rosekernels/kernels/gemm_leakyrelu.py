@@ -68,7 +68,8 @@ Config, Shape = GemmConfig, GemmShape
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}
 
-# Named barrier ids (0 is __syncthreads): epilogue groups use 1..2, pingpong MMA order 3..4.
+# Named barrier ids (0 is __syncthreads): epilogue groups use 1..2, the MMA order 3..4 (pingpong: whole
+# mainloops; FP8 `stagger`: the k-tiles' WGMMAs).
 _EPI_BARRIER = 1
 _MMA_ORDER_BARRIER = 3
 
@@ -482,6 +483,9 @@ class _GemmLeakyReluSm90(GroupedTiles, Fp8Tiles):
                     read_state.advance(k_tiles)
                 else:
                     cute.arch.barrier_arrive(barrier_id=_MMA_ORDER_BARRIER, number_of_threads=256)
+            elif const_expr(self.stagger):  # warpgroup 0 issues the first k-tile (fp8_tiles)
+                if wg_idx == 0:
+                    cute.arch.barrier_arrive(barrier_id=_MMA_ORDER_BARRIER, number_of_threads=256)
             epi_count = Int32(0)  # subtiles stored so far: selects the epilogue buffer
             if const_expr(self.grouped):
                 expert = Int32(0)  # the expert of the last unit (units come in increasing order)
@@ -517,7 +521,8 @@ class _GemmLeakyReluSm90(GroupedTiles, Fp8Tiles):
                 warpgroup.fence()
                 if const_expr(self.fp8):  # each k-tile's sums promoted to fp32 (fp8_tiles)
                     self._fp8_mainloop(tiled_mma, acc, tCrA, tCrB, tCcD, ab_pipeline, read_state, release_state,
-                                       k_begin, k_count, tile_m, tile_n, mScaleA, mScaleB)
+                                       k_begin, k_count, tile_m, tile_n, mScaleA, mScaleB, wg_idx,
+                                       _MMA_ORDER_BARRIER)
                 else:
                     for k in cutlass.range(k_count, unroll=1):
                         ab_pipeline.consumer_wait(read_state)

@@ -25,7 +25,8 @@ C = plan.Fp8GemmConfig
 
 def _families(scales):
     """A config of every tile family: swapped 64 / 128 weight rows (8 .. 128 tokens, clusters), plain decode
-    tiles loading a_rows of A or whole ones (clusters), prefill cooperative and pingpong; epilogues."""
+    tiles loading a_rows of A or whole ones (clusters), prefill cooperative (with and without `stagger`) and
+    pingpong; epilogues."""
     d = dict(split_k=True, cluster_m=1, activation="none", scales=scales)
     return [C(tile_m=64, tile_n=8, swap_ab=True, **d),
             C(tile_m=64, tile_n=128, swap_ab=True, **d),
@@ -38,7 +39,8 @@ def _families(scales):
             C(tile_m=64, tile_n=64, **{**d, "cluster_m": 2}),
             C(tile_m=128, tile_n=128, activation="none", scales=scales),
             C(tile_m=128, tile_n=64, pingpong=True, activation="gelu_tanh", gated=True, bias="bf16", scales=scales),
-            C(tile_m=128, tile_n=128, cluster_m=1, cluster_n=2, activation="leaky_relu", slope=0.2, scales=scales)]
+            C(tile_m=128, tile_n=128, cluster_m=1, cluster_n=2, activation="leaky_relu", slope=0.2, scales=scales),
+            C(tile_m=128, tile_n=128, activation="silu", gated=True, bias="fp32", scales=scales, stagger=True)]
 
 
 _CONFIGS = _families("rowcol") + _families("block")
@@ -84,6 +86,15 @@ def test_compiles_with_fp8_wgmma_and_promotion(fresh_cache, cfg, tmp_path):
     last = max(i for i, line in enumerate(lines) if line.startswith("QGMMA"))
     wait = next(i for i in range(last, len(lines)) if lines[i].startswith("WARPGROUP.DEPBAR"))
     assert lines[wait] == "WARPGROUP.DEPBAR.LE gsb0, 0x0", lines[wait]
+    # stagger: the warpgroup takes its turn (BAR.SYNC) before the k-tile's first WGMMA and hands it over
+    # (BAR.ARV) after the last one, before it waits for them; without it, no named barrier in the loop.
+    first = min(i for i, line in enumerate(lines) if line.startswith("QGMMA"))
+    syncs = [i for i, line in enumerate(lines) if line.startswith("BAR.SYNC")]
+    arrives = [i for i, line in enumerate(lines) if line.startswith("BAR.ARV")]
+    if cfg.stagger:
+        assert len(syncs) == len(arrives) == 1 and syncs[0] < first and last < arrives[0] < wait, lines
+    else:
+        assert not syncs and not arrives, lines
     promoting = [line for line in lines[last:] if line.split()[0] == promotion]
     assert all(i > wait for i, line in enumerate(lines) if line in promoting and i > last)
     read = {r for line in promoting for r in re.findall(r"R\d+", line.split(None, 1)[1].split(",", 1)[1])}
@@ -398,6 +409,23 @@ def test_every_tile_family(cfg):
             out = torch.full(ref.shape, math.nan, dtype=BF16 if cfg.dtype == "bf16" else FP16, device="cuda")
             op.run(a, a_scale, w, w_scale, bias, out, dataclasses.replace(cfg, splits=splits))
             gk.check_out(out, ref, spread)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+@pytest.mark.parametrize("cluster", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("m, n, k", [(1000, 2048, 1152), (300, 1024, 16384)])
+def test_stagger_over_many_units_and_long_k(scheme, cluster, m, n, k):
+    """The warpgroups' turns carry on from unit to unit: 1000 x 2048 is 128 tiles, more than the grid's
+    clusters (max_clusters 16), so each CTA runs several; K = 16384 promotes 128 k-tiles per unit, within 2x
+    the output's rounding."""
+    cfg = C(tile_m=128, tile_n=128, cluster_m=cluster[0], cluster_n=cluster[1], activation="none",
+            scales="block" if scheme == "block" else "rowcol", stagger=True)
+    a, a_scale, w, w_scale = _quantized(m, n, k, scheme, m)
+    ref, spread = gk.reference_and_spread(a, a_scale, w, w_scale, None, "none", False, cfg.slope)
+    out = torch.full(ref.shape, math.nan, dtype=BF16, device="cuda")
+    gk.compile(cfg).fn(*gk.launch_args(cfg, a, a_scale, w, w_scale, None, out, None, None, 16))
+    gk.check_out(out, ref, spread)
 
 
 @pytest.mark.gpu

@@ -27,6 +27,9 @@ def test_imports_without_cutlass():
     (dict(tile_m=128, tile_n=256), "registers"),
     (dict(tile_m=128, tile_n=96, cluster_m=1, split_k=True, scales="block"), "divisor of 128"),
     (dict(dtype="fp32"), "dtype"),
+    (dict(tile_n=64, pingpong=True, stagger=True), "stagger"),
+    (dict(tile_m=64, cluster_m=1, stagger=True), "stagger"),
+    (dict(tile_n=32, cluster_m=1, split_k=True, swap_ab=True, stagger=True), "stagger"),
 ])
 def test_config_validation(fields, match):
     with pytest.raises(ValueError, match=match):
@@ -77,6 +80,19 @@ def test_heuristic_and_candidates(scales, m, n, k):
         eq = plan.equivalent(shape)
         assert pick == bf16.least_cost(eq, [plan.as_fp8(c, scales) for c in bf16.decode_configs(
             eq, bf16.fitted_splits(eq), 132) if plan.as_fp8(c, scales)], 132)
+
+
+def test_stagger_is_searched_on_cooperative_prefill_tiles_and_keyed_only_when_on():
+    shape = plan.Fp8GemmShape(8192, 4096, 4096)
+    found = plan.candidates(shape, 132)
+    assert not plan.config_for(shape, 132).stagger  # not the heuristic until a GPU measures it
+    staggered = [c for c in found if c.stagger]
+    assert staggered and all(not c.pingpong and c.tile_m == 128 for c in staggered)
+    assert {dataclasses.replace(c, stagger=False) for c in staggered} == {c for c in found if not c.pingpong and not c.stagger}
+    assert not any(c.stagger for c in plan.candidates(plan.Fp8GemmShape(16, 4096, 4096), 132))
+    off, on = found[0], dataclasses.replace(found[0], stagger=True)
+    assert "stagger" not in off.variant().key() and "stagger=True" in on.variant().key()
+    assert plan.Fp8GemmConfig.from_variant(on.variant()) == on
 
 
 def test_small_m_swaps_like_the_bf16_gemm():
