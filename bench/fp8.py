@@ -11,7 +11,9 @@ against our bf16 kernels and torch's FP8 GEMM; fp8.json + fp8.md (+ the chart), 
   bandwidth as a share of the device copy bandwidth measured in the same run. The error of each of our
   schemes against the float64 product of its dequantized operands, in units of the bf16 output's own
   rounding error (gemm_fp8.check_out's ratio: the issue's bar is 2).
-- prefill GEMMs (M = 4096, 8192): TFLOP/s, each method's CUDA graph of 5 calls replayed interleaved.
+- prefill GEMMs (M = 4096, 8192): TFLOP/s, each method's CUDA graph of 5 calls replayed interleaved; our
+  channel and block schemes also with the heuristic's tile in `stagger` (gemm_fp8_plan), until it is the
+  heuristic or dropped.
 - quantize_fp8 and rmsnorm's fused fp8 output (with the residual add): bytes moved against the copy
   bandwidth, rows of 4096 and of the MLP widths, per row and per 1 x 128 group, in CUDA graphs.
 - decode attention over a KV cache, bf16 against e4m3 (attention_with_kvcache), B = 16, contexts 8k to 32k,
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import math
 import sys
 import time
@@ -40,6 +43,7 @@ import report  # noqa: E402
 import timing  # noqa: E402
 from report import fmt  # noqa: E402
 from rosekernels import fp8  # noqa: E402
+from rosekernels.kernels.gemm_leakyrelu_plan import DECODE_MAX_M  # noqa: E402
 from rosekernels.kernels.rmsnorm_plan import MAX_HIDDEN  # noqa: E402
 
 DECODE_M = (1, 8, 16, 32, 64, 128)
@@ -189,6 +193,8 @@ def _gemm_methods(m: int, n: int, k: int, gated: bool, peers: dict) -> tuple[dic
     """({method: step}, weight bytes, {scheme: error ratio}) of one GEMM shape."""
     import rosekernels
     from rosekernels.kernels import gemm_fp8 as gk
+    from rosekernels.kernels import gemm_fp8_plan as plan
+    from rosekernels.ops import gemm_fp8 as op
 
     activation = "silu" if gated else None
     count = timing.input_sets(n * k, least=2, most=16)
@@ -202,6 +208,12 @@ def _gemm_methods(m: int, n: int, k: int, gated: bool, peers: dict) -> tuple[dic
             if m * n <= 1 << 24 else None  # (the float64 reference of the largest shapes is left out)
         steps[f"rosekernels fp8 {scheme}"] = lambda i, s=sets: rosekernels.gemm_fp8(
             *s[i % len(s)][:4], activation=activation, gated=gated, out=s[i % len(s)][4])
+        if scheme != "tensor" and m > DECODE_MAX_M:  # (tensor runs the channel scheme's kernel)
+            shape = plan.Fp8GemmShape(m, n, k, scales=plan.scales_of(scheme), activation=activation or "none",
+                                      gated=gated)
+            staggered = dataclasses.replace(plan.config_for(shape), stagger=True)
+            steps[f"rosekernels fp8 {scheme} stagger"] = lambda i, s=sets, c=staggered: op.run(
+                *s[i % len(s)][:4], None, s[i % len(s)][4], c)
         if scheme in ("tensor", "channel") and peers.get("scaled_mm") and not gated:
             label = "torch._scaled_mm " + ("per-tensor" if scheme == "tensor" else "rowwise")
             steps[label] = lambda i, s=sets, rowwise=scheme == "channel": peers["scaled_mm"](s[i % len(s)], rowwise)
