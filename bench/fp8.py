@@ -12,7 +12,7 @@ against our bf16 kernels and torch's FP8 GEMM; fp8.json + fp8.md (+ the chart), 
   schemes against the float64 product of its dequantized operands, in units of the bf16 output's own
   rounding error (gemm_fp8.check_out's ratio: the issue's bar is 2).
 - prefill GEMMs (M = 4096, 8192): TFLOP/s, each method's CUDA graph of 5 calls replayed interleaved; our
-  channel and block schemes also with the heuristic's tile in `stagger` (gemm_fp8_plan), until it is the
+  channel and block schemes also with the config the op plans in `stagger` (gemm_fp8_plan), until it is the
   heuristic or dropped.
 - quantize_fp8 and rmsnorm's fused fp8 output (with the residual add): bytes moved against the copy
   bandwidth, rows of 4096 and of the MLP widths, per row and per 1 x 128 group, in CUDA graphs.
@@ -193,6 +193,7 @@ def _gemm_methods(m: int, n: int, k: int, gated: bool, peers: dict) -> tuple[dic
     """({method: step}, weight bytes, {scheme: error ratio}) of one GEMM shape."""
     import rosekernels
     from rosekernels.kernels import gemm_fp8 as gk
+    from rosekernels import modes, tuned
     from rosekernels.kernels import gemm_fp8_plan as plan
     from rosekernels.ops import gemm_fp8 as op
 
@@ -209,11 +210,15 @@ def _gemm_methods(m: int, n: int, k: int, gated: bool, peers: dict) -> tuple[dic
         steps[f"rosekernels fp8 {scheme}"] = lambda i, s=sets: rosekernels.gemm_fp8(
             *s[i % len(s)][:4], activation=activation, gated=gated, out=s[i % len(s)][4])
         if scheme != "tensor" and m > DECODE_MAX_M:  # (tensor runs the channel scheme's kernel)
+            # The config the op above plans (a stored entry's or the heuristic's), only staggered.
             shape = plan.Fp8GemmShape(m, n, k, scales=plan.scales_of(scheme), activation=activation or "none",
                                       gated=gated)
-            staggered = dataclasses.replace(plan.config_for(shape), stagger=True)
-            steps[f"rosekernels fp8 {scheme} stagger"] = lambda i, s=sets, c=staggered: op.run(
-                *s[i % len(s)][:4], None, s[i % len(s)][4], c)
+            sms = modes.sm_count()
+            planned = tuned.tuned_config(gk, shape, plan.config_for(shape, sms), sms)
+            if not planned.pingpong:
+                staggered = dataclasses.replace(planned, stagger=True)
+                steps[f"rosekernels fp8 {scheme} stagger"] = lambda i, s=sets, c=staggered: op.run(
+                    *s[i % len(s)][:4], None, s[i % len(s)][4], c)
         if scheme in ("tensor", "channel") and peers.get("scaled_mm") and not gated:
             label = "torch._scaled_mm " + ("per-tensor" if scheme == "tensor" else "rowwise")
             steps[label] = lambda i, s=sets, rowwise=scheme == "channel": peers["scaled_mm"](s[i % len(s)], rowwise)

@@ -54,9 +54,10 @@ class Fp8Tiles:
 
         `stagger`: warpgroup wg_idx issues a k-tile's WGMMAs on its turn (named barrier turn_barrier +
         wg_idx) and then hands the turn to the other (turn_barrier + 1 - wg_idx); the kernel gives warpgroup
-        0 the first turn. Issued at once, the two warpgroups' chains finish together and both promote while
-        the tensor cores idle; in turns, the tensor cores queue one's chain behind the other's, so each
-        warpgroup's promotion runs under the other's WGMMAs."""
+        0 the first turn. The turns order the issue only. The intent, which a GPU has yet to time: issued at
+        once, the two chains finish together and both warpgroups promote while the tensor cores idle; issued
+        in turns, if the tensor cores run one chain behind the other, each warpgroup promotes under the
+        other's WGMMAs."""
         read_state, release_state = read_in.clone(), release_in.clone()
         part = cute.make_rmem_tensor(acc.shape, Float32)
         num_k_blocks = cute.size(tCrA, mode=[2])

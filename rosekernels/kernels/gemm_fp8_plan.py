@@ -50,8 +50,8 @@ class Fp8GemmConfig(GemmConfig):
     KEY_DEFAULTS = {**GemmConfig.KEY_DEFAULTS, "b_major": "k", "stagger": False}  # w is always K-major
 
     scales: str = "rowcol"  # "rowcol" | "block"
-    # Cooperative 128-row tiles: the two warpgroups take turns issuing their k-tile's WGMMAs (fp8_tiles), so
-    # that one promotes its sums while the tensor cores run the other's.
+    # Cooperative 128-row prefill tiles: the two warpgroups take turns issuing their k-tile's WGMMAs
+    # (fp8_tiles), meant to let one promote its sums while the tensor cores run the other's.
     stagger: bool = False
 
     fp8: ClassVar[bool] = True  # what the GEMM device class reads (a GemmConfig has no such attribute)
@@ -65,8 +65,8 @@ class Fp8GemmConfig(GemmConfig):
         if acc_regs(self) > MAX_ACC_REGS:
             raise ValueError(f"{self.tile_m} x {self.tile_n} tiles need {acc_regs(self)} registers a thread for the "
                              f"accumulator and the promoted sums; at most {MAX_ACC_REGS}")
-        if self.stagger and (self.pingpong or self.swap_ab or bf16.wg_per_tile(self) != 2):
-            raise ValueError("stagger takes cooperative plain tiles of 128 rows: two warpgroups share the tile")
+        if self.stagger and (self.pingpong or self.swap_ab or self.split_k or bf16.wg_per_tile(self) != 2):
+            raise ValueError("stagger takes cooperative prefill tiles of 128 rows: two warpgroups share the tile")
         weight_tile = self.tile_m if self.swap_ab else self.tile_n
         if self.scales == "block" and BLOCK % weight_tile:
             raise ValueError(f"block scales take weight tiles of a divisor of {BLOCK} rows (one scale block a "

@@ -87,12 +87,18 @@ def test_compiles_with_fp8_wgmma_and_promotion(fresh_cache, cfg, tmp_path):
     wait = next(i for i in range(last, len(lines)) if lines[i].startswith("WARPGROUP.DEPBAR"))
     assert lines[wait] == "WARPGROUP.DEPBAR.LE gsb0, 0x0", lines[wait]
     # stagger: the warpgroup takes its turn (BAR.SYNC) before the k-tile's first WGMMA and hands it over
-    # (BAR.ARV) after the last one, before it waits for them; without it, no named barrier in the loop.
+    # (BAR.ARV) after the last one, before it waits for them, on the other barrier of the pair (ids in two
+    # registers: 3 + its warpgroup, 4 - it), both warpgroups counted (256 threads); warpgroup 0 has had
+    # the first turn given (BAR.ARV 0x3 before the loop). Without stagger, no named barrier in the loop.
     first = min(i for i, line in enumerate(lines) if line.startswith("QGMMA"))
-    syncs = [i for i, line in enumerate(lines) if line.startswith("BAR.SYNC")]
-    arrives = [i for i, line in enumerate(lines) if line.startswith("BAR.ARV")]
+    syncs = [(i, line) for i, line in enumerate(lines) if line.startswith("BAR.SYNC")]
+    arrives = [(i, line) for i, line in enumerate(lines) if line.startswith("BAR.ARV")]
     if cfg.stagger:
-        assert len(syncs) == len(arrives) == 1 and syncs[0] < first and last < arrives[0] < wait, lines
+        assert len(syncs) == len(arrives) == 1 and syncs[0][0] < first and last < arrives[0][0] < wait, lines
+        (sync_id, sync_count), (arrive_id, arrive_count) = (line.split(None, 1)[1].split(", ")
+                                                            for line in (syncs[0][1], arrives[0][1]))
+        assert sync_count == arrive_count == "0x100" and sync_id != arrive_id and sync_id.startswith("R"), lines
+        assert re.search(r"BAR\.ARV 0x3, 0x100", sass[:sass.index("QGMMA")]), "warpgroup 0 is given no first turn"
     else:
         assert not syncs and not arrives, lines
     promoting = [line for line in lines[last:] if line.split()[0] == promotion]

@@ -30,6 +30,7 @@ def test_imports_without_cutlass():
     (dict(tile_n=64, pingpong=True, stagger=True), "stagger"),
     (dict(tile_m=64, cluster_m=1, stagger=True), "stagger"),
     (dict(tile_n=32, cluster_m=1, split_k=True, swap_ab=True, stagger=True), "stagger"),
+    (dict(tile_n=64, cluster_m=1, split_k=True, stagger=True), "stagger"),
 ])
 def test_config_validation(fields, match):
     with pytest.raises(ValueError, match=match):
