@@ -8,7 +8,7 @@
     python bench/sip_compute.py --store-floors STORE [--kernels A,B]      GPU: each kernel's floor, stored
 
 Kernels: sip_tune.compute.cells() (varlen attention d=64 first, dense attention d=64/128 causal and not,
-the GEMM + activation prefill plain and gated). Classes (sip.mutate.parse_moves): CLASSES below; a class
+the GEMM + activation prefill plain and gated, the FP8 GEMM prefill with channel and block scales). Classes (sip.mutate.parse_moves): CLASSES below; a class
 with no legal move in a kernel is recorded as such and never sent to the GPU.
 
 A GPU call does, in order, what is left and fits before its deadline (--minutes; keep it under the

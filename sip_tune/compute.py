@@ -3,8 +3,9 @@
     CELLS: the kernels of the campaign (bench/sip_compute.py), each a Cell: how to build its workload,
     and the public op and shape the op-level check (sip_tune.oplevel) times it through.
 
-Attention prefill (dense: d = 64 and 128, causal and not) and the GEMM + activation prefill (M >= 4096,
-plain and gated SwiGLU) are the package's own workloads (sip_tune.workloads). The varlen attention
+Attention prefill (dense: d = 64 and 128, causal and not), the GEMM + activation prefill (M >= 4096,
+plain and gated SwiGLU) and the FP8 GEMM prefill (channel and block scales) are the package's own
+workloads (sip_tune.workloads). The varlen attention
 kernel has none there (its launches take packed sequences), so `varlen_workload` is its: a few packed
 sequences of ragged lengths for timing, one to three short ragged ones per test sample, each sequence
 checked against the float64 reference of the dense kernel's check (rosekernels.kernels.attention_common).
@@ -121,5 +122,11 @@ def cells() -> dict[str, Cell]:
                "GEMM + LeakyReLU prefill, M=4096 N=14336 K=4096"),
         _dense("gemm_swiglu_prefill", "gemm_leakyrelu", {"m": 4096, "gated": True, "activation": "silu"},
                "gated GEMM (SwiGLU) prefill, M=4096 N=14336 (7168 out) K=4096"),
+        # The FP8 GEMM adds each k-tile's WGMMA sums into fp32 with 64 FADDs / FFMAs a thread, between the
+        # wait for them and the next k-tile's WGMMAs: instructions, not barriers, on its critical path.
+        _dense("gemm_fp8_prefill", "gemm_fp8", {"m": 4096, "n": 14336, "k": 4096},
+               "FP8 GEMM prefill, per-token x per-channel scales, M=4096 N=14336 K=4096"),
+        _dense("gemm_fp8_block_prefill", "gemm_fp8", {"m": 4096, "n": 14336, "k": 4096, "scales": "block"},
+               "FP8 GEMM prefill, 1x128 x 128x128 block scales, M=4096 N=14336 K=4096"),
     ]
     return {c.name: c for c in out}
