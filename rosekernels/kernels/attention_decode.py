@@ -279,6 +279,11 @@ class _DecodeAttentionSm90:
             stage = state.index
             if cutlass.const_expr(fp8 is not None):  # the e4m3 tile widened, V past the end zeroed
                 stage = self.widen(fp8[0], fp8[1], sK, sV, state.index, i % 2, seqlen_k - t * self.tile_n, tidx)
+                # Every MMA warp has passed widen's barrier, so none reads the ring stage again: the producer
+                # refills it while this tile's MMAs run (held to the end of the tile, a stage of the ring's
+                # three, half the bytes of a bf16 one, would stay out of flight).
+                pipe.consumer_release(state)
+                state.advance()
             elif cutlass.const_expr(self.cfg.varlen):
                 self.clear_v_tail(sV, stage, seqlen_k - t * self.tile_n, ks, lane)
             acc_S.fill(0.0)
@@ -323,8 +328,9 @@ class _DecodeAttentionSm90:
             rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
             rP.store(acc_S.load().to(self.dtype))
             warp_mma(tiled_mma, acc_O, acc_as_a(rP), tOrV, tOsV[None, None, None, stage], copy_V)
-            pipe.consumer_release(state)
-            state.advance()
+            if cutlass.const_expr(fp8 is None):  # (an e4m3 tile's stage went back after its widening)
+                pipe.consumer_release(state)
+                state.advance()
 
         for r in cutlass.range_constexpr(n_rows):
             row_sum[r] = quad_sum(row_sum[r])

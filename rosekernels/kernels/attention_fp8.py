@@ -6,7 +6,8 @@ attention is bound by). The MMA warps widen each tile, together, into one of two
 dtype in shared memory (e4m3 values are exact in bf16 and fp16), V's rows past the sequence's end as
 zeros (the cache may hold NaN there), then run the bf16/fp16 mainloop on it unchanged: ldmatrix and
 mma.sync as for a cache of the query's dtype. One barrier of the MMA warps per tile separates a tile's
-widening from its MMAs; the two tiles alternate, so the next widening never overwrites a tile a warp may
+widening from its MMAs, and the ring stage goes back to the producer right after it (kept through the MMAs,
+a stage of half a bf16 tile's bytes would sit out of flight); the two tiles alternate, so the next widening never overwrites a tile a warp may
 still read (every warp has passed the barrier after its last MMA on it). The descales are per KV head:
 k_descale multiplies the scores (folded into the softmax scale), v_descale the output (which the split
 combine takes as it is: it is linear in the partial outputs).

@@ -13,7 +13,7 @@ import lying_tables
 from attention_reference import check_kvcache, decode_sass, paged_cache, sync
 
 import rosekernels
-from kernel_sass import sass_of
+from kernel_sass import loop_instructions, sass_of
 from rosekernels.kernels import append_kvcache as A
 from rosekernels.kernels import attention_decode as D
 from rosekernels.models import ModelDims
@@ -110,8 +110,9 @@ _ATTENTION = [D.DecodeConfig(128, "bf16", 16, varlen=True, kv_fp8=True),
 @pytest.mark.parametrize("cfg", _ATTENTION, ids=lambda c: c.variant().key())
 def test_attention_compiles_with_the_widening(fresh_cache, cfg, tmp_path):
     """TMA loads e4m3 tiles (one box per page slice; a row of d bytes: one swizzle atom wide at d = 128),
-    the MMA warps widen them (e4m3 -> f16 conversions, a barrier per tile) and run the same mma.sync work
-    per tile as a cache of the query's dtype."""
+    the MMA warps widen them (e4m3 -> f16 conversions, a barrier per tile), hand the ring stage back to the
+    producer right after that barrier (the mbarrier arrive before the tile's first mma.sync, none after it),
+    and run the same mma.sync work per tile as a cache of the query's dtype."""
     sass = decode_sass(cfg, D.compile(cfg), tmp_path)
     boxes = cfg.tile_n // cfg.page_rows if cfg.paged else 1
     assert len(re.findall(r"\bUTMALDG\b", sass)) == 2 * boxes, cfg
@@ -119,6 +120,11 @@ def test_attention_compiles_with_the_widening(fresh_cache, cfg, tmp_path):
     keys = cfg.tile_n // cfg.key_slices
     assert len(re.findall(r"\bHMMA\.16816", sass)) == keys // 8 * cfg.head_dim // 16 + cfg.head_dim // 8 * keys // 16
     assert re.search(r"BAR\.SYNC(\.DEFER_BLOCKING)? 0x1, 0x80", sass), "no barrier of the MMA warps"
+    lines = loop_instructions(sass, "HMMA")
+    first_mma = next(i for i, line in enumerate(lines) if line.startswith("HMMA"))
+    widened = max(i for i, line in enumerate(lines[:first_mma]) if re.match(r"BAR\.SYNC\S* 0x1, 0x80", line))
+    released = [i for i, line in enumerate(lines) if line.startswith("SYNCS.ARRIVE")]
+    assert released and all(widened < i < first_mma for i in released), (widened, first_mma, released)
 
 
 # ---------------------------------------------------------------------------------------------
