@@ -17,6 +17,7 @@ from kernel_sass import loop_instructions, sass_of
 from rosekernels.kernels import append_kvcache as A
 from rosekernels.kernels import attention_decode as D
 from rosekernels.models import ModelDims
+from rosekernels.ops.kvcache import plan_kvcache
 
 BF16, FP16, E4M3 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
 QWEN3_8B = ModelDims("qwen3-8b", 4096, 12288, 32, 8, 128)
@@ -104,7 +105,8 @@ _ATTENTION = [D.DecodeConfig(128, "bf16", 16, varlen=True, kv_fp8=True),
               D.DecodeConfig(128, "bf16", 16, varlen=True, page_rows=16, kv_fp8=True),
               D.DecodeConfig(128, "fp16", 64, varlen=True, page_rows=64, kv_fp8=True),
               D.DecodeConfig(64, "bf16", 32, varlen=True, page_rows=16, kv_fp8=True),
-              D.DecodeConfig(64, "fp16", 16, varlen=True, kv_fp8=True, num_stages=4)]
+              D.DecodeConfig(64, "fp16", 16, varlen=True, kv_fp8=True, num_stages=4),
+              D.DecodeConfig(128, "bf16", 16, varlen=True, page_rows=16, kv_fp8=True, num_stages=6)]
 
 
 @pytest.mark.parametrize("cfg", _ATTENTION, ids=lambda c: c.variant().key())
@@ -206,13 +208,15 @@ def test_append_writes_the_reference_bytes(paged, per_head):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("stages", [None, 6], ids=["planned", "6-stages"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_attention_matches_the_dequantized_reference(d, dtype, paged):
+def test_attention_matches_the_dequantized_reference(d, dtype, paged, stages):
     """B = 5 with lengths 0, 1 and the full cache among random ones, S_q 1 and 4, GQA 4, causal and not,
     per-tensor and per-head descales; the cache rows past each length NaN (e4m3 0x7f): they must not
-    reach the output."""
+    reach the output. Through the op, and with a 6-stage ring (the bf16 ring's bytes in flight) into
+    NaN-filled outputs."""
     g = torch.Generator().manual_seed(d + paged)
     scale = 1.0 / math.sqrt(d)
     for i, (s_q, per_head) in enumerate(((1, False), (4, True), (1, True))):
@@ -232,9 +236,17 @@ def test_attention_matches_the_dequantized_reference(d, dtype, paged):
             k_q, v_q = k_q.view(E4M3), v_q.view(E4M3)
         q = torch.randn(5, s_q, 8, d, generator=g).to(dtype).cuda()
         causal = i % 2 == 0
-        out, lse = rosekernels.attention_with_kvcache(q, k_q, v_q, lengths, table, softmax_scale=scale, causal=causal,
-                                                      return_lse=True, k_descale=k_descale, v_descale=v_descale)
-        sync(f"fp8 cache d={d} {dtype} paged={paged}")
+        if stages is None:
+            out, lse = rosekernels.attention_with_kvcache(q, k_q, v_q, lengths, table, softmax_scale=scale,
+                                                          causal=causal, return_lse=True, k_descale=k_descale,
+                                                          v_descale=v_descale)
+        else:
+            out = torch.full_like(q, math.nan)
+            lse = torch.full((5, 8, s_q), math.nan, device="cuda")
+            plan = plan_kvcache(q, k_q, v_q, out, lengths, table, causal, scale, num_stages=stages)
+            assert plan.cfg.num_stages == stages
+            plan.launch(q, k_q, v_q, out, lse, lengths, table, k_descale, v_descale)
+        sync(f"fp8 cache d={d} {dtype} paged={paged} stages={stages}")
         k_ref, v_ref = _dequantized(k_q, k_descale, dtype), _dequantized(v_q, v_descale, dtype)  # NaN rows unread
         check_kvcache(out, lse, q, k_ref, v_ref, lengths, table, causal, scale,
                       f"e4m3 cache d={d} {dtype} paged={paged} s_q={s_q} per_head={per_head}")
