@@ -55,7 +55,7 @@ from rosekernels.kernels.attention_common import (
     CUTE_DTYPES, LN_2, LOG2_E, acc_as_a, acc_rows, check, fake_qkv_out_lse, quad_max, quad_sum, tma_tiles, warp_mma)
 from rosekernels.kernels.attention_fp8 import Fp8KVTiles
 from rosekernels.kernels.attention_decode_plan import (  # noqa: F401 - the plan's names are this kernel's
-    MAX_SEQLEN_Q, MMA_WARPS, OP, DecodeConfig, DecodeShape, candidates, causal_shift_for, config_for,
+    MAX_SEQLEN_Q, MMA_WARPS, OP, WIDEN_WARPS, DecodeConfig, DecodeShape, candidates, causal_shift_for, config_for,
     kvcache_config_for, kvcache_variants_for, rank, split_plan, variants_for)
 from rosekernels.workload import Workload
 
@@ -85,7 +85,10 @@ class _DecodeAttentionSm90:
         self.tile_m, self.tile_n, self.stages = cfg.tile_m, cfg.tile_n, cfg.num_stages
         self.ks = cfg.key_slices
         self.warp_keys = self.tile_n // self.ks
-        self.num_threads = 32 * (MMA_WARPS + 1)  # warp MMA_WARPS is the TMA producer
+        # Warp MMA_WARPS is the TMA producer; widen_warps: WIDEN_WARPS widen warps follow it, and they, not
+        # the MMA warps, consume the ring.
+        self.num_threads = 32 * (MMA_WARPS + 1 + (WIDEN_WARPS if cfg.widen_warps else 0))
+        self.ring_consumers = WIDEN_WARPS if cfg.widen_warps else MMA_WARPS
         self.scratch_stride = self.d + 8  # fp32 row stride of the merge scratch: no bank conflicts
 
     def _smem_layout(self, buffers: int | None = None):
@@ -119,7 +122,7 @@ class _DecodeAttentionSm90:
         pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(), num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MMA_WARPS),  # lane 0 of each
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.ring_consumers),  # lane 0 of each
             tx_count=2 * self.tile_bytes, defer_sync=True)
         pipeline.pipeline_init_arrive()
         pipeline.pipeline_init_wait()
@@ -275,17 +278,21 @@ class _DecodeAttentionSm90:
             if cutlass.const_expr(self.cfg.paged):
                 bad = self.bad_boxes(entries, t * self.tile_n + ks * self.warp_keys, seqlen_k, num_blocks)
                 self.read_entries(entries, mTable, batch, (t + 1) * self.tile_n + ks * self.warp_keys, block_size)
-            pipe.consumer_wait(state)
-            stage = state.index
-            if cutlass.const_expr(fp8 is not None):  # the e4m3 tile widened, V past the end zeroed
-                stage = self.widen(fp8[0], fp8[1], sK, sV, state.index, i % 2, seqlen_k - t * self.tile_n, tidx)
-                # Every MMA warp has passed widen's barrier, so none reads the ring stage again: the producer
-                # refills it while this tile's MMAs run (held to the end of the tile, a stage of the ring's
-                # three, half the bytes of a bf16 one, would stay out of flight).
-                pipe.consumer_release(state)
-                state.advance()
-            elif cutlass.const_expr(self.cfg.varlen):
-                self.clear_v_tail(sV, stage, seqlen_k - t * self.tile_n, ks, lane)
+            if cutlass.const_expr(fp8 is not None and self.cfg.widen_warps):
+                stage = self.mma_tile(i)  # widened by the widen warps (attention_fp8)
+            else:
+                pipe.consumer_wait(state)
+                stage = state.index
+                if cutlass.const_expr(fp8 is not None):  # the e4m3 tile widened, V past the end zeroed
+                    stage = self.widen(fp8[0], fp8[1], sK, sV, state.index, i % 2, seqlen_k - t * self.tile_n,
+                                       tidx)
+                    # Every MMA warp has passed widen's barrier, so none reads the ring stage again: the
+                    # producer refills it while this tile's MMAs run (held to the end of the tile, a stage of
+                    # the ring's three, half the bytes of a bf16 one, would stay out of flight).
+                    pipe.consumer_release(state)
+                    state.advance()
+                elif cutlass.const_expr(self.cfg.varlen):
+                    self.clear_v_tail(sV, stage, seqlen_k - t * self.tile_n, ks, lane)
             acc_S.fill(0.0)
             warp_mma(tiled_mma, acc_S, tSrQ, tSrK, tSsK[None, None, None, stage], copy_K)
             if cutlass.const_expr(self.cfg.paged):
@@ -331,6 +338,8 @@ class _DecodeAttentionSm90:
             if cutlass.const_expr(fp8 is None):  # (an e4m3 tile's stage went back after its widening)
                 pipe.consumer_release(state)
                 state.advance()
+            elif cutlass.const_expr(self.cfg.widen_warps):
+                self.mma_done(stage)
 
         for r in cutlass.range_constexpr(n_rows):
             row_sum[r] = quad_sum(row_sum[r])
@@ -601,13 +610,23 @@ class _KVCacheDecodeSm90(_DecodeAttentionSm90, Fp8KVTiles):
             fp8 = (sK_ring, sV_ring, mVDescale[head_kv])
             scale_log2 = scale_log2 * mKDescale[head_kv]  # the scores of the cache's K times k_descale
 
-        if warp_idx == MMA_WARPS:
-            self.load(tma_atom_k, mK, tma_atom_v, mV, sK_ring, sV_ring, pipe, mTable, head_kv, batch, seqlen_k,
-                      t_begin, n_local, block_size, num_blocks)
+        load_args = (tma_atom_k, mK, tma_atom_v, mV, sK_ring, sV_ring, pipe, mTable, head_kv, batch, seqlen_k,
+                     t_begin, n_local, block_size, num_blocks)
+        mma_args = (mQ, mO, mLSE, mOp, mLSEp, mCount, sK, sV, storage, pipe, tiled_mma, scale_log2,
+                    seqlen_k + causal_offset, num_splits, num_groups, group, tidx, warp_idx, head_kv, batch, split,
+                    m_block, ratio, rows, seqlen_k, t_begin, n_local, mTable, block_size, num_blocks, fp8)
+        if cutlass.const_expr(self.cfg.widen_warps):
+            if warp_idx == MMA_WARPS:
+                self.load(*load_args)
+            elif warp_idx > MMA_WARPS:
+                self.widen_tiles(sK_ring, sV_ring, sK, sV, pipe, seqlen_k, t_begin, n_local,
+                                 tidx - 32 * (MMA_WARPS + 1))
+            else:
+                self.mma(*mma_args)
+        elif warp_idx == MMA_WARPS:
+            self.load(*load_args)
         else:
-            self.mma(mQ, mO, mLSE, mOp, mLSEp, mCount, sK, sV, storage, pipe, tiled_mma, scale_log2,
-                     seqlen_k + causal_offset, num_splits, num_groups, group, tidx, warp_idx, head_kv, batch,
-                     split, m_block, ratio, rows, seqlen_k, t_begin, n_local, mTable, block_size, num_blocks, fp8)
+            self.mma(*mma_args)
 
     @cute.jit
     def load(self, tma_atom_k, mK, tma_atom_v, mV, sK, sV, pipe, mTable, head_kv, batch, seqlen_k, t_begin,

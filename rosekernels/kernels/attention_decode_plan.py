@@ -13,8 +13,9 @@ The KV-cache variants (rosekernels.attention_with_kvcache) are the same kernel w
 compile-time fields: `varlen` (each sequence's key count is read from device memory) and
 `page_rows` (a paged cache: each K/V tile is loaded as tile_n / page_rows boxes of page_rows rows,
 each inside one page; 0: a contiguous cache), and `kv_fp8` (an e4m3 cache: each tile widened to the
-query's dtype in shared memory, the scores and the output times the descales). All three are left out
-of the variant key at their defaults, so the keys of the dense variants are unchanged.
+query's dtype in shared memory, the scores and the output times the descales), with `widen_warps` by
+warps of their own instead of the MMA warps. All of them are left out of the variant key at their
+defaults, so the keys of the dense variants are unchanged.
 """
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ from rosekernels.variant import MODES
 OP = "attention_decode"
 MAX_SEQLEN_Q = 16  # attention() sends S_q <= this here
 MMA_WARPS = 4
+# widen_warps: 3, so that the CTA is 8 warps (the MMA warps, the producer and these): two warpgroups, whose
+# register file allows ptxas up to 255 registers a thread (with 4, 288 threads held it to 168 and it spilled).
+WIDEN_WARPS = 3
 TILE_M = (16, 32, 64)
 STAGES = (2, 3, 4, 5, 6)  # the legal K/V ring depths (6 x 32 KB: one CTA per SM still fits)
 PAGE_ROWS = 16  # the smallest page (block_size) of a paged KV cache: one TMA box of 16 rows
@@ -109,7 +113,7 @@ class DecodeConfig(KernelConfig):
     mode: ClassVar[str] = "decode"
     POLICY_FIELDS = ("splits",)
     # The keys of the dense variants predate these.
-    KEY_DEFAULTS = {"varlen": False, "page_rows": 0, "pdl": True, "kv_fp8": False}
+    KEY_DEFAULTS = {"varlen": False, "page_rows": 0, "pdl": True, "kv_fp8": False, "widen_warps": False}
 
     head_dim: int  # 64 or 128
     dtype: str  # "bf16" or "fp16"
@@ -127,6 +131,9 @@ class DecodeConfig(KernelConfig):
     pdl: bool = True
     # KV-cache variants: an e4m3 cache (attention_fp8), with k and v descales per KV head.
     kv_fp8: bool = False
+    # An e4m3 cache widened by WIDEN_WARPS warps of their own, a tile ahead of the MMA warps, instead of by
+    # the MMA warps before each tile's MMAs (attention_fp8); the CTA's registers then allow one CTA per SM.
+    widen_warps: bool = False
 
     def validate(self) -> None:
         if self.head_dim not in HEAD_DIMS:
@@ -144,6 +151,8 @@ class DecodeConfig(KernelConfig):
                              f"{self.tile_n}] (tile_n), got {self.page_rows} (varlen={self.varlen})")
         if self.kv_fp8 and not self.varlen:
             raise ValueError("an e4m3 KV cache (kv_fp8) is for the KV-cache variants (varlen)")
+        if self.widen_warps and not self.kv_fp8:
+            raise ValueError("widen_warps widen an e4m3 cache (kv_fp8)")
 
     @property
     def tile_n(self) -> int:

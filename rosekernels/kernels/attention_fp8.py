@@ -2,29 +2,40 @@
 `kv_fp8`); the kernel class inherits these methods and calls them only for such configs.
 
 The producer's TMA fills a ring of e4m3 K and V tiles (half the bytes of a bf16 cache: what decode
-attention is bound by). The MMA warps widen each tile, together, into one of two tiles of the query's
-dtype in shared memory (e4m3 values are exact in bf16 and fp16), V's rows past the sequence's end as
-zeros (the cache may hold NaN there), then run the bf16/fp16 mainloop on it unchanged: ldmatrix and
-mma.sync as for a cache of the query's dtype. One barrier of the MMA warps per tile separates a tile's
-widening from its MMAs, and the ring stage goes back to the producer right after it (kept through the MMAs,
-a stage of half a bf16 tile's bytes would sit out of flight); the two tiles alternate, so the next widening never overwrites a tile a warp may
-still read (every warp has passed the barrier after its last MMA on it). The descales are per KV head:
-k_descale multiplies the scores (folded into the softmax scale), v_descale the output (which the split
-combine takes as it is: it is linear in the partial outputs).
+attention is bound by). Each tile is widened into one of two tiles of the query's dtype in shared memory
+(e4m3 values are exact in bf16 and fp16), V's rows past the sequence's end as zeros (the cache may hold
+NaN there), then the bf16/fp16 mainloop runs on it unchanged: ldmatrix and mma.sync as for a cache of the
+query's dtype. The ring stage goes back to the producer as soon as it is widened (kept through the MMAs,
+a stage of half a bf16 tile's bytes would sit out of flight). Who widens:
+
+- the MMA warps, together, before each tile's MMAs (`widen`): one barrier of theirs per tile separates
+  the widening from the MMAs; the two tiles alternate, so the next widening never overwrites a tile a
+  warp may still read (every warp has passed the barrier after its last MMA on it);
+- `widen_warps`: WIDEN_WARPS warps of their own (`widen_tiles`), a tile ahead, so that widening and
+  MMAs overlap. Named barriers hand the tiles over: _BAR_WIDENED + tile (the widen warps arrive once it is
+  written, the MMA warps wait before reading it) and _BAR_FREE + tile (the MMA warps arrive after their
+  last MMA on it, the widen warps wait before writing it again).
+
+The descales are per KV head: k_descale multiplies the scores (folded into the softmax scale), v_descale
+the output (which the split combine takes as it is: it is linear in the partial outputs).
 """
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from rosekernels.kernels.attention_decode_plan import MMA_WARPS
+from rosekernels.kernels.attention_decode_plan import MMA_WARPS, WIDEN_WARPS
 
 VEC = 16  # e4m3 elements a thread widens at once (16 bytes in, 32 out)
 _BAR_MMA = 1  # the MMA warps' named barrier (attention_decode's)
+_BAR_WIDENED = 2  # + the widened tile (0, 1): written (widen_warps)
+_BAR_FREE = 4  # + the widened tile: read by every MMA warp (widen_warps)
+HANDOFF_THREADS = 32 * (MMA_WARPS + WIDEN_WARPS)  # the MMA warps and the widen warps
 
 
 class Fp8KVTiles:
@@ -58,14 +69,49 @@ class Fp8KVTiles:
               valid: Int32, tidx: Int32) -> Int32:
         """Ring stage `stage` (e4m3) into tile `tile` of sK/sV (the query's dtype) by the MMA warps, V's rows from
         `valid` on as zeros; returns `tile`, whose stage index the mainloop then reads."""
+        self._widen_tile(sK8, sV8, sK, sV, stage, tile, valid, tidx, 32 * MMA_WARPS)
+        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=32 * MMA_WARPS)
+        return tile
+
+    @cute.jit
+    def widen_tiles(self, sK8: cute.Tensor, sV8: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, pipe,
+                    seqlen_k: Int32, t_begin: Int32, n_local: Int32, wtid: Int32):
+        """The widen warps (`widen_warps`; wtid: the thread's index among them): the CTA's tiles from the ring
+        into the two widened tiles in turn, each handed to the MMA warps (mma_tile waits for it)."""
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        for i in cutlass.range(n_local, unroll=1):
+            tile = i % 2
+            if i >= 2:  # the MMA warps are done with the tile two back
+                cute.arch.barrier(barrier_id=_BAR_FREE + tile, number_of_threads=HANDOFF_THREADS)
+            pipe.consumer_wait(state)
+            self._widen_tile(sK8, sV8, sK, sV, state.index, tile, seqlen_k - (t_begin + i) * self.tile_n, wtid,
+                             32 * WIDEN_WARPS)
+            pipe.consumer_release(state)  # each warp after its own reads: the stage is free once all have arrived
+            state.advance()
+            cute.arch.barrier_arrive(barrier_id=_BAR_WIDENED + tile, number_of_threads=HANDOFF_THREADS)
+
+    @cute.jit
+    def mma_tile(self, i: Int32) -> Int32:
+        """The MMA warps, widen_warps: wait for the i-th widened tile; returns its index."""
+        tile = i % 2
+        cute.arch.barrier(barrier_id=_BAR_WIDENED + tile, number_of_threads=HANDOFF_THREADS)
+        return tile
+
+    @cute.jit
+    def mma_done(self, tile: Int32):
+        """The MMA warps, widen_warps: their last MMA on `tile` is issued and its operands read."""
+        cute.arch.barrier_arrive(barrier_id=_BAR_FREE + tile, number_of_threads=HANDOFF_THREADS)
+
+    @cute.jit
+    def _widen_tile(self, sK8: cute.Tensor, sV8: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, stage: Int32,
+                    tile: Int32, valid: Int32, tid: Int32, threads: int):
+        """widen's work by `threads` threads (tid: the thread's index among them), no barrier."""
         chunks = self.d // VEC
-        for it in cutlass.range(tidx, self.tile_n * chunks, 32 * MMA_WARPS, unroll=2):
+        for it in cutlass.range(tid, self.tile_n * chunks, threads, unroll=2):
             row = it // chunks
             col = it - row * chunks
             self._widen_chunk(sK8, sK, stage, tile, row, col, None)
             self._widen_chunk(sV8, sV, stage, tile, row, col, row < valid)
-        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=32 * MMA_WARPS)
-        return tile
 
     @cute.jit
     def _widen_chunk(self, src: cute.Tensor, dst: cute.Tensor, stage: Int32, tile: Int32, row: Int32, col: Int32,

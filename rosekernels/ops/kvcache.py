@@ -173,17 +173,17 @@ class KVCacheLaunch(SplitLaunch):
 
 def plan_kvcache(q, k_cache, v_cache, out, cache_seqlens, block_table, causal: bool, scale: float,
                  splits: int | None = None, private_scratch: bool = False, enable_pdl: bool = True,
-                 num_stages: int | None = None) -> KVCacheLaunch:
+                 **fields) -> KVCacheLaunch:
     """The launch of validated attention_with_kvcache arguments (B >= 1) with kvcache_config_for's
     config, planned for a full cache (S_max, or max_blocks * block_size keys per sequence);
-    `splits` forces the number of KV chunks, `num_stages` the depth of the ring (tests, benchmarks)."""
+    `splits` forces the number of KV chunks, `fields` other fields of the config (tests and benchmarks
+    of variants the plan does not take: num_stages, widen_warps)."""
     shape = DecodeShape.of_cache(q, k_cache, block_table, causal, enable_pdl)
     block_size = None if block_table is None else k_cache.shape[1]
     cfg = kvcache_config_for(shape, block_size, modes.sm_count(q.device.index), k_cache.dtype == fp8.E4M3)
     if splits is not None:
         cfg = dataclasses.replace(cfg, splits=splits)
-    if num_stages is not None:
-        cfg = dataclasses.replace(cfg, num_stages=num_stages)
+    cfg = dataclasses.replace(cfg, **fields)
     return KVCacheLaunch(cfg, shape, q, k_cache, v_cache, out, cache_seqlens, block_table, scale, private_scratch)
 
 

@@ -34,6 +34,11 @@ def test_keys_and_plans():
     assert fp8.tile_bytes * 2 == plain.tile_bytes
     with pytest.raises(ValueError, match="KV-cache variants"):
         D.DecodeConfig(128, "bf16", kv_fp8=True)
+    widen = dataclasses.replace(fp8, widen_warps=True)
+    assert "widen_warps" not in fp8.variant().key() and "widen_warps=True" in widen.variant().key()
+    assert D.DecodeConfig.from_variant(widen.variant()) == dataclasses.replace(widen, splits=None)
+    with pytest.raises(ValueError, match="widen_warps widen an e4m3 cache"):
+        dataclasses.replace(plain, widen_warps=True)
     found = D.kvcache_variants_for([QWEN3_8B, dataclasses.replace(QWEN3_8B, name="fp8", head_dim=64, fp8_kv=True)])
     assert {(c.head_dim, c.kv_fp8) for c in found} == {(128, False), (64, False), (64, True)}
     assert A.Config.from_variant(A.config_for(A.Shape(16, fp8=True)).variant()).fp8
@@ -107,6 +112,40 @@ _ATTENTION = [D.DecodeConfig(128, "bf16", 16, varlen=True, kv_fp8=True),
               D.DecodeConfig(64, "bf16", 32, varlen=True, page_rows=16, kv_fp8=True),
               D.DecodeConfig(64, "fp16", 16, varlen=True, kv_fp8=True, num_stages=4),
               D.DecodeConfig(128, "bf16", 16, varlen=True, page_rows=16, kv_fp8=True, num_stages=6)]
+
+
+_WIDEN_WARPS = [D.DecodeConfig(128, "bf16", 16, varlen=True, kv_fp8=True, widen_warps=True, num_stages=6),
+                D.DecodeConfig(128, "bf16", 16, varlen=True, page_rows=16, kv_fp8=True, widen_warps=True),
+                D.DecodeConfig(64, "fp16", 64, varlen=True, page_rows=64, kv_fp8=True, widen_warps=True)]
+
+
+@pytest.mark.parametrize("cfg", _WIDEN_WARPS, ids=lambda c: c.variant().key())
+def test_widen_warps_hand_tiles_to_the_mma_warps(fresh_cache, cfg, tmp_path):
+    """widen_warps: the widen warps' loop waits for the tile to be free (BAR.SYNC of 224 threads: the MMA
+    and widen warps), then for a ring stage, widens it (e4m3 -> f16), releases the stage once read (an
+    mbarrier arrive after the last LDS) and hands the tile over once written (BAR.ARV after the last STS);
+    the MMA warps' loop waits for the tile before reading it (BAR.SYNC before its first ldmatrix and
+    mma.sync) and hands it back once read (BAR.ARV after its last ldmatrix; mma.sync only reads registers,
+    so ptxas may place some after it), and neither widens nor touches the ring's mbarriers. (Which barrier
+    each uses, base + tile in a register, the GPU tests check: a wrong one hangs.)"""
+    sass = decode_sass(cfg, D.compile(cfg), tmp_path)
+    mma = loop_instructions(sass, "HMMA")
+    widen = loop_instructions(sass, "F2FP.F16.E4M3.UNPACK_B")
+    assert not any(line.startswith(("F2FP.F16.E4M3", "SYNCS")) for line in mma), mma
+    handoff = 32 * (D.MMA_WARPS + D.WIDEN_WARPS)
+
+    def barriers(lines, op):
+        return [i for i, line in enumerate(lines) if line.startswith(op) and line.endswith(f", {handoff:#x}")]
+
+    def at(lines, op):
+        return [i for i, line in enumerate(lines) if line.startswith(op)]
+
+    for lines, firsts, lasts in ((mma, ("LDSM", "HMMA"), ("LDSM",)), (widen, ("SYNCS.PHASECHK", "LDS"), ("STS",))):
+        (sync,), (arrive,) = barriers(lines, "BAR.SYNC"), barriers(lines, "BAR.ARV")
+        assert all(sync < min(at(lines, op)) for op in firsts), (sync, lines)
+        assert all(arrive > max(at(lines, op)) for op in lasts), (arrive, lines)
+    released = at(widen, "SYNCS.ARRIVE")
+    assert released and min(released) > max(at(widen, "LDS.")), widen
 
 
 @pytest.mark.parametrize("cfg", _ATTENTION, ids=lambda c: c.variant().key())
@@ -208,15 +247,17 @@ def test_append_writes_the_reference_bytes(paged, per_head):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages", [None, 6], ids=["planned", "6-stages"])
+@pytest.mark.parametrize("fields", [{}, {"num_stages": 6}, {"widen_warps": True},
+                                    {"widen_warps": True, "num_stages": 6}],
+                         ids=["planned", "6-stages", "widen-warps", "widen-warps-6-stages"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_attention_matches_the_dequantized_reference(d, dtype, paged, stages):
+def test_attention_matches_the_dequantized_reference(d, dtype, paged, fields):
     """B = 5 with lengths 0, 1 and the full cache among random ones, S_q 1 and 4, GQA 4, causal and not,
     per-tensor and per-head descales; the cache rows past each length NaN (e4m3 0x7f): they must not
-    reach the output. Through the op, and with a 6-stage ring (the bf16 ring's bytes in flight) into
-    NaN-filled outputs."""
+    reach the output. Through the op, and the variants the plan does not take (a 6-stage ring, widen
+    warps) into NaN-filled outputs."""
     g = torch.Generator().manual_seed(d + paged)
     scale = 1.0 / math.sqrt(d)
     for i, (s_q, per_head) in enumerate(((1, False), (4, True), (1, True))):
@@ -236,17 +277,17 @@ def test_attention_matches_the_dequantized_reference(d, dtype, paged, stages):
             k_q, v_q = k_q.view(E4M3), v_q.view(E4M3)
         q = torch.randn(5, s_q, 8, d, generator=g).to(dtype).cuda()
         causal = i % 2 == 0
-        if stages is None:
+        if not fields:
             out, lse = rosekernels.attention_with_kvcache(q, k_q, v_q, lengths, table, softmax_scale=scale,
                                                           causal=causal, return_lse=True, k_descale=k_descale,
                                                           v_descale=v_descale)
         else:
             out = torch.full_like(q, math.nan)
             lse = torch.full((5, 8, s_q), math.nan, device="cuda")
-            plan = plan_kvcache(q, k_q, v_q, out, lengths, table, causal, scale, num_stages=stages)
-            assert plan.cfg.num_stages == stages
+            plan = plan_kvcache(q, k_q, v_q, out, lengths, table, causal, scale, **fields)
+            assert all(getattr(plan.cfg, f) == v for f, v in fields.items())
             plan.launch(q, k_q, v_q, out, lse, lengths, table, k_descale, v_descale)
-        sync(f"fp8 cache d={d} {dtype} paged={paged} stages={stages}")
+        sync(f"fp8 cache d={d} {dtype} paged={paged} {fields}")
         k_ref, v_ref = _dequantized(k_q, k_descale, dtype), _dequantized(v_q, v_descale, dtype)  # NaN rows unread
         check_kvcache(out, lse, q, k_ref, v_ref, lengths, table, causal, scale,
                       f"e4m3 cache d={d} {dtype} paged={paged} s_q={s_q} per_head={per_head}")
