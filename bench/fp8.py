@@ -339,8 +339,12 @@ def bench_kv(quick: bool) -> list[dict]:
         # them: the e4m3 ring as deep as the bf16 one in bytes (6 stages of half the bytes: one CTA per SM),
         # and that ring widened by warps of their own.
         out, lse = torch.empty_like(q), torch.empty(KV_BATCH, hq, 1, device="cuda")
+        planned = steps["e4m3 cache"](0)
         for name, fields in KV_VARIANTS.items():
             plan = plan_kvcache(q, k8, v8, out, lengths, None, True, d ** -0.5, **fields)
+            plan.launch(q, k8, v8, out, lse, lengths, None, one, one)
+            if not torch.equal(out, planned):  # the same widened values and MMAs: the same bits
+                raise AssertionError(f"{name} differs from the planned e4m3 kernel's output")
             steps[name] = lambda i, p=plan: p.launch(q, k8, v8, out, lse, lengths, None, one, one)
         rows.append({"context": context, "batch": KV_BATCH,
                      "times_us": timing.interleaved_graph_time_us(steps, calls=50, rounds=10)})

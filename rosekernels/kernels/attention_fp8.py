@@ -86,9 +86,14 @@ class Fp8KVTiles:
             pipe.consumer_wait(state)
             self._widen_tile(sK8, sV8, sK, sV, state.index, tile, seqlen_k - (t_begin + i) * self.tile_n, wtid,
                              32 * WIDEN_WARPS)
-            pipe.consumer_release(state)  # each warp after its own reads: the stage is free once all have arrived
+            # Lane 0 releases for its warp: the warp's reads first. The stage is free once every warp has.
+            cute.arch.sync_warp()
+            pipe.consumer_release(state)
             state.advance()
             cute.arch.barrier_arrive(barrier_id=_BAR_WIDENED + tile, number_of_threads=HANDOFF_THREADS)
+        # Take the MMA warps' last hand-backs (of the last two tiles), so that no arrival outlives the CTA.
+        for j in cutlass.range(cutlass.max(n_local - 2, 0), n_local, unroll=1):
+            cute.arch.barrier(barrier_id=_BAR_FREE + j % 2, number_of_threads=HANDOFF_THREADS)
 
     @cute.jit
     def mma_tile(self, i: Int32) -> Int32:

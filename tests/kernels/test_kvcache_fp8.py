@@ -247,9 +247,11 @@ def test_append_writes_the_reference_bytes(paged, per_head):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fields", [{}, {"num_stages": 6}, {"widen_warps": True},
-                                    {"widen_warps": True, "num_stages": 6}],
-                         ids=["planned", "6-stages", "widen-warps", "widen-warps-6-stages"])
+@pytest.mark.parametrize("fields", [{}, {"num_stages": 6, "splits": 1}, {"widen_warps": True},
+                                    {"widen_warps": True, "splits": 1},
+                                    {"widen_warps": True, "num_stages": 6, "splits": 1}],
+                         ids=["planned", "6-stages-1-split", "widen-warps", "widen-warps-1-split",
+                              "widen-warps-6-stages-1-split"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 128])
@@ -257,7 +259,8 @@ def test_attention_matches_the_dequantized_reference(d, dtype, paged, fields):
     """B = 5 with lengths 0, 1 and the full cache among random ones, S_q 1 and 4, GQA 4, causal and not,
     per-tensor and per-head descales; the cache rows past each length NaN (e4m3 0x7f): they must not
     reach the output. Through the op, and the variants the plan does not take (a 6-stage ring, widen
-    warps) into NaN-filled outputs."""
+    warps) into NaN-filled outputs; one split, so that a CTA runs up to 11 tiles (the rings wrap, the
+    widened tiles go round, the hand-backs are waited for; the plan's 10 groups get 1-2 tiles a split)."""
     g = torch.Generator().manual_seed(d + paged)
     scale = 1.0 / math.sqrt(d)
     for i, (s_q, per_head) in enumerate(((1, False), (4, True), (1, True))):
