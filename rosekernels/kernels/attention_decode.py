@@ -286,9 +286,8 @@ class _DecodeAttentionSm90:
                 if cutlass.const_expr(fp8 is not None):  # the e4m3 tile widened, V past the end zeroed
                     stage = self.widen(fp8[0], fp8[1], sK, sV, state.index, i % 2, seqlen_k - t * self.tile_n,
                                        tidx)
-                    # Every MMA warp has passed widen's barrier, so none reads the ring stage again: the
-                    # producer refills it while this tile's MMAs run (held to the end of the tile, a stage of
-                    # the ring's three, half the bytes of a bf16 one, would stay out of flight).
+                    # Every MMA warp is past widen's barrier and done with the ring stage: the producer refills
+                    # it during this tile's MMAs (held to their end, a stage would sit out of flight).
                     pipe.consumer_release(state)
                     state.advance()
                 elif cutlass.const_expr(self.cfg.varlen):

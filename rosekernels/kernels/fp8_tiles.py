@@ -44,6 +44,13 @@ class Fp8Tiles:
     # The mainloop.
 
     @cute.jit
+    def _fp8_first_turn(self, wg_idx: Int32, turn_barrier: int):
+        """`stagger`, once before the loop over units: warpgroup 0 has the first turn (_fp8_mainloop)."""
+        if const_expr(self.stagger):
+            if wg_idx == 0:
+                cute.arch.barrier_arrive(barrier_id=turn_barrier, number_of_threads=256)
+
+    @cute.jit
     def _fp8_mainloop(self, tiled_mma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor, tCcD: cute.Tensor,
                       ab_pipeline, read_in, release_in, k_begin: Int32, k_count: Int32, tile_m: Int32,
                       tile_n: Int32, mScaleA: cute.Tensor, mScaleB: cute.Tensor, wg_idx: Int32, turn_barrier: int):

@@ -27,10 +27,9 @@ One persistent, warp-specialized kernel serves every specialization:
   `griddepcontrol.wait` (the previous kernel in the stream may still run), and once its last
   mainloop is done lets the next kernel launch while it reduces and stores.
 
-Configs, shapes and the cost models that choose a tile shape and split count are in
-`gemm_leakyrelu_plan`; the ops `gemm`, `gemm_leakyrelu` and `gate_up_rows`, and `run(a, b_nk, bias,
-out, config)`, which launches a given config, in rosekernels/ops/gemm.py. The kernel-module contract
-(rosekernels.contract) exposes every variant to warm-up, tests and SIP.
+Configs, shapes and the cost models that choose a tile shape and split count: `gemm_leakyrelu_plan`; the ops
+`gemm`, `gemm_leakyrelu`, `gate_up_rows` and `run(a, b_nk, bias, out, config)` (a given config): rosekernels/
+ops/gemm.py. The kernel-module contract (rosekernels.contract) exposes every variant to warm-up, tests and SIP.
 """
 from __future__ import annotations
 
@@ -68,8 +67,7 @@ Config, Shape = GemmConfig, GemmShape
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32}
 
-# Named barrier ids (0 is __syncthreads): epilogue groups use 1..2, the MMA order 3..4 (pingpong: whole
-# mainloops; FP8 `stagger`: the k-tiles' WGMMAs).
+# Named barrier ids (0 is __syncthreads; DESIGN.md lists every kernel's): epilogue groups 1..2, MMA order 3..4.
 _EPI_BARRIER = 1
 _MMA_ORDER_BARRIER = 3
 
@@ -483,9 +481,7 @@ class _GemmLeakyReluSm90(GroupedTiles, Fp8Tiles):
                     read_state.advance(k_tiles)
                 else:
                     cute.arch.barrier_arrive(barrier_id=_MMA_ORDER_BARRIER, number_of_threads=256)
-            elif const_expr(self.stagger):  # warpgroup 0 issues the first k-tile (fp8_tiles)
-                if wg_idx == 0:
-                    cute.arch.barrier_arrive(barrier_id=_MMA_ORDER_BARRIER, number_of_threads=256)
+            self._fp8_first_turn(wg_idx, _MMA_ORDER_BARRIER)  # FP8 stagger only
             epi_count = Int32(0)  # subtiles stored so far: selects the epilogue buffer
             if const_expr(self.grouped):
                 expert = Int32(0)  # the expert of the last unit (units come in increasing order)
@@ -521,8 +517,7 @@ class _GemmLeakyReluSm90(GroupedTiles, Fp8Tiles):
                 warpgroup.fence()
                 if const_expr(self.fp8):  # each k-tile's sums promoted to fp32 (fp8_tiles)
                     self._fp8_mainloop(tiled_mma, acc, tCrA, tCrB, tCcD, ab_pipeline, read_state, release_state,
-                                       k_begin, k_count, tile_m, tile_n, mScaleA, mScaleB, wg_idx,
-                                       _MMA_ORDER_BARRIER)
+                                       k_begin, k_count, tile_m, tile_n, mScaleA, mScaleB, wg_idx, _MMA_ORDER_BARRIER)
                 else:
                     for k in cutlass.range(k_count, unroll=1):
                         ab_pipeline.consumer_wait(read_state)
@@ -784,9 +779,8 @@ def _check(config: GemmConfig, args: tuple) -> float:
 
 
 def workload(config: GemmConfig, shape: GemmShape) -> Workload:
-    """`config`'s kernel on `shape` (make_args, with the config's K splits and raster group).
-    test_args draws ragged M (m_range(config)), N and K up to 1600, and for split-K configs the
-    split count too: one compiled kernel serves every count."""
+    """`config`'s kernel on `shape` (with the config's K splits and raster group). test_args draws ragged M
+    (m_range(config)), N and K up to 1600, and for split-K configs the split count: one kernel serves every count."""
     options = (shape.dtype, shape.b_major, shape.bias, float(shape.slope), shape.activation, shape.gated)
     if options != (config.dtype, config.b_major, config.bias, config.slope, config.activation, config.gated):
         raise ValueError(f"{config} does not serve {shape}: dtype, b_major, bias, slope, activation and gating "
