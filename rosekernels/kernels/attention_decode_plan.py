@@ -57,6 +57,14 @@ COMBINE_US = 1.0
 MAX_SPLITS = 128
 SPLIT_GAIN = 0.97
 WAVE_CTAS_PER_SM = 1
+# An e4m3 cache (kv_fp8): a CTA widens each tile before its MMAs, so its instructions, not the bytes in
+# flight, set its rate (E4M3_CTA_GBPS of e4m3 bytes), and a second resident CTA per SM adds throughput up to
+# E4M3_SM_GBPS for the two. H100, B = 16, Qwen3-8B heads, S_kv 8k and 32k, 1-4 splits (ninth session of
+# 2026-12-05): one CTA per SM streamed 15.1 GB/s, two 10.3 GB/s each; two splits ran 1.34x / 1.42x one
+# (1.69x / 1.79x the bf16 cache), four 1.23x / 1.39x, three 1.00x / 1.24x (a second, partial wave).
+E4M3_CTA_GBPS = 15.0
+E4M3_SM_GBPS = 20.5
+E4M3_WAVE_CTAS_PER_SM = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +208,7 @@ def tile_m_for(rows: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def choose_splits(groups: int, n_tiles: int, tile_bytes: int, sms: int,
-                  max_splits: int = MAX_SPLITS) -> tuple[int, int]:
+                  max_splits: int = MAX_SPLITS, kv_fp8: bool = False) -> tuple[int, int]:
     """(num_splits, tiles_per_split) for `groups` CTAs' worth of rows over `n_tiles` K/V tiles each."""
     best = None
     for want in range(1, max(1, min(n_tiles, max_splits)) + 1):
@@ -208,21 +216,23 @@ def choose_splits(groups: int, n_tiles: int, tile_bytes: int, sms: int,
         splits = -(-n_tiles // per)
         if best is not None and splits == best[1]:
             continue
-        us = launch_us(groups, splits, per, tile_bytes, sms)
+        us = launch_us(groups, splits, per, tile_bytes, sms, kv_fp8)
         if best is None or us < SPLIT_GAIN * best[0]:
             best = (us, splits, per)
     return best[1], best[2]
 
 
-def launch_us(groups: int, splits: int, per: int, tile_bytes: int, sms: int) -> float:
+def launch_us(groups: int, splits: int, per: int, tile_bytes: int, sms: int, kv_fp8: bool = False) -> float:
     """Modelled microseconds of a launch of `groups` x `splits` CTAs streaming `per` tiles of
-    `tile_bytes` each: the fluid model above, wave by wave, plus the combine of a split launch."""
-    slots = WAVE_CTAS_PER_SM * sms
+    `tile_bytes` each: the fluid model above (an e4m3 cache's, kv_fp8), wave by wave, plus the combine
+    of a split launch."""
+    slots = (E4M3_WAVE_CTAS_PER_SM if kv_fp8 else WAVE_CTAS_PER_SM) * sms
     ctas = groups * splits
     us = 0.0
     while ctas > 0:
         wave = min(ctas, slots)
-        us += per * tile_bytes / 1e3 / min(CTA_GBPS, HBM_GBPS / wave) + CTA_US
+        cta_gbps = min(E4M3_CTA_GBPS, E4M3_SM_GBPS / -(-wave // sms)) if kv_fp8 else CTA_GBPS
+        us += per * tile_bytes / 1e3 / min(cta_gbps, HBM_GBPS / wave) + CTA_US
         ctas -= wave
     return us + (COMBINE_US if splits > 1 else 0.0)
 
@@ -237,7 +247,7 @@ def split_plan(cfg: DecodeConfig, shape: DecodeShape, sms: int | None = None) ->
     fits = (2**31 - 1) // (groups * cfg.tile_m * cfg.head_dim)
     if cfg.splits is None:
         splits, per = choose_splits(groups, n_tiles, cfg.tile_bytes,
-                                    sm_count() if sms is None else sms, min(MAX_SPLITS, fits))
+                                    sm_count() if sms is None else sms, min(MAX_SPLITS, fits), cfg.kv_fp8)
     else:
         per = -(-n_tiles // max(1, min(cfg.splits, n_tiles, fits)))
         splits = -(-n_tiles // per)
@@ -300,7 +310,7 @@ def rank(shape: DecodeShape, configs: Iterable[DecodeConfig], sms: int | None = 
 
     def cost(c: DecodeConfig) -> float:
         splits, per, groups = split_plan(c, shape, sms)
-        return launch_us(groups, splits, per, c.tile_bytes, sms)
+        return launch_us(groups, splits, per, c.tile_bytes, sms, c.kv_fp8)
     return sorted(configs, key=cost)
 
 

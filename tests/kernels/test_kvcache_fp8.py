@@ -16,6 +16,7 @@ import rosekernels
 from kernel_sass import loop_instructions, sass_of
 from rosekernels.kernels import append_kvcache as A
 from rosekernels.kernels import attention_decode as D
+from rosekernels.kernels import attention_decode_plan
 from rosekernels.models import ModelDims
 from rosekernels.ops.kvcache import plan_kvcache
 
@@ -44,6 +45,23 @@ def test_keys_and_plans():
     assert A.Config.from_variant(A.config_for(A.Shape(16, fp8=True)).variant()).fp8
     assert "fp8" not in A.config_for(A.Shape(16)).variant().key()
     assert {c.fp8 for c in A.variants_for([dataclasses.replace(QWEN3_8B, fp8_kv=True)])} == {False, True}
+
+
+def test_an_e4m3_cache_is_split_for_two_ctas_per_sm():
+    """The e4m3 split model (attention_decode_plan.E4M3_*): a CTA's widening, not its bytes in flight, sets its
+    rate, so a second CTA per SM pays. At B = 16 (128 groups, 132 SMs) it splits in two where the bf16 cache
+    does not, and it ranks the split counts as the H100 did (2, then 4, then 3, then 1); with groups for two
+    CTAs per SM already (B = 32), or a wave's worth more (B = 64), it does not split."""
+    for context in (8192, 32768):
+        shape = D.Shape(batch=16, seqlen_kv=context)
+        assert D.kvcache_config_for(shape, None, 132, kv_fp8=True).splits == 2
+        assert D.kvcache_config_for(shape, None, 132).splits == 1
+        n_tiles = context // 64
+        us = {s: attention_decode_plan.launch_us(128, s, -(-n_tiles // s), 16384, 132, kv_fp8=True)
+              for s in (1, 2, 3, 4)}
+        assert sorted(us, key=us.get) == [2, 4, 3, 1], us
+    for batch in (32, 64):
+        assert D.kvcache_config_for(D.Shape(batch=batch, seqlen_kv=8192), None, 132, kv_fp8=True).splits == 1
 
 
 def test_append_reference_quantizes_as_the_kernel_does():
