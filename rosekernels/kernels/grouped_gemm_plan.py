@@ -59,6 +59,10 @@ MAX_UNITS = (2**31 - 1) // 33
 PLAIN_TILES = tuple((tm, tn, pp) for tm, tn, pp, _ in PREFILL_TILES)
 # CTAs per cluster along the rows (plain tiles by TMA only): 2 multicasts the weight tile to two row tiles.
 CLUSTERS_M = (1, 2)
+# Prefill on 2x1 clusters (the weight tile multicast to two row tiles of an expert): on an H100, the gate-up
+# GEMM at T = 16384 ran 474 -> 697 TFLOP/s (Mixtral-8x7B) and 405 -> 661 (one Qwen3-235B-A22B layer), 96% and
+# 89% of the dense kernel's on the same FLOPs (bench/results/moe/moe_grouped_prefill.md, ninth session).
+PREFILL_CLUSTER_M = 2
 # The models variants_for() covers by default: (hidden, moe intermediate, experts, top-k).
 MODELS = {"qwen3-30b-a3b": (2048, 768, 128, 8)}
 
@@ -231,12 +235,14 @@ def swap_rows(rows: int, experts: int) -> int:
 def config_for(shape: GroupedShape, sms: int | None = None) -> GroupedConfig:
     """The heuristic's config: swapped 64-row weight tiles with `swap_rows` rows at up to
     DECODE_MAX_MEAN_ROWS rows per expert (64 rows: the weight-streaming tile the dense GEMM's cost
-    model rates best); else the dense prefill wave model's tile for all rows together."""
+    model rates best); else the dense prefill wave model's tile for all rows together, on 2x1 clusters
+    where the rows come by TMA (PREFILL_CLUSTER_M)."""
     if decode_mode(shape.rows, shape.experts):
         return GroupedConfig(**_base(shape), tile_m=64, tile_n=swap_rows(shape.rows, shape.experts), swap_ab=True)
     sms = sm_count() if sms is None else sms
     tile_m, tile_n, pingpong = prefill_choice(shape.rows, shape.n, shape.k, sms)
-    return GroupedConfig(**_base(shape), tile_m=tile_m, tile_n=tile_n, pingpong=pingpong)
+    return GroupedConfig(**_base(shape), tile_m=tile_m, tile_n=tile_n, pingpong=pingpong,
+                         cluster_m=1 if shape.gather else PREFILL_CLUSTER_M)
 
 
 def candidates(shape: GroupedShape, sms: int | None = None) -> list[GroupedConfig]:
@@ -293,8 +299,8 @@ def variants_for(models: Optional[Iterable] = None, modes: Iterable[str] = MODES
             if "decode" in modes:
                 configs += [config_for(dataclasses.replace(shape, rows=t * topk)) for t in range(1, last + 1)]
             if "prefill" in modes and (max_tokens is None or max_tokens > last):
-                configs += [GroupedConfig(**_base(shape), tile_m=tm, tile_n=tn, pingpong=pp)
-                            for tm, tn, pp in PLAIN_TILES]
+                configs += [GroupedConfig(**_base(shape), tile_m=tm, tile_n=tn, pingpong=pp,
+                                          cluster_m=PREFILL_CLUSTER_M) for tm, tn, pp in PLAIN_TILES]
     return list(dict.fromkeys(configs))
 
 

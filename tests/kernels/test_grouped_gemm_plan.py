@@ -82,8 +82,9 @@ def test_the_mode_follows_the_mean_rows_per_expert(rows, experts, mode, tile_n):
     assert c.mode == mode
     if mode == "decode":  # weights on the MMA's M side, 64 rows: the dense model's best weight-streaming tile
         assert (c.tile_m, c.tile_n) == (64, tile_n) and tile_n >= min(128, 2 * math.ceil(rows / experts))
-    else:
-        assert (c.tile_m, c.tile_n, c.pingpong) in plan.PLAIN_TILES
+    else:  # on 2x1 clusters where the rows come by TMA; gathered rows (cp.async) on one CTA
+        assert (c.tile_m, c.tile_n, c.pingpong) in plan.PLAIN_TILES and c.cluster_m == plan.PREFILL_CLUSTER_M == 2
+        assert plan.config_for(Shape(rows, experts, gather=True), 132).cluster_m == 1
 
 
 def test_the_heuristic_keeps_the_shapes_options():
