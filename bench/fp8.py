@@ -12,8 +12,8 @@ against our bf16 kernels and torch's FP8 GEMM; fp8.json + fp8.md (+ the chart), 
   schemes against the float64 product of its dequantized operands, in units of the bf16 output's own
   rounding error (gemm_fp8.check_out's ratio: the issue's bar is 2).
 - prefill GEMMs (M = 4096, 8192): TFLOP/s, each method's CUDA graph of 5 calls replayed interleaved; our
-  channel and block schemes also with the config the op plans in `stagger` (gemm_fp8_plan), until it is the
-  heuristic or dropped.
+  channel scheme also with the config the op plans on each of gemm_fp8_plan.WIDE_TILES, until one is the
+  heuristic or they are dropped.
 - quantize_fp8 and rmsnorm's fused fp8 output (with the residual add): bytes moved against the copy
   bandwidth, rows of 4096 and of the MLP widths, per row and per 1 x 128 group, in CUDA graphs.
 - decode attention over a KV cache, bf16 against e4m3 (attention_with_kvcache), B = 16, contexts 8k to 32k,
@@ -216,16 +216,16 @@ def _gemm_methods(m: int, n: int, k: int, gated: bool, peers: dict) -> tuple[dic
             if m * n <= 1 << 24 else None  # (the float64 reference of the largest shapes is left out)
         steps[f"rosekernels fp8 {scheme}"] = lambda i, s=sets: rosekernels.gemm_fp8(
             *s[i % len(s)][:4], activation=activation, gated=gated, out=s[i % len(s)][4])
-        if scheme != "tensor" and m > DECODE_MAX_M:  # (tensor runs the channel scheme's kernel)
-            # The config the op above plans (a stored entry's or the heuristic's), only staggered.
-            shape = plan.Fp8GemmShape(m, n, k, scales=plan.scales_of(scheme), activation=activation or "none",
-                                      gated=gated)
+        if scheme == "channel" and m > DECODE_MAX_M:
+            # The config the op above plans (a stored entry's or the heuristic's) on each wide tile it takes.
+            shape = plan.Fp8GemmShape(m, n, k, scales="rowcol", activation=activation or "none", gated=gated)
             sms = modes.sm_count()
             planned = tuned.tuned_config(gk, shape, plan.config_for(shape, sms), sms)
-            if not planned.pingpong:
-                staggered = dataclasses.replace(planned, stagger=True)
-                steps[f"rosekernels fp8 {scheme} stagger"] = lambda i, s=sets, c=staggered: op.run(
-                    *s[i % len(s)][:4], None, s[i % len(s)][4], c)
+            for c in plan.candidates(shape, sms):
+                if (c.tile_m, c.tile_n, c.pingpong) in plan.WIDE_TILES and c != planned and \
+                        dataclasses.replace(c, tile_n=planned.tile_n, pingpong=planned.pingpong) == planned:
+                    steps[f"rosekernels fp8 channel {c.tile_m}x{c.tile_n}"] = lambda i, s=sets, c=c: op.run(
+                        *s[i % len(s)][:4], None, s[i % len(s)][4], c)
         if scheme in ("tensor", "channel") and peers.get("scaled_mm") and not gated:
             label = "torch._scaled_mm " + ("per-tensor" if scheme == "tensor" else "rowwise")
             steps[label] = lambda i, s=sets, rowwise=scheme == "channel": peers["scaled_mm"](s[i % len(s)], rowwise)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, ClassVar, Iterable, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Optional
 
 from rosekernels.fp8 import BLOCK
 from rosekernels.kernels import gemm_leakyrelu_plan as bf16
@@ -39,6 +39,11 @@ MAX_ACC_REGS = 128
 # Prefill tiles (tile_m, tile_n, pingpong): 128 x 128 cooperative (64 accumulator rows a warpgroup), and
 # 128 x 64 pingpong (a 128-row tile a warpgroup; the other's epilogue hides under its mainloop).
 PREFILL_TILES = ((128, 128, False), (128, 64, True))
+# Wider cooperative prefill tiles, tuner candidates for per-channel scales (block scales take weight tiles
+# that divide 128): fewer shared-memory bytes per MMA (DESIGN.md, "GEMM tiles and shared-memory reads").
+# Their 160 and 176 accumulator registers fit in 230 of the 232 with every epilogue, no spills (ptxas 13).
+WIDE_TILES = ((128, 160, False), (128, 176, False))
+WIDE_ACC_REGS = 176
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +67,11 @@ class Fp8GemmConfig(GemmConfig):
             raise ValueError(f"scales must be one of {SCALES}, got {self.scales!r}")
         if self.b_major != "k":
             raise ValueError("the FP8 GEMM takes K-major weights ([N, K], K contiguous): WGMMA reads e4m3 K-major only")
-        if acc_regs(self) > MAX_ACC_REGS:
+        wide = not self.split_k and (self.tile_m, self.tile_n, self.pingpong) in WIDE_TILES
+        if acc_regs(self) > (WIDE_ACC_REGS if wide else MAX_ACC_REGS):
             raise ValueError(f"{self.tile_m} x {self.tile_n} tiles need {acc_regs(self)} registers a thread for the "
-                             f"accumulator and the promoted sums; at most {MAX_ACC_REGS}")
+                             f"accumulator and the promoted sums; at most {MAX_ACC_REGS} ({WIDE_ACC_REGS} for the "
+                             f"prefill tiles " + ", ".join(f"{m} x {n}" for m, n, _ in WIDE_TILES) + ")")
         if self.stagger and (self.pingpong or self.swap_ab or self.split_k or bf16.wg_per_tile(self) != 2):
             raise ValueError("stagger takes cooperative prefill tiles of 128 rows: two warpgroups share the tile")
         weight_tile = self.tile_m if self.swap_ab else self.tile_n
@@ -155,9 +162,12 @@ def equivalent(shape: Fp8GemmShape) -> bf16.GemmShape:
 
 def as_fp8(config: GemmConfig, scales: str) -> Optional[Fp8GemmConfig]:
     """`config` (a bf16 GEMM config) as an FP8 one with `scales`; None where the FP8 kernel cannot take it."""
+    return _valid(**{f.name: getattr(config, f.name) for f in dataclasses.fields(GemmConfig)}, scales=scales)
+
+
+def _valid(**fields: Any) -> Optional[Fp8GemmConfig]:
     try:
-        return Fp8GemmConfig(**{f.name: getattr(config, f.name) for f in dataclasses.fields(GemmConfig)},
-                             scales=scales)
+        return Fp8GemmConfig(**fields)
     except ValueError:
         return None
 
@@ -185,17 +195,18 @@ def config_for(shape: Fp8GemmShape, sms: int | None = None) -> Fp8GemmConfig:
 
 def candidates(shape: Fp8GemmShape, sms: int | None = None) -> list[Fp8GemmConfig]:
     """Every config that can run `shape`, config_for's first: decode, the bf16 GEMM's candidates of the
-    `equivalent` problem that the FP8 kernel takes; prefill, each PREFILL_TILES tile (the cooperative one
-    with and without `stagger`) on bf16's PREFILL_CLUSTERS, walked in its PREFILL_RASTER_GROUPS."""
+    `equivalent` problem that the FP8 kernel takes; prefill, each PREFILL_TILES and WIDE_TILES tile the
+    shape takes (the cooperative ones with and without `stagger`) on bf16's PREFILL_CLUSTERS, walked in its
+    PREFILL_RASTER_GROUPS."""
     sms = sm_count() if sms is None else sms
     pick = config_for(shape, sms)
     if shape.m <= DECODE_MAX_M:
         found = _fp8(bf16.candidates(equivalent(shape), sms), shape.scales)
     else:
-        found = [Fp8GemmConfig(**_base(shape), tile_m=tm, tile_n=tn, pingpong=pp, cluster_m=cm, cluster_n=cn,
-                               raster_group=group, stagger=stagger)
-                 for tm, tn, pp in PREFILL_TILES for stagger in ((False,) if pp else (False, True))
-                 for cm, cn in bf16.PREFILL_CLUSTERS for group in bf16.PREFILL_RASTER_GROUPS]
+        found = [c for tm, tn, pp in PREFILL_TILES + WIDE_TILES for stagger in ((False,) if pp else (False, True))
+                 for cm, cn in bf16.PREFILL_CLUSTERS for group in bf16.PREFILL_RASTER_GROUPS
+                 if (c := _valid(**_base(shape), tile_m=tm, tile_n=tn, pingpong=pp, cluster_m=cm, cluster_n=cn,
+                                 raster_group=group, stagger=stagger))]
     return list(dict.fromkeys([pick, *found]))
 
 

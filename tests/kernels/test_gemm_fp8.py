@@ -25,10 +25,13 @@ C = plan.Fp8GemmConfig
 
 def _families(scales):
     """A config of every tile family: swapped 64 / 128 weight rows (8 .. 128 tokens, clusters), plain decode
-    tiles loading a_rows of A or whole ones (clusters), prefill cooperative (with and without `stagger`) and
-    pingpong; epilogues."""
+    tiles loading a_rows of A or whole ones (clusters), prefill cooperative (with and without `stagger`;
+    per-channel scales also the wide tiles, at the most registers: gated, fp32 bias) and pingpong; epilogues."""
     d = dict(split_k=True, cluster_m=1, activation="none", scales=scales)
-    return [C(tile_m=64, tile_n=8, swap_ab=True, **d),
+    wide = [C(tile_m=128, tile_n=160, activation="silu", gated=True, bias="fp32", scales=scales),
+            C(tile_m=128, tile_n=176, cluster_m=1, cluster_n=2, activation="gelu_tanh", bias="bf16", scales=scales,
+              stagger=True)] if scales == "rowcol" else []
+    return wide + [C(tile_m=64, tile_n=8, swap_ab=True, **d),
             C(tile_m=64, tile_n=128, swap_ab=True, **d),
             C(tile_m=128, tile_n=32, swap_ab=True, **{**d, "activation": "silu"}, gated=True, bias="fp32"),
             C(tile_m=64, tile_n=16, swap_ab=True, **{**d, "cluster_m": 4}),

@@ -96,6 +96,31 @@ def test_stagger_is_searched_on_cooperative_prefill_tiles_and_keyed_only_when_on
     assert plan.Fp8GemmConfig.from_variant(on.variant()) == on
 
 
+def test_wide_tiles_are_prefill_candidates_of_per_channel_scales_only():
+    """128 x 160 and 128 x 176 (176 accumulator registers) join the per-channel prefill search, gated only
+    where the tile holds whole gate/up pairs (160); block scales keep weight tiles that divide 128, decode
+    keeps the 128-register bound, and the heuristic stays 128 x 128 until a GPU measures them."""
+    C = plan.Fp8GemmConfig
+    def tiles(shape):
+        return {(c.tile_m, c.tile_n) for c in plan.candidates(shape, 132)}
+
+    assert tiles(plan.Fp8GemmShape(8192, 4096, 4096)) == {(128, 128), (128, 64), (128, 160), (128, 176)}
+    assert tiles(plan.Fp8GemmShape(8192, 4096, 4096, gated=True, activation="silu")) == {
+        (128, 128), (128, 64), (128, 160)}
+    assert tiles(plan.Fp8GemmShape(8192, 4096, 4096, scales="block")) == {(128, 128), (128, 64)}
+    assert (plan.config_for(plan.Fp8GemmShape(8192, 4096, 4096), 132).tile_n) == 128
+    for m in (1, 16, 64, 128):
+        assert all(plan.acc_regs(c) <= plan.MAX_ACC_REGS for c in plan.candidates(plan.Fp8GemmShape(m, 4096, 4096), 132))
+    wide = C(tile_m=128, tile_n=176, activation="none")
+    assert plan.acc_regs(wide) == plan.WIDE_ACC_REGS and C.from_variant(wide.variant()) == wide
+    with pytest.raises(ValueError, match="registers"):
+        C(tile_m=128, tile_n=176, activation="none", split_k=True, cluster_m=1)  # a decode tile, 176 registers
+    with pytest.raises(ValueError, match="registers"):
+        C(tile_m=128, tile_n=192, activation="none")
+    with pytest.raises(ValueError, match="divisor of 128"):
+        C(tile_m=128, tile_n=160, activation="none", scales="block")
+
+
 def test_small_m_swaps_like_the_bf16_gemm():
     pick = plan.config_for(plan.Fp8GemmShape(4, 4096, 4096), 132)
     assert pick.swap_ab and pick.tile_n == 8
