@@ -44,9 +44,10 @@ per tensor, per output channel or per 128 x 128 block; the bf16 weights are drop
 the e4m3 weights and their scales) and run on rosekernels.gemm_fp8. Their activations are quantized per token
 (per 1 x 128 group with block-scaled weights): by the input and post-attention norms in the same launch
 (rmsnorm's fp8 option) for the projections and the gate/up GEMM that follow them, by quantize_fp8 for o_proj
-and down_proj. A MoE model's experts stay in bf16. Such a model runs on the GPU only. A model keeps the
-scheme of the apply() that patched it: a later apply() with another fp8 (or with one after a bf16 apply()) is
-refused, as another experts path is. The KV cache stays what the caller passes; `Fp8StaticCache` (a
+and down_proj. A MoE model's experts stay in bf16, and `fp8_exclude` keeps the blocks it names in bf16 (a
+model's first layer, say, as FP8 checkpoints often leave it). Such a model runs on the GPU only. A model keeps
+the scheme of the apply() that patched it: a later apply() with another fp8 (or with one after a bf16 apply())
+is refused, as another experts path is. The KV cache stays what the caller passes; `Fp8StaticCache` (a
 StaticCache in e4m3, quantized on the way in by append_kvcache) has decode steps read it with
 attention_with_kvcache's e4m3 path.
 
@@ -61,7 +62,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -732,33 +733,59 @@ def _fp8_takes(sizes: list[tuple[int, int, bool]], dtype: torch.dtype, scheme: s
     return True
 
 
-def _fp8_layers(model: nn.Module, swaps: dict[str, tuple[str, ...]], scheme: str) -> tuple[tuple, tuple]:
+def _fp8_exclude(model: nn.Module, fp8: str | None, fp8_exclude: str | Iterable[str]) -> tuple[str, ...]:
+    """fp8_exclude as a tuple of module names of `model`; ValueError for a name it does not have, or any
+    name without an FP8 scheme."""
+    names = (fp8_exclude,) if isinstance(fp8_exclude, str) else tuple(fp8_exclude)
+    if names and fp8 is None:
+        raise ValueError("fp8_exclude names modules to keep in bf16 in a model run in FP8: give fp8= too")
+    known = {n for n, _ in model.named_modules()}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"fp8_exclude: the model has no module named {', '.join(map(repr, unknown))} (names as "
+                         "model.named_modules() gives them, e.g. 'model.layers.0' or 'model.layers.0.mlp')")
+    return names
+
+
+def _excluded(block: str, exclude: tuple[str, ...]) -> bool:
+    """Whether `block` (a layer's self_attn or mlp) stays in bf16: a name in `exclude` is the block, a module
+    above it, or one inside it (its linear layers share their quantized activations: all or none run in FP8)."""
+    return any(block == e or block.startswith(e + ".") or e.startswith(block + ".") for e in exclude)
+
+
+def _fp8_layers(model: nn.Module, swaps: dict[str, tuple[str, ...]], scheme: str,
+                exclude: tuple[str, ...]) -> tuple[tuple, tuple]:
     """(layers whose attention projections run in FP8, layers whose MLP does): decoder layers apply() patches
-    whose attention (plain projections) and dense MLP it patches too, where the FP8 kernels take the sizes."""
+    whose attention (plain projections) and dense MLP it patches too, where the FP8 kernels take the sizes and
+    `exclude` (_excluded) keeps none of them in bf16."""
     modules = dict(model.named_modules())
     attention, mlp = [], []
     for name in swaps["decoder_layer"]:
         attn, ffn = modules[name].self_attn, modules[name].mlp
         projections = [getattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        if f"{name}.self_attn" in swaps["attention"] and all(map(_plain_linear, projections)) and _fp8_takes(
+        if f"{name}.self_attn" in swaps["attention"] and not _excluded(f"{name}.self_attn", exclude) and all(
+                map(_plain_linear, projections)) and _fp8_takes(
                 [(*p.weight.shape, False) for p in projections], projections[0].weight.dtype, scheme):
             attention.append(name)
-        if f"{name}.mlp" in swaps["mlp"]:
+        if f"{name}.mlp" in swaps["mlp"] and not _excluded(f"{name}.mlp", exclude):
             (inter, hidden), down = ffn.gate_proj.weight.shape, ffn.down_proj.weight
             if _fp8_takes([(2 * inter, hidden, True), (*down.shape, False)], down.dtype, scheme):
                 mlp.append(name)
     return tuple(attention), tuple(mlp)
 
 
-def plan(model: nn.Module, experts: str | None = None, fp8: str | None = None) -> Plan:
+def plan(model: nn.Module, experts: str | None = None, fp8: str | None = None,
+         fp8_exclude: str | Iterable[str] = ()) -> Plan:
     """The modules apply() would replace in `model` (any device, meta included), its experts on path
     `experts` (None: the path apply() installed, else EXPERTS_PATH), with `fp8` (a scheme of
     rosekernels.fp8.WEIGHT_SCHEMES, or None: bf16, or the scheme apply() installed) the layers whose linear
-    layers run on gemm_fp8; modules already replaced are not listed again. Raises ValueError for a model that
-    is not Qwen3 / Qwen3-MoE, an unknown path or scheme, a path other than the one its experts already run on,
-    or a scheme other than the one (or bf16) its linear layers already run in."""
+    layers run on gemm_fp8, but for the blocks `fp8_exclude` keeps in bf16; modules already replaced are not
+    listed again. Raises ValueError for a model that is not Qwen3 / Qwen3-MoE, an unknown path or scheme, a
+    path other than the one its experts already run on, a scheme other than the one (or bf16) its linear
+    layers already run in, or an fp8_exclude name the model does not have (or without a scheme)."""
     experts = _experts_path(model, experts)
     fp8 = _fp8_scheme(model, fp8)
+    exclude = _fp8_exclude(model, fp8, fp8_exclude)
     if not transformers.__version__.startswith(TRANSFORMERS):
         raise ValueError(f"rosekernels.hf follows transformers {TRANSFORMERS}x's Qwen3 code; this is transformers "
                          f"{transformers.__version__} (pip install 'rosekernels[hf]')")
@@ -768,7 +795,7 @@ def plan(model: nn.Module, experts: str | None = None, fp8: str | None = None) -
                          f"got {model_type!r}")
     modules = list(model.named_modules())
     swaps = {s.kind: tuple(n for n, m in modules if s.matches(m)) for s in SWAPS}
-    fp8_attention, fp8_mlp = _fp8_layers(model, swaps, fp8) if fp8 is not None else ((), ())
+    fp8_attention, fp8_mlp = _fp8_layers(model, swaps, fp8, exclude) if fp8 is not None else ((), ())
     return Plan(model_type, swaps, experts, fp8, fp8_attention, fp8_mlp)
 
 
@@ -812,17 +839,21 @@ def _swap(model: nn.Module, p: Plan) -> None:
         model.set_experts_implementation(IMPLEMENTATION)
 
 
-def apply(model: nn.Module, experts: str | None = None, fp8: str | None = None) -> nn.Module:
+def apply(model: nn.Module, experts: str | None = None, fp8: str | None = None,
+          fp8_exclude: str | Iterable[str] = ()) -> nn.Module:
     """Run `model` (a transformers Qwen3 or Qwen3-MoE model on an sm_90 GPU) on rosekernels: see the
     module docstring; `experts`: the MoE experts' path, "grouped_mm" or "moe_experts" (None:
     EXPERTS_PATH, or the path an earlier apply() installed; another than that one is refused); `fp8`: None
     (bf16 linear layers, or the scheme an earlier apply() installed) or the weight scheme of FP8 ones, "tensor",
     "channel" or "block" (rosekernels.quantize_weight_fp8), the weights quantized once here; on a model an
     earlier apply() patched, a scheme other than its own (bf16 included) is refused with ValueError: load the
-    model anew to run it in FP8 or with another scheme. Patches in place and returns the model; applying twice
+    model anew to run it in FP8 or with another scheme. `fp8_exclude`: names of modules (model.named_modules())
+    whose linear layers stay in bf16 in an FP8 model, as transformers' modules_to_not_convert: a decoder layer
+    ("model.layers.0"), its attention or MLP, or a projection in them, which keeps its whole block (the block's
+    projections share their quantized activations). Patches in place and returns the model; applying twice
     changes nothing more."""
     _require_gpu(model)
-    p = plan(model, experts, fp8)
+    p = plan(model, experts, fp8, fp8_exclude)
     # Load the ops now (rosekernels imports them on first use), so that the patched forwards find
     # plain module attributes, which torch.compile traces without a module __getattr__.
     for op in ("rmsnorm", "qk_norm", "attention", "gemm", "gate_up_rows", "moe_dispatch", "moe_combine",

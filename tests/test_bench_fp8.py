@@ -69,6 +69,19 @@ def test_markdown_names_what_did_not_run():
     assert lines[i].count("| nan |") == 1 and "| - |" in lines[i]  # a NaN time shown, a missing one a dash
 
 
+def test_markdown_states_the_end_to_end_arms():
+    e2e = {"layers": 4, "scheme": "channel", "us": {"bf16": 1500.0, "fp8": 1200.0, bench.KEEP_FIRST: 1300.0},
+           "speedup": 1.25, "min_cos": 0.97, bench.KEEP_FIRST: {"speedup": 1500 / 1300, "min_cos": 0.996}}
+    data = {"env": {"gpu": "g"}, "copy_gbps": 4000.0, "decode": [], "prefill": [], "quantize": [], "kv": [],
+            "e2e": e2e, "peers": [], "errors": []}
+    data["verdicts"] = bench.verdicts(data)
+    text = bench.markdown(data)
+    assert "FP8 arm 1200.0 us per step (1.25x)" in text and "min 0.9700" in text
+    assert "1300.0 us per step (1.15x), logits cosine min 0.9960" in text
+    del e2e[bench.KEEP_FIRST]
+    assert "layer 0 in bf16" not in bench.markdown(data)
+
+
 @pytest.mark.parametrize("argv, message", [(["--scheme", "rowwise"], "invalid choice"),
                                            (["--layers", "x"], "invalid int")])
 def test_bad_arguments_exit_2_before_any_work(argv, message):

@@ -40,6 +40,29 @@ def test_plan_lists_the_fp8_layers(scheme):
         hf.plan(model, fp8="rowwise")
 
 
+def test_fp8_exclude_keeps_the_blocks_it_names_in_bf16():
+    """A name keeps the block it names, the blocks under it, or the block holding it (one projection keeps
+    its whole attention or MLP) in bf16; names match whole dotted parts (layers.1 is not layers.10)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf.model_config("qwen3-8b", 12), dtype=torch.bfloat16)
+    every = tuple(f"model.layers.{i}" for i in range(12))
+
+    def fp8_blocks(exclude):
+        p = hf.plan(model, fp8="channel", fp8_exclude=exclude)
+        return p.fp8_attention, p.fp8_mlp
+
+    assert fp8_blocks(()) == (every, every)
+    assert fp8_blocks("model.layers.1") == fp8_blocks(["model.layers.1"]) == (every[:1] + every[2:],) * 2
+    assert fp8_blocks(["model.layers.0.self_attn", "model.layers.11.mlp.down_proj"]) == (every[1:], every[:11])
+    assert fp8_blocks(["model.layers.3.self_attn.q_norm"]) == (every[:3] + every[4:], every)
+    assert fp8_blocks(["model"]) == fp8_blocks(["model.layers"]) == ((), ())
+    assert fp8_blocks(["lm_head", "model.embed_tokens"]) == (every, every)  # never in FP8
+    with pytest.raises(ValueError, match="no module named 'model.layers.12', 'layer.0'"):
+        hf.plan(model, fp8="channel", fp8_exclude=["model.layers.12", "model.layers.0", "layer.0"])
+    with pytest.raises(ValueError, match="give fp8= too"):
+        hf.plan(model, fp8_exclude=["model.layers.0"])
+
+
 def test_a_moe_model_keeps_its_experts_in_bf16():
     p = hf.plan(_tiny(moe=True, layers=2), fp8="channel")
     assert p.fp8_attention == ("model.layers.0", "model.layers.1") and p.fp8_mlp == ()
@@ -134,6 +157,26 @@ def test_an_fp8_model_computes_the_stock_logits_within_fp8_error(standins, schem
     stats = hf.stats()
     assert stats["rmsnorm+fp8"] == 2 and stats["rmsnorm+residual+fp8"] == 2 and stats["mlp_fp8"] == 2
     assert stats["gemm_fp8"] == 2 * (4 + 2) and "gemm" not in stats and "mlp" not in stats
+
+
+def test_an_excluded_layer_runs_in_bf16_beside_fp8_ones(standins):
+    """fp8_exclude=model.layers.0: that layer keeps its bf16 weights and runs the bf16 glue, the other is
+    in FP8; the logits stay within FP8's error of the stock model's."""
+    stock = _tiny(moe=False, layers=2).to(torch.bfloat16)
+    ours = copy.deepcopy(stock)
+    hf._swap(ours, hf.plan(ours, fp8="channel", fp8_exclude=["model.layers.0"]))
+    first, second = ours.model.layers
+    assert type(first.self_attn.q_proj) is torch.nn.Linear and first.self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert first.fp8_attention is None and first.fp8_mlp is None and hasattr(first.mlp, "gate_up_weight")
+    assert isinstance(second.self_attn.q_proj, hf.Fp8Linear) and second.fp8_mlp == "row"
+    ids = torch.randint(0, TINY["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(5))
+    hf.reset_stats()
+    with torch.inference_mode():
+        got, want = ours(ids).logits.float(), stock(ids).logits.float()
+    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() >= 0.99
+    stats = hf.stats()
+    assert stats["rmsnorm+fp8"] == stats["rmsnorm+residual+fp8"] == stats["mlp_fp8"] == 1
+    assert stats["gemm_fp8"] == 4 + 2 and stats["mlp"] == 1
 
 
 def test_apply_with_fp8_refuses_without_a_gpu_and_changes_nothing():
