@@ -1,7 +1,7 @@
 """FP8 on Hopper (issue 44): the e4m3 GEMM, the quantization kernels, the e4m3 KV cache and a model in FP8,
 against our bf16 kernels and torch's FP8 GEMM; fp8.json + fp8.md (+ the chart), in the gemm results family.
 
-    python bench/fp8.py [--out bench/results] [--quick] [--no-e2e]
+    python bench/fp8.py [--out bench/results] [--quick] [--sections decode,prefill,quantize,kv,e2e]
 
 - decode GEMMs (M in {1, 8, 16, 32, 64, 128}) on the q, k/v, o, gate/up and down weights of Llama-3-8B,
   Qwen3-8B and Qwen2.5-7B: rosekernels.gemm_fp8 with per-tensor, per-channel and 128 x 128 block scales;
@@ -18,7 +18,7 @@ against our bf16 kernels and torch's FP8 GEMM; fp8.json + fp8.md (+ the chart), 
   bandwidth, rows of 4096 and of the MLP widths, per row and per 1 x 128 group, in CUDA graphs.
 - decode attention over a KV cache, bf16 against e4m3 (attention_with_kvcache), B = 16, contexts 8k to 32k,
   Qwen3-8B's heads, in CUDA graphs.
-- end to end (not with --no-e2e): Qwen3-8B's geometry (rosekernels.hf.random_model, --layers layers), decode at
+- end to end: Qwen3-8B's geometry (rosekernels.hf.random_model, --layers layers), decode at
   B = 16 after 2048 tokens of context on a static cache in CUDA graphs, the bf16 rosekernels arm against
   rosekernels.hf.apply(fp8=...) on an Fp8StaticCache (FP8 weights and KV cache), and the FP8 model's logits
   against the stock bf16 model's (cosine); also the FP8 arm with layer 0 kept in bf16 (fp8_exclude).
@@ -394,11 +394,24 @@ def bench_e2e(layers: int, scheme: str) -> dict:
                                                 "min_cos": cos[KEEP_FIRST]}}
 
 
+SECTIONS = ("decode", "prefill", "quantize", "kv", "e2e")
+
+
+def _sections(text: str) -> tuple[str, ...]:
+    """--sections: a comma-separated subset of SECTIONS."""
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"sections are a comma-separated subset of {','.join(SECTIONS)}, got {text!r}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     report.add_out(p)
     p.add_argument("--quick", action="store_true", help="one model, M = 1 and 16, one prefill M, fewer sizes")
-    p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end model")
+    p.add_argument("--sections", type=_sections, default=SECTIONS,
+                   help=f"which parts to run, comma-separated (default all: {','.join(SECTIONS)})")
     p.add_argument("--layers", type=int, default=4, help="decoder layers of the end-to-end model")
     p.add_argument("--scheme", choices=SCHEMES, default="channel", help="the end-to-end model's weight scheme")
     args = p.parse_args(argv)
@@ -412,13 +425,17 @@ def main(argv: list[str] | None = None) -> int:
     models = list(MODELS)[:1] if args.quick else list(MODELS)
     data: dict[str, Any] = {"env": report.environment(("deep_gemm",)), "copy_gbps": copy_gbps, "peers": peers_log,
                             "errors": errors}
-    data["decode"] = bench_gemms((1, 16) if args.quick else DECODE_M, models, peers, errors, decode=True)
+    sections = {
+        "decode": lambda: bench_gemms((1, 16) if args.quick else DECODE_M, models, peers, errors, decode=True),
+        "prefill": lambda: bench_gemms(PREFILL_M[:1] if args.quick else PREFILL_M, models[:1], peers, errors,
+                                       decode=False),
+        "quantize": lambda: report.measure("quantize", lambda: bench_quantize(copy_gbps, args.quick), errors) or [],
+        "kv": lambda: report.measure("kv", lambda: bench_kv(args.quick), errors) or [],
+        "e2e": lambda: report.measure("e2e", lambda: bench_e2e(args.layers, args.scheme), errors)}
+    for name, measure in sections.items():  # a section not asked for: empty (e2e: None), as one that failed
+        data[name] = measure() if name in args.sections else (None if name == "e2e" else [])
     for row in data["decode"]:
         row["summary"] = decode_summary(row, copy_gbps)
-    data["prefill"] = bench_gemms(PREFILL_M[:1] if args.quick else PREFILL_M, models[:1], peers, errors, decode=False)
-    data["quantize"] = report.measure("quantize", lambda: bench_quantize(copy_gbps, args.quick), errors) or []
-    data["kv"] = report.measure("kv", lambda: bench_kv(args.quick), errors) or []
-    data["e2e"] = None if args.no_e2e else report.measure("e2e", lambda: bench_e2e(args.layers, args.scheme), errors)
     data["verdicts"] = verdicts(data)
     data["seconds"] = time.time() - t0
     report.write(args.out, "fp8", data, markdown(data))

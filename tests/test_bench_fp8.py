@@ -83,7 +83,9 @@ def test_markdown_states_the_end_to_end_arms():
 
 
 @pytest.mark.parametrize("argv, message", [(["--scheme", "rowwise"], "invalid choice"),
-                                           (["--layers", "x"], "invalid int")])
+                                           (["--layers", "x"], "invalid int"),
+                                           (["--sections", "prefill,e2f"], "a comma-separated subset of"),
+                                           (["--sections", ","], "a comma-separated subset of")])
 def test_bad_arguments_exit_2_before_any_work(argv, message):
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "fp8.py"), *argv], capture_output=True, text=True)
     assert run.returncode == 2 and message in run.stderr
