@@ -5,6 +5,7 @@
 #   .whl/        tvm_ffi.tar.xz (tools/tvm_ffi_bundle.sh)
 #   .gpu-peers/  quack, flash-attn-4, liger (../shared/gpu/bundle.sh --peers)
 #   .gpu-flashinfer/  FlashInfer, the paged-decode peer (tools/flashinfer_bundle.sh), after .whl
+#   .gpu-deepgemm/    DeepGEMM's source, built here on first use (tools/deepgemm_bundle.sh)
 # The bundles do not all fit in one 64 MiB transfer: carry .gpu + .whl first, then .gpu-peers in the next call while
 # the machine is still warm (it keeps /tmp/site).
 set -e
@@ -13,6 +14,7 @@ if [ -f .gpu/install.sh ]; then bash .gpu/install.sh; fi
 if [ -f .whl/tvm_ffi.tar.xz ]; then tar xJf .whl/tvm_ffi.tar.xz -C /tmp/site; fi
 if [ -f .gpu-peers/install.sh ]; then bash .gpu-peers/install.sh; fi
 if [ -f .gpu-flashinfer/install.sh ]; then bash .gpu-flashinfer/install.sh; fi
+if [ -f .gpu-deepgemm/install.sh ]; then bash .gpu-deepgemm/install.sh; fi
 ls /tmp/site/.dsl-* /tmp/site/tvm_ffi >/dev/null 2>&1 || { echo "CuTeDSL or TVM-FFI missing: carry .gpu and .whl" >&2; exit 3; }
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 # FlashInfer's JIT builds call ninja and nvcc (.gpu-flashinfer).
