@@ -18,7 +18,7 @@ against our bf16 kernels and torch's FP8 GEMM; fp8.json + fp8.md (+ the chart), 
   bandwidth, rows of 4096 and of the MLP widths, per row and per 1 x 128 group, in CUDA graphs.
 - decode attention over a KV cache, bf16 against e4m3 (attention_with_kvcache), B = 16, contexts 8k to 32k,
   Qwen3-8B's heads, in CUDA graphs.
-- end to end: Qwen3-8B's geometry (rosekernels.hf.random_model, --layers layers), decode at
+- end to end: Qwen3-8B's geometry (rosekernels.hf.random_model, --layers layers, all 36 by default), decode at
   B = 16 after 2048 tokens of context on a static cache in CUDA graphs, the bf16 rosekernels arm against
   rosekernels.hf.apply(fp8=...) on an Fp8StaticCache (FP8 weights and KV cache), and the FP8 model's logits
   against the stock bf16 model's (cosine); also the FP8 arm with layer 0 kept in bf16 (fp8_exclude).
@@ -64,6 +64,8 @@ PREFILL_VS_BF16, PREFILL_VS_SCALED_MM = 1.5, 1.0
 ERROR_RATIO, QUANT_COPY_PCT, KV_SPEEDUP, KV_CONTEXT = 2.0, 90.0, 1.6, 8192
 E2E_SPEEDUP, E2E_COS = 1.4, 0.99
 E2E_CONTEXT = 2048
+E2E_LAYERS = 36  # Qwen3-8B's decoder layers: with fewer, the bf16 lm_head's bytes weigh more in both arms
+SECTIONS = ("decode", "prefill", "quantize", "kv", "e2e")  # what --sections may choose
 KEEP_FIRST = "fp8, layer 0 in bf16"  # the end-to-end arm with apply(fp8_exclude=["model.layers.0"])
 
 
@@ -134,7 +136,10 @@ def markdown(data: dict) -> str:
              f"Device copy bandwidth (read + write) {fmt(data['copy_gbps'], 0)} GB/s. Times in us per call (device time: "
              "CUDA graphs replayed interleaved), each method's weights rotated past the L2. Ratios are time(peer) / "
              "time(ours). Error: our output's distance to the float64 product of the dequantized operands over "
-             "the bf16 rounding's (<= 2 is the bar).", "", "## Verdicts", "", "| target | worst | |", "|---|---|---|"]
+             "the bf16 rounding's (<= 2 is the bar)."]
+    if data.get("sections") and tuple(data["sections"]) != SECTIONS:  # a partial run: the rest was not asked for
+        lines += ["", f"This run measured {', '.join(data['sections'])} only (`--sections`)."]
+    lines += ["", "## Verdicts", "", "| target | worst | |", "|---|---|---|"]
     lines += [f"| {v['target']} | {fmt(v['worst'], 3)} | "
               f"{'-' if v['passes'] is None else 'pass' if v['passes'] else 'FAIL'} |" for v in data["verdicts"]]
     methods = list(dict.fromkeys(m for r in data.get("decode", []) + data.get("prefill", []) for m in r["times_us"]))
@@ -174,9 +179,10 @@ def markdown(data: dict) -> str:
                   f"stock bf16 model: min {fmt(e.get('min_cos'), 4)}."]
         keep = e.get(KEEP_FIRST)
         if keep:  # (results before the arm existed have none)
-            lines += ["", f"With layer 0 in bf16 (apply(fp8_exclude=['model.layers.0'])): "
+            lines += ["", f"With layer 0 in bf16 (1 of {e['layers']}; apply(fp8_exclude=['model.layers.0'])): "
                       f"{fmt(e['us'].get(KEEP_FIRST))} us per step ({fmt(keep.get('speedup'), 2)}x), logits cosine "
                       f"min {fmt(keep.get('min_cos'), 4)}."]
+        lines += [f"- {name} did not run: {why}" for name, why in (e.get("failed") or {}).items()]
     if data.get("errors") or data.get("peers"):
         lines += ["", "## Notes", ""] + [f"- {x}" for x in data.get("peers", []) + data.get("errors", [])]
     return "\n".join(lines) + "\n"
@@ -227,11 +233,9 @@ def _gemm_methods(m: int, n: int, k: int, gated: bool, peers: dict) -> tuple[dic
             shape = plan.Fp8GemmShape(m, n, k, scales="rowcol", activation=activation or "none", gated=gated)
             sms = modes.sm_count()
             planned = tuned.tuned_config(gk, shape, plan.config_for(shape, sms), sms)
-            for c in plan.candidates(shape, sms):
-                if (c.tile_m, c.tile_n, c.pingpong) in plan.WIDE_TILES and c != planned and \
-                        dataclasses.replace(c, tile_n=planned.tile_n, pingpong=planned.pingpong) == planned:
-                    steps[f"rosekernels fp8 channel {c.tile_m}x{c.tile_n}"] = lambda i, s=sets, c=c: op.run(
-                        *s[i % len(s)][:4], None, s[i % len(s)][4], c)
+            for wide in wide_configs(planned):
+                steps[f"rosekernels fp8 channel {wide.tile_m}x{wide.tile_n}"] = lambda i, s=sets, c=wide: op.run(
+                    *s[i % len(s)][:4], None, s[i % len(s)][4], c)
         if scheme in ("tensor", "channel") and peers.get("scaled_mm") and not gated:
             label = "torch._scaled_mm " + ("per-tensor" if scheme == "tensor" else "rowwise")
             steps[label] = lambda i, s=sets, rowwise=scheme == "channel": peers["scaled_mm"](s[i % len(s)], rowwise)
@@ -243,6 +247,22 @@ def _gemm_methods(m: int, n: int, k: int, gated: bool, peers: dict) -> tuple[dic
                                     (torch.randn(n, k, generator=g, device="cuda") / k ** 0.5).to(torch.bfloat16)))
     steps["rosekernels bf16"] = lambda i, s=bf16: rosekernels.gemm(*s[i % len(s)], activation=activation, gated=gated)
     return steps, n * k, errors
+
+
+def wide_configs(planned) -> list:
+    """The planned prefill config (a gemm_fp8_plan.Fp8GemmConfig) on each WIDE_TILES tile it takes and is not
+    on already, the rest of it kept; none for a pingpong plan (one warpgroup a tile: another family)."""
+    from rosekernels.kernels import gemm_fp8_plan as plan
+
+    found = []
+    for tm, tn, pp in plan.WIDE_TILES if not planned.pingpong else ():
+        try:
+            wide = dataclasses.replace(planned, tile_m=tm, tile_n=tn, pingpong=pp)
+        except ValueError:  # a tile this GEMM does not take (gated: whole gate/up pairs)
+            continue
+        if wide != planned:
+            found.append(wide)
+    return found
 
 
 def _scaled_mm_peer() -> Callable[[tuple, bool], Any]:
@@ -360,26 +380,28 @@ def bench_kv(quick: bool) -> list[dict]:
 
 def bench_e2e(layers: int, scheme: str) -> dict:
     """Qwen3-8B's geometry: decode at B = 16 after E2E_CONTEXT tokens on a static cache in CUDA graphs, the bf16
-    rosekernels arm against the FP8 one (weights and an Fp8StaticCache), and the FP8 model's prefill logits
-    against stock bf16's."""
+    rosekernels arm against the FP8 one (weights and an Fp8StaticCache) and the FP8 one with layer 0 in bf16,
+    and the FP8 models' prefill logits against stock bf16's."""
     from rosekernels import hf
     from transformers import StaticCache
 
     stock = hf.random_model("qwen3-8b", layers, seed=1)
-    arms = {"bf16": copy.deepcopy(stock), "fp8": copy.deepcopy(stock), KEEP_FIRST: copy.deepcopy(stock)}
-    hf.warmup(arms["bf16"])
-    hf.warmup(arms["fp8"], fp8=scheme, fp8_kv_cache=True)
-    hf.apply(arms["bf16"])
-    hf.apply(arms["fp8"], fp8=scheme)
-    hf.apply(arms[KEEP_FIRST], fp8=scheme, fp8_exclude=["model.layers.0"])
+    c = stock.config
     ids = torch.randint(0, 151936, (4, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
     with torch.inference_mode():
         want = stock(ids).logits.float()
-        cos = {name: torch.nn.functional.cosine_similarity(arms[name](ids).logits.float(), want, dim=-1).min().item()
-               for name in ("fp8", KEEP_FIRST)}
+    arms, cos = {}, {}
+    for name, fp8, exclude in (("bf16", None, ()), ("fp8", scheme, ()), (KEEP_FIRST, scheme, ["model.layers.0"])):
+        arms[name] = copy.deepcopy(stock)  # one at a time: the FP8 arms drop their bf16 weights in apply()
+        hf.warmup(arms[name], fp8=fp8, fp8_kv_cache=fp8 is not None)
+        hf.apply(arms[name], fp8=fp8, fp8_exclude=exclude)
+        if fp8 is not None:
+            with torch.inference_mode():
+                got = arms[name](ids).logits.float()
+            cos[name] = torch.nn.functional.cosine_similarity(got, want, dim=-1).min().item()
+    del stock, want
     steps = {}
     tok = torch.randint(0, 151936, (KV_BATCH, 1), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
-    c = stock.config
     kv = torch.randn(KV_BATCH, c.num_key_value_heads, E2E_CONTEXT, c.head_dim, device="cuda", dtype=torch.bfloat16)
     for name, model in arms.items():
         kind = StaticCache if name == "bf16" else hf.Fp8StaticCache  # the FP8 arms: e4m3 KV cache too
@@ -387,14 +409,12 @@ def bench_e2e(layers: int, scheme: str) -> dict:
         for layer in range(c.num_hidden_layers):
             cache.update(kv, kv, layer)  # a context of random keys and values (the timing does not read them)
         steps[name] = lambda i, m=model, cache=cache: m(input_ids=tok, past_key_values=cache, use_cache=True)
+    failed: dict[str, str] = {}
     with torch.inference_mode():
-        us = timing.interleaved_graph_time_us(steps, calls=8, rounds=15, warmup=2)
-    return {"layers": layers, "scheme": scheme, "us": us, "speedup": report.ratio(us["bf16"], us["fp8"]),
-            "min_cos": cos["fp8"], KEEP_FIRST: {"speedup": report.ratio(us["bf16"], us[KEEP_FIRST]),
-                                                "min_cos": cos[KEEP_FIRST]}}
-
-
-SECTIONS = ("decode", "prefill", "quantize", "kv", "e2e")
+        us = timing.interleaved_graph_time_us(steps, calls=8, rounds=15, warmup=2, errors=failed)
+    return {"layers": layers, "scheme": scheme, "us": us, "speedup": report.ratio(us.get("bf16"), us.get("fp8")),
+            "min_cos": cos["fp8"], "failed": failed,
+            KEEP_FIRST: {"speedup": report.ratio(us.get("bf16"), us.get(KEEP_FIRST)), "min_cos": cos[KEEP_FIRST]}}
 
 
 def _sections(text: str) -> tuple[str, ...]:
@@ -412,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="one model, M = 1 and 16, one prefill M, fewer sizes")
     p.add_argument("--sections", type=_sections, default=SECTIONS,
                    help=f"which parts to run, comma-separated (default all: {','.join(SECTIONS)})")
-    p.add_argument("--layers", type=int, default=4, help="decoder layers of the end-to-end model")
+    p.add_argument("--layers", type=int, default=E2E_LAYERS, help="decoder layers of the end-to-end model")
     p.add_argument("--scheme", choices=SCHEMES, default="channel", help="the end-to-end model's weight scheme")
     args = p.parse_args(argv)
     report.require_gpu()
@@ -424,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     copy_gbps = timing.copy_gbs()
     models = list(MODELS)[:1] if args.quick else list(MODELS)
     data: dict[str, Any] = {"env": report.environment(("deep_gemm",)), "copy_gbps": copy_gbps, "peers": peers_log,
-                            "errors": errors}
+                            "errors": errors, "sections": list(args.sections)}
     sections = {
         "decode": lambda: bench_gemms((1, 16) if args.quick else DECODE_M, models, peers, errors, decode=True),
         "prefill": lambda: bench_gemms(PREFILL_M[:1] if args.quick else PREFILL_M, models[:1], peers, errors,

@@ -734,16 +734,29 @@ def _fp8_takes(sizes: list[tuple[int, int, bool]], dtype: torch.dtype, scheme: s
 
 
 def _fp8_exclude(model: nn.Module, fp8: str | None, fp8_exclude: str | Iterable[str]) -> tuple[str, ...]:
-    """fp8_exclude as a tuple of module names of `model`; ValueError for a name it does not have, or any
-    name without an FP8 scheme."""
+    """fp8_exclude as a tuple of module names of `model`. ValueError for any name without an FP8 scheme, a name
+    the model does not have, one that selects no decoder layer's attention or MLP (_excluded), or one that
+    selects a block an earlier apply() already runs in FP8."""
     names = (fp8_exclude,) if isinstance(fp8_exclude, str) else tuple(fp8_exclude)
     if names and fp8 is None:
         raise ValueError("fp8_exclude names modules to keep in bf16 in a model run in FP8: give fp8= too")
-    known = {n for n, _ in model.named_modules()}
-    unknown = [n for n in names if n not in known]
+    modules = dict(model.named_modules())
+    unknown = [n for n in names if n not in modules]
     if unknown:
         raise ValueError(f"fp8_exclude: the model has no module named {', '.join(map(repr, unknown))} (names as "
                          "model.named_modules() gives them, e.g. 'model.layers.0' or 'model.layers.0.mlp')")
+    layers = {n: m for n, m in modules.items() if isinstance(m, (q3.Qwen3DecoderLayer, q3m.Qwen3MoeDecoderLayer))}
+    blocks = {f"{n}.{b}": getattr(m, f"fp8_{'attention' if b == 'self_attn' else b}", None)
+              for n, m in layers.items() for b in ("self_attn", "mlp")}  # block -> its FP8 activations, if any
+    idle = [n for n in names if not any(_excluded(b, (n,)) for b in blocks)]
+    if idle:
+        raise ValueError(f"fp8_exclude: {', '.join(map(repr, idle))} selects no decoder layer's attention or MLP, "
+                         "the only blocks that run in FP8 (lm_head, the embeddings and the norms keep the model's "
+                         "dtype)")
+    done = [b for b, fp8_in in blocks.items() if fp8_in is not None and _excluded(b, names)]
+    if done:
+        raise ValueError(f"fp8_exclude: {', '.join(done)} already run(s) in FP8 (an earlier apply()); apply() does "
+                         "not return them to bf16 (load the model anew)")
     return names
 
 

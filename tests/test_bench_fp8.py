@@ -1,5 +1,6 @@
 """bench/fp8.py's report on the CPU: the model shapes it times, the ratios it derives, the issue's targets
 (pass, fail, not measured) and the markdown; its argument errors. The timing itself needs the GPU."""
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,20 @@ def test_markdown_names_what_did_not_run():
     assert lines[i].count("| nan |") == 1 and "| - |" in lines[i]  # a NaN time shown, a missing one a dash
 
 
+def test_wide_configs_keep_the_planned_config_but_its_tile():
+    from rosekernels.kernels import gemm_fp8_plan as plan
+
+    shape = plan.Fp8GemmShape(4096, 4096, 4096)
+    planned = dataclasses.replace(plan.config_for(shape, 132), stagger=True, raster_group=2)
+    wide = bench.wide_configs(planned)
+    assert [(c.tile_m, c.tile_n) for c in wide] == [(128, 160), (128, 176)]
+    assert all(dataclasses.replace(c, tile_n=128) == planned for c in wide)
+    gated = plan.config_for(dataclasses.replace(shape, gated=True, activation="silu"), 132)
+    assert [c.tile_n for c in bench.wide_configs(gated)] == [160]  # 176 holds no whole gate/up pairs
+    pingpong = next(c for c in plan.candidates(shape, 132) if c.pingpong)
+    assert bench.wide_configs(pingpong) == [] and bench.wide_configs(wide[0]) == [wide[1]]
+
+
 def test_markdown_states_the_end_to_end_arms():
     e2e = {"layers": 4, "scheme": "channel", "us": {"bf16": 1500.0, "fp8": 1200.0, bench.KEEP_FIRST: 1300.0},
            "speedup": 1.25, "min_cos": 0.97, bench.KEEP_FIRST: {"speedup": 1500 / 1300, "min_cos": 0.996}}
@@ -77,9 +92,14 @@ def test_markdown_states_the_end_to_end_arms():
     data["verdicts"] = bench.verdicts(data)
     text = bench.markdown(data)
     assert "FP8 arm 1200.0 us per step (1.25x)" in text and "min 0.9700" in text
-    assert "1300.0 us per step (1.15x), logits cosine min 0.9960" in text
+    assert "1 of 4; apply(fp8_exclude=['model.layers.0'])): 1300.0 us per step (1.15x), logits cosine min 0.9960" in text
+    assert "This run measured" not in text  # every section asked for (none recorded: an older result)
     del e2e[bench.KEEP_FIRST]
-    assert "layer 0 in bf16" not in bench.markdown(data)
+    e2e["failed"] = {"fp8": "RuntimeError: capture failed"}
+    data["sections"] = ["e2e"]
+    text = bench.markdown(data)
+    assert "layer 0 in bf16" not in text and "- fp8 did not run: RuntimeError: capture failed" in text
+    assert "This run measured e2e only" in text
 
 
 @pytest.mark.parametrize("argv, message", [(["--scheme", "rowwise"], "invalid choice"),

@@ -10,9 +10,10 @@ into them (`scales` "block": a's 1 x 128 groups times w's 128 x 128 blocks, K a 
 Decode GEMMs stream the weights, and an e4m3 [N, K] weight streams the bytes of a bf16 [N, K / 2] one in
 as many k-tiles: the heuristic is the bf16 decode cost model's choice for that problem among the configs
 the FP8 kernel takes (`equivalent`). Prefill takes 128 x 128 tiles: a second fp32 accumulator for the
-promoted sums leaves no registers for wider ones. The tuner also tries them with `stagger` (the two
-warpgroups issue their k-tiles' WGMMAs in turns, so that one's promotion runs under the other's MMAs);
-it is not the heuristic until a GPU has timed it.
+promoted sums leaves no registers for the bf16 kernel's 128 x 256. The tuner also tries per-channel
+128 x 160 and 128 x 176 (WIDE_TILES: fewer shared-memory bytes per MMA), and each cooperative tile with
+`stagger` (the two warpgroups issue their k-tiles' WGMMAs in turns, so that one's promotion runs under the
+other's MMAs; no gain measured); neither is the heuristic until a GPU has timed it.
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ SCALES = ("rowcol", "block")
 TILE_K = 128  # e4m3 elements per k-tile: 128 bytes (one SW128 swizzle atom) and one scale block of K
 OUT_DTYPES = ("bf16", "fp16")
 # The accumulator and the promoted sums take 2 x tile_m x tile_n / (128 x warpgroups) fp32 registers a
-# thread; at most this many leave room for the scales, addresses and the epilogue (232 per thread).
+# thread; at most this many leave room for the scales, addresses and the epilogue (232 per thread), but in
+# the wide prefill tiles below (WIDE_ACC_REGS).
 MAX_ACC_REGS = 128
 # Prefill tiles (tile_m, tile_n, pingpong): 128 x 128 cooperative (64 accumulator rows a warpgroup), and
 # 128 x 64 pingpong (a 128-row tile a warpgroup; the other's epilogue hides under its mainloop).
@@ -70,8 +72,9 @@ class Fp8GemmConfig(GemmConfig):
         wide = not self.split_k and (self.tile_m, self.tile_n, self.pingpong) in WIDE_TILES
         if acc_regs(self) > (WIDE_ACC_REGS if wide else MAX_ACC_REGS):
             raise ValueError(f"{self.tile_m} x {self.tile_n} tiles need {acc_regs(self)} registers a thread for the "
-                             f"accumulator and the promoted sums; at most {MAX_ACC_REGS} ({WIDE_ACC_REGS} for the "
-                             f"prefill tiles " + ", ".join(f"{m} x {n}" for m, n, _ in WIDE_TILES) + ")")
+                             f"accumulator and the promoted sums; at most {MAX_ACC_REGS} ({WIDE_ACC_REGS} in the "
+                             "cooperative prefill tiles " + ", ".join(f"{m} x {n}" for m, n, _ in WIDE_TILES)
+                             + ", not split-K)")
         if self.stagger and (self.pingpong or self.swap_ab or self.split_k or bf16.wg_per_tile(self) != 2):
             raise ValueError("stagger takes cooperative prefill tiles of 128 rows: two warpgroups share the tile")
         weight_tile = self.tile_m if self.swap_ab else self.tile_n
@@ -203,7 +206,10 @@ def candidates(shape: Fp8GemmShape, sms: int | None = None) -> list[Fp8GemmConfi
     if shape.m <= DECODE_MAX_M:
         found = _fp8(bf16.candidates(equivalent(shape), sms), shape.scales)
     else:
-        found = [c for tm, tn, pp in PREFILL_TILES + WIDE_TILES for stagger in ((False,) if pp else (False, True))
+        # The wide tiles before the pingpong one (1.6x slower than 128 x 128 at 4096^3): a search cut short
+        # by --max-candidates keeps them.
+        tiles = (PREFILL_TILES[0], *WIDE_TILES, *PREFILL_TILES[1:])
+        found = [c for tm, tn, pp in tiles for stagger in ((False,) if pp else (False, True))
                  for cm, cn in bf16.PREFILL_CLUSTERS for group in bf16.PREFILL_RASTER_GROUPS
                  if (c := _valid(**_base(shape), tile_m=tm, tile_n=tn, pingpong=pp, cluster_m=cm, cluster_n=cn,
                                  raster_group=group, stagger=stagger))]

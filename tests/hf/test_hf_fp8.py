@@ -56,11 +56,22 @@ def test_fp8_exclude_keeps_the_blocks_it_names_in_bf16():
     assert fp8_blocks(["model.layers.0.self_attn", "model.layers.11.mlp.down_proj"]) == (every[1:], every[:11])
     assert fp8_blocks(["model.layers.3.self_attn.q_norm"]) == (every[:3] + every[4:], every)
     assert fp8_blocks(["model"]) == fp8_blocks(["model.layers"]) == ((), ())
-    assert fp8_blocks(["lm_head", "model.embed_tokens"]) == (every, every)  # never in FP8
     with pytest.raises(ValueError, match="no module named 'model.layers.12', 'layer.0'"):
         hf.plan(model, fp8="channel", fp8_exclude=["model.layers.12", "model.layers.0", "layer.0"])
+    with pytest.raises(ValueError, match="'lm_head', '' selects no decoder layer's attention or MLP"):
+        hf.plan(model, fp8="channel", fp8_exclude=["lm_head", "", "model.layers.0.mlp"])
     with pytest.raises(ValueError, match="give fp8= too"):
         hf.plan(model, fp8_exclude=["model.layers.0"])
+
+
+def test_fp8_exclude_does_not_return_fp8_blocks_to_bf16():
+    """A block an earlier apply() runs in FP8 stays so: naming it later is refused; a bf16 one may be named."""
+    model = _tiny(moe=False, layers=2).to(torch.bfloat16)
+    hf._swap(model, hf.plan(model, fp8="channel", fp8_exclude=["model.layers.1.mlp"]))
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn, model.layers.0.mlp already run\(s\) in FP8"):
+        hf.plan(model, fp8="channel", fp8_exclude=["model.layers.0"])
+    p = hf.plan(model, fp8_exclude=["model.layers.1.mlp"])
+    assert p.fp8 == "channel" and p.fp8_attention == p.fp8_mlp == ()
 
 
 def test_a_moe_model_keeps_its_experts_in_bf16():
