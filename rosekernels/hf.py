@@ -798,7 +798,6 @@ def plan(model: nn.Module, experts: str | None = None, fp8: str | None = None,
     layers already run in, or an fp8_exclude name the model does not have (or without a scheme)."""
     experts = _experts_path(model, experts)
     fp8 = _fp8_scheme(model, fp8)
-    exclude = _fp8_exclude(model, fp8, fp8_exclude)
     if not transformers.__version__.startswith(TRANSFORMERS):
         raise ValueError(f"rosekernels.hf follows transformers {TRANSFORMERS}x's Qwen3 code; this is transformers "
                          f"{transformers.__version__} (pip install 'rosekernels[hf]')")
@@ -806,6 +805,7 @@ def plan(model: nn.Module, experts: str | None = None, fp8: str | None = None,
     if model_type not in MODEL_TYPES:
         raise ValueError(f"rosekernels.hf serves Qwen3 and Qwen3-MoE models (model_type {' or '.join(MODEL_TYPES)}); "
                          f"got {model_type!r}")
+    exclude = _fp8_exclude(model, fp8, fp8_exclude)  # (after the model's type: its names are a Qwen3's)
     modules = list(model.named_modules())
     swaps = {s.kind: tuple(n for n, m in modules if s.matches(m)) for s in SWAPS}
     fp8_attention, fp8_mlp = _fp8_layers(model, swaps, fp8, exclude) if fp8 is not None else ((), ())

@@ -73,6 +73,8 @@ def test_plan_refuses_other_models():
         llama = AutoModelForCausalLM.from_config(LlamaConfig(**{k: v for k, v in TINY.items()}, num_hidden_layers=1))
     with pytest.raises(ValueError, match="Qwen3 and Qwen3-MoE.*'llama'"):
         hf.plan(llama)
+    with pytest.raises(ValueError, match="Qwen3 and Qwen3-MoE.*'llama'"):  # before its names are read as a Qwen3's
+        hf.plan(llama, fp8="channel", fp8_exclude=["model.layers.0"])
     with pytest.raises(ValueError, match="got None"):
         hf.plan(torch.nn.Linear(2, 2))
 
