@@ -3,7 +3,7 @@
 what it gives over the lengths that variant serves.
 
     python bench/sip_oplevel_sweep.py [--entries DIR[=LABEL] ...] [--seqlens 2048,4096,8192]
-        [--tokens 16384] [--heads 32/8] [--kernels d128,d128c,d64c] [--out bench/results]
+        [--tokens 16384] [--heads 32/8] [--kernels d128,d128c,d64c] [--commit HASH] [--out bench/results]
 
 Each entry (default: the shipped store, rosekernels/tuned_entries; another root, e.g. a search's winners,
 with --entries) is re-timed by sip_tune.oplevel.retime at each length: a fresh process, CUDA graphs,
@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=16384, help="batch x seqlen per call (default 16384)")
     p.add_argument("--heads", default="32/8", help="query/key heads (default 32/8, Qwen3-8B's)")
     p.add_argument("--kernels", default="d128,d128c,d64c", help=f"comma list of {sorted(NAMES)}")
+    p.add_argument("--commit", help="the commit the tree is at (default: git's HEAD; a GPU host's copy of the "
+                                     "tree may carry an older .git)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = p.parse_args(argv)
     unknown = set(args.kernels.split(",")) - set(NAMES)
@@ -134,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("no dense attention entry of the selected kernels under the given roots")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = sweep(found, [int(s) for s in args.seqlens.split(",")], args.tokens, heads, sms)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or "unknown"
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                           text=True).stdout.strip() or "unknown"
     meta = {**report.environment(), "date": datetime.date.today().isoformat(), "commit": commit,
             "command": "python bench/sip_oplevel_sweep.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     out = args.out / "sip"
