@@ -122,9 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown --kernels {sorted(unknown)}; choose from {sorted(NAMES)}")
     wanted = {NAMES[k] for k in args.kernels.split(",")}
-    heads = tuple(int(h) for h in args.heads.split("/"))
-    if len(heads) != 2 or heads[0] % heads[1]:
-        p.error("--heads Q/KV with Q a multiple of KV")
+    try:
+        heads = tuple(int(h) for h in args.heads.split("/"))
+        seqlens = [int(s) for s in args.seqlens.split(",")]
+    except ValueError:
+        p.error("--heads Q/KV and --seqlens N,N,... take positive integers")
+    if len(heads) != 2 or min(heads) < 1 or heads[0] % heads[1] or min(seqlens) < 1:
+        p.error("--heads Q/KV with Q a multiple of KV, --seqlens N,N,... positive")
 
     report.require_gpu()
     import torch
@@ -135,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if not found:
         p.error("no dense attention entry of the selected kernels under the given roots")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    rows = sweep(found, [int(s) for s in args.seqlens.split(",")], args.tokens, heads, sms)
+    rows = sweep(found, seqlens, args.tokens, heads, sms)
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                            text=True).stdout.strip() or "unknown"
     meta = {**report.environment(), "date": datetime.date.today().isoformat(), "commit": commit,

@@ -52,7 +52,8 @@ def test_markdown_rows_and_median():
     assert "another variant here: w" in text and "Median speedup over the timed rows: 1.0300x." in text
 
 
-@pytest.mark.parametrize("argv", [["--kernels", "d96"], ["--heads", "32/7"]])
+@pytest.mark.parametrize("argv", [["--kernels", "d96"], ["--heads", "32/7"], ["--heads", "a/b"], ["--heads", "0/8"],
+                                  ["--seqlens", "2048,x"], ["--seqlens", "0"]])
 def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(argv)
