@@ -3,7 +3,7 @@
 what it gives over the lengths that variant serves.
 
     python bench/sip_oplevel_sweep.py [--entries DIR[=LABEL] ...] [--seqlens 2048,4096,8192]
-        [--tokens 16384] [--heads 32/8] [--kernels d128,d128c,d64c] [--commit HASH] [--out bench/results]
+        [--tokens 16384] [--heads 32/8] [--kernels d128,d128c,d64c] [--commit HASH] [--out DIR]
 
 Each entry (default: the shipped store, rosekernels/tuned_entries; another root, e.g. a search's winners,
 with --entries) is re-timed by sip_tune.oplevel.retime at each length: a fresh process, CUDA graphs,
@@ -13,7 +13,7 @@ on this GPU) is recorded as such, not timed. batch = tokens // seqlen keeps the 
 An entry without original.cubin (a search's export) takes the shipped entry's of the same variant and
 original, else this source's compile.
 
-Results: <out>/sip/sip_oplevel_sweep.json and .md.
+Results: sip_oplevel_sweep.json and .md in <out>/sip/sweeps (bench/report.py; --out bench/results: the committed ones).
 """
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernels", default="d128,d128c,d64c", help=f"comma list of {sorted(NAMES)}")
     p.add_argument("--commit", help="the commit the tree is at (default: git's HEAD; a GPU host's copy of the "
                                      "tree may carry an older .git)")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    report.add_out(p)
     args = p.parse_args(argv)
     unknown = set(args.kernels.split(",")) - set(NAMES)
     if unknown:
@@ -144,10 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                                            text=True).stdout.strip() or "unknown"
     meta = {**report.environment(), "date": datetime.date.today().isoformat(), "commit": commit,
             "command": "python bench/sip_oplevel_sweep.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    out = args.out / "sip"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sip_oplevel_sweep.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
-    (out / "sip_oplevel_sweep.md").write_text(markdown(rows, meta))
+    report.write(args.out, "sip_oplevel_sweep", {"meta": meta, "rows": rows}, markdown(rows, meta))
     return 0 if any(not r.get("error") for r in rows) else 1
 
 
