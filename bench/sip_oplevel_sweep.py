@@ -50,9 +50,8 @@ def entries(root: Path, label: str, wanted: set[tuple[int, bool]]) -> list[dict]
         relative = meta_path.parent.relative_to(root)
         at = [p for p in (meta_path.parent, tuned.SHIPPED_ROOT / relative) if (p / "original.cubin").is_file()]
         original = (at[0] / "original.cubin").read_bytes() if at else module.compile(config).cubin
-        found.append({"label": label, "path": str(relative), "variant": variant,
-                      "config": config, "original": original, "tuned": (meta_path.parent / "tuned.cubin").read_bytes(),
-                      "stored_op_level": meta.get("checks", {}).get("op_level", {})})
+        found.append({"label": label, "path": str(relative), "variant": variant, "config": config,
+                      "original": original, "tuned": (meta_path.parent / "tuned.cubin").read_bytes()})
     return found
 
 
