@@ -10,7 +10,8 @@ from a dense one; a dense config never reaches them.
 - `_locate`: a unit's expert (a forward scan from the last one: every role walks its units in
   increasing order), row tile and weight tile; on a 2x1 cluster (`cluster_m` 2) a unit is the cluster's:
   its two CTAs take row tiles 2u and 2u + 1 of the expert and the same weight tile, which each CTA loads
-  half of and multicasts to both (the dense kernel's multicast of B).
+  half of and multicasts to both (the dense kernel's multicast of B); after an expert's pairs, an odd
+  last row tile takes units of two weight tiles, one per CTA, each loaded whole by its CTA.
 - `_produce_grouped`: the producer, per unit: the weights' k-tiles of the unit's expert by TMA, the
   rows by TMA at the group's first row (`cute.domain_offset`: rows past the group's end are the next
   group's, or zero-filled past the tensor; they only reach accumulator rows that are never stored) or,
@@ -32,6 +33,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from rosekernels.kernels.grouped_gemm_plan import GATHER_THREADS, GROUP_TABLE_INTS, MAX_EXPERTS, TILE_K
+
+WEIGHT_TILES_AT = GROUP_TABLE_INTS - 1  # the group table's last int: the weight tiles of an expert
 
 VEC = 8  # bf16/fp16 elements per 16-byte vector
 
@@ -66,7 +69,7 @@ class GroupedTiles:
         """A consumer's view of `unit` in the CTA of cluster row `rank_m`: (expert, the group's first row,
         its row count, tile_m index, tile_n index, the row scales of a plain tile's rows or None)."""
         sFirst, sCount, _ = self._group_tables(groups)
-        expert, row_tile, weight_tile = self._locate(unit, expert, groups, rank_m)
+        expert, row_tile, weight_tile, _ = self._locate(unit, expert, groups, rank_m)
         first, count = sFirst[expert], sCount[expert]
         tile_m, tile_n = (weight_tile, row_tile) if const_expr(self.swap) else (row_tile, weight_tile)
         scales = None
@@ -76,7 +79,8 @@ class GroupedTiles:
 
     @cute.jit
     def _group_tables(self, groups: cute.Tensor):
-        """(first row, row count, first unit) per expert: views of the shared-memory table."""
+        """(first row, row count, first unit) per expert: views of the shared-memory table (its last
+        int, WEIGHT_TILES_AT, holds the weight tiles of an expert)."""
         first = cute.make_tensor(groups.iterator, cute.make_layout(MAX_EXPERTS))
         count = cute.make_tensor(groups.iterator + MAX_EXPERTS, cute.make_layout(MAX_EXPERTS))
         prefix = cute.make_tensor(groups.iterator + 2 * MAX_EXPERTS, cute.make_layout(MAX_EXPERTS + 1))
@@ -95,8 +99,15 @@ class GroupedTiles:
             hi = cutlass.min(cutlass.max(mOffsets[e + 1], lo), rows)
             sFirst[e] = lo
             sCount[e] = hi - lo
+            tiles = cute.ceil_div(hi - lo, self.cfg.row_tile)
+            units = tiles * weight_tiles
+            if const_expr(self.cfg.cluster_m == 2):  # row tiles in pairs, an odd last one over weight-tile pairs
+                units = tiles // 2 * weight_tiles + tiles % 2 * cute.ceil_div(weight_tiles, 2)
             # each <= max_units < MAX_UNITS: a step adds 32 to a carry <= max_units, 33 x MAX_UNITS < 2^31
-            sPrefix[e + 1] = cutlass.min(cute.ceil_div(hi - lo, self.unit_rows) * weight_tiles, max_units)
+            sPrefix[e + 1] = cutlass.min(units, max_units)
+        if const_expr(self.cfg.cluster_m == 2):
+            if tidx == 0:
+                groups[WEIGHT_TILES_AT] = weight_tiles
         cute.arch.sync_threads()
         if tidx < 32:  # warp 0: inclusive prefix sums, 32 experts a step, saturating at max_units
             carry = Int32(0)
@@ -120,17 +131,35 @@ class GroupedTiles:
 
     @cute.jit
     def _locate(self, unit: Int32, expert: Int32, groups: cute.Tensor, rank_m: Int32):
-        """(expert, row tile, weight tile) of `unit` (< the launch's units) for the CTA of cluster row
-        `rank_m`, scanning forward from `expert` (a unit at or after that expert's first); an expert's
-        row units come first."""
+        """(expert, row tile, weight tile, shared) of `unit` (< the launch's units) for the CTA of cluster
+        row `rank_m`, scanning forward from `expert` (a unit at or after that expert's first); an
+        expert's row units come first. shared (1 or 0): the weight tile is the cluster's, each CTA
+        loading half of it for both; 0 on an odd last row tile's units, whose CTAs take adjacent
+        weight tiles of the same rows."""
         _, sCount, sPrefix = self._group_tables(groups)
         e = expert
         while sPrefix[e + 1] <= unit:
             e = e + 1
         local = unit - sPrefix[e]
-        row_units = cute.ceil_div(sCount[e], self.unit_rows)
-        weight_tile = local // row_units
-        return e, (local - weight_tile * row_units) * self.cfg.cluster_m + rank_m, weight_tile
+        tiles = cute.ceil_div(sCount[e], self.cfg.row_tile)
+        shared = Int32(1)
+        if const_expr(self.cfg.cluster_m == 1):
+            weight_tile = local // tiles
+            row_tile = local - weight_tile * tiles
+        else:
+            pairs = tiles // 2
+            pair_units = pairs * groups[WEIGHT_TILES_AT]
+            # past the pairs: the odd last row tile (rank 1's is past the group where it stays shared)
+            weight_tile = 2 * (local - pair_units)
+            row_tile = tiles - 1 + rank_m
+            if local < pair_units:
+                weight_tile = local // pairs
+                row_tile = (local - weight_tile * pairs) * 2 + rank_m
+            elif weight_tile + 1 < groups[WEIGHT_TILES_AT]:
+                weight_tile = weight_tile + rank_m
+                row_tile = tiles - 1
+                shared = Int32(0)
+        return e, row_tile, weight_tile, shared
 
     @cute.jit
     def _produce_grouped(self, ab_pipeline, groups: cute.Tensor, units: Int32, first_unit: Int32,
@@ -141,7 +170,8 @@ class GroupedTiles:
         `gather` only its first warp works; with it the threads `_gather_unit` needs, the first warp
         also issuing the weights' TMA and arming each stage's barrier for them (the barrier counts 1 +
         the gathering threads). On a 2x1 cluster (plain tiles, rows by TMA) the CTA of cluster row
-        `rank_m` loads its half of the weight tile into both CTAs (`w_mcast_mask`)."""
+        `rank_m` loads its half of a shared weight tile into both CTAs (`w_mcast_mask`), and both halves
+        of its own weight tile into itself only."""
         cfg = self.cfg
         sFirst, sCount, _ = self._group_tables(groups)
         tma_warp = warp_idx == self.load_warp
@@ -154,7 +184,7 @@ class GroupedTiles:
             unit = first_unit
             expert = Int32(0)
             while unit < units:
-                expert, row_tile, weight_tile = self._locate(unit, expert, groups, rank_m)
+                expert, row_tile, weight_tile, shared = self._locate(unit, expert, groups, rank_m)
                 first = sFirst[expert]
                 # The weights' TMA (swapped: the kernel's A), the rows (swapped: its B).
                 tma_atom_w, mW, sW, tma_atom_x, mX, sX = tma_atom_b, mB, sB, tma_atom_a, mA, sA_load
@@ -163,6 +193,10 @@ class GroupedTiles:
                 gW = cute.local_tile(mW, (cfg.weight_tile, TILE_K), (weight_tile, None, expert))
                 tWs, tWg = cpasync.tma_partition(tma_atom_w, rank_m, cute.make_layout(self.cfg.cluster_m),
                                                  cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
+                tWs_peer, tWg_peer = tWs, tWg  # 2x1: the other half, which a unit not shared loads too
+                if const_expr(self.cfg.cluster_m == 2):
+                    tWs_peer, tWg_peer = cpasync.tma_partition(tma_atom_w, 1 - rank_m, cute.make_layout(2),
+                                                               cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
                 if const_expr(self.gather):
                     state = self._gather_unit(ab_pipeline, state, mX, sX, mIndex, tma_atom_w, tWs, tWg, first,
                                               sCount[expert], row_tile, k_tiles, gtid, tma_warp)
@@ -175,8 +209,15 @@ class GroupedTiles:
                     for k in cutlass.range(k_tiles, unroll=1):
                         ab_pipeline.producer_acquire(state)
                         barrier = ab_pipeline.producer_get_barrier(state)
-                        cute.copy(tma_atom_w, tWg[(None, k)], tWs[(None, state.index)], tma_bar_ptr=barrier,
-                                  mcast_mask=w_mcast_mask)
+                        if shared == 1:
+                            cute.copy(tma_atom_w, tWg[(None, k)], tWs[(None, state.index)], tma_bar_ptr=barrier,
+                                      mcast_mask=w_mcast_mask)
+                        else:
+                            if const_expr(self.cfg.cluster_m == 2):  # both halves, into this CTA only
+                                cute.copy(tma_atom_w, tWg[(None, k)], tWs[(None, state.index)],
+                                          tma_bar_ptr=barrier, mcast_mask=Int32(1) << rank_m)
+                                cute.copy(tma_atom_w, tWg_peer[(None, k)], tWs_peer[(None, state.index)],
+                                          tma_bar_ptr=barrier, mcast_mask=Int32(1) << rank_m)
                         cute.copy(tma_atom_x, tXg[(None, k)], tXs[(None, state.index)], tma_bar_ptr=barrier)
                         ab_pipeline.producer_commit(state)
                         state.advance()

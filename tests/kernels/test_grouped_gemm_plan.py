@@ -108,15 +108,31 @@ def test_candidates_are_valid_distinct_of_one_mode_and_hold_the_pick(rows):
     assert all(c.cluster_m == 1 for c in plan.candidates(Shape(rows, gather=True), 132))
 
 
-def _units(offsets, rows, n, row_tile, weight_tile):
-    """The work units the kernel walks: per group (clamped as the kernel clamps it), its row units
-    (`row_tile`: a unit's rows, a cluster's row tiles) x weight tiles."""
+def _units(offsets, rows, n, config):
+    """The work units the kernel walks: per group (clamped as the kernel clamps it), plan.units_for."""
     total = 0
     for lo, hi in zip(offsets, offsets[1:]):
         lo = min(max(lo, 0), rows)
         hi = min(max(hi, lo), rows)
-        total += -(-(hi - lo) // row_tile) * -(-n // weight_tile)
+        total += plan.units_for(config, hi - lo, n)
     return total
+
+
+def test_units_of_an_expert_on_2x1_clusters():
+    """Row tiles in pairs over every weight tile; an odd last row tile over pairs of weight tiles (its CTAs
+    split them), an odd last weight tile still one unit."""
+    pair = Config(tile_n=192, pingpong=True, cluster_m=2)
+    one = Config(tile_n=192, pingpong=True)
+    assert plan.units_for(one, 300, 1536) == 3 * 8
+    assert plan.units_for(pair, 256, 1536) == 1 * 8  # two full row tiles: one pair per weight tile
+    assert plan.units_for(pair, 300, 1536) == 1 * 8 + 4  # a third row tile: 8 weight tiles in 4 splits
+    assert plan.units_for(pair, 300, 1344) == 7 + 4  # 7 weight tiles: 3 splits and a shared last one
+    assert plan.units_for(pair, 0, 1536) == 0 and plan.units_for(pair, 1, 192) == 1
+    # every unit does whole work: never more units than a CTA per row tile and weight tile needs, halved
+    for rows in range(0, 1200, 37):
+        for n in (192, 384, 1344, 1536):
+            tiles, wt = -(-rows // 128), -(-n // 192)
+            assert tiles * wt / 2 <= plan.units_for(pair, rows, n) <= -(-tiles // 2) * wt
 
 
 def test_the_grid_bound_holds_every_valid_grouping():
@@ -128,10 +144,10 @@ def test_the_grid_bound_holds_every_valid_grouping():
         c = r.choice(plan.candidates(Shape(rows, experts, n), 132) + plan.candidates(Shape(10**5, experts, n), 132))
         cuts = sorted(r.randint(0, rows) for _ in range(experts - 1))
         offsets = [0, *cuts, rows]
-        assert _units(offsets, rows, n, c.unit_rows, c.weight_tile) <= plan.max_units(c, rows, experts, n)
+        assert _units(offsets, rows, n, c) <= plan.max_units(c, rows, experts, n)
     # 9 rows to each of 10 experts: two row tiles each, 20 where all 90 rows in one group would take 12.
     c = Config(tile_m=64, tile_n=8, swap_ab=True)
-    used = _units(list(range(0, 91, 9)), 90, 128, 8, 64)
+    used = _units(list(range(0, 91, 9)), 90, 128, c)
     assert 12 * 2 < used == 20 * 2 <= plan.max_units(c, 90, 10, 128)
 
 
