@@ -95,11 +95,11 @@ TRANSFORMERS = "5.17."
 
 IMPLEMENTATION = "rosekernels"  # its name in transformers' attention and experts registries
 MODEL_TYPES = ("qwen3", "qwen3_moe")
-# How apply() runs MoE experts unless told otherwise: "grouped_mm" (torch._grouped_mm between the
-# rosekernels dispatch and combine) or "moe_experts" (rosekernels.moe_experts: the grouped GEMM kernels).
-# "grouped_mm" stays the default until moe_experts' GPU tests have passed (tests/kernels/test_grouped_gemm.py,
-# tests/hf/test_hf_gpu.py::test_moe_blocks_on_moe_experts_match_stock); switching is this line.
-EXPERTS_PATH = "grouped_mm"
+# How apply() runs MoE experts unless told otherwise: "moe_experts" (rosekernels.moe_experts: the grouped
+# GEMM kernels) or "grouped_mm" (torch._grouped_mm between the rosekernels dispatch and combine). On an H100
+# moe_experts ran 1.09-1.46x grouped_mm's path in decode and 1.07-1.25x in prefill on the Qwen3-MoE
+# geometries (bench/results/moe/moe_experts*.md), and it serves fp16 too.
+EXPERTS_PATH = "moe_experts"
 EXPERTS_WHAT = {"grouped_mm": "MoE experts -> moe_dispatch, torch._grouped_mm x2, moe_combine",
                 "moe_experts": "MoE experts -> rosekernels.moe_experts (dispatch, gate-up grouped GEMM with SwiGLU, "
                                "down grouped GEMM, combine)"}

@@ -334,6 +334,7 @@ def test_experts_glue_groups_the_gemms_by_the_dispatch_offsets(monkeypatch):
     monkeypatch.setattr(rosekernels, "moe_combine", _combine_standin, raising=False)
     monkeypatch.setattr(hf, "_experts_refusal", lambda *args: None)
     experts = _tiny(moe=True, layers=1).model.layers[0].mlp.experts
+    experts._rosekernels_path = "grouped_mm"  # as apply(model, experts="grouped_mm") marks them
     g = torch.Generator().manual_seed(11)
     tokens = 37
     hidden = torch.randn(tokens, TINY["hidden_size"], generator=g).to(torch.bfloat16)
@@ -518,6 +519,7 @@ def test_warmup_specs_cover_the_models_kernels_in_its_dtype_and_eps(geometry):
     ops = {s.variant().op for s in specs}
     moe = geometry == "qwen3-30b-a3b"
     routing = {"moe_dispatch", "moe_combine"} if moe else set()
+    routing |= {"grouped_gemm"} if moe and hf.EXPERTS_PATH == "moe_experts" else set()
     assert ops == {"rmsnorm", "qk_norm", "attention", "attention_decode", "gemm_leakyrelu"} | routing
     assert ops <= set(rosekernels.KERNELS)
     gemms = {(s.activation, s.gated) for s in specs if s.variant().op == "gemm_leakyrelu"}
