@@ -3,6 +3,7 @@ design promises (CPU), argument errors fire before anything runs (CPU), the floa
 itself (CPU); results match a float64 per-expert reference on fresh random inputs with poisoned outputs,
 ragged groups, empty experts, gathered rows, row scales, CUDA-graph replays with new routings and
 garbage offsets (GPU). The planning is tested without CuTeDSL in test_grouped_gemm_plan.py."""
+import dataclasses
 import math
 import re
 import types
@@ -408,6 +409,30 @@ def test_every_family_matches_the_reference_on_ragged_groups(cfg):
         w.run(w.kernel.fn, args)
         torch.cuda.synchronize()
         assert w.check(args) <= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_n, pingpong", [(tn, pp) for _, tn, pp in plan.PLAIN_TILES])
+@pytest.mark.parametrize("weight_tiles", [1, 3, 4])
+def test_2x1_clusters_split_an_odd_last_row_tile(tile_n, pingpong, weight_tiles):
+    """2x1 clusters over experts of 0, 1, 2, 3 and 5 row tiles (an odd last row tile: its CTAs split the
+    weight tiles in pairs, an odd last one shared), with 1, 3 and 4 weight tiles: every row of every
+    expert within one rounding of the float64 reference, the rows in no group still NaN."""
+    n, k = weight_tiles * tile_n, 200
+    base = plan.config_for(plan.GroupedShape(4096, 6, n, k, activation="none", gated=False), 132)
+    cfg = dataclasses.replace(base, tile_m=128, tile_n=tile_n, pingpong=pingpong, cluster_m=2)
+    counts = [0, 100, 256, 300, 0, 600]
+    offsets = torch.tensor([sum(counts[:i]) for i in range(len(counts) + 1)], dtype=torch.int32)
+    rows = int(offsets[-1]) + 7  # and 7 rows in no group
+    g = torch.Generator().manual_seed(tile_n + weight_tiles)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16).cuda()
+    w = torch.randn(len(counts), n, k, generator=g).div_(k ** 0.5).to(torch.bfloat16).cuda()
+    out = torch.full((rows, n), math.nan, dtype=torch.bfloat16, device="cuda")
+    offsets = offsets.cuda()
+    gg.compile(cfg).fn(*gg.launch_args(cfg, x, w, out, None, offsets, None, None))
+    torch.cuda.synchronize()
+    ref, written = gg.reference(x, w, offsets, None, "none", False, rows=rows)
+    assert gg.check_out(out, ref, written) <= 1
 
 
 def _group_case(rows, experts, n, k, dtype=torch.bfloat16, seed=0, gather=False, bias=None, scale=False):
