@@ -118,6 +118,10 @@ def cells() -> dict[str, Cell]:
                "attention prefill d=128 non-causal, B=2 S=2048 H=16"),
         _dense("attention_d128_causal", "attention", {"head_dim": 128, "causal": True},
                "attention prefill d=128 causal, B=2 S=2048 H=16"),
+        # From about 8k keys on, d=128 non-causal launches its 192-key variant (attention_plan.config_for):
+        # another cubin, which the 2k cell's entry does not serve.
+        _dense("attention_d128_long", "attention", {"head_dim": 128, "causal": False, "seqlen": 8192},
+               "attention prefill d=128 non-causal, 192-key tiles, B=2 S=8192 H=16"),
         _dense("gemm_prefill", "gemm_leakyrelu", {"m": 4096},
                "GEMM + LeakyReLU prefill, M=4096 N=14336 K=4096"),
         _dense("gemm_swiglu_prefill", "gemm_leakyrelu", {"m": 4096, "gated": True, "activation": "silu"},
