@@ -388,7 +388,8 @@ def test_the_readme_covers_what_a_new_user_asked():
     # the MoE and FP8 examples run on the package's own ops and say how far they have been checked
     assert "rosekernels.grouped_gemm(" in README and "rosekernels.moe_experts(" in README
     assert "rosekernels.gemm_fp8(" in README
-    assert "# moe_experts: 1.09-1.54x today's dispatch + torch._grouped_mm in decode" in README
+    assert "# moe_experts: 1.09-1.54x dispatch + torch._grouped_mm in decode" in README
+    assert "rosekernels.hf runs it for Qwen3-MoE's experts" in README  # hf.EXPERTS_PATH, said where it is used
     assert "# FP8 (e4m3): first measured on an H100 (below)" in README and "not benchmarked yet" not in README
     assert "13.0 or newer" in README and "13.0-13.3" in README and "12.9" in README  # every driver placed
     assert re.search(r"about \d+ minutes on 2 cores", README)  # the CPU test time
