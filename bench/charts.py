@@ -399,10 +399,16 @@ def fp8(data: dict) -> Figure:
     _bars(axes[1][0], [f"{r['m']}x{r['n']}x{r['k']}" for r in pre],
           {m: [r["tflops"].get(m) for r in pre] for m in order}, order)
     _axes(axes[1][0], "prefill GEMMs", "shape", "TFLOP/s")
-    _lines(axes[1][1], [r["context"] for r in kv],
-           {"e4m3 cache": [r["times_us"].get("bf16 cache", math.nan) / r["times_us"].get("e4m3 cache", math.nan)
-                           for r in kv]}, ["e4m3 cache"])
-    _axes(axes[1][1], "decode attention: speedup of the e4m3 KV cache over bf16", "context", "x bf16 cache",
+    # one line per (lengths, query dtype): the e4m3 cache over a cache of the query's dtype
+    contexts = sorted({r["context"] for r in kv})
+    speedups: dict[str, dict[int, float]] = {}
+    for r in kv:
+        query, t = r.get("query", "bf16"), r["times_us"]
+        line = speedups.setdefault(f"{r.get('lengths', 'full')} lengths, {query} query", {})
+        line[r["context"]] = t.get(f"{query} cache", math.nan) / t.get("e4m3 cache", math.nan)
+    _lines(axes[1][1], contexts, {name: [line.get(c, math.nan) for c in contexts] for name, line in speedups.items()},
+           list(speedups))
+    _axes(axes[1][1], "decode attention: speedup of the e4m3 KV cache", "context", "x the query dtype's cache",
           logx=True, ceiling=1.0)
     return fig
 

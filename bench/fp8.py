@@ -16,8 +16,9 @@ against our bf16 kernels and torch's FP8 GEMM; fp8.json + fp8.md (+ the chart), 
   heuristic or they are dropped.
 - quantize_fp8 and rmsnorm's fused fp8 output (with the residual add): bytes moved against the copy
   bandwidth, rows of 4096 and of the MLP widths, per row and per 1 x 128 group, in CUDA graphs.
-- decode attention over a KV cache, bf16 against e4m3 (attention_with_kvcache), B = 16, contexts 8k to 32k,
-  Qwen3-8B's heads, in CUDA graphs.
+- decode attention over a KV cache, a cache of the query's dtype against e4m3 (attention_with_kvcache), B = 16,
+  contexts 8k to 32k, Qwen3-8B's heads, in CUDA graphs; bf16 and fp16 queries, every sequence full or each
+  one's length uniform in [S/2, S] (the split plan takes the capacity, so short sequences leave CTAs idle).
 - end to end: Qwen3-8B's geometry (rosekernels.hf.random_model, --layers layers, all 36 by default), decode at
   B = 16 after 2048 tokens of context on a static cache in CUDA graphs, the bf16 rosekernels arm against
   rosekernels.hf.apply(fp8=...) on an Fp8StaticCache (FP8 weights and KV cache), and the FP8 model's logits
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import itertools
 import math
 import sys
 import time
@@ -55,6 +57,8 @@ MODELS = {"llama-3-8b": (4096, 14336, 32, 8, 128), "qwen3-8b": (4096, 12288, 32,
 SCHEMES = ("tensor", "channel", "block")
 KV_CONTEXTS = (8192, 16384, 32768)
 KV_BATCH = 16
+KV_QUERIES = ("bf16", "fp16")
+KV_LENGTHS = ("full", "ragged")  # ragged: each sequence's length uniform in [S/2, S]
 KV_STAGES = DecodeConfig.num_stages  # the ring depth kvcache_config_for keeps
 KV_VARIANTS = {f"e4m3 cache, {2 * KV_STAGES} stages": {"num_stages": 2 * KV_STAGES},
                f"e4m3 cache, {2 * KV_STAGES} stages, widen warps": {"num_stages": 2 * KV_STAGES, "widen_warps": True}}
@@ -122,7 +126,7 @@ def verdicts(data: dict) -> list[dict]:
         [r["pct_copy"] for r in data.get("quantize", [])], QUANT_COPY_PCT)
     add(f"FP8 KV decode >= {KV_SPEEDUP}x the bf16 cache at context >= {KV_CONTEXT}",
         [report.ratio(r["times_us"].get("bf16 cache"), r["times_us"].get("e4m3 cache"))
-         for r in data.get("kv", []) if r["context"] >= KV_CONTEXT], KV_SPEEDUP)
+         for r in data.get("kv", []) if r["context"] >= KV_CONTEXT and r.get("query", "bf16") == "bf16"], KV_SPEEDUP)
     e2e = data.get("e2e") or {}
     add(f"end to end: FP8 weights >= {E2E_SPEEDUP}x the bf16 rosekernels arm (B = 16 decode, graphs)",
         [e2e.get("speedup")], E2E_SPEEDUP)
@@ -165,12 +169,15 @@ def markdown(data: dict) -> str:
     if data.get("kv"):
         arms = ["e4m3 cache", *KV_VARIANTS]
         lines += ["", f"## Decode attention, B = {KV_BATCH}, Qwen3-8B heads", "",
-                  "Each e4m3 arm's time in us, then the bf16 cache's time over it.", "",
-                  "| context | bf16 cache us | " + " | ".join(f"{a} us | speedup" for a in arms) + " |",
-                  "|---|---|" + "---|---|" * len(arms)]
-        lines += [f"| {r['context']} | {fmt(t.get('bf16 cache'))} | "
-                  + " | ".join(f"{fmt(t.get(a))} | {fmt(report.ratio(t.get('bf16 cache'), t.get(a)), 2)}" for a in arms)
-                  + " |" for r in data["kv"] for t in [r["times_us"]]]
+                  "Each e4m3 arm's time in us, then the time of a cache of the query's dtype over it; lengths "
+                  "`ragged`: each sequence's uniform in [S/2, S].", "",
+                  "| context | lengths | query | its dtype's cache us | " + " | ".join(f"{a} us | speedup" for a in arms)
+                  + " |", "|---|---|---|---|" + "---|---|" * len(arms)]
+        for r in data["kv"]:
+            t, query = r["times_us"], r.get("query", "bf16")
+            base = t.get(f"{query} cache")
+            lines.append(f"| {r['context']} | {r.get('lengths', 'full')} | {query} | {fmt(base)} | "
+                         + " | ".join(f"{fmt(t.get(a))} | {fmt(report.ratio(base, t.get(a)), 2)}" for a in arms) + " |")
     if data.get("e2e"):
         e = data["e2e"]
         lines += ["", "## End to end (Qwen3-8B geometry, decode B = 16, CUDA graphs)", "",
@@ -352,29 +359,35 @@ def bench_kv(quick: bool) -> list[dict]:
     hq, hkv, d = 32, 8, 128
     rows = []
     for context in KV_CONTEXTS[:1] if quick else KV_CONTEXTS:
-        g = torch.Generator(device="cuda").manual_seed(context)
-        q = torch.randn(KV_BATCH, 1, hq, d, generator=g, device="cuda").to(torch.bfloat16)
-        lengths = torch.full((KV_BATCH,), context, dtype=torch.int32, device="cuda")
-        k, v = (torch.randn(KV_BATCH, context, hkv, d, generator=g, device="cuda").to(torch.bfloat16) for _ in "kv")
-        one = torch.ones(1, device="cuda")
-        k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
-        steps = {"bf16 cache": lambda i: rosekernels.attention_with_kvcache(q, k, v, lengths),
-                 "e4m3 cache": lambda i: rosekernels.attention_with_kvcache(q, k8, v8, lengths, k_descale=one,
-                                                                           v_descale=one)}
-        # Variants the plan does not take yet (attention_decode_plan.DecodeConfig), until it takes or drops
-        # them: the e4m3 ring as deep as the bf16 one in bytes (6 stages of half the bytes: one CTA per SM),
-        # and that ring widened by warps of their own.
-        out, lse = torch.empty_like(q), torch.empty(KV_BATCH, hq, 1, device="cuda")
-        planned = steps["e4m3 cache"](0)
-        for name, fields in KV_VARIANTS.items():
-            plan = plan_kvcache(q, k8, v8, out, lengths, None, True, d ** -0.5, **fields)
-            plan.launch(q, k8, v8, out, lse, lengths, None, one, one)
-            if not torch.equal(out, planned):  # the same widened values and MMAs: the same bits
-                raise AssertionError(f"{name} differs from the planned e4m3 kernel's output")
-            steps[name] = lambda i, p=plan: p.launch(q, k8, v8, out, lse, lengths, None, one, one)
-        rows.append({"context": context, "batch": KV_BATCH,
-                     "times_us": timing.interleaved_graph_time_us(steps, calls=50, rounds=10)})
-        del k, v, k8, v8
+        for kind, query in itertools.product(KV_LENGTHS, KV_QUERIES):
+            g = torch.Generator(device="cuda").manual_seed(context)
+            dt = getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[query])
+            q = torch.randn(KV_BATCH, 1, hq, d, generator=g, device="cuda").to(dt)
+            lengths = torch.full((KV_BATCH,), context, dtype=torch.int32, device="cuda")
+            if kind == "ragged":
+                lengths = torch.randint(context // 2, context + 1, (KV_BATCH,), generator=g, device="cuda",
+                                        dtype=torch.int32)
+            k, v = (torch.randn(KV_BATCH, context, hkv, d, generator=g, device="cuda").to(dt) for _ in "kv")
+            one = torch.ones(1, device="cuda")
+            k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+            steps = {f"{query} cache": lambda i: rosekernels.attention_with_kvcache(q, k, v, lengths),
+                     "e4m3 cache": lambda i: rosekernels.attention_with_kvcache(q, k8, v8, lengths, k_descale=one,
+                                                                               v_descale=one)}
+            if kind == "full" and query == "bf16":
+                # Variants the plan does not take yet (attention_decode_plan.DecodeConfig), until it takes or
+                # drops them: the e4m3 ring as deep as the bf16 one in bytes (6 stages of half the bytes: one
+                # CTA per SM), and that ring widened by warps of their own.
+                out, lse = torch.empty_like(q), torch.empty(KV_BATCH, hq, 1, device="cuda")
+                planned = steps["e4m3 cache"](0)
+                for name, fields in KV_VARIANTS.items():
+                    plan = plan_kvcache(q, k8, v8, out, lengths, None, True, d ** -0.5, **fields)
+                    plan.launch(q, k8, v8, out, lse, lengths, None, one, one)
+                    if not torch.equal(out, planned):  # the same widened values and MMAs: the same bits
+                        raise AssertionError(f"{name} differs from the planned e4m3 kernel's output")
+                    steps[name] = lambda i, p=plan: p.launch(q, k8, v8, out, lse, lengths, None, one, one)
+            rows.append({"context": context, "batch": KV_BATCH, "lengths": kind, "query": query,
+                         "times_us": timing.interleaved_graph_time_us(steps, calls=50, rounds=10)})
+            del k, v, k8, v8
     return rows
 
 

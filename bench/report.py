@@ -21,8 +21,9 @@ FAMILIES = {"qk_norm": "norms", "rmsnorm": "norms", "gemm": "gemm", "fp8": "gemm
             "autotune_attention": "attention", "attention": "attention", "moe": "moe", "sip": "sip",
             "sass_latency": "sip", "cubin_hashes": "sip", "e2e": "model", "sip_tune_model": "model",
             "gpu_suite": "suite"}
-# Names of config sweeps, cost-model fits and tuning studies, kept apart from the headline tables.
-SWEEPS = ("_sweep", "_decode_", "_prefill_", "_broad", "_fitted", "_clusters", "_refit", "_tile_n", "autotune_")
+# Names of config sweeps, cost-model fits, tuning studies and A/B runs of a branch against main, kept apart from
+# the headline tables.
+SWEEPS = ("_sweep", "_decode_", "_prefill_", "_broad", "_fitted", "_clusters", "_refit", "_tile_n", "autotune_", "_ab_")
 
 
 def folder(name: str) -> Path:

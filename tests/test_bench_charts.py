@@ -236,6 +236,18 @@ def _line(fig, label):
     return next(line for ax in fig.axes for line in ax.get_lines() if line.get_label() == label)
 
 
+def test_fp8_draws_one_kv_line_per_lengths_and_query_dtype_over_its_own_cache():
+    data = fp8_data(random.Random())
+    data["kv"] = [{"context": c, "lengths": lengths, "query": query,
+                   "times_us": {f"{query} cache": 2.0 * c, "e4m3 cache": c * (1.0 if lengths == "full" else 1.6)}}
+                  for c in (8192, 32768) for lengths in ("full", "ragged") for query in ("bf16", "fp16")]
+    data["kv"].pop()  # 32k ragged fp16 not measured: a gap, not another line's value
+    fig = charts.CHARTS["fp8"](data)
+    assert list(_line(fig, "full lengths, fp16 query").get_ydata()) == pytest.approx([2.0, 2.0])
+    ragged = _line(fig, "ragged lengths, fp16 query")
+    assert list(ragged.get_xdata()) == [8192] and list(ragged.get_ydata()) == pytest.approx([1.25])
+
+
 def test_qk_norm_plots_our_share_of_the_copy_ceiling_in_token_order():
     data = qk_norm_data(random.Random())
     line = _line(charts.qk_norm(data), charts.OURS)  # the first: prefill of the model met first

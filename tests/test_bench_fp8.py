@@ -40,7 +40,12 @@ def test_summary_and_verdicts():
         r["summary"] = bench.decode_summary(r, copy_gbps)
     data = {"decode": [row, slow], "prefill": [], "quantize": [{"pct_copy": 95.0}, {"pct_copy": 92.0}],
             "kv": [{"context": 4096, "times_us": {"bf16 cache": 9.0, "e4m3 cache": 8.0}},
-                   {"context": 8192, "times_us": {"bf16 cache": 20.0, "e4m3 cache": 11.0}}],
+                   {"context": 8192, "times_us": {"bf16 cache": 20.0, "e4m3 cache": 11.0}},
+                   {"context": 8192, "lengths": "ragged", "query": "bf16",
+                    "times_us": {"bf16 cache": 21.0, "e4m3 cache": 12.6}},
+                   # the bar is against the bf16 cache: an fp16 query's row is reported, not judged
+                   {"context": 8192, "lengths": "full", "query": "fp16",
+                    "times_us": {"fp16 cache": 20.0, "e4m3 cache": 19.0}}],
             "e2e": {"speedup": 1.5, "min_cos": 0.995}}
     by = {x["target"]: x for x in bench.verdicts(data)}
     assert len(by) == 10
@@ -51,7 +56,10 @@ def test_summary_and_verdicts():
     assert next(x for t, x in by.items() if t.startswith("prefill: fp8 >= 1.5"))["passes"] is None  # not measured
     assert next(x for t, x in by.items() if t.startswith("error"))["worst"] == pytest.approx(1.3)
     kv = next(x for t, x in by.items() if t.startswith("FP8 KV"))
-    assert kv["worst"] == pytest.approx(20 / 11) and kv["passes"] is True  # the 4k context is not under the bar
+    assert kv["worst"] == pytest.approx(21 / 12.6) and kv["passes"] is True  # the 4k context is not under the bar
+    md = bench.markdown({"env": {"gpu": "g"}, "copy_gbps": copy_gbps, "decode": [], "prefill": [], "quantize": [],
+                         "kv": data["kv"], "e2e": None, "verdicts": [], "peers": [], "errors": []})
+    assert "| 8192 | ragged | bf16 | 21.0 | 12.6 | 1.67 |" in md and "| 8192 | full | fp16 | 20.0 | 19.0 | 1.05 |" in md
     assert all(x["passes"] for t, x in by.items() if t.startswith(("end to end", "quantize")))
 
 
