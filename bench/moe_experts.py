@@ -26,7 +26,9 @@ Timing: every arm's calls captured in a CUDA graph, the graphs replayed interlea
 interleaved_graph_time_us); input sets (tokens, routing) rotate, and so do weight sets until a cycle's
 distinct weight bytes pass three L2 caches, so no call finds its experts' weights in L2. Ceilings in
 the same run: the device copy bandwidth (decode: the active experts' weight bytes streamed at it) and,
-for prefill, the dense rosekernels GEMM pair (gated gate-up, then down) on the same rows and FLOPs.
+for prefill, the dense rosekernels GEMM pair (gated gate-up, then down) on the same rows and FLOPs. Prefill
+also times the rosekernels arm's four launches apart (LAUNCHES) and each dense GEMM alone: which launch holds
+the block back.
 
 Targets (issue 43): decode streams the active experts' weights at >= 70% of copy (T >= 16), >= 50% at
 T = 1, >= 1.5x stock, >= 1.1x quack; prefill >= 85% of the dense GEMM pair's TFLOP/s and >= 1.05x quack;
@@ -78,6 +80,7 @@ GEOMETRIES = {
 DECODE_TOKENS = (1, 16, 64, 128)
 PREFILL_TOKENS = (4096, 16384)
 ARMS = ("rosekernels", "rk+grouped_mm", "stock", "quack", "cublas loop")
+LAUNCHES = ("dispatch", "gate-up", "down", "combine")  # rosekernels.moe_experts', in order
 TARGETS = {"decode_pct_of_copy": 70.0, "decode_pct_of_copy_t1": 50.0, "decode_vs_stock": 1.5, "decode_vs_quack": 1.1,
            "prefill_pct_of_dense": 85.0, "prefill_vs_quack": 1.05, "vs_stock_min": 1.0}
 WEIGHT_BYTES_MAX = 48 << 30  # weight sets held at once, at most
@@ -182,6 +185,22 @@ def markdown(data: dict) -> str:
                          + " | ".join(fmt(r["times_us"].get(a), 2) for a in ARMS) + f" | {fmt(share)} | "
                          + f"{fmt(s.get('tflops'))} | " + " | ".join(fmt(s.get("vs", {}).get(a), 2) for a in ARMS[1:])
                          + " |")
+        lines.append("")
+    parts = [r for r in rows if r.get("launches_us")]
+    if parts:
+        lines += ["## prefill, launch by launch", "",
+                  "The rosekernels arm's four launches timed apart (interleaved, each on inputs made ahead); each "
+                  "grouped GEMM's share of the dense GEMM on the same rows (timed apart too).", "",
+                  "| geometry | T | " + " | ".join(f"{k} us" for k in LAUNCHES) + " | sum | whole block | "
+                  "gate-up % of dense | down % of dense |", "|" + "---|" * (6 + len(LAUNCHES))]
+        for r in parts:
+            t, dense = r["launches_us"], r.get("dense_parts_us", {})
+            pct = {k: None if t.get(k) is None or dense.get(k) is None else 100 * dense[k] / t[k]
+                   for k in ("gate-up", "down")}
+            total = sum(t[k] for k in LAUNCHES) if all(k in t for k in LAUNCHES) else None
+            lines.append(f"| {r['geometry']} | {r['tokens']} | " + " | ".join(fmt(t.get(k)) for k in LAUNCHES)
+                         + f" | {fmt(total)} | {fmt(r['times_us'].get('rosekernels'))} | {fmt(pct['gate-up'])} | "
+                         f"{fmt(pct['down'])} |")
         lines.append("")
     found = data["verdicts"]
     met = sum(v["met"] for v in found)
@@ -340,17 +359,54 @@ def make_weights(g: Geometry, count: int, seed: int) -> list[tuple[torch.Tensor,
             for _ in range(count)]
 
 
-def dense_pair_us(rows: int, g: Geometry, calls: int) -> float:
+def dense_us(rows: int, g: Geometry, calls: int) -> dict:
     """The ceiling of prefill: rosekernels' dense gated GEMM (rows x 2I x H) then its down GEMM (rows x H x
-    I), one weight per GEMM, inputs rotated past L2."""
+    I), one weight per GEMM, inputs rotated past L2; {"pair", "gate-up", "down"}: the two in one graph, and
+    each alone, replayed interleaved."""
     import rosekernels
 
     n = timing.input_sets(rows * (g.hidden + g.inter) * 2, most=8)
     xs = [torch.randn(rows, g.hidden, device="cuda").to(torch.bfloat16) for _ in range(n)]
     wgu = torch.randn(2 * g.inter, g.hidden, device="cuda").div_(g.hidden ** 0.5).to(torch.bfloat16)
     wd = torch.randn(g.hidden, g.inter, device="cuda").div_(g.inter ** 0.5).to(torch.bfloat16)
-    return timing.graph_time_us(lambda i: rosekernels.gemm(rosekernels.gemm(xs[i % n], wgu, activation="silu",
-                                                                             gated=True), wd), calls)
+    hs = [rosekernels.gemm(x, wgu, activation="silu", gated=True) for x in xs]
+    steps = {"pair": lambda i: rosekernels.gemm(rosekernels.gemm(xs[i % n], wgu, activation="silu", gated=True), wd),
+             "gate-up": lambda i: rosekernels.gemm(xs[i % n], wgu, activation="silu", gated=True),
+             "down": lambda i: rosekernels.gemm(hs[i % n], wd)}
+    return timing.interleaved_graph_time_us(steps, calls=calls, rounds=7)
+
+
+def launches_arm(sets, weights) -> dict[str, Callable[[int], Any]]:
+    """The rosekernels arm's four launches (rosekernels.ops.moe_experts), each a step of its own on inputs the
+    launch before it made ahead of the timing: where a prefill block's time goes."""
+    import rosekernels
+
+    for s in sets:
+        wgu, wd = weights[0]
+        s["d"] = rosekernels.moe_dispatch(s["x"], s["ids_rk"], wgu.shape[0], block_size=1)
+        s["h"] = rosekernels.grouped_gemm(s["d"].buffer, wgu, s["d"].offsets, activation="silu", gated=True)
+        s["y"] = rosekernels.grouped_gemm(s["h"], wd, s["d"].offsets)
+
+    def pick(i):
+        return sets[i % len(sets)], weights[i % len(weights)]
+
+    def dispatch(i):
+        s, (wgu, _) = pick(i)
+        return rosekernels.moe_dispatch(s["x"], s["ids_rk"], wgu.shape[0], block_size=1, buffer=s["d"].buffer)
+
+    def gate_up(i):
+        s, (wgu, _) = pick(i)
+        return rosekernels.grouped_gemm(s["d"].buffer, wgu, s["d"].offsets, activation="silu", gated=True,
+                                        out=s["h"])
+
+    def down(i):
+        s, (_, wd) = pick(i)
+        return rosekernels.grouped_gemm(s["h"], wd, s["d"].offsets, out=s["y"])
+
+    def combine(i):
+        s, _ = pick(i)
+        return rosekernels.moe_combine(s["y"], s["w"], s["d"].slot_map, out=s["out"])
+    return {"dispatch": dispatch, "gate-up": gate_up, "down": down, "combine": combine}
 
 
 def bench_shape(name: str, g: Geometry, tokens: int, l2_bytes: int, log: list[str], quick: bool) -> dict:
@@ -380,7 +436,12 @@ def bench_shape(name: str, g: Geometry, tokens: int, l2_bytes: int, log: list[st
     row["times_us"] = timing.interleaved_graph_time_us(steps, calls=calls, rounds=5 if quick else 15, errors=errors)
     row["errors"].update(errors)
     if mode == "prefill":
-        row["dense_us"] = report.measure("dense pair", lambda: dense_pair_us(round(rows), g, 4), log)
+        dense = report.measure("dense GEMMs", lambda: dense_us(round(rows), g, 4), log) or {}
+        row["dense_us"] = dense.get("pair")
+        row["dense_parts_us"] = {k: v for k, v in dense.items() if k != "pair"}
+        row["launches_us"] = report.measure(
+            "launches", lambda: timing.interleaved_graph_time_us(launches_arm(sets, weights), calls=calls,
+                                                                  rounds=5 if quick else 15), log) or {}
     log.append(f"{name} T={tokens}: " + ", ".join(f"{a} {t:.1f} us" for a, t in row["times_us"].items()))
     print(log[-1], flush=True)
     del steps, sets, weights

@@ -108,6 +108,23 @@ def test_markdown_tables_are_whole_and_name_what_did_not_run():
     assert "## decode" in text and "## prefill" in text and "MISS" in text and "mixtral-8x7b T=4096 quack: Import" in text
 
 
+def test_the_launch_table_sums_the_launches_and_rates_each_grouped_gemm_against_its_dense_one():
+    row = _row("qwen3-30b-a3b", 4096, {"rosekernels": 731.0}, dense=420.0)
+    row["launches_us"] = {"dispatch": 60.0, "gate-up": 400.0, "down": 200.0, "combine": 50.0}
+    row["dense_parts_us"] = {"gate-up": 300.0, "down": 120.0}
+    partial = _row("mixtral-8x7b", 4096, {"rosekernels": 1000.0}, dense=950.0)
+    partial["launches_us"] = {"dispatch": 10.0, "gate-up": 700.0}  # a launch that failed to capture: no sum
+    rows = [row, partial]
+    for r in rows:
+        r["summary"] = bench.summarize(r, 4000.0)
+    text = bench.markdown({"env": {"gpu": "g"}, "copy_gbps": 4000.0, "rows": rows, "verdicts": bench.verdicts(rows)})
+    table = text.split("## prefill, launch by launch")[1].split("## targets")[0]
+    assert "| qwen3-30b-a3b | 4096 | 60.0 | 400.0 | 200.0 | 50.0 | 710.0 | 731.0 | 75.0 | 60.0 |" in table
+    assert "| mixtral-8x7b | 4096 | 10.0 | 700.0 | - | - | - | 1000.0 | - | - |" in table
+    lines = [line for line in table.splitlines() if line.startswith("|")]
+    assert len({line.count("|") for line in lines}) == 1 and len(lines) == 4
+
+
 def test_reference_and_check():
     gen = torch.Generator().manual_seed(2)
     g = bench.Geometry(4, 2, 32, 16)
