@@ -32,13 +32,15 @@ def test_a_length_served_by_another_variant_is_recorded_not_timed(monkeypatch):
         raise AssertionError("timed a length the entry does not serve")
 
     monkeypatch.setattr(oplevel, "retime", no_timing)
-    found = bench.entries(tuned.SHIPPED_ROOT, "shipped", {(128, False)})
-    assert found
-    # d=128 non-causal takes 192-key tiles from 8192 keys on (attention_plan.LONG_KV)
-    rows = bench.sweep(found[:1], [8192, 16384], 16384, (32, 8), sms=132)
+    found = {e["config"].tile_n: e for e in bench.entries(tuned.SHIPPED_ROOT, "shipped", {(128, False)})}
+    assert set(found) == {128, 192}  # attention_d128 and attention_d128_long
+    # d=128 non-causal takes 192-key tiles from 8192 keys on (attention_plan.LONG_KV): not the 128-key entry's
+    rows = bench.sweep([found[128]], [8192, 16384], 16384, (32, 8), sms=132)
     assert [r["shape"]["seqlen"] for r in rows] == [8192, 16384]
     assert all("another variant" in r["error"] for r in rows)
     assert rows[0]["shape"]["batch"] == 2 and rows[1]["shape"]["batch"] == 1
+    (row,) = bench.sweep([found[192]], [2048], 16384, (32, 8), sms=132)  # and the other way round
+    assert "another variant" in row["error"]
 
 
 def test_markdown_rows_and_median():
