@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import report  # noqa: E402
 import timing  # noqa: E402
 from report import fmt  # noqa: E402
-from rosekernels import fp8  # noqa: E402
+from rosekernels import checks, fp8  # noqa: E402
 from rosekernels.kernels.attention_decode_plan import DecodeConfig  # noqa: E402
 from rosekernels.kernels.gemm_leakyrelu_plan import DECODE_MAX_M  # noqa: E402
 from rosekernels.kernels.rmsnorm_plan import MAX_HIDDEN  # noqa: E402
@@ -361,7 +361,7 @@ def bench_kv(quick: bool) -> list[dict]:
     for context in KV_CONTEXTS[:1] if quick else KV_CONTEXTS:
         for kind, query in itertools.product(KV_LENGTHS, KV_QUERIES):
             g = torch.Generator(device="cuda").manual_seed(context)
-            dt = getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[query])
+            dt = checks.TORCH_DTYPE[query]
             q = torch.randn(KV_BATCH, 1, hq, d, generator=g, device="cuda").to(dt)
             lengths = torch.full((KV_BATCH,), context, dtype=torch.int32, device="cuda")
             if kind == "ragged":

@@ -381,8 +381,8 @@ def launches_arm(sets, weights) -> dict[str, Callable[[int], Any]]:
     launch before it made ahead of the timing: where a prefill block's time goes."""
     import rosekernels
 
+    wgu, wd = weights[0]
     for s in sets:
-        wgu, wd = weights[0]
         s["d"] = rosekernels.moe_dispatch(s["x"], s["ids_rk"], wgu.shape[0], block_size=1)
         s["h"] = rosekernels.grouped_gemm(s["d"].buffer, wgu, s["d"].offsets, activation="silu", gated=True)
         s["y"] = rosekernels.grouped_gemm(s["h"], wd, s["d"].offsets)

@@ -237,7 +237,6 @@ def test_every_cell_has_an_op_level_case():
     assert case.op == "rosekernels.attention_varlen" and set(case.peers) == {"fa4"}
 
 
-
 def test_each_dense_attention_cell_reaches_the_variant_the_op_launches_at_its_shape():
     """A cell's workload is the config the op itself launches at the cell's shape (else the entry it stores
     serves no call): d=128 at 2k keys and at 8k keys are two cubins, 128- and 192-key tiles."""
@@ -249,6 +248,7 @@ def test_each_dense_attention_cell_reaches_the_variant_the_op_launches_at_its_sh
         built, _ = workloads.resolve(*cells[name].factory.args)
         assert built == attention_plan.config_for(cells[name].shape), name
         assert built.tile_n == tile_n, (name, built)
+
 
 def test_run_record_keeps_the_best_finalist_and_the_a_over_a(tmp_path):
     (tmp_path / "tuned.cubin").write_bytes(b"tuned by this run")
