@@ -251,12 +251,7 @@ class _DecodeAttentionSm90:
         tQcQ = thr_mma.partition_A(cute.make_identity_tensor((16, self.d)))
         if cutlass.const_expr(self.mma_dtype == self.dtype):
             for i in cutlass.range_constexpr(cute.size(tSrQ)):
-                p = row0 + tQcQ[i][0]
-                s = p // ratio
-                val = tSrQ.element_type(0.0)
-                if p < rows:
-                    val = mQ[batch, s, head_kv * ratio + (p - s * ratio), tQcQ[i][1]]
-                tSrQ[i] = val
+                tSrQ[i] = self.q_element(mQ, tQcQ[i], row0, ratio, rows, batch, head_kv)
         else:
             scale_log2 = self.load_q_scaled(tSrQ, tQcQ, mQ, row0, ratio, rows, batch, head_kv, scale_log2)
 
@@ -370,6 +365,17 @@ class _DecodeAttentionSm90:
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
+    def q_element(self, mQ, coord, row0, ratio, rows, batch, head_kv):
+        """The query element at `coord` (row, column) of a warp's 16 packed rows from `row0`: GQA-packed row p
+        is query head p % ratio of sequence position p // ratio; zero past the last packed row."""
+        p = row0 + coord[0]
+        s = p // ratio
+        val = mQ.element_type(0.0)
+        if p < rows:
+            val = mQ[batch, s, head_kv * ratio + (p - s * ratio), coord[1]]
+        return val
+
+    @cute.jit
     def load_q_scaled(self, tSrQ, tQcQ, mQ, row0, ratio, rows, batch, head_kv, scale_log2) -> Float32:
         """A bf16 query's 16 rows into the fp16 A fragment of a warp, times 2^-e, and scale_log2 times 2^e
         returned: e puts the rows' largest |q| in [2^14, 2^15), so every element keeps its bits (a bf16
@@ -379,11 +385,7 @@ class _DecodeAttentionSm90:
         q = cute.make_rmem_tensor_like(tSrQ, Float32)
         amax = Float32(0.0)
         for i in cutlass.range_constexpr(cute.size(tSrQ)):
-            p = row0 + tQcQ[i][0]
-            s = p // ratio
-            val = Float32(0.0)
-            if p < rows:
-                val = mQ[batch, s, head_kv * ratio + (p - s * ratio), tQcQ[i][1]].to(Float32)
+            val = self.q_element(mQ, tQcQ[i], row0, ratio, rows, batch, head_kv).to(Float32)
             q[i] = val
             amax = cute.arch.fmax(amax, cute.arch.fmax(val, -val))
         for shift in cutlass.range_constexpr(5):  # the warp's lanes hold the 16 rows between them
