@@ -92,7 +92,7 @@ class _DecodeAttentionSm90:
         self.warp_keys = self.tile_n // self.ks
         # Warp MMA_WARPS is the TMA producer; widen_warps: WIDEN_WARPS widen warps follow it, and they, not
         # the MMA warps, consume the ring.
-        self.num_threads = 32 * (MMA_WARPS + 1 + (WIDEN_WARPS if cfg.widen_warps else 0))
+        self.num_threads = 32 * cfg.warps
         self.ring_consumers = WIDEN_WARPS if cfg.widen_warps else MMA_WARPS
         self.scratch_stride = self.d + 8  # fp32 row stride of the merge scratch: no bank conflicts
 
@@ -133,6 +133,14 @@ class _DecodeAttentionSm90:
         pipeline.pipeline_init_arrive()
         pipeline.pipeline_init_wait()
         return storage, pipe
+
+    def _occupancy(self) -> dict:
+        """Launch options: room in the registers for the CTAs per SM the plan counts on (min_ctas_per_sm), and
+        then the whole carveout for shared memory, which their rings need (given it, the DSL does not ask a
+        device for its size while compiling)."""
+        if self.cfg.min_ctas_per_sm == 1:
+            return {}
+        return {"min_blocks_per_mp": self.cfg.min_ctas_per_sm, "preferred_smem_carveout": 100}
 
     def _grid(self, q: cute.Tensor, k: cute.Tensor, num_splits: Int32, batches) -> list:
         """One CTA per (split, m-block of the GQA-packed query rows), KV head and sequence."""
@@ -610,6 +618,7 @@ class _KVCacheDecodeSm90(_DecodeAttentionSm90, Fp8KVTiles):
             block=[self.num_threads, 1, 1],
             stream=stream,
             use_pdl=self.cfg.pdl,
+            **self._occupancy(),
         )
 
     @cute.kernel

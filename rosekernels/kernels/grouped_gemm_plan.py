@@ -205,13 +205,18 @@ def check_sizes(rows: int, experts: int, n: int, k: int, gated: bool) -> None:
                          f"units (at most {MAX_UNITS})")
 
 
-def units_for(config: GroupedConfig, rows: int, n: int) -> int:
-    """The work units of one expert with `rows` rows, as the kernel counts them: its row tiles x weight
-    tiles, a 2x1 cluster's row tiles in pairs and an odd last one over pairs of weight tiles."""
-    tiles, weight_tiles = math.ceil(rows / config.row_tile), math.ceil(n / config.weight_tile)
-    if config.cluster_m == 1:
+def unit_count(tiles, weight_tiles, cluster_m: int, ceil_div=lambda a, b: -(-a // b)):
+    """The work units of an expert of `tiles` row tiles and `weight_tiles` weight tiles: one per pair on
+    one CTA; on a 2x1 cluster its row tiles in pairs, an odd last one over pairs of weight tiles. The
+    kernel's group scan calls it on Int32 values with cute.ceil_div, the host's model on ints."""
+    if cluster_m == 1:
         return tiles * weight_tiles
-    return tiles // 2 * weight_tiles + tiles % 2 * math.ceil(weight_tiles / 2)
+    return tiles // 2 * weight_tiles + tiles % 2 * ceil_div(weight_tiles, 2)
+
+
+def units_for(config: GroupedConfig, rows: int, n: int) -> int:
+    """The work units of one expert with `rows` rows, as the kernel counts them (`unit_count`)."""
+    return unit_count(math.ceil(rows / config.row_tile), math.ceil(n / config.weight_tile), config.cluster_m)
 
 
 def max_units_for(rows: int, experts: int, n: int, row_tile: int, weight_tile: int) -> int:

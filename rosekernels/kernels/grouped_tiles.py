@@ -32,7 +32,8 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
-from rosekernels.kernels.grouped_gemm_plan import GATHER_THREADS, GROUP_TABLE_INTS, MAX_EXPERTS, TILE_K
+from rosekernels.kernels.grouped_gemm_plan import (GATHER_THREADS, GROUP_TABLE_INTS, MAX_EXPERTS, TILE_K,
+                                                   unit_count)
 
 WEIGHT_TILES_AT = GROUP_TABLE_INTS - 1  # the group table's last int: the weight tiles of an expert
 
@@ -99,10 +100,8 @@ class GroupedTiles:
             hi = cutlass.min(cutlass.max(mOffsets[e + 1], lo), rows)
             sFirst[e] = lo
             sCount[e] = hi - lo
-            tiles = cute.ceil_div(hi - lo, self.cfg.row_tile)
-            units = tiles * weight_tiles
-            if const_expr(self.cfg.cluster_m == 2):  # row tiles in pairs, an odd last one over weight-tile pairs
-                units = tiles // 2 * weight_tiles + tiles % 2 * cute.ceil_div(weight_tiles, 2)
+            units = unit_count(cute.ceil_div(hi - lo, self.cfg.row_tile), weight_tiles, self.cfg.cluster_m,
+                               cute.ceil_div)
             # each <= max_units < MAX_UNITS: a step adds 32 to a carry <= max_units, 33 x MAX_UNITS < 2^31
             sPrefix[e + 1] = cutlass.min(units, max_units)
         if const_expr(self.cfg.cluster_m == 2):
