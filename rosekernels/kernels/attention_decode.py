@@ -390,11 +390,11 @@ class _DecodeAttentionSm90:
         significand fits fp16's) unless it is 2^29 times smaller than that largest. Every warp of a row
         block reads the same rows, so its key slices share e; the scores, maxima and sums are of q * 2^-e
         and scale_log2 brings them back."""
-        q = cute.make_rmem_tensor_like(tSrQ, Float32)
+        q = cute.make_rmem_tensor_like(tSrQ, self.dtype)  # held as bf16: half the registers of fp32
         amax = Float32(0.0)
         for i in cutlass.range_constexpr(cute.size(tSrQ)):
-            val = self.q_element(mQ, tQcQ[i], row0, ratio, rows, batch, head_kv).to(Float32)
-            q[i] = val
+            q[i] = self.q_element(mQ, tQcQ[i], row0, ratio, rows, batch, head_kv)
+            val = q[i].to(Float32)
             amax = cute.arch.fmax(amax, cute.arch.fmax(val, -val))
         for shift in cutlass.range_constexpr(5):  # the warp's lanes hold the 16 rows between them
             amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=16 >> shift))
@@ -404,12 +404,13 @@ class _DecodeAttentionSm90:
         e = cutlass.min(cutlass.max(((cute.recast_tensor(word, Int32)[0] >> 23) & 0xFF) - 127 - 14, -64), 113)
         if amax == Float32(0.0):
             e = Int32(0)
+        e = cute.arch.make_warp_uniform(e)  # the same in every lane: a uniform register, not one of each thread's
         bits = cute.make_rmem_tensor((2,), Int32)
         bits[0] = (127 - e) << 23
         bits[1] = (127 + e) << 23
         powers = cute.recast_tensor(bits, Float32)
         for i in cutlass.range_constexpr(cute.size(tSrQ)):
-            tSrQ[i] = (q[i] * powers[0]).to(self.mma_dtype)
+            tSrQ[i] = (q[i].to(Float32) * powers[0]).to(self.mma_dtype)
         return scale_log2 * powers[1]
 
     @cute.jit
