@@ -196,7 +196,7 @@ class DecodeConfig(KernelConfig):
         plan's waves count E4M3_WAVE_CTAS_PER_SM of them, which the shared memory holds up to 3 stages
         without widen warps. Left to itself ptxas took more registers than two CTAs leave (register_budget)
         for fp16 queries and larger row tiles, so one CTA ran per SM and the plan's two splits in two waves
-        (a 170-register build: 1.54x slower, H100, 2026-12-06). Asked for two, it fits every 16-row tile without spilling; 32- and
+        (a 170-register build ran 1.54x slower than a 156-register one, H100, 2026-12-06). Asked for two, it fits every 16-row tile without spilling; 32- and
         64-row tiles spill in some variants (CPU survey, NOTES), so they keep ptxas's own count."""
         if self.kv_fp8 and not self.widen_warps and self.num_stages <= 3 and self.tile_m == 16:
             return E4M3_WAVE_CTAS_PER_SM
