@@ -81,11 +81,9 @@ class _DecodeAttentionSm90:
     def __init__(self, cfg: DecodeConfig):
         self.cfg = cfg
         self.dtype = CUTE_DTYPES[cfg.dtype]
-        # The MMAs' operand type. An e4m3 cache's tiles are widened to fp16 (attention_fp8): e4m3 into fp16
-        # is one conversion a pair, into bf16 four instructions a pair (through fp32), and the widening is
-        # what the MMA warps spend their issue slots on. A bf16 query goes into fp16 with a power of two
-        # per row block (`load_q_scaled`), exactly.
-        self.mma_dtype = cutlass.Float16 if cfg.kv_fp8 else self.dtype
+        # The MMAs' operand type (DecodeConfig.mma_dtype): fp16 for an e4m3 cache's 16-row tiles, a bf16 query
+        # scaled into it by `load_q_scaled`.
+        self.mma_dtype = CUTE_DTYPES[cfg.mma_dtype]
         self.d = cfg.head_dim
         self.tile_m, self.tile_n, self.stages = cfg.tile_m, cfg.tile_n, cfg.num_stages
         self.ks = cfg.key_slices

@@ -186,6 +186,15 @@ class DecodeConfig(KernelConfig):
         return 2 * self.tile_n * self.head_dim * (1 if self.kv_fp8 else 2)
 
     @property
+    def mma_dtype(self) -> str:
+        """The MMAs' operand type. An e4m3 cache's 16-row tiles widen into fp16 whatever the query's dtype:
+        e4m3 into fp16 is one conversion a pair, into bf16 four instructions (through fp32), and the widening
+        is what the MMA warps spend their issue slots on; a bf16 query goes into fp16 exactly, by a power of
+        two per row block. Larger row tiles keep the query's dtype: there ptxas gives the fp16 MMAs more
+        registers than the bf16 ones (a 32-row d=128 tile 212 against 168), past two CTAs per SM."""
+        return "fp16" if self.kv_fp8 and self.tile_m == 16 else self.dtype
+
+    @property
     def warps(self) -> int:
         """Warps of a CTA: the MMA warps, the producer, the widen warps."""
         return MMA_WARPS + 1 + (WIDEN_WARPS if self.widen_warps else 0)

@@ -107,3 +107,11 @@ def test_only_the_e4m3_tiles_that_two_ctas_per_sm_hold_ask_for_their_registers()
                   dataclasses.replace(e4m3, tile_m=32)):
         assert other.min_ctas_per_sm == 1, other
     assert dataclasses.replace(e4m3, widen_warps=True).warps == D.MMA_WARPS + 1 + D.WIDEN_WARPS
+
+
+def test_the_e4m3_cache_s_16_row_tiles_run_fp16_mmas_whatever_the_query():
+    for dtype in ("bf16", "fp16"):
+        e4m3 = D.DecodeConfig(128, dtype, 16, varlen=True, kv_fp8=True)
+        assert e4m3.mma_dtype == "fp16"
+        assert dataclasses.replace(e4m3, tile_m=32).mma_dtype == dataclasses.replace(e4m3, tile_m=64).mma_dtype == dtype
+        assert D.DecodeConfig(128, dtype, 16, varlen=True).mma_dtype == D.DecodeConfig(128, dtype, 16).mma_dtype == dtype
