@@ -81,27 +81,31 @@ class _DecodeAttentionSm90:
     def __init__(self, cfg: DecodeConfig):
         self.cfg = cfg
         self.dtype = CUTE_DTYPES[cfg.dtype]
+        # The MMAs' operand type (DecodeConfig.mma_dtype): fp16 for an e4m3 cache's 16-row tiles, a bf16 query
+        # scaled into it by `load_q_scaled`.
+        self.mma_dtype = CUTE_DTYPES[cfg.mma_dtype]
         self.d = cfg.head_dim
         self.tile_m, self.tile_n, self.stages = cfg.tile_m, cfg.tile_n, cfg.num_stages
         self.ks = cfg.key_slices
         self.warp_keys = self.tile_n // self.ks
         # Warp MMA_WARPS is the TMA producer; widen_warps: WIDEN_WARPS widen warps follow it, and they, not
         # the MMA warps, consume the ring.
-        self.num_threads = 32 * (MMA_WARPS + 1 + (WIDEN_WARPS if cfg.widen_warps else 0))
+        self.num_threads = 32 * cfg.warps
         self.ring_consumers = WIDEN_WARPS if cfg.widen_warps else MMA_WARPS
         self.scratch_stride = self.d + 8  # fp32 row stride of the merge scratch: no bank conflicts
 
     def _smem_layout(self, buffers: int | None = None):
-        """K (and V) tiles of the query's dtype in shared memory: (tile_n, d, the ring's stages or `buffers`)."""
+        """K (and V) tiles of the MMAs' dtype in shared memory (the query's, or fp16 widened from an e4m3
+        cache): (tile_n, d, the ring's stages or `buffers`)."""
         atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.d), self.dtype)
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.mma_dtype, self.d), self.mma_dtype)
         return cute.tile_to_shape(atom, (self.tile_n, self.d, buffers or self.stages), order=(0, 1, 2))
 
     # Set-up both kernels share (called while they are traced).
 
     def _tiled_mma(self):
         """One warp per tiled MMA; N permuted to 16 so ldmatrix.x4 feeds two n8 blocks at once."""
-        return cute.make_tiled_mma(warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)), (1, 1, 1),
+        return cute.make_tiled_mma(warp.MmaF16BF16Op(self.mma_dtype, Float32, (16, 8, 16)), (1, 1, 1),
                                    permutation_mnk=(16, 16, 16))
 
     @cute.jit  # traced like __call__: the struct's annotations are evaluated there
@@ -127,6 +131,14 @@ class _DecodeAttentionSm90:
         pipeline.pipeline_init_arrive()
         pipeline.pipeline_init_wait()
         return storage, pipe
+
+    def _occupancy(self) -> dict:
+        """Launch options: room in the registers for the CTAs per SM the plan counts on (min_ctas_per_sm), and
+        then the whole carveout for shared memory, which their rings need (given it, the DSL does not ask a
+        device for its size while compiling)."""
+        if self.cfg.min_ctas_per_sm == 1:
+            return {}
+        return {"min_blocks_per_mp": self.cfg.min_ctas_per_sm, "preferred_smem_carveout": 100}
 
     def _grid(self, q: cute.Tensor, k: cute.Tensor, num_splits: Int32, batches) -> list:
         """One CTA per (split, m-block of the GQA-packed query rows), KV head and sequence."""
@@ -227,10 +239,10 @@ class _DecodeAttentionSm90:
         sVtw = cute.composition(
             sVw, cute.make_ordered_layout((self.d, self.warp_keys, stages), order=(1, 0, 2)))
         copy_K = cute.make_tiled_copy_B(
-            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.mma_dtype),
             tiled_mma).get_slice(lane)
         copy_V = cute.make_tiled_copy_B(
-            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype),
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.mma_dtype),
             tiled_mma).get_slice(lane)
         tSsK = copy_K.partition_S(sKw)
         tOsV = copy_V.partition_S(sVtw)
@@ -243,13 +255,11 @@ class _DecodeAttentionSm90:
         # Q rows straight into the A fragment (read once; zero past the last packed row).
         tSrQ = thr_mma.make_fragment_A(thr_mma.partition_shape_A((16, self.d)))
         tQcQ = thr_mma.partition_A(cute.make_identity_tensor((16, self.d)))
-        for i in cutlass.range_constexpr(cute.size(tSrQ)):
-            p = row0 + tQcQ[i][0]
-            s = p // ratio
-            val = tSrQ.element_type(0.0)
-            if p < rows:
-                val = mQ[batch, s, head_kv * ratio + (p - s * ratio), tQcQ[i][1]]
-            tSrQ[i] = val
+        if cutlass.const_expr(self.mma_dtype == self.dtype):
+            for i in cutlass.range_constexpr(cute.size(tSrQ)):
+                tSrQ[i] = self.q_element(mQ, tQcQ[i], row0, ratio, rows, batch, head_kv)
+        else:
+            scale_log2 = self.load_q_scaled(tSrQ, tQcQ, mQ, row0, ratio, rows, batch, head_kv, scale_log2)
 
         # Keys row r may see: [0, seqlen_k) and, causal, [0, s + causal_shift] (causal_shift =
         # S_kv - S_q; without causal it is S_kv, which never binds).
@@ -331,8 +341,8 @@ class _DecodeAttentionSm90:
                 row_sum[r] = row_sum[r] * rescale + total
                 for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
                     O[r, c] = O[r, c] * rescale
-            rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
-            rP.store(acc_S.load().to(self.dtype))
+            rP = cute.make_rmem_tensor_like(acc_S, self.mma_dtype)
+            rP.store(acc_S.load().to(self.mma_dtype))
             warp_mma(tiled_mma, acc_O, acc_as_a(rP), tOrV, tOsV[None, None, None, stage], copy_V)
             if cutlass.const_expr(fp8 is None):  # (an e4m3 tile's stage went back after its widening)
                 pipe.consumer_release(state)
@@ -359,6 +369,47 @@ class _DecodeAttentionSm90:
         # (Triggered earlier, the next grid's CTAs shared SMs with this one's, two fitting per SM,
         # and long launches ran up to 13% slower on the H200.)
         cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def q_element(self, mQ, coord, row0, ratio, rows, batch, head_kv):
+        """The query element at `coord` (row, column) of a warp's 16 packed rows from `row0`: GQA-packed row p
+        is query head p % ratio of sequence position p // ratio; zero past the last packed row."""
+        p = row0 + coord[0]
+        s = p // ratio
+        val = mQ.element_type(0.0)
+        if p < rows:
+            val = mQ[batch, s, head_kv * ratio + (p - s * ratio), coord[1]]
+        return val
+
+    @cute.jit
+    def load_q_scaled(self, tSrQ, tQcQ, mQ, row0, ratio, rows, batch, head_kv, scale_log2) -> Float32:
+        """A bf16 query's 16 rows into the fp16 A fragment of a warp, times 2^-e, and scale_log2 times 2^e
+        returned: e puts the rows' largest |q| in [2^14, 2^15), so every element keeps its bits (a bf16
+        significand fits fp16's) unless it is 2^29 times smaller than that largest. Every warp of a row
+        block reads the same rows, so its key slices share e; the scores, maxima and sums are of q * 2^-e
+        and scale_log2 brings them back."""
+        q = cute.make_rmem_tensor_like(tSrQ, self.dtype)  # held as bf16: half the registers of fp32
+        amax = Float32(0.0)
+        for i in cutlass.range_constexpr(cute.size(tSrQ)):
+            q[i] = self.q_element(mQ, tQcQ[i], row0, ratio, rows, batch, head_kv)
+            val = q[i].to(Float32)
+            amax = cute.arch.fmax(amax, cute.arch.fmax(val, -val))
+        for shift in cutlass.range_constexpr(5):  # the warp's lanes hold the 16 rows between them
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=16 >> shift))
+        word = cute.make_rmem_tensor((1,), Float32)
+        word[0] = amax
+        # amax's exponent less 14, within what 2^-e and 2^e stay normal for (a zero query: e = 0)
+        e = cutlass.min(cutlass.max(((cute.recast_tensor(word, Int32)[0] >> 23) & 0xFF) - 127 - 14, -64), 113)
+        if amax == Float32(0.0):
+            e = Int32(0)
+        e = cute.arch.make_warp_uniform(e)  # the same in every lane: a uniform register, not one of each thread's
+        bits = cute.make_rmem_tensor((2,), Int32)
+        bits[0] = (127 - e) << 23
+        bits[1] = (127 + e) << 23
+        powers = cute.recast_tensor(bits, Float32)
+        for i in cutlass.range_constexpr(cute.size(tSrQ)):
+            tSrQ[i] = (q[i].to(Float32) * powers[0]).to(self.mma_dtype)
+        return scale_log2 * powers[1]
 
     @cute.jit
     def bad_boxes(self, entries, first, seqlen_k, num_blocks) -> Int32:
@@ -566,6 +617,7 @@ class _KVCacheDecodeSm90(_DecodeAttentionSm90, Fp8KVTiles):
             block=[self.num_threads, 1, 1],
             stream=stream,
             use_pdl=self.cfg.pdl,
+            **self._occupancy(),
         )
 
     @cute.kernel

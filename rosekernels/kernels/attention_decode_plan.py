@@ -65,6 +65,11 @@ WAVE_CTAS_PER_SM = 1
 E4M3_CTA_GBPS = 15.0
 E4M3_SM_GBPS = 20.5
 E4M3_WAVE_CTAS_PER_SM = 2
+# An SM's registers: SUBPARTITIONS files of SUBPARTITION_REGISTERS 32-bit registers (Hopper); a thread takes at
+# most MAX_REGISTERS.
+SUBPARTITIONS = 4
+SUBPARTITION_REGISTERS = 16384
+MAX_REGISTERS = 255
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +185,39 @@ class DecodeConfig(KernelConfig):
         """Bytes of K and V a tile of keys reads."""
         return 2 * self.tile_n * self.head_dim * (1 if self.kv_fp8 else 2)
 
+    @property
+    def mma_dtype(self) -> str:
+        """The MMAs' operand type. An e4m3 cache's 16-row tiles widen into fp16 whatever the query's dtype:
+        e4m3 into fp16 is one conversion a pair, into bf16 four instructions (through fp32), and the widening
+        is what the MMA warps spend their issue slots on; a bf16 query goes into fp16 exactly, by a power of
+        two per row block. Larger row tiles keep the query's dtype: there ptxas gives the fp16 MMAs more
+        registers than the bf16 ones (a 32-row d=128 tile 212 against 168), past two CTAs per SM."""
+        return "fp16" if self.kv_fp8 and self.tile_m == 16 else self.dtype
+
+    @property
+    def warps(self) -> int:
+        """Warps of a CTA: the MMA warps, the producer, the widen warps."""
+        return MMA_WARPS + 1 + (WIDEN_WARPS if self.widen_warps else 0)
+
+    @property
+    def min_ctas_per_sm(self) -> int:
+        """CTAs per SM whose registers the launch asks ptxas to leave room for (min_blocks_per_mp). The e4m3
+        plan's waves count E4M3_WAVE_CTAS_PER_SM of them, which the shared memory holds up to 3 stages
+        without widen warps. Left to itself ptxas took more registers than two CTAs leave (register_budget)
+        for fp16 queries and larger row tiles, so one CTA ran per SM and the plan's two splits in two waves
+        (a 170-register build ran 1.54x slower than a 156-register one, H100, 2026-12-06). Asked for two, it fits every 16-row tile without spilling; 32- and
+        64-row tiles spill in some variants (CPU survey, NOTES), so they keep ptxas's own count."""
+        if self.kv_fp8 and not self.widen_warps and self.num_stages <= 3 and self.tile_m == 16:
+            return E4M3_WAVE_CTAS_PER_SM
+        return 1
+
+
+def register_budget(warps_per_cta: int, ctas: int) -> int:
+    """The most registers a thread may take for `ctas` CTAs of `warps_per_cta` warps to be resident on one SM:
+    a warp takes its registers (a thread's count rounded up to 8) from one of the SM's SUBPARTITIONS register
+    files, and the CTAs' warps spread over them evenly."""
+    per_partition = -(-warps_per_cta * ctas // SUBPARTITIONS)
+    return min(MAX_REGISTERS, SUBPARTITION_REGISTERS // (32 * per_partition) // 8 * 8)
 
 
 def tile_n_for(head_dim: int) -> int:

@@ -2,11 +2,12 @@
 `kv_fp8`); the kernel class inherits these methods and calls them only for such configs.
 
 The producer's TMA fills a ring of e4m3 K and V tiles (half the bytes of a bf16 cache: what decode
-attention is bound by). Each tile is widened into one of two tiles of the query's dtype in shared memory
-(e4m3 values are exact in bf16 and fp16), V's rows past the sequence's end as zeros (the cache may hold
-NaN there), then the bf16/fp16 mainloop runs on it unchanged: ldmatrix and mma.sync as for a cache of the
-query's dtype. The ring stage goes back to the producer as soon as it is widened (kept through the MMAs,
-a stage of half a bf16 tile's bytes would sit out of flight). Who widens:
+attention is bound by). Each tile is widened into one of two fp16 tiles in shared memory (e4m3 values
+are exact in fp16, one conversion a pair), V's rows past the sequence's end as zeros (the cache may hold
+NaN there), then the fp16 mainloop runs on it: ldmatrix and mma.sync as for an fp16 cache, a bf16 query
+scaled into fp16 by a power of two (attention_decode's `load_q_scaled`). The ring stage goes back to the
+producer as soon as it is widened (kept through the MMAs, a stage of half a bf16 tile's bytes would sit
+out of flight). Who widens:
 
 - the MMA warps, together, before each tile's MMAs (`widen`): one barrier of theirs per tile separates
   the widening from the MMAs; the two tiles alternate, so the next widening never overwrites a tile a
@@ -42,7 +43,7 @@ class Fp8KVTiles:
     """The e4m3 KV cache's methods (a mixin of the KV-cache decode kernel)."""
 
     def _fp8_layouts(self):
-        """(tiles, ring): shared-memory layouts of the two widened tiles (the query's dtype) and of the TMA
+        """(tiles, ring): shared-memory layouts of the two widened tiles (fp16) and of the TMA
         ring of e4m3 tiles, (tile_n, d, buffers or stages)."""
         e4m3 = cutlass.Float8E4M3FN
         atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, e4m3, self.d),
@@ -57,8 +58,8 @@ class Fp8KVTiles:
             mbar: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             last: cute.struct.MemRange[Int32, 1]
             row_stats: cute.struct.MemRange[Float32, 2 * self.ks * self.tile_m]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(tiles_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(tiles_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.mma_dtype, cute.cosize(tiles_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.mma_dtype, cute.cosize(tiles_layout)], 1024]
             sK8: cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN, cute.cosize(ring_layout)], 1024]
             sV8: cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN, cute.cosize(ring_layout)], 1024]
 
@@ -67,7 +68,7 @@ class Fp8KVTiles:
     @cute.jit
     def widen(self, sK8: cute.Tensor, sV8: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, stage: Int32, tile: Int32,
               valid: Int32, tidx: Int32) -> Int32:
-        """Ring stage `stage` (e4m3) into tile `tile` of sK/sV (the query's dtype) by the MMA warps, V's rows from
+        """Ring stage `stage` (e4m3) into tile `tile` of sK/sV (fp16) by the MMA warps, V's rows from
         `valid` on as zeros; returns `tile`, whose stage index the mainloop then reads."""
         self._widen_tile(sK8, sV8, sK, sV, stage, tile, valid, tidx, 32 * MMA_WARPS)
         cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=32 * MMA_WARPS)
@@ -121,12 +122,12 @@ class Fp8KVTiles:
     @cute.jit
     def _widen_chunk(self, src: cute.Tensor, dst: cute.Tensor, stage: Int32, tile: Int32, row: Int32, col: Int32,
                      keep):
-        """VEC elements of a row: e4m3 from the ring to the tile in the query's dtype; zeros where `keep` (a
+        """VEC elements of a row: e4m3 from the ring to the fp16 tile; zeros where `keep` (a
         predicate, or None for always) is false: past the sequence's end P is 0, but 0 * NaN is not."""
         narrow = cute.make_rmem_tensor((1, VEC), cutlass.Float8E4M3FN)
         cute.autovec_copy(cute.local_tile(src[None, None, stage], (1, VEC), (row, col)), narrow)
-        wide = cute.make_rmem_tensor((1, VEC), self.dtype)
-        wide.store(narrow.load().to(self.dtype))
+        wide = cute.make_rmem_tensor((1, VEC), self.mma_dtype)
+        wide.store(narrow.load().to(self.mma_dtype))
         if cutlass.const_expr(keep is not None):
             if not keep:
                 wide.fill(0.0)

@@ -89,3 +89,29 @@ def test_pdl_comes_with_the_shape():
     assert all(not c.pdl for c in D.candidates(off, 132)) and D.config_for(off, 132) in D.candidates(off, 132)
     assert not D.kvcache_config_for(off, 16, 132).pdl
     assert "-pdl=False-" in D.config_for(off, 132).variant().key()
+
+
+@pytest.mark.parametrize("warps, ctas, budget", [(5, 1, 255), (5, 2, 168), (5, 3, 128), (8, 1, 255), (8, 2, 128),
+                                                 (4, 4, 128), (12, 1, 168)])
+def test_register_budget_counts_the_warps_of_the_fullest_subpartition(warps, ctas, budget):
+    """Two CTAs of 5 warps put 3 warps on one of the 4 register files (16,384 each): 170 a thread, 168 once
+    rounded down to ptxas's unit of 8; a budget never passes 255."""
+    assert D.register_budget(warps, ctas) == budget
+
+
+def test_only_the_e4m3_tiles_that_two_ctas_per_sm_hold_ask_for_their_registers():
+    e4m3 = D.DecodeConfig(128, "bf16", 16, varlen=True, kv_fp8=True)
+    assert e4m3.warps == D.MMA_WARPS + 1 and e4m3.min_ctas_per_sm == D.E4M3_WAVE_CTAS_PER_SM == 2
+    for other in (D.DecodeConfig(128, "bf16", 16), D.DecodeConfig(128, "bf16", 16, varlen=True),
+                  dataclasses.replace(e4m3, num_stages=6), dataclasses.replace(e4m3, widen_warps=True),
+                  dataclasses.replace(e4m3, tile_m=32)):
+        assert other.min_ctas_per_sm == 1, other
+    assert dataclasses.replace(e4m3, widen_warps=True).warps == D.MMA_WARPS + 1 + D.WIDEN_WARPS
+
+
+def test_the_e4m3_cache_s_16_row_tiles_run_fp16_mmas_whatever_the_query():
+    for dtype in ("bf16", "fp16"):
+        e4m3 = D.DecodeConfig(128, dtype, 16, varlen=True, kv_fp8=True)
+        assert e4m3.mma_dtype == "fp16"
+        assert dataclasses.replace(e4m3, tile_m=32).mma_dtype == dataclasses.replace(e4m3, tile_m=64).mma_dtype == dtype
+        assert D.DecodeConfig(128, dtype, 16, varlen=True).mma_dtype == D.DecodeConfig(128, dtype, 16).mma_dtype == dtype

@@ -125,6 +125,7 @@ def test_append_compiles_to_e4m3_stores(fresh_cache, cfg, tmp_path):
 
 
 _ATTENTION = [D.DecodeConfig(128, "bf16", 16, varlen=True, kv_fp8=True),
+              D.DecodeConfig(128, "fp16", 16, varlen=True, kv_fp8=True),  # ptxas alone: 169 registers, one CTA an SM
               D.DecodeConfig(128, "bf16", 16, varlen=True, page_rows=16, kv_fp8=True),
               D.DecodeConfig(128, "fp16", 64, varlen=True, page_rows=64, kv_fp8=True),
               D.DecodeConfig(64, "bf16", 32, varlen=True, page_rows=16, kv_fp8=True),
@@ -176,6 +177,9 @@ def test_attention_compiles_with_the_widening(fresh_cache, cfg, tmp_path):
     boxes = cfg.tile_n // cfg.page_rows if cfg.paged else 1
     assert len(re.findall(r"\bUTMALDG\b", sass)) == 2 * boxes, cfg
     assert re.search(r"F2FP\.F16\.E4M3\.UNPACK_B", sass), "no e4m3 -> f16 conversion"
+    # 16-row tiles widen into fp16 whatever the query's dtype: a pair in one conversion, no detour through fp32;
+    # larger bf16 tiles keep bf16 MMAs (DecodeConfig.mma_dtype), whose widening takes that detour
+    assert bool(re.search(r"\bHADD2\.F32\b", sass)) == (cfg.mma_dtype == "bf16"), cfg
     keys = cfg.tile_n // cfg.key_slices
     assert len(re.findall(r"\bHMMA\.16816", sass)) == keys // 8 * cfg.head_dim // 16 + cfg.head_dim // 8 * keys // 16
     assert re.search(r"BAR\.SYNC(\.DEFER_BLOCKING)? 0x1, 0x80", sass), "no barrier of the MMA warps"
@@ -313,6 +317,27 @@ def test_attention_matches_the_dequantized_reference(d, dtype, paged, fields):
         check_kvcache(out, lse, q, k_ref, v_ref, lengths, table, causal, scale,
                       f"e4m3 cache d={d} {dtype} paged={paged} s_q={s_q} per_head={per_head}")
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_scale", [2.0 ** 14, 2.0 ** -20, 0.0], ids=["past-fp16-range", "tiny", "zero"])
+def test_bf16_queries_of_any_magnitude_meet_the_fp16_mmas(q_scale):
+    """The e4m3 cache's MMAs run in fp16, a bf16 query scaled into it by a power of two per row block:
+    queries past fp16's range (N(0, 1) x 2^14: some elements over 65504), tiny ones (x 2^-20, under fp16's
+    normal range) and zero ones (a uniform softmax), with the softmax scale divided by the same factor so
+    that the logits stay those of N(0, 1) queries, match the dequantized reference."""
+    g = torch.Generator().manual_seed(7)
+    d, s_max = 128, 600
+    lengths = torch.tensor([s_max, 1, 333, 0, 517], dtype=torch.int32).cuda()
+    k_descale, v_descale = _descales(2, True, g)
+    k, v = (torch.randn(5, s_max, 2, d, generator=g).cuda() * 4 for _ in range(2))
+    k_q, v_q = A.quantized(k, k_descale), A.quantized(v, v_descale)
+    q = (torch.randn(5, 1, 8, d, generator=g) * q_scale).to(BF16).cuda()
+    scale = 1.0 / math.sqrt(d) / (q_scale or 1.0)
+    out, lse = rosekernels.attention_with_kvcache(q, k_q, v_q, lengths, None, softmax_scale=scale, causal=False,
+                                                  return_lse=True, k_descale=k_descale, v_descale=v_descale)
+    sync(f"bf16 queries x {q_scale}")
+    k_ref, v_ref = _dequantized(k_q, k_descale, BF16), _dequantized(v_q, v_descale, BF16)
+    check_kvcache(out, lse, q, k_ref, v_ref, lengths, None, False, scale, f"bf16 queries x {q_scale}")
 
 @pytest.mark.gpu
 def test_append_then_attend():

@@ -14,6 +14,7 @@ from sip.cubin import parse_cubin
 
 from rosekernels import checks, launch
 from rosekernels.kernels.attention_common import check  # noqa: F401
+from rosekernels.kernels.attention_decode_plan import register_budget
 
 
 def inputs(b, s_q, s_k, hq, hkv, d, dtype, seed):
@@ -115,9 +116,13 @@ def refuses_an_out_whose_elements_overlap(monkeypatch, call, shape, stride):
 
 def decode_sass(cfg, kernel, tmp_path) -> str:
     """The SASS of a split-KV decode kernel (dense or KV-cache), after what every one must have: built
-    for sm_90, mma.sync, TMA loads, ldmatrix, the combine's atomics, no register spills. Skips the
-    test without nvdisasm."""
-    assert parse_cubin(kernel.cubin).arch == "sm_90a", cfg
+    for sm_90, registers for as many CTAs per SM as its plan counts on, mma.sync, TMA loads, ldmatrix, the
+    combine's atomics, no register spills. Skips the test without nvdisasm."""
+    cubin = parse_cubin(kernel.cubin)
+    assert cubin.arch == "sm_90a", cfg
+    # the CTAs per SM its plan counts on fit in the registers
+    registers = max(a.words()[1] for a in cubin.nvinfo if a.name == "EIATTR_REGCOUNT")
+    assert registers <= register_budget(cfg.warps, cfg.min_ctas_per_sm), (cfg, registers)
     sass = sass_of(kernel, tmp_path)
     if sass is None:
         pytest.skip("nvdisasm (nvidia-cuda-nvdisasm) is not installed")
