@@ -117,3 +117,18 @@ def test_markdown_states_the_end_to_end_arms():
 def test_bad_arguments_exit_2_before_any_work(argv, message):
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "fp8.py"), *argv], capture_output=True, text=True)
     assert run.returncode == 2 and message in run.stderr
+
+
+def test_the_kv_splits_sweep_marks_the_fastest_split_count():
+    """bench/fp8_kv_splits.py's table: per row the fastest split count in bold, it over the plan's pick, and the
+    bf16 cache over the plan's pick."""
+    import fp8_kv_splits as sweep
+
+    times = {f"{n} splits": 10.0 + abs(n - 4) for n in sweep.SPLITS} | {"planned": 12.0, "bf16 cache": 24.0}
+    row = {"heads": "32/8", "batch": 16, "context": 8192, "lengths": "any", "planned_splits": 2, "times_us": times}
+    md = sweep.markdown({"env": {"gpu": "GPU"}, "rows": [row]})
+    line = next(x for x in md.splitlines() if x.startswith("| 32/8 |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[4] == "12.0 (2)" and cells[5 + sweep.SPLITS.index(4)] == "**10.0**"
+    assert sum(c.startswith("**") for c in cells) == 1
+    assert cells[-2:] == ["0.833", "2.00"]

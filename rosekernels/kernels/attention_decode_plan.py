@@ -65,6 +65,17 @@ WAVE_CTAS_PER_SM = 1
 E4M3_CTA_GBPS = 15.0
 E4M3_SM_GBPS = 20.5
 E4M3_WAVE_CTAS_PER_SM = 2
+# The plan sees the cache's capacity, not the lengths (they live on the device), and a chunk past a sequence's
+# end loads nothing: with lengths below the capacity, large chunks leave the time to the CTAs of the longest
+# sequences. An e4m3 launch cuts its chunks to at most E4M3_MAX_SPLIT_BYTES of K and V, so that those CTAs'
+# work spreads over the SMs, and each split costs E4M3_COMBINE_US_PER_SPLIT in the combine. Fitted to an H100
+# sweep (B 1-64, S_kv 4k-32k, every sequence full, lengths uniform in [S/2, S] and in [1, S]: splits 1-32,
+# bench/results/gemm/sweeps/fp8_kv_splits_sweep.json): the mean time over the best split count went
+# 1.024 / 1.038 / 1.177 -> 1.014 / 1.004 / 1.077 (full / [S/2, S] / [1, S]); on held-out shapes (B 2-32, 12k-64k,
+# heads 32/8 and 28/4: fp8_kv_splits_heldout_sweep.json) 1.001 / 1.032 / 1.238 -> 1.027 / 1.014 / 1.061: full
+# lengths pay up to 7.6% (B = 32), lengths that vary gain up to 1.55x.
+E4M3_MAX_SPLIT_BYTES = 1 << 20
+E4M3_COMBINE_US_PER_SPLIT = 0.2
 # An SM's registers: SUBPARTITIONS files of SUBPARTITION_REGISTERS 32-bit registers (Hopper); a thread takes at
 # most MAX_REGISTERS.
 SUBPARTITIONS = 4
@@ -247,9 +258,12 @@ def tile_m_for(rows: int) -> int:
 @functools.lru_cache(maxsize=4096)
 def choose_splits(groups: int, n_tiles: int, tile_bytes: int, sms: int,
                   max_splits: int = MAX_SPLITS, kv_fp8: bool = False) -> tuple[int, int]:
-    """(num_splits, tiles_per_split) for `groups` CTAs' worth of rows over `n_tiles` K/V tiles each."""
+    """(num_splits, tiles_per_split) for `groups` CTAs' worth of rows over `n_tiles` K/V tiles each (an e4m3
+    cache's chunks of at most E4M3_MAX_SPLIT_BYTES where max_splits allows)."""
+    most = max(1, min(n_tiles, max_splits))
+    least = min(most, -(-n_tiles * tile_bytes // E4M3_MAX_SPLIT_BYTES)) if kv_fp8 else 1
     best = None
-    for want in range(1, max(1, min(n_tiles, max_splits)) + 1):
+    for want in range(max(1, least), most + 1):
         per = -(-n_tiles // want)
         splits = -(-n_tiles // per)
         if best is not None and splits == best[1]:
@@ -272,7 +286,8 @@ def launch_us(groups: int, splits: int, per: int, tile_bytes: int, sms: int, kv_
         cta_gbps = min(E4M3_CTA_GBPS, E4M3_SM_GBPS / -(-wave // sms)) if kv_fp8 else CTA_GBPS
         us += per * tile_bytes / 1e3 / min(cta_gbps, HBM_GBPS / wave) + CTA_US
         ctas -= wave
-    return us + (COMBINE_US if splits > 1 else 0.0)
+    combine = COMBINE_US + (E4M3_COMBINE_US_PER_SPLIT * splits if kv_fp8 else 0.0)
+    return us + (combine if splits > 1 else 0.0)
 
 
 def split_plan(cfg: DecodeConfig, shape: DecodeShape, sms: int | None = None) -> tuple[int, int, int]:

@@ -49,19 +49,41 @@ def test_keys_and_plans():
 
 def test_an_e4m3_cache_is_split_for_two_ctas_per_sm():
     """The e4m3 split model (attention_decode_plan.E4M3_*): a CTA's widening, not its bytes in flight, sets its
-    rate, so a second CTA per SM pays. At B = 16 (128 groups, 132 SMs) it splits in two where the bf16 cache
-    does not, and it ranks the split counts as the H100 did (2, then 4, then 3, then 1); with groups for two
-    CTAs per SM already (B = 32), or a wave's worth more (B = 64), it does not split."""
+    rate, so a second CTA per SM pays. At B = 16 (128 groups, 132 SMs) and 8k keys it splits in two where the
+    bf16 cache does not, and it ranks the split counts as the H100 did on full lengths (2, then 4, then 3,
+    then 1); with groups for two CTAs per SM already (B = 32, 64) and chunks within E4M3_MAX_SPLIT_BYTES, it
+    does not split."""
     for context in (8192, 32768):
-        shape = D.Shape(batch=16, seqlen_kv=context)
-        assert D.kvcache_config_for(shape, None, 132, kv_fp8=True).splits == 2
-        assert D.kvcache_config_for(shape, None, 132).splits == 1
         n_tiles = context // 64
         us = {s: attention_decode_plan.launch_us(128, s, -(-n_tiles // s), 16384, 132, kv_fp8=True)
               for s in (1, 2, 3, 4)}
         assert sorted(us, key=us.get) == [2, 4, 3, 1], us
+    shape = D.Shape(batch=16, seqlen_kv=8192)
+    assert D.kvcache_config_for(shape, None, 132, kv_fp8=True).splits == 2
+    assert D.kvcache_config_for(shape, None, 132).splits == 1
     for batch in (32, 64):
-        assert D.kvcache_config_for(D.Shape(batch=batch, seqlen_kv=8192), None, 132, kv_fp8=True).splits == 1
+        assert D.kvcache_config_for(D.Shape(batch=batch, seqlen_kv=4096), None, 132, kv_fp8=True).splits == 1
+
+
+def test_an_e4m3_cache_splits_in_chunks_of_at_most_a_mebibyte():
+    """The plan sees the capacity, not the lengths: an e4m3 launch's chunks hold at most E4M3_MAX_SPLIT_BYTES
+    of K and V (fewer only where the workspace's indices run out), so that short sequences leave little time
+    to the longest ones' CTAs. The picks the H100 sweep favoured over full and ragged lengths
+    (bench/results/gemm/sweeps/fp8_kv_splits_sweep.json): B = 16 at 32k keys 8 splits (the old pick, 2, ran
+    1.51x the best where lengths were uniform in [1, S]), B = 1 at 4k 16 (32 ran 1.17x the best on every
+    length distribution), B = 64 at 4k unsplit. The bf16 cache's plan is not this model's."""
+    cap = attention_decode_plan.E4M3_MAX_SPLIT_BYTES
+    for batch, context, heads in [(b, s, h) for b in (1, 3, 16, 64, 128) for s in (1000, 4096, 12288, 65536, 262144)
+                                  for h in ((32, 8), (28, 4), (64, 8))]:
+        shape = D.Shape(batch=batch, seqlen_kv=context, heads_q=heads[0], heads_kv=heads[1])
+        cfg = D.kvcache_config_for(shape, None, 132, kv_fp8=True)
+        splits, per, groups = attention_decode_plan.split_plan(cfg, shape, 132)
+        assert per * cfg.tile_bytes <= cap or splits == attention_decode_plan.MAX_SPLITS, (shape, splits, per)
+        assert splits * per >= -(-context // cfg.tile_n) > (splits - 1) * per
+    assert D.kvcache_config_for(D.Shape(batch=16, seqlen_kv=32768), None, 132, kv_fp8=True).splits == 8
+    assert D.kvcache_config_for(D.Shape(batch=1, seqlen_kv=4096), None, 132, kv_fp8=True).splits == 16
+    assert D.kvcache_config_for(D.Shape(batch=64, seqlen_kv=4096), None, 132, kv_fp8=True).splits == 1
+    assert D.kvcache_config_for(D.Shape(batch=16, seqlen_kv=32768), None, 132).splits == 1
 
 
 def test_append_reference_quantizes_as_the_kernel_does():
