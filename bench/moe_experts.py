@@ -28,7 +28,7 @@ distinct weight bytes pass three L2 caches, so no call finds its experts' weight
 the same run: the device copy bandwidth (decode: the active experts' weight bytes streamed at it) and,
 for prefill, the dense rosekernels GEMM pair (gated gate-up, then down) on the same rows and FLOPs. Prefill
 also times the rosekernels arm's four launches apart (LAUNCHES) and each dense GEMM alone: which launch holds
-the block back.
+the block back; and the gate-up GEMM gathering its rows by index (GATHERED) against the dispatch copy.
 
 Targets (issue 43): decode streams the active experts' weights at >= 70% of copy (T >= 16), >= 50% at
 T = 1, >= 1.5x stock, >= 1.1x quack; prefill >= 85% of the dense GEMM pair's TFLOP/s and >= 1.05x quack;
@@ -81,6 +81,9 @@ DECODE_TOKENS = (1, 16, 64, 128)
 PREFILL_TOKENS = (4096, 16384)
 ARMS = ("rosekernels", "rk+grouped_mm", "stock", "quack", "cublas loop")
 LAUNCHES = ("dispatch", "gate-up", "down", "combine")  # rosekernels.moe_experts', in order
+# The alternative to the dispatch copy (rosekernels/ops/moe_experts.py's docstring): the gate-up GEMM gathering
+# the token rows by index (grouped_gemm's a_index), timed beside the launches.
+GATHERED = "gate-up, gathered"
 TARGETS = {"decode_pct_of_copy": 70.0, "decode_pct_of_copy_t1": 50.0, "decode_vs_stock": 1.5, "decode_vs_quack": 1.1,
            "prefill_pct_of_dense": 85.0, "prefill_vs_quack": 1.05, "vs_stock_min": 1.0}
 WEIGHT_BYTES_MAX = 48 << 30  # weight sets held at once, at most
@@ -190,17 +193,22 @@ def markdown(data: dict) -> str:
     if parts:
         lines += ["## prefill, launch by launch", "",
                   "The rosekernels arm's four launches timed apart (interleaved, each on inputs made ahead); each "
-                  "grouped GEMM's share of the dense GEMM on the same rows (timed apart too).", "",
+                  "grouped GEMM's share of the dense GEMM on the same rows (timed apart too); the gate-up GEMM "
+                  "gathering the token rows by index (a_index) instead of reading the dispatch's copy, its time over "
+                  "the dispatch and the gate-up GEMM together (below 1: the gather pays).", "",
                   "| geometry | T | " + " | ".join(f"{k} us" for k in LAUNCHES) + " | sum | whole block | "
-                  "gate-up % of dense | down % of dense |", "|" + "---|" * (6 + len(LAUNCHES))]
+                  "gate-up % of dense | down % of dense | gathered gate-up us | its time over dispatch + gate-up |",
+                  "|" + "---|" * (8 + len(LAUNCHES))]
         for r in parts:
             t, dense = r["launches_us"], r.get("dense_parts_us", {})
             pct = {k: None if t.get(k) is None or dense.get(k) is None else 100 * dense[k] / t[k]
                    for k in ("gate-up", "down")}
             total = sum(t[k] for k in LAUNCHES) if all(k in t for k in LAUNCHES) else None
+            copied = t["dispatch"] + t["gate-up"] if "dispatch" in t and "gate-up" in t else None
+            gathered = None if copied is None or t.get(GATHERED) is None else t[GATHERED] / copied
             lines.append(f"| {r['geometry']} | {r['tokens']} | " + " | ".join(fmt(t.get(k)) for k in LAUNCHES)
                          + f" | {fmt(total)} | {fmt(r['times_us'].get('rosekernels'))} | {fmt(pct['gate-up'])} | "
-                         f"{fmt(pct['down'])} |")
+                         f"{fmt(pct['down'])} | {fmt(t.get(GATHERED))} | {fmt(gathered, 3)} |")
         lines.append("")
     found = data["verdicts"]
     met = sum(v["met"] for v in found)
@@ -386,6 +394,15 @@ def launches_arm(sets, weights) -> dict[str, Callable[[int], Any]]:
         s["d"] = rosekernels.moe_dispatch(s["x"], s["ids_rk"], wgu.shape[0], block_size=1)
         s["h"] = rosekernels.grouped_gemm(s["d"].buffer, wgu, s["d"].offsets, activation="silu", gated=True)
         s["y"] = rosekernels.grouped_gemm(s["h"], wd, s["d"].offsets)
+        # a dispatched row's token (block_size 1: no padding rows; an unrouted slot (-1) has no row)
+        slots, topk = s["d"].slot_map.long(), s["d"].slot_map.shape[1]
+        token = torch.arange(slots.shape[0], device=slots.device).repeat_interleave(topk)
+        s["a_index"] = torch.zeros(s["d"].buffer.shape[0], dtype=torch.int32, device=slots.device)
+        s["a_index"][slots.flatten()[slots.flatten() >= 0]] = token[slots.flatten() >= 0].int()
+        s["h_gathered"] = rosekernels.grouped_gemm(s["x"], wgu, s["d"].offsets, activation="silu", gated=True,
+                                                   a_index=s["a_index"])
+        if not torch.equal(s["h_gathered"], s["h"]):  # the same rows and MMAs: the same bits
+            raise AssertionError("the gathered gate-up GEMM differs from the dispatched one")
 
     def pick(i):
         return sets[i % len(sets)], weights[i % len(weights)]
@@ -406,7 +423,12 @@ def launches_arm(sets, weights) -> dict[str, Callable[[int], Any]]:
     def combine(i):
         s, _ = pick(i)
         return rosekernels.moe_combine(s["y"], s["w"], s["d"].slot_map, out=s["out"])
-    return {"dispatch": dispatch, "gate-up": gate_up, "down": down, "combine": combine}
+
+    def gathered(i):
+        s, (wgu, _) = pick(i)
+        return rosekernels.grouped_gemm(s["x"], wgu, s["d"].offsets, activation="silu", gated=True,
+                                        a_index=s["a_index"], out=s["h_gathered"])
+    return {"dispatch": dispatch, "gate-up": gate_up, "down": down, "combine": combine, GATHERED: gathered}
 
 
 def bench_shape(name: str, g: Geometry, tokens: int, l2_bytes: int, log: list[str], quick: bool) -> dict:

@@ -109,8 +109,10 @@ def test_markdown_tables_are_whole_and_name_what_did_not_run():
 
 
 def test_the_launch_table_sums_the_launches_and_rates_each_grouped_gemm_against_its_dense_one():
+    """Prefill launch by launch: the four launches' sum (none where one is missing), each grouped GEMM's share
+    of its dense GEMM, the gathered gate-up over the dispatch + gate-up it would replace."""
     row = _row("qwen3-30b-a3b", 4096, {"rosekernels": 731.0}, dense=420.0)
-    row["launches_us"] = {"dispatch": 60.0, "gate-up": 400.0, "down": 200.0, "combine": 50.0}
+    row["launches_us"] = {"dispatch": 60.0, "gate-up": 400.0, "down": 200.0, "combine": 50.0, bench.GATHERED: 437.0}
     row["dense_parts_us"] = {"gate-up": 300.0, "down": 120.0}
     partial = _row("mixtral-8x7b", 4096, {"rosekernels": 1000.0}, dense=950.0)
     partial["launches_us"] = {"dispatch": 10.0, "gate-up": 700.0}  # a launch that failed to capture: no sum
@@ -119,8 +121,9 @@ def test_the_launch_table_sums_the_launches_and_rates_each_grouped_gemm_against_
         r["summary"] = bench.summarize(r, 4000.0)
     text = bench.markdown({"env": {"gpu": "g"}, "copy_gbps": 4000.0, "rows": rows, "verdicts": bench.verdicts(rows)})
     table = text.split("## prefill, launch by launch")[1].split("## targets")[0]
-    assert "| qwen3-30b-a3b | 4096 | 60.0 | 400.0 | 200.0 | 50.0 | 710.0 | 731.0 | 75.0 | 60.0 |" in table
-    assert "| mixtral-8x7b | 4096 | 10.0 | 700.0 | - | - | - | 1000.0 | - | - |" in table
+    # the gathered gate-up against the dispatch and the gate-up it replaces: 437 / (60 + 400)
+    assert "| qwen3-30b-a3b | 4096 | 60.0 | 400.0 | 200.0 | 50.0 | 710.0 | 731.0 | 75.0 | 60.0 | 437.0 | 0.950 |" in table
+    assert "| mixtral-8x7b | 4096 | 10.0 | 700.0 | - | - | - | 1000.0 | - | - | - | - |" in table
     lines = [line for line in table.splitlines() if line.startswith("|")]
     assert len({line.count("|") for line in lines}) == 1 and len(lines) == 4
 
