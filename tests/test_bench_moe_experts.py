@@ -114,6 +114,7 @@ def test_the_launch_table_sums_the_launches_and_rates_each_grouped_gemm_against_
     row = _row("qwen3-30b-a3b", 4096, {"rosekernels": 731.0}, dense=420.0)
     row["launches_us"] = {"dispatch": 60.0, "gate-up": 400.0, "down": 200.0, "combine": 50.0, bench.GATHERED: 437.0}
     row["dense_parts_us"] = {"gate-up": 300.0, "down": 120.0}
+    row["launch_bytes"] = {"dispatch": 1e8, "gate-up": 1e9, "down": 5e8, "combine": 1e8}  # 1.7 GB: 425 us at 4 TB/s
     partial = _row("mixtral-8x7b", 4096, {"rosekernels": 1000.0}, dense=950.0)
     partial["launches_us"] = {"dispatch": 10.0, "gate-up": 700.0}  # a launch that failed to capture: no sum
     rows = [row, partial]
@@ -122,8 +123,9 @@ def test_the_launch_table_sums_the_launches_and_rates_each_grouped_gemm_against_
     text = bench.markdown({"env": {"gpu": "g"}, "copy_gbps": 4000.0, "rows": rows, "verdicts": bench.verdicts(rows)})
     table = text.split("## prefill, launch by launch")[1].split("## targets")[0]
     # the gathered gate-up against the dispatch and the gate-up it replaces: 437 / (60 + 400)
-    assert "| qwen3-30b-a3b | 4096 | 60.0 | 400.0 | 200.0 | 50.0 | 710.0 | 731.0 | 75.0 | 60.0 | 437.0 | 0.950 |" in table
-    assert "| mixtral-8x7b | 4096 | 10.0 | 700.0 | - | - | - | 1000.0 | - | - | - | - |" in table
+    assert ("| qwen3-30b-a3b | 4096 | 60.0 | 400.0 | 200.0 | 50.0 | 710.0 | 731.0 | 75.0 | 60.0 | 437.0 | 0.950 "
+            "| 425.0 | 98.8 |") in table  # the dense pair's 420 us over the bytes' 425
+    assert "| mixtral-8x7b | 4096 | 10.0 | 700.0 | - | - | - | 1000.0 | - | - | - | - | - | - |" in table
     lines = [line for line in table.splitlines() if line.startswith("|")]
     assert len({line.count("|") for line in lines}) == 1 and len(lines) == 4
 
@@ -168,3 +170,14 @@ def test_quacks_routing_groups_every_routed_pair_once_under_its_expert():
 def test_bad_arguments_exit_2_before_any_work(argv, message):
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "moe_experts.py"), *argv], capture_output=True, text=True)
     assert run.returncode == 2 and message in run.stderr
+
+
+def test_launch_bytes_are_what_each_launch_must_move():
+    """Qwen3-30B-A3B at T = 4096: 32,768 routed rows of 2,048 and 768 elements, 128 experts' weights."""
+    g = bench.GEOMETRIES["qwen3-30b-a3b"]
+    b = bench.launch_bytes(4096, 32768, 128, g)
+    rows_h, rows_i, tokens_h = 32768 * 2048 * 2, 32768 * 768 * 2, 4096 * 2048 * 2
+    assert b["dispatch"] == b["combine"] == tokens_h + rows_h
+    assert b["gate-up"] == 128 * 2 * 768 * 2048 * 2 + rows_h + rows_i
+    assert b["down"] == 128 * 2048 * 768 * 2 + rows_i + rows_h
+    assert sum(b.values()) == pytest.approx(1.88e9, rel=0.01)  # 622 us at 3.02 TB/s: above the dense pair's 425
