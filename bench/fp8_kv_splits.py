@@ -2,6 +2,7 @@
 and ragged lengths, to fit the plan's choice (attention_decode_plan.choose_splits) to lengths it cannot see.
 
     python bench/fp8_kv_splits.py [--out bench/results] [--batches 1,4,16,64] [--contexts 4096,8192,32768]
+        [--heads 32/8,28/4] [--name fp8_kv_splits_heldout_sweep]
 
 The plan takes the cache's capacity (S_max): lengths live on the device, so that a call stays graph-capturable.
 With lengths below the capacity, a split past a sequence's end loads nothing, and what sets the time is how
@@ -10,7 +11,8 @@ full; uniform in [S/2, S]; uniform in [1, S]) this times rosekernels' e4m3 launc
 plan's own pick and the bf16 cache (bf16 queries, d128, Qwen3-8B's heads 32/8 or --heads): CUDA graphs, input sets (each
 with its own lengths) rotated past L2, every arm interleaved (bench/timing.py).
 
-Results: fp8_kv_splits_sweep.json and .md in <out>/gemm/sweeps (bench/report.py).
+Results: fp8_kv_splits_sweep.json and .md (or --name's) in <out>/gemm/sweeps (bench/report.py). `best / planned`
+takes the best of SPLITS; the plan may pick a count between them.
 """
 from __future__ import annotations
 
@@ -109,7 +111,11 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--contexts", default="4096,8192,32768")
     ap.add_argument("--heads", default="32/8", help="query/KV heads, comma-separated pairs (Qwen3-8B: 32/8)")
+    ap.add_argument("--name", default=NAME, help=f"the results' name, a sweep's (default {NAME}; a held-out run: "
+                    "fp8_kv_splits_heldout_sweep)")
     args = ap.parse_args()
+    if not (args.name.startswith("fp8_") and "_sweep" in args.name):
+        ap.error(f"--name must start with fp8_ and hold _sweep (bench/report.py files it under gemm/sweeps), got {args.name!r}")
     report.require_gpu()
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
@@ -120,7 +126,7 @@ def main() -> None:
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
     data = {"env": report.environment(), "splits": SPLITS, "rows": rows}
-    report.write(args.out, NAME, data, markdown(data))
+    report.write(args.out, args.name, data, markdown(data))
 
 
 if __name__ == "__main__":

@@ -132,3 +132,9 @@ def test_the_kv_splits_sweep_marks_the_fastest_split_count():
     assert cells[4] == "12.0 (2)" and cells[5 + sweep.SPLITS.index(4)] == "**10.0**"
     assert sum(c.startswith("**") for c in cells) == 1
     assert cells[-2:] == ["0.833", "2.00"]
+
+
+def test_the_kv_splits_sweep_refuses_a_name_outside_the_sweeps():
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "fp8_kv_splits.py"), "--name", "fp8_kv_splits"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "--name must start with fp8_ and hold _sweep" in run.stderr

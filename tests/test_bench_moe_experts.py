@@ -181,3 +181,8 @@ def test_launch_bytes_are_what_each_launch_must_move():
     assert b["gate-up"] == 128 * 2 * 768 * 2048 * 2 + rows_h + rows_i
     assert b["down"] == 128 * 2048 * 768 * 2 + rows_i + rows_h
     assert sum(b.values()) == pytest.approx(1.88e9, rel=0.01)  # 622 us at 3.02 TB/s: above the dense pair's 425
+    # an EP rank's dispatch reads only the tokens routed to its experts; the combine writes every token
+    ep = bench.launch_bytes(4096, 32768, 128, g, tokens_routed=1000)
+    assert ep["dispatch"] == 1000 * 2048 * 2 + rows_h and ep["combine"] == b["combine"]
+    ids = torch.tensor([[0, 40], [-1, 39], [33, 50], [5, 5]])  # 32 local experts of 64: 0 .. 31
+    assert bench.routed_tokens(ids, bench.Geometry(64, 2, 8, 8, local=32)) == 2
