@@ -14,7 +14,9 @@ same N = 2I and K = H, one weight matrix) in three walks:
   row tiles fastest, then its weight tiles), less its per-expert weights; only where an expert has other than
   8 row tiles (Mixtral: 32), since "dense 1x1" walks bands of 8.
 "grouped 2x1": the grouped kernel on 2x1 clusters (`cluster_m` 2: two row tiles of an expert share the multicast
-weight tile), the dense heuristic's multicast brought to the grouped walk.
+weight tile), the dense heuristic's multicast brought to the grouped walk. "grouped swapped WxR": the swapped
+(decode) tiles of W weight rows x R expert rows (SWAPPED) at prefill sizes, where 128-row plain tiles pad an
+expert's rows. The grouped arms' offsets are a top-k routing's (every expert has rows).
 The grouped kernel's and the dense kernel's mainloops are the same code (`sip loops` on the two cubins: 73 and 70
 instructions, 219 and 203 stall cycles per k-tile), so the gap is in what they read, not in what they issue. Where
 "grouped" lands says what holds it back: beside "dense 1x1", the missing multicast; beside "dense 1x1, expert
@@ -32,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import report  # noqa: E402  (bench/report.py: environment and result files)
@@ -45,6 +49,7 @@ from rosekernels.kernels import grouped_gemm as grouped_kernel, grouped_gemm_pla
 GEOMETRIES = {"mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-235b-a22b": (4096, 1536, 128, 8),
               "qwen3-30b-a3b": (2048, 768, 128, 8)}
 TOKENS = 16384
+SWAPPED = ((128, 96), (128, 128), (64, 128))  # (weight rows, expert rows) of the swapped arms
 
 
 def arms(geometry: str, tokens: int) -> dict[str, tuple]:
@@ -63,7 +68,22 @@ def arms(geometry: str, tokens: int) -> dict[str, tuple]:
     expert_tiles = -(-(rows // experts) // one.tile_m)  # an expert's row tiles, on average
     if expert_tiles != one.raster_group:  # else "dense 1x1" walks that way already
         found["dense 1x1, expert bands"] = (dense_kernel, dataclasses.replace(one, raster_group=expert_tiles), dshape)
+    # The swapped (decode) tiles at prefill sizes: an expert's rows on the MMA's N side come in tiles of 96 or
+    # 128, where the plain tiles' 128-row M side pads about 256 rows an expert (T = 4096, top-8 of 128) to 320.
+    for tm, tn in SWAPPED:
+        found[f"grouped swapped {tm}x{tn}"] = (grouped_kernel, dataclasses.replace(
+            grouped, tile_m=tm, tile_n=tn, swap_ab=True, pingpong=False, cluster_m=1), gshape)
     return found
+
+
+def routed_args(module, work, shape, seed: int) -> tuple:
+    """The workload's arguments of input set `seed`; a grouped kernel's offsets redrawn as a top-k routing draws
+    them, every expert with rows (the workload's own draw leaves a quarter of the experts empty)."""
+    args = work.make_args(seed)
+    if module is grouped_kernel:
+        args[4].copy_(grouped_kernel.random_offsets(shape.rows, shape.experts, torch.Generator().manual_seed(seed),
+                                                    empty=0.0))
+    return args
 
 
 def measure(geometry: str, tokens: int, rounds: int) -> dict:
@@ -71,9 +91,10 @@ def measure(geometry: str, tokens: int, rounds: int) -> dict:
     steps, about = {}, {}
     for name, (module, config, shape) in found.items():
         work = module.workload(config, shape)
-        first = work.make_args(0)
+        first = routed_args(module, work, shape, 0)
         bytes_per_set = sum(t.numel() * t.element_size() for t in first if hasattr(t, "numel"))
-        sets = [first] + [work.make_args(s) for s in range(1, timing.input_sets(bytes_per_set, least=1, most=3))]
+        sets = [first] + [routed_args(module, work, shape, s)
+                          for s in range(1, timing.input_sets(bytes_per_set, least=1, most=3))]
         steps[name] = lambda i, w=work, sets=sets: w.run(w.kernel.fn, sets[i % len(sets)])
         about[name] = {"variant": config.variant().key(), "raster_group": getattr(config, "raster_group", None),
                        "input_sets": len(sets)}

@@ -32,3 +32,20 @@ def test_the_table_gives_each_arm_over_the_dense_heuristic():
     line = next(x for x in text.splitlines() if x.startswith("| mixtral"))
     assert line.split(" | ")[2:] == ["300", "600", "400", "0.500", "0.667 |"]
     assert "- x: failed" in text and "Fake H100" in text
+
+
+def test_the_swapped_arms_are_the_grouped_config_on_decode_tiles():
+    """At prefill sizes the heuristic takes plain tiles; each swapped arm differs from it in the tiles alone."""
+    for geometry in bench.GEOMETRIES:
+        found = bench.arms(geometry, 4096)
+        grouped = found["grouped"][1]
+        assert not grouped.swap_ab
+        for tm, tn in bench.SWAPPED:
+            module, config, shape = found[f"grouped swapped {tm}x{tn}"]
+            assert module is bench.grouped_kernel and shape == found["grouped"][2]
+            assert (config.swap_ab, config.tile_m, config.tile_n, config.cluster_m) == (True, tm, tn, 1)
+            assert config.variant().key() != grouped.variant().key()
+            assert {k: v for k, v in config.__dict__.items() if k not in ("swap_ab", "tile_m", "tile_n", "pingpong",
+                                                                          "cluster_m")} == \
+                {k: v for k, v in grouped.__dict__.items() if k not in ("swap_ab", "tile_m", "tile_n", "pingpong",
+                                                                         "cluster_m")}
