@@ -42,6 +42,7 @@ def lengths_of(kind: str, batch: int, context: int, g: torch.Generator) -> torch
 
 
 def case(batch: int, context: int, kind: str, heads: tuple[int, int]) -> dict:
+    import rosekernels
     from rosekernels.ops.kvcache import plan_kvcache
 
     g = torch.Generator(device="cuda").manual_seed(batch * 100003 + context)
@@ -75,11 +76,13 @@ def case(batch: int, context: int, kind: str, heads: tuple[int, int]) -> dict:
             want = s0["out"].float().clone()
         elif not torch.allclose(s0["out"].float(), want, atol=2e-2, rtol=2e-2):
             raise AssertionError(f"{name} differs from the planned launch beyond rounding")
-    import rosekernels
+
+    def bf16(i):
+        s = sets[i % len(sets)]
+        return rosekernels.attention_with_kvcache(s["q"], s["k"], s["v"], s["lengths"])
 
     steps = {name: launch(p) for name, p in plans.items()}
-    steps["bf16 cache"] = lambda i: rosekernels.attention_with_kvcache(
-        sets[i % len(sets)]["q"], sets[i % len(sets)]["k"], sets[i % len(sets)]["v"], sets[i % len(sets)]["lengths"])
+    steps["bf16 cache"] = bf16
     # About 2 ms of work per graph: the e4m3 cache streams at about 2 TB/s on a full launch.
     calls = max(4, min(50, round(2000 / (set_bytes / 3 / 2e6 + 5))))
     us = timing.interleaved_graph_time_us(steps, calls=calls, rounds=9)

@@ -422,10 +422,11 @@ def launches_arm(sets, weights) -> dict[str, Callable[[int], Any]]:
         s["h"] = rosekernels.grouped_gemm(s["d"].buffer, wgu, s["d"].offsets, activation="silu", gated=True)
         s["y"] = rosekernels.grouped_gemm(s["h"], wd, s["d"].offsets)
         # a dispatched row's token (block_size 1: no padding rows; an unrouted slot (-1) has no row)
-        slots, topk = s["d"].slot_map.long(), s["d"].slot_map.shape[1]
-        token = torch.arange(slots.shape[0], device=slots.device).repeat_interleave(topk)
+        slots = s["d"].slot_map.long().flatten()
+        token = torch.arange(s["d"].slot_map.shape[0], device=slots.device).repeat_interleave(s["d"].slot_map.shape[1])
+        kept = slots >= 0
         s["a_index"] = torch.zeros(s["d"].buffer.shape[0], dtype=torch.int32, device=slots.device)
-        s["a_index"][slots.flatten()[slots.flatten() >= 0]] = token[slots.flatten() >= 0].int()
+        s["a_index"][slots[kept]] = token[kept].int()
         s["h_gathered"] = rosekernels.grouped_gemm(s["x"], wgu, s["d"].offsets, activation="silu", gated=True,
                                                    a_index=s["a_index"])
         routed = int(s["d"].offsets[-1])  # rows past the groups (an EP rank's other experts') are never written
