@@ -21,7 +21,7 @@ whole story; the design spreads that read over every SM:
   order. With one split the CTA writes out and lse; otherwise it writes its normalized fp32
   partial O and its partial lse to a workspace and bumps a per-(batch, KV head, m-block) counter:
   the last CTA to arrive combines all splits in split order (deterministic) and resets the
-  counter to 0 for the next launch.
+  counter to 0 for the next launch (attention_splits: the methods of both).
 - Programmatic dependent launch: a CTA sets up before `griddepcontrol.wait` (the previous kernel in
   the stream may still run) and, its work done, lets the next kernel launch.
 
@@ -52,11 +52,12 @@ import torch
 from rosekernels import jit  # first: it pins CUTE_DSL_ARCH=sm_90a before cutlass loads
 from rosekernels import checks, modes
 from rosekernels.kernels.attention_common import (
-    CUTE_DTYPES, LN_2, LOG2_E, acc_as_a, acc_rows, check, fake_qkv_out_lse, quad_max, quad_sum, tma_tiles, warp_mma)
+    CUTE_DTYPES, LOG2_E, acc_as_a, acc_rows, check, fake_qkv_out_lse, quad_max, quad_sum, tma_tiles, warp_mma)
 from rosekernels.kernels.attention_fp8 import Fp8KVTiles
+from rosekernels.kernels.attention_splits import SplitRows
 from rosekernels.kernels.attention_decode_plan import (  # noqa: F401 - the plan's names are this kernel's
-    MAX_SEQLEN_Q, MMA_WARPS, OP, WIDEN_WARPS, DecodeConfig, DecodeShape, candidates, causal_shift_for, config_for,
-    kvcache_config_for, kvcache_variants_for, rank, split_plan, variants_for)
+    BAR_MMA, MAX_SEQLEN_Q, MMA_WARPS, OP, WIDEN_WARPS, DecodeConfig, DecodeShape, candidates, causal_shift_for,
+    config_for, kvcache_config_for, kvcache_variants_for, rank, split_plan, variants_for)
 from rosekernels.workload import Workload
 
 import cutlass
@@ -70,14 +71,13 @@ from cutlass.tensor_utils import LayoutEnum
 
 Config, Shape = DecodeConfig, DecodeShape
 
-_BAR_MMA = 1  # named barrier of the MMA warps (the producer warp may have exited)
 
 
 # ---------------------------------------------------------------------------------------------
 # Device code.
 
 
-class _DecodeAttentionSm90:
+class _DecodeAttentionSm90(SplitRows):
     def __init__(self, cfg: DecodeConfig):
         self.cfg = cfg
         self.dtype = CUTE_DTYPES[cfg.dtype]
@@ -450,7 +450,7 @@ class _DecodeAttentionSm90:
                 stats[row, ks, 0] = row_max[r]
                 stats[row, ks, 1] = row_sum[r]
         # Every warp is done with the K/V ring (and its loads have landed): reuse it as fp32 scratch.
-        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=32 * MMA_WARPS)
+        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=32 * MMA_WARPS)
         O = acc_rows(acc_O)
         for r in cutlass.range_constexpr(n_rows):
             row = rb * 16 + tScS[r, 0][0]
@@ -475,91 +475,12 @@ class _DecodeAttentionSm90:
             mine = thr_mma.partition_C(scratch[None, None, ks - 1, rb])
             for i in cutlass.range_constexpr(cute.size(acc_O)):
                 mine[i] = acc_O[i]
-        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=32 * MMA_WARPS)
+        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=32 * MMA_WARPS)
         if ks == 0:
             for j in cutlass.range_constexpr(self.ks - 1):
                 theirs = thr_mma.partition_C(scratch[None, None, j, rb])
                 for i in cutlass.range_constexpr(cute.size(acc_O)):
                     acc_O[i] = acc_O[i] + theirs[i]
-
-
-    @cute.jit
-    def store_rows(self, acc_O, row_max, row_sum, thr_mma, mO, mLSE, mOp, mLSEp, scale_log2, num_splits,
-                   lane, head_kv, batch, ratio, rows, row0, part_row):
-        """O / sum and the lse of this warp's rows: to out and lse (one split), else to the workspace
-        (fp32 O, natural-log lse) at workspace row part_row + packed row."""
-        O = acc_rows(acc_O)
-        tOcO = acc_rows(thr_mma.partition_C(cute.make_identity_tensor((16, self.d))))
-        for r in cutlass.range_constexpr(cute.size(row_max)):
-            total = row_sum[r]
-            empty = total == 0.0  # the row saw no key: O is 0 there, lse -inf
-            inv = cute.arch.rcp_approx(1.0 if empty else total)
-            lse = -Float32.inf if empty else (
-                row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
-            p = row0 + tOcO[r, 0][0]
-            if p < rows:
-                if num_splits == 1:
-                    s = p // ratio
-                    head = head_kv * ratio + (p - s * ratio)
-                    for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
-                        mO[batch, s, head, tOcO[r, c][1]] = (O[r, c] * inv).to(mO.element_type)
-                    if lane % 4 == 0:
-                        mLSE[batch, head, s] = lse
-                else:
-                    for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
-                        mOp[(part_row + p) * self.d + tOcO[r, c][1]] = O[r, c] * inv
-                    if lane % 4 == 0:
-                        mLSEp[part_row + p] = lse
-
-    @cute.jit
-    def combine_splits(self, mO, mLSE, mOp, mLSEp, mCount, storage, num_splits, num_groups, group, tidx,
-                       head_kv, batch, m_block, ratio, rows):
-        """Count this CTA's split in; the last split of the group to arrive combines all of them in
-        split order (run-to-run deterministic) into out and lse, and resets the group's counter."""
-        flag = cute.make_tensor(storage.last.data_ptr(), cute.make_layout(1))
-        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=32 * MMA_WARPS)  # every partial is written
-        if tidx == 0:
-            cute.arch.fence_acq_rel_gpu()  # this CTA's partial stores before the count
-            arrived = cute.arch.atomic_add(mCount.iterator + group, Int32(1), sem="acq_rel", scope="gpu")
-            flag[0] = Int32(arrived == num_splits - 1)
-        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=32 * MMA_WARPS)
-        if flag[0] != 0:
-            cute.arch.fence_acq_rel_gpu()
-            first = m_block * self.tile_m
-            vecs = self.d // 4  # each item: 4 columns of one row
-            items = cutlass.min(self.tile_m, rows - first) * vecs
-            acc = cute.make_rmem_tensor(4, Float32)
-            for it in cutlass.range(tidx, items, 32 * MMA_WARPS, unroll=1):
-                i = it // vecs
-                col = (it - i * vecs) * 4
-                mx = Float32(-Float32.inf)
-                total = Float32(0.0)
-                acc.fill(0.0)
-                # Unrolled: the loads of 8 splits go out together (each is an L2 round trip).
-                for sp in cutlass.range(num_splits, unroll=8):
-                    row = (sp * num_groups + group) * self.tile_m + i
-                    # .cg: read L2, where the other CTAs' partials are, never a stale L1 line.
-                    lse = cute.arch.load(mLSEp.iterator + row, Float32, cop="cg")
-                    new = cute.arch.fmax(mx, lse)
-                    new_safe = 0.0 if new == -Float32.inf else new
-                    keep = cute.math.exp2((mx - new_safe) * LOG2_E, fastmath=True)
-                    w = cute.math.exp2((lse - new_safe) * LOG2_E, fastmath=True)
-                    total = total * keep + w
-                    for j in cutlass.range_constexpr(4):
-                        o = cute.arch.load(mOp.iterator + (row * self.d + col + j), Float32, cop="cg")
-                        acc[j] = acc[j] * keep + w * o
-                    mx = new
-                empty = total == 0.0
-                inv = cute.arch.rcp_approx(1.0 if empty else total)
-                p = first + i
-                s = p // ratio
-                head = head_kv * ratio + (p - s * ratio)
-                for j in cutlass.range_constexpr(4):
-                    mO[batch, s, head, col + j] = (acc[j] * inv).to(mO.element_type)
-                if col == 0:
-                    mLSE[batch, head, s] = -Float32.inf if empty else mx + cute.math.log(total, fastmath=True)
-            if tidx == 0:
-                mCount[group] = Int32(0)  # ready for the next launch
 
 
 class _KVCacheDecodeSm90(_DecodeAttentionSm90, Fp8KVTiles):

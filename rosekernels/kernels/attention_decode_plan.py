@@ -36,6 +36,7 @@ from rosekernels.variant import MODES
 OP = "attention_decode"
 MAX_SEQLEN_Q = 16  # attention() sends S_q <= this here
 MMA_WARPS = 4
+BAR_MMA = 1  # the MMA warps' named barrier (the device code's: the producer warp may have exited by then)
 # widen_warps: 3, so that the CTA is 8 warps (the MMA warps, the producer and these): two warpgroups, whose
 # register file allows ptxas up to 255 registers a thread (with 4, 288 threads held it to 168 and it spilled).
 WIDEN_WARPS = 3

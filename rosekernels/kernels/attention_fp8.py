@@ -30,10 +30,9 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from rosekernels.kernels.attention_decode_plan import MMA_WARPS, WIDEN_WARPS
+from rosekernels.kernels.attention_decode_plan import BAR_MMA, MMA_WARPS, WIDEN_WARPS
 
 VEC = 16  # e4m3 elements a thread widens at once (16 bytes in, 32 out)
-_BAR_MMA = 1  # the MMA warps' named barrier (attention_decode's)
 _BAR_WIDENED = 2  # + the widened tile (0, 1): written (widen_warps)
 _BAR_FREE = 4  # + the widened tile: read by every MMA warp (widen_warps)
 HANDOFF_THREADS = 32 * (MMA_WARPS + WIDEN_WARPS)  # the MMA warps and the widen warps
@@ -71,7 +70,7 @@ class Fp8KVTiles:
         """Ring stage `stage` (e4m3) into tile `tile` of sK/sV (fp16) by the MMA warps, V's rows from
         `valid` on as zeros; returns `tile`, whose stage index the mainloop then reads."""
         self._widen_tile(sK8, sV8, sK, sV, stage, tile, valid, tidx, 32 * MMA_WARPS)
-        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=32 * MMA_WARPS)
+        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=32 * MMA_WARPS)
         return tile
 
     @cute.jit
