@@ -81,7 +81,8 @@ def routed_args(module, work, shape, seed: int) -> tuple:
     them, every expert with rows (the workload's own draw leaves a quarter of the experts empty)."""
     args = work.make_args(seed)
     if module is grouped_kernel:
-        args[4].copy_(grouped_kernel.random_offsets(shape.rows, shape.experts, torch.Generator().manual_seed(seed),
+        offsets = args[4]  # (x, w, out, bias, offsets, ...): grouped_gemm.launch_args' order
+        offsets.copy_(grouped_kernel.random_offsets(shape.rows, shape.experts, torch.Generator().manual_seed(seed),
                                                     empty=0.0))
     return args
 
