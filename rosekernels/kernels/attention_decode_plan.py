@@ -257,10 +257,10 @@ def tile_m_for(rows: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def choose_splits(groups: int, n_tiles: int, tile_bytes: int, sms: int,
-                  max_splits: int = MAX_SPLITS, kv_fp8: bool = False) -> tuple[int, int]:
+def choose_splits(groups: int, n_tiles: int, tile_bytes: int, sms: int, max_splits: int = MAX_SPLITS,
+                  kv_fp8: bool = False, ctas_per_sm: int = E4M3_WAVE_CTAS_PER_SM) -> tuple[int, int]:
     """(num_splits, tiles_per_split) for `groups` CTAs' worth of rows over `n_tiles` K/V tiles each (an e4m3
-    cache's chunks of at most E4M3_MAX_SPLIT_BYTES where max_splits allows)."""
+    cache's chunks of at most E4M3_MAX_SPLIT_BYTES where max_splits allows, `ctas_per_sm` of them resident)."""
     most = max(1, min(n_tiles, max_splits))
     least = min(most, -(-n_tiles * tile_bytes // E4M3_MAX_SPLIT_BYTES)) if kv_fp8 else 1
     best = None
@@ -269,17 +269,19 @@ def choose_splits(groups: int, n_tiles: int, tile_bytes: int, sms: int,
         splits = -(-n_tiles // per)
         if best is not None and splits == best[1]:
             continue
-        us = launch_us(groups, splits, per, tile_bytes, sms, kv_fp8)
+        us = launch_us(groups, splits, per, tile_bytes, sms, kv_fp8, ctas_per_sm)
         if best is None or us < SPLIT_GAIN * best[0]:
             best = (us, splits, per)
     return best[1], best[2]
 
 
-def launch_us(groups: int, splits: int, per: int, tile_bytes: int, sms: int, kv_fp8: bool = False) -> float:
+def launch_us(groups: int, splits: int, per: int, tile_bytes: int, sms: int, kv_fp8: bool = False,
+              ctas_per_sm: int = E4M3_WAVE_CTAS_PER_SM) -> float:
     """Modelled microseconds of a launch of `groups` x `splits` CTAs streaming `per` tiles of
-    `tile_bytes` each: the fluid model above (an e4m3 cache's, kv_fp8), wave by wave, plus the combine
-    of a split launch."""
-    slots = (E4M3_WAVE_CTAS_PER_SM if kv_fp8 else WAVE_CTAS_PER_SM) * sms
+    `tile_bytes` each: the fluid model above (an e4m3 cache's, kv_fp8, with waves of `ctas_per_sm` CTAs
+    an SM: the config's min_ctas_per_sm, the residency its registers are built for), wave by wave, plus
+    the combine of a split launch."""
+    slots = (ctas_per_sm if kv_fp8 else WAVE_CTAS_PER_SM) * sms
     ctas = groups * splits
     us = 0.0
     while ctas > 0:
@@ -301,7 +303,8 @@ def split_plan(cfg: DecodeConfig, shape: DecodeShape, sms: int | None = None) ->
     fits = (2**31 - 1) // (groups * cfg.tile_m * cfg.head_dim)
     if cfg.splits is None:
         splits, per = choose_splits(groups, n_tiles, cfg.tile_bytes,
-                                    sm_count() if sms is None else sms, min(MAX_SPLITS, fits), cfg.kv_fp8)
+                                    sm_count() if sms is None else sms, min(MAX_SPLITS, fits), cfg.kv_fp8,
+                                    cfg.min_ctas_per_sm)
     else:
         per = -(-n_tiles // max(1, min(cfg.splits, n_tiles, fits)))
         splits = -(-n_tiles // per)
@@ -364,7 +367,7 @@ def rank(shape: DecodeShape, configs: Iterable[DecodeConfig], sms: int | None = 
 
     def cost(c: DecodeConfig) -> float:
         splits, per, groups = split_plan(c, shape, sms)
-        return launch_us(groups, splits, per, c.tile_bytes, sms, c.kv_fp8)
+        return launch_us(groups, splits, per, c.tile_bytes, sms, c.kv_fp8, c.min_ctas_per_sm)
     return sorted(configs, key=cost)
 
 

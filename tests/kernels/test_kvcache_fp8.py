@@ -87,6 +87,22 @@ def test_an_e4m3_cache_splits_in_chunks_of_at_most_a_mebibyte():
     assert D.kvcache_config_for(D.Shape(batch=16, seqlen_kv=32768), None, 132).splits == 1
 
 
+def test_the_e4m3_split_model_counts_the_ctas_a_config_is_built_to_keep_resident():
+    """Only 16-row tiles are built for two CTAs per SM (min_ctas_per_sm); 32- and 64-row tiles (GQA 32 and 64)
+    keep ptxas' register count, one CTA per SM, and their splits are planned for waves of one: at 132 groups on
+    132 SMs a 16-row launch splits in two (one wave of two CTAs an SM), a 32-row one does not (a second wave)."""
+    assert attention_decode_plan.choose_splits(132, 64, 16384, 132, kv_fp8=True) == (2, 32)
+    assert attention_decode_plan.choose_splits(132, 64, 16384, 132, kv_fp8=True, ctas_per_sm=1) == (1, 64)
+    for heads, tile_m, resident in (((32, 8), 16, 2), ((32, 1), 32, 1), ((64, 1), 64, 1)):
+        for batch in (2, 16, 64, 132):
+            shape = D.Shape(batch=batch, seqlen_kv=4096, heads_q=heads[0], heads_kv=heads[1])
+            cfg = D.kvcache_config_for(shape, None, 132, kv_fp8=True)
+            assert (cfg.tile_m, cfg.min_ctas_per_sm) == (tile_m, resident)
+            splits, per, groups = attention_decode_plan.split_plan(dataclasses.replace(cfg, splits=None), shape, 132)
+            assert (splits, per) == attention_decode_plan.choose_splits(
+                groups, -(-4096 // cfg.tile_n), cfg.tile_bytes, 132, attention_decode_plan.MAX_SPLITS, True, resident)
+
+
 def test_append_reference_quantizes_as_the_kernel_does():
     """The host reference: e4m3(x * (1 / descale)) per head in fp32, saturating at 448, NaN kept."""
     x = torch.tensor([[[1.0, -3.0, 1e6, float("nan")], [0.5, 7.0, -1e6, 0.0]]], dtype=BF16)[None]  # [1, 1, 2, 4]
