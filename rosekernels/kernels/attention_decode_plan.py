@@ -223,6 +223,17 @@ class DecodeConfig(KernelConfig):
             return E4M3_WAVE_CTAS_PER_SM
         return 1
 
+    @property
+    def resident_ctas_per_sm(self) -> int:
+        """CTAs per SM an e4m3 launch of this config runs, which the split model plans its waves for
+        (`launch_us`' ctas_per_sm): min_ctas_per_sm, or two for a bf16 MMA's 32-row tile, which ptxas fits in
+        two CTAs' registers unasked (162-168, CPU survey, 2026-12-06; asked, it spilled the d64 paged variant).
+        The decode kernels' SASS checks hold every compiled variant's registers to this count's budget."""
+        if self.kv_fp8 and not self.widen_warps and self.num_stages <= 3 and self.tile_m == 32 \
+                and self.mma_dtype == "bf16":
+            return E4M3_WAVE_CTAS_PER_SM
+        return self.min_ctas_per_sm
+
 
 def register_budget(warps_per_cta: int, ctas: int) -> int:
     """The most registers a thread may take for `ctas` CTAs of `warps_per_cta` warps to be resident on one SM:
@@ -279,8 +290,7 @@ def launch_us(groups: int, splits: int, per: int, tile_bytes: int, sms: int, kv_
               ctas_per_sm: int = E4M3_WAVE_CTAS_PER_SM) -> float:
     """Modelled microseconds of a launch of `groups` x `splits` CTAs streaming `per` tiles of
     `tile_bytes` each: the fluid model above (an e4m3 cache's, kv_fp8, with waves of `ctas_per_sm` CTAs
-    an SM: the config's min_ctas_per_sm, the residency its registers are built for), wave by wave, plus
-    the combine of a split launch."""
+    an SM: the config's resident_ctas_per_sm), wave by wave, plus the combine of a split launch."""
     slots = (ctas_per_sm if kv_fp8 else WAVE_CTAS_PER_SM) * sms
     ctas = groups * splits
     us = 0.0
@@ -304,7 +314,7 @@ def split_plan(cfg: DecodeConfig, shape: DecodeShape, sms: int | None = None) ->
     if cfg.splits is None:
         splits, per = choose_splits(groups, n_tiles, cfg.tile_bytes,
                                     sm_count() if sms is None else sms, min(MAX_SPLITS, fits), cfg.kv_fp8,
-                                    cfg.min_ctas_per_sm)
+                                    cfg.resident_ctas_per_sm)
     else:
         per = -(-n_tiles // max(1, min(cfg.splits, n_tiles, fits)))
         splits = -(-n_tiles // per)
@@ -367,7 +377,7 @@ def rank(shape: DecodeShape, configs: Iterable[DecodeConfig], sms: int | None = 
 
     def cost(c: DecodeConfig) -> float:
         splits, per, groups = split_plan(c, shape, sms)
-        return launch_us(groups, splits, per, c.tile_bytes, sms, c.kv_fp8, c.min_ctas_per_sm)
+        return launch_us(groups, splits, per, c.tile_bytes, sms, c.kv_fp8, c.resident_ctas_per_sm)
     return sorted(configs, key=cost)
 
 

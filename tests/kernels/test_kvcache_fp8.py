@@ -87,17 +87,19 @@ def test_an_e4m3_cache_splits_in_chunks_of_at_most_a_mebibyte():
     assert D.kvcache_config_for(D.Shape(batch=16, seqlen_kv=32768), None, 132).splits == 1
 
 
-def test_the_e4m3_split_model_counts_the_ctas_a_config_is_built_to_keep_resident():
-    """Only 16-row tiles are built for two CTAs per SM (min_ctas_per_sm); 32- and 64-row tiles (GQA 32 and 64)
-    keep ptxas' register count, one CTA per SM, and their splits are planned for waves of one: at 132 groups on
-    132 SMs a 16-row launch splits in two (one wave of two CTAs an SM), a 32-row one does not (a second wave)."""
+def test_the_e4m3_split_model_counts_the_ctas_an_sm_runs():
+    """The split model plans waves of resident_ctas_per_sm: two for 16-row tiles (built for two) and bf16 MMAs'
+    32-row tiles (ptxas fits them unasked), one for fp16 32-row and all 64-row tiles (GQA 32 and 64), which
+    ptxas gives more registers than two CTAs leave. At 132 groups on 132 SMs a launch of two resident CTAs
+    splits in two (one wave of two CTAs an SM), one of a single CTA does not (a second wave)."""
     assert attention_decode_plan.choose_splits(132, 64, 16384, 132, kv_fp8=True) == (2, 32)
     assert attention_decode_plan.choose_splits(132, 64, 16384, 132, kv_fp8=True, ctas_per_sm=1) == (1, 64)
-    for heads, tile_m, resident in (((32, 8), 16, 2), ((32, 1), 32, 1), ((64, 1), 64, 1)):
+    for dtype, heads, tile_m, resident in (("bf16", (32, 8), 16, 2), ("fp16", (32, 8), 16, 2), ("bf16", (32, 1), 32, 2),
+                                           ("fp16", (32, 1), 32, 1), ("bf16", (64, 1), 64, 1)):
         for batch in (2, 16, 64, 132):
-            shape = D.Shape(batch=batch, seqlen_kv=4096, heads_q=heads[0], heads_kv=heads[1])
+            shape = D.Shape(batch=batch, seqlen_kv=4096, heads_q=heads[0], heads_kv=heads[1], dtype=dtype)
             cfg = D.kvcache_config_for(shape, None, 132, kv_fp8=True)
-            assert (cfg.tile_m, cfg.min_ctas_per_sm) == (tile_m, resident)
+            assert (cfg.tile_m, cfg.resident_ctas_per_sm) == (tile_m, resident)
             splits, per, groups = attention_decode_plan.split_plan(dataclasses.replace(cfg, splits=None), shape, 132)
             assert (splits, per) == attention_decode_plan.choose_splits(
                 groups, -(-4096 // cfg.tile_n), cfg.tile_bytes, 132, attention_decode_plan.MAX_SPLITS, True, resident)
@@ -166,6 +168,7 @@ def test_append_compiles_to_e4m3_stores(fresh_cache, cfg, tmp_path):
 _ATTENTION = [D.DecodeConfig(128, "bf16", 16, varlen=True, kv_fp8=True),
               D.DecodeConfig(128, "fp16", 16, varlen=True, kv_fp8=True),  # ptxas alone: 169 registers, one CTA an SM
               D.DecodeConfig(128, "bf16", 16, varlen=True, page_rows=16, kv_fp8=True),
+              D.DecodeConfig(128, "bf16", 32, varlen=True, kv_fp8=True),  # two CTAs an SM, unasked
               D.DecodeConfig(128, "fp16", 64, varlen=True, page_rows=64, kv_fp8=True),
               D.DecodeConfig(64, "bf16", 32, varlen=True, page_rows=16, kv_fp8=True),
               D.DecodeConfig(64, "fp16", 16, varlen=True, kv_fp8=True, num_stages=4),
