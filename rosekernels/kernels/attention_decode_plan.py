@@ -77,6 +77,10 @@ E4M3_WAVE_CTAS_PER_SM = 2
 # lengths pay up to 7.6% (B = 32), lengths that vary gain up to 1.55x.
 E4M3_MAX_SPLIT_BYTES = 1 << 20
 E4M3_COMBINE_US_PER_SPLIT = 0.2
+# ... for a 16-row d=128 tile's partial sums (8 KB a split and group): the last CTA of a group reads every
+# split's, so more rows or a wider head cost in proportion (an H200 sweep of GQA 32 and 64, 2026-12-06: 22
+# splits of 64-row tiles ran 1.49x the time of 16 at B = 4, 8k keys, when the model charged them as 16 rows).
+E4M3_PARTIAL_BYTES = 16 * 128 * 4
 # An SM's registers: SUBPARTITIONS files of SUBPARTITION_REGISTERS 32-bit registers (Hopper); a thread takes at
 # most MAX_REGISTERS.
 SUBPARTITIONS = 4
@@ -234,6 +238,11 @@ class DecodeConfig(KernelConfig):
             return E4M3_WAVE_CTAS_PER_SM
         return self.min_ctas_per_sm
 
+    @property
+    def partial_bytes(self) -> int:
+        """Bytes of fp32 partial sums a split writes for its group (a row tile's output rows)."""
+        return self.tile_m * self.head_dim * 4
+
 
 def register_budget(warps_per_cta: int, ctas: int) -> int:
     """The most registers a thread may take for `ctas` CTAs of `warps_per_cta` warps to be resident on one SM:
@@ -269,9 +278,11 @@ def tile_m_for(rows: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def choose_splits(groups: int, n_tiles: int, tile_bytes: int, sms: int, max_splits: int = MAX_SPLITS,
-                  kv_fp8: bool = False, ctas_per_sm: int = E4M3_WAVE_CTAS_PER_SM) -> tuple[int, int]:
+                  kv_fp8: bool = False, ctas_per_sm: int = E4M3_WAVE_CTAS_PER_SM,
+                  partial_bytes: int = E4M3_PARTIAL_BYTES) -> tuple[int, int]:
     """(num_splits, tiles_per_split) for `groups` CTAs' worth of rows over `n_tiles` K/V tiles each (an e4m3
-    cache's chunks of at most E4M3_MAX_SPLIT_BYTES where max_splits allows, `ctas_per_sm` of them resident)."""
+    cache's chunks of at most E4M3_MAX_SPLIT_BYTES where max_splits allows, `ctas_per_sm` of them resident,
+    `partial_bytes` of partial sums a split and group)."""
     most = max(1, min(n_tiles, max_splits))
     least = min(most, -(-n_tiles * tile_bytes // E4M3_MAX_SPLIT_BYTES)) if kv_fp8 else 1
     best = None
@@ -280,17 +291,18 @@ def choose_splits(groups: int, n_tiles: int, tile_bytes: int, sms: int, max_spli
         splits = -(-n_tiles // per)
         if best is not None and splits == best[1]:
             continue
-        us = launch_us(groups, splits, per, tile_bytes, sms, kv_fp8, ctas_per_sm)
+        us = launch_us(groups, splits, per, tile_bytes, sms, kv_fp8, ctas_per_sm, partial_bytes)
         if best is None or us < SPLIT_GAIN * best[0]:
             best = (us, splits, per)
     return best[1], best[2]
 
 
 def launch_us(groups: int, splits: int, per: int, tile_bytes: int, sms: int, kv_fp8: bool = False,
-              ctas_per_sm: int = E4M3_WAVE_CTAS_PER_SM) -> float:
+              ctas_per_sm: int = E4M3_WAVE_CTAS_PER_SM, partial_bytes: int = E4M3_PARTIAL_BYTES) -> float:
     """Modelled microseconds of a launch of `groups` x `splits` CTAs streaming `per` tiles of
     `tile_bytes` each: the fluid model above (an e4m3 cache's, kv_fp8, with waves of `ctas_per_sm` CTAs
-    an SM: the config's resident_ctas_per_sm), wave by wave, plus the combine of a split launch."""
+    an SM: the config's resident_ctas_per_sm), wave by wave, plus the combine of a split launch (an e4m3
+    cache's, of `partial_bytes` a split and group: the config's `partial_bytes`)."""
     slots = (ctas_per_sm if kv_fp8 else WAVE_CTAS_PER_SM) * sms
     ctas = groups * splits
     us = 0.0
@@ -299,7 +311,8 @@ def launch_us(groups: int, splits: int, per: int, tile_bytes: int, sms: int, kv_
         cta_gbps = min(E4M3_CTA_GBPS, E4M3_SM_GBPS / -(-wave // sms)) if kv_fp8 else CTA_GBPS
         us += per * tile_bytes / 1e3 / min(cta_gbps, HBM_GBPS / wave) + CTA_US
         ctas -= wave
-    combine = COMBINE_US + (E4M3_COMBINE_US_PER_SPLIT * splits if kv_fp8 else 0.0)
+    per_split = E4M3_COMBINE_US_PER_SPLIT * partial_bytes / E4M3_PARTIAL_BYTES
+    combine = COMBINE_US + (per_split * splits if kv_fp8 else 0.0)
     return us + (combine if splits > 1 else 0.0)
 
 
@@ -314,7 +327,7 @@ def split_plan(cfg: DecodeConfig, shape: DecodeShape, sms: int | None = None) ->
     if cfg.splits is None:
         splits, per = choose_splits(groups, n_tiles, cfg.tile_bytes,
                                     sm_count() if sms is None else sms, min(MAX_SPLITS, fits), cfg.kv_fp8,
-                                    cfg.resident_ctas_per_sm)
+                                    cfg.resident_ctas_per_sm, cfg.partial_bytes)
     else:
         per = -(-n_tiles // max(1, min(cfg.splits, n_tiles, fits)))
         splits = -(-n_tiles // per)
@@ -377,7 +390,8 @@ def rank(shape: DecodeShape, configs: Iterable[DecodeConfig], sms: int | None = 
 
     def cost(c: DecodeConfig) -> float:
         splits, per, groups = split_plan(c, shape, sms)
-        return launch_us(groups, splits, per, c.tile_bytes, sms, c.kv_fp8, c.resident_ctas_per_sm)
+        return launch_us(groups, splits, per, c.tile_bytes, sms, c.kv_fp8, c.resident_ctas_per_sm,
+                         c.partial_bytes)
     return sorted(configs, key=cost)
 
 

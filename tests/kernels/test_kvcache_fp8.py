@@ -102,7 +102,23 @@ def test_the_e4m3_split_model_counts_the_ctas_an_sm_runs():
             assert (cfg.tile_m, cfg.resident_ctas_per_sm) == (tile_m, resident)
             splits, per, groups = attention_decode_plan.split_plan(dataclasses.replace(cfg, splits=None), shape, 132)
             assert (splits, per) == attention_decode_plan.choose_splits(
-                groups, -(-4096 // cfg.tile_n), cfg.tile_bytes, 132, attention_decode_plan.MAX_SPLITS, True, resident)
+                groups, -(-4096 // cfg.tile_n), cfg.tile_bytes, 132, attention_decode_plan.MAX_SPLITS, True, resident,
+                cfg.partial_bytes)
+
+
+def test_the_e4m3_combine_is_charged_by_the_partial_sums_it_reads():
+    """The last CTA of a group reads every split's partial rows: the split model charges the combine per split in
+    proportion to a row tile's partial bytes (tile_m x head_dim fp32), so 64-row tiles take fewer splits than
+    16-row ones of the same groups. On an H200 (bench/results/gemm/sweeps/fp8_kv_splits_h200_sweep.json) GQA 64 at
+    B = 4, 8k keys ran 59.5 us on the 22 splits the plan took when it charged 16 rows, 39.8 on 16."""
+    P = attention_decode_plan
+    base = P.launch_us(4, 22, 6, 16384, 132, True, 1)
+    assert P.launch_us(4, 22, 6, 16384, 132, True, 1, 4 * P.E4M3_PARTIAL_BYTES) == pytest.approx(
+        base + 3 * 22 * P.E4M3_COMBINE_US_PER_SPLIT)
+    shape = D.Shape(batch=4, seqlen_kv=8192, heads_q=64, heads_kv=1)
+    cfg = D.kvcache_config_for(shape, None, 132, kv_fp8=True)
+    assert cfg.tile_m == 64 and cfg.partial_bytes == 4 * P.E4M3_PARTIAL_BYTES and cfg.splits < 22
+    assert D.kvcache_config_for(D.Shape(batch=4, seqlen_kv=8192), None, 132, kv_fp8=True).splits == 8  # 16 rows
 
 
 def test_append_reference_quantizes_as_the_kernel_does():
