@@ -158,7 +158,7 @@ def test_the_combine_loads_a_batch_of_splits_before_using_any(tmp_path):
     loop = loop_instructions(sass, "LDG.E.STRONG.GPU")
     first_exp = next(i for i, line in enumerate(loop) if line.startswith("MUFU.EX2"))
     loads = [line for line in loop if line.startswith("LDG.E.STRONG.GPU")]
-    # one batch in the loop, and no other loop or remainder of them anywhere (the unrolled loop had 75)
+    # one batch in the loop, and no other loop or remainder of them anywhere (main's unrolled loop and its remainder: 75)
     assert len(loads) == len(re.findall(r"\bLDG\.E\.STRONG\.GPU\b", sass)) == 5 * COMBINE_BATCH, loop
     assert not any(line.startswith("LDG.E.STRONG.GPU") for line in loop[first_exp:]), loop
 
