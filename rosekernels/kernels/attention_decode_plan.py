@@ -230,11 +230,12 @@ class DecodeConfig(KernelConfig):
     @property
     def resident_ctas_per_sm(self) -> int:
         """CTAs per SM an e4m3 launch of this config runs, which the split model plans its waves for
-        (`launch_us`' ctas_per_sm): min_ctas_per_sm, or two for a bf16 MMA's 32-row tile, which ptxas fits in
-        two CTAs' registers unasked (162-168, CPU survey, 2026-12-06; asked, it spilled the d64 paged variant).
-        The decode kernels' SASS checks hold every compiled variant's registers to this count's budget."""
+        (`launch_us`' ctas_per_sm): min_ctas_per_sm, or two for a bf16 MMA's 32-row d=128 tile, which ptxas fits
+        in two CTAs' registers unasked (167-168, CPU survey, 2026-12-06; d=64's paged variant took 162 or 171
+        as the combine changed, and spilled when asked for two). The decode kernels' SASS checks hold every
+        compiled variant's registers to this count's budget."""
         if self.kv_fp8 and not self.widen_warps and self.num_stages <= 3 and self.tile_m == 32 \
-                and self.mma_dtype == "bf16":
+                and self.mma_dtype == "bf16" and self.head_dim == 128:
             return E4M3_WAVE_CTAS_PER_SM
         return self.min_ctas_per_sm
 

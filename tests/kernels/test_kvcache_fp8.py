@@ -89,7 +89,7 @@ def test_an_e4m3_cache_splits_in_chunks_of_at_most_a_mebibyte():
 
 def test_the_e4m3_split_model_counts_the_ctas_an_sm_runs():
     """The split model plans waves of resident_ctas_per_sm: two for 16-row tiles (built for two) and bf16 MMAs'
-    32-row tiles (ptxas fits them unasked), one for fp16 32-row and all 64-row tiles (GQA 32 and 64), which
+    32-row d=128 tiles (ptxas fits them unasked), one for fp16 32-row and all 64-row tiles (GQA 32 and 64), which
     ptxas gives more registers than two CTAs leave. At 132 groups on 132 SMs a launch of two resident CTAs
     splits in two (one wave of two CTAs an SM), one of a single CTA does not (a second wave)."""
     assert attention_decode_plan.choose_splits(132, 64, 16384, 132, kv_fp8=True) == (2, 32)
