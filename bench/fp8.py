@@ -236,13 +236,13 @@ def _gemm_methods(m: int, n: int, k: int, gated: bool, peers: dict) -> tuple[dic
         steps[f"rosekernels fp8 {scheme}"] = lambda i, s=sets: rosekernels.gemm_fp8(
             *s[i % len(s)][:4], activation=activation, gated=gated, out=s[i % len(s)][4])
         if scheme == "channel" and m > DECODE_MAX_M:
-            # The config the op above plans (a stored entry's or the heuristic's) on each wide tile it takes.
+            # The config the op above plans (a stored entry's or the heuristic's) on each other prefill cluster.
             shape = plan.Fp8GemmShape(m, n, k, scales="rowcol", activation=activation or "none", gated=gated)
             sms = modes.sm_count()
             planned = tuned.tuned_config(gk, shape, plan.config_for(shape, sms), sms)
-            for wide in wide_configs(planned):
-                steps[f"rosekernels fp8 channel {wide.tile_m}x{wide.tile_n}"] = lambda i, s=sets, c=wide: op.run(
-                    *s[i % len(s)][:4], None, s[i % len(s)][4], c)
+            for other in cluster_configs(planned):
+                steps[f"rosekernels fp8 channel {other.cluster_m}x{other.cluster_n} cluster"] = \
+                    lambda i, s=sets, c=other: op.run(*s[i % len(s)][:4], None, s[i % len(s)][4], c)
         if scheme in ("tensor", "channel") and peers.get("scaled_mm") and not gated:
             label = "torch._scaled_mm " + ("per-tensor" if scheme == "tensor" else "rowwise")
             steps[label] = lambda i, s=sets, rowwise=scheme == "channel": peers["scaled_mm"](s[i % len(s)], rowwise)
@@ -256,20 +256,14 @@ def _gemm_methods(m: int, n: int, k: int, gated: bool, peers: dict) -> tuple[dic
     return steps, n * k, errors
 
 
-def wide_configs(planned) -> list:
-    """The planned prefill config (a gemm_fp8_plan.Fp8GemmConfig) on each WIDE_TILES tile it takes and is not
-    on already, the rest of it kept; none for a pingpong plan (one warpgroup a tile: another family)."""
+def cluster_configs(planned) -> list:
+    """The planned prefill config (a gemm_fp8_plan.Fp8GemmConfig) on each other of gemm_fp8_plan.PREFILL_CLUSTERS,
+    the rest of it kept. (The wide tiles these arms replaced ran 0.76-1.03x the 128 x 128 one: no gain,
+    bench/results/gemm/sweeps/fp8_prefill_wide_h100.md.)"""
     from rosekernels.kernels import gemm_fp8_plan as plan
 
-    found = []
-    for tm, tn, pp in plan.WIDE_TILES if not planned.pingpong else ():
-        try:
-            wide = dataclasses.replace(planned, tile_m=tm, tile_n=tn, pingpong=pp)
-        except ValueError:  # a tile this GEMM does not take (gated: whole gate/up pairs)
-            continue
-        if wide != planned:
-            found.append(wide)
-    return found
+    return [dataclasses.replace(planned, cluster_m=cm, cluster_n=cn) for cm, cn in plan.PREFILL_CLUSTERS
+            if (cm, cn) != (planned.cluster_m, planned.cluster_n)]
 
 
 def _scaled_mm_peer() -> Callable[[tuple, bool], Any]:
