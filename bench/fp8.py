@@ -12,8 +12,8 @@ against our bf16 kernels and torch's FP8 GEMM; fp8.json + fp8.md (+ the chart), 
   schemes against the float64 product of its dequantized operands, in units of the bf16 output's own
   rounding error (gemm_fp8.check_out's ratio: the issue's bar is 2).
 - prefill GEMMs (M = 4096, 8192): TFLOP/s, each method's CUDA graph of 5 calls replayed interleaved; our
-  channel scheme also with the config the op plans on each of gemm_fp8_plan.WIDE_TILES, until one is the
-  heuristic or they are dropped.
+  channel scheme also with the config the op plans on each other of gemm_fp8_plan.PREFILL_CLUSTERS (cuBLAS runs
+  the same tile on none), until one is the heuristic or they are dropped.
 - quantize_fp8 and rmsnorm's fused fp8 output (with the residual add): bytes moved against the copy
   bandwidth, rows of 4096 and of the MLP widths, per row and per 1 x 128 group, in CUDA graphs.
 - decode attention over a KV cache, a cache of the query's dtype against e4m3 (attention_with_kvcache), B = 16,

@@ -217,27 +217,18 @@ class DecodeConfig(KernelConfig):
 
     @property
     def min_ctas_per_sm(self) -> int:
-        """CTAs per SM whose registers the launch asks ptxas to leave room for (min_blocks_per_mp). The e4m3
-        plan's waves count E4M3_WAVE_CTAS_PER_SM of them, which the shared memory holds up to 3 stages
-        without widen warps. Left to itself ptxas took more registers than two CTAs leave (register_budget)
-        for fp16 queries and larger row tiles, so one CTA ran per SM and the plan's two splits in two waves
-        (a 170-register build ran 1.54x slower than a 156-register one, H100, 2026-12-06). Asked for two, it fits every 16-row tile without spilling; 32- and
-        64-row tiles spill in some variants (CPU survey, NOTES), so they keep ptxas's own count."""
-        if self.kv_fp8 and not self.widen_warps and self.num_stages <= 3 and self.tile_m == 16:
+        """CTAs per SM the launch asks room for (min_blocks_per_mp, and the whole shared-memory carveout), and
+        the waves the e4m3 split model plans (`launch_us`' ctas_per_sm). Two where the shared memory holds them
+        (up to 3 stages, no widen warps) and ptxas fits them without spilling: every 16-row tile and the 32-row
+        d=128 tiles of bf16 MMAs (168 registers, CPU survey, 2026-12-06). Left to itself ptxas took more than two
+        CTAs leave (register_budget) for fp16 queries, so one CTA ran per SM and the plan's two splits in two waves
+        (a 170-register build ran 1.54x slower than a 156-register one, H100). The other 32- and 64-row tiles
+        keep ptxas's count (asked for two, some spill: d=64's bf16 32-row paged tile 74 spill instructions) and
+        one CTA per SM."""
+        two = self.tile_m == 16 or (self.tile_m == 32 and self.mma_dtype == "bf16" and self.head_dim == 128)
+        if self.kv_fp8 and not self.widen_warps and self.num_stages <= 3 and two:
             return E4M3_WAVE_CTAS_PER_SM
         return 1
-
-    @property
-    def resident_ctas_per_sm(self) -> int:
-        """CTAs per SM an e4m3 launch of this config runs, which the split model plans its waves for
-        (`launch_us`' ctas_per_sm): min_ctas_per_sm, or two for a bf16 MMA's 32-row d=128 tile, which ptxas fits
-        in two CTAs' registers unasked (167-168, CPU survey, 2026-12-06; d=64's paged variant took 162 or 171
-        as the combine changed, and spilled when asked for two). The decode kernels' SASS checks hold every
-        compiled variant's registers to this count's budget."""
-        if self.kv_fp8 and not self.widen_warps and self.num_stages <= 3 and self.tile_m == 32 \
-                and self.mma_dtype == "bf16" and self.head_dim == 128:
-            return E4M3_WAVE_CTAS_PER_SM
-        return self.min_ctas_per_sm
 
     @property
     def partial_bytes(self) -> int:
@@ -302,7 +293,7 @@ def launch_us(groups: int, splits: int, per: int, tile_bytes: int, sms: int, kv_
               ctas_per_sm: int = E4M3_WAVE_CTAS_PER_SM, partial_bytes: int = E4M3_PARTIAL_BYTES) -> float:
     """Modelled microseconds of a launch of `groups` x `splits` CTAs streaming `per` tiles of
     `tile_bytes` each: the fluid model above (an e4m3 cache's, kv_fp8, with waves of `ctas_per_sm` CTAs
-    an SM: the config's resident_ctas_per_sm), wave by wave, plus the combine of a split launch (an e4m3
+    an SM: the config's min_ctas_per_sm), wave by wave, plus the combine of a split launch (an e4m3
     cache's, of `partial_bytes` a split and group: the config's `partial_bytes`)."""
     slots = (ctas_per_sm if kv_fp8 else WAVE_CTAS_PER_SM) * sms
     ctas = groups * splits
@@ -312,7 +303,8 @@ def launch_us(groups: int, splits: int, per: int, tile_bytes: int, sms: int, kv_
         cta_gbps = min(E4M3_CTA_GBPS, E4M3_SM_GBPS / -(-wave // sms)) if kv_fp8 else CTA_GBPS
         us += per * tile_bytes / 1e3 / min(cta_gbps, HBM_GBPS / wave) + CTA_US
         ctas -= wave
-    per_split = E4M3_COMBINE_US_PER_SPLIT * partial_bytes / E4M3_PARTIAL_BYTES
+    # (no less than the fitted 16-row d=128 charge: smaller partials, d=64's, are not measured)
+    per_split = E4M3_COMBINE_US_PER_SPLIT * max(1.0, partial_bytes / E4M3_PARTIAL_BYTES)
     combine = COMBINE_US + (per_split * splits if kv_fp8 else 0.0)
     return us + (combine if splits > 1 else 0.0)
 
@@ -328,7 +320,7 @@ def split_plan(cfg: DecodeConfig, shape: DecodeShape, sms: int | None = None) ->
     if cfg.splits is None:
         splits, per = choose_splits(groups, n_tiles, cfg.tile_bytes,
                                     sm_count() if sms is None else sms, min(MAX_SPLITS, fits), cfg.kv_fp8,
-                                    cfg.resident_ctas_per_sm, cfg.partial_bytes)
+                                    cfg.min_ctas_per_sm, cfg.partial_bytes)
     else:
         per = -(-n_tiles // max(1, min(cfg.splits, n_tiles, fits)))
         splits = -(-n_tiles // per)
@@ -391,7 +383,7 @@ def rank(shape: DecodeShape, configs: Iterable[DecodeConfig], sms: int | None = 
 
     def cost(c: DecodeConfig) -> float:
         splits, per, groups = split_plan(c, shape, sms)
-        return launch_us(groups, splits, per, c.tile_bytes, sms, c.kv_fp8, c.resident_ctas_per_sm,
+        return launch_us(groups, splits, per, c.tile_bytes, sms, c.kv_fp8, c.min_ctas_per_sm,
                          c.partial_bytes)
     return sorted(configs, key=cost)
 

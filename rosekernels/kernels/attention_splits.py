@@ -87,14 +87,16 @@ class SplitRows:
                         for j in cutlass.range_constexpr(4):
                             outs[j, u] = cute.arch.load(mOp.iterator + (row * self.d + col + j), Float32, cop="cg")
                     for u in cutlass.range_constexpr(COMBINE_BATCH):
-                        lse = lses[u] if base + u < num_splits else -Float32.inf
+                        real = base + u < num_splits
+                        lse = lses[u] if real else -Float32.inf
                         new = cute.arch.fmax(mx, lse)
                         new_safe = 0.0 if new == -Float32.inf else new
                         keep = cute.math.exp2((mx - new_safe) * LOG2_E, fastmath=True)
                         w = cute.math.exp2((lse - new_safe) * LOG2_E, fastmath=True)
                         total = total * keep + w
                         for j in cutlass.range_constexpr(4):
-                            acc[j] = acc[j] * keep + w * outs[j, u]
+                            # (a padding slot adds 0, not 0 x the reread row, which may be inf)
+                            acc[j] = acc[j] * keep + w * (outs[j, u] if real else 0.0)
                         mx = new
                 empty = total == 0.0
                 inv = cute.arch.rcp_approx(1.0 if empty else total)

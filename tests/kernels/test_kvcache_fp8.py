@@ -88,8 +88,8 @@ def test_an_e4m3_cache_splits_in_chunks_of_at_most_a_mebibyte():
 
 
 def test_the_e4m3_split_model_counts_the_ctas_an_sm_runs():
-    """The split model plans waves of resident_ctas_per_sm: two for 16-row tiles (built for two) and bf16 MMAs'
-    32-row d=128 tiles (ptxas fits them unasked), one for fp16 32-row and all 64-row tiles (GQA 32 and 64), which
+    """The split model plans waves of min_ctas_per_sm: two for 16-row tiles (built for two) and bf16 MMAs'
+    32-row d=128 tiles (asked, ptxas fits both), one for fp16 32-row and all 64-row tiles (GQA 32 and 64), which
     ptxas gives more registers than two CTAs leave. At 132 groups on 132 SMs a launch of two resident CTAs
     splits in two (one wave of two CTAs an SM), one of a single CTA does not (a second wave)."""
     assert attention_decode_plan.choose_splits(132, 64, 16384, 132, kv_fp8=True) == (2, 32)
@@ -99,7 +99,7 @@ def test_the_e4m3_split_model_counts_the_ctas_an_sm_runs():
         for batch in (2, 16, 64, 132):
             shape = D.Shape(batch=batch, seqlen_kv=4096, heads_q=heads[0], heads_kv=heads[1], dtype=dtype)
             cfg = D.kvcache_config_for(shape, None, 132, kv_fp8=True)
-            assert (cfg.tile_m, cfg.resident_ctas_per_sm) == (tile_m, resident)
+            assert (cfg.tile_m, cfg.min_ctas_per_sm) == (tile_m, resident)
             splits, per, groups = attention_decode_plan.split_plan(dataclasses.replace(cfg, splits=None), shape, 132)
             assert (splits, per) == attention_decode_plan.choose_splits(
                 groups, -(-4096 // cfg.tile_n), cfg.tile_bytes, 132, attention_decode_plan.MAX_SPLITS, True, resident,
@@ -115,6 +115,8 @@ def test_the_e4m3_combine_is_charged_by_the_partial_sums_it_reads():
     base = P.launch_us(4, 22, 6, 16384, 132, True, 1)
     assert P.launch_us(4, 22, 6, 16384, 132, True, 1, 4 * P.E4M3_PARTIAL_BYTES) == pytest.approx(
         base + 3 * 22 * P.E4M3_COMBINE_US_PER_SPLIT)
+    # smaller partials (d = 64's) are charged as the fitted 16-row d = 128 ones: not measured smaller
+    assert P.launch_us(4, 22, 6, 16384, 132, True, 1, P.E4M3_PARTIAL_BYTES // 2) == base
     shape = D.Shape(batch=4, seqlen_kv=8192, heads_q=64, heads_kv=1)
     cfg = D.kvcache_config_for(shape, None, 132, kv_fp8=True)
     assert cfg.tile_m == 64 and cfg.partial_bytes == 4 * P.E4M3_PARTIAL_BYTES and cfg.splits < 22
@@ -184,7 +186,8 @@ def test_append_compiles_to_e4m3_stores(fresh_cache, cfg, tmp_path):
 _ATTENTION = [D.DecodeConfig(128, "bf16", 16, varlen=True, kv_fp8=True),
               D.DecodeConfig(128, "fp16", 16, varlen=True, kv_fp8=True),  # ptxas alone: 169 registers, one CTA an SM
               D.DecodeConfig(128, "bf16", 16, varlen=True, page_rows=16, kv_fp8=True),
-              D.DecodeConfig(128, "bf16", 32, varlen=True, kv_fp8=True),  # two CTAs an SM, unasked
+              D.DecodeConfig(128, "bf16", 32, varlen=True, kv_fp8=True),  # two CTAs an SM
+              D.DecodeConfig(128, "bf16", 32, varlen=True, page_rows=64, kv_fp8=True, num_stages=2),
               D.DecodeConfig(128, "fp16", 64, varlen=True, page_rows=64, kv_fp8=True),
               D.DecodeConfig(64, "bf16", 32, varlen=True, page_rows=16, kv_fp8=True),
               D.DecodeConfig(64, "fp16", 16, varlen=True, kv_fp8=True, num_stages=4),

@@ -122,7 +122,7 @@ def decode_sass(cfg, kernel, tmp_path) -> str:
     assert cubin.arch == "sm_90a", cfg
     # the CTAs per SM its plan counts on fit in the registers
     registers = max(a.words()[1] for a in cubin.nvinfo if a.name == "EIATTR_REGCOUNT")
-    assert registers <= register_budget(cfg.warps, cfg.resident_ctas_per_sm), (cfg, registers)
+    assert registers <= register_budget(cfg.warps, cfg.min_ctas_per_sm), (cfg, registers)
     sass = sass_of(kernel, tmp_path)
     if sass is None:
         pytest.skip("nvdisasm (nvidia-cuda-nvdisasm) is not installed")
