@@ -82,6 +82,25 @@ def cvt_pair(lo: Float32, hi: Float32, to: cutlass.Constexpr, *, loc=None, ip=No
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
+@dsl_user_op
+def byte_perm(a: Int32, b: Int32, selector: cutlass.Constexpr, *, loc=None, ip=None) -> Int32:
+    """prmt.b32: byte i of the result is byte (selector >> 4 i) & 7 of the eight bytes of a (0-3) and b (4-7)."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
+        f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def e4m3x2_to_f16x2(word: Int32, high: cutlass.Constexpr, *, loc=None, ip=None) -> Int32:
+    """The low (or `high`) two e4m3 bytes of `word` as f16x2, the lower byte into the lower half: one conversion,
+    which reads the upper half in place (an extract first, when the DSL's vector conversion does it)."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int32(word).ir_value(loc=loc, ip=ip)],
+        f"{{ .reg .b16 lo, hi; mov.b32 {{lo, hi}}, $1; cvt.rn.f16x2.e4m3x2 $0, {'hi' if high else 'lo'}; }}",
+        "=r,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
 @cute.jit
 def convert_pairs(src: cute.Tensor, dst: cute.Tensor):
     """fp32 registers -> 16-bit registers, same element order, one cvt per pair.

@@ -142,7 +142,8 @@ class DecodeConfig(KernelConfig):
     mode: ClassVar[str] = "decode"
     POLICY_FIELDS = ("splits",)
     # The keys of the dense variants predate these.
-    KEY_DEFAULTS = {"varlen": False, "page_rows": 0, "pdl": True, "kv_fp8": False, "widen_warps": False}
+    KEY_DEFAULTS = {"varlen": False, "page_rows": 0, "pdl": True, "kv_fp8": False, "widen_warps": False,
+                    "widen_regs": False}
 
     head_dim: int  # 64 or 128
     dtype: str  # "bf16" or "fp16"
@@ -163,6 +164,10 @@ class DecodeConfig(KernelConfig):
     # An e4m3 cache widened by WIDEN_WARPS warps of their own, a tile ahead of the MMA warps, instead of by
     # the MMA warps before each tile's MMAs (attention_fp8); the CTA's registers then allow one CTA per SM.
     widen_warps: bool = False
+    # An e4m3 cache whose MMAs are fp16 (16-row tiles) widened by the MMA warps in their registers: each warp
+    # loads its own keys' e4m3 bytes from the ring into its B fragments and converts them there (attention_fp8),
+    # with no widened tile in shared memory, no barrier between the warps and no ldmatrix.
+    widen_regs: bool = False
 
     def validate(self) -> None:
         if self.head_dim not in HEAD_DIMS:
@@ -182,6 +187,8 @@ class DecodeConfig(KernelConfig):
             raise ValueError("an e4m3 KV cache (kv_fp8) is for the KV-cache variants (varlen)")
         if self.widen_warps and not self.kv_fp8:
             raise ValueError("widen_warps widen an e4m3 cache (kv_fp8)")
+        if self.widen_regs and not (self.kv_fp8 and self.mma_dtype == "fp16" and not self.widen_warps):
+            raise ValueError("widen_regs widens an e4m3 cache (kv_fp8) of 16-row tiles (fp16 MMAs) without widen_warps")
 
     @property
     def tile_n(self) -> int:
@@ -226,7 +233,8 @@ class DecodeConfig(KernelConfig):
         keep ptxas's count (asked for two, some spill: d=64's bf16 32-row paged tile 74 spill instructions) and
         one CTA per SM."""
         two = self.tile_m == 16 or (self.tile_m == 32 and self.mma_dtype == "bf16" and self.head_dim == 128)
-        if self.kv_fp8 and not self.widen_warps and self.num_stages <= 3 and two:
+        # widen_regs: the ring is the CTA's only tiles in shared memory, and 6 stages of it leave room for two
+        if self.kv_fp8 and not self.widen_warps and (self.num_stages <= 3 or self.widen_regs) and two:
             return E4M3_WAVE_CTAS_PER_SM
         return 1
 
@@ -358,7 +366,8 @@ def _kvcache(cfg: DecodeConfig, block_size: int | None, kv_fp8: bool = False) ->
     """`cfg`'s KV-cache variant for a contiguous cache (block_size None) or pages of `block_size` rows, of
     the query's dtype or e4m3 (kv_fp8)."""
     page_rows = 0 if block_size is None else page_rows_for(block_size, cfg.tile_n)
-    return dataclasses.replace(cfg, varlen=True, page_rows=page_rows, kv_fp8=kv_fp8)
+    cfg = dataclasses.replace(cfg, varlen=True, page_rows=page_rows, kv_fp8=kv_fp8)
+    return dataclasses.replace(cfg, widen_regs=kv_fp8 and cfg.mma_dtype == "fp16")
 
 
 def candidates(shape: DecodeShape, sms: int | None = None) -> list[DecodeConfig]:

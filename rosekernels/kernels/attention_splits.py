@@ -22,12 +22,13 @@ class SplitRows:
     """The split-KV epilogue's device methods (a mixin of the decode kernel class)."""
 
     @cute.jit
-    def store_rows(self, acc_O, row_max, row_sum, thr_mma, mO, mLSE, mOp, mLSEp, scale_log2, num_splits,
+    def store_rows(self, acc_O, row_max, row_sum, thr_mma, cols, mO, mLSE, mOp, mLSEp, scale_log2, num_splits,
                    lane, head_kv, batch, ratio, rows, row0, part_row):
         """O / sum and the lse of this warp's rows: to out and lse (one split), else to the workspace
-        (fp32 O, natural-log lse) at workspace row part_row + packed row."""
+        (fp32 O, natural-log lse) at workspace row part_row + packed row. `cols`: the (row, column) of each
+        element of a (16, d) accumulator tile (an identity tensor, or one whose columns the kernel permuted)."""
         O = acc_rows(acc_O)
-        tOcO = acc_rows(thr_mma.partition_C(cute.make_identity_tensor((16, self.d))))
+        tOcO = acc_rows(thr_mma.partition_C(cols))
         for r in cutlass.range_constexpr(cute.size(row_max)):
             total = row_sum[r]
             empty = total == 0.0  # the row saw no key: O is 0 there, lse -inf
