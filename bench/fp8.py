@@ -61,7 +61,9 @@ KV_QUERIES = ("bf16", "fp16")
 KV_LENGTHS = ("full", "ragged")  # ragged: each sequence's length uniform in [S/2, S]
 KV_STAGES = DecodeConfig.num_stages  # the ring depth kvcache_config_for keeps
 KV_VARIANTS = {f"e4m3 cache, {2 * KV_STAGES} stages": {"num_stages": 2 * KV_STAGES},
-               f"e4m3 cache, {2 * KV_STAGES} stages, widen warps": {"num_stages": 2 * KV_STAGES, "widen_warps": True}}
+               "e4m3 cache, widened in shared memory": {"widen_regs": False},
+               f"e4m3 cache, {2 * KV_STAGES} stages, widen warps": {"num_stages": 2 * KV_STAGES, "widen_warps": True,
+                                                                    "widen_regs": False}}
 # The targets.
 DECODE_VS_BF16, DECODE_VS_SCALED_MM, DECODE_COPY_PCT, BIG_WEIGHT = 1.7, 1.05, 75.0, 16 << 20
 PREFILL_VS_BF16, PREFILL_VS_SCALED_MM = 1.5, 1.0

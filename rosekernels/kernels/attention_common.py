@@ -101,6 +101,23 @@ def e4m3x2_to_f16x2(word: Int32, high: cutlass.Constexpr, *, loc=None, ip=None) 
         "=r,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
+@dsl_user_op
+def opaque(word: Int32, *, loc=None, ip=None) -> Int32:
+    """`word` through an instruction the compilers cannot see through, so that what made it stays where it was made."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int32(word).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@cute.jit
+def pack_pairs(frag: cute.Tensor):
+    """A 16-bit register fragment's pairs packed once, here: left to themselves the compilers pack each pair where
+    a loop's MMA reads it (every iteration), holding the halves in a register each."""
+    words = cute.recast_tensor(frag, Int32)
+    for i in cutlass.range_constexpr(cute.size(words)):
+        words[i] = opaque(words[i])
+
+
 @cute.jit
 def convert_pairs(src: cute.Tensor, dst: cute.Tensor):
     """fp32 registers -> 16-bit registers, same element order, one cvt per pair.

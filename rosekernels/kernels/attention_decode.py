@@ -52,8 +52,8 @@ import torch
 from rosekernels import jit  # first: it pins CUTE_DSL_ARCH=sm_90a before cutlass loads
 from rosekernels import checks, modes
 from rosekernels.kernels.attention_common import (
-    CUTE_DTYPES, LOG2_E, acc_as_a, acc_rows, check, convert_pairs, fake_qkv_out_lse, quad_max, quad_sum, tma_tiles,
-    warp_mma)
+    CUTE_DTYPES, LOG2_E, acc_as_a, acc_rows, check, convert_pairs, fake_qkv_out_lse, pack_pairs, quad_max, quad_sum,
+    tma_tiles, warp_mma)
 from rosekernels.kernels.attention_fp8 import Fp8KVTiles, pv_cols, qk_cols
 from rosekernels.kernels.attention_splits import SplitRows
 from rosekernels.kernels.attention_decode_plan import (  # noqa: F401 - the plan's names are this kernel's
@@ -270,6 +270,7 @@ class _DecodeAttentionSm90(SplitRows):
         if cutlass.const_expr(self.mma_dtype == self.dtype):
             for i in cutlass.range_constexpr(cute.size(tSrQ)):
                 tSrQ[i] = self.q_element(mQ, tQcQ[i], row0, ratio, rows, batch, head_kv)
+            pack_pairs(tSrQ)
         else:
             scale_log2 = self.load_q_scaled(tSrQ, tQcQ, mQ, row0, ratio, rows, batch, head_kv, scale_log2)
 

@@ -35,7 +35,17 @@ def test_keys_and_plans():
     assert fp8.tile_bytes * 2 == plain.tile_bytes
     with pytest.raises(ValueError, match="KV-cache variants"):
         D.DecodeConfig(128, "bf16", kv_fp8=True)
-    widen = dataclasses.replace(fp8, widen_warps=True)
+    # the plan widens a 16-row e4m3 tile (fp16 MMAs) in registers, a larger one in shared memory
+    assert fp8.widen_regs and "widen_regs=True" in fp8.variant().key() and not plain.widen_regs
+    shared = dataclasses.replace(fp8, widen_regs=False)
+    assert "widen_regs" not in shared.variant().key()
+    assert D.DecodeConfig.from_variant(shared.variant()) == dataclasses.replace(shared, splits=None)
+    rows32 = D.kvcache_config_for(D.Shape(batch=16, seqlen_q=8, seqlen_kv=8192), 16, 132, kv_fp8=True)
+    assert rows32.tile_m == 32 and not rows32.widen_regs
+    for bad in (dict(tile_m=32), dict(widen_warps=True), dict(kv_fp8=False)):
+        with pytest.raises(ValueError, match="widen_regs widens an e4m3 cache"):
+            dataclasses.replace(fp8, **bad)
+    widen = dataclasses.replace(shared, widen_warps=True)
     assert "widen_warps" not in fp8.variant().key() and "widen_warps=True" in widen.variant().key()
     assert D.DecodeConfig.from_variant(widen.variant()) == dataclasses.replace(widen, splits=None)
     with pytest.raises(ValueError, match="widen_warps widen an e4m3 cache"):
@@ -228,6 +238,34 @@ def test_widen_warps_hand_tiles_to_the_mma_warps(fresh_cache, cfg, tmp_path):
     assert released and min(released) > max(at(widen, "LDS.")), widen
 
 
+_WIDEN_REGS = [D.DecodeConfig(128, "bf16", 16, varlen=True, kv_fp8=True, widen_regs=True),
+               D.DecodeConfig(128, "fp16", 16, varlen=True, page_rows=16, kv_fp8=True, widen_regs=True, num_stages=6),
+               D.DecodeConfig(64, "bf16", 16, varlen=True, page_rows=32, kv_fp8=True, widen_regs=True)]
+
+
+@pytest.mark.parametrize("cfg", _WIDEN_REGS, ids=lambda c: c.variant().key())
+def test_widen_regs_loads_the_fragments_straight_from_the_ring(fresh_cache, cfg, tmp_path):
+    """widen_regs: in the mainloop each MMA warp loads its keys' e4m3 bytes from the ring, 8 or 16 at a time (the
+    permuted columns put a thread's bytes of a key together), hands the stage back after its last load and
+    before the tile's softmax, and widens in registers: one conversion a fragment register, one byte permute
+    for two of V's; no ldmatrix, shared-memory store or barrier of the MMA warps per tile."""
+    sass = decode_sass(cfg, D.compile(cfg), tmp_path)
+    lines = loop_instructions(sass, "HMMA")
+    ops = [line.split()[0] for line in lines]
+    keys = cfg.tile_n // cfg.key_slices  # a warp's
+    per_thread = 2 * keys * cfg.head_dim // 32  # e4m3 bytes of K and V a thread widens each tile
+    widths = {"LDS.128": 16, "LDS.64": 8}
+    assert {o for o in ops if o.startswith("LDS")} <= set(widths), ops
+    assert sum(widths.get(o, 0) for o in ops) == per_thread
+    assert ops.count("F2FP.F16.E4M3.UNPACK_B") == per_thread // 2
+    assert ops.count("PRMT") == per_thread // 8  # V's half: a permute per two registers
+    assert not [o for o in ops if o.startswith(("LDSM", "STS", "BAR.SYNC"))], ops
+    assert ops.count("HMMA.16816.F32") == keys // 8 * cfg.head_dim // 16 + cfg.head_dim // 8 * keys // 16
+    released = [i for i, o in enumerate(ops) if o.startswith("SYNCS.ARRIVE")]
+    loads = [i for i, o in enumerate(ops) if o.startswith("LDS")]
+    assert len(released) == 1 and max(loads) < released[0] < ops.index("MUFU.EX2"), lines  # before the softmax
+
+
 @pytest.mark.parametrize("cfg", _ATTENTION, ids=lambda c: c.variant().key())
 def test_attention_compiles_with_the_widening(fresh_cache, cfg, tmp_path):
     """TMA loads e4m3 tiles (one box per page slice; a row of d bytes: one swizzle atom wide at d = 128),
@@ -330,19 +368,21 @@ def test_append_writes_the_reference_bytes(paged, per_head):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fields", [{}, {"num_stages": 6, "splits": 1}, {"widen_warps": True},
-                                    {"widen_warps": True, "splits": 1},
-                                    {"widen_warps": True, "num_stages": 6, "splits": 1}],
-                         ids=["planned", "6-stages-1-split", "widen-warps", "widen-warps-1-split",
-                              "widen-warps-6-stages-1-split"])
+@pytest.mark.parametrize("fields", [{}, {"num_stages": 6, "splits": 1}, {"widen_regs": False},
+                                    {"widen_regs": False, "splits": 1},
+                                    {"widen_warps": True, "widen_regs": False},
+                                    {"widen_warps": True, "widen_regs": False, "splits": 1},
+                                    {"widen_warps": True, "widen_regs": False, "num_stages": 6, "splits": 1}],
+                         ids=["planned", "6-stages-1-split", "shared-widening", "shared-widening-1-split", "widen-warps",
+                              "widen-warps-1-split", "widen-warps-6-stages-1-split"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_attention_matches_the_dequantized_reference(d, dtype, paged, fields):
     """B = 5 with lengths 0, 1 and the full cache among random ones, S_q 1 and 4, GQA 4, causal and not,
     per-tensor and per-head descales; the cache rows past each length NaN (e4m3 0x7f): they must not
-    reach the output. Through the op, and the variants the plan does not take (a 6-stage ring, widen
-    warps) into NaN-filled outputs; one split, so that a CTA runs up to 11 tiles (the rings wrap, the
+    reach the output. Through the op (16-row tiles: widened in registers), and the variants the plan does not
+    take (a 6-stage ring, the widening in shared memory, widen warps) into NaN-filled outputs; one split, so that a CTA runs up to 11 tiles (the rings wrap, the
     widened tiles go round, the hand-backs are waited for; the plan's 10 groups get 1-2 tiles a split)."""
     g = torch.Generator().manual_seed(d + paged)
     scale = 1.0 / math.sqrt(d)
