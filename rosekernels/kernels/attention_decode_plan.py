@@ -225,14 +225,14 @@ class DecodeConfig(KernelConfig):
     @property
     def min_ctas_per_sm(self) -> int:
         """CTAs per SM the launch asks room for (min_blocks_per_mp, and the whole shared-memory carveout), and
-        the waves the e4m3 split model plans (`launch_us`' ctas_per_sm). Two where the shared memory holds them
-        (up to 3 stages, no widen warps) and ptxas fits them without spilling: every 16-row tile and the 32-row
-        d=128 tiles of bf16 MMAs (168 registers, CPU survey, 2026-12-06). Left to itself ptxas took more than two
-        CTAs leave (register_budget) for fp16 queries, so one CTA ran per SM and the plan's two splits in two waves
-        (a 170-register build ran 1.54x slower than a 156-register one, H100). The other 32- and 64-row tiles
-        keep ptxas's count (asked for two, some spill: d=64's bf16 32-row paged tile 74 spill instructions) and
-        one CTA per SM."""
-        two = self.tile_m == 16 or (self.tile_m == 32 and self.mma_dtype == "bf16" and self.head_dim == 128)
+        the waves the e4m3 split model plans (`launch_us`' ctas_per_sm). Two for 16-row tiles where the shared memory
+        holds them (up to 3 stages, no widen warps; widened in registers, 6) and ptxas fits them without spilling.
+        Left to itself ptxas took more than two CTAs leave (register_budget) for fp16 queries, so one CTA ran per SM
+        and the plan's two splits in two waves (a 170-register build ran 1.54x slower than a 156-register one,
+        H100). The 32- and 64-row tiles keep ptxas's count and one CTA per SM: asked for two, some spill (d=64's
+        bf16 32-row paged tile 74 spill instructions), and the bf16 32-row d=128 tiles, which fit two at 168
+        registers, ran 2-15% slower at every split count (GQA 40/2 and 32/1, B 4-64, 8k; H100, 2026-12-06)."""
+        two = self.tile_m == 16
         # widen_regs: the ring is the CTA's only tiles in shared memory, and 6 stages of it leave room for two
         if self.kv_fp8 and not self.widen_warps and (self.num_stages <= 3 or self.widen_regs) and two:
             return E4M3_WAVE_CTAS_PER_SM
