@@ -63,6 +63,10 @@ WAVE_CTAS_PER_SM = 1
 # E4M3_SM_GBPS for the two. H100, B = 16, Qwen3-8B heads, S_kv 8k and 32k, 1-4 splits (ninth session of
 # 2026-12-05): one CTA per SM streamed 15.1 GB/s, two 10.3 GB/s each; two splits ran 1.34x / 1.42x one
 # (1.69x / 1.79x the bf16 cache), four 1.23x / 1.39x, three 1.00x / 1.24x (a second, partial wave).
+# The 16-row tiles widened in registers (widen_regs) stream about 31 GB/s a CTA, and the H100 runs them at its
+# copy rate from B = 16 on, whatever the split; with these constants the picks are 1.035 / 1.011 / 1.012 of the
+# best on average (worst 1.059) there (H100, B 4-64, 8k and 32k: bench/results/gemm/sweeps/fp8_kv_regs_h100_sweep),
+# which no refit of them improved. Not measured on an H200.
 E4M3_CTA_GBPS = 15.0
 E4M3_SM_GBPS = 20.5
 E4M3_WAVE_CTAS_PER_SM = 2
