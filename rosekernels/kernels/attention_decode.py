@@ -16,7 +16,8 @@ whole story; the design spreads that read over every SM:
   shared-memory buffers (one mbarrier pair per stage). Four MMA warps each take 16 rows and a
   slice of the tile's keys (tile_m 16: each warp 1/4 of the keys; 32: 1/2; 64: all of them):
   S = Q K^T and O += P V with warp-level mma.sync m16n8k16 (fp32 accumulate; Q stays in
-  registers, K and V come in with ldmatrix), online softmax in registers (exp2, scale folded in).
+  registers, K and V come in with ldmatrix, or an e4m3 cache's straight from the ring: attention_fp8),
+  online softmax in registers (exp2, scale folded in).
 - Epilogue: warps holding the same rows merge their (max, sum, O) through shared memory in warp
   order. With one split the CTA writes out and lse; otherwise it writes its normalized fp32
   partial O and its partial lse to a workspace and bumps a per-(batch, KV head, m-block) counter:
@@ -31,8 +32,7 @@ block table, each sequence's key count read on the device after the PDL wait. A 
 tiles that hold keys of its sequence (none past its end: it still writes a neutral partial, lse -inf,
 which the combine weighs 0); a paged tile is loaded as boxes of page_rows rows, each inside one page
 (the page a TMA coordinate; a tile's table entries are read while the previous tile loads); the last
-tile's V rows past the length are zeroed in shared memory before P V (P is 0 there, but the cache
-may hold NaN).
+tile's V rows past the length are zeroed before P V (P is 0 there, but the cache may hold NaN).
 
 Configs, the split-count model (`choose_splits`), the tuner's search space and the warm-up set are
 in attention_decode_plan.py (re-exported here). This module holds the device code, `compile(config)`
@@ -230,7 +230,7 @@ class _DecodeAttentionSm90(SplitRows):
             ratio, rows, seqlen_k, t_begin, n_local, mTable=None, block_size=None, num_blocks=None, fp8=None):
         """The MMA warps' work (the KV-cache kernel passes its block table, page size and page count
         when paged; with an e4m3 cache, fp8 = (its K ring, V ring, v_descale): sK and sV are the widened
-        tiles, attention_fp8)."""
+        tiles, or with widen_regs the ring itself, attention_fp8)."""
         lane = tidx % 32
         rb = warp_idx // self.ks  # this warp's 16-row block
         ks = warp_idx - rb * self.ks  # and its slice of each tile's keys
@@ -385,7 +385,7 @@ class _DecodeAttentionSm90(SplitRows):
                     cute.gemm(tiled_mma, acc_O, tP[None, None, kb], rV[None, None, kb], acc_O)
             else:
                 warp_mma(tiled_mma, acc_O, acc_as_a(rP), tOrV, tOsV[None, None, None, stage], copy_V)
-            if cutlass.const_expr(fp8 is None):  # (an e4m3 tile's stage went back after its widening)
+            if cutlass.const_expr(fp8 is None):  # (an e4m3 tile's stage went back once widened or loaded)
                 pipe.consumer_release(state)
                 state.advance()
             elif cutlass.const_expr(self.cfg.widen_warps):
@@ -544,7 +544,7 @@ class _KVCacheDecodeSm90(_DecodeAttentionSm90, Fp8KVTiles):
     page: both load page 0 instead (memory of the cache, whatever the table holds) and their keys
     are masked.
 
-    e4m3 caches (`kv_fp8`): the tiles are widened in shared memory (attention_fp8), the scores scaled by
+    e4m3 caches (`kv_fp8`): the tiles are widened in registers or shared memory (attention_fp8), the scores scaled by
     k_descale, the output by v_descale (fp32 [Hkv]; one value for every head: a stride-0 view)."""
 
     @cute.jit
@@ -556,9 +556,7 @@ class _KVCacheDecodeSm90(_DecodeAttentionSm90, Fp8KVTiles):
         mK, mV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (k, v)]
         sKV_layout = ring_layout = self._smem_layout()  # the tiles the MMAs read, the ring TMA fills
         if cutlass.const_expr(self.cfg.kv_fp8):
-            sKV_layout, ring_layout = self._fp8_layouts()
-            if cutlass.const_expr(self.cfg.widen_regs):
-                sKV_layout = ring_layout
+            sKV_layout, ring_layout = self._fp8_layouts()  # (widen_regs: the ring alone)
         tile_layout = cute.select(ring_layout, mode=[0, 1])
         box = (self.tile_n, self.d)
         box_layout = tile_layout

@@ -13,8 +13,9 @@ The KV-cache variants (rosekernels.attention_with_kvcache) are the same kernel w
 compile-time fields: `varlen` (each sequence's key count is read from device memory) and
 `page_rows` (a paged cache: each K/V tile is loaded as tile_n / page_rows boxes of page_rows rows,
 each inside one page; 0: a contiguous cache), and `kv_fp8` (an e4m3 cache: each tile widened to the
-query's dtype in shared memory, the scores and the output times the descales), with `widen_warps` by
-warps of their own instead of the MMA warps. All of them are left out of the variant key at their
+MMAs' dtype, the scores and the output times the descales): 16-row tiles in the MMA warps' registers
+(`widen_regs`, the plan's), else in shared memory by the MMA warps or, with `widen_warps`, by warps of their
+own. All of them are left out of the variant key at their
 defaults, so the keys of the dense variants are unchanged.
 """
 from __future__ import annotations
@@ -191,7 +192,7 @@ class DecodeConfig(KernelConfig):
             raise ValueError("an e4m3 KV cache (kv_fp8) is for the KV-cache variants (varlen)")
         if self.widen_warps and not self.kv_fp8:
             raise ValueError("widen_warps widen an e4m3 cache (kv_fp8)")
-        if self.widen_regs and not (self.kv_fp8 and self.mma_dtype == "fp16" and not self.widen_warps):
+        if self.widen_regs and not (self.kv_fp8 and self.tile_m == 16 and not self.widen_warps):
             raise ValueError("widen_regs widens an e4m3 cache (kv_fp8) of 16-row tiles (fp16 MMAs) without widen_warps")
 
     @property
@@ -371,7 +372,7 @@ def _kvcache(cfg: DecodeConfig, block_size: int | None, kv_fp8: bool = False) ->
     the query's dtype or e4m3 (kv_fp8)."""
     page_rows = 0 if block_size is None else page_rows_for(block_size, cfg.tile_n)
     cfg = dataclasses.replace(cfg, varlen=True, page_rows=page_rows, kv_fp8=kv_fp8)
-    return dataclasses.replace(cfg, widen_regs=kv_fp8 and cfg.mma_dtype == "fp16")
+    return dataclasses.replace(cfg, widen_regs=kv_fp8 and cfg.tile_m == 16)
 
 
 def candidates(shape: DecodeShape, sms: int | None = None) -> list[DecodeConfig]:

@@ -1,13 +1,13 @@
 """Device code of the split-KV decode kernel's e4m3 KV cache (attention_decode's KV-cache variants with
 `kv_fp8`); the kernel class inherits these methods and calls them only for such configs.
 
-The producer's TMA fills a ring of e4m3 K and V tiles (half the bytes of a bf16 cache: what decode
-attention is bound by). Each tile is widened into one of two fp16 tiles in shared memory (e4m3 values
-are exact in fp16, one conversion a pair), V's rows past the sequence's end as zeros (the cache may hold
-NaN there), then the fp16 mainloop runs on it: ldmatrix and mma.sync as for an fp16 cache, a bf16 query
-scaled into fp16 by a power of two (attention_decode's `load_q_scaled`). The ring stage goes back to the
-producer as soon as it is widened (kept through the MMAs, a stage of half a bf16 tile's bytes would sit
-out of flight). Who widens:
+The producer's TMA fills a ring of e4m3 K and V tiles (half the bytes of a bf16 cache: what decode attention is
+bound by). 16-row tiles are widened in registers (`widen_regs`, below). Otherwise each tile is widened into one of
+two fp16 tiles in shared memory (e4m3 values are exact in fp16, one conversion a pair), V's rows past the
+sequence's end as zeros (the cache may hold NaN there), then the fp16 mainloop runs on it: ldmatrix and mma.sync as
+for an fp16 cache, a bf16 query scaled into fp16 by a power of two (attention_decode's `load_q_scaled`). The ring
+stage goes back to the producer as soon as it is widened (kept through the MMAs, a stage of half a bf16 tile's
+bytes would sit out of flight). Who widens:
 
 - the MMA warps, together, before each tile's MMAs (`widen`): one barrier of theirs per tile separates
   the widening from the MMAs; the two tiles alternate, so the next widening never overwrites a tile a
@@ -66,16 +66,21 @@ class Fp8KVTiles:
 
     def _fp8_layouts(self):
         """(tiles, ring): shared-memory layouts of the two widened tiles (fp16) and of the TMA
-        ring of e4m3 tiles, (tile_n, d, buffers or stages)."""
+        ring of e4m3 tiles, (tile_n, d, buffers or stages); widen_regs: (ring, ring), no widened tiles."""
         e4m3 = cutlass.Float8E4M3FN
         atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, e4m3, self.d),
                                                e4m3)
         ring = cute.tile_to_shape(atom, (self.tile_n, self.d, self.stages), order=(0, 1, 2))
+        if cutlass.const_expr(self.cfg.widen_regs):
+            return ring, ring
         return self._smem_layout(buffers=2), ring
 
     @cute.jit  # traced like __call__: the struct's annotations are evaluated there
     def _set_fp8_storage(self, tiles_layout, ring_layout):
         if cutlass.const_expr(self.cfg.widen_regs):  # the ring alone (sK, sV: the merge reuses them as scratch)
+            # The key slices' merge writes (ks - 1) x tile_m rows of d + 8 fp32 from sK on, into sV past it.
+            scratch = (self.ks - 1) * self.tile_m * self.scratch_stride * 4
+            assert scratch <= 2 * cute.cosize(ring_layout), (scratch, cute.cosize(ring_layout))
             self._set_storage(ring_layout, cutlass.Float8E4M3FN)
             return
 

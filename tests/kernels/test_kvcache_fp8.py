@@ -42,6 +42,8 @@ def test_keys_and_plans():
     assert D.DecodeConfig.from_variant(shared.variant()) == dataclasses.replace(shared, splits=None)
     rows32 = D.kvcache_config_for(D.Shape(batch=16, seqlen_q=8, seqlen_kv=8192), 16, 132, kv_fp8=True)
     assert rows32.tile_m == 32 and not rows32.widen_regs
+    fp16_rows32 = D.kvcache_config_for(D.Shape(batch=16, seqlen_q=8, seqlen_kv=8192, dtype="fp16"), 16, 132, kv_fp8=True)
+    assert fp16_rows32.mma_dtype == "fp16" and not fp16_rows32.widen_regs  # fp16 MMAs, but not 16 rows
     for bad in (dict(tile_m=32), dict(widen_warps=True), dict(kv_fp8=False)):
         with pytest.raises(ValueError, match="widen_regs widens an e4m3 cache"):
             dataclasses.replace(fp8, **bad)
@@ -368,22 +370,23 @@ def test_append_writes_the_reference_bytes(paged, per_head):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fields", [{}, {"num_stages": 6, "splits": 1}, {"widen_regs": False},
+@pytest.mark.parametrize("fields", [{}, {"splits": 1}, {"num_stages": 6, "splits": 1}, {"widen_regs": False},
                                     {"widen_regs": False, "splits": 1},
                                     {"widen_warps": True, "widen_regs": False},
                                     {"widen_warps": True, "widen_regs": False, "splits": 1},
                                     {"widen_warps": True, "widen_regs": False, "num_stages": 6, "splits": 1}],
-                         ids=["planned", "6-stages-1-split", "shared-widening", "shared-widening-1-split", "widen-warps",
+                         ids=["planned", "1-split", "6-stages-1-split", "shared-widening", "shared-widening-1-split", "widen-warps",
                               "widen-warps-1-split", "widen-warps-6-stages-1-split"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_attention_matches_the_dequantized_reference(d, dtype, paged, fields):
-    """B = 5 with lengths 0, 1 and the full cache among random ones, S_q 1 and 4, GQA 4, causal and not,
-    per-tensor and per-head descales; the cache rows past each length NaN (e4m3 0x7f): they must not
-    reach the output. Through the op (16-row tiles: widened in registers), and the variants the plan does not
-    take (a 6-stage ring, the widening in shared memory, widen warps) into NaN-filled outputs; one split, so that a CTA runs up to 11 tiles (the rings wrap, the
-    widened tiles go round, the hand-backs are waited for; the plan's 10 groups get 1-2 tiles a split)."""
+    """B = 5 with lengths 0, 1 and the full cache among random ones, S_q 1 and 4 (causal), S_q 1 at GQA 8 (not),
+    per-tensor and per-head descales; the cache rows past each length NaN (e4m3 0x7f): they must not reach the
+    output. Through the op (16-row tiles: widened in registers), and into NaN-filled outputs on one split (so
+    that a CTA runs up to 11 tiles: the rings wrap, the widened tiles go round, the hand-backs are waited for;
+    the plan's 10 groups get 1-2 tiles a split) and on the variants the plan does not take (a 6-stage ring, the
+    widening in shared memory, widen warps)."""
     g = torch.Generator().manual_seed(d + paged)
     scale = 1.0 / math.sqrt(d)
     for i, (s_q, per_head) in enumerate(((1, False), (4, True), (1, True))):
@@ -401,15 +404,16 @@ def test_attention_matches_the_dequantized_reference(d, dtype, paged, fields):
         if paged:
             k_q, v_q, table = paged_cache(k_q.view(torch.uint8), v_q.view(torch.uint8), lengths.cpu(), 16, 3, g)
             k_q, v_q = k_q.view(E4M3), v_q.view(E4M3)
-        q = torch.randn(5, s_q, 8, d, generator=g).to(dtype).cuda()
-        causal = i % 2 == 0
+        heads = 16 if i == 2 else 8  # GQA 8 in the last case, 4 in the others
+        q = torch.randn(5, s_q, heads, d, generator=g).to(dtype).cuda()
+        causal = i < 2
         if not fields:
             out, lse = rosekernels.attention_with_kvcache(q, k_q, v_q, lengths, table, softmax_scale=scale,
                                                           causal=causal, return_lse=True, k_descale=k_descale,
                                                           v_descale=v_descale)
         else:
             out = torch.full_like(q, math.nan)
-            lse = torch.full((5, 8, s_q), math.nan, device="cuda")
+            lse = torch.full((5, heads, s_q), math.nan, device="cuda")
             plan = plan_kvcache(q, k_q, v_q, out, lengths, table, causal, scale, **fields)
             assert all(getattr(plan.cfg, f) == v for f, v in fields.items())
             plan.launch(q, k_q, v_q, out, lse, lengths, table, k_descale, v_descale)
