@@ -12,8 +12,8 @@ against our bf16 kernels and torch's FP8 GEMM; fp8.json + fp8.md (+ the chart), 
   schemes against the float64 product of its dequantized operands, in units of the bf16 output's own
   rounding error (gemm_fp8.check_out's ratio: the issue's bar is 2).
 - prefill GEMMs (M = 4096, 8192): TFLOP/s, each method's CUDA graph of 5 calls replayed interleaved; our
-  channel scheme also with the config the op plans on each of gemm_fp8_plan.WIDE_TILES, until one is the
-  heuristic or they are dropped.
+  channel scheme also with the config the op plans on each other of gemm_fp8_plan.PREFILL_CLUSTERS (cuBLAS runs
+  the same tile on none), until one is the heuristic or they are dropped.
 - quantize_fp8 and rmsnorm's fused fp8 output (with the residual add): bytes moved against the copy
   bandwidth, rows of 4096 and of the MLP widths, per row and per 1 x 128 group, in CUDA graphs.
 - decode attention over a KV cache, a cache of the query's dtype against e4m3 (attention_with_kvcache), B = 16,
@@ -61,7 +61,9 @@ KV_QUERIES = ("bf16", "fp16")
 KV_LENGTHS = ("full", "ragged")  # ragged: each sequence's length uniform in [S/2, S]
 KV_STAGES = DecodeConfig.num_stages  # the ring depth kvcache_config_for keeps
 KV_VARIANTS = {f"e4m3 cache, {2 * KV_STAGES} stages": {"num_stages": 2 * KV_STAGES},
-               f"e4m3 cache, {2 * KV_STAGES} stages, widen warps": {"num_stages": 2 * KV_STAGES, "widen_warps": True}}
+               "e4m3 cache, widened in shared memory": {"widen_regs": False},
+               f"e4m3 cache, {2 * KV_STAGES} stages, widen warps": {"num_stages": 2 * KV_STAGES, "widen_warps": True,
+                                                                    "widen_regs": False}}
 # The issue's targets.
 DECODE_VS_BF16, DECODE_VS_SCALED_MM, DECODE_COPY_PCT, BIG_WEIGHT = 1.7, 1.05, 75.0, 16 << 20
 PREFILL_VS_BF16, PREFILL_VS_SCALED_MM = 1.5, 1.0
@@ -236,13 +238,13 @@ def _gemm_methods(m: int, n: int, k: int, gated: bool, peers: dict) -> tuple[dic
         steps[f"rosekernels fp8 {scheme}"] = lambda i, s=sets: rosekernels.gemm_fp8(
             *s[i % len(s)][:4], activation=activation, gated=gated, out=s[i % len(s)][4])
         if scheme == "channel" and m > DECODE_MAX_M:
-            # The config the op above plans (a stored entry's or the heuristic's) on each wide tile it takes.
+            # The config the op above plans (a stored entry's or the heuristic's) on each other prefill cluster.
             shape = plan.Fp8GemmShape(m, n, k, scales="rowcol", activation=activation or "none", gated=gated)
             sms = modes.sm_count()
             planned = tuned.tuned_config(gk, shape, plan.config_for(shape, sms), sms)
-            for wide in wide_configs(planned):
-                steps[f"rosekernels fp8 channel {wide.tile_m}x{wide.tile_n}"] = lambda i, s=sets, c=wide: op.run(
-                    *s[i % len(s)][:4], None, s[i % len(s)][4], c)
+            for other in cluster_configs(planned):
+                steps[f"rosekernels fp8 channel {other.cluster_m}x{other.cluster_n} cluster"] = \
+                    lambda i, s=sets, c=other: op.run(*s[i % len(s)][:4], None, s[i % len(s)][4], c)
         if scheme in ("tensor", "channel") and peers.get("scaled_mm") and not gated:
             label = "torch._scaled_mm " + ("per-tensor" if scheme == "tensor" else "rowwise")
             steps[label] = lambda i, s=sets, rowwise=scheme == "channel": peers["scaled_mm"](s[i % len(s)], rowwise)
@@ -256,20 +258,14 @@ def _gemm_methods(m: int, n: int, k: int, gated: bool, peers: dict) -> tuple[dic
     return steps, n * k, errors
 
 
-def wide_configs(planned) -> list:
-    """The planned prefill config (a gemm_fp8_plan.Fp8GemmConfig) on each WIDE_TILES tile it takes and is not
-    on already, the rest of it kept; none for a pingpong plan (one warpgroup a tile: another family)."""
+def cluster_configs(planned) -> list:
+    """The planned prefill config (a gemm_fp8_plan.Fp8GemmConfig) on each other of gemm_fp8_plan.PREFILL_CLUSTERS,
+    the rest of it kept. (The wide tiles these arms replaced ran 0.76-1.03x the 128 x 128 one: no gain,
+    bench/results/gemm/sweeps/fp8_prefill_wide_h100.md.)"""
     from rosekernels.kernels import gemm_fp8_plan as plan
 
-    found = []
-    for tm, tn, pp in plan.WIDE_TILES if not planned.pingpong else ():
-        try:
-            wide = dataclasses.replace(planned, tile_m=tm, tile_n=tn, pingpong=pp)
-        except ValueError:  # a tile this GEMM does not take (gated: whole gate/up pairs)
-            continue
-        if wide != planned:
-            found.append(wide)
-    return found
+    return [dataclasses.replace(planned, cluster_m=cm, cluster_n=cn) for cm, cn in plan.PREFILL_CLUSTERS
+            if (cm, cn) != (planned.cluster_m, planned.cluster_n)]
 
 
 def _scaled_mm_peer() -> Callable[[tuple, bool], Any]:

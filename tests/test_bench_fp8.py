@@ -78,18 +78,16 @@ def test_markdown_names_what_did_not_run():
     assert lines[i].count("| nan |") == 1 and "| - |" in lines[i]  # a NaN time shown, a missing one a dash
 
 
-def test_wide_configs_keep_the_planned_config_but_its_tile():
+def test_cluster_configs_keep_the_planned_config_but_its_cluster():
     from rosekernels.kernels import gemm_fp8_plan as plan
 
     shape = plan.Fp8GemmShape(4096, 4096, 4096)
     planned = dataclasses.replace(plan.config_for(shape, 132), stagger=True, raster_group=2)
-    wide = bench.wide_configs(planned)
-    assert [(c.tile_m, c.tile_n) for c in wide] == [(128, 160), (128, 176)]
-    assert all(dataclasses.replace(c, tile_n=128) == planned for c in wide)
-    gated = plan.config_for(dataclasses.replace(shape, gated=True, activation="silu"), 132)
-    assert [c.tile_n for c in bench.wide_configs(gated)] == [160]  # 176 holds no whole gate/up pairs
-    pingpong = next(c for c in plan.candidates(shape, 132) if c.pingpong)
-    assert bench.wide_configs(pingpong) == [] and bench.wide_configs(wide[0]) == [wide[1]]
+    others = bench.cluster_configs(planned)
+    assert (planned.cluster_m, planned.cluster_n) == (2, 1)
+    assert [(c.cluster_m, c.cluster_n) for c in others] == [(1, 1), (1, 2)]
+    assert all(dataclasses.replace(c, cluster_m=2, cluster_n=1) == planned for c in others)
+    assert [(c.cluster_m, c.cluster_n) for c in bench.cluster_configs(others[0])] == [(2, 1), (1, 2)]
 
 
 def test_markdown_states_the_end_to_end_arms():

@@ -82,6 +82,42 @@ def cvt_pair(lo: Float32, hi: Float32, to: cutlass.Constexpr, *, loc=None, ip=No
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
+@dsl_user_op
+def byte_perm(a: Int32, b: Int32, selector: cutlass.Constexpr, *, loc=None, ip=None) -> Int32:
+    """prmt.b32: byte i of the result is byte (selector >> 4 i) & 7 of the eight bytes of a (0-3) and b (4-7)."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
+        f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def e4m3x2_to_f16x2(word: Int32, high: cutlass.Constexpr, *, loc=None, ip=None) -> Int32:
+    """The low (or `high`) two e4m3 bytes of `word` as f16x2, the lower byte into the lower half: one conversion,
+    which reads the upper half in place (an extract first, when the DSL's vector conversion does it)."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int32(word).ir_value(loc=loc, ip=ip)],
+        f"{{ .reg .b16 lo, hi; mov.b32 {{lo, hi}}, $1; cvt.rn.f16x2.e4m3x2 $0, {'hi' if high else 'lo'}; }}",
+        "=r,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def opaque(word: Int32, *, loc=None, ip=None) -> Int32:
+    """`word` through an instruction the compilers cannot see through, so that what made it stays where it was made."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int32(word).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@cute.jit
+def pack_pairs(frag: cute.Tensor):
+    """A 16-bit register fragment's pairs packed once, here: left to themselves the compilers pack each pair where
+    a loop's MMA reads it (every iteration), holding the halves in a register each."""
+    words = cute.recast_tensor(frag, Int32)
+    for i in cutlass.range_constexpr(cute.size(words)):
+        words[i] = opaque(words[i])
+
+
 @cute.jit
 def convert_pairs(src: cute.Tensor, dst: cute.Tensor):
     """fp32 registers -> 16-bit registers, same element order, one cvt per pair.

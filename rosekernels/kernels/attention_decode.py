@@ -16,7 +16,8 @@ whole story; the design spreads that read over every SM:
   shared-memory buffers (one mbarrier pair per stage). Four MMA warps each take 16 rows and a
   slice of the tile's keys (tile_m 16: each warp 1/4 of the keys; 32: 1/2; 64: all of them):
   S = Q K^T and O += P V with warp-level mma.sync m16n8k16 (fp32 accumulate; Q stays in
-  registers, K and V come in with ldmatrix), online softmax in registers (exp2, scale folded in).
+  registers, K and V come in with ldmatrix, or an e4m3 cache's straight from the ring: attention_fp8),
+  online softmax in registers (exp2, scale folded in).
 - Epilogue: warps holding the same rows merge their (max, sum, O) through shared memory in warp
   order. With one split the CTA writes out and lse; otherwise it writes its normalized fp32
   partial O and its partial lse to a workspace and bumps a per-(batch, KV head, m-block) counter:
@@ -31,8 +32,7 @@ block table, each sequence's key count read on the device after the PDL wait. A 
 tiles that hold keys of its sequence (none past its end: it still writes a neutral partial, lse -inf,
 which the combine weighs 0); a paged tile is loaded as boxes of page_rows rows, each inside one page
 (the page a TMA coordinate; a tile's table entries are read while the previous tile loads); the last
-tile's V rows past the length are zeroed in shared memory before P V (P is 0 there, but the cache
-may hold NaN).
+tile's V rows past the length are zeroed before P V (P is 0 there, but the cache may hold NaN).
 
 Configs, the split-count model (`choose_splits`), the tuner's search space and the warm-up set are
 in attention_decode_plan.py (re-exported here). This module holds the device code, `compile(config)`
@@ -52,8 +52,9 @@ import torch
 from rosekernels import jit  # first: it pins CUTE_DSL_ARCH=sm_90a before cutlass loads
 from rosekernels import checks, modes
 from rosekernels.kernels.attention_common import (
-    CUTE_DTYPES, LOG2_E, acc_as_a, acc_rows, check, fake_qkv_out_lse, quad_max, quad_sum, tma_tiles, warp_mma)
-from rosekernels.kernels.attention_fp8 import Fp8KVTiles
+    CUTE_DTYPES, LOG2_E, acc_as_a, acc_rows, check, convert_pairs, fake_qkv_out_lse, pack_pairs, quad_max, quad_sum,
+    tma_tiles, warp_mma)
+from rosekernels.kernels.attention_fp8 import Fp8KVTiles, pv_cols, qk_cols
 from rosekernels.kernels.attention_splits import SplitRows
 from rosekernels.kernels.attention_decode_plan import (  # noqa: F401 - the plan's names are this kernel's
     BAR_MMA, MAX_SEQLEN_Q, MMA_WARPS, OP, WIDEN_WARPS, DecodeConfig, DecodeShape, candidates, causal_shift_for,
@@ -109,14 +110,18 @@ class _DecodeAttentionSm90(SplitRows):
                                    permutation_mnk=(16, 16, 16))
 
     @cute.jit  # traced like __call__: the struct's annotations are evaluated there
-    def _set_storage(self, sKV_layout):
+    def _set_storage(self, sKV_layout, dtype=None):
+        """The CTA's shared memory: the ring's barriers, the combine's flag, the key slices' row statistics and
+        the K and V tiles of `sKV_layout` (the query's dtype unless `dtype`)."""
+        tiles = self.dtype if cutlass.const_expr(dtype is None) else dtype
+
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             last: cute.struct.MemRange[Int32, 1]
             row_stats: cute.struct.MemRange[Float32, 2 * self.ks * self.tile_m]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[tiles, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[tiles, cute.cosize(sKV_layout)], 1024]
 
         self.shared_storage = SharedStorage
 
@@ -225,39 +230,47 @@ class _DecodeAttentionSm90(SplitRows):
             ratio, rows, seqlen_k, t_begin, n_local, mTable=None, block_size=None, num_blocks=None, fp8=None):
         """The MMA warps' work (the KV-cache kernel passes its block table, page size and page count
         when paged; with an e4m3 cache, fp8 = (its K ring, V ring, v_descale): sK and sV are the widened
-        tiles, attention_fp8)."""
+        tiles, or with widen_regs the ring itself, attention_fp8)."""
         lane = tidx % 32
         rb = warp_idx // self.ks  # this warp's 16-row block
         ks = warp_idx - rb * self.ks  # and its slice of each tile's keys
         row0 = m_block * self.tile_m + rb * 16  # packed row of the warp's first row
         thr_mma = tiled_mma.get_slice(lane)
 
-        # This warp's keys of every stage, and V^T (d, keys, stage) as the B operand of P @ V.
-        stages = cute.size(sK, mode=[2])  # the ring's (an e4m3 cache: its two widened tiles, attention_fp8)
-        sKw = cute.local_tile(sK, (self.warp_keys, self.d, stages), (ks, 0, 0))
-        sVw = cute.local_tile(sV, (self.warp_keys, self.d, stages), (ks, 0, 0))
-        sVtw = cute.composition(
-            sVw, cute.make_ordered_layout((self.d, self.warp_keys, stages), order=(1, 0, 2)))
-        copy_K = cute.make_tiled_copy_B(
-            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.mma_dtype),
-            tiled_mma).get_slice(lane)
-        copy_V = cute.make_tiled_copy_B(
-            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.mma_dtype),
-            tiled_mma).get_slice(lane)
-        tSsK = copy_K.partition_S(sKw)
-        tOsV = copy_V.partition_S(sVtw)
-        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sKw[None, None, 0]))
-        tOrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVtw[None, None, 0]))
+        regs = fp8 is not None and self.cfg.widen_regs  # e4m3 widened in registers: sK, sV are the ring
+        q_cols = o_cols = cute.make_identity_tensor((16, self.d))
+        if cutlass.const_expr(regs):
+            tSsK, tOsV, tVcV = self.reg_operands(sK, sV, thr_mma, ks)
+            q_cols = cute.composition(q_cols, qk_cols(16, self.d))
+            o_cols = cute.composition(o_cols, pv_cols(16, self.d))
+        else:
+            # This warp's keys of every stage, and V^T (d, keys, stage) as the B operand of P @ V.
+            stages = cute.size(sK, mode=[2])  # the ring's (an e4m3 cache: its two widened tiles, attention_fp8)
+            sKw = cute.local_tile(sK, (self.warp_keys, self.d, stages), (ks, 0, 0))
+            sVw = cute.local_tile(sV, (self.warp_keys, self.d, stages), (ks, 0, 0))
+            sVtw = cute.composition(
+                sVw, cute.make_ordered_layout((self.d, self.warp_keys, stages), order=(1, 0, 2)))
+            copy_K = cute.make_tiled_copy_B(
+                cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.mma_dtype),
+                tiled_mma).get_slice(lane)
+            copy_V = cute.make_tiled_copy_B(
+                cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.mma_dtype),
+                tiled_mma).get_slice(lane)
+            tSsK = copy_K.partition_S(sKw)
+            tOsV = copy_V.partition_S(sVtw)
+            tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sKw[None, None, 0]))
+            tOrV = thr_mma.make_fragment_B(thr_mma.partition_B(sVtw[None, None, 0]))
         acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((16, self.warp_keys)), Float32)
         acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((16, self.d)), Float32)
         acc_O.fill(0.0)
 
-        # Q rows straight into the A fragment (read once; zero past the last packed row).
+        # Q rows straight into the A fragment (read once; zero past the last packed row; regs: columns as K's).
         tSrQ = thr_mma.make_fragment_A(thr_mma.partition_shape_A((16, self.d)))
-        tQcQ = thr_mma.partition_A(cute.make_identity_tensor((16, self.d)))
+        tQcQ = thr_mma.partition_A(q_cols)
         if cutlass.const_expr(self.mma_dtype == self.dtype):
             for i in cutlass.range_constexpr(cute.size(tSrQ)):
                 tSrQ[i] = self.q_element(mQ, tQcQ[i], row0, ratio, rows, batch, head_kv)
+            pack_pairs(tSrQ)
         else:
             scale_log2 = self.load_q_scaled(tSrQ, tQcQ, mQ, row0, ratio, rows, batch, head_kv, scale_log2)
 
@@ -275,6 +288,7 @@ class _DecodeAttentionSm90(SplitRows):
 
         row_max = cute.make_rmem_tensor(n_rows, Float32)
         row_sum = cute.make_rmem_tensor(n_rows, Float32)
+        rescales = cute.make_rmem_tensor(n_rows, Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
         O = acc_rows(acc_O)
@@ -290,6 +304,14 @@ class _DecodeAttentionSm90(SplitRows):
                 self.read_entries(entries, mTable, batch, (t + 1) * self.tile_n + ks * self.warp_keys, block_size)
             if cutlass.const_expr(fp8 is not None and self.cfg.widen_warps):
                 stage = self.mma_tile(i)  # widened by the widen warps (attention_fp8)
+            elif cutlass.const_expr(regs):
+                pipe.consumer_wait(state)
+                rK8, rV8 = self.load_regs(tSsK, tOsV, state.index)
+                # Lane 0 releases the stage for the warp (its lanes' loads first): the producer refills it while
+                # this warp computes on its registers.
+                cute.arch.sync_warp()
+                pipe.consumer_release(state)
+                state.advance()
             else:
                 pipe.consumer_wait(state)
                 stage = state.index
@@ -303,7 +325,12 @@ class _DecodeAttentionSm90(SplitRows):
                 elif cutlass.const_expr(self.cfg.varlen):
                     self.clear_v_tail(sV, stage, seqlen_k - t * self.tile_n, ks, lane)
             acc_S.fill(0.0)
-            warp_mma(tiled_mma, acc_S, tSrQ, tSrK, tSsK[None, None, None, stage], copy_K)
+            if cutlass.const_expr(regs):
+                rK = self.widened_k(rK8)
+                for kb in cutlass.range_constexpr(cute.size(rK, mode=[2])):
+                    cute.gemm(tiled_mma, acc_S, tSrQ[None, None, kb], rK[None, None, kb], acc_S)
+            else:
+                warp_mma(tiled_mma, acc_S, tSrQ, tSrK, tSsK[None, None, None, stage], copy_K)
             if cutlass.const_expr(self.cfg.paged):
                 if t >= t_mask or bad != 0:
                     col0 = t * self.tile_n + ks * self.warp_keys
@@ -323,6 +350,7 @@ class _DecodeAttentionSm90(SplitRows):
                             S[r, c] = -Float32.inf if col0 + tScS[r, c][1] >= limit[r] else S[r, c]
             # The online softmax, one max and one sum chain per row: attention_softmax.py says why it is
             # not that module's (the cubins).
+            grew = cutlass.Boolean(False)
             for r in cutlass.range_constexpr(n_rows):
                 mx = row_max[r]
                 for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
@@ -337,14 +365,27 @@ class _DecodeAttentionSm90(SplitRows):
                     S[r, c] = pv
                     total = total + pv
                 rescale = cute.math.exp2((row_max[r] - mx_safe) * scale_log2, fastmath=True)
+                grew = grew | (mx != row_max[r])
                 row_max[r] = mx
                 row_sum[r] = row_sum[r] * rescale + total
-                for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
-                    O[r, c] = O[r, c] * rescale
+                rescales[r] = rescale
+            # O's rescale only when a row of the warp has a new maximum (else every factor is 1): late tiles of a
+            # long sequence seldom do, and it is a multiply per accumulator.
+            if cute.arch.vote_any_sync(grew):
+                for r in cutlass.range_constexpr(n_rows):
+                    for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                        O[r, c] = O[r, c] * rescales[r]
             rP = cute.make_rmem_tensor_like(acc_S, self.mma_dtype)
             rP.store(acc_S.load().to(self.mma_dtype))
-            warp_mma(tiled_mma, acc_O, acc_as_a(rP), tOrV, tOsV[None, None, None, stage], copy_V)
-            if cutlass.const_expr(fp8 is None):  # (an e4m3 tile's stage went back after its widening)
+            if cutlass.const_expr(regs):
+                self.zero_tail(rV8, tVcV, ks * self.warp_keys, seqlen_k - t * self.tile_n)
+                rV = self.widened_v(rV8)
+                tP = acc_as_a(rP)
+                for kb in cutlass.range_constexpr(cute.size(rV, mode=[2])):
+                    cute.gemm(tiled_mma, acc_O, tP[None, None, kb], rV[None, None, kb], acc_O)
+            else:
+                warp_mma(tiled_mma, acc_O, acc_as_a(rP), tOrV, tOsV[None, None, None, stage], copy_V)
+            if cutlass.const_expr(fp8 is None):  # (an e4m3 tile's stage went back once widened or loaded)
                 pipe.consumer_release(state)
                 state.advance()
             elif cutlass.const_expr(self.cfg.widen_warps):
@@ -360,7 +401,7 @@ class _DecodeAttentionSm90(SplitRows):
         if ks == 0:
             # Partial rows of split `split` of `group`: workspace row (split * num_groups + group) * tile_m + i.
             part_row = (split * num_groups + group) * self.tile_m - m_block * self.tile_m
-            self.store_rows(acc_O, row_max, row_sum, thr_mma, mO, mLSE, mOp, mLSEp, scale_log2, num_splits,
+            self.store_rows(acc_O, row_max, row_sum, thr_mma, o_cols, mO, mLSE, mOp, mLSEp, scale_log2, num_splits,
                             lane, head_kv, batch, ratio, rows, row0, part_row)
         if num_splits > 1:
             self.combine_splits(mO, mLSE, mOp, mLSEp, mCount, storage, num_splits, num_groups, group, tidx,
@@ -407,8 +448,12 @@ class _DecodeAttentionSm90(SplitRows):
         bits[0] = (127 - e) << 23
         bits[1] = (127 + e) << 23
         powers = cute.recast_tensor(bits, Float32)
+        scaled = cute.make_rmem_tensor_like(tSrQ, Float32)
         for i in cutlass.range_constexpr(cute.size(tSrQ)):
-            tSrQ[i] = (q[i].to(Float32) * powers[0]).to(self.mma_dtype)
+            scaled[i] = q[i].to(Float32) * powers[0]
+        # A pair per conversion, here: converted element by element, ptxas moved the conversions (a pack each)
+        # into the mainloop, where every tile repeated them and the fp32 values held 64 registers.
+        convert_pairs(scaled, tSrQ)
         return scale_log2 * powers[1]
 
     @cute.jit
@@ -499,7 +544,7 @@ class _KVCacheDecodeSm90(_DecodeAttentionSm90, Fp8KVTiles):
     page: both load page 0 instead (memory of the cache, whatever the table holds) and their keys
     are masked.
 
-    e4m3 caches (`kv_fp8`): the tiles are widened in shared memory (attention_fp8), the scores scaled by
+    e4m3 caches (`kv_fp8`): the tiles are widened in registers or shared memory (attention_fp8), the scores scaled by
     k_descale, the output by v_descale (fp32 [Hkv]; one value for every head: a stride-0 view)."""
 
     @cute.jit
@@ -511,7 +556,7 @@ class _KVCacheDecodeSm90(_DecodeAttentionSm90, Fp8KVTiles):
         mK, mV = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (k, v)]
         sKV_layout = ring_layout = self._smem_layout()  # the tiles the MMAs read, the ring TMA fills
         if cutlass.const_expr(self.cfg.kv_fp8):
-            sKV_layout, ring_layout = self._fp8_layouts()
+            sKV_layout, ring_layout = self._fp8_layouts()  # (widen_regs: the ring alone)
         tile_layout = cute.select(ring_layout, mode=[0, 1])
         box = (self.tile_n, self.d)
         box_layout = tile_layout
@@ -575,10 +620,12 @@ class _KVCacheDecodeSm90(_DecodeAttentionSm90, Fp8KVTiles):
         n_local = cutlass.max(cutlass.min(tiles_per_split, n_tiles - t_begin), 0)  # 0: a split past the end
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sK_ring, sV_ring, fp8 = sK, sV, None  # e4m3: TMA fills the ring, sK and sV hold the widened tiles
+        # e4m3: TMA fills the ring, sK and sV hold the widened tiles (widen_regs: none, sK and sV are the ring)
+        sK_ring, sV_ring, fp8 = sK, sV, None
         if cutlass.const_expr(self.cfg.kv_fp8):
-            sK_ring = storage.sK8.get_tensor(ring_layout.outer, swizzle=ring_layout.inner)
-            sV_ring = storage.sV8.get_tensor(ring_layout.outer, swizzle=ring_layout.inner)
+            if cutlass.const_expr(not self.cfg.widen_regs):
+                sK_ring = storage.sK8.get_tensor(ring_layout.outer, swizzle=ring_layout.inner)
+                sV_ring = storage.sV8.get_tensor(ring_layout.outer, swizzle=ring_layout.inner)
             fp8 = (sK_ring, sV_ring, mVDescale[head_kv])
             scale_log2 = scale_log2 * mKDescale[head_kv]  # the scores of the cache's K times k_descale
 

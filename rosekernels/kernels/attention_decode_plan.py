@@ -13,8 +13,9 @@ The KV-cache variants (rosekernels.attention_with_kvcache) are the same kernel w
 compile-time fields: `varlen` (each sequence's key count is read from device memory) and
 `page_rows` (a paged cache: each K/V tile is loaded as tile_n / page_rows boxes of page_rows rows,
 each inside one page; 0: a contiguous cache), and `kv_fp8` (an e4m3 cache: each tile widened to the
-query's dtype in shared memory, the scores and the output times the descales), with `widen_warps` by
-warps of their own instead of the MMA warps. All of them are left out of the variant key at their
+MMAs' dtype, the scores and the output times the descales): 16-row tiles in the MMA warps' registers
+(`widen_regs`, the plan's), else in shared memory by the MMA warps or, with `widen_warps`, by warps of their
+own. All of them are left out of the variant key at their
 defaults, so the keys of the dense variants are unchanged.
 """
 from __future__ import annotations
@@ -63,6 +64,10 @@ WAVE_CTAS_PER_SM = 1
 # E4M3_SM_GBPS for the two. H100, B = 16, Qwen3-8B heads, S_kv 8k and 32k, 1-4 splits (ninth session of
 # 2026-12-05): one CTA per SM streamed 15.1 GB/s, two 10.3 GB/s each; two splits ran 1.34x / 1.42x one
 # (1.69x / 1.79x the bf16 cache), four 1.23x / 1.39x, three 1.00x / 1.24x (a second, partial wave).
+# The 16-row tiles widened in registers (widen_regs) stream about 31 GB/s a CTA, and the H100 runs them at its
+# copy rate from B = 16 on, whatever the split; with these constants the picks are 1.035 / 1.011 / 1.012 of the
+# best on average (worst 1.059) there (H100, B 4-64, 8k and 32k: bench/results/gemm/sweeps/fp8_kv_regs_h100_sweep),
+# which no refit of them improved. Not measured on an H200.
 E4M3_CTA_GBPS = 15.0
 E4M3_SM_GBPS = 20.5
 E4M3_WAVE_CTAS_PER_SM = 2
@@ -77,6 +82,10 @@ E4M3_WAVE_CTAS_PER_SM = 2
 # lengths pay up to 7.6% (B = 32), lengths that vary gain up to 1.55x.
 E4M3_MAX_SPLIT_BYTES = 1 << 20
 E4M3_COMBINE_US_PER_SPLIT = 0.2
+# ... for a 16-row d=128 tile's partial sums (8 KB a split and group): the last CTA of a group reads every
+# split's, so more rows or a wider head cost in proportion (an H200 sweep of GQA 32 and 64, 2026-12-06: 22
+# splits of 64-row tiles ran 1.49x the time of 16 at B = 4, 8k keys, when the model charged them as 16 rows).
+E4M3_PARTIAL_BYTES = 16 * 128 * 4
 # An SM's registers: SUBPARTITIONS files of SUBPARTITION_REGISTERS 32-bit registers (Hopper); a thread takes at
 # most MAX_REGISTERS.
 SUBPARTITIONS = 4
@@ -138,7 +147,8 @@ class DecodeConfig(KernelConfig):
     mode: ClassVar[str] = "decode"
     POLICY_FIELDS = ("splits",)
     # The keys of the dense variants predate these.
-    KEY_DEFAULTS = {"varlen": False, "page_rows": 0, "pdl": True, "kv_fp8": False, "widen_warps": False}
+    KEY_DEFAULTS = {"varlen": False, "page_rows": 0, "pdl": True, "kv_fp8": False, "widen_warps": False,
+                    "widen_regs": False}
 
     head_dim: int  # 64 or 128
     dtype: str  # "bf16" or "fp16"
@@ -159,6 +169,10 @@ class DecodeConfig(KernelConfig):
     # An e4m3 cache widened by WIDEN_WARPS warps of their own, a tile ahead of the MMA warps, instead of by
     # the MMA warps before each tile's MMAs (attention_fp8); the CTA's registers then allow one CTA per SM.
     widen_warps: bool = False
+    # An e4m3 cache whose MMAs are fp16 (16-row tiles) widened by the MMA warps in their registers: each warp
+    # loads its own keys' e4m3 bytes from the ring into its B fragments and converts them there (attention_fp8),
+    # with no widened tile in shared memory, no barrier between the warps and no ldmatrix.
+    widen_regs: bool = False
 
     def validate(self) -> None:
         if self.head_dim not in HEAD_DIMS:
@@ -178,6 +192,8 @@ class DecodeConfig(KernelConfig):
             raise ValueError("an e4m3 KV cache (kv_fp8) is for the KV-cache variants (varlen)")
         if self.widen_warps and not self.kv_fp8:
             raise ValueError("widen_warps widen an e4m3 cache (kv_fp8)")
+        if self.widen_regs and not (self.kv_fp8 and self.tile_m == 16 and not self.widen_warps):
+            raise ValueError("widen_regs widens an e4m3 cache (kv_fp8) of 16-row tiles (fp16 MMAs) without widen_warps")
 
     @property
     def tile_n(self) -> int:
@@ -213,15 +229,24 @@ class DecodeConfig(KernelConfig):
 
     @property
     def min_ctas_per_sm(self) -> int:
-        """CTAs per SM whose registers the launch asks ptxas to leave room for (min_blocks_per_mp). The e4m3
-        plan's waves count E4M3_WAVE_CTAS_PER_SM of them, which the shared memory holds up to 3 stages
-        without widen warps. Left to itself ptxas took more registers than two CTAs leave (register_budget)
-        for fp16 queries and larger row tiles, so one CTA ran per SM and the plan's two splits in two waves
-        (a 170-register build ran 1.54x slower than a 156-register one, H100, 2026-12-06). Asked for two, it fits every 16-row tile without spilling; 32- and
-        64-row tiles spill in some variants (CPU survey, NOTES), so they keep ptxas's own count."""
-        if self.kv_fp8 and not self.widen_warps and self.num_stages <= 3 and self.tile_m == 16:
+        """CTAs per SM the launch asks room for (min_blocks_per_mp, and the whole shared-memory carveout), and
+        the waves the e4m3 split model plans (`launch_us`' ctas_per_sm). Two for 16-row tiles where the shared memory
+        holds them (up to 3 stages, no widen warps; widened in registers, 6) and ptxas fits them without spilling.
+        Left to itself ptxas took more than two CTAs leave (register_budget) for fp16 queries, so one CTA ran per SM
+        and the plan's two splits in two waves (a 170-register build ran 1.54x slower than a 156-register one,
+        H100). The 32- and 64-row tiles keep ptxas's count and one CTA per SM: asked for two, some spill (d=64's
+        bf16 32-row paged tile 74 spill instructions), and the bf16 32-row d=128 tiles, which fit two at 168
+        registers, ran 2-15% slower at every split count (GQA 40/2 and 32/1, B 4-64, 8k; H100, 2026-12-06)."""
+        two = self.tile_m == 16
+        # widen_regs: the ring is the CTA's only tiles in shared memory, and 6 stages of it leave room for two
+        if self.kv_fp8 and not self.widen_warps and (self.num_stages <= 3 or self.widen_regs) and two:
             return E4M3_WAVE_CTAS_PER_SM
         return 1
+
+    @property
+    def partial_bytes(self) -> int:
+        """Bytes of fp32 partial sums a split writes for its group (a row tile's output rows)."""
+        return self.tile_m * self.head_dim * 4
 
 
 def register_budget(warps_per_cta: int, ctas: int) -> int:
@@ -257,10 +282,12 @@ def tile_m_for(rows: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def choose_splits(groups: int, n_tiles: int, tile_bytes: int, sms: int,
-                  max_splits: int = MAX_SPLITS, kv_fp8: bool = False) -> tuple[int, int]:
+def choose_splits(groups: int, n_tiles: int, tile_bytes: int, sms: int, max_splits: int = MAX_SPLITS,
+                  kv_fp8: bool = False, ctas_per_sm: int = E4M3_WAVE_CTAS_PER_SM,
+                  partial_bytes: int = E4M3_PARTIAL_BYTES) -> tuple[int, int]:
     """(num_splits, tiles_per_split) for `groups` CTAs' worth of rows over `n_tiles` K/V tiles each (an e4m3
-    cache's chunks of at most E4M3_MAX_SPLIT_BYTES where max_splits allows)."""
+    cache's chunks of at most E4M3_MAX_SPLIT_BYTES where max_splits allows, `ctas_per_sm` of them resident,
+    `partial_bytes` of partial sums a split and group)."""
     most = max(1, min(n_tiles, max_splits))
     least = min(most, -(-n_tiles * tile_bytes // E4M3_MAX_SPLIT_BYTES)) if kv_fp8 else 1
     best = None
@@ -269,17 +296,19 @@ def choose_splits(groups: int, n_tiles: int, tile_bytes: int, sms: int,
         splits = -(-n_tiles // per)
         if best is not None and splits == best[1]:
             continue
-        us = launch_us(groups, splits, per, tile_bytes, sms, kv_fp8)
+        us = launch_us(groups, splits, per, tile_bytes, sms, kv_fp8, ctas_per_sm, partial_bytes)
         if best is None or us < SPLIT_GAIN * best[0]:
             best = (us, splits, per)
     return best[1], best[2]
 
 
-def launch_us(groups: int, splits: int, per: int, tile_bytes: int, sms: int, kv_fp8: bool = False) -> float:
+def launch_us(groups: int, splits: int, per: int, tile_bytes: int, sms: int, kv_fp8: bool = False,
+              ctas_per_sm: int = E4M3_WAVE_CTAS_PER_SM, partial_bytes: int = E4M3_PARTIAL_BYTES) -> float:
     """Modelled microseconds of a launch of `groups` x `splits` CTAs streaming `per` tiles of
-    `tile_bytes` each: the fluid model above (an e4m3 cache's, kv_fp8), wave by wave, plus the combine
-    of a split launch."""
-    slots = (E4M3_WAVE_CTAS_PER_SM if kv_fp8 else WAVE_CTAS_PER_SM) * sms
+    `tile_bytes` each: the fluid model above (an e4m3 cache's, kv_fp8, with waves of `ctas_per_sm` CTAs
+    an SM: the config's min_ctas_per_sm), wave by wave, plus the combine of a split launch (an e4m3
+    cache's, of `partial_bytes` a split and group: the config's `partial_bytes`)."""
+    slots = (ctas_per_sm if kv_fp8 else WAVE_CTAS_PER_SM) * sms
     ctas = groups * splits
     us = 0.0
     while ctas > 0:
@@ -287,7 +316,9 @@ def launch_us(groups: int, splits: int, per: int, tile_bytes: int, sms: int, kv_
         cta_gbps = min(E4M3_CTA_GBPS, E4M3_SM_GBPS / -(-wave // sms)) if kv_fp8 else CTA_GBPS
         us += per * tile_bytes / 1e3 / min(cta_gbps, HBM_GBPS / wave) + CTA_US
         ctas -= wave
-    combine = COMBINE_US + (E4M3_COMBINE_US_PER_SPLIT * splits if kv_fp8 else 0.0)
+    # (no less than the fitted 16-row d=128 charge: smaller partials, d=64's, are not measured)
+    per_split = E4M3_COMBINE_US_PER_SPLIT * max(1.0, partial_bytes / E4M3_PARTIAL_BYTES)
+    combine = COMBINE_US + (per_split * splits if kv_fp8 else 0.0)
     return us + (combine if splits > 1 else 0.0)
 
 
@@ -301,7 +332,8 @@ def split_plan(cfg: DecodeConfig, shape: DecodeShape, sms: int | None = None) ->
     fits = (2**31 - 1) // (groups * cfg.tile_m * cfg.head_dim)
     if cfg.splits is None:
         splits, per = choose_splits(groups, n_tiles, cfg.tile_bytes,
-                                    sm_count() if sms is None else sms, min(MAX_SPLITS, fits), cfg.kv_fp8)
+                                    sm_count() if sms is None else sms, min(MAX_SPLITS, fits), cfg.kv_fp8,
+                                    cfg.min_ctas_per_sm, cfg.partial_bytes)
     else:
         per = -(-n_tiles // max(1, min(cfg.splits, n_tiles, fits)))
         splits = -(-n_tiles // per)
@@ -339,7 +371,8 @@ def _kvcache(cfg: DecodeConfig, block_size: int | None, kv_fp8: bool = False) ->
     """`cfg`'s KV-cache variant for a contiguous cache (block_size None) or pages of `block_size` rows, of
     the query's dtype or e4m3 (kv_fp8)."""
     page_rows = 0 if block_size is None else page_rows_for(block_size, cfg.tile_n)
-    return dataclasses.replace(cfg, varlen=True, page_rows=page_rows, kv_fp8=kv_fp8)
+    cfg = dataclasses.replace(cfg, varlen=True, page_rows=page_rows, kv_fp8=kv_fp8)
+    return dataclasses.replace(cfg, widen_regs=kv_fp8 and cfg.tile_m == 16)
 
 
 def candidates(shape: DecodeShape, sms: int | None = None) -> list[DecodeConfig]:
@@ -364,7 +397,8 @@ def rank(shape: DecodeShape, configs: Iterable[DecodeConfig], sms: int | None = 
 
     def cost(c: DecodeConfig) -> float:
         splits, per, groups = split_plan(c, shape, sms)
-        return launch_us(groups, splits, per, c.tile_bytes, sms, c.kv_fp8)
+        return launch_us(groups, splits, per, c.tile_bytes, sms, c.kv_fp8, c.min_ctas_per_sm,
+                         c.partial_bytes)
     return sorted(configs, key=cost)
 
 

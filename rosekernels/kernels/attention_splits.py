@@ -15,17 +15,20 @@ from cutlass import Float32, Int32
 from rosekernels.kernels.attention_common import LN_2, LOG2_E, acc_rows
 from rosekernels.kernels.attention_decode_plan import BAR_MMA, MMA_WARPS
 
+COMBINE_BATCH = 8  # splits whose partials the combine loads at once
+
 
 class SplitRows:
     """The split-KV epilogue's device methods (a mixin of the decode kernel class)."""
 
     @cute.jit
-    def store_rows(self, acc_O, row_max, row_sum, thr_mma, mO, mLSE, mOp, mLSEp, scale_log2, num_splits,
+    def store_rows(self, acc_O, row_max, row_sum, thr_mma, cols, mO, mLSE, mOp, mLSEp, scale_log2, num_splits,
                    lane, head_kv, batch, ratio, rows, row0, part_row):
         """O / sum and the lse of this warp's rows: to out and lse (one split), else to the workspace
-        (fp32 O, natural-log lse) at workspace row part_row + packed row."""
+        (fp32 O, natural-log lse) at workspace row part_row + packed row. `cols`: the (row, column) of each
+        element of a (16, d) accumulator tile (an identity tensor, or one whose columns the kernel permuted)."""
         O = acc_rows(acc_O)
-        tOcO = acc_rows(thr_mma.partition_C(cute.make_identity_tensor((16, self.d))))
+        tOcO = acc_rows(thr_mma.partition_C(cols))
         for r in cutlass.range_constexpr(cute.size(row_max)):
             total = row_sum[r]
             empty = total == 0.0  # the row saw no key: O is 0 there, lse -inf
@@ -65,26 +68,37 @@ class SplitRows:
             vecs = self.d // 4  # each item: 4 columns of one row
             items = cutlass.min(self.tile_m, rows - first) * vecs
             acc = cute.make_rmem_tensor(4, Float32)
+            lses = cute.make_rmem_tensor(COMBINE_BATCH, Float32)
+            outs = cute.make_rmem_tensor((4, COMBINE_BATCH), Float32)
             for it in cutlass.range(tidx, items, 32 * MMA_WARPS, unroll=1):
                 i = it // vecs
                 col = (it - i * vecs) * 4
                 mx = Float32(-Float32.inf)
                 total = Float32(0.0)
                 acc.fill(0.0)
-                # Unrolled: the loads of 8 splits go out together (each is an L2 round trip).
-                for sp in cutlass.range(num_splits, unroll=8):
-                    row = (sp * num_groups + group) * self.tile_m + i
-                    # .cg: read L2, where the other CTAs' partials are, never a stale L1 line.
-                    lse = cute.arch.load(mLSEp.iterator + row, Float32, cop="cg")
-                    new = cute.arch.fmax(mx, lse)
-                    new_safe = 0.0 if new == -Float32.inf else new
-                    keep = cute.math.exp2((mx - new_safe) * LOG2_E, fastmath=True)
-                    w = cute.math.exp2((lse - new_safe) * LOG2_E, fastmath=True)
-                    total = total * keep + w
-                    for j in cutlass.range_constexpr(4):
-                        o = cute.arch.load(mOp.iterator + (row * self.d + col + j), Float32, cop="cg")
-                        acc[j] = acc[j] * keep + w * o
-                    mx = new
+                # COMBINE_BATCH splits at a time, every load of a batch issued before any is used, so that
+                # they share one L2 round trip; a slot past the last split rereads the last one's row and
+                # counts as empty (lse -inf). (An unrolled loop over the splits left a remainder loop of
+                # one round trip a split: 22 splits of 64-row tiles ran 1.5x the time of 16 or 32.)
+                for base in cutlass.range(0, num_splits, COMBINE_BATCH, unroll=1):
+                    for u in cutlass.range_constexpr(COMBINE_BATCH):
+                        row = (cutlass.min(base + u, num_splits - 1) * num_groups + group) * self.tile_m + i
+                        # .cg: read L2, where the other CTAs' partials are, never a stale L1 line.
+                        lses[u] = cute.arch.load(mLSEp.iterator + row, Float32, cop="cg")
+                        for j in cutlass.range_constexpr(4):
+                            outs[j, u] = cute.arch.load(mOp.iterator + (row * self.d + col + j), Float32, cop="cg")
+                    for u in cutlass.range_constexpr(COMBINE_BATCH):
+                        real = base + u < num_splits
+                        lse = lses[u] if real else -Float32.inf
+                        new = cute.arch.fmax(mx, lse)
+                        new_safe = 0.0 if new == -Float32.inf else new
+                        keep = cute.math.exp2((mx - new_safe) * LOG2_E, fastmath=True)
+                        w = cute.math.exp2((lse - new_safe) * LOG2_E, fastmath=True)
+                        total = total * keep + w
+                        for j in cutlass.range_constexpr(4):
+                            # (a padding slot adds 0, not 0 x the reread row, which may be inf)
+                            acc[j] = acc[j] * keep + w * (outs[j, u] if real else 0.0)
+                        mx = new
                 empty = total == 0.0
                 inv = cute.arch.rcp_approx(1.0 if empty else total)
                 p = first + i

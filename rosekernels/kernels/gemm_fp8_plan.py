@@ -46,6 +46,12 @@ PREFILL_TILES = ((128, 128, False), (128, 64, True))
 # Their 160 and 176 accumulator registers fit in 230 of the 232 with every epilogue, no spills (ptxas 13).
 WIDE_TILES = ((128, 160, False), (128, 176, False))
 WIDE_ACC_REGS = 176
+# Prefill clusters the tuner tries: bf16's (2x1 and 1x2, the weight or the token tile multicast) and 1x1.
+# cuBLAS's FP8 kernel at 4096 x 14336 x 4096 (H200, Nsight Compute, 2026-12-06) runs the same 128 x 128
+# cooperative tile with no cluster, at 85% of the SM's throughput (its busiest pipe) against ours 65% on 2x1
+# clusters, where each stage waits for both CTAs of the pair: whether the cluster is the cause, a GPU has yet
+# to time.
+PREFILL_CLUSTERS = ((2, 1), (1, 1), (1, 2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +205,7 @@ def config_for(shape: Fp8GemmShape, sms: int | None = None) -> Fp8GemmConfig:
 def candidates(shape: Fp8GemmShape, sms: int | None = None) -> list[Fp8GemmConfig]:
     """Every config that can run `shape`, config_for's first: decode, the bf16 GEMM's candidates of the
     `equivalent` problem that the FP8 kernel takes; prefill, each PREFILL_TILES and WIDE_TILES tile the
-    shape takes (the cooperative ones with and without `stagger`) on bf16's PREFILL_CLUSTERS, walked in its
+    shape takes (the cooperative ones with and without `stagger`) on PREFILL_CLUSTERS, walked in bf16's
     PREFILL_RASTER_GROUPS."""
     sms = sm_count() if sms is None else sms
     pick = config_for(shape, sms)
@@ -210,7 +216,7 @@ def candidates(shape: Fp8GemmShape, sms: int | None = None) -> list[Fp8GemmConfi
         # by --max-candidates keeps them.
         tiles = (PREFILL_TILES[0], *WIDE_TILES, *PREFILL_TILES[1:])
         found = [c for tm, tn, pp in tiles for stagger in ((False,) if pp else (False, True))
-                 for cm, cn in bf16.PREFILL_CLUSTERS for group in bf16.PREFILL_RASTER_GROUPS
+                 for cm, cn in PREFILL_CLUSTERS for group in bf16.PREFILL_RASTER_GROUPS
                  if (c := _valid(**_base(shape), tile_m=tm, tile_n=tn, pingpong=pp, cluster_m=cm, cluster_n=cn,
                                  raster_group=group, stagger=stagger))]
     return list(dict.fromkeys([pick, *found]))

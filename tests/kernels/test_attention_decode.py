@@ -146,6 +146,34 @@ def test_decode_shapes_with_many_splits(kernels, hq, hkv):
     check(out, lse, q, k, v, False, 0.1, what)
 
 
+def test_the_combine_loads_a_batch_of_splits_before_using_any(tmp_path):
+    """The combine's loop reads COMBINE_BATCH splits' partials (an lse and 4 values each, .cg loads from L2) before
+    its first exp2, so that they share one round trip whatever the split count (no remainder loop of one a split)."""
+    from kernel_sass import loop_instructions, sass_of
+    from rosekernels.kernels.attention_splits import COMBINE_BATCH
+
+    sass = sass_of(D.compile(D.DecodeConfig(128, "bf16", 64)), tmp_path)
+    if sass is None:
+        pytest.skip("nvdisasm not found")
+    loop = loop_instructions(sass, "LDG.E.STRONG.GPU")
+    first_exp = next(i for i, line in enumerate(loop) if line.startswith("MUFU.EX2"))
+    loads = [line for line in loop if line.startswith("LDG.E.STRONG.GPU")]
+    # one batch in the loop, and no other loop or remainder of them anywhere (main's unrolled loop and its remainder: 75)
+    assert len(loads) == len(re.findall(r"\bLDG\.E\.STRONG\.GPU\b", sass)) == 5 * COMBINE_BATCH, loop
+    assert not any(line.startswith("LDG.E.STRONG.GPU") for line in loop[first_exp:]), loop
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [3, 8, 9, 22, 33])
+def test_every_split_count_combines_to_the_reference(kernels, splits):
+    """Split counts below, at and past one combine batch, and past it by a partial batch (the slots beyond the last
+    split reread its row and must count as empty): 64-row tiles (GQA 64) and 16-row ones (GQA 4)."""
+    for hq, hkv in ((64, 1), (16, 4)):
+        q, k, v = inputs(3, 1, 4096 + 29, hq, hkv, 128, torch.bfloat16, seed=splits)
+        out, lse, what = _run(q, k, v, False, 0.1, splits=splits)
+        check(out, lse, q, k, v, False, 0.1, what)
+
+
 @pytest.mark.gpu
 def test_attention_dispatches_short_queries_to_the_decode_kernel(kernels):
     q, k, v = inputs(3, 4, 3000, 16, 4, 128, torch.bfloat16, seed=11)

@@ -44,6 +44,7 @@ def _families(scales):
             C(tile_m=128, tile_n=128, **{**d, "cluster_n": 2}, dtype="fp16", bias="fp16"),
             C(tile_m=64, tile_n=64, **{**d, "cluster_m": 2}),
             C(tile_m=128, tile_n=128, activation="none", scales=scales),
+            C(tile_m=128, tile_n=128, cluster_m=1, cluster_n=1, activation="none", scales=scales),  # cuBLAS's
             C(tile_m=128, tile_n=64, pingpong=True, activation="gelu_tanh", gated=True, bias="bf16", scales=scales),
             C(tile_m=128, tile_n=128, cluster_m=1, cluster_n=2, activation="leaky_relu", slope=0.2, scales=scales),
             C(tile_m=128, tile_n=128, activation="silu", gated=True, bias="fp32", scales=scales, stagger=True)]

@@ -152,3 +152,10 @@ def test_workload_fits():
     plan.workload_fits(config, shape)
     with pytest.raises(ValueError, match="does not serve"):
         plan.workload_fits(config, dataclasses.replace(shape, scales="block"))
+
+
+def test_prefill_candidates_take_every_cluster_cuBLAS_and_bf16_use():
+    """FP8 prefill candidates: each tile on 2x1, 1x1 (cuBLAS's FP8 tile runs without a cluster) and 1x2 clusters."""
+    found = plan.candidates(plan.Fp8GemmShape(m=4096, n=14336, k=4096), 132)
+    coop = [c for c in found if (c.tile_m, c.tile_n, c.pingpong, c.stagger, c.raster_group) == (128, 128, False, False, 8)]
+    assert {(c.cluster_m, c.cluster_n) for c in coop} == {(2, 1), (1, 1), (1, 2)} == set(plan.PREFILL_CLUSTERS)

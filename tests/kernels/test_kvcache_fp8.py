@@ -35,7 +35,19 @@ def test_keys_and_plans():
     assert fp8.tile_bytes * 2 == plain.tile_bytes
     with pytest.raises(ValueError, match="KV-cache variants"):
         D.DecodeConfig(128, "bf16", kv_fp8=True)
-    widen = dataclasses.replace(fp8, widen_warps=True)
+    # the plan widens a 16-row e4m3 tile (fp16 MMAs) in registers, a larger one in shared memory
+    assert fp8.widen_regs and "widen_regs=True" in fp8.variant().key() and not plain.widen_regs
+    shared = dataclasses.replace(fp8, widen_regs=False)
+    assert "widen_regs" not in shared.variant().key()
+    assert D.DecodeConfig.from_variant(shared.variant()) == dataclasses.replace(shared, splits=None)
+    rows32 = D.kvcache_config_for(D.Shape(batch=16, seqlen_q=8, seqlen_kv=8192), 16, 132, kv_fp8=True)
+    assert rows32.tile_m == 32 and not rows32.widen_regs
+    fp16_rows32 = D.kvcache_config_for(D.Shape(batch=16, seqlen_q=8, seqlen_kv=8192, dtype="fp16"), 16, 132, kv_fp8=True)
+    assert fp16_rows32.mma_dtype == "fp16" and not fp16_rows32.widen_regs  # fp16 MMAs, but not 16 rows
+    for bad in (dict(tile_m=32), dict(widen_warps=True), dict(kv_fp8=False)):
+        with pytest.raises(ValueError, match="widen_regs widens an e4m3 cache"):
+            dataclasses.replace(fp8, **bad)
+    widen = dataclasses.replace(shared, widen_warps=True)
     assert "widen_warps" not in fp8.variant().key() and "widen_warps=True" in widen.variant().key()
     assert D.DecodeConfig.from_variant(widen.variant()) == dataclasses.replace(widen, splits=None)
     with pytest.raises(ValueError, match="widen_warps widen an e4m3 cache"):
@@ -85,6 +97,42 @@ def test_an_e4m3_cache_splits_in_chunks_of_at_most_a_mebibyte():
     assert D.kvcache_config_for(D.Shape(batch=1, seqlen_kv=4096), None, 132, kv_fp8=True).splits == 16
     assert D.kvcache_config_for(D.Shape(batch=64, seqlen_kv=4096), None, 132, kv_fp8=True).splits == 1
     assert D.kvcache_config_for(D.Shape(batch=16, seqlen_kv=32768), None, 132).splits == 1
+
+
+def test_the_e4m3_split_model_counts_the_ctas_an_sm_runs():
+    """The split model plans waves of min_ctas_per_sm: two for 16-row tiles (built for two), one for 32- and 64-row
+    tiles (GQA 32 and 64), which ptxas gives more registers than two CTAs leave, or which ran slower asked for
+    two (bf16 MMAs' 32-row d=128 tiles). At 132 groups on 132 SMs a launch of two resident CTAs
+    splits in two (one wave of two CTAs an SM), one of a single CTA does not (a second wave)."""
+    assert attention_decode_plan.choose_splits(132, 64, 16384, 132, kv_fp8=True) == (2, 32)
+    assert attention_decode_plan.choose_splits(132, 64, 16384, 132, kv_fp8=True, ctas_per_sm=1) == (1, 64)
+    for dtype, heads, tile_m, resident in (("bf16", (32, 8), 16, 2), ("fp16", (32, 8), 16, 2), ("bf16", (32, 1), 32, 1),
+                                           ("fp16", (32, 1), 32, 1), ("bf16", (64, 1), 64, 1)):
+        for batch in (2, 16, 64, 132):
+            shape = D.Shape(batch=batch, seqlen_kv=4096, heads_q=heads[0], heads_kv=heads[1], dtype=dtype)
+            cfg = D.kvcache_config_for(shape, None, 132, kv_fp8=True)
+            assert (cfg.tile_m, cfg.min_ctas_per_sm) == (tile_m, resident)
+            splits, per, groups = attention_decode_plan.split_plan(dataclasses.replace(cfg, splits=None), shape, 132)
+            assert (splits, per) == attention_decode_plan.choose_splits(
+                groups, -(-4096 // cfg.tile_n), cfg.tile_bytes, 132, attention_decode_plan.MAX_SPLITS, True, resident,
+                cfg.partial_bytes)
+
+
+def test_the_e4m3_combine_is_charged_by_the_partial_sums_it_reads():
+    """The last CTA of a group reads every split's partial rows: the split model charges the combine per split in
+    proportion to a row tile's partial bytes (tile_m x head_dim fp32), so 64-row tiles take fewer splits than
+    16-row ones of the same groups. On an H200 (bench/results/gemm/sweeps/fp8_kv_splits_h200_sweep.json) GQA 64 at
+    B = 4, 8k keys ran 59.5 us on the 22 splits the plan took when it charged 16 rows, 39.8 on 16."""
+    P = attention_decode_plan
+    base = P.launch_us(4, 22, 6, 16384, 132, True, 1)
+    assert P.launch_us(4, 22, 6, 16384, 132, True, 1, 4 * P.E4M3_PARTIAL_BYTES) == pytest.approx(
+        base + 3 * 22 * P.E4M3_COMBINE_US_PER_SPLIT)
+    # smaller partials (d = 64's) are charged as the fitted 16-row d = 128 ones: not measured smaller
+    assert P.launch_us(4, 22, 6, 16384, 132, True, 1, P.E4M3_PARTIAL_BYTES // 2) == base
+    shape = D.Shape(batch=4, seqlen_kv=8192, heads_q=64, heads_kv=1)
+    cfg = D.kvcache_config_for(shape, None, 132, kv_fp8=True)
+    assert cfg.tile_m == 64 and cfg.partial_bytes == 4 * P.E4M3_PARTIAL_BYTES and cfg.splits < 22
+    assert D.kvcache_config_for(D.Shape(batch=4, seqlen_kv=8192), None, 132, kv_fp8=True).splits == 8  # 16 rows
 
 
 def test_append_reference_quantizes_as_the_kernel_does():
@@ -150,6 +198,8 @@ def test_append_compiles_to_e4m3_stores(fresh_cache, cfg, tmp_path):
 _ATTENTION = [D.DecodeConfig(128, "bf16", 16, varlen=True, kv_fp8=True),
               D.DecodeConfig(128, "fp16", 16, varlen=True, kv_fp8=True),  # ptxas alone: 169 registers, one CTA an SM
               D.DecodeConfig(128, "bf16", 16, varlen=True, page_rows=16, kv_fp8=True),
+              D.DecodeConfig(128, "bf16", 32, varlen=True, kv_fp8=True),  # bf16 MMAs, one CTA an SM
+              D.DecodeConfig(128, "bf16", 32, varlen=True, page_rows=64, kv_fp8=True, num_stages=2),
               D.DecodeConfig(128, "fp16", 64, varlen=True, page_rows=64, kv_fp8=True),
               D.DecodeConfig(64, "bf16", 32, varlen=True, page_rows=16, kv_fp8=True),
               D.DecodeConfig(64, "fp16", 16, varlen=True, kv_fp8=True, num_stages=4),
@@ -188,6 +238,34 @@ def test_widen_warps_hand_tiles_to_the_mma_warps(fresh_cache, cfg, tmp_path):
         assert all(arrive > max(at(lines, op)) for op in lasts), (arrive, lines)
     released = at(widen, "SYNCS.ARRIVE")
     assert released and min(released) > max(at(widen, "LDS.")), widen
+
+
+_WIDEN_REGS = [D.DecodeConfig(128, "bf16", 16, varlen=True, kv_fp8=True, widen_regs=True),
+               D.DecodeConfig(128, "fp16", 16, varlen=True, page_rows=16, kv_fp8=True, widen_regs=True, num_stages=6),
+               D.DecodeConfig(64, "bf16", 16, varlen=True, page_rows=32, kv_fp8=True, widen_regs=True)]
+
+
+@pytest.mark.parametrize("cfg", _WIDEN_REGS, ids=lambda c: c.variant().key())
+def test_widen_regs_loads_the_fragments_straight_from_the_ring(fresh_cache, cfg, tmp_path):
+    """widen_regs: in the mainloop each MMA warp loads its keys' e4m3 bytes from the ring, 8 or 16 at a time (the
+    permuted columns put a thread's bytes of a key together), hands the stage back after its last load and
+    before the tile's softmax, and widens in registers: one conversion a fragment register, one byte permute
+    for two of V's; no ldmatrix, shared-memory store or barrier of the MMA warps per tile."""
+    sass = decode_sass(cfg, D.compile(cfg), tmp_path)
+    lines = loop_instructions(sass, "HMMA")
+    ops = [line.split()[0] for line in lines]
+    keys = cfg.tile_n // cfg.key_slices  # a warp's
+    per_thread = 2 * keys * cfg.head_dim // 32  # e4m3 bytes of K and V a thread widens each tile
+    widths = {"LDS.128": 16, "LDS.64": 8}
+    assert {o for o in ops if o.startswith("LDS")} <= set(widths), ops
+    assert sum(widths.get(o, 0) for o in ops) == per_thread
+    assert ops.count("F2FP.F16.E4M3.UNPACK_B") == per_thread // 2
+    assert ops.count("PRMT") == per_thread // 8  # V's half: a permute per two registers
+    assert not [o for o in ops if o.startswith(("LDSM", "STS", "BAR.SYNC"))], ops
+    assert ops.count("HMMA.16816.F32") == keys // 8 * cfg.head_dim // 16 + cfg.head_dim // 8 * keys // 16
+    released = [i for i, o in enumerate(ops) if o.startswith("SYNCS.ARRIVE")]
+    loads = [i for i, o in enumerate(ops) if o.startswith("LDS")]
+    assert len(released) == 1 and max(loads) < released[0] < ops.index("MUFU.EX2"), lines  # before the softmax
 
 
 @pytest.mark.parametrize("cfg", _ATTENTION, ids=lambda c: c.variant().key())
@@ -292,20 +370,23 @@ def test_append_writes_the_reference_bytes(paged, per_head):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fields", [{}, {"num_stages": 6, "splits": 1}, {"widen_warps": True},
-                                    {"widen_warps": True, "splits": 1},
-                                    {"widen_warps": True, "num_stages": 6, "splits": 1}],
-                         ids=["planned", "6-stages-1-split", "widen-warps", "widen-warps-1-split",
-                              "widen-warps-6-stages-1-split"])
+@pytest.mark.parametrize("fields", [{}, {"splits": 1}, {"num_stages": 6, "splits": 1}, {"widen_regs": False},
+                                    {"widen_regs": False, "splits": 1},
+                                    {"widen_warps": True, "widen_regs": False},
+                                    {"widen_warps": True, "widen_regs": False, "splits": 1},
+                                    {"widen_warps": True, "widen_regs": False, "num_stages": 6, "splits": 1}],
+                         ids=["planned", "1-split", "6-stages-1-split", "shared-widening", "shared-widening-1-split", "widen-warps",
+                              "widen-warps-1-split", "widen-warps-6-stages-1-split"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_attention_matches_the_dequantized_reference(d, dtype, paged, fields):
-    """B = 5 with lengths 0, 1 and the full cache among random ones, S_q 1 and 4, GQA 4, causal and not,
-    per-tensor and per-head descales; the cache rows past each length NaN (e4m3 0x7f): they must not
-    reach the output. Through the op, and the variants the plan does not take (a 6-stage ring, widen
-    warps) into NaN-filled outputs; one split, so that a CTA runs up to 11 tiles (the rings wrap, the
-    widened tiles go round, the hand-backs are waited for; the plan's 10 groups get 1-2 tiles a split)."""
+    """B = 5 with lengths 0, 1 and the full cache among random ones, S_q 1 and 4 (causal), S_q 1 at GQA 8 (not),
+    per-tensor and per-head descales; the cache rows past each length NaN (e4m3 0x7f): they must not reach the
+    output. Through the op (16-row tiles: widened in registers), and into NaN-filled outputs on one split (so
+    that a CTA runs up to 11 tiles: the rings wrap, the widened tiles go round, the hand-backs are waited for;
+    the plan's 10 groups get 1-2 tiles a split) and on the variants the plan does not take (a 6-stage ring, the
+    widening in shared memory, widen warps)."""
     g = torch.Generator().manual_seed(d + paged)
     scale = 1.0 / math.sqrt(d)
     for i, (s_q, per_head) in enumerate(((1, False), (4, True), (1, True))):
@@ -323,15 +404,16 @@ def test_attention_matches_the_dequantized_reference(d, dtype, paged, fields):
         if paged:
             k_q, v_q, table = paged_cache(k_q.view(torch.uint8), v_q.view(torch.uint8), lengths.cpu(), 16, 3, g)
             k_q, v_q = k_q.view(E4M3), v_q.view(E4M3)
-        q = torch.randn(5, s_q, 8, d, generator=g).to(dtype).cuda()
-        causal = i % 2 == 0
+        heads = 16 if i == 2 else 8  # GQA 8 in the last case, 4 in the others
+        q = torch.randn(5, s_q, heads, d, generator=g).to(dtype).cuda()
+        causal = i < 2
         if not fields:
             out, lse = rosekernels.attention_with_kvcache(q, k_q, v_q, lengths, table, softmax_scale=scale,
                                                           causal=causal, return_lse=True, k_descale=k_descale,
                                                           v_descale=v_descale)
         else:
             out = torch.full_like(q, math.nan)
-            lse = torch.full((5, 8, s_q), math.nan, device="cuda")
+            lse = torch.full((5, heads, s_q), math.nan, device="cuda")
             plan = plan_kvcache(q, k_q, v_q, out, lengths, table, causal, scale, **fields)
             assert all(getattr(plan.cfg, f) == v for f, v in fields.items())
             plan.launch(q, k_q, v_q, out, lse, lengths, table, k_descale, v_descale)
