@@ -234,10 +234,11 @@ class DecodeConfig(KernelConfig):
         holds them (up to 3 stages, no widen warps; widened in registers, 6) and ptxas fits them without spilling.
         Left to itself ptxas took more than two CTAs leave (register_budget) for fp16 queries, so one CTA ran per SM
         and the plan's two splits in two waves (a 170-register build ran 1.54x slower than a 156-register one,
-        H100). The 32- and 64-row tiles keep ptxas's count and one CTA per SM: asked for two, some spill (d=64's
-        bf16 32-row paged tile 74 spill instructions), and the bf16 32-row d=128 tiles, which fit two at 168
-        registers, ran 2-15% slower at every split count (GQA 40/2 and 32/1, B 4-64, 8k; H100, 2026-12-06)."""
-        two = self.tile_m == 16
+        H100). Two also for the bf16 32-row d=128 tiles (168 registers asked, no spills): left to itself ptxas
+        now takes 219-224 for them, and one CTA an SM ran GQA 40/2 at B16, 8 splits, 1.4x slower (H100,
+        2026-12-06). The other 32- and 64-row tiles keep ptxas's count and one CTA per SM: asked for two, some
+        spill (d=64's bf16 32-row paged tile 74 spill instructions)."""
+        two = self.tile_m == 16 or (self.tile_m == 32 and self.mma_dtype == "bf16" and self.head_dim == 128)
         # widen_regs: the ring is the CTA's only tiles in shared memory, and 6 stages of it leave room for two
         if self.kv_fp8 and not self.widen_warps and (self.num_stages <= 3 or self.widen_regs) and two:
             return E4M3_WAVE_CTAS_PER_SM

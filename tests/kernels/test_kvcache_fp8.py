@@ -100,13 +100,13 @@ def test_an_e4m3_cache_splits_in_chunks_of_at_most_a_mebibyte():
 
 
 def test_the_e4m3_split_model_counts_the_ctas_an_sm_runs():
-    """The split model plans waves of min_ctas_per_sm: two for 16-row tiles (built for two), one for 32- and 64-row
-    tiles (GQA 32 and 64), which ptxas gives more registers than two CTAs leave, or which ran slower asked for
-    two (bf16 MMAs' 32-row d=128 tiles). At 132 groups on 132 SMs a launch of two resident CTAs
+    """The split model plans waves of min_ctas_per_sm: two for 16-row tiles (built for two) and bf16 MMAs'
+    32-row d=128 tiles (asked, ptxas fits both), one for fp16 32-row and all 64-row tiles (GQA 32 and 64), which
+    ptxas gives more registers than two CTAs leave. At 132 groups on 132 SMs a launch of two resident CTAs
     splits in two (one wave of two CTAs an SM), one of a single CTA does not (a second wave)."""
     assert attention_decode_plan.choose_splits(132, 64, 16384, 132, kv_fp8=True) == (2, 32)
     assert attention_decode_plan.choose_splits(132, 64, 16384, 132, kv_fp8=True, ctas_per_sm=1) == (1, 64)
-    for dtype, heads, tile_m, resident in (("bf16", (32, 8), 16, 2), ("fp16", (32, 8), 16, 2), ("bf16", (32, 1), 32, 1),
+    for dtype, heads, tile_m, resident in (("bf16", (32, 8), 16, 2), ("fp16", (32, 8), 16, 2), ("bf16", (32, 1), 32, 2),
                                            ("fp16", (32, 1), 32, 1), ("bf16", (64, 1), 64, 1)):
         for batch in (2, 16, 64, 132):
             shape = D.Shape(batch=batch, seqlen_kv=4096, heads_q=heads[0], heads_kv=heads[1], dtype=dtype)
@@ -198,7 +198,7 @@ def test_append_compiles_to_e4m3_stores(fresh_cache, cfg, tmp_path):
 _ATTENTION = [D.DecodeConfig(128, "bf16", 16, varlen=True, kv_fp8=True),
               D.DecodeConfig(128, "fp16", 16, varlen=True, kv_fp8=True),  # ptxas alone: 169 registers, one CTA an SM
               D.DecodeConfig(128, "bf16", 16, varlen=True, page_rows=16, kv_fp8=True),
-              D.DecodeConfig(128, "bf16", 32, varlen=True, kv_fp8=True),  # bf16 MMAs, one CTA an SM
+              D.DecodeConfig(128, "bf16", 32, varlen=True, kv_fp8=True),  # two CTAs an SM
               D.DecodeConfig(128, "bf16", 32, varlen=True, page_rows=64, kv_fp8=True, num_stages=2),
               D.DecodeConfig(128, "fp16", 64, varlen=True, page_rows=64, kv_fp8=True),
               D.DecodeConfig(64, "bf16", 32, varlen=True, page_rows=16, kv_fp8=True),
