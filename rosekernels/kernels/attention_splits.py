@@ -1,6 +1,7 @@
-"""Device code of the split-KV decode kernel's splits (attention_decode): a CTA's rows stored as they are
-(one split) or as an fp32 partial with its lse in the workspace, and the combine of a group's partials by
-the last of its splits to arrive. The kernel class inherits these methods.
+"""Device code of the split-KV decode kernel's epilogue (attention_decode): the merge of the warps that took
+slices of the same rows' keys, a CTA's rows stored as they are (one split) or as an fp32 partial with its lse in
+the workspace, and the combine of a group's partials by the last of its splits to arrive. The kernel class
+inherits these methods.
 
 The combine is run-to-run deterministic: whichever CTA arrives last, it reads the partials in split order.
 A group's counter in the workspace counts the arrivals and is reset by the combining CTA for the next
@@ -20,6 +21,49 @@ COMBINE_BATCH = 8  # splits whose partials the combine loads at once
 
 class SplitRows:
     """The split-KV epilogue's device methods (a mixin of the decode kernel class)."""
+
+    @cute.jit
+    def merge_key_slices(self, acc_O, row_max, row_sum, tScS, storage, scale_log2, tidx, rb, ks, thr_mma):
+        """Fold the key slices of each row block into the warp with ks == 0, in slice order."""
+        n_rows = cute.size(row_max)
+        stats = cute.make_tensor(storage.row_stats.data_ptr(), cute.make_layout((self.tile_m, self.ks, 2)))
+        if tidx % 4 == 0:
+            for r in cutlass.range_constexpr(n_rows):
+                row = rb * 16 + tScS[r, 0][0]
+                stats[row, ks, 0] = row_max[r]
+                stats[row, ks, 1] = row_sum[r]
+        # Every warp is done with the K/V ring (and its loads have landed): reuse it as fp32 scratch.
+        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=32 * MMA_WARPS)
+        O = acc_rows(acc_O)
+        for r in cutlass.range_constexpr(n_rows):
+            row = rb * 16 + tScS[r, 0][0]
+            mx = stats[row, 0, 0]
+            for j in cutlass.range_constexpr(1, self.ks):
+                mx = cute.arch.fmax(mx, stats[row, j, 0])
+            mx_safe = 0.0 if mx == -Float32.inf else mx
+            total = Float32(0.0)
+            for j in cutlass.range_constexpr(self.ks):
+                total = total + stats[row, j, 1] * cute.math.exp2((stats[row, j, 0] - mx_safe) * scale_log2,
+                                                                  fastmath=True)
+            factor = cute.math.exp2((row_max[r] - mx_safe) * scale_log2, fastmath=True)
+            for c in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                O[r, c] = O[r, c] * factor
+            row_max[r] = mx
+            row_sum[r] = total
+        scratch_layout = cute.make_layout((16, self.d, self.ks - 1, self.tile_m // 16),
+                                          stride=(self.scratch_stride, 1, 16 * self.scratch_stride,
+                                                  16 * self.scratch_stride * (self.ks - 1)))
+        scratch = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr(), dtype=Float32), scratch_layout)
+        if ks > 0:
+            mine = thr_mma.partition_C(scratch[None, None, ks - 1, rb])
+            for i in cutlass.range_constexpr(cute.size(acc_O)):
+                mine[i] = acc_O[i]
+        cute.arch.barrier(barrier_id=BAR_MMA, number_of_threads=32 * MMA_WARPS)
+        if ks == 0:
+            for j in cutlass.range_constexpr(self.ks - 1):
+                theirs = thr_mma.partition_C(scratch[None, None, j, rb])
+                for i in cutlass.range_constexpr(cute.size(acc_O)):
+                    acc_O[i] = acc_O[i] + theirs[i]
 
     @cute.jit
     def store_rows(self, acc_O, row_max, row_sum, thr_mma, cols, mO, mLSE, mOp, mLSEp, scale_log2, num_splits,
