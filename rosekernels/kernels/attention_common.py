@@ -72,41 +72,39 @@ def acc_as_a(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, layout)
 
 
+def _asm_i32(ptx: str, constraints: str, args: list, loc, ip) -> Int32:
+    """One 32-bit register out of an inline PTX instruction (`constraints`: its output's, then its inputs')."""
+    return Int32(llvm.inline_asm(T.i32(), [a.ir_value(loc=loc, ip=ip) for a in args], ptx, constraints,
+                                 has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                                 loc=loc, ip=ip))
+
+
 @dsl_user_op
 def cvt_pair(lo: Float32, hi: Float32, to: cutlass.Constexpr, *, loc=None, ip=None) -> Int32:
     """Two fp32 -> one packed bf16x2/f16x2 register (cvt.rn puts its first source in the high half)."""
     kind = "bf16x2" if to is cutlass.BFloat16 else "f16x2"
-    return Int32(llvm.inline_asm(
-        T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
-        f"cvt.rn.{kind}.f32 $0, $1, $2;", "=r,f,f",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return _asm_i32(f"cvt.rn.{kind}.f32 $0, $1, $2;", "=r,f,f", [Float32(hi), Float32(lo)], loc, ip)
 
 
 @dsl_user_op
 def byte_perm(a: Int32, b: Int32, selector: cutlass.Constexpr, *, loc=None, ip=None) -> Int32:
     """prmt.b32: byte i of the result is byte (selector >> 4 i) & 7 of the eight bytes of a (0-3) and b (4-7)."""
-    return Int32(llvm.inline_asm(
-        T.i32(), [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
-        f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return _asm_i32(f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r", [Int32(a), Int32(b)], loc, ip)
 
 
 @dsl_user_op
 def e4m3x2_to_f16x2(word: Int32, high: cutlass.Constexpr, *, loc=None, ip=None) -> Int32:
     """The low (or `high`) two e4m3 bytes of `word` as f16x2, the lower byte into the lower half: one conversion,
     which reads the upper half in place (an extract first, when the DSL's vector conversion does it)."""
-    return Int32(llvm.inline_asm(
-        T.i32(), [Int32(word).ir_value(loc=loc, ip=ip)],
-        f"{{ .reg .b16 lo, hi; mov.b32 {{lo, hi}}, $1; cvt.rn.f16x2.e4m3x2 $0, {'hi' if high else 'lo'}; }}",
-        "=r,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    half = "hi" if high else "lo"
+    return _asm_i32(f"{{ .reg .b16 lo, hi; mov.b32 {{lo, hi}}, $1; cvt.rn.f16x2.e4m3x2 $0, {half}; }}", "=r,r",
+                    [Int32(word)], loc, ip)
 
 
 @dsl_user_op
 def opaque(word: Int32, *, loc=None, ip=None) -> Int32:
     """`word` through an instruction the compilers cannot see through, so that what made it stays where it was made."""
-    return Int32(llvm.inline_asm(
-        T.i32(), [Int32(word).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return _asm_i32("mov.b32 $0, $1;", "=r,r", [Int32(word)], loc, ip)
 
 
 @cute.jit
@@ -143,11 +141,12 @@ def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.
 
 @cute.jit
 def warp_mma(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
-             tBs: cute.Tensor, copy_B: cute.TiledCopy):
-    """acc += A @ B for one warp: A in registers, B loaded from shared memory one k block at a time."""
-    tB_view = copy_B.retile(tB)
+             tBs: cute.Tensor | None = None, copy_B: cute.TiledCopy | None = None):
+    """acc += A @ B for one warp: A in registers, B loaded from shared memory (`tBs`, by `copy_B`) one k block at
+    a time, or in registers already (tBs None)."""
     for kb in cutlass.range_constexpr(cute.size(tB.shape[2])):
-        cute.copy(copy_B, tBs[None, None, kb], tB_view[None, None, kb])
+        if cutlass.const_expr(tBs is not None):
+            cute.copy(copy_B, tBs[None, None, kb], copy_B.retile(tB)[None, None, kb])
         cute.gemm(tiled_mma, acc, tA[None, None, kb], tB[None, None, kb], acc)
 
 

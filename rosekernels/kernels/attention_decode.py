@@ -326,9 +326,7 @@ class _DecodeAttentionSm90(SplitRows):
                     self.clear_v_tail(sV, stage, seqlen_k - t * self.tile_n, ks, lane)
             acc_S.fill(0.0)
             if cutlass.const_expr(regs):
-                rK = self.widened_k(rK8)
-                for kb in cutlass.range_constexpr(cute.size(rK, mode=[2])):
-                    cute.gemm(tiled_mma, acc_S, tSrQ[None, None, kb], rK[None, None, kb], acc_S)
+                warp_mma(tiled_mma, acc_S, tSrQ, self.widened_k(rK8))
             else:
                 warp_mma(tiled_mma, acc_S, tSrQ, tSrK, tSsK[None, None, None, stage], copy_K)
             if cutlass.const_expr(self.cfg.paged):
@@ -379,10 +377,7 @@ class _DecodeAttentionSm90(SplitRows):
             rP.store(acc_S.load().to(self.mma_dtype))
             if cutlass.const_expr(regs):
                 self.zero_tail(rV8, tVcV, ks * self.warp_keys, seqlen_k - t * self.tile_n)
-                rV = self.widened_v(rV8)
-                tP = acc_as_a(rP)
-                for kb in cutlass.range_constexpr(cute.size(rV, mode=[2])):
-                    cute.gemm(tiled_mma, acc_O, tP[None, None, kb], rV[None, None, kb], acc_O)
+                warp_mma(tiled_mma, acc_O, acc_as_a(rP), self.widened_v(rV8))
             else:
                 warp_mma(tiled_mma, acc_O, acc_as_a(rP), tOrV, tOsV[None, None, None, stage], copy_V)
             if cutlass.const_expr(fp8 is None):  # (an e4m3 tile's stage went back once widened or loaded)
