@@ -1,0 +1,79 @@
+"""tools/gpu_ab.sh: a branch and its base (the branch's tree with a patch reversed) run a command in turns (no GPU)."""
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "gpu_ab.sh"
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=repo, check=True,
+                          capture_output=True, text=True).stdout
+
+
+def ab(repo: Path, tmp: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", "AB_BASE": str(tmp / "base"), "AB_LOGS": str(tmp / "logs")}
+    return subprocess.run(["bash", str(repo / "tools" / "gpu_ab.sh"), *args], cwd=tmp, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def repo(tmp_path):
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    r = tmp_path / "r"
+    (r / "tools").mkdir(parents=True)
+    shutil.copy(SCRIPT, r / "tools" / "gpu_ab.sh")
+    (r / "k.py").write_text("speed = 1\n")
+    (r / "same.txt").write_text("unchanged\n")
+    git(r, "init", "-q")
+    git(r, "add", "-A")
+    git(r, "commit", "-q", "-m", "base")
+    (r / "k.py").write_text("speed = 2\n")
+    (r / "new.py").write_text("added = True\n")
+    git(r, "add", "-A")
+    git(r, "commit", "-q", "-m", "branch")
+    (tmp_path / "x.patch").write_text(git(r, "diff", "HEAD~1", "HEAD"))
+    (r / ".gpu").mkdir()  # a bundle: not copied into the base
+    (r / ".gpu" / "bundle.xz").write_bytes(b"\0" * 100)
+    return r
+
+
+def test_the_arms_alternate_each_on_its_own_tree(repo, tmp_path):
+    order = tmp_path / "order"
+    cmd = f'echo "$ARM $ROUND" >> {order}; cat k.py; ls new.py .gpu 2>&1; echo "cache $ROSEKERNELS_CACHE_DIR"'
+    run = ab(repo, tmp_path, str(tmp_path / "x.patch"), "2", cmd)
+    assert run.returncode == 0, run.stderr
+    assert order.read_text().split("\n")[:-1] == ["base 1", "branch 1", "base 2", "branch 2"]
+    for r in (1, 2):
+        base = (tmp_path / "logs" / f"ab_base_{r}.log").read_text()
+        branch = (tmp_path / "logs" / f"ab_branch_{r}.log").read_text()
+        assert "speed = 1" in base and "speed = 2" not in base and "No such file" in base  # new.py, .gpu absent
+        assert "speed = 2" in branch and "new.py" in branch and "No such file" not in branch
+        assert "cache /tmp/ab_cache_base" in base and "cache /tmp/ab_cache_branch" in branch
+    assert "== branch, round 2: exit 0" in run.stdout
+    assert (repo / "k.py").read_text() == "speed = 2\n"  # the branch's tree is left as it was
+
+
+def test_a_failing_run_fails_the_call_and_the_others_still_run(repo, tmp_path):
+    run = ab(repo, tmp_path, str(tmp_path / "x.patch"), "1", '[ "$ARM" = branch ]')
+    assert run.returncode == 1
+    assert "== base, round 1: exit 1" in run.stdout and "== branch, round 1: exit 0" in run.stdout
+
+
+@pytest.mark.parametrize("args", [("missing.patch", "1", "true"), ("x.patch", "0", "true"), ("x.patch", "two", "true"),
+                                  ("x.patch", "1")])
+def test_bad_arguments_run_nothing(repo, tmp_path, args):
+    args = (str(tmp_path / args[0]), *args[1:])
+    run = ab(repo, tmp_path, *args)
+    assert run.returncode == 2 and "usage" in run.stderr
+    assert not (tmp_path / "base").exists() and not (tmp_path / "logs").exists()
+
+
+def test_a_patch_that_does_not_reverse_runs_nothing(repo, tmp_path):
+    (repo / "k.py").write_text("speed = 3\n")  # the tree is not the patch's branch
+    run = ab(repo, tmp_path, str(tmp_path / "x.patch"), "1", f"touch {tmp_path / 'ran'}")
+    assert run.returncode == 2 and "does not reverse" in run.stderr
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "base").exists()

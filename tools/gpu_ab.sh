@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# A branch against its base in one GPU call. The carried tree is the branch; its base is rebuilt in $AB_BASE
+# (default /tmp/ab_base) from a copy of the tree with PATCH reversed (`git diff main...BRANCH -- rosekernels
+# tests > .gpu-ab/x.patch`, made before the call). CMD (one string, run by bash) runs ROUNDS times in each tree,
+# base then branch, with ARM (base / branch) and ROUND exported and a compile cache of its own arm, so clock and
+# power drift reach both arms alike. A CMD that times a peer beside itself in the same process (bench/fp8.py,
+# bench/attention.py, ...) gives ratios that compare across the processes. Each run's output goes to
+# $AB_LOGS/ab_<arm>_<round>.log (default $OUT) and its last lines to the terminal.
+#   tools/gpu_ab.sh PATCH ROUNDS CMD
+#   tools/gpu_ab.sh .gpu-ab/fp8-poll.patch 2 'tools/gpu_env.sh python3 bench/fp8.py --quick --out $OUT/${ARM}_$ROUND'
+# Exit status: 0 every run passed, 1 a run failed (the others still ran), 2 bad arguments or a patch that does
+# not reverse onto the tree (nothing run).
+set -uo pipefail
+if [ $# -ne 3 ] || ! [ -f "$1" ] || ! [[ "$2" =~ ^[1-9][0-9]*$ ]]; then
+  echo "usage: tools/gpu_ab.sh PATCH ROUNDS CMD (PATCH a file, ROUNDS >= 1)" >&2; exit 2
+fi
+patch=$(realpath "$1") rounds=$2 cmd=$3
+cd "$(dirname "$0")/.."
+branch=$PWD base=${AB_BASE:-/tmp/ab_base} logs=${AB_LOGS:-${OUT:-$PWD}}
+reverse() {  # reverse the patch in the current directory ($1: --check for a dry run)
+  if command -v patch >/dev/null; then patch -R -p1 -s -f ${1:+--dry-run} < "$patch" >/dev/null
+  else git apply -R ${1:+--check} "$patch"; fi
+}
+reverse --check || { echo "gpu_ab: $1 does not reverse onto this tree" >&2; exit 2; }
+rm -rf "$base" && mkdir -p "$base" "$logs"
+# The bundles and caches stay out of the copy: gpu_env.sh finds what they installed in /tmp/site.
+tar cf - --exclude=./.gpu --exclude=./.whl --exclude='./.gpu-*' --exclude=./.gpu_suite --exclude=./.git . \
+  | tar xf - -C "$base"
+(cd "$base" && reverse) || { echo "gpu_ab: reversing $1 failed in $base" >&2; exit 2; }
+status=0
+for round in $(seq 1 "$rounds"); do
+  for arm in base branch; do
+    dir=$base; [ "$arm" = branch ] && dir=$branch
+    log=$logs/ab_${arm}_$round.log
+    (cd "$dir" && ARM=$arm ROUND=$round ROSEKERNELS_CACHE_DIR=/tmp/ab_cache_$arm bash -c "$cmd") > "$log" 2>&1
+    rc=$?
+    echo "== $arm, round $round: exit $rc ($log)"; tail -n 5 "$log"
+    [ $rc -eq 0 ] || status=1
+  done
+done
+exit $status
