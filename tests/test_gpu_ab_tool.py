@@ -1,16 +1,9 @@
 """tools/gpu_ab.sh: a branch and its base (the branch's tree with a patch reversed) run a command in turns (no GPU)."""
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "gpu_ab.sh"
-
-
-def git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=repo, check=True,
-                          capture_output=True, text=True).stdout
+from tool_repo import git, tool_repo
 
 
 def ab(repo: Path, tmp: Path, *args: str) -> subprocess.CompletedProcess:
@@ -21,16 +14,7 @@ def ab(repo: Path, tmp: Path, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def repo(tmp_path):
-    if shutil.which("git") is None:
-        pytest.skip("needs git")
-    r = tmp_path / "r"
-    (r / "tools").mkdir(parents=True)
-    shutil.copy(SCRIPT, r / "tools" / "gpu_ab.sh")
-    (r / "k.py").write_text("speed = 1\n")
-    (r / "same.txt").write_text("unchanged\n")
-    git(r, "init", "-q")
-    git(r, "add", "-A")
-    git(r, "commit", "-q", "-m", "base")
+    r = tool_repo(tmp_path, "gpu_ab.sh", {"k.py": "speed = 1\n", "same.txt": "unchanged\n"})
     (r / "k.py").write_text("speed = 2\n")
     (r / "new.py").write_text("added = True\n")
     git(r, "add", "-A")

@@ -1,15 +1,9 @@
 """tools/gpu_slim.sh: what a fresh GPU host's first call leaves out of the tree, and back (no GPU)."""
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "gpu_slim.sh"
-
-
-def git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout
+from tool_repo import git, tool_repo
 
 
 def slim(repo: Path, what: str) -> subprocess.CompletedProcess:
@@ -19,21 +13,11 @@ def slim(repo: Path, what: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def repo(tmp_path):
-    if shutil.which("git") is None:
-        pytest.skip("needs git")
-    r = tmp_path / "r"
-    for f in ("rosekernels/x.py", "rosekernels/tuned_entries/e/meta.json", "tests/test_a.py", "README.md",
-              "bench/results/sip/t.json", "bench/b.py"):
-        (r / f).parent.mkdir(parents=True, exist_ok=True)
-        (r / f).write_text(f"{f}\n")
-    (r / "tools").mkdir()
-    shutil.copy(SCRIPT, r / "tools" / "gpu_slim.sh")
+    files = ("rosekernels/x.py", "rosekernels/tuned_entries/e/meta.json", "tests/test_a.py", "README.md",
+             "bench/results/sip/t.json", "bench/b.py")
+    r = tool_repo(tmp_path, "gpu_slim.sh", {**{f: f"{f}\n" for f in files}, ".gitignore": ".gpu/\n"})
     (r / ".gpu").mkdir()
     (r / ".gpu" / "bundle.xz").write_bytes(b"\0" * 1000)
-    (r / ".gitignore").write_text(".gpu/\n")
-    git(r, "init", "-q")
-    git(r, "-c", "user.email=t@t", "-c", "user.name=t", "add", "-A")
-    git(r, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", "c")
     return r
 
 

@@ -7,19 +7,21 @@
 # bench/attention.py, ...) gives ratios that compare across the processes. Each run's output goes to
 # $AB_LOGS/ab_<arm>_<round>.log (default $OUT) and its last lines to the terminal.
 #   tools/gpu_ab.sh PATCH ROUNDS CMD
-#   tools/gpu_ab.sh .gpu-ab/fp8-poll.patch 2 'tools/gpu_env.sh python3 bench/fp8.py --quick --out $OUT/${ARM}_$ROUND'
+#   AB_LOGS=/tmp/ab tools/gpu_ab.sh .gpu-ab/fp8-poll.patch 2 \
+#     'tools/gpu_env.sh python3 bench/fp8.py --quick --out /tmp/ab/${ARM}_$ROUND'; tar cJf $OUT/ab.tar.xz -C /tmp ab
+#   (a call returns at most 8 files: the arms' results go back as one tarball)
 # Exit status: 0 every run passed, 1 a run failed (the others still ran), 2 bad arguments or a patch that does
 # not reverse onto the tree (nothing run).
 set -uo pipefail
 if [ $# -ne 3 ] || ! [ -f "$1" ] || ! [[ "$2" =~ ^[1-9][0-9]*$ ]]; then
   echo "usage: tools/gpu_ab.sh PATCH ROUNDS CMD (PATCH a file, ROUNDS >= 1)" >&2; exit 2
 fi
-patch=$(realpath "$1") rounds=$2 cmd=$3
+patch_file=$(realpath "$1") rounds=$2 cmd=$3
 cd "$(dirname "$0")/.."
 branch=$PWD base=${AB_BASE:-/tmp/ab_base} logs=${AB_LOGS:-${OUT:-$PWD}}
 reverse() {  # reverse the patch in the current directory ($1: --check for a dry run)
-  if command -v patch >/dev/null; then patch -R -p1 -s -f ${1:+--dry-run} < "$patch" >/dev/null
-  else git apply -R ${1:+--check} "$patch"; fi
+  if command -v patch >/dev/null; then patch -R -p1 -s -f ${1:+--dry-run} < "$patch_file" >/dev/null
+  else git apply -R ${1:+--check} "$patch_file"; fi
 }
 reverse --check || { echo "gpu_ab: $1 does not reverse onto this tree" >&2; exit 2; }
 rm -rf "$base" && mkdir -p "$base" "$logs"
