@@ -76,12 +76,13 @@ class Fp8Tiles:
             self._fp8_row_scales(row_s, mScaleA, tCcD, tile_m, None)
             self._fp8_col_scales(col_s, mScaleB, tCcD, tile_n, None)
         tokens = col_s if const_expr(self.swap) else row_s  # the side whose block scales vary per row
+        ready = ab_pipeline.consumer_try_wait(read_state)
         for k in cutlass.range(k_count, unroll=1):
             if const_expr(not rowcol):
                 # The k-tile is a scale block of K: its scales are loaded before the data is waited for and
                 # used once the WGMMAs are done, so that the wait and the MMAs hide their latency.
                 w = self._fp8_block_scales(tokens, mScaleA, mScaleB, tCcD, tile_m, tile_n, k_begin + k)
-            ab_pipeline.consumer_wait(read_state)
+            ab_pipeline.consumer_wait(read_state, ready)
             if const_expr(self.stagger):
                 cute.arch.barrier(barrier_id=turn_barrier + wg_idx, number_of_threads=256)
             warpgroup.fence()  # part was read by the promotion: order it before the WGMMAs write it
@@ -94,6 +95,10 @@ class Fp8Tiles:
             if const_expr(self.stagger):
                 cute.arch.barrier_arrive(barrier_id=turn_barrier + 1 - wg_idx, number_of_threads=256)
             read_state.advance()
+            # Poll the next stage's barrier while the chain runs: its answer is there when the promotion
+            # ends, and the next chain issues without a blocking wait (the poll's latency and, once
+            # it fails, a sleep) between the last FADD and the first WGMMA.
+            ready = ab_pipeline.consumer_try_wait(read_state)
             warpgroup.wait_group(0)
             if k > 0:
                 ab_pipeline.consumer_release(release_state)
