@@ -6,9 +6,9 @@ Hopper's FP8 WGMMA adds its products into the accumulator with limited precision
 than fp32: over K = 16384 the error grows well past bf16's rounding). So each k-tile (128 elements of K)
 is multiplied into a second accumulator, `part`, by a fresh WGMMA chain, and once that chain is done
 (wait_group 0) `part` is added into the fp32 accumulator with the CUDA cores: FADDs (`rowcol` scales) or
-FFMAs by the k-tile's scales (`block`: a's 1 x 128 group of each row times w's 128 x 128 block). The
-stage is released one k-tile behind, as the bf16 mainloop does, so the kernel's common code releases the
-last one. `rowcol` scales multiply the accumulator once after the mainloop: a's per row (tokens, or the
+FFMAs by the k-tile's scales (`block`: a's 1 x 128 group of each row times w's 128 x 128 block). A
+stage is released as soon as its chain is done, and the next stage's barrier is polled while the chain
+runs (cuBLAS's FP8 kernel does both); the kernel's common code releases a unit's last stage. `rowcol` scales multiply the accumulator once after the mainloop: a's per row (tokens, or the
 one per-tensor value broadcast with stride 0) times w's per row (output channels, or per tensor).
 
 Scales are read from global memory by each thread for the rows and columns of its accumulator fragment,
@@ -100,7 +100,10 @@ class Fp8Tiles:
             # it fails, a sleep) between the last FADD and the first WGMMA.
             ready = ab_pipeline.consumer_try_wait(read_state)
             warpgroup.wait_group(0)
-            if k > 0:
+            if k + 1 < k_count:
+                # The chain is done with its stage (wait_group 0): give it back now, not one k-tile later
+                # as the bf16 mainloop must (it keeps a chain in flight), so the ring keeps every stage
+                # in flight. The kernel's common code releases the last one.
                 ab_pipeline.consumer_release(release_state)
                 release_state.advance()
             if const_expr(rowcol):
