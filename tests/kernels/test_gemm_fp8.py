@@ -105,6 +105,12 @@ def test_compiles_with_fp8_wgmma_and_promotion(fresh_cache, cfg, tmp_path):
     last = max(i for i, line in enumerate(lines) if line.startswith("QGMMA"))
     wait = next(i for i in range(last, len(lines)) if lines[i].startswith("WARPGROUP.DEPBAR"))
     assert lines[wait] == "WARPGROUP.DEPBAR.LE gsb0, 0x0", lines[wait]
+    # While the chain runs, the next stage's full barrier is polled (its answer decides, after the promotion,
+    # whether the next chain must wait), and the stage is released as soon as the chain is done, before the
+    # promotion: as cuBLAS's FP8 kernel does (bench/results/gemm/sweeps/fp8_prefill_ncu_h100.md).
+    assert any(line.startswith("SYNCS.PHASECHK.TRANS64.TRYWAIT") for line in lines[last:wait]), lines[last:wait + 1]
+    first_promotion = next(i for i in range(wait, len(lines)) if lines[i].split()[0] == promotion)
+    assert any(line.startswith("SYNCS.ARRIVE") for line in lines[wait:first_promotion]), lines[wait:first_promotion]
     # stagger: the warpgroup takes its turn (BAR.SYNC) before the k-tile's first WGMMA and hands it over
     # (BAR.ARV) after the last one, before it waits for them, on the other barrier of the pair (ids in two
     # registers: 3 + its warpgroup, 4 - it), both warpgroups counted (256 threads); warpgroup 0 has had
