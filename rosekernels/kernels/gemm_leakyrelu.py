@@ -430,8 +430,12 @@ class _GemmLeakyReluSm90(GroupedTiles, Fp8Tiles):
             t = tidx - slot * self.epi_threads  # thread index within the tile's warpgroups
             epi_warp = slot * 4  # its first warp issues the TMA stores
             thr_mma = tiled_mma.get_slice(t)
-            tCsA = thr_mma.partition_A(sA)
-            tCsB = thr_mma.partition_B(sB)
+            # A and B come from shared memory whole to the warpgroup: sliced by its first thread, from a
+            # warp-uniform index, their WGMMA descriptors stay in uniform registers (sliced by t, each
+            # WGMMA copied them from vector registers first).
+            wg_mma = tiled_mma.get_slice((wg_idx - slot) * 128)
+            tCsA = wg_mma.partition_A(sA)
+            tCsB = wg_mma.partition_B(sB)
             tCrA = tiled_mma.make_fragment_A(tCsA)
             tCrB = tiled_mma.make_fragment_B(tCsB)
             # Tile coordinates of each accumulator element: the bias column (swapped: row).
