@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rosekernels
-from kernel_sass import loop_instructions, loop_opcodes, sass_of
+from kernel_sass import descriptor_copies, loop_instructions, loop_opcodes, sass_of
 from rosekernels import checks, fp8
 from rosekernels.kernels import gemm_fp8 as gk
 from rosekernels.kernels import gemm_fp8_plan as plan
@@ -93,6 +93,8 @@ def test_compiles_with_fp8_wgmma_and_promotion(fresh_cache, cfg, tmp_path):
     assert after.count(promotion) >= elements, (promotion, after.count(promotion), elements)
     if cfg.scales == "block":
         assert "LDG.E" in loop[:qgmma[0]], "the k-tile's scales are loaded before its WGMMAs"
+    copies, wgmmas = descriptor_copies(sass, "QGMMA")
+    assert copies < wgmmas, f"{cfg}: {copies} R2UR for {wgmmas} WGMMAs: descriptors copied a WGMMA"
     # One k-tile per promotion: each of the mma_m WGMMA chains starts from zero (no accumulator in: "RZ, !UPT")
     # and its other 3 WGMMAs accumulate into its registers; the promotion waits for all of them (wait_group 0)
     # and reads every register they wrote (a chain carried on into the next k-tile, or promoted before its
