@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from grid import sample
-from kernel_sass import descriptor_copies, sass_of
+from kernel_sass import sass_of
 import rosekernels
 from rosekernels import checks, launch, modes
 from rosekernels.kernels import grouped_gemm as gg
@@ -72,8 +72,6 @@ def _compile_and_inspect(cfg, tmp_path):
         assert "STG.E.U16" in found and "STSM" not in found, (cfg, found)
     else:  # through shared memory, then 16-byte stores of the group's rows (a TMA store would cross groups)
         assert {"STSM", "STG.E.128"} <= found and "UTMASTG" not in found, (cfg, found)
-    copies, wgmmas = descriptor_copies(sass, "HGMMA")
-    assert copies < wgmmas, f"{cfg}: {copies} R2UR for {wgmmas} WGMMAs: descriptors copied a WGMMA"
 
 
 @pytest.mark.parametrize("cfg", FAMILIES, ids=lambda c: c.variant().key())
