@@ -6,10 +6,12 @@ Hopper's FP8 WGMMA adds its products into the accumulator with limited precision
 than fp32: over K = 16384 the error grows well past bf16's rounding). So each k-tile (128 elements of K)
 is multiplied into a second accumulator, `part`, by a fresh WGMMA chain, and once that chain is done
 (wait_group 0) `part` is added into the fp32 accumulator with the CUDA cores: FADDs (`rowcol` scales) or
-FFMAs by the k-tile's scales (`block`: a's 1 x 128 group of each row times w's 128 x 128 block). The
-stage is released one k-tile behind, as the bf16 mainloop does, so the kernel's common code releases the
-last one. `rowcol` scales multiply the accumulator once after the mainloop: a's per row (tokens, or the
-one per-tensor value broadcast with stride 0) times w's per row (output channels, or per tensor).
+FFMAs by the k-tile's scales (`block`: a's 1 x 128 group of each row times w's 128 x 128 block). A
+stage is released as soon as its chain is done, and the next stage's barrier is polled while the chain
+runs (cuBLAS's FP8 kernel does both: bench/results/gemm/sweeps/fp8_prefill_ncu_h100.md); the kernel's
+common code releases a unit's last stage. `rowcol` scales multiply the accumulator once after the
+mainloop: a's per row (tokens, or the one per-tensor value broadcast with stride 0) times w's per row
+(output channels, or per tensor).
 
 Scales are read from global memory by each thread for the rows and columns of its accumulator fragment,
 before the data they scale is waited for (their latency hides under the TMA wait and the WGMMA). The
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Boolean, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from rosekernels.fp8 import BLOCK
@@ -76,12 +78,13 @@ class Fp8Tiles:
             self._fp8_row_scales(row_s, mScaleA, tCcD, tile_m, None)
             self._fp8_col_scales(col_s, mScaleB, tCcD, tile_n, None)
         tokens = col_s if const_expr(self.swap) else row_s  # the side whose block scales vary per row
+        ready = Boolean(False)  # the first k-tile waits; later ones were polled during the chain before
         for k in cutlass.range(k_count, unroll=1):
             if const_expr(not rowcol):
                 # The k-tile is a scale block of K: its scales are loaded before the data is waited for and
                 # used once the WGMMAs are done, so that the wait and the MMAs hide their latency.
                 w = self._fp8_block_scales(tokens, mScaleA, mScaleB, tCcD, tile_m, tile_n, k_begin + k)
-            ab_pipeline.consumer_wait(read_state)
+            ab_pipeline.consumer_wait(read_state, ready)
             if const_expr(self.stagger):
                 cute.arch.barrier(barrier_id=turn_barrier + wg_idx, number_of_threads=256)
             warpgroup.fence()  # part was read by the promotion: order it before the WGMMAs write it
@@ -94,8 +97,17 @@ class Fp8Tiles:
             if const_expr(self.stagger):
                 cute.arch.barrier_arrive(barrier_id=turn_barrier + 1 - wg_idx, number_of_threads=256)
             read_state.advance()
+            # Poll the next stage's barrier while the chain runs: its answer is there when the promotion
+            # ends, and the next chain issues without a blocking wait (the poll's latency and, once
+            # it fails, a sleep) between the last FADD and the first WGMMA. Not past the unit's last
+            # k-tile: try_wait may hold a thread until its time limit on a stage no producer fills.
+            if k + 1 < k_count:
+                ready = ab_pipeline.consumer_try_wait(read_state)
             warpgroup.wait_group(0)
-            if k > 0:
+            if k + 1 < k_count:
+                # The chain is done with its stage (wait_group 0): give it back now, not one k-tile later
+                # as the bf16 mainloop must (it keeps a chain in flight), so the ring keeps every stage
+                # in flight. The kernel's common code releases the last one.
                 ab_pipeline.consumer_release(release_state)
                 release_state.advance()
             if const_expr(rowcol):

@@ -430,8 +430,13 @@ class _GemmLeakyReluSm90(GroupedTiles, Fp8Tiles):
             t = tidx - slot * self.epi_threads  # thread index within the tile's warpgroups
             epi_warp = slot * 4  # its first warp issues the TMA stores
             thr_mma = tiled_mma.get_slice(t)
-            tCsA = thr_mma.partition_A(sA)
-            tCsB = thr_mma.partition_B(sB)
+            # A and B come whole to the warpgroup from shared memory. FP8: sliced at its first thread, from a
+            # warp-uniform index, so that their WGMMA descriptors stay in uniform registers (sliced at t, each
+            # WGMMA copied them over from vector registers first). bf16 keeps t's slice: the uniform one ran
+            # its large prefill GEMMs 2-6% slower on an H100 (DESIGN.md, "GEMM tiles").
+            wg_mma = tiled_mma.get_slice((wg_idx - slot) * 128) if const_expr(self.fp8) else thr_mma
+            tCsA = wg_mma.partition_A(sA)
+            tCsB = wg_mma.partition_B(sB)
             tCrA = tiled_mma.make_fragment_A(tCsA)
             tCrB = tiled_mma.make_fragment_B(tCsB)
             # Tile coordinates of each accumulator element: the bias column (swapped: row).

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rosekernels
-from kernel_sass import loop_instructions, loop_opcodes, sass_of
+from kernel_sass import descriptor_copies, loop_instructions, loop_opcodes, sass_of
 from rosekernels import checks, fp8
 from rosekernels.kernels import gemm_fp8 as gk
 from rosekernels.kernels import gemm_fp8_plan as plan
@@ -56,13 +56,14 @@ _CONFIGS += [c for c in gk.variants_for() if c not in _CONFIGS][:6]
 
 def _id_source(lines, at, reg):
     """What the barrier id in register `reg` at lines[at] comes from: the uniform register the loop last moved
-    into it, else the register itself."""
+    into it, else the loop's last other instruction writing it (ptxas short of registers recomputes both ids
+    into one from the thread index: `IADD3 R3, R3, 0x3` and `IADD3 R3, -R3, 0x4`), else the register itself."""
     for line in reversed(lines[:at]):
         moved = re.fullmatch(rf"MOV {reg}, (UR\d+)", line)
         if moved:
             return moved.group(1)
         if re.match(rf"\S+ {reg}\b", line):  # written some other way
-            break
+            return line
     return reg
 
 
@@ -92,6 +93,8 @@ def test_compiles_with_fp8_wgmma_and_promotion(fresh_cache, cfg, tmp_path):
     assert after.count(promotion) >= elements, (promotion, after.count(promotion), elements)
     if cfg.scales == "block":
         assert "LDG.E" in loop[:qgmma[0]], "the k-tile's scales are loaded before its WGMMAs"
+    copies, wgmmas = descriptor_copies(sass, "QGMMA")
+    assert copies < wgmmas, f"{cfg}: {copies} R2UR for {wgmmas} WGMMAs: descriptors copied a WGMMA"
     # One k-tile per promotion: each of the mma_m WGMMA chains starts from zero (no accumulator in: "RZ, !UPT")
     # and its other 3 WGMMAs accumulate into its registers; the promotion waits for all of them (wait_group 0)
     # and reads every register they wrote (a chain carried on into the next k-tile, or promoted before its
@@ -105,6 +108,14 @@ def test_compiles_with_fp8_wgmma_and_promotion(fresh_cache, cfg, tmp_path):
     last = max(i for i, line in enumerate(lines) if line.startswith("QGMMA"))
     wait = next(i for i in range(last, len(lines)) if lines[i].startswith("WARPGROUP.DEPBAR"))
     assert lines[wait] == "WARPGROUP.DEPBAR.LE gsb0, 0x0", lines[wait]
+    # While the chain runs, the next stage's full barrier is polled (its answer decides, after the promotion,
+    # whether the next chain must wait), as cuBLAS's FP8 kernel does (bench/results/gemm/sweeps/
+    # fp8_prefill_ncu_h100.md); a stage is released between the wait and the promotion. (Which stage, this
+    # k-tile's or the one before, the SASS does not show: the GPU tests' long-K and many-unit cases would
+    # hang or corrupt if a stage were released twice or early.)
+    assert any(line.startswith("SYNCS.PHASECHK.TRANS64.TRYWAIT") for line in lines[last:wait]), lines[last:wait + 1]
+    first_promotion = next(i for i in range(wait, len(lines)) if lines[i].split()[0] == promotion)
+    assert any(line.startswith("SYNCS.ARRIVE") for line in lines[wait:first_promotion]), lines[wait:first_promotion]
     # stagger: the warpgroup takes its turn (BAR.SYNC) before the k-tile's first WGMMA and hands it over
     # (BAR.ARV) after the last one, before it waits for them, on the other barrier of the pair (ids in two
     # registers: 3 + its warpgroup, 4 - it), both warpgroups counted (256 threads); warpgroup 0 has had
@@ -117,7 +128,7 @@ def test_compiles_with_fp8_wgmma_and_promotion(fresh_cache, cfg, tmp_path):
         (sync_id, sync_count), (arrive_id, arrive_count) = (line.split(None, 1)[1].split(", ")
                                                             for line in (syncs[0][1], arrives[0][1]))
         assert sync_count == arrive_count == "0x100" and sync_id.startswith("R") and arrive_id.startswith("R"), lines
-        # Two ids: two registers, or one register loaded from two uniform ones (ptxas does so when short of them).
+        # Two ids: two registers, or one register loaded from two uniform ones or computed twice (short of registers).
         assert _id_source(lines, syncs[0][0], sync_id) != _id_source(lines, arrives[0][0], arrive_id), lines
         assert re.search(r"BAR\.ARV 0x3, 0x100", sass[:sass.index("QGMMA")]), "warpgroup 0 is given no first turn"
     else:

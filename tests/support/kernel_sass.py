@@ -56,3 +56,13 @@ def loop_instructions(text: str, marker: str) -> list[str]:
         if ins.split()[0] == "BRA" and target in labels and labels[target] <= first:
             return [o for o, _ in instructions[labels[target]:i + 1]]
     raise AssertionError(f"no loop around {marker}")
+
+
+def descriptor_copies(text: str, marker: str) -> tuple[int, int]:
+    """(R2UR instructions, WGMMAs) in the mainloop around `marker` ("HGMMA" / "QGMMA"). A WGMMA takes its
+    shared-memory descriptors from uniform registers: made from a warp-uniform warpgroup index they are
+    computed there; made from a thread's index they live in vector registers, and every WGMMA copies its
+    pair over first (two R2UR each). Other R2URs count too (ptxas may keep a constant in a vector register),
+    so a test asks for fewer than one a WGMMA, not none."""
+    loop = loop_instructions(text, marker)
+    return sum(i.startswith("R2UR") for i in loop), sum(i.startswith(marker) for i in loop)
