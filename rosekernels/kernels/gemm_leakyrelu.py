@@ -27,9 +27,8 @@ One persistent, warp-specialized kernel serves every specialization:
   `griddepcontrol.wait` (the previous kernel in the stream may still run), and once its last
   mainloop is done lets the next kernel launch while it reduces and stores.
 
-Configs, shapes and the cost models that choose a tile shape and split count: `gemm_leakyrelu_plan`; the ops
-`gemm`, `gemm_leakyrelu`, `gate_up_rows` and `run(a, b_nk, bias, out, config)` (a given config): rosekernels/
-ops/gemm.py. The kernel-module contract (rosekernels.contract) exposes every variant to warm-up, tests and SIP.
+Configs, shapes and the cost models that choose a tile and split count: `gemm_leakyrelu_plan`; the ops (`gemm`,
+`gemm_leakyrelu`, `gate_up_rows`, `run` of a given config): rosekernels/ops/gemm.py. Contract: rosekernels.contract.
 """
 from __future__ import annotations
 
@@ -75,15 +74,13 @@ _MMA_ORDER_BARRIER = 3
 def _a_smem_layouts(cfg: GemmConfig, dtype, stages: int, tile_k: int = TILE_K):
     """(WGMMA view, TMA view) of the A stages in shared memory: K-major, 128-byte swizzle.
 
-    The WGMMA view keeps each stage a whole tile_m-row tile; the TMA view is its first a_rows
-    rows: in this layout (8-row swizzle atoms stacked along M) the stage's first a_rows * 128
-    bytes, i.e. the same atoms tiled to a_rows rows (a test checks that the views agree).
-    Stages start a_rows rows apart, so for a_rows < tile_m a stage's rows >= a_rows alias the
-    next stages' rows (or the tail's, never written): garbage, possibly NaN/Inf or being
-    written by TMA, that only reaches accumulator rows >= a_rows >= M, since row i of a product
-    depends on row i of A alone. Those rows are never stored (the TMA store clips at M,
-    partials hold rows < M), so it cannot reach a valid row. Stage offsets are multiples of
-    1024 bytes: the swizzle (a function of address bits 4-9) is the same in every stage.
+    The WGMMA view keeps each stage a whole tile_m-row tile; the TMA view is its first a_rows rows: in this
+    layout (8-row swizzle atoms stacked along M) the stage's first a_rows * 128 bytes (a test checks that the
+    views agree). Stages start a_rows rows apart, so for a_rows < tile_m a stage's rows >= a_rows alias the next
+    stages' rows (or the tail's): garbage, possibly NaN/Inf or being written by TMA, that only reaches
+    accumulator rows >= a_rows >= M (row i of a product depends on row i of A alone), which are never stored
+    (the TMA store clips at M, partials hold rows < M). Stage offsets are multiples of 1024 bytes: the swizzle
+    (a function of address bits 4-9) is the same in every stage.
     """
 
     def staged(rows: int):  # rows x tile_k per stage, stages a_rows rows apart
@@ -430,10 +427,8 @@ class _GemmLeakyReluSm90(GroupedTiles, Fp8Tiles):
             t = tidx - slot * self.epi_threads  # thread index within the tile's warpgroups
             epi_warp = slot * 4  # its first warp issues the TMA stores
             thr_mma = tiled_mma.get_slice(t)
-            # A and B come whole to the warpgroup from shared memory. FP8: sliced at its first thread, from a
-            # warp-uniform index, so that their WGMMA descriptors stay in uniform registers (sliced at t, each
-            # WGMMA copied them over from vector registers first). bf16 keeps t's slice: the uniform one ran
-            # its large prefill GEMMs 2-6% slower on an H100 (DESIGN.md, "GEMM tiles").
+            # FP8 slices A and B at the warpgroup's first thread (a warp-uniform index): WGMMA descriptors in
+            # uniform registers, not copied over from vector ones. bf16 keeps t's (DESIGN.md, "GEMM tiles").
             wg_mma = tiled_mma.get_slice((wg_idx - slot) * 128) if const_expr(self.fp8) else thr_mma
             tCsA = wg_mma.partition_A(sA)
             tCsB = wg_mma.partition_B(sB)
