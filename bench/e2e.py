@@ -18,13 +18,13 @@ arm's at B = 16 in graphs: "vs grouped_mm" in the decode table).
   eager: a DynamicCache, one forward per token as generate runs it (host time included: events around
   8 steps); graph: a StaticCache and one decode step captured in a CUDA graph per 8 steps, the arms'
   graphs replayed interleaved (timing.interleaved_graph_time_us). Caches are filled with random keys and
-  values instead of a prefill (the timing does not depend on them). With a static cache the attention
-  mask covers the whole cache, so the rosekernels arm's decode attention falls back to sdpa there (the
-  kernels take no per-sequence key length): "stats" in the JSON counts it. The graph rows add "stock
-  compiled", stock's fastest decode configuration: a static cache and torch.compile (Inductor's default
-  mode, compiled once in the warm-up; the step is then captured in the same CUDA graph as every arm, which
-  is what mode="reduce-overhead" would add); for the MoE model it compiles the batched_mm arm, the one
-  generate() decodes with.
+  values instead of a prefill (the timing does not depend on them). A static cache's mask covers the
+  whole cache; the rosekernels arm's decode attention reads each sequence's key count from it on the
+  device (hf.prefix_mask), in graphs too; "stats" in the JSON counts any call that fell back. The graph
+  rows add "stock compiled", stock's fastest decode configuration: a static cache and torch.compile
+  (Inductor's default mode, compiled once in the warm-up; the step is then captured in the same CUDA graph
+  as every arm, which is what mode="reduce-overhead" would add); for the MoE model it compiles the
+  batched_mm arm, the one generate() decodes with.
 - per-op device time of one eager decode step (B = 16) per arm (torch.profiler), kernels grouped by op.
 --quick: 2 layers, prefill S = 2048 only, decode B = 16 only, fewer rounds.
 """
