@@ -69,6 +69,8 @@ _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Fl
 # Named barrier ids (0 is __syncthreads; DESIGN.md lists every kernel's): epilogue groups 1..2, MMA order 3..4.
 _EPI_BARRIER = 1
 _MMA_ORDER_BARRIER = 3
+# Decode: weight bytes each CTA sends toward the L2 before the previous kernel ends (132 CTAs: 17 MB of the 50 MB).
+_PREFETCH_BYTES = 128 << 10
 
 
 def _a_smem_layouts(cfg: GemmConfig, dtype, stages: int, tile_k: int = TILE_K):
@@ -126,6 +128,9 @@ class _GemmLeakyReluSm90(GroupedTiles, Fp8Tiles):
         self.out_n = out_n(cfg)
         self.epi_tile = epi_tile(cfg)
         self.ab_stage, self.epi_stage = smem_stages(cfg, 4 * GROUP_TABLE_INTS if self.grouped else 0)
+        # Decode (split-K variants): the weights' k-tiles prefetched before griddepcontrol.wait, this CTA's slice of each.
+        weight_tile = (cfg.a_rows // self.mcast_a if self.swap else cfg.tile_n // self.mcast_b) * self.tile_k
+        self.prefetch_tiles = _PREFETCH_BYTES // (weight_tile * self.ab_dtype.width // 8) if cfg.split_k else 0
 
     # -----------------------------------------------------------------------------------------
     # Host side.
@@ -384,6 +389,19 @@ class _GemmLeakyReluSm90(GroupedTiles, Fp8Tiles):
         first_unit = cute.arch.block_idx()[2]
         unit_stride = cute.arch.grid_dim()[2]
 
+        if const_expr(self.prefetch_tiles > 0 and not self.grouped):
+            # A decode GEMM streams weights that no kernel before it writes in a forward: the first unit's first
+            # k-tiles head for the L2 while the previous kernel in the stream ends. A prefetch is a hint (no
+            # data moves into this CTA), so it stays correct whatever that kernel writes.
+            if warp_idx == self.load_warp and first_unit < units:
+                tile_m, tile_n, _, k_begin, k_count = self._work_unit(
+                    first_unit, num_splits, raster_group, clusters_m, clusters_n, k_tiles, cluster_coord
+                )
+                for k in cutlass.range(cutlass.min(k_count, self.prefetch_tiles), unroll=1):
+                    if const_expr(self.swap):
+                        cute.prefetch(tma_atom_a, tAgA[(None, tile_m, k_begin + k)])
+                    else:
+                        cute.prefetch(tma_atom_b, tBgB[(None, tile_n, k_begin + k)])
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_shape[:2])
         # Programmatic dependent launch: the set-up above may overlap the previous kernel in the
         # stream; every global access below waits for it to complete.

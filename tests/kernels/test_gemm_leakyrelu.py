@@ -68,6 +68,14 @@ def _compile_and_inspect(cfg, tmp_path):
     assert not {"LDL", "STL"} & ops, f"{cfg}: register spills"
     if cfg.split_k:  # split-K partials move as 16-byte vectors
         assert {"STG.E.128", "LDG.E.128"} <= ops, (cfg, ops)
+    # Decode (split-K) tiles send their first weight k-tiles toward the L2 before griddepcontrol.wait (ACQBULK);
+    # prefill tiles prefetch nothing.
+    prefetch, wait = sass.find("UTMAPF.L2"), sass.find("ACQBULK")
+    assert wait >= 0, f"{cfg}: no griddepcontrol.wait"
+    if cfg.split_k:
+        assert 0 <= prefetch < wait, f"{cfg}: no weight prefetch before griddepcontrol.wait"
+    else:
+        assert prefetch < 0, f"{cfg}: a prefill tile prefetches"
 
 
 @pytest.mark.parametrize("cfg", _QUICK, ids=lambda c: c.variant().key())
