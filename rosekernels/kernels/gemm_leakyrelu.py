@@ -69,8 +69,11 @@ _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Fl
 # Named barrier ids (0 is __syncthreads; DESIGN.md lists every kernel's): epilogue groups 1..2, MMA order 3..4.
 _EPI_BARRIER = 1
 _MMA_ORDER_BARRIER = 3
-# Decode: weight bytes each CTA sends toward the L2 before the previous kernel ends (132 CTAs: 17 MB of the 50 MB).
-_PREFETCH_BYTES = 128 << 10
+# Decode: weight bytes each CTA sends toward the L2 before the previous kernel ends (132 CTAs: 8.4 MB of the 50 MB;
+# 128 KB ran q and o at M = 1 2.5% slower than none, 64 KB 9% faster: fp8_decode_prefetch_h100).
+_PREFETCH_BYTES = 64 << 10
+# Tiles of more tokens prefetch only when K is split: whole-K units of 64 tokens ran 1-12% slower with it.
+_PREFETCH_TOKENS = 32
 
 
 def _a_smem_layouts(cfg: GemmConfig, dtype, stages: int, tile_k: int = TILE_K):
@@ -129,8 +132,12 @@ class _GemmLeakyReluSm90(GroupedTiles, Fp8Tiles):
         self.epi_tile = epi_tile(cfg)
         self.ab_stage, self.epi_stage = smem_stages(cfg, 4 * GROUP_TABLE_INTS if self.grouped else 0)
         # Decode (split-K variants): the weights' k-tiles prefetched before griddepcontrol.wait, this CTA's slice of each.
+        self.prefetch_unsplit = (cfg.tile_n if self.swap else cfg.a_rows) <= _PREFETCH_TOKENS
         weight_tile = (cfg.a_rows // self.mcast_a if self.swap else cfg.tile_n // self.mcast_b) * self.tile_k
-        self.prefetch_tiles = _PREFETCH_BYTES // (weight_tile * self.ab_dtype.width // 8) if cfg.split_k else 0
+        # K-major weights (nn.Linear's [N, K]) only: an N-major k-tile is several boxes, whose unrolled prefetches made
+        # a 128 x 240 tile spill.
+        self.prefetch_tiles = _PREFETCH_BYTES // (weight_tile * self.ab_dtype.width // 8) \
+            if cfg.split_k and cfg.b_major == "k" else 0
 
     # -----------------------------------------------------------------------------------------
     # Host side.
@@ -393,7 +400,7 @@ class _GemmLeakyReluSm90(GroupedTiles, Fp8Tiles):
             # A decode GEMM streams weights that no kernel before it writes in a forward: the first unit's first
             # k-tiles head for the L2 while the previous kernel in the stream ends. A prefetch is a hint (no
             # data moves into this CTA), so it stays correct whatever that kernel writes.
-            if warp_idx == self.load_warp and first_unit < units:
+            if warp_idx == self.load_warp and first_unit < units and (self.prefetch_unsplit or num_splits > 1):
                 tile_m, tile_n, _, k_begin, k_count = self._work_unit(
                     first_unit, num_splits, raster_group, clusters_m, clusters_n, k_tiles, cluster_coord
                 )

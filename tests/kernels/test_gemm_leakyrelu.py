@@ -68,11 +68,11 @@ def _compile_and_inspect(cfg, tmp_path):
     assert not {"LDL", "STL"} & ops, f"{cfg}: register spills"
     if cfg.split_k:  # split-K partials move as 16-byte vectors
         assert {"STG.E.128", "LDG.E.128"} <= ops, (cfg, ops)
-    # Decode (split-K) tiles send their first weight k-tiles toward the L2 before griddepcontrol.wait (ACQBULK);
-    # prefill tiles prefetch nothing.
+    # Decode (split-K) tiles of K-major weights send their first weight k-tiles toward the L2 before
+    # griddepcontrol.wait (ACQBULK); the others prefetch nothing.
     prefetch, wait = sass.find("UTMAPF.L2"), sass.find("ACQBULK")
     assert wait >= 0, f"{cfg}: no griddepcontrol.wait"
-    if cfg.split_k:
+    if cfg.split_k and cfg.b_major == "k":
         assert 0 <= prefetch < wait, f"{cfg}: no weight prefetch before griddepcontrol.wait"
     else:
         assert prefetch < 0, f"{cfg}: a prefill tile prefetches"
