@@ -69,10 +69,9 @@ _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Fl
 # Named barrier ids (0 is __syncthreads; DESIGN.md lists every kernel's): epilogue groups 1..2, MMA order 3..4.
 _EPI_BARRIER = 1
 _MMA_ORDER_BARRIER = 3
-# Decode: weight bytes each CTA sends toward the L2 before the previous kernel ends (132 CTAs: 8.4 MB of the 50 MB;
-# 128 KB ran q and o at M = 1 2.5% slower than none, 64 KB 9% faster: fp8_decode_prefetch_h100).
+# Decode: weight bytes each CTA sends toward the L2 before the previous kernel ends (132 CTAs: 8.7 MB of the 50 MB).
+# Tiles of more tokens prefetch only when K is split. Both from one H100 sweep (DESIGN.md, "GEMM tiles").
 _PREFETCH_BYTES = 64 << 10
-# Tiles of more tokens prefetch only when K is split: whole-K units of 64 tokens ran 1-12% slower with it.
 _PREFETCH_TOKENS = 32
 
 
@@ -133,7 +132,7 @@ class _GemmLeakyReluSm90(GroupedTiles, Fp8Tiles):
         self.ab_stage, self.epi_stage = smem_stages(cfg, 4 * GROUP_TABLE_INTS if self.grouped else 0)
         # Decode (split-K variants): the weights' k-tiles prefetched before griddepcontrol.wait, this CTA's slice of each.
         self.prefetch_unsplit = (cfg.tile_n if self.swap else cfg.a_rows) <= _PREFETCH_TOKENS
-        weight_tile = (cfg.a_rows // self.mcast_a if self.swap else cfg.tile_n // self.mcast_b) * self.tile_k
+        weight_tile = (cfg.tile_m // self.mcast_a if self.swap else cfg.tile_n // self.mcast_b) * self.tile_k
         # K-major weights (nn.Linear's [N, K]) only: an N-major k-tile is several boxes, whose unrolled prefetches made
         # a 128 x 240 tile spill.
         self.prefetch_tiles = _PREFETCH_BYTES // (weight_tile * self.ab_dtype.width // 8) \

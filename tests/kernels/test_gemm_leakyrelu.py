@@ -75,7 +75,7 @@ def _compile_and_inspect(cfg, tmp_path):
     if cfg.split_k and cfg.b_major == "k":
         assert 0 <= prefetch < wait, f"{cfg}: no weight prefetch before griddepcontrol.wait"
     else:
-        assert prefetch < 0, f"{cfg}: a prefill tile prefetches"
+        assert prefetch < 0, f"{cfg}: prefetches (a prefill tile, or N-major weights)"
 
 
 @pytest.mark.parametrize("cfg", _QUICK, ids=lambda c: c.variant().key())
