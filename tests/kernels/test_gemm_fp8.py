@@ -150,6 +150,7 @@ def test_a_smem_layouts_with_e4m3(a_rows):
     import cutlass.cute as cute
 
     from rosekernels.kernels import gemm_leakyrelu as glr
+    from rosekernels.kernels import gemm_splitk as splitk
 
     cfg = C(tile_m=64, tile_n=128, cluster_m=1, split_k=True, a_rows=a_rows)
     device = glr.GemmSm90(cfg)
@@ -160,7 +161,7 @@ def test_a_smem_layouts_with_e4m3(a_rows):
 
     @cute.jit
     def check():
-        mma, load = glr._a_smem_layouts(cfg, cutlass.Float8E4M3FN, stages, plan.TILE_K)
+        mma, load = splitk.a_smem_layouts(cfg, cutlass.Float8E4M3FN, stages, plan.TILE_K)
         found["load"] = [load.outer(c) for c in coords]
         found["mma"] = [mma.outer(c) for c in coords]
         found["starts"] = [mma.outer((0, 0, s)) for s in range(stages)]

@@ -12,6 +12,7 @@ from kernel_sass import sass_of
 import rosekernels
 from rosekernels import checks, launch
 from rosekernels.kernels import gemm_leakyrelu as glr
+from rosekernels.kernels import gemm_splitk as splitk
 from rosekernels.kernels import gemm_leakyrelu_plan as plan
 from rosekernels.ops import gemm as gemm_op
 
@@ -139,7 +140,7 @@ def test_a_smem_layouts(a_rows, tile_n):
 
     @cute.jit
     def check():  # plain Python values out: no control flow inside the traced function
-        mma, load = glr._a_smem_layouts(cfg, cutlass.BFloat16, stages)
+        mma, load = splitk.a_smem_layouts(cfg, cutlass.BFloat16, stages)
         found["swizzles"] = (str(mma.inner), str(load.inner))
         found["load_shape"] = str(cute.shape(load.outer))
         found["cosize"] = cute.cosize(mma.outer)
