@@ -159,8 +159,8 @@ def a_smem_layouts(cfg: GemmConfig, dtype, stages: int, tile_k: int = TILE_K):
 
 def prefetch_plan(cfg: GemmConfig, mcast_a: int, mcast_b: int, tile_k: int, elem_bits: int) -> tuple[int, bool]:
     """(k-tiles of its first unit's weights a CTA prefetches, whether it does so when K is not split): its slice
-    of each k-tile is the weight tile over the CTAs that multicast it. None for prefill tiles, nor for N-major
-    weights, whose k-tile is several TMA boxes (their unrolled prefetches made a 128 x 240 tile spill)."""
+    of each k-tile is the weight tile over the CTAs that multicast it. 0 for prefill tiles and N-major weights,
+    whose k-tile is several TMA boxes (their unrolled prefetches made a 128 x 240 tile spill)."""
     if not cfg.split_k or cfg.b_major != "k":
         return 0, False
     rows = cfg.tile_m // mcast_a if cfg.swap_ab else cfg.tile_n // mcast_b

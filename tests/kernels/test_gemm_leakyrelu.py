@@ -12,8 +12,8 @@ from kernel_sass import sass_of
 import rosekernels
 from rosekernels import checks, launch
 from rosekernels.kernels import gemm_leakyrelu as glr
-from rosekernels.kernels import gemm_splitk as splitk
 from rosekernels.kernels import gemm_leakyrelu_plan as plan
+from rosekernels.kernels import gemm_splitk as splitk
 from rosekernels.ops import gemm as gemm_op
 
 # ---------------------------------------------------------------------------------------------
