@@ -1,13 +1,14 @@
 """tools/gpu_ab.sh: a branch and its base (the branch's tree with a patch reversed) run a command in turns (no GPU)."""
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 from tool_repo import git, tool_repo
 
 
-def ab(repo: Path, tmp: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {"PATH": "/usr/bin:/bin", "AB_BASE": str(tmp / "base"), "AB_LOGS": str(tmp / "logs")}
+def ab(repo: Path, tmp: Path, *args: str, **extra: str) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", "AB_BASE": str(tmp / "base"), "AB_LOGS": str(tmp / "logs"), **extra}
     return subprocess.run(["bash", str(repo / "tools" / "gpu_ab.sh"), *args], cwd=tmp, env=env,
                           capture_output=True, text=True, timeout=60)
 
@@ -45,6 +46,34 @@ def test_a_failing_run_fails_the_call_and_the_others_still_run(repo, tmp_path):
     run = ab(repo, tmp_path, str(tmp_path / "x.patch"), "1", '[ "$ARM" = branch ]')
     assert run.returncode == 1
     assert "== base, round 1: exit 1" in run.stdout and "== branch, round 1: exit 0" in run.stdout
+
+
+def test_the_warm_up_runs_both_arms_side_by_side_before_the_rounds_and_is_not_counted(repo, tmp_path):
+    order = tmp_path / "order"
+    # Each warm-up run waits for the other's mark: they only both finish if they run at the same time.
+    cmd = (f'echo "$ARM $ROUND" >> {order}; if [ "$ROUND" = 0 ]; then touch {tmp_path}/w_$ARM; '
+           f'other=base; [ "$ARM" = base ] && other=branch; '
+           f'for i in $(seq 100); do [ -e {tmp_path}/w_$other ] && break; sleep 0.05; done; '
+           f'[ -e {tmp_path}/w_$other ] || echo alone; exit 3; fi')
+    run = ab(repo, tmp_path, str(tmp_path / "x.patch"), "1", cmd, AB_WARM="20")
+    assert run.returncode == 0, run.stdout + run.stderr  # the warm-up's exit 3 is not counted
+    lines = order.read_text().split("\n")[:-1]
+    assert sorted(lines[:2]) == ["base 0", "branch 0"] and lines[2:] == ["base 1", "branch 1"]
+    for arm in ("base", "branch"):
+        assert "alone" not in (tmp_path / "logs" / f"ab_{arm}_warm.log").read_text()
+
+
+def test_a_warm_up_past_its_seconds_is_stopped(repo, tmp_path):
+    started = time.monotonic()
+    run = ab(repo, tmp_path, str(tmp_path / "x.patch"), "1", '[ "$ROUND" = 0 ] && exec sleep 30; true', AB_WARM="1")
+    assert run.returncode == 0 and "== branch, round 1: exit 0" in run.stdout
+    assert time.monotonic() - started < 15  # not the 30 s the warm-up asked for
+
+
+@pytest.mark.parametrize("warm", ["0", "x", "-5"])
+def test_a_bad_warm_up_runs_nothing(repo, tmp_path, warm):
+    run = ab(repo, tmp_path, str(tmp_path / "x.patch"), "1", "true", AB_WARM=warm)
+    assert run.returncode == 2 and "usage" in run.stderr and not (tmp_path / "base").exists()
 
 
 @pytest.mark.parametrize("args", [("missing.patch", "1", "true"), ("x.patch", "0", "true"), ("x.patch", "two", "true"),

@@ -5,16 +5,19 @@
 # base then branch, with ARM (base / branch) and ROUND exported and a compile cache of its own arm, so clock and
 # power drift reach both arms alike. A CMD that times a peer beside itself in the same process (bench/fp8.py,
 # bench/attention.py, ...) gives ratios that compare across the processes. Each run's output goes to
-# $AB_LOGS/ab_<arm>_<round>.log (default $OUT) and its last lines to the terminal.
+# $AB_LOGS/ab_<arm>_<round>.log (default $OUT) and its last lines to the terminal. AB_WARM=S first runs CMD once
+# in both trees side by side (ROUND=0, each under `timeout S`, ab_<arm>_warm.log, its exit status not counted): the
+# two arms' compiles share the host's cores, and no timed round is the one that compiles.
 #   tools/gpu_ab.sh PATCH ROUNDS CMD
 #   AB_LOGS=/tmp/ab tools/gpu_ab.sh .gpu-ab/fp8-poll.patch 2 \
 #     'tools/gpu_env.sh python3 bench/fp8.py --quick --out /tmp/ab/${ARM}_$ROUND'; tar cJf $OUT/ab.tar.xz -C /tmp ab
 #   (a call returns at most 8 files: the arms' results go back as one tarball)
+#   AB_WARM=240 AB_LOGS=/tmp/ab tools/gpu_ab.sh ...    (compiles warmed side by side, then the rounds)
 # Exit status: 0 every run passed, 1 a run failed (the others still ran), 2 bad arguments or a patch that does
 # not reverse onto the tree (nothing run).
 set -uo pipefail
-if [ $# -ne 3 ] || ! [ -f "$1" ] || ! [[ "$2" =~ ^[1-9][0-9]*$ ]]; then
-  echo "usage: tools/gpu_ab.sh PATCH ROUNDS CMD (PATCH a file, ROUNDS >= 1)" >&2; exit 2
+if [ $# -ne 3 ] || ! [ -f "$1" ] || ! [[ "$2" =~ ^[1-9][0-9]*$ ]] || ! [[ "${AB_WARM:-1}" =~ ^[1-9][0-9]*$ ]]; then
+  echo "usage: [AB_WARM=SECONDS] tools/gpu_ab.sh PATCH ROUNDS CMD (PATCH a file, ROUNDS >= 1, SECONDS >= 1)" >&2; exit 2
 fi
 patch_file=$(realpath "$1") rounds=$2 cmd=$3
 cd "$(dirname "$0")/.."
@@ -29,12 +32,20 @@ rm -rf "$base" && mkdir -p "$base" "$logs"
 tar cf - --exclude=./.gpu --exclude=./.whl --exclude='./.gpu-*' --exclude=./.gpu_suite --exclude=./.git . \
   | tar xf - -C "$base"
 (cd "$base" && reverse) || { echo "gpu_ab: reversing $1 failed in $base" >&2; exit 2; }
+dir_of() { if [ "$1" = branch ]; then echo "$branch"; else echo "$base"; fi; }
+if [ -n "${AB_WARM:-}" ]; then
+  for arm in base branch; do
+    (cd "$(dir_of $arm)" && ARM=$arm ROUND=0 ROSEKERNELS_CACHE_DIR=/tmp/ab_cache_$arm timeout "$AB_WARM" bash -c "$cmd") \
+      > "$logs/ab_${arm}_warm.log" 2>&1 &
+  done
+  wait
+  echo "== warm-up, both arms side by side: done ($logs/ab_*_warm.log)"
+fi
 status=0
 for round in $(seq 1 "$rounds"); do
   for arm in base branch; do
-    dir=$base; [ "$arm" = branch ] && dir=$branch
     log=$logs/ab_${arm}_$round.log
-    (cd "$dir" && ARM=$arm ROUND=$round ROSEKERNELS_CACHE_DIR=/tmp/ab_cache_$arm bash -c "$cmd") > "$log" 2>&1
+    (cd "$(dir_of $arm)" && ARM=$arm ROUND=$round ROSEKERNELS_CACHE_DIR=/tmp/ab_cache_$arm bash -c "$cmd") > "$log" 2>&1
     rc=$?
     echo "== $arm, round $round: exit $rc ($log)"; tail -n 5 "$log"
     [ $rc -eq 0 ] || status=1
