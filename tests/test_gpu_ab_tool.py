@@ -15,7 +15,9 @@ def ab(repo: Path, tmp: Path, *args: str, **extra: str) -> subprocess.CompletedP
 
 @pytest.fixture
 def repo(tmp_path):
-    r = tool_repo(tmp_path, "gpu_ab.sh", {"k.py": "speed = 1\n", "same.txt": "unchanged\n"})
+    # tools/gpu_env.sh's stand-in: it marks the install it would do, in the order file when a test names one.
+    r = tool_repo(tmp_path, "gpu_ab.sh", {"k.py": "speed = 1\n", "same.txt": "unchanged\n",
+                                          "tools/gpu_env.sh": '[ -z "${ORDER:-}" ] || echo install >> "$ORDER"\n'})
     (r / "k.py").write_text("speed = 2\n")
     (r / "new.py").write_text("added = True\n")
     git(r, "add", "-A")
@@ -55,19 +57,25 @@ def test_the_warm_up_runs_both_arms_side_by_side_before_the_rounds_and_is_not_co
            f'other=base; [ "$ARM" = base ] && other=branch; '
            f'for i in $(seq 100); do [ -e {tmp_path}/w_$other ] && break; sleep 0.05; done; '
            f'[ -e {tmp_path}/w_$other ] || echo alone; exit 3; fi')
-    run = ab(repo, tmp_path, str(tmp_path / "x.patch"), "1", cmd, AB_WARM="20")
-    assert run.returncode == 0, run.stdout + run.stderr  # the warm-up's exit 3 is not counted
+    run = ab(repo, tmp_path, str(tmp_path / "x.patch"), "1", cmd, AB_WARM="20", ORDER=str(order))
+    assert run.returncode == 0, run.stdout + run.stderr  # the warm-up's exit 3 is not counted, but reported
+    assert "== base, warm-up: exit 3" in run.stdout and "== branch, warm-up: exit 3" in run.stdout
     lines = order.read_text().split("\n")[:-1]
-    assert sorted(lines[:2]) == ["base 0", "branch 0"] and lines[2:] == ["base 1", "branch 1"]
+    # the bundles installed once, before both warm-ups
+    assert lines[0] == "install" and sorted(lines[1:3]) == ["base 0", "branch 0"] and lines[3:] == ["base 1", "branch 1"]
     for arm in ("base", "branch"):
         assert "alone" not in (tmp_path / "logs" / f"ab_{arm}_warm.log").read_text()
 
 
-def test_a_warm_up_past_its_seconds_is_stopped(repo, tmp_path):
+@pytest.mark.parametrize("warm", ["exec sleep 30", "trap '' TERM; sleep 30 & wait"],
+                         ids=["direct", "ignores-TERM"])
+def test_a_warm_up_past_its_seconds_is_stopped(repo, tmp_path, warm):
     started = time.monotonic()
-    run = ab(repo, tmp_path, str(tmp_path / "x.patch"), "1", '[ "$ROUND" = 0 ] && exec sleep 30; true', AB_WARM="1")
+    run = ab(repo, tmp_path, str(tmp_path / "x.patch"), "1", f'if [ "$ROUND" = 0 ]; then {warm}; fi; true',
+             AB_WARM="1")
     assert run.returncode == 0 and "== branch, round 1: exit 0" in run.stdout
-    assert time.monotonic() - started < 15  # not the 30 s the warm-up asked for
+    assert "warm-up: exit" in run.stdout and "stopped at 1 s" in run.stdout
+    assert time.monotonic() - started < 25  # not the 30 s the warm-up asked for
 
 
 @pytest.mark.parametrize("warm", ["0", "x", "-5"])

@@ -10,7 +10,7 @@ INSTALL = 'echo "start $$" >> "$LOG"; sleep 0.5; echo "end $$" >> "$LOG"\n'
 
 
 def test_side_by_side_runs_install_one_at_a_time(tmp_path):
-    if shutil.which("flock") is None:
+    if shutil.which("flock", path="/usr/bin:/bin") is None:  # the PATH the script runs with below
         pytest.skip("needs flock (util-linux)")
     repo = tool_repo(tmp_path, "gpu_env.sh", {".gpu/install.sh": INSTALL})
     log = tmp_path / "log"

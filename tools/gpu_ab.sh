@@ -5,9 +5,11 @@
 # base then branch, with ARM (base / branch) and ROUND exported and a compile cache of its own arm, so clock and
 # power drift reach both arms alike. A CMD that times a peer beside itself in the same process (bench/fp8.py,
 # bench/attention.py, ...) gives ratios that compare across the processes. Each run's output goes to
-# $AB_LOGS/ab_<arm>_<round>.log (default $OUT) and its last lines to the terminal. AB_WARM=S first runs CMD once
-# in both trees side by side (ROUND=0, each under `timeout S`, ab_<arm>_warm.log, its exit status not counted): the
-# two arms' compiles share the host's cores, and no timed round is the one that compiles.
+# $AB_LOGS/ab_<arm>_<round>.log (default $OUT) and its last lines to the terminal. The carried bundles are installed
+# once first (tools/gpu_env.sh: the base tree has none of its own). AB_WARM=S then runs CMD once in both trees side
+# by side (ROUND=0: ignore what it writes; each under `timeout S`, ab_<arm>_warm.log, its exit status reported, not
+# counted), so that the two arms' compiles share the host's cores; a warm-up that stops early leaves the rest of its
+# compiles to round 1.
 #   tools/gpu_ab.sh PATCH ROUNDS CMD
 #   AB_LOGS=/tmp/ab tools/gpu_ab.sh .gpu-ab/fp8-poll.patch 2 \
 #     'tools/gpu_env.sh python3 bench/fp8.py --quick --out /tmp/ab/${ARM}_$ROUND'; tar cJf $OUT/ab.tar.xz -C /tmp ab
@@ -33,13 +35,20 @@ tar cf - --exclude=./.gpu --exclude=./.whl --exclude='./.gpu-*' --exclude=./.gpu
   | tar xf - -C "$base"
 (cd "$base" && reverse) || { echo "gpu_ab: reversing $1 failed in $base" >&2; exit 2; }
 dir_of() { if [ "$1" = branch ]; then echo "$branch"; else echo "$base"; fi; }
+if [ -f tools/gpu_env.sh ]; then
+  bash tools/gpu_env.sh true || echo "gpu_ab: tools/gpu_env.sh could not install the carried bundles" >&2
+fi
 if [ -n "${AB_WARM:-}" ]; then
+  declare -A warm
   for arm in base branch; do
-    (cd "$(dir_of $arm)" && ARM=$arm ROUND=0 ROSEKERNELS_CACHE_DIR=/tmp/ab_cache_$arm timeout "$AB_WARM" bash -c "$cmd") \
-      > "$logs/ab_${arm}_warm.log" 2>&1 &
+    (cd "$(dir_of $arm)" && ARM=$arm ROUND=0 ROSEKERNELS_CACHE_DIR=/tmp/ab_cache_$arm \
+      timeout -k 10 "$AB_WARM" bash -c "$cmd") > "$logs/ab_${arm}_warm.log" 2>&1 &
+    warm[$arm]=$!
   done
-  wait
-  echo "== warm-up, both arms side by side: done ($logs/ab_*_warm.log)"
+  for arm in base branch; do
+    wait "${warm[$arm]}"; rc=$?
+    echo "== $arm, warm-up: exit $rc$( [ $rc -eq 124 ] || [ $rc -eq 137 ] && echo ", stopped at $AB_WARM s") ($logs/ab_${arm}_warm.log)"
+  done
 fi
 status=0
 for round in $(seq 1 "$rounds"); do

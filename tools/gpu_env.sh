@@ -10,17 +10,20 @@
 # the machine is still warm (it keeps /tmp/site).
 set -e
 cd "$(dirname "$0")/.."
-# One install at a time: runs started side by side (tools/gpu_ab.sh's AB_WARM) would otherwise unpack over each
-# other, or remove each other's DeepGEMM build.
+# One install at a time: runs of trees that carry bundles, started side by side, would otherwise unpack over
+# each other or remove each other's DeepGEMM build.
 mkdir -p /tmp/site
-exec 9>/tmp/site/.install.lock
-if command -v flock >/dev/null; then flock 9; fi
+exec {lock}>/tmp/site/.install.lock
+if command -v flock >/dev/null; then flock "$lock"; else echo "gpu_env: no flock: installs are not serialized" >&2; fi
 if [ -f .gpu/install.sh ]; then bash .gpu/install.sh; fi
-if [ -f .whl/tvm_ffi.tar.xz ] && [ ! -d /tmp/site/tvm_ffi ]; then tar xJf .whl/tvm_ffi.tar.xz -C /tmp/site; fi
+# Once per host (a stamp, as .gpu's): unpacking again would rewrite files that a running process has loaded.
+if [ -f .whl/tvm_ffi.tar.xz ] && [ ! -f /tmp/site/.tvm_ffi ]; then
+  tar xJf .whl/tvm_ffi.tar.xz -C /tmp/site && touch /tmp/site/.tvm_ffi
+fi
 if [ -f .gpu-peers/install.sh ]; then bash .gpu-peers/install.sh; fi
 if [ -f .gpu-flashinfer/install.sh ]; then bash .gpu-flashinfer/install.sh; fi
 if [ -f .gpu-deepgemm/install.sh ]; then bash .gpu-deepgemm/install.sh || echo "DeepGEMM left out" >&2; fi
-exec 9>&-
+exec {lock}>&-
 ls /tmp/site/.dsl-* /tmp/site/tvm_ffi >/dev/null 2>&1 || { echo "CuTeDSL or TVM-FFI missing: carry .gpu and .whl" >&2; exit 3; }
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 # FlashInfer's JIT builds call ninja and nvcc (.gpu-flashinfer).
