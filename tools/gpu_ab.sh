@@ -34,15 +34,18 @@ rm -rf "$base" && mkdir -p "$base" "$logs"
 tar cf - --exclude=./.gpu --exclude=./.whl --exclude='./.gpu-*' --exclude=./.gpu_suite --exclude=./.git . \
   | tar xf - -C "$base"
 (cd "$base" && reverse) || { echo "gpu_ab: reversing $1 failed in $base" >&2; exit 2; }
-dir_of() { if [ "$1" = branch ]; then echo "$branch"; else echo "$base"; fi; }
+run_in() {  # run_in ARM ROUND [PREFIX...]: CMD in ARM's tree, with ARM, ROUND and the arm's compile cache
+  local arm=$1 round=$2 dir=$base; shift 2
+  [ "$arm" = branch ] && dir=$branch
+  (cd "$dir" && ARM=$arm ROUND=$round ROSEKERNELS_CACHE_DIR=/tmp/ab_cache_$arm "$@" bash -c "$cmd")
+}
 if [ -f tools/gpu_env.sh ]; then
   bash tools/gpu_env.sh true || echo "gpu_ab: tools/gpu_env.sh could not install the carried bundles" >&2
 fi
 if [ -n "${AB_WARM:-}" ]; then
   declare -A warm
   for arm in base branch; do
-    (cd "$(dir_of $arm)" && ARM=$arm ROUND=0 ROSEKERNELS_CACHE_DIR=/tmp/ab_cache_$arm \
-      timeout -k 10 "$AB_WARM" bash -c "$cmd") > "$logs/ab_${arm}_warm.log" 2>&1 &
+    run_in $arm 0 timeout -k 10 "$AB_WARM" > "$logs/ab_${arm}_warm.log" 2>&1 &
     warm[$arm]=$!
   done
   for arm in base branch; do
@@ -54,7 +57,7 @@ status=0
 for round in $(seq 1 "$rounds"); do
   for arm in base branch; do
     log=$logs/ab_${arm}_$round.log
-    (cd "$(dir_of $arm)" && ARM=$arm ROUND=$round ROSEKERNELS_CACHE_DIR=/tmp/ab_cache_$arm bash -c "$cmd") > "$log" 2>&1
+    run_in $arm "$round" > "$log" 2>&1
     rc=$?
     echo "== $arm, round $round: exit $rc ($log)"; tail -n 5 "$log"
     [ $rc -eq 0 ] || status=1
