@@ -17,7 +17,7 @@ One persistent, warp-specialized kernel serves every specialization:
   tokens its N side (8-128), the kernel computes out^T and stores it from registers;
 - decode variants for M <= 32 load only the first `a_rows` rows of each A k-tile (a smaller TMA box
   instead of a mostly zero-filled 64-row one) and pack the A stages `a_rows` rows apart, which
-  leaves room for more stages of weights in flight (see `_a_smem_layouts`);
+  leaves room for more stages of weights in flight (gemm_splitk.a_smem_layouts);
 - a static persistent scheduler walks the output tiles in bands of `raster_group` cluster rows
   (L2 reuse of both operands); decode shapes (M <= 128) may split K to fill the SMs: each split
   stores the fp32 partials of the tile's rows < M (16-byte vectors), and the last split to finish
@@ -71,27 +71,6 @@ _EPI_BARRIER = 1
 _MMA_ORDER_BARRIER = 3
 
 
-def _a_smem_layouts(cfg: GemmConfig, dtype, stages: int, tile_k: int = TILE_K):
-    """(WGMMA view, TMA view) of the A stages in shared memory: K-major, 128-byte swizzle.
-
-    The WGMMA view keeps each stage a whole tile_m-row tile; the TMA view is its first a_rows rows: in this
-    layout (8-row swizzle atoms stacked along M) the stage's first a_rows * 128 bytes (a test checks that the
-    views agree). Stages start a_rows rows apart, so for a_rows < tile_m a stage's rows >= a_rows alias the next
-    stages' rows (or the tail's): garbage, possibly NaN/Inf or being written by TMA, that only reaches
-    accumulator rows >= a_rows >= M (row i of a product depends on row i of A alone), which are never stored
-    (the TMA store clips at M, partials hold rows < M). Stage offsets are multiples of 1024 bytes: the swizzle
-    (a function of address bits 4-9) is the same in every stage.
-    """
-
-    def staged(rows: int):  # rows x tile_k per stage, stages a_rows rows apart
-        one = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (rows, cfg.tile_n, tile_k), dtype, 1)
-        outer = cute.append(cute.slice_(one.outer, (None, None, 0)),
-                            cute.make_layout(stages, stride=cfg.a_rows * tile_k))
-        return cute.make_composed_layout(one.inner, 0, outer)
-
-    return staged(cfg.tile_m), staged(cfg.a_rows)
-
-
 # ---------------------------------------------------------------------------------------------
 # The kernel.
 
@@ -126,6 +105,8 @@ class _GemmLeakyReluSm90(GroupedTiles, Fp8Tiles):
         self.out_n = out_n(cfg)
         self.epi_tile = epi_tile(cfg)
         self.ab_stage, self.epi_stage = smem_stages(cfg, 4 * GROUP_TABLE_INTS if self.grouped else 0)
+        self.prefetch_tiles, self.prefetch_unsplit = splitk.prefetch_plan(cfg, self.mcast_a, self.mcast_b, self.tile_k,
+                                                                          self.ab_dtype.width)
 
     # -----------------------------------------------------------------------------------------
     # Host side.
@@ -158,7 +139,7 @@ class _GemmLeakyReluSm90(GroupedTiles, Fp8Tiles):
             a_smem = sm90_utils.make_smem_layout_a(a_layout, self.tile_shape, self.ab_dtype, self.ab_stage)
             a_load_smem = a_smem
         else:
-            a_smem, a_load_smem = _a_smem_layouts(self.cfg, self.ab_dtype, self.ab_stage, self.tile_k)
+            a_smem, a_load_smem = splitk.a_smem_layouts(self.cfg, self.ab_dtype, self.ab_stage, self.tile_k)
         b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile_shape, self.ab_dtype, self.ab_stage)
         d_smem = None
         d_elems = 16  # swapped tiles store from registers
@@ -384,6 +365,16 @@ class _GemmLeakyReluSm90(GroupedTiles, Fp8Tiles):
         first_unit = cute.arch.block_idx()[2]
         unit_stride = cute.arch.grid_dim()[2]
 
+        if const_expr(self.prefetch_tiles > 0 and not self.grouped):  # decode: the first weights toward the L2
+            if warp_idx == self.load_warp and first_unit < units and (self.prefetch_unsplit or num_splits > 1):
+                tile_m, tile_n, _, k_begin, k_count = self._work_unit(
+                    first_unit, num_splits, raster_group, clusters_m, clusters_n, k_tiles, cluster_coord
+                )
+                count = cutlass.min(k_count, self.prefetch_tiles)
+                if const_expr(self.swap):
+                    splitk.prefetch_weights(tma_atom_a, tAgA[(None, tile_m, None)], k_begin, count)
+                else:
+                    splitk.prefetch_weights(tma_atom_b, tBgB[(None, tile_n, None)], k_begin, count)
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_shape[:2])
         # Programmatic dependent launch: the set-up above may overlap the previous kernel in the
         # stream; every global access below waits for it to complete.

@@ -1,8 +1,10 @@
-"""Split-K of the GEMM kernel's decode tiles (rosekernels.kernels.gemm_leakyrelu): each split of an
-output tile stores its fp32 partials to a workspace and counts itself in the tile's counter; the split
-that arrives last sums every split's partials in split order (run-to-run deterministic), returns the
-counter to zero for the next launch, and runs the epilogue. `sync(slot)` is the named barrier of the
-tile's epilogue threads, `t` a thread's index among them.
+"""The GEMM kernel's decode tiles (rosekernels.kernels.gemm_leakyrelu, its split-K variants).
+
+Split-K: each split of an output tile stores its fp32 partials to a workspace and counts itself in the
+tile's counter; the split that arrives last sums every split's partials in split order (run-to-run
+deterministic), returns the counter to zero for the next launch, and runs the epilogue. `sync(slot)` is the
+named barrier of the tile's epilogue threads, `t` a thread's index among them. Also the A stages of tiles
+that load a_rows < tile_m rows, and the weights' prefetch before griddepcontrol.wait.
 """
 from __future__ import annotations
 
@@ -10,7 +12,16 @@ from typing import Callable
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
+from cutlass.tensor_utils import LayoutEnum
+
+from rosekernels.kernels.gemm_leakyrelu_plan import TILE_K, GemmConfig
+
+# Weight bytes a decode CTA sends toward the L2 before the previous kernel ends (132 CTAs: 8.7 MB of the 50 MB),
+# and the most tokens a tile holds to do so when K is not split: from one H100 sweep (DESIGN.md, "GEMM tiles").
+PREFETCH_BYTES = 64 << 10
+PREFETCH_TOKENS = 32
 
 
 @cute.jit
@@ -123,3 +134,45 @@ def reduce_rows(acc: cute.Tensor, tCcD: cute.Tensor, mPartials: cute.Tensor, mCo
         if t == 0:
             mCounters[tile_idx] = Int32(0)
     return is_last
+
+
+def a_smem_layouts(cfg: GemmConfig, dtype, stages: int, tile_k: int = TILE_K):
+    """(WGMMA view, TMA view) of the A stages in shared memory: K-major, 128-byte swizzle.
+
+    The WGMMA view keeps each stage a whole tile_m-row tile; the TMA view is its first a_rows rows: in this
+    layout (8-row swizzle atoms stacked along M) the stage's first a_rows * 128 bytes (a test checks that the
+    views agree). Stages start a_rows rows apart, so for a_rows < tile_m a stage's rows >= a_rows alias the next
+    stages' rows (or the tail's): garbage, possibly NaN/Inf or being written by TMA, that only reaches
+    accumulator rows >= a_rows >= M (row i of a product depends on row i of A alone), which are never stored
+    (the TMA store clips at M, partials hold rows < M). Stage offsets are multiples of 1024 bytes: the swizzle
+    (a function of address bits 4-9) is the same in every stage.
+    """
+
+    def staged(rows: int):  # rows x tile_k per stage, stages a_rows rows apart
+        one = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (rows, cfg.tile_n, tile_k), dtype, 1)
+        outer = cute.append(cute.slice_(one.outer, (None, None, 0)),
+                            cute.make_layout(stages, stride=cfg.a_rows * tile_k))
+        return cute.make_composed_layout(one.inner, 0, outer)
+
+    return staged(cfg.tile_m), staged(cfg.a_rows)
+
+
+def prefetch_plan(cfg: GemmConfig, mcast_a: int, mcast_b: int, tile_k: int, elem_bits: int) -> tuple[int, bool]:
+    """(k-tiles of its first unit's weights a CTA prefetches, whether it does so when K is not split): its slice
+    of each k-tile is the weight tile over the CTAs that multicast it. 0 for prefill tiles and N-major weights,
+    whose k-tile is several TMA boxes (their unrolled prefetches made a 128 x 240 tile spill)."""
+    if not cfg.split_k or cfg.b_major != "k":
+        return 0, False
+    rows = cfg.tile_m // mcast_a if cfg.swap_ab else cfg.tile_n // mcast_b
+    tokens = cfg.tile_n if cfg.swap_ab else cfg.a_rows
+    return PREFETCH_BYTES // (rows * tile_k * elem_bits // 8), tokens <= PREFETCH_TOKENS
+
+
+@cute.jit
+def prefetch_weights(atom: cute.CopyAtom, weights: cute.Tensor, k_begin: Int32, count: Int32):
+    """k-tiles k_begin .. k_begin + count - 1 of `weights` (a CTA's TMA view of a tile's weights, (box, k-tile))
+    toward the L2. A decode GEMM streams weights that no kernel before it writes in a forward, so their latency
+    may overlap that kernel's end: a prefetch moves nothing into the CTA, so it stays correct whatever that
+    kernel writes, where loading them into shared memory before griddepcontrol.wait would not."""
+    for k in cutlass.range(count, unroll=1):
+        cute.prefetch(atom, weights[(None, k_begin + k)])

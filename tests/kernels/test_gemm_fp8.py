@@ -80,6 +80,9 @@ def test_compiles_with_fp8_wgmma_and_promotion(fresh_cache, cfg, tmp_path):
     # Swapped tiles store out^T element by element from registers; the others through shared memory and TMA.
     stores = ("STG.E.U16",) if cfg.swap_ab else ("UTMASTG", "STSM")
     assert all(any(o.startswith(s) for o in ops) for s in stores), (stores, sorted(set(ops)))
+    # Decode tiles send their first weight k-tiles toward the L2 before griddepcontrol.wait (ACQBULK); prefill none.
+    prefetch, wait = sass.find("UTMAPF.L2"), sass.find("ACQBULK")
+    assert (0 <= prefetch < wait) if cfg.split_k else (prefetch < 0 <= wait), (cfg, prefetch, wait)
     # The mainloop: a k-tile's WGMMAs (4 of K = 32), the wait for them, then the promotion of every
     # accumulator element of the thread: FADDs (rowcol) or FFMAs by the k-tile's scales (block), and for
     # block scales the loads of those scales.
@@ -147,6 +150,7 @@ def test_a_smem_layouts_with_e4m3(a_rows):
     import cutlass.cute as cute
 
     from rosekernels.kernels import gemm_leakyrelu as glr
+    from rosekernels.kernels import gemm_splitk as splitk
 
     cfg = C(tile_m=64, tile_n=128, cluster_m=1, split_k=True, a_rows=a_rows)
     device = glr.GemmSm90(cfg)
@@ -157,7 +161,7 @@ def test_a_smem_layouts_with_e4m3(a_rows):
 
     @cute.jit
     def check():
-        mma, load = glr._a_smem_layouts(cfg, cutlass.Float8E4M3FN, stages, plan.TILE_K)
+        mma, load = splitk.a_smem_layouts(cfg, cutlass.Float8E4M3FN, stages, plan.TILE_K)
         found["load"] = [load.outer(c) for c in coords]
         found["mma"] = [mma.outer(c) for c in coords]
         found["starts"] = [mma.outer((0, 0, s)) for s in range(stages)]

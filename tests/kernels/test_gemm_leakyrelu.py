@@ -13,6 +13,7 @@ import rosekernels
 from rosekernels import checks, launch
 from rosekernels.kernels import gemm_leakyrelu as glr
 from rosekernels.kernels import gemm_leakyrelu_plan as plan
+from rosekernels.kernels import gemm_splitk as splitk
 from rosekernels.ops import gemm as gemm_op
 
 # ---------------------------------------------------------------------------------------------
@@ -68,6 +69,14 @@ def _compile_and_inspect(cfg, tmp_path):
     assert not {"LDL", "STL"} & ops, f"{cfg}: register spills"
     if cfg.split_k:  # split-K partials move as 16-byte vectors
         assert {"STG.E.128", "LDG.E.128"} <= ops, (cfg, ops)
+    # Decode (split-K) tiles of K-major weights send their first weight k-tiles toward the L2 before
+    # griddepcontrol.wait (ACQBULK); the others prefetch nothing.
+    prefetch, wait = sass.find("UTMAPF.L2"), sass.find("ACQBULK")
+    assert wait >= 0, f"{cfg}: no griddepcontrol.wait"
+    if cfg.split_k and cfg.b_major == "k":
+        assert 0 <= prefetch < wait, f"{cfg}: no weight prefetch before griddepcontrol.wait"
+    else:
+        assert prefetch < 0, f"{cfg}: prefetches (a prefill tile, or N-major weights)"
 
 
 @pytest.mark.parametrize("cfg", _QUICK, ids=lambda c: c.variant().key())
@@ -131,7 +140,7 @@ def test_a_smem_layouts(a_rows, tile_n):
 
     @cute.jit
     def check():  # plain Python values out: no control flow inside the traced function
-        mma, load = glr._a_smem_layouts(cfg, cutlass.BFloat16, stages)
+        mma, load = splitk.a_smem_layouts(cfg, cutlass.BFloat16, stages)
         found["swizzles"] = (str(mma.inner), str(load.inner))
         found["load_shape"] = str(cute.shape(load.outer))
         found["cosize"] = cute.cosize(mma.outer)
