@@ -360,7 +360,8 @@ def _router_refusal(hidden_states: torch.Tensor) -> str | None:
 class _Router:
     """The router's softmax, top-k and renormalisation in one rosekernels.moe_route launch after its
     GEMM (torch's: 4-6 launches). The weights come in the logits' dtype as stock's do, the ids in int32
-    (moe_dispatch's; experts_forward hands stock paths int64)."""
+    (moe_dispatch's; experts_forward hands stock paths int64) while the model's experts run on rosekernels,
+    int64 after a set_experts_implementation() of another."""
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         reason = _router_refusal(hidden_states)
@@ -370,7 +371,8 @@ class _Router:
         _count("router")
         logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
         weights, ids = rosekernels.moe_route(logits, self.top_k, self.norm_topk_prob, weight_dtype=logits.dtype)
-        return logits, weights, ids
+        served = self._rosekernels_config._experts_implementation == IMPLEMENTATION
+        return logits, weights, ids if served else ids.long()
 
 
 class RoseQwen3MoeTopKRouter(_Router, q3m.Qwen3MoeTopKRouter):
@@ -664,11 +666,11 @@ def _serves_router(m: nn.Module) -> bool:
     whose router moe_route takes."""
     gate = getattr(m, "gate", None)
     return (type(m) is q3m.Qwen3MoeSparseMoeBlock and _serves_experts(m.experts)
-            and type(gate) is q3m.Qwen3MoeTopKRouter
-            and gate.num_experts <= moe_route_plan.MAX_EXPERTS and gate.top_k <= moe_route_plan.MAX_TOPK)
+            and type(gate) is q3m.Qwen3MoeTopKRouter and moe_route_plan.takes(gate.num_experts, gate.top_k))
 
 
 def _patch_router(m: nn.Module) -> None:
+    m.gate._rosekernels_config = m.experts.config  # (a config, not a module: no submodule, no state_dict entry)
     _swap_class(m.gate)
 
 
@@ -938,8 +940,8 @@ def warmup_specs(model: nn.Module, experts: str | None = None, fp8: str | None =
     if _experts_path(model, experts) == "moe_experts":
         plans.append(grouped_gemm_plan)
     configs = [c for m in plans for c in m.variants_for([dims])]
-    configs += [c for c in moe_route_plan.variants_for([dims])
-                if c.renormalize == bool(getattr(config, "norm_topk_prob", False))]
+    if any(isinstance(m, _Router) or _serves_router(m) for m in model.modules()):  # served, or to be
+        configs += [c for c in moe_route_plan.variants_for([dims]) if c.renormalize == bool(config.norm_topk_prob)]
     configs += attention_decode_plan.kvcache_variants_for([dims])  # a static cache's decode steps
     if fp8_kv_cache:  # an Fp8StaticCache's appends
         configs += [c for c in append_kvcache_plan.variants_for([dims]) if c.fp8]

@@ -12,8 +12,9 @@ take k rounds of a warp arg-max over the lanes' best untaken logit, which picks 
 among equal ones, the lowest expert index (a stable sort's order): selecting on the logits, not on the
 rounded probabilities, keeps that order exact. Lane j keeps round j's expert, computes its weight and
 stores it: a token's k ids and weights are one contiguous store each. Every id is in [0, E) and the k
-ids of a token are distinct, whatever the logits hold (with infinities or NaN the weights are NaN, as
-torch's softmax gives).
+ids of a token are distinct, whatever the logits hold. A NaN logit is never chosen while a finite one is
+left (torch's softmax would make the whole row NaN); a +inf logit, or a row without a finite one, gives
+NaN weights.
 
 Config, mode rule, search space and warm-up set: moe_route_plan.py (no CuTeDSL there); the op (argument
 checks, launch plans, eager and traced calls): rosekernels/ops/moe_route.py.
@@ -162,8 +163,8 @@ def reference(logits: torch.Tensor, topk: int, renormalize: bool) -> tuple[torch
 
 
 def error_bound(logits: torch.Tensor, ids: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """Per weight: exp2's argument rounded (|x - max| * 2^-24 relative in the result) and its 2 ulp, the
-    sums of up to E terms and the division in fp32, then one rounding to the weights' dtype."""
+    """Per weight, in fp32 ulps (2^-23 relative): exp2's argument rounded (|x - max| of them) and exp2's own
+    error, the sums of up to E terms and the division; check_route adds the rounding to the weights' dtype."""
     x = logits.double().nan_to_num(nan=-math.inf)
     spread = (x.max(1, keepdim=True).values - x.gather(1, ids)).abs()
     fp32 = (16 + 2 * math.log2(max(logits.shape[1], 2)) + spread) * 2.0**-23
@@ -181,8 +182,9 @@ def check_route(logits: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
         raise AssertionError(f"moe_route: {int(wrong.any(1).sum())} of {len(wrong)} tokens chose other experts, "
                              f"first token {t}: {topk_ids[t].tolist()} against {ref_ids[t].tolist()}")
     bound = error_bound(logits, ref_ids, ref_w)
-    if topk_weights.dtype != torch.float32:
-        bound = bound + ref_w * 2.0 ** -(torch.finfo(topk_weights.dtype).nmant + 1)
+    if topk_weights.dtype != torch.float32:  # half an ulp, relative, or of the smallest normal (subnormals)
+        info = torch.finfo(topk_weights.dtype)
+        bound = bound + (ref_w + info.smallest_normal) * info.eps / 2
     err = (topk_weights.double() - ref_w).abs()
     bad = ~(err <= bound)  # NaN is bad
     if bad.any():

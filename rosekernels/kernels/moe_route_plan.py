@@ -115,9 +115,14 @@ def variants_for(models: list[ModelDims] | None = None, modes: tuple[str, ...] =
     if models is None:
         dims = [(e, k, "bf16", w) for _, e, k in MODELS.values() for w in ("bf16", "fp32")]
     else:
-        dims = [(m.experts, m.topk, m.dtype, m.dtype) for m in models if m.experts]
+        dims = [(m.experts, m.topk, m.dtype, m.dtype) for m in models if takes(m.experts, m.topk)]
     return [RouteConfig(dtype, wdtype, e, k, renorm, mode) for e, k, dtype, wdtype in dict.fromkeys(dims)
             for renorm in (True, False) for mode in modes]
+
+
+def takes(experts: int, topk: int) -> bool:
+    """Whether the kernel routes `experts` logits to `topk` of them (a model with more keeps torch's router)."""
+    return 1 <= experts <= MAX_EXPERTS and 1 <= topk <= min(experts, MAX_TOPK)
 
 
 def token_range(cfg: RouteConfig) -> tuple[int, int]:

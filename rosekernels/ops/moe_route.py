@@ -34,6 +34,7 @@ def moe_route(logits: torch.Tensor, topk: int, renormalize: bool = True, *, weig
         raise ValueError("logits must be a 2-D tensor [tokens, experts]")
     if isinstance(topk, bool) or not isinstance(topk, int):
         raise TypeError(f"topk must be an int, got {type(topk).__name__}")
+    _check_sizes(logits.shape[1], topk)  # before any output is allocated
     if topk_weights is None:
         dtype = weight_dtype or torch.float32
         if dtype not in (torch.float32, logits.dtype):
@@ -46,7 +47,7 @@ def moe_route(logits: torch.Tensor, topk: int, renormalize: bool = True, *, weig
     if launch.eager(logits, topk_weights, topk_ids):
         _run(logits, topk_weights, topk_ids, topk, bool(renormalize), bool(enable_pdl), mode)
     else:
-        if topk_ids.dim() != 2 or topk_ids.shape[1] != topk:
+        if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.shape[1] != topk:
             raise ValueError(f"topk_ids must be [tokens, {topk}], got {list(topk_ids.shape)}")
         torch.ops.rosekernels.moe_route(logits, topk_weights, topk_ids, bool(renormalize), bool(enable_pdl),
                                         mode or choose_mode(logits.shape[0]))
@@ -117,10 +118,7 @@ def validate(logits: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     checks.check_dtype("topk_ids", topk_ids, (torch.int32,))
     checks.check_shape("logits", logits, (None, None))
     tokens, experts = logits.shape
-    if not 1 <= experts <= MAX_EXPERTS:
-        raise ValueError(f"logits must have 1 to {MAX_EXPERTS} experts (columns), got {experts}")
-    if not 1 <= topk <= min(experts, MAX_TOPK):
-        raise ValueError(f"topk must be in [1, {min(experts, MAX_TOPK)}] for {experts} experts, got {topk}")
+    _check_sizes(experts, topk)
     checks.check_shape("topk_weights", topk_weights, (tokens, topk))
     checks.check_shape("topk_ids", topk_ids, (tokens, topk))
     cfg = RouteConfig(checks.DTYPE_NAME[logits.dtype], checks.DTYPE_NAME[topk_weights.dtype], experts, topk,
@@ -138,6 +136,13 @@ def validate(logits: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
         checks.check_not_expanded("topk_weights", topk_weights)
         checks.check_not_expanded("topk_ids", topk_ids)
     return cfg
+
+
+def _check_sizes(experts: int, topk: int) -> None:
+    if not 1 <= experts <= MAX_EXPERTS:
+        raise ValueError(f"logits must have 1 to {MAX_EXPERTS} experts (columns), got {experts}")
+    if not 1 <= topk <= min(experts, MAX_TOPK):
+        raise ValueError(f"topk must be in [1, {min(experts, MAX_TOPK)}] for {experts} experts, got {topk}")
 
 
 def _impl(logits: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, renormalize: bool,

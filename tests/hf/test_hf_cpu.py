@@ -428,6 +428,19 @@ def test_a_served_moe_block_routes_with_moe_route_as_the_stock_router_does(monke
     assert hf.stats() == {"router": 2, "experts": 1}
 
 
+def test_the_patched_router_gives_int64_ids_once_the_experts_leave_rosekernels(monkeypatch):
+    monkeypatch.setattr(rosekernels, "moe_route", _route_standin, raising=False)
+    monkeypatch.setattr(hf, "_router_refusal", lambda h: None)
+    model = _tiny(moe=True, layers=1)
+    hf._swap(model, hf.plan(model, experts="moe_experts"))
+    gate = model.model.layers[0].mlp.gate
+    h = torch.randn(5, TINY["hidden_size"]).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert gate(h)[2].dtype == torch.int32
+        model.set_experts_implementation("eager")
+        assert gate(h)[2].dtype == torch.int64
+
+
 def test_a_stock_experts_fallback_gets_int64_ids_from_the_patched_router(monkeypatch):
     """moe_route's ids are int32; where experts_forward falls back to the stock experts (whose eager loop
     indexes with one_hot, int64 only) it hands them int64 ids: the stock result."""

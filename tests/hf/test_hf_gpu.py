@@ -135,10 +135,10 @@ def test_prefill_logits_match_stock_at_every_position(pair, fp32):
 def test_moe_blocks_match_stock_on_the_same_input(pair):
     """Where the routing is the same, the MoE path is held to 0.9999 at every token (0.999996 measured
     on the H200 in every layer; the logits' bar is 0.999). Each layer's MoE block of the patched model
-    gets the stock model's input to that block; both routers pick the same experts (moe_route takes
-    the lower expert among equal logits, as torch.topk's gather does at the k-th value) with weights
-    equal to fp32 rounding, and what differs is the expert computation (moe_dispatch -> grouped GEMMs
-    -> moe_combine against stock's grouped_mm).
+    gets the stock model's input to that block; both routers pick the same set of experts (moe_route
+    takes the lower expert among equal logits, as torch.topk's gather does at the k-th value; the order
+    within the k does not change the block) with weights equal to fp32 rounding, and what differs is the
+    expert computation (moe_dispatch -> grouped GEMMs -> moe_combine against stock's grouped_mm).
     (The whole model's logits cannot be held to 0.999 against stock: see _check_cos.)"""
     geometry, stock, ours = pair
     if geometry != "qwen3-30b-a3b":

@@ -208,13 +208,44 @@ def test_check_catches_a_wrong_id_a_wrong_weight_and_nan():
         mr.check_route(x, good_w, good_ids, renormalize=False)
 
 
+@pytest.mark.parametrize("wdtype", [BF16, FP16])
+def test_check_takes_weights_rounded_to_half_precision_subnormals_too_and_not_an_ulp_more(wdtype):
+    x = torch.tensor([[0.0, -1.0, -12.0, -13.0, -15.0, -16.0, -17.0, -30.0]] * 3)  # fp16 weights below 2^-14
+    x[1] = x[1].flip(0)
+    w, ids = mr.reference(x, 6, renormalize=False)
+    rounded = w.to(wdtype)
+    assert (rounded[:, -1].float() < torch.finfo(FP16).smallest_normal).all() or wdtype == BF16
+    assert mr.check_route(x, rounded, ids.to(I32), renormalize=False) > 0
+    info = torch.finfo(wdtype)
+    for j in (0, 5):  # a normal weight and (fp16) a subnormal one, each moved by one or two of its ulps
+        off = rounded.clone()
+        v = rounded[2, j].float()
+        off[2, j] = (v + torch.maximum(v * info.eps, torch.tensor(info.eps * info.smallest_normal))).to(wdtype)
+        assert off[2, j] != rounded[2, j]
+        with pytest.raises(AssertionError, match="weights off"):
+            mr.check_route(x, off, ids.to(I32), renormalize=False)
+
+
+def test_models_past_the_kernel_keep_torch_s_router_and_warm_none():
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+        from rosekernels import hf
+        config = hf.model_config("qwen3-30b-a3b", 1)
+        config.num_experts = 640  # moe_dispatch serves up to 1024 experts, moe_route 512
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    p = hf.plan(model)
+    assert p.swaps["experts"] and not p.swaps["router"]
+    assert not [s for s in hf.warmup_specs(model) if s.variant().op == "moe_route"]
+    assert not plan.variants_for([QWEN3_30B_A3B.__class__(**{**QWEN3_30B_A3B.__dict__, "experts": 640})])
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 
 GPU_CASES = [  # (logits dtype, weights dtype, E, k, renormalize)
     (BF16, FP32, 128, 8, True), (BF16, BF16, 128, 8, False), (FP16, FP32, 60, 4, True), (FP32, FP32, 8, 2, True),
     (BF16, FP32, 256, 8, True), (BF16, FP32, 512, 32, False), (FP32, FP32, 1, 1, True), (FP16, FP16, 33, 16, False),
-    (BF16, FP32, 64, 6, True), (FP32, FP32, 100, 1, False)]
+    (BF16, FP32, 64, 6, True), (FP32, FP32, 100, 1, False), (BF16, FP32, 32, 32, True), (FP32, FP32, 5, 5, False)]
 
 
 def _poisoned(T, k, wdtype):
@@ -247,6 +278,17 @@ def test_workload_samples(cfg):
         args = wl.test_args(seed)
         wl.kernel.fn(*args)
         wl.check(args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale", [1e4, 1e30])
+def test_large_logits_are_shifted_by_their_maximum(scale):
+    """exp of unshifted logits would overflow to inf (weights NaN) or flush every weight but one to 0."""
+    x = torch.randn(50, 128, device="cuda") * scale
+    for renorm in (True, False):
+        w, ids = rosekernels.moe_route(x, 8, renorm)
+        mr.check_route(x, w, ids, renormalize=renorm)
+        assert torch.isfinite(w).all() and (w[:, 0] == 1).all()  # the rest underflow to 0 at these spreads
 
 
 @pytest.mark.gpu
