@@ -8,16 +8,17 @@ ceil(E / 32) logits in registers, at most MAX_EXPERTS / 32 = 16.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-import torch
-
-from rosekernels import checks
 from rosekernels.contract import KernelConfig, keep_order
-from rosekernels.kernels.moe_dispatch_plan import DEFAULT_TOKENS, DTYPE_NAMES, MODELS
 from rosekernels.models import ModelDims
 from rosekernels.variant import MODES, check_mode
 
+if TYPE_CHECKING:  # (sip-tune --model plans without loading torch)
+    import torch
+
 OP = "moe_route"
+DTYPE_NAMES = ("bf16", "fp16", "fp32")  # of the logits
 MAX_EXPERTS = 512  # logits a warp holds in registers (16 a lane)
 MAX_TOPK = 32  # a lane per chosen expert
 WARPS = {"decode": 4, "prefill": 8}  # per CTA: small CTAs spread few tokens over more SMs
@@ -76,7 +77,9 @@ class RouteShape:
 
     @classmethod
     def defaults(cls, mode: str) -> "RouteShape":
-        """Qwen3-30B-A3B's router at 128 tokens (decode) or 4096 (prefill)."""
+        """Qwen3-30B-A3B's router at moe_dispatch's default token counts (128 decode, 4096 prefill)."""
+        from rosekernels.kernels.moe_dispatch_plan import DEFAULT_TOKENS
+
         check_mode(mode)
         return cls(DEFAULT_TOKENS[mode])
 
@@ -84,6 +87,8 @@ class RouteShape:
     def of(cls, logits: torch.Tensor, topk: int, weight_dtype: torch.dtype, renormalize: bool,
            pdl: bool) -> "RouteShape":
         """The shape of a moe_route call on logits [T, E]."""
+        from rosekernels import checks
+
         return cls(logits.shape[0], logits.shape[1], topk, checks.DTYPE_NAME[logits.dtype],
                    checks.DTYPE_NAME[weight_dtype], bool(renormalize), bool(pdl))
 
@@ -109,14 +114,19 @@ rank = keep_order  # no cost model rates the candidates against each other
 
 def variants_for(models: list[ModelDims] | None = None, modes: tuple[str, ...] = MODES,
                  max_tokens: int | None = None) -> list[RouteConfig]:
-    """The configs warm-up compiles, renormalized or not: of the given models' routers with weights in
-    the model's dtype (what rosekernels.hf's router hands the experts, as the stock router does; dense
-    models need none), or (models None) of MODELS in bf16 with bf16 and fp32 weights (the op's default)."""
+    """The configs warm-up compiles: of the given models' routers, weights in the model's dtype (what
+    rosekernels.hf's router hands the experts, as the stock router does) renormalised as the model's config
+    says (dense models and routers past the kernel need none); or (models None) of MODELS in bf16 with bf16
+    and fp32 weights (the op's default), renormalised or not."""
     if models is None:
+        from rosekernels.kernels.moe_dispatch_plan import MODELS
+
         dims = [(e, k, "bf16", w) for _, e, k in MODELS.values() for w in ("bf16", "fp32")]
     else:
-        dims = [(m.experts, m.topk, m.dtype, m.dtype) for m in models if takes(m.experts, m.topk)]
-    return [RouteConfig(dtype, wdtype, e, k, renorm, mode) for e, k, dtype, wdtype in dict.fromkeys(dims)
+        dims = [(m.experts, m.topk, m.dtype, m.dtype, m.norm_topk) for m in models if takes(m.experts, m.topk)]
+        return [RouteConfig(dtype, wdtype, e, k, renorm, mode) for e, k, dtype, wdtype, renorm in dict.fromkeys(dims)
+                for mode in modes]
+    return [RouteConfig(dtype, wdtype, e, k, renorm, mode) for e, k, dtype, wdtype in dims
             for renorm in (True, False) for mode in modes]
 
 

@@ -2,6 +2,7 @@
 checks before any launch (CPU, meta), the float64 reference and its check (CPU); on the GPU, exact ids and
 bounded weights over ragged token counts, expert counts 1-512, ties, NaN and infinite logits, strided
 rows, the outputs poisoned, graphs and torch.compile."""
+import dataclasses
 import math
 import re
 import types
@@ -61,8 +62,11 @@ def test_mode_candidates_and_warm_up_set():
     # A dense model needs no router; an MoE model its own experts, top-k and dtype, weights in that dtype.
     assert plan.variants_for([QWEN3_8B]) == []
     routers = plan.variants_for([QWEN3_30B_A3B], modes=("decode",))
-    assert {(c.experts, c.topk, c.dtype, c.weight_dtype, c.renormalize) for c in routers} == {
-        (128, 8, "bf16", "bf16", True), (128, 8, "bf16", "bf16", False)}
+    assert [(c.experts, c.topk, c.dtype, c.weight_dtype, c.renormalize) for c in routers] == [
+        (128, 8, "bf16", "bf16", True)]
+    odd = dataclasses.replace(QWEN3_30B_A3B, experts=60, topk=4, dtype="fp16", norm_topk=False)
+    assert {(c.experts, c.topk, c.weight_dtype, c.renormalize, c.mode) for c in plan.variants_for([odd])} == {
+        (60, 4, "fp16", False, "decode"), (60, 4, "fp16", False, "prefill")}
     assert {c.weight_dtype for c in plan.variants_for()} == {"bf16", "fp32"}
 
 
@@ -236,7 +240,7 @@ def test_models_past_the_kernel_keep_torch_s_router_and_warm_none():
     p = hf.plan(model)
     assert p.swaps["experts"] and not p.swaps["router"]
     assert not [s for s in hf.warmup_specs(model) if s.variant().op == "moe_route"]
-    assert not plan.variants_for([QWEN3_30B_A3B.__class__(**{**QWEN3_30B_A3B.__dict__, "experts": 640})])
+    assert not plan.variants_for([dataclasses.replace(QWEN3_30B_A3B, experts=640)])
 
 
 # ---------------------------------------------------------------------------------------------
