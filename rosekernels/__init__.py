@@ -8,6 +8,8 @@ Ops (torch tensors in, torch tensors out; each JIT-specialized per shape, dtype 
                                                    local_experts=(first, count): a tensor-parallel rank's share)
     moe_combine(expert_out, topk_weights, slot_map)
                                                    weighted sum of each token's expert outputs
+    moe_route(logits, topk, renormalize)           a router's softmax and top-k experts in one launch
+                                                   (topk_weights, topk_ids int32: moe_dispatch's ids)
     gemm(a, w, bias, activation, gated)            act(a @ w.T + bias), act none/relu/leaky_relu/silu/gelu_tanh;
                                                    gated: act(a @ w_gate.T) * (a @ w_up.T) (SwiGLU), one kernel
     gate_up_rows(w_gate, w_up)                     the interleaved weight a gated gemm takes
@@ -41,9 +43,10 @@ Ops (torch tensors in, torch tensors out; each JIT-specialized per shape, dtype 
 CuTeDSL takes seconds); `dir(rosekernels)` lists them without loading anything.
 
 torch.ops.rosekernels.* are the out-variant custom ops behind them (qk_norm, rmsnorm, moe_dispatch,
-moe_combine, gemm, gemm_leakyrelu, quantize_fp8, gemm_fp8, grouped_gemm, attention_fwd, attention_decode,
-attention_with_kvcache, attention_varlen_fwd, append_kvcache): they write into output tensors the caller passes and return nothing. torch.compile and CUDA-graph capture go through them; eager calls of
-the functions above skip the torch dispatcher. Call the functions above, not the custom ops.
+moe_combine, moe_route, gemm, gemm_leakyrelu, quantize_fp8, gemm_fp8, grouped_gemm, attention_fwd,
+attention_decode, attention_with_kvcache, attention_varlen_fwd, append_kvcache): they write into output
+tensors the caller passes and return nothing. torch.compile and CUDA-graph capture go through them; eager
+calls of the functions above skip the torch dispatcher. Call the functions above, not the custom ops.
 """
 import os
 
@@ -54,7 +57,7 @@ del os  # dir(rosekernels) lists the package's own names only
 # The public ops and the module of rosekernels.ops that defines each. warmup lives in `startup`: a
 # submodule named `warmup` would shadow the function once imported.
 _OP_MODULES = {"qk_norm": "qk_norm", "rmsnorm": "rmsnorm", "moe_dispatch": "moe_dispatch",
-               "moe_combine": "moe_combine", "gemm": "gemm", "gemm_leakyrelu": "gemm", "gate_up_rows": "gemm",
+               "moe_combine": "moe_combine", "moe_route": "moe_route", "gemm": "gemm", "gemm_leakyrelu": "gemm", "gate_up_rows": "gemm",
                "quantize_fp8": "quantize", "quantize_weight_fp8": "quantize", "gemm_fp8": "gemm_fp8",
                "grouped_gemm": "grouped_gemm", "moe_experts": "moe_experts",
                "attention": "attention", "attention_decode": "attention", "attention_with_kvcache": "kvcache",

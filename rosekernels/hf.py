@@ -36,7 +36,10 @@ What apply() replaces (the model on one sm_90 GPU):
   grouped GEMM, no host synchronisation, capturable) -> SiLU-and-mul in torch -> moe_combine;
   "moe_experts": rosekernels.moe_experts on the weights as stored (dispatch, the gate-up grouped GEMM
   with SwiGLU in its epilogue, the down grouped GEMM, combine; bf16 and fp16): no torch GEMM left.
-Left on torch: rotary embedding, embedding, the MoE router and lm_head.
+- the MoE router's softmax, top-k and renormalisation (4-6 torch launches) -> one rosekernels.moe_route after
+  its GEMM, in the blocks whose experts are served (its int32 ids go to experts_forward, which hands any
+  stock fallback int64 ones).
+Left on torch: rotary embedding, embedding, the MoE router's GEMM and lm_head.
 
 `apply(model, fp8="tensor" | "channel" | "block")` also runs the linear layers in FP8: the q/k/v/o projections
 and the dense MLP's (gate/up interleaved, then down) quantized once to e4m3 (rosekernels.quantize_weight_fp8:
@@ -72,7 +75,7 @@ import rosekernels
 from rosekernels import fp8 as fp8_math
 from rosekernels.kernels import (append_kvcache_plan, attention_decode_plan, attention_plan, gemm_fp8_plan,
                                  gemm_leakyrelu_plan, grouped_gemm_plan, moe_combine_plan, moe_dispatch_plan,
-                                 qk_norm_plan, quantize_fp8_plan, rmsnorm_plan)
+                                 moe_route_plan, qk_norm_plan, quantize_fp8_plan, rmsnorm_plan)
 from rosekernels.models import QWEN3_8B, QWEN3_30B_A3B, ModelDims
 
 try:
@@ -348,6 +351,34 @@ class RoseQwen3MLP(_MLP, q3.Qwen3MLP):
     pass
 
 
+def _router_refusal(hidden_states: torch.Tensor) -> str | None:
+    if not hidden_states.is_cuda:
+        return "device"
+    return None if hidden_states.dtype in (torch.bfloat16, torch.float16, torch.float32) else "dtype"
+
+
+class _Router:
+    """The router's softmax, top-k and renormalisation in one rosekernels.moe_route launch after its
+    GEMM (torch's: 4-6 launches). The weights come in the logits' dtype as stock's do, the ids in int32
+    (moe_dispatch's; experts_forward hands stock paths int64) while the model's experts run on rosekernels,
+    int64 after a set_experts_implementation() of another."""
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        reason = _router_refusal(hidden_states)
+        if reason is not None:
+            _count(f"fallback:router:{reason}")
+            return super().forward(hidden_states)
+        _count("router")
+        logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+        weights, ids = rosekernels.moe_route(logits, self.top_k, self.norm_topk_prob, weight_dtype=logits.dtype)
+        served = self._rosekernels_config._experts_implementation == IMPLEMENTATION
+        return logits, weights, ids if served else ids.long()
+
+
+class RoseQwen3MoeTopKRouter(_Router, q3m.Qwen3MoeTopKRouter):
+    pass
+
+
 class RoseQwen3MoeMLP(_MLP, q3m.Qwen3MoeMLP):
     pass
 
@@ -358,7 +389,7 @@ class RoseQwen3MoeDecoderLayer(_DecoderLayer, q3m.Qwen3MoeDecoderLayer):
 
 _PATCHED = {cls.__bases__[1]: cls for cls in (RoseQwen3RMSNorm, RoseQwen3MoeRMSNorm, RoseQwen3Attention,
                                               RoseQwen3MoeAttention, RoseQwen3DecoderLayer, RoseQwen3MoeDecoderLayer,
-                                              RoseQwen3MLP, RoseQwen3MoeMLP)}
+                                              RoseQwen3MLP, RoseQwen3MoeMLP, RoseQwen3MoeTopKRouter)}
 _RMSNORMS = (q3.Qwen3RMSNorm, q3m.Qwen3MoeRMSNorm)
 
 
@@ -557,7 +588,8 @@ def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index
     reason = _experts_refusal(experts, hidden_states, path)
     if reason is not None:
         _count(f"fallback:experts:{reason}")
-        return _stock_experts(experts)(experts, hidden_states, top_k_index, top_k_weights)
+        # (the ids of a patched router are int32; stock paths index with int64, one_hot among them)
+        return _stock_experts(experts)(experts, hidden_states, top_k_index.long(), top_k_weights)
     _count("experts")
     if path == "moe_experts":  # the weights as stored: gate_up_proj [E, 2I, H] (gate rows, then up), down_proj
         return rosekernels.moe_experts(hidden_states, experts.gate_up_proj, experts.down_proj,
@@ -629,6 +661,19 @@ def _serves_experts(m: nn.Module) -> bool:
             and m.num_experts <= moe_dispatch_plan.THREADS and m.hidden_dim % 8 == 0)
 
 
+def _serves_router(m: nn.Module) -> bool:
+    """An MoE block whose experts apply() serves (so that the int32 ids of moe_route go to experts_forward) and
+    whose router moe_route takes."""
+    gate = getattr(m, "gate", None)
+    return (type(m) is q3m.Qwen3MoeSparseMoeBlock and _serves_experts(m.experts)
+            and type(gate) is q3m.Qwen3MoeTopKRouter and moe_route_plan.takes(gate.num_experts, gate.top_k))
+
+
+def _patch_router(m: nn.Module) -> None:
+    m.gate._rosekernels_config = m.experts.config  # (a config, not a module: no submodule, no state_dict entry)
+    _swap_class(m.gate)
+
+
 def _swap_class(m: nn.Module) -> None:
     m.__class__ = _PATCHED[type(m)]
 
@@ -656,8 +701,10 @@ SWAPS = (
     Swap("mlp", "dense MLP -> rosekernels.gemm gated (SwiGLU) + rosekernels.gemm (down projection)", _serves_mlp,
          _patch_mlp),
     Swap("experts", "MoE experts (EXPERTS_WHAT)", _serves_experts, _route_experts),
+    Swap("router", "MoE router's softmax, top-k and renormalisation -> rosekernels.moe_route", _serves_router,
+         _patch_router),
 )
-LEFT_ON_TORCH = ("rotary embedding", "embedding, the MoE router and lm_head")
+LEFT_ON_TORCH = ("rotary embedding", "embedding, the MoE router's GEMM and lm_head")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -870,7 +917,7 @@ def apply(model: nn.Module, experts: str | None = None, fp8: str | None = None,
     # Load the ops now (rosekernels imports them on first use), so that the patched forwards find
     # plain module attributes, which torch.compile traces without a module __getattr__.
     for op in ("rmsnorm", "qk_norm", "attention", "gemm", "gate_up_rows", "moe_dispatch", "moe_combine",
-               "moe_experts", "gemm_fp8", "quantize_fp8", "quantize_weight_fp8", "append_kvcache",
+               "moe_route", "moe_experts", "gemm_fp8", "quantize_fp8", "quantize_weight_fp8", "append_kvcache",
                "attention_with_kvcache"):
         getattr(rosekernels, op)
     _swap(model, p)
@@ -893,6 +940,8 @@ def warmup_specs(model: nn.Module, experts: str | None = None, fp8: str | None =
     if _experts_path(model, experts) == "moe_experts":
         plans.append(grouped_gemm_plan)
     configs = [c for m in plans for c in m.variants_for([dims])]
+    if any(isinstance(m, _Router) or _serves_router(m) for m in model.modules()):  # served, or to be
+        configs += moe_route_plan.variants_for([dataclasses.replace(dims, norm_topk=bool(config.norm_topk_prob))])
     configs += attention_decode_plan.kvcache_variants_for([dims])  # a static cache's decode steps
     if fp8_kv_cache:  # an Fp8StaticCache's appends
         configs += [c for c in append_kvcache_plan.variants_for([dims]) if c.fp8]

@@ -28,6 +28,7 @@ class ModelDims:
     experts: int = 0  # 0: a dense MLP
     topk: int = 0
     moe_intermediate: int = 0
+    norm_topk: bool = True  # the router renormalises its top-k weights (norm_topk_prob; Mixtral always does)
     dtype: str = "bf16"
     qk_norm: bool = True  # per-head RMSNorm of q and k; from_config sets it from the model family
     # The FP8 weight scheme its linear layers run in ("none", or rosekernels.fp8.WEIGHT_SCHEMES' "tensor",
@@ -95,6 +96,7 @@ class ModelDims:
             experts=experts,
             topk=topk if experts else 0,
             moe_intermediate=size("moe_intermediate_size"),
+            norm_topk=bool(get("norm_topk_prob", True)),
             dtype=DTYPES[dtype],
             qk_norm=family in QK_NORM_FAMILIES,
         )

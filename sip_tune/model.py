@@ -40,7 +40,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from rosekernels import tuned
-from rosekernels.kernels import grouped_gemm_plan, kernel_module
+from rosekernels.kernels import grouped_gemm_plan, kernel_module, moe_route_plan
 from rosekernels.kernels.gemm_leakyrelu_plan import DECODE_MAX_M, model_gemms
 from rosekernels.models import ModelDims
 from sip import SipError
@@ -115,6 +115,9 @@ def _block(dims: ModelDims, mode: str, tokens: int) -> list[Job]:
     else:
         jobs.append(_job("attention", "attention", tokens, batch=1, seqlen=tokens, causal=True, **heads))
     jobs += gemms("o")
+    if dims.experts and moe_route_plan.takes(dims.experts, dims.topk):  # the router after its GEMM (hf)
+        jobs.append(_job("moe_route", "moe router", tokens, tokens=tokens, experts=dims.experts, topk=dims.topk,
+                         dtype=dt, weight_dtype=dt, renormalize=dims.norm_topk))
     if dims.experts:  # rosekernels.moe_experts: dispatch, the expert GEMMs on T x top-k rows, combine
         jobs += [_job("moe_dispatch", "moe dispatch", tokens, tokens=tokens, hidden=dims.hidden,
                       experts=dims.experts, topk=dims.topk, dtype=dt),

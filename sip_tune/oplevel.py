@@ -534,6 +534,33 @@ def _moe_combine(shape: Any) -> Case:
     return Case("rosekernels.moe_combine", make_set, lambda s: rosekernels.moe_combine(*s[:3], out=s[3]), outputs=1)
 
 
+def _moe_route(shape: Any) -> Case:
+    """Router logits of the shape's dtype; the peer: transformers' router ops after the GEMM (softmax in fp32,
+    torch.topk, the division by the chosen sum, the cast)."""
+    import torch
+
+    import rosekernels
+
+    wdt = _dtype(shape.weight_dtype)
+
+    def make_set(seed: int, device: str) -> tuple:
+        logits = torch.randn(shape.tokens, shape.experts, generator=_gen(seed, device), device=device)
+        return (logits.to(_dtype(shape.dtype)), torch.empty(shape.tokens, shape.topk, dtype=wdt, device=device),
+                torch.empty(shape.tokens, shape.topk, dtype=torch.int32, device=device))
+
+    def call(s: tuple) -> None:
+        rosekernels.moe_route(s[0], shape.topk, shape.renormalize, topk_weights=s[1], topk_ids=s[2],
+                              enable_pdl=shape.pdl)
+
+    def torch_peer() -> Callable[[tuple], Any]:
+        def run(s: tuple) -> Any:
+            top, ids = torch.topk(torch.softmax(s[0], dim=-1, dtype=torch.float), shape.topk, dim=-1)
+            return (top / top.sum(-1, keepdim=True) if shape.renormalize else top).to(wdt), ids
+        return run
+
+    return Case("rosekernels.moe_route", make_set, call, outputs=2, peers={"torch": torch_peer})
+
+
 def _grouped_gemm(shape: Any) -> Case:
     """Rows of a random routing (each row to a uniform expert) grouped as moe_dispatch groups them; the
     peer: torch._grouped_mm (its sm_90 kernel: bf16, no bias, no gather) and the epilogue in torch."""
@@ -612,7 +639,7 @@ CASES: dict[str, Callable[[Any], Case]] = {
     "gemm_leakyrelu": _gemm, "attention": _attention, "attention_decode": _attention_decode, "qk_norm": _qk_norm,
     "rmsnorm": _rmsnorm, "moe_dispatch": _moe_dispatch, "moe_combine": _moe_combine,
     "append_kvcache": _append_kvcache, "attention_varlen": _attention_varlen, "grouped_gemm": _grouped_gemm,
-    "quantize_fp8": _quantize_fp8, "gemm_fp8": _gemm_fp8}
+    "quantize_fp8": _quantize_fp8, "gemm_fp8": _gemm_fp8, "moe_route": _moe_route}
 
 
 def ring_sets(set_bytes: int, l2_bytes: int) -> int:

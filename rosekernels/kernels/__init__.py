@@ -10,7 +10,7 @@ from types import ModuleType
 # and what sip-tune --kernel accepts.
 KERNELS = {name: f"rosekernels.kernels.{name}" for name in (
     "qk_norm", "rmsnorm", "moe_dispatch", "moe_combine", "gemm_leakyrelu", "attention", "attention_decode",
-    "append_kvcache", "grouped_gemm", "quantize_fp8", "gemm_fp8")}
+    "append_kvcache", "grouped_gemm", "quantize_fp8", "gemm_fp8", "moe_route")}
 
 
 def kernel_module(name: str) -> ModuleType:

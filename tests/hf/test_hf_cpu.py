@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 
 import rosekernels  # noqa: E402
 from rosekernels import hf  # noqa: E402
+from rosekernels.kernels import moe_route  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig  # noqa: E402
 from transformers.integrations.moe import grouped_mm_experts_forward  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
@@ -129,7 +130,7 @@ def test_swapped_model_on_the_cpu_falls_back_to_exactly_the_stock_computation(mo
     expected = {"fallback:rmsnorm:device": calls * (4 * 3 + 1), "fallback:qk_norm:device": calls * 3,
                 "fallback:attention:device": calls * 3, "fallback:gemm:device": calls * 4 * 3}  # q, k, v, o
     if moe:
-        expected["fallback:experts:device"] = calls * 3
+        expected["fallback:experts:device"] = expected["fallback:router:device"] = calls * 3
     else:
         expected["fallback:mlp:device"] = calls * 3
     assert hf.stats() == expected
@@ -389,6 +390,73 @@ def test_experts_on_the_moe_experts_path_compute_the_stock_experts(monkeypatch, 
     assert hf.stats() == {"experts": 1}
 
 
+def _route_standin(logits, topk, renormalize=True, *, weight_dtype=None):
+    """rosekernels.moe_route's contract: its float64 reference (the k largest logits, the lower expert first
+    among equal ones; softmax weights, renormalised or not), weights in weight_dtype, ids int32."""
+    weights, ids = moe_route.reference(logits, topk, renormalize)
+    return weights.to(weight_dtype or torch.float32), ids.to(torch.int32)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_a_served_moe_block_routes_with_moe_route_as_the_stock_router_does(monkeypatch, norm_topk_prob):
+    """apply(): the router's softmax and top-k go to rosekernels.moe_route (a stand-in following its
+    contract) with the weights in the logits' dtype and int32 ids: the stock router's choice and weights
+    (logits without ties), and the stock MoE block's output through the moe_experts path."""
+    monkeypatch.setattr(rosekernels, "moe_route", _route_standin, raising=False)
+    monkeypatch.setattr(rosekernels, "moe_experts", _moe_experts_standin, raising=False)
+    monkeypatch.setattr(hf, "_router_refusal", lambda h: None)
+    monkeypatch.setattr(hf, "_experts_refusal", lambda e, h, path: None)
+    model = _tiny(moe=True, layers=1)
+    model.config.norm_topk_prob = model.model.layers[0].mlp.gate.norm_topk_prob = norm_topk_prob
+    stock = copy.deepcopy(model.model.layers[0].mlp)
+    p = hf.plan(model, experts="moe_experts")
+    assert p.swaps["router"] == ("model.layers.0.mlp",) and "rosekernels.moe_route" in str(p)
+    hf._swap(model, p)
+    block = model.model.layers[0].mlp
+    assert type(block.gate) is hf.RoseQwen3MoeTopKRouter and not hf.plan(model).swaps["router"]  # once
+    g = torch.Generator().manual_seed(8)
+    hidden = torch.randn(2, 11, TINY["hidden_size"], generator=g).to(torch.bfloat16)
+    hf.reset_stats()
+    with torch.inference_mode():
+        logits, weights, ids = block.gate(hidden)
+        want_logits, want_weights, want_ids = stock.gate(hidden)
+        assert torch.equal(logits, want_logits) and ids.dtype == torch.int32 and weights.dtype == torch.bfloat16
+        assert torch.equal(ids.long(), want_ids) and torch.equal(weights, want_weights)
+        got, want = block(hidden).float(), stock(hidden).float()
+    err = (got - want).norm() / want.norm()
+    assert err < 1e-2, f"relative error {err:.3g}"
+    assert hf.stats() == {"router": 2, "experts": 1}
+
+
+def test_the_patched_router_gives_int64_ids_once_the_experts_leave_rosekernels(monkeypatch):
+    monkeypatch.setattr(rosekernels, "moe_route", _route_standin, raising=False)
+    monkeypatch.setattr(hf, "_router_refusal", lambda h: None)
+    model = _tiny(moe=True, layers=1)
+    hf._swap(model, hf.plan(model, experts="moe_experts"))
+    gate = model.model.layers[0].mlp.gate
+    h = torch.randn(5, TINY["hidden_size"]).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert gate(h)[2].dtype == torch.int32
+        model.set_experts_implementation("eager")
+        assert gate(h)[2].dtype == torch.int64
+
+
+def test_a_stock_experts_fallback_gets_int64_ids_from_the_patched_router(monkeypatch):
+    """moe_route's ids are int32; where experts_forward falls back to the stock experts (whose eager loop
+    indexes with one_hot, int64 only) it hands them int64 ids: the stock result."""
+    model = _tiny(moe=True, layers=1)
+    experts = model.model.layers[0].mlp.experts
+    g = torch.Generator().manual_seed(9)
+    hidden = torch.randn(13, TINY["hidden_size"], generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(7, generator=g)[:3] for _ in range(13)])
+    weights = torch.rand(13, 3, generator=g).softmax(-1).to(torch.bfloat16)
+    monkeypatch.setattr(experts, "_rosekernels_fallback", "eager", raising=False)
+    want = type(experts).forward.__wrapped__(experts, hidden, ids, weights)  # the stock eager loop, int64 ids
+    hf.reset_stats()
+    got = hf.experts_forward(experts, hidden, ids.to(torch.int32), weights)  # CPU: the fallback
+    assert hf.stats() == {"fallback:experts:device": 1} and torch.equal(got, want)
+
+
 def test_the_experts_path_is_one_of_two_and_switches_the_warmup_set():
     assert hf.EXPERTS_PATH in hf.EXPERTS_WHAT and set(hf.EXPERTS_WHAT) == {"grouped_mm", "moe_experts"}
     with torch.device("meta"):
@@ -518,9 +586,12 @@ def test_warmup_specs_cover_the_models_kernels_in_its_dtype_and_eps(geometry):
     specs = hf.warmup_specs(model)
     ops = {s.variant().op for s in specs}
     moe = geometry == "qwen3-30b-a3b"
-    routing = {"moe_dispatch", "moe_combine"} if moe else set()
+    routing = {"moe_dispatch", "moe_combine", "moe_route"} if moe else set()
     routing |= {"grouped_gemm"} if moe and hf.EXPERTS_PATH == "moe_experts" else set()
     assert ops == {"rmsnorm", "qk_norm", "attention", "attention_decode", "gemm_leakyrelu"} | routing
+    # the router's weights in the model's dtype, renormalised as the config says (both modes)
+    assert {(s.weight_dtype, s.renormalize, s.mode) for s in specs if s.variant().op == "moe_route"} == (
+        {("bf16", model.config.norm_topk_prob, m) for m in ("decode", "prefill")} if moe else set())
     assert ops <= set(rosekernels.KERNELS)
     gemms = {(s.activation, s.gated) for s in specs if s.variant().op == "gemm_leakyrelu"}
     assert gemms == ({("none", False)} if moe else {("none", False), ("silu", True)})  # projections, SwiGLU

@@ -21,7 +21,8 @@ COS_MIN = 0.999
 MOE_COS_FLOOR = 0.995  # one flipped expert of eight at one position stays above it
 MOE_BLOCK_COS_MIN = 0.9999  # an MoE block against stock's on the same input: same routing
 AGREE_MIN = 0.99
-_OPS = re.compile(r"rosekernelskernels(attention_decode|attention|qk_norm|rmsnorm|moe_dispatch|moe_combine|gemm_leakyrelu)")
+_OPS = re.compile(r"rosekernelskernels(attention_decode|attention|qk_norm|rmsnorm|moe_dispatch|moe_combine|moe_route|"
+                  r"gemm_leakyrelu)")
 
 
 @pytest.fixture(scope="module", params=sorted(hf.GEOMETRIES))
@@ -100,7 +101,7 @@ def _per_forward(geometry, forwards, attention):
     counts = {"rmsnorm": LAYERS + 1, "rmsnorm+residual": LAYERS, "qk_norm": LAYERS, attention: LAYERS,
               "gemm": 4 * LAYERS}  # q, k, v, o
     if geometry == "qwen3-30b-a3b":
-        counts["experts"] = LAYERS
+        counts["experts"] = counts["router"] = LAYERS
     else:
         counts["mlp"] = LAYERS
     return {k: v * forwards for k, v in counts.items()}
@@ -118,7 +119,7 @@ def _merge(*counts):
 def test_prefill_logits_match_stock_at_every_position(pair, fp32):
     geometry, stock, ours = pair
     ops = {"rmsnorm", "qk_norm", "attention", "gemm_leakyrelu"}
-    ops |= {"moe_dispatch", "moe_combine"} if geometry == "qwen3-30b-a3b" else set()
+    ops |= {"moe_dispatch", "moe_combine", "moe_route"} if geometry == "qwen3-30b-a3b" else set()
     for batch, length, seed in ((2, 333, 1), (1, 1100, 2)):
         ids = _ids(batch, length, seed)
         want = stock(input_ids=ids).logits
@@ -134,9 +135,10 @@ def test_prefill_logits_match_stock_at_every_position(pair, fp32):
 def test_moe_blocks_match_stock_on_the_same_input(pair):
     """Where the routing is the same, the MoE path is held to 0.9999 at every token (0.999996 measured
     on the H200 in every layer; the logits' bar is 0.999). Each layer's MoE block of the patched model
-    gets the stock model's input to that block; the router stays on torch, so both pick the same
-    experts with the same weights, and what differs is the expert computation (moe_dispatch ->
-    grouped GEMMs -> moe_combine against stock's grouped_mm).
+    gets the stock model's input to that block; both routers pick the same set of experts (moe_route
+    takes the lower expert among equal logits, as torch.topk's gather does at the k-th value; the order
+    within the k does not change the block) with weights equal to fp32 rounding, and what differs is the
+    expert computation (moe_dispatch -> grouped GEMMs -> moe_combine against stock's grouped_mm).
     (The whole model's logits cannot be held to 0.999 against stock: see _check_cos.)"""
     geometry, stock, ours = pair
     if geometry != "qwen3-30b-a3b":
@@ -157,7 +159,7 @@ def test_moe_blocks_match_stock_on_the_same_input(pair):
         cos = torch.nn.functional.cosine_similarity(got.float(), want.float(), dim=-1)
         print(f"layer {i}: min cosine {cos.min().item():.6f}, median {cos.median().item():.6f} over {cos.numel()} tokens")
         assert cos.min().item() >= MOE_BLOCK_COS_MIN, f"layer {i}: min cosine {cos.min().item():.6f}"
-    assert hf.stats() == {"experts": LAYERS}
+    assert hf.stats() == {"experts": LAYERS, "router": LAYERS}
 
 
 @torch.inference_mode()
@@ -185,7 +187,7 @@ def test_moe_blocks_on_moe_experts_match_stock(pair, fp32):
         cos = torch.nn.functional.cosine_similarity(ours.model.layers[i].mlp(x).float(),
                                                     stock.model.layers[i].mlp(x).float(), dim=-1)
         assert cos.min().item() >= MOE_BLOCK_COS_MIN, f"layer {i}: min cosine {cos.min().item():.6f}"
-    assert hf.stats() == {"experts": LAYERS}
+    assert hf.stats() == {"experts": LAYERS, "router": LAYERS}
     ids = _ids(2, 200, seed=6)
     _check_cos(geometry, ours(input_ids=ids).logits, stock(input_ids=ids).logits, fp32(input_ids=ids).logits)
     del ours
@@ -317,7 +319,7 @@ def test_torch_compile_reduce_overhead_decode_with_a_static_cache(pair, fp32):
     want, _ = run(stock)
     got, ran = run(ours)
     expected = {"rmsnorm", "qk_norm", "gemm_leakyrelu"}
-    expected |= {"moe_dispatch", "moe_combine"} if geometry == "qwen3-30b-a3b" else set()
+    expected |= {"moe_dispatch", "moe_combine", "moe_route"} if geometry == "qwen3-30b-a3b" else set()
     assert ran == expected, f"kernels launched in the compiled step: {ran}"
     reference = _decode(fp32, prompt, feed.shape[1] + 1, feed=feed)[0] if fp32 is not None else None
     _check_cos(geometry, got, want, reference)

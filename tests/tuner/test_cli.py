@@ -47,7 +47,7 @@ def test_argument_errors_exit_2(capsys, argv, message):
 def test_every_kernel_of_the_package_can_be_asked_for(capsys):
     assert set(rosekernels.KERNELS) == {"qk_norm", "rmsnorm", "moe_dispatch", "moe_combine", "gemm_leakyrelu",
                                         "attention", "attention_decode", "append_kvcache", "grouped_gemm",
-                                        "quantize_fp8", "gemm_fp8"}
+                                        "quantize_fp8", "gemm_fp8", "moe_route"}
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     out, _ = capsys.readouterr()

@@ -82,7 +82,8 @@ def test_qwen3_8b_decode_runs_the_dense_block_at_every_decode_token_count(tmp_pa
 
 def test_qwen3_30b_a3b_decode_runs_the_experts_and_the_moe_routing_instead_of_a_dense_mlp(tmp_path):
     jobs = by_kernel(model.shapes(dims(tmp_path, "qwen3-30b-a3b"), "decode"))
-    assert set(jobs) == {"gemm_leakyrelu", "attention_decode", "moe_dispatch", "grouped_gemm", "moe_combine"}
+    assert set(jobs) == {"gemm_leakyrelu", "attention_decode", "moe_route", "moe_dispatch", "grouped_gemm",
+                         "moe_combine"}
     # q (32 heads of 128), k/v (4 heads), o (n=hidden, k=32 * 128); no dense MLP: the experts' gate-up
     # (SwiGLU, 2 x 768 rows) and down GEMMs are grouped GEMMs over T x top-8 rows of 128 experts.
     assert {(s["n"], s["k"]) for s in jobs["gemm_leakyrelu"]} == {(4096, 2048), (512, 2048), (2048, 4096)}
@@ -93,6 +94,10 @@ def test_qwen3_30b_a3b_decode_runs_the_experts_and_the_moe_routing_instead_of_a_
     assert [s["tokens"] for s in jobs["moe_dispatch"]] == list(model.DECODE_TOKENS)
     assert all((s["hidden"], s["experts"], s["topk"]) == (2048, 128, 8) for s in jobs["moe_dispatch"])
     assert all((s["hidden"], s["topk"]) == (2048, 8) for s in jobs["moe_combine"])
+    # the router after its GEMM: the model's logits and weights dtype, renormalised as its config says
+    assert [s["tokens"] for s in jobs["moe_route"]] == list(model.DECODE_TOKENS)
+    assert all((s["experts"], s["topk"], s["weight_dtype"], s["renormalize"]) == (128, 8, "bf16", True)
+               for s in jobs["moe_route"])
     assert all((s["heads_q"], s["heads_kv"]) == (32, 4) for s in jobs["attention_decode"])
 
 

@@ -57,7 +57,7 @@ def test_every_kernel_has_a_public_op_case_at_its_shape(kernel, shape):
         "attention_decode": lambda s: (s.batch, s.seqlen_q, s.heads_q, s.head_dim),
         "append_kvcache": lambda s: (s.batch * -(-(s.new_tokens + 64) // 16), 16, s.kv_heads, s.head_dim),
         "grouped_gemm": lambda s: (s.rows, s.k), "quantize_fp8": lambda s: (s.rows, s.hidden),
-        "gemm_fp8": lambda s: (s.m, s.k)}
+        "gemm_fp8": lambda s: (s.m, s.k), "moe_route": lambda s: (s.tokens, s.experts)}
     assert tuple(a[0].shape) == first[kernel](shape)
     if kernel == "gemm_leakyrelu":
         assert tuple(a[1].shape) == (shape.n, shape.k) and tuple(a[-1].shape) == (shape.m, shape.n)
