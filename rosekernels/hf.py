@@ -941,7 +941,7 @@ def warmup_specs(model: nn.Module, experts: str | None = None, fp8: str | None =
         plans.append(grouped_gemm_plan)
     configs = [c for m in plans for c in m.variants_for([dims])]
     if any(isinstance(m, _Router) or _serves_router(m) for m in model.modules()):  # served, or to be
-        configs += moe_route_plan.variants_for([dataclasses.replace(dims, norm_topk=bool(config.norm_topk_prob))])
+        configs += moe_route_plan.variants_for([dims])  # (dims.norm_topk is the config's norm_topk_prob)
     configs += attention_decode_plan.kvcache_variants_for([dims])  # a static cache's decode steps
     if fp8_kv_cache:  # an Fp8StaticCache's appends
         configs += [c for c in append_kvcache_plan.variants_for([dims]) if c.fp8]

@@ -115,7 +115,7 @@ def _block(dims: ModelDims, mode: str, tokens: int) -> list[Job]:
     else:
         jobs.append(_job("attention", "attention", tokens, batch=1, seqlen=tokens, causal=True, **heads))
     jobs += gemms("o")
-    if dims.experts and moe_route_plan.takes(dims.experts, dims.topk):  # the router after its GEMM (hf)
+    if moe_route_plan.takes(dims.experts, dims.topk):  # the router after its GEMM (hf); none for dense models
         jobs.append(_job("moe_route", "moe router", tokens, tokens=tokens, experts=dims.experts, topk=dims.topk,
                          dtype=dt, weight_dtype=dt, renormalize=dims.norm_topk))
     if dims.experts:  # rosekernels.moe_experts: dispatch, the expert GEMMs on T x top-k rows, combine
