@@ -77,6 +77,7 @@ SOURCES = ("pyproject.toml", "rosekernels", "sip", "sip_tune", "tests", "tools",
 OUTCOMES = ("passed", "failed", "skipped", "error", "xfailed", "xpassed")
 OUT_OF_MEMORY = ("out of memory", "outofmemoryerror")  # torch's and CUDA's words, lower case
 GRACE_S = 10.0  # after the deadline's SIGTERM, what a piece has to unwind (its tools' cleanup) before SIGKILL
+KILL_WAIT_S = 10.0  # how long reap() waits for SIGKILLed processes to be gone
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,6 +243,15 @@ def descendants(roots: set[int], table: dict[int, tuple[int, str]] | None = None
     return found
 
 
+def _alive(pid: int, started: str) -> bool:
+    """Whether the process `pid` that started at `started` still runs (a zombie has ended)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] != "Z" and fields[19] == started
+
+
 class Process:
     """A piece's pytest process, in a process group of its own. At the deadline it gets SIGTERM (the
     plugin turns it into KeyboardInterrupt, so that the tests' cleanup stops their tools), then, after
@@ -282,12 +292,19 @@ class Process:
             self.popen.wait()
         table = processes()
         tree = {**self._tree, **descendants(set(self._tree), table)}  # what they started since, too
+        killed = {}
         for pid, started in tree.items():
             if table.get(pid, (0, None))[1] == started:
                 try:
                     os.kill(pid, signal.SIGKILL)
+                    killed[pid] = started
                 except ProcessLookupError:
                     pass
+        # SIGKILL is delivered, not yet acted on, when kill() returns: on a busy host a killed tool can
+        # still hold the GPU when the next piece starts timing, so return only once each one has ended.
+        until = time.time() + KILL_WAIT_S
+        while any(_alive(pid, started) for pid, started in killed.items()) and time.time() < until:
+            time.sleep(0.01)
 
     def _signal(self, sig: int) -> None:
         try:
