@@ -26,7 +26,8 @@ baseline" in the decode table).
   (Inductor's default mode, compiled once in the warm-up; the step is then captured in the same CUDA graph
   as every arm, which is what mode="reduce-overhead" would add); for the MoE model it compiles the
   batched_mm arm, the one generate() decodes with.
-- per-op device time of one eager decode step (B = 16) per arm (torch.profiler), kernels grouped by op.
+- per-op device time of one decode step (B = 16) per arm (torch.profiler), kernels grouped by op: the
+  graph rows' step (a StaticCache), run eagerly.
 --quick: 2 layers, prefill S = 2048 only, decode B = 16 only, fewer rounds.
 """
 from __future__ import annotations
@@ -141,8 +142,10 @@ def op_of(kernel):
 
 
 def profile_decode(model, vocab):
-    """{op group: device us} and the top kernels of one eager decode step at B = PROFILE_BATCH."""
-    cache, tok = filled_cache(model, False, PROFILE_BATCH), _ids(PROFILE_BATCH, 1, seed=3, vocab=vocab)
+    """{op group: device us} and the top kernels of one decode step at B = PROFILE_BATCH on a StaticCache, run
+    eagerly: the kernels the graph rows replay (a DynamicCache's step adds a torch.cat of every layer's whole
+    cache, which no graph row runs)."""
+    cache, tok = filled_cache(model, True, PROFILE_BATCH, headroom=3), _ids(PROFILE_BATCH, 1, seed=3, vocab=vocab)
     for _ in range(2):
         model(input_ids=tok, past_key_values=cache, use_cache=True)
     torch.cuda.synchronize()
@@ -233,16 +236,20 @@ def markdown(env, args, results, errors):
             parts = list(r["profile"])
             labels = sorted({g for p in r["profile"].values() for g in p["groups"]},
                             key=lambda g: -max(p["groups"].get(g, 0) for p in r["profile"].values()))
-            out += ["", f"### One eager decode step, B = {PROFILE_BATCH}: device time per op (us)", "",
+            out += ["", f"### One decode step, B = {PROFILE_BATCH}, StaticCache (the graph rows' kernels, run "
+                    "eagerly): device time per op (us)", "",
                     "| op | " + " | ".join(parts) + " |", "|---|" + "---|" * len(parts)]
             out += [f"| {g} | " + " | ".join(fmt(r["profile"][a]["groups"].get(g), 1) for a in parts) + " |"
                     for g in labels]
             out += ["| total | " + " | ".join(fmt(r["profile"][a]["total_us"], 1) for a in parts) + " |"]
-            eager = next((d["us"] for d in r["decode"] if d["mode"] == "eager" and d["batch"] == PROFILE_BATCH), {})
-            out += ["| eager step, wall | " + " | ".join(fmt(eager.get(a), 1) for a in parts) + " |", "",
-                    "Eager rows time the host too: where an arm's wall time per step is far above its device "
-                    "time, that arm is host-bound and the eager speedup measures host overhead, not kernels; "
-                    "the graph rows compare device work."]
+            step = {mode: next((d["us"] for d in r["decode"] if d["mode"] == mode and d["batch"] == PROFILE_BATCH), {})
+                    for mode in ("eager", "graph")}
+            out += ["| graph step | " + " | ".join(fmt(step["graph"].get(a), 1) for a in parts) + " |",
+                    "| eager step (DynamicCache), wall | " + " | ".join(fmt(step["eager"].get(a), 1) for a in parts)
+                    + " |", "",
+                    "The graph step against the total: what launch gaps add, or overlap (PDL) takes away. Eager rows "
+                    "time the host too: where an arm's wall time per step is far above its device time, that arm "
+                    "is host-bound and the eager speedup measures host overhead, not kernels."]
         fallbacks = {k: v for k, v in r["stats"].items() if k.startswith("fallback")}
         out += ["", f"rosekernels calls over the run: {r['stats']}" if not fallbacks else
                 f"rosekernels calls over the run: {r['stats']} (fallbacks: {fallbacks})", ""]
