@@ -216,13 +216,19 @@ def processes() -> dict[int, tuple[int, str]]:
     from a later one that reuses its pid."""
     out = {}
     for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:  # gone meanwhile
-                continue
+        fields = _stat(int(entry.name)) if entry.name.isdigit() else None
+        if fields is not None:
             out[int(entry.name)] = (int(fields[1]), fields[19])
     return out
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command's name (state, parent, ..., start time at 19); None once
+    the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
 
 
 def descendants(roots: set[int], table: dict[int, tuple[int, str]] | None = None) -> dict[int, str]:
@@ -245,11 +251,8 @@ def descendants(roots: set[int], table: dict[int, tuple[int, str]] | None = None
 
 def _alive(pid: int, started: str) -> bool:
     """Whether the process `pid` that started at `started` still runs (a zombie has ended)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return fields[0] != "Z" and fields[19] == started
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z" and fields[19] == started
 
 
 class Process:
