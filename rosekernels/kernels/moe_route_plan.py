@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from rosekernels.contract import KernelConfig, keep_order
 from rosekernels.models import ModelDims
+from rosekernels.modes import size_range
 from rosekernels.variant import MODES, check_mode
 
 if TYPE_CHECKING:  # (sip-tune --model plans without loading torch)
@@ -136,9 +137,6 @@ def takes(experts: int, topk: int) -> bool:
 
 
 def token_range(cfg: RouteConfig) -> tuple[int, int]:
-    """The token counts (lo, hi) a workload tests `cfg` on: every count of decode, or the first ones
-    of prefill (the same code with more CTAs; small counts keep samples cheap)."""
-    if cfg.mode == "decode":
-        return 1, DECODE_MAX_TOKENS
-    lo = DECODE_MAX_TOKENS + 1
-    return lo, 2 * lo + 64
+    """The token counts (lo, hi) a workload tests `cfg` on (modes.size_range): every count of decode, or the
+    first ones of prefill (the same code with more CTAs; small counts keep samples cheap)."""
+    return size_range(cfg.mode, choose_mode)
