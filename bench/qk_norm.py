@@ -172,7 +172,7 @@ def bench_model(model, hq, hk, tokens_list, peers, empty_fn, sweep, log):
             r["host_us"] = {
                 "qk_norm(out given)": measure("host", lambda: host_time_us(lambda _: ours(0)), errors),
                 "qk_norm(allocating)": measure("host", lambda: host_time_us(lambda _: rosekernels.qk_norm(q, k, wq, wk, EPS)), errors),
-                "CompiledKernel.fn": measure("host", lambda: host_time_us(lambda _: raw(q, k, wq, wk, oq, ok)), errors),
+                "CompiledKernel.fn": measure("host", lambda: host_time_us(lambda _: raw(q, k, wq, wk, oq, ok, None, None)), errors),
                 "torch.ops.rosekernels.qk_norm": measure("host", lambda: host_time_us(
                     lambda _: torch.ops.rosekernels.qk_norm(q, k, wq, wk, oq, ok, EPS, 0.0)), errors),
                 "empty CuTeDSL kernel": measure("host", lambda: host_time_us(lambda _: empty_fn(dummy)), errors),
@@ -201,7 +201,7 @@ def bench_model(model, hq, hk, tokens_list, peers, empty_fn, sweep, log):
                 fn = qkn.compile(c).fn
                 label = "decode" if c.mode == "decode" else f"{c.warps}w x{c.rows_per_thread} {c.cache_hint}"
                 s["modes"][label] = (c.warps, c.rows_per_thread, c.cache_hint)
-                step = (lambda i, fn=fn: fn(*sets[i % count][:2], wq, wk, *sets[i % count][2:]))
+                step = (lambda i, fn=fn: fn(*sets[i % count][:2], wq, wk, *sets[i % count][2:], None, None))
                 if decode:
                     s["times"][label] = measure(label, lambda: graph_time_us(lambda _: step(0), GRAPH_CALLS), errors)
                 else:

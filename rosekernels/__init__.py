@@ -2,7 +2,9 @@
 
 Ops (torch tensors in, torch tensors out; each JIT-specialized per shape, dtype and warp count):
 
-    qk_norm(q, k, q_weight, k_weight=None, eps)   Qwen3 per-head RMSNorm of q and k in one launch
+    qk_norm(q, k, q_weight, k_weight=None, eps, cos=None, sin=None)
+                                                   Qwen3 per-head RMSNorm of q and k in one launch,
+                                                   then the rotary embedding given its cos / sin rows
     rmsnorm(x, weight, eps, residual=None)         RMSNorm of rows, optionally fused with a residual add
     moe_dispatch(x, topk_ids, num_experts)         group tokens by expert for a grouped GEMM (MoE, one GPU;
                                                    local_experts=(first, count): a tensor-parallel rank's share)

@@ -11,8 +11,9 @@ What apply() replaces (the model on one sm_90 GPU):
   The add after the MLP stays a torch add: the layer must return the full hidden state (the model's
   layer loop passes it on and output_hidden_states records it), so fusing it into the next layer's
   input_layernorm would mean replacing Qwen3Model.forward.
-- q_norm + k_norm -> one rosekernels.qk_norm launch on [tokens, heads, head_dim] views of the q and k
-  projections' outputs.
+- q_norm + k_norm and the rotary embedding (transformers' apply_rotary_pos_emb: about ten torch launches)
+  -> one rosekernels.qk_norm launch on [tokens, heads, head_dim] views of the q and k projections' outputs,
+  with the layer's cos and sin rows.
 - attention -> rosekernels.attention, registered as attn_implementation "rosekernels" in transformers'
   AttentionInterface (with `prefix_mask`, sdpa's mask function, in AttentionMaskInterface).
   transformers passes q as [B, Hq, S_q, d] and k/v as the KV cache holds them, [B, Hkv, S_kv, d]; the
@@ -39,7 +40,7 @@ What apply() replaces (the model on one sm_90 GPU):
 - the MoE router's softmax, top-k and renormalisation (4-6 torch launches) -> one rosekernels.moe_route after
   its GEMM, in the blocks whose experts are served (its int32 ids go to experts_forward, which hands any
   stock fallback int64 ones).
-Left on torch: rotary embedding, embedding, the MoE router's GEMM and lm_head.
+Left on torch: the rotary tables (once a forward), embedding, the MoE router's GEMM and lm_head.
 
 `apply(model, fp8="tensor" | "channel" | "block")` also runs the linear layers in FP8: the q/k/v/o projections
 and the dense MLP's (gate/up interleaved, then down) quantized once to e4m3 (rosekernels.quantize_weight_fp8:
@@ -154,17 +155,48 @@ class _RMSNorm:
         return super().forward(hidden_states), hidden_states
 
 
-def _normed_qk(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, hidden_shape: tuple) -> tuple:
-    """q_norm and k_norm of the projections q [..., Hq*d], k [..., Hk*d], as [B, H, S, d] views."""
+def _normed_qk(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, hidden_shape: tuple, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple:
+    """q_norm and k_norm of the projections q [..., Hq*d], k [..., Hk*d], then the rotary embedding by cos and
+    sin ([B or 1, S, d]), as [B, H, S, d] views: all in one qk_norm launch where it takes them."""
     wq, wk = attn.q_norm.weight, attn.k_norm.weight
-    if q.is_cuda and q.dtype in qk_norm_plan.DTYPES and wq.dtype in (q.dtype, torch.float32) and wk.dtype == wq.dtype:
-        _count("qk_norm")
-        d = attn.head_dim
-        qn, kn = rosekernels.qk_norm(q.view(-1, q.shape[-1] // d, d), k.view(-1, k.shape[-1] // d, d), wq, wk,
-                                     eps=attn.q_norm.variance_epsilon)
-        return qn.view(hidden_shape).transpose(1, 2), kn.view(hidden_shape).transpose(1, 2)
-    _count("fallback:qk_norm:" + ("device" if not q.is_cuda else "dtype"))
-    return attn.q_norm(q.view(hidden_shape)).transpose(1, 2), attn.k_norm(k.view(hidden_shape)).transpose(1, 2)
+    refusal = _qk_norm_refusal(q, wq, wk)
+    if refusal is not None:
+        _count("fallback:qk_norm:" + refusal)
+        qn, kn = attn.q_norm(q.view(hidden_shape)), attn.k_norm(k.view(hidden_shape))
+        return attn._rope(qn.transpose(1, 2), kn.transpose(1, 2), cos, sin)
+    _count("qk_norm")
+    d, rows = attn.head_dim, hidden_shape[:-2]  # rows: (B, S)
+    refusal, tables = _rope_refusal(cos, sin, rows, d, q.dtype), {}
+    if refusal is None:  # a row per token ([1, S, d] tables broadcast over the batch: copied)
+        tables = {"cos": cos.expand(*rows, d).reshape(-1, d), "sin": sin.expand(*rows, d).reshape(-1, d)}
+    else:
+        _count("fallback:rope:" + refusal)
+    qn, kn = rosekernels.qk_norm(q.view(-1, q.shape[-1] // d, d), k.view(-1, k.shape[-1] // d, d), wq, wk,
+                                 eps=attn.q_norm.variance_epsilon, **tables)
+    qn, kn = qn.view(hidden_shape).transpose(1, 2), kn.view(hidden_shape).transpose(1, 2)
+    return (qn, kn) if tables else attn._rope(qn, kn, cos, sin)
+
+
+def _qk_norm_refusal(q: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor) -> str | None:
+    """Why rosekernels.qk_norm cannot norm these heads with these weights (None: it can)."""
+    if not q.is_cuda:
+        return "device"
+    if q.dtype not in qk_norm_plan.DTYPES or wq.dtype not in (q.dtype, torch.float32) or wk.dtype != wq.dtype:
+        return "dtype"
+    return None
+
+
+def _rope_refusal(cos: torch.Tensor, sin: torch.Tensor, rows: tuple, d: int, dtype: torch.dtype) -> str | None:
+    """Why qk_norm cannot apply the rotary embedding of these tables to heads of `rows` tokens as the stock forward
+    does (None: it can): a row of d values per token ([B or 1, S or 1, d] here), in q's dtype (in another, stock's
+    rotation returns that of torch's type promotion: fp32 tables make fp32 heads)."""
+    if cos.shape != sin.shape or cos.shape[-1] != d or cos.dim() != len(rows) + 1 or any(
+            c not in (1, r) for c, r in zip(cos.shape[:-1], rows)):
+        return "shape"
+    if cos.dtype != dtype or sin.dtype != dtype:
+        return "dtype"
+    return None
 
 
 def _gemm_refusal(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> str | None:
@@ -274,19 +306,18 @@ def _mlp_load_state_dict(module: nn.Module, state_dict: dict, prefix: str, *args
 
 
 class _Attention:
-    """The stock Qwen3 attention forward (transformers 5.17) with q_norm + k_norm in one qk_norm launch
-    and the projections on rosekernels.gemm."""
+    """The stock Qwen3 attention forward (transformers 5.17) with q_norm, k_norm and the rotary embedding in one
+    qk_norm launch and the projections on rosekernels.gemm."""
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple, attention_mask: torch.Tensor | None,
                 past_key_values: Any = None, **kwargs: Any) -> tuple:
         x_scale = kwargs.pop("fp8_scales", None)  # FP8 projections: hidden_states in e4m3 with these scales
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        query_states, key_states = _normed_qk(self, _project(self.q_proj, hidden_states, x_scale),
-                                              _project(self.k_proj, hidden_states, x_scale), hidden_shape)
-        value_states = _project(self.v_proj, hidden_states, x_scale).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
-        query_states, key_states = self._rope(query_states, key_states, cos, sin)
+        query_states, key_states = _normed_qk(self, _project(self.q_proj, hidden_states, x_scale),
+                                              _project(self.k_proj, hidden_states, x_scale), hidden_shape, cos, sin)
+        value_states = _project(self.v_proj, hidden_states, x_scale).view(hidden_shape).transpose(1, 2)
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._eager)

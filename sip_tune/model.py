@@ -107,8 +107,8 @@ def _block(dims: ModelDims, mode: str, tokens: int) -> list[Job]:
             _job("rmsnorm", "norm + residual", tokens, rows=tokens, hidden=dims.hidden, dtype=dt, residual=True),
             *gemms("q", "k/v")]
     if dims.qk_norm:  # Qwen3's per-head norms; Llama and most others have none
-        jobs.append(_job("qk_norm", "q/k norm", tokens, tokens=tokens, q_heads=dims.heads_q,
-                         k_heads=dims.heads_kv, head_dim=dims.head_dim, dtype=dt))
+        jobs.append(_job("qk_norm", "q/k norm + rope", tokens, tokens=tokens, q_heads=dims.heads_q,
+                         k_heads=dims.heads_kv, head_dim=dims.head_dim, dtype=dt, rope=dt))
     if mode == "decode":
         jobs.append(_job("attention_decode", "attention", tokens, batch=tokens, seqlen_q=1,
                          seqlen_kv=DECODE_CONTEXT, **heads))

@@ -429,15 +429,19 @@ def _qk_norm(shape: Any) -> Case:
         q = torch.randn(shape.tokens, shape.q_heads, d, generator=g, device=device).mul_(3).to(dt)
         k = torch.randn(shape.tokens, shape.k_heads, d, generator=g, device=device).mul_(3).to(dt)
         wq, wk = (torch.randn(d, generator=g, device=device).mul_(0.2).add_(1).to(wdt) for _ in "qk")
-        return q, k, wq, wk, torch.empty_like(q), torch.empty_like(k)
+        tables = ()
+        if shape.rope:  # each token's rotary cos and sin rows
+            angles = torch.rand(shape.tokens, d, generator=g, device=device).mul_(2 * math.pi)
+            tables = (angles.cos().to(_dtype(shape.rope)), angles.sin().to(_dtype(shape.rope)))
+        return q, k, wq, wk, *tables, torch.empty_like(q), torch.empty_like(k)  # (the outputs last)
 
     def call(s: tuple) -> None:
-        rosekernels.qk_norm(*s[:4], eps=shape.eps, weight_bias=shape.weight_bias, out_q=s[4], out_k=s[5],
-                            enable_pdl=shape.pdl)
+        rosekernels.qk_norm(*s[:4], eps=shape.eps, weight_bias=shape.weight_bias, out_q=s[-2], out_k=s[-1],
+                            enable_pdl=shape.pdl, **dict(zip(("cos", "sin"), s[4:-2])))
 
     def quack() -> Callable[[tuple], Any]:
-        if shape.weight_bias:
-            raise ImportError("quack's rmsnorm has no weight bias")
+        if shape.weight_bias or shape.rope:
+            raise ImportError("quack's rmsnorm has no weight bias or rotary embedding")
         from quack.rmsnorm import rmsnorm_fwd
 
         return lambda s: (rmsnorm_fwd(s[0].view(-1, d), s[2], eps=shape.eps)[0],

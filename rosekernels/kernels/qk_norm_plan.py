@@ -4,7 +4,8 @@ on, which config a call gets, the configs the tuner may try and the ones warm-up
 No CuTeDSL here: configs are chosen, listed and tested on a CPU without compiling.
 
 A call's work is tokens x (q_heads + k_heads) heads of `head_dim` elements, a (sub-)warp per head
-(`threads_per_head` threads moving 128 bits each). Fewer warps than SMs -> the decode config (one-warp
+(`threads_per_head` threads moving 128 bits each), and with `rope` the rotary embedding of each normed head
+by its token's cos and sin rows. Fewer warps than SMs -> the decode config (one-warp
 blocks); otherwise the prefill row of rosekernels.modes.PREFILL_TABLE (block size, heads per thread
 group, cache hint).
 """
@@ -44,6 +45,7 @@ class QKNormShape:
     eps: float = 1e-6
     weight_bias: float = 0.0
     pdl: bool = True  # programmatic dependent launch (qk_norm(enable_pdl=...))
+    rope: str | None = None  # the dtype of the rotary cos/sin tables (qk_norm(cos=..., sin=...)); None: no rope
 
     def __post_init__(self) -> None:
         if self.weight_dtype == self.dtype:  # one spelling per problem: the tuned store keys on it
@@ -57,11 +59,12 @@ class QKNormShape:
 
     @classmethod
     def of(cls, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, eps: float, weight_bias: float,
-           pdl: bool) -> "QKNormShape":
-        """The shape of a qk_norm call on q [T, hq, d], k [T, hk, d] and weights like q_weight."""
+           pdl: bool, cos: torch.Tensor | None = None) -> "QKNormShape":
+        """The shape of a qk_norm call on q [T, hq, d], k [T, hk, d], weights like q_weight and rotary tables
+        like cos (None: no rope)."""
         tokens, q_heads, head_dim = q.shape
         return cls(tokens, q_heads, k.shape[1], head_dim, checks.DTYPE_NAME[q.dtype], checks.DTYPE_NAME[q_weight.dtype],
-                   eps, weight_bias, pdl)
+                   eps, weight_bias, pdl, None if cos is None else checks.DTYPE_NAME[cos.dtype])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +72,7 @@ class QKNormConfig(KernelConfig):
     """Everything a compiled variant is specialized on: every field is compiled in."""
 
     OP = OP
-    KEY_DEFAULTS = {"pdl": True}  # the keys predate it
+    KEY_DEFAULTS = {"pdl": True, "rope": "none"}  # the keys predate them
 
     dtype: str  # q, k and the outputs: "bf16" | "fp16" | "fp32"
     weight_dtype: str  # both weights: the input dtype or "fp32"
@@ -85,6 +88,9 @@ class QKNormConfig(KernelConfig):
     # Programmatic dependent launch: the block waits for the previous kernel (griddepcontrol.wait)
     # before its loads and lets the next one launch once they are issued.
     pdl: bool = True
+    # The rotary embedding after the norm (transformers' apply_rotary_pos_emb: x * cos + rotate_half(x) * sin,
+    # each token's cos and sin rows of head_dim values): the tables' dtype, or "none".
+    rope: str = "none"
 
     @property
     def vec(self) -> int:
@@ -117,6 +123,8 @@ class QKNormConfig(KernelConfig):
             raise ValueError(f"unsupported block shape: {self.warps} warps x {self.rows_per_thread} rows")
         if self.cache_hint not in CACHE_HINTS:
             raise ValueError(f"unknown cache hint {self.cache_hint!r}")
+        if self.rope not in ("none", self.dtype, "fp32"):  # (a table chunk as wide as q's 16-byte one, or two)
+            raise ValueError(f"rope tables must be {self.dtype} or fp32 ('none': no rope), got {self.rope!r}")
 
 
 def config_for(shape: QKNormShape, sms: int | None = None) -> QKNormConfig:
@@ -144,13 +152,15 @@ def variants_for(models: Iterable[ModelDims] | None = None, modes: Iterable[str]
                  max_tokens: int | None = None) -> list[QKNormConfig]:
     """The configs qk_norm() can launch in `modes` for `models` (rosekernels.models.ModelDims: their
     heads, head dim and dtype, weights in that dtype or fp32; a head dim the kernel lacks, or a model
-    family without q/k norms, needs none). None: the MODEL_HEADS models in every dtype and head dim."""
+    family without q/k norms, needs none), with the rotary embedding in their dtype, as rosekernels.hf runs
+    them. None: the MODEL_HEADS models in every dtype and head dim, with and without it."""
     # Shapes of no tokens: the token count only picks the mode, and every mode is listed.
     if models is None:
-        shapes = [QKNormShape(0, hq, hk, d, dt, wdt) for hq, hk in MODEL_HEADS.values() for dt in TORCH_DTYPE
-                  for wdt in dict.fromkeys((dt, "fp32")) for d in HEAD_DIMS]
+        shapes = [QKNormShape(0, hq, hk, d, dt, wdt, rope=rope) for hq, hk in MODEL_HEADS.values()
+                  for dt in TORCH_DTYPE for wdt in dict.fromkeys((dt, "fp32")) for d in HEAD_DIMS
+                  for rope in (None, dt)]
     else:
-        shapes = [QKNormShape(0, m.heads_q, m.heads_kv, m.head_dim, m.dtype, wdt)
+        shapes = [QKNormShape(0, m.heads_q, m.heads_kv, m.head_dim, m.dtype, wdt, rope=m.dtype)
                   for m in models if m.qk_norm and m.head_dim in HEAD_DIMS for wdt in dict.fromkeys((m.dtype, "fp32"))]
     modes = set(modes)
     return list(dict.fromkeys(_config(s, mode) for s in shapes for mode in all_modes(OP) if mode.name in modes))
@@ -159,4 +169,5 @@ def variants_for(models: Iterable[ModelDims] | None = None, modes: Iterable[str]
 def _config(shape: QKNormShape, mode: Mode) -> QKNormConfig:
     return QKNormConfig(shape.dtype, shape.weight_dtype or shape.dtype, int(shape.head_dim),
                         int(shape.q_heads), int(shape.k_heads), float(shape.eps), float(shape.weight_bias),
-                        mode.name, mode.warps, mode.rows_per_thread, mode.cache_hint, bool(shape.pdl))
+                        mode.name, mode.warps, mode.rows_per_thread, mode.cache_hint, bool(shape.pdl),
+                        shape.rope or "none")

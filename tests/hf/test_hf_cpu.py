@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3Mo
 from transformers.integrations.moe import grouped_mm_experts_forward  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function  # noqa: E402
+from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb  # noqa: E402
 
 TINY = dict(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
             vocab_size=997, rms_norm_eps=1e-5)
@@ -516,6 +517,64 @@ def test_mlp_and_projection_glue_computes_the_stock_mlp_and_linears(monkeypatch)
     assert hf.stats() == {"mlp": 1, "gemm": 1}
 
 
+def _qk_norm_standin(q, k, q_weight, k_weight=None, eps=1e-6, weight_bias=0.0, *, cos=None, sin=None):
+    """rosekernels.qk_norm's contract (the kernel module's float64 reference, rounded once), which takes cos and
+    sin only as [T, d] rows."""
+    from rosekernels.kernels.qk_norm import reference
+
+    assert cos is None or (cos.shape == sin.shape == (q.shape[0], q.shape[-1]))
+    out = reference(q, k, q_weight, q_weight if k_weight is None else k_weight, eps, weight_bias, cos, sin)
+    return tuple(o.to(q.dtype) for o in out)
+
+
+@pytest.mark.parametrize("batch_of_tables, table_dtype, served", [
+    (2, torch.bfloat16, "qk_norm"), (1, torch.bfloat16, "qk_norm"), (2, torch.float32, "fallback:rope:dtype"),
+    (2, torch.float16, "fallback:rope:dtype")])
+def test_the_norms_and_the_rotary_embedding_go_to_one_qk_norm_call(monkeypatch, batch_of_tables, table_dtype, served):
+    """The patched attention's q/k prologue through a stand-in for rosekernels.qk_norm: the stock q_norm, k_norm
+    and apply_rotary_pos_emb, with the rotary tables in the call (a [1, S, d] table spread over the batch)
+    where the result is stock's, dtype included, else the stock rotation after the norms, counted."""
+    monkeypatch.setattr(rosekernels, "qk_norm", _qk_norm_standin, raising=False)
+    monkeypatch.setattr(hf, "_qk_norm_refusal", lambda *args: None)
+    stock = _tiny(moe=False, layers=1).to(torch.bfloat16)
+    ours = copy.deepcopy(stock)
+    hf._swap(ours, hf.plan(ours))
+    attn, ref = ours.model.layers[0].self_attn, stock.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(7)
+    d, (b, s) = TINY["head_dim"], (2, 5)
+    q = torch.randn(b, s, TINY["num_attention_heads"] * d, generator=g).to(torch.bfloat16)
+    k = torch.randn(b, s, TINY["num_key_value_heads"] * d, generator=g).to(torch.bfloat16)
+    positions = torch.arange(100, 100 + s)[None].expand(batch_of_tables, s)
+    cos, sin = (t.to(table_dtype) for t in stock.model.rotary_emb(q, positions))
+    hf.reset_stats()
+    with torch.inference_mode():
+        got = hf._normed_qk(attn, q, k, (b, s, -1, d), cos, sin)
+        want = apply_rotary_pos_emb(ref.q_norm(q.view(b, s, -1, d)).transpose(1, 2),
+                                       ref.k_norm(k.view(b, s, -1, d)).transpose(1, 2), cos, sin)
+    for x, y in zip(got, want):
+        assert x.shape == y.shape and x.dtype == y.dtype  # (fp16 tables make stock's rotation fp32, as ours)
+        err = (x.float() - y.float()).norm() / y.float().norm()
+        assert err < 1e-2, f"relative error {err:.3g}"
+    assert hf.stats() == ({"qk_norm": 1} if served == "qk_norm" else {"qk_norm": 1, served: 1})
+
+
+def test_rope_refusals():
+    """qk_norm takes a row of d values per token, [B or 1, S or 1, d], in q's dtype (the op takes fp32 tables too,
+    but stock's rotation by them returns fp32 heads)."""
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, dtype=dtype)
+
+    rows, d, bf16 = (2, 5), 64, torch.bfloat16
+    for shape in ((2, 5, 64), (1, 5, 64), (2, 1, 64)):
+        assert hf._rope_refusal(t(*shape), t(*shape), rows, d, bf16) is None
+    for cos, sin in ((t(2, 5, 32), t(2, 5, 32)), (t(3, 5, 64), t(3, 5, 64)), (t(5, 64), t(5, 64)),
+                     (t(2, 5, 64), t(1, 5, 64)), (t(1, 2, 5, 64), t(1, 2, 5, 64))):
+        assert hf._rope_refusal(cos, sin, rows, d, bf16) == "shape", cos.shape
+    for cos, sin in ((t(2, 5, 64, dtype=torch.float16),) * 2, (t(2, 5, 64, dtype=torch.float32),) * 2,
+                     (t(2, 5, 64), t(2, 5, 64, dtype=torch.float32))):
+        assert hf._rope_refusal(cos, sin, rows, d, bf16) == "dtype"
+
+
 def test_projections_that_are_not_plain_linears_keep_their_own_forward(monkeypatch):
     """A hooked (or subclassed: LoRA, quantized) projection is not replaced by the GEMM: its forward runs."""
     monkeypatch.setattr(rosekernels, "gemm", _gemm_standin, raising=False)
@@ -601,8 +660,8 @@ def test_warmup_specs_cover_the_models_kernels_in_its_dtype_and_eps(geometry):
         if s.variant().op in ("rmsnorm", "qk_norm"):
             assert s.eps == 1e-5
     assert {s.hidden for s in specs if s.variant().op == "rmsnorm"} == {g.hidden}
-    assert {(s.q_heads, s.k_heads, s.head_dim) for s in specs if s.variant().op == "qk_norm"} == {
-        (g.heads_q, g.heads_kv, g.head_dim)}
+    assert {(s.q_heads, s.k_heads, s.head_dim, s.rope) for s in specs if s.variant().op == "qk_norm"} == {
+        (g.heads_q, g.heads_kv, g.head_dim, "bf16")}  # with the model's rotary tables
     assert {s.mode for s in specs if s.variant().op == "rmsnorm"} == {"prefill", "decode"}
 
 

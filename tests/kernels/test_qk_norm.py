@@ -21,10 +21,14 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 def _cpu_configs():
     # Every dtype x weight dtype x head dim x mode for one model; the other model's head counts
-    # only change folded constants, so its bf16 d=128 configs are enough.
+    # only change folded constants, so its bf16 d=128 configs are enough. With rope: the first model's,
+    # weights in the input dtype (the weight dtype does not meet the rotation), and fp32 tables beside bf16.
     first = next(iter(plan.MODEL_HEADS.values()))
-    return [c for c in qkn.variants_for()
-            if (c.q_heads, c.k_heads) == first or (c.dtype == "bf16" and c.head_dim == 128)]
+    plain = [c for c in qkn.variants_for() if c.rope == "none"
+             and ((c.q_heads, c.k_heads) == first or (c.dtype == "bf16" and c.head_dim == 128))]
+    roped = [c for c in qkn.variants_for() if c.rope != "none" and (c.q_heads, c.k_heads) == first
+             and c.weight_dtype == c.dtype]
+    return plain + roped + [dataclasses.replace(c, rope="fp32") for c in roped if c.dtype == "bf16"]
 
 
 @pytest.mark.parametrize("cfg", _cpu_configs(), ids=lambda c: c.variant().key())
@@ -63,6 +67,28 @@ def test_pdl_switch(fresh_cache, tmp_path):
             assert all([o for j, o in memory if j < i][-1] == "LDG" for i in releases)
         else:
             assert "ACQBULK" not in ops and "PREEXIT" not in ops
+
+
+def test_rope_rotates_in_registers(fresh_cache, tmp_path):
+    """With rope the kernel reads each token's cos and sin (two more loads a chunk) and pairs element i with
+    i + d/2 by a butterfly shuffle of the vector (one a value) where a thread holds one chunk, in registers
+    where it holds both (fp32, d = 256); nothing spills, and the stores stay one a chunk."""
+    from kernel_sass import opcodes_and_global_memory
+
+    def counts(cfg):
+        found = opcodes_and_global_memory(qkn.compile(cfg), tmp_path)
+        if found is None:
+            pytest.skip("nvdisasm not found")
+        ops = [o.split(".")[0] for o in found[0]]
+        return {op: ops.count(op) for op in ("SHFL", "LDG", "STG", "LDL", "STL")}
+
+    for shape, shuffles in ((qkn.Shape(1), 8), (qkn.Shape(1, dtype="fp32", head_dim=256), 0),
+                            (qkn.Shape(1, dtype="fp16", head_dim=64), 8)):
+        plain = counts(qkn.config_for(shape))
+        roped = counts(qkn.config_for(dataclasses.replace(shape, rope=shape.dtype)))
+        assert roped["LDL"] == roped["STL"] == 0 and roped["STG"] == plain["STG"]
+        assert roped["LDG"] == 2 * plain["LDG"]  # q/k and weight chunks, then cos and sin chunks (both paths)
+        assert roped["SHFL"] == plain["SHFL"] + 2 * shuffles  # q heads' path and k heads' path
 
 
 def test_contract():
@@ -159,6 +185,22 @@ def test_rejects_non_tensors(no_launch):
         rosekernels.qk_norm(q, k, wq, [1.0] * 128, out_q=torch.empty_like(q), out_k=torch.empty_like(k))
 
 
+def test_rejects_bad_rope_tables(no_launch):
+    q, k, wq, wk = _cpu_inputs()
+    cos, sin = torch.rand(4, 128).to(BF16), torch.rand(4, 128).to(BF16)
+    _expect(ValueError, "cos and sin go together", q, k, wq, wk, cos=cos)
+    _expect(ValueError, "cos and sin go together", q, k, wq, wk, sin=sin)
+    _expect(TypeError, "sin must be a torch.Tensor", q, k, wq, wk, cos=cos, sin=[0.0] * 128)
+    _expect(TypeError, "cos has dtype", q, k, wq, wk, cos=cos.half(), sin=sin.half())
+    _expect(TypeError, "sin has dtype", q, k, wq, wk, cos=cos.float(), sin=sin)
+    _expect(ValueError, "cos has shape", q, k, wq, wk, cos=cos[:3], sin=sin[:3])  # a row per token
+    _expect(ValueError, "cos has shape", q, k, wq, wk, cos=cos[:, :64], sin=sin[:, :64])  # the whole head
+    _expect(ValueError, "sin has shape", q, k, wq, wk, cos=cos, sin=sin[None])
+    _expect(ValueError, "unit stride", q, k, wq, wk, cos=torch.rand(4, 256).to(BF16)[:, ::2], sin=sin)
+    _expect(ValueError, "aligned", q, k, wq, wk, cos=cos, sin=torch.rand(4, 132).to(BF16)[:, :128])
+    _expect(ValueError, "CUDA", q, k, wq, wk, cos=cos, sin=sin)  # all of them on the CPU: last
+
+
 @pytest.fixture
 def launches(monkeypatch):
     return stub_launches(monkeypatch, qkn, rosekernels.ops.qk_norm)
@@ -208,9 +250,36 @@ def test_outputs_may_alias_inputs_only_in_place(launches):
     assert len(launches) == 9
 
 
+def test_rope_tables_go_with_the_plan_and_never_overlap_an_output(launches, monkeypatch):
+    """A planned signature with rope launches with the tables; another table dtype or stride plans anew;
+    an output over a table is refused on the fast path too (CPU: the launch stubbed)."""
+    planned, stub = [], qkn.compile
+    monkeypatch.setattr(qkn, "compile", lambda config: planned.append(config.rope) or stub(config))
+    q, k, wq, wk = _cpu_inputs()
+    cos, sin = torch.rand(4, 128).to(BF16), torch.rand(4, 128).to(BF16)
+    rosekernels.qk_norm(q, k, wq, wk, cos=cos, sin=sin)
+    rosekernels.qk_norm(q, k, wq, wk, cos=cos.clone(), sin=sin.clone())  # the same plan
+    rosekernels.qk_norm(q, k, wq, wk, cos=cos.float(), sin=sin.float())
+    both = torch.rand(4, 256).to(BF16)  # cos and sin side by side: row stride 2d
+    rosekernels.qk_norm(q, k, wq, wk, cos=both[:, :128], sin=both[:, 128:])
+    assert len(launches) == 4 and all(len(args) == 8 and args[6] is not None for args in launches)
+    rosekernels.qk_norm(q, k, wq, wk)
+    assert launches[-1][6] is None and launches[-1][7] is None
+    assert planned == ["bf16", "fp32", "bf16", "none"]
+    over = torch.empty(4, 4, 128, dtype=BF16)
+    with pytest.raises(ValueError, match="out_q must not overlap cos"):
+        rosekernels.qk_norm(q, k, wq, wk, out_q=over, cos=over[:, 0], sin=sin)
+    with pytest.raises(ValueError, match="out_k must not overlap sin"):
+        rosekernels.qk_norm(q, k, wq, wk, out_k=over[:, :2], cos=cos, sin=over[:, 1])
+    assert len(launches) == 5
+
+
 def test_meta_tensors_take_the_registered_op(no_launch):
     q, k, wq, wk = (t.to("meta") for t in _cpu_inputs())
     out_q, out_k = rosekernels.qk_norm(q, k, wq, wk)
+    assert out_q.is_meta and out_q.shape == q.shape and out_k.shape == k.shape
+    cos, sin = torch.empty(4, 128, dtype=BF16, device="meta"), torch.empty(4, 128, dtype=BF16, device="meta")
+    out_q, out_k = rosekernels.qk_norm(q, k, wq, wk, cos=cos, sin=sin)
     assert out_q.is_meta and out_q.shape == q.shape and out_k.shape == k.shape
 
 
@@ -290,6 +359,113 @@ def test_one_weight_for_both(tokens):
     ref_q, ref_k = qkn.reference(q, k, w, w)
     _check(out_q, ref_q, BF16, f"q T={tokens}, one weight")
     _check(out_k, ref_k, BF16, f"k T={tokens}, one weight")
+
+
+def _tables(tokens, d, dtype, gen, stride=None):
+    """Random cos and sin rows in [-1, 1] (not a real rotation's: a kernel that took an element's partner's
+    value would pass on transformers' duplicated halves), the two halves of rows of `stride` (>= 2d)."""
+    stride = stride or 2 * d
+    buf = (torch.rand(tokens, stride, generator=gen, device="cuda") * 2 - 1).to(dtype)
+    return buf[:, :d], buf[:, stride // 2:stride // 2 + d]
+
+
+def _check_rope(out, q, k, wq, wk, cos, sin, dtype, what, eps=1e-6, bias=0.0):
+    inputs = (q, k, wq, wk, eps, bias, cos, sin)
+    for got, ref, scale, name in zip(out, qkn.reference(*inputs), qkn.rope_scales(*inputs), "qk"):
+        assert not got.isnan().any(), f"{name} {what}: {got.isnan().sum().item()} elements never written"
+        err = qkn.error(got, ref, scale)
+        assert err <= qkn.tolerance(dtype), f"{name} {what}: error {err:.3g} > {qkn.tolerance(dtype):.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,wdtype", DTYPE_PAIRS, ids=lambda t: str(t).replace("torch.", ""))
+@pytest.mark.parametrize("d", qkn.HEAD_DIMS)
+@pytest.mark.parametrize("tokens", (1, 7, 1000, 4097))
+def test_rope(tokens, d, dtype, wdtype):
+    """Norm then rotation against the float64 reference, tables in q's dtype and in fp32, for every thread
+    layout (a shuffle partner tph / 2 lanes away at 8, 16 and 32 lanes a head; both chunks in one thread)."""
+    gen = torch.Generator(device="cuda").manual_seed(tokens * d)
+    hq, hk = MODEL
+    q = _rand(tokens, hq, d, dtype=dtype, scale=3.0, gen=gen)
+    k = _rand(tokens, hk, d, dtype=dtype, scale=0.5, shift=0.2, gen=gen)
+    wq, wk = (_rand(d, dtype=wdtype, scale=0.3, shift=1.0, gen=gen) for _ in "qk")
+    for table in dict.fromkeys((dtype, FP32)):
+        cos, sin = _tables(tokens, d, table, gen)
+        out = torch.full_like(q, math.nan), torch.full_like(k, math.nan)
+        rosekernels.qk_norm(q, k, wq, wk, out_q=out[0], out_k=out[1], cos=cos, sin=sin)
+        _check_rope(out, q, k, wq, wk, cos, sin, dtype, f"T={tokens} d={d} {dtype}/{wdtype} tables {table}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", (1, 16, 4097))
+def test_rope_is_the_stock_qwen3_prologue_rounded_once(tokens):
+    """Against transformers' own q_norm, k_norm and apply_rotary_pos_emb on Qwen3RotaryEmbedding's tables (the
+    path rosekernels.hf replaces): each element as near the float64 result as stock's, which rounds four
+    times, to within one rounding; and within one rounding of it."""
+    q3 = pytest.importorskip("transformers.models.qwen3.modeling_qwen3")
+    config = q3.Qwen3Config(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    q = _rand(1, tokens, 32, 128, dtype=BF16, scale=3.0, gen=gen)
+    k = _rand(1, tokens, 8, 128, dtype=BF16, scale=0.5, gen=gen)
+    norms = [q3.Qwen3RMSNorm(128, eps=1e-6).to("cuda", BF16) for _ in "qk"]
+    for n in norms:
+        n.weight.data = _rand(128, dtype=BF16, scale=0.3, shift=1.0, gen=gen)
+    position_ids = torch.arange(5000, 5000 + tokens, device="cuda")[None]
+    cos, sin = q3.Qwen3RotaryEmbedding(config).to("cuda")(q, position_ids)
+    stock_q, stock_k = q3.apply_rotary_pos_emb(norms[0](q).transpose(1, 2), norms[1](k).transpose(1, 2), cos, sin)
+    out = rosekernels.qk_norm(q[0], k[0], norms[0].weight, norms[1].weight, cos=cos[0], sin=sin[0])
+    inputs = (q[0], k[0], norms[0].weight, norms[1].weight, 1e-6, 0.0, cos[0], sin[0])
+    for got, stock, ref, scale in zip(out, (stock_q[0].transpose(0, 1), stock_k[0].transpose(0, 1)),
+                                      qkn.reference(*inputs), qkn.rope_scales(*inputs)):
+        assert qkn.error(got, ref, scale) <= qkn.tolerance(BF16)
+        ulp = (ref.abs() + scale * 2 ** -12).to(BF16).double() * 2 ** -7  # one bf16 step at the element
+        assert ((got.double() - ref).abs() <= (stock.double() - ref).abs() + ulp).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", (1, 1000))
+def test_rope_in_place_on_qkv_views_with_strided_and_broadcast_tables(tokens):
+    """In place on views of a fused qkv buffer, tables of every layout the op takes: cos and sin side by side
+    in one buffer (row stride 2d), padded rows, and one row for every token (stride 0)."""
+    hq, hk = MODEL
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    w = _rand(128, dtype=BF16, scale=0.3, shift=1.0, gen=gen)
+    for stride in (256, 384, 0):
+        qkv, q, k = _qkv(tokens, hq, hk, 128, BF16, seed=tokens + stride)
+        q0, k0, v0 = q.clone(), k.clone(), qkv[:, (hq + hk) * 128:].clone()
+        if stride:
+            cos, sin = _tables(tokens, 128, BF16, gen, stride)
+        else:
+            cos, sin = (t[:1].expand(tokens, 128) for t in _tables(1, 128, BF16, gen))
+        rosekernels.qk_norm(q, k, w, out_q=q, out_k=k, cos=cos, sin=sin)
+        _check_rope((q, k), q0, k0, w, w, cos, sin, BF16, f"in place, tables of row stride {stride}")
+        assert torch.equal(qkv[:, (hq + hk) * 128:], v0), "v was written"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", (1, 4097))
+def test_rope_in_a_cuda_graph_reads_the_tables_at_each_replay(tokens):
+    hq, hk = MODEL
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    q, k = _rand(tokens, hq, 128, dtype=BF16, gen=gen), _rand(tokens, hk, 128, dtype=BF16, gen=gen)
+    wq, wk = _rand(128, dtype=BF16, shift=1.0, gen=gen), _rand(128, dtype=BF16, shift=1.0, gen=gen)
+    cos, sin = _tables(tokens, 128, BF16, gen)
+    out = torch.empty_like(q), torch.empty_like(k)
+    rosekernels.qk_norm(q, k, wq, wk, out_q=out[0], out_k=out[1], cos=cos, sin=sin)  # compiled outside
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rosekernels.qk_norm(q, k, wq, wk, out_q=out[0], out_k=out[1], cos=cos, sin=sin)
+    for seed in range(3):
+        new_cos, new_sin = _tables(tokens, 128, BF16, torch.Generator(device="cuda").manual_seed(seed))
+        cos.copy_(new_cos)
+        sin.copy_(new_sin)
+        q.copy_(_rand(*q.shape, dtype=BF16, scale=2.0, gen=gen))
+        for o in out:
+            o.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_rope(out, q, k, wq, wk, cos, sin, BF16, f"replay {seed}")
 
 
 def _qkv(tokens, hq, hk, d, dtype, pad=0, seed=0):
@@ -469,7 +645,7 @@ def test_workload():
         if (cfg.q_heads, cfg.k_heads) != MODEL:
             continue
         shape = qkn.Shape(qkn.Shape.defaults(cfg.mode).tokens, cfg.q_heads, cfg.k_heads, cfg.head_dim, cfg.dtype,
-                          cfg.weight_dtype, cfg.eps, cfg.weight_bias)
+                          cfg.weight_dtype, cfg.eps, cfg.weight_bias, rope=None if cfg.rope == "none" else cfg.rope)
         w = qkn.workload(cfg, shape)
         for args in (w.make_args(1), w.sample(2)):
             w.run(w.kernel.fn, args)

@@ -1,4 +1,5 @@
 """qk_norm planning on the CPU, without CuTeDSL: config selection, candidates, the warm-up list."""
+import dataclasses
 import subprocess
 import sys
 
@@ -17,16 +18,19 @@ TOKENS = (1, 2, 3, 6, 7, 31, 128, 1000, 4097, 16384, 32768)
 def test_imports_without_cutlass():
     code = ("import sys; sys.modules['cutlass'] = None\n"
             "from rosekernels.kernels import qk_norm_plan as p\n"
-            "assert len(p.variants_for()) == 120 and p.config_for(p.QKNormShape(1)).mode == 'decode'\n"
+            "assert len(p.variants_for()) == 240 and p.config_for(p.QKNormShape(1)).mode == 'decode'\n"
             "assert 'rosekernels.jit' not in sys.modules\n")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_default_variants():
-    """variants_for() is the warm-up set the library always listed (variant keys are cache keys)."""
+    """variants_for() is the warm-up set the library always listed, each with and without the rotary
+    embedding (variant keys are cache keys: those without it keep the keys they had)."""
     configs = variants_for()
     keys = {c.variant().key() for c in configs}
-    assert len(configs) == len(keys) == 120  # 2 models x 5 dtype pairs x 3 head dims x 4 modes
+    assert len(configs) == len(keys) == 240  # 2 models x 5 dtype pairs x 3 head dims x 4 modes x rope or not
+    assert {c.rope for c in configs if c.rope != "none"} == {"bf16", "fp16", "fp32"}
+    assert all(c.rope in ("none", c.dtype) for c in configs)
     assert {(c.q_heads, c.k_heads) for c in configs} == set(plan.MODEL_HEADS.values())
     assert {(c.dtype, c.weight_dtype) for c in configs} == set(DTYPE_PAIRS)
     assert {c.head_dim for c in configs} == set(plan.HEAD_DIMS)
@@ -42,8 +46,8 @@ def test_default_variants():
     ):
         assert key in keys, key
     decode, prefill = variants_for(modes=("decode",)), variants_for(modes=("prefill",))
-    assert len(decode) == 30 and {c.mode for c in decode} == {"decode"}
-    assert len(prefill) == 90 and {c.mode for c in prefill} == {"prefill"}
+    assert len(decode) == 60 and {c.mode for c in decode} == {"decode"}
+    assert len(prefill) == 180 and {c.mode for c in prefill} == {"prefill"}
     assert set(decode) | set(prefill) == set(configs)
 
 
@@ -53,6 +57,7 @@ def test_variants_for_models():
     assert {(c.q_heads, c.k_heads, c.head_dim, c.dtype) for c in configs} == {(32, 8, 128, "bf16"),
                                                                              (32, 4, 128, "bf16")}
     assert {c.weight_dtype for c in configs} == {"bf16", "fp32"}
+    assert {c.rope for c in configs} == {"bf16"}  # rosekernels.hf passes the model's cos and sin
     assert set(configs) <= set(variants_for())
     assert variants_for([ModelDims("d96", 3072, 8192, 32, 8, 96)]) == []  # a head dim the kernel lacks
 
@@ -64,8 +69,9 @@ def test_variants_cover_config_for():
         for tokens in TOKENS:
             for dt, wdt in DTYPE_PAIRS:
                 for d in plan.HEAD_DIMS:
-                    cfg = config_for(QKNormShape(tokens, hq, hk, d, dt, wdt))
-                    assert cfg in listed, cfg
+                    for rope in (None, dt):
+                        cfg = config_for(QKNormShape(tokens, hq, hk, d, dt, wdt, rope=rope))
+                        assert cfg in listed, cfg
 
 
 def test_config_roundtrip_and_geometry():
@@ -115,6 +121,19 @@ def test_candidates(tokens, d, dtype):
     for c in cands:
         c.validate()
         assert (c.dtype, c.head_dim, c.q_heads, c.k_heads) == (dtype, d, 32, 4)
+
+
+@pytest.mark.parametrize("tokens", (1, 4097))
+def test_rope_is_compiled_in_and_its_tables_take_q_dtype_or_fp32(tokens):
+    for dtype, table in (("bf16", "bf16"), ("bf16", "fp32"), ("fp16", "fp32"), ("fp32", "fp32")):
+        plain = config_for(QKNormShape(tokens, dtype=dtype), sms=SMS)
+        roped = config_for(QKNormShape(tokens, dtype=dtype, rope=table), sms=SMS)
+        assert roped == dataclasses.replace(plain, rope=table) and f"rope={table}" in roped.variant().key()
+        assert "rope" not in plain.variant().key()
+        assert {c.rope for c in candidates(QKNormShape(tokens, dtype=dtype, rope=table), sms=SMS)} == {table}
+    for dtype, table in (("bf16", "fp16"), ("fp32", "bf16"), ("bf16", "int8")):
+        with pytest.raises(ValueError, match="rope tables"):
+            dataclasses.replace(config_for(QKNormShape(tokens, dtype=dtype), sms=SMS), rope=table)
 
 
 def test_size_range():

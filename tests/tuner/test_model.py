@@ -73,11 +73,11 @@ def test_qwen3_8b_decode_runs_the_dense_block_at_every_decode_token_count(tmp_pa
     assert {kernel for kernel, _ in dropped} == {"qk_norm", "rmsnorm"}
     assert all("one config" in why or "prefill" in why for why in dropped.values())
     assert "one config" in dropped["qk_norm", tuple(sorted(dict(tokens=1, q_heads=32, k_heads=8, head_dim=128,
-                                                                 dtype="bf16").items()))]
+                                                                 dtype="bf16", rope="bf16").items()))]
     assert "one config" in dropped["rmsnorm", tuple(sorted(dict(rows=1, hidden=4096, dtype="bf16",
                                                                  residual=True).items()))]
     assert "prefill" in dropped["qk_norm", tuple(sorted(dict(tokens=128, q_heads=32, k_heads=8, head_dim=128,
-                                                              dtype="bf16").items()))]
+                                                              dtype="bf16", rope="bf16").items()))]
 
 
 def test_qwen3_30b_a3b_decode_runs_the_experts_and_the_moe_routing_instead_of_a_dense_mlp(tmp_path):

@@ -18,6 +18,23 @@ from sip.mutate import with_extra_stalls
 from sip_tune import oplevel, workloads
 
 
+def test_the_qk_norm_case_with_rope_passes_the_tables_and_keeps_the_outputs_last(monkeypatch):
+    import torch
+
+    shape = qk_norm_plan.QKNormShape(5, 4, 2, 64, "bf16", rope="bf16")
+    case = oplevel.CASES["qk_norm"](shape)
+    s = case.make_set(1, "cpu")
+    assert len(s) == 8 and case.outputs == 2 and tuple(s[-2].shape) == (5, 4, 64) and tuple(s[-1].shape) == (5, 2, 64)
+    assert all(t.shape == (5, 64) and t.dtype == torch.bfloat16 for t in s[4:6])
+    assert case.input_bytes(s) == sum(t.nbytes for t in s[:6])
+    calls = []
+    monkeypatch.setattr(rosekernels, "qk_norm", lambda *args, **kwargs: calls.append(kwargs), raising=False)
+    case.call(s)
+    assert calls[0]["cos"] is s[4] and calls[0]["sin"] is s[5] and calls[0]["out_q"] is s[6]
+    with pytest.raises(ImportError, match="rotary"):
+        case.peers["quack"]()
+
+
 @pytest.fixture
 def store(tmp_path, monkeypatch):
     monkeypatch.setenv(paths.TUNED_STORE_ENV, str(tmp_path / "sip"))

@@ -1,0 +1,54 @@
+"""bench/qk_norm_rope.py without a GPU: its stock arm is transformers' Qwen3 prologue, its reference arm the
+float64 one, and the table it writes."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import qk_norm_rope as bench  # noqa: E402
+from rosekernels.kernels import qk_norm as qkn  # noqa: E402
+
+q3 = pytest.importorskip("transformers.models.qwen3.modeling_qwen3")
+
+
+def test_the_stock_arm_is_the_qwen3_attention_prologue():
+    """The stock arm against Qwen3Attention's own q_norm / k_norm / apply_rotary_pos_emb on a model's tables,
+    and both within bf16's roundings of the float64 norm-then-rotate the rosekernels arm is checked against."""
+    hq, hk, d, t = 4, 2, 64, 7
+    config = q3.Qwen3Config(hidden_size=256, num_attention_heads=hq, num_key_value_heads=hk, head_dim=d)
+    attn = q3.Qwen3Attention(config, layer_idx=0).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    for norm in (attn.q_norm, attn.k_norm):
+        norm.weight.data = (torch.randn(d, generator=g) * 0.3 + 1).to(torch.bfloat16)
+    q = torch.randn(t, hq * d, generator=g).to(torch.bfloat16)
+    k = torch.randn(t, hk * d, generator=g).to(torch.bfloat16)
+    cos, sin = bench.tables(t, d, torch.Generator().manual_seed(1), device="cpu")
+    q_norm, k_norm = bench.norms(attn.q_norm.weight, attn.k_norm.weight)
+    got = bench.stock_prologue(q, k, q_norm, k_norm, cos, sin, hq, hk, d)
+    want = q3.apply_rotary_pos_emb(attn.q_norm(q.view(1, t, hq, d)).transpose(1, 2),
+                                   attn.k_norm(k.view(1, t, hk, d)).transpose(1, 2), cos[None], sin[None])
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    refs = qkn.reference(q.view(t, hq, d), k.view(t, hk, d), attn.q_norm.weight, attn.k_norm.weight, bench.EPS, 0.0,
+                         cos, sin)
+    for a, ref in zip(got, refs):
+        err = (a[0].transpose(0, 1).double() - ref).norm() / ref.norm()
+        assert err < 2 ** -7, err
+
+
+def test_the_table_gives_each_arm_over_rosekernels_and_the_a_a_spread():
+    us = dict(zip(bench.ARMS, (30.0, 6.0, 9.0, 3.0, 3.03)))
+    row = {"model": "qwen3-8b", "tokens": 16, "us": us, "aa": 0.01,
+           "speedup": {a: us[a] / 3.0 for a in bench.ARMS[:3]}}
+    text = bench.markdown({"gpu": "Fake H100"}, [row], ["x: failed"])
+    line = next(x for x in text.splitlines() if x.startswith("| qwen3-8b"))
+    assert line.split(" | ")[1:] == ["16", "30.00 (10.00x)", "6.00 (2.00x)", "9.00 (3.00x)", "3.00", "1.0% |"]
+    assert "- error: x: failed" in text and "Fake H100" in text
+
+
+def test_unknown_models_are_refused():
+    with pytest.raises(SystemExit):
+        bench.main(["--models", "gpt-5"])
