@@ -725,7 +725,8 @@ class Swap:
 # In order (a decoder layer's fused forward needs its norms patched).
 SWAPS = (
     Swap("rmsnorm", "RMSNorm -> rosekernels.rmsnorm", _serves_rmsnorm, _swap_class),
-    Swap("attention", "q_norm + k_norm -> one rosekernels.qk_norm; attention -> rosekernels.attention; "
+    Swap("attention", "q_norm + k_norm + rotary embedding -> one rosekernels.qk_norm; "
+         "attention -> rosekernels.attention; "
          "q/k/v/o projections -> rosekernels.gemm", _serves_attention, _swap_class),
     Swap("decoder_layer", "residual add after attention -> fused into post_attention_layernorm's rmsnorm",
          _serves_layer, _swap_class),
@@ -735,7 +736,7 @@ SWAPS = (
     Swap("router", "MoE router's softmax, top-k and renormalisation -> rosekernels.moe_route", _serves_router,
          _patch_router),
 )
-LEFT_ON_TORCH = ("rotary embedding", "embedding, the MoE router's GEMM and lm_head")
+LEFT_ON_TORCH = ("the rotary tables (once a forward)", "embedding, the MoE router's GEMM and lm_head")
 
 
 @dataclasses.dataclass(frozen=True)

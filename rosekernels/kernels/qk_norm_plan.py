@@ -50,6 +50,8 @@ class QKNormShape:
     def __post_init__(self) -> None:
         if self.weight_dtype == self.dtype:  # one spelling per problem: the tuned store keys on it
             object.__setattr__(self, "weight_dtype", None)
+        if self.rope == "none":  # (the config's spelling, as `sip-tune --shape rope=none` gives it)
+            object.__setattr__(self, "rope", None)
 
     @classmethod
     def defaults(cls, mode: str) -> "QKNormShape":
@@ -141,8 +143,11 @@ def candidates(shape: QKNormShape, sms: int | None = None) -> list[QKNormConfig]
     cfg = config_for(shape, sms)
     if cfg.mode == "decode":
         return [cfg]
+    # With rope, 1024-thread blocks (64 registers a thread) hold one head a thread group: at two or four the
+    # tables' and partners' values spill (ptxas: 88-229 local loads and stores).
     return [dataclasses.replace(cfg, warps=w, rows_per_thread=r, cache_hint=h)
-            for w in PREFILL_WARPS for r in ROWS_PER_THREAD for h in CACHE_HINTS]
+            for w in PREFILL_WARPS for r in ROWS_PER_THREAD for h in CACHE_HINTS
+            if not (shape.rope and w == 32 and r > 1)]
 
 
 rank = keep_order  # no cost model rates the candidates against each other
@@ -152,16 +157,17 @@ def variants_for(models: Iterable[ModelDims] | None = None, modes: Iterable[str]
                  max_tokens: int | None = None) -> list[QKNormConfig]:
     """The configs qk_norm() can launch in `modes` for `models` (rosekernels.models.ModelDims: their
     heads, head dim and dtype, weights in that dtype or fp32; a head dim the kernel lacks, or a model
-    family without q/k norms, needs none), with the rotary embedding in their dtype, as rosekernels.hf runs
-    them. None: the MODEL_HEADS models in every dtype and head dim, with and without it."""
+    family without q/k norms, needs none), with the rotary embedding in their dtype (as rosekernels.hf runs
+    them) and without it. None: the MODEL_HEADS models in every dtype and head dim, likewise."""
     # Shapes of no tokens: the token count only picks the mode, and every mode is listed.
     if models is None:
         shapes = [QKNormShape(0, hq, hk, d, dt, wdt, rope=rope) for hq, hk in MODEL_HEADS.values()
                   for dt in TORCH_DTYPE for wdt in dict.fromkeys((dt, "fp32")) for d in HEAD_DIMS
                   for rope in (None, dt)]
     else:
-        shapes = [QKNormShape(0, m.heads_q, m.heads_kv, m.head_dim, m.dtype, wdt, rope=m.dtype)
-                  for m in models if m.qk_norm and m.head_dim in HEAD_DIMS for wdt in dict.fromkeys((m.dtype, "fp32"))]
+        shapes = [QKNormShape(0, m.heads_q, m.heads_kv, m.head_dim, m.dtype, wdt, rope=rope)
+                  for m in models if m.qk_norm and m.head_dim in HEAD_DIMS for wdt in dict.fromkeys((m.dtype, "fp32"))
+                  for rope in (None, m.dtype)]
     modes = set(modes)
     return list(dict.fromkeys(_config(s, mode) for s in shapes for mode in all_modes(OP) if mode.name in modes))
 

@@ -544,7 +544,7 @@ def test_the_norms_and_the_rotary_embedding_go_to_one_qk_norm_call(monkeypatch, 
     d, (b, s) = TINY["head_dim"], (2, 5)
     q = torch.randn(b, s, TINY["num_attention_heads"] * d, generator=g).to(torch.bfloat16)
     k = torch.randn(b, s, TINY["num_key_value_heads"] * d, generator=g).to(torch.bfloat16)
-    positions = torch.arange(100, 100 + s)[None].expand(batch_of_tables, s)
+    positions = torch.arange(100, 100 + s)[None] + torch.tensor([[0], [37]])[:batch_of_tables]  # rows differ
     cos, sin = (t.to(table_dtype) for t in stock.model.rotary_emb(q, positions))
     hf.reset_stats()
     with torch.inference_mode():
@@ -661,7 +661,7 @@ def test_warmup_specs_cover_the_models_kernels_in_its_dtype_and_eps(geometry):
             assert s.eps == 1e-5
     assert {s.hidden for s in specs if s.variant().op == "rmsnorm"} == {g.hidden}
     assert {(s.q_heads, s.k_heads, s.head_dim, s.rope) for s in specs if s.variant().op == "qk_norm"} == {
-        (g.heads_q, g.heads_kv, g.head_dim, "bf16")}  # with the model's rotary tables
+        (g.heads_q, g.heads_kv, g.head_dim, rope) for rope in ("none", "bf16")}  # with the rotary tables, or not
     assert {s.mode for s in specs if s.variant().op == "rmsnorm"} == {"prefill", "decode"}
 
 

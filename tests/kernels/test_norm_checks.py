@@ -78,14 +78,41 @@ def test_qk_norm_check_passes_one_rounding_and_fails_one_percent(monkeypatch, dt
     wq, wk = ((torch.randn(128, generator=g, dtype=torch.float64) * 0.2 + 1 - bias).to(DTYPES[wdtype]) for _ in "qk")
     ref_q, ref_k = qkn.reference(q, k, wq, wk, shape.eps, bias)
 
-    assert check((q, k, wq, wk, ref_q.to(dt), ref_k.to(dt))) <= qkn.tolerance(dt)
+    no_rope = (None, None)
+    assert check((q, k, wq, wk, ref_q.to(dt), ref_k.to(dt), *no_rope)) <= qkn.tolerance(dt)
     fp32 = (_fp32_norm(q, wq, shape.eps, bias).to(dt), _fp32_norm(k, wk, shape.eps, bias).to(dt))
-    assert check((q, k, wq, wk, *fp32)) <= qkn.tolerance(dt)
+    assert check((q, k, wq, wk, *fp32, *no_rope)) <= qkn.tolerance(dt)
     for off in ((ref_q * 1.01).to(dt), (ref_q * 0.99).to(dt)):
         with pytest.raises(AssertionError, match="error"):
-            check((q, k, wq, wk, off, ref_k.to(dt)))
+            check((q, k, wq, wk, off, ref_k.to(dt), *no_rope))
     with pytest.raises(AssertionError, match="error"):
-        check((q, k, wq, wk, ref_q.to(dt), (ref_k * 1.01).to(dt)))
+        check((q, k, wq, wk, ref_q.to(dt), (ref_k * 1.01).to(dt), *no_rope))
+
+
+@pytest.mark.parametrize("dtype, table", [("bf16", "bf16"), ("bf16", "fp32"), ("fp16", "fp16"), ("fp32", "fp32")])
+def test_qk_norm_check_with_rope_passes_one_rounding_and_fails_one_percent_or_a_sign(monkeypatch, dtype, table):
+    """With rope: an fp32 emulation of the kernel rounded once passes, also where the rotation's two terms cancel
+    (random tables in [-1, 1]); 1% off, a flipped rotation or the tables swapped fail."""
+    _stub_compile(monkeypatch, qkn)
+    shape = qkn.Shape(tokens=20, q_heads=6, k_heads=2, head_dim=128, dtype=dtype, rope=table)
+    check = qkn.workload(qkn.config_for(shape, sms=132), shape).check
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    dt = DTYPES[dtype]
+    q = _rows(g, (20 * 6, 128), dtype).view(20, 6, 128)
+    k = _rows(g, (20 * 2, 128), dtype).view(20, 2, 128)
+    wq, wk = ((torch.randn(128, generator=g, dtype=torch.float64) * 0.2 + 1).to(dt) for _ in "qk")
+    cos, sin = ((torch.rand(20, 128, generator=g, dtype=torch.float64) * 2 - 1).to(DTYPES[table]) for _ in "cs")
+
+    def rotated(x, w, c, s):
+        y = _fp32_norm(x, w, shape.eps, 0.0).float()
+        half = y.shape[-1] // 2
+        return (y * c.float()[:, None] + torch.cat((-y[..., half:], y[..., :half]), -1) * s.float()[:, None]).to(dt)
+
+    good = (rotated(q, wq, cos, sin), rotated(k, wk, cos, sin))
+    assert check((q, k, wq, wk, *good, cos, sin)) <= qkn.tolerance(dt)
+    for bad in ((good[0].double() * 1.01).to(dt), rotated(q, wq, cos, -sin), rotated(q, wq, sin, cos)):
+        with pytest.raises(AssertionError, match="error"):
+            check((q, k, wq, wk, bad, good[1], cos, sin))
 
 
 def test_the_tolerances_are_half_an_ulp_and_a_little():

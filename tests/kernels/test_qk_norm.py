@@ -265,13 +265,23 @@ def test_rope_tables_go_with_the_plan_and_never_overlap_an_output(launches, monk
     assert len(launches) == 4 and all(len(args) == 8 and args[6] is not None for args in launches)
     rosekernels.qk_norm(q, k, wq, wk)
     assert launches[-1][6] is None and launches[-1][7] is None
-    assert planned == ["bf16", "fp32", "bf16", "none"]
-    over = torch.empty(4, 4, 128, dtype=BF16)
+    # Planned with out_k and the tables rows of [T, 4, d] buffers, then the same strides over one buffer: the fast
+    # path's address test refuses an output sharing elements with a table.
+    def rows():
+        return torch.empty(4, 4, 128, dtype=BF16)
+
+    rosekernels.qk_norm(q, k, wq, wk, out_q=torch.empty_like(q), out_k=rows()[:, :2], cos=rows()[:, 0],
+                        sin=rows()[:, 1])
+    assert len(launches) == 6
+    over = rows()
     with pytest.raises(ValueError, match="out_q must not overlap cos"):
-        rosekernels.qk_norm(q, k, wq, wk, out_q=over, cos=over[:, 0], sin=sin)
+        rosekernels.qk_norm(q, k, wq, wk, out_q=over, out_k=rows()[:, :2], cos=over[:, 0], sin=rows()[:, 1])
     with pytest.raises(ValueError, match="out_k must not overlap sin"):
-        rosekernels.qk_norm(q, k, wq, wk, out_k=over[:, :2], cos=cos, sin=over[:, 1])
-    assert len(launches) == 5
+        rosekernels.qk_norm(q, k, wq, wk, out_q=torch.empty_like(q), out_k=over[:, :2], cos=rows()[:, 0],
+                            sin=over[:, 1])
+    rosekernels.qk_norm(q, k, wq, wk, out_q=torch.empty_like(q), out_k=over[:, :2], cos=rows()[:, 0],
+                        sin=over[:, 2])  # rows of one buffer that share no element: allowed
+    assert len(launches) == 7 and planned == ["bf16", "fp32", "bf16", "none", "bf16"]
 
 
 def test_meta_tensors_take_the_registered_op(no_launch):

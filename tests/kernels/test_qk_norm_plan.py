@@ -53,11 +53,11 @@ def test_default_variants():
 
 def test_variants_for_models():
     configs = variants_for([QWEN3_8B, QWEN3_30B_A3B])
-    assert len(configs) == len(set(configs)) == 2 * 2 * 4  # models x weight dtypes x modes
+    assert len(configs) == len(set(configs)) == 2 * 2 * 4 * 2  # models x weight dtypes x modes x rope or not
     assert {(c.q_heads, c.k_heads, c.head_dim, c.dtype) for c in configs} == {(32, 8, 128, "bf16"),
                                                                              (32, 4, 128, "bf16")}
     assert {c.weight_dtype for c in configs} == {"bf16", "fp32"}
-    assert {c.rope for c in configs} == {"bf16"}  # rosekernels.hf passes the model's cos and sin
+    assert {c.rope for c in configs} == {"none", "bf16"}  # rosekernels.hf passes the model's cos and sin
     assert set(configs) <= set(variants_for())
     assert variants_for([ModelDims("d96", 3072, 8192, 32, 8, 96)]) == []  # a head dim the kernel lacks
 
@@ -130,7 +130,11 @@ def test_rope_is_compiled_in_and_its_tables_take_q_dtype_or_fp32(tokens):
         roped = config_for(QKNormShape(tokens, dtype=dtype, rope=table), sms=SMS)
         assert roped == dataclasses.replace(plain, rope=table) and f"rope={table}" in roped.variant().key()
         assert "rope" not in plain.variant().key()
-        assert {c.rope for c in candidates(QKNormShape(tokens, dtype=dtype, rope=table), sms=SMS)} == {table}
+        cands = candidates(QKNormShape(tokens, dtype=dtype, rope=table), sms=SMS)
+        assert {c.rope for c in cands} == {table} and roped in cands
+        if roped.mode == "prefill":  # no 1024-thread block of several heads a thread group: they spill
+            assert len(cands) == 3 * 3 * 3 - 2 * 3 and not any(c.warps == 32 and c.rows_per_thread > 1 for c in cands)
+    assert QKNormShape(tokens, rope="none") == QKNormShape(tokens)  # one spelling: the tuned store keys on it
     for dtype, table in (("bf16", "fp16"), ("fp32", "bf16"), ("bf16", "int8")):
         with pytest.raises(ValueError, match="rope tables"):
             dataclasses.replace(config_for(QKNormShape(tokens, dtype=dtype), sms=SMS), rope=table)
