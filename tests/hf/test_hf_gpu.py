@@ -39,10 +39,10 @@ def pair(request):
 
 @pytest.fixture(scope="module")
 def fp32(pair):
-    """The MoE geometry's stock model in float32 (None for the dense one): the reference its check
-    measures both bf16 models against (see _check_cos)."""
-    geometry, stock, _ = pair
-    model = copy.deepcopy(stock).float() if geometry == "qwen3-30b-a3b" else None
+    """The stock model in float32: the reference the MoE geometry's logits are measured against (see
+    _check_cos), and the tie-break of greedy agreement (see _agreement)."""
+    _, stock, _ = pair
+    model = copy.deepcopy(stock).float()
     yield model
     del model
     torch.cuda.empty_cache()
@@ -57,7 +57,7 @@ def _check_cos(geometry, got, want, fp32_logits=None, where=""):
     position the patched model is as close as stock (error 1 - cos at most 1.5x stock's), no position
     is broken (cos >= MOE_COS_FLOOR), and the median position is within COS_MIN of stock."""
     cos = torch.nn.functional.cosine_similarity(got.float(), want.float(), dim=-1)
-    if fp32_logits is None:
+    if geometry != "qwen3-30b-a3b":
         assert cos.min().item() >= COS_MIN, f"{geometry}{where}: min cosine similarity {cos.min().item():.6f}"
         return
     ours, stock = (torch.nn.functional.cosine_similarity(x.float(), fp32_logits.float(), dim=-1) for x in (got, want))
@@ -77,15 +77,19 @@ def _min_cos(a, b):
     return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).min().item()
 
 
-def _agreement(stock_logits, ours_logits):
-    """(greedy agreement on decisive steps, fraction of steps decisive, raw agreement). A step is
-    decisive where the stock's top two logits are more than two bf16 ulps of the top apart: the
+def _agreement(stock_logits, ours_logits, fp32_logits):
+    """(greedy agreement on decisive steps, fraction of steps decisive, raw agreement with stock). A step
+    is decisive where the stock's top two logits are more than two bf16 ulps of the top apart: the
     near-uniform logits of a random-weight model over 152k tokens have near-ties that rounding
-    noise alone flips (a trained model's are far peakier)."""
+    noise alone flips (a trained model's are far peakier). A pick agrees where it is stock's or the
+    float32 model's: where stock's own roundings pick otherwise than float32, matching stock is not
+    the property (held to stock alone, a fused rotary embedding's one flip in 73 decisive steps failed)."""
     top2 = stock_logits.float().topk(2, dim=-1).values
     decisive = top2[..., 0] - top2[..., 1] > 2 * torch.finfo(torch.bfloat16).eps * top2[..., 0].abs()
-    agree = stock_logits.argmax(-1) == ours_logits.argmax(-1)
-    return agree[decisive].float().mean().item(), decisive.float().mean().item(), agree.float().mean().item()
+    pick = ours_logits.argmax(-1)
+    raw = stock_logits.argmax(-1) == pick
+    agree = raw | (fp32_logits.argmax(-1) == pick)
+    return agree[decisive].float().mean().item(), decisive.float().mean().item(), raw.float().mean().item()
 
 
 def _ops_run(fn):
@@ -127,7 +131,7 @@ def test_prefill_logits_match_stock_at_every_position(pair, fp32):
         got, ran = _ops_run(lambda: ours(input_ids=ids).logits)
         assert hf.stats() == _per_forward(geometry, 1, "attention_prefill")
         assert ran == ops, f"kernels launched: {ran}"
-        reference = fp32(input_ids=ids).logits if fp32 is not None else None
+        reference = fp32(input_ids=ids).logits if geometry == "qwen3-30b-a3b" else None
         _check_cos(geometry, got, want, reference, f" B{batch} S{length}")
 
 
@@ -215,9 +219,9 @@ def _check_decode(geometry, stock, ours, fp32, steps):
     got, _ = _decode(ours, prompt, steps, feed=picks)  # the stock's prefix at every step
     assert hf.stats() == _merge(_per_forward(geometry, 1, "attention_prefill"),
                                 _per_forward(geometry, steps - 1, "attention_decode"))
-    reference = _decode(fp32, prompt, steps, feed=picks)[0] if fp32 is not None else None
+    reference = _decode(fp32, prompt, steps, feed=picks)[0]
     _check_cos(geometry, got, want, reference, f" over {steps} steps")
-    agree, decisive, raw = _agreement(want, got)
+    agree, decisive, raw = _agreement(want, got, reference)
     assert decisive >= 0.5, f"only {decisive:.0%} of the steps are decisive: the agreement says little"
     assert agree >= AGREE_MIN, f"{geometry}: greedy agreement {agree:.2%} on decisive steps ({decisive:.0%}), raw {raw:.2%}"
 
@@ -267,9 +271,9 @@ def test_decode_step_in_a_cuda_graph_with_a_static_cache(pair, fp32):
     decode = _per_forward(geometry, 2, "attention_decode")  # the eager step and the capture
     assert hf.stats() == _merge(_per_forward(geometry, 1, "attention_prefill"), decode)
     # the float32 reference eagerly, the same tokens: the prompt, then each of feed
-    reference = _decode(fp32, prompt, feed.shape[1] + 1, feed=feed)[0] if fp32 is not None else None
+    reference = _decode(fp32, prompt, feed.shape[1] + 1, feed=feed)[0]
     _check_cos(geometry, got, want, reference)
-    agree, decisive, raw = _agreement(want, got)
+    agree, decisive, raw = _agreement(want, got, reference)
     assert decisive >= 0.5 and agree >= AGREE_MIN, f"agreement {agree:.2%} on {decisive:.0%} decisive, raw {raw:.2%}"
 
 
@@ -292,7 +296,7 @@ def test_multi_token_steps_on_a_static_cache(pair, fp32):
     got = run(ours)
     assert hf.stats() == _merge(_per_forward(geometry, 1, "attention_prefill"),
                                 _per_forward(geometry, len(steps), "attention_decode"))
-    _check_cos(geometry, got, want, run(fp32) if fp32 is not None else None)
+    _check_cos(geometry, got, want, run(fp32) if geometry == "qwen3-30b-a3b" else None)
 
 
 @pytest.mark.slow
@@ -321,9 +325,9 @@ def test_torch_compile_reduce_overhead_decode_with_a_static_cache(pair, fp32):
     expected = {"rmsnorm", "qk_norm", "gemm_leakyrelu"}
     expected |= {"moe_dispatch", "moe_combine", "moe_route"} if geometry == "qwen3-30b-a3b" else set()
     assert ran == expected, f"kernels launched in the compiled step: {ran}"
-    reference = _decode(fp32, prompt, feed.shape[1] + 1, feed=feed)[0] if fp32 is not None else None
+    reference = _decode(fp32, prompt, feed.shape[1] + 1, feed=feed)[0]
     _check_cos(geometry, got, want, reference)
-    agree, decisive, raw = _agreement(want, got)
+    agree, decisive, raw = _agreement(want, got, reference)
     assert decisive >= 0.5 and agree >= AGREE_MIN, f"agreement {agree:.2%} on {decisive:.0%} decisive, raw {raw:.2%}"
 
 
