@@ -97,6 +97,7 @@ def measure(model: str, tokens: int, rounds: int) -> dict:
         err = qkn.error(out, ref, scale)
         if err > qkn.tolerance(DTYPE):
             raise AssertionError(f"{model} T={tokens}: error {err:.3g} > {qkn.tolerance(DTYPE):.3g}")
+    torch._dynamo.reset()  # each size compiles anew: past dynamo's recompile limit (8) it would run eagerly
     compiled = torch.compile(stock_prologue, dynamic=False)
     fns = dict(zip(ARMS, (stock_prologue, compiled, ours_then_torch_rope, ours, ours)))
     steps = {name: (lambda i, f=f: f(*sets[i % n][:2], q_norm, k_norm, *sets[i % n][2:], hq, hk, d))
