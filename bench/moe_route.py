@@ -13,9 +13,7 @@ logits) and its weights against the float64 reference.
 """
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -89,30 +87,10 @@ def markdown(env: dict, rows: list[dict], errors: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    report.add_out(p)
-    p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    p.add_argument("--rounds", type=int, default=15)
-    args = p.parse_args(argv)
-    models = args.models.split(",")
-    unknown = [m for m in models if m not in MODELS]
-    if unknown:
-        p.error(f"unknown models {unknown}; known: {', '.join(MODELS)}")
-    tokens = [int(t) for t in args.tokens.split(",")]
-    report.require_gpu()
-    t0, errors, rows = time.time(), [], []
-    for m in models:
-        for t in tokens:
-            row = report.measure(f"{m} T={t}", lambda: measure(m, t, args.rounds), errors)
-            if row:
-                rows.append(row)
-                print(f"{m} T={t}: torch {row['us']['torch']:.2f} us, rosekernels {row['us']['rosekernels']:.2f} us "
-                      f"({row['speedup']:.2f}x, A/A {100 * row['aa']:.1f}%)", flush=True)
-    env = report.environment()
-    doc = {"env": env, "rows": rows, "errors": errors, "seconds": time.time() - t0}
-    report.write(args.out, "moe_route", doc, markdown(env, rows, errors))
-    return 0
+    return report.model_sweep(argv, __doc__, "moe_route", MODELS, TOKENS, measure,
+                              lambda row: f"torch {row['us']['torch']:.2f} us, rosekernels "
+                              f"{row['us']['rosekernels']:.2f} us ({row['speedup']:.2f}x, A/A {100 * row['aa']:.1f}%)",
+                              markdown)
 
 
 if __name__ == "__main__":

@@ -2,12 +2,14 @@
 may be missing, and the JSON + markdown files under bench/results/<family>/ (`folder`)."""
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import sys
+import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -92,6 +94,37 @@ def measure(name: str, fn: Callable[[], Any], errors: list[str]) -> Any:
         errors.append(f"{name}: {type(e).__name__}: {e}")
         traceback.print_exc()
         return None
+
+
+def model_sweep(argv: list[str] | None, doc: str, stem: str, models: Iterable[str], tokens: Iterable[int],
+                measure_one: Callable[[str, int, int], dict], describe: Callable[[dict], str],
+                markdown: Callable[[dict, list[dict], list[str]], str]) -> int:
+    """The command line of a bench that times each of `models` at each token count: --out, --models, --tokens,
+    --rounds (15); `measure_one(model, tokens, rounds)` gives a row (a failure is recorded, the rest go on),
+    `describe(row)` its progress line; writes `stem`.json and .md (`markdown(env, rows, errors)`)."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    add_out(p)
+    p.add_argument("--models", default=",".join(models))
+    p.add_argument("--tokens", default=",".join(map(str, tokens)))
+    p.add_argument("--rounds", type=int, default=15)
+    args = p.parse_args(argv)
+    chosen = args.models.split(",")
+    unknown = [m for m in chosen if m not in models]
+    if unknown:
+        p.error(f"unknown models {unknown}; known: {', '.join(models)}")
+    counts = [int(t) for t in args.tokens.split(",")]
+    require_gpu()
+    t0, errors, rows = time.time(), [], []
+    for m in chosen:
+        for t in counts:
+            row = measure(f"{m} T={t}", lambda: measure_one(m, t, args.rounds), errors)
+            if row:
+                rows.append(row)
+                print(f"{m} T={t}: {describe(row)}", flush=True)
+    env = environment()
+    data = {"env": env, "rows": rows, "errors": errors, "seconds": time.time() - t0}
+    write(args.out, stem, data, markdown(env, rows, errors))
+    return 0
 
 
 def write(out: str | Path, stem: str, data: Any, markdown: str) -> Path:
