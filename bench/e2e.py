@@ -142,9 +142,10 @@ def op_of(kernel):
 
 
 def profile_decode(model, vocab):
-    """{op group: device us} and the top kernels of one decode step at B = PROFILE_BATCH on a StaticCache, run
-    eagerly: the kernels the graph rows replay (a DynamicCache's step adds a torch.cat of every layer's whole
-    cache, which no graph row runs)."""
+    """{op group: device us} and every kernel, slowest first (the small torch ops of a step are what a fusion
+    removes: the JSON keeps them all), of one decode step at B = PROFILE_BATCH on a StaticCache, run eagerly: the
+    kernels the graph rows replay (a DynamicCache's step adds a torch.cat of every layer's whole cache, which no
+    graph row runs)."""
     cache, tok = filled_cache(model, True, PROFILE_BATCH, headroom=3), _ids(PROFILE_BATCH, 1, seed=3, vocab=vocab)
     for _ in range(2):
         model(input_ids=tok, past_key_values=cache, use_cache=True)
@@ -157,9 +158,8 @@ def profile_decode(model, vocab):
     groups = {}
     for name, us, _ in kernels:
         groups[op_of(name)] = groups.get(op_of(name), 0.0) + us
-    top = sorted(kernels, key=lambda k: -k[1])[:10]
     return {"groups": groups, "total_us": sum(groups.values()),
-            "top": [{"kernel": n[:120], "us": us, "count": c} for n, us, c in top]}
+            "kernels": [{"kernel": n[:120], "us": us, "count": c} for n, us, c in sorted(kernels, key=lambda k: -k[1])]}
 
 
 def bench_model(name, args, errors, log):

@@ -13,7 +13,7 @@ def _result():
     arms = ("stock", "rosekernels", bench.BASELINE_43)
     decode = [bench.decode_row("eager", 16, dict(zip(arms, (5000.0, 4000.0, 4400.0)))),
               bench.decode_row("graph", 16, dict(zip(arms, (3000.0, 1500.0, 2000.0))))]
-    profile = {a: {"groups": {"GEMM": g, "rk grouped gemm": 900.0}, "total_us": g + 900.0, "top": []}
+    profile = {a: {"groups": {"GEMM": g, "rk grouped gemm": 900.0}, "total_us": g + 900.0, "kernels": []}
                for a, g in zip(arms, (400.0, 300.0, 350.0))}
     return {"warmup": "w", "prefill": [], "decode": decode, "profile": profile, "stats": {}}
 
