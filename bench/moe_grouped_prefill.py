@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -133,17 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [g for g in geometries if g not in GEOMETRIES]
     if unknown:
         p.error(f"unknown geometries {unknown}; known: {', '.join(GEOMETRIES)}")
-    report.require_gpu()
-    t0, errors, rows = time.time(), [], []
-    for g in geometries:
-        row = report.measure(f"{g} T={args.tokens}", lambda: measure(g, args.tokens, args.rounds), errors)
-        if row:
-            rows.append(row)
-            print(f"{g}: " + ", ".join(f"{k} {v:.0f}" for k, v in row["tflops"].items()) + " TFLOP/s", flush=True)
-    env = report.environment()
-    doc = {"env": env, "rows": rows, "errors": errors, "seconds": time.time() - t0}
-    report.write(args.out, "moe_grouped_prefill", doc, markdown(env, rows, errors))
-    return 0
+    cases = [(f"{g} T={args.tokens}", lambda g=g: measure(g, args.tokens, args.rounds)) for g in geometries]
+    return report.run_cases(args.out, "moe_grouped_prefill", cases,
+                            lambda row: ", ".join(f"{k} {v:.0f}" for k, v in row["tflops"].items()) + " TFLOP/s",
+                            markdown)
 
 
 if __name__ == "__main__":

@@ -113,17 +113,25 @@ def model_sweep(argv: list[str] | None, doc: str, stem: str, models: Iterable[st
     if unknown:
         p.error(f"unknown models {unknown}; known: {', '.join(models)}")
     counts = [int(t) for t in args.tokens.split(",")]
+    cases = [(f"{m} T={t}", lambda m=m, t=t: measure_one(m, t, args.rounds)) for m in chosen for t in counts]
+    return run_cases(args.out, stem, cases, describe, markdown)
+
+
+def run_cases(out: str | Path, stem: str, cases: Iterable[tuple[str, Callable[[], dict]]],
+              describe: Callable[[dict], str], markdown: Callable[[dict, list[dict], list[str]], str]) -> int:
+    """A bench's run on the GPU: each (label, fn) of `cases` gives a row (a failure is recorded under its label,
+    the rest go on), printed as `label: describe(row)`; then `stem`.json ({env, rows, errors, seconds}) and .md
+    (`markdown(env, rows, errors)`) under `out`. Returns 0."""
     require_gpu()
     t0, errors, rows = time.time(), [], []
-    for m in chosen:
-        for t in counts:
-            row = measure(f"{m} T={t}", lambda: measure_one(m, t, args.rounds), errors)
-            if row:
-                rows.append(row)
-                print(f"{m} T={t}: {describe(row)}", flush=True)
+    for label, fn in cases:
+        row = measure(label, fn, errors)
+        if row:
+            rows.append(row)
+            print(f"{label}: {describe(row)}", flush=True)
     env = environment()
-    data = {"env": env, "rows": rows, "errors": errors, "seconds": time.time() - t0}
-    write(args.out, stem, data, markdown(env, rows, errors))
+    write(out, stem, {"env": env, "rows": rows, "errors": errors, "seconds": time.time() - t0},
+          markdown(env, rows, errors))
     return 0
 
 
