@@ -22,7 +22,11 @@ What apply() replaces (the model on one sm_90 GPU):
   decode steps (its mask covers the whole cache) run rosekernels.attention_with_kvcache with each
   sequence's key count taken from the mask on the device (`prefix_mask`), also inside CUDA graphs
   and inside a compiled forward whose masks were built before it (generate() builds them eagerly).
-- the q, k, v and o projections -> rosekernels.gemm.
+- the q, k and v projections -> one rosekernels.gemm over their weights' rows, concatenated (`qkv_weight`,
+  built by apply(), which removes q_proj, k_proj and v_proj; their outputs are column slices of the one
+  result, which qk_norm and the cache take as strided views). In decode, k and v alone are GEMMs too small
+  to stream their weights at the copy rate; state_dict() and load_state_dict() keep the stock keys, as
+  for the MLP below (host copies). The o projection -> rosekernels.gemm.
 - the dense MLP (SwiGLU) -> two rosekernels.gemm launches: the gated GEMM, silu(x @ gate^T) * (x @ up^T) in
   one kernel, then the down projection. The gated GEMM takes the gate and up rows interleaved in blocks of 8
   in one weight: apply() builds it (`gate_up_weight`) and removes gate_proj and up_proj, so the weights are
@@ -259,6 +263,46 @@ def _project(lin: nn.Module, x: torch.Tensor, x_scale: torch.Tensor | None) -> t
     return lin(x, x_scale) if isinstance(lin, Fp8Linear) else _linear(lin, x)
 
 
+def _qkv(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The q, k and v projections of x [..., K] in one GEMM over qkv_weight (see _patch_qkv): column slices
+    [..., Hq*d], [..., Hk*d], [..., Hk*d] of its [..., Hq*d + 2*Hk*d] output."""
+    w, bias = attn.qkv_weight, attn.qkv_bias
+    reason = _gemm_refusal(x, w, bias)
+    if reason is not None:
+        _count(f"fallback:gemm:{reason}")
+        out = F.linear(x, w, bias)
+    else:
+        _count("gemm")
+        out = rosekernels.gemm(x.reshape(-1, w.shape[1]), w, bias).view(*x.shape[:-1], w.shape[0])
+    return out.split(attn.qkv_rows, dim=-1)
+
+
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def _qkv_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """state_dict() of an attention with qkv_weight as the stock one writes it: q_proj, k_proj and v_proj's
+    weight (and bias) first, each its own host copy (not views of one tensor, which safetensors refuses to
+    save), then the module's other entries in their order."""
+    if prefix + "qkv_weight" not in state_dict:
+        return
+    own = {k: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}  # the last entries
+    fused = {name: own.pop(prefix + f"qkv_{name}", None) for name in ("weight", "bias")}
+    for i, proj in enumerate(_QKV):
+        for name, w in fused.items():
+            if w is not None:
+                state_dict[f"{prefix}{proj}.{name}"] = w.detach().split(module.qkv_rows)[i].to("cpu", copy=True)
+    state_dict.update(own)
+
+
+def _qkv_load_state_dict(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """load_state_dict() of a stock attention's q/k/v keys into one with qkv_weight: their rows concatenated."""
+    for name in ("weight", "bias"):
+        keys = [f"{prefix}{proj}.{name}" for proj in _QKV]
+        if all(k in state_dict for k in keys):
+            state_dict[prefix + f"qkv_{name}"] = torch.cat([state_dict.pop(k) for k in keys])
+
+
 def _split_gate_up(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate and up weights in a gated GEMM's weight (rosekernels.gate_up_rows undone)."""
     pairs = w.unflatten(0, (-1, 2, gemm_leakyrelu_plan.GATE_BLOCK))
@@ -315,9 +359,12 @@ class _Attention:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         cos, sin = position_embeddings
-        query_states, key_states = _normed_qk(self, _project(self.q_proj, hidden_states, x_scale),
-                                              _project(self.k_proj, hidden_states, x_scale), hidden_shape, cos, sin)
-        value_states = _project(self.v_proj, hidden_states, x_scale).view(hidden_shape).transpose(1, 2)
+        if hasattr(self, "qkv_weight"):
+            q, k, v = _qkv(self, hidden_states)
+        else:  # FP8 layers, and projections that are not plain nn.Linear modules
+            q, k, v = (_project(getattr(self, p), hidden_states, x_scale) for p in _QKV)
+        query_states, key_states = _normed_qk(self, q, k, hidden_shape, cos, sin)
+        value_states = v.view(hidden_shape).transpose(1, 2)
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._eager)
@@ -656,6 +703,37 @@ def _serves_attention(m: nn.Module) -> bool:
             and m.q_norm.variance_epsilon == m.k_norm.variance_epsilon)  # one launch, one eps
 
 
+def _serves_qkv(m: nn.Module) -> bool:
+    """An attention apply() serves whose q, k and v projections are plain linear layers of one dtype and input
+    size, biases all or none, k and v alike, that gemm_leakyrelu_plan.fuses_qkv runs as one GEMM."""
+    if not _serves_attention(m):
+        return False
+    projections = [getattr(m, p) for p in _QKV]
+    if not all(map(_plain_linear, projections)) or len({p.weight.dtype for p in projections}) != 1:
+        return False
+    if len({p.bias is None for p in projections}) != 1 or len({p.weight.shape[1] for p in projections}) != 1:
+        return False
+    q, k, v = (p.weight.shape[0] for p in projections)
+    return k == v and gemm_leakyrelu_plan.fuses_qkv(q, k, projections[0].weight.shape[1])
+
+
+def _patch_qkv(m: nn.Module) -> None:
+    """q_proj, k_proj and v_proj -> qkv_weight (and qkv_bias), their rows concatenated; the Linear modules are
+    removed (the weights are held once); hooks keep state_dict's keys the stock ones."""
+    projections = [getattr(m, p) for p in _QKV]
+    with torch.no_grad():
+        w = torch.cat([p.weight for p in projections])
+        bias = None if projections[0].bias is None else torch.cat([p.bias for p in projections])
+    grad = projections[0].weight.requires_grad
+    m.qkv_weight = nn.Parameter(w, requires_grad=grad)
+    m.qkv_bias = None if bias is None else nn.Parameter(bias, requires_grad=grad)
+    m.qkv_rows = tuple(p.weight.shape[0] for p in projections)
+    for p in _QKV:
+        delattr(m, p)
+    m.register_state_dict_post_hook(_qkv_state_dict)
+    m.register_load_state_dict_pre_hook(_qkv_load_state_dict)
+
+
 def _serves_layer(m: nn.Module) -> bool:
     # The fused forward calls post_attention_layernorm(x, residual=...): only a patched norm takes that.
     return type(m) in (q3.Qwen3DecoderLayer, q3m.Qwen3MoeDecoderLayer) and _is_rmsnorm(m.post_attention_layernorm)
@@ -727,7 +805,9 @@ SWAPS = (
     Swap("rmsnorm", "RMSNorm -> rosekernels.rmsnorm", _serves_rmsnorm, _swap_class),
     Swap("attention", "q_norm + k_norm + rotary embedding -> one rosekernels.qk_norm; "
          "attention -> rosekernels.attention; "
-         "q/k/v/o projections -> rosekernels.gemm", _serves_attention, _swap_class),
+         "o projection -> rosekernels.gemm", _serves_attention, _swap_class),
+    Swap("qkv", "q, k and v projections -> one rosekernels.gemm (their weights' rows concatenated)", _serves_qkv,
+         _patch_qkv),
     Swap("decoder_layer", "residual add after attention -> fused into post_attention_layernorm's rmsnorm",
          _serves_layer, _swap_class),
     Swap("mlp", "dense MLP -> rosekernels.gemm gated (SwiGLU) + rosekernels.gemm (down projection)", _serves_mlp,
@@ -888,6 +968,8 @@ def plan(model: nn.Module, experts: str | None = None, fp8: str | None = None,
     modules = list(model.named_modules())
     swaps = {s.kind: tuple(n for n, m in modules if s.matches(m)) for s in SWAPS}
     fp8_attention, fp8_mlp = _fp8_layers(model, swaps, fp8, exclude) if fp8 is not None else ((), ())
+    # FP8 projections keep their own weights and scales (per-tensor scales differ between q, k and v)
+    swaps["qkv"] = tuple(n for n in swaps["qkv"] if n.rpartition(".")[0] not in fp8_attention)
     return Plan(model_type, swaps, experts, fp8, fp8_attention, fp8_mlp)
 
 

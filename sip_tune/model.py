@@ -105,7 +105,7 @@ def _block(dims: ModelDims, mode: str, tokens: int) -> list[Job]:
     # The first norm of a layer has no residual to add; every later one adds the previous sub-layer's output.
     jobs = [_job("rmsnorm", "norm", tokens, rows=tokens, hidden=dims.hidden, dtype=dt, residual=False),
             _job("rmsnorm", "norm + residual", tokens, rows=tokens, hidden=dims.hidden, dtype=dt, residual=True),
-            *gemms("q", "k/v")]
+            *gemms("q/k/v", "q", "k/v")]
     if dims.qk_norm:  # Qwen3's per-head norms; Llama and most others have none
         jobs.append(_job("qk_norm", "q/k norm + rope", tokens, tokens=tokens, q_heads=dims.heads_q,
                          k_heads=dims.heads_kv, head_dim=dims.head_dim, dtype=dt, rope=dt))

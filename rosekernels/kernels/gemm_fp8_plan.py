@@ -233,12 +233,12 @@ def rank(shape: Fp8GemmShape, configs: Iterable[Fp8GemmConfig], sms: int | None 
 
 def model_gemms(model) -> list[tuple[str, int, int, str, bool]]:
     """(role, N, K, activation, gated) of the GEMMs a decoder layer of `model` (a rosekernels.models.ModelDims
-    run in FP8: model.fp8 names the weight scheme) runs on gemm_fp8: the bf16 GEMM's (model_gemms) that
-    the FP8 kernel takes; none for a model not run in FP8."""
+    run in FP8: model.fp8 names the weight scheme) runs on gemm_fp8: the bf16 GEMM's (model_gemms, q, k and v
+    apart: each keeps its own scales) that the FP8 kernel takes; none for a model not run in FP8."""
     if model.fp8 == "none":
         return []
     scales = scales_of(model.fp8)
-    return [g for g in bf16.model_gemms(model) if takes(g[1], g[2], g[4], scales)]
+    return [g for g in bf16.model_gemms(model, fused_qkv=False) if takes(g[1], g[2], g[4], scales)]
 
 
 def scales_of(weight_scheme: str) -> str:

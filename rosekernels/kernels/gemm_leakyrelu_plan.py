@@ -688,16 +688,27 @@ def takes(n: int, k: int, gated: bool = False) -> bool:
     return n % (2 * GATE_BLOCK if gated else 8) == 0 and k % 8 == 0
 
 
-def model_gemms(model) -> list[tuple[str, int, int, str, bool]]:
+def fuses_qkv(q_rows: int, kv_rows: int, k: int) -> bool:
+    """Whether rosekernels.hf runs the q, k and v projections ([q_rows, K], [kv_rows, K] twice) as one GEMM over
+    their rows concatenated: each output a whole number of 16-byte columns (its slice stays aligned), and the
+    kernel takes the whole."""
+    return q_rows % 8 == 0 and kv_rows % 8 == 0 and takes(q_rows + 2 * kv_rows, k)
+
+
+def model_gemms(model, fused_qkv: bool = True) -> list[tuple[str, int, int, str, bool]]:
     """(role, N, K, activation, gated) of the GEMMs a decoder layer of `model` (a
-    rosekernels.models.ModelDims) runs on rosekernels (as rosekernels.hf.apply patches it): the q, k and
-    v projections (k and v alike), o, and a dense model's MLP: the gated gate/up GEMM (N = 2 x
-    intermediate, SwiGLU) and the down projection; the MLP whole or not at all. Projections the
-    kernel does not take (`takes`) stay on torch, and MoE experts run torch._grouped_mm (the dense
-    layers a MoE config may name in mlp_only_layers are not listed: rare, compiled on first use)."""
+    rosekernels.models.ModelDims) runs on rosekernels (as rosekernels.hf.apply patches it): the q, k and v
+    projections, as one GEMM where `fused_qkv` and `fuses_qkv` (else q and k/v, k and v alike), o, and a
+    dense model's MLP: the gated gate/up GEMM (N = 2 x intermediate, SwiGLU) and the down projection; the
+    MLP whole or not at all. Projections the kernel does not take (`takes`) stay on torch, and MoE experts
+    run their own kernels (the dense layers a MoE config may name in mlp_only_layers are not listed: rare,
+    compiled on first use)."""
     q, kv = model.heads_q * model.head_dim, model.heads_kv * model.head_dim
-    gemms = [("q", q, model.hidden, "none", False), ("k/v", kv, model.hidden, "none", False),
-             ("o", model.hidden, q, "none", False)]
+    if fused_qkv and fuses_qkv(q, kv, model.hidden):
+        gemms = [("q/k/v", q + 2 * kv, model.hidden, "none", False)]
+    else:
+        gemms = [("q", q, model.hidden, "none", False), ("k/v", kv, model.hidden, "none", False)]
+    gemms.append(("o", model.hidden, q, "none", False))
     mlp = [("mlp gate/up", 2 * model.intermediate, model.hidden, "silu", True),
            ("mlp down", model.hidden, model.intermediate, "none", False)]
     if model.intermediate and not model.experts and all(takes(n, k, gated) for _, n, k, _, gated in mlp):

@@ -43,6 +43,7 @@ def test_plan_of_the_released_geometries_lists_every_module_once(geometry, layer
     # per layer: input, post-attention, q and k norms; plus the final norm
     assert len(p.swaps["rmsnorm"]) == 4 * layers + 1
     assert p.swaps["attention"] == tuple(f"model.layers.{i}.self_attn" for i in range(layers))
+    assert p.swaps["qkv"] == p.swaps["attention"]  # q, k and v in one GEMM
     assert p.swaps["decoder_layer"] == tuple(f"model.layers.{i}" for i in range(layers))
     assert p.swaps["experts"] == (tuple(f"model.layers.{i}.mlp.experts" for i in range(layers)) if moe else ())
     assert p.swaps["mlp"] == (() if moe else tuple(f"model.layers.{i}.mlp" for i in range(layers)))
@@ -129,7 +130,7 @@ def test_swapped_model_on_the_cpu_falls_back_to_exactly_the_stock_computation(mo
     calls = 2 + 3  # two forwards of the prompt (one inside generate), then three decode steps
     # per layer: input and post-attention norms, and the q and k norms the qk fallback calls; the final norm
     expected = {"fallback:rmsnorm:device": calls * (4 * 3 + 1), "fallback:qk_norm:device": calls * 3,
-                "fallback:attention:device": calls * 3, "fallback:gemm:device": calls * 4 * 3}  # q, k, v, o
+                "fallback:attention:device": calls * 3, "fallback:gemm:device": calls * 2 * 3}  # q/k/v, o
     if moe:
         expected["fallback:experts:device"] = expected["fallback:router:device"] = calls * 3
     else:
@@ -498,8 +499,9 @@ def _gemm_standin(a, w, bias=None, activation=None, gated=False):
 
 
 def test_mlp_and_projection_glue_computes_the_stock_mlp_and_linears(monkeypatch):
-    """The patched MLP (one gated GEMM over the interleaved gate/up weight, then down) and the q/k/v/o
-    projections through a stand-in for rosekernels.gemm: the stock module's results."""
+    """The patched MLP (one gated GEMM over the interleaved gate/up weight, then down), the q, k and v
+    projections (one GEMM over their rows, its output sliced) and o, through a stand-in for rosekernels.gemm:
+    the stock modules' results."""
     monkeypatch.setattr(rosekernels, "gemm", _gemm_standin, raising=False)
     monkeypatch.setattr(hf, "_gemm_refusal", lambda *args: None)
     stock = _tiny(moe=False, layers=1).to(torch.bfloat16)
@@ -507,14 +509,16 @@ def test_mlp_and_projection_glue_computes_the_stock_mlp_and_linears(monkeypatch)
     hf._swap(ours, hf.plan(ours))
     x = torch.randn(3, 5, TINY["hidden_size"], generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     hf.reset_stats()
+    attn, ref = ours.model.layers[0].self_attn, stock.model.layers[0].self_attn
     with torch.inference_mode():
-        k_proj = ours.model.layers[0].self_attn.k_proj
-        for got, want in [(ours.model.layers[0].mlp(x), stock.model.layers[0].mlp(x)),
-                          (hf._linear(k_proj, x), stock.model.layers[0].self_attn.k_proj(x))]:
+        q, k, v = hf._qkv(attn, x)
+        pairs = [(ours.model.layers[0].mlp(x), stock.model.layers[0].mlp(x)), (q, ref.q_proj(x)),
+                 (k, ref.k_proj(x)), (v, ref.v_proj(x)), (hf._linear(attn.o_proj, x), ref.o_proj(x))]
+        for got, want in pairs:
             assert got.shape == want.shape and got.dtype == torch.bfloat16
             err = (got.float() - want.float()).norm() / want.float().norm()
             assert err < 1e-2, f"relative error {err:.3g}"
-    assert hf.stats() == {"mlp": 1, "gemm": 1}
+    assert hf.stats() == {"mlp": 1, "gemm": 2}  # q, k and v in one GEMM
 
 
 def _qk_norm_standin(q, k, q_weight, k_weight=None, eps=1e-6, weight_bias=0.0, *, cos=None, sin=None):
@@ -585,6 +589,7 @@ def test_projections_that_are_not_plain_linears_keep_their_own_forward(monkeypat
     model.model.layers[1].mlp.up_proj.register_forward_pre_hook(lambda m, i: None)
     p = hf.plan(model)
     assert p.swaps["mlp"] == ("model.layers.0.mlp",)  # layer 1's MLP stays on torch, whole
+    assert p.swaps["qkv"] == ("model.layers.1.self_attn",)  # layer 0's q, k and v stay apart, k_proj its own
     hf._swap(model, p)
     x = torch.randn(2, 3, TINY["hidden_size"]).to(torch.bfloat16)
     hf.reset_stats()
@@ -594,18 +599,25 @@ def test_projections_that_are_not_plain_linears_keep_their_own_forward(monkeypat
     assert hf.stats() == {"fallback:gemm:module": 1, "gemm": 1}
 
 
-def test_a_patched_mlp_holds_its_weights_once_and_keeps_the_stock_state_dict():
-    stock = _tiny(moe=False, layers=2)
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_patched_mlp_and_attention_hold_their_weights_once_and_keep_the_stock_state_dict(bias):
+    stock = _tiny(moe=False, layers=2, attention_bias=bias)
     ours = copy.deepcopy(stock)
     hf._swap(ours, hf.plan(ours))
-    mlp = ours.model.layers[0].mlp
+    mlp, attn = ours.model.layers[0].mlp, ours.model.layers[0].self_attn
     assert not hasattr(mlp, "gate_proj") and not hasattr(mlp, "up_proj")
     assert mlp.gate_up_weight.shape == (2 * TINY["intermediate_size"], TINY["hidden_size"])
+    assert not any(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj"))
+    rows = (TINY["num_attention_heads"] * TINY["head_dim"], *2 * [TINY["num_key_value_heads"] * TINY["head_dim"]])
+    assert attn.qkv_weight.shape == (sum(rows), TINY["hidden_size"]) and attn.qkv_rows == rows
+    assert (attn.qkv_bias is not None) == bias
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in stock.parameters())
     want, got = stock.state_dict(), ours.state_dict()
     assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    parts = [got[f"model.layers.0.self_attn.{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")]
+    assert len({t.untyped_storage().data_ptr() for t in parts}) == 3  # copies: safetensors saves them
     # A stock checkpoint loads into the patched model (strictly), and the forward still matches.
-    fresh = _tiny(moe=False, layers=2)
+    fresh = _tiny(moe=False, layers=2, attention_bias=bias)
     hf._swap(fresh, hf.plan(fresh))
     fresh.load_state_dict(want)
     ids = torch.randint(0, TINY["vocab_size"], (1, 11), generator=torch.Generator().manual_seed(2))
@@ -676,3 +688,13 @@ def test_random_model_has_random_norm_weights_and_the_released_geometry():
     a, b = (_tiny(moe=False, layers=2).model.layers[1].post_attention_layernorm.weight.float() for _ in range(2))
     assert torch.equal(a, b), "the seed decides the weights"
     assert 0.1 < a.std() < 0.3 and abs(a.mean() - 1) < 0.05
+
+
+def test_q_k_and_v_fuse_only_where_one_gemm_computes_all_three():
+    """Biases all or none, one dtype: otherwise the projections stay apart (each its own GEMM or forward)."""
+    model = _tiny(moe=False, layers=3, device="meta", attention_bias=True)
+    model.model.layers[1].self_attn.v_proj.bias = None
+    model.model.layers[2].self_attn.q_proj.to(torch.float16)
+    p = hf.plan(model)
+    assert p.swaps["qkv"] == ("model.layers.0.self_attn",) and len(p.swaps["attention"]) == 3
+    assert "q, k and v projections -> one rosekernels.gemm" in str(p)

@@ -177,9 +177,11 @@ def test_an_excluded_layer_runs_in_bf16_beside_fp8_ones(standins):
     ours = copy.deepcopy(stock)
     hf._swap(ours, hf.plan(ours, fp8="channel", fp8_exclude=["model.layers.0"]))
     first, second = ours.model.layers
-    assert type(first.self_attn.q_proj) is torch.nn.Linear and first.self_attn.q_proj.weight.dtype == torch.bfloat16
+    # the bf16 layer's q, k and v in one weight; the FP8 layer's apart (each with its own scales)
+    assert first.self_attn.qkv_weight.dtype == torch.bfloat16 and not hasattr(first.self_attn, "q_proj")
     assert first.fp8_attention is None and first.fp8_mlp is None and hasattr(first.mlp, "gate_up_weight")
-    assert isinstance(second.self_attn.q_proj, hf.Fp8Linear) and second.fp8_mlp == "row"
+    assert isinstance(second.self_attn.q_proj, hf.Fp8Linear) and not hasattr(second.self_attn, "qkv_weight")
+    assert second.fp8_mlp == "row"
     ids = torch.randint(0, TINY["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(5))
     hf.reset_stats()
     with torch.inference_mode():
@@ -187,7 +189,7 @@ def test_an_excluded_layer_runs_in_bf16_beside_fp8_ones(standins):
     assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() >= 0.99
     stats = hf.stats()
     assert stats["rmsnorm+fp8"] == stats["rmsnorm+residual+fp8"] == stats["mlp_fp8"] == 1
-    assert stats["gemm_fp8"] == 4 + 2 and stats["mlp"] == 1
+    assert stats["gemm_fp8"] == 4 + 2 and stats["mlp"] == 1 and stats["gemm"] == 2  # bf16: q/k/v, o
 
 
 def test_apply_with_fp8_refuses_without_a_gpu_and_changes_nothing():

@@ -104,7 +104,7 @@ def _ops_run(fn):
 def _per_forward(geometry, forwards, attention):
     """The stats of `forwards` patched forwards whose attention calls all went to `attention`."""
     counts = {"rmsnorm": LAYERS + 1, "rmsnorm+residual": LAYERS, "qk_norm": LAYERS, attention: LAYERS,
-              "gemm": 4 * LAYERS}  # q, k, v, o
+              "gemm": 2 * LAYERS}  # q/k/v (one GEMM), o
     if geometry == "qwen3-30b-a3b":
         counts["experts"] = counts["router"] = LAYERS
     else:

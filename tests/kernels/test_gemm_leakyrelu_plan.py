@@ -452,11 +452,17 @@ def test_model_variants(model):
 
 def test_model_gemms_are_the_projections_and_a_dense_mlp_the_kernel_takes():
     assert plan.model_gemms(QWEN3_8B) == [
-        ("q", 4096, 4096, "none", False), ("k/v", 1024, 4096, "none", False), ("o", 4096, 4096, "none", False),
+        ("q/k/v", 6144, 4096, "none", False), ("o", 4096, 4096, "none", False),
         ("mlp gate/up", 24576, 4096, "silu", True), ("mlp down", 4096, 12288, "none", False)]
-    assert [g[0] for g in plan.model_gemms(QWEN3_30B_A3B)] == ["q", "k/v", "o"]  # experts: torch._grouped_mm
+    assert plan.model_gemms(QWEN3_8B, fused_qkv=False)[:3] == [
+        ("q", 4096, 4096, "none", False), ("k/v", 1024, 4096, "none", False), ("o", 4096, 4096, "none", False)]
+    assert [g[0] for g in plan.model_gemms(QWEN3_30B_A3B)] == ["q/k/v", "o"]  # experts: their own kernels
+    assert plan.model_gemms(QWEN3_30B_A3B)[0][1:3] == (4096 + 2 * 512, 2048)
     # An MLP the gated GEMM cannot take (intermediate not a multiple of 8) stays whole on torch.
-    assert [g[0] for g in plan.model_gemms(dataclasses.replace(QWEN3_8B, intermediate=12300))] == ["q", "k/v", "o"]
-    # Projections the kernel does not take stay on torch (k/v: 100 rows; q and o, 3200 x 4096 and back, run).
-    assert [g[0] for g in plan.model_gemms(ModelDims("odd", 4096, 0, 32, 1, 100))] == ["q", "o"]
+    assert [g[0] for g in plan.model_gemms(dataclasses.replace(QWEN3_8B, intermediate=12300))] == ["q/k/v", "o"]
+    # k/v of 100 rows: no aligned slice of a fused output, so no fusion; nor does the kernel take k/v alone (q
+    # and o, 3200 x 4096 and back, run).
+    odd = ModelDims("odd", 4096, 0, 32, 1, 100)
+    assert not plan.fuses_qkv(3200, 100, 4096) and plan.takes(3200 + 200, 4096)
+    assert [g[0] for g in plan.model_gemms(odd)] == ["q", "o"]
     assert plan.takes(24576, 4096, gated=True) and not plan.takes(24, 4096, gated=True) and not plan.takes(12, 8)

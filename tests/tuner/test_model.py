@@ -56,10 +56,10 @@ def test_qwen3_8b_decode_runs_the_dense_block_at_every_decode_token_count(tmp_pa
     jobs = by_kernel(found)
     assert set(jobs) == {"gemm_leakyrelu", "attention_decode"}
     gemms = jobs["gemm_leakyrelu"]
-    # As rosekernels.hf runs them: q (32 heads of 128), k/v (8 heads), o, the gated MLP gate/up GEMM (2 x
-    # 12288 interleaved rows, SwiGLU) and down, at every token count (o is as wide as q: listed once).
+    # As rosekernels.hf runs them: q, k and v in one GEMM (32 + 2 x 8 heads of 128), o, the gated MLP gate/up
+    # GEMM (2 x 12288 interleaved rows, SwiGLU) and down, at every token count.
     assert {(s["n"], s["k"], s["activation"], s["gated"]) for s in gemms} == {
-        (4096, 4096, "none", False), (1024, 4096, "none", False), (24576, 4096, "silu", True),
+        (6144, 4096, "none", False), (4096, 4096, "none", False), (24576, 4096, "silu", True),
         (4096, 12288, "none", False)}
     assert sorted({s["m"] for s in gemms}) == list(model.DECODE_TOKENS) == [1, 2, 4, 8, 16, 32, 64, 128]
     assert len(gemms) == 4 * len(model.DECODE_TOKENS)
@@ -84,9 +84,9 @@ def test_qwen3_30b_a3b_decode_runs_the_experts_and_the_moe_routing_instead_of_a_
     jobs = by_kernel(model.shapes(dims(tmp_path, "qwen3-30b-a3b"), "decode"))
     assert set(jobs) == {"gemm_leakyrelu", "attention_decode", "moe_route", "moe_dispatch", "grouped_gemm",
                          "moe_combine"}
-    # q (32 heads of 128), k/v (4 heads), o (n=hidden, k=32 * 128); no dense MLP: the experts' gate-up
+    # q/k/v in one GEMM (32 + 2 x 4 heads of 128), o (n=hidden, k=32 * 128); no dense MLP: the experts' gate-up
     # (SwiGLU, 2 x 768 rows) and down GEMMs are grouped GEMMs over T x top-8 rows of 128 experts.
-    assert {(s["n"], s["k"]) for s in jobs["gemm_leakyrelu"]} == {(4096, 2048), (512, 2048), (2048, 4096)}
+    assert {(s["n"], s["k"]) for s in jobs["gemm_leakyrelu"]} == {(5120, 2048), (2048, 4096)}
     assert {(s["n"], s["k"], s["activation"], s["gated"]) for s in jobs["grouped_gemm"]} == {
         (1536, 2048, "silu", True), (2048, 768, "none", False)}
     assert sorted({s["rows"] for s in jobs["grouped_gemm"]}) == [8 * t for t in model.DECODE_TOKENS]
@@ -133,9 +133,9 @@ def test_an_mlp_the_gemm_does_not_take_is_not_listed():
     odd = dataclasses.replace(models.QWEN3_8B, intermediate=12300)  # 12300 = 8 * 1537 + 4
     found = model.shapes(odd, "decode")
     assert not any(role.startswith("mlp") for role in {j.role for j in found.jobs})
-    # q and o are both 4096 x 4096 (listed once), k/v 1024 x 4096
+    # q/k/v 6144 x 4096, o 4096 x 4096
     assert {(j.shape["n"], j.shape["k"]) for j in found.jobs if j.kernel == "gemm_leakyrelu"} == {
-        (4096, 4096), (1024, 4096)}
+        (6144, 4096), (4096, 4096)}
 
 
 # ---------------------------------------------------------------------------------------------
