@@ -283,7 +283,7 @@ _QKV = ("q_proj", "k_proj", "v_proj")
 def _qkv_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
     """state_dict() of an attention with qkv_weight as the stock one writes it: q_proj, k_proj and v_proj's
     weight (and bias) first, each its own host copy (not views of one tensor, which safetensors refuses to
-    save), then the module's other entries in their order."""
+    save; with keep_vars too: no Parameter holds them), then the module's other entries in their order."""
     if prefix + "qkv_weight" not in state_dict:
         return
     own = {k: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}  # the last entries
@@ -291,7 +291,8 @@ def _qkv_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_meta
     for i, proj in enumerate(_QKV):
         for name, w in fused.items():
             if w is not None:
-                state_dict[f"{prefix}{proj}.{name}"] = w.detach().split(module.qkv_rows)[i].to("cpu", copy=True)
+                part = w.detach().split(module.qkv_rows)[i]
+                state_dict[f"{prefix}{proj}.{name}"] = part if part.is_meta else part.to("cpu", copy=True)
     state_dict.update(own)
 
 
@@ -476,8 +477,9 @@ _RMSNORMS = (q3.Qwen3RMSNorm, q3m.Qwen3MoeRMSNorm)
 
 
 def _strides_ok(t: torch.Tensor) -> bool:
-    """What the attention kernels' TMA needs of q/k/v besides alignment (fresh allocations and their
-    slices along S are 16-byte aligned): a unit last stride and 16-byte strides where a dim is > 1."""
+    """What the attention kernels' TMA needs of q/k/v besides alignment (fresh allocations, their slices along S,
+    and the column slices of the fused q/k/v GEMM's output, which `fuses_qkv` starts on 16-byte columns, are
+    16-byte aligned): a unit last stride and 16-byte strides where a dim is > 1."""
     vec = 16 // t.element_size()
     if t.stride(-1) != 1:
         return False
@@ -704,14 +706,16 @@ def _serves_attention(m: nn.Module) -> bool:
 
 
 def _serves_qkv(m: nn.Module) -> bool:
-    """An attention apply() serves whose q, k and v projections are plain linear layers of one dtype and input
-    size, biases all or none, k and v alike, that gemm_leakyrelu_plan.fuses_qkv runs as one GEMM."""
+    """An attention apply() serves whose q, k and v projections are plain linear layers of one input size, weight
+    dtype and requires_grad, biases all or none (of one dtype), k and v alike, that gemm_leakyrelu_plan.fuses_qkv
+    runs as one GEMM."""
     if not _serves_attention(m):
         return False
     projections = [getattr(m, p) for p in _QKV]
-    if not all(map(_plain_linear, projections)) or len({p.weight.dtype for p in projections}) != 1:
+    if not all(map(_plain_linear, projections)) or len({p.weight.shape[1] for p in projections}) != 1:
         return False
-    if len({p.bias is None for p in projections}) != 1 or len({p.weight.shape[1] for p in projections}) != 1:
+    if len({(p.weight.dtype, p.weight.requires_grad, None if p.bias is None else p.bias.dtype)
+            for p in projections}) != 1:
         return False
     q, k, v = (p.weight.shape[0] for p in projections)
     return k == v and gemm_leakyrelu_plan.fuses_qkv(q, k, projections[0].weight.shape[1])
@@ -900,7 +904,7 @@ def _fp8_exclude(model: nn.Module, fp8: str | None, fp8_exclude: str | Iterable[
     if names and fp8 is None:
         raise ValueError("fp8_exclude names modules to keep in bf16 in a model run in FP8: give fp8= too")
     modules = dict(model.named_modules())
-    unknown = [n for n in names if n not in modules]
+    unknown = [n for n in names if n not in modules and not _fused_away(n, modules)]
     if unknown:
         raise ValueError(f"fp8_exclude: the model has no module named {', '.join(map(repr, unknown))} (names as "
                          "model.named_modules() gives them, e.g. 'model.layers.0' or 'model.layers.0.mlp')")
@@ -917,6 +921,15 @@ def _fp8_exclude(model: nn.Module, fp8: str | None, fp8_exclude: str | Iterable[
         raise ValueError(f"fp8_exclude: {', '.join(done)} already run(s) in FP8 (an earlier apply()); apply() does "
                          "not return them to bf16 (load the model anew)")
     return names
+
+
+def _fused_away(name: str, modules: dict[str, nn.Module]) -> bool:
+    """Whether `name` is a projection an earlier apply() folded into its parent's one weight (an attention's
+    q/k/v_proj into qkv_weight, an MLP's gate/up_proj into gate_up_weight): fp8_exclude names it as before."""
+    parent, _, leaf = name.rpartition(".")
+    m = modules.get(parent)
+    return m is not None and ((leaf in _QKV and hasattr(m, "qkv_weight")) or
+                              (leaf in ("gate_proj", "up_proj") and hasattr(m, "gate_up_weight")))
 
 
 def _excluded(block: str, exclude: tuple[str, ...]) -> bool:

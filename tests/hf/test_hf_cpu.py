@@ -691,10 +691,12 @@ def test_random_model_has_random_norm_weights_and_the_released_geometry():
 
 
 def test_q_k_and_v_fuse_only_where_one_gemm_computes_all_three():
-    """Biases all or none, one dtype: otherwise the projections stay apart (each its own GEMM or forward)."""
-    model = _tiny(moe=False, layers=3, device="meta", attention_bias=True)
+    """Biases all or none, one weight dtype, one bias dtype: otherwise the projections stay apart (each its own
+    GEMM or forward)."""
+    model = _tiny(moe=False, layers=4, device="meta", attention_bias=True)
     model.model.layers[1].self_attn.v_proj.bias = None
     model.model.layers[2].self_attn.q_proj.to(torch.float16)
+    model.model.layers[3].self_attn.k_proj.bias.data = model.model.layers[3].self_attn.k_proj.bias.float()
     p = hf.plan(model)
-    assert p.swaps["qkv"] == ("model.layers.0.self_attn",) and len(p.swaps["attention"]) == 3
-    assert "q, k and v projections -> one rosekernels.gemm" in str(p)
+    assert p.swaps["qkv"] == ("model.layers.0.self_attn",) and len(p.swaps["attention"]) == 4
+    assert "   1 x q, k and v projections -> one rosekernels.gemm" in str(p)

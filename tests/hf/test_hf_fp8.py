@@ -74,6 +74,21 @@ def test_fp8_exclude_does_not_return_fp8_blocks_to_bf16():
     assert p.fp8 == "channel" and p.fp8_attention == p.fp8_mlp == ()
 
 
+@pytest.mark.parametrize("name", ["model.layers.0.self_attn.k_proj", "model.layers.0.mlp.up_proj"])
+def test_fp8_exclude_names_a_projection_apply_folded_into_one_weight(name):
+    """Applying twice changes nothing more, also where fp8_exclude names a projection the first apply() folded
+    into its block's one weight (q/k/v_proj into qkv_weight, gate/up_proj into gate_up_weight); a name that never
+    existed is still refused."""
+    model = _tiny(moe=False, layers=2).to(torch.bfloat16)
+    hf._swap(model, hf.plan(model, fp8="channel", fp8_exclude=[name]))
+    block = model.get_submodule(name.rpartition(".")[0])  # in bf16: its projections folded into one weight
+    assert hasattr(block, "qkv_weight" if name.endswith("k_proj") else "gate_up_weight")
+    p = hf.plan(model, fp8="channel", fp8_exclude=[name])
+    assert all(names == () for names in p.swaps.values()) and p.fp8_attention == p.fp8_mlp == ()
+    with pytest.raises(ValueError, match="no module named 'model.layers.0.self_attn.w_proj'"):
+        hf.plan(model, fp8="channel", fp8_exclude=["model.layers.0.self_attn.w_proj"])
+
+
 def test_a_moe_model_keeps_its_experts_in_bf16():
     p = hf.plan(_tiny(moe=True, layers=2), fp8="channel")
     assert p.fp8_attention == ("model.layers.0", "model.layers.1") and p.fp8_mlp == ()
@@ -384,17 +399,19 @@ def test_fp8_qwen3_8b_geometry_matches_stock_bf16(scheme):
 
 
 @pytest.mark.gpu
-def test_fp8_weights_and_kv_cache_decode_in_a_cuda_graph():
+@pytest.mark.parametrize("exclude", [(), ("model.layers.0",)])
+def test_fp8_weights_and_kv_cache_decode_in_a_cuda_graph(exclude):
     """Qwen3-8B's geometry, two layers, FP8 weights and an Fp8StaticCache: a decode step of B = 4 after a 40-token
     prefill, captured in a CUDA graph, within cosine GEOMETRY_COSINE of the stock bf16 model's on a bf16
     StaticCache (the H200 gave 0.9856: the weights' error above, the e4m3 cache's beside it); the step's attention
-    read the e4m3 cache (its kernel path counted)."""
+    read the e4m3 cache (its kernel path counted). With layer 0 in bf16, its fused q/k/v GEMM hands the cache's
+    append strided k and v column slices."""
     from transformers import StaticCache
 
     stock = hf.random_model("qwen3-8b", 2, seed=5)
     ours = copy.deepcopy(stock)
     hf.warmup(ours, fp8="channel", fp8_kv_cache=True)
-    hf.apply(ours, fp8="channel")
+    hf.apply(ours, fp8="channel", fp8_exclude=exclude)
     ids = torch.randint(0, 151936, (4, 41), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
     logits = []
     for model, cache in ((ours, hf.Fp8StaticCache(config=ours.config, max_cache_len=64)),
