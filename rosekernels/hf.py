@@ -47,6 +47,7 @@ What apply() replaces (the model on one sm_90 GPU):
 Left on torch: the rotary tables (once a forward), embedding, the MoE router's GEMM and lm_head.
 
 `apply(model, fp8="tensor" | "channel" | "block")` also runs the linear layers in FP8: the q/k/v/o projections
+(q, k and v as one weight where per-channel or 128-row block scales quantize it as the three apart: `qkv_fp8`)
 and the dense MLP's (gate/up interleaved, then down) quantized once to e4m3 (rosekernels.quantize_weight_fp8:
 per tensor, per output channel or per 128 x 128 block; the bf16 weights are dropped, so state_dict() holds
 the e4m3 weights and their scales) and run on rosekernels.gemm_fp8. Their activations are quantized per token
@@ -362,7 +363,9 @@ class _Attention:
         cos, sin = position_embeddings
         if hasattr(self, "qkv_weight"):
             q, k, v = _qkv(self, hidden_states)
-        else:  # FP8 layers, and projections that are not plain nn.Linear modules
+        elif hasattr(self, "qkv_fp8"):  # an FP8 layer's q, k and v in one weight (Plan.fp8_qkv)
+            q, k, v = self.qkv_fp8(hidden_states, x_scale).split(self.qkv_rows, dim=-1)
+        else:  # per-tensor FP8 layers, and projections that are not plain nn.Linear modules
             q, k, v = (_project(getattr(self, p), hidden_states, x_scale) for p in _QKV)
         query_states, key_states = _normed_qk(self, q, k, hidden_shape, cos, sin)
         value_states = v.view(hidden_shape).transpose(1, 2)
@@ -827,7 +830,8 @@ LEFT_ON_TORCH = ("the rotary tables (once a forward)", "embedding, the MoE route
 class Plan:
     """What apply() replaces: for each kind of SWAPS, the names of the modules (as model.named_modules()),
     the path the experts take (a key of EXPERTS_WHAT), and with an FP8 scheme (fp8) the decoder layers whose
-    attention projections (fp8_attention) and MLP (fp8_mlp) run on gemm_fp8."""
+    attention projections (fp8_attention) and MLP (fp8_mlp) run on gemm_fp8, and those of fp8_attention whose q,
+    k and v run as one (fp8_qkv)."""
 
     model_type: str
     swaps: dict[str, tuple[str, ...]]
@@ -835,6 +839,7 @@ class Plan:
     fp8: str | None = None
     fp8_attention: tuple[str, ...] = ()
     fp8_mlp: tuple[str, ...] = ()
+    fp8_qkv: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         lines = [f"rosekernels.hf plan for a {self.model_type} model:"]
@@ -842,7 +847,8 @@ class Plan:
                   for s in SWAPS]
         if self.fp8 is not None:
             lines += [f"  {len(self.fp8_attention):4d} x q/k/v/o projections -> e4m3 weights ({self.fp8}), "
-                      "rosekernels.gemm_fp8, activations quantized in the input norm and by quantize_fp8",
+                      "rosekernels.gemm_fp8, activations quantized in the input norm and by quantize_fp8; "
+                      f"q, k and v as one weight in {len(self.fp8_qkv)}",
                       f"  {len(self.fp8_mlp):4d} x dense MLP -> e4m3 weights ({self.fp8}), gated and down "
                       "rosekernels.gemm_fp8, activations quantized in the post-attention norm and by quantize_fp8"]
         lines += [f"  left on torch: {what}" for what in LEFT_ON_TORCH]
@@ -925,11 +931,12 @@ def _fp8_exclude(model: nn.Module, fp8: str | None, fp8_exclude: str | Iterable[
 
 def _fused_away(name: str, modules: dict[str, nn.Module]) -> bool:
     """Whether `name` is a projection an earlier apply() folded into its parent's one weight (an attention's
-    q/k/v_proj into qkv_weight, an MLP's gate/up_proj into gate_up_weight): fp8_exclude names it as before."""
+    q/k/v_proj into qkv_weight or qkv_fp8, an MLP's gate/up_proj into gate_up_weight or gate_up_fp8): fp8_exclude
+    names it as before."""
     parent, _, leaf = name.rpartition(".")
     m = modules.get(parent)
-    return m is not None and ((leaf in _QKV and hasattr(m, "qkv_weight")) or
-                              (leaf in ("gate_proj", "up_proj") and hasattr(m, "gate_up_weight")))
+    return m is not None and ((leaf in _QKV and hasattr(m, "qkv_rows")) or
+                              (leaf in ("gate_proj", "up_proj") and (hasattr(m, "gate_up_weight") or hasattr(m, "gate_up_fp8"))))
 
 
 def _excluded(block: str, exclude: tuple[str, ...]) -> bool:
@@ -981,9 +988,13 @@ def plan(model: nn.Module, experts: str | None = None, fp8: str | None = None,
     modules = list(model.named_modules())
     swaps = {s.kind: tuple(n for n, m in modules if s.matches(m)) for s in SWAPS}
     fp8_attention, fp8_mlp = _fp8_layers(model, swaps, fp8, exclude) if fp8 is not None else ((), ())
-    # FP8 projections keep their own weights and scales (per-tensor scales differ between q, k and v)
+    # FP8 layers fold q, k and v into one e4m3 weight where its scales are those of the three apart (fp8_qkv)
+    modules = dict(modules)
+    fp8_qkv = tuple(n for n in fp8_attention if f"{n}.self_attn" in swaps["qkv"] and gemm_fp8_plan.fuses_qkv(
+        *(modules[f"{n}.self_attn.{p}"].weight.shape[0] for p in _QKV[:2]), modules[n].self_attn.q_proj.in_features,
+        fp8))
     swaps["qkv"] = tuple(n for n in swaps["qkv"] if n.rpartition(".")[0] not in fp8_attention)
-    return Plan(model_type, swaps, experts, fp8, fp8_attention, fp8_mlp)
+    return Plan(model_type, swaps, experts, fp8, fp8_attention, fp8_mlp, fp8_qkv)
 
 
 def _require_gpu(model: nn.Module) -> None:
@@ -1011,7 +1022,17 @@ def _swap(model: nn.Module, p: Plan) -> None:
     activations = "group" if p.fp8 == "block" else "row"
     for name in p.fp8_attention:  # each weight quantized once, the bf16 one dropped
         layer, attn = modules[name], modules[name].self_attn
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        apart = _QKV + ("o_proj",)
+        if name in p.fp8_qkv:
+            projections = [getattr(attn, x) for x in _QKV]
+            with torch.no_grad():
+                w = torch.cat([x.weight for x in projections])
+                bias = None if projections[0].bias is None else torch.cat([x.bias for x in projections])
+            attn.qkv_fp8, attn.qkv_rows = Fp8Linear(w, bias, p.fp8), tuple(x.out_features for x in projections)
+            for x in _QKV:
+                delattr(attn, x)
+            apart = ("o_proj",)
+        for proj in apart:
             lin = getattr(attn, proj)
             setattr(attn, proj, Fp8Linear(lin.weight, lin.bias, p.fp8))
         layer.fp8_attention = activations

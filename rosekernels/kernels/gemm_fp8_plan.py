@@ -231,14 +231,25 @@ def rank(shape: Fp8GemmShape, configs: Iterable[Fp8GemmConfig], sms: int | None 
     return bf16.rank(equivalent(shape), configs, sms)
 
 
+def fuses_qkv(q_rows: int, kv_rows: int, k: int, weight_scheme: str) -> bool:
+    """Whether rosekernels.hf runs FP8 q, k and v projections as one GEMM over their rows concatenated, quantized
+    as one weight: as bf16.fuses_qkv, with scales that quantize the whole exactly as the three apart (per channel;
+    per 128 x 128 block where q's and k's rows are whole blocks), not per tensor (one scale for all three)."""
+    rows_fit = weight_scheme == "channel" or (weight_scheme == "block" and q_rows % BLOCK == kv_rows % BLOCK == 0)
+    return rows_fit and bf16.fuses_qkv(q_rows, kv_rows, k) and takes(q_rows + 2 * kv_rows, k, False,
+                                                                     scales_of(weight_scheme))
+
+
 def model_gemms(model) -> list[tuple[str, int, int, str, bool]]:
     """(role, N, K, activation, gated) of the GEMMs a decoder layer of `model` (a rosekernels.models.ModelDims
     run in FP8: model.fp8 names the weight scheme) runs on gemm_fp8: the bf16 GEMM's (model_gemms, q, k and v
-    apart: each keeps its own scales) that the FP8 kernel takes; none for a model not run in FP8."""
+    fused where `fuses_qkv`) that the FP8 kernel takes; none for a model not run in FP8."""
     if model.fp8 == "none":
         return []
     scales = scales_of(model.fp8)
-    return [g for g in bf16.model_gemms(model, fused_qkv=False) if takes(g[1], g[2], g[4], scales)]
+    q, kv = model.heads_q * model.head_dim, model.heads_kv * model.head_dim
+    fused = fuses_qkv(q, kv, model.hidden, model.fp8)
+    return [g for g in bf16.model_gemms(model, fused_qkv=fused) if takes(g[1], g[2], g[4], scales)]
 
 
 def scales_of(weight_scheme: str) -> str:

@@ -169,11 +169,16 @@ def test_an_fp8_model_computes_the_stock_logits_within_fp8_error(standins, schem
     p = hf.plan(ours, fp8=scheme)
     hf._swap(ours, p)
     layer = ours.model.layers[0]
-    assert isinstance(layer.self_attn.q_proj, hf.Fp8Linear) and layer.self_attn.q_proj.weight.dtype == fp8_math.E4M3
+    fused = scheme != "tensor"  # q, k and v in one e4m3 weight where its scales are the three's
+    assert p.fp8_qkv == (("model.layers.0", "model.layers.1") if fused else ())
+    q = layer.self_attn.qkv_fp8 if fused else layer.self_attn.q_proj
+    assert isinstance(q, hf.Fp8Linear) and q.weight.dtype == fp8_math.E4M3 and isinstance(layer.self_attn.o_proj, hf.Fp8Linear)
+    assert hasattr(layer.self_attn, "q_proj") != fused and not hasattr(layer.self_attn, "qkv_weight")
     assert not hasattr(layer.mlp, "gate_up_weight") and layer.mlp.gate_up_fp8.gated
     assert layer.fp8_attention == layer.fp8_mlp == ("group" if scheme == "block" else "row")
     keys = ours.state_dict().keys()
-    assert "model.layers.0.mlp.gate_up_fp8.weight_scale" in keys and "model.layers.0.self_attn.q_proj.weight" in keys
+    assert "model.layers.0.mlp.gate_up_fp8.weight_scale" in keys
+    assert f"model.layers.0.self_attn.{'qkv_fp8' if fused else 'q_proj'}.weight" in keys
     ids = torch.randint(0, TINY["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(4))
     hf.reset_stats()
     with torch.inference_mode():
@@ -182,7 +187,7 @@ def test_an_fp8_model_computes_the_stock_logits_within_fp8_error(standins, schem
     assert cos.min() >= 0.99, f"{scheme}: min cosine {cos.min():.4f}"
     stats = hf.stats()
     assert stats["rmsnorm+fp8"] == 2 and stats["rmsnorm+residual+fp8"] == 2 and stats["mlp_fp8"] == 2
-    assert stats["gemm_fp8"] == 2 * (4 + 2) and "gemm" not in stats and "mlp" not in stats
+    assert stats["gemm_fp8"] == 2 * ((2 if fused else 4) + 2) and "gemm" not in stats and "mlp" not in stats
 
 
 def test_an_excluded_layer_runs_in_bf16_beside_fp8_ones(standins):
@@ -192,10 +197,10 @@ def test_an_excluded_layer_runs_in_bf16_beside_fp8_ones(standins):
     ours = copy.deepcopy(stock)
     hf._swap(ours, hf.plan(ours, fp8="channel", fp8_exclude=["model.layers.0"]))
     first, second = ours.model.layers
-    # the bf16 layer's q, k and v in one weight; the FP8 layer's apart (each with its own scales)
+    # q, k and v in one weight in both: bf16 in the first, e4m3 in the second
     assert first.self_attn.qkv_weight.dtype == torch.bfloat16 and not hasattr(first.self_attn, "q_proj")
     assert first.fp8_attention is None and first.fp8_mlp is None and hasattr(first.mlp, "gate_up_weight")
-    assert isinstance(second.self_attn.q_proj, hf.Fp8Linear) and not hasattr(second.self_attn, "qkv_weight")
+    assert isinstance(second.self_attn.qkv_fp8, hf.Fp8Linear) and not hasattr(second.self_attn, "qkv_weight")
     assert second.fp8_mlp == "row"
     ids = torch.randint(0, TINY["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(5))
     hf.reset_stats()
@@ -204,7 +209,7 @@ def test_an_excluded_layer_runs_in_bf16_beside_fp8_ones(standins):
     assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() >= 0.99
     stats = hf.stats()
     assert stats["rmsnorm+fp8"] == stats["rmsnorm+residual+fp8"] == stats["mlp_fp8"] == 1
-    assert stats["gemm_fp8"] == 4 + 2 and stats["mlp"] == 1 and stats["gemm"] == 2  # bf16: q/k/v, o
+    assert stats["gemm_fp8"] == 2 + 2 and stats["mlp"] == 1 and stats["gemm"] == 2  # q/k/v, o in each
 
 
 def test_apply_with_fp8_refuses_without_a_gpu_and_changes_nothing():
@@ -379,7 +384,8 @@ def test_fp8_qwen3_8b_geometry_matches_stock_bf16(scheme):
         got, want = ours(ids).logits, stock(ids).logits
     cos = torch.nn.functional.cosine_similarity(got.float(), want.float(), dim=-1)
     assert cos.min().item() >= GEOMETRY_COSINE, f"{scheme}: min cosine {cos.min().item():.4f}"
-    assert hf.stats()["gemm_fp8"] == 2 * 6 and "gemm" not in hf.stats()
+    # per layer: q/k/v (one GEMM but per tensor), o, gate/up, down
+    assert hf.stats()["gemm_fp8"] == 2 * (6 if scheme == "tensor" else 4) and "gemm" not in hf.stats()
     logits = []
     for model in (ours, stock):
         cache = StaticCache(config=model.config, max_cache_len=64)
@@ -432,3 +438,23 @@ def test_fp8_weights_and_kv_cache_decode_in_a_cuda_graph(exclude):
                 assert hf.stats().get("attention_decode_fp8") == 2
     cos = torch.nn.functional.cosine_similarity(logits[0].float(), logits[1].float(), dim=-1)
     assert cos.min().item() >= GEOMETRY_COSINE, f"min cosine {cos.min().item():.4f}"
+
+
+@pytest.mark.parametrize("scheme, bias", [("channel", False), ("block", False), ("channel", True)])
+def test_fp8_q_k_and_v_in_one_weight_are_the_three_quantized_apart(scheme, bias):
+    """The fused e4m3 weight (and its scales, and the bias) split by rows is q_proj's, k_proj's and v_proj's,
+    each quantized alone, bit for bit: folding them changes no number, only the launch count."""
+    stock = _tiny(moe=False, layers=1, attention_bias=bias).to(torch.bfloat16)
+    ours = copy.deepcopy(stock)
+    hf._swap(ours, hf.plan(ours, fp8=scheme))
+    attn, ref = ours.model.layers[0].self_attn, stock.model.layers[0].self_attn
+    rows = attn.qkv_rows
+    scale_rows = rows if scheme == "channel" else tuple(r // fp8_math.BLOCK for r in rows)
+    parts = zip(attn.qkv_fp8.weight.split(rows), attn.qkv_fp8.weight_scale.split(scale_rows),
+                (ref.q_proj, ref.k_proj, ref.v_proj))
+    for w, s, proj in parts:
+        want_w, want_s = rosekernels.quantize_weight_fp8(proj.weight, scheme)
+        assert torch.equal(w.view(torch.uint8), want_w.view(torch.uint8)) and torch.equal(s, want_s)
+    assert (attn.qkv_fp8.bias is None) != bias
+    if bias:
+        assert torch.equal(attn.qkv_fp8.bias, torch.cat([ref.q_proj.bias, ref.k_proj.bias, ref.v_proj.bias]))

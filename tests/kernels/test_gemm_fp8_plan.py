@@ -142,8 +142,20 @@ def test_variants_for():
 def test_model_gemms_need_the_sizes_the_kernel_takes():
     odd = dataclasses.replace(QWEN3_8B, hidden=4112, fp8="block")  # K = 4112: no whole 1 x 128 groups
     assert {role for role, *_ in plan.model_gemms(odd)} == {"o", "mlp down"}  # K = 4096 and 12288
-    assert len(plan.model_gemms(dataclasses.replace(odd, fp8="channel"))) == 5
+    # per channel: q, k and v as one weight (the scales of the three apart); per tensor: apart (one scale each)
+    assert [role for role, *_ in plan.model_gemms(dataclasses.replace(odd, fp8="channel"))] == [
+        "q/k/v", "o", "mlp gate/up", "mlp down"]
+    assert [role for role, *_ in plan.model_gemms(dataclasses.replace(odd, fp8="tensor"))] == [
+        "q", "k/v", "o", "mlp gate/up", "mlp down"]
     assert plan.model_gemms(QWEN3_8B) == []
+
+
+def test_fp8_q_k_and_v_fuse_where_the_scales_of_the_whole_are_those_of_the_three():
+    assert plan.fuses_qkv(4096, 1024, 4096, "channel") and plan.fuses_qkv(4096, 512, 2048, "block")
+    assert not plan.fuses_qkv(4096, 1024, 4096, "tensor")
+    assert not plan.fuses_qkv(4096, 64, 4096, "block")  # a 128-row block would hold k and v rows
+    assert plan.fuses_qkv(4096, 64, 4096, "channel")
+    assert not plan.fuses_qkv(4096, 1024, 4104, "channel")  # K: 16-byte e4m3 rows
 
 
 def test_workload_fits():
