@@ -935,8 +935,11 @@ def _fused_away(name: str, modules: dict[str, nn.Module]) -> bool:
     names it as before."""
     parent, _, leaf = name.rpartition(".")
     m = modules.get(parent)
-    return m is not None and ((leaf in _QKV and hasattr(m, "qkv_rows")) or
-                              (leaf in ("gate_proj", "up_proj") and (hasattr(m, "gate_up_weight") or hasattr(m, "gate_up_fp8"))))
+    if m is None:
+        return False
+    if leaf in _QKV:
+        return hasattr(m, "qkv_rows")
+    return leaf in ("gate_proj", "up_proj") and (hasattr(m, "gate_up_weight") or hasattr(m, "gate_up_fp8"))
 
 
 def _excluded(block: str, exclude: tuple[str, ...]) -> bool:

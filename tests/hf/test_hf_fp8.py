@@ -172,7 +172,8 @@ def test_an_fp8_model_computes_the_stock_logits_within_fp8_error(standins, schem
     fused = scheme != "tensor"  # q, k and v in one e4m3 weight where its scales are the three's
     assert p.fp8_qkv == (("model.layers.0", "model.layers.1") if fused else ())
     q = layer.self_attn.qkv_fp8 if fused else layer.self_attn.q_proj
-    assert isinstance(q, hf.Fp8Linear) and q.weight.dtype == fp8_math.E4M3 and isinstance(layer.self_attn.o_proj, hf.Fp8Linear)
+    assert isinstance(q, hf.Fp8Linear) and q.weight.dtype == fp8_math.E4M3
+    assert isinstance(layer.self_attn.o_proj, hf.Fp8Linear)
     assert hasattr(layer.self_attn, "q_proj") != fused and not hasattr(layer.self_attn, "qkv_weight")
     assert not hasattr(layer.mlp, "gate_up_weight") and layer.mlp.gate_up_fp8.gated
     assert layer.fp8_attention == layer.fp8_mlp == ("group" if scheme == "block" else "row")
