@@ -724,19 +724,26 @@ def _serves_qkv(m: nn.Module) -> bool:
     return k == v and gemm_leakyrelu_plan.fuses_qkv(q, k, projections[0].weight.shape[1])
 
 
-def _patch_qkv(m: nn.Module) -> None:
-    """q_proj, k_proj and v_proj -> qkv_weight (and qkv_bias), their rows concatenated; the Linear modules are
-    removed (the weights are held once); hooks keep state_dict's keys the stock ones."""
-    projections = [getattr(m, p) for p in _QKV]
+def _fold_qkv(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of q_proj, k_proj and v_proj, their rows concatenated; the three modules are removed (the
+    weights are held once) and attn.qkv_rows keeps their sizes, by which the one GEMM's output splits."""
+    projections = [getattr(attn, p) for p in _QKV]
     with torch.no_grad():
         w = torch.cat([p.weight for p in projections])
         bias = None if projections[0].bias is None else torch.cat([p.bias for p in projections])
-    grad = projections[0].weight.requires_grad
+    attn.qkv_rows = tuple(p.out_features for p in projections)
+    for p in _QKV:
+        delattr(attn, p)
+    return w, bias
+
+
+def _patch_qkv(m: nn.Module) -> None:
+    """q_proj, k_proj and v_proj -> qkv_weight (and qkv_bias), _fold_qkv's; hooks keep state_dict's keys the stock
+    ones."""
+    grad = m.q_proj.weight.requires_grad
+    w, bias = _fold_qkv(m)
     m.qkv_weight = nn.Parameter(w, requires_grad=grad)
     m.qkv_bias = None if bias is None else nn.Parameter(bias, requires_grad=grad)
-    m.qkv_rows = tuple(p.weight.shape[0] for p in projections)
-    for p in _QKV:
-        delattr(m, p)
     m.register_state_dict_post_hook(_qkv_state_dict)
     m.register_load_state_dict_pre_hook(_qkv_load_state_dict)
 
@@ -992,10 +999,9 @@ def plan(model: nn.Module, experts: str | None = None, fp8: str | None = None,
     swaps = {s.kind: tuple(n for n, m in modules if s.matches(m)) for s in SWAPS}
     fp8_attention, fp8_mlp = _fp8_layers(model, swaps, fp8, exclude) if fp8 is not None else ((), ())
     # FP8 layers fold q, k and v into one e4m3 weight where its scales are those of the three apart (fp8_qkv)
-    modules = dict(modules)
-    fp8_qkv = tuple(n for n in fp8_attention if f"{n}.self_attn" in swaps["qkv"] and gemm_fp8_plan.fuses_qkv(
-        *(modules[f"{n}.self_attn.{p}"].weight.shape[0] for p in _QKV[:2]), modules[n].self_attn.q_proj.in_features,
-        fp8))
+    attention_of = {n: m.self_attn for n, m in modules if n in fp8_attention}
+    fp8_qkv = tuple(n for n, a in attention_of.items() if f"{n}.self_attn" in swaps["qkv"] and gemm_fp8_plan.fuses_qkv(
+        a.q_proj.out_features, a.k_proj.out_features, a.q_proj.in_features, fp8))
     swaps["qkv"] = tuple(n for n in swaps["qkv"] if n.rpartition(".")[0] not in fp8_attention)
     return Plan(model_type, swaps, experts, fp8, fp8_attention, fp8_mlp, fp8_qkv)
 
@@ -1027,13 +1033,7 @@ def _swap(model: nn.Module, p: Plan) -> None:
         layer, attn = modules[name], modules[name].self_attn
         apart = _QKV + ("o_proj",)
         if name in p.fp8_qkv:
-            projections = [getattr(attn, x) for x in _QKV]
-            with torch.no_grad():
-                w = torch.cat([x.weight for x in projections])
-                bias = None if projections[0].bias is None else torch.cat([x.bias for x in projections])
-            attn.qkv_fp8, attn.qkv_rows = Fp8Linear(w, bias, p.fp8), tuple(x.out_features for x in projections)
-            for x in _QKV:
-                delattr(attn, x)
+            attn.qkv_fp8 = Fp8Linear(*_fold_qkv(attn), p.fp8)
             apart = ("o_proj",)
         for proj in apart:
             lin = getattr(attn, proj)
