@@ -8,11 +8,15 @@ Each arm takes the q and k projections' outputs ([T, H*d], bf16), the norms' wei
   "stock": transformers' Qwen3 code (Qwen3RMSNorm on q, then k, apply_rotary_pos_emb: about a dozen launches);
   "stock compiled": the same function under torch.compile (Inductor fuses the elementwise ops);
   "rosekernels qk_norm + torch rope": qk_norm, then apply_rotary_pos_emb (what rosekernels.hf ran before);
+  "FlashInfer": FlashInfer's kernels as SGLang runs Qwen3: its rmsnorm over q's heads, then k's, then
+  apply_rope_with_cos_sin_cache_inplace on a float32 cos|sin table indexed by position (three launches; its
+  error beside the table);
   "rosekernels": qk_norm(..., cos=cos, sin=sin), what rosekernels.hf runs now; "rosekernels (A/A)": the same
   arm again, its spread the run's noise.
 Device time per call in CUDA graphs, the arms interleaved round by round (timing.interleaved_graph_time_us);
 inputs rotate over sets past the L2. Before timing, each size's rosekernels result is checked against the float64
-reference (qk_norm.reference, error()).
+reference (qk_norm.reference, error()), FlashInfer's against the same on its own float32 table (its norm rounds to
+bf16 before the rotation: two roundings allowed).
 """
 from __future__ import annotations
 
@@ -33,7 +37,9 @@ DTYPE = torch.bfloat16
 EPS = 1e-6
 MODELS = {"qwen3-8b": (32, 8, 128), "qwen3-30b-a3b": (32, 4, 128)}  # q heads, kv heads, head dim
 TOKENS = (1, 16, 64, 128, 4096, 16384)
-ARMS = ("stock", "stock compiled", "rosekernels qk_norm + torch rope", "rosekernels", "rosekernels (A/A)")
+THETA, MAX_POSITION = 1e6, 32768  # Qwen3's rope_theta; positions drawn below this
+PEERS = ("stock", "stock compiled", "rosekernels qk_norm + torch rope", "FlashInfer")
+ARMS = PEERS + ("rosekernels", "rosekernels (A/A)")
 
 
 def norms(wq: torch.Tensor, wk: torch.Tensor) -> tuple:
@@ -68,15 +74,46 @@ def ours(q, k, q_norm, k_norm, cos, sin, heads_q, heads_kv, d):
                                eps=EPS, cos=cos, sin=sin)
 
 
-def tables(tokens: int, d: int, g: torch.Generator, device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin rows of random positions, as transformers' rotary embedding gives them (theta 1e6, bf16)."""
-    positions = torch.randint(0, 32768, (tokens, 1), device=device, generator=g).double()
-    freqs = positions / 1e6 ** (torch.arange(0, d, 2, device=device).double() / d)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(DTYPE), emb.sin().to(DTYPE)
+def angles(positions: torch.Tensor, d: int) -> torch.Tensor:
+    """float64 [T, d / 2]: each position's rotation angle per frequency (transformers' default rope)."""
+    return positions.double()[:, None] / THETA ** (torch.arange(0, d, 2, device=positions.device).double() / d)
 
 
-def measure(model: str, tokens: int, rounds: int) -> dict:
+def tables(tokens: int, d: int, g: torch.Generator, device: str = "cuda") -> tuple[torch.Tensor, ...]:
+    """Random positions [T] and their cos and sin rows [T, d], as transformers' rotary embedding gives them (bf16,
+    each frequency's angle twice)."""
+    positions = torch.randint(0, MAX_POSITION, (tokens,), device=device, generator=g)
+    emb = angles(positions, d).repeat(1, 2)
+    return positions, emb.cos().to(DTYPE), emb.sin().to(DTYPE)
+
+
+def cos_sin_cache(d: int, device: str = "cuda") -> torch.Tensor:
+    """FlashInfer's (and vLLM's) table: float32 [MAX_POSITION, d], row p = cos of p's angles | their sin."""
+    a = angles(torch.arange(MAX_POSITION, device=device), d)
+    return torch.cat((a.cos(), a.sin()), dim=-1).float()
+
+
+def flashinfer_arm():
+    """fn(q, k, wq, wk, positions, cache, heads_q, heads_kv, d) -> rotated (q, k) [T, H, d] with FlashInfer."""
+    import flashinfer
+
+    def run(q, k, wq, wk, positions, cache, heads_q, heads_kv, d):
+        qn = flashinfer.rmsnorm(q.view(-1, heads_q, d), wq, eps=EPS)
+        kn = flashinfer.rmsnorm(k.view(-1, heads_kv, d), wk, eps=EPS)
+        flashinfer.apply_rope_with_cos_sin_cache_inplace(positions, qn.view(len(q), -1), kn.view(len(k), -1), d,
+                                                         cache, is_neox=True)
+        return qn, kn
+    return run
+
+
+def error(got, q, k, wq, wk, cos, sin) -> float:
+    """The larger error() of an arm's rotated (q, k) against the float64 reference on these tables."""
+    inputs = (q.view(*got[0].shape), k.view(*got[1].shape), wq, wk, EPS, 0.0, cos, sin)
+    return max(qkn.error(out, ref, scale)
+               for out, ref, scale in zip(got, qkn.reference(*inputs), qkn.rope_scales(*inputs)))
+
+
+def measure(model: str, tokens: int, rounds: int, flashinfer=None) -> dict:
     hq, hk, d = MODELS[model]
     per_set = tokens * (hq + hk + 2) * d * 2
     n = timing.input_sets(per_set, most=64)
@@ -88,42 +125,58 @@ def measure(model: str, tokens: int, rounds: int) -> dict:
         sets.append((q, k, *tables(tokens, d, g)))
     wq, wk = (torch.randn(d, device="cuda", generator=g).mul_(0.3).add_(1).to(DTYPE) for _ in "qk")
     q_norm, k_norm = norms(wq, wk)
-    q, k, cos, sin = sets[0]
-    got = ours(q, k, q_norm, k_norm, cos, sin, hq, hk, d)
-    inputs = (q.view(-1, hq, d), k.view(-1, hk, d), wq, wk, EPS, 0.0, cos, sin)
-    for out, ref, scale in zip(got, qkn.reference(*inputs), qkn.rope_scales(*inputs)):
-        err = qkn.error(out, ref, scale)
-        if err > qkn.tolerance(DTYPE):
-            raise AssertionError(f"{model} T={tokens}: error {err:.3g} > {qkn.tolerance(DTYPE):.3g}")
+    q, k, positions, cos, sin = sets[0]
+    errors = {"rosekernels": error(ours(q, k, q_norm, k_norm, cos, sin, hq, hk, d), q, k, wq, wk, cos, sin)}
+    if errors["rosekernels"] > qkn.tolerance(DTYPE):
+        raise AssertionError(f"{model} T={tokens}: error {errors['rosekernels']:.3g} > {qkn.tolerance(DTYPE):.3g}")
     torch._dynamo.reset()  # each size compiles anew: past dynamo's recompile limit (8) it would run eagerly
     compiled = torch.compile(stock_prologue, dynamic=False)
-    fns = dict(zip(ARMS, (stock_prologue, compiled, ours_then_torch_rope, ours, ours)))
-    steps = {name: (lambda i, f=f: f(*sets[i % n][:2], q_norm, k_norm, *sets[i % n][2:], hq, hk, d))
+    fns = {"stock": stock_prologue, "stock compiled": compiled,
+           "rosekernels qk_norm + torch rope": ours_then_torch_rope, "rosekernels": ours, "rosekernels (A/A)": ours}
+    steps = {name: (lambda i, f=f: f(*sets[i % n][:2], q_norm, k_norm, *sets[i % n][3:], hq, hk, d))
              for name, f in fns.items()}
+    if flashinfer is not None:
+        cache = cos_sin_cache(d)
+        table = cache[positions].view(tokens, 2, 1, d // 2).expand(tokens, 2, 2, d // 2).reshape(tokens, 2, d)
+        errors["FlashInfer"] = error(flashinfer(q, k, wq, wk, positions, cache, hq, hk, d),
+                                     q, k, wq, wk, table[:, 0], table[:, 1])
+        if errors["FlashInfer"] <= 2 * qkn.tolerance(DTYPE):  # a peer off the reference is reported, not timed
+            steps["FlashInfer"] = lambda i: flashinfer(*sets[i % n][:2], wq, wk, sets[i % n][2], cache, hq, hk, d)
     us = timing.interleaved_graph_time_us(steps, calls=max(2 * n, 64), rounds=rounds)
     aa = abs(us["rosekernels (A/A)"] / us["rosekernels"] - 1)
     return {"model": model, "tokens": tokens, "heads": [hq, hk], "head_dim": d, "us": us, "aa": aa,
-            "speedup": {a: us[a] / us["rosekernels"] for a in ARMS[:3]}}
+            "errors": errors, "speedup": {a: us[a] / us["rosekernels"] for a in PEERS if a in us}}
 
 
 def markdown(env: dict, rows: list[dict], errors: list[str]) -> str:
     out = [f"# Qwen3 q/k norms + rotary embedding on {env['gpu']}", "",
            "bench/qk_norm_rope.py: from the q and k projections to the rotated heads. Device time per call (us) in "
            "CUDA graphs, arms interleaved, inputs rotated past the L2; x: that arm's time over rosekernels' "
-           "(one qk_norm launch with the tables). A/A: the rosekernels arm timed twice.", "",
-           "| model | T | " + " | ".join(ARMS[:4]) + " | A/A |", "|---|---:|" + "---:|" * 5]
+           "(one qk_norm launch with the tables). A/A: the rosekernels arm timed twice. FlashInfer: its rmsnorm on "
+           "q, on k, then its rope on a float32 table (SGLang's Qwen3 path); error: max error() against the "
+           "float64 reference, in units of one bf16 rounding.", "",
+           "| model | T | " + " | ".join(PEERS) + " | rosekernels | A/A | error: FlashInfer / rosekernels |",
+           "|---|---:|" + "---:|" * (len(PEERS) + 3)]
+    tol = qkn.tolerance(DTYPE)
     for r in rows:
-        cells = [f"{fmt(r['us'][a], 2)} ({r['speedup'][a]:.2f}x)" for a in ARMS[:3]]
+        cells = [f"{fmt(r['us'][a], 2)} ({r['speedup'][a]:.2f}x)" if a in r["us"] else "-" for a in PEERS]
+        err = r.get("errors", {})
         out.append(f"| {r['model']} | {r['tokens']} | " + " | ".join(cells)
-                   + f" | {fmt(r['us']['rosekernels'], 2)} | {100 * r['aa']:.1f}% |")
+                   + f" | {fmt(r['us']['rosekernels'], 2)} | {100 * r['aa']:.1f}% | "
+                   + " / ".join(fmt(err[a] / tol, 2) if a in err else "-" for a in ("FlashInfer", "rosekernels"))
+                   + " |")
     out += [""] + [f"- error: {e}" for e in errors]
     return "\n".join(out) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    return report.model_sweep(argv, __doc__, "qk_norm_rope", MODELS, TOKENS, measure,
-                              lambda row: ", ".join(f"{a} {row['us'][a]:.2f} us" for a in ARMS)
-                              + f" (A/A {100 * row['aa']:.1f}%)", markdown)
+    unavailable: list[str] = []
+    flashinfer = report.try_peer("FlashInfer", flashinfer_arm, unavailable)
+    return report.model_sweep(argv, __doc__, "qk_norm_rope", MODELS, TOKENS,
+                              lambda m, t, rounds: measure(m, t, rounds, flashinfer),
+                              lambda row: ", ".join(f"{a} {us:.2f} us" for a, us in row["us"].items())
+                              + f" (A/A {100 * row['aa']:.1f}%)",
+                              lambda env, rows, errors: markdown(env, rows, unavailable + errors))
 
 
 if __name__ == "__main__":

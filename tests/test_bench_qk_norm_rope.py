@@ -25,7 +25,7 @@ def test_the_stock_arm_is_the_qwen3_attention_prologue():
         norm.weight.data = (torch.randn(d, generator=g) * 0.3 + 1).to(torch.bfloat16)
     q = torch.randn(t, hq * d, generator=g).to(torch.bfloat16)
     k = torch.randn(t, hk * d, generator=g).to(torch.bfloat16)
-    cos, sin = bench.tables(t, d, torch.Generator().manual_seed(1), device="cpu")
+    _, cos, sin = bench.tables(t, d, torch.Generator().manual_seed(1), device="cpu")
     q_norm, k_norm = bench.norms(attn.q_norm.weight, attn.k_norm.weight)
     got = bench.stock_prologue(q, k, q_norm, k_norm, cos, sin, hq, hk, d)
     want = q3.apply_rotary_pos_emb(attn.q_norm(q.view(1, t, hq, d)).transpose(1, 2),
@@ -39,14 +39,40 @@ def test_the_stock_arm_is_the_qwen3_attention_prologue():
         assert err < 2 ** -7, err
 
 
+def test_flashinfers_table_holds_the_same_rotation_as_the_bf16_rows():
+    """cos_sin_cache's row p (cos | sin of p's angles, float32, as FlashInfer and vLLM index it) and tables()'
+    bf16 cos and sin rows of the same positions (each angle twice, transformers' layout) agree within bf16's
+    rounding, half by half: a table shifted by a position or a frequency, or with its halves swapped, does not."""
+    d = 64
+    positions, cos, sin = bench.tables(9, d, torch.Generator().manual_seed(2), device="cpu")
+    cache = bench.cos_sin_cache(d, device="cpu")
+    assert cache.shape == (bench.MAX_POSITION, d) and cache.dtype == torch.float32
+    rows = cache[positions]
+    for half in (slice(0, d // 2), slice(d // 2, d)):
+        assert torch.allclose(rows[:, : d // 2], cos[:, half].float(), atol=2 ** -8, rtol=0)
+        assert torch.allclose(rows[:, d // 2:], sin[:, half].float(), atol=2 ** -8, rtol=0)
+    assert not torch.allclose(cache[positions + 1][:, : d // 2], cos[:, : d // 2].float(), atol=2 ** -8, rtol=0)
+
+
 def test_the_table_gives_each_arm_over_rosekernels_and_the_a_a_spread():
-    us = dict(zip(bench.ARMS, (30.0, 6.0, 9.0, 3.0, 3.03)))
-    row = {"model": "qwen3-8b", "tokens": 16, "us": us, "aa": 0.01,
-           "speedup": {a: us[a] / 3.0 for a in bench.ARMS[:3]}}
+    us = dict(zip(bench.ARMS, (30.0, 6.0, 9.0, 4.5, 3.0, 3.03)))
+    tol = bench.qkn.tolerance(bench.DTYPE)
+    row = {"model": "qwen3-8b", "tokens": 16, "us": us, "aa": 0.01, "errors": {"FlashInfer": 1.5 * tol,
+                                                                               "rosekernels": 0.5 * tol},
+           "speedup": {a: us[a] / 3.0 for a in bench.PEERS}}
     text = bench.markdown({"gpu": "Fake H100"}, [row], ["x: failed"])
     line = next(x for x in text.splitlines() if x.startswith("| qwen3-8b"))
-    assert line.split(" | ")[1:] == ["16", "30.00 (10.00x)", "6.00 (2.00x)", "9.00 (3.00x)", "3.00", "1.0% |"]
+    assert line.split(" | ")[1:] == ["16", "30.00 (10.00x)", "6.00 (2.00x)", "9.00 (3.00x)", "4.50 (1.50x)", "3.00",
+                                     "1.0%", "1.50 / 0.50 |"]
     assert "- error: x: failed" in text and "Fake H100" in text
+
+
+def test_a_peer_that_did_not_run_leaves_its_cell_empty():
+    us = {"stock": 30.0, "rosekernels": 3.0, "rosekernels (A/A)": 3.0}
+    row = {"model": "qwen3-8b", "tokens": 1, "us": us, "aa": 0.0, "errors": {"rosekernels": 0.0},
+           "speedup": {"stock": 10.0}}
+    line = next(x for x in bench.markdown({"gpu": "g"}, [row], []).splitlines() if x.startswith("| qwen3-8b"))
+    assert line.split(" | ")[2:] == ["30.00 (10.00x)", "-", "-", "-", "3.00", "0.0%", "- / 0.00 |"]
 
 
 def test_unknown_models_are_refused():
