@@ -444,16 +444,17 @@ def flashinfer_pages(table: torch.Tensor, lengths: torch.Tensor, page: int) -> t
 
 def _flashinfer_decode():
     """make(table, lengths, page, hq, hkv, d) -> run(q [B, 1, Hq, d], k_pages, v_pages) of FlashInfer's batch
-    decode over a paged cache (its CUDA-core kernels, JIT-built on first use; planned once per table, outside
-    the CUDA graphs, as an engine plans a step), for --kvcache."""
+    decode over a paged cache (JIT-built on first use; planned once per table, outside the CUDA graphs, as an
+    engine plans a step), for --kvcache. Its tensor-core kernel where the GQA group is 4 or more, as SGLang
+    picks it (should_use_tensor_core), else the CUDA-core one."""
     import flashinfer
 
     def make(table, lengths, page, hq, hkv, d):
         indptr, indices, last = flashinfer_pages(table, lengths, page)
         workspace = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
-            paged_kv_last_page_len_buffer=last, backend="fa2")
+            workspace, "NHD", use_cuda_graph=True, use_tensor_cores=hq // hkv >= 4, paged_kv_indptr_buffer=indptr,
+            paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last, backend="fa2")
         wrapper.plan(indptr, indices, last, hq, hkv, d, page, q_data_type=torch.bfloat16,
                      kv_data_type=torch.bfloat16)
         return lambda q, kp, vp: wrapper.run(q.view(q.shape[0], hq, d), (kp, vp)).view(q.shape)
@@ -526,8 +527,9 @@ def markdown_kvcache(rows, gpu, unavailable=()):
            "bf16, S_q = 1, Hq/Hkv 32/8, every sequence at S_kv keys; pages in a random order. Device time per "
            "launch in CUDA graphs replayed interleaved, the inputs rotated over enough sets to exceed the L2; "
            "(x) is the time over the dense decode kernel's (issue 19's bar for paged: within 5% at 16 rows and "
-           "more). FlashInfer: its batch decode (CUDA-core kernels, planned outside the graphs) over the same "
-           "paged caches; (x) is its time over ours at the same page size (above 1: ours is faster).", "",
+           "more). FlashInfer: its batch decode (tensor cores at GQA groups of 4 or more, as SGLang picks; planned "
+           "outside the graphs) over the same paged caches; (x) is its time over ours at the same page size "
+           "(above 1: ours is faster).", "",
            "| d | B | S_kv | " + " | ".join(f"{n} us" for n in names + peers) + " |",
            "|---" * (3 + len(names) + len(peers)) + "|"]
     for r in rows:
