@@ -54,6 +54,37 @@ def test_flashinfers_table_holds_the_same_rotation_as_the_bf16_rows():
     assert not torch.allclose(cache[positions + 1][:, : d // 2], cos[:, : d // 2].float(), atol=2 ** -8, rtol=0)
 
 
+def test_the_peer_bar_takes_a_norm_rounded_before_the_rotation_and_refuses_a_wrong_rotation():
+    """errors_of: the reference rounded once to bf16 meets both bars; FlashInfer's order (the norm rounded to
+    bf16, then rotated in fp32) stays within the peer bar (two roundings of the terms) though not error()'s; the
+    interleaved rotation (GPT-J's pairs, not Qwen3's halves) is far off it."""
+    hq, hk, d, t = 4, 2, 64, 33
+    g = torch.Generator().manual_seed(3)
+    q = (torch.randn(t, hq * d, generator=g) * 3).to(torch.bfloat16)
+    k = torch.randn(t, hk * d, generator=g).to(torch.bfloat16)
+    wq, wk = ((torch.randn(d, generator=g) * 0.3 + 1).to(torch.bfloat16) for _ in "qk")
+    _, cos, sin = bench.tables(t, d, g, device="cpu")
+    tol = qkn.tolerance(bench.DTYPE)
+    once = [x.to(torch.bfloat16) for x in qkn.reference(q.view(t, hq, d), k.view(t, hk, d), wq, wk, bench.EPS, 0.0,
+                                                         cos, sin)]
+    strict, terms = bench.errors_of(once, q, k, wq, wk, cos, sin)
+    assert strict <= tol and terms <= tol, (strict, terms)
+
+    def rotate(y, pairs):
+        y = y.float()
+        if pairs:  # GPT-J: (0, 1), (2, 3), ...
+            other = torch.stack((-y[..., 1::2], y[..., ::2]), -1).flatten(-2)
+        else:
+            other = torch.cat((-y[..., d // 2:], y[..., : d // 2]), -1)
+        return (y * cos.float()[:, None] + other * sin.float()[:, None]).to(torch.bfloat16)
+
+    normed = [x.to(torch.bfloat16) for x in qkn.reference(q.view(t, hq, d), k.view(t, hk, d), wq, wk, bench.EPS)]
+    strict, terms = bench.errors_of([rotate(y, False) for y in normed], q, k, wq, wk, cos, sin)
+    assert terms <= 2 * tol < strict, (terms, strict)  # error() would refuse it where the two terms cancel
+    _, terms = bench.errors_of([rotate(y, True) for y in normed], q, k, wq, wk, cos, sin)
+    assert terms > 20 * tol, terms
+
+
 def test_the_table_gives_each_arm_over_rosekernels_and_the_a_a_spread():
     us = dict(zip(bench.ARMS, (30.0, 6.0, 9.0, 4.5, 3.0, 3.03)))
     tol = bench.qkn.tolerance(bench.DTYPE)
