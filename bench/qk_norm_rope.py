@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                               lambda m, t, rounds: measure(m, t, rounds, flashinfer),
                               lambda row: ", ".join(f"{a} {us:.2f} us" for a, us in row["us"].items())
                               + f" (A/A {100 * row['aa']:.1f}%)",
-                              lambda env, rows, errors: markdown(env, rows, unavailable + errors))
+                              lambda env, rows, errors: markdown(env, rows, unavailable + errors), ("flashinfer",))
 
 
 if __name__ == "__main__":

@@ -98,10 +98,11 @@ def measure(name: str, fn: Callable[[], Any], errors: list[str]) -> Any:
 
 def model_sweep(argv: list[str] | None, doc: str, stem: str, models: Iterable[str], tokens: Iterable[int],
                 measure_one: Callable[[str, int, int], dict], describe: Callable[[dict], str],
-                markdown: Callable[[dict, list[dict], list[str]], str]) -> int:
+                markdown: Callable[[dict, list[dict], list[str]], str], peers: tuple[str, ...] = ()) -> int:
     """The command line of a bench that times each of `models` at each token count: --out, --models, --tokens,
     --rounds (15); `measure_one(model, tokens, rounds)` gives a row (a failure is recorded, the rest go on),
-    `describe(row)` its progress line; writes `stem`.json and .md (`markdown(env, rows, errors)`)."""
+    `describe(row)` its progress line; writes `stem`.json and .md (`markdown(env, rows, errors)`; env names
+    the versions of the `peers` packages)."""
     p = argparse.ArgumentParser(description=doc.split("\n")[0])
     add_out(p)
     p.add_argument("--models", default=",".join(models))
@@ -114,14 +115,15 @@ def model_sweep(argv: list[str] | None, doc: str, stem: str, models: Iterable[st
         p.error(f"unknown models {unknown}; known: {', '.join(models)}")
     counts = [int(t) for t in args.tokens.split(",")]
     cases = [(f"{m} T={t}", lambda m=m, t=t: measure_one(m, t, args.rounds)) for m in chosen for t in counts]
-    return run_cases(args.out, stem, cases, describe, markdown)
+    return run_cases(args.out, stem, cases, describe, markdown, peers)
 
 
 def run_cases(out: str | Path, stem: str, cases: Iterable[tuple[str, Callable[[], dict]]],
-              describe: Callable[[dict], str], markdown: Callable[[dict, list[dict], list[str]], str]) -> int:
+              describe: Callable[[dict], str], markdown: Callable[[dict, list[dict], list[str]], str],
+              peers: tuple[str, ...] = ()) -> int:
     """A bench's run on the GPU: each (label, fn) of `cases` gives a row (a failure is recorded under its label,
-    the rest go on), printed as `label: describe(row)`; then `stem`.json ({env, rows, errors, seconds}) and .md
-    (`markdown(env, rows, errors)`) under `out`. Returns 0."""
+    the rest go on), printed as `label: describe(row)`; then `stem`.json ({env, rows, errors, seconds}; env:
+    environment(peers)) and .md (`markdown(env, rows, errors)`) under `out`. Returns 0."""
     require_gpu()
     t0, errors, rows = time.time(), [], []
     for label, fn in cases:
@@ -129,7 +131,7 @@ def run_cases(out: str | Path, stem: str, cases: Iterable[tuple[str, Callable[[]
         if row:
             rows.append(row)
             print(f"{label}: {describe(row)}", flush=True)
-    env = environment()
+    env = environment(peers)
     write(out, stem, {"env": env, "rows": rows, "errors": errors, "seconds": time.time() - t0},
           markdown(env, rows, errors))
     return 0

@@ -109,3 +109,34 @@ def test_a_peer_that_did_not_run_leaves_its_cell_empty():
 def test_unknown_models_are_refused():
     with pytest.raises(SystemExit):
         bench.main(["--models", "gpt-5"])
+
+
+def test_a_run_records_flashinfers_version_or_why_it_did_not_run(tmp_path, monkeypatch):
+    """main() through report.model_sweep: the JSON's env asks for FlashInfer's version, and where its import fails
+    the markdown says so; the rows are measure()'s (stood in for: no GPU here)."""
+    import json
+
+    import report
+
+    asked = []
+    monkeypatch.setattr(report, "require_gpu", lambda: None)
+    monkeypatch.setattr(report, "environment", lambda peers=(): asked.append(peers) or {"gpu": "Fake", "peers": peers})
+    us = {"stock": 30.0, "rosekernels": 3.0, "rosekernels (A/A)": 3.0}
+
+    def fake(model, tokens, rounds, flashinfer):
+        assert flashinfer is None and rounds == 2
+        return {"model": model, "tokens": tokens, "us": us, "aa": 0.0, "errors": {"rosekernels": 0.1},
+                "speedup": {"stock": 10.0}}
+
+    monkeypatch.setattr(bench, "measure", fake)
+
+    def no_flashinfer():
+        raise ImportError("No module named 'flashinfer'")
+
+    monkeypatch.setattr(bench, "flashinfer_arm", no_flashinfer)
+    assert bench.main(["--out", str(tmp_path), "--models", "qwen3-8b", "--tokens", "1,16", "--rounds", "2"]) == 0
+    assert asked == [("flashinfer",)]
+    data = json.loads((tmp_path / report.folder("qk_norm_rope") / "qk_norm_rope.json").read_text())
+    assert [r["tokens"] for r in data["rows"]] == [1, 16] and data["env"]["peers"] == ["flashinfer"]
+    text = (tmp_path / report.folder("qk_norm_rope") / "qk_norm_rope.md").read_text()
+    assert "- error: FlashInfer: unavailable (ImportError: No module named 'flashinfer')" in text
