@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import report  # noqa: E402
 import timing  # noqa: E402
+import flashinfer_peer  # noqa: E402
 import rosekernels  # noqa: E402
 from rosekernels.kernels import attention as A  # noqa: E402
 from rosekernels.kernels import attention_decode as D  # noqa: E402
@@ -430,43 +431,11 @@ def kvcache_shapes(quick=False):
             for s in (1024, 8192, 32768) if b * s <= 32 * 8192]
 
 
-def flashinfer_pages(table: torch.Tensor, lengths: torch.Tensor, page: int) -> tuple[torch.Tensor, ...]:
-    """FlashInfer's paged-KV layout (CSR) of a block table [B, pages] and per-sequence lengths: (indptr [B + 1],
-    the pages each sequence uses in order, the rows used of each sequence's last page). Lengths of at least 1."""
-    used = (lengths.long() + page - 1) // page
-    indptr = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=table.device)
-    indptr[1:] = torch.cumsum(used, 0)
-    columns = torch.arange(table.shape[1], device=table.device)
-    indices = table[columns[None, :] < used[:, None]].to(torch.int32)
-    last = (lengths.long() - (used - 1) * page).to(torch.int32)
-    return indptr, indices, last
-
-
-def _flashinfer_decode():
-    """make(table, lengths, page, hq, hkv, d) -> run(q [B, 1, Hq, d], k_pages, v_pages) of FlashInfer's batch
-    decode over a paged cache (JIT-built on first use; planned once per table, outside the CUDA graphs, as an
-    engine plans a step), for --kvcache. Its tensor-core kernel where the GQA group is 4 or more, as SGLang
-    picks it (should_use_tensor_core), else the CUDA-core one."""
-    import flashinfer
-
-    def make(table, lengths, page, hq, hkv, d):
-        indptr, indices, last = flashinfer_pages(table, lengths, page)
-        workspace = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
-        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "NHD", use_cuda_graph=True, use_tensor_cores=hq // hkv >= 4, paged_kv_indptr_buffer=indptr,
-            paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last, backend="fa2")
-        wrapper.plan(indptr, indices, last, hq, hkv, d, page, q_data_type=torch.bfloat16,
-                     kv_data_type=torch.bfloat16)
-        return lambda q, kp, vp: wrapper.run(q.view(q.shape[0], hq, d), (kp, vp)).view(q.shape)
-
-    return make
-
-
 def bench_kvcache(shape, flashinfer=None):
     """One decode row over a KV cache: the dense decode kernel on [B, S, H, d] (the baseline), the same
     keys as a contiguous cache with per-sequence lengths, as paged caches of KVCACHE_BLOCK_SIZES rows per
     page, pages in a random order (block_table a permutation), and FlashInfer's batch decode over the same
-    paged caches (`flashinfer`: _flashinfer_decode's make, or None). The inputs rotate over enough sets to
+    paged caches (`flashinfer`: flashinfer_peer.decode()'s make, or None). The inputs rotate over enough sets to
     exceed the L2 (one set's cache is what a launch reads), CUDA graphs replayed interleaved; outputs compared
     with the dense kernel's."""
     b, s_q, s_k, hq, hkv, d = (shape[x] for x in ("b", "s_q", "s_kv", "hq", "hkv", "d"))
@@ -686,7 +655,7 @@ def main():
         return
     if args.kvcache:
         env, unavailable = report.environment(("flashinfer",)), []
-        flashinfer = report.try_peer("FlashInfer", _flashinfer_decode, unavailable)
+        flashinfer = report.try_peer("FlashInfer", flashinfer_peer.decode, unavailable)
         rows = []
         for shape in kvcache_shapes(args.quick):
             rows.append(bench_kvcache(shape, flashinfer))

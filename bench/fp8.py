@@ -18,7 +18,9 @@ against our bf16 kernels and torch's FP8 GEMM; fp8.json + fp8.md (+ the chart), 
   bandwidth, rows of 4096 and of the MLP widths, per row and per 1 x 128 group, in CUDA graphs.
 - decode attention over a KV cache, a cache of the query's dtype against e4m3 (attention_with_kvcache), B = 16,
   contexts 8k to 32k, Qwen3-8B's heads, in CUDA graphs; bf16 and fp16 queries, every sequence full or each
-  one's length uniform in [S/2, S] (the split plan takes the capacity, so short sequences leave CTAs idle).
+  one's length uniform in [S/2, S] (the split plan takes the capacity, so short sequences leave CTAs idle);
+  FlashInfer's batch decode over the same caches (its own cache of the query's dtype against e4m3) where it
+  imports (bench/flashinfer_peer.py).
 - end to end: Qwen3-8B's geometry (rosekernels.hf.random_model, --layers layers, all 36 by default), decode at
   B = 16 after 2048 tokens of context on a static cache in CUDA graphs, the bf16 rosekernels arm against
   rosekernels.hf.apply(fp8=...) on an Fp8StaticCache (FP8 weights and KV cache), and the FP8 model's logits
@@ -43,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import report  # noqa: E402
 import timing  # noqa: E402
+import flashinfer_peer  # noqa: E402
 from report import fmt  # noqa: E402
 from rosekernels import checks, fp8  # noqa: E402
 from rosekernels.kernels.attention_decode_plan import DecodeConfig  # noqa: E402
@@ -60,6 +63,7 @@ KV_BATCH = 16
 KV_QUERIES = ("bf16", "fp16")
 KV_LENGTHS = ("full", "ragged")  # ragged: each sequence's length uniform in [S/2, S]
 KV_STAGES = DecodeConfig.num_stages  # the ring depth kvcache_config_for keeps
+KV_PEER_PAGE = 16  # FlashInfer reads the contiguous caches as pages of this many rows
 KV_VARIANTS = {f"e4m3 cache, {2 * KV_STAGES} stages": {"num_stages": 2 * KV_STAGES},
                "e4m3 cache, widened in shared memory": {"widen_regs": False},
                f"e4m3 cache, {2 * KV_STAGES} stages, widen warps": {"num_stages": 2 * KV_STAGES, "widen_warps": True,
@@ -180,6 +184,22 @@ def markdown(data: dict) -> str:
             base = t.get(f"{query} cache")
             lines.append(f"| {r['context']} | {r.get('lengths', 'full')} | {query} | {fmt(base)} | "
                          + " | ".join(f"{fmt(t.get(a))} | {fmt(report.ratio(base, t.get(a)), 2)}" for a in arms) + " |")
+        peer_rows = [r for r in data["kv"] if any(a.startswith("FlashInfer") for a in r["times_us"])
+                     or r.get("errors")]
+        if peer_rows:
+            lines += ["", "FlashInfer's batch decode over the same caches (pages of "
+                      f"{KV_PEER_PAGE} rows): its time for a cache of the query's dtype and for the e4m3 one, its own "
+                      "e4m3 speedup, and its e4m3 time over ours (above 1: ours is faster).", "",
+                      "| context | lengths | query | FlashInfer, its dtype's cache us | FlashInfer e4m3 us "
+                      "| its speedup | e4m3: FlashInfer / ours |", "|---|---|---|---|---|---|---|"]
+            for r in peer_rows:
+                t, query = r["times_us"], r.get("query", "bf16")
+                mine, theirs = t.get(f"FlashInfer {query} cache"), t.get("FlashInfer e4m3 cache")
+                ours = t.get("e4m3 cache")
+                lines.append(f"| {r['context']} | {r.get('lengths', 'full')} | {query} | {fmt(mine)} | {fmt(theirs)} | "
+                             f"{fmt(report.ratio(mine, theirs), 2)} | {fmt(report.ratio(theirs, ours), 2)} |")
+            lines += [f"- {r['context']} {r.get('lengths', 'full')} {r.get('query', 'bf16')}: {name}: {why}"
+                      for r in peer_rows for name, why in r.get("errors", {}).items()]
     if data.get("e2e"):
         e = data["e2e"]
         lines += ["", "## End to end (Qwen3-8B geometry, decode B = 16, CUDA graphs)", "",
@@ -348,7 +368,11 @@ def bench_quantize(copy_gbps: float, quick: bool) -> list[dict]:
     return rows
 
 
-def bench_kv(quick: bool) -> list[dict]:
+def bench_kv(quick: bool, flashinfer=None) -> list[dict]:
+    """Decode attention over a cache of the query's dtype against an e4m3 one (and the KV_VARIANTS), and
+    FlashInfer's batch decode over both (`flashinfer`: flashinfer_peer.decode()'s make, or None), reading the
+    same contiguous caches as pages of 16 rows; a FlashInfer arm that cannot plan, or whose output is off ours,
+    is recorded in the row's errors and not timed."""
     import rosekernels
     from rosekernels.ops.kvcache import plan_kvcache
 
@@ -381,7 +405,23 @@ def bench_kv(quick: bool) -> list[dict]:
                     if not torch.equal(out, planned):  # the same widened values and MMAs: the same bits
                         raise AssertionError(f"{name} differs from the planned e4m3 kernel's output")
                     steps[name] = lambda i, p=plan: p.launch(q, k8, v8, out, lse, lengths, None, one, one)
-            rows.append({"context": context, "batch": KV_BATCH, "lengths": kind, "query": query,
+            errors = {}
+            if flashinfer is not None:
+                table = flashinfer_peer.contiguous_table(KV_BATCH, context, KV_PEER_PAGE)
+                for name, caches in ((f"FlashInfer {query} cache", (k, v)), ("FlashInfer e4m3 cache", (k8, v8))):
+                    pages = [c.view(-1, KV_PEER_PAGE, hkv, d) for c in caches]
+                    try:
+                        run = flashinfer(table, lengths, KV_PEER_PAGE, hq, hkv, d, q_dtype=dt, kv_dtype=pages[0].dtype)
+                        ours = steps[f"{query} cache" if caches[0] is k else "e4m3 cache"](0)
+                        diff = (run(q, *pages).float() - ours.float()).abs().max().item()
+                    except Exception as e:  # noqa: BLE001 - a peer that cannot plan this row is a result
+                        errors[name] = timing.error_line(e)
+                        continue
+                    if not diff <= 2e-2:
+                        errors[name] = f"max |diff| {diff:.3g} against rosekernels on the same cache"
+                        continue
+                    steps[name] = lambda i, run=run, pages=pages: run(q, *pages)
+            rows.append({"context": context, "batch": KV_BATCH, "lengths": kind, "query": query, "errors": errors,
                          "times_us": timing.interleaved_graph_time_us(steps, calls=50, rounds=10)})
             del k, v, k8, v8
     return rows
@@ -448,18 +488,19 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     peers_log: list[str] = []
     peers = {"scaled_mm": report.try_peer("torch._scaled_mm", _scaled_mm_peer, peers_log),
-             "deep_gemm": report.try_peer("DeepGEMM", _deep_gemm, peers_log)}
+             "deep_gemm": report.try_peer("DeepGEMM", _deep_gemm, peers_log),
+             "flashinfer": report.try_peer("FlashInfer", flashinfer_peer.decode, peers_log)}
     errors: list[str] = []
     copy_gbps = timing.copy_gbs()
     models = list(MODELS)[:1] if args.quick else list(MODELS)
-    data: dict[str, Any] = {"env": report.environment(("deep_gemm",)), "copy_gbps": copy_gbps, "peers": peers_log,
-                            "errors": errors, "sections": list(args.sections)}
+    data: dict[str, Any] = {"env": report.environment(("deep_gemm", "flashinfer")), "copy_gbps": copy_gbps,
+                            "peers": peers_log, "errors": errors, "sections": list(args.sections)}
     sections = {
         "decode": lambda: bench_gemms((1, 16) if args.quick else DECODE_M, models, peers, errors, decode=True),
         "prefill": lambda: bench_gemms(PREFILL_M[:1] if args.quick else PREFILL_M, models[:1], peers, errors,
                                        decode=False),
         "quantize": lambda: report.measure("quantize", lambda: bench_quantize(copy_gbps, args.quick), errors) or [],
-        "kv": lambda: report.measure("kv", lambda: bench_kv(args.quick), errors) or [],
+        "kv": lambda: report.measure("kv", lambda: bench_kv(args.quick, peers["flashinfer"]), errors) or [],
         "e2e": lambda: report.measure("e2e", lambda: bench_e2e(args.layers, args.scheme), errors)}
     for name, measure in sections.items():  # a section not asked for: empty (e2e: None), as one that failed
         data[name] = measure() if name in args.sections else (None if name == "e2e" else [])

@@ -136,3 +136,24 @@ def test_the_kv_splits_sweep_refuses_a_name_outside_the_sweeps():
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "fp8_kv_splits.py"), "--name", "fp8_kv_splits"],
                          capture_output=True, text=True)
     assert run.returncode == 2 and "--name must start with fp8_ and hold _sweep" in run.stderr
+
+
+def test_the_kv_section_puts_flashinfer_beside_ours_and_says_what_did_not_run():
+    """FlashInfer's own e4m3 speedup and its e4m3 time over ours, per row; a row where an arm did not run says
+    why; the verdict stays on our caches only."""
+    kv = [{"context": 8192, "lengths": "full", "query": "bf16", "errors": {},
+           "times_us": {"bf16 cache": 20.0, "e4m3 cache": 12.5, "FlashInfer bf16 cache": 22.0,
+                        "FlashInfer e4m3 cache": 15.0}},
+          {"context": 8192, "lengths": "full", "query": "fp16",
+           "errors": {"FlashInfer e4m3 cache": "RuntimeError: no kernel"},
+           "times_us": {"fp16 cache": 20.0, "e4m3 cache": 12.0, "FlashInfer fp16 cache": 21.0}},
+          {"context": 8192, "lengths": "ragged", "query": "bf16", "errors": {},
+           "times_us": {"bf16 cache": 20.0, "e4m3 cache": 12.0}}]
+    md = bench.markdown({"env": {"gpu": "g"}, "copy_gbps": 4000.0, "decode": [], "prefill": [], "quantize": [],
+                         "kv": kv, "e2e": None, "verdicts": [], "peers": [], "errors": []})
+    assert "| 8192 | full | bf16 | 22.0 | 15.0 | 1.47 | 1.20 |" in md
+    assert "| 8192 | full | fp16 | 21.0 | - | - | - |" in md
+    assert "- 8192 full fp16: FlashInfer e4m3 cache: RuntimeError: no kernel" in md
+    assert "| 8192 | ragged | bf16 | - |" not in md  # a row FlashInfer did not take part in has no peer line
+    kv_verdict = next(v for v in bench.verdicts({"kv": kv}) if v["target"].startswith("FP8 KV"))
+    assert kv_verdict["worst"] == pytest.approx(20 / 12.5)

@@ -19,7 +19,7 @@ import rosekernels
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("sip", "rosekernels", "sip_tune", "bench")  # bottom up
-BENCH_SHARED = {"timing", "report", "charts", "gemm_sweep"}
+BENCH_SHARED = {"timing", "report", "charts", "gemm_sweep", "flashinfer_peer"}
 PACKAGES = ("sip", "rosekernels", "sip_tune")  # what other code imports; bench/ and tools/ hold scripts
 IMPORT_CALLS = {"importlib.import_module", "importlib.__import__", "__import__"}
 
