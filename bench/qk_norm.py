@@ -7,8 +7,9 @@ Measured in one run on the same inputs (bf16 q/k, bf16 weights, eps 1e-6):
     of 1 GiB;
   * ours: rosekernels.qk_norm (one launch for q and k), also on strided views of a fused qkv buffer;
   * peers: torch eager (F.rms_norm on q then k), torch.compile of the same (dynamic shapes),
-    liger-kernel RMSNorm, quack rmsnorm, and rosekernels.rmsnorm, each applied per head
-    (reshape to [T*h, d]; two launches, q then k);
+    liger-kernel RMSNorm, quack rmsnorm, FlashInfer's rmsnorm on [T, h, d] (its per-head form), and
+    rosekernels.rmsnorm, each applied per head (two launches, q then k); each checked against the float64
+    reference first (within two bf16 roundings, else reported and not timed);
   * prefill (T >= 1024): CUDA-event time per call, median of repeats, inputs rotated through
     more than the 50 MB L2;
   * decode (T <= 128): device time per call inside a CUDA graph (many calls captured, replayed;
@@ -95,11 +96,16 @@ def peer_factories(d):
     def rk_rmsnorm():
         return lambda q, k, wq, wk: (rosekernels.rmsnorm(q.view(-1, d), wq, EPS), rosekernels.rmsnorm(k.view(-1, d), wk, EPS))
 
+    def flashinfer():
+        import flashinfer as fi  # its rmsnorm over [T, heads, d] normalizes each head (its q/k norm)
+
+        return lambda q, k, wq, wk: (fi.rmsnorm(q, wq, EPS), fi.rmsnorm(k, wk, EPS))
+
     return {"torch_eager": torch_eager, "torch_compile": torch_compiled, "liger": liger,
-            "quack": quack, "rk_rmsnorm": rk_rmsnorm}
+            "quack": quack, "flashinfer": flashinfer, "rk_rmsnorm": rk_rmsnorm}
 
 
-PEERS = ("quack", "liger", "torch_eager", "torch_compile", "rk_rmsnorm")
+PEERS = ("quack", "flashinfer", "liger", "torch_eager", "torch_compile", "rk_rmsnorm")
 
 
 def make_sets(tokens, hq, hk, d, count, seed=0):
@@ -125,6 +131,18 @@ def qkv_sets(tokens, hq, hk, d, count):
 
 
 # ---------------------------------------------------------------------------------------------
+
+def peer_agrees(name, fn, q, k, wq, wk, ref_q, ref_k, errors) -> bool:
+    """A peer's normed q and k within two bf16 roundings of the float64 reference (on their [T, heads, d]
+    shape); off it, the row's errors say so and the peer is not timed."""
+    got = fn(q, k, wq, wk)
+    err = max(((g.reshape(ref.shape).double() - ref).abs() / (1 + ref.abs())).max().item()
+              for g, ref in zip(got, (ref_q, ref_k)))
+    if err <= 2 * qkn.tolerance(DTYPE):
+        return True
+    errors.append(f"{name}: error {err:.3g} against the float64 reference; not timed")
+    return False
+
 
 def bench_model(model, hq, hk, tokens_list, peers, empty_fn, sweep, log):
     d = HEAD_DIM
@@ -154,6 +172,8 @@ def bench_model(model, hq, hk, tokens_list, peers, empty_fn, sweep, log):
             err = ((got.double() - ref).abs() / (1 + ref.abs())).max().item()
             if not err <= qkn.tolerance(DTYPE):
                 errors.append(f"ours: wrong result, error {err:.3g}")
+        row_peers = {name: fn for name, fn in peers.items()
+                     if fn is not None and peer_agrees(name, fn, q, k, wq, wk, ref_q, ref_k, errors)}
         del ref_q, ref_k
 
         if decode:
@@ -166,8 +186,8 @@ def bench_model(model, hq, hk, tokens_list, peers, empty_fn, sweep, log):
             flat_dst = torch.empty_like(flat_src)
             r["copy_graph_us"] = measure("copy graph", lambda: graph_time_us(lambda _: flat_dst.copy_(flat_src), GRAPH_CALLS), errors)
             for name in PEERS:
-                if peers.get(name) is not None:
-                    fn = peers[name]
+                if row_peers.get(name) is not None:
+                    fn = row_peers[name]
                     r[f"{name}_graph_us"] = measure(f"{name} graph", lambda: graph_time_us(lambda _: fn(q, k, wq, wk), GRAPH_CALLS), errors)
             r["host_us"] = {
                 "qk_norm(out given)": measure("host", lambda: host_time_us(lambda _: ours(0)), errors),
@@ -178,8 +198,8 @@ def bench_model(model, hq, hk, tokens_list, peers, empty_fn, sweep, log):
                 "empty CuTeDSL kernel": measure("host", lambda: host_time_us(lambda _: empty_fn(dummy)), errors),
             }
             for name in ("quack", "torch_eager"):
-                if peers.get(name) is not None:
-                    fn = peers[name]
+                if row_peers.get(name) is not None:
+                    fn = row_peers[name]
                     r["host_us"][name] = measure(f"{name} host", lambda: host_time_us(lambda _: fn(q, k, wq, wk)), errors)
         else:
             r["ours_us"] = measure("ours", lambda: auto_event_time_us(ours), errors)
@@ -190,8 +210,8 @@ def bench_model(model, hq, hk, tokens_list, peers, empty_fn, sweep, log):
                                       out_k=views[i % count][3])), errors)
             del views
             for name in PEERS:
-                if peers.get(name) is not None:
-                    r[f"{name}_us"] = measure(name, lambda: auto_event_time_us(peer_step(peers[name])), errors)
+                if row_peers.get(name) is not None:
+                    r[f"{name}_us"] = measure(name, lambda: auto_event_time_us(peer_step(row_peers[name])), errors)
 
         if sweep:
             s = {"model": model, "tokens": tokens,
@@ -226,7 +246,8 @@ def sweep_configs(shape, decode):
 
 def markdown(env, rows, sweep_rows, table, log):
     out = [f"# qk_norm benchmark ({env['gpu']}, {env['sms']} SMs)", "",
-           f"torch {env['torch']}, quack {env['quack']}, liger {env['liger_kernel']}, {env['toolchain']}. "
+           f"torch {env['torch']}, quack {env['quack']}, FlashInfer {env.get('flashinfer', '-')}, "
+           f"liger {env['liger_kernel']}, {env['toolchain']}. "
            f"bf16 q/k/weights, d={HEAD_DIM}. Copy of 1 GiB: {fmt(env.get('copy_1gib_gbs'), 0)} GB/s.", ""]
     for model in MODELS:
         pre = [r for r in rows if r["model"] == model and "ours_us" in r]
@@ -308,7 +329,7 @@ def main():
     args = ap.parse_args()
     report.require_gpu()
     torch.manual_seed(0)
-    env = report.environment(("quack", "liger_kernel", "triton"))
+    env = report.environment(("quack", "flashinfer", "liger_kernel", "triton"))
     log = []
     env["copy_1gib_gbs"] = copy_gbs()
     empty_fn = empty_cutedsl_kernel()
