@@ -223,15 +223,23 @@ def _plain_linear(m: nn.Module) -> bool:
             and not m._forward_pre_hooks)
 
 
-def _linear(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """lin(x) on rosekernels.gemm (x [..., K] -> [..., N]) where lin is a plain nn.Linear."""
-    w = lin.weight
-    reason = "module" if not _plain_linear(lin) else _gemm_refusal(x, w, lin.bias)
+def _gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w^T + bias (x [..., K] -> [..., N]) on rosekernels.gemm where it takes them, else F.linear (the
+    reason counted)."""
+    reason = _gemm_refusal(x, w, bias)
     if reason is not None:
         _count(f"fallback:gemm:{reason}")
-        return lin(x)
+        return F.linear(x, w, bias)
     _count("gemm")
-    return rosekernels.gemm(x.reshape(-1, w.shape[1]), w, lin.bias).view(*x.shape[:-1], w.shape[0])
+    return rosekernels.gemm(x.reshape(-1, w.shape[1]), w, bias).view(*x.shape[:-1], w.shape[0])
+
+
+def _linear(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """lin(x) on rosekernels.gemm where lin is a plain nn.Linear (_gemm)."""
+    if not _plain_linear(lin):
+        _count("fallback:gemm:module")
+        return lin(x)
+    return _gemm(x, lin.weight, lin.bias)
 
 
 class Fp8Linear(nn.Module):
@@ -267,15 +275,7 @@ def _project(lin: nn.Module, x: torch.Tensor, x_scale: torch.Tensor | None) -> t
 def _qkv(attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The q, k and v projections of x [..., K] in one GEMM over qkv_weight (see _patch_qkv): column slices
     [..., Hq*d], [..., Hk*d], [..., Hk*d] of its [..., Hq*d + 2*Hk*d] output."""
-    w, bias = attn.qkv_weight, attn.qkv_bias
-    reason = _gemm_refusal(x, w, bias)
-    if reason is not None:
-        _count(f"fallback:gemm:{reason}")
-        out = F.linear(x, w, bias)
-    else:
-        _count("gemm")
-        out = rosekernels.gemm(x.reshape(-1, w.shape[1]), w, bias).view(*x.shape[:-1], w.shape[0])
-    return out.split(attn.qkv_rows, dim=-1)
+    return _gemm(x, attn.qkv_weight, attn.qkv_bias).split(attn.qkv_rows, dim=-1)
 
 
 _QKV = ("q_proj", "k_proj", "v_proj")
@@ -999,9 +999,13 @@ def plan(model: nn.Module, experts: str | None = None, fp8: str | None = None,
     swaps = {s.kind: tuple(n for n, m in modules if s.matches(m)) for s in SWAPS}
     fp8_attention, fp8_mlp = _fp8_layers(model, swaps, fp8, exclude) if fp8 is not None else ((), ())
     # FP8 layers fold q, k and v into one e4m3 weight where its scales are those of the three apart (fp8_qkv)
-    attention_of = {n: m.self_attn for n, m in modules if n in fp8_attention}
-    fp8_qkv = tuple(n for n, a in attention_of.items() if f"{n}.self_attn" in swaps["qkv"] and gemm_fp8_plan.fuses_qkv(
-        a.q_proj.out_features, a.k_proj.out_features, a.q_proj.in_features, fp8))
+    by_name = dict(modules)
+
+    def fp8_fuses(attn: nn.Module) -> bool:
+        return gemm_fp8_plan.fuses_qkv(attn.q_proj.out_features, attn.k_proj.out_features, attn.q_proj.in_features,
+                                       fp8)
+
+    fp8_qkv = tuple(n for n in fp8_attention if f"{n}.self_attn" in swaps["qkv"] and fp8_fuses(by_name[n].self_attn))
     swaps["qkv"] = tuple(n for n in swaps["qkv"] if n.rpartition(".")[0] not in fp8_attention)
     return Plan(model_type, swaps, experts, fp8, fp8_attention, fp8_mlp, fp8_qkv)
 
