@@ -408,11 +408,13 @@ def bench_kv(quick: bool, flashinfer=None) -> list[dict]:
             errors = {}
             if flashinfer is not None:
                 table = flashinfer_peer.contiguous_table(KV_BATCH, context, KV_PEER_PAGE)
-                for name, caches in ((f"FlashInfer {query} cache", (k, v)), ("FlashInfer e4m3 cache", (k8, v8))):
+                arms = ((f"FlashInfer {query} cache", (k, v), f"{query} cache"),
+                        ("FlashInfer e4m3 cache", (k8, v8), "e4m3 cache"))  # the peer, its caches, our arm on them
+                for name, caches, mine in arms:
                     pages = [c.view(-1, KV_PEER_PAGE, hkv, d) for c in caches]
                     try:
                         run = flashinfer(table, lengths, KV_PEER_PAGE, hq, hkv, d, q_dtype=dt, kv_dtype=pages[0].dtype)
-                        ours = steps[f"{query} cache" if caches[0] is k else "e4m3 cache"](0)
+                        ours = steps[mine](0)
                         diff = (run(q, *pages).float() - ours.float()).abs().max().item()
                     except Exception as e:  # noqa: BLE001 - a peer that cannot plan this row is a result
                         errors[name] = timing.error_line(e)

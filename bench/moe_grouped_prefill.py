@@ -128,10 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=TOKENS)
     p.add_argument("--rounds", type=int, default=7)
     args = p.parse_args(argv)
-    geometries = args.geometries.split(",")
-    unknown = [g for g in geometries if g not in GEOMETRIES]
-    if unknown:
-        p.error(f"unknown geometries {unknown}; known: {', '.join(GEOMETRIES)}")
+    geometries = report.known_names(p, args.geometries, GEOMETRIES, "geometries")
     cases = [(f"{g} T={args.tokens}", lambda g=g: measure(g, args.tokens, args.rounds)) for g in geometries]
     return report.run_cases(args.out, "moe_grouped_prefill", cases,
                             lambda row: ", ".join(f"{k} {v:.0f}" for k, v in row["tflops"].items()) + " TFLOP/s",

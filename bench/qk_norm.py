@@ -135,13 +135,7 @@ def qkv_sets(tokens, hq, hk, d, count):
 def peer_agrees(name, fn, q, k, wq, wk, ref_q, ref_k, errors) -> bool:
     """A peer's normed q and k within two bf16 roundings of the float64 reference (on their [T, heads, d]
     shape); off it, the row's errors say so and the peer is not timed."""
-    got = fn(q, k, wq, wk)
-    err = max(((g.reshape(ref.shape).double() - ref).abs() / (1 + ref.abs())).max().item()
-              for g, ref in zip(got, (ref_q, ref_k)))
-    if err <= 2 * qkn.tolerance(DTYPE):
-        return True
-    errors.append(f"{name}: error {err:.3g} against the float64 reference; not timed")
-    return False
+    return report.agrees(name, zip(fn(q, k, wq, wk), (ref_q, ref_k)), 2 * qkn.tolerance(DTYPE), errors)
 
 
 def bench_model(model, hq, hk, tokens_list, peers, empty_fn, sweep, log):

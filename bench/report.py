@@ -69,6 +69,16 @@ def environment(peers: tuple[str, ...] = ()) -> dict[str, Any]:
     return info
 
 
+def agrees(name: str, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], bar: float, errors: list[str]) -> bool:
+    """Whether each (got, float64 ref) of `pairs` is within `bar`, as max |got - ref| / (1 + |ref|) (got taken
+    in ref's shape); off it, `errors` gets the arm's error and that it is not timed."""
+    err = max(((got.reshape(ref.shape).double() - ref).abs() / (1 + ref.abs())).max().item() for got, ref in pairs)
+    if err <= bar:
+        return True
+    errors.append(f"{name}: error {err:.3g} against the float64 reference; not timed")
+    return False
+
+
 def fmt(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
@@ -109,13 +119,19 @@ def model_sweep(argv: list[str] | None, doc: str, stem: str, models: Iterable[st
     p.add_argument("--tokens", default=",".join(map(str, tokens)))
     p.add_argument("--rounds", type=int, default=15)
     args = p.parse_args(argv)
-    chosen = args.models.split(",")
-    unknown = [m for m in chosen if m not in models]
-    if unknown:
-        p.error(f"unknown models {unknown}; known: {', '.join(models)}")
+    chosen = known_names(p, args.models, models, "models")
     counts = [int(t) for t in args.tokens.split(",")]
     cases = [(f"{m} T={t}", lambda m=m, t=t: measure_one(m, t, args.rounds)) for m in chosen for t in counts]
     return run_cases(args.out, stem, cases, describe, markdown, peers)
+
+
+def known_names(parser: argparse.ArgumentParser, text: str, known: Iterable[str], what: str) -> list[str]:
+    """The comma-separated names of a command-line value, each one of `known`; else the parser's error (exit 2)."""
+    names, known = text.split(","), list(known)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        parser.error(f"unknown {what} {unknown}; known: {', '.join(known)}")
+    return names
 
 
 def run_cases(out: str | Path, stem: str, cases: Iterable[tuple[str, Callable[[], dict]]],

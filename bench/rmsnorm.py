@@ -94,11 +94,7 @@ def peer_agrees(name, fn, x, w, r, ref_out, ref_h, errors) -> bool:
     got = fn(x.clone(), w, None if r is None else r.clone())
     outs = got if isinstance(got, tuple) else (got,)  # (out, h) with a residual; quack's (out, None) without
     refs = (ref_out, ref_h) if r is not None else (ref_out,)
-    err = max(((g.double() - ref).abs() / (1 + ref.abs())).max().item() for g, ref in zip(outs, refs))
-    if err <= 2 * rms.tolerance(DTYPE):
-        return True
-    errors.append(f"{name}: error {err:.3g} against the float64 reference; not timed")
-    return False
+    return report.agrees(name, zip(outs, refs), 2 * rms.tolerance(DTYPE), errors)
 
 
 def bench_case(hidden, rows, residual, peers, sweep, log):
